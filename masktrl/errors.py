@@ -1,0 +1,17 @@
+"""User-facing errors. Anything raised as MasktrlError becomes one red line and exit code 2."""
+
+
+class MasktrlError(Exception):
+    """An error the user can fix (bad config, missing file, unknown method...)."""
+
+
+class ConfigError(MasktrlError):
+    """Invalid configuration value, unknown key, or unreadable config file."""
+
+
+class DataError(MasktrlError):
+    """Missing or malformed data file or dataset."""
+
+
+class ArtifactError(MasktrlError):
+    """A stored artifact is missing, truncated or fails its hash check."""
