@@ -1,0 +1,349 @@
+"""Typed, frozen, validated experiment configuration.
+
+Precedence: dataclass defaults < YAML preset (``--config``) < command line (``--method``,
+``--seed``, ``--set a.b=value``). Everything is validated once, at load; an invalid value,
+a wrong type or an unknown key raises ``ConfigError`` naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from masktrl.errors import ConfigError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "tiny"
+    """'tiny' builds the embedded Qwen3-style model; otherwise a local folder or a hub id."""
+    hidden_size: int = 128
+    """Tiny model only: width, layers, heads and FFN size."""
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    dtype: str = "float32"
+    """Training dtype: float32 | bfloat16 | float16."""
+    chat_template: bool = False
+    """Wrap prompts with the tokenizer's chat template (instruct models)."""
+
+    def validate(self) -> None:
+        _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
+            _positive(f"model.{name}", getattr(self, name))
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ConfigError("model.num_heads must divide model.hidden_size and be a multiple of model.num_kv_heads")
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: str = "arithmetic"
+    """arithmetic (synthetic, built in) or a math dataset: dapo-math | math500 | gsm8k | aime | aime24 | aime25."""
+    ops: str = "+"
+    """arithmetic: operations to draw from, any of '+-*'."""
+    digits: int = 3
+    """arithmetic: operands are uniform in [0, 10^digits)."""
+    answer_format: str = "plain"
+    """arithmetic: 'plain' (579</s>) or 'boxed' (\\boxed{579}</s>)."""
+    n_test: int = 500
+    """Size of the held-out split used for eval_before / eval_after."""
+    data: str | None = None
+    """Math tasks: a local jsonl/json/parquet file (train prompts)."""
+
+    def validate(self) -> None:
+        _choice("task.answer_format", self.answer_format, ("plain", "boxed"))
+        if not self.ops or set(self.ops) - set("+-*"):
+            raise ConfigError(f"task.ops must be a non-empty subset of '+-*', got {self.ops!r}")
+        _positive("task.digits", self.digits)
+        _positive("task.n_test", self.n_test)
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    steps: int = 400
+    """Supervised steps before RL (0 disables the warm start)."""
+    batch_size: int = 128
+    lr: float = 3e-3
+    warmup_steps: int = 20
+
+    def validate(self) -> None:
+        _non_negative("warmstart.steps", self.steps)
+        _positive("warmstart.batch_size", self.batch_size)
+        _positive("warmstart.lr", self.lr)
+        _non_negative("warmstart.warmup_steps", self.warmup_steps)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "hf"
+    """hf (transformers generate, CPU or GPU) | vllm."""
+    prompts_per_step: int = 32
+    n: int = 8
+    """Samples per prompt: the group size G."""
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    top_p: float = 1.0
+    logprobs_k: int = 20
+    """K of the recorded behaviour top-K lists."""
+    batch_size: int = 512
+    """Sequences generated together by the hf engine."""
+    gpu_memory_utilization: float = 0.5
+    """vllm only."""
+    quantization: str | None = None
+    """vllm only: e.g. 'fp8'."""
+
+    def validate(self) -> None:
+        _choice("rollout.engine", self.engine, ("hf", "vllm"))
+        for name in ("prompts_per_step", "n", "max_new_tokens", "logprobs_k", "batch_size"):
+            _positive(f"rollout.{name}", getattr(self, name))
+        _positive("rollout.temperature", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 2:
+            raise ConfigError("rollout.n must be >= 2: group-normalised advantages need a group")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 600
+    """RL steps (one rollout batch each)."""
+    lr: float = 3e-4
+    minibatches: int = 1
+    """Optimizer updates per rollout batch (the batch is split into this many)."""
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    checkpoint_every: int = 100
+    """Save a checkpoint every this many steps (and always at the end)."""
+    eval_every: int = 0
+    """Evaluate on the held-out split every this many steps (0: only before and after)."""
+    eval_benchmarks: tuple[str, ...] = ()
+    """Extra benchmarks evaluated every eval_every steps (see `masktrl eval`)."""
+    logprob_chunk: int = 1024
+    """Tokens per chunk when computing log-probabilities (bounds the [chunk, V] logits)."""
+    threads: int = 1
+    """torch CPU threads. 1 is safe; 2 is ~1.3x faster on an idle 2-core machine, far slower when shared."""
+
+    def validate(self) -> None:
+        for name in ("steps", "minibatches", "checkpoint_every", "logprob_chunk", "threads"):
+            _positive(f"train.{name}", getattr(self, name))
+        _positive("train.lr", self.lr)
+        _non_negative("train.weight_decay", self.weight_decay)
+        _positive("train.grad_clip", self.grad_clip)
+        _non_negative("train.warmup_steps", self.warmup_steps)
+        _non_negative("train.eval_every", self.eval_every)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    greedy: bool = True
+    """eval_before/eval_after: greedy decoding (True) or one sample at rollout temperature."""
+    batch_size: int = 500
+
+
+@dataclass(frozen=True)
+class Config:
+    seed: int = 0
+    method: dict = field(default_factory=lambda: {"name": "grpo"})
+    """The method name and its parameters, e.g. {name: dppo, divergence: topk-tv}."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def method_name(self) -> str:
+        return self.method["name"]
+
+    @property
+    def method_params(self) -> dict:
+        return {k: v for k, v in self.method.items() if k != "name"}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def hash(self, *sections: str) -> str:
+        """sha256 of the whole config, or of the named sections only (e.g. the warm start's inputs)."""
+        d = self.to_dict()
+        if sections:
+            d = {s: d[s] for s in sections}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), **direct: Any) -> Config:
+    """Defaults < YAML file < ``direct`` (e.g. method="sis", seed=3) < ``key=value`` overrides."""
+    raw: dict = {}
+    if path is not None or DEFAULT_CONFIG.exists():
+        raw = _read_yaml(Path(path) if path is not None else DEFAULT_CONFIG)
+    for key, value in direct.items():
+        if value is None:
+            continue
+        if key == "method":
+            method = raw.get("method") if isinstance(raw.get("method"), dict) else {}
+            raw["method"] = {"name": value} if method.get("name") != value else method
+        else:
+            _set_dotted(raw, key, value)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        _set_dotted(raw, key.strip(), _parse_scalar(text))
+    return from_dict(raw)
+
+
+def from_dict(raw: dict) -> Config:
+    cfg = _build(Config, raw, "")
+    for section in (cfg.model, cfg.task, cfg.warmstart, cfg.rollout, cfg.train):
+        section.validate()
+    _validate_method(cfg.method)
+    return cfg
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    from masktrl.pipeline.store import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def diff_configs(a: Config, b: Config, ignore: tuple[str, ...] = ()) -> list[str]:
+    """Dotted keys whose values differ."""
+    fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
+    keys = sorted(set(fa) | set(fb))
+    return [k for k in keys if fa.get(k) != fb.get(k) and not k.startswith(ignore)]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _validate_method(method: dict) -> None:
+    from masktrl.methods import make_params
+
+    if "name" not in method:
+        raise ConfigError("method.name is required")
+    params = {k: v for k, v in method.items() if k != "name"}
+    try:
+        make_params(method["name"], **params)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot parse {path}: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return data
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]} (valid: {', '.join(sorted(fields))})")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, key)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        (item_tp, _) = typing.get_args(tp)
+        return tuple(_coerce(item_tp, v, key) for v in value)
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(f"{key} must be one of {', '.join(options)}; got {value!r}")
+
+
+def _positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+def _non_negative(key: str, value: float) -> None:
+    if not value >= 0:
+        raise ConfigError(f"{key} must be >= 0, got {value}")

@@ -1,0 +1,75 @@
+"""The embedded default model: a tiny Qwen3-architecture causal LM and a character tokenizer.
+
+Both are built locally (no hub) and saved with ``save_pretrained`` so every later stage,
+and vLLM, loads them exactly like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
+SPECIAL_TOKENS = (PAD, EOS, UNK)
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    max_positions: int = 64
+
+
+def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
+    """A tokenizer with one token per character of ``alphabet`` plus pad/eos/unk.
+
+    Text round-trips exactly (spaces and newlines included) because every character is
+    its own pre-token and the decoder concatenates tokens without separators.
+    """
+    chars = sorted(set(alphabet))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 20,
+    )
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig, seed: int) -> Qwen3ForCausalLM:
+    """A randomly initialised Qwen3 with untied embeddings (tied tiny models degenerate in engines)."""
+    import torch
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    return model

@@ -1,0 +1,173 @@
+"""The run directory: atomic writes, content hashes and the manifest of completed stages.
+
+A stage (warm start, a step's rollout, a step's train update, a checkpoint, an eval) is done
+only when ``manifest.json`` says so, and the manifest records the sha256 of every file the
+stage wrote. The manifest is always replaced atomically (temporary file, fsync, rename), so a
+crash at any moment leaves either the old or the new manifest, never a torn one.
+
+Layout::
+
+    outputs/<run>/run.yaml  manifest.json  metrics.jsonl  summary.json
+                  steps/<step>/rollouts.parquet  checkpoints/<step>/  eval/  analysis/
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from masktrl.errors import ArtifactError
+
+MANIFEST = "manifest.json"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+class RunStore:
+    """One run's directory and its manifest."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._manifest: dict | None = None
+
+    # -- paths
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / "steps" / f"{step:06d}"
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.root / "checkpoints" / f"{step:06d}"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    # -- manifest
+    @property
+    def manifest(self) -> dict:
+        if self._manifest is None:
+            path = self.root / MANIFEST
+            if path.exists():
+                try:
+                    self._manifest = json.loads(path.read_text())
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise ArtifactError(f"{path}: manifest is unreadable (corrupted)") from None
+            else:
+                self._manifest = {"version": 1, "stages": {}}
+        return self._manifest
+
+    def exists(self) -> bool:
+        return (self.root / MANIFEST).exists()
+
+    def is_done(self, stage: str) -> bool:
+        return self.manifest["stages"].get(stage, {}).get("status") == "done"
+
+    def stage(self, stage: str) -> dict | None:
+        return self.manifest["stages"].get(stage)
+
+    def mark_done(self, stage: str, files: list[Path], config_hash: str = "", **info: Any) -> None:
+        """Record ``stage`` as complete with the sha256 of each of its files (paths under root)."""
+        hashes = {}
+        for f in files:
+            f = Path(f)
+            for p in sorted(f.rglob("*")) if f.is_dir() else [f]:
+                if p.is_file():
+                    hashes[str(p.relative_to(self.root))] = sha256_file(p)
+        entry = {"status": "done", "time": time.time(), "config_hash": config_hash, "files": hashes}
+        entry.update(info)
+        self.manifest["stages"][stage] = entry
+        self.write_manifest()
+
+    def set_info(self, **info: Any) -> None:
+        self.manifest.update(info)
+        self.write_manifest()
+
+    def write_manifest(self) -> None:
+        atomic_write_json(self.root / MANIFEST, self.manifest)
+
+    def verify(self, stage: str) -> None:
+        """Raise ArtifactError naming the first file of ``stage`` that is missing or changed."""
+        entry = self.stage(stage)
+        if entry is None or entry.get("status") != "done":
+            raise ArtifactError(f"{self.root}: stage {stage} is not complete")
+        for rel, digest in entry["files"].items():
+            path = self.root / rel
+            if not path.is_file():
+                raise ArtifactError(f"{path}: missing (stage {stage})")
+            if sha256_file(path) != digest:
+                raise ArtifactError(f"{path}: content hash mismatch, file is corrupted (stage {stage})")
+
+    # -- metrics
+    def append_metrics(self, row: dict) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row, sort_keys=True, default=_json_default) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read_metrics(self) -> list[dict]:
+        if not self.metrics_path.exists():
+            return []
+        rows = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a torn last line from a crash; everything before it is intact
+        return rows

@@ -1,0 +1,121 @@
+"""The policy RL starts from: the embedded tiny model after a short supervised warm start,
+or a real checkpoint loaded as it is.
+
+The warm start trains on (prompt, target + EOS) pairs of the task with the loss on the
+target tokens only, so RL begins with non-trivial accuracy. Its result is cached under
+``<out>/.cache/warmstart/<hash>/``, keyed by the model, task and warm-start settings and the
+seed, so a second run (another method, the same seed) starts from the identical model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from masktrl.config import Config
+from masktrl.models.loading import load_model_and_tokenizer, quiet_transformers
+from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from masktrl.pipeline.store import atomic_write_json, fsync_dir
+
+
+def warmstart_key(cfg: Config) -> str:
+    return f"{cfg.hash('model', 'task', 'warmstart')}-seed{cfg.seed}"
+
+
+def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):
+    """Return (model, tokenizer, info) ready for RL. ``info`` says where the weights came from."""
+    quiet_transformers()
+    if cfg.model.path != "tiny":
+        model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype)
+        return model, tokenizer, {"source": cfg.model.path, "warmstart": None}
+    cache = Path(out_dir) / ".cache" / "warmstart" / warmstart_key(cfg)
+    if (cache / "warmstart.json").is_file():
+        model, tokenizer = load_model_and_tokenizer(cache, cfg.model.dtype)
+        info = json.loads((cache / "warmstart.json").read_text())
+        return model, tokenizer, {**info, "cached": True, "path": str(cache)}
+    m = cfg.model
+    tokenizer = build_char_tokenizer(task.alphabet())
+    tiny = TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size)
+    model = build_tiny_model(tokenizer, tiny, seed=cfg.seed)
+    t0 = time.time()
+    losses = supervised_warmstart(model, tokenizer, task, cfg, progress)
+    info = {
+        "source": "tiny",
+        "warmstart": cfg.warmstart.__dict__,
+        "final_loss": losses[-1] if losses else None,
+        "time_s": time.time() - t0,
+    }
+    _save_atomically(model, tokenizer, info, cache)
+    # Reload what was stored, so a first run and a cached rerun start from identical objects.
+    model, tokenizer = load_model_and_tokenizer(cache, cfg.model.dtype)
+    return model, tokenizer, {**info, "cached": False, "path": str(cache)}
+
+
+def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None) -> list[float]:
+    ws = cfg.warmstart
+    if ws.steps == 0:
+        return []
+    rng = random.Random(f"warmstart-{cfg.seed}")
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(ws.warmup_steps, ws.steps))
+    model.train()
+    losses: list[float] = []
+    task_id = progress.add_task("warm start", total=ws.steps, info="") if progress else None
+    for step in range(ws.steps):
+        batch = task.train_examples(ws.batch_size, rng)
+        input_ids, attention, labels = _sft_batch(tokenizer, task, batch)
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if progress:
+            progress.update(task_id, advance=1, info=f"loss {loss.item():.3f}")
+    model.eval()
+    return losses
+
+
+def _sft_batch(tokenizer, task, examples):
+    """Right-padded prompt+target+EOS with labels only on target and EOS."""
+    rows, label_rows = [], []
+    for ex in examples:
+        p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
+        t = tokenizer(task.format_target(ex), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(p + t)
+        label_rows.append([-100] * len(p) + t)
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    labels = torch.tensor([r + [-100] * (width - len(r)) for r in label_rows])
+    return input_ids, attention, labels
+
+
+def _warmup_cosine(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _save_atomically(model, tokenizer, info: dict, dest: Path) -> None:
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    atomic_write_json(tmp / "warmstart.json", info)  # written last: marks the cache entry complete
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    fsync_dir(dest.parent)

@@ -1,0 +1,68 @@
+"""The rollout engine contract and the records every engine returns.
+
+Engines (transformers ``generate`` on CPU, vLLM on GPU) take token-id prompts and return,
+for every generated token, the sampled id, its behaviour log-probability and the
+behaviour's top-K ids and log-probabilities of the distribution actually sampled from
+(temperature applied, see ``SamplingSettings``). Both engines return identical records,
+so the trainer, the store and the analyses never know which engine ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    n: int = 8  # samples per prompt (the GRPO group size G)
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0  # 1.0 = no nucleus truncation: recorded logprobs are the full softmax(z/T)
+    logprobs_k: int = 20  # K of the recorded behaviour top-K lists
+    greedy: bool = False  # argmax decoding (evaluation); temperature and top_p are then ignored
+
+
+@dataclass
+class Generation:
+    """One sampled response. Lists are aligned: position t is the t-th generated token."""
+
+    response_ids: list[int]
+    logp: list[float]  # log mu(k_t) under the sampling distribution
+    topk_ids: list[list[int]]  # [T][K] behaviour top-K ids, descending mu
+    topk_logp: list[list[float]]  # [T][K] log mu at topk_ids
+    finished: bool  # ended with EOS (False: cut at max_new_tokens)
+
+
+@dataclass
+class Sample:
+    """A generation together with the prompt it answers and its reward."""
+
+    example_id: str
+    prompt: str
+    answer: str
+    prompt_ids: list[int]
+    group: int  # index of the prompt within its batch; samples of one group share it
+    gen: Generation
+    text: str = ""
+    reward: float = 0.0
+    advantage: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    """What the pipeline needs from a generation backend."""
+
+    name: str
+
+    def generate(
+        self, prompts: list[list[int]], settings: SamplingSettings, seed: int
+    ) -> list[list[Generation]]:
+        """``settings.n`` generations for each prompt, in prompt order."""
+        ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make the engine sample from ``model``'s current weights."""
+        ...
