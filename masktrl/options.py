@@ -1,0 +1,27 @@
+"""Option types shared by every subcommand, so --config, --run, --out, --seed and --set read
+the same everywhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+ConfigOpt = Annotated[
+    Optional[Path], typer.Option("--config", "-c", help="YAML preset (default: configs/tiny.yaml).", show_default=False)
+]
+RunOpt = Annotated[
+    Optional[str], typer.Option("--run", help="Run name (default: <method>-<timestamp>).", show_default=False)
+]
+OutOpt = Annotated[Path, typer.Option("--out", help="Folder holding runs.")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Run seed (overrides the config).", show_default=False)]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", help="Dotted override, repeatable: --set train.lr=1e-4 --set method.divergence=topk-tv."),
+]
+MethodOpt = Annotated[
+    Optional[str],
+    typer.Option("--method", "-m", help="grpo | dapo | gspo | dppo | pdm | sis (parameters via --set method.X=...).", show_default=False),
+]
+DEFAULT_OUT = Path("outputs")

@@ -1,0 +1,64 @@
+"""Checkpoints: HF ``save_pretrained`` (safetensors) + optimizer, scheduler and RNG states.
+
+Written into a temporary folder and renamed into place, so a checkpoint folder that exists
+is complete. Loading uses ``torch.load(weights_only=True)``: no pickle from files.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from masktrl.errors import ArtifactError
+from masktrl.pipeline.store import atomic_write_json, fsync_dir
+
+
+def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, extra: dict | None = None) -> Path:
+    dest = Path(dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "trainer_state.pt")
+    torch.save(_rng_state(), tmp / "rng_state.pt")
+    atomic_write_json(tmp / "trainer_state.json", {"step": step, **(extra or {})})
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    fsync_dir(dest.parent)
+    return dest
+
+
+def load_trainer_state(path: Path, optimizer, scheduler) -> dict:
+    """Restore optimizer, scheduler and RNG states in place; return trainer_state.json."""
+    path = Path(path)
+    try:
+        state = torch.load(path / "trainer_state.pt", weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(torch.load(path / "rng_state.pt", weights_only=True))
+        return json.loads((path / "trainer_state.json").read_text())
+    except (OSError, RuntimeError, KeyError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{path}: unreadable checkpoint ({str(exc).splitlines()[0]})") from None
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "python": json.dumps(random.getstate()),
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": np_state[2]},
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    py = json.loads(state["python"])
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    keys = state["numpy"]["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, int(state["numpy"]["pos"])))
