@@ -1,0 +1,75 @@
+"""Config: defaults < YAML < command line, strict validation naming the key."""
+
+import pytest
+
+from masktrl.config import Config, diff_configs, load_config
+from masktrl.errors import ConfigError
+
+
+def test_default_preset_loads():
+    cfg = load_config()
+    assert cfg.method_name == "grpo"
+    assert cfg.model.path == "tiny"
+    assert cfg.rollout.logprobs_k == 20
+
+
+def test_precedence_yaml_then_direct_then_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("seed: 5\ntrain:\n  lr: 0.01\n  steps: 7\n")
+    cfg = load_config(p, ["train.lr=1e-5", "rollout.n=4"], seed=9)
+    assert cfg.seed == 9 and cfg.train.lr == 1e-5 and cfg.train.steps == 7 and cfg.rollout.n == 4
+    assert cfg.task == Config().task  # untouched sections keep their defaults
+
+
+def test_method_and_its_params():
+    cfg = load_config(None, ["method.divergence=topk-tv"], method="dppo")
+    assert cfg.method == {"name": "dppo", "divergence": "topk-tv"}
+    with pytest.raises(ConfigError, match="divergence"):
+        load_config(None, ["method.divergence=nosuch"], method="dppo")
+    with pytest.raises(ConfigError, match="nosuch"):
+        load_config(None, [], method="nosuch")
+    with pytest.raises(ConfigError, match="bogus"):
+        load_config(None, ["method.bogus=1"], method="grpo")
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lr=abc", "train.lr"),
+        ("train.lr=-1", "train.lr"),
+        ("train.steps=1.5", "train.steps"),
+        ("rollout.top_p=0", "rollout.top_p"),
+        ("rollout.engine=tgi", "rollout.engine"),
+        ("train.nosuch=1", "train.nosuch"),
+        ("nosection.x=1", "nosection"),
+        ("eval.greedy=maybe", "eval.greedy"),
+        ("model.dtype=int8", "model.dtype"),
+        ("rollout.n=1", "rollout.n"),
+        ("task.ops=/", "task.ops"),
+    ],
+)
+def test_invalid_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        load_config(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(lst)
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["justakey"])
+
+
+def test_hash_and_diff():
+    a, b = load_config(), load_config(None, ["train.lr=0.1"])
+    assert a.hash() != b.hash()
+    assert a.hash("task") == b.hash("task")
+    assert diff_configs(a, b) == ["train.lr"]
