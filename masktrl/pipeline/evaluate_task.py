@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from masktrl.pipeline.rl import encode_prompt
+from masktrl.pipeline.tasks import encode_prompt
 from masktrl.rollout.base import SamplingSettings
 
 
@@ -13,8 +13,6 @@ def heldout_accuracy(engine, tokenizer, task, examples, settings: SamplingSettin
     one = replace(settings, n=1, greedy=greedy)
     prompts = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in examples]
     gens = engine.generate(prompts, one, seed)
-    correct = 0
-    for ex, (gen,) in zip(examples, gens):
-        text = tokenizer.decode(gen.response_ids, skip_special_tokens=True)
-        correct += task.score(ex, text) > 0
-    return correct / max(1, len(examples))
+    texts = [tokenizer.decode(gen.response_ids, skip_special_tokens=True) for (gen,) in gens]
+    scores = task.score_many(examples, texts)
+    return sum(x > 0 for x in scores) / max(1, len(examples))

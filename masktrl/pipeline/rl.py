@@ -15,6 +15,7 @@ import torch
 from masktrl.methods import TokenBatch, aggregate, token_losses
 from masktrl.methods.diagnostics import token_diagnostics
 from masktrl.models.logprobs import token_logprobs, token_entropy
+from masktrl.pipeline.tasks import encode_prompt
 from masktrl.rollout.base import Sample, SamplingSettings
 
 
@@ -27,14 +28,6 @@ def stream_seed(seed: int, *parts: object) -> int:
     return random.Random(repr((seed, *parts))).getrandbits(63)
 
 
-def encode_prompt(tokenizer, prompt: str, chat_template: bool) -> list[int]:
-    if chat_template:
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-        )
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
-
-
 def sampling_settings(cfg) -> SamplingSettings:
     r = cfg.rollout
     return SamplingSettings(r.n, r.max_new_tokens, r.temperature, r.top_p, r.logprobs_k)
@@ -44,15 +37,18 @@ def generate_groups(engine, tokenizer, task, examples, settings, seed, chat_temp
     """``settings.n`` scored samples per example, one list per example (a GRPO group)."""
     prompt_ids = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in examples]
     gens = engine.generate(prompt_ids, settings, seed)
-    groups = []
-    for g, (ex, ids, outs) in enumerate(zip(examples, prompt_ids, gens)):
-        group = []
-        for gen in outs:
-            text = tokenizer.decode(gen.response_ids, skip_special_tokens=True)
-            score = task.score(ex, text)
-            s = Sample(ex.id, ex.prompt, ex.answer, ids, g, gen, text=text, reward=score, extra={"score": score})
-            group.append(s)
-        groups.append(group)
+    groups = [
+        [
+            Sample(ex.id, ex.prompt, ex.answer, ids, g, gen, text=tokenizer.decode(gen.response_ids, skip_special_tokens=True))
+            for gen in outs
+        ]
+        for g, (ex, ids, outs) in enumerate(zip(examples, prompt_ids, gens))
+    ]
+    flat = [s for group in groups for s in group]
+    scores = task.score_many([examples[s.group] for s in flat], [s.text for s in flat])  # batched: math grading runs in a pool
+    for s, score in zip(flat, scores):
+        s.reward = score
+        s.extra["score"] = score
     return groups
 
 

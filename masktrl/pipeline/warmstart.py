@@ -10,7 +10,6 @@ seed, so a second run (another method, the same seed) starts from the identical 
 from __future__ import annotations
 
 import json
-import math
 import random
 import shutil
 import time
@@ -63,7 +62,7 @@ def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None) -> 
         return []
     rng = random.Random(f"warmstart-{cfg.seed}")
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(ws.warmup_steps, ws.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_constant(ws.warmup_steps))
     model.train()
     losses: list[float] = []
     task_id = progress.add_task("warm start", total=ws.steps, info="") if progress else None
@@ -99,14 +98,10 @@ def _sft_batch(tokenizer, task, examples):
     return input_ids, attention, labels
 
 
-def _warmup_cosine(warmup: int, total: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
+def _warmup_constant(warmup: int):
+    # A decaying schedule stalled the tiny model before it learned carries (1% vs 28% held-out
+    # accuracy after 400 steps, seed 0): keep the rate constant after the warm-up.
+    return lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
 
 
 def _save_atomically(model, tokenizer, info: dict, dest: Path) -> None:

@@ -1,0 +1,51 @@
+"""Bad input: one clear line on stderr, exit code 2, no traceback, nothing stored touched."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def masktrl(*args, cwd=None, env=None):
+    e = {**os.environ, "COLUMNS": "200", **(env or {})}
+    e.pop("MASKTRL_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "masktrl.cli", *args], capture_output=True, text=True, cwd=cwd, env=e, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["train", "--set", "train.lr=abc"], "train.lr"),
+        (["train", "--config", "missing.yaml"], "missing.yaml"),
+        (["train", "--method", "nosuch"], "nosuch"),
+        (["train", "--set", "rollout.nosuch=1"], "rollout.nosuch"),
+        (["train", "--set", "method.divergence=topk-tv"], "divergence"),  # grpo has no divergence
+    ],
+)
+def test_user_errors_exit_2_with_one_line(tmp_path, args, needle):
+    r = masktrl(*args, "--out", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert not any(tmp_path.glob("*/run.yaml"))  # no run folder was started
+
+
+def test_existing_run_is_never_overwritten(tmp_path):
+    run = tmp_path / "r1"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    r = masktrl("train", "--run", "r1", "--out", str(tmp_path), cwd=tmp_path)
+    assert r.returncode == 2 and "already exists" in r.stderr
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_debug_env_shows_the_traceback(tmp_path):
+    r = masktrl("train", "--method", "nosuch", cwd=tmp_path, env={"MASKTRL_DEBUG": "1"})
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_help_lists_working_subcommands():
+    r = masktrl("--help")
+    assert r.returncode == 0 and "train" in r.stdout
