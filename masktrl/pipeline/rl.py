@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from masktrl.methods import TokenBatch, aggregate, token_losses
+from masktrl.methods import TokenBatch, aggregate
 from masktrl.methods.diagnostics import token_diagnostics
 from masktrl.models.logprobs import token_logprobs, token_entropy
 from masktrl.pipeline.tasks import encode_prompt
@@ -127,7 +127,7 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
         if method.needs_u(params):
             gen = torch.Generator().manual_seed(stream_seed(seed, "sis", step, mb))
             u = torch.rand(out.batch.logp.shape[0], generator=gen, dtype=torch.float64).to(out.batch.logp.dtype)
-        losses = token_losses(method.name, out.batch, out.advantages, u=u, **params.__dict__)
+        losses = method.token_losses(out.batch, out.advantages, params, u=u)
         loss = aggregate(losses.loss, out.batch, agg_mode, **_norm_len(agg_mode, cfg))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
