@@ -1,0 +1,140 @@
+"""Divergences D(mu||pi) and their directional derivatives Ddot (SPEC §3, §4).
+
+* ``divergence(batch, kind, rule=...)``: binary TV/KL over {k, not k}, and top-K TV/KL over the
+  support S plus one aggregated tail bucket (DPPO, arXiv 2602.04879).
+* ``divergence_rate(batch, kind, tail)``: Ddot = dD(mu||softmax(z))/dz · v along the
+  policy-gradient direction v = e_k - pi, from top-K lists ("atoms with multiplicity", §4.2;
+  predictive divergence mask, arXiv 2607.10848). Unnormalised.
+* ``ddot_kl_bracket(batch)``: the certified interval of §4.4 for the exact Ddot_KL.
+
+All outputs are stop-gradient, shape [N], in the batch dtype. Values on invalid tokens
+(``behavior_logp = -inf``) are unspecified.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from masktrl.methods.batch import Support, TokenBatch, check_choice, support
+
+DIVERGENCE_KINDS = ("binary-tv", "binary-kl", "topk-tv", "topk-kl")
+RATE_KINDS = ("kl", "tv")
+TAILS = ("agg", "uniform")
+TAIL_FLOOR = 1e-12  # floor of the training tail inside the KL log (§3)
+
+
+def kl_term(p_lp: Tensor, q_lp: Tensor) -> Tensor:
+    """p (log p - log q) elementwise, with 0 log 0 = 0 and +inf where p > 0 = q.
+
+    "p > 0" is tested on the log-probability (``p_lp > -inf``), never on ``exp(p_lp)``.
+    """
+    inf = torch.full_like(p_lp, float("inf"))
+    term = p_lp.exp() * (p_lp - q_lp)
+    term = torch.where(q_lp == float("-inf"), inf, term)
+    return torch.where(p_lp == float("-inf"), torch.zeros_like(p_lp), term)
+
+
+def log1mexp(lp: Tensor) -> Tensor:
+    """log(1 - exp(lp)) for lp <= 0 (values above 0 from rounding are treated as 0), stable."""
+    lp = lp.clamp_max(0.0)
+    small = lp > -0.6931471805599453  # -log 2
+    a = torch.log(-torch.expm1(torch.where(small, lp, torch.full_like(lp, -1.0))))
+    b = torch.log1p(-torch.exp(torch.where(small, torch.full_like(lp, -1.0), lp)))
+    return torch.where(small, a, b)
+
+
+def divergence(batch: TokenBatch, kind: str, *, rule: str = "union") -> Tensor:
+    """[N] D(mu||pi) of ``kind`` ("binary-tv" | "binary-kl" | "topk-tv" | "topk-kl").
+
+    ``rule`` ("union" | "replace_last") chooses the support of the top-K kinds (§1); the binary
+    kinds use only (mu_k, pi_k).
+    """
+    check_choice("kind", kind, DIVERGENCE_KINDS)
+    check_choice("rule", rule, ("union", "replace_last"))
+    dt = batch.dtype
+    mu_lp = batch.behavior_logp.detach().to(dt).clamp_max(0.0)  # [N]
+    pi_lp = batch.logp.detach().to(dt).clamp_max(0.0)  # [N]
+    if kind == "binary-tv":
+        return (pi_lp.exp() - mu_lp.exp()).abs()
+    if kind == "binary-kl":
+        return kl_term(mu_lp, pi_lp) + kl_term(log1mexp(mu_lp), log1mexp(pi_lp))
+    s = support(batch, rule)
+    if kind == "topk-kl":
+        return topk_kl(s)
+    return topk_tv(s)
+
+
+def topk_kl(s: Support) -> Tensor:
+    """[N] sum_{S, mu_i>0} mu_i log(mu_i/pi_i) + [mu_T>0] mu_T log(mu_T / max(pi_T, 1e-12))."""
+    atoms = kl_term(s.mu_lp, s.pi_lp).sum(dim=1)  # [N]
+    mu_t, pi_t = s.mu_tail, s.pi_tail
+    pos = mu_t > 0
+    safe_mu = torch.where(pos, mu_t, torch.ones_like(mu_t))
+    tail = mu_t * (safe_mu.log() - pi_t.clamp_min(TAIL_FLOOR).log())  # [N]
+    return atoms + torch.where(pos, tail, torch.zeros_like(tail))
+
+
+def topk_tv(s: Support) -> Tensor:
+    """[N] 1/2 (sum_S |mu_i - pi_i| + |mu_T - pi_T|)."""
+    atoms = (s.mu_lp.exp() - s.pi_lp.exp()).abs().sum(dim=1)  # [N]
+    return 0.5 * (atoms + (s.mu_tail - s.pi_tail).abs())
+
+
+def _tail_share(batch: TokenBatch, s: Support, tail: str) -> Tensor:
+    """[N] pi_T / n_T: the training mass of one token of the tail atom (0 when the tail is dropped)."""
+    check_choice("tail", tail, TAILS)
+    if tail == "uniform":
+        if batch.vocab_size is None:
+            raise ValueError('vocab_size is required for tail="uniform" (TokenBatch.vocab_size is None)')
+        m = s.m.to(s.pi_tail.dtype)
+        return torch.where(m > 0, s.pi_tail / m.clamp_min(1.0), torch.zeros_like(m))
+    return s.pi_tail  # aggregated: n_T = 1 (tails are exactly 0 when m == 0)
+
+
+def divergence_rate(batch: TokenBatch, kind: str, tail: str) -> Tensor:
+    """[N] Ddot along v = e_k - pi on the union support, §4.2.
+
+    kind "kl": Ddot = (pi_k - mu_k) - sum_S pi_i (pi_i - mu_i) - pi_T (pi_T - mu_T) / n_T
+    kind "tv": Ddot = -1/2 [sum_S s_i pi_i (1[i=k] - pi_i - vbar) + s_T pi_T (-pi_T/n_T - vbar)]
+    with vbar = pi_k - sum_a pi_a^2 / n_a and s = sign(mu - pi).
+    tail "agg": n_T = 1 (no vocab size needed); "uniform": n_T = m = |V| - |S| (needs vocab_size).
+    """
+    check_choice("kind", kind, RATE_KINDS)
+    check_choice("tail", tail, TAILS)
+    s = support(batch, "union")
+    share = _tail_share(batch, s, tail)  # [N] pi_T / n_T
+    mu, pi = s.mu_lp.exp(), s.pi_lp.exp()  # [N, K+1]
+    pi_t, mu_t = s.pi_tail, s.mu_tail  # [N]
+    pi_k = (pi * s.is_k).sum(dim=1)  # [N]
+    if kind == "kl":
+        mu_k = (mu * s.is_k).sum(dim=1)  # [N]
+        return (pi_k - mu_k) - (pi * (pi - mu)).sum(dim=1) - share * (pi_t - mu_t)
+    vbar = pi_k - (pi * pi).sum(dim=1) - pi_t * share  # [N]
+    v = s.is_k.to(pi.dtype) - pi  # [N, K+1]
+    sgn = torch.sign(mu - pi)  # [N, K+1]
+    atoms = (sgn * pi * (v - vbar[:, None])).sum(dim=1)  # [N]
+    tail_term = torch.sign(mu_t - pi_t) * pi_t * (-share - vbar)  # [N]
+    return -0.5 * (atoms + tail_term)
+
+
+def ddot_kl_bracket(batch: TokenBatch) -> tuple[Tensor, Tensor]:
+    """[N], [N] the certified bracket [lo, hi] of §4.4 containing the exact Ddot_KL.
+
+    lo = base - pi_T^2,  hi = base - pi_T^2/m + pi_T min(mu_cap, mu_T),
+    base = (pi_k - mu_k) - sum_S pi_i (pi_i - mu_i). Assumes the list is the behaviour's true
+    top list. m = 0 gives lo = hi = exact. Without vocab_size, m -> inf is used (still certified).
+    """
+    s = support(batch, "union")
+    mu, pi = s.mu_lp.exp(), s.pi_lp.exp()  # [N, K+1]
+    pi_k, mu_k = (pi * s.is_k).sum(dim=1), (mu * s.is_k).sum(dim=1)  # [N]
+    base = (pi_k - mu_k) - (pi * (pi - mu)).sum(dim=1)  # [N]
+    pi_t = s.pi_tail
+    lo = base - pi_t * pi_t
+    if s.m is None:
+        quad = torch.zeros_like(pi_t)
+    else:
+        m = s.m.to(pi_t.dtype)
+        quad = torch.where(m > 0, pi_t * pi_t / m.clamp_min(1.0), torch.zeros_like(pi_t))
+    hi = base - quad + pi_t * torch.minimum(s.mu_cap, s.mu_tail)
+    return lo, hi

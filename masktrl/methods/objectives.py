@@ -1,0 +1,146 @@
+"""GRPO / DAPO / GSPO losses, the registered methods, ``token_losses`` and ``aggregate`` (SPEC §2-8).
+
+Each ``@register_method`` kernel maps (batch, advantages [N], params, u) to ``TokenLosses``;
+``registry.finalize`` then applies the invalid-token rule. Gradient convention (§0): every
+loss depends on the logits only through log pi_k, and d loss / d logp = grad_coef.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from masktrl.methods.batch import TokenBatch, check_choice, log_ratio, log_ratio_live, unit_ratio_log
+from masktrl.methods.divergence import divergence, divergence_rate
+from masktrl.methods.masks import dppo_mask, masked_pg_loss, pdm_mask, ppo_clip_loss
+from masktrl.methods.params import AGG_MODES, DAPOParams, DPPOParams, GRPOParams, GSPOParams, PDMParams, SISParams
+from masktrl.methods.registry import Method, TokenLosses, get_method, register_method
+from masktrl.methods.sis import sis_accept
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def seq_index(batch: TokenBatch) -> tuple[Tensor, int]:
+    """inv [N] (dense sequence index of each token) and the number of sequences G."""
+    uniq, inv = torch.unique(batch.seq_ids, return_inverse=True)
+    return inv, uniq.shape[0]
+
+
+def gspo_loss(batch: TokenBatch, adv: Tensor, log_w: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
+    """GSPO token form (§5); returns loss [N] and the per-sequence mask repeated on tokens [N].
+
+    log s = mean of log w over the sequence's valid tokens; s_t = sg(s) pi_t/sg(pi_t);
+    l_t = max(-A s_t, -A clip(s_t, 1-eps_low, 1+eps_high)). ``log_w`` [N] is detached.
+    """
+    valid = batch.valid
+    inv, g = seq_index(batch)
+    lw = torch.where(valid, log_w, torch.zeros_like(log_w))  # [N]
+    total = torch.zeros(g, dtype=lw.dtype, device=lw.device).index_add_(0, inv, lw)  # [G]
+    count = torch.zeros(g, dtype=lw.dtype, device=lw.device).index_add_(0, inv, valid.to(lw.dtype))  # [G]
+    s = (total / count.clamp_min(1.0)).exp()[inv]  # [N] sequence ratio on each token
+    mask = ((adv > 0) & (s > 1 + eps_high)) | ((adv < 0) & (s < 1 - eps_low))  # [N]
+    coef = torch.where(mask | (adv == 0), torch.zeros_like(s), -adv * s)  # [N] grad_coef
+    unmasked = coef * unit_ratio_log(batch).exp()  # value -A s, gradient -A s d log pi
+    clipped = -adv * s.clamp(1 - eps_low, 1 + eps_high)  # value only
+    loss = torch.where(mask, clipped, unmasked)
+    return torch.where(adv == 0, torch.zeros_like(loss), loss), mask
+
+
+# --------------------------------------------------------------------------- methods
+
+
+@register_method("grpo", GRPOParams, "PPO clip with clip-higher (eps_low 0.2, eps_high 0.28), seq-mean-token-mean")
+def grpo(batch: TokenBatch, adv: Tensor, p: GRPOParams, u: Tensor | None) -> TokenLosses:
+    """GRPO: l = -min(r A, clip(r, 1-eps_low, 1+eps_high) A) (§2)."""
+    loss, mask = ppo_clip_loss(log_ratio_live(batch), adv, p.eps_low, p.eps_high)
+    return TokenLosses(loss, mask, None, None, None, log_ratio(batch))
+
+
+@register_method("dapo", DAPOParams, "GRPO's token loss, token-mean, dynamic sampling, optional overlong shaping")
+def dapo(batch: TokenBatch, adv: Tensor, p: DAPOParams, u: Tensor | None) -> TokenLosses:
+    """DAPO: GRPO's per-token loss; differs in aggregation and sampling (§2, §8)."""
+    loss, mask = ppo_clip_loss(log_ratio_live(batch), adv, p.eps_low, p.eps_high)
+    return TokenLosses(loss, mask, None, None, None, log_ratio(batch))
+
+
+@register_method("gspo", GSPOParams, "sequence ratio exp(mean log r), sequence clip (eps 3e-4/4e-4)")
+def gspo(batch: TokenBatch, adv: Tensor, p: GSPOParams, u: Tensor | None) -> TokenLosses:
+    """GSPO (§5)."""
+    lw = log_ratio(batch)
+    loss, mask = gspo_loss(batch, adv, lw, p.eps_low, p.eps_high)
+    return TokenLosses(loss, mask, None, None, None, lw)
+
+
+@register_method("dppo", DPPOParams, "divergence mask D > delta and sign(A(r-1)) > 0 (binary/top-K TV/KL)")
+def dppo(batch: TokenBatch, adv: Tensor, p: DPPOParams, u: Tensor | None) -> TokenLosses:
+    """DPPO (§3): mask = D > delta(A) and sign(A (r-1)) > 0; l = -A (1-mask) sg(w) pi_k/sg(pi_k)."""
+    d = divergence(batch, p.divergence, rule=p.rule)
+    lw = log_ratio(batch)
+    mask = dppo_mask(d, lw, adv, *p.deltas)
+    loss = masked_pg_loss(unit_ratio_log(batch), lw, adv, mask, p.ratio_cap)
+    return TokenLosses(loss, mask, d, None, None, lw)
+
+
+@register_method("pdm", PDMParams, "predictive divergence mask D > delta and sign(A Ddot) > 0 (top-K KL/TV)")
+def pdm(batch: TokenBatch, adv: Tensor, p: PDMParams, u: Tensor | None) -> TokenLosses:
+    """Predictive divergence mask (§4) on the union support; DPPO's loss form."""
+    d = divergence(batch, "topk-" + p.divergence, rule="union")
+    ddot = divergence_rate(batch, p.divergence, p.tail)
+    lw = log_ratio(batch)
+    mask = pdm_mask(d, ddot, adv, *p.deltas)
+    loss = masked_pg_loss(unit_ratio_log(batch), lw, adv, mask, p.ratio_cap)
+    return TokenLosses(loss, mask, d, ddot, None, lw)
+
+
+@register_method("sis", SISParams, "selective importance sampling on grpo|dapo|gspo (needs u)")
+def sis(batch: TokenBatch, adv: Tensor, p: SISParams, u: Tensor | None) -> TokenLosses:
+    """SIS (§6): accepted tokens get w = pi_k/sg(pi_k) (value 1), others the base's r."""
+    dec = sis_accept(batch, u)
+    base = p.base_params
+    if isinstance(base, GSPOParams):
+        loss, mask = gspo_loss(batch, adv, dec.log_w, base.eps_low, base.eps_high)
+    else:
+        live = torch.where(dec.accepted, unit_ratio_log(batch), log_ratio_live(batch))  # [N]
+        loss, mask = ppo_clip_loss(live, adv, base.eps_low, base.eps_high)
+    return TokenLosses(loss, mask, None, None, dec.accepted, dec.log_w)
+
+
+# --------------------------------------------------------------------------- public entry points
+
+
+def token_losses(method: str | Method, batch: TokenBatch, advantages: Tensor, *, u: Tensor | None = None, **params) -> TokenLosses:
+    """Per-token losses of ``method`` (a name or ``Method``) with params given as keywords.
+
+    advantages [N]: the sequence advantage repeated on its tokens. ``u`` [N]: uniforms in
+    [0, 1), required by ``sis`` and ignored otherwise. Unknown names/keys raise ValueError.
+    """
+    m = method if isinstance(method, Method) else get_method(method)
+    return m.token_losses(batch, advantages, m.make_params(**params), u=u)
+
+
+def aggregate(loss: Tensor, batch: TokenBatch, mode: str, *, norm_len: int | float | None = None) -> Tensor:
+    """Scalar batch loss (§8) over valid tokens only (``behavior_logp > -inf``).
+
+    * ``token-mean``: sum_t l_t / (number of valid tokens)                       (DAPO)
+    * ``seq-mean-token-mean``: (1/G) sum_seq (1/|y|) sum_t l_t                   (GRPO, GSPO)
+    * ``seq-mean-token-sum-norm``: (1/G) sum_seq sum_t l_t / norm_len            (Dr.GRPO)
+    G counts sequences with at least one valid token; |y| is a sequence's valid-token count.
+    An empty batch (no valid token) gives 0, still connected to the graph.
+    """
+    check_choice("mode", mode, AGG_MODES)
+    if not isinstance(loss, Tensor) or loss.shape != (batch.n,):
+        raise ValueError(f"loss must have shape [N] = [{batch.n}], got {list(getattr(loss, 'shape', []))}")
+    valid = batch.valid
+    lv = torch.where(valid, loss, torch.zeros_like(loss))  # [N]
+    if mode == "token-mean":
+        return lv.sum() / valid.sum().clamp_min(1).to(lv.dtype)
+    inv, g = seq_index(batch)
+    sums = torch.zeros(g, dtype=lv.dtype, device=lv.device).index_add(0, inv, lv)  # [G]
+    counts = torch.zeros(g, dtype=lv.dtype, device=lv.device).index_add_(0, inv, valid.to(lv.dtype))  # [G]
+    n_seq = (counts > 0).sum().clamp_min(1).to(lv.dtype)
+    if mode == "seq-mean-token-mean":
+        return (sums / counts.clamp_min(1.0)).sum() / n_seq
+    if isinstance(norm_len, bool) or not isinstance(norm_len, (int, float)) or not norm_len > 0:
+        raise ValueError(f"norm_len must be a positive number for mode {mode!r}, got {norm_len!r}")
+    return sums.sum() / float(norm_len) / n_seq

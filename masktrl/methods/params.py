@@ -1,0 +1,293 @@
+"""One frozen, validated parameter dataclass per method (names as on the command line).
+
+Every class shares a small read-only protocol used by the registry (``registry.Method``):
+``agg_mode``, ``uses_dynamic_sampling``, ``uses_u``, ``overlong`` and ``diag_deltas``.
+Validation errors are ``ValueError`` naming the field, e.g.
+"method.eps_low must be >= 0, got -1".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from masktrl.methods.divergence import DIVERGENCE_KINDS, RATE_KINDS, TAILS
+
+AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+SIS_BASES = ("grpo", "dapo", "gspo")
+DELTA_TV = 0.15  # default threshold for TV divergences (public DPPO example)
+DELTA_KL = 0.05  # default threshold for KL divergences
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+def _number(name: str, value, *, lo: float | None = None, hi: float | None = None, inf_ok: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"method.{name} must be a number, got {value!r}")
+    if math.isnan(value) or (math.isinf(value) and not inf_ok):
+        raise ValueError(f"method.{name} must be finite, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"method.{name} must be >= {lo:g}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ValueError(f"method.{name} must be <= {hi:g}, got {value!r}")
+
+
+def _choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"method.{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"method.{name} must be true or false, got {value!r}")
+
+
+def _eps(p) -> None:
+    _number("eps_low", p.eps_low, lo=0, hi=1)
+    _number("eps_high", p.eps_high, lo=0, inf_ok=True)
+
+
+def _common(p) -> None:
+    _choice("loss_agg", p.loss_agg, AGG_MODES)
+    _flag("dynamic_sampling", p.dynamic_sampling)
+
+
+def _deltas(p) -> None:
+    for name in ("delta_pos", "delta_neg"):
+        if getattr(p, name) is not None:
+            _number(name, getattr(p, name), lo=0, inf_ok=True)
+    if p.ratio_cap is not None:
+        _number("ratio_cap", p.ratio_cap, lo=0, inf_ok=True)
+        if p.ratio_cap == 0:
+            raise ValueError("method.ratio_cap must be > 0 (or null for no cap), got 0")
+
+
+def _resolve_deltas(p, kind: str) -> tuple[float, float]:
+    default = DELTA_TV if kind.endswith("tv") else DELTA_KL
+    pos = default if p.delta_pos is None else float(p.delta_pos)
+    neg = default if p.delta_neg is None else float(p.delta_neg)
+    return pos, neg
+
+
+class _Protocol:
+    """Read-only answers the registry asks of any params object (no fields)."""
+
+    @property
+    def agg_mode(self) -> str:
+        return self.loss_agg
+
+    @property
+    def uses_dynamic_sampling(self) -> bool:
+        return self.dynamic_sampling
+
+    @property
+    def uses_u(self) -> bool:
+        return False
+
+    @property
+    def overlong(self) -> tuple[int, float]:
+        """(buffer tokens, max penalty) of DAPO's soft overlong punishment; (0, 0.0) = off."""
+        return 0, 0.0
+
+    @property
+    def diag_deltas(self) -> tuple[float, float]:
+        """(delta_pos, delta_neg) for the diagnostics' D > delta fraction (top-K KL defaults)."""
+        return DELTA_KL, DELTA_KL
+
+
+# --------------------------------------------------------------------------- methods
+
+
+@dataclass(frozen=True)
+class GRPOParams(_Protocol):
+    """GRPO: PPO clip with clip-higher (SPEC §2)."""
+
+    eps_low: float = 0.2
+    """Ratios w < 1 - eps_low are clipped (masked) when A < 0."""
+    eps_high: float = 0.28
+    """Ratios w > 1 + eps_high are clipped (masked) when A > 0 (clip-higher)."""
+    loss_agg: str = "seq-mean-token-mean"
+    """Batch aggregation (§8): seq-mean-token-mean | token-mean | seq-mean-token-sum-norm."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
+
+    def __post_init__(self) -> None:
+        _eps(self)
+        _common(self)
+
+
+@dataclass(frozen=True)
+class DAPOParams(_Protocol):
+    """DAPO: GRPO's per-token loss, token-mean aggregation, dynamic sampling, overlong shaping."""
+
+    eps_low: float = 0.2
+    """Ratios w < 1 - eps_low are clipped (masked) when A < 0."""
+    eps_high: float = 0.28
+    """Ratios w > 1 + eps_high are clipped (masked) when A > 0 (clip-higher)."""
+    loss_agg: str = "token-mean"
+    """Batch aggregation (§8); DAPO's own is token-mean."""
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal and refill the batch."""
+    overlong_buffer: int = 0
+    """Soft overlong punishment: length of the buffer before max_new_tokens, in tokens (0 = off)."""
+    overlong_penalty: float = 1.0
+    """Reward penalty at (and beyond) max_new_tokens; it ramps up linearly over the buffer."""
+
+    def __post_init__(self) -> None:
+        _eps(self)
+        _common(self)
+        if isinstance(self.overlong_buffer, bool) or not isinstance(self.overlong_buffer, int) or self.overlong_buffer < 0:
+            raise ValueError(f"method.overlong_buffer must be an int >= 0, got {self.overlong_buffer!r}")
+        _number("overlong_penalty", self.overlong_penalty, lo=0)
+
+    @property
+    def overlong(self) -> tuple[int, float]:
+        return self.overlong_buffer, float(self.overlong_penalty)
+
+
+@dataclass(frozen=True)
+class GSPOParams(_Protocol):
+    """GSPO: sequence-level ratio s = exp(mean log w), sequence clip (§5)."""
+
+    eps_low: float = 3e-4
+    """Sequences with s < 1 - eps_low are clipped (masked) when A < 0."""
+    eps_high: float = 4e-4
+    """Sequences with s > 1 + eps_high are clipped (masked) when A > 0."""
+    loss_agg: str = "seq-mean-token-mean"
+    """Batch aggregation (§8)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
+
+    def __post_init__(self) -> None:
+        _eps(self)
+        _common(self)
+
+
+@dataclass(frozen=True)
+class DPPOParams(_Protocol):
+    """DPPO: mask = D > delta(A) and sign(A (r - 1)) > 0; loss -A (1 - mask) sg(w) pi_k/sg(pi_k) (§3)."""
+
+    divergence: str = "topk-kl"
+    """D(mu||pi): binary-tv | binary-kl | topk-tv | topk-kl."""
+    delta_pos: float | None = None
+    """Threshold for A > 0; null = 0.15 for TV kinds, 0.05 for KL kinds. inf masks nothing."""
+    delta_neg: float | None = None
+    """Threshold for A <= 0; null = 0.15 for TV kinds, 0.05 for KL kinds."""
+    ratio_cap: float | None = None
+    """Truncate the weight w = min(r, ratio_cap); null = no cap."""
+    rule: str = "union"
+    """Top-K support when k is outside the list: union (append k) | replace_last (adapters)."""
+    loss_agg: str = "token-mean"
+    """Batch aggregation (§8); the public DPPO script uses seq-mean-token-sum-norm."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
+
+    def __post_init__(self) -> None:
+        _choice("divergence", self.divergence, DIVERGENCE_KINDS)
+        _choice("rule", self.rule, ("union", "replace_last"))
+        _deltas(self)
+        _common(self)
+
+    @property
+    def deltas(self) -> tuple[float, float]:
+        """Resolved (delta_pos, delta_neg)."""
+        return _resolve_deltas(self, self.divergence)
+
+    @property
+    def diag_deltas(self) -> tuple[float, float]:
+        return self.deltas
+
+
+@dataclass(frozen=True)
+class PDMParams(_Protocol):
+    """Predictive divergence mask: mask = D > delta(A) and sign(A Ddot) > 0; DPPO's loss (§4)."""
+
+    divergence: str = "kl"
+    """kl | tv: the top-K divergence (union support) and its Ddot."""
+    tail: str = "agg"
+    """Tail of Ddot: agg (one bucket, no vocab size needed) | uniform (spread over |V|-|S| tokens)."""
+    delta_pos: float | None = None
+    """Threshold for A > 0; null = 0.15 for tv, 0.05 for kl."""
+    delta_neg: float | None = None
+    """Threshold for A <= 0; null = 0.15 for tv, 0.05 for kl."""
+    ratio_cap: float | None = None
+    """Truncate the weight w = min(r, ratio_cap); null = no cap."""
+    loss_agg: str = "token-mean"
+    """Batch aggregation (§8)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
+
+    def __post_init__(self) -> None:
+        _choice("divergence", self.divergence, RATE_KINDS)
+        _choice("tail", self.tail, TAILS)
+        _deltas(self)
+        _common(self)
+
+    @property
+    def deltas(self) -> tuple[float, float]:
+        return _resolve_deltas(self, self.divergence)
+
+    @property
+    def diag_deltas(self) -> tuple[float, float]:
+        return self.deltas
+
+
+_BASE_PARAMS = {"grpo": GRPOParams, "dapo": DAPOParams, "gspo": GSPOParams}
+
+
+@dataclass(frozen=True)
+class SISParams(_Protocol):
+    """SIS on a base objective: accepted tokens get weight pi_k/sg(pi_k) = 1 (§6). Needs ``u``.
+
+    Fields left null take the base method's default.
+    """
+
+    base: str = "grpo"
+    """Base objective: grpo | dapo | gspo."""
+    eps_low: float | None = None
+    """The base's eps_low (null = the base's default)."""
+    eps_high: float | None = None
+    """The base's eps_high (null = the base's default)."""
+    loss_agg: str | None = None
+    """Batch aggregation (null = the base's)."""
+    dynamic_sampling: bool | None = None
+    """Dynamic sampling (null = the base's: true for dapo)."""
+    overlong_buffer: int | None = None
+    """DAPO soft overlong buffer in tokens (null = the base's; only with base dapo)."""
+    overlong_penalty: float | None = None
+    """DAPO overlong penalty (null = the base's; only with base dapo)."""
+
+    def __post_init__(self) -> None:
+        _choice("base", self.base, SIS_BASES)
+        if self.base != "dapo":
+            for name in ("overlong_buffer", "overlong_penalty"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"method.{name} applies only with method.base=dapo, got base={self.base}")
+        self.base_params  # validates every override through the base class
+
+    @property
+    def base_params(self):
+        """The base method's params with this method's overrides applied (validated)."""
+        overrides = {
+            k: getattr(self, k)
+            for k in ("eps_low", "eps_high", "loss_agg", "dynamic_sampling", "overlong_buffer", "overlong_penalty")
+            if getattr(self, k) is not None
+        }
+        return _BASE_PARAMS[self.base](**overrides)
+
+    @property
+    def agg_mode(self) -> str:
+        return self.base_params.loss_agg
+
+    @property
+    def uses_dynamic_sampling(self) -> bool:
+        return self.base_params.dynamic_sampling
+
+    @property
+    def uses_u(self) -> bool:
+        return True
+
+    @property
+    def overlong(self) -> tuple[int, float]:
+        return self.base_params.overlong

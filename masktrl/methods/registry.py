@@ -1,0 +1,171 @@
+"""The method registry (verl-style): one decorator, one ``get_method`` whose error lists the names.
+
+A method is a kernel ``(batch, advantages, params, u) -> TokenLosses`` plus its params
+dataclass. The trainer asks the ``Method`` object everything method-specific (aggregation,
+dynamic sampling, whether it needs ``u``, reward shaping), so no ``if method == ...`` chain
+is needed outside this package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from masktrl.methods.batch import TokenBatch
+
+
+class TokenLosses(NamedTuple):
+    loss: Tensor  # [N] per-token loss (value form of SPEC §2-6); 0 on invalid tokens
+    mask: Tensor  # [N] bool, the token's update is blocked (clip, divergence mask or invalid)
+    divergence: Tensor | None  # [N] D used by the mask (dppo, pdm), detached
+    ddot: Tensor | None  # [N] Ddot used by the mask (pdm), detached
+    accepted: Tensor | None  # [N] bool, SIS acceptance (sis only)
+    log_w: Tensor | None  # [N] per-token log w (SIS-modified where it applies); +inf on invalid
+
+
+Kernel = Callable[[TokenBatch, Tensor, Any, "Tensor | None"], TokenLosses]
+
+
+def overlong_penalty(response_len, max_len: int, buffer: int, penalty: float):
+    """DAPO soft overlong punishment (Yu et al. 2025, Eq. 13): the reward delta for a response.
+
+    0 if len <= max_len - buffer; -(len - (max_len - buffer)) / buffer * penalty inside the
+    buffer; -penalty beyond max_len. ``buffer = 0`` turns it off (returns 0). Works on ints,
+    floats or tensors of lengths.
+    """
+    if buffer <= 0:
+        return response_len * 0.0
+    expected = max_len - buffer
+    if isinstance(response_len, Tensor):
+        excess = (response_len.to(torch.float64) - expected).clamp(0, buffer)
+        return -excess / buffer * penalty
+    return -min(max(response_len - expected, 0), buffer) / buffer * penalty
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered method. Every query takes the method's params object."""
+
+    name: str
+    params_cls: type
+    kernel: Kernel
+    help: str
+
+    def make_params(self, **kw):
+        """The params dataclass from keyword values; unknown keys raise ValueError naming them."""
+        valid = [f.name for f in fields(self.params_cls)]
+        for key in kw:
+            if key not in valid:
+                raise ValueError(
+                    f"unknown parameter method.{key} for method {self.name!r}; valid: {', '.join(valid)}"
+                )
+        return self.params_cls(**kw)
+
+    def _check(self, params) -> None:
+        if not isinstance(params, self.params_cls):
+            raise ValueError(f"params for method {self.name!r} must be {self.params_cls.__name__}, got {type(params).__name__}")
+
+    def aggregation(self, params) -> str:
+        """The batch aggregation mode (§8) for ``aggregate``."""
+        self._check(params)
+        return params.agg_mode
+
+    def dynamic_sampling(self, params) -> bool:
+        """Whether the trainer drops all-equal-reward groups and refills (DAPO)."""
+        self._check(params)
+        return params.uses_dynamic_sampling
+
+    def needs_u(self, params) -> bool:
+        """Whether ``token_losses`` needs per-token uniforms ``u`` (SIS)."""
+        self._check(params)
+        return params.uses_u
+
+    def overlong(self, params) -> tuple[int, float]:
+        """(buffer, penalty) of DAPO's overlong shaping; (0, 0.0) when off or not applicable."""
+        self._check(params)
+        return params.overlong
+
+    def reward_delta(self, params, response_len, max_len: int):
+        """The reward shaping delta for a response length (0 for methods without shaping)."""
+        buffer, penalty = self.overlong(params)
+        return overlong_penalty(response_len, max_len, buffer, penalty)
+
+    def shape_rewards(self, params, samples, max_len: int) -> None:
+        """Add ``reward_delta`` to ``s.reward`` of each sample (duck-typed: ``s.gen.response_ids``)."""
+        buffer, _ = self.overlong(params)
+        if buffer <= 0:
+            return
+        for s in samples:
+            s.reward = s.reward + self.reward_delta(params, len(s.gen.response_ids), max_len)
+
+    def diagnostic_thresholds(self, params) -> tuple[float, float]:
+        """(delta_pos, delta_neg) used by ``token_diagnostics`` (the method's own, else top-K KL's)."""
+        self._check(params)
+        return params.diag_deltas
+
+    def token_losses(self, batch: TokenBatch, advantages: Tensor, params=None, *, u: Tensor | None = None) -> TokenLosses:
+        """Per-token losses with already-built params (None = defaults)."""
+        params = self.params_cls() if params is None else params
+        self._check(params)
+        adv = check_advantages(advantages, batch)
+        if params.uses_u and u is None:
+            raise ValueError(f"u is required by method {self.name!r} (per-token uniforms in [0, 1), shape [N])")
+        return finalize(batch, self.kernel(batch, adv, params, u))
+
+
+_METHODS: dict[str, Method] = {}
+
+
+def register_method(name: str, params_cls: type, help: str = "") -> Callable[[Kernel], Kernel]:
+    """Decorator: register ``kernel`` under ``name`` with its params dataclass."""
+
+    def wrap(kernel: Kernel) -> Kernel:
+        if name in _METHODS:
+            raise ValueError(f"method {name!r} is already registered")
+        _METHODS[name] = Method(name, params_cls, kernel, help or (kernel.__doc__ or "").strip().split("\n")[0])
+        return kernel
+
+    return wrap
+
+
+def method_names() -> list[str]:
+    return sorted(_METHODS)
+
+
+def get_method(name: str) -> Method:
+    """The registered method; ValueError listing the valid names otherwise."""
+    if name not in _METHODS:
+        raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(method_names())}")
+    return _METHODS[name]
+
+
+def make_params(name: str, **kw):
+    """``get_method(name).make_params(**kw)``."""
+    return get_method(name).make_params(**kw)
+
+
+def check_advantages(advantages, batch: TokenBatch) -> Tensor:
+    """[N] advantages in the batch dtype; ValueError naming ``advantages`` on a bad shape or NaN."""
+    if not isinstance(advantages, Tensor):
+        raise ValueError(f"advantages must be a tensor of shape [N] = [{batch.n}], got {type(advantages).__name__}")
+    if advantages.shape != (batch.n,):
+        raise ValueError(f"advantages must have shape [N] = [{batch.n}], got {list(advantages.shape)}")
+    adv = advantages.detach().to(batch.dtype)
+    if not bool(torch.isfinite(adv).all()):
+        raise ValueError("advantages must be finite (found NaN or inf)")
+    return adv
+
+
+def finalize(batch: TokenBatch, out: TokenLosses) -> TokenLosses:
+    """Apply the invalid-token rule (§7): loss 0 with no gradient, mask True, log_w +inf."""
+    valid = batch.valid
+    loss = torch.where(valid, out.loss, torch.zeros_like(out.loss))
+    mask = out.mask | ~valid
+    log_w = None
+    if out.log_w is not None:
+        log_w = torch.where(valid, out.log_w, torch.full_like(out.log_w, float("inf")))
+    accepted = None if out.accepted is None else out.accepted & valid
+    return TokenLosses(loss, mask, out.divergence, out.ddot, accepted, log_w)

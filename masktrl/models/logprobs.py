@@ -1,0 +1,166 @@
+"""Chunked policy log-probabilities: log softmax(h W^T / T) at a few ids per token.
+
+Never materialises the [N, V] logits of all tokens. The forward pass computes one chunk of
+``chunk_size`` tokens at a time (logits -> logsumexp -> gather) and keeps only the logsumexp;
+a custom ``autograd.Function`` recomputes each chunk's logits in the backward pass, so
+backward also holds one chunk's [chunk, V] buffer at a time:
+
+    d logp_j / d logits = e_{id_j} - p,   grad_logits = scatter(g) - p * sum_j g_j
+
+Logits are computed in float32 at least (float64 inputs stay float64); the result has that
+dtype. Padding ids (< 0) give **0.0** with zero gradient (0.0 rather than -inf so that nothing
+downstream turns into NaN; mask them yourself).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _compute_dtype(*ts: Tensor | None) -> torch.dtype:
+    dt = torch.float32
+    for t in ts:
+        if t is not None:
+            dt = torch.promote_types(dt, t.dtype)
+    return dt
+
+
+def _check(hidden: Tensor, weight: Tensor, ids: Tensor | None, temperature: float, chunk_size: int, bias) -> None:
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {list(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must have shape [V] = [{weight.shape[0]}], got {list(bias.shape)}")
+    if not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if ids is not None:
+        if ids.is_floating_point() or ids.shape[:-1] != hidden.shape[:-1] or ids.dim() != hidden.dim():
+            raise ValueError(f"ids must be an integer tensor [..., J] with leading dims {list(hidden.shape[:-1])}, got {ids.dtype} {list(ids.shape)}")
+        if ids.numel() and int(ids.max()) >= weight.shape[0]:
+            raise ValueError(f"ids must be < V = {weight.shape[0]}")
+
+
+def _chunk_logits(h: Tensor, w: Tensor, b: Tensor | None, inv_t: float, out: Tensor) -> Tensor:
+    """out[:n] = (h W^T + b) / T for a chunk h [n, H]; returns the view [n, V]."""
+    buf = out[: h.shape[0]]
+    h = h * inv_t if inv_t != 1.0 else h
+    if b is None:
+        return torch.matmul(h, w.t(), out=buf)
+    return torch.addmm(b * inv_t, h, w.t(), out=buf)
+
+
+@torch.no_grad()
+def _forward(h, w, b, ids, inv_t: float, chunk: int, want_entropy: bool):
+    """logp [N, J] (0 at padding), lse [N], entropy [N] or None; all in h's (compute) dtype."""
+    n, v = h.shape[0], w.shape[0]
+    j = ids.shape[1]
+    logp = torch.zeros(n, j, dtype=h.dtype, device=h.device)  # [N, J]
+    lse = torch.empty(n, dtype=h.dtype, device=h.device)  # [N]
+    ent = torch.empty(n, dtype=h.dtype, device=h.device) if want_entropy else None
+    buf = torch.empty(min(chunk, n), v, dtype=h.dtype, device=h.device)  # [C, V] reused
+    ebuf = torch.empty_like(buf) if want_entropy else None
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        x = _chunk_logits(h[s:e], w, b, inv_t, buf)  # [c, V]
+        pad = ids[s:e] < 0  # [c, J]
+        picked = x.gather(1, ids[s:e].clamp_min(0))  # [c, J]
+        mx = x.amax(dim=1, keepdim=True)  # [c, 1]
+        x.sub_(mx)
+        if want_entropy:
+            ex = torch.exp(x, out=ebuf[: e - s])  # [c, V]
+            tot = ex.sum(dim=1)  # [c]
+            dot = ex.mul_(x).nan_to_num_(nan=0.0).sum(dim=1)  # [c] sum e^x x (0 * -inf -> 0)
+            ent[s:e] = tot.log() - dot / tot
+        else:
+            tot = x.exp_().sum(dim=1)  # [c]
+        lse[s:e] = mx.squeeze(1) + tot.log()
+        logp[s:e] = (picked - lse[s:e, None]).masked_fill_(pad, 0.0)
+    return logp, lse, ent
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, inv_t, chunk, want_entropy):
+        dt = _compute_dtype(hidden, weight, bias)
+        h, w = hidden.to(dt), weight.to(dt)
+        b = None if bias is None else bias.to(dt)
+        logp, lse, ent = _forward(h, w, b, ids, inv_t, chunk, want_entropy)
+        ctx.save_for_backward(hidden, weight, bias, ids, lse)
+        ctx.inv_t, ctx.chunk = inv_t, chunk
+        if ent is not None:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, bias, ids, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dt = lse.dtype
+        h, w = hidden.to(dt), weight.to(dt)
+        b = None if bias is None else bias.to(dt)
+        inv_t, chunk = ctx.inv_t, ctx.chunk
+        n, v = h.shape[0], w.shape[0]
+        g = grad_logp.to(dt).masked_fill(ids < 0, 0.0)  # [N, J]
+        gsum = g.sum(dim=1)  # [N]
+        safe_ids = ids.clamp_min(0)
+        grad_h = torch.empty_like(h) if need_h else None  # [N, H]
+        grad_w = torch.zeros_like(w) if need_w else None  # [V, H]
+        grad_b = torch.zeros(v, dtype=dt, device=h.device) if need_b else None  # [V]
+        buf = torch.empty(min(chunk, n), v, dtype=dt, device=h.device)  # [C, V] reused
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            x = _chunk_logits(h[s:e], w, b, inv_t, buf)  # [c, V]
+            x.sub_(lse[s:e, None]).exp_()  # p
+            x.mul_(-gsum[s:e, None]).scatter_add_(1, safe_ids[s:e], g[s:e])  # d loss / d logits
+            if need_h:
+                torch.matmul(x, w, out=grad_h[s:e]).mul_(inv_t)
+            if need_w:
+                grad_w.addmm_(x.t(), h[s:e], alpha=inv_t)
+            if need_b:
+                grad_b.add_(x.sum(dim=0), alpha=inv_t)
+        out_h = None if grad_h is None else grad_h.to(hidden.dtype)
+        out_w = None if grad_w is None else grad_w.to(weight.dtype)
+        out_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return out_h, out_w, out_b, None, None, None, None
+
+
+def _run(hidden, weight, ids, temperature, chunk_size, bias, want_entropy):
+    _check(hidden, weight, ids, temperature, chunk_size, bias)
+    lead = hidden.shape[:-1]
+    h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    ids2 = ids.reshape(h2.shape[0], ids.shape[-1]).long()  # [N, J]
+    logp, ent = _ChunkedLogProbs.apply(h2, weight, bias, ids2, 1.0 / float(temperature), chunk_size, want_entropy)
+    return logp.reshape(*lead, ids.shape[-1]), None if ent is None else ent.reshape(lead)
+
+
+def token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024, bias: Tensor | None = None) -> Tensor:
+    """[..., J] log softmax(hidden @ weight^T / T + bias / T) gathered at ``ids`` [..., J].
+
+    hidden [..., H]: final hidden states (after the model's final norm); weight [V, H]: the
+    lm_head; ids: long, entries < 0 are padding (returned as 0.0, zero gradient).
+    Differentiable w.r.t. hidden, weight and bias; peak memory O(chunk_size * V).
+    """
+    return _run(hidden, weight, ids, temperature, chunk_size, bias, False)[0]
+
+
+def token_logprobs_and_entropy(
+    hidden: Tensor, weight: Tensor, ids: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``token_logprobs`` plus the entropy [...] of softmax(logits / T) per token (no gradient),
+    in the same single pass over the vocabulary."""
+    return _run(hidden, weight, ids, temperature, chunk_size, bias, True)
+
+
+@torch.no_grad()
+def token_entropy(hidden: Tensor, weight: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024, bias: Tensor | None = None) -> Tensor:
+    """[...] entropy of softmax((hidden @ weight^T + bias) / T) per token, chunked, no gradient."""
+    _check(hidden, weight, None, temperature, chunk_size, bias)
+    dt = _compute_dtype(hidden, weight, bias)
+    h2 = hidden.reshape(-1, hidden.shape[-1]).to(dt)
+    ids = torch.zeros(h2.shape[0], 0, dtype=torch.long, device=h2.device)
+    b = None if bias is None else bias.to(dt)
+    _, _, ent = _forward(h2, weight.to(dt), b, ids, 1.0 / float(temperature), chunk_size, True)
+    return ent.reshape(hidden.shape[:-1])
