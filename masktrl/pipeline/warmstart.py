@@ -23,8 +23,11 @@ from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tin
 from masktrl.pipeline.store import atomic_write_json, fsync_dir
 
 
+WARMSTART_VERSION = 2  # bump when the warm-start procedure changes: old cache entries are then ignored
+
+
 def warmstart_key(cfg: Config) -> str:
-    return f"{cfg.hash('model', 'task', 'warmstart')}-seed{cfg.seed}"
+    return f"v{WARMSTART_VERSION}-{cfg.hash('model', 'task', 'warmstart')}-seed{cfg.seed}"
 
 
 def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):
