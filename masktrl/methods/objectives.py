@@ -77,7 +77,7 @@ def dppo(batch: TokenBatch, adv: Tensor, p: DPPOParams, u: Tensor | None) -> Tok
     """DPPO (§3): mask = D > delta(A) and sign(A (r-1)) > 0; l = -A (1-mask) sg(w) pi_k/sg(pi_k)."""
     d = divergence(batch, p.divergence, rule=p.rule)
     lw = log_ratio(batch)
-    mask = dppo_mask(d, lw, adv, *p.deltas)
+    mask = dppo_mask(d, lw, adv, *p.deltas) | ~batch.valid  # invalid: masked, w = inf never used
     loss = masked_pg_loss(unit_ratio_log(batch), lw, adv, mask, p.ratio_cap)
     return TokenLosses(loss, mask, d, None, None, lw)
 
@@ -88,7 +88,7 @@ def pdm(batch: TokenBatch, adv: Tensor, p: PDMParams, u: Tensor | None) -> Token
     d = divergence(batch, "topk-" + p.divergence, rule="union")
     ddot = divergence_rate(batch, p.divergence, p.tail)
     lw = log_ratio(batch)
-    mask = pdm_mask(d, ddot, adv, *p.deltas)
+    mask = pdm_mask(d, ddot, adv, *p.deltas) | ~batch.valid
     loss = masked_pg_loss(unit_ratio_log(batch), lw, adv, mask, p.ratio_cap)
     return TokenLosses(loss, mask, d, ddot, None, lw)
 
