@@ -6,9 +6,9 @@ TINY_TEST_YAML = """\
 seed: 0
 method: {name: grpo}
 model: {hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 64}
-task: {name: arithmetic, digits: 2, n_test: 16}
-warmstart: {steps: 3, batch_size: 8}
-rollout: {prompts_per_step: 4, n: 4, max_new_tokens: 4, logprobs_k: 5}
+task: {name: arithmetic, digits: 1, n_test: 16}
+warmstart: {steps: 40, batch_size: 16}
+rollout: {prompts_per_step: 6, n: 4, max_new_tokens: 4, logprobs_k: 5}
 train: {steps: 2, checkpoint_every: 1, lr: 1.0e-3}
 """
 

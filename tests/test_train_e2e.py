@@ -44,6 +44,7 @@ def test_two_step_run_writes_every_artifact_and_changes_weights(tmp_path, tiny_c
 
     start = load_file(root.parent / ".cache" / "warmstart" / next(p.name for p in (root.parent / ".cache" / "warmstart").iterdir()) / "model.safetensors")
     end = load_file(root / "checkpoints" / "000002" / "model.safetensors")
+    assert any(s.advantage != 0 for s in read_rollouts(root / "steps" / "000001" / "rollouts.parquet")[0])
     changed = [k for k in start if not torch.equal(start[k], end[k])]
     assert len(changed) == len(start)  # every tensor moved
 
@@ -54,7 +55,7 @@ def test_two_step_run_writes_every_artifact_and_changes_weights(tmp_path, tiny_c
     store.verify("checkpoint/000002")
 
     samples, meta = read_rollouts(root / "steps" / "000001" / "rollouts.parquet")
-    assert len(samples) == 16 and meta["logprobs_k"] == 5
+    assert len(samples) == 24 and meta["logprobs_k"] == 5
     for s in samples:
         assert len(s.gen.logp) == len(s.gen.response_ids) == len(s.gen.topk_ids)
     groups = {}
