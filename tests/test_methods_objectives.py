@@ -250,12 +250,12 @@ def test_grpo_hand_computed_loss_and_gradient():
     assert torch.allclose(out.loss, torch.tensor(want_loss, dtype=F64), atol=1e-12)
     assert out.mask.tolist() == [True, False, True, False, False]
     total = aggregate(out.loss, b, "seq-mean-token-mean")
-    assert abs(float(total) - ((-1.28 - 0.5) / 2 + (0.8 + 1.5) / 2 + 0.0) / 3) < 1e-12
+    assert abs(total.item() - ((-1.28 - 0.5) / 2 + (0.8 + 1.5) / 2 + 0.0) / 3) < 1e-12
     (g,) = torch.autograd.grad(total, lp)
     assert torch.allclose(g, torch.tensor([0.0, -0.5 / 6, 0.0, 1.5 / 6, 0.0], dtype=F64), atol=1e-12)
-    assert abs(float(aggregate(out.loss, b, "token-mean")) - sum(want_loss) / 5) < 1e-12
+    assert abs(aggregate(out.loss, b, "token-mean").item() - sum(want_loss) / 5) < 1e-12
     dr = aggregate(out.loss, b, "seq-mean-token-sum-norm", norm_len=4)
-    assert abs(float(dr) - ((-1.28 - 0.5) / 4 + (0.8 + 1.5) / 4 + 0.0) / 3) < 1e-12
+    assert abs(dr.item() - ((-1.28 - 0.5) / 4 + (0.8 + 1.5) / 4 + 0.0) / 3) < 1e-12
 
 
 def test_aggregate_excludes_invalid_tokens_and_handles_noncontiguous_sequences():
@@ -283,7 +283,7 @@ def test_invalid_tokens_are_masked_zero_and_excluded(name, kw):
     out = token_losses(name, b, adv, u=u, **kw)
     (g,) = torch.autograd.grad(aggregate(out.loss, b, "seq-mean-token-mean"), z)
     assert torch.isfinite(g).all() and torch.isfinite(out.loss).all()
-    assert bool(out.mask[bad].all()) and float(out.loss[bad].abs().sum()) == 0.0
+    assert bool(out.mask[bad].all()) and out.loss[bad].abs().sum().item() == 0.0
     assert float(g[bad].abs().sum()) == 0.0
     assert torch.isinf(out.log_w[bad]).all() and (out.log_w[bad] > 0).all()
     if out.accepted is not None:
@@ -295,9 +295,9 @@ def test_invalid_tokens_are_masked_zero_and_excluded(name, kw):
     out_sub = token_losses(name, sub, adv[keep], u=u[keep], **kw)
     assert torch.allclose(out.loss[keep], out_sub.loss, rtol=1e-12, atol=1e-14)
     assert torch.equal(out.mask[keep], out_sub.mask)
-    agg_full = aggregate(out.loss, b, "seq-mean-token-mean")
-    agg_sub = aggregate(out_sub.loss, sub, "seq-mean-token-mean")
-    assert abs(float(agg_full) - float(agg_sub)) <= 1e-12 * max(1.0, abs(float(agg_sub)))
+    agg_full = aggregate(out.loss, b, "seq-mean-token-mean").item()
+    agg_sub = aggregate(out_sub.loss, sub, "seq-mean-token-mean").item()
+    assert abs(agg_full - agg_sub) <= 1e-12 * max(1.0, abs(agg_sub))
 
 
 def test_zero_training_probability_gives_zero_ratio_without_nan():
