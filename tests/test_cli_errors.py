@@ -8,8 +8,8 @@ import pytest
 
 
 def masktrl(*args, cwd=None, env=None):
-    e = {**os.environ, "COLUMNS": "200", **(env or {})}
-    e.pop("MASKTRL_DEBUG", None)
+    e = {k: v for k, v in os.environ.items() if k != "MASKTRL_DEBUG"}
+    e.update({"COLUMNS": "200", **(env or {})})
     return subprocess.run([sys.executable, "-m", "masktrl.cli", *args], capture_output=True, text=True, cwd=cwd, env=e, timeout=120)
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Annotated, Optional
 
+import typer
+
+from masktrl.config import load_config
 from masktrl.commands.ui import console, kv_table, progress_bar
 from masktrl.errors import MasktrlError
 from masktrl.options import DEFAULT_OUT, ConfigOpt, MethodOpt, OutOpt, RunOpt, SeedOpt, SetOpt
@@ -17,25 +21,58 @@ def train(
     out: OutOpt = DEFAULT_OUT,
     seed: SeedOpt = None,
     set_: SetOpt = None,
+    resume: Annotated[
+        Optional[str], typer.Option("--resume", help="Continue RUN (a name under --out, or a folder) from its last checkpoint.", show_default=False)
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="With --resume: accept a config that differs from run.yaml.")] = False,
+    rollouts_from: Annotated[
+        Optional[str],
+        typer.Option("--rollouts-from", help="Train on stored rollouts: a run folder or a parquet file from `masktrl rollout`.", show_default=False),
+    ] = None,
 ) -> None:
     """Run RL training (default: the embedded tiny model on synthetic arithmetic, GRPO).
 
     Artifacts go to OUT/RUN: run.yaml, manifest.json, metrics.jsonl, steps/*/rollouts.parquet,
-    checkpoints/*, summary.json.
+    checkpoints/*, summary.json. Ctrl-C finishes the current step, checkpoints it and leaves a
+    run that --resume continues.
     """
-    from masktrl.config import load_config
     from masktrl.pipeline import train as train_stage
     from masktrl.pipeline.store import RunStore
 
-    cfg = load_config(config, set_ or [], method=method, seed=seed)
-    name = run or f"{cfg.method_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    store = RunStore(Path(out) / name)
-    if store.root.exists() and any(store.root.iterdir()):
-        raise MasktrlError(f"run folder {store.root} already exists: choose another --run (nothing was changed)")
-    console.print(f"[bold]masktrl train[/] run [cyan]{name}[/] method [cyan]{cfg.method_name}[/] seed {cfg.seed}")
+    if resume:
+        store = RunStore(Path(resume) if Path(resume).is_dir() else Path(out) / resume)
+        train_stage.check_resumable(store)
+        cfg = _resume_config(store, config, set_, method, seed, force)
+        name = store.name
+    else:
+        cfg = load_config(config, set_ or [], method=method, seed=seed)
+        name = run or f"{cfg.method_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        store = RunStore(Path(out) / name)
+        if store.root.exists() and any(store.root.iterdir()):
+            raise MasktrlError(f"run folder {store.root} already exists: choose another --run, or --resume it (nothing was changed)")
+    verb = "resuming" if resume else "run"
+    console.print(f"[bold]masktrl train[/] {verb} [cyan]{name}[/] method [cyan]{cfg.method_name}[/] seed {cfg.seed}")
     with progress_bar() as progress:
-        result = train_stage.run(cfg, store, progress)
+        result = train_stage.run(cfg, store, progress, resume=bool(resume), rollouts_from=rollouts_from)
     print_summary(result.summary, store.root)
+
+
+def _resume_config(store, config, set_, method, seed, force: bool):
+    """run.yaml, or the given config/overrides if they agree with it (or --force)."""
+    from masktrl.config import diff_configs, save_config
+
+    saved_path = store.root / "run.yaml"
+    saved = load_config(saved_path)
+    if config is None and not set_ and method is None and seed is None:
+        return saved
+    cfg = load_config(config or saved_path, set_ or [], method=method, seed=seed)
+    changed = diff_configs(saved, cfg)
+    if changed and not force:
+        raise MasktrlError(f"config differs from {saved_path} in {', '.join(changed)}; pass --force to resume with it anyway")
+    if changed:
+        save_config(cfg, saved_path)
+        store.mark_done("config", [saved_path], config_hash=cfg.hash(), forced_changes=changed)
+    return cfg
 
 
 def print_summary(summary: dict, root: Path) -> None:
