@@ -13,6 +13,7 @@ import sys
 
 import typer
 
+from masktrl.commands import eval as eval_cmd
 from masktrl.commands import train as train_cmd
 from masktrl.commands.ui import err_console
 from masktrl.errors import MasktrlError
@@ -31,6 +32,8 @@ def _root() -> None:
 
 
 app.command()(train_cmd.train)
+app.command("eval")(eval_cmd.eval_command)
+app.command("evaluate", hidden=True)(eval_cmd.eval_command)
 
 
 def main() -> None:

@@ -21,6 +21,8 @@ import yaml
 from masktrl.errors import ConfigError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+EVAL_BENCHMARKS = ("synthetic", "aime24", "aime25", "aime", "math500", "gsm8k")
+"""`masktrl eval` benchmarks: synthetic = the run's own arithmetic held-out split; aime = aime24 + aime25."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,8 @@ class TrainConfig:
         _positive("train.grad_clip", self.grad_clip)
         _non_negative("train.warmup_steps", self.warmup_steps)
         _non_negative("train.eval_every", self.eval_every)
+        for bench in self.eval_benchmarks:
+            _choice("train.eval_benchmarks", bench, EVAL_BENCHMARKS)
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,28 @@ class EvalConfig:
     greedy: bool = True
     """eval_before/eval_after: greedy decoding (True) or one sample at rollout temperature."""
     batch_size: int = 500
+    k: int = 4
+    """train.eval_benchmarks: samples per problem (avg@k, pass@k, maj@k), drawn at the rollout
+    temperature and top_p."""
+    n_problems: int | None = None
+    """train.eval_benchmarks: evaluate the first N problems of each benchmark (None: all)."""
+    max_new_tokens: int | None = None
+    """train.eval_benchmarks: response length (None: rollout.max_new_tokens)."""
+    data: dict = field(default_factory=dict)
+    """train.eval_benchmarks: local data file per math benchmark, e.g. {aime24: data/aime24.jsonl}
+    (benchmarks without one come from the local `datasets` cache)."""
+
+    def validate(self) -> None:
+        _positive("eval.batch_size", self.batch_size)
+        _positive("eval.k", self.k)
+        if self.n_problems is not None:
+            _positive("eval.n_problems", self.n_problems)
+        if self.max_new_tokens is not None:
+            _positive("eval.max_new_tokens", self.max_new_tokens)
+        for bench, path in self.data.items():
+            _choice("eval.data", bench, EVAL_BENCHMARKS[1:])
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"eval.data.{bench} must be a file path, got {path!r}")
 
 
 @dataclass(frozen=True)
@@ -206,9 +232,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **dir
 
 def from_dict(raw: dict) -> Config:
     cfg = _build(Config, raw, "")
-    for section in (cfg.model, cfg.task, cfg.warmstart, cfg.rollout, cfg.train):
+    for section in (cfg.model, cfg.task, cfg.warmstart, cfg.rollout, cfg.train, cfg.eval):
         section.validate()
     _validate_method(cfg.method)
+    if "synthetic" in cfg.train.eval_benchmarks and cfg.task.name != "arithmetic":
+        raise ConfigError(f"train.eval_benchmarks: synthetic is the arithmetic task, but task.name is {cfg.task.name!r}")
     return cfg
 
 

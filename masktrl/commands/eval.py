@@ -1,0 +1,94 @@
+"""``masktrl eval`` (alias ``evaluate``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from masktrl.commands.ui import console, kv_table, progress_bar
+from masktrl.config import EVAL_BENCHMARKS
+
+
+def eval_command(
+    bench: Annotated[str, typer.Argument(help=f"Benchmark: {' | '.join(EVAL_BENCHMARKS)}.", show_default=False)],
+    model: Annotated[
+        str,
+        typer.Option("--model", help="A run folder (its checkpoints), a model folder, or a hub id (local cache only).", show_default=False),
+    ],
+    step: Annotated[
+        Optional[int],
+        typer.Option("--step", help="Run only: the checkpoint step (default: the latest complete one; 0: the starting policy).", show_default=False),
+    ] = None,
+    k: Annotated[int, typer.Option("--k", help="Samples per problem.")] = 16,
+    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature (0: greedy, needs --k 1).")] = 1.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")] = 1.0,
+    max_new_tokens: Annotated[
+        Optional[int],
+        typer.Option("--max-new-tokens", help="Response length (default: the run's rollout.max_new_tokens; 4096 on math for other models).", show_default=False),
+    ] = None,
+    data: Annotated[
+        Optional[Path],
+        typer.Option("--data", help="Math benchmarks: a local .jsonl/.json/.parquet file of problems (default: the local datasets cache).", show_default=False),
+    ] = None,
+    template: Annotated[
+        Optional[str],
+        typer.Option("--template", help="Math prompt template: base | chat | instruct | raw (default: chat for a run with model.chat_template, else base).", show_default=False),
+    ] = None,
+    engine: Annotated[
+        Optional[str], typer.Option("--engine", help="hf | vllm (default: the run's rollout.engine, else hf).", show_default=False)
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
+    n_problems: Annotated[
+        Optional[int], typer.Option("--n-problems", help="Evaluate only the first N problems.", show_default=False)
+    ] = None,
+    batch_size: Annotated[
+        Optional[int],
+        typer.Option("--batch-size", help="Sequences generated together (default: the run's rollout.batch_size, 512).", show_default=False),
+    ] = None,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: the run's model.dtype; bfloat16 on GPU, else float32).", show_default=False),
+    ] = None,
+    out: Annotated[
+        Optional[Path],
+        typer.Option("--out", help="Not a run: results go to OUT/eval/ (default: eval/ next to the model folder, outputs/eval/ for a hub id).", show_default=False),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing result file for the same benchmark and step.")] = False,
+) -> None:
+    """Evaluate a checkpoint on a benchmark: k samples per problem, avg@k, pass@k, maj@k, 95% CI.
+
+    Results: a table, and <run>/eval/<bench>-step<S>.json (recorded in the run's manifest) or,
+    for a model that is not a run, eval/<bench>-<model>.json.
+    """
+    from masktrl.pipeline import evaluate
+
+    opts = evaluate.EvalOptions(
+        k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, data=str(data) if data else None,
+        template=template, engine=engine, seed=seed, n_problems=n_problems, batch_size=batch_size, dtype=dtype,
+    )
+    opts.validate(bench)  # before any model is loaded
+    console.print(f"[bold]masktrl eval[/] [cyan]{bench}[/] model [cyan]{model}[/]" + (f" step {step}" if step is not None else ""))
+    with progress_bar() as progress:
+        result = evaluate.run(bench, model, step, opts, out=out, force=force, progress=progress)
+    print_report(result.report, result.path)
+
+
+def print_report(r: dict, path: Path) -> None:
+    k = r["k"]
+    low, high = r["ci95"]
+    g = r["generation"]
+    decoding = "greedy" if g["greedy"] else f"T={g['temperature']:g}, top_p={g['top_p']:g}"
+    rows = [
+        ("model", r["model"] + (f" (step {r['step']})" if r["step"] is not None else "")),
+        ("problems", str(r["n_problems"])),
+        ("samples per problem", f"{k} ({decoding}, {g['max_new_tokens']} new tokens, {g['engine']})"),
+        (f"avg@{k}", f"{r['avg_at_k']:.4f}  [95% CI {low:.4f}, {high:.4f}]"),
+        *[(f"pass@{j}", f"{v:.4f}") for j, v in r["pass_at"].items() if j != "1"],
+        (f"maj@{k}", f"{r['maj_at_k']:.4f}"),
+        ("truncated samples", f"{r['truncated_frac']:.1%}"),
+        ("wall time", f"{r['time_s']:.0f} s"),
+    ]
+    console.print(kv_table(f"eval {r['benchmark']}", rows))
+    console.print(f"results: {path}")

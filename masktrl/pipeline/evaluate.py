@@ -1,0 +1,388 @@
+"""``masktrl eval``: k sampled completions per problem of a benchmark, graded by the task's own
+scorer, summarised as avg@k, pass@k and maj@k with a bootstrap CI over problems.
+
+Generation goes through the rollout engine interface used in training (``make_engine``:
+transformers or vLLM), in batches of problems; grading is ``task.score_many`` (MathTask grades
+in its killable math-verify pool). The same core (:func:`sample_and_grade`, :func:`summarize`)
+serves the command and the periodic evals of ``train.eval_benchmarks`` (:func:`periodic_eval`).
+
+Results are JSON (schema in docs/EVAL.md), written atomically. For a run: ``<run>/eval/
+<bench>-step<S>.json``, recorded in the manifest as stage ``eval/<bench>/<S:06d>`` with the
+file's sha256. An existing result is never replaced unless ``force`` is set.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from masktrl.analysis.stats import avg_at_k, bootstrap_ci, maj_at_k, pass_at_k_matrix
+from masktrl.config import EVAL_BENCHMARKS, Config, load_config
+from masktrl.errors import ArtifactError, ConfigError, MasktrlError
+from masktrl.pipeline.rl import stream_seed
+from masktrl.pipeline.store import RunStore, atomic_write_json
+from masktrl.pipeline.tasks import encode_prompt, load_tokenizer, make_task
+from masktrl.rollout.base import SamplingSettings
+from masktrl.tasks.grader import extract_answer
+
+SCHEMA_VERSION = 1
+MATH_MAX_NEW_TOKENS = 4096  # default response length on math benchmarks for a model that is not a math run
+ANSWER_CHARS = 100  # extracted answers are stored up to this length
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What ``masktrl eval`` was asked for; None means "from the run's config, else a default"."""
+
+    k: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int | None = None
+    data: str | None = None
+    template: str | None = None
+    engine: str | None = None
+    seed: int = 0
+    n_problems: int | None = None
+    batch_size: int | None = None
+    dtype: str | None = None
+
+    def validate(self, bench: str) -> None:
+        check_benchmark(bench)
+        if self.k < 1:
+            raise ConfigError(f"--k must be >= 1, got {self.k}")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.temperature == 0 and self.k != 1:
+            raise ConfigError("--temperature 0 is greedy decoding: all k samples would be identical; use --k 1")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        for name in ("max_new_tokens", "n_problems", "batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.engine is not None and self.engine not in ("hf", "vllm"):
+            raise ConfigError(f"--engine must be hf or vllm, got {self.engine!r}")
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if bench == "synthetic" and (self.data is not None or self.template is not None):
+            raise ConfigError("--data and --template apply to math benchmarks; synthetic uses the run's own task")
+        if self.template is not None:
+            from masktrl.tasks.prompts import get_template
+
+            get_template(self.template)
+
+
+@dataclass
+class ModelRef:
+    """The weights to evaluate and, when they belong to a run, the run and step."""
+
+    label: str  # what --model said
+    weights: str  # a folder with config.json, or a hub id
+    store: RunStore | None = None
+    cfg: Config | None = None
+    step: int | None = None  # 0 = the run's starting policy (warm start)
+
+
+@dataclass
+class EvalResult:
+    report: dict
+    path: Path
+
+
+def check_benchmark(bench: str) -> None:
+    if bench not in EVAL_BENCHMARKS:
+        raise ConfigError(f"unknown benchmark {bench!r}; valid benchmarks: {', '.join(EVAL_BENCHMARKS)}")
+
+
+# --------------------------------------------------------------------------- the command's stage
+def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None = None,
+        force: bool = False, progress=None) -> EvalResult:
+    """Evaluate ``model`` (a run folder, a model folder or a cached hub id) on ``bench``."""
+    opts.validate(bench)
+    ref = resolve_model(model, step)
+    if bench == "synthetic" and ref.store is None:
+        raise ConfigError(f"benchmark synthetic needs a run folder (--model outputs/<run>): {model} has no run.yaml")
+    path = output_path(ref, bench, out)
+    if path.exists() and not force:
+        raise MasktrlError(f"{path} already exists; pass --force to replace it (nothing was changed)")
+    cfg = eval_config(ref, opts)
+    if ref.store is not None:
+        import torch
+
+        torch.set_num_threads(cfg.train.threads)
+    template = None if bench == "synthetic" else (opts.template or ("chat" if cfg.model.chat_template else "base"))
+    task = build_task(bench, cfg, load_tokenizer(ref.weights) if template == "chat" else None, template, opts.data)
+    try:  # the data loaded: now the weights
+        engine, tokenizer = load_engine(cfg, ref.weights)
+        examples = task.test_examples()[: opts.n_problems]
+        settings = SamplingSettings(n=opts.k, max_new_tokens=max_new_tokens(bench, ref, opts), temperature=opts.temperature or 1.0,
+                                    top_p=opts.top_p, logprobs_k=1, greedy=opts.temperature == 0)
+        chat = cfg.model.chat_template if bench == "synthetic" else False
+        t0 = time.time()
+        graded = sample_and_grade(engine, tokenizer, task, examples, settings, (opts.seed, "eval", bench), cfg.rollout.batch_size,
+                                  chat, progress, label=f"eval {bench}")
+    finally:
+        task.close()
+    report = summarize(bench, examples, graded, seed=opts.seed)
+    report.update(
+        model=ref.label, weights=ref.weights, run=ref.store.name if ref.store else None, step=ref.step,
+        data=describe_data(bench, cfg, opts.data), time_s=time.time() - t0,
+        generation=generation_block(settings, engine.name, template, chat, opts.seed, cfg),
+    )
+    save(report, path, ref.store, bench, ref.step)
+    return EvalResult(report, path)
+
+
+def resolve_model(model: str, step: int | None) -> ModelRef:
+    """A run folder (its checkpoint at ``step``, default the latest complete one; step 0 is the
+    warm-start policy), a checkpoint folder inside a run, a model folder, or a hub id."""
+    p = Path(model)
+    if p.parent.name == "checkpoints" and (p.parent.parent / "run.yaml").is_file() and p.name.isdigit():
+        if step is not None and step != int(p.name):
+            raise ConfigError(f"--step {step} contradicts the checkpoint folder {model} (step {int(p.name)})")
+        return resolve_model(str(p.parent.parent), int(p.name))
+    if not (p / "run.yaml").is_file():
+        if step is not None:
+            raise ConfigError(f"--step needs a run folder; {model} is not one (no run.yaml)")
+        if p.exists() and not (p / "config.json").is_file():
+            raise MasktrlError(f"{model}: neither a run folder (run.yaml) nor a model folder (config.json)")
+        return ModelRef(label=model, weights=model)
+    store = RunStore(p)
+    if not store.exists():
+        raise ArtifactError(f"{p / 'manifest.json'}: missing; is {model} a masktrl run?")
+    cfg = load_config(p / "run.yaml")
+    steps = completed_checkpoints(store)
+    if step is None:
+        if not steps:
+            raise ConfigError(f"run {model} has no complete checkpoint yet; pass --step 0 for its starting policy")
+        step = steps[-1]
+    if step == 0:
+        return ModelRef(label=model, weights=initial_weights(store, cfg), store=store, cfg=cfg, step=0)
+    if step not in steps:
+        avail = ", ".join(["0 (starting policy)", *map(str, steps)])
+        raise ConfigError(f"run {model} has no complete checkpoint at step {step}; available steps: {avail}")
+    store.verify(f"checkpoint/{step:06d}")
+    return ModelRef(label=model, weights=str(store.checkpoint_dir(step)), store=store, cfg=cfg, step=step)
+
+
+def completed_checkpoints(store: RunStore) -> list[int]:
+    stages = store.manifest["stages"]
+    return sorted(int(k.split("/")[1]) for k, v in stages.items() if k.startswith("checkpoint/") and v.get("status") == "done")
+
+
+def initial_weights(store: RunStore, cfg: Config) -> str:
+    """Where the run's RL started: its warm-start cache entry, or the checkpoint it loaded."""
+    info = (store.stage("warmstart") or {}).get("info") or {}
+    path = info.get("path") or info.get("source") or cfg.model.path
+    if path == "tiny" or not info:
+        raise ArtifactError(f"{store.root}: the warm start is not recorded in the manifest; cannot evaluate step 0")
+    if info.get("path"):
+        for candidate in (Path(path), store.root.parent / ".cache" / "warmstart" / Path(path).name):
+            if (candidate / "config.json").is_file():
+                return str(candidate)
+        raise ArtifactError(f"{path}: the run's warm-start model is gone (was the .cache folder removed?)")
+    return str(path)
+
+
+def output_path(ref: ModelRef, bench: str, out: Path | None) -> Path:
+    """``<run>/eval/<bench>-step<S>.json``; for other models ``<out or next to the model>/eval/``."""
+    if ref.store is not None:
+        return ref.store.root / "eval" / f"{bench}-step{ref.step}.json"
+    p = Path(ref.weights)
+    folder = Path(out) / "eval" if out is not None else (p.parent / "eval" if p.exists() else Path("outputs") / "eval")
+    return folder / f"{bench}-{p.resolve().name if p.exists() else ref.weights.replace('/', '__')}.json"
+
+
+def eval_config(ref: ModelRef, opts: EvalOptions) -> Config:
+    """The run's config (or the defaults) with the command line's engine, dtype and batch size."""
+    cfg = ref.cfg or Config()
+    dtype = opts.dtype or (cfg.model.dtype if ref.cfg else _default_dtype())
+    rollout = replace(cfg.rollout, engine=opts.engine or (cfg.rollout.engine if ref.cfg else "hf"),
+                      batch_size=opts.batch_size or cfg.rollout.batch_size)
+    return replace(cfg, seed=opts.seed, model=replace(cfg.model, path=ref.weights, dtype=dtype), rollout=rollout)
+
+
+def _default_dtype() -> str:
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def load_engine(cfg: Config, weights: str):
+    from masktrl.rollout import make_engine
+
+    if cfg.rollout.engine == "hf":
+        from masktrl.models.loading import load_model_and_tokenizer
+
+        model, tokenizer = load_model_and_tokenizer(weights, cfg.model.dtype)
+    else:  # vLLM loads the weights itself
+        model, tokenizer = None, load_tokenizer(weights)
+    return make_engine(cfg, model, tokenizer, weights), tokenizer
+
+
+def max_new_tokens(bench: str, ref: ModelRef, opts: EvalOptions) -> int:
+    if opts.max_new_tokens is not None:
+        return opts.max_new_tokens
+    if bench == "synthetic" or (ref.cfg is not None and ref.cfg.task.name != "arithmetic"):
+        return ref.cfg.rollout.max_new_tokens  # what the run trained with
+    return MATH_MAX_NEW_TOKENS
+
+
+# --------------------------------------------------------------------------- shared core
+def build_task(bench: str, cfg: Config, tokenizer, template: str | None, data: str | None):
+    """synthetic: the run's arithmetic task (its fixed held-out split); else the benchmark
+    with every problem in the test split, rendered once with ``template``."""
+    if bench == "synthetic":
+        if cfg.task.name != "arithmetic":
+            raise ConfigError(f"benchmark synthetic is the run's arithmetic task, but it trains on {cfg.task.name!r}")
+        return make_task(cfg)
+    from masktrl.tasks.base import get_task
+    import masktrl.tasks.math_data  # noqa: F401  (registers the benchmarks)
+
+    return get_task(bench, data_file=data, template=template, tokenizer=tokenizer)
+
+
+def answer_of(task):
+    """How a completion's answer is read for majority voting: the last ``\\boxed{}`` content,
+    or the whole stripped completion for plain synthetic answers."""
+    if getattr(task, "answer_format", None) == "plain":
+        return lambda text: text.strip() or None
+    return extract_answer
+
+
+@dataclass
+class Graded:
+    scores: list[list[float]]  # [P][k]
+    answers: list[list[str | None]]  # [P][k] extracted answers
+    lengths: list[list[int]]  # [P][k] response tokens
+    finished: list[list[bool]]  # [P][k] ended with EOS
+
+
+def sample_and_grade(engine, tokenizer, task, examples, settings: SamplingSettings, seed_key, batch_size: int,
+                     chat_template: bool, progress=None, label: str = "eval") -> Graded:
+    """``settings.n`` completions per example, generated ``batch_size`` sequences at a time
+    (batch i uses the seed stream ``(*seed_key, i)``), scored with ``task.score_many``."""
+    if not examples:
+        raise ConfigError("no problems to evaluate")
+    per_batch = max(1, batch_size // settings.n)
+    extract = answer_of(task)
+    out = Graded([], [], [], [])
+    bar = progress.add_task(label, total=len(examples), info="") if progress else None
+    for i, start in enumerate(range(0, len(examples), per_batch)):
+        chunk = examples[start : start + per_batch]
+        prompts = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in chunk]
+        gens = engine.generate(prompts, settings, stream_seed(*seed_key, i))
+        texts = [[tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in group] for group in gens]
+        flat_ex = [ex for ex, group in zip(chunk, texts) for _ in group]
+        scores = task.score_many(flat_ex, [t for group in texts for t in group])
+        for j, group in enumerate(texts):
+            out.scores.append(scores[j * settings.n : (j + 1) * settings.n])
+            out.answers.append([_clip(extract(t)) for t in group])
+            out.lengths.append([len(g.response_ids) for g in gens[j]])
+            out.finished.append([g.finished for g in gens[j]])
+        if progress:
+            acc = float(np.mean([s > 0 for row in out.scores for s in row]))
+            progress.update(bar, advance=len(chunk), info=f"avg@{settings.n} {acc:.3f}")
+    return out
+
+
+def _clip(answer: str | None) -> str | None:
+    return answer if answer is None or len(answer) <= ANSWER_CHARS else answer[:ANSWER_CHARS] + "…"
+
+
+def summarize(bench: str, examples, graded: Graded, seed: int = 0) -> dict:
+    """The metrics block of a report: avg@k, pass@j (j = 1, 2, 4, ..., k), maj@k, CI, per problem."""
+    correct = np.array(graded.scores) > 0  # [P, k]
+    k = correct.shape[1]
+    per_problem = avg_at_k(correct, per_problem=True)  # [P]
+    low, high = bootstrap_ci(per_problem, n_boot=10000, seed=seed)
+    ks = sorted({*(2**i for i in range(k.bit_length()) if 2**i <= k), k})
+    return {
+        "schema": SCHEMA_VERSION,
+        "benchmark": bench,
+        "k": k,
+        "n_problems": len(examples),
+        "avg_at_k": float(per_problem.mean()),
+        "ci95": [low, high],
+        "pass_at_k": pass_at_k_matrix(correct, k),
+        "pass_at": {str(j): pass_at_k_matrix(correct, j) for j in ks},
+        "maj_at_k": maj_at_k(graded.answers, correct),
+        "response_len_mean": float(np.mean(graded.lengths)),
+        "truncated_frac": float(1.0 - np.mean(graded.finished)),
+        "problems": [
+            {"id": ex.id, "answer": ex.answer, "correct": int(row.sum()), "k": k, "scores": [int(x) for x in row],
+             "answers": answers}
+            for ex, row, answers in zip(examples, correct, graded.answers)
+        ],
+    }
+
+
+def generation_block(settings: SamplingSettings, engine: str, template, chat: bool, seed: int, cfg: Config) -> dict:
+    return {
+        "engine": engine, "temperature": 0.0 if settings.greedy else settings.temperature, "top_p": settings.top_p,
+        "greedy": settings.greedy, "max_new_tokens": settings.max_new_tokens, "template": template,
+        "chat_template": chat, "seed": seed, "batch_size": cfg.rollout.batch_size, "dtype": cfg.model.dtype,
+    }
+
+
+def describe_data(bench: str, cfg: Config, data: str | None) -> str:
+    if bench == "synthetic":
+        t = cfg.task
+        return f"arithmetic held-out split (ops={t.ops}, digits={t.digits}, answer_format={t.answer_format}, n_test={t.n_test})"
+    return str(data) if data else "local datasets cache"
+
+
+def save(report: dict, path: Path, store: RunStore | None, bench: str, step: int | None) -> None:
+    """Write the report atomically; for a run, record it as stage ``eval/<bench>/<step>``."""
+    report["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    atomic_write_json(path, report)
+    if store is not None:
+        store.mark_done(f"eval/{bench}/{step:06d}", [path], avg_at_k=report["avg_at_k"], k=report["k"])
+
+
+# --------------------------------------------------------------------------- during training
+def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, last_step: int) -> dict:
+    """The ``train.eval_benchmarks`` evals due at ``step`` (every ``train.eval_every`` steps and
+    at the last step), as metrics ``eval/<bench>/avg_at_k`` and ``eval/<bench>/pass_at_k``.
+
+    Each writes ``<run>/eval/<bench>-step<S>.json`` (replaced when a resumed run redoes the
+    step). At step 1 the benchmarks' data are loaded once, so a missing file fails the run
+    early rather than at the first eval.
+    """
+    benches = cfg.train.eval_benchmarks
+    due = bool(benches) and (step == last_step or (cfg.train.eval_every and step % cfg.train.eval_every == 0))
+    if not due:
+        if benches and step == 1:
+            for bench in benches:
+                build_task(bench, cfg, tokenizer, _train_template(cfg), cfg.eval.data.get(bench)).close()
+        return {}
+    e = cfg.eval
+    settings = SamplingSettings(n=e.k, max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
+                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, logprobs_k=1)
+    row = {}
+    for bench in benches:
+        template = None if bench == "synthetic" else _train_template(cfg)
+        chat = cfg.model.chat_template if bench == "synthetic" else False
+        t0 = time.time()
+        task = build_task(bench, cfg, tokenizer, template, e.data.get(bench))
+        try:
+            examples = task.test_examples()[: e.n_problems]
+            graded = sample_and_grade(engine, tokenizer, task, examples, settings, (cfg.seed, "eval", bench, step),
+                                      cfg.rollout.batch_size, chat)
+        finally:
+            task.close()
+        report = summarize(bench, examples, graded, seed=cfg.seed)
+        report.update(model=str(store.root), weights=None, run=store.name, step=step, data=describe_data(bench, cfg, e.data.get(bench)),
+                      time_s=time.time() - t0, generation=generation_block(settings, engine.name, template, chat, cfg.seed, cfg))
+        save(report, store.root / "eval" / f"{bench}-step{step}.json", store, bench, step)
+        row[f"eval/{bench}/avg_at_k"] = report["avg_at_k"]
+        row[f"eval/{bench}/pass_at_k"] = report["pass_at_k"]
+    return row
+
+
+def _train_template(cfg: Config) -> str:
+    return "chat" if cfg.model.chat_template else "base"
+
