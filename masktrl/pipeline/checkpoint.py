@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from masktrl.errors import ArtifactError
+from masktrl.pipeline.faults import maybe_crash
 from masktrl.pipeline.store import atomic_write_json, fsync_dir
 
 
@@ -24,6 +25,7 @@ def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, extra: d
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
+    maybe_crash("checkpoint-write", step)  # crash tests: die with a half-written checkpoint
     tokenizer.save_pretrained(tmp)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "trainer_state.pt")
     torch.save(_rng_state(), tmp / "rng_state.pt")

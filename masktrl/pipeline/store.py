@@ -131,12 +131,19 @@ class RunStore:
                     hashes[str(p.relative_to(self.root))] = sha256_file(p)
         entry = {"status": "done", "time": time.time(), "config_hash": config_hash, "files": hashes}
         entry.update(info)
+        self.reload()
         self.manifest["stages"][stage] = entry
         self.write_manifest()
 
     def set_info(self, **info: Any) -> None:
+        self.reload()
         self.manifest.update(info)
         self.write_manifest()
+
+    def reload(self) -> None:
+        """Re-read the manifest, so stages another process recorded meanwhile (an eval of this
+        run, say) are kept when this one writes."""
+        self._manifest = None
 
     def write_manifest(self) -> None:
         atomic_write_json(self.root / MANIFEST, self.manifest)

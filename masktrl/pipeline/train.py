@@ -79,7 +79,7 @@ def run(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, ro
     if store.is_done("eval/before"):
         eval_before = store.stage("eval/before")["accuracy"]
     else:
-        eval_before = heldout_accuracy(engine, tokenizer, task, test_set, settings, cfg.eval.greedy, seed=cfg.seed)
+        eval_before = heldout_accuracy(engine, tokenizer, task, test_set, settings, cfg.eval.greedy, cfg.model.chat_template, cfg.seed)
         store.mark_done("eval/before", [], accuracy=eval_before)
     bar = progress.add_task("RL", total=steps, completed=start, info="") if progress else None
     stop = _GracefulStop()
@@ -119,7 +119,7 @@ def run(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, ro
             }
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < steps:
                 row["eval/heldout/accuracy"] = heldout_accuracy(
-                    engine, tokenizer, task, test_set, settings, cfg.eval.greedy, seed=cfg.seed
+                    engine, tokenizer, task, test_set, settings, cfg.eval.greedy, cfg.model.chat_template, cfg.seed
                 )
             row.update(periodic_eval(cfg, store, engine, tokenizer, step, steps))  # train.eval_benchmarks
             store.append_metrics(row)
@@ -142,7 +142,7 @@ def run(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, ro
     if store.is_done("eval/after"):
         eval_after = store.stage("eval/after")["accuracy"]
     else:
-        eval_after = heldout_accuracy(engine, tokenizer, task, test_set, settings, cfg.eval.greedy, seed=cfg.seed)
+        eval_after = heldout_accuracy(engine, tokenizer, task, test_set, settings, cfg.eval.greedy, cfg.model.chat_template, cfg.seed)
         store.mark_done("eval/after", [], accuracy=eval_after)
     summary = {
         "run": store.name,
@@ -214,7 +214,6 @@ def rollout_stats(groups, kept: int) -> dict:
 
 
 def save_checkpoint(store: RunStore, step: int, model, tokenizer, optimizer, scheduler) -> None:
-    maybe_crash("checkpoint-write", step)
     path = ckpt.save(store.checkpoint_dir(step), model, tokenizer, optimizer, scheduler, step)
     store.mark_done(f"checkpoint/{step:06d}", [path])
 
@@ -227,6 +226,11 @@ def restore_latest_checkpoint(store: RunStore, model, optimizer, scheduler) -> i
     """
     done = sorted(int(k.split("/")[1]) for k, v in store.manifest["stages"].items() if k.startswith("checkpoint/") and v.get("status") == "done")
     step = done[-1] if done else 0
+    # Check everything the resumed run will read before changing anything on disk.
+    for key, entry in store.manifest["stages"].items():
+        if entry.get("status") == "done" and key.startswith("step/") and key.endswith("/rollout") and int(key.split("/")[1]) > step:
+            store.verify(key)
+            read_rollouts(store.root / next(iter(entry["files"])))
     if step:
         store.verify(f"checkpoint/{step:06d}")
         path = store.checkpoint_dir(step)
