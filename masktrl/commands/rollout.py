@@ -1,0 +1,35 @@
+"""``masktrl rollout``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from masktrl.commands.ui import console, kv_table
+
+
+def rollout(
+    model: Annotated[str, typer.Option("--model", help="A run folder (its latest checkpoint, or --step), a model folder or a cached hub id.")],
+    data: Annotated[str, typer.Option("--data", help="synthetic | aime24 | aime25 | aime | math500 | gsm8k | a .jsonl/.json/.parquet file.")],
+    out: Annotated[Path, typer.Option("--out", help="The parquet file to write.")],
+    n: Annotated[int, typer.Option("--n", help="Samples per prompt (group size G).")] = 8,
+    topk: Annotated[int, typer.Option("--topk", help="K of the recorded behaviour top-K lists.")] = 20,
+    prompts: Annotated[Optional[int], typer.Option("--prompts", help="Number of prompts (default: 32 synthetic, or all problems).", show_default=False)] = None,
+    step: Annotated[Optional[int], typer.Option("--step", help="Checkpoint step of a run (0: its starting policy).", show_default=False)] = None,
+    temperature: Annotated[float, typer.Option("--temperature")] = 1.0,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Default: the run's, else 1024.", show_default=False)] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    engine: Annotated[Optional[str], typer.Option("--engine", help="hf | vllm (default: the run's, else hf).", show_default=False)] = None,
+    template: Annotated[Optional[str], typer.Option("--template", help="Prompt template for math data: base | chat | instruct | raw.", show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
+) -> None:
+    """Generate rollouts with behaviour log-probabilities and top-K lists into a parquet file
+    (schema: docs/ROLLOUTS.md), usable by `masktrl train --rollouts-from FILE`."""
+    from masktrl.pipeline import rollout_stage
+
+    opts = rollout_stage.RolloutOptions(n, topk, prompts, temperature, top_p, max_new_tokens, seed, engine, template)
+    info = rollout_stage.run(model, data, out, opts, step=step, force=force)
+    console.print(kv_table("masktrl rollout", [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in info.items()]))

@@ -1,0 +1,36 @@
+"""``masktrl runs``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from masktrl.commands.ui import console
+from masktrl.options import DEFAULT_OUT
+
+STATUS_STYLE = {"complete": "green", "running": "cyan", "interrupted": "yellow", "failed": "red"}
+
+
+def runs(folder: Annotated[Path, typer.Argument(help="Folder holding runs.")] = DEFAULT_OUT) -> None:
+    """List runs: name, method, seed, steps done / planned, last reward, last eval accuracy, status."""
+    from masktrl.pipeline.runs import list_runs
+
+    rows = list_runs(folder)
+    table = Table(title=f"runs in {folder}")
+    for col in ("run", "method", "seed", "steps", "last reward", "last eval", "status"):
+        table.add_column(col, justify="right" if col in ("seed", "steps", "last reward", "last eval") else "left")
+    for r in rows:
+        style = STATUS_STYLE.get(r["status"], "white")
+        table.add_row(
+            r["name"], str(r["method"] or "-"), str(r["seed"] if r["seed"] is not None else "-"),
+            f"{r['steps_done']} / {r['steps_planned'] or '?'}",
+            _fmt(r["last_reward"]), _fmt(r["last_eval"]), f"[{style}]{r['status']}[/]",
+        )
+    console.print(table if rows else f"no runs in {folder}")
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"

@@ -1,0 +1,94 @@
+"""``masktrl rollout``: standalone generation into a rollout parquet that any method can train
+on (``masktrl train --rollouts-from FILE``).
+
+The file has the schema of a run's ``steps/<s>/rollouts.parquet`` (docs/ROLLOUTS.md): every
+token's sampled id, behaviour log-probability and behaviour top-K list, plus the reward and
+the group-normalised advantage of each response.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from masktrl.config import Config
+from masktrl.errors import MasktrlError
+from masktrl.models.loading import tokenizer_fingerprint
+from masktrl.pipeline.evaluate import build_task, load_engine, resolve_model
+from masktrl.pipeline.rl import generate_groups, set_group_advantages, stream_seed
+from masktrl.rollout.base import SamplingSettings
+from masktrl.rollout.storage import write_rollouts
+
+
+@dataclass(frozen=True)
+class RolloutOptions:
+    n: int = 8
+    topk: int = 20
+    prompts: int | None = None  # None: 32 synthetic prompts, or every problem of a dataset
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int | None = None
+    seed: int = 0
+    engine: str | None = None
+    template: str | None = None
+
+    def validate(self) -> None:
+        for name in ("n", "topk"):
+            if getattr(self, name) < 1:
+                raise MasktrlError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.n < 2:
+            raise MasktrlError("--n must be >= 2: group advantages need at least two samples per prompt")
+        if not self.temperature > 0 or not 0 < self.top_p <= 1:
+            raise MasktrlError("--temperature must be > 0 and --top-p in (0, 1]")
+
+
+def run(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: int | None = None, force: bool = False) -> dict:
+    opts.validate()
+    out_file = Path(out_file)
+    if out_file.exists() and not force:
+        raise MasktrlError(f"{out_file} already exists; pass --force to replace it (nothing was changed)")
+    ref = resolve_model(model, step)
+    cfg = ref.cfg or Config()
+    cfg = replace(cfg, rollout=replace(cfg.rollout, engine=opts.engine or (cfg.rollout.engine if ref.cfg else "hf")))
+    task, examples = _examples(data, cfg, opts)
+    try:
+        engine, tokenizer = load_engine(replace(cfg, model=replace(cfg.model, path=ref.weights)), ref.weights)
+        max_new = opts.max_new_tokens or (cfg.rollout.max_new_tokens if ref.cfg else 1024)
+        settings = SamplingSettings(opts.n, max_new, opts.temperature, opts.top_p, opts.topk)
+        chat = cfg.model.chat_template and data == "synthetic"
+        groups = generate_groups(engine, tokenizer, task, examples, settings, stream_seed(opts.seed, "rollout-cmd"), chat)
+    finally:
+        task.close()
+    for group in groups:
+        set_group_advantages(group)
+    samples = [s for g in groups for s in g]
+    meta = {"engine": engine.name, "tokenizer": tokenizer_fingerprint(tokenizer), **settings.__dict__,
+            "model": ref.weights, "data": data, "seed": opts.seed}
+    write_rollouts(out_file, samples, meta)
+    return {
+        "file": str(out_file),
+        "prompts": len(groups),
+        "responses": len(samples),
+        "tokens": sum(len(s.gen.response_ids) for s in samples),
+        "reward_mean": sum(s.reward for s in samples) / max(1, len(samples)),
+        "model": ref.weights,
+    }
+
+
+def _examples(data: str, cfg: Config, opts: RolloutOptions):
+    """(task, examples): synthetic arithmetic prompts, or the problems of a benchmark / file."""
+    if data == "synthetic":
+        if cfg.task.name != "arithmetic":
+            cfg = Config()
+        task = build_task("synthetic", cfg, None, None, None)
+        return task, task.train_examples(opts.prompts or 32, random.Random(stream_seed(opts.seed, "rollout-cmd-prompts")))
+    path = Path(data)
+    if path.suffix in (".jsonl", ".json", ".parquet"):
+        from masktrl.tasks.math_data import make_math_task
+
+        task = make_math_task(test=None, test_file=str(path), template=opts.template or "base")
+    else:
+        task = build_task(data, cfg, None, opts.template or "base", None)
+    examples = task.test_examples()
+    return task, examples[: opts.prompts] if opts.prompts else examples

@@ -1,0 +1,91 @@
+"""`masktrl rollout`, `train --rollouts-from` and `masktrl runs`."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from masktrl.cli import app
+from masktrl.rollout.storage import read_rollouts
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    return result
+
+
+@pytest.fixture(scope="module")
+def source_run(tmp_path_factory):
+    from tests.conftest import TINY_TEST_YAML
+
+    base = tmp_path_factory.mktemp("replay")
+    cfg = base / "c.yaml"
+    cfg.write_text(TINY_TEST_YAML)
+    r = invoke("train", "--config", cfg, "--out", base / "out", "--run", "src")
+    assert r.exit_code == 0, r.output
+    return base, cfg, base / "out" / "src"
+
+
+def test_rollout_command_writes_a_trainable_file(source_run):
+    base, cfg, src = source_run
+    out_file = base / "r.parquet"
+    r = invoke("rollout", "--model", src, "--data", "synthetic", "--n", 4, "--topk", 3, "--prompts", 5, "--out", out_file)
+    assert r.exit_code == 0, r.output
+    samples, meta = read_rollouts(out_file)
+    assert len(samples) == 20 and meta["logprobs_k"] == 3 and meta["model"].endswith("000002")
+    assert all(len(row) == 3 for s in samples for row in s.gen.topk_ids)
+    # refuses to overwrite
+    r = invoke("rollout", "--model", src, "--data", "synthetic", "--out", out_file)
+    assert r.exit_code == 2 or "already exists" in str(r.exception)
+
+
+def test_two_methods_replaying_one_file_see_identical_tokens(source_run):
+    base, cfg, src = source_run
+    out_file = base / "shared.parquet"
+    assert invoke("rollout", "--model", src, "--data", "synthetic", "--n", 4, "--prompts", 12, "--out", out_file).exit_code == 0
+    for method in ("grpo", "dppo"):
+        r = invoke("train", "--config", cfg, "--out", base / "out", "--run", f"replay-{method}", "--method", method,
+                   "--rollouts-from", out_file, "--set", "train.steps=5")
+        assert r.exit_code == 0, r.output
+    a, b = base / "out" / "replay-grpo", base / "out" / "replay-dppo"
+    steps = sorted(p.name for p in (a / "steps").iterdir())
+    assert steps == ["000001", "000002"]  # 12 prompts / 6 per step: capped at 2 steps
+    for s in steps:
+        assert (a / "steps" / s / "rollouts.parquet").read_bytes() == (b / "steps" / s / "rollouts.parquet").read_bytes()
+    src_tokens = [x.gen.response_ids for x in read_rollouts(out_file)[0]]
+    replayed = [x.gen.response_ids for s in steps for x in read_rollouts(a / "steps" / s / "rollouts.parquet")[0]]
+    assert replayed == src_tokens
+    assert json.loads((a / "summary.json").read_text())["rollouts_from"] == str(out_file)
+
+
+def test_replaying_a_run_folder(source_run):
+    base, cfg, src = source_run
+    r = invoke("train", "--config", cfg, "--out", base / "out", "--run", "replay-run", "--method", "pdm", "--rollouts-from", src)
+    assert r.exit_code == 0, r.output
+    for s in ("000001", "000002"):
+        mine = read_rollouts(base / "out" / "replay-run" / "steps" / s / "rollouts.parquet")[0]
+        theirs = read_rollouts(src / "steps" / s / "rollouts.parquet")[0]
+        assert [x.gen.response_ids for x in mine] == [x.gen.response_ids for x in theirs]
+
+
+def test_incompatible_tokenizer_is_refused(source_run, tmp_path):
+    base, cfg, src = source_run
+    other = tmp_path / "other.yaml"
+    other.write_text(cfg.read_text().replace("digits: 1", "digits: 1, answer_format: boxed"))  # boxed adds characters to the vocabulary
+    r = invoke("train", "--config", other, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", src)
+    assert r.exit_code != 0 and "tokenizer" in str(r.exception)
+
+
+def test_runs_lists_status(source_run):
+    base, cfg, src = source_run
+    r = runner.invoke(app, ["runs", str(base / "out")], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "src" in r.output and "complete" in r.output and "2 / 2" in r.output
+    # a run whose process died without saying so reads as interrupted
+    m = json.loads((src / "manifest.json").read_text())
+    (src / "manifest.json").write_text(json.dumps({**m, "status": "running", "pid": 2**22 + 12345}))
+    r = runner.invoke(app, ["runs", str(base / "out")], env={"COLUMNS": "200"})
+    assert "interrupted" in r.output
+    (src / "manifest.json").write_text(json.dumps(m))
