@@ -1,0 +1,133 @@
+"""Training curves of several runs on shared axes; runs that differ only in seed become one
+line (the mean over seeds) with a 95% band (Student-t interval of the mean at each step).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from masktrl.analysis.io import RunInfo, group_runs
+from masktrl.analysis.stats import student_t_pvalue
+
+HELDOUT = "eval/heldout/accuracy"
+METRICS = [
+    ("reward_mean", "reward (mean)"),
+    ("response_len_mean", "response length (tokens)"),
+    ("ppo_kl", "ppo_kl (k1 estimate of KL(μ||π))"),
+    ("mask_frac", "mask / clip fraction"),
+    ("sis_accept_rate", "SIS accept rate"),
+    (HELDOUT, "held-out accuracy"),
+]
+
+
+def t_critical(df: float, alpha: float = 0.05) -> float:
+    """The two-sided Student-t quantile: P(|T| >= t) = alpha, by bisection on the p-value."""
+    lo, hi = 0.0, 1e3
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if student_t_pvalue(mid, df) > alpha:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def run_series(run: RunInfo, key: str) -> dict[int, float]:
+    """step -> value of metric ``key`` for one run.
+
+    ``mask_frac`` falls back to ``clip_frac``. The held-out accuracy adds eval_before at step 0
+    and eval_after at the last step (summary.json, else the manifest's eval stages).
+    """
+    out: dict[int, float] = {}
+    for row in run.metrics:
+        v = row.get(key, row.get("clip_frac") if key == "mask_frac" else None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[int(row["step"])] = float(v)
+    if key == HELDOUT:
+        before, after = _evals(run)
+        if before is not None:
+            out[0] = before
+        if after is not None and run.metrics:
+            out[int(run.metrics[-1]["step"])] = after
+    return out
+
+
+def _evals(run: RunInfo) -> tuple[float | None, float | None]:
+    if run.summary is not None:
+        return run.summary.get("eval_before"), run.summary.get("eval_after")
+    store = run.store
+    get = lambda stage: (store.stage(stage) or {}).get("accuracy") if store.exists() else None  # noqa: E731
+    return get("eval/before"), get("eval/after")
+
+
+def smooth(series: dict[int, float], window: int) -> dict[int, float]:
+    """Trailing moving average over ``window`` logged points (1 = unchanged)."""
+    if window <= 1:
+        return series
+    steps = sorted(series)
+    vals = np.array([series[s] for s in steps])
+    csum = np.concatenate([[0.0], np.cumsum(vals)])
+    return {s: float((csum[i + 1] - csum[max(0, i + 1 - window)]) / (i + 1 - max(0, i + 1 - window))) for i, s in enumerate(steps)}
+
+
+def band(values: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95% t-interval of the mean; low = high = nan for one value."""
+    v = np.asarray(values, dtype=float)
+    mean = float(v.mean())
+    if v.size < 2:
+        return mean, float("nan"), float("nan")
+    half = t_critical(v.size - 1) * float(v.std(ddof=1)) / math.sqrt(v.size)
+    return mean, mean - half, mean + half
+
+
+def group_curve(runs: list[RunInfo], key: str, window: int = 1) -> dict:
+    series = [smooth(run_series(r, key), window if key != HELDOUT else 1) for r in runs]
+    steps = sorted({s for ser in series for s in ser})
+    curve = {"step": [], "mean": [], "lo": [], "hi": [], "n": []}
+    for s in steps:
+        vals = [ser[s] for ser in series if s in ser]
+        mean, lo, hi = band(vals)
+        for k, v in zip(("step", "mean", "lo", "hi", "n"), (s, mean, lo, hi, len(vals))):
+            curve[k].append(v)
+    return curve
+
+
+def metric_list(runs: list[RunInfo]) -> list[tuple[str, str]]:
+    """The standard metrics plus any other ``eval/...`` key a run logged (benchmarks)."""
+    extra = sorted({k for r in runs for row in r.metrics for k in row if k.startswith("eval/") and k != HELDOUT})
+    return METRICS + [(k, k) for k in extra]
+
+
+def dynamics(runs: list[RunInfo], window: int = 1) -> dict:
+    """Grouped curves of every metric; JSON-ready (see docs/ANALYSIS.md)."""
+    metrics = metric_list(runs)
+    groups = []
+    for label, members in group_runs(runs):
+        curves = {key: group_curve(members, key, window) for key, _ in metrics}
+        groups.append(
+            {
+                "label": label,
+                "method": members[0].cfg.method_name,
+                "runs": [str(r.root) for r in members],
+                "seeds": [r.cfg.seed for r in members],
+                "curves": curves,
+                "final": {k: (c["mean"][-1] if c["mean"] else None) for k, c in curves.items()},
+                "final_step": {k: (c["step"][-1] if c["step"] else None) for k, c in curves.items()},
+            }
+        )
+    return {"runs": [str(r.root) for r in runs], "smooth": window, "metrics": [k for k, _ in metrics], "groups": groups}
+
+
+def save(result: dict, out_dir: Path) -> list[Path]:
+    from masktrl.analysis import plots
+    from masktrl.analysis.io import save_figure, write_json
+
+    labels = dict(metric_list([]))
+    metrics = [(k, labels.get(k, k)) for k in result["metrics"]]
+    return [
+        write_json(Path(out_dir) / "dynamics.json", result),
+        save_figure(plots.curves(result["groups"], metrics), Path(out_dir) / "dynamics.png"),
+    ]

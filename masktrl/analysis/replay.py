@@ -1,0 +1,163 @@
+"""Replaying a stored training step: a checkpoint, the rollouts it trains on, and its updates.
+
+``load_replay`` loads checkpoint P (weights + optimizer + scheduler; P = 0 is the warm-start
+policy with a fresh optimizer, as the train loop starts) and the rollout batch of step S.
+``replay_step`` then runs the minibatch updates of ``pipeline.rl.policy_update`` with the
+run's method, parameters and optimizer, calling hooks before and after each update, so an
+analysis can look at exactly what the method saw. With P = S-1, the run's seed and the run's
+number of minibatches, the replay reproduces the stored checkpoint S (tested).
+
+This module reaches into ``pipeline.rl`` (the only analysis module that does); it belongs
+with the pipeline stages if they grow an ``analyze`` stage.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from masktrl.analysis.io import checkpoint_path, load_config_of, rollout_path
+from masktrl.config import Config
+from masktrl.errors import ArtifactError
+from masktrl.methods import Method, aggregate, get_method, make_params
+from masktrl.models.loading import load_model_and_tokenizer
+from masktrl.pipeline.rl import PolicyOutputs, policy_token_batch, stream_seed
+from masktrl.rollout.base import Sample
+from masktrl.rollout.storage import read_rollouts
+
+
+@dataclass
+class Replay:
+    root: Path
+    cfg: Config
+    method: Method
+    params: object
+    samples: list[Sample]
+    step: int  # S: the rollout batch
+    policy_step: int  # P: the checkpoint the update starts from
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    _saved: tuple | None = None
+
+    @property
+    def offsets(self) -> list[int]:
+        """Start of each sample's tokens in the flattened [N] batch (sample order)."""
+        out, n = [], 0
+        for s in self.samples:
+            out.append(n)
+            n += len(s.gen.response_ids)
+        return out
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s.gen.response_ids) for s in self.samples)
+
+    def save_state(self) -> None:
+        self._saved = (
+            copy.deepcopy(self.model.state_dict()),
+            copy.deepcopy(self.optimizer.state_dict()),
+            copy.deepcopy(self.scheduler.state_dict()),
+        )
+
+    def restore(self) -> None:
+        """Back to checkpoint P (weights, optimizer moments, scheduler position)."""
+        weights, opt, sched = self._saved
+        self.model.load_state_dict(weights)
+        self.optimizer.load_state_dict(copy.deepcopy(opt))  # load_state_dict may alias tensors
+        self.scheduler.load_state_dict(copy.deepcopy(sched))
+
+
+def load_replay(root: Path, step: int, policy_step: int | None = None) -> Replay:
+    """Checkpoint ``policy_step`` (default step-1) with its optimizer, and the rollouts of ``step``."""
+    from masktrl.pipeline.train import make_optimizer
+
+    cfg = load_config_of(root)
+    policy_step = step - 1 if policy_step is None else policy_step
+    if policy_step < 0:
+        raise ArtifactError(f"policy step must be >= 0, got {policy_step}")
+    samples, _ = read_rollouts(rollout_path(root, step))
+    if not samples:
+        raise ArtifactError(f"{rollout_path(root, step)}: empty rollout batch")
+    path = checkpoint_path(root, policy_step)
+    torch.set_num_threads(cfg.train.threads)
+    model, tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
+    model.eval()
+    optimizer, scheduler = make_optimizer(model, cfg)
+    if policy_step > 0:
+        _load_optimizer(Path(path), optimizer, scheduler)
+    method = get_method(cfg.method_name)
+    params = make_params(cfg.method_name, **cfg.method_params)
+    replay = Replay(Path(root), cfg, method, params, samples, step, policy_step, model, tokenizer, optimizer, scheduler)
+    replay.save_state()
+    return replay
+
+
+def _load_optimizer(path: Path, optimizer, scheduler) -> None:
+    try:
+        state = torch.load(path / "trainer_state.pt", weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    except (OSError, RuntimeError, KeyError, ValueError) as exc:
+        raise ArtifactError(f"{path}: unreadable optimizer state ({str(exc).splitlines()[0]})") from None
+
+
+def partition(n: int, seed: int, step: int, minibatches: int) -> list[list[int]]:
+    """The minibatch split of ``policy_update``: a seeded permutation cut into ``minibatches`` parts."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(stream_seed(seed, "order", step)))
+    return [p.tolist() for p in order.chunk(minibatches) if len(p)]
+
+
+def sis_uniforms(seed: int, step: int, mb: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The uniforms SIS draws for minibatch ``mb`` of ``step`` (as in ``policy_update``)."""
+    gen = torch.Generator().manual_seed(stream_seed(seed, "sis", step, mb))
+    return torch.rand(n, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def token_index(replay: Replay, idx: list[int]) -> torch.Tensor:
+    """[n] global token indices (into the flattened batch) of the samples ``idx``, in that order."""
+    offs = replay.offsets
+    return torch.tensor([offs[i] + t for i in idx for t in range(len(replay.samples[i].gen.response_ids))], dtype=torch.long)
+
+
+@torch.no_grad()
+def policy_outputs(replay: Replay, idx: list[int]) -> PolicyOutputs:
+    """The current policy on samples ``idx`` (no gradient)."""
+    return policy_token_batch(replay.model, [replay.samples[i] for i in idx], replay.cfg.rollout.temperature, replay.cfg.train.logprob_chunk)
+
+
+Hook = Callable[..., None]
+
+
+def replay_step(replay: Replay, seed: int, minibatches: int, before: Hook | None = None, after: Hook | None = None) -> None:
+    """Run the step's minibatch updates from the current state, as ``policy_update`` does.
+
+    ``before(mb, idx, out, losses, u)`` sees each minibatch's policy outputs and token losses
+    just before its optimizer step; ``after(mb, idx)`` runs just after it. The seed chooses
+    the minibatch partition (``stream_seed(seed, "order", S)``) and the SIS uniforms
+    (``stream_seed(seed, "sis", S, mb)``); nothing else in an update is random.
+    """
+    cfg, method, params = replay.cfg, replay.method, replay.params
+    agg_mode = method.aggregation(params)
+    norm = {"norm_len": cfg.rollout.max_new_tokens} if agg_mode == "seq-mean-token-sum-norm" else {}
+    replay.model.train()
+    for mb, idx in enumerate(partition(len(replay.samples), seed, replay.step, minibatches)):
+        out = policy_token_batch(replay.model, [replay.samples[i] for i in idx], cfg.rollout.temperature, cfg.train.logprob_chunk)
+        u = sis_uniforms(seed, replay.step, mb, out.batch.n, out.batch.logp.dtype) if method.needs_u(params) else None
+        losses = method.token_losses(out.batch, out.advantages, params, u=u)
+        if before is not None:
+            before(mb, idx, out, losses, u)
+        loss = aggregate(losses.loss, out.batch, agg_mode, **norm)
+        replay.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(replay.model.parameters(), cfg.train.grad_clip)
+        replay.optimizer.step()
+        replay.scheduler.step()
+        if after is not None:
+            after(mb, idx)
+    replay.model.eval()

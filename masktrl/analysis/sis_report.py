@@ -1,0 +1,161 @@
+"""What selective importance sampling sees in a run (SPEC §6).
+
+* over training, from metrics.jsonl: the logged accept rate (SIS runs only) and the mean
+  residual top-K mass 1 − π(top-K) the trainer logged;
+* over training, from the stored rollouts (no model needed): the behaviour's residual mass
+  1 − μ(top-K) per token (mean, median, p90, p99 per step) and the share of sampled tokens
+  outside the behaviour top-K (no acceptance test exists for those);
+* at one step S, recomputed by replaying the step from checkpoint S-1 exactly as training did
+  (same minibatch split, same weights at each minibatch): π's residual mass per token, and the
+  SIS decision ``sis_accept`` with the training uniforms ``stream_seed(seed, "sis", S, mb)``,
+  so for a SIS run the recomputed accept rate equals the logged one. For another method the
+  decisions are what SIS would have made on that run's batch (marked ``hypothetical``).
+  The most frequent accepted and rejected sampled tokens are decoded with the run's tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from masktrl.analysis.io import RunInfo, default_replay_step, rollout_path, rollout_steps
+from masktrl.methods import sis_accept
+from masktrl.methods.batch import genuine_entries, tail_mass
+from masktrl.rollout.storage import read_rollouts
+
+MAX_ROLLOUT_STEPS = 200  # rollout files read for the curves (evenly spaced when there are more)
+
+
+def residual_mass(lp_list: torch.Tensor, ids: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """[N] 1 − p(genuine top-K list) from [N, K] log-probs at the list ids (0 if the list is the vocabulary)."""
+    genuine = genuine_entries(ids)  # [N, K]
+    resid = tail_mass(lp_list.to(torch.float64).masked_fill(~genuine, float("-inf")))  # [N]
+    if vocab_size is not None:
+        resid = torch.where(genuine.sum(dim=1) == vocab_size, torch.zeros_like(resid), resid)
+    return resid
+
+
+def rollout_curves(root: Path, vocab_size: int | None = None) -> dict:
+    """Per stored step: behaviour residual-mass statistics and the outside-top-K share."""
+    steps = rollout_steps(root)
+    if len(steps) > MAX_ROLLOUT_STEPS:
+        steps = [steps[int(i)] for i in np.linspace(0, len(steps) - 1, MAX_ROLLOUT_STEPS)]
+    out = {k: [] for k in ("step", "outside_topk_frac", "behaviour_residual_mean", "behaviour_residual_p50",
+                           "behaviour_residual_p90", "behaviour_residual_p99", "n_tokens")}
+    for step in steps:
+        samples, _ = read_rollouts(rollout_path(root, step))
+        rows = [(k, ids, lps) for s in samples for k, ids, lps in zip(s.gen.response_ids, s.gen.topk_ids, s.gen.topk_logp)]
+        if not rows:
+            continue
+        ids = torch.tensor([r[1] for r in rows], dtype=torch.long)  # [N, K]
+        lps = torch.tensor([r[2] for r in rows], dtype=torch.float64)  # [N, K]
+        sampled = torch.tensor([r[0] for r in rows], dtype=torch.long)  # [N]
+        inside = (genuine_entries(ids) & (ids == sampled[:, None])).any(dim=1)
+        resid = residual_mass(lps, ids, vocab_size).numpy()
+        out["step"].append(step)
+        out["outside_topk_frac"].append(float((~inside).double().mean()))
+        out["behaviour_residual_mean"].append(float(resid.mean()))
+        for q in (50, 90, 99):
+            out[f"behaviour_residual_p{q}"].append(float(np.quantile(resid, q / 100)))
+        out["n_tokens"].append(len(rows))
+    return out
+
+
+def replay_decisions(root: Path, step: int) -> dict:
+    """Replay step ``step`` from checkpoint step-1 and record SIS decisions per token."""
+    from masktrl.analysis.replay import load_replay, replay_step, sis_uniforms
+
+    replay = load_replay(root, step)
+    seed, m = replay.cfg.seed, replay.cfg.train.minibatches
+    rows: dict[str, list] = {"sampled": [], "accepted": [], "tested": [], "valid": [], "resid": [], "mb_rate": []}
+    vocab: list[int | None] = []
+
+    def before(mb, idx, out, losses, u):
+        b = out.batch
+        vocab.append(b.vocab_size)
+        u = sis_uniforms(seed, step, mb, b.n, b.logp.dtype) if u is None else u
+        dec = sis_accept(b, u)
+        rows["sampled"].append(b.sampled_ids)
+        rows["accepted"].append(dec.accepted)
+        rows["tested"].append(~torch.isnan(dec.accept_prob))
+        rows["valid"].append(b.valid)
+        rows["resid"].append(residual_mass(b.topk_logp.detach(), b.topk_ids, b.vocab_size))
+        rows["mb_rate"].append(float(dec.accepted[b.valid].double().mean()) if bool(b.valid.any()) else float("nan"))
+
+    replay_step(replay, seed, m, before)
+    cat = {k: torch.cat(v) for k, v in rows.items() if k != "mb_rate"}
+    return {"tokenizer": replay.tokenizer, "method": replay.cfg.method_name, "vocab_size": vocab[0], "mb_rates": rows["mb_rate"], **cat}
+
+
+def token_table(tokenizer, ids: torch.Tensor, total: Counter, top: int) -> list[dict]:
+    counts = Counter(ids.tolist())
+    return [
+        {"id": i, "token": decode(tokenizer, i), "count": c, "share_of_this_token": c / total[i]}
+        for i, c in counts.most_common(top)
+    ]
+
+
+def decode(tokenizer, token_id: int) -> str:
+    text = tokenizer.decode([token_id])
+    return text if text else str(tokenizer.convert_ids_to_tokens(token_id))
+
+
+def sis_report(run: RunInfo, step: int | None = None, top: int = 10) -> dict:
+    """The whole report, JSON-ready (see docs/ANALYSIS.md)."""
+    step = default_replay_step(run.root) if step is None else step
+    rep = replay_decisions(run.root, step)
+    training = {"step": [], "accept_rate": [], "residual_mean": []}
+    for row in run.metrics:
+        training["step"].append(row["step"])
+        training["accept_rate"].append(row.get("sis_accept_rate"))
+        training["residual_mean"].append(row.get("topk_residual_mass_mean"))
+    if all(v is None for v in training["accept_rate"]):
+        training["accept_rate"] = []
+    if all(v is None for v in training["residual_mean"]):
+        training["residual_mean"] = []
+    logged = next((r.get("sis_accept_rate") for r in run.metrics if r["step"] == step), None)
+
+    valid, tested, acc = rep["valid"], rep["tested"], rep["accepted"]
+    rejected = tested & ~acc
+    sampled = rep["sampled"]
+    total = Counter(sampled[valid].tolist())
+    resid = rep["resid"][valid].numpy()
+    return {
+        "run": run.name,
+        "method": rep["method"],
+        "step": step,
+        "policy_step": step - 1,
+        "hypothetical": rep["method"] != "sis",
+        "training": training,
+        "rollouts": rollout_curves(run.root, rep["vocab_size"]),
+        "replay": {
+            "n_valid": int(valid.sum()),
+            "accept_rate": float(np.nanmean(rep["mb_rates"])),  # mean over minibatches, as logged
+            "accept_rate_logged": logged,
+            "tested_frac": float(tested[valid].double().mean()),
+            "accepted_frac_of_tested": float(acc[tested].double().mean()) if bool(tested.any()) else float("nan"),
+            "outside_topk_frac": float((~tested[valid]).double().mean()),
+            "pi_residual_mean": float(resid.mean()),
+            "pi_residual_quantiles": {f"p{q}": float(np.quantile(resid, q / 100)) for q in (50, 90, 99)},
+            "pi_residual": [float(x) for x in resid],
+        },
+        "tokens": {
+            "accepted": token_table(rep["tokenizer"], sampled[acc], total, top),
+            "rejected": token_table(rep["tokenizer"], sampled[rejected], total, top),
+            "untested": token_table(rep["tokenizer"], sampled[valid & ~tested], total, top),
+        },
+    }
+
+
+def save(rep: dict, root: Path) -> list[Path]:
+    from masktrl.analysis import plots
+    from masktrl.analysis.io import analysis_dir, save_figure, write_json
+
+    out = analysis_dir(root)
+    return [
+        write_json(out / f"sis-step{rep['step']}.json", rep),
+        save_figure(plots.sis_panels(rep), out / f"sis-step{rep['step']}.png"),
+    ]
