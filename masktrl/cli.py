@@ -15,6 +15,7 @@ import typer
 
 from masktrl.commands import eval as eval_cmd
 from masktrl.commands import train as train_cmd
+from masktrl.commands import analyze as analyze_cmd, sweep as sweep_cmd
 from masktrl.commands.ui import err_console
 from masktrl.errors import MasktrlError
 
@@ -32,6 +33,8 @@ def _root() -> None:
 
 
 app.command()(train_cmd.train)
+app.add_typer(analyze_cmd.app, name="analyze")
+app.command()(sweep_cmd.sweep)
 app.command("eval")(eval_cmd.eval_command)
 app.command("evaluate", hidden=True)(eval_cmd.eval_command)
 

@@ -104,6 +104,8 @@ class RolloutConfig:
     """vllm only."""
     quantization: str | None = None
     """vllm only: e.g. 'fp8'."""
+    enforce_eager: bool = False
+    """vllm only: no CUDA graphs / compilation (slower; quicker start, needed by some CPU builds)."""
 
     def validate(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))

@@ -21,5 +21,6 @@ def make_engine(cfg, model, tokenizer, model_dir: str | None) -> RolloutEngine:
         dtype=cfg.model.dtype,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         quantization=cfg.rollout.quantization,
+        enforce_eager=cfg.rollout.enforce_eager,
         seed=cfg.seed,
     )

@@ -1,0 +1,169 @@
+"""``masktrl sweep``: a grid of methods x seeds, one training run after another.
+
+Run names are ``<method>-seed<k>`` under one output folder, so every run of a seed reuses the
+same cached warm start (``<out>/.cache/warmstart``). The sweep resumes at run granularity:
+
+* a run that is **complete** (summary.json present and manifest status ``complete``) with
+  the same resolved config is skipped;
+* a complete run with a *different* config stops the sweep before anything runs (choose
+  another ``--out``; nothing is overwritten);
+* an **incomplete** run (interrupted or failed: no summary, or status not ``complete``) with
+  the same config is reported and **resumed** in place (``pipeline.train.run(resume=True)``:
+  from its last checkpoint, reusing its stored rollouts);
+* an incomplete run that cannot be resumed (no manifest, run.yaml missing or changed) is
+  reported and left as it is; the run starts again in a fresh folder
+  ``<method>-seed<k>-retry<i>`` (stored artifacts are never deleted).
+
+Every config is built and validated before the first run starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from masktrl.config import Config, diff_configs, load_config
+from masktrl.errors import ConfigError, MasktrlError
+from masktrl.pipeline.store import RunStore
+
+
+@dataclass
+class SweepRun:
+    method: str
+    seed: int
+    name: str  # the canonical name <method>-seed<k>
+    cfg: Config
+    root: Path  # the folder that holds (or will hold) the complete run
+    state: str  # "complete" (skip) | "new" | "resume" (incomplete, resumable) | "retry" (fresh folder)
+    incomplete: list[Path] = field(default_factory=list)
+
+
+def parse_methods(text: str) -> list[str]:
+    from masktrl.methods import method_names
+
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    if not methods:
+        raise ConfigError("--methods is empty")
+    unknown = [m for m in methods if m not in method_names()]
+    if unknown:
+        raise ConfigError(f"unknown method {unknown[0]!r}; valid methods: {', '.join(method_names())}")
+    if len(set(methods)) != len(methods):
+        raise ConfigError(f"--methods lists a method twice: {text}")
+    return methods
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``3`` -> seeds 0, 1, 2; ``0,4,7`` -> exactly those seeds."""
+    try:
+        if "," in text:
+            seeds = [int(s) for s in text.split(",") if s.strip()]
+        else:
+            seeds = list(range(int(text)))
+    except ValueError:
+        raise ConfigError(f"--seeds must be a count (3) or a list (0,4,7), got {text!r}") from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds must give distinct non-negative seeds, got {text!r}")
+    return seeds
+
+
+def run_state(root: Path) -> str:
+    """'missing' | 'complete' | 'incomplete' for a run folder."""
+    if not root.exists() or not any(root.iterdir()):
+        return "missing"
+    store = RunStore(root)
+    if (root / "summary.json").is_file() and store.exists() and store.manifest.get("status") == "complete":
+        return "complete"
+    return "incomplete"
+
+
+def plan(out: Path, methods: list[str], seeds: list[int], config: Path | None = None, overrides: list[str] = ()) -> list[SweepRun]:
+    """Every run of the grid with its config and what the sweep will do with it."""
+    runs = []
+    for method in methods:
+        for seed in seeds:
+            cfg = load_config(config, list(overrides), method=method, seed=seed)
+            name = f"{method}-seed{seed}"
+            attempts = [Path(out) / name] + sorted(Path(out).glob(f"{name}-retry*"), key=_retry_index)
+            states = {root: run_state(root) for root in attempts}
+            complete = [r for r in attempts if states[r] == "complete"]
+            incomplete = [r for r in attempts if states[r] == "incomplete"]
+            for root in complete:
+                _check_same_config(root, cfg)
+            if complete:
+                runs.append(SweepRun(method, seed, name, cfg, complete[-1], "complete", incomplete))
+            elif incomplete and _resumable(incomplete[-1], cfg):
+                runs.append(SweepRun(method, seed, name, cfg, incomplete[-1], "resume", incomplete))
+            elif incomplete:
+                runs.append(SweepRun(method, seed, name, cfg, Path(out) / f"{name}-retry{_next_retry(attempts)}", "retry", incomplete))
+            else:
+                runs.append(SweepRun(method, seed, name, cfg, Path(out) / name, "new"))
+    return runs
+
+
+def _check_same_config(root: Path, cfg: Config) -> None:
+    from masktrl.analysis.io import load_config_of
+
+    diff = diff_configs(load_config_of(root), cfg)
+    if diff:
+        raise MasktrlError(f"{root} holds a run with a different config ({', '.join(diff[:4])}); use another --out (nothing was changed)")
+
+
+def _resumable(root: Path, cfg: Config) -> bool:
+    """An interrupted run of this config that ``train.run(resume=True)`` accepts.
+
+    Raises if the run looks alive (status running and its process exists): two sweeps must
+    not write into the same run.
+    """
+    from masktrl.pipeline.train import check_resumable
+
+    store = RunStore(root)
+    try:
+        check_resumable(store)
+    except MasktrlError:
+        return False
+    pid = store.manifest.get("pid")
+    if store.manifest.get("status") == "running" and isinstance(pid, int) and pid != os.getpid() and _alive(pid):
+        raise MasktrlError(f"{root} is being trained right now (pid {pid}); wait for it or stop it first")
+    _check_same_config(root, cfg)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _retry_index(path: Path) -> int:
+    tail = path.name.rsplit("-retry", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def _next_retry(attempts: list[Path]) -> int:
+    return 1 + max([_retry_index(p) for p in attempts if "-retry" in p.name] + [0])
+
+
+def run_one(item: SweepRun, progress=None) -> Path:
+    """Train one planned run into ``item.root`` (a complete run is returned as it is)."""
+    from masktrl.pipeline import train
+
+    if item.state != "complete":
+        train.run(item.cfg, RunStore(item.root), progress, resume=item.state == "resume")
+        item.state = "complete"
+    return item.root
+
+
+def run(runs: list[SweepRun], progress=None, on_event: Callable[[str, SweepRun], None] | None = None) -> list[Path]:
+    """Train every run that is not complete, in order; return the folders of all complete runs."""
+    done = []
+    for item in runs:
+        if on_event:
+            on_event("skip" if item.state == "complete" else "start", item)
+        done.append(run_one(item, progress))
+    return done
