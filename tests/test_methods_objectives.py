@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from masktrl.methods import TokenBatch, aggregate, get_method, make_params, overlong_penalty, token_losses
+from masktrl.methods import TokenBatch, aggregate, aggregate_denominator, get_method, make_params, overlong_penalty, token_losses
 from tests.test_methods_reference import (
     F64,
     NEG_INF,
@@ -268,6 +268,32 @@ def test_aggregate_excludes_invalid_tokens_and_handles_noncontiguous_sequences()
     assert abs(float(aggregate(loss, b, "seq-mean-token-sum-norm", norm_len=10)) - (4 / 10 + 5 / 10) / 2) < 1e-12
     empty, _ = tiny_batch([0.0], [NEG_INF], [0])
     assert float(aggregate(torch.ones(1, dtype=F64), empty, "token-mean")) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_aggregate_denominator_recombines_parts_split_by_sequence(mode):
+    """Processes (or micro-batches) holding whole sequences reproduce the whole batch's loss and
+    gradient when each part is weighted by denominator(part) / denominator(whole)."""
+    ln = math.log
+    logp = [ln(0.3), ln(0.1), ln(0.14), ln(0.3), ln(0.2), ln(0.25), ln(0.4)]
+    blp = [ln(0.2), NEG_INF, ln(0.2), ln(0.2), NEG_INF, ln(0.2), NEG_INF]
+    seq = [0, 0, 1, 1, 2, 3, 4]  # seq 2 and 4: no valid token
+    mult = torch.arange(1.0, 8.0, dtype=F64)  # a different loss per token: l_t = t * logp_t
+    kw = {"norm_len": 4} if mode == "seq-mean-token-sum-norm" else {}
+    whole, lp = tiny_batch(logp, blp, seq)
+    want = aggregate(lp * mult, whole, mode, **kw)
+    (want_grad,) = torch.autograd.grad(want, lp)
+    total = aggregate_denominator(whole, mode)
+    assert total == (4 if mode == "token-mean" else 3)  # valid tokens 0, 2, 3, 5; sequences 0, 1, 3
+    got, grads = 0.0, []
+    for idx in ([0, 1, 4], [2, 3, 5, 6]):  # sequences {0, 2} and {1, 3, 4}
+        part, plp = tiny_batch([logp[i] for i in idx], [blp[i] for i in idx], [seq[i] for i in idx])
+        value = aggregate(plp * mult[idx], part, mode, **kw) * aggregate_denominator(part, mode) / total
+        got += float(value)
+        grads.append(torch.autograd.grad(value, plp)[0])
+    assert abs(got - float(want)) < 1e-12
+    assert torch.allclose(torch.cat(grads), want_grad[[0, 1, 4, 2, 3, 5, 6]], atol=1e-12)
+    assert aggregate_denominator(tiny_batch([0.0], [NEG_INF], [0])[0], mode) == 0
 
 
 @pytest.mark.parametrize("name,kw", VARIANTS)

@@ -10,7 +10,7 @@ response tokens (``TokenBatch``) and computes in the dtype of its inputs.
 
 from masktrl.methods.batch import TokenBatch, support
 from masktrl.methods.divergence import ddot_kl_bracket, divergence, divergence_rate
-from masktrl.methods.objectives import aggregate, token_losses
+from masktrl.methods.objectives import aggregate, aggregate_denominator, token_losses
 from masktrl.methods.params import (
     AGG_MODES,
     DAPOParams,
@@ -44,6 +44,7 @@ __all__ = [
     "TokenBatch",
     "TokenLosses",
     "aggregate",
+    "aggregate_denominator",
     "ddot_kl_bracket",
     "divergence",
     "divergence_rate",

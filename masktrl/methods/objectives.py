@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from masktrl.methods.batch import TokenBatch, check_choice, log_ratio, log_ratio_live, unit_ratio_log
-from masktrl.methods.divergence import divergence, divergence_rate
+from masktrl.methods.batch import TokenBatch, check_choice, log_ratio, log_ratio_live, support, unit_ratio_log
+from masktrl.methods.divergence import divergence, rate_on_support, topk_kl, topk_tv
 from masktrl.methods.masks import dppo_mask, masked_pg_loss, pdm_mask, ppo_clip_loss
 from masktrl.methods.params import AGG_MODES, DAPOParams, DPPOParams, GRPOParams, GSPOParams, PDMParams, SISParams
 from masktrl.methods.registry import Method, TokenLosses, get_method, register_method
@@ -85,8 +85,11 @@ def dppo(batch: TokenBatch, adv: Tensor, p: DPPOParams, u: Tensor | None) -> Tok
 @register_method("pdm", PDMParams, "predictive divergence mask D > delta and sign(A Ddot) > 0 (top-K KL/TV)")
 def pdm(batch: TokenBatch, adv: Tensor, p: PDMParams, u: Tensor | None) -> TokenLosses:
     """Predictive divergence mask (§4) on the union support; DPPO's loss form."""
-    d = divergence(batch, "topk-" + p.divergence, rule="union")
-    ddot = divergence_rate(batch, p.divergence, p.tail)
+    if p.tail == "uniform" and batch.vocab_size is None:
+        raise ValueError('vocab_size is required for tail="uniform" (TokenBatch.vocab_size is None)')
+    s = support(batch, "union")  # shared by D and Ddot
+    d = topk_kl(s) if p.divergence == "kl" else topk_tv(s)
+    ddot = rate_on_support(s, p.divergence, p.tail)
     lw = log_ratio(batch)
     mask = pdm_mask(d, ddot, adv, *p.deltas) | ~batch.valid
     loss = masked_pg_loss(unit_ratio_log(batch), lw, adv, mask, p.ratio_cap)
@@ -144,3 +147,21 @@ def aggregate(loss: Tensor, batch: TokenBatch, mode: str, *, norm_len: int | flo
     if isinstance(norm_len, bool) or not isinstance(norm_len, (int, float)) or not norm_len > 0:
         raise ValueError(f"norm_len must be a positive number for mode {mode!r}, got {norm_len!r}")
     return sums.sum() / float(norm_len) / n_seq
+
+
+def aggregate_denominator(batch: TokenBatch, mode: str) -> int:
+    """What ``aggregate`` divides by (before its clamp to 1), so a batch split across processes or
+    micro-batches can be normalised by the whole batch's count (§8):
+
+    * ``token-mean``: the number of valid tokens;
+    * ``seq-mean-token-mean`` and ``seq-mean-token-sum-norm``: the number of sequences with at
+      least one valid token.
+
+    For a batch cut into parts along sequence boundaries, ``aggregate(whole)`` equals
+    ``sum_parts aggregate(part) * denominator(part) / denominator(whole)``.
+    """
+    check_choice("mode", mode, AGG_MODES)
+    valid = batch.valid
+    if mode == "token-mean":
+        return int(valid.sum())
+    return int(torch.unique(batch.seq_ids[valid]).numel())
