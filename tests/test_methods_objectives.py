@@ -289,9 +289,9 @@ def test_aggregate_denominator_recombines_parts_split_by_sequence(mode):
     for idx in ([0, 1, 4], [2, 3, 5, 6]):  # sequences {0, 2} and {1, 3, 4}
         part, plp = tiny_batch([logp[i] for i in idx], [blp[i] for i in idx], [seq[i] for i in idx])
         value = aggregate(plp * mult[idx], part, mode, **kw) * aggregate_denominator(part, mode) / total
-        got += float(value)
+        got += value.item()
         grads.append(torch.autograd.grad(value, plp)[0])
-    assert abs(got - float(want)) < 1e-12
+    assert abs(got - want.item()) < 1e-12
     assert torch.allclose(torch.cat(grads), want_grad[[0, 1, 4, 2, 3, 5, 6]], atol=1e-12)
     assert aggregate_denominator(tiny_batch([0.0], [NEG_INF], [0])[0], mode) == 0
 

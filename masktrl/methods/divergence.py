@@ -81,17 +81,6 @@ def topk_tv(s: Support) -> Tensor:
     return 0.5 * (atoms + (s.mu_tail - s.pi_tail).abs())
 
 
-def _tail_share(batch: TokenBatch, s: Support, tail: str) -> Tensor:
-    """[N] pi_T / n_T: the training mass of one token of the tail atom (0 when the tail is dropped)."""
-    check_choice("tail", tail, TAILS)
-    if tail == "uniform":
-        if batch.vocab_size is None:
-            raise ValueError('vocab_size is required for tail="uniform" (TokenBatch.vocab_size is None)')
-        m = s.m.to(s.pi_tail.dtype)
-        return torch.where(m > 0, s.pi_tail / m.clamp_min(1.0), torch.zeros_like(m))
-    return s.pi_tail  # aggregated: n_T = 1 (tails are exactly 0 when m == 0)
-
-
 def divergence_rate(batch: TokenBatch, kind: str, tail: str) -> Tensor:
     """[N] Ddot along v = e_k - pi on the union support, §4.2.
 
@@ -102,8 +91,18 @@ def divergence_rate(batch: TokenBatch, kind: str, tail: str) -> Tensor:
     """
     check_choice("kind", kind, RATE_KINDS)
     check_choice("tail", tail, TAILS)
-    s = support(batch, "union")
-    share = _tail_share(batch, s, tail)  # [N] pi_T / n_T
+    if tail == "uniform" and batch.vocab_size is None:
+        raise ValueError('vocab_size is required for tail="uniform" (TokenBatch.vocab_size is None)')
+    return rate_on_support(support(batch, "union"), kind, tail)
+
+
+def rate_on_support(s: Support, kind: str, tail: str) -> Tensor:
+    """[N] Ddot of ``divergence_rate`` from an already computed union support."""
+    if tail == "uniform":  # n_T = m; the tail atom is dropped when m = 0
+        m = s.m.to(s.pi_tail.dtype)
+        share = torch.where(m > 0, s.pi_tail / m.clamp_min(1.0), torch.zeros_like(m))  # [N] pi_T / n_T
+    else:
+        share = s.pi_tail  # aggregated: n_T = 1 (tails are exactly 0 when m == 0)
     mu, pi = s.mu_lp.exp(), s.pi_lp.exp()  # [N, K+1]
     pi_t, mu_t = s.pi_tail, s.mu_tail  # [N]
     pi_k = (pi * s.is_k).sum(dim=1)  # [N]
