@@ -14,6 +14,8 @@ import sys
 import typer
 
 from masktrl.commands import eval as eval_cmd
+from masktrl.commands import rollout as rollout_cmd
+from masktrl.commands import runs as runs_cmd
 from masktrl.commands import train as train_cmd
 from masktrl.commands import analyze as analyze_cmd, sweep as sweep_cmd
 from masktrl.commands.ui import err_console
@@ -32,11 +34,13 @@ def _root() -> None:
     """Trust-region masking experiments for LLM RL: rollout -> train -> evaluate -> analyze."""
 
 
+app.command()(rollout_cmd.rollout)
 app.command()(train_cmd.train)
 app.add_typer(analyze_cmd.app, name="analyze")
 app.command()(sweep_cmd.sweep)
 app.command("eval")(eval_cmd.eval_command)
 app.command("evaluate", hidden=True)(eval_cmd.eval_command)
+app.command()(runs_cmd.runs)
 
 
 def main() -> None:
