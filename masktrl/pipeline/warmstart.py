@@ -23,7 +23,7 @@ from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tin
 from masktrl.pipeline.store import atomic_write_json, fsync_dir
 
 
-WARMSTART_VERSION = 2  # bump when the warm-start procedure changes: old cache entries are then ignored
+WARMSTART_VERSION = 3  # bump when the warm-start procedure changes: old cache entries are then ignored
 
 
 def warmstart_key(cfg: Config) -> str:
