@@ -125,6 +125,10 @@ class TrainConfig:
     lr: float = 3e-4
     minibatches: int = 1
     """Optimizer updates per rollout batch (the batch is split into this many)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer update, per process: each process's part of a minibatch is
+    run forward/backward in this many pieces and the gradients are summed (memory, not maths:
+    the loss is normalised by the whole minibatch, so the update does not depend on it)."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     warmup_steps: int = 0
@@ -140,7 +144,7 @@ class TrainConfig:
     """torch CPU threads. 1 is safe; 2 is ~1.3x faster on an idle 2-core machine, far slower when shared."""
 
     def validate(self) -> None:
-        for name in ("steps", "minibatches", "checkpoint_every", "logprob_chunk", "threads"):
+        for name in ("steps", "minibatches", "grad_accum", "checkpoint_every", "logprob_chunk", "threads"):
             _positive(f"train.{name}", getattr(self, name))
         _positive("train.lr", self.lr)
         _non_negative("train.weight_decay", self.weight_decay)

@@ -37,6 +37,7 @@ def train(
     run that --resume continues.
     """
     from masktrl.pipeline import train as train_stage
+    from masktrl.pipeline.distributed import launch_rank
     from masktrl.pipeline.store import RunStore
 
     if resume:
@@ -48,18 +49,20 @@ def train(
         cfg = load_config(config, set_ or [], method=method, seed=seed)
         name = run or f"{cfg.method_name}-{time.strftime('%Y%m%d-%H%M%S')}"
         store = RunStore(Path(out) / name)
-        if store.root.exists() and any(store.root.iterdir()):
+        if store.root.exists() and any(store.root.iterdir()) and launch_rank() == 0:  # other ranks: the main one creates it
             raise MasktrlError(f"run folder {store.root} already exists: choose another --run, or --resume it (nothing was changed)")
     verb = "resuming" if resume else "run"
     console.print(f"[bold]masktrl train[/] {verb} [cyan]{name}[/] method [cyan]{cfg.method_name}[/] seed {cfg.seed}")
     with progress_bar() as progress:
         result = train_stage.run(cfg, store, progress, resume=bool(resume), rollouts_from=rollouts_from)
-    print_summary(result.summary, store.root)
+    if result.is_main:
+        print_summary(result.summary, store.root)
 
 
 def _resume_config(store, config, set_, method, seed, force: bool):
     """run.yaml, or the given config/overrides if they agree with it (or --force)."""
     from masktrl.config import diff_configs, save_config
+    from masktrl.pipeline.distributed import launch_rank
 
     saved_path = store.root / "run.yaml"
     saved = load_config(saved_path)
@@ -69,7 +72,7 @@ def _resume_config(store, config, set_, method, seed, force: bool):
     changed = diff_configs(saved, cfg)
     if changed and not force:
         raise MasktrlError(f"config differs from {saved_path} in {', '.join(changed)}; pass --force to resume with it anyway")
-    if changed:
+    if changed and launch_rank() == 0:
         save_config(cfg, saved_path)
         store.mark_done("config", [saved_path], config_hash=cfg.hash(), forced_changes=changed)
     return cfg

@@ -19,15 +19,18 @@ from masktrl.pipeline.faults import maybe_crash
 from masktrl.pipeline.store import atomic_write_json, fsync_dir
 
 
-def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, extra: dict | None = None) -> Path:
+def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, extra: dict | None = None, state_dict: dict | None = None) -> Path:
+    """``state_dict``: the weights to write instead of ``model``'s own (gathered from DeepSpeed
+    shards). ``optimizer=None`` (DeepSpeed: its state is sharded) leaves the optimizer state out."""
     dest = Path(dest)
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state_dict)
     maybe_crash("checkpoint-write", step)  # crash tests: die with a half-written checkpoint
     tokenizer.save_pretrained(tmp)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "trainer_state.pt")
+    trainer = {"optimizer": optimizer.state_dict()} if optimizer is not None else {}
+    torch.save({**trainer, "scheduler": scheduler.state_dict()}, tmp / "trainer_state.pt")
     torch.save(_rng_state(), tmp / "rng_state.pt")
     atomic_write_json(tmp / "trainer_state.json", {"step": step, **(extra or {})})
     shutil.rmtree(dest, ignore_errors=True)

@@ -344,13 +344,14 @@ def save(report: dict, path: Path, store: RunStore | None, bench: str, step: int
 
 
 # --------------------------------------------------------------------------- during training
-def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, last_step: int) -> dict:
+def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, last_step: int, *, write: bool = True) -> dict:
     """The ``train.eval_benchmarks`` evals due at ``step`` (every ``train.eval_every`` steps and
     at the last step), as metrics ``eval/<bench>/avg_at_k`` and ``eval/<bench>/pass_at_k``.
 
     Each writes ``<run>/eval/<bench>-step<S>.json`` (replaced when a resumed run redoes the
     step). At step 1 the benchmarks' data are loaded once, so a missing file fails the run
-    early rather than at the first eval.
+    early rather than at the first eval. ``write=False`` (the non-main processes of a
+    multi-process run, which evaluate too) only returns the metrics.
     """
     benches = cfg.train.eval_benchmarks
     due = bool(benches) and (step == last_step or (cfg.train.eval_every and step % cfg.train.eval_every == 0))
@@ -377,7 +378,8 @@ def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, la
         report = summarize(bench, examples, graded, seed=cfg.seed)
         report.update(model=str(store.root), weights=None, run=store.name, step=step, data=describe_data(bench, cfg, e.data.get(bench)),
                       time_s=time.time() - t0, generation=generation_block(settings, engine.name, template, chat, cfg.seed, cfg))
-        save(report, store.root / "eval" / f"{bench}-step{step}.json", store, bench, step)
+        if write:
+            save(report, store.root / "eval" / f"{bench}-step{step}.json", store, bench, step)
         row[f"eval/{bench}/avg_at_k"] = report["avg_at_k"]
         row[f"eval/{bench}/pass_at_k"] = report["pass_at_k"]
     return row

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from masktrl.methods import TokenBatch, aggregate
+from masktrl.errors import MasktrlError
+from masktrl.methods import TokenBatch, aggregate, aggregate_denominator
 from masktrl.methods.diagnostics import token_diagnostics
 from masktrl.models.logprobs import token_logprobs, token_entropy
+from masktrl.pipeline.distributed import Dist
 from masktrl.pipeline.tasks import encode_prompt
 from masktrl.rollout.base import Sample, SamplingSettings
 
@@ -68,12 +70,38 @@ class PolicyOutputs:
     entropy: torch.Tensor  # [N] (no grad)
 
 
+class PolicyForward(torch.nn.Module):
+    """The policy's training forward as one module call, so DDP and DeepSpeed can wrap it: hidden
+    states at the response positions, then log pi at the [sampled, top-K] ids and the entropy.
+
+    ``lm`` is the causal LM; parameters (and their order) are exactly ``lm``'s.
+    """
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.vocab_size = lm.get_output_embeddings().weight.shape[0]  # read before ZeRO-3 partitions it
+
+    def forward(self, input_ids, attention, rows, cols, ids, temperature: float, chunk: int):
+        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state  # [B, L, H]
+        h = hidden[rows, cols]  # [N, H]
+        weight = self.lm.get_output_embeddings().weight  # [V, H]
+        lp = token_logprobs(h, weight, ids, temperature=temperature, chunk_size=chunk)  # [N, 1+K]
+        with torch.no_grad():
+            entropy = token_entropy(h.detach(), weight, temperature=temperature, chunk_size=chunk)  # [N]
+        return lp, entropy
+
+
 def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: int) -> PolicyOutputs:
     """Run the policy on prompt+response and gather log pi at the sampled and top-K ids.
 
-    Never materialises the [B, T, V] logits: ``token_logprobs`` works on response positions
-    only, ``chunk`` tokens at a time.
+    ``model``: a causal LM, or a ``PolicyForward`` (possibly wrapped by DDP/DeepSpeed). Never
+    materialises the [B, T, V] logits: ``token_logprobs`` works on response positions only,
+    ``chunk`` tokens at a time.
     """
+    policy = model if isinstance(getattr(model, "module", model), PolicyForward) else PolicyForward(model)
+    vocab_size = getattr(policy, "module", policy).vocab_size
+    device = next(policy.parameters()).device
     seqs = [s.prompt_ids + s.gen.response_ids for s in samples]
     width = max(len(x) for x in seqs)
     input_ids = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, L] right-padded
@@ -85,21 +113,17 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
         p = len(s.prompt_ids)
         rows += [b] * len(s.gen.response_ids)
         cols += range(p - 1, p - 1 + len(s.gen.response_ids))  # position t-1 predicts token t
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state  # [B, L, H]
-    h = hidden[torch.tensor(rows), torch.tensor(cols)]  # [N, H]
 
-    sampled = torch.tensor([t for s in samples for t in s.gen.response_ids])  # [N]
-    topk_ids = torch.tensor([row for s in samples for row in s.gen.topk_ids], dtype=torch.long)  # [N, K]
-    behavior_topk = torch.tensor([row for s in samples for row in s.gen.topk_logp], dtype=h.dtype)  # [N, K]
-    behavior_logp = torch.tensor([x for s in samples for x in s.gen.logp], dtype=h.dtype)  # [N]
-    seq_ids = torch.tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids])  # [N]
-    advantages = torch.tensor([s.advantage for s in samples for _ in s.gen.response_ids], dtype=h.dtype)
-
-    weight = model.get_output_embeddings().weight  # [V, H]
+    sampled = torch.tensor([t for s in samples for t in s.gen.response_ids], device=device)  # [N]
+    topk_ids = torch.tensor([row for s in samples for row in s.gen.topk_ids], dtype=torch.long, device=device)  # [N, K]
     ids = torch.cat([sampled[:, None], topk_ids], dim=1)  # [N, 1+K]
-    lp = token_logprobs(h, weight, ids, temperature=temperature, chunk_size=chunk)  # [N, 1+K]
-    with torch.no_grad():
-        entropy = token_entropy(h.detach(), weight, temperature=temperature, chunk_size=chunk)  # [N]
+    lp, entropy = policy(input_ids.to(device), attention.to(device), torch.tensor(rows, device=device),
+                         torch.tensor(cols, device=device), ids, temperature, chunk)  # [N, 1+K], [N]
+    dt = lp.dtype  # float32 at least (float64 for a float64 model)
+    behavior_topk = torch.tensor([row for s in samples for row in s.gen.topk_logp], dtype=dt, device=device)  # [N, K]
+    behavior_logp = torch.tensor([x for s in samples for x in s.gen.logp], dtype=dt, device=device)  # [N]
+    seq_ids = torch.tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids], device=device)  # [N]
+    advantages = torch.tensor([s.advantage for s in samples for _ in s.gen.response_ids], dtype=dt, device=device)
     batch = TokenBatch(
         logp=lp[:, 0],
         behavior_logp=behavior_logp,
@@ -108,37 +132,106 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
         topk_behavior_logp=behavior_topk,
         topk_logp=lp[:, 1:],
         seq_ids=seq_ids,
-        vocab_size=weight.shape[0],
+        vocab_size=vocab_size,
     )
     return PolicyOutputs(batch, advantages, entropy)
 
 
-def policy_update(model, optimizer, scheduler, samples: list[Sample], method, params, cfg, seed: int, step: int) -> dict:
-    """N minibatch updates on one rollout batch; returns the step's averaged diagnostics."""
+def policy_update(model, optimizer, scheduler, samples: list[Sample], method, params, cfg, seed: int, step: int,
+                  dist: Dist | None = None) -> dict:
+    """N minibatch updates on one rollout batch; returns the step's averaged diagnostics.
+
+    Several processes (``dist``) all hold the whole batch and cut it into the same minibatches;
+    each trains on every world-th sequence of a minibatch, in ``train.grad_accum`` micro-batches.
+    A micro-batch's loss is its aggregate times its share of the minibatch's denominator (valid
+    tokens for token-mean, sequences for the seq modes) times the world size, which DDP's
+    gradient average divides out again: the update is the one-process update on the whole
+    minibatch, for any number of processes and micro-batches. SIS draws its uniforms for the
+    whole minibatch, so they do not depend on the split either.
+    """
+    dist = dist or Dist()
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(stream_seed(seed, "order", step)))
     parts = [p for p in order.chunk(cfg.train.minibatches) if len(p)]
     agg_mode = method.aggregation(params)
-    rows = []
+    rows, trained = [], 0
     model.train()
     for mb, idx in enumerate(parts):
         mb_samples = [samples[i] for i in idx.tolist()]
-        out = policy_token_batch(model, mb_samples, cfg.rollout.temperature, cfg.train.logprob_chunk)
-        u = None
-        if method.needs_u(params):
-            gen = torch.Generator().manual_seed(stream_seed(seed, "sis", step, mb))
-            u = torch.rand(out.batch.logp.shape[0], generator=gen, dtype=torch.float64).to(out.batch.logp.dtype)
-        losses = method.token_losses(out.batch, out.advantages, params, u=u)
-        loss = aggregate(losses.loss, out.batch, agg_mode, **_norm_len(agg_mode, cfg))
+        u = _sis_uniforms(mb_samples, seed, step, mb) if method.needs_u(params) else None
+        total = _denominator(mb_samples, agg_mode)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        micro_rows, loss_value = [], 0.0
+        for micro in micro_batches(len(mb_samples), dist.rank, dist.world, cfg.train.grad_accum):
+            with dist.accumulate(model):
+                out = policy_token_batch(model, [mb_samples[i] for i in micro], cfg.rollout.temperature, cfg.train.logprob_chunk)
+                u_micro = None if u is None else torch.cat([u[i] for i in micro]).to(out.batch.logp.dtype)
+                losses = method.token_losses(out.batch, out.advantages, params, u=u_micro)
+                loss = aggregate(losses.loss, out.batch, agg_mode, **_norm_len(agg_mode, cfg))
+                share = aggregate_denominator(out.batch, agg_mode) / max(total, 1)  # 1.0 for one process, one micro-batch
+                dist.backward(loss if share == 1.0 and dist.world == 1 else loss * (share * dist.world))
+            loss_value += loss.item() * share
+            trained += len(micro)
+            micro_rows.append({**token_diagnostics(out.batch, losses, out.advantages, params), "entropy": out.entropy.mean().item()})
+        grad_norm = dist.clip_grad_norm(model, cfg.train.grad_clip)
         optimizer.step()
         scheduler.step()
-        diag = token_diagnostics(out.batch, losses, out.advantages, params)
-        diag.update(loss=loss.item(), grad_norm=grad_norm.item(), entropy=out.entropy.mean().item())
+        diag = combine_rows([r for rank_rows in dist.gather_objects(micro_rows) for r in rank_rows])
+        diag.update(loss=dist.sum([loss_value])[0], grad_norm=grad_norm)
         rows.append(diag)
     model.eval()
-    return _mean_rows(rows)
+    stats = _mean_rows(rows)
+    if dist.world > 1:  # shows the sharding: sequences each process trained on, in rank order
+        stats["sequences_per_process"] = dist.gather_objects(trained)
+    return stats
+
+
+def micro_batches(n: int, rank: int, world: int, grad_accum: int) -> list[list[int]]:
+    """This process's part of a minibatch of ``n`` sequences (every world-th, from ``rank``), cut
+    into ``grad_accum`` contiguous micro-batches. Every process must get the same number of
+    non-empty micro-batches (each runs the same collectives), hence the check."""
+    if n // world < grad_accum:
+        raise MasktrlError(
+            f"a minibatch of {n} sequences cannot be split over {world} process(es) x train.grad_accum={grad_accum}: "
+            "lower train.minibatches or train.grad_accum, or raise rollout.prompts_per_step"
+        )
+    mine = list(range(rank, n, world))
+    bounds = [len(mine) * j // grad_accum for j in range(grad_accum + 1)]
+    return [mine[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _denominator(samples: list[Sample], mode: str) -> int:
+    """``aggregate_denominator`` of the samples' whole token batch, from their recorded behaviour
+    log-probabilities (a token is valid iff log mu > -inf), without a forward pass."""
+    valid = [sum(lp > float("-inf") for lp in s.gen.logp) for s in samples]
+    return sum(valid) if mode == "token-mean" else sum(v > 0 for v in valid)
+
+
+def _sis_uniforms(samples: list[Sample], seed: int, step: int, mb: int) -> list[torch.Tensor]:
+    """SIS's uniforms for minibatch ``mb`` (float64), drawn for all its tokens in order, one
+    tensor per sample: the same draws whichever process or micro-batch trains a sample."""
+    lengths = [len(s.gen.response_ids) for s in samples]
+    gen = torch.Generator().manual_seed(stream_seed(seed, "sis", step, mb))
+    return list(torch.rand(sum(lengths), generator=gen, dtype=torch.float64).split(lengths))
+
+
+def combine_rows(rows: list[dict]) -> dict:
+    """Diagnostics of micro-batches (of all processes) as one minibatch row: counts summed,
+    ``*_max`` maxed, everything else averaged with weights n_valid (exact for means over valid
+    tokens, approximate for quantiles such as D_p95). One row is returned as it is."""
+    if len(rows) == 1:
+        return rows[0]
+    weights = [r.get("n_valid", 1.0) for r in rows]
+    out = {"n_valid": sum(weights)} if "n_valid" in rows[0] else {}
+    for k in sorted({k for r in rows for k in r} - {"n_valid"}):
+        pairs = [(r[k], w) for r, w in zip(rows, weights) if r.get(k) is not None and r[k] == r[k]]  # skip None/NaN
+        if k.endswith("_max"):
+            out[k] = max((v for v, _ in pairs), default=float("nan"))
+        elif pairs:
+            wsum = sum(w for _, w in pairs)
+            out[k] = sum(v * w for v, w in pairs) / wsum if wsum else sum(v for v, _ in pairs) / len(pairs)
+        else:
+            out[k] = float("nan")
+    return out
 
 
 def _norm_len(mode: str, cfg) -> dict:

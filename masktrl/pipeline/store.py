@@ -79,9 +79,18 @@ def _json_default(obj: Any) -> Any:
 class RunStore:
     """One run's directory and its manifest."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, *, writable: bool = True):
         self.root = Path(root)
+        self.writable = writable
         self._manifest: dict | None = None
+
+    def read_only(self) -> "RunStore":
+        """A view that reads this run and writes nothing (the non-main processes of a
+        multi-process run: only the main one writes). Its manifest is read now and kept, so
+        every process takes its decisions from the same state."""
+        view = RunStore(self.root, writable=False)
+        view.manifest  # noqa: B018  (load it now)
+        return view
 
     # -- paths
     @property
@@ -123,6 +132,8 @@ class RunStore:
 
     def mark_done(self, stage: str, files: list[Path], config_hash: str = "", **info: Any) -> None:
         """Record ``stage`` as complete with the sha256 of each of its files (paths under root)."""
+        if not self.writable:
+            return
         hashes = {}
         for f in files:
             f = Path(f)
@@ -136,6 +147,8 @@ class RunStore:
         self.write_manifest()
 
     def set_info(self, **info: Any) -> None:
+        if not self.writable:
+            return
         self.reload()
         self.manifest.update(info)
         self.write_manifest()
@@ -146,6 +159,8 @@ class RunStore:
         self._manifest = None
 
     def write_manifest(self) -> None:
+        if not self.writable:
+            return
         atomic_write_json(self.root / MANIFEST, self.manifest)
 
     def verify(self, stage: str) -> None:
@@ -162,6 +177,8 @@ class RunStore:
 
     # -- metrics
     def append_metrics(self, row: dict) -> None:
+        if not self.writable:
+            return
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row, sort_keys=True, default=_json_default) + "\n")

@@ -9,6 +9,11 @@ scheduler and RNG states are restored, ``metrics.jsonl`` is cut back to that ste
 rollout batches already stored for later steps are reused (verified by hash) instead of
 regenerated. On CPU with the same seed the final weights are bit-identical to an
 uninterrupted run.
+
+Under ``accelerate launch`` (see ``pipeline/distributed.py`` and docs/CLUSTER.md) every process
+generates its share of the prompt groups, the groups are gathered so every process holds the
+whole batch, and ``policy_update`` trains each process on its part of every minibatch; only the
+main process writes, through the same ``store`` (the others get a read-only view).
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from masktrl.models.loading import load_model_and_tokenizer, tokenizer_fingerpri
 from masktrl.pipeline import checkpoint as ckpt
 from masktrl.pipeline.evaluate import periodic_eval
 from masktrl.pipeline.evaluate_task import heldout_accuracy
+from masktrl.pipeline.distributed import Dist, launched
 from masktrl.pipeline.faults import maybe_crash
-from masktrl.pipeline.rl import generate_groups, policy_update, sampling_settings, set_group_advantages, stream_seed
+from masktrl.pipeline.rl import PolicyForward, generate_groups, policy_update, sampling_settings, set_group_advantages, stream_seed
 from masktrl.pipeline.store import RunStore, atomic_write_json, atomic_write_text
 from masktrl.pipeline.tasks import make_task
 from masktrl.pipeline.warmstart import prepare_policy
@@ -45,20 +51,31 @@ MAX_REFILLS = 4  # dynamic sampling: rollout attempts per step before training o
 class TrainResult:
     summary: dict
     store: RunStore
+    is_main: bool = True  # False on the other processes of a multi-process run (they print nothing)
 
 
-def run(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, rollouts_from: str | None = None) -> TrainResult:
+def run(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, rollouts_from: str | None = None,
+        dist: Dist | None = None) -> TrainResult:
     t_start = time.time()
+    dist = dist or (Dist.from_launch(cfg) if launched() else Dist())  # a bad launch config fails here, before any write
+    if resume and dist.deepspeed:
+        raise MasktrlError("--resume of a DeepSpeed run is not supported yet: its checkpoints hold the weights, not the sharded optimizer state")
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.seed)
-    store.root.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        save_config(cfg, store.root / "run.yaml")
-        store.mark_done("config", [store.root / "run.yaml"], config_hash=cfg.hash())
-    store.set_info(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid())
+    if not dist.is_main:
+        store, progress = store.read_only(), None
+    store.manifest  # noqa: B018  every process reads the run's state before the main one changes it
+    dist.barrier()
+    if store.writable:
+        store.root.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            save_config(cfg, store.root / "run.yaml")
+            store.mark_done("config", [store.root / "run.yaml"], config_hash=cfg.hash())
+    store.set_info(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid(), processes=dist.world)
 
     task = make_task(cfg)
-    model, tokenizer, ws_info = prepare_policy(cfg, task, store.root.parent, progress)
+    with dist.main_first():  # the main process fills the warm-start cache, the others read it
+        model, tokenizer, ws_info = prepare_policy(cfg, task, store.root.parent, progress)
     if not store.is_done("warmstart"):
         store.mark_done("warmstart", [], config_hash=cfg.hash("model", "task", "warmstart"), info=ws_info)
     method = get_method(cfg.method_name)
@@ -67,9 +84,11 @@ def run(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, ro
     start = 0
     if resume:
         start = restore_latest_checkpoint(store, model, optimizer, scheduler)
+        dist.barrier()
+    policy, optimizer = dist.prepare(PolicyForward(model), optimizer)  # model stays the (unwrapped) LM
     engine = make_engine(cfg, model, tokenizer, ws_info.get("path", cfg.model.path))
     if start:
-        engine.sync_weights(model)
+        sync_weights(engine, model, dist)
     source = RolloutSource(rollouts_from, cfg.rollout.prompts_per_step, tokenizer) if rollouts_from else None
     steps = min(cfg.train.steps, source.num_steps) if source else cfg.train.steps
     settings = sampling_settings(cfg)
@@ -96,15 +115,16 @@ def run(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, ro
                 if source:
                     samples, gen_stats = source.batch(step)
                 else:
-                    samples, gen_stats = collect_rollouts(engine, tokenizer, task, settings, method, params, cfg, step)
+                    samples, gen_stats = collect_rollouts(engine, tokenizer, task, settings, method, params, cfg, step, dist)
                 maybe_crash("rollout-write", step)
-                write_rollouts(rollout_path, samples, {**(source.meta if source else rollout_meta), "stats": gen_stats})
+                if store.writable:
+                    write_rollouts(rollout_path, samples, {**(source.meta if source else rollout_meta), "stats": gen_stats})
                 store.mark_done(stage, [rollout_path])
             t_rollout = time.time() - t0
 
             maybe_crash("update", step)
-            stats = policy_update(model, optimizer, scheduler, samples, method, params, cfg, cfg.seed, step) if samples else {}
-            engine.sync_weights(model)
+            stats = policy_update(policy, optimizer, scheduler, samples, method, params, cfg, cfg.seed, step, dist) if samples else {}
+            sync_weights(engine, model, dist)
             store.mark_done(f"step/{step:06d}/train", [], durable_at_checkpoint=True)
 
             row = {
@@ -121,13 +141,14 @@ def run(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, ro
                 row["eval/heldout/accuracy"] = heldout_accuracy(
                     engine, tokenizer, task, test_set, settings, cfg.eval.greedy, cfg.model.chat_template, cfg.seed
                 )
-            row.update(periodic_eval(cfg, store, engine, tokenizer, step, steps))  # train.eval_benchmarks
+            row.update(periodic_eval(cfg, store, engine, tokenizer, step, steps, write=store.writable))  # train.eval_benchmarks
             store.append_metrics(row)
-            if step % cfg.train.checkpoint_every == 0 or step == steps or stop.requested:
-                save_checkpoint(store, step, model, tokenizer, optimizer, scheduler)
+            stopping = dist.broadcast(stop.requested)  # every process stops after the same step
+            if step % cfg.train.checkpoint_every == 0 or step == steps or stopping:
+                save_checkpoint(store, step, model, tokenizer, optimizer, scheduler, dist, policy)
             if progress:
                 progress.update(bar, advance=1, info=f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s")
-            if stop.requested:
+            if stopping:
                 store.set_info(status="interrupted")
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -158,10 +179,12 @@ def run(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, ro
         "rollouts_from": rollouts_from,
         "wall_time_s": time.time() - t_start,
     }
-    atomic_write_json(store.root / "summary.json", summary)
+    if store.writable:
+        atomic_write_json(store.root / "summary.json", summary)
     store.mark_done("summary", [store.root / "summary.json"])
     store.set_info(status="complete")
-    return TrainResult(summary, store)
+    dist.barrier()
+    return TrainResult(summary, store, dist.is_main)
 
 
 def make_optimizer(model, cfg: Config):
@@ -172,27 +195,31 @@ def make_optimizer(model, cfg: Config):
     return optimizer, scheduler
 
 
-def collect_rollouts(engine, tokenizer, task, settings, method, params, cfg: Config, step: int):
+def collect_rollouts(engine, tokenizer, task, settings, method, params, cfg: Config, step: int, dist: Dist | None = None):
     """One step's rollout batch: prompts_per_step groups with advantages, and its statistics.
 
     With dynamic sampling (DAPO), groups whose rewards are all equal carry no signal and are
     dropped, and more prompts are generated (up to MAX_REFILLS attempts) to refill the batch.
+    With several processes each generates and scores every world-th prompt's group (its own
+    sampling seed), then the groups are gathered in prompt order: every process returns the
+    same batch.
     """
+    dist = dist or Dist()
     want = cfg.rollout.prompts_per_step
     dynamic = method.dynamic_sampling(params)
     kept, generated = [], []
     for attempt in range(MAX_REFILLS if dynamic else 1):
         rng = random.Random(stream_seed(cfg.seed, "prompts", step, attempt))
-        examples = task.train_examples(want, rng)
-        seed = stream_seed(cfg.seed, "rollout", step, attempt)
-        groups = generate_groups(engine, tokenizer, task, examples, settings, seed, cfg.model.chat_template)
-        generated.extend(groups)
-        for group in groups:
+        examples = task.train_examples(want, rng)[dist.rank :: dist.world]
+        seed = stream_seed(cfg.seed, "rollout", step, attempt, *dist.stream_key)
+        groups = generate_groups(engine, tokenizer, task, examples, settings, seed, cfg.model.chat_template) if examples else []
+        for group in groups:  # rewards and advantages: whole groups, where they were generated
             method.shape_rewards(params, group, settings.max_new_tokens)
-            if dynamic and len({s.reward for s in group}) == 1:
-                continue
-            set_group_advantages(group)
-            kept.append(group)
+            if not (dynamic and len({s.reward for s in group}) == 1):
+                set_group_advantages(group)
+        groups = _interleave(dist.gather_objects(groups))
+        generated.extend(groups)
+        kept.extend(g for g in groups if not (dynamic and len({s.reward for s in g}) == 1))
         if len(kept) >= want:
             break
     kept = kept[:want]
@@ -200,6 +227,11 @@ def collect_rollouts(engine, tokenizer, task, settings, method, params, cfg: Con
         for s in group:
             s.group = g
     return [s for g in kept for s in g], rollout_stats(generated, len(kept))
+
+
+def _interleave(per_rank: list[list]) -> list:
+    """Rank r holds items r, r + W, r + 2W, ...: put them back in one list in that order."""
+    return [x[j] for j in range(max(map(len, per_rank))) for x in per_rank if j < len(x)]
 
 
 def rollout_stats(groups, kept: int) -> dict:
@@ -213,9 +245,22 @@ def rollout_stats(groups, kept: int) -> dict:
     }
 
 
-def save_checkpoint(store: RunStore, step: int, model, tokenizer, optimizer, scheduler) -> None:
-    path = ckpt.save(store.checkpoint_dir(step), model, tokenizer, optimizer, scheduler, step)
-    store.mark_done(f"checkpoint/{step:06d}", [path])
+def save_checkpoint(store: RunStore, step: int, model, tokenizer, optimizer, scheduler, dist: Dist | None = None, policy=None) -> None:
+    """Written by the main process. Under DeepSpeed the weights are first gathered from the
+    shards (every process takes part) and the sharded optimizer state is left out."""
+    dist = dist or Dist()
+    state = None
+    if dist.deepspeed:
+        state = {k.removeprefix("lm."): v for k, v in dist.full_state_dict(policy).items()}
+    if store.writable:
+        path = ckpt.save(store.checkpoint_dir(step), model, tokenizer, None if dist.deepspeed else optimizer, scheduler, step, state_dict=state)
+        store.mark_done(f"checkpoint/{step:06d}", [path])
+    dist.barrier()
+
+
+def sync_weights(engine, model, dist: Dist) -> None:
+    with dist.gathered(model):  # ZeRO-3: the engine reads whole weights
+        engine.sync_weights(model)
 
 
 def restore_latest_checkpoint(store: RunStore, model, optimizer, scheduler) -> int:
@@ -244,8 +289,9 @@ def restore_latest_checkpoint(store: RunStore, model, optimizer, scheduler) -> i
         if int(key.split("/")[1]) > step:  # updates after the checkpoint were lost with the process
             del store.manifest["stages"][key]
     store.write_manifest()
-    rows = [r for r in store.read_metrics() if r["step"] <= step]
-    atomic_write_text(store.metrics_path, "".join(_json_line(r) for r in rows))
+    if store.writable:
+        rows = [r for r in store.read_metrics() if r["step"] <= step]
+        atomic_write_text(store.metrics_path, "".join(_json_line(r) for r in rows))
     return step
 
 

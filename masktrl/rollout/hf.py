@@ -48,8 +48,9 @@ class HFEngine:
         tok = self.tokenizer
         width = max(len(p) for p in prompts)
         pad = tok.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [P, W] left-padded
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        device = next(self.model.parameters()).device  # a GPU under accelerate launch
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [P, W] left-padded
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         was_training = self.model.training
         self.model.eval()
         out = self.model.generate(

@@ -128,6 +128,9 @@ class VLLMEngine:
                 enable_sleep_mode=enable_sleep_mode,
                 max_logprobs=max_logprobs,
                 logprobs_mode="processed_logprobs",
+                # under accelerate launch / torchrun: one engine per training process, on its GPU,
+                # joining the launcher's process group instead of starting its own (colocated)
+                distributed_executor_backend="external_launcher" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
             )
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings, seed: int) -> list[list[Generation]]:

@@ -1,0 +1,211 @@
+"""One process or many: what the train loop needs from ``accelerate launch``.
+
+A plain ``masktrl train`` gets ``Dist()``: rank 0 of 1, every collective a no-op, the model
+and optimizer untouched, ``backward`` = ``loss.backward()``. That path is exactly the
+single-process trainer, bit for bit.
+
+Under ``accelerate launch`` (DDP or DeepSpeed ZeRO-2/3, GPUs or nodes, or ``--cpu`` with gloo),
+``Dist.from_launch(cfg)`` builds one ``accelerate.Accelerator`` and the loop uses it for:
+
+* rank / world size / ``is_main`` (only the main process writes artifacts),
+* ``prepare`` (wrap the policy and its optimizer), ``unwrap``, ``full_state_dict`` (ZeRO-3
+  gathers the weights for ``save_pretrained``),
+* collectives on python objects and numbers (``gather_objects``, ``sum``, ``barrier``),
+* gradient accumulation (``accumulate``/``backward``/``clip_grad_norm``): the loss handed to
+  ``backward`` is already normalised by the whole batch (see ``pipeline/rl.py``), so the
+  ``1/grad_accum`` that accelerate and DeepSpeed apply is undone here.
+
+An invalid DeepSpeed JSON (``deepspeed_config_file`` of the accelerate config, passed on as
+``ACCELERATE_DEEPSPEED_CONFIG_FILE``) or launch setting is a ``ConfigError`` naming the file
+or setting, raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from masktrl.errors import ConfigError
+
+DS_CONFIG_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
+
+
+def launched() -> bool:
+    """Whether this process was started by ``accelerate launch`` (or torchrun with several ranks)."""
+    return "ACCELERATE_MIXED_PRECISION" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def launch_rank() -> int:
+    """This process's global rank as the launcher set it (0 for a plain run), before any setup."""
+    return int(os.environ.get("RANK", "0"))
+
+
+class Dist:
+    """A single process when ``accelerator`` is None, else one rank of an accelerate launch."""
+
+    def __init__(self, accelerator=None):
+        self.acc = accelerator
+        if accelerator is None:
+            self.rank, self.world, self.device = 0, 1, torch.device("cpu")
+        else:
+            # torch.distributed is the ground truth: Accelerator.num_processes was seen to say 1
+            # per rank under DeepSpeed on CPU.
+            dist = torch.distributed
+            up = dist.is_available() and dist.is_initialized()
+            self.rank = dist.get_rank() if up else accelerator.process_index
+            self.world = dist.get_world_size() if up else accelerator.num_processes
+            self.device = accelerator.device
+        self.deepspeed = accelerator is not None and accelerator.state.deepspeed_plugin is not None
+        self.zero3 = self.deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3
+        self._raw_optimizer = None
+
+    @classmethod
+    def from_launch(cls, cfg) -> "Dist":
+        """The Accelerator of this launch, configured from ``cfg.train`` (grad_accum, grad_clip)."""
+        _check_deepspeed_json(os.environ.get(DS_CONFIG_ENV))
+        from accelerate import Accelerator
+
+        # Without a GPU, accelerate only sets up gloo (MULTI_CPU) when told cpu=True; DeepSpeed
+        # must not be told (cpu=True switches it off).
+        cpu = not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED") != "true"
+        try:
+            acc = Accelerator(gradient_accumulation_steps=cfg.train.grad_accum, cpu=cpu)
+        except (ValueError, TypeError, KeyError, ImportError, OSError) as exc:
+            raise ConfigError(f"{_launch_source()}: invalid accelerate/DeepSpeed settings ({_first_line(exc)})") from None
+        plugin = acc.state.deepspeed_plugin
+        if plugin is not None:
+            ds = plugin.deepspeed_config
+            stage = ds.get("zero_optimization", {}).get("stage")
+            if stage not in (0, 1, 2, 3):
+                raise ConfigError(f"{_launch_source()}: invalid DeepSpeed settings (ZeRO stage must be 0-3, got {stage!r})")
+            ds["train_micro_batch_size_per_gpu"] = 1  # one micro-batch = one forward; no dataloader to infer it from
+            ds["gradient_accumulation_steps"] = cfg.train.grad_accum
+            ds["gradient_clipping"] = cfg.train.grad_clip  # masktrl's config is authoritative
+            ds.pop("train_batch_size", None)
+        return cls(acc)
+
+    # -- who am I
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def stream_key(self) -> tuple:
+        """Appended to random-stream names that must differ per rank; empty for one process, so a
+        plain run draws exactly what it always drew."""
+        return () if self.world == 1 else ("rank", self.rank, "of", self.world)
+
+    # -- model and optimizer
+    def prepare(self, model, optimizer):
+        if self.acc is None:
+            return model, optimizer
+        self._raw_optimizer = optimizer
+        if self.zero3:  # the lm_head weight is used outside its module's forward (chunked logprobs)
+            import deepspeed
+
+            deepspeed.zero.register_external_parameter(model, model.lm.get_output_embeddings().weight)
+        return self.acc.prepare(model, optimizer)
+
+    def unwrap(self, model):
+        return model if self.acc is None else self.acc.unwrap_model(model)
+
+    def full_state_dict(self, model) -> dict | None:
+        """The unwrapped model's full state dict (on the main process; ZeRO-3: every rank must call)."""
+        if self.acc is None:
+            return self.unwrap(model).state_dict()
+        return self.acc.get_state_dict(model)
+
+    def gathered(self, module):
+        """Context in which ``module``'s ZeRO-3 partitioned parameters are whole (no-op otherwise)."""
+        if not self.zero3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+
+    # -- one optimizer update made of grad_accum micro-batches
+    def accumulate(self, model):
+        return contextlib.nullcontext() if self.acc is None else self.acc.accumulate(model)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.acc is None:
+            loss.backward()
+        else:  # accelerate (and DeepSpeed) divide by grad_accum; our loss is already normalised
+            self.acc.backward(loss * self.acc.gradient_accumulation_steps)
+
+    def clip_grad_norm(self, model, max_norm: float) -> float:
+        if self.acc is None:
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
+        norm = self.acc.clip_grad_norm_(model.parameters(), max_norm)  # DeepSpeed: clipped in its step
+        return float("nan") if norm is None else float(norm)
+
+    # -- collectives (no-ops for one process)
+    def barrier(self) -> None:
+        if self.world > 1:
+            self.acc.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def main_first(self):
+        """The main process runs the block first (e.g. fills a cache), then the others."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+    def gather_objects(self, obj) -> list:
+        """``obj`` of every rank, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj):
+        """The main process's ``obj`` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sums over ranks (float64)."""
+        if self.world == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t)
+        return t.tolist()
+
+
+def _check_deepspeed_json(path: str | None) -> None:
+    if not path or path == "none":
+        return
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: DeepSpeed config file not found")
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: invalid DeepSpeed config ({_first_line(exc)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: invalid DeepSpeed config (top level must be an object)")
+    stage = data.get("zero_optimization", {}).get("stage", 0) if isinstance(data.get("zero_optimization", {}), dict) else None
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{p}: invalid DeepSpeed config (zero_optimization.stage must be 0-3, got {stage!r})")
+
+
+def _launch_source() -> str:
+    ds = os.environ.get(DS_CONFIG_ENV)
+    if ds and ds != "none":
+        return ds
+    keys = sorted(k for k in os.environ if k.startswith("ACCELERATE_"))
+    return "accelerate launch settings (" + ", ".join(f"{k}={os.environ[k]}" for k in keys) + ")"
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

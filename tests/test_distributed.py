@@ -1,0 +1,200 @@
+"""Training under ``accelerate launch`` on CPU (gloo): two processes reproduce one process on
+the same global batch; rollouts are sharded by whole groups; only the main process writes;
+bad launch configs are one-line errors that change nothing stored."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from masktrl.pipeline.rl import micro_batches
+from masktrl.rollout.storage import read_rollouts
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_DDP = ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"
+YAML = """\
+seed: 0
+method: {name: sis, base: dapo}
+model: {hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 64}
+task: {name: arithmetic, digits: 1, n_test: 16}
+warmstart: {steps: 40, batch_size: 16}
+rollout: {prompts_per_step: 6, n: 4, max_new_tokens: 4, logprobs_k: 5}
+train: {steps: 2, checkpoint_every: 1, lr: 1.0e-3, minibatches: 2}
+"""
+
+
+def _env(**extra):
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "MASKTRL_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    e.update(extra)
+    return e
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def masktrl(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "masktrl.cli", *args], capture_output=True, text=True, env=env or _env(), timeout=300)
+
+
+def launch(config_file, *args, processes=2, env=None):
+    """``accelerate launch --config_file ... -m masktrl.cli train ...``."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file), "--num_processes", str(processes),
+           "--main_process_port", str(_free_port()), "-m", "masktrl.cli", "train", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env or _env(), timeout=600)
+
+
+def metrics(root):
+    return [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A one-process 2-step run: its stored rollouts are the global batch both runs train on."""
+    base = tmp_path_factory.mktemp("dist")
+    cfg = base / "c.yaml"
+    cfg.write_text(YAML)
+    r = masktrl("train", "--config", str(cfg), "--out", str(base / "out"), "--run", "ref")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return base, cfg, base / "out" / "ref"
+
+
+@pytest.mark.parametrize("sets", [["--set", "train.grad_accum=2"], ["--method", "grpo", "--set", "train.minibatches=1"]],
+                         ids=["sis-dapo-token-mean-2-minibatches-grad-accum-2", "grpo-seq-mean-1-minibatch"])
+def test_two_processes_match_one_process_on_the_same_rollouts(reference, sets):
+    base, cfg, ref = reference
+    if "grpo" in sets:  # the reference trained SIS: replay its rollouts with GRPO in one process too
+        r = masktrl("train", "--config", str(cfg), "--out", str(base / "out"), "--run", "ref-grpo", "--rollouts-from", str(ref), *sets)
+        assert r.returncode == 0, r.stderr[-3000:]
+        ref = base / "out" / "ref-grpo"
+    name = "two-" + "-".join(s.replace("=", "-").replace(".", "-") for s in sets if not s.startswith("--"))
+    r = launch(CPU_DDP, "--config", str(cfg), "--out", str(base / "out"), "--run", name, "--rollouts-from", str(base / "out" / "ref"), *sets)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    two = base / "out" / name
+
+    a = load_file(ref / "checkpoints" / "000002" / "model.safetensors")
+    b = load_file(two / "checkpoints" / "000002" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-6), (k, (a[k] - b[k]).abs().max())
+    assert any(not torch.equal(a[k], load_file(ref / "checkpoints" / "000001" / "model.safetensors")[k]) for k in a)  # it trained
+    one_rows, two_rows = metrics(ref), metrics(two)
+    assert [r["step"] for r in two_rows] == [1, 2]
+    for x, y in zip(one_rows, two_rows):
+        assert abs(x["loss"] - y["loss"]) < 1e-6 and abs(x["grad_norm"] - y["grad_norm"]) < 1e-5
+        assert abs(x["n_valid"] - y["n_valid"]) < 1e-9
+        shares = y["sequences_per_process"]  # every minibatch split evenly over the 2 processes
+        assert len(shares) == 2 and shares[0] == shares[1] and sum(shares) == 4 * y["groups_kept"]
+        assert "sequences_per_process" not in x
+    assert json.loads((two / "manifest.json").read_text())["processes"] == 2
+
+
+def test_two_process_rollouts_are_sharded_by_group_and_written_once(reference):
+    """Each process generates every other prompt's group; the gathered batch is stored once,
+    with whole groups and group-normalised advantages (DAPO: dynamic sampling on the whole batch)."""
+    base, cfg, _ = reference
+    r = launch(CPU_DDP, "--config", str(cfg), "--out", str(base / "out"), "--run", "gen2", "--method", "dapo")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    root = base / "out" / "gen2"
+    for step in (1, 2):
+        samples, meta = read_rollouts(root / "steps" / f"{step:06d}" / "rollouts.parquet")
+        groups = {}
+        for s in samples:
+            groups.setdefault(s.group, []).append(s)
+        assert sorted(groups) == list(range(len(groups))) and all(len(g) == 4 for g in groups.values())
+        for g in groups.values():
+            assert len({s.example_id for s in g}) == 1 and abs(sum(s.advantage for s in g)) < 1e-6
+            assert len({s.reward for s in g}) > 1  # dynamic sampling dropped constant-reward groups
+    rows = metrics(root)
+    assert [row["step"] for row in rows] == [1, 2]  # one writer: no duplicated rows
+    assert all(sum(row["sequences_per_process"]) == row["groups_kept"] * 4 for row in rows)
+    assert not list(root.rglob("*.tmp"))
+    assert (root / "summary.json").is_file() and json.loads((root / "manifest.json").read_text())["status"] == "complete"
+
+
+def test_micro_batches_cover_a_minibatch_once_and_refuse_empty_parts():
+    parts = [micro_batches(10, r, 2, 2) for r in range(2)]
+    assert parts == [[[0, 2], [4, 6, 8]], [[1, 3], [5, 7, 9]]]
+    assert micro_batches(5, 0, 1, 1) == [[0, 1, 2, 3, 4]]
+    with pytest.raises(Exception, match="train.grad_accum"):
+        micro_batches(3, 0, 2, 2)
+
+
+def _unchanged_after(root, run):
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    r = run()
+    after = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    assert after == before
+    return r
+
+
+@pytest.mark.parametrize("content, needle", [("{not json", "invalid DeepSpeed config"), ('{"zero_optimization": {"stage": 5}}', "stage must be 0-3"), (None, "not found")])
+def test_invalid_deepspeed_config_is_one_line_naming_the_file(reference, tmp_path, content, needle):
+    """As ``accelerate launch`` hands over a config's deepspeed_config_file; checked before any write."""
+    base, cfg, ref = reference
+    ds = tmp_path / "ds_config.json"
+    if content is not None:
+        ds.write_text(content)
+    env = _env(ACCELERATE_MIXED_PRECISION="no", ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=str(ds))
+    if content is None:  # a new run: no folder is left behind
+        r = masktrl("train", "--config", str(cfg), "--out", str(tmp_path / "out"), "--run", "x", env=env)
+        assert not (tmp_path / "out" / "x").exists()
+    else:  # resuming a stored run: nothing in it changes
+        r = _unchanged_after(base / "out", lambda: masktrl("train", "--resume", "ref", "--out", str(base / "out"), env=env))
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and str(ds) in lines[0] and needle in lines[0], r.stderr[-2000:]
+
+
+def test_invalid_launch_setting_is_one_line(reference, tmp_path):
+    base, cfg, _ = reference
+    env = _env(ACCELERATE_MIXED_PRECISION="no", ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="7")
+    r = masktrl("train", "--config", str(cfg), "--out", str(tmp_path / "out"), "--run", "x", env=env)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "ACCELERATE_DEEPSPEED_ZERO_STAGE=7" in lines[0], r.stderr[-2000:]
+    assert "ZeRO stage must be 0-3" in lines[0] and not (tmp_path / "out" / "x").exists()
+
+
+DS_CPU_ZERO2 = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config: {zero_stage: 2, offload_optimizer_device: none, offload_param_device: none, zero3_init_flag: false}
+num_machines: 1
+machine_rank: 0
+num_processes: 2
+mixed_precision: 'no'
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_two_cpu_processes_match_one_process(reference, tmp_path):
+    """ZeRO-2 (sharded optimizer state and gradients) on 2 CPU processes, same rollouts as the
+    one-process reference. Slow: DeepSpeed compiles its shared-memory op (~35 s) on first use."""
+    pytest.importorskip("deepspeed")
+    base, cfg, ref = reference
+    acc = tmp_path / "zero2_cpu.yaml"
+    acc.write_text(DS_CPU_ZERO2)
+    env = _env(TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
+    r = launch(acc, "--config", str(cfg), "--out", str(base / "out"), "--run", "zero2", "--rollouts-from", str(ref), env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    two = base / "out" / "zero2"
+    a = load_file(ref / "checkpoints" / "000002" / "model.safetensors")
+    b = load_file(two / "checkpoints" / "000002" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-6), (k, (a[k] - b[k]).abs().max())
+    for x, y in zip(metrics(ref), metrics(two), strict=True):
+        assert abs(x["loss"] - y["loss"]) < 1e-6
+        shares = y["sequences_per_process"]  # DeepSpeed really ran 2 processes, each on half
+        assert len(shares) == 2 and shares[0] == shares[1] > 0
+    assert "optimizer" not in torch.load(two / "checkpoints" / "000002" / "trainer_state.pt", weights_only=True)
