@@ -31,7 +31,7 @@ class ModelConfig:
     """'tiny' builds the embedded Qwen3-style model; otherwise a local folder or a hub id."""
     hidden_size: int = 128
     """Tiny model only: width, layers, heads and FFN size."""
-    num_layers: int = 2
+    num_layers: int = 3
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 512
@@ -120,7 +120,7 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 600
+    steps: int = 800
     """RL steps (one rollout batch each)."""
     lr: float = 3e-4
     minibatches: int = 1
@@ -254,7 +254,7 @@ def save_config(cfg: Config, path: Path) -> None:
 
 def diff_configs(a: Config, b: Config, ignore: tuple[str, ...] = ()) -> list[str]:
     """Dotted keys whose values differ."""
-    fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
+    fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
     keys = sorted(set(fa) | set(fb))
     return [k for k in keys if fa.get(k) != fb.get(k) and not k.startswith(ignore)]
 
@@ -363,11 +363,12 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{'a': {'b': 1}} -> {'a.b': 1} (tuples become lists)."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
     return out

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from masktrl.config import Config, from_dict
+from masktrl.config import Config, from_dict, flatten
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.pipeline.store import RunStore, atomic_write_bytes, atomic_write_json
 
@@ -204,7 +204,7 @@ def group_runs(runs: list[RunInfo]) -> list[tuple[str, list[RunInfo]]]:
         if len(keys) == 1:
             labels[keys[0]] = method
             continue
-        flat = {k: _flatten(json.loads(k)) for k in keys}
+        flat = {k: flatten(json.loads(k)) for k in keys}
         differing = sorted({f for k in keys for f in flat[k] if len({json.dumps(flat[o].get(f)) for o in keys}) > 1})
         method_keys = [f for f in differing if f.startswith("method.")]
         shown = method_keys or differing
@@ -214,14 +214,6 @@ def group_runs(runs: list[RunInfo]) -> list[tuple[str, list[RunInfo]]]:
     return [(labels[k], sorted(m, key=lambda r: r.cfg.seed)) for k, m in groups.items()]
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 # --------------------------------------------------------------------------- outputs

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from masktrl.errors import ArtifactError, MasktrlError
-from masktrl.pipeline.store import RunStore
+from masktrl.pipeline.store import RunStore, process_alive
 
 
 def list_runs(folder: Path) -> list[dict]:
@@ -49,18 +48,6 @@ def describe(root: Path) -> dict:
 
 def _status(manifest: dict) -> str:
     status = manifest.get("status", "unknown")
-    if status == "running" and not _alive(manifest.get("pid")):
+    if status == "running" and not process_alive(manifest.get("pid")):
         return "interrupted"  # killed without a chance to say so
     return status
-
-
-def _alive(pid) -> bool:
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

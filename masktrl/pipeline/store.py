@@ -66,6 +66,19 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def process_alive(pid: object) -> bool:
+    """Whether a process with this id exists (a run's manifest records its trainer's pid)."""
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _json_default(obj: Any) -> Any:
     if hasattr(obj, "item"):
         return obj.item()

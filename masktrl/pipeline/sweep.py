@@ -26,7 +26,7 @@ from typing import Callable
 
 from masktrl.config import Config, diff_configs, load_config
 from masktrl.errors import ConfigError, MasktrlError
-from masktrl.pipeline.store import RunStore
+from masktrl.pipeline.store import RunStore, process_alive
 
 
 @dataclass
@@ -124,19 +124,9 @@ def _resumable(root: Path, cfg: Config) -> bool:
     except MasktrlError:
         return False
     pid = store.manifest.get("pid")
-    if store.manifest.get("status") == "running" and isinstance(pid, int) and pid != os.getpid() and _alive(pid):
+    if store.manifest.get("status") == "running" and isinstance(pid, int) and pid != os.getpid() and process_alive(pid):
         raise MasktrlError(f"{root} is being trained right now (pid {pid}); wait for it or stop it first")
     _check_same_config(root, cfg)
-    return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 
