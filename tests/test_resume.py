@@ -121,3 +121,32 @@ def test_edited_run_yaml_is_reported(crashed_copy):
     p = root / "run.yaml"
     p.write_text(p.read_text().replace("lr: 0.001", "lr: 0.002"))
     _resume_fails_naming(out, "run.yaml")
+
+
+def test_ctrl_c_finishes_the_step_checkpoints_and_resumes_exactly(reference):
+    import signal
+    import time
+
+    base, cfg, ref = reference
+    env = {k: v for k, v in os.environ.items() if k not in ("MASKTRL_DEBUG", "MASKTRL_CRASH_AT")}
+    proc = subprocess.Popen([sys.executable, "-m", "masktrl.cli", "train", "--config", str(cfg), "--out", str(base / "out"), "--run", "ctrlc"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    manifest = base / "out" / "ctrlc" / "manifest.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (manifest.exists() and "step/000001/train" in manifest.read_text()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, err[-2000:]
+    root = base / "out" / "ctrlc"
+    m = json.loads(manifest.read_text())
+    assert m["status"] == "interrupted"
+    done = [k for k in m["stages"] if k.startswith("checkpoint/")]
+    assert done, "the interrupted step was checkpointed"
+    last = max(int(k.split("/")[1]) for k in done)
+    assert last < 6 and len(metrics(root)) == last  # stopped right after the checkpointed step
+    r = masktrl("train", "--resume", "ctrlc", "--out", str(base / "out"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    a, b = weights(ref), weights(root)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert metrics(ref) == metrics(root)
