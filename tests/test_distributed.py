@@ -120,6 +120,25 @@ def test_two_process_rollouts_are_sharded_by_group_and_written_once(reference):
     assert (root / "summary.json").is_file() and json.loads((root / "manifest.json").read_text())["status"] == "complete"
 
 
+def test_two_process_run_killed_then_resumed_is_bit_identical(reference):
+    """SIGKILL during step 3's update (both processes), then --resume under the same launch."""
+    base, cfg, _ = reference
+    out = str(base / "out")
+    args = ["--config", str(cfg), "--out", out, "--set", "train.steps=3"]
+    r = launch(CPU_DDP, *args, "--run", "full3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = launch(CPU_DDP, *args, "--run", "crash3", env=_env(MASKTRL_CRASH_AT="update:3"))
+    assert r.returncode != 0 and not (base / "out" / "crash3" / "summary.json").exists()
+    r = launch(CPU_DDP, "--resume", "crash3", "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = load_file(base / "out" / "full3" / "checkpoints" / "000003" / "model.safetensors")
+    b = load_file(base / "out" / "crash3" / "checkpoints" / "000003" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    timing = ("step_time_s", "rollout_time_s", "tokens_per_s")
+    strip = lambda rows: [{k: v for k, v in row.items() if k not in timing} for row in rows]  # noqa: E731
+    assert strip(metrics(base / "out" / "full3")) == strip(metrics(base / "out" / "crash3"))
+
+
 def test_micro_batches_cover_a_minibatch_once_and_refuse_empty_parts():
     parts = [micro_batches(10, r, 2, 2) for r in range(2)]
     assert parts == [[[0, 2], [4, 6, 8]], [[1, 3], [5, 7, 9]]]
@@ -162,10 +181,10 @@ def test_invalid_launch_setting_is_one_line(reference, tmp_path):
     assert "ZeRO stage must be 0-3" in lines[0] and not (tmp_path / "out" / "x").exists()
 
 
-DS_CPU_ZERO2 = """\
+DS_CPU = """\
 compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED
-deepspeed_config: {zero_stage: 2, offload_optimizer_device: none, offload_param_device: none, zero3_init_flag: false}
+deepspeed_config: {{zero_stage: {stage}, offload_optimizer_device: none, offload_param_device: none, zero3_init_flag: false, zero3_save_16bit_model: true}}
 num_machines: 1
 machine_rank: 0
 num_processes: 2
@@ -177,17 +196,20 @@ use_cpu: false
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_two_cpu_processes_match_one_process(reference, tmp_path):
-    """ZeRO-2 (sharded optimizer state and gradients) on 2 CPU processes, same rollouts as the
-    one-process reference. Slow: DeepSpeed compiles its shared-memory op (~35 s) on first use."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_two_cpu_processes_match_one_process(reference, tmp_path, stage):
+    """ZeRO-2 (sharded optimizer state and gradients) and ZeRO-3 (weights too: gathered for the
+    checkpoint and the rollout engine) on 2 CPU processes, same rollouts as the one-process
+    reference. Slow: DeepSpeed compiles its shared-memory op (~35 s) on first use."""
     pytest.importorskip("deepspeed")
     base, cfg, ref = reference
-    acc = tmp_path / "zero2_cpu.yaml"
-    acc.write_text(DS_CPU_ZERO2)
-    env = _env(TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"))
-    r = launch(acc, "--config", str(cfg), "--out", str(base / "out"), "--run", "zero2", "--rollouts-from", str(ref), env=env)
+    acc = tmp_path / f"zero{stage}_cpu.yaml"
+    acc.write_text(DS_CPU.format(stage=stage))
+    env = _env(TORCH_EXTENSIONS_DIR=str(base / "torch_extensions"))  # compiled once for the module
+    name = f"zero{stage}"
+    r = launch(acc, "--config", str(cfg), "--out", str(base / "out"), "--run", name, "--rollouts-from", str(ref), env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    two = base / "out" / "zero2"
+    two = base / "out" / name
     a = load_file(ref / "checkpoints" / "000002" / "model.safetensors")
     b = load_file(two / "checkpoints" / "000002" / "model.safetensors")
     assert a.keys() == b.keys()

@@ -157,6 +157,23 @@ class Dist:
         if self.is_main:
             self.barrier()
 
+    @contextlib.contextmanager
+    def loading(self):
+        """Loading the policy: the main process first (it may fill the warm-start cache), then
+        the others. Under ZeRO-3 transformers' ``zero.Init`` is off meanwhile (it would need every
+        process loading at once): each process loads the whole model, ``prepare`` shards it."""
+        with self.main_first():
+            if not self.zero3:
+                yield
+                return
+            from transformers.integrations import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+            try:
+                yield
+            finally:
+                self.acc.state.deepspeed_plugin.set_deepspeed_weakref()  # ZeRO-3 aware again (generate syncs ranks)
+
     def gather_objects(self, obj) -> list:
         """``obj`` of every rank, in rank order, on every rank."""
         if self.world == 1:

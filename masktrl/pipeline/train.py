@@ -74,7 +74,7 @@ def run(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, ro
     store.set_info(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid(), processes=dist.world)
 
     task = make_task(cfg)
-    with dist.main_first():  # the main process fills the warm-start cache, the others read it
+    with dist.loading():  # the main process first: it fills the warm-start cache, the others read it
         model, tokenizer, ws_info = prepare_policy(cfg, task, store.root.parent, progress)
     if not store.is_done("warmstart"):
         store.mark_done("warmstart", [], config_hash=cfg.hash("model", "task", "warmstart"), info=ws_info)
@@ -249,9 +249,9 @@ def save_checkpoint(store: RunStore, step: int, model, tokenizer, optimizer, sch
     """Written by the main process. Under DeepSpeed the weights are first gathered from the
     shards (every process takes part) and the sharded optimizer state is left out."""
     dist = dist or Dist()
-    state = None
-    if dist.deepspeed:
-        state = {k.removeprefix("lm."): v for k, v in dist.full_state_dict(policy).items()}
+    state = dist.full_state_dict(policy) if dist.deepspeed else None  # ZeRO-3: None except on the main process
+    if state is not None:
+        state = {k.removeprefix("lm."): v for k, v in state.items()}
     if store.writable:
         path = ckpt.save(store.checkpoint_dir(step), model, tokenizer, None if dist.deepspeed else optimizer, scheduler, step, state_dict=state)
         store.mark_done(f"checkpoint/{step:06d}", [path])
