@@ -82,8 +82,14 @@ class PolicyForward(torch.nn.Module):
         self.lm = lm
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]  # read before ZeRO-3 partitions it
 
-    def forward(self, input_ids, attention, rows, cols, ids, temperature: float, chunk: int):
-        hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state  # [B, L, H]
+    def forward(self, input_ids, attention, rows, cols, ids, temperature: float, chunk: int,
+                prompt_ids=None, prompt_attention=None, group=None):
+        """Without ``prompt_ids``: ``input_ids`` [B, L] is prompt+response, right-padded. With them:
+        ``input_ids`` [B, R] holds the responses only (see ``shared_prompt_hidden``)."""
+        if prompt_ids is None:
+            hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state  # [B, L, H]
+        else:
+            hidden = shared_prompt_hidden(self.lm.base_model, prompt_ids, prompt_attention, input_ids, attention, group)
         h = hidden[rows, cols]  # [N, H]
         weight = self.lm.get_output_embeddings().weight  # [V, H]
         lp = token_logprobs(h, weight, ids, temperature=temperature, chunk_size=chunk)  # [N, 1+K]
@@ -100,25 +106,21 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
     ``chunk`` tokens at a time.
     """
     policy = model if isinstance(getattr(model, "module", model), PolicyForward) else PolicyForward(model)
-    vocab_size = getattr(policy, "module", policy).vocab_size
+    inner = getattr(policy, "module", policy)
+    vocab_size = inner.vocab_size
     device = next(policy.parameters()).device
-    seqs = [s.prompt_ids + s.gen.response_ids for s in samples]
-    width = max(len(x) for x in seqs)
-    input_ids = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, L] right-padded
-    attention = torch.zeros(len(seqs), width, dtype=torch.long)
-    rows, cols = [], []
-    for b, (s, seq) in enumerate(zip(samples, seqs)):
-        input_ids[b, : len(seq)] = torch.tensor(seq)
-        attention[b, : len(seq)] = 1
-        p = len(s.prompt_ids)
-        rows += [b] * len(s.gen.response_ids)
-        cols += range(p - 1, p - 1 + len(s.gen.response_ids))  # position t-1 predicts token t
+    prompts, group = _distinct_prompts(samples)
+    if len(prompts) < len(samples) and not _checkpointing(inner.lm):
+        inputs = _shared_prompt_inputs(samples, prompts, group)
+    else:
+        inputs = _whole_sequence_inputs(samples)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
 
     sampled = torch.tensor([t for s in samples for t in s.gen.response_ids], device=device)  # [N]
     topk_ids = torch.tensor([row for s in samples for row in s.gen.topk_ids], dtype=torch.long, device=device)  # [N, K]
     ids = torch.cat([sampled[:, None], topk_ids], dim=1)  # [N, 1+K]
-    lp, entropy = policy(input_ids.to(device), attention.to(device), torch.tensor(rows, device=device),
-                         torch.tensor(cols, device=device), ids, temperature, chunk)  # [N, 1+K], [N]
+    lp, entropy = policy(inputs.pop("input_ids"), inputs.pop("attention"), inputs.pop("rows"), inputs.pop("cols"),
+                         ids, temperature, chunk, **inputs)  # [N, 1+K], [N]
     dt = lp.dtype  # float32 at least (float64 for a float64 model)
     behavior_topk = torch.tensor([row for s in samples for row in s.gen.topk_logp], dtype=dt, device=device)  # [N, K]
     behavior_logp = torch.tensor([x for s in samples for x in s.gen.logp], dtype=dt, device=device)  # [N]
@@ -135,6 +137,91 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
         vocab_size=vocab_size,
     )
     return PolicyOutputs(batch, advantages, entropy)
+
+
+def _distinct_prompts(samples: list[Sample]) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts (first-seen order) and, per sample, the index of its prompt."""
+    index: dict[tuple[int, ...], int] = {}
+    group = [index.setdefault(tuple(s.prompt_ids), len(index)) for s in samples]
+    return [list(p) for p in index], group
+
+
+def _checkpointing(lm) -> bool:
+    """Whether transformers' activation checkpointing is on (it turns the KV cache off, which
+    ``shared_prompt_hidden`` needs)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the first is the newer name
+        if hasattr(type(lm), name):
+            return bool(getattr(lm, name))
+    return False
+
+
+def _padded(rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, width] (pad id 0, masked) and their attention mask."""
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    return ids, mask
+
+
+def _whole_sequence_inputs(samples: list[Sample]) -> dict:
+    """Each prompt+response as one right-padded row; position p-1+t predicts response token t."""
+    seqs = [s.prompt_ids + s.gen.response_ids for s in samples]
+    input_ids, attention = _padded(seqs, max(len(x) for x in seqs))  # [B, L]
+    rows = [b for b, s in enumerate(samples) for _ in s.gen.response_ids]
+    cols = [len(s.prompt_ids) - 1 + t for s in samples for t in range(len(s.gen.response_ids))]
+    return {"input_ids": input_ids, "attention": attention, "rows": torch.tensor(rows), "cols": torch.tensor(cols)}
+
+
+def _shared_prompt_inputs(samples: list[Sample], prompts: list[list[int]], group: list[int]) -> dict:
+    """Each distinct prompt once [U, W] and each response without its last token [B, R]
+    (both right-padded); column t of ``shared_prompt_hidden``'s output predicts response token t."""
+    prompt_ids, prompt_attention = _padded(prompts, max(len(p) for p in prompts))
+    heads = [s.gen.response_ids[:-1] for s in samples]
+    input_ids, attention = _padded(heads, max(len(h) for h in heads))
+    rows = [b for b, s in enumerate(samples) for _ in s.gen.response_ids]
+    cols = [t for s in samples for t in range(len(s.gen.response_ids))]
+    return {
+        "input_ids": input_ids,
+        "attention": attention,
+        "rows": torch.tensor(rows),
+        "cols": torch.tensor(cols),
+        "prompt_ids": prompt_ids,
+        "prompt_attention": prompt_attention,
+        "group": torch.tensor(group),
+    }
+
+
+def shared_prompt_hidden(base, prompt_ids, prompt_attention, response_ids, response_attention, group):
+    """[B, 1+R, H] final hidden states predicting response tokens 0..R, each distinct prompt run once.
+
+    GRPO's samples share their group's prompt. The U distinct prompts [U, W] (right-padded) go
+    through ``base`` once; their KV cache is gathered per sequence (``group`` [B] -> prompt) and
+    the responses [B, R] (without their last token) continue from it at their true positions,
+    attending to the prompt's real tokens only. Column 0 is the prompt's last hidden state, column
+    t the one after response token t-1. Causal attention makes this equal to running every
+    prompt+response whole; gradients reach the prompt's computation through the cache. It cuts
+    the forward and backward work on prompts by the group size.
+    """
+    from masktrl.rollout.hf import cache_kwarg, new_cache
+
+    cache = new_cache(base.config)
+    key = cache_kwarg(base)
+    lengths = prompt_attention.sum(1)  # [U]
+    positions = torch.arange(prompt_ids.shape[1], device=prompt_ids.device).expand_as(prompt_ids)
+    out = base(input_ids=prompt_ids, attention_mask=prompt_attention, position_ids=positions, use_cache=True, **{key: cache})
+    last = out.last_hidden_state[torch.arange(len(lengths), device=lengths.device), lengths - 1]  # [U, H]
+    first = last[group][:, None]  # [B, 1, H]
+    if response_ids.shape[1] == 0:  # every response is a single token
+        return first
+    cache.reorder_cache(group)  # [U, ...] -> [B, ...], differentiable
+    steps = torch.arange(response_ids.shape[1], device=response_ids.device)
+    rest = base(
+        input_ids=response_ids,
+        attention_mask=torch.cat([prompt_attention[group], response_attention], dim=1),  # [B, W+R], pad holes masked
+        position_ids=lengths[group][:, None] + steps,  # [B, R]
+        use_cache=True,
+        **{key: cache},
+    ).last_hidden_state  # [B, R, H]
+    return torch.cat([first, rest], dim=1)
 
 
 def policy_update(model, optimizer, scheduler, samples: list[Sample], method, params, cfg, seed: int, step: int,
