@@ -15,7 +15,7 @@ import torch
 from masktrl.errors import MasktrlError
 from masktrl.methods import TokenBatch, aggregate, aggregate_denominator
 from masktrl.methods.diagnostics import token_diagnostics
-from masktrl.models.logprobs import token_logprobs, token_entropy
+from masktrl.models.logprobs import token_logprobs_and_entropy
 from masktrl.pipeline.distributed import Dist
 from masktrl.pipeline.tasks import encode_prompt
 from masktrl.rollout.base import Sample, SamplingSettings
@@ -92,9 +92,8 @@ class PolicyForward(torch.nn.Module):
             hidden = shared_prompt_hidden(self.lm.base_model, prompt_ids, prompt_attention, input_ids, attention, group)
         h = hidden[rows, cols]  # [N, H]
         weight = self.lm.get_output_embeddings().weight  # [V, H]
-        lp = token_logprobs(h, weight, ids, temperature=temperature, chunk_size=chunk)  # [N, 1+K]
-        with torch.no_grad():
-            entropy = token_entropy(h.detach(), weight, temperature=temperature, chunk_size=chunk)  # [N]
+        # [N, 1+K] log pi at the sampled and top-K ids, and [N] entropy (no grad), in one pass over V
+        lp, entropy = token_logprobs_and_entropy(h, weight, ids, temperature=temperature, chunk_size=chunk)
         return lp, entropy
 
 
