@@ -26,7 +26,10 @@ from masktrl.errors import ArtifactError
 MANIFEST = "manifest.json"
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write via a temporary file and rename: readers see the old or the new file, never a torn
+    one, whatever kills the process. ``durable`` also fsyncs file and folder, so the write
+    survives a power loss or OS crash too."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -34,16 +37,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
+    atomic_write_bytes(path, text.encode(), durable)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -96,6 +101,7 @@ class RunStore:
         self.root = Path(root)
         self.writable = writable
         self._manifest: dict | None = None
+        self._written: tuple | None = None  # (mtime, size, inode) of the manifest this object last wrote
 
     def read_only(self) -> "RunStore":
         """A view that reads this run and writes nothing (the non-main processes of a
@@ -143,8 +149,12 @@ class RunStore:
     def stage(self, stage: str) -> dict | None:
         return self.manifest["stages"].get(stage)
 
-    def mark_done(self, stage: str, files: list[Path], config_hash: str = "", **info: Any) -> None:
-        """Record ``stage`` as complete with the sha256 of each of its files (paths under root)."""
+    def mark_done(self, stage: str, files: list[Path], config_hash: str = "", durable: bool = True, **info: Any) -> None:
+        """Record ``stage`` as complete with the sha256 of each of its files (paths under root).
+
+        ``durable=False`` skips the fsyncs (the rename stays atomic): for stages whose loss on a
+        power cut costs nothing, like a step's update, which only becomes durable with the
+        next checkpoint anyway."""
         if not self.writable:
             return
         hashes = {}
@@ -157,7 +167,7 @@ class RunStore:
         entry.update(info)
         self.reload()
         self.manifest["stages"][stage] = entry
-        self.write_manifest()
+        self.write_manifest(durable)
 
     def set_info(self, **info: Any) -> None:
         if not self.writable:
@@ -167,17 +177,27 @@ class RunStore:
         self.write_manifest()
 
     def reload(self) -> None:
-        """Re-read the manifest, so stages another process recorded meanwhile (an eval of this
-        run, say) are kept when this one writes."""
-        self._manifest = None
+        """Re-read the manifest if another process changed it since this one last wrote it (an
+        eval of this run, say), so its stages are kept when this one writes."""
+        path = self.root / MANIFEST
+        try:
+            st = path.stat()
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            stamp = None
+        if stamp is None or stamp != self._written:
+            self._manifest = None
 
-    def write_manifest(self) -> None:
+    def write_manifest(self, durable: bool = True) -> None:
         if not self.writable:
             return
         # Compact: the manifest grows with every step and is rewritten at every stage; the
         # indented form was ~4x slower to encode (benchmarks/profile_step.py, io_share).
         text = json.dumps(self.manifest, separators=(",", ":"), sort_keys=True, default=_json_default)
-        atomic_write_text(self.root / MANIFEST, text)
+        path = self.root / MANIFEST
+        atomic_write_text(path, text, durable)
+        st = path.stat()
+        self._written = (st.st_mtime_ns, st.st_size, st.st_ino)
 
     def verify(self, stage: str) -> None:
         """Raise ArtifactError naming the first file of ``stage`` that is missing or changed."""
@@ -196,10 +216,10 @@ class RunStore:
         if not self.writable:
             return
         self.root.mkdir(parents=True, exist_ok=True)
+        # No fsync: rows after the last checkpoint are recomputed on resume (and a torn last
+        # line is skipped by read_metrics), so durability here buys nothing.
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row, sort_keys=True, default=_json_default) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
 
     def read_metrics(self) -> list[dict]:
         if not self.metrics_path.exists():
