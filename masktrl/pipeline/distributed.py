@@ -67,6 +67,7 @@ class Dist:
     def from_launch(cls, cfg) -> "Dist":
         """The Accelerator of this launch, configured from ``cfg.train`` (grad_accum, grad_clip)."""
         _check_deepspeed_json(os.environ.get(DS_CONFIG_ENV))
+        _check_zero_stage(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))  # before DeepSpeed is even imported
         from accelerate import Accelerator
 
         # Without a GPU, accelerate only sets up gloo (MULTI_CPU) when told cpu=True; DeepSpeed
@@ -79,9 +80,7 @@ class Dist:
         plugin = acc.state.deepspeed_plugin
         if plugin is not None:
             ds = plugin.deepspeed_config
-            stage = ds.get("zero_optimization", {}).get("stage")
-            if stage not in (0, 1, 2, 3):
-                raise ConfigError(f"{_launch_source()}: invalid DeepSpeed settings (ZeRO stage must be 0-3, got {stage!r})")
+            _check_zero_stage(ds.get("zero_optimization", {}).get("stage"))
             ds["train_micro_batch_size_per_gpu"] = 1  # one micro-batch = one forward; no dataloader to infer it from
             ds["gradient_accumulation_steps"] = cfg.train.grad_accum
             ds["gradient_clipping"] = cfg.train.grad_clip  # masktrl's config is authoritative
@@ -214,6 +213,13 @@ def _check_deepspeed_json(path: str | None) -> None:
     stage = data.get("zero_optimization", {}).get("stage", 0) if isinstance(data.get("zero_optimization", {}), dict) else None
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"{p}: invalid DeepSpeed config (zero_optimization.stage must be 0-3, got {stage!r})")
+
+
+def _check_zero_stage(stage) -> None:
+    if stage is None:
+        return
+    if str(stage).strip() not in ("0", "1", "2", "3"):
+        raise ConfigError(f"{_launch_source()}: invalid DeepSpeed settings (ZeRO stage must be 0-3, got {stage!r})")
 
 
 def _launch_source() -> str:
