@@ -23,9 +23,10 @@ import torch
 from masktrl.analysis.io import checkpoint_path, load_config_of, rollout_path
 from masktrl.config import Config
 from masktrl.errors import ArtifactError
-from masktrl.methods import Method, aggregate, get_method, make_params
+from masktrl.methods import Method, get_method, make_params
 from masktrl.models.loading import load_model_and_tokenizer
-from masktrl.pipeline.rl import PolicyOutputs, policy_token_batch, stream_seed
+from masktrl.pipeline import rl
+from masktrl.pipeline.rl import PolicyOutputs, policy_token_batch
 from masktrl.rollout.base import Sample
 from masktrl.rollout.storage import read_rollouts
 
@@ -107,16 +108,9 @@ def _load_optimizer(path: Path, optimizer, scheduler) -> None:
         raise ArtifactError(f"{path}: unreadable optimizer state ({str(exc).splitlines()[0]})") from None
 
 
-def partition(n: int, seed: int, step: int, minibatches: int) -> list[list[int]]:
-    """The minibatch split of ``policy_update``: a seeded permutation cut into ``minibatches`` parts."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(stream_seed(seed, "order", step)))
-    return [p.tolist() for p in order.chunk(minibatches) if len(p)]
-
-
 def sis_uniforms(seed: int, step: int, mb: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     """The uniforms SIS draws for minibatch ``mb`` of ``step`` (as in ``policy_update``)."""
-    gen = torch.Generator().manual_seed(stream_seed(seed, "sis", step, mb))
-    return torch.rand(n, generator=gen, dtype=torch.float64).to(dtype)
+    return rl.sis_uniforms(seed, step, mb, n).to(dtype)
 
 
 def token_index(replay: Replay, idx: list[int]) -> torch.Tensor:
@@ -135,29 +129,12 @@ Hook = Callable[..., None]
 
 
 def replay_step(replay: Replay, seed: int, minibatches: int, before: Hook | None = None, after: Hook | None = None) -> None:
-    """Run the step's minibatch updates from the current state, as ``policy_update`` does.
+    """Run the step's minibatch updates from the current state with ``policy_update`` itself.
 
     ``before(mb, idx, out, losses, u)`` sees each minibatch's policy outputs and token losses
-    just before its optimizer step; ``after(mb, idx)`` runs just after it. The seed chooses
-    the minibatch partition (``stream_seed(seed, "order", S)``) and the SIS uniforms
+    just before its backward; ``after(mb, idx)`` runs just after its optimizer step. The seed
+    chooses the minibatch partition (``stream_seed(seed, "order", S)``) and the SIS uniforms
     (``stream_seed(seed, "sis", S, mb)``); nothing else in an update is random.
     """
-    cfg, method, params = replay.cfg, replay.method, replay.params
-    agg_mode = method.aggregation(params)
-    norm = {"norm_len": cfg.rollout.max_new_tokens} if agg_mode == "seq-mean-token-sum-norm" else {}
-    replay.model.train()
-    for mb, idx in enumerate(partition(len(replay.samples), seed, replay.step, minibatches)):
-        out = policy_token_batch(replay.model, [replay.samples[i] for i in idx], cfg.rollout.temperature, cfg.train.logprob_chunk)
-        u = sis_uniforms(seed, replay.step, mb, out.batch.n, out.batch.logp.dtype) if method.needs_u(params) else None
-        losses = method.token_losses(out.batch, out.advantages, params, u=u)
-        if before is not None:
-            before(mb, idx, out, losses, u)
-        loss = aggregate(losses.loss, out.batch, agg_mode, **norm)
-        replay.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(replay.model.parameters(), cfg.train.grad_clip)
-        replay.optimizer.step()
-        replay.scheduler.step()
-        if after is not None:
-            after(mb, idx)
-    replay.model.eval()
+    rl.policy_update(replay.model, replay.optimizer, replay.scheduler, replay.samples, replay.method, replay.params,
+                     replay.cfg, seed, replay.step, minibatches=minibatches, before=before, after=after)

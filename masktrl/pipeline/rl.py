@@ -224,7 +224,7 @@ def shared_prompt_hidden(base, prompt_ids, prompt_attention, response_ids, respo
 
 
 def policy_update(model, optimizer, scheduler, samples: list[Sample], method, params, cfg, seed: int, step: int,
-                  dist: Dist | None = None) -> dict:
+                  dist: Dist | None = None, *, minibatches: int | None = None, before=None, after=None) -> dict:
     """N minibatch updates on one rollout batch; returns the step's averaged diagnostics.
 
     Several processes (``dist``) all hold the whole batch and cut it into the same minibatches;
@@ -234,10 +234,15 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     gradient average divides out again: the update is the one-process update on the whole
     minibatch, for any number of processes and micro-batches. SIS draws its uniforms for the
     whole minibatch, so they do not depend on the split either.
+
+    The analyses replay a stored step through this same function: ``minibatches`` overrides
+    ``train.minibatches``; ``before(mb, idx, out, losses, u)`` sees each micro-batch's policy
+    outputs and token losses (``idx``: indices into ``samples``) before its backward, and
+    ``after(mb, idx)`` runs after each optimizer step.
     """
     dist = dist or Dist()
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(stream_seed(seed, "order", step)))
-    parts = [p for p in order.chunk(cfg.train.minibatches) if len(p)]
+    parts = [p for p in order.chunk(minibatches or cfg.train.minibatches) if len(p)]
     agg_mode = method.aggregation(params)
     rows, trained = [], 0
     model.train()
@@ -252,6 +257,8 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
                 out = policy_token_batch(model, [mb_samples[i] for i in micro], cfg.rollout.temperature, cfg.train.logprob_chunk)
                 u_micro = None if u is None else torch.cat([u[i] for i in micro]).to(out.batch.logp.dtype)
                 losses = method.token_losses(out.batch, out.advantages, params, u=u_micro)
+                if before is not None:
+                    before(mb, [idx[i].item() for i in micro], out, losses, u_micro)
                 loss = aggregate(losses.loss, out.batch, agg_mode, **_norm_len(agg_mode, cfg))
                 share = aggregate_denominator(out.batch, agg_mode) / max(total, 1)  # 1.0 for one process, one micro-batch
                 dist.backward(loss if share == 1.0 and dist.world == 1 else loss * (share * dist.world))
@@ -261,6 +268,8 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
         grad_norm = dist.clip_grad_norm(model, cfg.train.grad_clip)
         optimizer.step()
         scheduler.step()
+        if after is not None:
+            after(mb, idx.tolist())
         diag = combine_rows([r for rank_rows in dist.gather_objects(micro_rows) for r in rank_rows])
         diag.update(loss=dist.sum([loss_value])[0], grad_norm=grad_norm)
         rows.append(diag)
@@ -292,12 +301,17 @@ def _denominator(samples: list[Sample], mode: str) -> int:
     return sum(valid) if mode == "token-mean" else sum(v > 0 for v in valid)
 
 
-def _sis_uniforms(samples: list[Sample], seed: int, step: int, mb: int) -> list[torch.Tensor]:
-    """SIS's uniforms for minibatch ``mb`` (float64), drawn for all its tokens in order, one
-    tensor per sample: the same draws whichever process or micro-batch trains a sample."""
-    lengths = [len(s.gen.response_ids) for s in samples]
+def sis_uniforms(seed: int, step: int, mb: int, n: int) -> torch.Tensor:
+    """[n] float64 uniforms SIS uses for the n tokens of minibatch ``mb`` of ``step``, in order."""
     gen = torch.Generator().manual_seed(stream_seed(seed, "sis", step, mb))
-    return list(torch.rand(sum(lengths), generator=gen, dtype=torch.float64).split(lengths))
+    return torch.rand(n, generator=gen, dtype=torch.float64)
+
+
+def _sis_uniforms(samples: list[Sample], seed: int, step: int, mb: int) -> list[torch.Tensor]:
+    """``sis_uniforms`` cut into one tensor per sample: the same draws whichever process or
+    micro-batch trains a sample."""
+    lengths = [len(s.gen.response_ids) for s in samples]
+    return list(sis_uniforms(seed, step, mb, sum(lengths)).split(lengths))
 
 
 def combine_rows(rows: list[dict]) -> dict:
