@@ -26,10 +26,9 @@ from masktrl.errors import ArtifactError
 MANIFEST = "manifest.json"
 
 
-def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
-    """Write via a temporary file and rename: readers see the old or the new file, never a torn
-    one, whatever kills the process. ``durable`` also fsyncs file and folder, so the write
-    survives a power loss or OS crash too."""
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a temporary file, fsync, rename, fsync the folder: readers see the old or the
+    new file, never a torn one, whatever kills the process or the machine."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -37,18 +36,16 @@ def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            if durable:
-                os.fsync(f.fileno())
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    if durable:
-        fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def atomic_write_text(path: Path, text: str, durable: bool = True) -> None:
-    atomic_write_bytes(path, text.encode(), durable)
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -102,6 +99,7 @@ class RunStore:
         self.writable = writable
         self._manifest: dict | None = None
         self._written: tuple | None = None  # (mtime, size, inode) of the manifest this object last wrote
+        self._pending: dict[str, dict] = {}  # deferred stages not yet written (mark_done(defer=True))
 
     def read_only(self) -> "RunStore":
         """A view that reads this run and writes nothing (the non-main processes of a
@@ -138,6 +136,7 @@ class RunStore:
                     raise ArtifactError(f"{path}: manifest is unreadable (corrupted)") from None
             else:
                 self._manifest = {"version": 1, "stages": {}}
+            self._manifest["stages"].update(self._pending)  # re-read from disk: keep what is deferred
         return self._manifest
 
     def exists(self) -> bool:
@@ -149,12 +148,12 @@ class RunStore:
     def stage(self, stage: str) -> dict | None:
         return self.manifest["stages"].get(stage)
 
-    def mark_done(self, stage: str, files: list[Path], config_hash: str = "", durable: bool = True, **info: Any) -> None:
+    def mark_done(self, stage: str, files: list[Path], config_hash: str = "", defer: bool = False, **info: Any) -> None:
         """Record ``stage`` as complete with the sha256 of each of its files (paths under root).
 
-        ``durable=False`` skips the fsyncs (the rename stays atomic): for stages whose loss on a
-        power cut costs nothing, like a step's update, which only becomes durable with the
-        next checkpoint anyway."""
+        ``defer=True`` records it in memory only; it is written with the next manifest write.
+        For stages whose loss costs nothing, like a step's update: it only becomes durable with
+        the next checkpoint anyway (resume drops update records after the last checkpoint)."""
         if not self.writable:
             return
         hashes = {}
@@ -167,7 +166,10 @@ class RunStore:
         entry.update(info)
         self.reload()
         self.manifest["stages"][stage] = entry
-        self.write_manifest(durable)
+        if defer:
+            self._pending[stage] = entry
+        else:
+            self.write_manifest()
 
     def set_info(self, **info: Any) -> None:
         if not self.writable:
@@ -188,16 +190,17 @@ class RunStore:
         if stamp is None or stamp != self._written:
             self._manifest = None
 
-    def write_manifest(self, durable: bool = True) -> None:
+    def write_manifest(self) -> None:
         if not self.writable:
             return
         # Compact: the manifest grows with every step and is rewritten at every stage; the
         # indented form was ~4x slower to encode (benchmarks/profile_step.py, io_share).
         text = json.dumps(self.manifest, separators=(",", ":"), sort_keys=True, default=_json_default)
         path = self.root / MANIFEST
-        atomic_write_text(path, text, durable)
+        atomic_write_text(path, text)
         st = path.stat()
         self._written = (st.st_mtime_ns, st.st_size, st.st_ino)
+        self._pending.clear()
 
     def verify(self, stage: str) -> None:
         """Raise ArtifactError naming the first file of ``stage`` that is missing or changed."""

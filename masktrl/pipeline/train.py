@@ -125,7 +125,7 @@ def run(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, ro
             maybe_crash("update", step)
             stats = policy_update(policy, optimizer, scheduler, samples, method, params, cfg, cfg.seed, step, dist) if samples else {}
             sync_weights(engine, model, dist)
-            store.mark_done(f"step/{step:06d}/train", [], durable=False)  # durable with the next checkpoint
+            store.mark_done(f"step/{step:06d}/train", [], defer=True)  # written with the next manifest write
 
             row = {
                 "step": step,

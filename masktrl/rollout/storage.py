@@ -61,7 +61,7 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict) -> None:
     }
     table = pa.table(cols, schema=SCHEMA).replace_schema_metadata({"masktrl": json.dumps(meta, sort_keys=True)})
     buf = io.BytesIO()
-    pq.write_table(table, buf)
+    pq.write_table(table, buf, compression="none", write_statistics=False)  # small, per step: speed over size
     atomic_write_bytes(path, buf.getvalue())
 
 
