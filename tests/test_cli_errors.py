@@ -49,3 +49,16 @@ def test_debug_env_shows_the_traceback(tmp_path):
 def test_help_lists_working_subcommands():
     r = masktrl("--help")
     assert r.returncode == 0 and "train" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "model, needle",
+    [("/nonexistent/model", "no such model folder"), ("nosuchorg/nosuchmodel", "local hub cache")],
+)
+def test_missing_models_are_one_line_and_never_downloaded(tmp_path, model, needle):
+    r = masktrl("rollout", "--model", model, "--data", "synthetic", "--out", str(tmp_path / "r.parquet"), cwd=tmp_path,
+                env={"HF_HOME": str(tmp_path / "hf")})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "https://" not in r.stderr.replace(lines[0], "")  # no download attempt was logged

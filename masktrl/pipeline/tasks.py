@@ -9,7 +9,6 @@ prompt is wrapped by ``encode_prompt`` (unchanged behaviour).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from masktrl.config import Config
@@ -42,10 +41,10 @@ def load_tokenizer(path: str | Path):
 
     from masktrl.errors import MasktrlError
 
-    if not Path(path).exists():
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from masktrl.models.loading import hub_offline
+
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=hub_offline())
     except (OSError, ValueError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise MasktrlError(f"cannot load the tokenizer of {path}: {first}") from None

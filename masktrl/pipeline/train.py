@@ -23,7 +23,6 @@ import random
 import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
