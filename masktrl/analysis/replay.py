@@ -26,6 +26,7 @@ from masktrl.errors import ArtifactError
 from masktrl.methods import Method, get_method, make_params
 from masktrl.models.loading import load_model_and_tokenizer
 from masktrl.pipeline import rl
+from masktrl.pipeline.checkpoint import load_optimizer_state
 from masktrl.pipeline.rl import PolicyOutputs, policy_token_batch
 from masktrl.rollout.base import Sample
 from masktrl.rollout.storage import read_rollouts
@@ -91,21 +92,12 @@ def load_replay(root: Path, step: int, policy_step: int | None = None) -> Replay
     model.eval()
     optimizer, scheduler = make_optimizer(model, cfg)
     if policy_step > 0:
-        _load_optimizer(Path(path), optimizer, scheduler)
+        load_optimizer_state(Path(path), optimizer, scheduler)
     method = get_method(cfg.method_name)
     params = make_params(cfg.method_name, **cfg.method_params)
     replay = Replay(Path(root), cfg, method, params, samples, step, policy_step, model, tokenizer, optimizer, scheduler)
     replay.save_state()
     return replay
-
-
-def _load_optimizer(path: Path, optimizer, scheduler) -> None:
-    try:
-        state = torch.load(path / "trainer_state.pt", weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-    except (OSError, RuntimeError, KeyError, ValueError) as exc:
-        raise ArtifactError(f"{path}: unreadable optimizer state ({str(exc).splitlines()[0]})") from None
 
 
 def sis_uniforms(seed: int, step: int, mb: int, n: int, dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,40 +15,45 @@ import torch
 
 from masktrl.errors import ArtifactError
 from masktrl.pipeline.faults import maybe_crash
-from masktrl.pipeline.store import atomic_write_json, fsync_dir
+from masktrl.pipeline.store import atomic_dir, atomic_write_json
 
 
 def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, extra: dict | None = None, state_dict: dict | None = None) -> Path:
     """``state_dict``: the weights to write instead of ``model``'s own (gathered from DeepSpeed
     shards). ``optimizer=None`` (DeepSpeed: its state is sharded) leaves the optimizer state out."""
     dest = Path(dest)
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, state_dict=state_dict)
-    maybe_crash("checkpoint-write", step)  # crash tests: die with a half-written checkpoint
-    tokenizer.save_pretrained(tmp)
-    trainer = {"optimizer": optimizer.state_dict()} if optimizer is not None else {}
-    torch.save({**trainer, "scheduler": scheduler.state_dict()}, tmp / "trainer_state.pt")
-    torch.save(_rng_state(), tmp / "rng_state.pt")
-    atomic_write_json(tmp / "trainer_state.json", {"step": step, **(extra or {})})
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    fsync_dir(dest.parent)
+    with atomic_dir(dest) as tmp:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        maybe_crash("checkpoint-write", step)  # crash tests: die with a half-written checkpoint
+        tokenizer.save_pretrained(tmp)
+        trainer = {"optimizer": optimizer.state_dict()} if optimizer is not None else {}
+        torch.save({**trainer, "scheduler": scheduler.state_dict()}, tmp / "trainer_state.pt")
+        torch.save(_rng_state(), tmp / "rng_state.pt")
+        atomic_write_json(tmp / "trainer_state.json", {"step": step, **(extra or {})})
     return dest
 
 
 def load_trainer_state(path: Path, optimizer, scheduler) -> dict:
     """Restore optimizer, scheduler and RNG states in place; return trainer_state.json."""
     path = Path(path)
+    load_optimizer_state(path, optimizer, scheduler)
     try:
-        state = torch.load(path / "trainer_state.pt", weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(torch.load(path / "rng_state.pt", weights_only=True))
         return json.loads((path / "trainer_state.json").read_text())
     except (OSError, RuntimeError, KeyError, json.JSONDecodeError) as exc:
         raise ArtifactError(f"{path}: unreadable checkpoint ({str(exc).splitlines()[0]})") from None
+
+
+def load_optimizer_state(path: Path, optimizer, scheduler) -> None:
+    """Restore optimizer and scheduler from ``trainer_state.pt`` (no RNG: analyses replaying a
+    step use this, and leave the process's global generators alone)."""
+    path = Path(path)
+    try:
+        state = torch.load(path / "trainer_state.pt", weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    except (OSError, RuntimeError, KeyError, ValueError) as exc:
+        raise ArtifactError(f"{path}: unreadable optimizer state ({str(exc).splitlines()[0]})") from None
 
 
 def _rng_state() -> dict:

@@ -13,9 +13,11 @@ Layout::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -50,6 +52,20 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(dest: Path):
+    """Fill a folder atomically: yields ``<dest>.tmp`` to write into, then replaces ``dest``
+    with it, so a folder that exists under its final name is complete."""
+    dest = Path(dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    yield tmp
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    fsync_dir(dest.parent)
 
 
 def fsync_dir(path: Path) -> None:

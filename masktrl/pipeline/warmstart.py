@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 from masktrl.config import Config
 from masktrl.models.loading import load_model_and_tokenizer, quiet_transformers
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from masktrl.pipeline.store import atomic_write_json, fsync_dir
+from masktrl.pipeline.store import atomic_dir, atomic_write_json
 
 
 WARMSTART_VERSION = 3  # bump when the warm-start procedure changes: old cache entries are then ignored
@@ -108,12 +107,7 @@ def _warmup_constant(warmup: int):
 
 
 def _save_atomically(model, tokenizer, info: dict, dest: Path) -> None:
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    atomic_write_json(tmp / "warmstart.json", info)  # written last: marks the cache entry complete
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    fsync_dir(dest.parent)
+    with atomic_dir(dest) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        atomic_write_json(tmp / "warmstart.json", info)  # written last: marks the cache entry complete
