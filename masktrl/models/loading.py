@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -25,29 +26,44 @@ def load_model_and_tokenizer(path: str | Path, dtype: str = "float32"):
     Hub ids resolve from the local cache only unless HF_HUB_OFFLINE=0 is set explicitly:
     masktrl itself never downloads.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(path)
+    with _load_errors(path, "model"):
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], local_files_only=hub_offline())
+    return model, tokenizer
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a model folder or a cached hub id (never downloads); pad = EOS if unset."""
+    from transformers import AutoTokenizer
 
     quiet_transformers()
     local = Path(path)
     if not local.exists() and str(path).startswith(("/", "./", "../", "~")):
         raise MasktrlError(f"no such model folder: {path}")
-    if local.exists() and not (local / "config.json").is_file():
+    if local.exists() and not (local / "config.json").is_file() and not (local / "tokenizer_config.json").is_file():
         raise MasktrlError(f"{local}: not a model folder (no config.json)")
-    offline = hub_offline()
+    with _load_errors(path, "model"):
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=hub_offline())
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+@contextlib.contextmanager
+def _load_errors(path, what: str):
+    """transformers' OSError/ValueError as one MasktrlError line."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=offline)
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], local_files_only=offline)
+        yield
     except (OSError, ValueError) as exc:
-        if offline and not local.exists():
+        if hub_offline() and not Path(path).exists():
             raise MasktrlError(
-                f"cannot load model {path}: not a local folder and not in the local hub cache "
+                f"cannot load {what} {path}: not a local folder and not in the local hub cache "
                 "(masktrl never downloads: pass a local folder, or fill the cache first)"
             ) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise MasktrlError(f"cannot load model {path}: {first}") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+        raise MasktrlError(f"cannot load {what} {path}: {first}") from None
 
 
 def hub_offline() -> bool:

@@ -24,7 +24,8 @@ from masktrl.config import EVAL_BENCHMARKS, Config, load_config
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.pipeline.rl import stream_seed
 from masktrl.pipeline.store import RunStore, atomic_write_json
-from masktrl.pipeline.tasks import encode_prompt, load_tokenizer, make_task
+from masktrl.models.loading import load_tokenizer
+from masktrl.pipeline.tasks import encode_prompt, make_task
 from masktrl.rollout.base import SamplingSettings
 from masktrl.tasks.grader import extract_answer
 

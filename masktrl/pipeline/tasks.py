@@ -9,9 +9,9 @@ prompt is wrapped by ``encode_prompt`` (unchanged behaviour).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from masktrl.config import Config
+from masktrl.models.loading import load_tokenizer
 
 HELDOUT_SEED = 1234  # the held-out split is the same for every run, whatever its seed
 _PROBE = "\x00masktrl-probe\x00"  # a message content no real prompt contains
@@ -33,21 +33,6 @@ def make_task(cfg: Config, tokenizer=None):
     if template == "chat" and tokenizer is None:
         tokenizer = load_tokenizer(cfg.model.path)
     return get_task(t.name, data_file=t.data, n_test=t.n_test, template=template, tokenizer=tokenizer)
-
-
-def load_tokenizer(path: str | Path):
-    """The tokenizer of a model folder or a cached hub id (never downloads)."""
-    from transformers import AutoTokenizer
-
-    from masktrl.errors import MasktrlError
-
-    from masktrl.models.loading import hub_offline
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=hub_offline())
-    except (OSError, ValueError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise MasktrlError(f"cannot load the tokenizer of {path}: {first}") from None
 
 
 def encode_prompt(tokenizer, prompt: str, chat_template: bool) -> list[int]:
