@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -117,10 +118,12 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression
     if codec:
         meta_kv[CODEC_KEY] = json.dumps(codec, sort_keys=True).encode()
     buf = io.BytesIO()
-    # format 2 leaves out the serialised Arrow schema (~1 KB a file): the parquet types read back as SCHEMA
-    with pq.ParquetWriter(buf, table.schema, write_statistics=False, store_schema=fmt == 1, **opts) as writer:
-        writer.write_table(table)
-        writer.add_key_value_metadata(meta_kv)
+    if codec is None:
+        pq.write_table(table.replace_schema_metadata(meta_kv), buf, write_statistics=False, **opts)
+    else:  # without the serialised Arrow schema (~1 KB a file): the parquet types read back as SCHEMA
+        with pq.ParquetWriter(buf, table.schema, write_statistics=False, store_schema=False, **opts) as writer:
+            writer.write_table(table)
+            writer.add_key_value_metadata(meta_kv)
     atomic_write_bytes(path, buf.getvalue())
 
 
@@ -171,7 +174,7 @@ def encode_tokens(a: TokenArrays, layout: str | None = None) -> tuple[dict[str, 
     perm = kt_order(a.offsets, k) if layout == "kt" else slice(None)
     bits = a.topk_logp.view(np.uint32)
     hit = (a.topk_ids == a.response_ids[:, None]) & (bits == a.behavior_logp.view(np.uint32)[:, None])  # [N, K]
-    rank = np.where(hit.any(axis=1), hit.argmax(axis=1), -1).astype(np.int16)  # [N]
+    rank = np.where(hit.any(axis=1), hit.argmax(axis=1) if k else 0, -1).astype(np.int16)  # [N]
     exc = rank < 0
     flat_ids = a.topk_ids.reshape(-1)
     table = id_table(flat_ids)
@@ -296,7 +299,7 @@ def check_columns(path: Path, table: pa.Table, schema: pa.Schema) -> None:
     for field in schema:
         col = table.column(field.name)
         if col.type != field.type:
-            raise ArtifactError(f"{path}: column {field.name} has type {col.type}, expected {field.type}")
+            raise ArtifactError(f"{path}: column {field.name} has type {_type_name(col.type)}, expected {_type_name(field.type)}")
         chunk = col.combine_chunks()
         level = 0
         while True:
@@ -306,6 +309,10 @@ def check_columns(path: Path, table: pa.Table, schema: pa.Schema) -> None:
             if not pa.types.is_list(chunk.type):
                 break
             chunk, level = chunk.flatten(), level + 1
+
+
+def _type_name(t: pa.DataType) -> str:
+    return re.sub(r"\b(item|element): ", "", str(t))
 
 
 def _first_null_row(arr: pa.Array, level: int) -> int:
