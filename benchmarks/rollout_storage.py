@@ -52,14 +52,16 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny-steps", type=int, default=3)
     p.add_argument("--vocab", type=int, default=151_936)
     p.add_argument("--rows", type=int, default=32)
-    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--level", type=int, default=None, help="zstd level of format 2 (default: write_rollouts' own)")
     p.add_argument("--boosts", type=int, default=4)
     p.add_argument("--cases", nargs="+", default=["tiny", "float32-zipf", "bf16-zipf", "float32-uniform-ids", "bf16-uniform-ids"])
     args = p.parse_args(argv)
 
     from masktrl.rollout.storage import read_rollouts
 
-    results = {}
+    results, synthetic = {}, {}
+    level = {} if args.level is None else {"compression_level": args.level}
     with tempfile.TemporaryDirectory(prefix="rollout-storage-") as tmp:
         tmp = Path(tmp)
         for case in args.cases:
@@ -68,9 +70,10 @@ def main(argv=None) -> dict:
                 batches = [read_rollouts(f) for f in files]
             else:
                 dtype, ids = case.split("-", 1)
-                alpha = 1.2 if ids == "zipf" else 0.0
-                batches = [(synthetic_batch(args.rows, args.tokens, args.vocab, args.k, alpha, args.boosts, dtype == "bf16", seed), {"case": case}) for seed in range(2)]
-            results[case] = measure(batches, tmp, args.reps)
+                if ids not in synthetic:  # one draw of logits serves the float32 and the bf16 case
+                    synthetic[ids] = synthetic_batches(args.rows, args.tokens, args.vocab, args.k, 1.2 if ids == "zipf" else 0.0, args.boosts, seed=0)
+                batches = [(synthetic[ids][dtype], {"case": case})]
+            results[case] = measure(batches, tmp, args.reps, level)
             results[case]["stats"] = batch_stats(batches)
     report(results)
     out = {"results": results, "target_bytes_per_token": TARGET, "k": args.k, "machine": machine(), "args": vars(args)}
@@ -89,40 +92,42 @@ def tiny_run(tmp: Path, steps: int) -> Path:
     return tmp / "out" / "tiny"
 
 
-def synthetic_batch(rows: int, tokens: int, vocab: int, k: int, alpha: float, boosts: int, bf16: bool, seed: int) -> list:
-    """``rows`` responses of ``tokens`` tokens: see the module docstring."""
+def synthetic_batches(rows: int, tokens: int, vocab: int, k: int, alpha: float, boosts: int, seed: int) -> dict[str, list]:
+    """{"float32": samples, "bf16": samples}: ``rows`` responses of ``tokens`` tokens each, from one
+    draw of logits (see the module docstring), rounded to bfloat16 for the second batch."""
     import torch
 
     from masktrl.rollout.base import Generation, Sample
 
     g = torch.Generator().manual_seed(seed)
     prior = -alpha * torch.log1p(torch.randperm(vocab, generator=g).float())  # [V] by frequency rank
-    words = word_table(vocab, seed)
+    draws = {dtype: torch.Generator().manual_seed(seed + 1) for dtype in ("float32", "bf16")}
+    cols = {dtype: ([], [], [], []) for dtype in draws}  # ids, logp, top-K ids, top-K logp
     n = rows * tokens
-    ids, logp, top_ids, top_lp = [], [], [], []
     for start in range(0, n, 128):
         m = min(128, n - start)
         z = 20.0 + prior + torch.randn((m, vocab), generator=g)  # [m, V]
         z.scatter_add_(1, torch.randint(0, vocab, (m, boosts), generator=g), 3.0 - 10.0 * torch.log(torch.rand((m, boosts), generator=g)))
-        if bf16:
-            z = z.to(torch.bfloat16).float()
-        lp = torch.log_softmax(z, dim=-1)
-        v, i = lp.topk(k, dim=-1)
-        sampled = torch.multinomial(lp.exp(), 1, generator=g)  # [m, 1]
-        ids.append(sampled[:, 0])
-        logp.append(lp.gather(1, sampled)[:, 0])
-        top_ids.append(i)
-        top_lp.append(v)
-    ids, logp = torch.cat(ids).view(rows, tokens).tolist(), torch.cat(logp).view(rows, tokens).tolist()
-    top_ids, top_lp = torch.cat(top_ids).view(rows, tokens, k).tolist(), torch.cat(top_lp).view(rows, tokens, k).tolist()
-    rng = np.random.default_rng(seed)
-    samples = []
-    for r in range(rows):
-        gen = Generation(ids[r], logp[r], top_ids[r], top_lp[r], finished=bool(r % 3))
-        prompt = rng.integers(0, vocab, 64).tolist() if r % 8 == 0 else prompt  # groups of 8 share a prompt
-        samples.append(Sample(f"ex{r // 8}", "".join(words[i] for i in prompt), str(r), prompt, r // 8, gen,
-                              text="".join(words[i] for i in ids[r]), reward=float(r % 2), advantage=float(rng.normal())))
-    return samples
+        for dtype, out in cols.items():
+            lp = torch.log_softmax(z if dtype == "float32" else z.to(torch.bfloat16).float(), dim=-1)
+            v, i = lp.topk(k, dim=-1)
+            sampled = torch.multinomial(lp.exp(), 1, generator=draws[dtype])  # [m, 1]
+            for part, x in zip(out, (sampled[:, 0], lp.gather(1, sampled)[:, 0], i, v)):
+                part.append(x)
+    words = word_table(vocab, seed)
+    batches = {}
+    for dtype, out in cols.items():
+        ids, logp = (torch.cat(x).view(rows, tokens).tolist() for x in out[:2])
+        top_ids, top_lp = (torch.cat(x).view(rows, tokens, k).tolist() for x in out[2:])
+        rng = np.random.default_rng(seed)
+        samples = []
+        for r in range(rows):
+            prompt = rng.integers(0, vocab, 64).tolist() if r % 8 == 0 else prompt  # groups of 8 share a prompt
+            gen = Generation(ids[r], logp[r], top_ids[r], top_lp[r], finished=bool(r % 3))
+            samples.append(Sample(f"ex{r // 8}", "".join(words[i] for i in prompt), str(r), prompt, r // 8, gen,
+                                  text="".join(words[i] for i in ids[r]), reward=float(r % 2), advantage=float(rng.normal())))
+        batches[dtype] = samples
+    return batches
 
 
 def word_table(vocab: int, seed: int) -> list[str]:
@@ -153,24 +158,27 @@ def batch_stats(batches) -> dict:
 # --------------------------------------------------------------------------- measurement
 
 
-def measure(batches, tmp: Path, reps: int) -> dict:
+def measure(batches, tmp: Path, reps: int, level: dict) -> dict:
     from masktrl.rollout import storage
 
-    sizes = {1: 0, 2: 0}
+    sizes, columns = {1: 0, 2: 0}, {}
     tokens = sum(len(s.gen.response_ids) for samples, _ in batches for s in samples)
     times = {key: [] for key in ("write1", "write2", "read1", "read2", "validate")}
     for b, (samples, meta) in enumerate(batches):
         for fmt in (1, 2):
             path = tmp / f"b{b}-v{fmt}.parquet"
-            storage.write_rollouts(path, samples, meta, fmt=fmt)
+            storage.write_rollouts(path, samples, meta, fmt=fmt, **(level if fmt == 2 else {}))
             sizes[fmt] += path.stat().st_size
+            if fmt == 2:
+                for column, size in column_sizes(path).items():
+                    columns[column] = columns.get(column, 0) + size
             back = legacy_read(path) if fmt == 1 else storage.read_rollouts(path)[0]
             assert fingerprint(back) == fingerprint(samples), f"format {fmt} did not round-trip bit-exactly"
     for _ in range(reps):
         for b, (samples, meta) in enumerate(batches):
             for fmt in (1, 2):
                 path = tmp / f"b{b}-v{fmt}.parquet"
-                times[f"write{fmt}"].append(timed(storage.write_rollouts, path, samples, meta, fmt=fmt))
+                times[f"write{fmt}"].append(timed(storage.write_rollouts, path, samples, meta, fmt=fmt, **(level if fmt == 2 else {})))
                 times[f"read{fmt}"].append(timed(legacy_read if fmt == 1 else storage.read_rollouts, path))
             times["validate"].append(validate_time(tmp / f"b{b}-v2.parquet"))
     ms = {key: 1000 * median(v) for key, v in times.items()}
@@ -181,7 +189,17 @@ def measure(batches, tmp: Path, reps: int) -> dict:
         "write_ratio": ms["write2"] / ms["write1"],
         "read_ratio": ms["read2"] / ms["read1"],
         "tokens_per_batch": tokens / len(batches),
+        "bytes_per_token_v2_by_column": {c: v / tokens for c, v in columns.items()},
     }
+
+
+def column_sizes(path: Path) -> dict[str, int]:
+    """Compressed bytes of each column, and the rest of the file (footer, metadata) as "other"."""
+    import pyarrow.parquet as pq
+
+    group = pq.ParquetFile(path).metadata.row_group(0)
+    sizes = {group.column(i).path_in_schema.split(".")[0]: group.column(i).total_compressed_size for i in range(group.num_columns)}
+    return {**sizes, "other": path.stat().st_size - sum(sizes.values())}
 
 
 def timed(fn, *args, **kw) -> float:

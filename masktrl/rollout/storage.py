@@ -94,7 +94,7 @@ class TokenArrays:
 # --------------------------------------------------------------------------- writing
 
 
-def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression_level: int = 3, fmt: int = FORMAT, layout: str | None = None) -> None:
+def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression_level: int = 6, fmt: int = FORMAT, layout: str | None = None) -> None:
     """Write ``samples`` with ``meta`` (JSON, key ``masktrl``) atomically to ``path``.
 
     Top-K lists of unequal widths cannot be stored in format 2; such a batch is written in
@@ -171,7 +171,7 @@ def encode_tokens(a: TokenArrays, layout: str | None = None) -> tuple[dict[str, 
     n, k = a.topk_ids.shape
     rows = len(a.offsets) - 1
     layout = layout or ("kt" if n >= 32 * rows else "tk")
-    perm = kt_order(a.offsets, k) if layout == "kt" else slice(None)
+    slots = kt_slots(a.offsets, k) if layout == "kt" else None
     bits = a.topk_logp.view(np.uint32)
     hit = (a.topk_ids == a.response_ids[:, None]) & (bits == a.behavior_logp.view(np.uint32)[:, None])  # [N, K]
     rank = np.where(hit.any(axis=1), hit.argmax(axis=1) if k else 0, -1).astype(np.int16)  # [N]
@@ -191,21 +191,28 @@ def encode_tokens(a: TokenArrays, layout: str | None = None) -> tuple[dict[str, 
         "sampled_rank": _lists(off, rank),
         "response_ids_x": _lists(exc_off, a.response_ids[exc].astype(np.int32)),
         "behavior_logp_x": _lists(exc_off, a.behavior_logp[exc]),
-        "topk_ids": _lists(off * k, stored_ids[perm]),
+        "topk_ids": _lists(off * k, _rank_major(stored_ids, slots)),
         "topk_vocab": _lists(vocab_off, vocab),
-        "topk_logp": _lists(off * k, steps.reshape(-1)[perm]),
+        "topk_logp": _lists(off * k, _rank_major(steps.reshape(-1), slots)),
         "topk_logp_x": _lists(raw_off, (raw_flat - off[raw_row] * k).astype(np.int32)),
     }
     return cols, {"format": FORMAT, "k": int(k), "topk_ids": "vocab" if table else "raw", "layout": layout}
 
 
-def kt_order(offsets: np.ndarray, k: int) -> np.ndarray:
-    """Token-major flat index of each rank-major slot: row r's slot j * T_r + t holds (t, j)."""
+def kt_slots(offsets: np.ndarray, k: int) -> np.ndarray:
+    """[N * K] rank-major slot of each token-major entry: row r's (t, j) goes to slot j * T_r + t."""
     lengths = np.diff(offsets)
-    row = np.repeat(np.arange(len(lengths)), lengths * k)
-    slot = np.arange(len(row)) - offsets[row] * k
-    t_len = lengths[row]
-    return (offsets[row] + slot % t_len) * k + slot // t_len
+    row = np.repeat(np.arange(len(lengths)), lengths)  # [N]
+    base = offsets[row] * k + np.arange(offsets[-1]) - offsets[row]  # row start + t
+    return (base[:, None] + lengths[row][:, None] * np.arange(k)).reshape(-1)  # [N, K] -> flat
+
+
+def _rank_major(values: np.ndarray, slots: np.ndarray | None) -> np.ndarray:
+    if slots is None:
+        return values
+    out = np.empty_like(values)
+    out[slots] = values
+    return out
 
 
 def id_table(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -384,8 +391,8 @@ def decode_v2(path: Path, table: pa.Table, codec: dict) -> TokenArrays:
         if len(bad):
             raise ArtifactError(f"{path}: {_where(off, bad[0] // max(k, 1))}: top-K id rank {stored[bad[0]]} outside the file's id table ({len(vocab)} ids)")
         stored = vocab[stored]
-    perm = kt_order(off, k) if layout == "kt" else None
-    tid = _token_major(stored, perm).reshape(n, k)
+    slots = kt_slots(off, k) if layout == "kt" else None
+    tid = (stored if slots is None else stored[slots]).reshape(n, k)
     raw_off, raw_idx = _flat(table, "topk_logp_x")
     raw_row = np.repeat(np.arange(len(off) - 1), np.diff(raw_off))
     bad = np.flatnonzero((raw_idx < 0) | (raw_idx >= np.diff(off)[raw_row] * k))
@@ -394,7 +401,7 @@ def decode_v2(path: Path, table: pa.Table, codec: dict) -> TokenArrays:
     raw = np.zeros(n * k, bool)
     raw[off[raw_row] * k + raw_idx] = True
     _, steps = _flat(table, "topk_logp")
-    tlp = logp_from_steps(_token_major(steps, perm).reshape(n, k), raw.reshape(n, k))
+    tlp = logp_from_steps((steps if slots is None else steps[slots]).reshape(n, k), raw.reshape(n, k))
     _, xid = _flat(table, "response_ids_x")
     _, xlp = _flat(table, "behavior_logp_x")
     rid, blp = np.empty(n, np.int64), np.empty(n, np.float32)
@@ -402,14 +409,6 @@ def decode_v2(path: Path, table: pa.Table, codec: dict) -> TokenArrays:
     rid[at], blp[at] = tid[at, rank[at]], tlp[at, rank[at]]
     rid[exc], blp[exc] = xid, xlp
     return TokenArrays(off, rid, blp, tid, tlp)
-
-
-def _token_major(values: np.ndarray, perm: np.ndarray | None) -> np.ndarray:
-    if perm is None:
-        return values
-    out = np.empty_like(values)
-    out[perm] = values
-    return out
 
 
 def _where(offsets: np.ndarray, token: int) -> str:
