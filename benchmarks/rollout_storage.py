@@ -5,7 +5,7 @@ bytes/token = file size / number of response tokens. Every batch is written in b
 read back, and checked bit for bit (ids, and the float32 bit patterns of every behaviour and
 top-K log-probability); then write and read are timed alternately, ``--reps`` rounds, medians.
 Write time is ``write_rollouts`` as the trainer calls it (encode, parquet, atomic write with
-fsync); read time is the previous reader for format 1 and ``read_rollouts`` (decode and
+fsync), ``encode ratio`` the same without the disk write; read time is the previous reader for format 1 and ``read_rollouts`` (decode and
 row-by-row validation, ``validate ms`` on its own) for format 2.
 
 Cases, all at K = ``--k`` (20):
@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -163,7 +164,7 @@ def measure(batches, tmp: Path, reps: int, level: dict) -> dict:
 
     sizes, columns = {1: 0, 2: 0}, {}
     tokens = sum(len(s.gen.response_ids) for samples, _ in batches for s in samples)
-    times = {key: [] for key in ("write1", "write2", "read1", "read2", "validate")}
+    times = {key: [] for key in ("write1", "write2", "encode1", "encode2", "read1", "read2", "validate")}
     for b, (samples, meta) in enumerate(batches):
         for fmt in (1, 2):
             path = tmp / f"b{b}-v{fmt}.parquet"
@@ -179,6 +180,8 @@ def measure(batches, tmp: Path, reps: int, level: dict) -> dict:
             for fmt in (1, 2):
                 path = tmp / f"b{b}-v{fmt}.parquet"
                 times[f"write{fmt}"].append(timed(storage.write_rollouts, path, samples, meta, fmt=fmt, **(level if fmt == 2 else {})))
+                with no_disk(storage):
+                    times[f"encode{fmt}"].append(timed(storage.write_rollouts, path, samples, meta, fmt=fmt, **(level if fmt == 2 else {})))
                 times[f"read{fmt}"].append(timed(legacy_read if fmt == 1 else storage.read_rollouts, path))
             times["validate"].append(validate_time(tmp / f"b{b}-v2.parquet"))
     ms = {key: 1000 * median(v) for key, v in times.items()}
@@ -187,6 +190,7 @@ def measure(batches, tmp: Path, reps: int, level: dict) -> dict:
         "bytes_per_token_v2": sizes[2] / tokens,
         **{f"{key}_ms": v for key, v in ms.items()},
         "write_ratio": ms["write2"] / ms["write1"],
+        "encode_ratio": ms["encode2"] / ms["encode1"],
         "read_ratio": ms["read2"] / ms["read1"],
         "tokens_per_batch": tokens / len(batches),
         "bytes_per_token_v2_by_column": {c: v / tokens for c, v in columns.items()},
@@ -200,6 +204,17 @@ def column_sizes(path: Path) -> dict[str, int]:
     group = pq.ParquetFile(path).metadata.row_group(0)
     sizes = {group.column(i).path_in_schema.split(".")[0]: group.column(i).total_compressed_size for i in range(group.num_columns)}
     return {**sizes, "other": path.stat().st_size - sum(sizes.values())}
+
+
+@contextmanager
+def no_disk(storage):
+    """``write_rollouts`` without the atomic write and fsync: the encoding alone."""
+    real = storage.atomic_write_bytes
+    storage.atomic_write_bytes = lambda path, data: None
+    try:
+        yield
+    finally:
+        storage.atomic_write_bytes = real
 
 
 def timed(fn, *args, **kw) -> float:
@@ -241,9 +256,9 @@ def report(results: dict) -> None:
     rows = []
     for case, r in results.items():
         rows.append([case, r["tokens_per_batch"], r["bytes_per_token_v1"], r["bytes_per_token_v2"], r["bytes_per_token_v1"] / r["bytes_per_token_v2"],
-                     r["write1_ms"], r["write2_ms"], r["write_ratio"], r["read1_ms"], r["read2_ms"], r["read_ratio"], r["validate_ms"]])
+                     r["write1_ms"], r["write2_ms"], r["write_ratio"], r["encode_ratio"], r["read1_ms"], r["read2_ms"], r["read_ratio"], r["validate_ms"]])
     print_table(f"Rollout storage, format 1 -> 2 (target <= {TARGET:.0f} B/token at K = 20)",
-                ["case", "tokens/batch", "B/token v1", "B/token v2", "smaller", "write ms v1", "write ms v2", "ratio",
+                ["case", "tokens/batch", "B/token v1", "B/token v2", "smaller", "write ms v1", "write ms v2", "ratio", "encode ratio",
                  "read ms v1", "read ms v2", "ratio", "validate ms"], rows)
     print_table("What shapes the sizes", ["case", "top-1 p", "top-K mass", "sampled in top-K", "top-K id entropy (bits)"],
                 [[c, r["stats"]["top1_prob_mean"], r["stats"]["topk_mass_mean"], r["stats"]["sampled_in_topk"], r["stats"]["topk_id_entropy_bits"]] for c, r in results.items()])
