@@ -154,7 +154,7 @@ def test_behaviour_logp_moved_between_rows_is_refused(tmp_path):
     samples[2].gen.logp.append(samples[1].gen.logp.pop())
     path = tmp_path / "moved.parquet"
     write_rollouts(path, samples, {})  # ragged: written as format 1, unchanged
-    refused(path, r"row 1: 2 response ids but 1 entries in behavior_logp")
+    refused(path, r"row 1: behavior_logp has length 1, response_ids 2")
 
 
 def test_shifted_topk_lists_are_refused(tmp_path):
@@ -228,7 +228,10 @@ def test_ragged_topk_width_is_refused(tmp_path):
     samples[4].gen.topk_logp[2] = samples[4].gen.topk_logp[2][:-1]
     path = tmp_path / "r.parquet"
     write_rollouts(path, samples, {})
-    refused(path, r"row 4, token 2: topk_ids list has 16 entries")
+    refused(path, r"row 4, token 2: top-K list has 16 entries, the file's first has 17")
+    samples[4].gen.topk_ids[2].append(3)
+    write_rollouts(path, samples, {})
+    refused(path, r"row 4, token 2: 16 top-K log-probs for 17 top-K ids")
 
 
 def test_ids_outside_the_vocabulary_are_refused(tmp_path):

@@ -358,19 +358,21 @@ def decode_v1(path: Path, table: pa.Table) -> TokenArrays:
         other, _ = _flat(table, name)
         if not np.array_equal(other, off):
             row = int(np.flatnonzero(np.diff(other) != np.diff(off))[0])
-            raise ArtifactError(f"{path}: row {row}: {np.diff(off)[row]} response ids but {np.diff(other)[row]} entries in {name}")
+            raise ArtifactError(f"{path}: row {row}: {name} has length {np.diff(other)[row]}, response_ids {np.diff(off)[row]}")
     _, blp = _flat(table, "behavior_logp")
     inner = {}
     for name in ("topk_ids", "topk_logp"):
         outer = table.column(name).combine_chunks().flatten()
         lengths = np.asarray(pc.list_value_length(outer), dtype=np.int64)
         inner[name] = (lengths, np.asarray(outer.flatten()))
-    widths = inner["topk_ids"][0]
+    widths, lp_widths = inner["topk_ids"][0], inner["topk_logp"][0]
     k = int(widths[0]) if len(widths) else 0
-    for name, (lengths, _) in inner.items():
-        bad = np.flatnonzero((lengths != k) | (lengths != widths))
-        if len(bad):
-            raise ArtifactError(f"{path}: {_where(off, bad[0])}: {name} list has {lengths[bad[0]]} entries; topk_ids has {widths[bad[0]]}, the file's first list {k}")
+    bad = np.flatnonzero(widths != k)
+    if len(bad):
+        raise ArtifactError(f"{path}: {_where(off, bad[0])}: top-K list has {widths[bad[0]]} entries, the file's first has {k}")
+    bad = np.flatnonzero(lp_widths != k)
+    if len(bad):
+        raise ArtifactError(f"{path}: {_where(off, bad[0])}: {lp_widths[bad[0]]} top-K log-probs for {k} top-K ids")
     n = len(rid)
     return TokenArrays(off, rid.astype(np.int64), blp, inner["topk_ids"][1].reshape(n, k), inner["topk_logp"][1].reshape(n, k))
 
@@ -379,10 +381,11 @@ def decode_v2(path: Path, table: pa.Table, codec: dict) -> TokenArrays:
     k, kind, layout = codec.get("k"), codec.get("topk_ids"), codec.get("layout", "tk")
     if not isinstance(k, int) or k < 0 or kind not in ("raw", "vocab") or layout not in ("tk", "kt"):
         raise ArtifactError(f"{path}: bad codec record {codec}")
-    off, rank = _flat(table, "sampled_rank")
+    flat = {name: _flat(table, name) for name in ("sampled_rank", "response_ids_x", "behavior_logp_x", "topk_ids", "topk_vocab", "topk_logp", "topk_logp_x")}
+    off, rank = flat["sampled_rank"]
     n = int(off[-1])
     for name in ("topk_ids", "topk_logp"):
-        other, _ = _flat(table, name)
+        other = flat[name][0]
         bad = np.flatnonzero(other != off * k)
         if len(bad):
             row = int(bad[0]) - 1
@@ -393,31 +396,30 @@ def decode_v2(path: Path, table: pa.Table, codec: dict) -> TokenArrays:
     exc = rank < 0
     want = np.concatenate([[0], np.cumsum(exc)])[off]
     for name in ("response_ids_x", "behavior_logp_x"):
-        got, _ = _flat(table, name)
+        got = flat[name][0]
         bad = np.flatnonzero(got != want)
         if len(bad):
             row = int(bad[0]) - 1
             raise ArtifactError(f"{path}: row {row}: {name} holds {np.diff(got)[row]} entries for {np.diff(want)[row]} tokens outside the top-K lists")
-    _, stored = _flat(table, "topk_ids")
+    stored = flat["topk_ids"][1]
     if kind == "vocab":
-        _, vocab = _flat(table, "topk_vocab")
+        vocab = flat["topk_vocab"][1]
         bad = np.flatnonzero((stored < 0) | (stored >= len(vocab)))
         if len(bad):
             raise ArtifactError(f"{path}: {_where(off, bad[0] // max(k, 1))}: top-K id rank {stored[bad[0]]} outside the file's id table ({len(vocab)} ids)")
         stored = vocab[stored]
     slots = kt_slots(off, k) if layout == "kt" else None
     tid = (stored if slots is None else stored[slots]).reshape(n, k)
-    raw_off, raw_idx = _flat(table, "topk_logp_x")
+    raw_off, raw_idx = flat["topk_logp_x"]
     raw_row = np.repeat(np.arange(len(off) - 1), np.diff(raw_off))
     bad = np.flatnonzero((raw_idx < 0) | (raw_idx >= np.diff(off)[raw_row] * k))
     if len(bad):
         raise ArtifactError(f"{path}: row {raw_row[bad[0]]}: topk_logp_x index {raw_idx[bad[0]]} outside the row")
     raw = np.zeros(n * k, bool)
     raw[off[raw_row] * k + raw_idx] = True
-    _, steps = _flat(table, "topk_logp")
+    steps = flat["topk_logp"][1]
     tlp = logp_from_steps((steps if slots is None else steps[slots]).reshape(n, k), raw.reshape(n, k))
-    _, xid = _flat(table, "response_ids_x")
-    _, xlp = _flat(table, "behavior_logp_x")
+    xid, xlp = flat["response_ids_x"][1], flat["behavior_logp_x"][1]
     rid, blp = np.empty(n, np.int64), np.empty(n, np.float32)
     at = np.flatnonzero(~exc)
     rid[at], blp[at] = tid[at, rank[at]], tlp[at, rank[at]]
