@@ -175,15 +175,18 @@ def measure(batches, tmp: Path, reps: int, level: dict) -> dict:
                     columns[column] = columns.get(column, 0) + size
             back = legacy_read(path) if fmt == 1 else storage.read_rollouts(path)[0]
             assert fingerprint(back) == fingerprint(samples), f"format {fmt} did not round-trip bit-exactly"
-    for _ in range(reps):
+    for rep in range(reps):
+        order = (1, 2) if rep % 2 else (2, 1)  # neither format always runs first
         for b, (samples, meta) in enumerate(batches):
-            for fmt in (1, 2):
-                path = tmp / f"b{b}-v{fmt}.parquet"
-                times[f"write{fmt}"].append(timed(storage.write_rollouts, path, samples, meta, fmt=fmt, **(level if fmt == 2 else {})))
-                with no_disk(storage):
-                    times[f"encode{fmt}"].append(timed(storage.write_rollouts, path, samples, meta, fmt=fmt, **(level if fmt == 2 else {})))
-                times[f"read{fmt}"].append(timed(legacy_read if fmt == 1 else storage.read_rollouts, path))
-            times["validate"].append(validate_time(tmp / f"b{b}-v2.parquet"))
+            paths = {fmt: tmp / f"b{b}-v{fmt}.parquet" for fmt in order}
+            for fmt in order:
+                times[f"write{fmt}"].append(timed(storage.write_rollouts, paths[fmt], samples, meta, fmt=fmt, **(level if fmt == 2 else {})))
+            with no_disk(storage):
+                for fmt in order:
+                    times[f"encode{fmt}"].append(timed(storage.write_rollouts, paths[fmt], samples, meta, fmt=fmt, **(level if fmt == 2 else {})))
+            for fmt in order:
+                times[f"read{fmt}"].append(timed(legacy_read if fmt == 1 else storage.read_rollouts, paths[fmt]))
+            times["validate"].append(validate_time(paths[2]))
     ms = {key: 1000 * median(v) for key, v in times.items()}
     return {
         "bytes_per_token_v1": sizes[1] / tokens,

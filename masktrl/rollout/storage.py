@@ -8,8 +8,8 @@ log-probabilities, top-K ids and log-probabilities -- bit-exactly, in fewer byte
 * top-K ids are ranks into a per-file table of the distinct ids by descending count
   (``topk_vocab``, row 0) when ids repeat enough for that to pay, else the raw ids;
 * top-K log-probabilities are stored as the first entry of each list followed by steps
-  ``e_j`` with ``fl(lp[j-1] + e_j) == lp[j]`` in float32, each step rounded to fewer mantissa
-  bits where that still gives the same bit pattern back; an entry no step reproduces is stored
+  ``e_j`` with ``fl(lp[j-1] + e_j) == lp[j]`` in float32, each step rounded to bf16 precision
+  where that still gives the same bit pattern back; an entry no step reproduces is stored
   raw and its index listed in ``topk_logp_x``;
 * zstd over byte-stream-split floats and ints.
 
@@ -197,13 +197,14 @@ def encode_tokens(a: TokenArrays, layout: str | None = None) -> tuple[dict[str, 
     raw_off = np.searchsorted(raw_flat, off * k)
     vocab_off = np.zeros(rows + 1, np.int64)
     vocab_off[1:] = len(vocab) if rows else 0
+    per_token, per_entry = pa.array(off.astype(np.int32)), pa.array((off * k).astype(np.int32))
     cols = {
-        "sampled_rank": _lists(off, rank),
+        "sampled_rank": _lists(per_token, rank),
         "response_ids_x": _lists(exc_off, a.response_ids[exc].astype(np.int32)),
         "behavior_logp_x": _lists(exc_off, a.behavior_logp[exc]),
-        "topk_ids": _lists(off * k, _rank_major(stored_ids, slots)),
+        "topk_ids": _lists(per_entry, _rank_major(stored_ids, slots)),
         "topk_vocab": _lists(vocab_off, vocab),
-        "topk_logp": _lists(off * k, _rank_major(steps.reshape(-1), slots)),
+        "topk_logp": _lists(per_entry, _rank_major(steps.reshape(-1), slots)),
         "topk_logp_x": _lists(raw_off, (raw_flat - off[raw_row] * k).astype(np.int32)),
     }
     return cols, {"format": FORMAT, "k": int(k), "topk_ids": "vocab" if table else "raw", "layout": layout}
@@ -251,26 +252,26 @@ def id_table(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     return ranks, (vocab + lo).astype(np.int32)
 
 
-def _lists(offsets: np.ndarray, values: np.ndarray) -> pa.ListArray:
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
+def _lists(offsets: np.ndarray | pa.Array, values: np.ndarray) -> pa.ListArray:
+    offsets = offsets if isinstance(offsets, pa.Array) else pa.array(offsets.astype(np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(values))
 
 
 def logp_steps(lp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(steps, raw) for float32 lists ``lp`` [N, K]: ``steps[:, 0] = lp[:, 0]`` and, for j >= 1,
     ``fl(lp[:, j-1] + steps[:, j]) == lp[:, j]`` bit for bit, except where ``raw`` is set
-    (``steps`` then holds ``lp`` itself). Each step is rounded to 16 or 8 fewer mantissa bits
-    where that still gives ``lp[:, j]`` back (finer choices measured no smaller)."""
+    (``steps`` then holds ``lp`` itself). A step is rounded to bf16 precision (16 fewer mantissa
+    bits) where that still gives ``lp[:, j]`` back; rounding by 8, 12 or 20 bits measured no smaller."""
     prev, cur = lp[:, :-1], lp[:, 1:]
     target = cur.view(np.uint32)
     with np.errstate(all="ignore"):
         step = np.where(prev.view(np.uint32) == target, np.float32(0), cur - prev).astype(np.float32)  # -inf, -inf -> 0
         ok = (prev + step).view(np.uint32) == target
-        step_bits = step.view(np.uint32)
-        for drop in (8, 16):  # round away 1 or 2 low bytes (zero bytes cost nothing after byte-stream-split + zstd)
-            cand = ((step_bits + np.uint32(1 << (drop - 1))) & np.uint32(0xFFFFFFFF ^ ((1 << drop) - 1))).view(np.float32)
-            good = (prev + cand).view(np.uint32) == target
-            step = np.where(good, cand, step)
-            ok |= good
+        # the step rounded to bf16 precision (two zero low bytes, free after byte-stream-split + zstd)
+        short = ((step.view(np.uint32) + np.uint32(0x8000)) & np.uint32(0xFFFF0000)).view(np.float32)
+        good = (prev + short).view(np.uint32) == target
+        step = np.where(good, short, step)
+        ok |= good
     steps = np.concatenate([lp[:, :1], np.where(ok, step, cur)], axis=1)
     raw = np.concatenate([np.zeros((len(lp), min(1, lp.shape[1])), bool), ~ok], axis=1)
     return steps, raw
