@@ -121,7 +121,8 @@ def io_probe(steps_now: int, steps_full: int, reps: int = 7) -> dict:
     import tempfile
     import time
 
-    from masktrl.pipeline.store import RunStore, atomic_write_bytes
+    from masktrl.io import atomic_write_bytes
+    from masktrl.pipeline.store import RunStore
 
     from common import BENCH_TMP
 

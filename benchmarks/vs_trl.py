@@ -163,7 +163,7 @@ def masktrl_prompts(cfg, n_steps: int) -> list[dict]:
     """The prompts masktrl draws at steps 1..n_steps (dynamic sampling off: attempt 0), in order."""
     import random
 
-    from masktrl.pipeline.rl import stream_seed
+    from masktrl.seeding import stream_seed
     from masktrl.pipeline.tasks import make_task
 
     task = make_task(cfg)

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from masktrl.errors import ConfigError
+from masktrl.io import atomic_write_text
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 EVAL_BENCHMARKS = ("synthetic", "aime24", "aime25", "aime", "math500", "gsm8k")
@@ -247,8 +248,6 @@ def from_dict(raw: dict) -> Config:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    from masktrl.pipeline.store import atomic_write_text
-
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 

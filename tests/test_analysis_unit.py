@@ -10,7 +10,7 @@ from masktrl.analysis import compare as cmp
 from masktrl.analysis import disagreement as dis
 from masktrl.analysis import dynamics as dyn
 from masktrl.analysis.io import RunInfo, group_runs, resolve_run
-from masktrl.analysis.stats import bootstrap_ci
+from masktrl.stats import bootstrap_ci
 from masktrl.config import from_dict
 from masktrl.errors import ArtifactError, MasktrlError
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from masktrl.analysis.stats import mean_se
+from masktrl.stats import mean_se
 from masktrl.methods import divergence, divergence_rate
 from masktrl.methods.batch import log_ratio
 

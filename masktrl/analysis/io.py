@@ -17,7 +17,8 @@ import yaml
 
 from masktrl.config import Config, from_dict, flatten
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
-from masktrl.pipeline.store import RunStore, atomic_write_bytes, atomic_write_json
+from masktrl.io import atomic_write_bytes, atomic_write_json
+from masktrl.pipeline.store import RunStore
 
 ANALYSIS_DIR = "analysis"
 

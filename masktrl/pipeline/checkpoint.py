@@ -15,7 +15,7 @@ import torch
 
 from masktrl.errors import ArtifactError
 from masktrl.pipeline.faults import maybe_crash
-from masktrl.pipeline.store import atomic_dir, atomic_write_json
+from masktrl.io import atomic_dir, atomic_write_json
 
 
 def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, extra: dict | None = None, state_dict: dict | None = None) -> Path:

@@ -19,15 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
-from masktrl.analysis.stats import avg_at_k, bootstrap_ci, maj_at_k, pass_at_k_matrix
+from masktrl.stats import avg_at_k, bootstrap_ci, maj_at_k, pass_at_k_matrix
 from masktrl.config import EVAL_BENCHMARKS, Config, load_config
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
-from masktrl.pipeline.rl import stream_seed
-from masktrl.pipeline.store import RunStore, atomic_write_json
+from masktrl.io import atomic_write_json
+from masktrl.pipeline.store import RunStore
+from masktrl.seeding import stream_seed
 from masktrl.models.loading import load_tokenizer
 from masktrl.pipeline.tasks import encode_prompt, make_task
 from masktrl.rollout.base import SamplingSettings
-from masktrl.tasks.grader import extract_answer
+from masktrl.tasks.grader import extract_answer, normalize
 
 SCHEMA_VERSION = 1
 MATH_MAX_NEW_TOKENS = 4096  # default response length on math benchmarks for a model that is not a math run
@@ -310,7 +311,7 @@ def summarize(bench: str, examples, graded: Graded, seed: int = 0) -> dict:
         "ci95": [low, high],
         "pass_at_k": pass_at_k_matrix(correct, k),
         "pass_at": {str(j): pass_at_k_matrix(correct, j) for j in ks},
-        "maj_at_k": maj_at_k(graded.answers, correct),
+        "maj_at_k": maj_at_k(graded.answers, correct, normalize_fn=normalize),
         "response_len_mean": float(np.mean(graded.lengths)),
         "truncated_frac": float(1.0 - np.mean(graded.finished)),
         "problems": [

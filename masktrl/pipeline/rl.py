@@ -7,7 +7,6 @@ method runs: method-specific behaviour comes from the method registry in ``maskt
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
@@ -19,15 +18,7 @@ from masktrl.models.logprobs import token_logprobs_and_entropy
 from masktrl.pipeline.distributed import Dist
 from masktrl.pipeline.tasks import encode_prompt
 from masktrl.rollout.base import Sample, SamplingSettings
-
-
-def stream_seed(seed: int, *parts: object) -> int:
-    """A 63-bit seed for one named random stream (e.g. ("rollout", step, attempt)).
-
-    Every random choice of a run is drawn from such a stream, so a resumed run draws
-    exactly what an uninterrupted one would, without saving generator states.
-    """
-    return random.Random(repr((seed, *parts))).getrandbits(63)
+from masktrl.seeding import stream_seed
 
 
 def sampling_settings(cfg) -> SamplingSettings:

@@ -16,7 +16,8 @@ from masktrl.config import Config
 from masktrl.errors import MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.pipeline.evaluate import build_task, load_engine, resolve_model
-from masktrl.pipeline.rl import generate_groups, set_group_advantages, stream_seed
+from masktrl.pipeline.rl import generate_groups, set_group_advantages
+from masktrl.seeding import stream_seed
 from masktrl.rollout.base import SamplingSettings
 from masktrl.rollout.storage import write_rollouts
 

@@ -13,75 +13,16 @@ Layout::
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from masktrl.errors import ArtifactError
+from masktrl.io import atomic_write_text, json_default, sha256_file
 
 MANIFEST = "manifest.json"
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temporary file, fsync, rename, fsync the folder: readers see the old or the
-    new file, never a torn one, whatever kills the process or the machine."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
-
-
-@contextlib.contextmanager
-def atomic_dir(dest: Path):
-    """Fill a folder atomically: yields ``<dest>.tmp`` to write into, then replaces ``dest``
-    with it, so a folder that exists under its final name is complete."""
-    dest = Path(dest)
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    yield tmp
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    fsync_dir(dest.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def process_alive(pid: object) -> bool:
@@ -95,16 +36,6 @@ def process_alive(pid: object) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _json_default(obj: Any) -> Any:
-    if hasattr(obj, "item"):
-        return obj.item()
-    if isinstance(obj, (set, tuple)):
-        return list(obj)
-    if isinstance(obj, Path):
-        return str(obj)
-    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
 class RunStore:
@@ -211,7 +142,7 @@ class RunStore:
             return
         # Compact: the manifest grows with every step and is rewritten at every stage; the
         # indented form was ~4x slower to encode (benchmarks/profile_step.py, io_share).
-        text = json.dumps(self.manifest, separators=(",", ":"), sort_keys=True, default=_json_default)
+        text = json.dumps(self.manifest, separators=(",", ":"), sort_keys=True, default=json_default)
         path = self.root / MANIFEST
         atomic_write_text(path, text)
         st = path.stat()
@@ -238,7 +169,7 @@ class RunStore:
         # No fsync: rows after the last checkpoint are recomputed on resume (and a torn last
         # line is skipped by read_metrics), so durability here buys nothing.
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row, sort_keys=True, default=_json_default) + "\n")
+            f.write(json.dumps(row, sort_keys=True, default=json_default) + "\n")
 
     def read_metrics(self) -> list[dict]:
         if not self.metrics_path.exists():

@@ -35,8 +35,10 @@ from masktrl.pipeline.evaluate import periodic_eval
 from masktrl.pipeline.evaluate_task import heldout_accuracy
 from masktrl.pipeline.distributed import Dist, launched
 from masktrl.pipeline.faults import maybe_crash
-from masktrl.pipeline.rl import PolicyForward, generate_groups, policy_update, sampling_settings, set_group_advantages, stream_seed
-from masktrl.pipeline.store import RunStore, atomic_write_json, atomic_write_text
+from masktrl.pipeline.rl import PolicyForward, generate_groups, policy_update, sampling_settings, set_group_advantages
+from masktrl.seeding import stream_seed
+from masktrl.io import atomic_write_json, atomic_write_text
+from masktrl.pipeline.store import RunStore
 from masktrl.pipeline.tasks import make_task
 from masktrl.pipeline.warmstart import prepare_policy
 from masktrl.rollout import make_engine

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from masktrl.errors import ArtifactError
-from masktrl.pipeline.store import atomic_write_bytes
+from masktrl.io import atomic_write_bytes
 from masktrl.rollout.base import Generation, Sample
 
 SCHEMA = pa.schema(
