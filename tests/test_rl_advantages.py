@@ -2,7 +2,7 @@
 
 import math
 
-from masktrl.pipeline.rl import set_group_advantages
+from masktrl.pipeline.collect import set_group_advantages
 from masktrl.seeding import stream_seed
 from masktrl.rollout.base import Generation, Sample
 

@@ -110,7 +110,7 @@ def study_minibatches(run_minibatches: int, requested: int | None) -> int:
 
 def run_seed(replay, seed_value: int, minibatches: int) -> TokenRecord:
     """Replay the step once from checkpoint P and record every token's criteria and ΔD."""
-    from masktrl.analysis.replay import policy_outputs, replay_step, token_index
+    from masktrl.analysis.step_replay import policy_outputs, replay_step, token_index
 
     replay.restore()
     parts: list[list[int]] = []
@@ -223,7 +223,7 @@ def run_study(
 ) -> dict:
     """The whole study on run ``root``; returns the JSON-ready result (see docs/ANALYSIS.md)."""
     from masktrl.analysis.io import default_replay_step
-    from masktrl.analysis.replay import load_replay
+    from masktrl.analysis.step_replay import load_replay
     from masktrl.errors import MasktrlError
 
     if seeds < 1:

@@ -71,7 +71,7 @@ def eval_command(
     opts.validate(bench)  # before any model is loaded
     console.print(f"[bold]masktrl eval[/] [cyan]{bench}[/] model [cyan]{model}[/]" + (f" step {step}" if step is not None else ""))
     with progress_bar() as progress:
-        result = evaluate.run(bench, model, step, opts, out=out, force=force, progress=progress)
+        result = evaluate.evaluate(bench, model, step, opts, out=out, force=force, progress=progress)
     print_report(result.report, result.path)
 
 

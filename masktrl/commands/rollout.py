@@ -28,8 +28,8 @@ def rollout(
 ) -> None:
     """Generate rollouts with behaviour log-probabilities and top-K lists into a parquet file
     (schema: docs/ROLLOUTS.md), usable by `masktrl train --rollouts-from FILE`."""
-    from masktrl.pipeline import rollout_stage
+    from masktrl.pipeline.generate import RolloutOptions, generate
 
-    opts = rollout_stage.RolloutOptions(n, topk, prompts, temperature, top_p, max_new_tokens, seed, engine, template)
-    info = rollout_stage.run(model, data, out, opts, step=step, force=force)
+    opts = RolloutOptions(n, topk, prompts, temperature, top_p, max_new_tokens, seed, engine, template)
+    info = generate(model, data, out, opts, step=step, force=force)
     console.print(kv_table("masktrl rollout", [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in info.items()]))

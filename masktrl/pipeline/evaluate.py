@@ -4,7 +4,8 @@ scorer, summarised as avg@k, pass@k and maj@k with a bootstrap CI over problems.
 Generation goes through the rollout engine interface used in training (``make_engine``:
 transformers or vLLM), in batches of problems; grading is ``task.score_many`` (MathTask grades
 in its killable math-verify pool). The same core (:func:`sample_and_grade`, :func:`summarize`)
-serves the command and the periodic evals of ``train.eval_benchmarks`` (:func:`periodic_eval`).
+serves the command and the periodic evals of ``train.eval_benchmarks`` (:func:`periodic_eval`);
+:func:`heldout_accuracy` is the training run's own eval_before / eval_after.
 
 Results are JSON (schema in docs/EVAL.md), written atomically. For a run: ``<run>/eval/
 <bench>-step<S>.json``, recorded in the manifest as stage ``eval/<bench>/<S:06d>`` with the
@@ -19,15 +20,15 @@ from pathlib import Path
 
 import numpy as np
 
-from masktrl.stats import avg_at_k, bootstrap_ci, maj_at_k, pass_at_k_matrix
-from masktrl.config import EVAL_BENCHMARKS, Config, load_config
+from masktrl.config import EVAL_BENCHMARKS, Config
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.io import atomic_write_json
-from masktrl.pipeline.store import RunStore
-from masktrl.seeding import stream_seed
 from masktrl.models.loading import load_tokenizer
-from masktrl.pipeline.tasks import encode_prompt, make_task
+from masktrl.pipeline.runstore import RunStore
 from masktrl.rollout.base import SamplingSettings
+from masktrl.seeding import stream_seed
+from masktrl.stats import avg_at_k, bootstrap_ci, maj_at_k, pass_at_k_matrix
+from masktrl.tasks import encode_prompt, make_task
 from masktrl.tasks.grader import extract_answer, normalize
 
 SCHEMA_VERSION = 1
@@ -100,8 +101,8 @@ def check_benchmark(bench: str) -> None:
 
 
 # --------------------------------------------------------------------------- the command's stage
-def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None = None,
-        force: bool = False, progress=None) -> EvalResult:
+def evaluate(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None = None,
+             force: bool = False, progress=None) -> EvalResult:
     """Evaluate ``model`` (a run folder, a model folder or a cached hub id) on ``bench``."""
     opts.validate(bench)
     ref = resolve_model(model, step)
@@ -155,38 +156,11 @@ def resolve_model(model: str, step: int | None) -> ModelRef:
     store = RunStore(p)
     if not store.exists():
         raise ArtifactError(f"{p / 'manifest.json'}: missing; is {model} a masktrl run?")
-    cfg = load_config(p / "run.yaml")
-    steps = completed_checkpoints(store)
     if step is None:
-        if not steps:
+        if not store.checkpoints():
             raise ConfigError(f"run {model} has no complete checkpoint yet; pass --step 0 for its starting policy")
-        step = steps[-1]
-    if step == 0:
-        return ModelRef(label=model, weights=initial_weights(store, cfg), store=store, cfg=cfg, step=0)
-    if step not in steps:
-        avail = ", ".join(["0 (starting policy)", *map(str, steps)])
-        raise ConfigError(f"run {model} has no complete checkpoint at step {step}; available steps: {avail}")
-    store.verify(f"checkpoint/{step:06d}")
-    return ModelRef(label=model, weights=str(store.checkpoint_dir(step)), store=store, cfg=cfg, step=step)
-
-
-def completed_checkpoints(store: RunStore) -> list[int]:
-    stages = store.manifest["stages"]
-    return sorted(int(k.split("/")[1]) for k, v in stages.items() if k.startswith("checkpoint/") and v.get("status") == "done")
-
-
-def initial_weights(store: RunStore, cfg: Config) -> str:
-    """Where the run's RL started: its warm-start cache entry, or the checkpoint it loaded."""
-    info = (store.stage("warmstart") or {}).get("info") or {}
-    path = info.get("path") or info.get("source") or cfg.model.path
-    if path == "tiny" or not info:
-        raise ArtifactError(f"{store.root}: the warm start is not recorded in the manifest; cannot evaluate step 0")
-    if info.get("path"):
-        for candidate in (Path(path), store.root.parent / ".cache" / "warmstart" / Path(path).name):
-            if (candidate / "config.json").is_file():
-                return str(candidate)
-        raise ArtifactError(f"{path}: the run's warm-start model is gone (was the .cache folder removed?)")
-    return str(path)
+        step = store.checkpoints()[-1]
+    return ModelRef(label=model, weights=store.policy_path(step), store=store, cfg=store.config(), step=step)
 
 
 def output_path(ref: ModelRef, bench: str, out: Path | None) -> Path:
@@ -222,7 +196,7 @@ def load_engine(cfg: Config, weights: str):
         model, tokenizer = load_model_and_tokenizer(weights, cfg.model.dtype)
     else:  # vLLM loads the weights itself
         model, tokenizer = None, load_tokenizer(weights)
-    return make_engine(cfg, model, tokenizer, weights), tokenizer
+    return make_engine(cfg.rollout, model, tokenizer, weights, dtype=cfg.model.dtype, seed=cfg.seed), tokenizer
 
 
 def max_new_tokens(bench: str, ref: ModelRef, opts: EvalOptions) -> int:
@@ -240,7 +214,7 @@ def build_task(bench: str, cfg: Config, tokenizer, template: str | None, data: s
     if bench == "synthetic":
         if cfg.task.name != "arithmetic":
             raise ConfigError(f"benchmark synthetic is the run's arithmetic task, but it trains on {cfg.task.name!r}")
-        return make_task(cfg)
+        return make_task(cfg.task, cfg.model)
     from masktrl.tasks.base import get_task
     import masktrl.tasks.math_data  # noqa: F401  (registers the benchmarks)
 
@@ -346,6 +320,17 @@ def save(report: dict, path: Path, store: RunStore | None, bench: str, step: int
 
 
 # --------------------------------------------------------------------------- during training
+def heldout_accuracy(engine, tokenizer, task, examples, settings: SamplingSettings, greedy: bool, chat_template=False, seed=0) -> float:
+    """eval_before / eval_after: the fraction of ``examples`` (the task's held-out split) answered
+    correctly with one completion each, greedy or sampled."""
+    one = replace(settings, n=1, greedy=greedy)
+    prompts = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in examples]
+    gens = engine.generate(prompts, one, seed)
+    texts = [tokenizer.decode(gen.response_ids, skip_special_tokens=True) for (gen,) in gens]
+    scores = task.score_many(examples, texts)
+    return sum(x > 0 for x in scores) / max(1, len(examples))
+
+
 def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, last_step: int, *, write: bool = True) -> dict:
     """The ``train.eval_benchmarks`` evals due at ``step`` (every ``train.eval_every`` steps and
     at the last step), as metrics ``eval/<bench>/avg_at_k`` and ``eval/<bench>/pass_at_k``.

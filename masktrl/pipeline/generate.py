@@ -16,7 +16,7 @@ from masktrl.config import Config
 from masktrl.errors import MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.pipeline.evaluate import build_task, load_engine, resolve_model
-from masktrl.pipeline.rl import generate_groups, set_group_advantages
+from masktrl.pipeline.collect import generate_groups, score_groups, set_group_advantages
 from masktrl.seeding import stream_seed
 from masktrl.rollout.base import SamplingSettings
 from masktrl.rollout.storage import write_rollouts
@@ -44,7 +44,9 @@ class RolloutOptions:
             raise MasktrlError("--temperature must be > 0 and --top-p in (0, 1]")
 
 
-def run(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: int | None = None, force: bool = False) -> dict:
+def generate(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: int | None = None, force: bool = False) -> dict:
+    """Sample ``opts.n`` responses per prompt of ``data`` from ``model``, score them, and write
+    them with group advantages to ``out_file``; returns a summary of what was written."""
     opts.validate()
     out_file = Path(out_file)
     if out_file.exists() and not force:
@@ -58,7 +60,8 @@ def run(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: in
         max_new = opts.max_new_tokens or (cfg.rollout.max_new_tokens if ref.cfg else 1024)
         settings = SamplingSettings(opts.n, max_new, opts.temperature, opts.top_p, opts.topk)
         chat = cfg.model.chat_template and data == "synthetic"
-        groups = generate_groups(engine, tokenizer, task, examples, settings, stream_seed(opts.seed, "rollout-cmd"), chat)
+        groups = generate_groups(engine, tokenizer, examples, settings, stream_seed(opts.seed, "rollout-cmd"), chat)
+        score_groups(task, examples, groups)
     finally:
         task.close()
     for group in groups:
