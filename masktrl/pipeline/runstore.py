@@ -305,7 +305,7 @@ class RunStore:
             return self.starting_policy()
         if step not in self.checkpoints():
             avail = ", ".join(["0 (starting policy)", *map(str, self.checkpoints())])
-            raise ConfigError(f"run {self.root} has no complete checkpoint at step {step}; available steps: {avail}")
+            raise ConfigError(f"run {self.root} has no checkpoint {step} (none complete at that step); available steps: {avail}")
         self.verify(f"checkpoint/{step:06d}")
         return str(self.checkpoint_dir(step))
 

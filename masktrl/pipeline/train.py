@@ -88,15 +88,15 @@ def train(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
     """The whole run: setup, the RL steps (a checkpoint every ``train.checkpoint_every``, at the
     end, and when Ctrl-C asks to stop), then ``finish``."""
     s = setup(cfg, store, progress, resume=resume, rollouts_from=rollouts_from, dist=dist)
-    bar = progress.add_task("RL", total=s.steps, completed=s.start, info="") if progress else None
-    with graceful_stop() as stop, store.recording_failure():
+    bar = s.progress.add_task("RL", total=s.steps, completed=s.start, info="") if s.progress else None
+    with graceful_stop() as stop, s.store.recording_failure():  # s.store: read-only on the non-main processes
         for step in range(s.start + 1, s.steps + 1):
             row = rl_step(s, step)
             stopping = s.dist.broadcast(stop.requested)  # every process stops after the same step
             if step % cfg.train.checkpoint_every == 0 or step == s.steps or stopping:
-                ckpt.save_step(store, step, s.model, s.tokenizer, s.optimizer, s.scheduler, s.dist, s.policy)
-            if progress:
-                progress.update(bar, advance=1, info=f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s")
+                ckpt.save_step(s.store, step, s.model, s.tokenizer, s.optimizer, s.scheduler, s.dist, s.policy)
+            if s.progress:
+                s.progress.update(bar, advance=1, info=f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s")
             if stopping:
                 raise KeyboardInterrupt
     return finish(s)
