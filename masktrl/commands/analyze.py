@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from masktrl.commands.ui import console, kv_table, progress_bar
-from masktrl.options import DEFAULT_OUT
+from masktrl.commands.options import DEFAULT_OUT
 
 app = typer.Typer(
     help="Analyses of runs: disagreement (token study), dynamics (curves), compare (seed statistics), sis.",

@@ -11,7 +11,7 @@ import typer
 from masktrl.config import load_config
 from masktrl.commands.ui import console, kv_table, progress_bar
 from masktrl.errors import MasktrlError
-from masktrl.options import DEFAULT_OUT, ConfigOpt, MethodOpt, OutOpt, RunOpt, SeedOpt, SetOpt
+from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, MethodOpt, OutOpt, RunOpt, SeedOpt, SetOpt
 
 
 def train(

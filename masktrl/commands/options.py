@@ -20,8 +20,15 @@ SetOpt = Annotated[
     Optional[list[str]],
     typer.Option("--set", help="Dotted override, repeatable: --set train.lr=1e-4 --set method.divergence=topk-tv."),
 ]
-MethodOpt = Annotated[
-    Optional[str],
-    typer.Option("--method", "-m", help="grpo | dapo | gspo | dppo | pdm | sis (parameters via --set method.X=...).", show_default=False),
-]
+
+
+def method_help() -> str:
+    """Every registered method with its one-line help, read from the method registry."""
+    from masktrl.methods import get_method, method_names
+
+    listed = "; ".join(f"{name}: {get_method(name).help}" for name in method_names())
+    return f"Method (default: the config's). {listed}. Parameters via --set method.X=..."
+
+
+MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", help=method_help(), show_default=False)]
 DEFAULT_OUT = Path("outputs")
