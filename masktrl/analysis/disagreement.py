@@ -1,11 +1,11 @@
 """The token study of the predictive divergence mask: where the ratio rule and Ḋ disagree,
 which one kept the tokens whose divergence then grew?
 
-For a token outside the trust region (D > δ, D = top-K KL, SPEC §3) three criteria decide
-whether its update may go ahead ("keep"):
+For a token outside the trust region (D > δ, D = top-K KL, docs/METHODS.md §3) three criteria
+decide whether its update may go ahead ("keep"):
 
     ratio          keep iff sign(A (r - 1)) <= 0       (DPPO's direction rule)
-    ddot_agg       keep iff sign(A Ḋ_KL,agg) <= 0      (PDM, aggregated tail, SPEC §4.2)
+    ddot_agg       keep iff sign(A Ḋ_KL,agg) <= 0      (PDM, aggregated tail, docs/METHODS.md §4.2)
     ddot_uniform   keep iff sign(A Ḋ_KL,uniform) <= 0  (PDM, uniform tail)
 
 The *disagreement tokens* are those with D > δ, A != 0 and finite D on which the three keep

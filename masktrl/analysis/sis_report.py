@@ -1,4 +1,4 @@
-"""What selective importance sampling sees in a run (SPEC §6).
+"""What selective importance sampling sees in a run (docs/METHODS.md §6).
 
 * over training, from metrics.jsonl: the logged accept rate (SIS runs only) and the mean
   residual top-K mass 1 − π(top-K) the trainer logged;

@@ -107,7 +107,7 @@ def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
     """Record the run, load (or warm-start) the policy, restore a checkpoint when resuming, start
     the engine and evaluate the starting policy."""
     t_start = time.time()
-    dist = dist or (Dist.from_launch(cfg) if launched() else Dist())  # a bad launch config fails here, before any write
+    dist = dist or (Dist.from_launch(cfg.train) if launched() else Dist())  # a bad launch config fails here, before any write
     if resume and dist.deepspeed:
         raise MasktrlError("--resume of a DeepSpeed run is not supported yet: its checkpoints hold the weights, not the sharded optimizer state")
     torch.set_num_threads(cfg.train.threads)

@@ -4,7 +4,7 @@ Recorded log-probabilities are ``log_softmax`` of the *processed* scores that ``
 samples from, i.e. ``log_softmax(logits / T)`` with ``top_p = 1``. With ``top_p < 1`` the
 scores of tokens outside the nucleus are ``-inf``: the recorded distribution is then the
 truncated, renormalised one actually sampled from, and such tokens appear in the top-K
-lists (if K exceeds the nucleus) as zero-mass atoms (``-inf``), as SPEC §0 allows.
+lists (if K exceeds the nucleus) as zero-mass atoms (``-inf``), as docs/METHODS.md §0 allows.
 
 The ``n`` samples of a prompt share one prefill: the prompt runs through the model once and its
 KV cache is copied to the ``n`` rows, instead of ``generate(num_return_sequences=n)`` running it
