@@ -13,9 +13,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import torch
-
 from masktrl.config import Config, RolloutConfig
+from masktrl.methods import group_advantages
 from masktrl.pipeline.distributed import Dist
 from masktrl.rollout.base import Sample, SamplingSettings
 from masktrl.seeding import stream_seed
@@ -56,11 +55,10 @@ def collect_rollouts(engine, tokenizer, task, method, params, settings: CollectS
         examples = task.train_examples(want, rng)[dist.rank :: dist.world]
         seed = stream_seed(settings.seed, "rollout", step, attempt, *dist.stream_key)
         groups = generate_groups(engine, tokenizer, examples, settings.sampling, seed, settings.chat_template) if examples else []
-        score_groups(task, examples, groups)
-        for group in groups:  # rewards and advantages: whole groups, where they were generated
+        score_groups(task, examples, groups)  # reward: the task's score, then the method's shaping
+        for group in groups:
             method.shape_rewards(params, group, max_len)
-            if not (dynamic and _uniform(group)):
-                set_group_advantages(group)
+        set_advantages(groups, method, params)  # within each group, where it was generated
         groups = _interleave(dist.gather_objects(groups))
         generated.extend(groups)
         kept.extend(g for g in groups if not (dynamic and _uniform(g)))
@@ -98,15 +96,16 @@ def score_groups(task, examples, groups: list[list[Sample]]) -> None:
         s.extra["score"] = score
 
 
-def set_group_advantages(group: list[Sample], eps: float = 1e-6) -> None:
-    """GRPO: A_i = (R_i - mean(R)) / (std(R) + eps) within the group (unbiased std).
-
-    Method math: it moves to masktrl/methods (``Method.advantages``), this being its one caller
-    in training."""
-    rewards = torch.tensor([s.reward for s in group], dtype=torch.float64)
-    std = rewards.std() if len(group) > 1 else torch.tensor(0.0, dtype=torch.float64)
-    adv = (rewards - rewards.mean()) / (std + eps)
-    for s, a in zip(group, adv.tolist()):
+def set_advantages(groups: list[list[Sample]], method=None, params=None) -> None:
+    """Each sample's advantage from the rewards of its group (samples carry their group's id):
+    ``method.advantages`` (with the method's ``adv_norm``), or GRPO's group normalisation
+    (``methods.group_advantages``) without a method."""
+    flat = [s for group in groups for s in group]
+    if not flat:
+        return
+    rewards, ids = [s.reward for s in flat], [s.group for s in flat]
+    adv = method.advantages(params, rewards, ids) if method else group_advantages(rewards, ids)  # [B]
+    for s, a in zip(flat, adv.tolist()):
         s.advantage = a
 
 

@@ -16,7 +16,7 @@ from masktrl.config import Config
 from masktrl.errors import MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.pipeline.evaluate import build_task, load_engine, resolve_model
-from masktrl.pipeline.collect import generate_groups, score_groups, set_group_advantages
+from masktrl.pipeline.collect import generate_groups, score_groups, set_advantages
 from masktrl.seeding import stream_seed
 from masktrl.rollout.base import SamplingSettings
 from masktrl.rollout.storage import write_rollouts
@@ -64,8 +64,7 @@ def generate(model: str, data: str, out_file: Path, opts: RolloutOptions, *, ste
         score_groups(task, examples, groups)
     finally:
         task.close()
-    for group in groups:
-        set_group_advantages(group)
+    set_advantages(groups)
     samples = [s for g in groups for s in g]
     meta = {"engine": engine.name, "tokenizer": tokenizer_fingerprint(tokenizer), **settings.__dict__,
             "model": ref.weights, "data": data, "seed": opts.seed}

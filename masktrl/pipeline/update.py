@@ -4,7 +4,8 @@
 (``pipeline/policy.py``), asks the method for per-token losses, aggregates them, and steps
 AdamW; under several processes each trains on its share of every minibatch with the same
 result (see ``micro_batches`` and the loss scaling below). Nothing here knows which method
-runs: ``token_losses``, the aggregation and the SIS uniforms come from ``masktrl.methods``.
+runs: the token losses, the aggregation and its denominator, and whether SIS uniforms are drawn
+are the method's (``masktrl.methods``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 
 from masktrl.config import Config, TrainConfig
 from masktrl.errors import MasktrlError
-from masktrl.methods import TokenBatch, aggregate, aggregate_denominator
 from masktrl.methods.diagnostics import token_diagnostics
 from masktrl.pipeline.distributed import Dist
 from masktrl.pipeline.policy import policy_token_batch
@@ -75,7 +75,7 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     for mb, idx in enumerate(parts):
         mb_samples = [samples[i] for i in idx.tolist()]
         u = _sis_uniforms(mb_samples, seed, step, mb) if method.needs_u(params) else None
-        total = _denominator(method, params, valid_counts(mb_samples))
+        total = method.denominator(params, valid_counts(mb_samples))  # of the whole minibatch
         optimizer.zero_grad(set_to_none=True)
         micro_rows, loss_value = [], 0.0
         for micro in micro_batches(len(mb_samples), dist.rank, dist.world, settings.grad_accum):
@@ -85,8 +85,8 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
                 losses = method.token_losses(out.batch, out.advantages, params, u=u_micro)
                 if before is not None:
                     before(mb, [idx[i].item() for i in micro], out, losses, u_micro)
-                loss = _aggregate(method, params, losses.loss, out.batch, settings.horizon)
-                share = _denominator(method, params, out.batch) / max(total, 1)  # 1.0 for one process, one micro-batch
+                loss = method.aggregate(params, losses.loss, out.batch, horizon=settings.horizon)
+                share = method.denominator(params, out.batch) / max(total, 1)  # 1.0 for one process, one micro-batch
                 dist.backward(loss if share == 1.0 and dist.world == 1 else loss * (share * dist.world))
             loss_value += loss.item() * share
             trained += len(micro)
@@ -169,21 +169,3 @@ def _mean_rows(rows: list[dict]) -> dict:
             out[k] = max(vals) if k.endswith("_max") else sum(vals) / len(vals)
     return out
 
-
-# The two method-specific quantities of the aggregation, each called at one place above. They
-# belong to the method (masktrl/methods: Method.aggregate, Method.denominator) and move there.
-
-
-def _aggregate(method, params, loss: torch.Tensor, batch: TokenBatch, horizon: int) -> torch.Tensor:
-    """The method's scalar batch loss; the constant-horizon mode (Dr. GRPO) divides by ``horizon``."""
-    mode = method.aggregation(params)
-    return aggregate(loss, batch, mode, **({"norm_len": horizon} if mode == "seq-mean-token-sum-norm" else {}))
-
-
-def _denominator(method, params, counts_or_batch) -> int:
-    """What the method's aggregation divides by: valid tokens (token-mean) or sequences with a
-    valid token (the seq modes), of a ``TokenBatch`` or from per-sequence valid-token counts."""
-    mode = method.aggregation(params)
-    if isinstance(counts_or_batch, TokenBatch):
-        return aggregate_denominator(counts_or_batch, mode)
-    return sum(counts_or_batch) if mode == "token-mean" else sum(c > 0 for c in counts_or_batch)
