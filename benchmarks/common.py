@@ -247,7 +247,7 @@ def wrap_masktrl_phases(timer: PhaseTimer, common: bool = True) -> None:
     timer.wrap(modeling_qwen3.Qwen3Model, "forward", "logprobs: policy forward")
     timer.wrap(policy, "token_logprobs_and_entropy", "logprobs: token_logprobs (sampled + top-K) + entropy")
     timer.wrap(Method, "token_losses", "loss")
-    timer.wrap(update, "aggregate", "loss")
+    timer.wrap(Method, "aggregate", "loss")
     timer.wrap(update, "token_diagnostics", "diagnostics")
     timer.wrap(train, "policy_update", "update glue (minibatch split, .item(), means)")
     timer.wrap(RunStore, "write_rollouts", "io: rollout parquet")
