@@ -16,7 +16,7 @@ from pathlib import Path
 from masktrl.config import Config, flatten
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.io import atomic_write_bytes, atomic_write_json
-from masktrl.pipeline.runstore import RunStore, resolve_run
+from masktrl.pipeline.runstore import RunStore, is_run_folder, resolve_run
 
 ANALYSIS_DIR = "analysis"
 
@@ -54,8 +54,8 @@ def expand_runs(paths: list[Path | str], out: Path | None = None) -> list[Path]:
     found: list[Path] = []
     for p in paths:
         path = Path(p)
-        if not (path / "run.yaml").is_file() and path.is_dir():
-            children = sorted(c for c in path.iterdir() if (c / "run.yaml").is_file())
+        if not is_run_folder(path) and path.is_dir():
+            children = sorted(c for c in path.iterdir() if is_run_folder(c))
             if children:
                 found.extend(children)
                 continue

@@ -24,7 +24,7 @@ from masktrl.config import EVAL_BENCHMARKS, Config
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.io import atomic_write_json
 from masktrl.models.loading import load_tokenizer
-from masktrl.pipeline.runstore import RunStore
+from masktrl.pipeline.runstore import RunStore, is_run_folder
 from masktrl.rollout.base import SamplingSettings
 from masktrl.seeding import stream_seed
 from masktrl.stats import avg_at_k, bootstrap_ci, maj_at_k, pass_at_k_matrix
@@ -143,11 +143,11 @@ def resolve_model(model: str, step: int | None) -> ModelRef:
     """A run folder (its checkpoint at ``step``, default the latest complete one; step 0 is the
     warm-start policy), a checkpoint folder inside a run, a model folder, or a hub id."""
     p = Path(model)
-    if p.parent.name == "checkpoints" and (p.parent.parent / "run.yaml").is_file() and p.name.isdigit():
+    if p.parent.name == "checkpoints" and is_run_folder(p.parent.parent) and p.name.isdigit():
         if step is not None and step != int(p.name):
             raise ConfigError(f"--step {step} contradicts the checkpoint folder {model} (step {int(p.name)})")
         return resolve_model(str(p.parent.parent), int(p.name))
-    if not (p / "run.yaml").is_file():
+    if not is_run_folder(p):
         if step is not None:
             raise ConfigError(f"--step needs a run folder; {model} is not one (no run.yaml)")
         if p.exists() and not (p / "config.json").is_file():

@@ -35,13 +35,18 @@ from masktrl.rollout.storage import read_rollouts, write_rollouts
 MANIFEST = "manifest.json"
 
 
+def is_run_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a masktrl run folder (it has its run.yaml)."""
+    return (Path(path) / "run.yaml").is_file()
+
+
 def resolve_run(run: str | Path, out: Path | None = None) -> Path:
     """A run folder from a path, or from a name under ``out``; ArtifactError if neither exists."""
     candidates = [Path(run)]
     if out is not None:
         candidates.append(Path(out) / str(run))
     for path in candidates:
-        if (path / "run.yaml").is_file():
+        if is_run_folder(path):
             return path
     for path in candidates:
         if path.is_dir():
