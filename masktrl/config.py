@@ -49,10 +49,16 @@ class ModelConfig:
             raise ConfigError("model.num_heads must divide model.hidden_size and be a multiple of model.num_kv_heads")
 
 
+DATASET_KEYS = ("source", "subset", "test_split", "prompt_key", "answer_key", "template", "system_prompt",
+                "chat_template_kwargs", "reward", "max_prompt_tokens")
+"""TaskConfig keys of dataset tasks (task.name dataset or a math preset); arithmetic takes none of them."""
+
+
 @dataclass(frozen=True)
 class TaskConfig:
     name: str = "arithmetic"
-    """arithmetic (synthetic, built in) or a math dataset: dapo-math | math500 | gsm8k | aime | aime24 | aime25."""
+    """arithmetic (synthetic, built in), dataset (any dataset: task.source), or a math preset of it:
+    dapo-math | math500 | gsm8k | aime | aime24 | aime25. See docs/TASKS.md."""
     ops: str = "+"
     """arithmetic: operations to draw from, any of '+-*'."""
     digits: int = 3
@@ -62,7 +68,39 @@ class TaskConfig:
     n_test: int = 500
     """Size of the held-out split used for eval_before / eval_after."""
     data: str | None = None
-    """Math tasks: a local jsonl/json/parquet file (train prompts)."""
+    """Math presets: a local jsonl/json/parquet file (train prompts), read by the math field names."""
+    source: str | None = None
+    """dataset: a hub id (read from the local datasets cache, never downloaded) or a local
+    .json/.jsonl/.parquet/.csv file or a folder of them (splits by file name)."""
+    subset: str | None = None
+    """dataset: the hub dataset's config name (e.g. main for openai/gsm8k)."""
+    split: str = "train"
+    """dataset: the split trained on (a single file is one split, whatever its name)."""
+    test_split: str | None = None
+    """dataset: the held-out split (default: n_test rows sampled from task.split, the rest train)."""
+    prompt_key: str | None = None
+    """dataset: dotted path of the prompt field (default prompt; a list of chat messages gives its
+    last user message). Math presets: default the math field names (problem | question | ...)."""
+    answer_key: str | None = None
+    """dataset: dotted path of the reference answer (default answer), e.g. reward_model.ground_truth."""
+    template: str | None = None
+    """raw | base | instruct | dapo (DAPO-Math's own prompt), or a format string with {prompt} and
+    any other {field} (dotted paths allowed; literal braces as {{ }}). Default: raw for dataset,
+    base for the math presets (instruct with model.chat_template)."""
+    system_prompt: str | None = None
+    """A system message before the prompt (needs model.chat_template)."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments of the tokenizer's apply_chat_template, e.g. {enable_thinking: false}."""
+    reward: str | None = None
+    """A registered reward (math-verify | answer-line | exact-match | boxed-match | your own),
+    module:function or path/to/file.py:function. Default: the template's (base/instruct:
+    math-verify, dapo: answer-line); required for dataset with the raw or a custom template."""
+    reward_timeout_s: float = 5.0
+    """Hard wall-clock limit per completion for the reward (custom rewards and math-verify)."""
+    reward_workers: int = 2
+    """Processes running the reward (custom rewards and math-verify)."""
+    max_prompt_tokens: int | None = None
+    """Drop examples whose rendered prompt has more tokens than this."""
 
     def validate(self) -> None:
         _choice("task.answer_format", self.answer_format, ("plain", "boxed"))
@@ -70,6 +108,16 @@ class TaskConfig:
             raise ConfigError(f"task.ops must be a non-empty subset of '+-*', got {self.ops!r}")
         _positive("task.digits", self.digits)
         _positive("task.n_test", self.n_test)
+        _positive("task.reward_timeout_s", self.reward_timeout_s)
+        _positive("task.reward_workers", self.reward_workers)
+        if self.max_prompt_tokens is not None:
+            _positive("task.max_prompt_tokens", self.max_prompt_tokens)
+        if self.name == "arithmetic":
+            given = [k for k in DATASET_KEYS if getattr(self, k) not in (None, {})]
+            if given:
+                raise ConfigError(f"task.{given[0]} is an option of dataset tasks; task.name is arithmetic")
+        if self.name == "dataset" and not self.source:
+            raise ConfigError("task.name=dataset needs task.source: a hub id (local cache) or a local file or folder")
 
 
 @dataclass(frozen=True)
