@@ -303,7 +303,9 @@ def answer_line(completion: str, max_chars: int = 4096) -> str | None:
     found = _ANSWER_LINE.findall(completion[-max_chars:])
     if not found:
         return None
-    text = found[-1].strip().strip("$").strip().rstrip(".").strip()
+    text = found[-1].strip()
+    while text != (text := text.rstrip(".").strip("$").strip()):
+        pass
     return text or None
 
 
