@@ -386,3 +386,19 @@ def make_dataset_task(
         max_prompt_tokens=max_prompt_tokens, count_tokens=count_tokens,
     )
 
+
+
+def task_options(task_cfg, *, chat: bool = False, tokenizer: Any = None,
+                 count_tokens: Callable[[str], int] | None = None) -> dict:
+    """``get_task`` keyword arguments of a dataset task or math preset from the config's task
+    section (``masktrl.config.TaskConfig``); ``chat`` is ``model.chat_template``."""
+    t = task_cfg
+    common = dict(
+        source=t.source, subset=t.subset, split=t.split, test_split=t.test_split, prompt_key=t.prompt_key,
+        answer_key=t.answer_key, n_test=t.n_test, template=t.template, system_prompt=t.system_prompt, chat=chat,
+        chat_template_kwargs=dict(t.chat_template_kwargs) or None, reward=t.reward,
+        max_prompt_tokens=t.max_prompt_tokens, tokenizer=tokenizer, count_tokens=count_tokens,
+    )
+    if t.name == "dataset":
+        return {**common, "reward_timeout_s": t.reward_timeout_s, "reward_workers": t.reward_workers}
+    return {**common, "data_file": t.data, "timeout_s": t.reward_timeout_s, "grader_workers": t.reward_workers}
