@@ -281,7 +281,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **dir
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        _set_dotted(raw, key.strip(), _parse_scalar(text))
+        value = _parse_scalar(text)
+        if isinstance(value, (dict, list, bool)) and _is_text_key(key.strip()):
+            value = text  # a text key keeps its text: --set task.template={prompt} is not a YAML mapping
+        _set_dotted(raw, key.strip(), value)
     return from_dict(raw)
 
 
@@ -333,6 +336,19 @@ def _read_yaml(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return data
+
+
+def _is_text_key(key: str) -> bool:
+    """Whether the dotted ``key`` names a ``str`` (or ``str | None``) field of Config."""
+    cls: Any = Config
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return False
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return False
+        cls = hints[part]
+    return cls is str or set(typing.get_args(cls)) == {str, type(None)}
 
 
 def _parse_scalar(text: str) -> Any:

@@ -146,3 +146,19 @@ def test_dapo_template_reproduces_the_datasets_own_prompt(tmp_path, datasets_cac
     with get_task("dataset", source=str(tmp_path / "dapo"), answer_key="reward_model.ground_truth", n_test=1,
                   reward="answer-line") as task:
         assert task.test_examples()[0].prompt == own_text and task.test_examples()[0].answer == "34"
+
+
+def test_task_config_keys():
+    from masktrl.config import load_config
+
+    cfg = load_config(None, ["task.name=dataset", "task.source=d.jsonl", "task.template={prompt}", "task.system_prompt=yes",
+                             "task.chat_template_kwargs={enable_thinking: false}", "task.answer_key=reward_model.ground_truth"])
+    t = cfg.task
+    assert (t.template, t.system_prompt, t.chat_template_kwargs) == ("{prompt}", "yes", {"enable_thinking": False})
+    assert t.answer_key == "reward_model.ground_truth" and t.split == "train" and t.reward is None
+    with pytest.raises(ConfigError, match="task.name=dataset needs task.source"):
+        load_config(None, ["task.name=dataset"])
+    with pytest.raises(ConfigError, match="task.reward is an option of dataset tasks; task.name is arithmetic"):
+        load_config(None, ["task.name=arithmetic", "task.reward=exact-match"])
+    with pytest.raises(ConfigError, match="task.max_prompt_tokens must be > 0"):
+        load_config(None, ["task.name=gsm8k", "task.max_prompt_tokens=0"])
