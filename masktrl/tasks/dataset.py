@@ -387,6 +387,10 @@ def make_dataset_task(
     )
 
 
+PRESET_OPTIONS = ("source", "split", "test_split", "subset", "prompt_key", "answer_key", "system_prompt", "chat",
+                  "chat_template_kwargs", "reward", "max_prompt_tokens", "count_tokens")
+"""Options of :func:`make_dataset_task` that the math presets take too (as keyword arguments)."""
+
 
 def task_options(task_cfg, *, chat: bool = False, tokenizer: Any = None,
                  count_tokens: Callable[[str], int] | None = None) -> dict:

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 from masktrl.errors import ConfigError, DataError
 from masktrl.tasks.base import Example, register_task
-from masktrl.tasks.dataset import DatasetTask, NotCached, import_datasets, load_rows, resolve_reward, rows_to_examples
+from masktrl.tasks.dataset import PRESET_OPTIONS, DatasetTask, NotCached, import_datasets, load_rows, resolve_reward, rows_to_examples
 from masktrl.tasks.dataset import split_heldout  # noqa: F401  (re-exported: it lived here)
 from masktrl.tasks.grader import last_boxed
 from masktrl.tasks.rewards import Reward
@@ -390,23 +390,19 @@ def _benchmark_factory(bench: str):
         timeout_s: float = 5.0,
         require_boxed: bool = True,
         grader_workers: int = 2,
-        source: str | None = None,
-        split: str = "train",
-        test_split: str | None = None,
-        subset: str | None = None,
-        prompt_key: str | None = None,
-        answer_key: str | None = None,
-        system_prompt: str | None = None,
-        chat: bool = False,
-        chat_template_kwargs: dict | None = None,
-        reward: str | Reward | None = None,
-        max_prompt_tokens: int | None = None,
-        count_tokens: Any = None,
+        **options: Any,
     ) -> MathTask:
+        unknown = sorted(set(options) - set(PRESET_OPTIONS))
+        if unknown:
+            raise ConfigError(f"task {bench!r}: unknown option(s) {', '.join(unknown)}; accepted: data_file, n_test, seed, "
+                              f"test, test_file, template, tokenizer, timeout_s, require_boxed, grader_workers, {', '.join(PRESET_OPTIONS)}")
+        o = {**dict.fromkeys(PRESET_OPTIONS), "split": "train", "chat": False, **options}
+        source, split, test_split, subset = o["source"], o["split"], o["test_split"], o["subset"]
+        prompt_key, answer_key = o["prompt_key"], o["answer_key"]
         if source is not None and data_file is not None:
             raise ConfigError(f"task {bench!r}: set task.source or task.data, not both")
-        tmpl = PromptTemplate.resolve(template, system_prompt=system_prompt, chat=chat, chat_kwargs=chat_template_kwargs,
-                                      default="instruct" if chat else "base")
+        tmpl = PromptTemplate.resolve(template, system_prompt=o["system_prompt"], chat=o["chat"],
+                                      chat_kwargs=o["chat_template_kwargs"], default="instruct" if o["chat"] else "base")
         if source is not None:
             examples = _preset_rows(bench, source, split, subset, prompt_key, answer_key)
             examples = _dedupe(examples) if bench in TRAIN_SETS else examples
@@ -430,9 +426,9 @@ def _benchmark_factory(bench: str):
             grader_workers=grader_workers,
             name=bench,
             no_train_hint=f"all {len(examples)} problems are held out; lower n_test or pass test=/test_file=",
-            reward=reward,
-            max_prompt_tokens=max_prompt_tokens,
-            count_tokens=count_tokens,
+            reward=o["reward"],
+            max_prompt_tokens=o["max_prompt_tokens"],
+            count_tokens=o["count_tokens"],
         )
 
     make_benchmark_task.__doc__ = f"""Task over benchmark {bench!r} (see load_benchmark): a preset of the dataset task.
@@ -443,7 +439,7 @@ def _benchmark_factory(bench: str):
     reads the problems from another file, folder or cached hub id (by ``prompt_key`` /
     ``answer_key``, else by the math field names); ``template`` (default ``base``, ``instruct``
     with a chat template), ``reward`` (default: the template's, else ``math-verify``) and the
-    other options are the dataset task's.
+    other ``options`` (``PRESET_OPTIONS``) are the dataset task's.
     """
     return make_benchmark_task
 
