@@ -50,6 +50,7 @@ def collect_rollouts(engine, tokenizer, task, method, params, settings: CollectS
     want, max_len = settings.prompts_per_step, settings.sampling.max_new_tokens
     dynamic = method.dynamic_sampling(params)
     kept, generated = [], []
+    errors_before = getattr(task, "reward_errors", 0)
     for attempt in range(MAX_REFILLS if dynamic else 1):
         rng = random.Random(stream_seed(settings.seed, "prompts", step, attempt))
         examples = task.train_examples(want, rng)[dist.rank :: dist.world]
@@ -68,7 +69,9 @@ def collect_rollouts(engine, tokenizer, task, method, params, settings: CollectS
     for g, group in enumerate(kept):
         for s in group:
             s.group = g
-    return [s for g in kept for s in g], rollout_stats(generated, len(kept))
+    # completions the reward failed on (scored 0), summed over the processes: same number of attempts on each
+    reward_errors = sum(dist.gather_objects(getattr(task, "reward_errors", 0) - errors_before))
+    return [s for g in kept for s in g], {**rollout_stats(generated, len(kept)), "reward_errors": reward_errors}
 
 
 def generate_groups(engine, tokenizer, examples, settings: SamplingSettings, seed: int, chat_template=False) -> list[list[Sample]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,6 +44,7 @@ from masktrl.pipeline.update import UpdateSettings, make_optimizer, policy_updat
 from masktrl.pipeline.warmstart import prepare_policy
 from masktrl.rollout import make_engine
 from masktrl.tasks import make_task
+from masktrl.tasks.prompts import wraps_chat
 
 
 @dataclass
@@ -89,17 +90,20 @@ def train(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
     end, and when Ctrl-C asks to stop), then ``finish``."""
     s = setup(cfg, store, progress, resume=resume, rollouts_from=rollouts_from, dist=dist)
     bar = s.progress.add_task("RL", total=s.steps, completed=s.start, info="") if s.progress else None
-    with graceful_stop() as stop, s.store.recording_failure():  # s.store: read-only on the non-main processes
-        for step in range(s.start + 1, s.steps + 1):
-            row = rl_step(s, step)
-            stopping = s.dist.broadcast(stop.requested)  # every process stops after the same step
-            if step % cfg.train.checkpoint_every == 0 or step == s.steps or stopping:
-                ckpt.save_step(s.store, step, s.model, s.tokenizer, s.optimizer, s.scheduler, s.dist, s.policy)
-            if s.progress:
-                s.progress.update(bar, advance=1, info=f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s")
-            if stopping:
-                raise KeyboardInterrupt
-    return finish(s)
+    try:
+        with graceful_stop() as stop, s.store.recording_failure():  # s.store: read-only on the non-main processes
+            for step in range(s.start + 1, s.steps + 1):
+                row = rl_step(s, step)
+                stopping = s.dist.broadcast(stop.requested)  # every process stops after the same step
+                if step % cfg.train.checkpoint_every == 0 or step == s.steps or stopping:
+                    ckpt.save_step(s.store, step, s.model, s.tokenizer, s.optimizer, s.scheduler, s.dist, s.policy)
+                if s.progress:
+                    s.progress.update(bar, advance=1, info=f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s")
+                if stopping:
+                    raise KeyboardInterrupt
+        return finish(s)
+    finally:
+        s.task.close()  # reward / grading processes
 
 
 def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, rollouts_from: str | None = None,
@@ -114,6 +118,7 @@ def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
     torch.manual_seed(cfg.seed)
     if not dist.is_main:
         store, progress = store.read_only(), None
+    task = make_task(cfg.task, cfg.model)  # data, keys, template and reward checked before the run folder exists
     store.manifest  # noqa: B018  every process reads the run's state before the main one changes it
     dist.barrier()
     if store.writable:
@@ -122,7 +127,6 @@ def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
             store.record_config(cfg)
     store.set_info(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid(), processes=dist.world)
 
-    task = make_task(cfg.task, cfg.model)
     with dist.loading():  # the main process first: it fills the warm-start cache, the others read it
         model, tokenizer, ws_info = prepare_policy(cfg, task, store.root.parent, progress)
     if not store.is_done("warmstart"):
@@ -140,7 +144,7 @@ def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
     if start:
         sync_weights(engine, model, dist)
     source = RolloutSource(rollouts_from, cfg.rollout.prompts_per_step, tokenizer) if rollouts_from else None
-    collect = CollectSettings.from_config(cfg)
+    collect = replace(CollectSettings.from_config(cfg), chat_template=wraps_chat(task, cfg.model.chat_template))
     s = State(
         cfg=cfg, store=store, dist=dist, task=task, model=model, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
         scheduler=scheduler, engine=engine, method=get_method(cfg.method_name),
@@ -237,7 +241,7 @@ def sync_weights(engine, model, dist: Dist) -> None:
 def _heldout(s: State) -> float:
     cfg = s.cfg
     return heldout_accuracy(s.engine, s.tokenizer, s.task, s.test_set, s.collect.sampling, cfg.eval.greedy,
-                            cfg.model.chat_template, cfg.seed)
+                            s.collect.chat_template, cfg.seed)
 
 
 def _heldout_once(s: State, stage: str) -> float:

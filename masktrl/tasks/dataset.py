@@ -225,7 +225,12 @@ class DatasetTask:
         no_train_hint: appended to the error raised when training without a train set.
         max_prompt_tokens: drop examples whose rendered prompt has more tokens.
         count_tokens: tokens of a prompt text (default: ``tokenizer``'s count).
+
+    ``Example.prompt`` is the exact text the model sees (``renders_prompts``): the chat template,
+    when used, is already applied, so encoding only tokenizes it.
     """
+
+    renders_prompts = True
 
     def __init__(
         self,

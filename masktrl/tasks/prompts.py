@@ -79,6 +79,13 @@ def render_prompt(problem: str, template: str = "base", tokenizer: Any = None, *
 _PROBE = "\x00masktrl-probe\x00"  # a message content no real prompt contains
 
 
+def wraps_chat(task, chat_template: bool) -> bool:
+    """Whether ``encode_prompt`` must wrap ``task``'s prompts in the chat template: only when the
+    task does not render its own (a task with ``renders_prompts``, e.g. the dataset task, already
+    applied the chat template, system prompt included)."""
+    return bool(chat_template) and not getattr(task, "renders_prompts", False)
+
+
 def encode_prompt(tokenizer, prompt: str, chat_template: bool) -> list[int]:
     """Token ids of a prompt: raw text for base models, the chat template for instruct models.
 
