@@ -277,6 +277,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **dir
             raw["method"] = {"name": value} if method.get("name") != value else method
         else:
             _set_dotted(raw, key, value)
+    return from_dict(read_overrides(None, overrides, raw))
+
+
+def read_overrides(path: str | Path | None = None, overrides: list[str] = (), raw: dict | None = None) -> dict:
+    """``raw`` (default: empty) updated with the YAML file ``path`` and the ``key=value``
+    overrides: the raw mapping, without defaults and not yet validated (``from_dict`` does that)."""
+    raw = dict(raw or {})
+    if path is not None:
+        raw.update(_read_yaml(Path(path)))
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
@@ -285,7 +294,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **dir
         if isinstance(value, (dict, list, bool)) and _is_text_key(key.strip()):
             value = text  # a text key keeps its text: --set task.template={prompt} is not a YAML mapping
         _set_dotted(raw, key.strip(), value)
-    return from_dict(raw)
+    return raw
 
 
 def from_dict(raw: dict) -> Config:

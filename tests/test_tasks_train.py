@@ -80,6 +80,27 @@ def test_folder_with_nested_fields_trains_with_a_file_reward_that_fails_on_some_
     samples_meta = (root / "run.yaml").read_text()
     assert "my_reward.py:score" in samples_meta and "solution.text" in samples_meta
 
+    # masktrl eval / rollout take the same keys: the run's own dataset, template and reward by default
+    result = runner.invoke(app, ["eval", "dataset", "--model", str(root), "--k", "2"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    report = json.loads((root / "eval" / "dataset-step2.json").read_text())
+    assert report["n_problems"] == 3 and report["reward"] == "my_reward.py:score"
+    assert report["generation"]["template"] == "custom" and report["data"] == f"{data} (test)"
+    assert [p["id"] for p in report["problems"]] == ["words/test/1", "words/test/2", "words/test/3"]
+    result = runner.invoke(app, ["eval", "dataset", "--model", str(root), "--k", "2", "--force", "--set", "task.reward=exact-match",
+                                 "--set", "task.template=raw"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    report = json.loads((root / "eval" / "dataset-step2.json").read_text())
+    assert report["reward"] == "exact-match" and report["generation"]["template"] == "raw"
+    out = tmp_path / "rollouts.parquet"
+    result = runner.invoke(app, ["rollout", "--model", str(root), "--data", "dataset", "--out", str(out), "--n", "2",
+                                 "--set", "task.split=test", "--set", "task.reward=exact-match"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    from masktrl.rollout.storage import read_rollouts
+
+    samples, _ = read_rollouts(out)
+    assert len(samples) == 6 and {s.prompt for s in samples} == {"ab>", "ba>", "cf>"}
+
 
 @pytest.mark.parametrize(
     "sets, message",

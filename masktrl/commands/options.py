@@ -21,6 +21,17 @@ SetOpt = Annotated[
     typer.Option("--set", help="Dotted override, repeatable: --set train.lr=1e-4 --set method.divergence=topk-tv."),
 ]
 
+TaskConfigOpt = Annotated[
+    Optional[Path],
+    typer.Option("--config", "-c", help="YAML file whose task section (and model.chat_template) sets the dataset, reward and "
+                 "template, as for train (docs/TASKS.md).", show_default=False),
+]
+TaskSetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", help="task.KEY=VALUE or model.chat_template=..., repeatable: the dataset, reward and template keys "
+                 "of train, e.g. --set task.source=data/x.jsonl --set task.reward=my_rewards.py:score."),
+]
+
 
 def method_help() -> str:
     """Every registered method with its one-line help, read from the method registry."""

@@ -15,11 +15,13 @@ from pathlib import Path
 from masktrl.config import Config
 from masktrl.errors import MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
-from masktrl.pipeline.evaluate import build_task, load_engine, resolve_model
+from masktrl.pipeline.evaluate import bench_task_config, build_task, eval_chat, load_engine, resolve_model
+from masktrl.tasks import make_eval_task
 from masktrl.pipeline.collect import generate_groups, score_groups, set_advantages
 from masktrl.seeding import stream_seed
 from masktrl.rollout.base import SamplingSettings
 from masktrl.rollout.storage import write_rollouts
+from masktrl.tasks.math_data import BENCHMARKS
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class RolloutOptions:
     seed: int = 0
     engine: str | None = None
     template: str | None = None
+    config: str | None = None  # a YAML file: its task section (and model.chat_template)
+    overrides: tuple[str, ...] = ()  # --set task.KEY=VALUE (and model.chat_template=...)
 
     def validate(self) -> None:
         for name in ("n", "topk"):
@@ -53,7 +57,8 @@ def generate(model: str, data: str, out_file: Path, opts: RolloutOptions, *, ste
         raise MasktrlError(f"{out_file} already exists; pass --force to replace it (nothing was changed)")
     ref = resolve_model(model, step)
     cfg = ref.cfg or Config()
-    cfg = replace(cfg, rollout=replace(cfg.rollout, engine=opts.engine or (cfg.rollout.engine if ref.cfg else "hf")))
+    cfg = replace(cfg, rollout=replace(cfg.rollout, engine=opts.engine or (cfg.rollout.engine if ref.cfg else "hf")),
+                  model=replace(cfg.model, path=ref.weights))  # a chat template or token counts come from these weights
     task, examples = _examples(data, cfg, opts)
     try:
         engine, tokenizer = load_engine(replace(cfg, model=replace(cfg.model, path=ref.weights)), ref.weights)
@@ -87,11 +92,17 @@ def _examples(data: str, cfg: Config, opts: RolloutOptions):
         task = build_task("synthetic", cfg, None, None, None)
         return task, task.train_examples(opts.prompts or 32, random.Random(stream_seed(opts.seed, "rollout-cmd-prompts")))
     path = Path(data)
-    if path.suffix in (".jsonl", ".json", ".parquet"):
+    if path.suffix in (".jsonl", ".json", ".parquet") and not (opts.config or opts.overrides):
         from masktrl.tasks.math_data import make_math_task
 
         task = make_math_task(test=None, test_file=str(path), template=opts.template or "base")
-    else:
-        task = build_task(data, cfg, None, opts.template or "base", None)
+    else:  # a math preset, or `dataset` (task.source ...), with the --config / --set task keys
+        bench = data if data in BENCHMARKS or data == "dataset" else "dataset"
+        if bench != "dataset":
+            opts = replace(opts, template=opts.template or "base")  # math presets: the base template unless told
+        task_cfg = bench_task_config(bench, cfg, template=opts.template, data=data if bench == "dataset" and data != "dataset" else None,
+                                     config=opts.config, overrides=opts.overrides)
+        chat = eval_chat(cfg, opts)
+        task = make_eval_task(task_cfg, replace(cfg.model, chat_template=chat), whole_split=True)  # every row of task.split
     examples = task.test_examples()
     return task, examples[: opts.prompts] if opts.prompts else examples

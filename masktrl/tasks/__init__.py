@@ -12,12 +12,12 @@ from masktrl.tasks.base import Example, Task, get_task, register_task, task_name
 from masktrl.tasks import arithmetic as _arithmetic  # noqa: F401  (registers "arithmetic")
 from masktrl.tasks import math_data as _math_data  # noqa: F401  (registers "math" and the benchmarks)
 from masktrl.tasks.dataset import DatasetTask
-from masktrl.tasks.factory import make_task
+from masktrl.tasks.factory import make_eval_task, make_task
 from masktrl.tasks.prompts import encode_prompt
 from masktrl.tasks.rewards import make_reward, register_reward, reward_names
 from masktrl.tasks.templates import PromptTemplate
 
 __all__ = [
-    "DatasetTask", "Example", "PromptTemplate", "Task", "encode_prompt", "get_task", "make_reward", "make_task",
+    "DatasetTask", "Example", "PromptTemplate", "Task", "encode_prompt", "get_task", "make_eval_task", "make_reward", "make_task",
     "register_reward", "register_task", "reward_names", "task_names",
 ]
