@@ -89,7 +89,7 @@ def _examples(data: str, cfg: Config, opts: RolloutOptions):
     if data == "synthetic":
         if cfg.task.name != "arithmetic":
             cfg = Config()
-        task = build_task("synthetic", cfg, None, None, None)
+        task = build_task("synthetic", cfg)
         return task, task.train_examples(opts.prompts or 32, random.Random(stream_seed(opts.seed, "rollout-cmd-prompts")))
     path = Path(data)
     if path.suffix in (".jsonl", ".json", ".parquet") and not (opts.config or opts.overrides):
