@@ -5,7 +5,7 @@ import pytest
 
 from masktrl.errors import ConfigError
 from masktrl.tasks import get_task
-from masktrl.tasks.prompts import render_prompt
+from masktrl.tasks.prompts import encode_prompt, render_prompt, wraps_chat
 from masktrl.tasks.templates import DAPO_PREFIX, DAPO_SUFFIX, PromptTemplate
 from tests.datasets_helpers import datasets_cache, write_jsonl  # noqa: F401
 from tests.test_tasks_prompts import FakeChatTokenizer
@@ -65,4 +65,7 @@ def test_template_with_system_prompt_gives_exactly_these_token_ids(tmp_path, dat
         (ex,) = [e for e in task.test_examples() + task.train_examples(1, __import__("random").Random(0)) if e.answer == "2"]
         assert ex.prompt == "[s]S[u]Q:1+1=[a]"
         # ids: <pad> <eos> <unk>, then the sorted alphabet + 1 : = Q S [ ] a s u
-        assert tok(ex.prompt, add_special_tokens=False)["input_ids"] == [9, 12, 10, 8, 9, 13, 10, 7, 5, 4, 3, 4, 6, 9, 11, 10]
+        ids = [9, 12, 10, 8, 9, 13, 10, 7, 5, 4, 3, 4, 6, 9, 11, 10]
+        assert tok(ex.prompt, add_special_tokens=False)["input_ids"] == ids
+        # what training and eval feed the model: already rendered, so never wrapped a second time
+        assert encode_prompt(tok, ex.prompt, wraps_chat(task, chat_template=True)) == ids
