@@ -135,3 +135,22 @@ def test_bad_input_exits_2_with_one_line_on_stderr(tmp_path, data):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "task.answer_key 'answer' is not a field of" in lines[0] and "Traceback" not in r.stdout
     assert not (tmp_path / "out" / "bad").exists()
+
+
+def test_eval_and_rollout_task_keys():
+    from masktrl.config import Config, from_dict
+    from masktrl.errors import ConfigError
+    from masktrl.pipeline.evaluate import bench_task_config
+
+    t = bench_task_config("aime24", Config(), template="dapo", overrides=("task.reward=exact-match", "model.chat_template=false"))
+    assert (t.name, t.template, t.reward, t.data) == ("aime24", "dapo", "exact-match", None)
+    run = from_dict({"task": {"name": "dataset", "source": "d.jsonl", "template": "instruct", "system_prompt": "Be brief.",
+                              "reward": "r.py:f"}, "model": {"chat_template": True}})
+    own = bench_task_config("dataset", run)
+    assert (own.source, own.template, own.reward, own.system_prompt) == ("d.jsonl", "instruct", "r.py:f", "Be brief.")
+    other = bench_task_config("gsm8k", run, data="g.jsonl")  # a preset: the run's prompt, its own data and reward
+    assert (other.data, other.template, other.system_prompt, other.reward) == ("g.jsonl", "instruct", "Be brief.", None)
+    with pytest.raises(ConfigError, match="take task.. keys and model.chat_template, not train.lr"):
+        bench_task_config("aime24", Config(), overrides=("train.lr=1",))
+    with pytest.raises(ConfigError, match="needs task.source"):
+        bench_task_config("dataset", Config())

@@ -113,10 +113,10 @@ def bench_task_config(bench: str, cfg: Config, *, template: str | None = None, d
     In order: for ``dataset``, the whole task section of a run that trained on a dataset (its
     data, keys, template, reward); for a preset, the prompt settings of a run that trained on
     any dataset task (a named template, the system prompt, the chat-template arguments: the
-    prompt it learned); then
-    ``--template``, ``--data`` (a preset's file, or the dataset's ``task.source``), then the task
-    section of ``--config`` and the ``--set task.*`` overrides; ``model.chat_template`` may be set
-    there too. The reward is the template's unless the overrides name one.
+    prompt it learned); then ``--template``, ``--data`` (a preset's file, or the dataset's
+    ``task.source``), then the task section of ``--config`` and the ``--set task.*`` overrides
+    (``model.chat_template`` may be set there too, see :func:`eval_chat`). The reward is the
+    template's unless the overrides name one.
     """
     t = cfg.task
     raw: dict = {"name": bench}
@@ -131,10 +131,10 @@ def bench_task_config(bench: str, cfg: Config, *, template: str | None = None, d
     if data is not None:
         raw["source" if bench == "dataset" else "data"] = data
     given = read_overrides(config, list(overrides))
-    extra = sorted(f"{k}.{sub}" if isinstance(v, dict) else k for k, v in given.items() if k != "task"
-                   for sub in (v if isinstance(v, dict) else [None]) if (k, sub) != ("model", "chat_template"))
-    if extra:
-        raise ConfigError(f"--config/--set of eval and rollout take task.* keys and model.chat_template, not {extra[0]}")
+    for section, value in given.items():
+        keys = list(value) if isinstance(value, dict) else [None]
+        if section != "task" and (section, keys) != ("model", ["chat_template"]):
+            raise ConfigError(f"--config/--set of eval and rollout take task.* keys and model.chat_template, not {section}.{keys[0]}")
     raw.update(given.get("task") or {})
     raw["name"] = bench
     chat = given.get("model", {}).get("chat_template", cfg.model.chat_template)
