@@ -45,10 +45,10 @@ def warm_model(cfg) -> Path:
     The cache key is the one ``masktrl train`` uses, so a benchmark after a default training
     run (or the other way round) reuses the same warm start.
     """
-    from masktrl.pipeline.tasks import make_task
     from masktrl.pipeline.warmstart import prepare_policy
+    from masktrl.tasks import make_task
 
-    _, _, info = prepare_policy(cfg, make_task(cfg), OUT)
+    _, _, info = prepare_policy(cfg, make_task(cfg.task, cfg.model), OUT)
     return Path(info["path"])
 
 
@@ -75,9 +75,9 @@ def big_vocab_model(dest: Path, vocab: int, cfg, seed: int = 0) -> Path:
     default vocabulary (17 tokens for plain arithmetic).
     """
     from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-    from masktrl.pipeline.tasks import make_task
+    from masktrl.tasks import make_task
 
-    alphabet = make_task(cfg).alphabet()
+    alphabet = make_task(cfg.task, cfg.model).alphabet()
     filler = "".join(chr(0x4E00 + i) for i in range(max(0, vocab - 3 - len(alphabet))))
     tok = build_char_tokenizer(alphabet + filler)
     m = cfg.model
@@ -92,9 +92,9 @@ def big_vocab_model(dest: Path, vocab: int, cfg, seed: int = 0) -> Path:
 
 
 class StepClock:
-    """A stand-in for the rich progress object ``train.run`` reports to: one timestamp per RL step.
+    """A stand-in for the rich progress object ``train.train`` reports to: one timestamp per RL step.
 
-    ``train.run`` calls ``add_task("RL")`` right before its step loop and ``update`` at the end
+    ``train.train`` calls ``add_task("RL")`` right before its step loop and ``update`` at the end
     of every step (after metrics and any checkpoint), so consecutive marks bracket exactly
     one iteration of the real loop. ``on_step`` callbacks run at each mark.
     """
@@ -129,13 +129,13 @@ class StepClock:
 
 
 def run_masktrl(cfg, on_start=None, on_step=None) -> dict:
-    """``masktrl.pipeline.train.run`` on ``cfg`` in a scratch run folder (deleted afterwards).
+    """``masktrl.pipeline.train.train`` on ``cfg`` in a scratch run folder (deleted afterwards).
 
     Returns per-step wall times (``step_times``, one per step of the real loop), per-step
     process CPU times (``cpu_times``) and the metrics rows the run wrote.
     """
-    from masktrl.pipeline import train
-    from masktrl.pipeline.store import RunStore
+    from masktrl.pipeline.runstore import RunStore
+    from masktrl.pipeline.train import train
 
     BENCH_TMP.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="run-", dir=BENCH_TMP))
@@ -145,7 +145,7 @@ def run_masktrl(cfg, on_start=None, on_step=None) -> dict:
     if on_step:
         clock.on_step.append(on_step)
     try:
-        result = train.run(cfg, RunStore(root), progress=clock)
+        result = train(cfg, RunStore(root), progress=clock)
         rows = result.store.read_metrics()
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -233,8 +233,8 @@ def wrap_masktrl_phases(timer: PhaseTimer, common: bool = True) -> None:
     from transformers.models.qwen3 import modeling_qwen3
 
     from masktrl.methods.registry import Method
-    from masktrl.pipeline import rl, train
-    from masktrl.pipeline.store import RunStore
+    from masktrl.pipeline import checkpoint, policy, train, update
+    from masktrl.pipeline.runstore import RunStore
     from masktrl.rollout import hf
     from masktrl.rollout.hf import HFEngine
 
@@ -243,18 +243,18 @@ def wrap_masktrl_phases(timer: PhaseTimer, common: bool = True) -> None:
     timer.wrap(train, "collect_rollouts", "rollout: prompts, decode, score, advantages")
     timer.wrap(HFEngine, "generate", "rollout: logprob/top-K extraction")
     timer.wrap(hf, "shared_prefill", "rollout: shared prompt prefill", absorb=True)
-    timer.wrap(rl, "policy_token_batch", "logprobs: batch assembly")
+    timer.wrap(update, "policy_token_batch", "logprobs: batch assembly")
     timer.wrap(modeling_qwen3.Qwen3Model, "forward", "logprobs: policy forward")
-    timer.wrap(rl, "token_logprobs_and_entropy", "logprobs: token_logprobs (sampled + top-K) + entropy")
+    timer.wrap(policy, "token_logprobs_and_entropy", "logprobs: token_logprobs (sampled + top-K) + entropy")
     timer.wrap(Method, "token_losses", "loss")
-    timer.wrap(rl, "aggregate", "loss")
-    timer.wrap(rl, "token_diagnostics", "diagnostics")
+    timer.wrap(Method, "aggregate", "loss")
+    timer.wrap(update, "token_diagnostics", "diagnostics")
     timer.wrap(train, "policy_update", "update glue (minibatch split, .item(), means)")
-    timer.wrap(train, "write_rollouts", "io: rollout parquet")
+    timer.wrap(RunStore, "write_rollouts", "io: rollout parquet")
     timer.wrap(RunStore, "mark_done", "io: manifest")
     timer.wrap(RunStore, "set_info", "io: manifest")
     timer.wrap(RunStore, "append_metrics", "io: metrics line")
-    timer.wrap(train, "save_checkpoint", "io: checkpoint", absorb=True)
+    timer.wrap(checkpoint, "save_step", "io: checkpoint", absorb=True)
 
 
 def wrap_trl_phases(timer: PhaseTimer, trainer_cls, common: bool = True) -> None:

@@ -13,6 +13,7 @@ spin-waits should count. Wall-time ratios are reported too, with the load averag
 
     python benchmarks/method_overhead.py                # tiny (~0.4M) and ~30M configs
     python benchmarks/method_overhead.py --quick --json out.json
+    python benchmarks/method_overhead.py --configs tiny --variants pdm-kl-agg,pdm-kl-bracket
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 
 import torch
 
-from masktrl.methods import TokenBatch, aggregate, get_method, make_params
+from masktrl.methods import TokenBatch, get_method, make_params
 from masktrl.models.logprobs import token_logprobs
 
 VARIANTS: list[tuple[str, str, dict]] = [
@@ -38,6 +39,8 @@ VARIANTS: list[tuple[str, str, dict]] = [
     *[(f"dppo-{d}", "dppo", {"divergence": d}) for d in ("binary-tv", "binary-kl", "topk-tv", "topk-kl")],
     ("dppo-topk-kl-replace_last", "dppo", {"divergence": "topk-kl", "rule": "replace_last"}),
     *[(f"pdm-{d}-{t}", "pdm", {"divergence": d, "tail": t}) for d in ("kl", "tv") for t in ("agg", "uniform")],
+    ("pdm-kl-bracket", "pdm", {"divergence": "kl", "tail": "bracket"}),
+    ("pdm-kl-bracket-mask", "pdm", {"divergence": "kl", "tail": "bracket", "uncertain": "mask"}),
     *[(f"sis-{b}", "sis", {"base": b}) for b in ("grpo", "dapo", "gspo")],
 ]
 
@@ -97,7 +100,7 @@ def train_step(model, data: dict, method, params, sampled_only: bool, chunk: int
     batch = TokenBatch(lp[:, 0], data["behavior_logp"], data["sampled"], data["topk_ids"], data["topk_behavior_logp"],
                        topk_logp, data["seq_ids"], weight.shape[0])
     out = method.token_losses(batch, data["advantages"], params, u=data["u"] if method.needs_u(params) else None)
-    loss = aggregate(out.loss, batch, method.aggregation(params))
+    loss = method.aggregate(params, out.loss, batch, horizon=data["input_ids"].shape[1])
     loss.backward()
     model.zero_grad(set_to_none=True)
     return time.perf_counter() - t0, time.process_time() - c0
@@ -116,16 +119,17 @@ def method_part(data: dict, method, params, sampled_only: bool, repeats: int, vo
         batch = TokenBatch(logp, data["behavior_logp"], data["sampled"], data["topk_ids"], data["topk_behavior_logp"],
                            topk, data["seq_ids"], vocab)
         out = method.token_losses(batch, data["advantages"], params, u=data["u"] if method.needs_u(params) else None)
-        aggregate(out.loss, batch, method.aggregation(params)).backward()
+        method.aggregate(params, out.loss, batch, horizon=data["input_ids"].shape[1]).backward()
         ts.append(time.process_time() - c0)
     return statistics.median(ts)
 
 
-def bench_config(name: str, cfg: dict, seqs: int, tokens: int, k: int, repeats: int, warmup: int, chunk: int) -> dict:
+def bench_config(name: str, cfg: dict, seqs: int, tokens: int, k: int, repeats: int, warmup: int, chunk: int,
+                 variants: list[tuple[str, str, dict]] = VARIANTS) -> dict:
     model = build_model(cfg, seed=0)
     n_params = sum(p.numel() for p in model.parameters())
     data = synthetic_batch(model, seqs, tokens, k, seed=1, noise=0.05)
-    entries = [(label, get_method(m), make_params(m, **kw), False) for label, m, kw in VARIANTS]
+    entries = [(label, get_method(m), make_params(m, **kw), False) for label, m, kw in variants]
     entries.append(("grpo (sampled id only)", get_method("grpo"), make_params("grpo"), True))
     times: dict[str, list[tuple[float, float]]] = {e[0]: [] for e in entries}
     rng = random.Random(0)
@@ -159,20 +163,29 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer repeats and a smaller 30M batch")
     p.add_argument("--json", type=str, default=None)
     p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--configs", type=str, default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    p.add_argument("--variants", type=str, default=None,
+                   help="comma-separated variant labels to time (grpo, the baseline, is always included); default all")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    variants = select_variants(args.variants)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not configs or any(c not in CONFIGS for c in configs):
+        p.error(f"--configs must name some of {', '.join(CONFIGS)}, got {args.configs!r}")
     load0 = os.getloadavg()
     plans = [("tiny", 16, 64, 8, 30, 3), ("30M", 4, 64, 20, 9, 1)]
     if args.quick:
         plans = [("tiny", 16, 64, 8, 10, 2), ("30M", 2, 64, 20, 4, 1)]
     results = []
     for name, seqs, tokens, k, reps, warm in plans:
-        res = bench_config(name, CONFIGS[name], seqs, tokens, k, reps, warm, args.chunk)
+        if name not in configs:
+            continue
+        res = bench_config(name, CONFIGS[name], seqs, tokens, k, reps, warm, args.chunk, variants)
         results.append(res)
         _print(res, args.threads)
-    core = [r["methods"][label]["ratio"] for r in results for label, _, _ in VARIANTS]
-    core_part = [r["methods"][label]["ratio_from_method_part"] for r in results for label, _, _ in VARIANTS]
-    core_wall = [r["methods"][label]["ratio_wall"] for r in results for label, _, _ in VARIANTS]
+    core = [r["methods"][label]["ratio"] for r in results for label, _, _ in variants]
+    core_part = [r["methods"][label]["ratio_from_method_part"] for r in results for label, _, _ in variants]
+    core_wall = [r["methods"][label]["ratio_wall"] for r in results for label, _, _ in variants]
     summary = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
                     "threads": args.threads, "loadavg_start": load0, "loadavg_end": os.getloadavg()},
@@ -190,6 +203,18 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
+
+
+def select_variants(spec: str | None) -> list[tuple[str, str, dict]]:
+    """The variants named in ``spec`` (comma-separated labels), grpo first; all when ``spec`` is None."""
+    if spec is None:
+        return VARIANTS
+    labels = {v[0]: v for v in VARIANTS}
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in labels]
+    if unknown:
+        raise SystemExit(f"unknown variant {unknown[0]!r}; valid: {', '.join(labels)}")
+    return [labels["grpo"]] + [labels[n] for n in names if n != "grpo"]
 
 
 def _print(res: dict, threads: int) -> None:

@@ -1,6 +1,6 @@
 """Where one masktrl RL step spends its time, on the tiny default (configs/tiny.yaml).
 
-Runs the real training loop (``masktrl.pipeline.train.run``) for ``--steps`` steps and times
+Runs the real training loop (``masktrl.pipeline.train.train``) for ``--steps`` steps and times
 each stage by wrapping the functions that implement it (benchmarks/common.py, PhaseTimer):
 rollout (transformers generate, logprob/top-K extraction, decode + scoring + advantages),
 log-probability recomputation (policy forward, token_logprobs at the sampled and top-K ids,
@@ -121,7 +121,8 @@ def io_probe(steps_now: int, steps_full: int, reps: int = 7) -> dict:
     import tempfile
     import time
 
-    from masktrl.pipeline.store import RunStore, atomic_write_bytes
+    from masktrl.io import atomic_write_bytes
+    from masktrl.pipeline.runstore import RunStore
 
     from common import BENCH_TMP
 

@@ -83,12 +83,12 @@ def _tmp() -> Path:
 
 
 def measure(model, tok, cfg, args, batch_sizes=(), ks=None) -> dict:
-    from masktrl.pipeline.tasks import make_task
+    from masktrl.tasks import make_task
     from masktrl.rollout.base import SamplingSettings
     from masktrl.rollout.hf import HFEngine, sampling_kwargs, shared_prefill
 
     model.eval()
-    task = make_task(cfg)
+    task = make_task(cfg.task, cfg.model)
     examples = task.train_examples(args.prompts, random.Random(0))
     prompts = [tok(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
     ks = ks or args.k

@@ -31,7 +31,7 @@ nothing. Checkpoints are outside the timed steps on both sides.
 Timed steps: each block runs N = steps + 2 steps; the first step of a block (warm-up) and the
 last (masktrl's final checkpoint; TRL's last step has no following mark) are not counted.
 A step is one iteration of the trainer's own loop: for masktrl, between two progress
-updates of ``train.run``; for TRL, between two ``on_step_begin`` callbacks (generation,
+updates of ``train.train``; for TRL, between two ``on_step_begin`` callbacks (generation,
 reward, loss, backward, optimizer, logging and fetching the next batch).
 
     .venv-bench/bin/python benchmarks/vs_trl.py --json outputs/bench/vs_trl.json
@@ -163,10 +163,10 @@ def masktrl_prompts(cfg, n_steps: int) -> list[dict]:
     """The prompts masktrl draws at steps 1..n_steps (dynamic sampling off: attempt 0), in order."""
     import random
 
-    from masktrl.pipeline.rl import stream_seed
-    from masktrl.pipeline.tasks import make_task
+    from masktrl.seeding import stream_seed
+    from masktrl.tasks import make_task
 
-    task = make_task(cfg)
+    task = make_task(cfg.task, cfg.model)
     rows = []
     for step in range(1, n_steps + 1):
         rng = random.Random(stream_seed(cfg.seed, "prompts", step, 0))
@@ -196,19 +196,19 @@ def prompt_sharing(on: bool):
     """Switch masktrl's per-group prompt sharing off (``on=False``) for an ablation: the engine
     prefills every sample's prompt (``num_return_sequences``) and the policy forward runs each
     prompt+response whole, exactly the code paths used when all prompts are distinct."""
-    from masktrl.pipeline import rl
+    from masktrl.pipeline import policy
     from masktrl.rollout import hf
 
     if on:
         yield
         return
-    saved = hf.shared_prefill, rl._distinct_prompts
+    saved = hf.shared_prefill, policy._distinct_prompts
     hf.shared_prefill = lambda model, ids, att, n: {"input_ids": ids, "attention_mask": att, "num_return_sequences": n}
-    rl._distinct_prompts = lambda samples: ([s.prompt_ids for s in samples], list(range(len(samples))))
+    policy._distinct_prompts = lambda samples: ([s.prompt_ids for s in samples], list(range(len(samples))))
     try:
         yield
     finally:
-        hf.shared_prefill, rl._distinct_prompts = saved
+        hf.shared_prefill, policy._distinct_prompts = saved
 
 
 # --------------------------------------------------------------------------- TRL
@@ -220,10 +220,10 @@ def run_trl_block(cfg, model_dir: Path, rows: list[dict], args, timer: PhaseTime
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from masktrl.pipeline.tasks import make_task
+    from masktrl.tasks import make_task
     from masktrl.tasks.base import Example
 
-    task = make_task(cfg)
+    task = make_task(cfg.task, cfg.model)
     tokens = [0]
     rewards: list[float] = []
 

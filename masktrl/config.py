@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from masktrl.errors import ConfigError
+from masktrl.io import atomic_write_text
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 EVAL_BENCHMARKS = ("synthetic", "aime24", "aime25", "aime", "math500", "gsm8k")
@@ -48,10 +49,16 @@ class ModelConfig:
             raise ConfigError("model.num_heads must divide model.hidden_size and be a multiple of model.num_kv_heads")
 
 
+DATASET_KEYS = ("source", "subset", "test_split", "prompt_key", "answer_key", "template", "system_prompt",
+                "chat_template_kwargs", "reward", "max_prompt_tokens")
+"""TaskConfig keys of dataset tasks (task.name dataset or a math preset); arithmetic takes none of them."""
+
+
 @dataclass(frozen=True)
 class TaskConfig:
     name: str = "arithmetic"
-    """arithmetic (synthetic, built in) or a math dataset: dapo-math | math500 | gsm8k | aime | aime24 | aime25."""
+    """arithmetic (synthetic, built in), dataset (any dataset: task.source), or a math preset of it:
+    dapo-math | math500 | gsm8k | aime | aime24 | aime25. See docs/TASKS.md."""
     ops: str = "+"
     """arithmetic: operations to draw from, any of '+-*'."""
     digits: int = 3
@@ -61,7 +68,39 @@ class TaskConfig:
     n_test: int = 500
     """Size of the held-out split used for eval_before / eval_after."""
     data: str | None = None
-    """Math tasks: a local jsonl/json/parquet file (train prompts)."""
+    """Math presets: a local jsonl/json/parquet file (train prompts), read by the math field names."""
+    source: str | None = None
+    """dataset: a hub id (read from the local datasets cache, never downloaded) or a local
+    .json/.jsonl/.parquet/.csv file or a folder of them (splits by file name)."""
+    subset: str | None = None
+    """dataset: the hub dataset's config name (e.g. main for openai/gsm8k)."""
+    split: str = "train"
+    """dataset: the split trained on (a single file is one split, whatever its name)."""
+    test_split: str | None = None
+    """dataset: the held-out split (default: n_test rows sampled from task.split, the rest train)."""
+    prompt_key: str | None = None
+    """dataset: dotted path of the prompt field (default prompt; a list of chat messages gives its
+    last user message). Math presets: default the math field names (problem | question | ...)."""
+    answer_key: str | None = None
+    """dataset: dotted path of the reference answer (default answer), e.g. reward_model.ground_truth."""
+    template: str | None = None
+    """raw | base | instruct | dapo (DAPO-Math's own prompt), or a format string with {prompt} and
+    any other {field} (dotted paths allowed; literal braces as {{ }}). Default: raw for dataset,
+    base for the math presets (instruct with model.chat_template)."""
+    system_prompt: str | None = None
+    """A system message before the prompt (needs model.chat_template)."""
+    chat_template_kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments of the tokenizer's apply_chat_template, e.g. {enable_thinking: false}."""
+    reward: str | None = None
+    """A registered reward (math-verify | answer-line | exact-match | boxed-match | your own),
+    module:function or path/to/file.py:function. Default: the template's (base/instruct:
+    math-verify, dapo: answer-line); required for dataset with the raw or a custom template."""
+    reward_timeout_s: float = 5.0
+    """Hard wall-clock limit per completion for the reward (custom rewards and math-verify)."""
+    reward_workers: int = 2
+    """Processes running the reward (custom rewards and math-verify)."""
+    max_prompt_tokens: int | None = None
+    """Drop examples whose rendered prompt has more tokens than this."""
 
     def validate(self) -> None:
         _choice("task.answer_format", self.answer_format, ("plain", "boxed"))
@@ -69,6 +108,16 @@ class TaskConfig:
             raise ConfigError(f"task.ops must be a non-empty subset of '+-*', got {self.ops!r}")
         _positive("task.digits", self.digits)
         _positive("task.n_test", self.n_test)
+        _positive("task.reward_timeout_s", self.reward_timeout_s)
+        _positive("task.reward_workers", self.reward_workers)
+        if self.max_prompt_tokens is not None:
+            _positive("task.max_prompt_tokens", self.max_prompt_tokens)
+        if self.name == "arithmetic":
+            given = [k for k in DATASET_KEYS if getattr(self, k) not in (None, {})]
+            if given:
+                raise ConfigError(f"task.{given[0]} is an option of dataset tasks; task.name is arithmetic")
+        if self.name == "dataset" and not self.source:
+            raise ConfigError("task.name=dataset needs task.source: a hub id (local cache) or a local file or folder")
 
 
 @dataclass(frozen=True)
@@ -228,12 +277,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), **dir
             raw["method"] = {"name": value} if method.get("name") != value else method
         else:
             _set_dotted(raw, key, value)
+    return from_dict(read_overrides(None, overrides, raw))
+
+
+def read_overrides(path: str | Path | None = None, overrides: list[str] = (), raw: dict | None = None) -> dict:
+    """``raw`` (default: empty) updated with the YAML file ``path`` and the ``key=value``
+    overrides: the raw mapping, without defaults and not yet validated (``from_dict`` does that)."""
+    raw = dict(raw or {})
+    if path is not None:
+        raw.update(_read_yaml(Path(path)))
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        _set_dotted(raw, key.strip(), _parse_scalar(text))
-    return from_dict(raw)
+        value = _parse_scalar(text)
+        if isinstance(value, (dict, list, bool)) and _is_text_key(key.strip()):
+            value = text  # a text key keeps its text: --set task.template={prompt} is not a YAML mapping
+        _set_dotted(raw, key.strip(), value)
+    return raw
 
 
 def from_dict(raw: dict) -> Config:
@@ -247,8 +308,6 @@ def from_dict(raw: dict) -> Config:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    from masktrl.pipeline.store import atomic_write_text
-
     atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
@@ -286,6 +345,19 @@ def _read_yaml(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return data
+
+
+def _is_text_key(key: str) -> bool:
+    """Whether the dotted ``key`` names a ``str`` (or ``str | None``) field of Config."""
+    cls: Any = Config
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return False
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return False
+        cls = hints[part]
+    return cls is str or set(typing.get_args(cls)) == {str, type(None)}
 
 
 def _parse_scalar(text: str) -> Any:

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from masktrl import cli
 from masktrl.analysis import disagreement as dis
 from masktrl.analysis.io import load_run
-from masktrl.analysis.replay import load_replay, replay_step
+from masktrl.analysis.step_replay import load_replay, replay_step
 from masktrl.analysis.sis_report import sis_report
 from masktrl.pipeline import sweep
 
@@ -37,8 +37,8 @@ def runs(tmp_path_factory):
     config = base / "tiny.yaml"
     config.write_text(CONFIG)
     out = base / "out"
-    sweep.run(sweep.plan(out, ["grpo"], [0, 1, 2], config))
-    sweep.run(sweep.plan(out, ["sis"], [0, 1], config))
+    sweep.run_sweep(sweep.plan(out, ["grpo"], [0, 1, 2], config))
+    sweep.run_sweep(sweep.plan(out, ["sis"], [0, 1], config))
     return out
 
 

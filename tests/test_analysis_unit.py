@@ -9,8 +9,9 @@ import torch
 from masktrl.analysis import compare as cmp
 from masktrl.analysis import disagreement as dis
 from masktrl.analysis import dynamics as dyn
-from masktrl.analysis.io import RunInfo, group_runs, resolve_run
-from masktrl.analysis.stats import bootstrap_ci
+from masktrl.analysis.io import RunInfo, group_runs
+from masktrl.pipeline.runstore import resolve_run
+from masktrl.stats import bootstrap_ci
 from masktrl.config import from_dict
 from masktrl.errors import ArtifactError, MasktrlError
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from masktrl.pipeline.rl import micro_batches
+from masktrl.pipeline.update import micro_batches
 from masktrl.rollout.storage import read_rollouts
 
 ROOT = Path(__file__).resolve().parent.parent

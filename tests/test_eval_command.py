@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 import masktrl.pipeline.evaluate as ev
 from masktrl.cli import app, main
 from masktrl.errors import MasktrlError
-from masktrl.pipeline.store import RunStore
+from masktrl.pipeline.runstore import RunStore
 from masktrl.rollout.base import Generation
 
 runner = CliRunner()
@@ -105,7 +105,7 @@ def test_synthetic_on_a_run_writes_report_and_manifest(run_dir):
     # never overwritten silently; --force replaces it
     before = path.read_text()
     with pytest.raises(MasktrlError, match="already exists"):
-        ev.run("synthetic", str(run_dir), None, ev.EvalOptions(k=4))
+        ev.evaluate("synthetic", str(run_dir), None, ev.EvalOptions(k=4))
     assert path.read_text() == before
     invoke("eval", "synthetic", "--model", run_dir, "--k", 2, "--force")
     assert json.loads(path.read_text())["k"] == 2

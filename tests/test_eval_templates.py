@@ -10,7 +10,8 @@ import pytest
 import masktrl.pipeline.evaluate as ev
 from masktrl.config import load_config
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from masktrl.pipeline.tasks import encode_prompt, is_chat_rendered, make_task
+from masktrl.tasks import make_task
+from masktrl.tasks.prompts import encode_prompt, is_chat_rendered
 from masktrl.rollout.base import Generation
 from masktrl.tasks.math_data import MathTask
 from masktrl.tasks.base import Example
@@ -46,10 +47,10 @@ def test_make_task_renders_math_prompts_with_the_policy_chat_template(chat_token
     data = tmp_path / "mini.jsonl"
     data.write_text('{"problem": "1+1", "answer": "2"}\n')
     cfg = load_config(None, [f"task.data={data}", "task.name=gsm8k", "model.chat_template=true"])
-    with make_task(cfg, tokenizer=chat_tokenizer) as task:
+    with make_task(cfg.task, cfg.model, tokenizer=chat_tokenizer) as task:
         assert task.test_examples()[0].prompt.startswith("<|user|>1+1")
     cfg = load_config(None, [f"task.data={data}", "task.name=gsm8k"])
-    with make_task(cfg) as task:
+    with make_task(cfg.task, cfg.model) as task:
         assert task.test_examples()[0].prompt.startswith("Problem: 1+1")
 
 
@@ -68,7 +69,7 @@ def test_eval_with_chat_template_sends_the_rendered_text_once(chat_tokenizer, tm
         return [[Generation(resp, [0.0] * len(resp), [[t] for t in resp], [[0.0]] * len(resp), True)] * settings.n for _ in prompts]
 
     monkeypatch.setattr("masktrl.rollout.hf.HFEngine.generate", fake_generate)
-    result = ev.run("gsm8k", str(model_dir), None, ev.EvalOptions(k=2, data=str(data), template="chat"))
+    result = ev.evaluate("gsm8k", str(model_dir), None, ev.EvalOptions(k=2, data=str(data), template="chat"))
     assert seen == [f"<|user|>{instruct_prompt('1+1')}\n<|assistant|>"]
     report = json.loads(result.path.read_text())
     assert report["avg_at_k"] == 1.0 and report["generation"]["template"] == "chat"

@@ -1,4 +1,4 @@
-"""D and Ddot (SPEC §1, §3, §4) against plain float64 references and autograd on full logits."""
+"""D and Ddot (docs/METHODS.md §1, §3, §4) against plain float64 references and autograd on full logits."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-token losses and their gradients (SPEC §0, §2-6), limit cases, aggregation (§8), invalid tokens."""
+"""Per-token losses and their gradients (docs/METHODS.md §0, §2-6), limit cases, aggregation (§8), invalid tokens."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from tests.test_methods_reference import (
     ddot_tv_plain,
     kl_plain,
     random_rows,
+    ref_bracket,
     ref_genuine,
     ref_support,
     ref_tails,
@@ -33,6 +34,8 @@ VARIANTS = [
     ("dppo", {"divergence": "topk-tv", "rule": "replace_last", "ratio_cap": 1.3}),
     ("dppo", {"divergence": "topk-kl", "delta_pos": 0.02, "delta_neg": 0.2}),
     *[("pdm", {"divergence": d, "tail": t}) for d in ("kl", "tv") for t in ("agg", "uniform")],
+    ("pdm", {"tail": "bracket"}),
+    ("pdm", {"tail": "bracket", "uncertain": "mask", "delta_pos": 0.05, "delta_neg": 0.3}),
     *[("sis", {"base": b}) for b in ("grpo", "dapo", "gspo")],
     ("sis", {"base": "gspo", "eps_low": 0.1, "eps_high": 0.1}),
 ]
@@ -83,7 +86,7 @@ def ppo_ref(w: float, a: float, el: float, eh: float) -> tuple[float, float, boo
 
 
 def reference(name: str, kw: dict, rows, adv, u, k_slots: int):
-    """Per-token (loss, grad_coef, mask) lists from the SPEC formulas, token by token."""
+    """Per-token (loss, grad_coef, mask) lists from the formulas of docs/METHODS.md, token by token."""
     p = make_params(name, **kw)
     n = len(rows)
     log_r = [float(r.pi_lp[r.k] - r.mu_lp[r.k]) for r in rows]
@@ -96,8 +99,13 @@ def reference(name: str, kw: dict, rows, adv, u, k_slots: int):
             a = adv[i]
             if name == "dppo":
                 d, direction = ref_div(r, p.divergence, p.rule, k_slots), log_r[i]
-            else:
+            elif p.tail != "bracket":
                 d, direction = ref_div(r, "topk-" + p.divergence, "union", k_slots), ref_ddot(r, p.divergence, p.tail)
+            else:  # certified sign: keep decides by the bound nearer 0, mask by the farther one
+                d = ref_div(r, "topk-kl", "union", k_slots)
+                lo, hi = ref_bracket(r, V)
+                up, down = (lo, hi) if p.uncertain in (None, "keep") else (hi, lo)
+                direction = (up if a > 0 else down)
             mask = d > (dpos if a > 0 else dneg) and a * direction > 0
             w = math.exp(log_r[i]) if p.ratio_cap is None else min(math.exp(log_r[i]), p.ratio_cap)
             coef = 0.0 if mask else -a * w
@@ -352,7 +360,9 @@ def test_registry_defaults_and_dapo_shaping():
     assert sis.dynamic_sampling(make_params("sis", base="dapo"))
     assert sis.needs_u(make_params("sis")) and not grpo.needs_u(make_params("grpo"))
     assert make_params("dppo", divergence="binary-tv").deltas == (0.15, 0.15)
-    assert make_params("dppo").deltas == (0.05, 0.05)
+    assert make_params("dppo").deltas == (0.15, 0.15)  # top-K KL: the predictive-mask paper's main delta
+    assert make_params("dppo", divergence="binary-kl").deltas == (0.05, 0.05)
+    assert make_params("pdm").deltas == (0.15, 0.15)
     assert make_params("pdm", divergence="tv", delta_neg=0.3).deltas == (0.15, 0.3)
     assert make_params("sis", base="gspo").base_params.eps_low == 3e-4
     # soft overlong punishment: 0 up to max-buffer, linear in the buffer, -penalty beyond

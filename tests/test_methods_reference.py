@@ -153,6 +153,20 @@ def ref_tails(atoms, v: int | None) -> tuple[float, float, int | None]:
     return mu_t, pi_t, m
 
 
+def ref_bracket(r: Row, v: int | None) -> tuple[float, float]:
+    """The certified bracket [lo, hi] of Ddot_KL, written from its definition on the union support."""
+    atoms = ref_support(r)
+    mu_t, pi_t, m = ref_tails(atoms, v)
+    k_idx = [a for a, _, _ in atoms].index(r.k)
+    mu = [math.exp(a) for _, a, _ in atoms]
+    pi = [math.exp(b) for _, _, b in atoms]
+    base = (pi[k_idx] - mu[k_idx]) - sum(p * (p - q) for p, q in zip(pi, mu))
+    listed = [math.exp(a) for _, a, _ in ref_genuine(r)]
+    mu_cap = min(listed) if listed else math.inf
+    quad = 0.0 if m is None or m == 0 else pi_t * pi_t / m
+    return base - pi_t * pi_t, base - quad + pi_t * min(mu_cap, mu_t)
+
+
 # --------------------------------------------------------------------------- references: formulas
 
 

@@ -1,4 +1,4 @@
-"""Selective importance sampling (SPEC §6): acceptance rule, Monte Carlo properties, gradients."""
+"""Selective importance sampling (docs/METHODS.md §6): acceptance rule, Monte Carlo properties, gradients."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from masktrl.pipeline import rl
+from masktrl.pipeline import policy
 from masktrl.rollout import hf
 from masktrl.rollout.base import Sample, SamplingSettings
 from masktrl.rollout.hf import HFEngine
@@ -27,7 +27,7 @@ def tiny():
 
 def _unshared(monkeypatch):
     monkeypatch.setattr(hf, "shared_prefill", lambda model, ids, att, n: {"input_ids": ids, "attention_mask": att, "num_return_sequences": n})
-    monkeypatch.setattr(rl, "_distinct_prompts", lambda samples: ([s.prompt_ids for s in samples], list(range(len(samples)))))
+    monkeypatch.setattr(policy, "_distinct_prompts", lambda samples: ([s.prompt_ids for s in samples], list(range(len(samples)))))
 
 
 def test_shared_prefill_samples_and_records_what_num_return_sequences_does(tiny, monkeypatch):
@@ -58,7 +58,7 @@ def _samples(tiny, seed=0, truncate=None):
 
 def _forward_backward(model, samples):
     model.zero_grad(set_to_none=True)
-    out = rl.policy_token_batch(model, samples, temperature=0.9, chunk=7)
+    out = policy.policy_token_batch(model, samples, temperature=0.9, chunk=7)
     (out.batch.logp * out.advantages).sum().add(out.batch.topk_logp.sum() * 1e-3).backward()
     return out, {k: p.grad.clone() for k, p in model.named_parameters()}
 
@@ -68,8 +68,8 @@ def test_shared_prompt_forward_equals_whole_sequences(tiny, monkeypatch, truncat
     model = tiny[0].train()
     samples = _samples(tiny, truncate=truncate)
     calls = []
-    shared = rl.shared_prompt_hidden
-    monkeypatch.setattr(rl, "shared_prompt_hidden", lambda *args: calls.append(1) or shared(*args))
+    shared = policy.shared_prompt_hidden
+    monkeypatch.setattr(policy, "shared_prompt_hidden", lambda *args: calls.append(1) or shared(*args))
     a, ga = _forward_backward(model, samples)
     assert calls == [1]  # the shared path ran
     with monkeypatch.context() as m:
@@ -87,14 +87,14 @@ def test_shared_prompt_forward_equals_whole_sequences(tiny, monkeypatch, truncat
 def test_activation_checkpointing_falls_back_to_whole_sequences(tiny, monkeypatch):
     model = tiny[0]
     calls = []
-    monkeypatch.setattr(rl, "shared_prompt_hidden", lambda *a: calls.append(a))
+    monkeypatch.setattr(policy, "shared_prompt_hidden", lambda *a: calls.append(a))
     on, off = (("activation_checkpointing_enable", "activation_checkpointing_disable")
                if hasattr(model, "activation_checkpointing_enable") else
                ("gradient_checkpointing_enable", "gradient_checkpointing_disable"))  # older transformers
     getattr(model, on)()
     try:
         model.train()
-        rl.policy_token_batch(model, _samples(tiny), temperature=1.0, chunk=64)
+        policy.policy_token_batch(model, _samples(tiny), temperature=1.0, chunk=64)
     finally:
         getattr(model, off)()
         model.eval()

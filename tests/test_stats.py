@@ -3,10 +3,10 @@ from itertools import combinations
 
 import numpy as np
 import pytest
+from scipy.special import betainc  # Student-t tail probabilities are I_x(df/2, 1/2): scipy's, checked here
 
-from masktrl.analysis.stats import (
+from masktrl.stats import (
     avg_at_k,
-    betainc,
     bootstrap_ci,
     maj_at_k,
     mean_se,
@@ -16,6 +16,7 @@ from masktrl.analysis.stats import (
     student_t_pvalue,
     welch_t_test,
 )
+from masktrl.tasks.grader import normalize
 
 
 def brute_pass_at_k(n, c, k):
@@ -67,10 +68,10 @@ def test_maj_at_k_votes_ties_and_normalisation():
         [False, False, False, True],
         [False, False, False, False],
     ]
-    assert maj_at_k(answers, correct, per_problem=True).tolist() == [1.0, 1.0, 0.0, 1.0, 0.0]
-    assert maj_at_k(answers, correct) == pytest.approx(3 / 5)
+    assert maj_at_k(answers, correct, per_problem=True, normalize_fn=normalize).tolist() == [1.0, 1.0, 0.0, 1.0, 0.0]
+    assert maj_at_k(answers, correct, normalize_fn=normalize) == pytest.approx(3 / 5)
     with pytest.raises(ValueError):
-        maj_at_k(answers[:2], correct)
+        maj_at_k(answers[:2], correct, normalize_fn=normalize)
 
 
 def test_bootstrap_ci():

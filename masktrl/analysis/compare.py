@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from masktrl.analysis.io import RunInfo, group_runs
-from masktrl.analysis.stats import bootstrap_ci, permutation_test, welch_t_test
+from masktrl.stats import bootstrap_ci, permutation_test, welch_t_test
 from masktrl.errors import MasktrlError
 
 HELDOUT = "eval/heldout/accuracy"

@@ -1,11 +1,11 @@
 """The token study of the predictive divergence mask: where the ratio rule and Ḋ disagree,
 which one kept the tokens whose divergence then grew?
 
-For a token outside the trust region (D > δ, D = top-K KL, SPEC §3) three criteria decide
-whether its update may go ahead ("keep"):
+For a token outside the trust region (D > δ, D = top-K KL, docs/METHODS.md §3) three criteria
+decide whether its update may go ahead ("keep"):
 
     ratio          keep iff sign(A (r - 1)) <= 0       (DPPO's direction rule)
-    ddot_agg       keep iff sign(A Ḋ_KL,agg) <= 0      (PDM, aggregated tail, SPEC §4.2)
+    ddot_agg       keep iff sign(A Ḋ_KL,agg) <= 0      (PDM, aggregated tail, docs/METHODS.md §4.2)
     ddot_uniform   keep iff sign(A Ḋ_KL,uniform) <= 0  (PDM, uniform tail)
 
 The *disagreement tokens* are those with D > δ, A != 0 and finite D on which the three keep
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from masktrl.analysis.stats import mean_se
+from masktrl.stats import mean_se
 from masktrl.methods import divergence, divergence_rate
 from masktrl.methods.batch import log_ratio
 
@@ -110,7 +110,7 @@ def study_minibatches(run_minibatches: int, requested: int | None) -> int:
 
 def run_seed(replay, seed_value: int, minibatches: int) -> TokenRecord:
     """Replay the step once from checkpoint P and record every token's criteria and ΔD."""
-    from masktrl.analysis.replay import policy_outputs, replay_step, token_index
+    from masktrl.analysis.step_replay import policy_outputs, replay_step, token_index
 
     replay.restore()
     parts: list[list[int]] = []
@@ -223,7 +223,7 @@ def run_study(
 ) -> dict:
     """The whole study on run ``root``; returns the JSON-ready result (see docs/ANALYSIS.md)."""
     from masktrl.analysis.io import default_replay_step
-    from masktrl.analysis.replay import load_replay
+    from masktrl.analysis.step_replay import load_replay
     from masktrl.errors import MasktrlError
 
     if seeds < 1:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from masktrl.analysis.io import RunInfo, group_runs
-from masktrl.analysis.stats import student_t_pvalue
+from masktrl.stats import t_critical
 
 HELDOUT = "eval/heldout/accuracy"
 METRICS = [
@@ -21,18 +21,6 @@ METRICS = [
     ("sis_accept_rate", "SIS accept rate"),
     (HELDOUT, "held-out accuracy"),
 ]
-
-
-def t_critical(df: float, alpha: float = 0.05) -> float:
-    """The two-sided Student-t quantile: P(|T| >= t) = alpha, by bisection on the p-value."""
-    lo, hi = 0.0, 1e3
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if student_t_pvalue(mid, df) > alpha:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 def run_series(run: RunInfo, key: str) -> dict[int, float]:

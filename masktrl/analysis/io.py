@@ -1,8 +1,8 @@
-"""Reading run folders for the analyses, and writing their results (JSON + PNG) atomically.
+"""Runs as the analyses see them (``RunInfo``, grouped by seed), and their results written as
+JSON + PNG atomically.
 
-A run folder ``<out>/<run>/`` holds run.yaml, manifest.json, metrics.jsonl, summary.json,
-steps/<step>/rollouts.parquet and checkpoints/<step>/ (see ``pipeline/store.py``). Every
-missing or unreadable artifact raises ``ArtifactError`` (one line, exit code 2 on the CLI).
+Run folders are read through the run store (``pipeline/runstore.py``): every missing or
+unreadable artifact raises ``ArtifactError`` (one line, exit code 2 on the CLI).
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
-from masktrl.config import Config, from_dict, flatten
-from masktrl.errors import ArtifactError, ConfigError, MasktrlError
-from masktrl.pipeline.store import RunStore, atomic_write_bytes, atomic_write_json
+from masktrl.config import Config, flatten
+from masktrl.errors import ArtifactError, MasktrlError
+from masktrl.io import atomic_write_bytes, atomic_write_json
+from masktrl.pipeline.runstore import RunStore, is_run_folder, resolve_run
 
 ANALYSIS_DIR = "analysis"
 
@@ -30,7 +29,7 @@ class RunInfo:
     cfg: Config
     metrics: list[dict] = field(default_factory=list)
     summary: dict | None = None
-    status: str | None = None  # manifest status: running | complete | None
+    status: str | None = None  # RunStore.status(): running | interrupted | failed | complete | unknown
 
     @property
     def name(self) -> str:
@@ -45,44 +44,9 @@ class RunInfo:
         return RunStore(self.root)
 
 
-def resolve_run(run: str | Path, out: Path | None = None) -> Path:
-    """A run folder from a path, or from a name under ``out``; ArtifactError if neither exists."""
-    candidates = [Path(run)]
-    if out is not None:
-        candidates.append(Path(out) / str(run))
-    for path in candidates:
-        if (path / "run.yaml").is_file():
-            return path
-    for path in candidates:
-        if path.is_dir():
-            raise ArtifactError(f"{path}: not a masktrl run folder (no run.yaml)")
-    where = f" (looked in . and {out})" if out is not None else ""
-    raise ArtifactError(f"unknown run {run}: no such folder{where}")
-
-
-def load_config_of(root: Path) -> Config:
-    path = Path(root) / "run.yaml"
-    try:
-        raw = yaml.safe_load(path.read_text())
-        return from_dict(raw or {})
-    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path}: unreadable run config ({str(exc).splitlines()[0]})") from None
-    except ConfigError as exc:
-        raise ArtifactError(f"{path}: invalid run config ({exc})") from None
-
-
 def load_run(run: str | Path, out: Path | None = None) -> RunInfo:
-    root = resolve_run(run, out)
-    cfg = load_config_of(root)
-    store = RunStore(root)
-    summary = None
-    if (root / "summary.json").is_file():
-        try:
-            summary = json.loads((root / "summary.json").read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ArtifactError(f"{root / 'summary.json'}: unreadable (corrupted)") from None
-    status = store.manifest.get("status") if store.exists() else None
-    return RunInfo(root, cfg, store.read_metrics(), summary, status)
+    store = RunStore(resolve_run(run, out))
+    return RunInfo(store.root, store.config(), store.read_metrics(), store.summary(), store.status())
 
 
 def expand_runs(paths: list[Path | str], out: Path | None = None) -> list[Path]:
@@ -90,8 +54,8 @@ def expand_runs(paths: list[Path | str], out: Path | None = None) -> list[Path]:
     found: list[Path] = []
     for p in paths:
         path = Path(p)
-        if not (path / "run.yaml").is_file() and path.is_dir():
-            children = sorted(c for c in path.iterdir() if (c / "run.yaml").is_file())
+        if not is_run_folder(path) and path.is_dir():
+            children = sorted(c for c in path.iterdir() if is_run_folder(c))
             if children:
                 found.extend(children)
                 continue
@@ -109,65 +73,11 @@ def expand_runs(paths: list[Path | str], out: Path | None = None) -> list[Path]:
 # --------------------------------------------------------------------------- steps and checkpoints
 
 
-def rollout_steps(root: Path) -> list[int]:
-    steps_dir = Path(root) / "steps"
-    if not steps_dir.is_dir():
-        return []
-    return sorted(int(p.name) for p in steps_dir.iterdir() if p.name.isdigit() and (p / "rollouts.parquet").is_file())
-
-
-def checkpoint_steps(root: Path) -> list[int]:
-    """Saved checkpoints (step numbers); 0 (the warm-start policy) is always included when known."""
-    ck = Path(root) / "checkpoints"
-    steps = sorted(int(p.name) for p in ck.iterdir() if p.name.isdigit() and (p / "config.json").is_file()) if ck.is_dir() else []
-    ws = warmstart_path(root)
-    if ws is not None and (not Path(ws).exists() or (Path(ws) / "config.json").is_file()):
-        steps = [0] + steps  # a hub id, or a local folder that is still there
-    return steps
-
-
-def warmstart_path(root: Path) -> str | None:
-    """Where the RL start policy lives (the manifest's warm-start info), or None if unknown."""
-    store = RunStore(root)
-    if not store.exists():
-        return None
-    stage = store.stage("warmstart") or {}
-    info = stage.get("info") or {}
-    path = info.get("path") or info.get("source")
-    if path is None or path == "tiny":
-        return None
-    return str(path)
-
-
-def checkpoint_path(root: Path, step: int) -> str:
-    """The weights after ``step`` updates; step 0 is the warm-start policy from the manifest."""
-    if step == 0:
-        path = warmstart_path(root)
-        if path is None:
-            raise ArtifactError(f"{root}: the manifest records no warm-start policy (checkpoint 0)")
-        if Path(path).exists() and not (Path(path) / "config.json").is_file():
-            raise ArtifactError(f"{path}: warm-start policy is missing (was the .cache folder removed?)")
-        return path
-    path = Path(root) / "checkpoints" / f"{step:06d}"
-    if not (path / "config.json").is_file():
-        have = ", ".join(str(s) for s in checkpoint_steps(root)) or "none"
-        raise ArtifactError(f"{root}: no checkpoint {step} (checkpoints: {have})")
-    return str(path)
-
-
-def rollout_path(root: Path, step: int) -> Path:
-    path = Path(root) / "steps" / f"{step:06d}" / "rollouts.parquet"
-    if not path.is_file():
-        have = rollout_steps(root)
-        span = f"{have[0]}..{have[-1]}" if have else "none"
-        raise ArtifactError(f"{root}: no rollouts for step {step} (stored steps: {span})")
-    return path
-
-
 def default_replay_step(root: Path) -> int:
     """The latest step S with stored rollouts whose generating checkpoint S-1 exists."""
-    ckpts = set(checkpoint_steps(root))
-    candidates = [s for s in rollout_steps(root) if s - 1 in ckpts]
+    store = RunStore(root)
+    policies = set(store.policy_steps())
+    candidates = [s for s in store.rollout_steps() if s - 1 in policies]
     if not candidates:
         raise ArtifactError(f"{root}: no step S with both rollouts S and checkpoint S-1 (run longer or checkpoint more often)")
     return candidates[-1]

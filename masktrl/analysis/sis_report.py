@@ -1,4 +1,4 @@
-"""What selective importance sampling sees in a run (SPEC §6).
+"""What selective importance sampling sees in a run (docs/METHODS.md §6).
 
 * over training, from metrics.jsonl: the logged accept rate (SIS runs only) and the mean
   residual top-K mass 1 − π(top-K) the trainer logged;
@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from masktrl.analysis.io import RunInfo, default_replay_step, rollout_path, rollout_steps
+from masktrl.analysis.io import RunInfo, default_replay_step
 from masktrl.methods import sis_accept
 from masktrl.methods.batch import genuine_entries, tail_mass
-from masktrl.rollout.storage import read_rollouts
+from masktrl.pipeline.runstore import RunStore
 
 MAX_ROLLOUT_STEPS = 200  # rollout files read for the curves (evenly spaced when there are more)
 
@@ -40,13 +40,14 @@ def residual_mass(lp_list: torch.Tensor, ids: torch.Tensor, vocab_size: int | No
 
 def rollout_curves(root: Path, vocab_size: int | None = None) -> dict:
     """Per stored step: behaviour residual-mass statistics and the outside-top-K share."""
-    steps = rollout_steps(root)
+    store = RunStore(root)
+    steps = store.rollout_steps()
     if len(steps) > MAX_ROLLOUT_STEPS:
         steps = [steps[int(i)] for i in np.linspace(0, len(steps) - 1, MAX_ROLLOUT_STEPS)]
     out = {k: [] for k in ("step", "outside_topk_frac", "behaviour_residual_mean", "behaviour_residual_p50",
                            "behaviour_residual_p90", "behaviour_residual_p99", "n_tokens")}
     for step in steps:
-        samples, _ = read_rollouts(rollout_path(root, step))
+        samples, _ = store.read_rollouts(step)
         rows = [(k, ids, lps) for s in samples for k, ids, lps in zip(s.gen.response_ids, s.gen.topk_ids, s.gen.topk_logp)]
         if not rows:
             continue
@@ -66,7 +67,7 @@ def rollout_curves(root: Path, vocab_size: int | None = None) -> dict:
 
 def replay_decisions(root: Path, step: int) -> dict:
     """Replay step ``step`` from checkpoint step-1 and record SIS decisions per token."""
-    from masktrl.analysis.replay import load_replay, replay_step, sis_uniforms
+    from masktrl.analysis.step_replay import load_replay, replay_step, sis_uniforms
 
     replay = load_replay(root, step)
     seed, m = replay.cfg.seed, replay.cfg.train.minibatches

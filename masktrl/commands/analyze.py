@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from masktrl.commands.ui import console, kv_table, progress_bar
-from masktrl.options import DEFAULT_OUT
+from masktrl.commands.options import DEFAULT_OUT
 
 app = typer.Typer(
     help="Analyses of runs: disagreement (token study), dynamics (curves), compare (seed statistics), sis.",
@@ -61,7 +61,7 @@ def disagreement(
 ) -> None:
     """Token study: where ratio and Ḋ disagree outside the trust region, which kept tokens whose D grew?"""
     from masktrl.analysis import disagreement as study
-    from masktrl.analysis.io import resolve_run
+    from masktrl.pipeline.runstore import resolve_run
 
     root = resolve_run(run, out)
     with progress_bar() as progress:

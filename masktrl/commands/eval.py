@@ -7,12 +7,13 @@ from typing import Annotated, Optional
 
 import typer
 
+from masktrl.commands.options import TaskConfigOpt, TaskSetOpt
 from masktrl.commands.ui import console, kv_table, progress_bar
 from masktrl.config import EVAL_BENCHMARKS
 
 
 def eval_command(
-    bench: Annotated[str, typer.Argument(help=f"Benchmark: {' | '.join(EVAL_BENCHMARKS)}.", show_default=False)],
+    bench: Annotated[str, typer.Argument(help=f"Benchmark: {' | '.join(EVAL_BENCHMARKS)} | dataset (with --set task.source=...).", show_default=False)],
     model: Annotated[
         str,
         typer.Option("--model", help="A run folder (its checkpoints), a model folder, or a hub id (local cache only).", show_default=False),
@@ -30,11 +31,11 @@ def eval_command(
     ] = None,
     data: Annotated[
         Optional[Path],
-        typer.Option("--data", help="Math benchmarks: a local .jsonl/.json/.parquet file of problems (default: the local datasets cache).", show_default=False),
+        typer.Option("--data", help="Math benchmarks: a local .jsonl/.json/.parquet file of problems (default: the local datasets cache); dataset: task.source.", show_default=False),
     ] = None,
     template: Annotated[
         Optional[str],
-        typer.Option("--template", help="Math prompt template: base | chat | instruct | raw (default: chat for a run with model.chat_template, else base).", show_default=False),
+        typer.Option("--template", help="Prompt template: base | chat | instruct | raw | dapo | a format string with {prompt} (default: the run's, else base for math, raw for dataset; chat for a run with model.chat_template).", show_default=False),
     ] = None,
     engine: Annotated[
         Optional[str], typer.Option("--engine", help="hf | vllm (default: the run's rollout.engine, else hf).", show_default=False)
@@ -56,22 +57,30 @@ def eval_command(
         typer.Option("--out", help="Not a run: results go to OUT/eval/ (default: eval/ next to the model folder, outputs/eval/ for a hub id).", show_default=False),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing result file for the same benchmark and step.")] = False,
+    config: TaskConfigOpt = None,
+    set_: TaskSetOpt = None,
 ) -> None:
     """Evaluate a checkpoint on a benchmark: k samples per problem, avg@k, pass@k, maj@k, 95% CI.
 
     Results: a table, and <run>/eval/<bench>-step<S>.json (recorded in the run's manifest) or,
     for a model that is not a run, eval/<bench>-<model>.json.
+
+    Datasets, rewards and templates take the keys of `masktrl train` (docs/TASKS.md): --config
+    FILE (its task section) and --set task.KEY=VALUE, e.g. `masktrl eval dataset --model M --set
+    task.source=data/x.jsonl --set task.reward=my_rewards.py:score`; every example of
+    task.test_split (else task.split) is evaluated.
     """
     from masktrl.pipeline import evaluate
 
     opts = evaluate.EvalOptions(
         k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, data=str(data) if data else None,
         template=template, engine=engine, seed=seed, n_problems=n_problems, batch_size=batch_size, dtype=dtype,
+        config=str(config) if config else None, overrides=tuple(set_ or ()),
     )
     opts.validate(bench)  # before any model is loaded
     console.print(f"[bold]masktrl eval[/] [cyan]{bench}[/] model [cyan]{model}[/]" + (f" step {step}" if step is not None else ""))
     with progress_bar() as progress:
-        result = evaluate.run(bench, model, step, opts, out=out, force=force, progress=progress)
+        result = evaluate.evaluate(bench, model, step, opts, out=out, force=force, progress=progress)
     print_report(result.report, result.path)
 
 

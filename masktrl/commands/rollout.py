@@ -7,12 +7,14 @@ from typing import Annotated, Optional
 
 import typer
 
+from masktrl.commands.options import TaskConfigOpt, TaskSetOpt
 from masktrl.commands.ui import console, kv_table
 
 
 def rollout(
     model: Annotated[str, typer.Option("--model", help="A run folder (its latest checkpoint, or --step), a model folder or a cached hub id.")],
-    data: Annotated[str, typer.Option("--data", help="synthetic | aime24 | aime25 | aime | math500 | gsm8k | a .jsonl/.json/.parquet file.")],
+    data: Annotated[str, typer.Option("--data", help="synthetic | aime24 | aime25 | aime | math500 | gsm8k | dapo-math | a .jsonl/.json/.parquet "
+                                                     "math file | dataset (with --set task.source=...), or any file, folder or cached hub id with --set task.* keys.")],
     out: Annotated[Path, typer.Option("--out", help="The parquet file to write.")],
     n: Annotated[int, typer.Option("--n", help="Samples per prompt (group size G).")] = 8,
     topk: Annotated[int, typer.Option("--topk", help="K of the recorded behaviour top-K lists.")] = 20,
@@ -23,13 +25,21 @@ def rollout(
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Default: the run's, else 1024.", show_default=False)] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     engine: Annotated[Optional[str], typer.Option("--engine", help="hf | vllm (default: the run's, else hf).", show_default=False)] = None,
-    template: Annotated[Optional[str], typer.Option("--template", help="Prompt template for math data: base | chat | instruct | raw.", show_default=False)] = None,
+    template: Annotated[Optional[str], typer.Option("--template", help="Prompt template: base | chat | instruct | raw | dapo | a format string with {prompt} (task.template).", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
+    config: TaskConfigOpt = None,
+    set_: TaskSetOpt = None,
 ) -> None:
     """Generate rollouts with behaviour log-probabilities and top-K lists into a parquet file
-    (schema: docs/ROLLOUTS.md), usable by `masktrl train --rollouts-from FILE`."""
-    from masktrl.pipeline import rollout_stage
+    (schema: docs/ROLLOUTS.md), usable by `masktrl train --rollouts-from FILE`.
 
-    opts = rollout_stage.RolloutOptions(n, topk, prompts, temperature, top_p, max_new_tokens, seed, engine, template)
-    info = rollout_stage.run(model, data, out, opts, step=step, force=force)
+    Datasets, rewards and templates take the keys of `masktrl train` (docs/TASKS.md): --config
+    FILE (its task section) and --set task.KEY=VALUE, e.g. --data dataset --set task.source=x.jsonl
+    --set task.reward=my_rewards.py:score; every example of task.test_split (else task.split).
+    """
+    from masktrl.pipeline.generate import RolloutOptions, generate
+
+    opts = RolloutOptions(n, topk, prompts, temperature, top_p, max_new_tokens, seed, engine, template,
+                          str(config) if config else None, tuple(set_ or ()))
+    info = generate(model, data, out, opts, step=step, force=force)
     console.print(kv_table("masktrl rollout", [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in info.items()]))

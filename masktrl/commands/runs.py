@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from masktrl.commands.ui import console
-from masktrl.options import DEFAULT_OUT
+from masktrl.commands.options import DEFAULT_OUT
 
 STATUS_STYLE = {"complete": "green", "running": "cyan", "interrupted": "yellow", "failed": "red"}
 

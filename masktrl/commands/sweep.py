@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from masktrl.commands.ui import console, progress_bar
-from masktrl.options import DEFAULT_OUT, ConfigOpt, OutOpt, SetOpt
+from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, OutOpt, SetOpt
 
 
 def sweep(

@@ -11,7 +11,7 @@ import typer
 from masktrl.config import load_config
 from masktrl.commands.ui import console, kv_table, progress_bar
 from masktrl.errors import MasktrlError
-from masktrl.options import DEFAULT_OUT, ConfigOpt, MethodOpt, OutOpt, RunOpt, SeedOpt, SetOpt
+from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, MethodOpt, OutOpt, RunOpt, SeedOpt, SetOpt
 
 
 def train(
@@ -36,13 +36,13 @@ def train(
     checkpoints/*, summary.json. Ctrl-C finishes the current step, checkpoints it and leaves a
     run that --resume continues.
     """
-    from masktrl.pipeline import train as train_stage
+    from masktrl.pipeline.train import train as run_training
     from masktrl.pipeline.distributed import launch_rank
-    from masktrl.pipeline.store import RunStore
+    from masktrl.pipeline.runstore import RunStore, resolve_run
 
     if resume:
-        store = RunStore(Path(resume) if Path(resume).is_dir() else Path(out) / resume)
-        train_stage.check_resumable(store)
+        store = RunStore(resolve_run(resume, out))
+        store.check_resumable()
         cfg = _resume_config(store, config, set_, method, seed, force)
         name = store.name
     else:
@@ -54,18 +54,18 @@ def train(
     verb = "resuming" if resume else "run"
     console.print(f"[bold]masktrl train[/] {verb} [cyan]{name}[/] method [cyan]{cfg.method_name}[/] seed {cfg.seed}")
     with progress_bar() as progress:
-        result = train_stage.run(cfg, store, progress, resume=bool(resume), rollouts_from=rollouts_from)
+        result = run_training(cfg, store, progress, resume=bool(resume), rollouts_from=rollouts_from)
     if result.is_main:
         print_summary(result.summary, store.root)
 
 
 def _resume_config(store, config, set_, method, seed, force: bool):
     """run.yaml, or the given config/overrides if they agree with it (or --force)."""
-    from masktrl.config import diff_configs, save_config
+    from masktrl.config import diff_configs
     from masktrl.pipeline.distributed import launch_rank
 
     saved_path = store.root / "run.yaml"
-    saved = load_config(saved_path)
+    saved = store.config()
     if config is None and not set_ and method is None and seed is None:
         return saved
     cfg = load_config(config or saved_path, set_ or [], method=method, seed=seed)
@@ -73,8 +73,7 @@ def _resume_config(store, config, set_, method, seed, force: bool):
     if changed and not force:
         raise MasktrlError(f"config differs from {saved_path} in {', '.join(changed)}; pass --force to resume with it anyway")
     if changed and launch_rank() == 0:
-        save_config(cfg, saved_path)
-        store.mark_done("config", [saved_path], config_hash=cfg.hash(), forced_changes=changed)
+        store.record_config(cfg, forced_changes=changed)
     return cfg
 
 

@@ -1,18 +1,33 @@
-"""masktrl.methods: pure-torch trust-region masks and losses for LLM RL (see SPEC.md).
+"""masktrl.methods: pure-torch trust-region masks and losses for LLM RL (formulas: docs/METHODS.md).
 
 No model, no I/O; imports only torch. Everything works per token on a flattened batch of N
 response tokens (``TokenBatch``) and computes in the dtype of its inputs.
 
-    from masktrl.methods import TokenBatch, token_losses, aggregate, get_method
-    out = token_losses("dppo", batch, advantages, divergence="topk-tv")
-    loss = aggregate(out.loss, batch, get_method("dppo").aggregation(make_params("dppo")))
+    from masktrl.methods import TokenBatch, get_method, make_params
+    method = get_method("dppo")
+    params = make_params("dppo", divergence="topk-tv")
+    adv = method.advantages(params, rewards, groups)          # [B] per response (§11)
+    out = method.token_losses(batch, adv_per_token, params)   # TokenLosses, [N] each
+    loss = method.aggregate(params, out.loss, batch, horizon=max_new_tokens)  # scalar (§8)
 """
 
-from masktrl.methods.batch import TokenBatch, support
-from masktrl.methods.divergence import ddot_kl_bracket, divergence, divergence_rate
-from masktrl.methods.objectives import aggregate, aggregate_denominator, token_losses
-from masktrl.methods.params import (
+from masktrl.methods.advantages import ADV_NORMS, group_advantages
+from masktrl.methods.aggregation import (
     AGG_MODES,
+    aggregate,
+    aggregate_denominator,
+    aggregate_denominator_from_counts,
+)
+from masktrl.methods.batch import TokenBatch, support, truncate_topk
+from masktrl.methods.divergence import (
+    ddot_kl_bracket,
+    divergence,
+    divergence_full,
+    divergence_rate,
+    divergence_rate_full,
+)
+from masktrl.methods.objectives import token_losses
+from masktrl.methods.params import (
     DAPOParams,
     DPPOParams,
     GRPOParams,
@@ -32,6 +47,7 @@ from masktrl.methods.registry import (
 from masktrl.methods.sis import SISDecision, sis_accept
 
 __all__ = [
+    "ADV_NORMS",
     "AGG_MODES",
     "DAPOParams",
     "DPPOParams",
@@ -45,10 +61,14 @@ __all__ = [
     "TokenLosses",
     "aggregate",
     "aggregate_denominator",
+    "aggregate_denominator_from_counts",
     "ddot_kl_bracket",
     "divergence",
+    "divergence_full",
     "divergence_rate",
+    "divergence_rate_full",
     "get_method",
+    "group_advantages",
     "make_params",
     "method_names",
     "overlong_penalty",
@@ -56,4 +76,5 @@ __all__ = [
     "sis_accept",
     "support",
     "token_losses",
+    "truncate_topk",
 ]

@@ -1,4 +1,4 @@
-"""The per-token input of every method, its validation, and the top-K support (SPEC §0, §1, §10).
+"""The per-token input of every method, its validation, and the top-K support (docs/METHODS.md §0, §1, §10).
 
 `TokenBatch` holds N flattened response tokens. `support()` turns its top-K lists into the
 atoms of §1 (padding dropped, duplicates removed, the sampled token made an explicit atom)
@@ -25,7 +25,7 @@ def check_choice(field: str, value, choices: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """N response tokens of a flattened batch (SPEC §10).
+    """N response tokens of a flattened batch (docs/METHODS.md §10).
 
     Validated on construction: shapes, dtypes, devices, K >= 1, no NaN (or +inf) log-probability
     outside padding, ids < vocab_size. Invalid tokens (``behavior_logp = -inf``) are allowed and
@@ -119,6 +119,12 @@ def _validate(b: TokenBatch) -> None:
             raise ValueError(f"TokenBatch.topk_ids has ids >= vocab_size = {b.vocab_size}")
 
 
+def seq_index(batch: TokenBatch) -> tuple[Tensor, int]:
+    """inv [N] (dense sequence index of each token) and the number of sequences G."""
+    uniq, inv = torch.unique(batch.seq_ids, return_inverse=True)
+    return inv, uniq.shape[0]
+
+
 # --------------------------------------------------------------------------- support
 
 
@@ -205,6 +211,31 @@ def support(batch: TokenBatch, rule: str = "union") -> Support:
     pos_inf = torch.tensor(float("inf"), dtype=dt, device=mu_lp.device)
     mu_cap = torch.where(member, mu_lp, pos_inf).amin(dim=1).exp()  # [N]; exp(-inf)=0 for zero-mass entries
     return Support(mu_all, pi_all, member_all, is_k, mu_tail, pi_tail, m, mu_cap)
+
+
+def truncate_topk(batch: TokenBatch, k: int) -> TokenBatch:
+    """The batch with every top-K list re-cut to its first ``k`` genuine entries (§1.1).
+
+    Padding and repeated ids are dropped first, so each row keeps the k largest-mu entries an
+    engine asked for top-k would have returned (the list is in descending mu); rows with fewer
+    genuine entries keep them all and are padded with id -1. The sampled token stays in the
+    list only if it is among those k; otherwise it becomes a token outside the list, and the
+    support rule (§1: union appends it, replace_last puts it in the k-th slot) applies to the
+    new list exactly as to a recorded top-k list. ``k >= batch.k`` returns ``batch`` itself.
+    Everything else (log pi at the sampled token, seq_ids, vocab_size) is unchanged;
+    ``topk_logp`` keeps its autograd graph.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    if k >= batch.k:
+        return batch
+    genuine = genuine_entries(batch.topk_ids)  # [N, K]
+    order = torch.sort((~genuine).to(torch.int8), dim=1, stable=True).indices[:, :k]  # [N, k] genuine first, in order
+    keep = genuine.gather(1, order)  # [N, k]
+    ids = batch.topk_ids.gather(1, order).masked_fill(~keep, -1)  # [N, k]
+    mu = batch.topk_behavior_logp.gather(1, order).masked_fill(~keep, float("-inf"))  # [N, k]
+    pi = batch.topk_logp.gather(1, order).masked_fill(~keep, float("-inf"))  # [N, k]
+    return TokenBatch(batch.logp, batch.behavior_logp, batch.sampled_ids, ids, mu, pi, batch.seq_ids, batch.vocab_size)
 
 
 # --------------------------------------------------------------------------- live log-ratios

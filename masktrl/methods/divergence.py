@@ -1,4 +1,4 @@
-"""Divergences D(mu||pi) and their directional derivatives Ddot (SPEC §3, §4).
+"""Divergences D(mu||pi) and their directional derivatives Ddot (docs/METHODS.md §3, §4).
 
 * ``divergence(batch, kind, rule=...)``: binary TV/KL over {k, not k}, and top-K TV/KL over the
   support S plus one aggregated tail bucket (DPPO, arXiv 2602.04879).
@@ -6,6 +6,8 @@
   policy-gradient direction v = e_k - pi, from top-K lists ("atoms with multiplicity", §4.2;
   predictive divergence mask, arXiv 2607.10848). Unnormalised.
 * ``ddot_kl_bracket(batch)``: the certified interval of §4.4 for the exact Ddot_KL.
+* ``divergence_full`` / ``divergence_rate_full``: the exact full-vocabulary D and Ddot from
+  [N, V] log-probabilities (§4.1, §4.5), the reference the top-K estimators approximate.
 
 All outputs are stop-gradient, shape [N], in the batch dtype. Values on invalid tokens
 (``behavior_logp = -inf``) are unspecified.
@@ -124,7 +126,11 @@ def ddot_kl_bracket(batch: TokenBatch) -> tuple[Tensor, Tensor]:
     base = (pi_k - mu_k) - sum_S pi_i (pi_i - mu_i). Assumes the list is the behaviour's true
     top list. m = 0 gives lo = hi = exact. Without vocab_size, m -> inf is used (still certified).
     """
-    s = support(batch, "union")
+    return bracket_on_support(support(batch, "union"))
+
+
+def bracket_on_support(s: Support) -> tuple[Tensor, Tensor]:
+    """[N], [N] ``ddot_kl_bracket`` from an already computed union support."""
     mu, pi = s.mu_lp.exp(), s.pi_lp.exp()  # [N, K+1]
     pi_k, mu_k = (pi * s.is_k).sum(dim=1), (mu * s.is_k).sum(dim=1)  # [N]
     base = (pi_k - mu_k) - (pi * (pi - mu)).sum(dim=1)  # [N]
@@ -137,3 +143,54 @@ def ddot_kl_bracket(batch: TokenBatch) -> tuple[Tensor, Tensor]:
         quad = torch.where(m > 0, pi_t * pi_t / m.clamp_min(1.0), torch.zeros_like(pi_t))
     hi = base - quad + pi_t * torch.minimum(s.mu_cap, s.mu_tail)
     return lo, hi
+
+
+# --------------------------------------------------------------------------- exact, from full log-probabilities
+
+
+def _check_full(mu_logp: Tensor, pi_logp: Tensor) -> None:
+    for name, t in (("mu_logp", mu_logp), ("pi_logp", pi_logp)):
+        if not isinstance(t, Tensor) or t.dim() != 2 or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor of shape [N, V], got {getattr(t, 'shape', type(t).__name__)}")
+    if mu_logp.shape != pi_logp.shape:
+        raise ValueError(f"mu_logp and pi_logp must have the same shape [N, V], got {list(mu_logp.shape)} and {list(pi_logp.shape)}")
+
+
+def divergence_full(mu_logp: Tensor, pi_logp: Tensor, kind: str) -> Tensor:
+    """[N] the exact D(mu||pi) over the whole vocabulary (§4.5), kind "kl" | "tv".
+
+    ``mu_logp``, ``pi_logp`` [N, V]: normalised log-probabilities (``log_softmax`` of the logits);
+    ``mu_logp`` may hold -inf (zero-mass tokens). KL = sum_{mu_i>0} mu_i (log mu_i - log pi_i),
+    +inf where some mu_i > 0 has pi_i = 0; TV = 1/2 sum |mu_i - pi_i|. Detached, in the inputs'
+    promoted dtype.
+    """
+    check_choice("kind", kind, RATE_KINDS)
+    _check_full(mu_logp, pi_logp)
+    dt = torch.promote_types(mu_logp.dtype, pi_logp.dtype)
+    mu_lp, pi_lp = mu_logp.detach().to(dt), pi_logp.detach().to(dt)  # [N, V]
+    if kind == "kl":
+        return kl_term(mu_lp, pi_lp).sum(dim=1)
+    return 0.5 * (mu_lp.exp() - pi_lp.exp()).abs().sum(dim=1)
+
+
+def divergence_rate_full(mu_logp: Tensor, pi_logp: Tensor, sampled: Tensor, kind: str) -> Tensor:
+    """[N] the exact Ddot of §4.1 along v = e_k - pi, from full log-probabilities (§4.5).
+
+    KL: Ddot = (pi_k - mu_k) - sum_j pi_j (pi_j - mu_j)
+    TV: Ddot = -1/2 sum_i s_i pi_i (v_i - vbar),  s_i = sign(mu_i - pi_i),  vbar = pi_k - sum_j pi_j^2
+    ``sampled`` [N]: k (long). Inputs as in ``divergence_full``; -inf behaviour entries are
+    zero-mass tokens. Detached, in the inputs' promoted dtype.
+    """
+    check_choice("kind", kind, RATE_KINDS)
+    _check_full(mu_logp, pi_logp)
+    if not isinstance(sampled, Tensor) or sampled.shape != mu_logp.shape[:1] or sampled.is_floating_point():
+        raise ValueError(f"sampled must be an integer tensor of shape [N] = [{mu_logp.shape[0]}]")
+    dt = torch.promote_types(mu_logp.dtype, pi_logp.dtype)
+    mu, pi = mu_logp.detach().to(dt).exp(), pi_logp.detach().to(dt).exp()  # [N, V]
+    k = sampled.to(device=pi.device, dtype=torch.long)[:, None]  # [N, 1]
+    pi_k, mu_k = pi.gather(1, k).squeeze(1), mu.gather(1, k).squeeze(1)  # [N]
+    if kind == "kl":
+        return (pi_k - mu_k) - (pi * (pi - mu)).sum(dim=1)
+    vbar = pi_k - (pi * pi).sum(dim=1)  # [N]
+    v = torch.zeros_like(pi).scatter_(1, k, 1.0) - pi  # [N, V]
+    return -0.5 * (torch.sign(mu - pi) * pi * (v - vbar[:, None])).sum(dim=1)

@@ -1,8 +1,9 @@
-"""Token masks and the two loss forms they plug into (SPEC §2-4).
+"""Token masks and the two loss forms they plug into (docs/METHODS.md §2-4).
 
 * ``ppo_clip_loss``: l = -min(w A, clip(w, 1-eps_low, 1+eps_high) A) with its mask (§2).
 * ``dppo_mask``: D > delta(A) and sign(A (r-1)) > 0 (DPPO, arXiv 2602.04879, §3).
 * ``pdm_mask``: D > delta(A) and sign(A Ddot) > 0 (predictive divergence mask, §4).
+* ``bracket_mask``: the same with the sign certified by the bracket of Ddot_KL (§4.6).
 * ``masked_pg_loss``: l = -A (1-mask) sg(w) pi_k/sg(pi_k), the loss of DPPO and PDM.
 
 Losses take a *live* log-weight tensor (value log w, gradient d log w / d logp) so one
@@ -44,6 +45,18 @@ def dppo_mask(d: Tensor, log_r: Tensor, adv: Tensor, delta_pos: float, delta_neg
 def pdm_mask(d: Tensor, ddot: Tensor, adv: Tensor, delta_pos: float, delta_neg: float) -> Tensor:
     """[N] bool: D > delta(A) and sign(A Ddot) > 0 (Ddot = 0 or A = 0: not masked)."""
     return (d > delta_of(adv, delta_pos, delta_neg)) & (adv * torch.sign(ddot) > 0)
+
+
+def bracket_mask(d: Tensor, lo: Tensor, hi: Tensor, adv: Tensor, delta_pos: float, delta_neg: float,
+                 uncertain: str) -> Tensor:
+    """[N] bool: the certified-sign mask of §4.6 from the bracket lo <= Ddot_KL <= hi.
+
+    keep: D > delta(A) and ((A > 0 and lo > 0) or (A < 0 and hi < 0))   only a certified increase
+    mask: D > delta(A) and ((A > 0 and hi > 0) or (A < 0 and lo < 0))   all but a certified non-increase
+    """
+    up, down = (lo, hi) if uncertain == "keep" else (hi, lo)
+    increase = ((adv > 0) & (up > 0)) | ((adv < 0) & (down < 0))  # [N]
+    return (d > delta_of(adv, delta_pos, delta_neg)) & increase
 
 
 def masked_pg_loss(unit_log: Tensor, log_w: Tensor, adv: Tensor, mask: Tensor, ratio_cap: float | None) -> Tensor:

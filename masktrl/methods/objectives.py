@@ -1,8 +1,9 @@
-"""GRPO / DAPO / GSPO losses, the registered methods, ``token_losses`` and ``aggregate`` (SPEC §2-8).
+"""GRPO / DAPO / GSPO losses, the registered methods and ``token_losses`` (docs/METHODS.md §2-7).
 
 Each ``@register_method`` kernel maps (batch, advantages [N], params, u) to ``TokenLosses``;
 ``registry.finalize`` then applies the invalid-token rule. Gradient convention (§0): every
 loss depends on the logits only through log pi_k, and d loss / d logp = grad_coef.
+Batch aggregation lives in ``aggregation`` (§8), group advantages in ``advantages`` (§11).
 """
 
 from __future__ import annotations
@@ -10,21 +11,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from masktrl.methods.batch import TokenBatch, check_choice, log_ratio, log_ratio_live, support, unit_ratio_log
-from masktrl.methods.divergence import divergence, rate_on_support, topk_kl, topk_tv
-from masktrl.methods.masks import dppo_mask, masked_pg_loss, pdm_mask, ppo_clip_loss
-from masktrl.methods.params import AGG_MODES, DAPOParams, DPPOParams, GRPOParams, GSPOParams, PDMParams, SISParams
+from masktrl.methods.batch import TokenBatch, log_ratio, log_ratio_live, seq_index, support, unit_ratio_log
+from masktrl.methods.divergence import bracket_on_support, divergence, rate_on_support, topk_kl, topk_tv
+from masktrl.methods.masks import bracket_mask, dppo_mask, masked_pg_loss, pdm_mask, ppo_clip_loss
+from masktrl.methods.params import DAPOParams, DPPOParams, GRPOParams, GSPOParams, PDMParams, SISParams
 from masktrl.methods.registry import Method, TokenLosses, get_method, register_method
 from masktrl.methods.sis import sis_accept
 
 
 # --------------------------------------------------------------------------- shared pieces
-
-
-def seq_index(batch: TokenBatch) -> tuple[Tensor, int]:
-    """inv [N] (dense sequence index of each token) and the number of sequences G."""
-    uniq, inv = torch.unique(batch.seq_ids, return_inverse=True)
-    return inv, uniq.shape[0]
 
 
 def gspo_loss(batch: TokenBatch, adv: Tensor, log_w: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
@@ -50,16 +45,11 @@ def gspo_loss(batch: TokenBatch, adv: Tensor, log_w: Tensor, eps_low: float, eps
 # --------------------------------------------------------------------------- methods
 
 
-@register_method("grpo", GRPOParams, "PPO clip with clip-higher (eps_low 0.2, eps_high 0.28), seq-mean-token-mean")
-def grpo(batch: TokenBatch, adv: Tensor, p: GRPOParams, u: Tensor | None) -> TokenLosses:
-    """GRPO: l = -min(r A, clip(r, 1-eps_low, 1+eps_high) A) (§2)."""
-    loss, mask = ppo_clip_loss(log_ratio_live(batch), adv, p.eps_low, p.eps_high)
-    return TokenLosses(loss, mask, None, None, None, log_ratio(batch))
-
-
 @register_method("dapo", DAPOParams, "GRPO's token loss, token-mean, dynamic sampling, optional overlong shaping")
-def dapo(batch: TokenBatch, adv: Tensor, p: DAPOParams, u: Tensor | None) -> TokenLosses:
-    """DAPO: GRPO's per-token loss; differs in aggregation and sampling (§2, §8)."""
+@register_method("grpo", GRPOParams, "PPO clip with clip-higher (eps_low 0.2, eps_high 0.28), seq-mean-token-mean")
+def ppo_clip(batch: TokenBatch, adv: Tensor, p: GRPOParams | DAPOParams, u: Tensor | None) -> TokenLosses:
+    """GRPO and DAPO: l = -min(r A, clip(r, 1-eps_low, 1+eps_high) A) (§2). The two differ only in
+    their params (aggregation, dynamic sampling, overlong shaping: §8), so one kernel serves both."""
     loss, mask = ppo_clip_loss(log_ratio_live(batch), adv, p.eps_low, p.eps_high)
     return TokenLosses(loss, mask, None, None, None, log_ratio(batch))
 
@@ -82,15 +72,22 @@ def dppo(batch: TokenBatch, adv: Tensor, p: DPPOParams, u: Tensor | None) -> Tok
     return TokenLosses(loss, mask, d, None, None, lw)
 
 
-@register_method("pdm", PDMParams, "predictive divergence mask D > delta and sign(A Ddot) > 0 (top-K KL/TV)")
+@register_method("pdm", PDMParams, "predictive divergence mask D > delta and sign(A Ddot) > 0 (top-K KL/TV; "
+                 "tail=bracket: certified sign)")
 def pdm(batch: TokenBatch, adv: Tensor, p: PDMParams, u: Tensor | None) -> TokenLosses:
-    """Predictive divergence mask (§4) on the union support; DPPO's loss form."""
+    """Predictive divergence mask (§4) on the union support; DPPO's loss form. tail=bracket: the
+    certified-sign mask of §4.6 (kl only)."""
     if p.tail == "uniform" and batch.vocab_size is None:
         raise ValueError('vocab_size is required for tail="uniform" (TokenBatch.vocab_size is None)')
     s = support(batch, "union")  # shared by D and Ddot
     d = topk_kl(s) if p.divergence == "kl" else topk_tv(s)
-    ddot = rate_on_support(s, p.divergence, p.tail)
     lw = log_ratio(batch)
+    if p.tail == "bracket":
+        lo, hi = bracket_on_support(s)  # [N], [N]
+        mask = bracket_mask(d, lo, hi, adv, *p.deltas, p.uncertain_rule) | ~batch.valid
+        loss = masked_pg_loss(unit_ratio_log(batch), lw, adv, mask, p.ratio_cap)
+        return TokenLosses(loss, mask, d, None, None, lw, lo, hi)
+    ddot = rate_on_support(s, p.divergence, p.tail)
     mask = pdm_mask(d, ddot, adv, *p.deltas) | ~batch.valid
     loss = masked_pg_loss(unit_ratio_log(batch), lw, adv, mask, p.ratio_cap)
     return TokenLosses(loss, mask, d, ddot, None, lw)
@@ -120,48 +117,3 @@ def token_losses(method: str | Method, batch: TokenBatch, advantages: Tensor, *,
     """
     m = method if isinstance(method, Method) else get_method(method)
     return m.token_losses(batch, advantages, m.make_params(**params), u=u)
-
-
-def aggregate(loss: Tensor, batch: TokenBatch, mode: str, *, norm_len: int | float | None = None) -> Tensor:
-    """Scalar batch loss (§8) over valid tokens only (``behavior_logp > -inf``).
-
-    * ``token-mean``: sum_t l_t / (number of valid tokens)                       (DAPO)
-    * ``seq-mean-token-mean``: (1/G) sum_seq (1/|y|) sum_t l_t                   (GRPO, GSPO)
-    * ``seq-mean-token-sum-norm``: (1/G) sum_seq sum_t l_t / norm_len            (Dr.GRPO)
-    G counts sequences with at least one valid token; |y| is a sequence's valid-token count.
-    An empty batch (no valid token) gives 0, still connected to the graph.
-    """
-    check_choice("mode", mode, AGG_MODES)
-    if not isinstance(loss, Tensor) or loss.shape != (batch.n,):
-        raise ValueError(f"loss must have shape [N] = [{batch.n}], got {list(getattr(loss, 'shape', []))}")
-    valid = batch.valid
-    lv = torch.where(valid, loss, torch.zeros_like(loss))  # [N]
-    if mode == "token-mean":
-        return lv.sum() / valid.sum().clamp_min(1).to(lv.dtype)
-    inv, g = seq_index(batch)
-    sums = torch.zeros(g, dtype=lv.dtype, device=lv.device).index_add(0, inv, lv)  # [G]
-    counts = torch.zeros(g, dtype=lv.dtype, device=lv.device).index_add_(0, inv, valid.to(lv.dtype))  # [G]
-    n_seq = (counts > 0).sum().clamp_min(1).to(lv.dtype)
-    if mode == "seq-mean-token-mean":
-        return (sums / counts.clamp_min(1.0)).sum() / n_seq
-    if isinstance(norm_len, bool) or not isinstance(norm_len, (int, float)) or not norm_len > 0:
-        raise ValueError(f"norm_len must be a positive number for mode {mode!r}, got {norm_len!r}")
-    return sums.sum() / float(norm_len) / n_seq
-
-
-def aggregate_denominator(batch: TokenBatch, mode: str) -> int:
-    """What ``aggregate`` divides by (before its clamp to 1), so a batch split across processes or
-    micro-batches can be normalised by the whole batch's count (§8):
-
-    * ``token-mean``: the number of valid tokens;
-    * ``seq-mean-token-mean`` and ``seq-mean-token-sum-norm``: the number of sequences with at
-      least one valid token.
-
-    For a batch cut into parts along sequence boundaries, ``aggregate(whole)`` equals
-    ``sum_parts aggregate(part) * denominator(part) / denominator(whole)``.
-    """
-    check_choice("mode", mode, AGG_MODES)
-    valid = batch.valid
-    if mode == "token-mean":
-        return int(valid.sum())
-    return int(torch.unique(batch.seq_ids[valid]).numel())

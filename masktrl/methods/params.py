@@ -1,7 +1,8 @@
 """One frozen, validated parameter dataclass per method (names as on the command line).
 
 Every class shares a small read-only protocol used by the registry (``registry.Method``):
-``agg_mode``, ``uses_dynamic_sampling``, ``uses_u``, ``overlong`` and ``diag_deltas``.
+``agg_mode``, ``advantage_norm``, ``uses_dynamic_sampling``, ``uses_u``, ``overlong`` and
+``diag_deltas``. Formulas and defaults: docs/METHODS.md (§3 and §4 for the thresholds).
 Validation errors are ``ValueError`` naming the field, e.g.
 "method.eps_low must be >= 0, got -1".
 """
@@ -11,12 +12,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from masktrl.methods.advantages import ADV_NORMS
+from masktrl.methods.aggregation import AGG_MODES
 from masktrl.methods.divergence import DIVERGENCE_KINDS, RATE_KINDS, TAILS
 
-AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 SIS_BASES = ("grpo", "dapo", "gspo")
-DELTA_TV = 0.15  # default threshold for TV divergences (public DPPO example)
-DELTA_KL = 0.05  # default threshold for KL divergences
+PDM_TAILS = TAILS + ("bracket",)  # bracket: the certified-sign mask (§4.6), kl only
+UNCERTAIN = ("keep", "mask")
+DELTA_TV = 0.15  # TV divergences (public DPPO example)
+DELTA_KL = 0.15  # top-K KL and PDM-KL: the predictive-mask paper's main value (0.05 was its sensitivity study)
+DELTA_BINARY_KL = 0.05  # binary KL: the public DPPO example's value; binary KL <= top-K KL (§3)
+DELTA_DIAG = 0.15  # the diagnostics' D > delta threshold for methods without their own
 
 
 # --------------------------------------------------------------------------- field checks
@@ -51,6 +57,7 @@ def _eps(p) -> None:
 def _common(p) -> None:
     _choice("loss_agg", p.loss_agg, AGG_MODES)
     _flag("dynamic_sampling", p.dynamic_sampling)
+    _choice("adv_norm", p.adv_norm, ADV_NORMS)
 
 
 def _deltas(p) -> None:
@@ -63,8 +70,13 @@ def _deltas(p) -> None:
             raise ValueError("method.ratio_cap must be > 0 (or null for no cap), got 0")
 
 
+def default_delta(kind: str) -> float:
+    """The default threshold for a divergence kind (§3): 0.15, except 0.05 for binary-kl."""
+    return DELTA_BINARY_KL if kind == "binary-kl" else DELTA_TV if kind.endswith("tv") else DELTA_KL
+
+
 def _resolve_deltas(p, kind: str) -> tuple[float, float]:
-    default = DELTA_TV if kind.endswith("tv") else DELTA_KL
+    default = default_delta(kind)
     pos = default if p.delta_pos is None else float(p.delta_pos)
     neg = default if p.delta_neg is None else float(p.delta_neg)
     return pos, neg
@@ -76,6 +88,10 @@ class _Protocol:
     @property
     def agg_mode(self) -> str:
         return self.loss_agg
+
+    @property
+    def advantage_norm(self) -> str:
+        return self.adv_norm
 
     @property
     def uses_dynamic_sampling(self) -> bool:
@@ -92,8 +108,8 @@ class _Protocol:
 
     @property
     def diag_deltas(self) -> tuple[float, float]:
-        """(delta_pos, delta_neg) for the diagnostics' D > delta fraction (top-K KL defaults)."""
-        return DELTA_KL, DELTA_KL
+        """(delta_pos, delta_neg) for the diagnostics' D > delta fraction (0.15 without own thresholds)."""
+        return DELTA_DIAG, DELTA_DIAG
 
 
 # --------------------------------------------------------------------------- methods
@@ -101,7 +117,7 @@ class _Protocol:
 
 @dataclass(frozen=True)
 class GRPOParams(_Protocol):
-    """GRPO: PPO clip with clip-higher (SPEC §2)."""
+    """GRPO: PPO clip with clip-higher (docs/METHODS.md §2)."""
 
     eps_low: float = 0.2
     """Ratios w < 1 - eps_low are clipped (masked) when A < 0."""
@@ -111,6 +127,8 @@ class GRPOParams(_Protocol):
     """Batch aggregation (§8): seq-mean-token-mean | token-mean | seq-mean-token-sum-norm."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
+    adv_norm: str = "group-std"
+    """Group advantages (§11): group-std (GRPO, (R - mean) / (std + 1e-6)) | none (Dr.GRPO, R - mean)."""
 
     def __post_init__(self) -> None:
         _eps(self)
@@ -129,6 +147,8 @@ class DAPOParams(_Protocol):
     """Batch aggregation (§8); DAPO's own is token-mean."""
     dynamic_sampling: bool = True
     """Drop groups whose rewards are all equal and refill the batch."""
+    adv_norm: str = "group-std"
+    """Group advantages (§11): group-std (GRPO, (R - mean) / (std + 1e-6)) | none (Dr.GRPO, R - mean)."""
     overlong_buffer: int = 0
     """Soft overlong punishment: length of the buffer before max_new_tokens, in tokens (0 = off)."""
     overlong_penalty: float = 1.0
@@ -158,6 +178,8 @@ class GSPOParams(_Protocol):
     """Batch aggregation (§8)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
+    adv_norm: str = "group-std"
+    """Group advantages (§11): group-std (GRPO, (R - mean) / (std + 1e-6)) | none (Dr.GRPO, R - mean)."""
 
     def __post_init__(self) -> None:
         _eps(self)
@@ -171,9 +193,9 @@ class DPPOParams(_Protocol):
     divergence: str = "topk-kl"
     """D(mu||pi): binary-tv | binary-kl | topk-tv | topk-kl."""
     delta_pos: float | None = None
-    """Threshold for A > 0; null = 0.15 for TV kinds, 0.05 for KL kinds. inf masks nothing."""
+    """Threshold for A > 0; null = 0.15 (topk-kl, topk-tv, binary-tv), 0.05 (binary-kl). inf masks nothing."""
     delta_neg: float | None = None
-    """Threshold for A <= 0; null = 0.15 for TV kinds, 0.05 for KL kinds."""
+    """Threshold for A <= 0; null = 0.15 (topk-kl, topk-tv, binary-tv), 0.05 (binary-kl)."""
     ratio_cap: float | None = None
     """Truncate the weight w = min(r, ratio_cap); null = no cap."""
     rule: str = "union"
@@ -182,6 +204,8 @@ class DPPOParams(_Protocol):
     """Batch aggregation (§8); the public DPPO script uses seq-mean-token-sum-norm."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
+    adv_norm: str = "group-std"
+    """Group advantages (§11): group-std (GRPO, (R - mean) / (std + 1e-6)) | none (Dr.GRPO, R - mean)."""
 
     def __post_init__(self) -> None:
         _choice("divergence", self.divergence, DIVERGENCE_KINDS)
@@ -206,23 +230,39 @@ class PDMParams(_Protocol):
     divergence: str = "kl"
     """kl | tv: the top-K divergence (union support) and its Ddot."""
     tail: str = "agg"
-    """Tail of Ddot: agg (one bucket, no vocab size needed) | uniform (spread over |V|-|S| tokens)."""
+    """Tail of Ddot: agg (one bucket, no vocab size needed) | uniform (spread over |V|-|S| tokens) |
+    bracket (kl only: mask only where the certified bracket of Ddot_KL fixes the sign, §4.6)."""
+    uncertain: str | None = None
+    """tail=bracket only: keep | mask a token (D > delta) whose bracket straddles 0; null = keep."""
     delta_pos: float | None = None
-    """Threshold for A > 0; null = 0.15 for tv, 0.05 for kl."""
+    """Threshold for A > 0; null = 0.15 (kl and tv; the paper's main value)."""
     delta_neg: float | None = None
-    """Threshold for A <= 0; null = 0.15 for tv, 0.05 for kl."""
+    """Threshold for A <= 0; null = 0.15 (kl and tv)."""
     ratio_cap: float | None = None
     """Truncate the weight w = min(r, ratio_cap); null = no cap."""
     loss_agg: str = "token-mean"
     """Batch aggregation (§8)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
+    adv_norm: str = "group-std"
+    """Group advantages (§11): group-std (GRPO, (R - mean) / (std + 1e-6)) | none (Dr.GRPO, R - mean)."""
 
     def __post_init__(self) -> None:
         _choice("divergence", self.divergence, RATE_KINDS)
-        _choice("tail", self.tail, TAILS)
+        _choice("tail", self.tail, PDM_TAILS)
+        if self.tail == "bracket" and self.divergence != "kl":
+            raise ValueError(f"method.tail=bracket requires method.divergence=kl (the bracket bounds Ddot_KL), got {self.divergence}")
+        if self.uncertain is not None:
+            _choice("uncertain", self.uncertain, UNCERTAIN)
+            if self.tail != "bracket":
+                raise ValueError(f"method.uncertain applies only with method.tail=bracket, got tail={self.tail}")
         _deltas(self)
         _common(self)
+
+    @property
+    def uncertain_rule(self) -> str:
+        """What tail=bracket does where the bracket does not fix the sign: keep (default) | mask."""
+        return self.uncertain or "keep"
 
     @property
     def deltas(self) -> tuple[float, float]:
@@ -257,6 +297,8 @@ class SISParams(_Protocol):
     """DAPO soft overlong buffer in tokens (null = the base's; only with base dapo)."""
     overlong_penalty: float | None = None
     """DAPO overlong penalty (null = the base's; only with base dapo)."""
+    adv_norm: str | None = None
+    """Group advantages (§11): group-std | none (null = the base's: group-std)."""
 
     def __post_init__(self) -> None:
         _choice("base", self.base, SIS_BASES)
@@ -271,7 +313,8 @@ class SISParams(_Protocol):
         """The base method's params with this method's overrides applied (validated)."""
         overrides = {
             k: getattr(self, k)
-            for k in ("eps_low", "eps_high", "loss_agg", "dynamic_sampling", "overlong_buffer", "overlong_penalty")
+            for k in ("eps_low", "eps_high", "loss_agg", "dynamic_sampling", "overlong_buffer", "overlong_penalty",
+                      "adv_norm")
             if getattr(self, k) is not None
         }
         return _BASE_PARAMS[self.base](**overrides)
@@ -279,6 +322,10 @@ class SISParams(_Protocol):
     @property
     def agg_mode(self) -> str:
         return self.base_params.loss_agg
+
+    @property
+    def advantage_norm(self) -> str:
+        return self.base_params.adv_norm
 
     @property
     def uses_dynamic_sampling(self) -> bool:

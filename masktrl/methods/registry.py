@@ -1,9 +1,10 @@
 """The method registry (verl-style): one decorator, one ``get_method`` whose error lists the names.
 
 A method is a kernel ``(batch, advantages, params, u) -> TokenLosses`` plus its params
-dataclass. The trainer asks the ``Method`` object everything method-specific (aggregation,
-dynamic sampling, whether it needs ``u``, reward shaping), so no ``if method == ...`` chain
-is needed outside this package.
+dataclass. The trainer asks the ``Method`` object everything method-specific (advantages,
+aggregation and its denominator, dynamic sampling, whether it needs ``u``, reward shaping), so
+no ``if method == ...`` chain and no aggregation mode is named outside this package.
+Formulas: docs/METHODS.md.
 """
 
 from __future__ import annotations
@@ -14,16 +15,26 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from masktrl.methods.advantages import group_advantages
+from masktrl.methods.aggregation import (
+    HORIZON_MODES,
+    aggregate,
+    aggregate_denominator,
+    aggregate_denominator_from_counts,
+    check_horizon,
+)
 from masktrl.methods.batch import TokenBatch
 
 
 class TokenLosses(NamedTuple):
-    loss: Tensor  # [N] per-token loss (value form of SPEC §2-6); 0 on invalid tokens
+    loss: Tensor  # [N] per-token loss (value form of docs/METHODS.md §2-6); 0 on invalid tokens
     mask: Tensor  # [N] bool, the token's update is blocked (clip, divergence mask or invalid)
     divergence: Tensor | None  # [N] D used by the mask (dppo, pdm), detached
-    ddot: Tensor | None  # [N] Ddot used by the mask (pdm), detached
+    ddot: Tensor | None  # [N] Ddot estimate used by the mask (pdm with tail agg or uniform), detached
     accepted: Tensor | None  # [N] bool, SIS acceptance (sis only)
     log_w: Tensor | None  # [N] per-token log w (SIS-modified where it applies); +inf on invalid
+    ddot_lo: Tensor | None = None  # [N] lower end of the Ddot_KL bracket (pdm with tail=bracket)
+    ddot_hi: Tensor | None = None  # [N] upper end of the Ddot_KL bracket (pdm with tail=bracket)
 
 
 Kernel = Callable[[TokenBatch, Tensor, Any, "Tensor | None"], TokenLosses]
@@ -72,6 +83,31 @@ class Method:
         """The batch aggregation mode (§8) for ``aggregate``."""
         self._check(params)
         return params.agg_mode
+
+    def aggregate(self, params, loss: Tensor, batch: TokenBatch, *, horizon: int | float) -> Tensor:
+        """The scalar batch loss with this method's aggregation (§8).
+
+        ``horizon``: the longest possible response (max new tokens), always given; only the
+        constant-horizon mode (seq-mean-token-sum-norm, Dr.GRPO) divides by it.
+        """
+        mode = self.aggregation(params)
+        check_horizon(horizon, mode, "horizon")
+        return aggregate(loss, batch, mode, norm_len=horizon if mode in HORIZON_MODES else None)
+
+    def denominator(self, params, valid_counts) -> int:
+        """What ``aggregate`` divides by (§8.1), from a ``TokenBatch`` or from the valid-token
+        count of each sequence (no forward pass needed): the valid tokens for token-mean, the
+        sequences with a valid token otherwise."""
+        mode = self.aggregation(params)
+        if isinstance(valid_counts, TokenBatch):
+            return aggregate_denominator(valid_counts, mode)
+        return aggregate_denominator_from_counts(valid_counts, mode)
+
+    def advantages(self, params, rewards, groups) -> Tensor:
+        """[B] float64 group advantages of B responses (§11) with this method's ``adv_norm``;
+        ``groups`` [B] names each response's group (its prompt)."""
+        self._check(params)
+        return group_advantages(rewards, groups, norm=params.advantage_norm)
 
     def dynamic_sampling(self, params) -> bool:
         """Whether the trainer drops all-equal-reward groups and refills (DAPO)."""
@@ -168,4 +204,4 @@ def finalize(batch: TokenBatch, out: TokenLosses) -> TokenLosses:
     if out.log_w is not None:
         log_w = torch.where(valid, out.log_w, torch.full_like(out.log_w, float("inf")))
     accepted = None if out.accepted is None else out.accepted & valid
-    return TokenLosses(loss, mask, out.divergence, out.ddot, accepted, log_w)
+    return out._replace(loss=loss, mask=mask, accepted=accepted, log_w=log_w)

@@ -1,4 +1,4 @@
-"""Selective importance sampling: the accept/reject test of SPEC §6 ("Turning Off-Policy Tokens
+"""Selective importance sampling: the accept/reject test of docs/METHODS.md §6 ("Turning Off-Policy Tokens
 On-Policy", arXiv 2607.04728).
 
 Per token, with the behaviour's genuine top-K list T_K (padding dropped, duplicates removed,

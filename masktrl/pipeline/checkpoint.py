@@ -13,9 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from masktrl.errors import ArtifactError
+from masktrl.errors import ArtifactError, MasktrlError
+from masktrl.io import atomic_dir, atomic_write_json
+from masktrl.models.loading import load_model_and_tokenizer
+from masktrl.pipeline.distributed import Dist
 from masktrl.pipeline.faults import maybe_crash
-from masktrl.pipeline.store import atomic_dir, atomic_write_json
+from masktrl.pipeline.runstore import RunStore
 
 
 def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, extra: dict | None = None, state_dict: dict | None = None) -> Path:
@@ -31,6 +34,33 @@ def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, extra: d
         torch.save(_rng_state(), tmp / "rng_state.pt")
         atomic_write_json(tmp / "trainer_state.json", {"step": step, **(extra or {})})
     return dest
+
+
+def save_step(store: RunStore, step: int, model, tokenizer, optimizer, scheduler, dist: Dist | None = None, policy=None) -> None:
+    """Checkpoint ``step`` into the run and record it as stage ``checkpoint/<step>``.
+
+    Written by the main process. Under DeepSpeed the weights are first gathered from the
+    shards (every process takes part) and the sharded optimizer state is left out."""
+    dist = dist or Dist()
+    state = dist.full_state_dict(policy) if dist.deepspeed else None  # ZeRO-3: None except on the main process
+    if state is not None:
+        state = {k.removeprefix("lm."): v for k, v in state.items()}
+    if store.writable:
+        path = save(store.checkpoint_dir(step), model, tokenizer, None if dist.deepspeed else optimizer, scheduler, step, state_dict=state)
+        store.mark_done(f"checkpoint/{step:06d}", [path])
+    dist.barrier()
+
+
+def restore(path: Path, model, optimizer, scheduler) -> None:
+    """Load a checkpoint into ``model`` (weights, in its dtype), ``optimizer``, ``scheduler`` and
+    the global RNGs: what ``--resume`` continues from."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    try:
+        loaded, _ = load_model_and_tokenizer(path, dtype)
+    except MasktrlError as exc:
+        raise ArtifactError(f"{path}/model.safetensors: unreadable checkpoint ({exc})") from None
+    model.load_state_dict(loaded.state_dict())
+    load_trainer_state(path, optimizer, scheduler)
 
 
 def load_trainer_state(path: Path, optimizer, scheduler) -> dict:

@@ -5,14 +5,14 @@ and optimizer untouched, ``backward`` = ``loss.backward()``. That path is exactl
 single-process trainer, bit for bit.
 
 Under ``accelerate launch`` (DDP or DeepSpeed ZeRO-2/3, GPUs or nodes, or ``--cpu`` with gloo),
-``Dist.from_launch(cfg)`` builds one ``accelerate.Accelerator`` and the loop uses it for:
+``Dist.from_launch(cfg.train)`` builds one ``accelerate.Accelerator`` and the loop uses it for:
 
 * rank / world size / ``is_main`` (only the main process writes artifacts),
 * ``prepare`` (wrap the policy and its optimizer), ``unwrap``, ``full_state_dict`` (ZeRO-3
   gathers the weights for ``save_pretrained``),
 * collectives on python objects and numbers (``gather_objects``, ``sum``, ``barrier``),
 * gradient accumulation (``accumulate``/``backward``/``clip_grad_norm``): the loss handed to
-  ``backward`` is already normalised by the whole batch (see ``pipeline/rl.py``), so the
+  ``backward`` is already normalised by the whole batch (see ``pipeline/update.py``), so the
   ``1/grad_accum`` that accelerate and DeepSpeed apply is undone here.
 
 An invalid DeepSpeed JSON (``deepspeed_config_file`` of the accelerate config, passed on as
@@ -64,8 +64,8 @@ class Dist:
         self._raw_optimizer = None
 
     @classmethod
-    def from_launch(cls, cfg) -> "Dist":
-        """The Accelerator of this launch, configured from ``cfg.train`` (grad_accum, grad_clip)."""
+    def from_launch(cls, train_cfg) -> "Dist":
+        """The Accelerator of this launch, configured from ``train_cfg`` (grad_accum, grad_clip)."""
         _check_deepspeed_json(os.environ.get(DS_CONFIG_ENV))
         _check_zero_stage(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))  # before DeepSpeed is even imported
         from accelerate import Accelerator
@@ -74,7 +74,7 @@ class Dist:
         # must not be told (cpu=True switches it off).
         cpu = not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED") != "true"
         try:
-            acc = Accelerator(gradient_accumulation_steps=cfg.train.grad_accum, cpu=cpu)
+            acc = Accelerator(gradient_accumulation_steps=train_cfg.grad_accum, cpu=cpu)
         except (ValueError, TypeError, KeyError, ImportError, OSError) as exc:
             raise ConfigError(f"{_launch_source()}: invalid accelerate/DeepSpeed settings ({_first_line(exc)})") from None
         plugin = acc.state.deepspeed_plugin
@@ -82,8 +82,8 @@ class Dist:
             ds = plugin.deepspeed_config
             _check_zero_stage(ds.get("zero_optimization", {}).get("stage"))
             ds["train_micro_batch_size_per_gpu"] = 1  # one micro-batch = one forward; no dataloader to infer it from
-            ds["gradient_accumulation_steps"] = cfg.train.grad_accum
-            ds["gradient_clipping"] = cfg.train.grad_clip  # masktrl's config is authoritative
+            ds["gradient_accumulation_steps"] = train_cfg.grad_accum
+            ds["gradient_clipping"] = train_cfg.grad_clip  # masktrl's config is authoritative
             ds.pop("train_batch_size", None)
         return cls(acc)
 

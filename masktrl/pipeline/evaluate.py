@@ -4,7 +4,8 @@ scorer, summarised as avg@k, pass@k and maj@k with a bootstrap CI over problems.
 Generation goes through the rollout engine interface used in training (``make_engine``:
 transformers or vLLM), in batches of problems; grading is ``task.score_many`` (MathTask grades
 in its killable math-verify pool). The same core (:func:`sample_and_grade`, :func:`summarize`)
-serves the command and the periodic evals of ``train.eval_benchmarks`` (:func:`periodic_eval`).
+serves the command and the periodic evals of ``train.eval_benchmarks`` (:func:`periodic_eval`);
+:func:`heldout_accuracy` is the training run's own eval_before / eval_after.
 
 Results are JSON (schema in docs/EVAL.md), written atomically. For a run: ``<run>/eval/
 <bench>-step<S>.json``, recorded in the manifest as stage ``eval/<bench>/<S:06d>`` with the
@@ -13,21 +14,23 @@ file's sha256. An existing result is never replaced unless ``force`` is set.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from masktrl.analysis.stats import avg_at_k, bootstrap_ci, maj_at_k, pass_at_k_matrix
-from masktrl.config import EVAL_BENCHMARKS, Config, load_config
+from masktrl.config import EVAL_BENCHMARKS, Config, TaskConfig, from_dict, read_overrides
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
-from masktrl.pipeline.rl import stream_seed
-from masktrl.pipeline.store import RunStore, atomic_write_json
+from masktrl.io import atomic_write_json
 from masktrl.models.loading import load_tokenizer
-from masktrl.pipeline.tasks import encode_prompt, make_task
+from masktrl.pipeline.runstore import RunStore, is_run_folder
 from masktrl.rollout.base import SamplingSettings
-from masktrl.tasks.grader import extract_answer
+from masktrl.seeding import stream_seed
+from masktrl.stats import avg_at_k, bootstrap_ci, maj_at_k, pass_at_k_matrix
+from masktrl.tasks import encode_prompt, make_eval_task, make_task
+from masktrl.tasks.grader import extract_answer, normalize
 
 SCHEMA_VERSION = 1
 MATH_MAX_NEW_TOKENS = 4096  # default response length on math benchmarks for a model that is not a math run
@@ -49,6 +52,8 @@ class EvalOptions:
     n_problems: int | None = None
     batch_size: int | None = None
     dtype: str | None = None
+    config: str | None = None  # a YAML file: its task section (and model.chat_template)
+    overrides: tuple[str, ...] = ()  # --set task.KEY=VALUE (and model.chat_template=...)
 
     def validate(self, bench: str) -> None:
         check_benchmark(bench)
@@ -68,12 +73,15 @@ class EvalOptions:
             raise ConfigError(f"--engine must be hf or vllm, got {self.engine!r}")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if bench == "synthetic" and (self.data is not None or self.template is not None):
-            raise ConfigError("--data and --template apply to math benchmarks; synthetic uses the run's own task")
+        if bench == "synthetic" and (self.data is not None or self.template is not None or self.config or self.overrides):
+            raise ConfigError("--data, --template, --config and --set apply to datasets; synthetic uses the run's own task")
         if self.template is not None:
-            from masktrl.tasks.prompts import get_template
+            from masktrl.tasks.templates import PromptTemplate
 
-            get_template(self.template)
+            PromptTemplate.resolve(self.template)
+
+    def task_args(self) -> dict:
+        return dict(template=self.template, data=self.data, config=self.config, overrides=self.overrides)
 
 
 @dataclass
@@ -94,13 +102,48 @@ class EvalResult:
 
 
 def check_benchmark(bench: str) -> None:
-    if bench not in EVAL_BENCHMARKS:
-        raise ConfigError(f"unknown benchmark {bench!r}; valid benchmarks: {', '.join(EVAL_BENCHMARKS)}")
+    if bench not in (*EVAL_BENCHMARKS, "dataset"):
+        raise ConfigError(f"unknown benchmark {bench!r}; valid benchmarks: {', '.join(EVAL_BENCHMARKS)}, dataset")
+
+
+def bench_task_config(bench: str, cfg: Config, *, template: str | None = None, data: str | None = None,
+                      config: str | None = None, overrides: tuple[str, ...] = ()) -> TaskConfig:
+    """The task section that evaluates ``bench`` (a math preset, or ``dataset``).
+
+    In order: for ``dataset``, the whole task section of a run that trained on a dataset (its
+    data, keys, template, reward); for a preset, the prompt settings of a run that trained on
+    any dataset task (a named template, the system prompt, the chat-template arguments: the
+    prompt it learned); then ``--template``, ``--data`` (a preset's file, or the dataset's
+    ``task.source``), then the task section of ``--config`` and the ``--set task.*`` overrides
+    (``model.chat_template`` may be set there too, see :func:`eval_chat`). The reward is the
+    template's unless the overrides name one.
+    """
+    t = cfg.task
+    raw: dict = {"name": bench}
+    if bench == "dataset" and t.name == "dataset":  # the run's own dataset, template and reward
+        raw.update(dataclasses.asdict(t))
+    elif t.name != "arithmetic":
+        if t.template is not None and "{" not in t.template:
+            raw["template"] = t.template
+        raw.update(system_prompt=t.system_prompt, chat_template_kwargs=dict(t.chat_template_kwargs))
+    if template is not None:
+        raw["template"] = template
+    if data is not None:
+        raw["source" if bench == "dataset" else "data"] = data
+    given = read_overrides(config, list(overrides))
+    for section, value in given.items():
+        keys = list(value) if isinstance(value, dict) else [None]
+        if section != "task" and (section, keys) != ("model", ["chat_template"]):
+            raise ConfigError(f"--config/--set of eval and rollout take task.* keys and model.chat_template, not {section}.{keys[0]}")
+    raw.update(given.get("task") or {})
+    raw["name"] = bench
+    chat = given.get("model", {}).get("chat_template", cfg.model.chat_template)
+    return from_dict({"task": raw, "model": {"chat_template": chat}}).task
 
 
 # --------------------------------------------------------------------------- the command's stage
-def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None = None,
-        force: bool = False, progress=None) -> EvalResult:
+def evaluate(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None = None,
+             force: bool = False, progress=None) -> EvalResult:
     """Evaluate ``model`` (a run folder, a model folder or a cached hub id) on ``bench``."""
     opts.validate(bench)
     ref = resolve_model(model, step)
@@ -114,8 +157,9 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
         import torch
 
         torch.set_num_threads(cfg.train.threads)
-    template = None if bench == "synthetic" else (opts.template or ("chat" if cfg.model.chat_template else "base"))
-    task = build_task(bench, cfg, load_tokenizer(ref.weights) if template == "chat" else None, template, opts.data)
+    if bench != "synthetic":
+        cfg = replace(cfg, model=replace(cfg.model, chat_template=eval_chat(cfg, opts)), task=bench_task_config(bench, cfg, **opts.task_args()))
+    task = build_task(bench, cfg)
     try:  # the data loaded: now the weights
         engine, tokenizer = load_engine(cfg, ref.weights)
         examples = task.test_examples()[: opts.n_problems]
@@ -130,8 +174,8 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
     report = summarize(bench, examples, graded, seed=opts.seed)
     report.update(
         model=ref.label, weights=ref.weights, run=ref.store.name if ref.store else None, step=ref.step,
-        data=describe_data(bench, cfg, opts.data), time_s=time.time() - t0,
-        generation=generation_block(settings, engine.name, template, chat, opts.seed, cfg),
+        data=describe_data(bench, cfg), time_s=time.time() - t0, reward=reward_name(task),
+        generation=generation_block(settings, engine.name, template_label(task), chat, opts.seed, cfg),
     )
     save(report, path, ref.store, bench, ref.step)
     return EvalResult(report, path)
@@ -141,11 +185,11 @@ def resolve_model(model: str, step: int | None) -> ModelRef:
     """A run folder (its checkpoint at ``step``, default the latest complete one; step 0 is the
     warm-start policy), a checkpoint folder inside a run, a model folder, or a hub id."""
     p = Path(model)
-    if p.parent.name == "checkpoints" and (p.parent.parent / "run.yaml").is_file() and p.name.isdigit():
+    if p.parent.name == "checkpoints" and is_run_folder(p.parent.parent) and p.name.isdigit():
         if step is not None and step != int(p.name):
             raise ConfigError(f"--step {step} contradicts the checkpoint folder {model} (step {int(p.name)})")
         return resolve_model(str(p.parent.parent), int(p.name))
-    if not (p / "run.yaml").is_file():
+    if not is_run_folder(p):
         if step is not None:
             raise ConfigError(f"--step needs a run folder; {model} is not one (no run.yaml)")
         if p.exists() and not (p / "config.json").is_file():
@@ -154,38 +198,11 @@ def resolve_model(model: str, step: int | None) -> ModelRef:
     store = RunStore(p)
     if not store.exists():
         raise ArtifactError(f"{p / 'manifest.json'}: missing; is {model} a masktrl run?")
-    cfg = load_config(p / "run.yaml")
-    steps = completed_checkpoints(store)
     if step is None:
-        if not steps:
+        if not store.checkpoints():
             raise ConfigError(f"run {model} has no complete checkpoint yet; pass --step 0 for its starting policy")
-        step = steps[-1]
-    if step == 0:
-        return ModelRef(label=model, weights=initial_weights(store, cfg), store=store, cfg=cfg, step=0)
-    if step not in steps:
-        avail = ", ".join(["0 (starting policy)", *map(str, steps)])
-        raise ConfigError(f"run {model} has no complete checkpoint at step {step}; available steps: {avail}")
-    store.verify(f"checkpoint/{step:06d}")
-    return ModelRef(label=model, weights=str(store.checkpoint_dir(step)), store=store, cfg=cfg, step=step)
-
-
-def completed_checkpoints(store: RunStore) -> list[int]:
-    stages = store.manifest["stages"]
-    return sorted(int(k.split("/")[1]) for k, v in stages.items() if k.startswith("checkpoint/") and v.get("status") == "done")
-
-
-def initial_weights(store: RunStore, cfg: Config) -> str:
-    """Where the run's RL started: its warm-start cache entry, or the checkpoint it loaded."""
-    info = (store.stage("warmstart") or {}).get("info") or {}
-    path = info.get("path") or info.get("source") or cfg.model.path
-    if path == "tiny" or not info:
-        raise ArtifactError(f"{store.root}: the warm start is not recorded in the manifest; cannot evaluate step 0")
-    if info.get("path"):
-        for candidate in (Path(path), store.root.parent / ".cache" / "warmstart" / Path(path).name):
-            if (candidate / "config.json").is_file():
-                return str(candidate)
-        raise ArtifactError(f"{path}: the run's warm-start model is gone (was the .cache folder removed?)")
-    return str(path)
+        step = store.checkpoints()[-1]
+    return ModelRef(label=model, weights=store.policy_path(step), store=store, cfg=store.config(), step=step)
 
 
 def output_path(ref: ModelRef, bench: str, out: Path | None) -> Path:
@@ -195,6 +212,17 @@ def output_path(ref: ModelRef, bench: str, out: Path | None) -> Path:
     p = Path(ref.weights)
     folder = Path(out) / "eval" if out is not None else (p.parent / "eval" if p.exists() else Path("outputs") / "eval")
     return folder / f"{bench}-{p.resolve().name if p.exists() else ref.weights.replace('/', '__')}.json"
+
+
+def eval_chat(cfg: Config, opts) -> bool:
+    """Whether prompts go through the chat template: ``--template chat`` yes, ``base`` / ``instruct``
+    / ``raw`` no (the math templates as text), else ``model.chat_template`` (the run's, or --set)."""
+    if opts.template in ("base", "instruct", "raw"):
+        return False
+    if opts.template == "chat":
+        return True
+    given = read_overrides(opts.config, list(opts.overrides)).get("model", {})
+    return bool(given.get("chat_template", cfg.model.chat_template))
 
 
 def eval_config(ref: ModelRef, opts: EvalOptions) -> Config:
@@ -221,7 +249,7 @@ def load_engine(cfg: Config, weights: str):
         model, tokenizer = load_model_and_tokenizer(weights, cfg.model.dtype)
     else:  # vLLM loads the weights itself
         model, tokenizer = None, load_tokenizer(weights)
-    return make_engine(cfg, model, tokenizer, weights), tokenizer
+    return make_engine(cfg.rollout, model, tokenizer, weights, dtype=cfg.model.dtype, seed=cfg.seed), tokenizer
 
 
 def max_new_tokens(bench: str, ref: ModelRef, opts: EvalOptions) -> int:
@@ -233,17 +261,26 @@ def max_new_tokens(bench: str, ref: ModelRef, opts: EvalOptions) -> int:
 
 
 # --------------------------------------------------------------------------- shared core
-def build_task(bench: str, cfg: Config, tokenizer, template: str | None, data: str | None):
-    """synthetic: the run's arithmetic task (its fixed held-out split); else the benchmark
-    with every problem in the test split, rendered once with ``template``."""
+def build_task(bench: str, cfg: Config, tokenizer=None):
+    """synthetic: the run's arithmetic task (its fixed held-out split); else the task of
+    ``cfg.task`` (see :func:`bench_task_config`) with every example of its split held out,
+    rendered once (with the policy's chat template when ``cfg.model.chat_template``)."""
     if bench == "synthetic":
         if cfg.task.name != "arithmetic":
             raise ConfigError(f"benchmark synthetic is the run's arithmetic task, but it trains on {cfg.task.name!r}")
-        return make_task(cfg)
-    from masktrl.tasks.base import get_task
-    import masktrl.tasks.math_data  # noqa: F401  (registers the benchmarks)
+        return make_task(cfg.task, cfg.model)
+    return make_eval_task(cfg.task, cfg.model, tokenizer)
 
-    return get_task(bench, data_file=data, template=template, tokenizer=tokenizer)
+
+def template_label(task) -> str | None:
+    """How reports name the prompt template: base, chat, instruct, raw, dapo, custom (+chat)."""
+    template = getattr(task, "template", None)
+    return getattr(template, "label", None)
+
+
+def reward_name(task) -> str:
+    reward = getattr(task, "reward", None)
+    return getattr(reward, "name", None) or ("exact-match" if getattr(task, "answer_format", "plain") == "plain" else "boxed-match")
 
 
 def answer_of(task):
@@ -310,7 +347,7 @@ def summarize(bench: str, examples, graded: Graded, seed: int = 0) -> dict:
         "ci95": [low, high],
         "pass_at_k": pass_at_k_matrix(correct, k),
         "pass_at": {str(j): pass_at_k_matrix(correct, j) for j in ks},
-        "maj_at_k": maj_at_k(graded.answers, correct),
+        "maj_at_k": maj_at_k(graded.answers, correct, normalize_fn=normalize),
         "response_len_mean": float(np.mean(graded.lengths)),
         "truncated_frac": float(1.0 - np.mean(graded.finished)),
         "problems": [
@@ -329,11 +366,13 @@ def generation_block(settings: SamplingSettings, engine: str, template, chat: bo
     }
 
 
-def describe_data(bench: str, cfg: Config, data: str | None) -> str:
+def describe_data(bench: str, cfg: Config) -> str:
+    t = cfg.task
     if bench == "synthetic":
-        t = cfg.task
         return f"arithmetic held-out split (ops={t.ops}, digits={t.digits}, answer_format={t.answer_format}, n_test={t.n_test})"
-    return str(data) if data else "local datasets cache"
+    if t.source:
+        return f"{t.source} ({t.test_split or t.split})"
+    return str(t.data) if t.data else "local datasets cache"
 
 
 def save(report: dict, path: Path, store: RunStore | None, bench: str, step: int | None) -> None:
@@ -345,6 +384,17 @@ def save(report: dict, path: Path, store: RunStore | None, bench: str, step: int
 
 
 # --------------------------------------------------------------------------- during training
+def heldout_accuracy(engine, tokenizer, task, examples, settings: SamplingSettings, greedy: bool, chat_template=False, seed=0) -> float:
+    """eval_before / eval_after: the fraction of ``examples`` (the task's held-out split) answered
+    correctly with one completion each, greedy or sampled."""
+    one = replace(settings, n=1, greedy=greedy)
+    prompts = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in examples]
+    gens = engine.generate(prompts, one, seed)
+    texts = [tokenizer.decode(gen.response_ids, skip_special_tokens=True) for (gen,) in gens]
+    scores = task.score_many(examples, texts)
+    return sum(x > 0 for x in scores) / max(1, len(examples))
+
+
 def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, last_step: int, *, write: bool = True) -> dict:
     """The ``train.eval_benchmarks`` evals due at ``step`` (every ``train.eval_every`` steps and
     at the last step), as metrics ``eval/<bench>/avg_at_k`` and ``eval/<bench>/pass_at_k``.
@@ -359,17 +409,18 @@ def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, la
     if not due:
         if benches and step == 1:
             for bench in benches:
-                build_task(bench, cfg, tokenizer, _train_template(cfg), cfg.eval.data.get(bench)).close()
+                build_task(bench, _bench_config(cfg, bench), tokenizer).close()
         return {}
     e = cfg.eval
     settings = SamplingSettings(n=e.k, max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, logprobs_k=1)
     row = {}
     for bench in benches:
-        template = None if bench == "synthetic" else _train_template(cfg)
         chat = cfg.model.chat_template if bench == "synthetic" else False
         t0 = time.time()
-        task = build_task(bench, cfg, tokenizer, template, e.data.get(bench))
+        bench_cfg = _bench_config(cfg, bench)
+        task = build_task(bench, bench_cfg, tokenizer)
+        template = template_label(task)
         try:
             examples = task.test_examples()[: e.n_problems]
             graded = sample_and_grade(engine, tokenizer, task, examples, settings, (cfg.seed, "eval", bench, step),
@@ -377,8 +428,8 @@ def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, la
         finally:
             task.close()
         report = summarize(bench, examples, graded, seed=cfg.seed)
-        report.update(model=str(store.root), weights=None, run=store.name, step=step, data=describe_data(bench, cfg, e.data.get(bench)),
-                      time_s=time.time() - t0, generation=generation_block(settings, engine.name, template, chat, cfg.seed, cfg))
+        report.update(model=str(store.root), weights=None, run=store.name, step=step, data=describe_data(bench, bench_cfg),
+                      reward=reward_name(task), time_s=time.time() - t0, generation=generation_block(settings, engine.name, template, chat, cfg.seed, cfg))
         if write:
             save(report, store.root / "eval" / f"{bench}-step{step}.json", store, bench, step)
         row[f"eval/{bench}/avg_at_k"] = report["avg_at_k"]
@@ -386,6 +437,10 @@ def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, la
     return row
 
 
-def _train_template(cfg: Config) -> str:
-    return "chat" if cfg.model.chat_template else "base"
+def _bench_config(cfg: Config, bench: str) -> Config:
+    """The run's config evaluating ``bench`` (train.eval_benchmarks): its prompt settings, the
+    benchmark's ``eval.data`` file."""
+    if bench == "synthetic":
+        return cfg
+    return replace(cfg, task=bench_task_config(bench, cfg, data=cfg.eval.data.get(bench)))
 

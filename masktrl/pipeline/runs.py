@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from masktrl.errors import ArtifactError, MasktrlError
-from masktrl.pipeline.store import RunStore, process_alive
+from masktrl.pipeline.runstore import RunStore
 
 
 def list_runs(folder: Path) -> list[dict]:
@@ -29,25 +28,15 @@ def describe(root: Path) -> dict:
     except ArtifactError:
         row["status"] = "corrupted manifest"
         return row
-    row.update(method=m.get("method"), seed=m.get("seed"), steps_planned=m.get("steps_planned"))
-    row["status"] = _status(m)
+    row.update(method=m.get("method"), seed=m.get("seed"), steps_planned=m.get("steps_planned"), status=store.status())
     metrics = store.read_metrics()
     if metrics:
         row["steps_done"] = metrics[-1]["step"]
         row["last_reward"] = metrics[-1].get("reward_mean")
         evals = [r[k] for r in metrics for k in r if k.startswith("eval/") and isinstance(r[k], (int, float))]
         row["last_eval"] = evals[-1] if evals else None
-    summary = root / "summary.json"
-    if summary.exists():
-        try:
-            row["last_eval"] = json.loads(summary.read_text())["eval_after"]
-        except (json.JSONDecodeError, KeyError):
-            pass
+    try:
+        row["last_eval"] = (store.summary() or {}).get("eval_after", row["last_eval"])
+    except ArtifactError:
+        pass
     return row
-
-
-def _status(manifest: dict) -> str:
-    status = manifest.get("status", "unknown")
-    if status == "running" and not process_alive(manifest.get("pid")):
-        return "interrupted"  # killed without a chance to say so
-    return status

@@ -8,7 +8,7 @@ same cached warm start (``<out>/.cache/warmstart``). The sweep resumes at run gr
 * a complete run with a *different* config stops the sweep before anything runs (choose
   another ``--out``; nothing is overwritten);
 * an **incomplete** run (interrupted or failed: no summary, or status not ``complete``) with
-  the same config is reported and **resumed** in place (``pipeline.train.run(resume=True)``:
+  the same config is reported and **resumed** in place (``pipeline.train.train(resume=True)``:
   from its last checkpoint, reusing its stored rollouts);
 * an incomplete run that cannot be resumed (no manifest, run.yaml missing or changed) is
   reported and left as it is; the run starts again in a fresh folder
@@ -26,7 +26,7 @@ from typing import Callable
 
 from masktrl.config import Config, diff_configs, load_config
 from masktrl.errors import ConfigError, MasktrlError
-from masktrl.pipeline.store import RunStore, process_alive
+from masktrl.pipeline.runstore import RunStore
 
 
 @dataclass
@@ -72,8 +72,7 @@ def run_state(root: Path) -> str:
     """'missing' | 'complete' | 'incomplete' for a run folder."""
     if not root.exists() or not any(root.iterdir()):
         return "missing"
-    store = RunStore(root)
-    if (root / "summary.json").is_file() and store.exists() and store.manifest.get("status") == "complete":
+    if RunStore(root).is_complete():
         return "complete"
     return "incomplete"
 
@@ -103,28 +102,24 @@ def plan(out: Path, methods: list[str], seeds: list[int], config: Path | None = 
 
 
 def _check_same_config(root: Path, cfg: Config) -> None:
-    from masktrl.analysis.io import load_config_of
-
-    diff = diff_configs(load_config_of(root), cfg)
+    diff = diff_configs(RunStore(root).config(), cfg)
     if diff:
         raise MasktrlError(f"{root} holds a run with a different config ({', '.join(diff[:4])}); use another --out (nothing was changed)")
 
 
 def _resumable(root: Path, cfg: Config) -> bool:
-    """An interrupted run of this config that ``train.run(resume=True)`` accepts.
+    """An interrupted run of this config that ``train(resume=True)`` accepts.
 
     Raises if the run looks alive (status running and its process exists): two sweeps must
     not write into the same run.
     """
-    from masktrl.pipeline.train import check_resumable
-
     store = RunStore(root)
     try:
-        check_resumable(store)
+        store.check_resumable()
     except MasktrlError:
         return False
     pid = store.manifest.get("pid")
-    if store.manifest.get("status") == "running" and isinstance(pid, int) and pid != os.getpid() and process_alive(pid):
+    if store.status() == "running" and pid != os.getpid():  # status() checks the pid is alive
         raise MasktrlError(f"{root} is being trained right now (pid {pid}); wait for it or stop it first")
     _check_same_config(root, cfg)
     return True
@@ -141,15 +136,15 @@ def _next_retry(attempts: list[Path]) -> int:
 
 def run_one(item: SweepRun, progress=None) -> Path:
     """Train one planned run into ``item.root`` (a complete run is returned as it is)."""
-    from masktrl.pipeline import train
+    from masktrl.pipeline.train import train
 
     if item.state != "complete":
-        train.run(item.cfg, RunStore(item.root), progress, resume=item.state == "resume")
+        train(item.cfg, RunStore(item.root), progress, resume=item.state == "resume")
         item.state = "complete"
     return item.root
 
 
-def run(runs: list[SweepRun], progress=None, on_event: Callable[[str, SweepRun], None] | None = None) -> list[Path]:
+def run_sweep(runs: list[SweepRun], progress=None, on_event: Callable[[str, SweepRun], None] | None = None) -> list[Path]:
     """Train every run that is not complete, in order; return the folders of all complete runs."""
     done = []
     for item in runs:

@@ -19,7 +19,7 @@ import torch
 from masktrl.config import Config
 from masktrl.models.loading import load_model_and_tokenizer, quiet_transformers
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from masktrl.pipeline.store import atomic_dir, atomic_write_json
+from masktrl.io import atomic_dir, atomic_write_json
 
 
 WARMSTART_VERSION = 3  # bump when the warm-start procedure changes: old cache entries are then ignored

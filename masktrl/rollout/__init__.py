@@ -7,20 +7,21 @@ from masktrl.rollout.base import Generation, RolloutEngine, Sample, SamplingSett
 __all__ = ["Generation", "RolloutEngine", "Sample", "SamplingSettings", "make_engine"]
 
 
-def make_engine(cfg, model, tokenizer, model_dir: str | None) -> RolloutEngine:
-    """The engine named by ``cfg.rollout.engine``; ``model_dir`` holds the weights vLLM starts from."""
-    if cfg.rollout.engine == "hf":
+def make_engine(rollout_cfg, model, tokenizer, model_dir: str | None, *, dtype: str, seed: int) -> RolloutEngine:
+    """The engine named by ``rollout_cfg.engine`` (a ``RolloutConfig``); ``model_dir`` holds the
+    weights vLLM starts from, in ``dtype``; ``seed`` is vLLM's engine seed."""
+    if rollout_cfg.engine == "hf":
         from masktrl.rollout.hf import HFEngine
 
-        return HFEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
+        return HFEngine(model, tokenizer, batch_size=rollout_cfg.batch_size)
     from masktrl.rollout.vllm import VLLMEngine
 
     return VLLMEngine(
         str(model_dir),
         tokenizer,
-        dtype=cfg.model.dtype,
-        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        quantization=cfg.rollout.quantization,
-        enforce_eager=cfg.rollout.enforce_eager,
-        seed=cfg.seed,
+        dtype=dtype,
+        gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+        quantization=rollout_cfg.quantization,
+        enforce_eager=rollout_cfg.enforce_eager,
+        seed=seed,
     )

@@ -4,7 +4,7 @@ Recorded log-probabilities are ``log_softmax`` of the *processed* scores that ``
 samples from, i.e. ``log_softmax(logits / T)`` with ``top_p = 1``. With ``top_p < 1`` the
 scores of tokens outside the nucleus are ``-inf``: the recorded distribution is then the
 truncated, renormalised one actually sampled from, and such tokens appear in the top-K
-lists (if K exceeds the nucleus) as zero-mass atoms (``-inf``), as SPEC §0 allows.
+lists (if K exceeds the nucleus) as zero-mass atoms (``-inf``), as docs/METHODS.md §0 allows.
 
 The ``n`` samples of a prompt share one prefill: the prompt runs through the model once and its
 KV cache is copied to the ``n`` rows, instead of ``generate(num_return_sequences=n)`` running it
@@ -15,11 +15,11 @@ and the sampling draws are in the same order); only the prompt compute is divide
 from __future__ import annotations
 
 import gc
-import inspect
 from contextlib import contextmanager
 
 import torch
 
+from masktrl.models.kvcache import cache_kwarg, new_cache
 from masktrl.rollout.base import Generation, SamplingSettings
 
 
@@ -28,22 +28,6 @@ def sampling_kwargs(s: SamplingSettings) -> dict:
         return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     # generation_config defaults to top_k=50: switch it off so we sample the full softmax(z/T)
     return {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": 0}
-
-
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """The keyword that hands a KV cache to ``model`` (forward and ``generate``): ``cache`` from
-    transformers 5.x on, where ``past_key_values`` is deprecated; ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def new_cache(config):
-    """An empty ``DynamicCache`` for a model with ``config``."""
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=config)
-    except TypeError:  # transformers versions whose DynamicCache takes no config
-        return DynamicCache()
 
 
 def shared_prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor, n: int) -> dict:

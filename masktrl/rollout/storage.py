@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from masktrl.errors import ArtifactError
-from masktrl.pipeline.store import atomic_write_bytes
+from masktrl.io import atomic_write_bytes
 from masktrl.rollout.base import Generation, Sample
 
 FORMAT = 2

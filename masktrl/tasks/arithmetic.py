@@ -12,7 +12,7 @@ from typing import Iterable
 
 from masktrl.errors import ConfigError
 from masktrl.tasks.base import Example, register_task
-from masktrl.tasks.grader import extract_answer
+from masktrl.tasks.rewards import boxed_match, exact_match
 
 OPS = ("+", "-", "*")
 ANSWER_FORMATS = ("plain", "boxed")
@@ -50,7 +50,8 @@ class ArithmeticTask:
         ops: operators to draw from, a subset of ``"+-*"`` (string or list). Default ``"+"``.
         digits: operands are uniform in ``[0, 10**digits)``. Default 3.
         answer_format: ``"plain"`` (completion ``579``, scored by ``completion.strip() == answer``)
-            or ``"boxed"`` (completion ``\\boxed{579}``, scored on the last box's content).
+            or ``"boxed"`` (completion ``\\boxed{579}``, scored on the last box's content): the
+            registered rewards ``exact-match`` and ``boxed-match``.
         n_test: size of the held-out test split. Default 500.
         seed: seed of the test split (training samples come from the caller's rng).
     """
@@ -96,14 +97,12 @@ class ArithmeticTask:
         return list(self._test)
 
     def score(self, example: Example, completion: str) -> float:
-        if not isinstance(completion, str):
-            return 0.0
-        if self.answer_format == "plain":
-            return float(completion.strip() == example.answer)
-        return float(extract_answer(completion) == example.answer)
+        return self.score_many([example], [completion])[0]
 
     def score_many(self, examples: list[Example], completions: list[str]) -> list[float]:
-        return [self.score(e, c) for e, c in zip(examples, completions, strict=True)]
+        """The registered rewards ``exact-match`` (plain) or ``boxed-match`` (boxed)."""
+        reward = exact_match if self.answer_format == "plain" else boxed_match
+        return reward(completions=completions, answers=[e.answer for e in examples])
 
     def format_target(self, example: Example) -> str:
         return example.answer if self.answer_format == "plain" else f"\\boxed{{{example.answer}}}"

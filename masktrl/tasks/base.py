@@ -83,6 +83,13 @@ def task_names() -> list[str]:
     return sorted(_TASKS)
 
 
+def task_parameters(name: str) -> list[str]:
+    """The option names the factory of task ``name`` accepts (ConfigError for an unknown name)."""
+    if name not in _TASKS:
+        raise ConfigError(f"unknown task {name!r}; valid tasks: {', '.join(task_names())}")
+    return [p for p in inspect.signature(_TASKS[name]).parameters if p != "self"]
+
+
 def get_task(name: str, **kwargs: Any) -> Task:
     """Build the task registered as ``name`` with its config ``kwargs``.
 

@@ -28,6 +28,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from typing import Callable
 
 from masktrl.errors import MasktrlError
 
@@ -137,11 +138,11 @@ def quick_verdict(pred: str, gold: str) -> bool | None:
 
 # --------------------------------------------------------------------------- worker pool
 class _Worker:
-    """One grading subprocess, its pipes and the request it is working on."""
+    """One worker subprocess, its pipes and the request it is working on."""
 
-    def __init__(self) -> None:
+    def __init__(self, argv: list[str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", _WORKER_PATH],
+            argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -153,15 +154,13 @@ class _Worker:
         self.buf = b""
         self.ready = False
         self.started = time.monotonic()
-        self.key: tuple | None = None  # request in progress
+        self.key: object = None  # request in progress
         self.deadline = 0.0
 
-    def send(self, key: tuple, timeout_s: float) -> bool:
-        pred, gold, raw = key
-        t = max(1, int(timeout_s / 2))  # math_verify's own alarms: finish before we kill
-        msg = json.dumps({"id": 0, "pred": pred, "gold": gold, "raw": raw, "t": t}) + "\n"
+    def send(self, key: object, msg: dict, timeout_s: float) -> bool:
+        line = json.dumps(msg, default=str) + "\n"
         try:
-            self.proc.stdin.write(msg.encode("ascii"))
+            self.proc.stdin.write(line.encode("utf-8"))
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError, ValueError):
             return False
@@ -218,6 +217,112 @@ def _shutdown(workers: list[_Worker]) -> None:
     workers.clear()
 
 
+class WorkerPool:
+    """Worker subprocesses that answer JSON-line requests, one at a time each, under a hard
+    wall-clock timeout per request (the grader's pool; custom rewards run in one too).
+
+    Protocol, one JSON object per line: the worker says ``{"ready": true}`` once started (or
+    ``{"error": "..."}`` if it cannot start, then exits); the parent sends one request object,
+    the worker answers with one object; the worker exits when stdin closes. A worker that
+    overruns its request's deadline is killed and replaced; so is one that crashes. Workers start
+    lazily, on the first request.
+
+    Args:
+        argv: the command that starts a worker (called at each start, so it may change).
+        workers: number of processes.
+        name: prefixes errors (``"grader"``).
+        kind: names one worker in errors (``"math-verify worker"``).
+        start_error: the exception class raised when workers cannot start.
+        start_hint: appended to the error when workers keep failing to start.
+        startup_timeout_s: how long a worker may take to say it is ready.
+    """
+
+    def __init__(
+        self,
+        argv: Callable[[], list[str]],
+        workers: int = 2,
+        name: str = "pool",
+        kind: str = "worker",
+        start_error: type[Exception] = MasktrlError,
+        start_hint: str = "",
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.argv, self.n_workers, self.name, self.kind = argv, workers, name, kind
+        self.start_error, self.start_hint, self.startup_timeout_s = start_error, start_hint, startup_timeout_s
+        self.workers: list[_Worker] = []
+        self.stats = {"timeouts": 0, "crashes": 0}
+        self._finalizer = weakref.finalize(self, _shutdown, self.workers)
+
+    def close(self) -> None:
+        """Stop all workers. Further requests start new ones."""
+        self._finalizer()
+        self._finalizer = weakref.finalize(self, _shutdown, self.workers)
+
+    def run(self, requests: dict, timeout_s: float) -> tuple[dict, set]:
+        """Answers to ``requests`` (key -> request object), and the keys whose worker timed out
+        or crashed (no answer). Raises ``start_error`` when workers cannot start."""
+        pending = deque(requests)
+        answers: dict = {}
+        failed: set = set()
+        start_failures = 0
+        while pending or any(w.key is not None for w in self.workers):
+            while len(self.workers) < self.n_workers:
+                self.workers.append(_Worker(self.argv()))
+            for w in self.workers:
+                if w.ready and w.key is None and pending:
+                    key = pending.popleft()
+                    if not w.send(key, requests[key], timeout_s):
+                        pending.appendleft(key)  # died while idle: replaced below
+            now = time.monotonic()
+            waits = [w.deadline - now for w in self.workers if w.key is not None]
+            waits += [w.started + self.startup_timeout_s - now for w in self.workers if not w.ready]
+            timeout = max(0.0, min(waits)) if waits else 0.05
+            poller = select.poll()  # not select.select: training processes may hold fds >= 1024
+            for w in self.workers:
+                poller.register(w.fd, select.POLLIN)
+            readable = {fd for fd, _ in poller.poll(timeout * 1000)}
+            for w in [w for w in self.workers if w.fd in readable]:
+                msgs = w.read_messages()
+                if msgs is None:  # exited
+                    if w.key is not None:
+                        failed.add(w.key)
+                        self.stats["crashes"] += 1
+                    elif not w.ready:
+                        start_failures += 1
+                    self._retire(w)
+                    continue
+                for msg in msgs:
+                    if "error" in msg and not w.ready:
+                        self._retire(w)
+                        raise self.start_error(f"{self.name}: {self.kind} cannot start: {msg['error']}")
+                    if msg.get("ready"):
+                        w.ready = True
+                    elif w.key is not None:
+                        answers[w.key] = msg
+                        w.key = None
+            now = time.monotonic()
+            for w in list(self.workers):
+                if w.key is not None and now >= w.deadline:
+                    failed.add(w.key)
+                    self.stats["timeouts"] += 1
+                    self._retire(w)
+                elif not w.ready and now >= w.started + self.startup_timeout_s:
+                    start_failures += 1
+                    self._retire(w)
+            if start_failures >= _MAX_START_FAILURES:
+                raise self.start_error(
+                    f"{self.name}: {start_failures} {self.kind}s failed to start "
+                    f"within {self.startup_timeout_s:g}s{self.start_hint}"
+                )
+        return answers, failed
+
+    def _retire(self, w: _Worker) -> None:
+        w.kill()
+        self.workers.remove(w)
+
+
 class Grader:
     """Grades (completion, gold) pairs with math-verify under a hard per-answer timeout.
 
@@ -232,6 +337,8 @@ class Grader:
             extraction ("the answer is 42", last LaTeX expression, last number).
         max_chars: only the last ``max_chars`` characters of a completion are looked at.
         startup_timeout_s: how long a worker may take to import math_verify.
+        extract: ``extract(completion, max_chars)`` -> the answer a completion commits to, or
+            None (default: :func:`extract_answer`, the last ``\\boxed{}``).
     """
 
     def __init__(
@@ -240,6 +347,7 @@ class Grader:
         require_boxed: bool = True,
         max_chars: int = 4096,
         startup_timeout_s: float = 60.0,
+        extract: Callable[[str, int], str | None] | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -247,11 +355,22 @@ class Grader:
         self.require_boxed = require_boxed
         self.max_chars = max_chars
         self.startup_timeout_s = startup_timeout_s
-        self._workers: list[_Worker] = []
+        self.extract = extract or extract_answer
+        self._pool = WorkerPool(
+            lambda: [sys.executable, "-u", _WORKER_PATH],  # read at each start: tests swap the worker
+            workers,
+            name="grader",
+            kind="math-verify worker",
+            start_hint="; check `python -c 'import math_verify'`",
+            startup_timeout_s=startup_timeout_s,
+        )
         self._cache: dict[tuple, bool] = {}
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
         self.stats = {"fast": 0, "cached": 0, "pool": 0, "timeouts": 0, "crashes": 0}
+
+    @property
+    def _workers(self) -> list[_Worker]:
+        return self._pool.workers
 
     def __enter__(self) -> Grader:
         return self
@@ -261,8 +380,7 @@ class Grader:
 
     def close(self) -> None:
         """Stop all workers. Further grading starts new ones."""
-        self._finalizer()
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+        self._pool.close()
 
     # ----------------------------------------------------------------- public API
     def grade(self, completion: str, gold: str, timeout_s: float = 5.0) -> bool:
@@ -308,7 +426,7 @@ class Grader:
         gold = gold_answer(str(gold))
         if not gold:
             return False
-        pred = extract_answer(completion, self.max_chars)
+        pred = self.extract(completion, self.max_chars)
         if pred is None:
             if self.require_boxed:
                 return False
@@ -317,71 +435,16 @@ class Grader:
         verdict = quick_verdict(pred, gold)
         return verdict if verdict is not None else (pred, gold, False)
 
-    def _spawn(self) -> None:
-        self._workers.append(_Worker())
-
-    def _retire(self, w: _Worker) -> None:
-        w.kill()
-        self._workers.remove(w)
-
     def _run_pool(self, keys: list[tuple], timeout_s: float) -> tuple[dict[tuple, bool], set[tuple]]:
-        """Verdicts for ``keys``, and the keys whose worker timed out or crashed."""
-        pending = deque(keys)
-        verdicts: dict[tuple, bool] = {}
-        failed: set[tuple] = set()
-        start_failures = 0
-        while pending or any(w.key is not None for w in self._workers):
-            while len(self._workers) < self.n_workers:
-                self._spawn()
-            for w in self._workers:
-                if w.ready and w.key is None and pending:
-                    key = pending.popleft()
-                    if not w.send(key, timeout_s):
-                        pending.appendleft(key)  # died while idle: replaced below
-            now = time.monotonic()
-            waits = [w.deadline - now for w in self._workers if w.key is not None]
-            waits += [w.started + self.startup_timeout_s - now for w in self._workers if not w.ready]
-            timeout = max(0.0, min(waits)) if waits else 0.05
-            poller = select.poll()  # not select.select: training processes may hold fds >= 1024
-            for w in self._workers:
-                poller.register(w.fd, select.POLLIN)
-            readable = {fd for fd, _ in poller.poll(timeout * 1000)}
-            for w in [w for w in self._workers if w.fd in readable]:
-                msgs = w.read_messages()
-                if msgs is None:  # exited
-                    if w.key is not None:
-                        verdicts[w.key] = False
-                        failed.add(w.key)
-                        self.stats["crashes"] += 1
-                    elif not w.ready:
-                        start_failures += 1
-                    self._retire(w)
-                    continue
-                for msg in msgs:
-                    if "error" in msg:
-                        self._retire(w)
-                        raise MasktrlError(f"grader: math-verify worker cannot start: {msg['error']}")
-                    if msg.get("ready"):
-                        w.ready = True
-                    elif "ok" in msg and w.key is not None:
-                        verdicts[w.key] = bool(msg["ok"])
-                        self.stats["pool"] += 1
-                        w.key = None
-            now = time.monotonic()
-            for w in list(self._workers):
-                if w.key is not None and now >= w.deadline:
-                    verdicts[w.key] = False
-                    failed.add(w.key)
-                    self.stats["timeouts"] += 1
-                    self._retire(w)
-                elif not w.ready and now >= w.started + self.startup_timeout_s:
-                    start_failures += 1
-                    self._retire(w)
-            if start_failures >= _MAX_START_FAILURES:
-                raise MasktrlError(
-                    f"grader: {start_failures} math-verify workers failed to start "
-                    f"within {self.startup_timeout_s:g}s; check `python -c 'import math_verify'`"
-                )
+        """Verdicts for ``keys``, and the keys whose worker timed out or crashed (graded False)."""
+        t = max(1, int(timeout_s / 2))  # math_verify's own alarms: finish before we kill
+        requests = {key: {"id": 0, "pred": key[0], "gold": key[1], "raw": key[2], "t": t} for key in keys}
+        before = dict(self._pool.stats)
+        answers, failed = self._pool.run(requests, timeout_s)
+        for name in ("timeouts", "crashes"):
+            self.stats[name] += self._pool.stats[name] - before[name]
+        self.stats["pool"] += len(answers)
+        verdicts = {key: bool(answers[key].get("ok")) if key in answers else False for key in keys}
         return verdicts, failed
 
 

@@ -1,5 +1,9 @@
 """Real math data: local files, cached hub benchmarks, and :class:`MathTask`.
 
+The benchmarks are presets of the dataset task (:mod:`masktrl.tasks.dataset`): their hub
+sources (``HUB_SOURCES``), the field names below, the ``base`` template and the ``math-verify``
+reward; a preset task accepts the dataset task's options (template, reward, source, ...).
+
 File formats (chosen by suffix):
   ``.jsonl``   one JSON object per line (blank lines ignored)
   ``.json``    a JSON list of objects (a .json file holding JSON lines is read as .jsonl)
@@ -21,15 +25,17 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
 from masktrl.errors import ConfigError, DataError
 from masktrl.tasks.base import Example, register_task
-from masktrl.tasks.grader import Grader, last_boxed
-from masktrl.tasks.prompts import render_prompt
+from masktrl.tasks.dataset import PRESET_OPTIONS, DatasetTask, NotCached, import_datasets, load_rows, resolve_reward, rows_to_examples
+from masktrl.tasks.dataset import split_heldout  # noqa: F401  (re-exported: it lived here)
+from masktrl.tasks.grader import last_boxed
+from masktrl.tasks.rewards import Reward
+from masktrl.tasks.templates import DAPO_PREFIX, DAPO_SUFFIX, PromptTemplate
 
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Problem", "input")
 ANSWER_FIELDS = ("answer", "solution", "final_answer", "Answer", "ground_truth", "target")
@@ -39,11 +45,7 @@ FIELDS_HINT = (
     f"a {'/'.join(SUFFIXES)} file with the problem under one of {'|'.join(PROBLEM_FIELDS)} "
     f"and the answer under one of {'|'.join(ANSWER_FIELDS)}"
 )
-_DAPO_PREFIX = (
-    "Solve the following math problem step by step. The last line of your response should be "
-    "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
-)
-_DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+_DAPO_PREFIX, _DAPO_SUFFIX = DAPO_PREFIX, DAPO_SUFFIX  # the template ``dapo`` puts them back
 
 
 # --------------------------------------------------------------------------- rows -> examples
@@ -103,7 +105,7 @@ def row_to_example(row: Any, where: str, source: str, index: int) -> Example:
         id=f"{source}/{ident if ident is not None else index}",
         prompt=problem,
         answer=answer,
-        meta={"problem": problem, "source": source, "row": index},
+        meta={"problem": problem, "source": source, "row": index, "fields": row},
     )
 
 
@@ -221,19 +223,8 @@ BENCHMARKS = tuple(sorted([*HUB_SOURCES, *COMPOSITES]))
 TRAIN_SETS = ("dapo-math",)  # deduplicated on load (the hub file repeats each problem)
 
 
-class _Unavailable(Exception):
-    pass
-
-
-def _import_datasets():
-    os.environ["HF_DATASETS_OFFLINE"] = "1"  # never download; the cache or nothing
-    try:
-        import datasets
-    except ImportError:
-        raise _Unavailable("the `datasets` package is not installed") from None
-    if hasattr(datasets, "config"):
-        datasets.config.HF_DATASETS_OFFLINE = True
-    return datasets
+_Unavailable = NotCached
+_import_datasets = import_datasets
 
 
 def _load_hub(name: str, alternatives: list[list[HubSource]]) -> list[Example]:
@@ -294,75 +285,47 @@ def load_benchmark(name: str, data_file: str | os.PathLike | None = None) -> lis
 
 
 # --------------------------------------------------------------------------- the task
-class MathTask:
-    """Math problems graded by math-verify (see :mod:`masktrl.tasks.grader`).
+class MathTask(DatasetTask):
+    """Math problems graded by math-verify (see :mod:`masktrl.tasks.grader`): a
+    :class:`~masktrl.tasks.dataset.DatasetTask` with the math template and reward by default.
 
     Args:
         test: held-out examples (raw problem text as ``prompt``, as loaders return them).
         train: training examples, or None for an evaluation-only task.
-        template: prompt template name (``base``, ``chat``, ``raw``; see prompts.py).
+        template: prompt template name (``base``, ``chat``, ``instruct``, ``raw``, ``dapo``; see
+            prompts.py and templates.py), a format string, or a :class:`PromptTemplate`.
         tokenizer: needed by the ``chat`` template.
         timeout_s: hard grading timeout per answer.
         require_boxed: a completion without ``\\boxed{}`` scores 0 (default True).
         grader_workers: grading processes (started on first use).
         name: the task's name in logs and artifacts.
         no_train_hint: appended to the error raised when training without a train set.
+        reward: a reward name / spec or :class:`Reward` (default: the template's, else math-verify).
+        **kwargs: DatasetTask's ``max_prompt_tokens`` and ``count_tokens``.
     """
 
     def __init__(
         self,
         test: list[Example],
         train: list[Example] | None = None,
-        template: str = "base",
+        template: str | PromptTemplate = "base",
         tokenizer: Any = None,
         timeout_s: float = 5.0,
         require_boxed: bool = True,
         grader_workers: int = 2,
         name: str = "math",
         no_train_hint: str = "set train= or train_file=",
+        reward: str | Reward | None = None,
+        **kwargs: Any,
     ) -> None:
-        self.name, self._no_train_hint = name, no_train_hint
-        self.template, self.tokenizer, self.timeout_s = template, tokenizer, timeout_s
-        render_prompt("1+1", template, tokenizer)  # fail now (ConfigError) on a bad template
-        self._train = list(train) if train is not None else None
-        self._test = [self._render(e) for e in test]
-        self._grader = Grader(workers=grader_workers, require_boxed=require_boxed)
-
-    def _render(self, e: Example) -> Example:
-        problem = e.meta.get("problem", e.prompt)
-        return replace(e, prompt=render_prompt(problem, self.template, self.tokenizer), meta={**e.meta, "problem": problem})
-
-    def train_examples(self, n: int, rng: random.Random) -> list[Example]:
-        """``n`` examples of the train set: without replacement when ``n`` fits, else with."""
-        if not self._train:
-            raise ConfigError(f"task {self.name!r}: no training set ({self._no_train_hint})")
-        picks = rng.sample(self._train, n) if n <= len(self._train) else rng.choices(self._train, k=n)
-        return [self._render(e) for e in picks]
-
-    def test_examples(self) -> list[Example]:
-        return list(self._test)
-
-    def score(self, example: Example, completion: str) -> float:
-        return float(self._grader.grade(completion, example.answer, timeout_s=self.timeout_s))
-
-    def score_many(self, examples: list[Example], completions: list[str]) -> list[float]:
-        pairs = [(c, e.answer) for e, c in zip(examples, completions, strict=True)]
-        return [float(ok) for ok in self._grader.grade_many(pairs, timeout_s=self.timeout_s)]
-
-    def format_target(self, example: Example) -> str:
-        return f"The final answer is \\boxed{{{example.answer}}}."
+        tmpl = template if isinstance(template, PromptTemplate) else PromptTemplate.resolve(template)
+        tmpl.check(tokenizer)  # before any grading process exists
+        self.timeout_s = timeout_s
+        rew = resolve_reward(reward, tmpl, "math-verify", timeout_s=timeout_s, workers=grader_workers, require_boxed=require_boxed)
+        super().__init__(test, train, template=tmpl, reward=rew, tokenizer=tokenizer, name=name, no_train_hint=no_train_hint, **kwargs)
 
     def alphabet(self) -> None:
         return None
-
-    def close(self) -> None:
-        self._grader.close()
-
-    def __enter__(self) -> MathTask:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _load(name: str | None, data_file: str | None) -> list[Example] | None:
@@ -404,19 +367,15 @@ def make_math_task(
     )
 
 
-def split_heldout(examples: list[Example], n_test: int | None, seed: int = 0) -> tuple[list[Example], list[Example]]:
-    """``(held_out, rest)``: a seeded sample of ``n_test`` examples (in file order) and the others.
-
-    ``n_test`` None or >= the number of examples holds out everything.
-    """
-    if n_test is not None and (isinstance(n_test, bool) or not isinstance(n_test, int) or n_test < 1):
-        raise ConfigError(f"n_test must be a positive integer, got {n_test!r}")
-    if n_test is None or n_test >= len(examples):
-        return list(examples), []
-    picked = set(random.Random(f"masktrl.heldout:{seed}").sample(range(len(examples)), n_test))
-    held = [e for i, e in enumerate(examples) if i in picked]
-    rest = [e for i, e in enumerate(examples) if i not in picked]
-    return held, rest
+def _preset_rows(bench: str, source: str, split: str, subset: str | None, prompt_key: str | None,
+                 answer_key: str | None) -> list[Example]:
+    """A preset's examples from another source: by the given keys, else by the math field names."""
+    rows = load_rows(source, split, subset)
+    where = f"{source} ({split})"
+    if prompt_key or answer_key:
+        return rows_to_examples(rows, prompt_key or "problem", answer_key or "answer", bench, where)
+    examples = [row_to_example(r, f"{where}, row {i}", bench, i) for i, r in enumerate(rows, 1)]
+    return _finish(examples, where, bench)
 
 
 def _benchmark_factory(bench: str):
@@ -426,34 +385,61 @@ def _benchmark_factory(bench: str):
         seed: int = 0,
         test: str | None = None,
         test_file: str | None = None,
-        template: str = "base",
+        template: str | None = None,
         tokenizer: Any = None,
         timeout_s: float = 5.0,
         require_boxed: bool = True,
         grader_workers: int = 2,
+        **options: Any,
     ) -> MathTask:
-        examples = load_benchmark(bench, data_file)
-        if test is not None or test_file is not None:
+        unknown = sorted(set(options) - set(PRESET_OPTIONS))
+        if unknown:
+            raise ConfigError(f"task {bench!r}: unknown option(s) {', '.join(unknown)}; accepted: data_file, n_test, seed, "
+                              f"test, test_file, template, tokenizer, timeout_s, require_boxed, grader_workers, {', '.join(PRESET_OPTIONS)}")
+        o = {**dict.fromkeys(PRESET_OPTIONS), "split": "train", "chat": False, **options}
+        source, split, test_split, subset = o["source"], o["split"], o["test_split"], o["subset"]
+        prompt_key, answer_key = o["prompt_key"], o["answer_key"]
+        if source is not None and data_file is not None:
+            raise ConfigError(f"task {bench!r}: set task.source or task.data, not both")
+        tmpl = PromptTemplate.resolve(template, system_prompt=o["system_prompt"], chat=o["chat"],
+                                      chat_kwargs=o["chat_template_kwargs"], default="instruct" if o["chat"] else "base")
+        if source is not None:
+            examples = _preset_rows(bench, source, split, subset, prompt_key, answer_key)
+            examples = _dedupe(examples) if bench in TRAIN_SETS else examples
+        else:
+            examples = load_benchmark(bench, data_file)
+        if test_split is not None:
+            if source is None:
+                raise ConfigError(f"task {bench!r}: task.test_split needs task.source")
+            held, rest = _preset_rows(bench, source, test_split, subset, prompt_key, answer_key), examples
+        elif test is not None or test_file is not None:
             held, rest = _load(test, test_file), examples
         else:
             held, rest = split_heldout(examples, n_test, seed)
         return MathTask(
             held,
             train=rest or None,
-            template=template,
+            template=tmpl,
             tokenizer=tokenizer,
             timeout_s=timeout_s,
             require_boxed=require_boxed,
             grader_workers=grader_workers,
             name=bench,
             no_train_hint=f"all {len(examples)} problems are held out; lower n_test or pass test=/test_file=",
+            reward=o["reward"],
+            max_prompt_tokens=o["max_prompt_tokens"],
+            count_tokens=o["count_tokens"],
         )
 
-    make_benchmark_task.__doc__ = f"""Task over benchmark {bench!r} (see load_benchmark).
+    make_benchmark_task.__doc__ = f"""Task over benchmark {bench!r} (see load_benchmark): a preset of the dataset task.
 
     ``n_test`` problems (a seeded sample; all when None or too many) form the test split
-    and the rest the train set, unless ``test``/``test_file`` name a separate test set, in
-    which case all of {bench!r} is the train set.
+    and the rest the train set, unless ``test``/``test_file`` (or ``test_split`` of ``source``)
+    name a separate test set, in which case all of {bench!r} is the train set. ``source``
+    reads the problems from another file, folder or cached hub id (by ``prompt_key`` /
+    ``answer_key``, else by the math field names); ``template`` (default ``base``, ``instruct``
+    with a chat template), ``reward`` (default: the template's, else ``math-verify``) and the
+    other ``options`` (``PRESET_OPTIONS``) are the dataset task's.
     """
     return make_benchmark_task
 

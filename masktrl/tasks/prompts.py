@@ -7,6 +7,10 @@
 * ``instruct``: the problem and the instruction with no cue: the user-message content,
   for callers that apply a chat template themselves.
 * ``raw``: the problem text unchanged (for data whose prompts are already complete).
+
+Prompt text is rendered once: ``Example.prompt`` is exactly the text the model sees, and
+``encode_prompt`` only tokenizes it. The synthetic arithmetic task has no template: with
+``model.chat_template`` its raw prompt is wrapped by ``encode_prompt``.
 """
 from __future__ import annotations
 
@@ -68,3 +72,38 @@ def get_template(name: str) -> Callable[..., str]:
 def render_prompt(problem: str, template: str = "base", tokenizer: Any = None, **chat_kwargs: Any) -> str:
     """Render ``problem`` with the template called ``template``."""
     return get_template(template)(problem, tokenizer=tokenizer, **chat_kwargs)
+
+
+# --------------------------------------------------------------------------- encoding
+
+_PROBE = "\x00masktrl-probe\x00"  # a message content no real prompt contains
+
+
+def wraps_chat(task, chat_template: bool) -> bool:
+    """Whether ``encode_prompt`` must wrap ``task``'s prompts in the chat template: only when the
+    task does not render its own (a task with ``renders_prompts``, e.g. the dataset task, already
+    applied the chat template, system prompt included)."""
+    return bool(chat_template) and not getattr(task, "renders_prompts", False)
+
+
+def encode_prompt(tokenizer, prompt: str, chat_template: bool) -> list[int]:
+    """Token ids of a prompt: raw text for base models, the chat template for instruct models.
+
+    A prompt the task already rendered with this tokenizer's chat template (MathTask with
+    template ``chat``) is tokenized as it is, never wrapped twice.
+    """
+    if chat_template and not is_chat_rendered(tokenizer, prompt):
+        # rendered as text, then tokenized like any prompt: apply_chat_template(tokenize=True)
+        # returns a BatchEncoding, not ids, in transformers 5
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def is_chat_rendered(tokenizer, prompt: str) -> bool:
+    """Whether ``prompt`` is a user turn rendered with ``tokenizer``'s chat template (the text
+    before and after the message content match the template's)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _PROBE}], tokenize=False, add_generation_prompt=True)
+    head, sep, tail = text.partition(_PROBE)
+    return bool(sep) and len(prompt) > len(head) + len(tail) and prompt.startswith(head) and prompt.endswith(tail)

@@ -13,10 +13,13 @@ from pathlib import Path
 
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
+from masktrl.pipeline.collect import rollout_stats
 from masktrl.rollout.storage import read_rollouts
 
 
 class RolloutSource:
+    """The batches of a run folder or of one rollout file, checked against this model's tokenizer."""
+
     def __init__(self, spec: str, prompts_per_step: int, tokenizer):
         path = Path(spec)
         if path.is_dir():
@@ -48,8 +51,6 @@ class RolloutSource:
 
     def batch(self, step: int):
         """(samples, stats) of the step-th batch (1-based), groups renumbered 0..P-1."""
-        from masktrl.pipeline.train import rollout_stats
-
         if self._files is not None:
             samples, meta = read_rollouts(self._files[step - 1])
             return samples, meta.get("stats") or rollout_stats(_group(samples), len(_group(samples)))

@@ -1,7 +1,12 @@
 """Evaluation statistics: pass@k, avg@k, maj@k, bootstrap CIs and two-sample tests.
 
-numpy only (no scipy): the Student-t p-value uses the regularized incomplete beta
-function, computed with the Lentz continued fraction (Numerical Recipes, section 6.4).
+The tests and the bootstrap are scipy.stats': Welch's t-test is ``ttest_ind(equal_var=False)``,
+Student-t p-values and quantiles come from ``scipy.stats.t``, the permutation test is
+``permutation_test`` and the CI is ``bootstrap(method="percentile")``, each drawing from
+``np.random.default_rng(seed)`` in the batches the earlier hand-written versions used, so the
+numbers are theirs to float precision. scipy refuses samples of one value; for those the
+single-value CI and the few permutation relabelings are computed here. pass@k, avg@k and maj@k
+are written here too: no library provides them.
 
 Conventions: ``correct`` is a ``[P, k]`` boolean matrix (P problems, k samples each);
 per-problem values are what CIs resample (problems are the unit of replication).
@@ -9,12 +14,12 @@ per-problem values are what CIs resample (problems are the unit of replication).
 from __future__ import annotations
 
 import math
+import warnings
 from itertools import combinations
 from typing import Callable, Sequence
 
 import numpy as np
-
-from masktrl.tasks.grader import normalize
+from scipy import stats as sps
 
 # --------------------------------------------------------------------------- sampling metrics
 
@@ -56,11 +61,13 @@ def maj_at_k(
     answers: Sequence[Sequence[str | None]],
     correct,
     per_problem: bool = False,
-    normalize_fn: Callable[[str], str] = normalize,
+    *,
+    normalize_fn: Callable[[str], str],
 ) -> float | np.ndarray:
     """Majority-vote accuracy: the most frequent normalised answer of each problem's k samples.
 
-    ``answers[p][j]`` is sample j's extracted answer (None or empty = no answer, no vote);
+    ``answers[p][j]`` is sample j's extracted answer (None or empty = no answer, no vote),
+    compared after ``normalize_fn`` (for math answers: ``masktrl.tasks.grader.normalize``);
     ``correct[p][j]`` its correctness. The problem counts as solved when the winning answer's
     first sample is correct. Ties go to the answer that appears first (lowest sample index),
     so results are deterministic and independent of hashing. No votes at all = unsolved.
@@ -109,25 +116,30 @@ def bootstrap_ci(
 ) -> tuple[float, float]:
     """Percentile bootstrap ``(low, high)`` of ``stat`` over resampled ``values`` (e.g. problems).
 
-    ``stat`` is called as ``stat(samples, axis=1)`` on ``[B, n]`` resamples when it accepts
-    ``axis`` (np.mean, np.median...), else once per resample.
+    ``scipy.stats.bootstrap(method="percentile")``, drawing the resamples from
+    ``np.random.default_rng(seed)`` in batches of at most 4M values. ``stat`` is called as
+    ``stat(samples, axis=...)`` when it accepts ``axis`` (np.mean, np.median...), else once per
+    resample. A single value is its own interval (scipy needs two).
     """
     v = _as_vector(values)
     if not 0 < alpha < 1 or n_boot < 1:
         raise ValueError(f"bootstrap_ci needs 0 < alpha < 1 and n_boot >= 1, got {alpha}, {n_boot}")
-    rng = np.random.default_rng(seed)
-    chunk = max(1, min(n_boot, 4_000_000 // v.size))
-    stats = []
-    for start in range(0, n_boot, chunk):
-        idx = rng.integers(0, v.size, size=(min(chunk, n_boot - start), v.size))  # [B, n]
-        samples = v[idx]
-        try:
-            s = np.asarray(stat(samples, axis=1), dtype=np.float64)
-        except TypeError:
-            s = np.array([stat(row) for row in samples], dtype=np.float64)
-        stats.append(s.reshape(-1))
-    lo, hi = np.quantile(np.concatenate(stats), [alpha / 2, 1 - alpha / 2])
-    return float(lo), float(hi)
+    if v.size == 1:
+        one = float(np.asarray(stat(v[None, :], axis=1)).reshape(-1)[0]) if _takes_axis(stat) else float(stat(v))
+        return one, one
+    batch = max(1, min(n_boot, 4_000_000 // v.size))
+    res = sps.bootstrap((v,), stat, n_resamples=n_boot, batch=batch, confidence_level=1 - alpha, method="percentile",
+                        vectorized=_takes_axis(stat), rng=np.random.default_rng(seed))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def _takes_axis(fn: Callable) -> bool:
+    import inspect
+
+    try:
+        return "axis" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # some numpy functions have no signature
+        return True
 
 
 def _as_vector(values) -> np.ndarray:
@@ -140,89 +152,64 @@ def _as_vector(values) -> np.ndarray:
 # --------------------------------------------------------------------------- tests
 
 
-def betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta function I_x(a, b) for a, b > 0 and 0 <= x <= 1."""
-    if a <= 0 or b <= 0 or not 0.0 <= x <= 1.0:
-        raise ValueError(f"betainc needs a, b > 0 and 0 <= x <= 1, got a={a}, b={b}, x={x}")
-    if x == 0.0 or x == 1.0:
-        return x
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):  # the continued fraction converges fast here
-        return math.exp(log_front) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
-
-
-def _betacf(a: float, b: float, x: float, eps: float = 1e-15, max_iter: int = 100_000) -> float:
-    """Continued fraction of I_x(a, b) by the modified Lentz method."""
-    tiny = 1e-300
-    qab, qap, qam = a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, max_iter + 1):
-        m2 = 2 * m
-        for num in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < eps:
-            return h
-    raise ArithmeticError(f"betainc continued fraction did not converge (a={a}, b={b}, x={x})")
-
-
 def student_t_pvalue(t: float, df: float) -> float:
     """Two-sided p-value P(|T| >= |t|) of Student's t with ``df`` degrees of freedom."""
     if math.isnan(t) or not df > 0:
         return float("nan")
-    if math.isinf(t):
-        return 0.0
-    return min(1.0, betainc(df / 2.0, 0.5, df / (df + t * t)))
+    return float(min(1.0, 2.0 * sps.t.sf(abs(t), df)))
+
+
+def t_critical(df: float, alpha: float = 0.05) -> float:
+    """The two-sided Student-t quantile: P(|T| >= t) = alpha."""
+    return float(sps.t.ppf(1.0 - alpha / 2.0, df))
 
 
 def welch_t_test(a, b) -> tuple[float, float]:
     """Welch's unequal-variance t-test of mean(a) == mean(b): ``(t, two-sided p)``.
 
-    Degrees of freedom by Welch–Satterthwaite. Both groups need >= 2 values, else
-    ``(nan, nan)``. With zero variance in both: ``(0, 1)`` for equal means, ``(±inf, 0)``
-    otherwise.
+    ``scipy.stats.ttest_ind(equal_var=False)`` (Welch–Satterthwaite degrees of freedom). Both
+    groups need >= 2 values, else ``(nan, nan)``. With zero variance in both: ``(0, 1)`` for
+    equal means, ``(±inf, 0)`` otherwise (scipy would return nan).
     """
     x, y = _as_vector(a), _as_vector(b)
     if x.size < 2 or y.size < 2:
         return float("nan"), float("nan")
-    vx, vy = x.var(ddof=1) / x.size, y.var(ddof=1) / y.size
     diff = float(x.mean() - y.mean())
-    se2 = vx + vy
-    if se2 == 0.0:
+    if x.var(ddof=1) / x.size + y.var(ddof=1) / y.size == 0.0:
         return (0.0, 1.0) if diff == 0.0 else (math.copysign(math.inf, diff), 0.0)
-    t = diff / math.sqrt(se2)
-    df = se2**2 / (vx**2 / (x.size - 1) + vy**2 / (y.size - 1))
-    return float(t), float(student_t_pvalue(float(t), float(df)))
+    with warnings.catch_warnings():  # near-equal values: scipy warns of precision loss; the result stands
+        warnings.simplefilter("ignore", RuntimeWarning)
+        res = sps.ttest_ind(x, y, equal_var=False)
+    return float(res.statistic), float(res.pvalue)
 
 
 def permutation_test(a, b, n_perm: int = 10000, seed: int = 0) -> float:
     """Two-sided permutation p-value for a difference in means between ``a`` and ``b``.
 
-    Exact (all relabelings enumerated) when there are at most ``n_perm`` of them;
-    otherwise Monte Carlo with the ``(1 + hits) / (1 + n_perm)`` correction, so p > 0.
+    ``scipy.stats.permutation_test`` on the statistic |mean(a) - mean(b)| (alternative
+    "greater", so relabelings at least as extreme in either direction count). Exact (all
+    relabelings enumerated) when there are at most ``n_perm`` of them; otherwise Monte Carlo
+    with the ``(1 + hits) / (1 + n_perm)`` correction, so p > 0. The relabelings are drawn
+    from ``np.random.default_rng(seed)`` in batches of at most 2M values.
     """
     x, y = _as_vector(a), _as_vector(b)
+    if min(x.size, y.size) < 2:  # scipy needs two values per sample; here there are only n relabelings
+        return _exact_permutation_p(x, y)
+    batch = max(1, min(n_perm, 2_000_000 // (x.size + y.size)))
+
+    def abs_mean_diff(u, v, axis):
+        return np.abs(np.mean(u, axis=axis) - np.mean(v, axis=axis))
+
+    res = sps.permutation_test((x, y), abs_mean_diff, permutation_type="independent", vectorized=True,
+                               n_resamples=n_perm, batch=batch, alternative="greater", rng=np.random.default_rng(seed))
+    return float(res.pvalue)
+
+
+def _exact_permutation_p(x: np.ndarray, y: np.ndarray) -> float:
+    """The exact two-sided p-value of |mean(x) - mean(y)| over every relabeling."""
     pooled = np.concatenate([x, y])
-    n, na = pooled.size, x.size
+    n, na, total = pooled.size, x.size, pooled.sum()
     observed = abs(x.mean() - y.mean())
     tol = 1e-12 * max(1.0, float(np.abs(pooled).max()))  # relabelings that tie count as extreme
-    total = pooled.sum()
-    if math.comb(n, na) <= n_perm:
-        sums = np.array([pooled[list(idx)].sum() for idx in combinations(range(n), na)])
-        diffs = np.abs(sums / na - (total - sums) / (n - na))
-        return float(np.mean(diffs >= observed - tol))
-    rng = np.random.default_rng(seed)
-    hits = 0
-    chunk = max(1, min(n_perm, 2_000_000 // n))
-    for start in range(0, n_perm, chunk):
-        perms = rng.permuted(np.broadcast_to(pooled, (min(chunk, n_perm - start), n)), axis=1)  # [B, n]
-        sums = perms[:, :na].sum(axis=1)
-        diffs = np.abs(sums / na - (total - sums) / (n - na))
-        hits += int(np.sum(diffs >= observed - tol))
-    return (1 + hits) / (1 + n_perm)
+    sums = np.array([pooled[list(idx)].sum() for idx in combinations(range(n), na)])
+    return float(np.mean(np.abs(sums / na - (total - sums) / (n - na)) >= observed - tol))

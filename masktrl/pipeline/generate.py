@@ -15,10 +15,13 @@ from pathlib import Path
 from masktrl.config import Config
 from masktrl.errors import MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
-from masktrl.pipeline.evaluate import build_task, load_engine, resolve_model
-from masktrl.pipeline.rl import generate_groups, set_group_advantages, stream_seed
+from masktrl.pipeline.evaluate import bench_task_config, build_task, eval_chat, load_engine, resolve_model
+from masktrl.tasks import make_eval_task
+from masktrl.pipeline.collect import generate_groups, score_groups, set_advantages
+from masktrl.seeding import stream_seed
 from masktrl.rollout.base import SamplingSettings
 from masktrl.rollout.storage import write_rollouts
+from masktrl.tasks.math_data import BENCHMARKS
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class RolloutOptions:
     seed: int = 0
     engine: str | None = None
     template: str | None = None
+    config: str | None = None  # a YAML file: its task section (and model.chat_template)
+    overrides: tuple[str, ...] = ()  # --set task.KEY=VALUE (and model.chat_template=...)
 
     def validate(self) -> None:
         for name in ("n", "topk"):
@@ -43,25 +48,28 @@ class RolloutOptions:
             raise MasktrlError("--temperature must be > 0 and --top-p in (0, 1]")
 
 
-def run(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: int | None = None, force: bool = False) -> dict:
+def generate(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: int | None = None, force: bool = False) -> dict:
+    """Sample ``opts.n`` responses per prompt of ``data`` from ``model``, score them, and write
+    them with group advantages to ``out_file``; returns a summary of what was written."""
     opts.validate()
     out_file = Path(out_file)
     if out_file.exists() and not force:
         raise MasktrlError(f"{out_file} already exists; pass --force to replace it (nothing was changed)")
     ref = resolve_model(model, step)
     cfg = ref.cfg or Config()
-    cfg = replace(cfg, rollout=replace(cfg.rollout, engine=opts.engine or (cfg.rollout.engine if ref.cfg else "hf")))
+    cfg = replace(cfg, rollout=replace(cfg.rollout, engine=opts.engine or (cfg.rollout.engine if ref.cfg else "hf")),
+                  model=replace(cfg.model, path=ref.weights))  # a chat template or token counts come from these weights
     task, examples = _examples(data, cfg, opts)
     try:
         engine, tokenizer = load_engine(replace(cfg, model=replace(cfg.model, path=ref.weights)), ref.weights)
         max_new = opts.max_new_tokens or (cfg.rollout.max_new_tokens if ref.cfg else 1024)
         settings = SamplingSettings(opts.n, max_new, opts.temperature, opts.top_p, opts.topk)
         chat = cfg.model.chat_template and data == "synthetic"
-        groups = generate_groups(engine, tokenizer, task, examples, settings, stream_seed(opts.seed, "rollout-cmd"), chat)
+        groups = generate_groups(engine, tokenizer, examples, settings, stream_seed(opts.seed, "rollout-cmd"), chat)
+        score_groups(task, examples, groups)
     finally:
         task.close()
-    for group in groups:
-        set_group_advantages(group)
+    set_advantages(groups)
     samples = [s for g in groups for s in g]
     meta = {"engine": engine.name, "tokenizer": tokenizer_fingerprint(tokenizer), **settings.__dict__,
             "model": ref.weights, "data": data, "seed": opts.seed}
@@ -81,14 +89,20 @@ def _examples(data: str, cfg: Config, opts: RolloutOptions):
     if data == "synthetic":
         if cfg.task.name != "arithmetic":
             cfg = Config()
-        task = build_task("synthetic", cfg, None, None, None)
+        task = build_task("synthetic", cfg)
         return task, task.train_examples(opts.prompts or 32, random.Random(stream_seed(opts.seed, "rollout-cmd-prompts")))
     path = Path(data)
-    if path.suffix in (".jsonl", ".json", ".parquet"):
+    if path.suffix in (".jsonl", ".json", ".parquet") and not (opts.config or opts.overrides):
         from masktrl.tasks.math_data import make_math_task
 
         task = make_math_task(test=None, test_file=str(path), template=opts.template or "base")
-    else:
-        task = build_task(data, cfg, None, opts.template or "base", None)
+    else:  # a math preset, or `dataset` (task.source ...), with the --config / --set task keys
+        bench = data if data in BENCHMARKS or data == "dataset" else "dataset"
+        if bench != "dataset":
+            opts = replace(opts, template=opts.template or "base")  # math presets: the base template unless told
+        task_cfg = bench_task_config(bench, cfg, template=opts.template, data=data if bench == "dataset" and data != "dataset" else None,
+                                     config=opts.config, overrides=opts.overrides)
+        chat = eval_chat(cfg, opts)
+        task = make_eval_task(task_cfg, replace(cfg.model, chat_template=chat), whole_split=True)  # every row of task.split
     examples = task.test_examples()
     return task, examples[: opts.prompts] if opts.prompts else examples

@@ -1,8 +1,10 @@
-"""Group-normalised advantages and the per-purpose random streams, by hand."""
+"""Group-normalised advantages as a step's batch gets them, and the per-purpose random streams, by hand."""
 
 import math
 
-from masktrl.pipeline.rl import set_group_advantages, stream_seed
+from masktrl.methods import get_method, make_params
+from masktrl.pipeline.collect import set_advantages
+from masktrl.seeding import stream_seed
 from masktrl.rollout.base import Generation, Sample
 
 
@@ -13,7 +15,7 @@ def _group(rewards):
 
 def test_group_advantages_by_hand():
     g = _group([1.0, 0.0, 0.0, 1.0])
-    set_group_advantages(g)
+    set_advantages([g])
     std = math.sqrt(((0.5**2) * 4) / 3)  # unbiased std of [1, 0, 0, 1]
     want = [0.5 / (std + 1e-6), -0.5 / (std + 1e-6), -0.5 / (std + 1e-6), 0.5 / (std + 1e-6)]
     assert all(abs(s.advantage - w) < 1e-12 for s, w in zip(g, want))
@@ -21,7 +23,7 @@ def test_group_advantages_by_hand():
 
 def test_equal_rewards_give_zero_advantage():
     g = _group([1.0, 1.0, 1.0])
-    set_group_advantages(g)
+    set_advantages([g])
     assert [s.advantage for s in g] == [0.0, 0.0, 0.0]
 
 
@@ -29,3 +31,18 @@ def test_streams_are_stable_and_distinct():
     assert stream_seed(0, "rollout", 3, 0) == stream_seed(0, "rollout", 3, 0)
     seeds = {stream_seed(0, "rollout", 3, 0), stream_seed(0, "rollout", 4, 0), stream_seed(1, "rollout", 3, 0), stream_seed(0, "sis", 3, 0)}
     assert len(seeds) == 4 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_the_method_chooses_the_normalisation():
+    g = _group([1.0, 0.0, 0.0, 1.0])
+    set_advantages([g], get_method("grpo"), make_params("grpo", adv_norm="none"))  # Dr. GRPO: centred only
+    assert [s.advantage for s in g] == [0.5, -0.5, -0.5, 0.5]
+    h = _group([1.0, 0.0, 0.0, 1.0])
+    set_advantages([h], get_method("grpo"), make_params("grpo"))
+    assert [s.advantage for s in h] == [s.advantage for s in _by_default([1.0, 0.0, 0.0, 1.0])]
+
+
+def _by_default(rewards):
+    g = _group(rewards)
+    set_advantages([g])
+    return g

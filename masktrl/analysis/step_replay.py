@@ -2,34 +2,33 @@
 
 ``load_replay`` loads checkpoint P (weights + optimizer + scheduler; P = 0 is the warm-start
 policy with a fresh optimizer, as the train loop starts) and the rollout batch of step S.
-``replay_step`` then runs the minibatch updates of ``pipeline.rl.policy_update`` with the
+``replay_step`` then runs the minibatch updates of ``pipeline.update.policy_update`` with the
 run's method, parameters and optimizer, calling hooks before and after each update, so an
 analysis can look at exactly what the method saw. With P = S-1, the run's seed and the run's
 number of minibatches, the replay reproduces the stored checkpoint S (tested).
 
-This module reaches into ``pipeline.rl`` (the only analysis module that does); it belongs
-with the pipeline stages if they grow an ``analyze`` stage.
+The pipeline modules used here (``runstore``, ``checkpoint``, ``policy``, ``update``) are the
+ones the analyses may use: the import contract in pyproject.toml keeps them off the others.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from masktrl.analysis.io import checkpoint_path, load_config_of, rollout_path
 from masktrl.config import Config
 from masktrl.errors import ArtifactError
 from masktrl.methods import Method, get_method, make_params
 from masktrl.models.loading import load_model_and_tokenizer
-from masktrl.pipeline import rl
+from masktrl.pipeline import update
 from masktrl.pipeline.checkpoint import load_optimizer_state
-from masktrl.pipeline.rl import PolicyOutputs, policy_token_batch
+from masktrl.pipeline.policy import PolicyOutputs, policy_token_batch
+from masktrl.pipeline.runstore import RunStore
 from masktrl.rollout.base import Sample
-from masktrl.rollout.storage import read_rollouts
 
 
 @dataclass
@@ -77,20 +76,19 @@ class Replay:
 
 def load_replay(root: Path, step: int, policy_step: int | None = None) -> Replay:
     """Checkpoint ``policy_step`` (default step-1) with its optimizer, and the rollouts of ``step``."""
-    from masktrl.pipeline.train import make_optimizer
-
-    cfg = load_config_of(root)
+    store = RunStore(root)
+    cfg = store.config()
     policy_step = step - 1 if policy_step is None else policy_step
     if policy_step < 0:
         raise ArtifactError(f"policy step must be >= 0, got {policy_step}")
-    samples, _ = read_rollouts(rollout_path(root, step))
+    samples, _ = store.read_rollouts(step)
     if not samples:
-        raise ArtifactError(f"{rollout_path(root, step)}: empty rollout batch")
-    path = checkpoint_path(root, policy_step)
+        raise ArtifactError(f"{store.rollout_path(step)}: empty rollout batch")
+    path = store.policy_path(policy_step)
     torch.set_num_threads(cfg.train.threads)
     model, tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
     model.eval()
-    optimizer, scheduler = make_optimizer(model, cfg)
+    optimizer, scheduler = update.make_optimizer(model, cfg.train)
     if policy_step > 0:
         load_optimizer_state(Path(path), optimizer, scheduler)
     method = get_method(cfg.method_name)
@@ -102,7 +100,7 @@ def load_replay(root: Path, step: int, policy_step: int | None = None) -> Replay
 
 def sis_uniforms(seed: int, step: int, mb: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     """The uniforms SIS draws for minibatch ``mb`` of ``step`` (as in ``policy_update``)."""
-    return rl.sis_uniforms(seed, step, mb, n).to(dtype)
+    return update.sis_uniforms(seed, step, mb, n).to(dtype)
 
 
 def token_index(replay: Replay, idx: list[int]) -> torch.Tensor:
@@ -128,5 +126,6 @@ def replay_step(replay: Replay, seed: int, minibatches: int, before: Hook | None
     chooses the minibatch partition (``stream_seed(seed, "order", S)``) and the SIS uniforms
     (``stream_seed(seed, "sis", S, mb)``); nothing else in an update is random.
     """
-    rl.policy_update(replay.model, replay.optimizer, replay.scheduler, replay.samples, replay.method, replay.params,
-                     replay.cfg, seed, replay.step, minibatches=minibatches, before=before, after=after)
+    settings = replace(update.UpdateSettings.from_config(replay.cfg), minibatches=minibatches)
+    update.policy_update(replay.model, replay.optimizer, replay.scheduler, replay.samples, replay.method, replay.params,
+                         settings, seed, replay.step, before=before, after=after)

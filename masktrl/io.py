@@ -1,0 +1,83 @@
+"""Atomic file writes and content hashes: the low-level I/O every package may use.
+
+A write goes to a temporary file in the same folder, is fsynced, renamed over the target and
+the folder is fsynced: readers see the old or the new file, never a torn one, whatever kills
+the process or the machine. ``atomic_dir`` does the same for a whole folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a temporary file, fsync, rename, fsync the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=json_default) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(dest: Path):
+    """Fill a folder atomically: yields ``<dest>.tmp`` to write into, then replaces ``dest``
+    with it, so a folder that exists under its final name is complete."""
+    dest = Path(dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    yield tmp
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    fsync_dir(dest.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def json_default(obj: Any) -> Any:
+    """``json.dumps(default=...)`` for numpy/torch scalars, sets, tuples and paths."""
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")

@@ -1,0 +1,176 @@
+"""The policy's training forward: log pi at each response token's sampled and behaviour top-K
+ids, as a ``TokenBatch`` the methods consume.
+
+``policy_token_batch`` never materialises the [B, T, V] logits (``models.logprobs`` works on
+response positions only, a chunk of tokens at a time), and runs each distinct prompt of a
+GRPO group once (``shared_prompt_hidden``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from masktrl.methods import TokenBatch
+from masktrl.models.kvcache import cache_kwarg, new_cache
+from masktrl.models.logprobs import token_logprobs_and_entropy
+from masktrl.rollout.base import Sample
+
+
+@dataclass
+class PolicyOutputs:
+    batch: TokenBatch
+    advantages: torch.Tensor  # [N]
+    entropy: torch.Tensor  # [N] (no grad)
+
+
+class PolicyForward(torch.nn.Module):
+    """The policy's training forward as one module call, so DDP and DeepSpeed can wrap it: hidden
+    states at the response positions, then log pi at the [sampled, top-K] ids and the entropy.
+
+    ``lm`` is the causal LM; parameters (and their order) are exactly ``lm``'s.
+    """
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+        self.vocab_size = lm.get_output_embeddings().weight.shape[0]  # read before ZeRO-3 partitions it
+
+    def forward(self, input_ids, attention, rows, cols, ids, temperature: float, chunk: int,
+                prompt_ids=None, prompt_attention=None, group=None):
+        """Without ``prompt_ids``: ``input_ids`` [B, L] is prompt+response, right-padded. With them:
+        ``input_ids`` [B, R] holds the responses only (see ``shared_prompt_hidden``)."""
+        if prompt_ids is None:
+            hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state  # [B, L, H]
+        else:
+            hidden = shared_prompt_hidden(self.lm.base_model, prompt_ids, prompt_attention, input_ids, attention, group)
+        h = hidden[rows, cols]  # [N, H]
+        weight = self.lm.get_output_embeddings().weight  # [V, H]
+        # [N, 1+K] log pi at the sampled and top-K ids, and [N] entropy (no grad), in one pass over V
+        lp, entropy = token_logprobs_and_entropy(h, weight, ids, temperature=temperature, chunk_size=chunk)
+        return lp, entropy
+
+
+def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: int) -> PolicyOutputs:
+    """Run the policy on prompt+response and gather log pi at the sampled and top-K ids.
+
+    ``model``: a causal LM, or a ``PolicyForward`` (possibly wrapped by DDP/DeepSpeed). Never
+    materialises the [B, T, V] logits: ``token_logprobs`` works on response positions only,
+    ``chunk`` tokens at a time.
+    """
+    policy = model if isinstance(getattr(model, "module", model), PolicyForward) else PolicyForward(model)
+    inner = getattr(policy, "module", policy)
+    vocab_size = inner.vocab_size
+    device = next(policy.parameters()).device
+    prompts, group = _distinct_prompts(samples)
+    if len(prompts) < len(samples) and not _checkpointing(inner.lm):
+        inputs = _shared_prompt_inputs(samples, prompts, group)
+    else:
+        inputs = _whole_sequence_inputs(samples)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+
+    sampled = torch.tensor([t for s in samples for t in s.gen.response_ids], device=device)  # [N]
+    topk_ids = torch.tensor([row for s in samples for row in s.gen.topk_ids], dtype=torch.long, device=device)  # [N, K]
+    ids = torch.cat([sampled[:, None], topk_ids], dim=1)  # [N, 1+K]
+    lp, entropy = policy(inputs.pop("input_ids"), inputs.pop("attention"), inputs.pop("rows"), inputs.pop("cols"),
+                         ids, temperature, chunk, **inputs)  # [N, 1+K], [N]
+    dt = lp.dtype  # float32 at least (float64 for a float64 model)
+    behavior_topk = torch.tensor([row for s in samples for row in s.gen.topk_logp], dtype=dt, device=device)  # [N, K]
+    behavior_logp = torch.tensor([x for s in samples for x in s.gen.logp], dtype=dt, device=device)  # [N]
+    seq_ids = torch.tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids], device=device)  # [N]
+    advantages = torch.tensor([s.advantage for s in samples for _ in s.gen.response_ids], dtype=dt, device=device)
+    batch = TokenBatch(
+        logp=lp[:, 0],
+        behavior_logp=behavior_logp,
+        sampled_ids=sampled,
+        topk_ids=topk_ids,
+        topk_behavior_logp=behavior_topk,
+        topk_logp=lp[:, 1:],
+        seq_ids=seq_ids,
+        vocab_size=vocab_size,
+    )
+    return PolicyOutputs(batch, advantages, entropy)
+
+
+def _distinct_prompts(samples: list[Sample]) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts (first-seen order) and, per sample, the index of its prompt."""
+    index: dict[tuple[int, ...], int] = {}
+    group = [index.setdefault(tuple(s.prompt_ids), len(index)) for s in samples]
+    return [list(p) for p in index], group
+
+
+def _checkpointing(lm) -> bool:
+    """Whether transformers' activation checkpointing is on (it turns the KV cache off, which
+    ``shared_prompt_hidden`` needs)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the first is the newer name
+        if hasattr(type(lm), name):
+            return bool(getattr(lm, name))
+    return False
+
+
+def _padded(rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, width] (pad id 0, masked) and their attention mask."""
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    return ids, mask
+
+
+def _whole_sequence_inputs(samples: list[Sample]) -> dict:
+    """Each prompt+response as one right-padded row; position p-1+t predicts response token t."""
+    seqs = [s.prompt_ids + s.gen.response_ids for s in samples]
+    input_ids, attention = _padded(seqs, max(len(x) for x in seqs))  # [B, L]
+    rows = [b for b, s in enumerate(samples) for _ in s.gen.response_ids]
+    cols = [len(s.prompt_ids) - 1 + t for s in samples for t in range(len(s.gen.response_ids))]
+    return {"input_ids": input_ids, "attention": attention, "rows": torch.tensor(rows), "cols": torch.tensor(cols)}
+
+
+def _shared_prompt_inputs(samples: list[Sample], prompts: list[list[int]], group: list[int]) -> dict:
+    """Each distinct prompt once [U, W] and each response without its last token [B, R]
+    (both right-padded); column t of ``shared_prompt_hidden``'s output predicts response token t."""
+    prompt_ids, prompt_attention = _padded(prompts, max(len(p) for p in prompts))
+    heads = [s.gen.response_ids[:-1] for s in samples]
+    input_ids, attention = _padded(heads, max(len(h) for h in heads))
+    rows = [b for b, s in enumerate(samples) for _ in s.gen.response_ids]
+    cols = [t for s in samples for t in range(len(s.gen.response_ids))]
+    return {
+        "input_ids": input_ids,
+        "attention": attention,
+        "rows": torch.tensor(rows),
+        "cols": torch.tensor(cols),
+        "prompt_ids": prompt_ids,
+        "prompt_attention": prompt_attention,
+        "group": torch.tensor(group),
+    }
+
+
+def shared_prompt_hidden(base, prompt_ids, prompt_attention, response_ids, response_attention, group):
+    """[B, 1+R, H] final hidden states predicting response tokens 0..R, each distinct prompt run once.
+
+    GRPO's samples share their group's prompt. The U distinct prompts [U, W] (right-padded) go
+    through ``base`` once; their KV cache is gathered per sequence (``group`` [B] -> prompt) and
+    the responses [B, R] (without their last token) continue from it at their true positions,
+    attending to the prompt's real tokens only. Column 0 is the prompt's last hidden state, column
+    t the one after response token t-1. Causal attention makes this equal to running every
+    prompt+response whole; gradients reach the prompt's computation through the cache. It cuts
+    the forward and backward work on prompts by the group size.
+    """
+    cache = new_cache(base.config)
+    key = cache_kwarg(base)
+    lengths = prompt_attention.sum(1)  # [U]
+    positions = torch.arange(prompt_ids.shape[1], device=prompt_ids.device).expand_as(prompt_ids)
+    out = base(input_ids=prompt_ids, attention_mask=prompt_attention, position_ids=positions, use_cache=True, **{key: cache})
+    last = out.last_hidden_state[torch.arange(len(lengths), device=lengths.device), lengths - 1]  # [U, H]
+    first = last[group][:, None]  # [B, 1, H]
+    if response_ids.shape[1] == 0:  # every response is a single token
+        return first
+    cache.reorder_cache(group)  # [U, ...] -> [B, ...], differentiable
+    steps = torch.arange(response_ids.shape[1], device=response_ids.device)
+    rest = base(
+        input_ids=response_ids,
+        attention_mask=torch.cat([prompt_attention[group], response_attention], dim=1),  # [B, W+R], pad holes masked
+        position_ids=lengths[group][:, None] + steps,  # [B, R]
+        use_cache=True,
+        **{key: cache},
+    ).last_hidden_state  # [B, R, H]
+    return torch.cat([first, rest], dim=1)

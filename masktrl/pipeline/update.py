@@ -1,0 +1,171 @@
+"""One policy update on a rollout batch: N minibatch updates with any registered method.
+
+``policy_update`` cuts the batch into ``minibatches`` (a seeded order), runs the policy forward
+(``pipeline/policy.py``), asks the method for per-token losses, aggregates them, and steps
+AdamW; under several processes each trains on its share of every minibatch with the same
+result (see ``micro_batches`` and the loss scaling below). Nothing here knows which method
+runs: the token losses, the aggregation and its denominator, and whether SIS uniforms are drawn
+are the method's (``masktrl.methods``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from masktrl.config import Config, TrainConfig
+from masktrl.errors import MasktrlError
+from masktrl.methods.diagnostics import token_diagnostics
+from masktrl.pipeline.distributed import Dist
+from masktrl.pipeline.policy import policy_token_batch
+from masktrl.rollout.base import Sample
+from masktrl.seeding import stream_seed
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What an update needs to know beyond the method: the ``train`` keys it reads, and the
+    rollout's temperature (pi is computed at the temperature mu sampled at) and horizon."""
+
+    minibatches: int
+    grad_accum: int
+    grad_clip: float
+    logprob_chunk: int
+    temperature: float
+    horizon: int  # rollout.max_new_tokens: the longest possible response
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "UpdateSettings":
+        t = cfg.train
+        return cls(t.minibatches, t.grad_accum, t.grad_clip, t.logprob_chunk, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+
+
+def make_optimizer(model, train_cfg: TrainConfig):
+    """AdamW and its warm-up schedule (stepped once per optimizer update)."""
+    t = train_cfg
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999))
+    warmup = t.warmup_steps * t.minibatches
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
+    return optimizer, scheduler
+
+
+def policy_update(model, optimizer, scheduler, samples: list[Sample], method, params, settings: UpdateSettings, seed: int,
+                  step: int, dist: Dist | None = None, *, before=None, after=None) -> dict:
+    """N minibatch updates on one rollout batch; returns the step's averaged diagnostics.
+
+    Several processes (``dist``) all hold the whole batch and cut it into the same minibatches;
+    each trains on every world-th sequence of a minibatch, in ``train.grad_accum`` micro-batches.
+    A micro-batch's loss is its aggregate times its share of the minibatch's denominator (valid
+    tokens for token-mean, sequences for the seq modes) times the world size, which DDP's
+    gradient average divides out again: the update is the one-process update on the whole
+    minibatch, for any number of processes and micro-batches. SIS draws its uniforms for the
+    whole minibatch, so they do not depend on the split either.
+
+    The analyses replay a stored step through this same function (with their own
+    ``settings.minibatches``): ``before(mb, idx, out, losses, u)`` sees each micro-batch's policy
+    outputs and token losses (``idx``: indices into ``samples``) before its backward, and
+    ``after(mb, idx)`` runs after each optimizer step.
+    """
+    dist = dist or Dist()
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(stream_seed(seed, "order", step)))
+    parts = [p for p in order.chunk(settings.minibatches) if len(p)]
+    rows, trained = [], 0
+    model.train()
+    for mb, idx in enumerate(parts):
+        mb_samples = [samples[i] for i in idx.tolist()]
+        u = _sis_uniforms(mb_samples, seed, step, mb) if method.needs_u(params) else None
+        total = method.denominator(params, valid_counts(mb_samples))  # of the whole minibatch
+        optimizer.zero_grad(set_to_none=True)
+        micro_rows, loss_value = [], 0.0
+        for micro in micro_batches(len(mb_samples), dist.rank, dist.world, settings.grad_accum):
+            with dist.accumulate(model):
+                out = policy_token_batch(model, [mb_samples[i] for i in micro], settings.temperature, settings.logprob_chunk)
+                u_micro = None if u is None else torch.cat([u[i] for i in micro]).to(out.batch.logp.dtype)
+                losses = method.token_losses(out.batch, out.advantages, params, u=u_micro)
+                if before is not None:
+                    before(mb, [idx[i].item() for i in micro], out, losses, u_micro)
+                loss = method.aggregate(params, losses.loss, out.batch, horizon=settings.horizon)
+                share = method.denominator(params, out.batch) / max(total, 1)  # 1.0 for one process, one micro-batch
+                dist.backward(loss if share == 1.0 and dist.world == 1 else loss * (share * dist.world))
+            loss_value += loss.item() * share
+            trained += len(micro)
+            micro_rows.append({**token_diagnostics(out.batch, losses, out.advantages, params), "entropy": out.entropy.mean().item()})
+        grad_norm = dist.clip_grad_norm(model, settings.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        if after is not None:
+            after(mb, idx.tolist())
+        diag = combine_rows([r for rank_rows in dist.gather_objects(micro_rows) for r in rank_rows])
+        diag.update(loss=dist.sum([loss_value])[0], grad_norm=grad_norm)
+        rows.append(diag)
+    model.eval()
+    stats = _mean_rows(rows)
+    if dist.world > 1:  # shows the sharding: sequences each process trained on, in rank order
+        stats["sequences_per_process"] = dist.gather_objects(trained)
+    return stats
+
+
+def micro_batches(n: int, rank: int, world: int, grad_accum: int) -> list[list[int]]:
+    """This process's part of a minibatch of ``n`` sequences (every world-th, from ``rank``), cut
+    into ``grad_accum`` contiguous micro-batches. Every process must get the same number of
+    non-empty micro-batches (each runs the same collectives), hence the check."""
+    if n // world < grad_accum:
+        raise MasktrlError(
+            f"a minibatch of {n} sequences cannot be split over {world} process(es) x train.grad_accum={grad_accum}: "
+            "lower train.minibatches or train.grad_accum, or raise rollout.prompts_per_step"
+        )
+    mine = list(range(rank, n, world))
+    bounds = [len(mine) * j // grad_accum for j in range(grad_accum + 1)]
+    return [mine[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def valid_counts(samples: list[Sample]) -> list[int]:
+    """Valid tokens per sequence, from the recorded behaviour log-probabilities (a token is
+    valid iff log mu > -inf): what the minibatch's aggregation denominator is made of, known
+    without a forward pass."""
+    return [sum(lp > float("-inf") for lp in s.gen.logp) for s in samples]
+
+
+def sis_uniforms(seed: int, step: int, mb: int, n: int) -> torch.Tensor:
+    """[n] float64 uniforms SIS uses for the n tokens of minibatch ``mb`` of ``step``, in order."""
+    gen = torch.Generator().manual_seed(stream_seed(seed, "sis", step, mb))
+    return torch.rand(n, generator=gen, dtype=torch.float64)
+
+
+def _sis_uniforms(samples: list[Sample], seed: int, step: int, mb: int) -> list[torch.Tensor]:
+    """``sis_uniforms`` cut into one tensor per sample: the same draws whichever process or
+    micro-batch trains a sample."""
+    lengths = [len(s.gen.response_ids) for s in samples]
+    return list(sis_uniforms(seed, step, mb, sum(lengths)).split(lengths))
+
+
+def combine_rows(rows: list[dict]) -> dict:
+    """Diagnostics of micro-batches (of all processes) as one minibatch row: counts summed,
+    ``*_max`` maxed, everything else averaged with weights n_valid (exact for means over valid
+    tokens, approximate for quantiles such as D_p95). One row is returned as it is."""
+    if len(rows) == 1:
+        return rows[0]
+    weights = [r.get("n_valid", 1.0) for r in rows]
+    out = {"n_valid": sum(weights)} if "n_valid" in rows[0] else {}
+    for k in sorted({k for r in rows for k in r} - {"n_valid"}):
+        pairs = [(r[k], w) for r, w in zip(rows, weights) if r.get(k) is not None and r[k] == r[k]]  # skip None/NaN
+        if k.endswith("_max"):
+            out[k] = max((v for v, _ in pairs), default=float("nan"))
+        elif pairs:
+            wsum = sum(w for _, w in pairs)
+            out[k] = sum(v * w for v, w in pairs) / wsum if wsum else sum(v for v, _ in pairs) / len(pairs)
+        else:
+            out[k] = float("nan")
+    return out
+
+
+def _mean_rows(rows: list[dict]) -> dict:
+    keys = {k for r in rows for k in r}
+    out = {}
+    for k in sorted(keys):
+        vals = [r[k] for r in rows if r.get(k) is not None]
+        if vals:
+            out[k] = max(vals) if k.endswith("_max") else sum(vals) / len(vals)
+    return out
+
