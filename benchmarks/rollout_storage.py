@@ -5,8 +5,9 @@ bytes/token = file size / number of response tokens. Every batch is written in b
 read back, and checked bit for bit (ids, and the float32 bit patterns of every behaviour and
 top-K log-probability); then write and read are timed alternately, ``--reps`` rounds, medians.
 Write time is ``write_rollouts`` as the trainer calls it (encode, parquet, atomic write with
-fsync), ``encode ratio`` the same without the disk write; read time is the previous reader for format 1 and ``read_rollouts`` (decode and
-row-by-row validation, ``validate ms`` on its own) for format 2.
+fsync), ``encode ratio`` the same without the disk write; read time is the previous reader
+for format 1 and ``read_rollouts`` (decode and row-by-row validation, ``validate ms`` on its
+own) for format 2.
 
 Cases, all at K = ``--k`` (20):
 
