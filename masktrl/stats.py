@@ -1,8 +1,8 @@
-"""Evaluation statistics: pass@k, avg@k, maj@k, bootstrap CIs and two-sample tests.
+"""Evaluation statistics: pass@k, avg@k, maj@k, bootstrap CIs, two-sample and paired tests.
 
 The tests and the bootstrap are scipy.stats': Welch's t-test is ``ttest_ind(equal_var=False)``,
 Student-t p-values and quantiles come from ``scipy.stats.t``, the permutation test is
-``permutation_test`` and the CI is ``bootstrap(method="percentile")``, each drawing from
+``permutation_test``, the paired tests are ``wilcoxon`` and ``ttest_rel`` and the CI is ``bootstrap(method="percentile")``, each drawing from
 ``np.random.default_rng(seed)`` in the batches the earlier hand-written versions used, so the
 numbers are theirs to float precision. scipy refuses samples of one value; for those the
 single-value CI and the few permutation relabelings are computed here. pass@k, avg@k and maj@k
@@ -213,3 +213,37 @@ def _exact_permutation_p(x: np.ndarray, y: np.ndarray) -> float:
     tol = 1e-12 * max(1.0, float(np.abs(pooled).max()))  # relabelings that tie count as extreme
     sums = np.array([pooled[list(idx)].sum() for idx in combinations(range(n), na)])
     return float(np.mean(np.abs(sums / na - (total - sums) / (n - na)) >= observed - tol))
+
+
+def paired_tests(a, b) -> dict:
+    """Paired comparison of ``a[i]`` and ``b[i]`` (the same replicates measured twice).
+
+    ``n`` pairs, ``diff_mean`` and ``diff_se`` of d = a - b, the paired t-test
+    (``scipy.stats.ttest_rel``: ``t``, ``p_ttest``) and the Wilcoxon signed-rank test
+    (``scipy.stats.wilcoxon``, zero differences dropped, exact for small n: ``w``,
+    ``p_wilcoxon``), both two-sided. Fewer than 2 pairs: the p-values are nan. All differences
+    equal: the t-test gives p = 1 if they are 0, else 0 (scipy would return nan); all zero: the
+    Wilcoxon p is 1.
+    """
+    x, y = np.asarray(a, dtype=np.float64).reshape(-1), np.asarray(b, dtype=np.float64).reshape(-1)
+    if x.shape != y.shape:
+        raise ValueError(f"paired_tests needs samples of one length, got {x.size} and {y.size}")
+    d = x - y
+    out = {"n": int(d.size), "diff_mean": float(d.mean()) if d.size else float("nan"),
+           "diff_se": mean_se(d)[1] if d.size else float("nan"),
+           "t": float("nan"), "p_ttest": float("nan"), "w": float("nan"), "p_wilcoxon": float("nan")}
+    if d.size < 2:
+        return out
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if np.all(d == d[0]):
+            out["t"], out["p_ttest"] = (0.0, 1.0) if d[0] == 0 else (math.copysign(math.inf, d[0]), 0.0)
+        else:
+            res = sps.ttest_rel(x, y)
+            out["t"], out["p_ttest"] = float(res.statistic), float(res.pvalue)
+        if np.all(d == 0):
+            out["w"], out["p_wilcoxon"] = 0.0, 1.0
+        else:
+            res = sps.wilcoxon(x, y, zero_method="wilcox")
+            out["w"], out["p_wilcoxon"] = float(res.statistic), float(res.pvalue)
+    return out

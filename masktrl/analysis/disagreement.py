@@ -1,279 +1,301 @@
-"""The token study of the predictive divergence mask: where the ratio rule and Ḋ disagree,
-which one kept the tokens whose divergence then grew?
+"""The token study of the predictive divergence mask (the predictive-mask paper's Figs. 3-4):
+outside the trust region, where two direction rules disagree, which one kept the tokens whose
+divergence then grew?
 
-For a token outside the trust region (D > δ, D = top-K KL, docs/METHODS.md §3) three criteria
-decide whether its update may go ahead ("keep"):
+For a token outside the trust region (D > δ, D = top-K KL, docs/METHODS.md §3) a direction rule
+decides whether its update may go ahead ("keep", ``token_replay.keep_decisions``):
 
     ratio          keep iff sign(A (r - 1)) <= 0       (DPPO's direction rule)
-    ddot_agg       keep iff sign(A Ḋ_KL,agg) <= 0      (PDM, aggregated tail, docs/METHODS.md §4.2)
+    ddot_agg       keep iff sign(A Ḋ_KL,agg) <= 0      (PDM, aggregated tail, §4.2)
     ddot_uniform   keep iff sign(A Ḋ_KL,uniform) <= 0  (PDM, uniform tail)
 
-The *disagreement tokens* are those with D > δ, A != 0 and finite D on which the three keep
-decisions are not unanimous. A criterion's **unsafe-keep rate** is the fraction of the
-disagreement tokens it keeps whose realised ΔD = D_after - D_before is > 0; the
-**contracted fraction** is the fraction with ΔD < 0.
+For a **pair** of rules (a, b) the disagreement set is the tokens with D > δ (finite), A != 0
+and a valid behaviour probability on which a and b decide differently: a keeps exactly the
+tokens b masks. For each rule of the pair, over the tokens of the set it keeps: the
+**unsafe-keep rate** = fraction with ΔD = D_after - D_before > 0, the **contracted fraction**
+= fraction with ΔD < 0 (ΔD = 0 exactly counts as neither), for two moments of the update:
 
-The update is real (``replay.replay_step``): checkpoint P with its optimizer state, the
-rollout batch of step S, the run's method, parameters and optimizer, split into M
-minibatches. Each token's criteria and D_before are taken from the forward pass its own
-minibatch trains on (exactly what the method sees); ΔD is measured twice:
+    one_step         just after the token's own minibatch update
+    all_minibatches  after all the step's minibatch updates
 
-    one_step         just after that minibatch's optimizer step (one update)
-    all_minibatches  after all M updates of the step
+A replicate is one independent rollout batch (run x step; ``replicates.py``); partition seeds
+of a batch are pooled into it (or are the replicates, ``unit="partition"``). Rates are per
+replicate, then mean ± standard error over replicates with a kept token; pooled rates are over
+all kept tokens of all replicates (the paper's Fig. 4b). The two rules of a pair are compared
+across the replicates where both kept a token with a paired Wilcoxon signed-rank and a paired
+t-test (``masktrl.stats.paired_tests``).
 
-A seed j (0-based) replays the step with the seed value ``run seed + j``, which sets only the
-minibatch partition/order (``stream_seed(seed, "order", S)``) and the SIS uniforms
-(``stream_seed(seed, "sis", S, mb)``). Seed 0 with P = S-1 and the run's M reproduces the
-run's own update exactly.
+Everything here is computed from the token table (``token_replay.record_tokens``), which is
+written as a parquet beside the JSON, so any set can be rebuilt from it (``replicate_counts``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-from torch import Tensor
 
-from masktrl.stats import mean_se
-from masktrl.methods import divergence, divergence_rate
-from masktrl.methods.batch import log_ratio
+from masktrl.analysis.token_replay import BRACKET_CRITERIA, CRITERIA, EXACT_CRITERIA
+from masktrl.errors import MasktrlError
+from masktrl.stats import mean_se, paired_tests
 
-CRITERIA = ("ratio", "ddot_agg", "ddot_uniform")
+PAIRS = (("ratio", "ddot_agg"), ("ratio", "ddot_uniform"), ("ddot_agg", "ddot_uniform"))
 SCOPES = ("one_step", "all_minibatches")
-STUDY_MINIBATCHES = 4  # used when the run trained on whole batches (M = 1, see study_minibatches)
+AFTER = {"one_step": "d_one", "all_minibatches": "d_all"}
+TESTS = ("wilcoxon", "ttest")
+QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 
-# --------------------------------------------------------------------------- pure token math
+def pair_name(a: str, b: str) -> str:
+    return f"{a}_vs_{b}"
 
 
-def keep_decisions(adv: Tensor, log_r: Tensor, ddot_agg: Tensor, ddot_uniform: Tensor) -> dict[str, Tensor]:
-    """[N] bool per criterion: the token's update is kept (not masked by the direction rule)."""
-    return {
-        "ratio": ~(torch.sign(adv * log_r) > 0),  # sign(r - 1) = sign(log r)
-        "ddot_agg": ~(torch.sign(adv * ddot_agg) > 0),
-        "ddot_uniform": ~(torch.sign(adv * ddot_uniform) > 0),
-    }
+def parse_pairs(spec: str | None, exact: bool) -> tuple[tuple[str, str], ...]:
+    """``ratio:ddot_agg,ratio:ddot_exact`` -> pairs; None -> the paper's three (``PAIRS``)."""
+    if spec is None:
+        return PAIRS
+    known = CRITERIA + BRACKET_CRITERIA + (EXACT_CRITERIA if exact else ())
+    pairs = []
+    for part in spec.split(","):
+        names = [x.strip() for x in part.split(":")]
+        if len(names) != 2 or names[0] == names[1] or any(n not in known for n in names):
+            raise MasktrlError(f"--pairs: {part!r} is not a pair a:b of two different criteria ({', '.join(known)})")
+        pairs.append((names[0], names[1]))
+    return tuple(pairs)
 
 
-def disagreement_mask(d: Tensor, delta: float, adv: Tensor, keeps: dict[str, Tensor]) -> Tensor:
-    """[N] bool: D > δ, A != 0, D finite, and the criteria's keep decisions are not unanimous."""
-    stacked = torch.stack([keeps[c] for c in CRITERIA])  # [3, N]
-    split = stacked.any(dim=0) & ~stacked.all(dim=0)
-    return (d > delta) & torch.isfinite(d) & (adv != 0) & split
+# --------------------------------------------------------------------------- sets from the token table
 
 
-def keep_rates(delta_d: Tensor, keeps: dict[str, Tensor], select: Tensor) -> dict[str, dict]:
-    """Per criterion, over the ``select``-ed tokens it keeps: n_kept, unsafe_keep, contract_frac.
+def over_delta(t: dict, delta: float) -> np.ndarray:
+    """[N] bool: valid behaviour probability, finite D > δ and A != 0 (where a direction rule acts)."""
+    d = t["d"]
+    return t["valid"].astype(bool) & np.isfinite(d) & (d > delta) & (t["adv"] != 0)
 
-    unsafe_keep = #(ΔD > 0) / n_kept and contract_frac = #(ΔD < 0) / n_kept (nan when n_kept = 0).
-    """
-    out = {}
-    for c in CRITERIA:
-        kept = keeps[c] & select
-        n = int(kept.sum())
-        dd = delta_d[kept]
-        out[c] = {
-            "n_kept": n,
-            "n_select": int(select.sum()),
-            "unsafe_keep": float((dd > 0).sum()) / n if n else float("nan"),
-            "contract_frac": float((dd < 0).sum()) / n if n else float("nan"),
+
+def pair_set(t: dict, a: str, b: str, delta: float) -> np.ndarray:
+    """[N] bool: the disagreement set of the pair (a, b)."""
+    return over_delta(t, delta) & (t[f"keep_{a}"] != t[f"keep_{b}"])
+
+
+def delta_d(t: dict, scope: str) -> np.ndarray:
+    return t[AFTER[scope]] - t["d"]
+
+
+def _rates(dd: np.ndarray) -> dict:
+    n = int(dd.size)
+    grew, contracted = int((dd > 0).sum()), int((dd < 0).sum())
+    return {"n_kept": n, "n_grew": grew, "n_contracted": contracted,
+            "unsafe_keep": grew / n if n else float("nan"), "contract_frac": contracted / n if n else float("nan")}
+
+
+def replicate_counts(t: dict, delta: float, pairs=PAIRS, criteria: tuple[str, ...] | None = None) -> list[dict]:
+    """Per replicate: token counts, and per pair and scope each rule's n_kept, n_grew,
+    n_contracted, unsafe_keep, contract_frac over the pair's disagreement set; per rule the same
+    over every token with D > δ it keeps (``over_delta``)."""
+    criteria = criteria or tuple(dict.fromkeys(c for p in pairs for c in p))
+    out = []
+    for r in np.unique(t["replicate"]):
+        sel = t["replicate"] == r
+        sub = {k: v[sel] for k, v in t.items()}
+        over = over_delta(sub, delta)
+        row = {
+            "replicate": int(r),
+            "runs": sorted(set(sub["run"].tolist())),
+            "steps": sorted({int(s) for s in sub["step"]}),
+            "partitions": sorted({int(p) for p in sub["partition"]}),
+            "n_tokens": int(sel.sum()),
+            "n_nonzero_adv": int((sub["valid"].astype(bool) & (sub["adv"] != 0)).sum()),
+            "n_over_delta": int(over.sum()),
+            "pairs": {},
+            "over_delta": {scope: {c: _rates(delta_d(sub, scope)[over & sub[f"keep_{c}"]]) for c in criteria} for scope in SCOPES},
         }
+        for a, b in pairs:
+            s = pair_set(sub, a, b, delta)
+            block = {"n_disagree": int(s.sum())}
+            for scope in SCOPES:
+                dd = delta_d(sub, scope)
+                block[scope] = {c: _rates(dd[s & sub[f"keep_{c}"]]) for c in (a, b)}
+            row["pairs"][pair_name(a, b)] = block
+        out.append(row)
     return out
 
 
-# --------------------------------------------------------------------------- one seed
+# --------------------------------------------------------------------------- replicates -> summary
 
 
-@dataclass
-class TokenRecord:
-    """All trained tokens of one seed (every minibatch), in minibatch order."""
-
-    adv: Tensor  # [N]
-    d_before: Tensor  # [N] D at the forward its minibatch trained on
-    keeps: dict[str, Tensor]  # criterion -> [N] bool
-    d_one: Tensor  # [N] D just after its own minibatch's update
-    d_all: Tensor  # [N] D after all minibatch updates
+def _mse(values: list[float]) -> tuple[float, float]:
+    v = [x for x in values if x == x]
+    return mean_se(v) if v else (float("nan"), float("nan"))
 
 
-def study_minibatches(run_minibatches: int, requested: int | None) -> int:
-    """The study's M: as requested, else the run's, else STUDY_MINIBATCHES for a one-minibatch run.
-
-    With M = 1 every token is trained on-policy (π = μ, D ≈ 0), so no token is outside the
-    trust region and every seed gives the same update.
-    """
-    if requested is not None:
-        return requested
-    return run_minibatches if run_minibatches > 1 else STUDY_MINIBATCHES
+def _quantiles(vals: np.ndarray) -> dict:
+    if vals.size == 0:
+        return {}
+    return {f"p{int(q * 100):02d}": float(x) for q, x in zip(QUANTILES, np.quantile(vals, QUANTILES))}
 
 
-def run_seed(replay, seed_value: int, minibatches: int) -> TokenRecord:
-    """Replay the step once from checkpoint P and record every token's criteria and ΔD."""
-    from masktrl.analysis.step_replay import policy_outputs, replay_step, token_index
-
-    replay.restore()
-    parts: list[list[int]] = []
-    before_rows: list[dict] = []
-    d_one: list[Tensor] = []
-
-    def before(mb, idx, out, losses, u):
-        b = out.batch
-        parts.append(idx)
-        before_rows.append(
-            {
-                "adv": out.advantages.detach(),
-                "d": divergence(b, "topk-kl"),
-                "keeps": keep_decisions(out.advantages.detach(), log_ratio(b), divergence_rate(b, "kl", "agg"), divergence_rate(b, "kl", "uniform")),
-            }
-        )
-
-    def after(mb, idx):
-        d_one.append(divergence(policy_outputs(replay, idx).batch, "topk-kl"))
-
-    replay_step(replay, seed_value, minibatches, before, after)
-    d_all = [divergence(policy_outputs(replay, idx).batch, "topk-kl") for idx in parts]
-    order = torch.cat([token_index(replay, idx) for idx in parts])
-    if sorted(order.tolist()) != list(range(replay.n_tokens)):
-        raise AssertionError("minibatches do not cover every token exactly once")
-    cat = lambda key: torch.cat([r[key] for r in before_rows])  # noqa: E731
-    return TokenRecord(
-        adv=cat("adv"),
-        d_before=cat("d"),
-        keeps={c: torch.cat([r["keeps"][c] for r in before_rows]) for c in CRITERIA},
-        d_one=torch.cat(d_one),
-        d_all=torch.cat(d_all),
-    )
-
-
-def seed_result(rec: TokenRecord, delta: float) -> dict:
-    """One seed's counts and rates for both scopes; also the delta-D values of kept tokens."""
-    select = disagreement_mask(rec.d_before, delta, rec.adv, rec.keeps)
-    over = (rec.d_before > delta) & torch.isfinite(rec.d_before) & (rec.adv != 0)
-    res = {
-        "n_tokens": int(rec.adv.numel()),
-        "n_nonzero_adv": int((rec.adv != 0).sum()),
-        "n_over_delta": int(over.sum()),
-        "n_disagree": int(select.sum()),
+def criterion_stats(rows: list[dict], kept_dd: np.ndarray) -> dict:
+    """Mean ± SE over replicates with a kept token, totals and pooled rates of one rule."""
+    um, us = _mse([r["unsafe_keep"] for r in rows])
+    cm, cs = _mse([r["contract_frac"] for r in rows])
+    kept = sum(r["n_kept"] for r in rows)
+    return {
+        "unsafe_keep_mean": um, "unsafe_keep_se": us, "contract_frac_mean": cm, "contract_frac_se": cs,
+        "n_kept_mean": float(np.mean([r["n_kept"] for r in rows])) if rows else float("nan"),
+        "n_kept_total": kept,
+        "n_replicates_with_kept": sum(r["n_kept"] > 0 for r in rows),
+        "unsafe_keep_pooled": sum(r["n_grew"] for r in rows) / kept if kept else float("nan"),
+        "contract_frac_pooled": sum(r["n_contracted"] for r in rows) / kept if kept else float("nan"),
+        "delta_d_quantiles": _quantiles(kept_dd),
     }
-    for scope, d_after in (("one_step", rec.d_one), ("all_minibatches", rec.d_all)):
-        delta_d = d_after - rec.d_before  # [N]
-        res[scope] = keep_rates(delta_d, rec.keeps, select)
-        res[scope + "_over_delta"] = keep_rates(delta_d, rec.keeps, over)
-        res[scope + "_kept_delta_d"] = {c: delta_d[rec.keeps[c] & select].tolist() for c in CRITERIA}
-    return res
 
 
-# --------------------------------------------------------------------------- seeds -> summary
+def paired(rows_a: list[dict], rows_b: list[dict]) -> dict:
+    """Paired tests a vs b over the replicates where both kept a token."""
+    both = [(x, y) for x, y in zip(rows_a, rows_b) if x["n_kept"] and y["n_kept"]]
+    return {key: paired_tests([x[key] for x, _ in both], [y[key] for _, y in both]) for key in ("unsafe_keep", "contract_frac")}
 
 
-def summarize(per_seed: list[dict]) -> dict:
-    """Mean ± standard error over seeds (seeds where a criterion kept nothing are left out)."""
+def summarize(t: dict, reps: list[dict], delta: float, pairs=PAIRS, test: str = "wilcoxon") -> dict:
+    """The per-pair summary (see docs/ANALYSIS.md for every field)."""
+    out = {}
+    for a, b in pairs:
+        name = pair_name(a, b)
+        nd = [r["pairs"][name]["n_disagree"] for r in reps]
+        m, se = mean_se(nd)
+        block = {"criteria": [a, b], "n_disagree_mean": m, "n_disagree_se": se, "n_disagree_total": int(sum(nd)),
+                 "n_replicates_with_disagreement": sum(x > 0 for x in nd)}
+        s = pair_set(t, a, b, delta)
+        for scope in SCOPES:
+            dd = delta_d(t, scope)
+            rows = {c: [r["pairs"][name][scope][c] for r in reps] for c in (a, b)}
+            sb = {c: criterion_stats(rows[c], dd[s & t[f"keep_{c}"]]) for c in (a, b)}
+            sb["paired"] = paired(rows[a], rows[b])
+            sb["paired"]["p"] = sb["paired"]["unsafe_keep"]["p_wilcoxon" if test == "wilcoxon" else "p_ttest"]
+            block[scope] = sb
+        out[name] = block
+    return out
+
+
+def summarize_over_delta(t: dict, reps: list[dict], delta: float) -> dict:
+    """Per rule, over every token with D > δ it keeps (not only a pair's disagreement set)."""
+    over = over_delta(t, delta)
     out = {}
     for scope in SCOPES:
-        block = {}
-        for c in CRITERIA:
-            rows = [s[scope][c] for s in per_seed]
-            over = [s[scope + "_over_delta"][c] for s in per_seed]
-            block[c] = {
-                **_mse("unsafe_keep", [r["unsafe_keep"] for r in rows]),
-                **_mse("contract_frac", [r["contract_frac"] for r in rows]),
-                "n_disagree_mean": float(np.mean([s["n_disagree"] for s in per_seed])),
-                "n_kept_mean": float(np.mean([r["n_kept"] for r in rows])),
-                "n_seeds_with_kept": sum(r["n_kept"] > 0 for r in rows),
-                "unsafe_keep_pooled": _pooled(per_seed, scope, c),
-                "unsafe_keep_over_delta_mean": _mse("x", [r["unsafe_keep"] for r in over])["x_mean"],
-                "delta_d_quantiles": _quantiles([x for s in per_seed for x in s[scope + "_kept_delta_d"][c]]),
-            }
-        out[scope] = block
+        dd = delta_d(t, scope)
+        crits = reps[0]["over_delta"][scope] if reps else {}
+        out[scope] = {c: criterion_stats([r["over_delta"][scope][c] for r in reps], dd[over & t[f"keep_{c}"]]) for c in crits}
     return out
-
-
-def _mse(name: str, values: list[float]) -> dict:
-    v = [x for x in values if x == x]
-    if not v:
-        return {f"{name}_mean": float("nan"), f"{name}_se": float("nan")}
-    m, se = mean_se(v)
-    return {f"{name}_mean": m, f"{name}_se": se}
-
-
-def _pooled(per_seed: list[dict], scope: str, c: str) -> float:
-    vals = [x for s in per_seed for x in s[scope + "_kept_delta_d"][c]]
-    return float(np.mean(np.array(vals) > 0)) if vals else float("nan")
-
-
-def _quantiles(vals: list[float]) -> dict:
-    if not vals:
-        return {}
-    q = np.quantile(np.array(vals), [0.05, 0.25, 0.5, 0.75, 0.95])
-    return {f"p{int(p * 100):02d}": float(x) for p, x in zip([0.05, 0.25, 0.5, 0.75, 0.95], q)}
 
 
 # --------------------------------------------------------------------------- the study
 
 
 def run_study(
-    root: Path,
-    step: int | None = None,
-    seeds: int = 61,
+    runs: list[Path],
+    steps: list[int] | None = None,
     delta: float = 0.15,
+    *,
+    update: str = "unmasked",
+    partitions: int = 1,
+    unit: str = "batch",
     policy_step: int | None = None,
     minibatches: int | None = None,
+    exact: bool = True,
+    pairs=PAIRS,
+    test: str = "wilcoxon",
     progress=None,
-) -> dict:
-    """The whole study on run ``root``; returns the JSON-ready result (see docs/ANALYSIS.md)."""
-    from masktrl.analysis.io import default_replay_step
-    from masktrl.analysis.step_replay import load_replay
-    from masktrl.errors import MasktrlError
+) -> tuple[dict, dict]:
+    """The whole study on the run folders ``runs``: (JSON-ready result, token table)."""
+    from masktrl.analysis.replicates import plan, replay_all
+    from masktrl.analysis.step_replay import update_choice
+    from masktrl.pipeline.runstore import RunStore
 
-    if seeds < 1:
-        raise MasktrlError(f"--seeds must be >= 1, got {seeds}")
+    if partitions < 1:
+        raise MasktrlError(f"--partitions must be >= 1, got {partitions}")
     if not delta >= 0:
         raise MasktrlError(f"--delta must be >= 0, got {delta}")
+    if test not in TESTS:
+        raise MasktrlError(f"--test must be one of {', '.join(TESTS)}, got {test!r}")
     if minibatches is not None and minibatches < 1:
         raise MasktrlError(f"--minibatches must be >= 1, got {minibatches}")
-    step = default_replay_step(root) if step is None else step
-    replay = load_replay(root, step, policy_step)
-    m = study_minibatches(replay.cfg.train.minibatches, minibatches)
-    bar = progress.add_task("seeds", total=seeds, info="") if progress else None
-    per_seed = []
-    for j in range(seeds):
-        rec = run_seed(replay, replay.cfg.seed + j, m)
-        per_seed.append({"seed": j, "seed_value": replay.cfg.seed + j, **seed_result(rec, delta)})
-        if progress:
-            progress.update(bar, advance=1, info=f"{per_seed[-1]['n_disagree']} disagreement tokens")
-    return {
-        "run": replay.root.name,
-        "method": replay.cfg.method_name,
-        "step": step,
-        "policy_step": replay.policy_step,
-        "behaviour_step": step - 1,
-        "staleness": replay.policy_step - (step - 1),
+    if any(c in EXACT_CRITERIA for p in pairs for c in p) and not exact:
+        raise MasktrlError("a pair with ddot_exact needs the exact values (drop --no-exact)")
+    for r in runs:
+        update_choice(update, RunStore(r).config())  # an unknown --update-method fails before any replay
+    refs = plan(runs, steps, policy_step, exact)
+    table, info = replay_all(refs, update=update, partitions=partitions, minibatches=minibatches, exact=exact, unit=unit, progress=progress)
+    reps = replicate_counts(table, delta, pairs)
+    n_over = [r["n_over_delta"] for r in reps]
+    result = {
+        "analysis": "disagreement",
+        "runs": sorted({ref.run for ref in refs}, key=[ref.run for ref in refs].index),
+        "methods": {row["run"]: row["method"] for row in info},
+        "task": RunStore(refs[0].root).config().to_dict().get("task"),
+        "steps": sorted({ref.step for ref in refs}),
         "delta": delta,
         "divergence": "topk-kl",
-        "seeds": seeds,
-        "minibatches": m,
-        "minibatches_run": replay.cfg.train.minibatches,
-        "n_tokens": replay.n_tokens,
-        "seed_varies": "minibatch partition/order (stream 'order') and SIS uniforms (stream 'sis'); seed value = run seed + j",
-        "n_over_delta_mean": float(np.mean([s["n_over_delta"] for s in per_seed])),
-        "n_disagree_mean": float(np.mean([s["n_disagree"] for s in per_seed])),
-        **summarize(per_seed),
-        "per_seed": [{k: v for k, v in s.items() if not k.endswith("_kept_delta_d")} for s in per_seed],
-        "kept_delta_d": {scope: {c: [x for s in per_seed for x in s[scope + "_kept_delta_d"][c]] for c in CRITERIA} for scope in SCOPES},
+        "update": info[0]["update"],
+        "minibatches": sorted({row["minibatches"] for row in info}),
+        "partitions": partitions,
+        "replicate_unit": unit,
+        "n_batches": len(refs),
+        "n_replicates": len(reps),
+        "exact": exact,
+        "pairs_tested": [list(p) for p in pairs],
+        "test": test,
+        "n_tokens_total": int(len(table["d"])),
+        "n_over_delta_mean": float(np.mean(n_over)),
+        "n_over_delta_total": int(sum(n_over)),
+        "pairs": summarize(table, reps, delta, pairs, test),
+        "over_delta": summarize_over_delta(table, reps, delta),
+        "batches": info,
+        "replicates": reps,
     }
+    return result, table
 
 
-def save(result: dict, root: Path) -> list[Path]:
-    """JSON + two PNGs under ``<run>/analysis/``; the name carries step, policy step, M and δ."""
+def stem(result: dict) -> str:
+    """File name stem: steps, policy step (if not S-1), M, δ, update, and the runs when pooled."""
+    steps = result["steps"]
+    part = f"step{steps[0]}" if len(steps) == 1 else f"steps{steps[0]}-{steps[-1]}n{len(steps)}"
+    batches = result["batches"]
+    if len(batches) == 1 and batches[0]["policy_step"] != batches[0]["step"] - 1:
+        part += f"-policy{batches[0]['policy_step']}"
+    runs = "" if len(result["runs"]) == 1 else f"-runs{len(result['runs'])}"
+    mb = "-".join(map(str, result["minibatches"]))
+    return f"disagreement-{part}{runs}-mb{mb}-delta{result['delta']:g}-{result['update']['name']}"
+
+
+def output_dir(runs: list[Path], result: dict) -> Path:
+    """``<run>/analysis`` for one run; the first run's parent ``analysis/`` for several."""
+    from masktrl.analysis.io import analysis_dir, multi_run_dir
+
+    return analysis_dir(runs[0]) if len(result["runs"]) == 1 else multi_run_dir(runs, None)
+
+
+def save(result: dict, table: dict, out: Path) -> list[Path]:
+    """JSON, the token parquet and three PNGs (Fig. 3a bars, Fig. 4a ECDF, Fig. 4b contracted)."""
     from masktrl.analysis import plots
-    from masktrl.analysis.io import analysis_dir, save_figure, write_json
+    from masktrl.analysis.io import save_figure, write_json, write_table
 
-    stem = f"disagreement-step{result['step']}-policy{result['policy_step']}-mb{result['minibatches']}-delta{result['delta']:g}"
-    out = analysis_dir(root)
-    title = f"ΔD of kept disagreement tokens, {result['run']} step {result['step']}, δ={result['delta']:g}"
+    name = stem(result)
+    result = {**result, "tokens_file": f"{name}-tokens.parquet"}
+    ecdf = ecdf_data(table, result)
     return [
-        write_json(out / f"{stem}.json", result),
-        save_figure(plots.disagreement_bars(result, CRITERIA, SCOPES), out / f"{stem}-bars.png"),
-        save_figure(plots.ecdf_panels(result["kept_delta_d"], CRITERIA, SCOPES, title), out / f"{stem}-ecdf.png"),
+        write_json(out / f"{name}.json", result),
+        write_table(out / f"{name}-tokens.parquet", table),
+        save_figure(plots.pair_bars(result, SCOPES), out / f"{name}-bars.png"),
+        save_figure(plots.pair_ecdf(result, ecdf, SCOPES), out / f"{name}-ecdf.png"),
+        save_figure(plots.pair_contracted(result, SCOPES), out / f"{name}-contracted.png"),
     ]
+
+
+def ecdf_data(table: dict, result: dict) -> dict:
+    """{pair: {scope: {criterion: ΔD of its kept disagreement tokens}}} (Fig. 4a)."""
+    out = {}
+    for a, b in (tuple(p) for p in result["pairs_tested"]):
+        s = pair_set(table, a, b, result["delta"])
+        out[pair_name(a, b)] = {scope: {c: delta_d(table, scope)[s & table[f"keep_{c}"]] for c in (a, b)} for scope in SCOPES}
+    return out

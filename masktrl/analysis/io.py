@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from masktrl.config import Config, flatten
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.io import atomic_write_bytes, atomic_write_json
@@ -141,6 +143,27 @@ def multi_run_dir(runs: list[Path], out: Path | None) -> Path:
 def write_json(path: Path, obj) -> Path:
     atomic_write_json(path, _finite(obj))
     return path
+
+
+def write_table(path: Path, columns: dict) -> Path:
+    """Columns of equal length (numpy arrays; strings as object arrays) as one parquet file,
+    written atomically (zstd)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({k: pa.array(v.tolist() if v.dtype == object else v) for k, v in columns.items()})
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf, compression="zstd")
+    atomic_write_bytes(path, buf.getvalue().to_pybytes())
+    return path
+
+
+def read_table(path: Path) -> dict:
+    """A parquet file written by ``write_table`` as {column: numpy array}."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    return {name: np.asarray(col.to_numpy(zero_copy_only=False)) for name, col in zip(table.column_names, table.columns)}
 
 
 def save_figure(fig, path: Path) -> Path:

@@ -28,47 +28,125 @@ def _grid(n: int, width: float = 4.2, height: float = 3.2, cols: int = 3):
 # --------------------------------------------------------------------------- disagreement
 
 
-def disagreement_bars(result: dict, criteria, scopes) -> Figure:
-    """Unsafe-keep rate and contracted fraction per criterion, mean ± SE over seeds."""
-    fig, axes = _grid(len(scopes), 5.0, 3.6, cols=len(scopes))
-    x = np.arange(len(criteria))
-    for ax, scope in zip(axes, scopes):
-        for j, (key, label) in enumerate((("unsafe_keep", "unsafe keep (ΔD>0)"), ("contract_frac", "contracted (ΔD<0)"))):
-            means = [_nan(result[scope][c][f"{key}_mean"]) for c in criteria]
-            ses = [_nan(result[scope][c][f"{key}_se"]) for c in criteria]
-            ses = [0.0 if s != s else s for s in ses]
-            ax.bar(x + (j - 0.5) * 0.38, means, 0.38, yerr=ses, capsize=3, label=label, color=COLORS[j])
-        ax.set_xticks(x, [f"{c}\n(n={result[scope][c]['n_kept_mean']:.1f})" for c in criteria], fontsize=8)
-        ax.set_ylim(0, 1.05)
-        ax.set_title(f"{scope}: kept disagreement tokens", fontsize=9)
-        ax.axhline(0.5, color="0.7", lw=0.8, ls=":")
-        ax.legend(fontsize=7)
-    fig.suptitle(
-        f"{result['run']} step {result['step']} (policy {result['policy_step']}), δ={result['delta']:g}, "
-        f"{result['seeds']} seeds, {result['n_disagree_mean']:.1f} disagreement tokens/seed",
-        fontsize=9,
-    )
+def _pair_grid(result: dict, scopes) -> tuple[Figure, list[list], list[str]]:
+    names = list(result["pairs"])
+    rows, cols = len(scopes), max(1, len(names))
+    fig = Figure(figsize=(4.2 * cols, 3.4 * rows), layout="constrained")
+    axes = [[fig.add_subplot(rows, cols, r * cols + c + 1) for c in range(cols)] for r in range(rows)]
+    return fig, axes, names
+
+
+def _study_title(result: dict, what: str) -> str:
+    steps = result["steps"]
+    span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]} ({len(steps)})"
+    return (f"{what}: {', '.join(result['runs'][:3])}{' ...' if len(result['runs']) > 3 else ''}, {span}, δ={result['delta']:g}, "
+            f"{result['n_replicates']} replicates ({result['replicate_unit']}), update {result['update']['name']}")
+
+
+def pair_bars(result: dict, scopes) -> Figure:
+    """Fig. 3a: unsafe-keep rate of each rule of each pair, mean ± SE over replicates."""
+    fig, axes, names = _pair_grid(result, scopes)
+    for r, scope in enumerate(scopes):
+        for c, name in enumerate(names):
+            ax, block = axes[r][c], result["pairs"][name]
+            crit = block["criteria"]
+            means = [_nan(block[scope][k]["unsafe_keep_mean"]) for k in crit]
+            ses = [0.0 if x != x else x for x in (_nan(block[scope][k]["unsafe_keep_se"]) for k in crit)]
+            ax.bar(range(2), means, 0.6, yerr=ses, capsize=4, color=COLORS[:2])
+            ax.set_xticks(range(2), [f"{k}\n(kept {block[scope][k]['n_kept_total']})" for k in crit], fontsize=8)
+            ax.set_ylim(0, 1.05)
+            ax.axhline(0.5, color="0.7", lw=0.8, ls=":")
+            p = block[scope]["paired"]["p"]
+            ax.set_title(f"{name} ({scope})\n{block['n_disagree_total']} disagreement tokens, paired p = "
+                         f"{'—' if p is None or p != p else f'{p:.3g}'}", fontsize=8)
+            ax.set_ylabel("unsafe keep (ΔD > 0)", fontsize=8)
+    fig.suptitle(_study_title(result, "unsafe-keep rate on disagreement tokens"), fontsize=9)
     return fig
 
 
-def ecdf_panels(data: dict, criteria, scopes, title: str) -> Figure:
-    """Empirical CDF of ΔD for each criterion's kept disagreement tokens, one panel per scope."""
-    fig, axes = _grid(len(scopes), 5.0, 3.6, cols=len(scopes))
-    for ax, scope in zip(axes, scopes):
-        for i, c in enumerate(criteria):
-            v = np.sort(np.asarray(data[scope][c], dtype=float))
-            if v.size:
-                ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", color=COLORS[i], ls=STYLES[i % len(STYLES)],
-                        label=f"{c} (n={v.size})")
-        ax.axvline(0.0, color="0.5", lw=0.8, ls="--")
-        ax.set_xlabel("ΔD = D_after − D_before")
-        ax.set_ylabel("fraction of kept tokens")
-        ax.set_title(scope, fontsize=9)
+def pair_ecdf(result: dict, ecdf: dict, scopes) -> Figure:
+    """Fig. 4a: empirical CDF of ΔD of each rule's kept disagreement tokens (all replicates)."""
+    fig, axes, names = _pair_grid(result, scopes)
+    for r, scope in enumerate(scopes):
+        for c, name in enumerate(names):
+            ax = axes[r][c]
+            lo = 0.0
+            for i, (crit, vals) in enumerate(ecdf[name][scope].items()):
+                v = np.sort(np.asarray(vals, dtype=float))
+                v = v[np.isfinite(v)]
+                if v.size:
+                    lo = min(lo, float(v[0]))
+                    ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", color=COLORS[i], ls=STYLES[i % len(STYLES)],
+                            label=f"{crit} (n={v.size})")
+            if lo < 0:
+                ax.axvspan(lo, 0.0, color="0.92", lw=0)
+            ax.axvline(0.0, color="0.5", lw=0.8, ls="--")
+            ax.set_xlabel("ΔD = D_after − D_before", fontsize=8)
+            ax.set_ylabel("fraction of kept tokens", fontsize=8)
+            ax.set_title(f"{name} ({scope})", fontsize=8)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+            else:
+                ax.text(0.5, 0.5, "no kept disagreement tokens", ha="center", transform=ax.transAxes, fontsize=8)
+    fig.suptitle(_study_title(result, "ΔD of kept disagreement tokens (shaded: contracted)"), fontsize=9)
+    return fig
+
+
+def pair_contracted(result: dict, scopes) -> Figure:
+    """Fig. 4b: pooled fraction of each rule's kept disagreement tokens with ΔD < 0."""
+    fig, axes, names = _pair_grid(result, scopes)
+    for r, scope in enumerate(scopes):
+        for c, name in enumerate(names):
+            ax, block = axes[r][c], result["pairs"][name]
+            crit = block["criteria"]
+            vals = [_nan(block[scope][k]["contract_frac_pooled"]) for k in crit]
+            bars = ax.bar(range(2), vals, 0.6, color=COLORS[:2])
+            for bar, k in zip(bars, crit):
+                ax.annotate(f"n={block[scope][k]['n_kept_total']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+            ax.set_xticks(range(2), crit, fontsize=8)
+            ax.set_ylim(0, 1.05)
+            ax.set_title(f"{name} ({scope})", fontsize=8)
+            ax.set_ylabel("kept with ΔD < 0 (pooled)", fontsize=8)
+    fig.suptitle(_study_title(result, "fraction of kept disagreement updates that contracted D"), fontsize=9)
+    return fig
+
+
+def estimator_panels(result: dict) -> Figure:
+    """Sign agreement, relative error and bracket certification of the tail estimators vs K."""
+    fig, axes = _grid(4, 4.2, 3.4, cols=4)
+    ks = result["ks"]
+    for si, name in enumerate(("moved", "over_delta")):
+        block = result["subsets"][name]
+        rows = [block["k"][str(k)] for k in ks]
+        ls = STYLES[si]
+        label = f"{name} (n={block['n_tokens']})"
+        for ei, est in enumerate(("agg", "uniform")):
+            axes[0].errorbar(ks, [_nan(r[est]["sign_agree_mean"]) for r in rows], yerr=[0 if _nan(r[est]["sign_agree_se"]) != _nan(r[est]["sign_agree_se"]) else _nan(r[est]["sign_agree_se"]) for r in rows],
+                             color=COLORS[ei], ls=ls, marker="o", ms=3, capsize=3, label=f"{est}, {label}")
+            axes[1].plot(ks, [max(_nan(r[est]["rel_err_p50"]), 1e-16) for r in rows], color=COLORS[ei], ls=ls, marker="o", ms=3, label=f"{est} p50, {name}")
+            axes[1].plot(ks, [max(_nan(r[est]["rel_err_p90"]), 1e-16) for r in rows], color=COLORS[ei], ls=ls, marker="x", ms=4, alpha=0.6, label=f"{est} p90, {name}")
+        axes[2].plot(ks, [_nan(r["bracket"]["certified_frac"]) for r in rows], color=COLORS[2], ls=ls, marker="o", ms=3, label=f"certified, {label}")
+        axes[2].plot(ks, [_nan(r["bracket"]["contains_frac"]) for r in rows], color=COLORS[3], ls=ls, marker="x", ms=4, label=f"contains exact, {name}")
+        axes[3].plot(ks, [_nan(r["pi_tail_mean"]) for r in rows], color=COLORS[4], ls=ls, marker="o", ms=3, label=f"mean, {name}")
+        axes[3].plot(ks, [_nan(r["pi_tail_p90"]) for r in rows], color=COLORS[5], ls=ls, marker="x", ms=4, label=f"p90, {name}")
+    titles = ("sign agreement with exact Ḋ_KL (mean ± SE over replicates)", "relative error |est − exact| / |exact| (floor 1e-16)",
+              "bracket: sign certified / contains exact", "training mass outside the list 1 − π(list)")
+    for ax, title in zip(axes, titles):
+        ax.set_xscale("log")
+        ax.minorticks_off()
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.set_xlabel("list size K (stored K = %d)" % result["stored_k"], fontsize=8)
+        ax.set_title(title, fontsize=8)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "no kept disagreement tokens", ha="center", transform=ax.transAxes, fontsize=8)
-    fig.suptitle(title, fontsize=9)
+            ax.legend(fontsize=6)
+    axes[1].set_yscale("log")
+    for ax in (axes[0], axes[2]):
+        ax.set_ylim(0, 1.05)
+    steps = result["steps"]
+    span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]} ({len(steps)})"
+    fig.suptitle(f"top-K estimators of Ḋ_KL vs the exact value: {', '.join(result['runs'][:3])}, {span}, |V| = {result['vocab_size']}, "
+                 f"update {result['update']['name']}", fontsize=9)
     return fig
 
 

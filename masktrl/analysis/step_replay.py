@@ -7,6 +7,11 @@ run's method, parameters and optimizer, calling hooks before and after each upda
 analysis can look at exactly what the method saw. With P = S-1, the run's seed and the run's
 number of minibatches, the replay reproduces the stored checkpoint S (tested).
 
+Which update is replayed is an ``UpdateChoice``: the run's own method (what training did), a
+named method with its defaults, or ``unmasked``: importance-weighted policy gradient with no
+trust-region mask (see ``update_choice``). The behaviour policy that sampled step S is the
+checkpoint ``behaviour_step(cfg, S)`` = S-1-``rollout.staleness`` (0 = the starting policy).
+
 The pipeline modules used here (``runstore``, ``checkpoint``, ``policy``, ``update``) are the
 ones the analyses may use: the import contract in pyproject.toml keeps them off the others.
 """
@@ -14,6 +19,8 @@ ones the analyses may use: the import contract in pyproject.toml keeps them off 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -21,14 +28,60 @@ from typing import Callable
 import torch
 
 from masktrl.config import Config
-from masktrl.errors import ArtifactError
-from masktrl.methods import Method, get_method, make_params
+from masktrl.errors import ArtifactError, MasktrlError
+from masktrl.methods import Method, get_method, make_params, method_names
 from masktrl.models.loading import load_model_and_tokenizer
 from masktrl.pipeline import update
 from masktrl.pipeline.checkpoint import load_optimizer_state
-from masktrl.pipeline.policy import PolicyOutputs, policy_token_batch
+from masktrl.pipeline.policy import PolicyOutputs, lm_head_weight, policy_token_batch, response_hidden
 from masktrl.pipeline.runstore import RunStore
 from masktrl.rollout.base import Sample
+
+
+UNMASKED = "unmasked"
+RUN_METHOD = "run"
+
+
+@dataclass(frozen=True)
+class UpdateChoice:
+    """The update a replay runs: ``name`` as asked (``unmasked``, ``run`` or a method name), the
+    registered ``method`` that runs and its ``params``."""
+
+    name: str
+    method: str
+    params: object
+
+    def describe(self) -> dict:
+        params = {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in dataclasses.asdict(self.params).items()}
+        return {"name": self.name, "method": self.method, "params": params, "masks": self.name != UNMASKED}
+
+
+def update_choice(name: str, cfg: Config) -> UpdateChoice:
+    """``unmasked``: importance-weighted PG with no trust-region mask, l = -A sg(r) log pi_k
+    (dppo with delta = inf: the mask is never on), aggregated as the run's method aggregates;
+    every token with A != 0 gets the gradient coefficient -A r (docs/ANALYSIS.md says why).
+    ``run``: the run's method and parameters. A method name: that method, with the run's
+    parameters if it is the run's method, else its defaults."""
+    run_params = make_params(cfg.method_name, **cfg.method_params)
+    if name == UNMASKED:
+        params = make_params("dppo", delta_pos=math.inf, delta_neg=math.inf, loss_agg=run_params.agg_mode)
+        return UpdateChoice(UNMASKED, "dppo", params)
+    if name == RUN_METHOD or name == cfg.method_name:
+        return UpdateChoice(name, cfg.method_name, run_params)
+    if name not in method_names():
+        raise MasktrlError(f"unknown --update-method {name!r}: choose {UNMASKED}, {RUN_METHOD} or a method ({', '.join(method_names())})")
+    return UpdateChoice(name, name, make_params(name))
+
+
+def staleness(cfg: Config) -> int:
+    """``rollout.staleness`` (0 where the config has no such key)."""
+    return int(getattr(cfg.rollout, "staleness", 0) or 0)
+
+
+def behaviour_step(cfg: Config, step: int) -> int:
+    """The checkpoint whose policy sampled step ``step``'s batch: step-1-staleness, 0 (the
+    starting policy) for the first batches."""
+    return max(0, step - 1 - staleness(cfg))
 
 
 @dataclass
@@ -44,6 +97,7 @@ class Replay:
     tokenizer: object
     optimizer: torch.optim.Optimizer
     scheduler: object
+    update: UpdateChoice | None = None
     _saved: tuple | None = None
 
     @property
@@ -74,10 +128,12 @@ class Replay:
         self.scheduler.load_state_dict(copy.deepcopy(sched))
 
 
-def load_replay(root: Path, step: int, policy_step: int | None = None) -> Replay:
-    """Checkpoint ``policy_step`` (default step-1) with its optimizer, and the rollouts of ``step``."""
+def load_replay(root: Path, step: int, policy_step: int | None = None, update_name: str = RUN_METHOD) -> Replay:
+    """Checkpoint ``policy_step`` (default step-1) with its optimizer, and the rollouts of ``step``;
+    the update is ``update_choice(update_name)`` (default: the run's own method)."""
     store = RunStore(root)
     cfg = store.config()
+    choice = update_choice(update_name, cfg)
     policy_step = step - 1 if policy_step is None else policy_step
     if policy_step < 0:
         raise ArtifactError(f"policy step must be >= 0, got {policy_step}")
@@ -91,11 +147,34 @@ def load_replay(root: Path, step: int, policy_step: int | None = None) -> Replay
     optimizer, scheduler = update.make_optimizer(model, cfg.train)
     if policy_step > 0:
         load_optimizer_state(Path(path), optimizer, scheduler)
-    method = get_method(cfg.method_name)
-    params = make_params(cfg.method_name, **cfg.method_params)
-    replay = Replay(Path(root), cfg, method, params, samples, step, policy_step, model, tokenizer, optimizer, scheduler)
+    replay = Replay(Path(root), cfg, get_method(choice.method), choice.params, samples, step, policy_step, model, tokenizer,
+                    optimizer, scheduler, choice)
     replay.save_state()
     return replay
+
+
+@dataclass
+class Behaviour:
+    """The behaviour policy of a replayed batch over the whole vocabulary: the final hidden
+    state predicting each token ([N, H], sample order) and its lm_head ([V, H]).
+    ``pipeline.policy.full_logprobs(hidden[rows], weight, T)`` is log mu of those tokens."""
+
+    step: int
+    hidden: torch.Tensor
+    weight: torch.Tensor
+
+
+@torch.no_grad()
+def load_behaviour(replay: Replay, step: int | None = None) -> Behaviour:
+    """The policy that sampled the batch (checkpoint ``behaviour_step``, or ``step``), on the
+    batch's tokens. Call it before any update when the behaviour is the replay's own start
+    (staleness 0): then the replay's model at checkpoint P is used."""
+    step = behaviour_step(replay.cfg, replay.step) if step is None else step
+    if step == replay.policy_step:
+        return Behaviour(step, response_hidden(replay.model, replay.samples), lm_head_weight(replay.model).detach().clone())
+    model, _ = load_model_and_tokenizer(RunStore(replay.root).policy_path(step), replay.cfg.model.dtype)
+    model.eval()
+    return Behaviour(step, response_hidden(model, replay.samples), lm_head_weight(model).detach().clone())
 
 
 def sis_uniforms(seed: int, step: int, mb: int, n: int, dtype: torch.dtype) -> torch.Tensor:

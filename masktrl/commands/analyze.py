@@ -16,7 +16,7 @@ from masktrl.commands.ui import console, kv_table, progress_bar
 from masktrl.commands.options import DEFAULT_OUT
 
 app = typer.Typer(
-    help="Analyses of runs: disagreement (token study), dynamics (curves), compare (seed statistics), sis.",
+    help="Analyses of runs: disagreement (token study), estimators (top-K Ḋ vs exact), dynamics (curves), compare (seed statistics), sis.",
     no_args_is_help=True,
 )
 
@@ -45,57 +45,160 @@ def _written(paths: list[Path]) -> None:
     console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
 
 
+StudyRunsOpt = Annotated[
+    list[str],
+    typer.Option("--run", help="Run folder, run name under --out, or a folder of runs (a sweep); repeat to pool runs.", show_default=False),
+]
+StepsOpt = Annotated[
+    Optional[str],
+    typer.Option("--steps", "--step", help="Rollout steps S: 600 | 600,650,700 | 600:700:50 (inclusive) "
+                 "(default: each run's latest S whose checkpoint S-1 exists).", show_default=False),
+]
+UpdateOpt = Annotated[
+    str,
+    typer.Option("--update-method", help="The replayed update: unmasked (importance-weighted PG, no trust-region mask: "
+                 "favours no criterion), run (the run's own method) or a method name (its defaults)."),
+]
+PartitionsOpt = Annotated[int, typer.Option("--partitions", help="Replays of each batch with other minibatch partitions (seed values run seed + 0..N-1).")]
+PolicyStepOpt = Annotated[
+    Optional[int],
+    typer.Option("--policy-step", help="Checkpoint the update starts from (one run, one step; default S-1; later = staler rollouts).", show_default=False),
+]
+MinibatchesOpt = Annotated[
+    Optional[int],
+    typer.Option("--minibatches", help="Minibatch updates in the step (default: the run's; 4 if it used 1 without staleness).", show_default=False),
+]
+DeltaOpt = Annotated[float, typer.Option("--delta", help="Trust-region threshold δ on the top-K KL D (the paper's main value).")]
+
+
 @app.command()
 def disagreement(
-    run: RunArg,
+    run: StudyRunsOpt,
     out: RunsDirOpt = DEFAULT_OUT,
-    step: StepOpt = None,
-    seeds: Annotated[int, typer.Option("--seeds", help="Number of replays (seed values run seed + 0..N-1).")] = 61,
-    delta: Annotated[float, typer.Option("--delta", help="Trust-region threshold on the top-K KL D.")] = 0.15,
-    policy_step: Annotated[
-        Optional[int], typer.Option("--policy-step", help="Checkpoint the update starts from (default S-1; later = stale rollouts).", show_default=False)
+    steps: StepsOpt = None,
+    delta: DeltaOpt = 0.15,
+    update_method: UpdateOpt = "unmasked",
+    partitions: PartitionsOpt = 1,
+    replicate: Annotated[str, typer.Option("--replicate", help="The unit of replication: batch (run x step) or partition.")] = "batch",
+    policy_step: PolicyStepOpt = None,
+    minibatches: MinibatchesOpt = None,
+    exact: Annotated[bool, typer.Option("--exact/--no-exact", help="Exact full-vocabulary D and Ḋ per token (needs the behaviour checkpoint).")] = True,
+    pairs: Annotated[
+        Optional[str], typer.Option("--pairs", help="Pairs a:b of criteria (default: ratio:ddot_agg,ratio:ddot_uniform,ddot_agg:ddot_uniform).", show_default=False)
     ] = None,
-    minibatches: Annotated[
-        Optional[int], typer.Option("--minibatches", help="Minibatch updates in the step (default: the run's, or 4 if it used 1).", show_default=False)
-    ] = None,
+    test: Annotated[str, typer.Option("--test", help="Paired test shown in the table: wilcoxon | ttest (both are in the JSON).")] = "wilcoxon",
 ) -> None:
-    """Token study: where ratio and Ḋ disagree outside the trust region, which kept tokens whose D grew?"""
+    """Token study (the predictive-mask paper's Figs. 3-4): where two direction rules disagree outside the trust region, which kept tokens whose D grew?"""
     from masktrl.analysis import disagreement as study
-    from masktrl.pipeline.runstore import resolve_run
+    from masktrl.analysis.replicates import parse_steps, run_roots
 
-    root = resolve_run(run, out)
+    roots = run_roots(run, out)
+    result, table = None, None
+    chosen = study.parse_pairs(pairs, exact)
     with progress_bar() as progress:
-        result = study.run_study(root, step, seeds, delta, policy_step, minibatches, progress)
-    paths = study.save(result, root)
-    console.print(
-        f"run [cyan]{result['run']}[/] ({result['method']}): rollouts of step {result['step']}, update from checkpoint "
-        f"{result['policy_step']} (staleness {result['staleness']}), {result['minibatches']} minibatches, δ = {result['delta']:g}, "
-        f"{result['seeds']} seeds; {result['n_tokens']} tokens, {result['n_over_delta_mean']:.1f} with D > δ and "
-        f"{result['n_disagree_mean']:.1f} disagreement tokens per seed",
-        highlight=False,
-    )
+        result, table = study.run_study(roots, parse_steps(steps), delta, update=update_method, partitions=partitions, unit=replicate,
+                                        policy_step=policy_step, minibatches=minibatches, exact=exact, pairs=chosen, test=test,
+                                        progress=progress)
+    paths = study.save(result, table, study.output_dir(roots, result))
+    print_disagreement(result)
+    _written(paths)
+
+
+def print_disagreement(result: dict) -> None:
     from rich.table import Table
 
-    table = Table(title="unsafe keep = P(ΔD > 0 | kept disagreement token), mean ± SE over seeds")
+    from masktrl.analysis.disagreement import SCOPES
+
+    b = result["batches"]
+    stale = sorted({x["staleness"] for x in b})
+    console.print(
+        f"{len(result['runs'])} run(s) ({', '.join(sorted(set(result['methods'].values())))}), steps "
+        f"{_steps_text(result['steps'])}: {result['n_batches']} batches x {result['partitions']} partition(s) = "
+        f"{result['n_replicates']} replicates ({result['replicate_unit']}); update {result['update']['name']} "
+        f"({result['update']['method']}), M = {'/'.join(map(str, result['minibatches']))}, staleness {'/'.join(map(str, stale))}, "
+        f"δ = {result['delta']:g}; {result['n_over_delta_mean']:.1f} tokens with D > δ per replicate",
+        highlight=False,
+    )
+    table = Table(title=f"unsafe keep = P(ΔD > 0 | kept disagreement token): mean ± SE over replicates; contracted = pooled "
+                        f"P(ΔD < 0); p = paired {result['test']} on unsafe keep")
+    table.add_column("pair")
     table.add_column("criterion")
-    for scope in study.SCOPES:
+    table.add_column("disagree\ntotal (/rep)", justify="right")
+    for scope in SCOPES:
         table.add_column(f"{scope}\nunsafe keep", justify="right")
         table.add_column("contracted", justify="right")
-        table.add_column("kept/seed", justify="right")
-    table.add_column("unsafe keep\nall D>δ (1 step)", justify="right")
-    for c in study.CRITERIA:
-        cells = []
-        for scope in study.SCOPES:
-            b = result[scope][c]
-            cells += [pm(b["unsafe_keep_mean"], b["unsafe_keep_se"]), pm(b["contract_frac_mean"], b["contract_frac_se"]), fmt(b["n_kept_mean"], 1)]
-        table.add_row(c, *cells, fmt(result["one_step"][c]["unsafe_keep_over_delta_mean"]))
+        table.add_column("kept", justify="right")
+        table.add_column("p", justify="right")
+    for name, block in result["pairs"].items():
+        for i, c in enumerate(block["criteria"]):
+            cells = [name if i == 0 else "", c, f"{block['n_disagree_total']} ({block['n_disagree_mean']:.1f})" if i == 0 else ""]
+            for scope in SCOPES:
+                x = block[scope][c]
+                p = block[scope]["paired"]["p"]
+                cells += [pm(x["unsafe_keep_mean"], x["unsafe_keep_se"]), fmt(x["contract_frac_pooled"]), str(x["n_kept_total"]),
+                          (fmt(p) if i == 0 else "")]
+            table.add_row(*cells, end_section=i == len(block["criteria"]) - 1)
     console.print(table)
-    if result["n_disagree_mean"] == 0:
+    if all(block["n_disagree_total"] == 0 for block in result["pairs"].values()):
         console.print(
-            "[yellow]no disagreement token: try a smaller --delta, more --minibatches, or --policy-step later than S-1 "
-            "(stale rollouts) so that π moves away from μ[/]"
+            "[yellow]no disagreement token: try a smaller --delta, more --minibatches, or stale rollouts "
+            "(rollout.staleness, or --policy-step later than S-1) so that π moves away from μ[/]"
         )
+
+
+def _steps_text(steps: list[int]) -> str:
+    return str(steps[0]) if len(steps) == 1 else f"{steps[0]}..{steps[-1]} ({len(steps)})"
+
+
+@app.command()
+def estimators(
+    run: StudyRunsOpt,
+    out: RunsDirOpt = DEFAULT_OUT,
+    steps: StepsOpt = None,
+    k: Annotated[str, typer.Option("--k", help="List sizes K (re-cut from the stored list up to its size, else from the recomputed μ).")] = "5,10,20,50",
+    delta: DeltaOpt = 0.15,
+    update_method: UpdateOpt = "unmasked",
+    partitions: PartitionsOpt = 1,
+    policy_step: PolicyStepOpt = None,
+    minibatches: MinibatchesOpt = None,
+) -> None:
+    """Top-K estimators of Ḋ_KL against the exact full-vocabulary value: sign agreement, relative error, bracket certification."""
+    from masktrl.analysis import estimators as est
+    from masktrl.analysis.disagreement import output_dir
+    from masktrl.analysis.replicates import parse_steps, run_roots
+
+    roots = run_roots(run, out)
+    ks = est.parse_ks(k)
+    with progress_bar() as progress:
+        result, table = est.run_estimators(roots, parse_steps(steps), ks, delta, update=update_method, partitions=partitions,
+                                           policy_step=policy_step, minibatches=minibatches, progress=progress)
+    paths = est.save(result, table, output_dir(roots, result))
+    print_estimators(result)
     _written(paths)
+
+
+def print_estimators(result: dict) -> None:
+    from rich.table import Table
+
+    console.print(
+        f"{len(result['runs'])} run(s), steps {_steps_text(result['steps'])}, {result['n_batches']} batches, |V| = {result['vocab_size']}, "
+        f"stored K = {result['stored_k']}, update {result['update']['name']}; behaviour μ recomputed from its checkpoint "
+        f"(max |Δ log μ_k| vs the stored value: {result['mu_recompute_max_abs_logp_diff']:.2g})",
+        highlight=False,
+    )
+    for name, block in result["subsets"].items():
+        what = "exact KL > 1e-6" if name == "moved" else f"exact KL > δ = {result['delta']:g}"
+        table = Table(title=f"{name}: {block['n_tokens']} tokens ({what}); sign agreement with the exact Ḋ_KL (mean ± SE over replicates), "
+                            "relative error p50 / p90")
+        for col in ("K", "list", "agg sign", "agg rel err", "uniform sign", "uniform rel err", "bracket certifies", "certified right",
+                    "contains exact", "1 − π(list)"):
+            table.add_column(col, justify="right")
+        for kk, row in block["k"].items():
+            a, u, br = row["agg"], row["uniform"], row["bracket"]
+            table.add_row(kk, row["source"], pm(a["sign_agree_mean"], a["sign_agree_se"]), f"{fmt(a['rel_err_p50'])} / {fmt(a['rel_err_p90'])}",
+                          pm(u["sign_agree_mean"], u["sign_agree_se"]), f"{fmt(u['rel_err_p50'])} / {fmt(u['rel_err_p90'])}",
+                          fmt(br["certified_frac"]), fmt(br["certified_correct"]), fmt(br["contains_frac"]), fmt(row["pi_tail_mean"]))
+        console.print(table)
 
 
 @app.command()

@@ -41,15 +41,19 @@ class PolicyForward(torch.nn.Module):
                 prompt_ids=None, prompt_attention=None, group=None):
         """Without ``prompt_ids``: ``input_ids`` [B, L] is prompt+response, right-padded. With them:
         ``input_ids`` [B, R] holds the responses only (see ``shared_prompt_hidden``)."""
-        if prompt_ids is None:
-            hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state  # [B, L, H]
-        else:
-            hidden = shared_prompt_hidden(self.lm.base_model, prompt_ids, prompt_attention, input_ids, attention, group)
-        h = hidden[rows, cols]  # [N, H]
+        h = self.hidden(input_ids, attention, rows, cols, prompt_ids, prompt_attention, group)  # [N, H]
         weight = self.lm.get_output_embeddings().weight  # [V, H]
         # [N, 1+K] log pi at the sampled and top-K ids, and [N] entropy (no grad), in one pass over V
         lp, entropy = token_logprobs_and_entropy(h, weight, ids, temperature=temperature, chunk_size=chunk)
         return lp, entropy
+
+    def hidden(self, input_ids, attention, rows, cols, prompt_ids=None, prompt_attention=None, group=None):
+        """[N, H] final hidden states at the response positions (the rows the lm_head reads)."""
+        if prompt_ids is None:
+            hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state  # [B, L, H]
+        else:
+            hidden = shared_prompt_hidden(self.lm.base_model, prompt_ids, prompt_attention, input_ids, attention, group)
+        return hidden[rows, cols]
 
 
 def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: int) -> PolicyOutputs:
@@ -59,16 +63,9 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
     materialises the [B, T, V] logits: ``token_logprobs`` works on response positions only,
     ``chunk`` tokens at a time.
     """
-    policy = model if isinstance(getattr(model, "module", model), PolicyForward) else PolicyForward(model)
-    inner = getattr(policy, "module", policy)
+    policy, inner, inputs = _policy_inputs(model, samples)
     vocab_size = inner.vocab_size
     device = next(policy.parameters()).device
-    prompts, group = _distinct_prompts(samples)
-    if len(prompts) < len(samples) and not _checkpointing(inner.lm):
-        inputs = _shared_prompt_inputs(samples, prompts, group)
-    else:
-        inputs = _whole_sequence_inputs(samples)
-    inputs = {k: v.to(device) for k, v in inputs.items()}
 
     sampled = torch.tensor([t for s in samples for t in s.gen.response_ids], device=device)  # [N]
     topk_ids = torch.tensor([row for s in samples for row in s.gen.topk_ids], dtype=torch.long, device=device)  # [N, K]
@@ -91,6 +88,45 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
         vocab_size=vocab_size,
     )
     return PolicyOutputs(batch, advantages, entropy)
+
+
+@torch.no_grad()
+def response_hidden(model, samples: list[Sample]) -> torch.Tensor:
+    """[N, H] the final hidden state that predicts each response token (the tokens of
+    ``samples`` in order, as in ``policy_token_batch``), without gradient. With
+    ``full_logprobs`` it gives the whole next-token distribution, for analyses that need more
+    than the listed ids (exact divergences, docs/METHODS.md §4.5)."""
+    policy, inner, inputs = _policy_inputs(model, samples)
+    return inner.hidden(inputs.pop("input_ids"), inputs.pop("attention"), inputs.pop("rows"), inputs.pop("cols"), **inputs)
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    """[V, H] the output embedding the policy's log-probabilities are computed with (no bias:
+    ``PolicyForward`` uses none)."""
+    inner = getattr(model, "module", model)
+    lm = inner.lm if isinstance(inner, PolicyForward) else inner
+    return lm.get_output_embeddings().weight
+
+
+@torch.no_grad()
+def full_logprobs(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """[n, V] log softmax(hidden weight^T / T) over the whole vocabulary, computed in ``dtype``:
+    ``hidden`` [n, H] from ``response_hidden``, ``weight`` from ``lm_head_weight``. Pass a chunk
+    of tokens: the result holds [n, V]."""
+    return torch.log_softmax((hidden.to(dtype) @ weight.to(dtype).t()) / temperature, dim=-1)
+
+
+def _policy_inputs(model, samples: list[Sample]):
+    """(the PolicyForward to call, its unwrapped module, its inputs on the model's device)."""
+    policy = model if isinstance(getattr(model, "module", model), PolicyForward) else PolicyForward(model)
+    inner = getattr(policy, "module", policy)
+    device = next(policy.parameters()).device
+    prompts, group = _distinct_prompts(samples)
+    if len(prompts) < len(samples) and not _checkpointing(inner.lm):
+        inputs = _shared_prompt_inputs(samples, prompts, group)
+    else:
+        inputs = _whole_sequence_inputs(samples)
+    return policy, inner, {k: v.to(device) for k, v in inputs.items()}
 
 
 def _distinct_prompts(samples: list[Sample]) -> tuple[list[list[int]], list[int]]:

@@ -1,0 +1,182 @@
+"""How good are the top-K estimators of Ḋ_KL? Their error against the exact value, measured in a
+replayed update (docs/METHODS.md §4.3-§4.5).
+
+In a replay the full distributions are at hand: pi from the policy being updated, mu from the
+checkpoint of the behaviour policy that sampled the batch (``step_replay.load_behaviour``).
+For every token, at the forward pass its minibatch trains on, the exact Ḋ_KL (§4.5) is
+compared with, for each list size K:
+
+    ddot_agg, ddot_uniform   the aggregated- and uniform-tail estimators (§4.2)
+    bracket                  the certified bracket [lo, hi] (§4.4)
+
+A K up to the stored list size re-cuts the stored list (``truncate_topk``, §1.1: what an engine
+asked for top-K would have returned); a larger K takes the top-K of the recomputed behaviour
+distribution. All in float64 (pi at the list ids from the full log-probabilities), so the
+errors are those of the tail models, not of rounding.
+
+Reported per K, over two token sets:
+
+    moved       valid tokens with exact KL(mu || pi) > 1e-6 (below it pi ~ mu and Ḋ is rounding)
+    over_delta  valid tokens with exact KL > δ (where a trust-region mask acts)
+
+sign agreement (sign(estimate) == sign(exact)), quantiles of the relative error
+|estimate - exact| / |exact| and of the absolute error, and for the bracket: the fraction of
+tokens whose sign it certifies (lo > 0 or hi < 0), whether those signs are right, and the
+fraction of tokens it contains (with a 1e-6 tolerance for the recomputation of mu).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from masktrl.errors import MasktrlError
+from masktrl.stats import mean_se
+
+KS = (5, 10, 20, 50)
+ESTIMATORS = ("agg", "uniform")
+MOVED_FLOOR = 1e-6
+CONTAIN_TOL = 1e-6
+QUANTILES = (0.5, 0.9, 0.99)
+SUBSETS = ("moved", "over_delta")
+
+
+def parse_ks(spec: str | None) -> tuple[int, ...]:
+    if spec is None:
+        return KS
+    try:
+        ks = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise MasktrlError(f"--k must be a comma-separated list of list sizes, got {spec!r}") from None
+    if not ks or ks[0] < 1:
+        raise MasktrlError(f"--k needs list sizes >= 1, got {spec!r}")
+    return tuple(ks)
+
+
+def subset(t: dict, name: str, delta: float) -> np.ndarray:
+    exact = t["ddot_exact"]
+    base = t["valid"].astype(bool) & np.isfinite(exact) & np.isfinite(t["d_full"])
+    floor = MOVED_FLOOR if name == "moved" else max(delta, MOVED_FLOOR)
+    return base & (t["d_full"] > floor)
+
+
+def _q(vals: np.ndarray, prefix: str) -> dict:
+    vals = vals[np.isfinite(vals)]
+    if vals.size == 0:
+        return {f"{prefix}_p{int(q * 100)}": float("nan") for q in QUANTILES}
+    return {f"{prefix}_p{int(q * 100)}": float(x) for q, x in zip(QUANTILES, np.quantile(vals, QUANTILES))}
+
+
+def estimator_stats(est: np.ndarray, exact: np.ndarray, replicate: np.ndarray) -> dict:
+    """Sign agreement (pooled and mean ± SE over replicates) and error quantiles of one estimator."""
+    agree = np.sign(est) == np.sign(exact)
+    nz = exact != 0
+    rel = np.abs(est[nz] - exact[nz]) / np.abs(exact[nz])
+    per_rep = [float(agree[replicate == r].mean()) for r in np.unique(replicate)]
+    m, se = mean_se(per_rep) if per_rep else (float("nan"), float("nan"))
+    return {
+        "sign_agree": float(agree.mean()) if agree.size else float("nan"),
+        "sign_agree_mean": m,
+        "sign_agree_se": se,
+        **_q(rel, "rel_err"),
+        **_q(np.abs(est - exact), "abs_err"),
+    }
+
+
+def bracket_stats(lo: np.ndarray, hi: np.ndarray, exact: np.ndarray) -> dict:
+    certified = (lo > 0) | (hi < 0)
+    right = np.where(lo > 0, exact > 0, exact < 0)
+    return {
+        "certified_frac": float(certified.mean()) if certified.size else float("nan"),
+        "certified_correct": float(right[certified].mean()) if certified.any() else float("nan"),
+        "contains_frac": float(((lo - CONTAIN_TOL <= exact) & (exact <= hi + CONTAIN_TOL)).mean()) if exact.size else float("nan"),
+        **_q(hi - lo, "width"),
+    }
+
+
+def summarize(t: dict, ks: tuple[int, ...], delta: float, stored_k: int) -> dict:
+    out = {}
+    for name in SUBSETS:
+        sel = subset(t, name, delta)
+        exact, rep = t["ddot_exact"][sel], t["replicate"][sel]
+        block = {"n_tokens": int(sel.sum()), "k": {}}
+        for k in ks:
+            row = {"source": "stored" if k <= stored_k else "recomputed"}
+            for e in ESTIMATORS:
+                row[e] = estimator_stats(t[f"ddot_{e}_k{k}"][sel], exact, rep)
+            row["bracket"] = bracket_stats(t[f"bracket_lo_k{k}"][sel], t[f"bracket_hi_k{k}"][sel], exact)
+            tail = t[f"pi_tail_k{k}"][sel]
+            row["pi_tail_mean"] = float(tail.mean()) if tail.size else float("nan")
+            row.update(_q(tail, "pi_tail"))
+            block["k"][str(k)] = row
+        out[name] = block
+    return out
+
+
+def run_estimators(
+    runs: list[Path],
+    steps: list[int] | None = None,
+    ks: tuple[int, ...] = KS,
+    delta: float = 0.15,
+    *,
+    update: str = "unmasked",
+    partitions: int = 1,
+    policy_step: int | None = None,
+    minibatches: int | None = None,
+    progress=None,
+) -> tuple[dict, dict]:
+    """(JSON-ready result, token table) of the estimator study on the run folders ``runs``."""
+    from masktrl.analysis.replicates import plan, replay_all
+    from masktrl.analysis.step_replay import update_choice
+    from masktrl.pipeline.runstore import RunStore
+
+    if partitions < 1:
+        raise MasktrlError(f"--partitions must be >= 1, got {partitions}")
+    if not delta >= 0:
+        raise MasktrlError(f"--delta must be >= 0, got {delta}")
+    for r in runs:
+        update_choice(update, RunStore(r).config())
+    refs = plan(runs, steps, policy_step, exact=True)
+    table, info = replay_all(refs, update=update, partitions=partitions, minibatches=minibatches, exact=True, ks=ks, progress=progress)
+    stored_k = min(row["stored_k"] for row in info)
+    result = {
+        "analysis": "estimators",
+        "runs": list(dict.fromkeys(ref.run for ref in refs)),
+        "methods": {row["run"]: row["method"] for row in info},
+        "steps": sorted({ref.step for ref in refs}),
+        "ks": list(ks),
+        "stored_k": stored_k,
+        "vocab_size": info[0]["vocab_size"],
+        "delta": delta,
+        "update": info[0]["update"],
+        "minibatches": sorted({row["minibatches"] for row in info}),
+        "partitions": partitions,
+        "n_batches": len(refs),
+        "moved_floor": MOVED_FLOOR,
+        "contain_tol": CONTAIN_TOL,
+        "mu_recompute_max_abs_logp_diff": max(row.get("mu_recompute_max_abs_logp_diff", 0.0) for row in info),
+        "subsets": summarize(table, ks, delta, stored_k),
+        "batches": info,
+    }
+    return result, table
+
+
+def stem(result: dict) -> str:
+    steps = result["steps"]
+    part = f"step{steps[0]}" if len(steps) == 1 else f"steps{steps[0]}-{steps[-1]}n{len(steps)}"
+    runs = "" if len(result["runs"]) == 1 else f"-runs{len(result['runs'])}"
+    return f"estimators-{part}{runs}-{result['update']['name']}"
+
+
+def save(result: dict, table: dict, out: Path) -> list[Path]:
+    from masktrl.analysis import plots
+    from masktrl.analysis.io import save_figure, write_json, write_table
+
+    name = stem(result)
+    result = {**result, "tokens_file": f"{name}-tokens.parquet"}
+    return [
+        write_json(out / f"{name}.json", result),
+        write_table(out / f"{name}-tokens.parquet", table),
+        save_figure(plots.estimator_panels(result), out / f"{name}.png"),
+    ]

@@ -1,0 +1,220 @@
+"""Every token of a replayed update, as columns: what each direction criterion decided, the exact
+full-vocabulary values, and how D then moved.
+
+``record_tokens`` replays one rollout batch (``step_replay.replay_step``: the minibatch updates
+of ``pipeline.update.policy_update``) and, for every token, at the forward pass its own
+minibatch trains on (the policy the method sees):
+
+    adv, d (top-K KL, docs/METHODS.md §3), log_ratio, ddot_agg, ddot_uniform (§4.2),
+    bracket_lo, bracket_hi (§4.4)                    from the stored behaviour lists, as the method sees them
+    d_full, ddot_exact (§4.5)                         with ``exact``: from the full log-probabilities (float64)
+                                                      of pi and of the behaviour policy (its checkpoint)
+    keep_<criterion>                                  the direction rules (``keep_decisions``)
+    d_one                                             D just after the token's own minibatch update
+    d_all                                             D after all the step's minibatch updates
+
+With ``ks``, also the tail estimators and the bracket at other list sizes K (``estimates_at_k``),
+all in float64 from the full log-probabilities: ``ddot_agg_k{K}``, ``ddot_uniform_k{K}``,
+``bracket_lo_k{K}``, ``bracket_hi_k{K}``, ``pi_tail_k{K}`` (1 - pi(list)). A K up to the stored
+list size re-cuts the stored list (``truncate_topk``, §1.1); a larger K takes the behaviour's
+top-K of the recomputed distribution (``source_k{K}`` says which).
+
+Columns are numpy arrays of one length N (the batch's tokens in sample order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from masktrl.methods import TokenBatch, ddot_kl_bracket, divergence, divergence_full, divergence_rate, divergence_rate_full, truncate_topk
+from masktrl.methods.batch import log_ratio
+from masktrl.pipeline.policy import full_logprobs, lm_head_weight, response_hidden
+
+CRITERIA = ("ratio", "ddot_agg", "ddot_uniform")  # the paper's three direction rules
+EXACT_CRITERIA = ("ddot_exact",)  # needs the full vocabulary
+BRACKET_CRITERIA = ("bracket_keep", "bracket_mask")  # pdm tail=bracket, uncertain=keep | mask (§4.6)
+FULL_ROW_BUDGET = 1 << 24  # float64 entries of one [rows, V] chunk of full log-probabilities (128 MiB)
+
+
+def keep_decisions(adv: Tensor, log_r: Tensor, ddot_agg: Tensor, ddot_uniform: Tensor, lo: Tensor | None = None,
+                   hi: Tensor | None = None, ddot_exact: Tensor | None = None) -> dict[str, Tensor]:
+    """[N] bool per criterion: the direction rule keeps the token's update (does not mask it).
+
+    ratio: masks iff sign(A (r-1)) > 0 (DPPO, §3); ddot_*: masks iff sign(A Ḋ) > 0 (PDM, §4);
+    bracket_keep / bracket_mask: PDM tail=bracket with uncertain=keep / mask (§4.6): masks iff
+    the bracket certifies A Ḋ > 0 / unless it certifies A Ḋ <= 0.
+    """
+    out = {
+        "ratio": ~(torch.sign(adv * log_r) > 0),  # sign(r - 1) = sign(log r)
+        "ddot_agg": ~(torch.sign(adv * ddot_agg) > 0),
+        "ddot_uniform": ~(torch.sign(adv * ddot_uniform) > 0),
+    }
+    if lo is not None and hi is not None:
+        out["bracket_keep"] = ~(((adv > 0) & (lo > 0)) | ((adv < 0) & (hi < 0)))
+        out["bracket_mask"] = ~(((adv > 0) & (hi > 0)) | ((adv < 0) & (lo < 0)))
+    if ddot_exact is not None:
+        out["ddot_exact"] = ~(torch.sign(adv * ddot_exact) > 0)
+    return out
+
+
+def chunk_rows(vocab: int, budget: int = FULL_ROW_BUDGET) -> int:
+    return max(1, budget // max(vocab, 1))
+
+
+def list_batch(batch: TokenBatch, pi_full: Tensor, mu_full: Tensor | None = None, k: int | None = None) -> TokenBatch:
+    """A float64 copy of ``batch`` whose pi values come from the full log-probabilities ``pi_full``
+    [N, V]. With ``k`` and ``mu_full``: the behaviour's top-k list of ``mu_full`` instead of the
+    stored one (log mu_k recomputed too), for a k above the stored list size."""
+    dt = torch.float64
+    if k is not None:
+        kk = min(k, mu_full.shape[1])
+        ids = mu_full.topk(kk, dim=1).indices  # [N, k] descending mu
+        return TokenBatch(
+            logp=pi_full.gather(1, batch.sampled_ids[:, None])[:, 0],
+            behavior_logp=mu_full.gather(1, batch.sampled_ids[:, None])[:, 0],
+            sampled_ids=batch.sampled_ids,
+            topk_ids=ids,
+            topk_behavior_logp=mu_full.gather(1, ids),
+            topk_logp=pi_full.gather(1, ids),
+            seq_ids=batch.seq_ids,
+            vocab_size=batch.vocab_size,
+        )
+    ids = batch.topk_ids
+    return replace(
+        batch,
+        logp=pi_full.gather(1, batch.sampled_ids[:, None])[:, 0],
+        behavior_logp=batch.behavior_logp.detach().to(dt),
+        topk_behavior_logp=batch.topk_behavior_logp.detach().to(dt),
+        topk_logp=pi_full.gather(1, ids.clamp_min(0)).masked_fill(ids < 0, 0.0),
+    )
+
+
+def estimates_at_k(batch64: TokenBatch, pi_full: Tensor, mu_full: Tensor, k: int, stored_k: int) -> dict[str, Tensor]:
+    """The tail estimators, the bracket and 1 - pi(list) for a behaviour list of size ``k``."""
+    b = truncate_topk(batch64, k) if k <= stored_k else list_batch(batch64, pi_full, mu_full, k)
+    lo, hi = ddot_kl_bracket(b)
+    genuine = b.topk_ids >= 0
+    pi_list = torch.where(genuine, b.topk_logp, torch.full_like(b.topk_logp, float("-inf"))).logsumexp(dim=1)
+    return {
+        f"ddot_agg_k{k}": divergence_rate(b, "kl", "agg"),
+        f"ddot_uniform_k{k}": divergence_rate(b, "kl", "uniform"),
+        f"bracket_lo_k{k}": lo,
+        f"bracket_hi_k{k}": hi,
+        f"pi_tail_k{k}": (-torch.expm1(pi_list)).clamp_min(0.0),
+    }
+
+
+def _np(t: Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, ks: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
+    """Replay the step once from checkpoint P; the columns described in the module docstring.
+
+    ``behaviour``: a ``step_replay.Behaviour`` (the full behaviour distribution) turns on the
+    exact columns; ``ks`` needs it.
+    """
+    from masktrl.analysis.step_replay import policy_outputs, replay_step, token_index
+
+    if ks and behaviour is None:
+        raise ValueError("estimates at other K need the behaviour distribution")
+    replay.restore()
+    n = replay.n_tokens
+    cols: dict[str, np.ndarray] = {}
+    order: list[list[int]] = []
+    temperature = replay.cfg.rollout.temperature
+
+    def put(name: str, tok: np.ndarray, values: Tensor) -> None:
+        v = _np(values)
+        if name not in cols:
+            cols[name] = np.zeros(n, dtype=v.dtype) if v.dtype == bool else np.full(n, np.nan, dtype=np.float64)
+        cols[name][tok] = v
+
+    def before(mb, idx, out, losses, u):
+        b = out.batch
+        tok = _np(token_index(replay, idx))
+        adv = out.advantages.detach()
+        lr = log_ratio(b).detach()
+        agg, uni = divergence_rate(b, "kl", "agg").detach(), divergence_rate(b, "kl", "uniform").detach()
+        lo, hi = (t.detach() for t in ddot_kl_bracket(b))
+        put("minibatch", tok, torch.full_like(adv, mb))
+        put("valid", tok, b.valid)
+        put("adv", tok, adv)
+        put("d", tok, divergence(b, "topk-kl").detach())
+        put("log_ratio", tok, lr)
+        put("ddot_agg", tok, agg)
+        put("ddot_uniform", tok, uni)
+        put("bracket_lo", tok, lo)
+        put("bracket_hi", tok, hi)
+        exact = None
+        if behaviour is not None:
+            exact = _exact_columns(replay, behaviour, idx, tok, b, ks, temperature, put)
+        for c, keep in keep_decisions(adv, lr, agg, uni, lo, hi, exact).items():
+            put(f"keep_{c}", tok, keep)
+
+    d_one: dict[int, Tensor] = {}
+
+    def after(mb, idx):
+        order.append(idx)
+        d_one[mb] = divergence(policy_outputs(replay, idx).batch, "topk-kl")
+        put("d_one", _np(token_index(replay, idx)), d_one[mb])
+
+    replay_step(replay, seed_value, minibatches, before, after)
+    for idx in order:
+        put("d_all", _np(token_index(replay, idx)), divergence(policy_outputs(replay, idx).batch, "topk-kl"))
+    seen = np.concatenate([_np(token_index(replay, idx)) for idx in order])
+    if sorted(seen.tolist()) != list(range(n)):
+        raise AssertionError("minibatches do not cover every token exactly once")
+    seq = np.concatenate([np.full(len(s.gen.response_ids), i) for i, s in enumerate(replay.samples)])
+    pos = np.concatenate([np.arange(len(s.gen.response_ids)) for s in replay.samples])
+    cols["minibatch"] = cols["minibatch"].astype(np.int64)
+    return {"sample": seq, "position": pos, **cols}
+
+
+@torch.no_grad()
+def _exact_columns(replay, behaviour, idx, tok: np.ndarray, b: TokenBatch, ks, temperature: float, put) -> Tensor:
+    """d_full, ddot_exact (and the K columns) of the tokens ``tok``; returns ddot_exact [n]."""
+    h_pi = response_hidden(replay.model, [replay.samples[i] for i in idx])  # [n, H]
+    w_pi = lm_head_weight(replay.model)
+    h_mu = behaviour.hidden[torch.as_tensor(tok)]
+    step = chunk_rows(w_pi.shape[0])
+    stored_k = int(b.topk_ids.shape[1])
+    pieces: list[dict[str, Tensor]] = []
+    for s in range(0, len(tok), step):
+        e = min(s + step, len(tok))
+        pi_full = full_logprobs(h_pi[s:e], w_pi, temperature)  # [c, V] float64
+        mu_full = full_logprobs(h_mu[s:e], behaviour.weight, temperature)
+        rows = _rows(b, s, e)
+        sampled = rows.sampled_ids
+        piece = {
+            "d_full": divergence_full(mu_full, pi_full, "kl"),
+            "ddot_exact": divergence_rate_full(mu_full, pi_full, sampled, "kl"),
+            "mu_logp_recomputed": mu_full.gather(1, sampled[:, None])[:, 0],
+        }
+        if ks:
+            b64 = list_batch(rows, pi_full)
+            for k in ks:
+                piece.update(estimates_at_k(b64, pi_full, mu_full, k, stored_k))
+        pieces.append(piece)
+    out = {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
+    for k, v in out.items():
+        put(k, tok, v)
+    return out["ddot_exact"]
+
+
+def _rows(b: TokenBatch, s: int, e: int) -> TokenBatch:
+    """Rows s:e of a batch (detached)."""
+    return TokenBatch(
+        logp=b.logp[s:e].detach(),
+        behavior_logp=b.behavior_logp[s:e],
+        sampled_ids=b.sampled_ids[s:e],
+        topk_ids=b.topk_ids[s:e],
+        topk_behavior_logp=b.topk_behavior_logp[s:e],
+        topk_logp=b.topk_logp[s:e].detach(),
+        seq_ids=b.seq_ids[s:e],
+        vocab_size=b.vocab_size,
+    )
