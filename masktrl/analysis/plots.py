@@ -202,7 +202,7 @@ def method_points(table: dict) -> Figure:
 
 
 def sis_panels(rep: dict) -> Figure:
-    fig, axes = _grid(6, cols=3)
+    fig, axes = _grid(7, cols=4)
     ax = axes[0]
     tr = rep["training"]
     if tr["accept_rate"]:
@@ -232,6 +232,17 @@ def sis_panels(rep: dict) -> Figure:
     ax.plot(ro["step"], ro["outside_topk_frac"], color=COLORS[2])
     ax.set_title("sampled tokens outside the behaviour top-K", fontsize=9)
     ax.set_xlabel("step")
+
+    ax = axes[6]
+    if tr["log_r_dev"]:
+        ax.plot(tr["step"], [_nan(v) for v in tr["log_r_dev"]], color=COLORS[0], label="D = Σ|log r| (without SIS)")
+    if tr["log_w_dev"]:
+        ax.plot(tr["step"], [_nan(v) for v in tr["log_w_dev"]], color=COLORS[1], label="D_SIS = Σ|log w| (with SIS)")
+    ax.scatter([rep["step"]] * 2, [r["log_r_dev"], r["log_w_dev"]], color=[COLORS[0], COLORS[1]], marker="x", zorder=3,
+               label=f"recomputed (step {rep['step']})")
+    ax.set_title("log-importance deviation per sequence (mean)", fontsize=9)
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
 
     for ax, key, color in ((axes[4], "accepted", COLORS[2]), (axes[5], "rejected", COLORS[1])):
         top = rep["tokens"][key]

@@ -1,14 +1,16 @@
 """What selective importance sampling sees in a run (docs/METHODS.md §6).
 
-* over training, from metrics.jsonl: the logged accept rate (SIS runs only) and the mean
-  residual top-K mass 1 − π(top-K) the trainer logged;
+* over training, from metrics.jsonl: the logged accept rate (SIS runs only), the mean
+  residual top-K mass 1 − π(top-K) the trainer logged, and the log-importance deviation
+  (§6.1): D = mean over sequences of sum_t |log r_t| (``log_r_dev``, every method) and D_SIS =
+  the same with the SIS weights (``log_w_dev``, SIS runs), with their ratio D_SIS / D;
 * over training, from the stored rollouts (no model needed): the behaviour's residual mass
   1 − μ(top-K) per token (mean, median, p90, p99 per step) and the share of sampled tokens
   outside the behaviour top-K (no acceptance test exists for those);
 * at one step S, recomputed by replaying the step from checkpoint S-1 exactly as training did
   (same minibatch split, same weights at each minibatch): π's residual mass per token, and the
   SIS decision ``sis_accept`` with the training uniforms ``stream_seed(seed, "sis", S, mb)``,
-  so for a SIS run the recomputed accept rate equals the logged one. For another method the
+  so for a SIS run the recomputed accept rate (and D, D_SIS) equals the logged one. For another method the
   decisions are what SIS would have made on that run's batch (marked ``hypothetical``).
   The most frequent accepted and rejected sampled tokens are decoded with the run's tokenizer.
 """
@@ -23,7 +25,8 @@ import torch
 
 from masktrl.analysis.io import RunInfo, default_replay_step
 from masktrl.methods import sis_accept
-from masktrl.methods.batch import genuine_entries, tail_mass
+from masktrl.methods.batch import genuine_entries, log_ratio, tail_mass
+from masktrl.methods.diagnostics import log_importance_deviation
 from masktrl.pipeline.runstore import RunStore
 
 MAX_ROLLOUT_STEPS = 200  # rollout files read for the curves (evenly spaced when there are more)
@@ -71,7 +74,7 @@ def replay_decisions(root: Path, step: int) -> dict:
 
     replay = load_replay(root, step)
     seed, m = replay.cfg.seed, replay.cfg.train.minibatches
-    rows: dict[str, list] = {"sampled": [], "accepted": [], "tested": [], "valid": [], "resid": [], "mb_rate": []}
+    rows: dict[str, list] = {"sampled": [], "accepted": [], "tested": [], "valid": [], "resid": [], "mb_rate": [], "mb_dev": []}
     vocab: list[int | None] = []
 
     def before(mb, idx, out, losses, u):
@@ -85,10 +88,12 @@ def replay_decisions(root: Path, step: int) -> dict:
         rows["valid"].append(b.valid)
         rows["resid"].append(residual_mass(b.topk_logp.detach(), b.topk_ids, b.vocab_size))
         rows["mb_rate"].append(float(dec.accepted[b.valid].double().mean()) if bool(b.valid.any()) else float("nan"))
+        rows["mb_dev"].append((log_importance_deviation(b, log_ratio(b)), log_importance_deviation(b, dec.log_w)))
 
     replay_step(replay, seed, m, before)
-    cat = {k: torch.cat(v) for k, v in rows.items() if k != "mb_rate"}
-    return {"tokenizer": replay.tokenizer, "method": replay.cfg.method_name, "vocab_size": vocab[0], "mb_rates": rows["mb_rate"], **cat}
+    cat = {k: torch.cat(v) for k, v in rows.items() if k not in ("mb_rate", "mb_dev")}
+    return {"tokenizer": replay.tokenizer, "method": replay.cfg.method_name, "vocab_size": vocab[0], "mb_rates": rows["mb_rate"],
+            "mb_dev": rows["mb_dev"], **cat}
 
 
 def token_table(tokenizer, ids: torch.Tensor, total: Counter, top: int) -> list[dict]:
@@ -104,20 +109,33 @@ def decode(tokenizer, token_id: int) -> str:
     return text if text else str(tokenizer.convert_ids_to_tokens(token_id))
 
 
+TRAINING_KEYS = {"accept_rate": "sis_accept_rate", "residual_mean": "topk_residual_mass_mean",
+                 "log_r_dev": "log_r_dev", "log_w_dev": "log_w_dev"}
+
+
+def training_curves(metrics: list[dict]) -> dict:
+    """Per logged step: accept rate, residual mass, D (log_r_dev), D_SIS (log_w_dev) and
+    D_SIS / D; a curve never logged is an empty list."""
+    out = {"step": [r["step"] for r in metrics]}
+    for key, logged in TRAINING_KEYS.items():
+        vals = [r.get(logged) for r in metrics]
+        out[key] = vals if any(v is not None for v in vals) else []
+    if out["log_r_dev"] and out["log_w_dev"]:
+        out["log_dev_ratio"] = [w / r if r and w is not None else None for r, w in zip(out["log_r_dev"], out["log_w_dev"])]
+    else:
+        out["log_dev_ratio"] = []
+    return out
+
+
 def sis_report(run: RunInfo, step: int | None = None, top: int = 10) -> dict:
     """The whole report, JSON-ready (see docs/ANALYSIS.md)."""
     step = default_replay_step(run.root) if step is None else step
     rep = replay_decisions(run.root, step)
-    training = {"step": [], "accept_rate": [], "residual_mean": []}
-    for row in run.metrics:
-        training["step"].append(row["step"])
-        training["accept_rate"].append(row.get("sis_accept_rate"))
-        training["residual_mean"].append(row.get("topk_residual_mass_mean"))
-    if all(v is None for v in training["accept_rate"]):
-        training["accept_rate"] = []
-    if all(v is None for v in training["residual_mean"]):
-        training["residual_mean"] = []
-    logged = next((r.get("sis_accept_rate") for r in run.metrics if r["step"] == step), None)
+    training = training_curves(run.metrics)
+    logged_row = next((r for r in run.metrics if r["step"] == step), {})
+    logged = logged_row.get("sis_accept_rate")
+    dev_r = float(np.nanmean([d[0] for d in rep["mb_dev"]]))  # mean over minibatches, as logged
+    dev_w = float(np.nanmean([d[1] for d in rep["mb_dev"]]))
 
     valid, tested, acc = rep["valid"], rep["tested"], rep["accepted"]
     rejected = tested & ~acc
@@ -142,6 +160,11 @@ def sis_report(run: RunInfo, step: int | None = None, top: int = 10) -> dict:
             "pi_residual_mean": float(resid.mean()),
             "pi_residual_quantiles": {f"p{q}": float(np.quantile(resid, q / 100)) for q in (50, 90, 99)},
             "pi_residual": [float(x) for x in resid],
+            "log_r_dev": dev_r,
+            "log_w_dev": dev_w,
+            "log_dev_ratio": dev_w / dev_r if dev_r else float("nan"),
+            "log_r_dev_logged": logged_row.get("log_r_dev"),
+            "log_w_dev_logged": logged_row.get("log_w_dev"),
         },
         "tokens": {
             "accepted": token_table(rep["tokenizer"], sampled[acc], total, top),

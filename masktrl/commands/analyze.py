@@ -275,6 +275,16 @@ def print_compare(table: dict) -> None:
         console.print(f"[yellow]skipped incomplete run[/] {s}", highlight=False)
 
 
+def _dev_over_training(tr: dict) -> list[tuple[str, str]]:
+    """Mean over the logged steps of D, D_SIS and D_SIS / D (rows of the SIS table)."""
+    rows = []
+    for key, label in (("log_r_dev", "D"), ("log_w_dev", "D_SIS"), ("log_dev_ratio", "D_SIS / D")):
+        vals = [v for v in tr.get(key) or [] if v is not None and v == v]
+        if vals:
+            rows.append((f"{label}, mean over {len(vals)} logged steps", fmt(sum(vals) / len(vals), 4)))
+    return rows
+
+
 @app.command()
 def sis(
     run: RunArg,
@@ -297,6 +307,12 @@ def sis(
         ("tested (k in behaviour top-K)", fmt(r["tested_frac"])),
         ("accepted / tested", fmt(r["accepted_frac_of_tested"])),
         ("sampled outside behaviour top-K", fmt(r["outside_topk_frac"])),
+        ("D = Σ|log r| per sequence, recomputed", fmt(r["log_r_dev"], 4)),
+        ("D = Σ|log r| per sequence, logged", fmt(r["log_r_dev_logged"], 4)),
+        ("D_SIS = Σ|log w| per sequence, recomputed" + hyp, fmt(r["log_w_dev"], 4)),
+        ("D_SIS = Σ|log w| per sequence, logged", fmt(r["log_w_dev_logged"], 4)),
+        ("D_SIS / D", fmt(r["log_dev_ratio"])),
+        *_dev_over_training(rep["training"]),
         ("1 − π(top-K): mean", fmt(r["pi_residual_mean"], 4)),
         *[(f"1 − π(top-K): {q}", fmt(v, 4)) for q, v in r["pi_residual_quantiles"].items()],
         ("valid tokens", str(r["n_valid"])),
