@@ -15,31 +15,13 @@ from masktrl.analysis import disagreement as dis
 from masktrl.analysis.io import load_run
 from masktrl.analysis.step_replay import load_replay, replay_step
 from masktrl.analysis.sis_report import sis_report
-from masktrl.pipeline import sweep
-
-CONFIG = """\
-seed: 0
-method: {name: grpo}
-model: {hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 64}
-task: {name: arithmetic, digits: 1, n_test: 16}
-warmstart: {steps: 150, batch_size: 16}
-rollout: {prompts_per_step: 8, n: 4, max_new_tokens: 4, logprobs_k: 5}
-train: {steps: 3, checkpoint_every: 1, lr: 3.0e-3, minibatches: 2, eval_every: 2}
-"""
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """grpo x seeds 0, 1, 2 and sis x seeds 0, 1 (3 steps each, every checkpoint kept)."""
-    base = tmp_path_factory.mktemp("analysis")
-    config = base / "tiny.yaml"
-    config.write_text(CONFIG)
-    out = base / "out"
-    sweep.run_sweep(sweep.plan(out, ["grpo"], [0, 1, 2], config))
-    sweep.run_sweep(sweep.plan(out, ["sis"], [0, 1], config))
-    return out
+def runs(analysis_runs):
+    return analysis_runs
 
 
 def assert_png(path):
@@ -58,38 +40,30 @@ def test_replay_of_the_run_seed_reproduces_the_stored_checkpoint(runs):
         assert all(torch.equal(now[k], stored[k]) for k in stored)
 
 
-def test_disagreement_study_three_seeds_is_well_formed(runs):
+def test_disagreement_study_with_partitions_as_replicates_is_well_formed(runs, tmp_path):
     root = runs / "grpo-seed0"
-    res = dis.run_study(root, seeds=3, delta=1e-4, minibatches=4)
-    assert res["step"] == 3 and res["policy_step"] == 2 and res["seeds"] == 3 and res["minibatches"] == 4
-    assert len(res["per_seed"]) == 3 and [s["seed_value"] for s in res["per_seed"]] == [0, 1, 2]
-    assert sum(s["n_over_delta"] for s in res["per_seed"]) > 0  # later minibatches leave the trust region
-    for s in res["per_seed"]:
-        assert s["n_tokens"] == res["n_tokens"]
-        assert s["n_disagree"] <= s["n_over_delta"] <= s["n_nonzero_adv"] <= s["n_tokens"]
+    res, table = dis.run_study([root], [3], delta=1e-4, partitions=3, unit="partition", minibatches=4)
+    assert res["steps"] == [3] and res["partitions"] == 3 and res["minibatches"] == [4] and res["n_replicates"] == 3
+    assert res["batches"][0]["policy_step"] == 2 and res["update"]["name"] == "unmasked" and not res["update"]["masks"]
+    assert res["n_over_delta_total"] > 0  # later minibatches leave the trust region
+    for rep in res["replicates"]:
+        assert rep["n_over_delta"] <= rep["n_nonzero_adv"] <= rep["n_tokens"]
+        for name, block in rep["pairs"].items():
+            assert block["n_disagree"] <= rep["n_over_delta"]
+            for scope in dis.SCOPES:
+                kept = [block[scope][c]["n_kept"] for c in block[scope]]
+                assert sum(kept) == block["n_disagree"]  # the pair's rules split the set between them
+                for r in block[scope].values():
+                    if r["n_kept"]:
+                        assert 0 <= r["unsafe_keep"] <= 1 and r["unsafe_keep"] + r["contract_frac"] <= 1 + 1e-12
+    for name, block in res["pairs"].items():
+        assert block["n_disagree_total"] == sum(r["pairs"][name]["n_disagree"] for r in res["replicates"])
         for scope in dis.SCOPES:
-            kept = {c: s[scope][c]["n_kept"] for c in dis.CRITERIA}
-            for c in dis.CRITERIA:
-                assert s[scope][c]["n_select"] == s["n_disagree"] and kept[c] <= s["n_disagree"]
-                r = s[scope][c]
-                if r["n_kept"]:
-                    assert 0 <= r["unsafe_keep"] <= 1 and 0 <= r["contract_frac"] <= 1
-                    assert r["unsafe_keep"] + r["contract_frac"] <= 1 + 1e-12
-            if s["n_disagree"]:  # not unanimous: someone keeps and someone masks every token
-                assert max(kept.values()) > 0 and min(kept.values()) < s["n_disagree"]
-    for scope in dis.SCOPES:
-        for c in dis.CRITERIA:
-            b = res[scope][c]
-            for key in ("unsafe_keep_mean", "unsafe_keep_se", "contract_frac_mean", "n_disagree_mean"):
-                assert key in b
-            assert b["n_disagree_mean"] == pytest.approx(res["n_disagree_mean"])
-            if b["n_seeds_with_kept"]:
-                assert 0 <= b["unsafe_keep_mean"] <= 1
-            assert len(res["kept_delta_d"][scope][c]) == sum(s[scope][c]["n_kept"] for s in res["per_seed"])
-    paths = dis.save(res, root)
+            assert set(block[scope]) == {*block["criteria"], "paired"}
+    paths = dis.save(res, table, tmp_path)
     data = json.loads(paths[0].read_text())  # strict JSON: NaN became null
-    assert data["seeds"] == 3 and data["delta"] == 1e-4 and set(dis.SCOPES) <= set(data)
-    for p in paths[1:]:
+    assert data["delta"] == 1e-4 and data["tokens_file"] == paths[1].name
+    for p in paths[2:]:
         assert_png(p)
 
 
@@ -99,6 +73,13 @@ def test_sis_report_recomputes_the_logged_accept_rate(runs):
     r = rep["replay"]
     assert rep["step"] == 3 and not rep["hypothetical"]
     assert r["accept_rate"] == pytest.approx(r["accept_rate_logged"], abs=1e-12)
+    # the log-importance deviation D and D_SIS (docs/METHODS.md §6.1): recomputed = logged, D_SIS <= D
+    assert r["log_r_dev"] == pytest.approx(r["log_r_dev_logged"], rel=1e-9)
+    assert r["log_w_dev"] == pytest.approx(r["log_w_dev_logged"], rel=1e-9)
+    assert 0 <= r["log_w_dev"] <= r["log_r_dev"] and r["log_dev_ratio"] == pytest.approx(r["log_w_dev"] / r["log_r_dev"])
+    tr = rep["training"]
+    assert len(tr["log_r_dev"]) == len(tr["log_w_dev"]) == len(tr["log_dev_ratio"]) == 3
+    assert all(w <= d for d, w in zip(tr["log_r_dev"], tr["log_w_dev"]))
     assert 0 <= r["tested_frac"] <= 1 and r["outside_topk_frac"] == pytest.approx(1 - r["tested_frac"])
     assert len(r["pi_residual"]) == r["n_valid"] and all(0 <= x <= 1 for x in r["pi_residual"])
     assert rep["rollouts"]["step"] == [1, 2, 3] and len(rep["training"]["accept_rate"]) == 3
@@ -106,6 +87,7 @@ def test_sis_report_recomputes_the_logged_accept_rate(runs):
     assert 0 < n_acc <= r["n_valid"] and all(isinstance(t["token"], str) for t in rep["tokens"]["accepted"])
     grpo = sis_report(load_run(runs / "grpo-seed0"), step=2)
     assert grpo["hypothetical"] and grpo["replay"]["accept_rate_logged"] is None
+    assert grpo["training"]["log_r_dev"] and grpo["training"]["log_w_dev"] == []  # D is logged by every method, D_SIS by SIS
 
 
 def _cli(*args):
@@ -140,13 +122,14 @@ def test_cli_analyses_write_json_and_png(runs, tmp_path):
     assert json.loads((runs / "sis-seed1" / "analysis" / "sis-step3.json").read_text())["run"] == "sis-seed1"
     assert_png(runs / "sis-seed1" / "analysis" / "sis-step3.png")
 
-    out = _cli("analyze", "disagreement", "--run", str(runs / "grpo-seed1"), "--seeds", "2", "--delta", "0.001",
-               "--step", "2", "--policy-step", "3")
-    assert "ddot_uniform" in out and "staleness 2" in out
-    files = sorted((runs / "grpo-seed1" / "analysis").iterdir(), key=lambda f: f.suffix)
-    assert [f.suffix for f in files] == [".json", ".png", ".png"] and "step2-policy3" in files[0].name
-    for f in files[1:]:
-        assert_png(f)
+    out = _cli("analyze", "disagreement", "--run", str(runs / "grpo-seed1"), "--partitions", "2", "--delta", "0.001",
+               "--step", "2", "--policy-step", "3", "--no-exact")
+    assert "ddot_uniform" in out and "staleness 2" in out and "ratio_vs_ddot_agg" in out
+    files = sorted(f for f in (runs / "grpo-seed1" / "analysis").iterdir() if f.name.startswith("disagreement-step2-policy3"))
+    assert sorted(f.suffix for f in files) == [".json", ".parquet", ".png", ".png", ".png"]
+    for f in files:
+        if f.suffix == ".png":
+            assert_png(f)
 
 
 @pytest.mark.parametrize(
@@ -154,7 +137,7 @@ def test_cli_analyses_write_json_and_png(runs, tmp_path):
     [
         (["analyze", "disagreement", "--run", "nosuch", "--out", "{runs}"], "unknown run nosuch"),
         (["analyze", "sis", "--run", "grpo-seed0", "--out", "{runs}", "--step", "9"], "no rollouts for step 9"),
-        (["analyze", "disagreement", "--run", "grpo-seed0", "--out", "{runs}", "--policy-step", "7"], "no checkpoint 7"),
+        (["analyze", "disagreement", "--run", "grpo-seed0", "--out", "{runs}", "--policy-step", "7"], "checkpoint 7"),
         (["analyze", "compare", "{runs}/grpo-seed0", "--baseline", "pdm"], "baseline method 'pdm'"),
         (["analyze", "dynamics", "{runs}/nosuch"], "unknown run"),
     ],

@@ -8,6 +8,8 @@ import torch
 
 from masktrl.analysis import compare as cmp
 from masktrl.analysis import disagreement as dis
+from masktrl.analysis.replicates import STUDY_MINIBATCHES, parse_steps, study_minibatches
+from masktrl.analysis.token_replay import keep_decisions
 from masktrl.analysis import dynamics as dyn
 from masktrl.analysis.io import RunInfo, group_runs
 from masktrl.pipeline.runstore import resolve_run
@@ -23,69 +25,104 @@ def test_keep_decisions_follow_the_sign_rules():
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 0.0, 2.0])
     log_r = torch.tensor([0.5, -0.5, 0.5, -0.5, 0.5, 0.0])
     ddot = torch.tensor([-1.0, 1.0, -1.0, 1.0, 1.0, 0.0])
-    keeps = dis.keep_decisions(adv, log_r, ddot, ddot)
+    lo = torch.tensor([-2.0, 0.5, -2.0, -1.0, 0.5, -1.0])
+    hi = torch.tensor([-0.5, 2.0, 1.0, 2.0, 2.0, 1.0])
+    keeps = keep_decisions(adv, log_r, ddot, ddot, lo, hi, ddot)
     # ratio masks A(r-1) > 0: tokens 0 (A>0, r>1) and 3 (A<0, r<1); r = 1 and A = 0 are kept
     assert keeps["ratio"].tolist() == [False, True, True, False, True, True]
     # Ddot masks A*Ddot > 0: token 1 (A>0, Ddot>0) and 2 (A<0, Ddot<0)
-    assert keeps["ddot_agg"].tolist() == [True, False, False, True, True, True]
+    assert keeps["ddot_agg"].tolist() == [True, False, False, True, True, True] == keeps["ddot_exact"].tolist()
+    # bracket, uncertain=keep: masks where it certifies A*Ddot > 0: token 1 (A>0, lo>0) only
+    assert keeps["bracket_keep"].tolist() == [True, False, True, True, True, True]
+    # uncertain=mask: keeps where it certifies A*Ddot <= 0: token 0 (A>0, hi<0), A=0; A=2 with 0 in the bracket is masked
+    assert keeps["bracket_mask"].tolist() == [True, False, False, False, True, False]
 
 
-def test_unsafe_keep_on_a_hand_built_case():
+def _table(**cols):
+    n = len(next(iter(cols.values())))
+    base = {"run": np.array(["r"] * n, dtype=object), "step": np.full(n, 1), "partition": np.zeros(n, dtype=int),
+            "replicate": np.zeros(n, dtype=int), "valid": np.ones(n, dtype=bool)}
+    return {**base, **{k: np.asarray(v) for k, v in cols.items()}}
+
+
+def test_pairwise_sets_and_unsafe_keep_on_a_hand_built_case():
     # 8 tokens; D > delta = 0.1 on tokens 0-6 (token 7 is inside the trust region).
-    d = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.2, 0.05])
-    adv = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, 1.0, 0.0, 1.0])
-    # token 5: all three criteria keep -> unanimous, not a disagreement token
-    # token 6: A = 0 -> excluded;  token 7: D <= delta -> excluded
-    keeps = {
-        "ratio":        torch.tensor([True,  True,  False, False, True,  True, True,  False]),
-        "ddot_agg":     torch.tensor([False, False, True,  True,  False, True, False, True]),
-        "ddot_uniform": torch.tensor([False, True,  True,  True,  False, True, False, True]),
-    }
-    sel = dis.disagreement_mask(d, 0.1, adv, keeps)
-    assert sel.tolist() == [True, True, True, True, True, False, False, False]
-    delta_d = torch.tensor([0.3, -0.1, -0.2, 0.4, 0.1, 9.0, 9.0, 9.0])
-    rates = dis.keep_rates(delta_d, keeps, sel)
-    # ratio keeps 0, 1, 4 -> dD = +0.3, -0.1, +0.1: 2 of 3 grew, 1 of 3 contracted
-    assert rates["ratio"]["n_kept"] == 3 and rates["ratio"]["n_select"] == 5
-    assert rates["ratio"]["unsafe_keep"] == pytest.approx(2 / 3)
-    assert rates["ratio"]["contract_frac"] == pytest.approx(1 / 3)
-    # ddot_agg keeps 2, 3 -> -0.2, +0.4
-    assert rates["ddot_agg"]["unsafe_keep"] == pytest.approx(0.5)
-    # ddot_uniform keeps 1, 2, 3 -> -0.1, -0.2, +0.4
-    assert rates["ddot_uniform"]["unsafe_keep"] == pytest.approx(1 / 3)
-    assert rates["ddot_uniform"]["contract_frac"] == pytest.approx(2 / 3)
+    t = _table(
+        d=[0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.2, 0.05],
+        adv=[1.0, 1.0, 1.0, 1.0, -1.0, 1.0, 0.0, 1.0],
+        keep_ratio=[True, True, False, False, True, True, True, False],
+        keep_ddot_agg=[False, False, True, True, False, True, False, True],
+        keep_ddot_uniform=[False, True, True, True, False, True, False, True],
+        d_one=np.array([0.3, -0.1, -0.2, 0.4, 0.1, 9.0, 9.0, 9.0]) + 0.5,
+    )
+    t["d_all"] = t["d_one"].copy()
+    # token 5: every rule keeps; token 6: A = 0; token 7: D <= delta -> in no set
+    assert dis.pair_set(t, "ratio", "ddot_agg", 0.1).tolist() == [True, True, True, True, True, False, False, False]
+    # ratio vs uniform differ on 0, 2, 3, 4 (both keep token 1)
+    assert dis.pair_set(t, "ratio", "ddot_uniform", 0.1).tolist() == [True, False, True, True, True, False, False, False]
+    # agg vs uniform differ on token 1 only
+    assert dis.pair_set(t, "ddot_agg", "ddot_uniform", 0.1).tolist() == [False, True] + [False] * 6
+    (rep,) = dis.replicate_counts(t, 0.1)
+    ra = rep["pairs"]["ratio_vs_ddot_agg"]["one_step"]
+    # ratio keeps 0, 1, 4 -> dD = +0.3, -0.1, +0.1: 2 of 3 grew, 1 contracted; agg keeps 2, 3 -> -0.2, +0.4
+    assert ra["ratio"] == {"n_kept": 3, "n_grew": 2, "n_contracted": 1, "unsafe_keep": pytest.approx(2 / 3), "contract_frac": pytest.approx(1 / 3)}
+    assert ra["ddot_agg"]["unsafe_keep"] == pytest.approx(0.5) and ra["ddot_agg"]["n_kept"] == 2
+    au = rep["pairs"]["ddot_agg_vs_ddot_uniform"]["one_step"]
+    assert au["ddot_agg"]["n_kept"] == 0 and math.isnan(au["ddot_agg"]["unsafe_keep"])
+    assert au["ddot_uniform"] == {"n_kept": 1, "n_grew": 0, "n_contracted": 1, "unsafe_keep": 0.0, "contract_frac": 1.0}
+    assert rep["n_over_delta"] == 6 and rep["over_delta"]["one_step"]["ratio"]["n_kept"] == 4  # tokens 0, 1, 4, 5
 
 
-def test_keep_rates_with_nothing_kept_is_nan_and_zero_change_is_neither():
-    keeps = {c: torch.tensor([True, False]) for c in dis.CRITERIA}
-    keeps["ratio"] = torch.tensor([False, False])
-    rates = dis.keep_rates(torch.tensor([0.0, 1.0]), keeps, torch.tensor([True, True]))
-    assert math.isnan(rates["ratio"]["unsafe_keep"]) and rates["ratio"]["n_kept"] == 0
-    assert rates["ddot_agg"]["unsafe_keep"] == 0.0 and rates["ddot_agg"]["contract_frac"] == 0.0  # dD = 0 exactly
+def test_zero_change_is_neither_grew_nor_contracted():
+    t = _table(d=[0.5, 0.5], adv=[1.0, 1.0], keep_ratio=[True, False], keep_ddot_agg=[False, True], keep_ddot_uniform=[False, True],
+               d_one=[0.5, 0.7], d_all=[0.5, 0.7])
+    (rep,) = dis.replicate_counts(t, 0.1)
+    r = rep["pairs"]["ratio_vs_ddot_agg"]["one_step"]["ratio"]
+    assert r["n_kept"] == 1 and r["unsafe_keep"] == 0.0 and r["contract_frac"] == 0.0
 
 
-def test_summarize_is_mean_and_standard_error_over_seeds():
-    def seed(unsafe, kept):
-        block = {c: {"unsafe_keep": unsafe, "contract_frac": 1 - unsafe, "n_kept": kept, "n_select": 4} for c in dis.CRITERIA}
-        res = {"n_disagree": 4}
-        for scope in dis.SCOPES:
-            res[scope] = block
-            res[scope + "_over_delta"] = block
-            res[scope + "_kept_delta_d"] = {c: [1.0] * kept for c in dis.CRITERIA}
-        return res
+def test_summary_is_over_replicates_with_pooled_rates_and_a_paired_test():
+    # 4 replicates; ratio keeps one token per replicate, agg keeps one (the pair disagrees on both)
+    rows = []
+    grew_ratio = [True, True, True, False]
+    grew_agg = [False, False, True, False]
+    for r in range(4):
+        rows.append(dict(d=[0.5, 0.5], adv=[1.0, -1.0], keep_ratio=[True, False], keep_ddot_agg=[False, True],
+                         keep_ddot_uniform=[False, True], d_one=[0.6 if grew_ratio[r] else 0.4, 0.6 if grew_agg[r] else 0.4]))
+    cols = {k: np.concatenate([np.asarray(x[k]) for x in rows]) for k in rows[0]}
+    t = _table(**cols)
+    t["replicate"] = np.repeat(np.arange(4), 2)
+    t["d_all"] = t["d_one"]
+    reps = dis.replicate_counts(t, 0.1)
+    out = dis.summarize(t, reps, 0.1)["ratio_vs_ddot_agg"]
+    assert out["n_disagree_total"] == 8 and out["n_disagree_mean"] == 2
+    one = out["one_step"]
+    assert one["ratio"]["unsafe_keep_mean"] == pytest.approx(0.75)
+    assert one["ratio"]["unsafe_keep_se"] == pytest.approx(np.std([1, 1, 1, 0], ddof=1) / 2)
+    assert one["ddot_agg"]["unsafe_keep_pooled"] == pytest.approx(0.25) and one["ddot_agg"]["contract_frac_pooled"] == pytest.approx(0.75)
+    paired = one["paired"]["unsafe_keep"]
+    assert paired["n"] == 4 and paired["diff_mean"] == pytest.approx(0.5)
+    from scipy import stats as sps
 
-    out = dis.summarize([seed(0.25, 4), seed(0.75, 4), seed(float("nan"), 0)])
-    r = out["one_step"]["ratio"]
-    assert r["unsafe_keep_mean"] == pytest.approx(0.5)
-    assert r["unsafe_keep_se"] == pytest.approx(np.std([0.25, 0.75], ddof=1) / math.sqrt(2))
-    assert r["n_seeds_with_kept"] == 2 and r["n_kept_mean"] == pytest.approx(8 / 3)
-    assert r["n_disagree_mean"] == 4
+    assert paired["p_ttest"] == pytest.approx(sps.ttest_rel([1, 1, 1, 0], [0, 0, 1, 0]).pvalue)
+    assert one["paired"]["p"] == paired["p_wilcoxon"]
 
 
 def test_study_minibatches_default():
-    assert dis.study_minibatches(1, None) == dis.STUDY_MINIBATCHES
-    assert dis.study_minibatches(3, None) == 3
-    assert dis.study_minibatches(1, 2) == 2
+    assert study_minibatches(1, None) == STUDY_MINIBATCHES
+    assert study_minibatches(3, None) == 3
+    assert study_minibatches(1, 2) == 2
+    assert study_minibatches(1, None, lag=4) == 1  # stale rollouts: off-policy from the first update
+
+
+def test_step_lists_and_ranges():
+    assert parse_steps("600,650,700") == [600, 650, 700]
+    assert parse_steps("600:700:50") == [600, 650, 700]  # inclusive
+    assert parse_steps("3:5, 9") == [3, 4, 5, 9]
+    assert parse_steps(None) is None
+    for bad in ("600-700", "7:5", "1:5:0", "x"):
+        with pytest.raises(MasktrlError, match="--steps"):
+            parse_steps(bad)
 
 
 # --------------------------------------------------------------------------- compare

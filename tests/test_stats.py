@@ -153,3 +153,21 @@ def test_permutation_test():
     assert 0 < p < 0.01 and p == permutation_test(x, y, n_perm=2000, seed=1)
     same = permutation_test(rng.normal(0, 1, 30), rng.normal(0, 1, 30), n_perm=2000)
     assert same > 0.01
+
+
+def test_paired_tests_are_scipy_s_with_the_degenerate_cases():
+    from scipy import stats as sps
+
+    from masktrl.stats import paired_tests
+
+    a, b = [0.1, 0.5, 0.3, 0.4, 0.9], [0.2, 0.4, 0.1, 0.1, 0.3]
+    r = paired_tests(a, b)
+    assert r["n"] == 5 and r["diff_mean"] == pytest.approx(np.mean(np.subtract(a, b)))
+    assert r["p_ttest"] == pytest.approx(sps.ttest_rel(a, b).pvalue) and r["p_wilcoxon"] == pytest.approx(sps.wilcoxon(a, b).pvalue)
+    same = paired_tests([0.2, 0.4], [0.2, 0.4])
+    assert same["p_ttest"] == 1.0 and same["p_wilcoxon"] == 1.0
+    assert paired_tests([1.0, 2.0], [0.0, 1.0])["p_ttest"] == 0.0  # constant nonzero difference
+    one = paired_tests([1.0], [0.0])
+    assert np.isnan(one["p_ttest"]) and np.isnan(one["p_wilcoxon"])
+    with pytest.raises(ValueError):
+        paired_tests([1.0, 2.0], [1.0])
