@@ -70,16 +70,20 @@ def pair_ecdf(result: dict, ecdf: dict, scopes) -> Figure:
     for r, scope in enumerate(scopes):
         for c, name in enumerate(names):
             ax = axes[r][c]
-            lo = 0.0
+            every = []
             for i, (crit, vals) in enumerate(ecdf[name][scope].items()):
                 v = np.sort(np.asarray(vals, dtype=float))
                 v = v[np.isfinite(v)]
                 if v.size:
-                    lo = min(lo, float(v[0]))
+                    every.append(v)
                     ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", color=COLORS[i], ls=STYLES[i % len(STYLES)],
                             label=f"{crit} (n={v.size})")
-            if lo < 0:
-                ax.axvspan(lo, 0.0, color="0.92", lw=0)
+            if every:  # the view spans the 1st-99th percentile of both rules' values (and 0): heavy tails stay readable
+                lo, hi = np.quantile(np.concatenate(every), [0.01, 0.99])
+                lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+                pad = 0.05 * (hi - lo or 1.0)
+                ax.set_xlim(lo - pad, hi + pad)
+                ax.axvspan(lo - pad, 0.0, color="0.92", lw=0)
             ax.axvline(0.0, color="0.5", lw=0.8, ls="--")
             ax.set_xlabel("ΔD = D_after − D_before", fontsize=8)
             ax.set_ylabel("fraction of kept tokens", fontsize=8)
@@ -88,7 +92,7 @@ def pair_ecdf(result: dict, ecdf: dict, scopes) -> Figure:
                 ax.legend(fontsize=7)
             else:
                 ax.text(0.5, 0.5, "no kept disagreement tokens", ha="center", transform=ax.transAxes, fontsize=8)
-    fig.suptitle(_study_title(result, "ΔD of kept disagreement tokens (shaded: contracted)"), fontsize=9)
+    fig.suptitle(_study_title(result, "ΔD of kept disagreement tokens (shaded: contracted; x: 1st-99th percentile)"), fontsize=9)
     return fig
 
 
