@@ -46,3 +46,24 @@ def analysis_runs(tmp_path_factory):
     sweep.run_sweep(sweep.plan(out, ["grpo"], [0, 1, 2], config))
     sweep.run_sweep(sweep.plan(out, ["sis"], [0, 1], config))
     return out
+
+
+@pytest.fixture
+def cli_error(monkeypatch, capsys):
+    """``cli_error(arg, ...)`` runs ``masktrl arg ...`` through the CLI's error boundary, checks it
+    ended with exit code 2 and exactly one stderr line (no traceback), and returns that line."""
+    import sys
+
+    from masktrl import cli
+
+    def run(*args) -> str:
+        monkeypatch.setattr(sys, "argv", ["masktrl", *map(str, args)])
+        with pytest.raises(SystemExit) as exc:
+            cli.main()
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in err, err
+        return lines[0]
+
+    return run

@@ -4,7 +4,6 @@ bad requests (one line, exit 2, nothing written)."""
 
 import json
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -13,7 +12,6 @@ import yaml
 from typer.testing import CliRunner
 
 from masktrl import cli
-from masktrl.analysis import disagreement as dis
 from masktrl.analysis import estimators as est
 from masktrl.analysis.io import read_table
 from masktrl.analysis.step_replay import load_behaviour, load_replay, replay_step, token_index
@@ -209,18 +207,11 @@ def _files(*folders):
         (["disagreement", "--run", "{runs}/grpo-seed0", "--pairs", "ratio:nosuch"], "--pairs"),
     ],
 )
-def test_bad_requests_are_one_error_line_and_write_nothing(analysis_runs, tmp_path, monkeypatch, capsys, args, needle):
+def test_bad_requests_are_one_error_line_and_write_nothing(analysis_runs, tmp_path, cli_error, args, needle):
     seed0 = analysis_runs / "grpo-seed0"
     _copy_run(seed0, tmp_path / "other-task", _other_task)
     _copy_run(seed0, tmp_path / "no-rollout", lambda r: (r / "steps" / "000002" / "rollouts.parquet").unlink())
     _copy_run(seed0, tmp_path / "no-checkpoint", lambda r: shutil.rmtree(r / "checkpoints" / "000001"))
     before = _files(analysis_runs, tmp_path)
-    argv = ["masktrl", "analyze", *[a.format(runs=analysis_runs, tmp=tmp_path) for a in args]]
-    monkeypatch.setattr(sys, "argv", argv)
-    with pytest.raises(SystemExit) as exc:
-        cli.main()
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+    assert needle in cli_error("analyze", *[a.format(runs=analysis_runs, tmp=tmp_path) for a in args])
     assert _files(analysis_runs, tmp_path) == before

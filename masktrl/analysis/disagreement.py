@@ -208,23 +208,15 @@ def run_study(
     progress=None,
 ) -> tuple[dict, dict]:
     """The whole study on the run folders ``runs``: (JSON-ready result, token table)."""
-    from masktrl.analysis.replicates import plan, replay_all
-    from masktrl.analysis.step_replay import update_choice
+    from masktrl.analysis.replicates import prepare, replay_all
     from masktrl.pipeline.runstore import RunStore
 
-    if partitions < 1:
-        raise MasktrlError(f"--partitions must be >= 1, got {partitions}")
-    if not delta >= 0:
-        raise MasktrlError(f"--delta must be >= 0, got {delta}")
     if test not in TESTS:
         raise MasktrlError(f"--test must be one of {', '.join(TESTS)}, got {test!r}")
-    if minibatches is not None and minibatches < 1:
-        raise MasktrlError(f"--minibatches must be >= 1, got {minibatches}")
     if any(c in EXACT_CRITERIA for p in pairs for c in p) and not exact:
         raise MasktrlError("a pair with ddot_exact needs the exact values (drop --no-exact)")
-    for r in runs:
-        update_choice(update, RunStore(r).config())  # an unknown --update-method fails before any replay
-    refs = plan(runs, steps, policy_step, exact)
+    refs = prepare(runs, steps, delta=delta, update=update, partitions=partitions, policy_step=policy_step, minibatches=minibatches,
+                   exact=exact)
     table, info = replay_all(refs, update=update, partitions=partitions, minibatches=minibatches, exact=exact, unit=unit, progress=progress)
     reps = replicate_counts(table, delta, pairs)
     n_over = [r["n_over_delta"] for r in reps]

@@ -127,17 +127,10 @@ def run_estimators(
     progress=None,
 ) -> tuple[dict, dict]:
     """(JSON-ready result, token table) of the estimator study on the run folders ``runs``."""
-    from masktrl.analysis.replicates import plan, replay_all
-    from masktrl.analysis.step_replay import update_choice
-    from masktrl.pipeline.runstore import RunStore
+    from masktrl.analysis.replicates import prepare, replay_all
 
-    if partitions < 1:
-        raise MasktrlError(f"--partitions must be >= 1, got {partitions}")
-    if not delta >= 0:
-        raise MasktrlError(f"--delta must be >= 0, got {delta}")
-    for r in runs:
-        update_choice(update, RunStore(r).config())
-    refs = plan(runs, steps, policy_step, exact=True)
+    refs = prepare(runs, steps, delta=delta, update=update, partitions=partitions, policy_step=policy_step, minibatches=minibatches,
+                   exact=True)
     table, info = replay_all(refs, update=update, partitions=partitions, minibatches=minibatches, exact=True, ks=ks, progress=progress)
     stored_k = min(row["stored_k"] for row in info)
     result = {

@@ -28,12 +28,15 @@ def _grid(n: int, width: float = 4.2, height: float = 3.2, cols: int = 3):
 # --------------------------------------------------------------------------- disagreement
 
 
-def _pair_grid(result: dict, scopes) -> tuple[Figure, list[list], list[str]]:
+def _pair_grid(result: dict, scopes) -> tuple[Figure, list[tuple]]:
+    """A figure with one panel per (scope, pair): rows are scopes, columns pairs; and the list of
+    (axes, scope, pair name, the pair's JSON block)."""
     names = list(result["pairs"])
     rows, cols = len(scopes), max(1, len(names))
     fig = Figure(figsize=(4.2 * cols, 3.4 * rows), layout="constrained")
-    axes = [[fig.add_subplot(rows, cols, r * cols + c + 1) for c in range(cols)] for r in range(rows)]
-    return fig, axes, names
+    panels = [(fig.add_subplot(rows, cols, r * cols + c + 1), scope, name, result["pairs"][name])
+              for r, scope in enumerate(scopes) for c, name in enumerate(names)]
+    return fig, panels
 
 
 def _study_title(result: dict, what: str) -> str:
@@ -45,73 +48,67 @@ def _study_title(result: dict, what: str) -> str:
 
 def pair_bars(result: dict, scopes) -> Figure:
     """Fig. 3a: unsafe-keep rate of each rule of each pair, mean ± SE over replicates."""
-    fig, axes, names = _pair_grid(result, scopes)
-    for r, scope in enumerate(scopes):
-        for c, name in enumerate(names):
-            ax, block = axes[r][c], result["pairs"][name]
-            crit = block["criteria"]
-            means = [_nan(block[scope][k]["unsafe_keep_mean"]) for k in crit]
-            ses = [0.0 if x != x else x for x in (_nan(block[scope][k]["unsafe_keep_se"]) for k in crit)]
-            ax.bar(range(2), means, 0.6, yerr=ses, capsize=4, color=COLORS[:2])
-            ax.set_xticks(range(2), [f"{k}\n(kept {block[scope][k]['n_kept_total']})" for k in crit], fontsize=8)
-            ax.set_ylim(0, 1.05)
-            ax.axhline(0.5, color="0.7", lw=0.8, ls=":")
-            p = block[scope]["paired"]["p"]
-            ax.set_title(f"{name} ({scope})\n{block['n_disagree_total']} disagreement tokens, paired p = "
-                         f"{'—' if p is None or p != p else f'{p:.3g}'}", fontsize=8)
-            ax.set_ylabel("unsafe keep (ΔD > 0)", fontsize=8)
+    fig, panels = _pair_grid(result, scopes)
+    for ax, scope, name, block in panels:
+        crit = block["criteria"]
+        means = [_nan(block[scope][k]["unsafe_keep_mean"]) for k in crit]
+        ses = [0.0 if x != x else x for x in (_nan(block[scope][k]["unsafe_keep_se"]) for k in crit)]
+        ax.bar(range(2), means, 0.6, yerr=ses, capsize=4, color=COLORS[:2])
+        ax.set_xticks(range(2), [f"{k}\n(kept {block[scope][k]['n_kept_total']})" for k in crit], fontsize=8)
+        ax.set_ylim(0, 1.05)
+        ax.axhline(0.5, color="0.7", lw=0.8, ls=":")
+        p = block[scope]["paired"]["p"]
+        ax.set_title(f"{name} ({scope})\n{block['n_disagree_total']} disagreement tokens, paired p = "
+                     f"{'—' if p is None or p != p else f'{p:.3g}'}", fontsize=8)
+        ax.set_ylabel("unsafe keep (ΔD > 0)", fontsize=8)
     fig.suptitle(_study_title(result, "unsafe-keep rate on disagreement tokens"), fontsize=9)
     return fig
 
 
 def pair_ecdf(result: dict, ecdf: dict, scopes) -> Figure:
     """Fig. 4a: empirical CDF of ΔD of each rule's kept disagreement tokens (all replicates)."""
-    fig, axes, names = _pair_grid(result, scopes)
-    for r, scope in enumerate(scopes):
-        for c, name in enumerate(names):
-            ax = axes[r][c]
-            every = []
-            for i, (crit, vals) in enumerate(ecdf[name][scope].items()):
-                v = np.sort(np.asarray(vals, dtype=float))
-                v = v[np.isfinite(v)]
-                if v.size:
-                    every.append(v)
-                    ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", color=COLORS[i], ls=STYLES[i % len(STYLES)],
-                            label=f"{crit} (n={v.size})")
-            if every:  # the view spans the 1st-99th percentile of both rules' values (and 0): heavy tails stay readable
-                lo, hi = np.quantile(np.concatenate(every), [0.01, 0.99])
-                lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
-                pad = 0.05 * (hi - lo or 1.0)
-                ax.set_xlim(lo - pad, hi + pad)
-                ax.axvspan(lo - pad, 0.0, color="0.92", lw=0)
-            ax.axvline(0.0, color="0.5", lw=0.8, ls="--")
-            ax.set_xlabel("ΔD = D_after − D_before", fontsize=8)
-            ax.set_ylabel("fraction of kept tokens", fontsize=8)
-            ax.set_title(f"{name} ({scope})", fontsize=8)
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7)
-            else:
-                ax.text(0.5, 0.5, "no kept disagreement tokens", ha="center", transform=ax.transAxes, fontsize=8)
+    fig, panels = _pair_grid(result, scopes)
+    for ax, scope, name, _ in panels:
+        every = []
+        for i, (crit, vals) in enumerate(ecdf[name][scope].items()):
+            v = np.sort(np.asarray(vals, dtype=float))
+            v = v[np.isfinite(v)]
+            if v.size:
+                every.append(v)
+                ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", color=COLORS[i], ls=STYLES[i % len(STYLES)],
+                        label=f"{crit} (n={v.size})")
+        if every:  # the view spans the 1st-99th percentile of both rules' values (and 0): heavy tails stay readable
+            lo, hi = np.quantile(np.concatenate(every), [0.01, 0.99])
+            lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+            pad = 0.05 * (hi - lo or 1.0)
+            ax.set_xlim(lo - pad, hi + pad)
+            ax.axvspan(lo - pad, 0.0, color="0.92", lw=0)
+        ax.axvline(0.0, color="0.5", lw=0.8, ls="--")
+        ax.set_xlabel("ΔD = D_after − D_before", fontsize=8)
+        ax.set_ylabel("fraction of kept tokens", fontsize=8)
+        ax.set_title(f"{name} ({scope})", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no kept disagreement tokens", ha="center", transform=ax.transAxes, fontsize=8)
     fig.suptitle(_study_title(result, "ΔD of kept disagreement tokens (shaded: contracted; x: 1st-99th percentile)"), fontsize=9)
     return fig
 
 
 def pair_contracted(result: dict, scopes) -> Figure:
     """Fig. 4b: pooled fraction of each rule's kept disagreement tokens with ΔD < 0."""
-    fig, axes, names = _pair_grid(result, scopes)
-    for r, scope in enumerate(scopes):
-        for c, name in enumerate(names):
-            ax, block = axes[r][c], result["pairs"][name]
-            crit = block["criteria"]
-            vals = [_nan(block[scope][k]["contract_frac_pooled"]) for k in crit]
-            bars = ax.bar(range(2), vals, 0.6, color=COLORS[:2])
-            for bar, k in zip(bars, crit):
-                ax.annotate(f"n={block[scope][k]['n_kept_total']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                            ha="center", va="bottom", fontsize=7)
-            ax.set_xticks(range(2), crit, fontsize=8)
-            ax.set_ylim(0, 1.05)
-            ax.set_title(f"{name} ({scope})", fontsize=8)
-            ax.set_ylabel("kept with ΔD < 0 (pooled)", fontsize=8)
+    fig, panels = _pair_grid(result, scopes)
+    for ax, scope, name, block in panels:
+        crit = block["criteria"]
+        vals = [_nan(block[scope][k]["contract_frac_pooled"]) for k in crit]
+        bars = ax.bar(range(2), vals, 0.6, color=COLORS[:2])
+        for bar, k in zip(bars, crit):
+            ax.annotate(f"n={block[scope][k]['n_kept_total']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(2), crit, fontsize=8)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"{name} ({scope})", fontsize=8)
+        ax.set_ylabel("kept with ΔD < 0 (pooled)", fontsize=8)
     fig.suptitle(_study_title(result, "fraction of kept disagreement updates that contracted D"), fontsize=9)
     return fig
 

@@ -115,6 +115,22 @@ def plan(roots: list[Path], steps: list[int] | None, policy_step: int | None = N
     return refs
 
 
+def prepare(runs: list[Path], steps: list[int] | None, *, delta: float, update: str, partitions: int, policy_step: int | None,
+            minibatches: int | None, exact: bool) -> list[BatchRef]:
+    """Check a study's options and artifacts (``MasktrlError`` before any replay), then ``plan``."""
+    from masktrl.analysis.step_replay import update_choice
+
+    if partitions < 1:
+        raise MasktrlError(f"--partitions must be >= 1, got {partitions}")
+    if not delta >= 0:
+        raise MasktrlError(f"--delta must be >= 0, got {delta}")
+    if minibatches is not None and minibatches < 1:
+        raise MasktrlError(f"--minibatches must be >= 1, got {minibatches}")
+    for r in runs:
+        update_choice(update, RunStore(r).config())  # an unknown --update-method
+    return plan(runs, steps, policy_step, exact)
+
+
 def _check_behaviour_known(store: RunStore) -> None:
     summary = store.summary() or {}
     if summary.get("rollouts_from"):

@@ -93,7 +93,6 @@ def disagreement(
     from masktrl.analysis.replicates import parse_steps, run_roots
 
     roots = run_roots(run, out)
-    result, table = None, None
     chosen = study.parse_pairs(pairs, exact)
     with progress_bar() as progress:
         result, table = study.run_study(roots, parse_steps(steps), delta, update=update_method, partitions=partitions, unit=replicate,
