@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from masktrl import cli
@@ -38,6 +39,16 @@ def stale_tokens(analysis_runs):
     behaviour = load_behaviour(replay)
     assert behaviour.step == 1
     return replay, record_tokens(replay, replay.cfg.seed, 2, behaviour=behaviour, ks=(2, 5, 20))
+
+
+def test_recording_every_token_leaves_the_update_as_training_did_it(analysis_runs):
+    root = analysis_runs / "grpo-seed1"
+    replay = load_replay(root, 3, update_name="run")
+    t = record_tokens(replay, replay.cfg.seed, replay.cfg.train.minibatches, behaviour=load_behaviour(replay), ks=(3,))
+    stored = load_file(root / "checkpoints" / "000003" / "model.safetensors")
+    now = replay.model.state_dict()
+    assert all(torch.equal(now[k], stored[k]) for k in stored)
+    assert np.isfinite(t["ddot_exact"][t["valid"]]).all() and sorted(set(t["minibatch"])) == [0, 1]
 
 
 def test_pairwise_sets_rebuilt_from_the_token_parquet_equal_the_json(analysis_runs):

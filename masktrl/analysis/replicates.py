@@ -95,6 +95,9 @@ def plan(roots: list[Path], steps: list[int] | None, policy_step: int | None = N
         policies = set(store.policy_steps())
         if exact:
             _check_behaviour_known(store)
+            if cfg.rollout.top_p < 1.0:
+                raise MasktrlError(f"run {store.name} sampled with rollout.top_p = {cfg.rollout.top_p}: its behaviour distribution is "
+                                   "truncated, and the exact values need the full one (use --no-exact)")
         for s in run_steps:
             if s not in stored:
                 have = sorted(stored)
