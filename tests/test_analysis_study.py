@@ -161,11 +161,11 @@ def test_unmasked_update_gives_every_criterion_s_kept_tokens_a_gradient(analysis
     assert (grads[live] != 0).all() and (grads[~live] == 0).all()
 
 
-def test_estimators_command_reports_every_k(analysis_runs):
+def test_estimators_command_reports_every_k(analysis_runs, tmp_path):
+    folder = tmp_path / "results"
     out = _cli("analyze", "estimators", "--run", "grpo-seed2", "--out", str(analysis_runs), "--steps", "2", "--policy-step", "3",
-               "--k", "2,5,20")
+               "--k", "2,5,20", "--output", str(folder))
     assert "stored" in out and "recomputed" in out and "bracket certifies" in out
-    folder = analysis_runs / "grpo-seed2" / "analysis"
     res = json.loads((folder / "estimators-step2-unmasked.json").read_text())
     assert res["ks"] == [2, 5, 20] and res["stored_k"] == 5 and res["vocab_size"] == 17
     assert res["mu_recompute_max_abs_logp_diff"] < 1e-4

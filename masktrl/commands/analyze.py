@@ -47,46 +47,53 @@ def _written(paths: list[Path]) -> None:
 
 StudyRunsOpt = Annotated[
     list[str],
-    typer.Option("--run", help="Run folder, run name under --out, or a folder of runs (a sweep); repeat to pool runs.", show_default=False),
+    typer.Option("--run", metavar="RUN", help="Run folder, run name under --out, or a folder of runs (a sweep); repeat to pool runs.",
+                 show_default=False),
 ]
 StepsOpt = Annotated[
     Optional[str],
-    typer.Option("--steps", "--step", help="Rollout steps S: 600 | 600,650,700 | 600:700:50 (inclusive) "
+    typer.Option("--steps", "--step", metavar="STEPS", help="Rollout steps S: 600 | 600,650,700 | 600:700:50 (inclusive) "
                  "(default: each run's latest S whose checkpoint S-1 exists).", show_default=False),
 ]
 UpdateOpt = Annotated[
     str,
-    typer.Option("--update-method", help="The replayed update: unmasked (importance-weighted PG, no trust-region mask: "
+    typer.Option("--update-method", metavar="NAME", help="The replayed update: unmasked (importance-weighted PG, no trust-region mask: "
                  "favours no criterion), run (the run's own method) or a method name (its defaults)."),
 ]
-PartitionsOpt = Annotated[int, typer.Option("--partitions", help="Replays of each batch with other minibatch partitions (seed values run seed + 0..N-1).")]
+PartitionsOpt = Annotated[int, typer.Option("--partitions", metavar="N", help="Replays of each batch with other minibatch partitions (seed values run seed + 0..N-1).")]
 PolicyStepOpt = Annotated[
     Optional[int],
-    typer.Option("--policy-step", help="Checkpoint the update starts from (one run, one step; default S-1; later = staler rollouts).", show_default=False),
+    typer.Option("--policy-step", metavar="P", help="Checkpoint the update starts from (one run, one step; default S-1; later = staler rollouts).", show_default=False),
 ]
 MinibatchesOpt = Annotated[
     Optional[int],
-    typer.Option("--minibatches", help="Minibatch updates in the step (default: the run's; 4 if it used 1 without staleness).", show_default=False),
+    typer.Option("--minibatches", metavar="M", help="Minibatch updates in the step (default: the run's; 4 if it used 1 without staleness).", show_default=False),
 ]
-DeltaOpt = Annotated[float, typer.Option("--delta", help="Trust-region threshold δ on the top-K KL D (the paper's main value).")]
+StudyOutputOpt = Annotated[
+    Optional[Path],
+    typer.Option("--output", "-o", metavar="DIR", help="Where to write JSON, parquet and PNG (default: <run>/analysis/, "
+                 "or the first run's parent analysis/ when runs are pooled).", show_default=False),
+]
+DeltaOpt = Annotated[float, typer.Option("--delta", metavar="D", help="Trust-region threshold δ on the top-K KL D (the paper's main value).")]
 
 
 @app.command()
 def disagreement(
     run: StudyRunsOpt,
     out: RunsDirOpt = DEFAULT_OUT,
+    output: StudyOutputOpt = None,
     steps: StepsOpt = None,
     delta: DeltaOpt = 0.15,
     update_method: UpdateOpt = "unmasked",
     partitions: PartitionsOpt = 1,
-    replicate: Annotated[str, typer.Option("--replicate", help="The unit of replication: batch (run x step) or partition.")] = "batch",
+    replicate: Annotated[str, typer.Option("--replicate", metavar="batch|partition", help="The unit of replication: batch (run x step) or partition.")] = "batch",
     policy_step: PolicyStepOpt = None,
     minibatches: MinibatchesOpt = None,
     exact: Annotated[bool, typer.Option("--exact/--no-exact", help="Exact full-vocabulary D and Ḋ per token (needs the behaviour checkpoint).")] = True,
     pairs: Annotated[
-        Optional[str], typer.Option("--pairs", help="Pairs a:b of criteria (default: ratio:ddot_agg,ratio:ddot_uniform,ddot_agg:ddot_uniform).", show_default=False)
+        Optional[str], typer.Option("--pairs", metavar="A:B,...", help="Pairs a:b of criteria (default: ratio:ddot_agg,ratio:ddot_uniform,ddot_agg:ddot_uniform).", show_default=False)
     ] = None,
-    test: Annotated[str, typer.Option("--test", help="Paired test shown in the table: wilcoxon | ttest (both are in the JSON).")] = "wilcoxon",
+    test: Annotated[str, typer.Option("--test", metavar="wilcoxon|ttest", help="Paired test shown in the table: wilcoxon | ttest (both are in the JSON).")] = "wilcoxon",
 ) -> None:
     """Token study (the predictive-mask paper's Figs. 3-4): where two direction rules disagree outside the trust region, which kept tokens whose D grew?"""
     from masktrl.analysis import disagreement as study
@@ -98,7 +105,7 @@ def disagreement(
         result, table = study.run_study(roots, parse_steps(steps), delta, update=update_method, partitions=partitions, unit=replicate,
                                         policy_step=policy_step, minibatches=minibatches, exact=exact, pairs=chosen, test=test,
                                         progress=progress)
-    paths = study.save(result, table, study.output_dir(roots, result))
+    paths = study.save(result, table, output or study.output_dir(roots, result))
     print_disagreement(result)
     _written(paths)
 
@@ -153,8 +160,9 @@ def _steps_text(steps: list[int]) -> str:
 def estimators(
     run: StudyRunsOpt,
     out: RunsDirOpt = DEFAULT_OUT,
+    output: StudyOutputOpt = None,
     steps: StepsOpt = None,
-    k: Annotated[str, typer.Option("--k", help="List sizes K (re-cut from the stored list up to its size, else from the recomputed μ).")] = "5,10,20,50",
+    k: Annotated[str, typer.Option("--k", metavar="K,...", help="List sizes K (re-cut from the stored list up to its size, else from the recomputed μ).")] = "5,10,20,50",
     delta: DeltaOpt = 0.15,
     update_method: UpdateOpt = "unmasked",
     partitions: PartitionsOpt = 1,
@@ -171,7 +179,7 @@ def estimators(
     with progress_bar() as progress:
         result, table = est.run_estimators(roots, parse_steps(steps), ks, delta, update=update_method, partitions=partitions,
                                            policy_step=policy_step, minibatches=minibatches, progress=progress)
-    paths = est.save(result, table, output_dir(roots, result))
+    paths = est.save(result, table, output or output_dir(roots, result))
     print_estimators(result)
     _written(paths)
 
