@@ -91,9 +91,9 @@ def _rates(dd: np.ndarray) -> dict:
 
 def replicate_counts(t: dict, delta: float, pairs=PAIRS, criteria: tuple[str, ...] | None = None) -> list[dict]:
     """Per replicate: token counts, and per pair and scope each rule's n_kept, n_grew,
-    n_contracted, unsafe_keep, contract_frac over the pair's disagreement set; per rule the same
-    over every token with D > δ it keeps (``over_delta``)."""
-    criteria = criteria or tuple(dict.fromkeys(c for p in pairs for c in p))
+    n_contracted, unsafe_keep, contract_frac over the pair's disagreement set; per rule (every
+    ``keep_*`` column of the table) the same over every token with D > δ it keeps (``over_delta``)."""
+    criteria = criteria or tuple(k[len("keep_"):] for k in t if k.startswith("keep_"))
     out = []
     for r in np.unique(t["replicate"]):
         sel = t["replicate"] == r

@@ -145,6 +145,18 @@ def print_disagreement(result: dict) -> None:
                           (fmt(p) if i == 0 else "")]
             table.add_row(*cells, end_section=i == len(block["criteria"]) - 1)
     console.print(table)
+    over = Table(title=f"every token with D > δ a rule keeps ({result['n_over_delta_total']} tokens with D > δ): unsafe keep, mean ± SE over replicates")
+    over.add_column("criterion")
+    for scope in SCOPES:
+        over.add_column(f"{scope}\nunsafe keep", justify="right")
+        over.add_column("kept", justify="right")
+    for c in result["over_delta"][SCOPES[0]]:
+        cells = []
+        for scope in SCOPES:
+            x = result["over_delta"][scope][c]
+            cells += [pm(x["unsafe_keep_mean"], x["unsafe_keep_se"]), str(x["n_kept_total"])]
+        over.add_row(c, *cells)
+    console.print(over)
     if all(block["n_disagree_total"] == 0 for block in result["pairs"].values()):
         console.print(
             "[yellow]no disagreement token: try a smaller --delta, more --minibatches, or stale rollouts "
