@@ -18,10 +18,12 @@ from masktrl.commands import rollout as rollout_cmd
 from masktrl.commands import runs as runs_cmd
 from masktrl.commands import train as train_cmd
 from masktrl.commands import analyze as analyze_cmd, sweep as sweep_cmd
+from masktrl.commands.options import Command, Group
 from masktrl.commands.ui import err_console
 from masktrl.errors import MasktrlError
 
 app = typer.Typer(
+    cls=Group,
     help="Trust-region masking experiments for LLM RL: rollout -> train -> evaluate -> analyze.",
     no_args_is_help=True,
     add_completion=False,
@@ -34,13 +36,13 @@ def _root() -> None:
     """Trust-region masking experiments for LLM RL: rollout -> train -> evaluate -> analyze."""
 
 
-app.command()(rollout_cmd.rollout)
-app.command()(train_cmd.train)
+app.command(cls=Command)(rollout_cmd.rollout)
+app.command(cls=Command)(train_cmd.train)
 app.add_typer(analyze_cmd.app, name="analyze")
-app.command()(sweep_cmd.sweep)
-app.command("eval")(eval_cmd.eval_command)
-app.command("evaluate", hidden=True)(eval_cmd.eval_command)
-app.command()(runs_cmd.runs)
+app.command(cls=Command)(sweep_cmd.sweep)
+app.command("eval", cls=Command)(eval_cmd.eval_command)
+app.command("evaluate", cls=Command, hidden=True)(eval_cmd.eval_command)
+app.command(cls=Command)(runs_cmd.runs)
 
 
 def main() -> None:

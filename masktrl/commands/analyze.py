@@ -13,21 +13,22 @@ from typing import Annotated, Optional
 import typer
 
 from masktrl.commands.ui import console, kv_table, progress_bar
-from masktrl.commands.options import DEFAULT_OUT
+from masktrl.commands.options import DEFAULT_OUT, Command, Group
 
 app = typer.Typer(
+    cls=Group,
     help="Analyses of runs: disagreement (token study), estimators (top-K Ḋ vs exact), dynamics (curves), compare (seed statistics), sis.",
     no_args_is_help=True,
 )
 
-RunArg = Annotated[str, typer.Option("--run", help="Run folder, or a run name under --out.", show_default=False)]
-RunsDirOpt = Annotated[Path, typer.Option("--out", help="Folder holding runs (for a run given by name).")]
-RunsArg = Annotated[list[str], typer.Argument(help="Run folders (or names under ./outputs), or folders of runs.", show_default=False)]
+RunArg = Annotated[str, typer.Option("--run", metavar="RUN", help="Run folder, or a run name under --out.", show_default=False)]
+RunsDirOpt = Annotated[Path, typer.Option("--out", metavar="DIR", help="Folder holding runs (for a run given by name).")]
+RunsArg = Annotated[list[str], typer.Argument(metavar="RUN", help="Run folders (or names under ./outputs), or folders of runs.", show_default=False)]
 ResultOpt = Annotated[
-    Optional[Path], typer.Option("--out", help="Where to write JSON + PNG (default: the first run's parent analysis/).", show_default=False)
+    Optional[Path], typer.Option("--out", metavar="DIR", help="Where to write JSON + PNG (default: the first run's parent analysis/).", show_default=False)
 ]
 StepOpt = Annotated[
-    Optional[int], typer.Option("--step", help="Rollout step S (default: the latest S whose checkpoint S-1 exists).", show_default=False)
+    Optional[int], typer.Option("--step", metavar="S", help="Rollout step S (default: the latest S whose checkpoint S-1 exists).", show_default=False)
 ]
 
 
@@ -77,7 +78,7 @@ StudyOutputOpt = Annotated[
 DeltaOpt = Annotated[float, typer.Option("--delta", metavar="D", help="Trust-region threshold δ on the top-K KL D (the paper's main value).")]
 
 
-@app.command()
+@app.command(cls=Command)
 def disagreement(
     run: StudyRunsOpt,
     out: RunsDirOpt = DEFAULT_OUT,
@@ -168,7 +169,7 @@ def _steps_text(steps: list[int]) -> str:
     return str(steps[0]) if len(steps) == 1 else f"{steps[0]}..{steps[-1]} ({len(steps)})"
 
 
-@app.command()
+@app.command(cls=Command)
 def estimators(
     run: StudyRunsOpt,
     out: RunsDirOpt = DEFAULT_OUT,
@@ -220,11 +221,11 @@ def print_estimators(result: dict) -> None:
         console.print(table)
 
 
-@app.command()
+@app.command(cls=Command)
 def dynamics(
     runs: RunsArg,
     out: ResultOpt = None,
-    smooth: Annotated[int, typer.Option("--smooth", help="Moving-average window over logged steps (1 = raw).")] = 1,
+    smooth: Annotated[int, typer.Option("--smooth", metavar="W", help="Moving-average window over logged steps (1 = raw).")] = 1,
 ) -> None:
     """Curves of reward, length, ppo_kl, mask fraction, SIS accept rate and eval accuracy; seeds averaged with a 95% band."""
     from masktrl.analysis import dynamics as dyn
@@ -251,14 +252,14 @@ def dynamics(
     _written(paths)
 
 
-@app.command()
+@app.command(cls=Command)
 def compare(
     runs: RunsArg,
     out: ResultOpt = None,
-    baseline: Annotated[str, typer.Option("--baseline", help="Method (or group label) the others are tested against.")] = "grpo",
-    metric: Annotated[str, typer.Option("--metric", help="Metric: eval/heldout/accuracy or eval/<bench>/avg_at_k.")] = "eval/heldout/accuracy",
-    test: Annotated[str, typer.Option("--test", help="welch | permutation (both are in the JSON).")] = "welch",
-    n_boot: Annotated[int, typer.Option("--n-boot", help="Bootstrap resamples for the 95% CI.")] = 10000,
+    baseline: Annotated[str, typer.Option("--baseline", metavar="LABEL", help="Method (or group label) the others are tested against.")] = "grpo",
+    metric: Annotated[str, typer.Option("--metric", metavar="KEY", help="Metric: eval/heldout/accuracy or eval/<bench>/avg_at_k.")] = "eval/heldout/accuracy",
+    test: Annotated[str, typer.Option("--test", metavar="welch|permutation", help="welch | permutation (both are in the JSON).")] = "welch",
+    n_boot: Annotated[int, typer.Option("--n-boot", metavar="N", help="Bootstrap resamples for the 95% CI.")] = 10000,
 ) -> None:
     """Methods by final and best eval accuracy over seeds: mean, std, bootstrap 95% CI, p-value vs baseline."""
     from masktrl.analysis import compare as cmp
@@ -304,12 +305,12 @@ def _dev_over_training(tr: dict) -> list[tuple[str, str]]:
     return rows
 
 
-@app.command()
+@app.command(cls=Command)
 def sis(
     run: RunArg,
     out: RunsDirOpt = DEFAULT_OUT,
     step: StepOpt = None,
-    top: Annotated[int, typer.Option("--top", help="How many accepted / rejected tokens to list.")] = 10,
+    top: Annotated[int, typer.Option("--top", metavar="N", help="How many accepted / rejected tokens to list.")] = 10,
 ) -> None:
     """SIS: accept rate over training, residual top-K mass, tokens outside the top-K, accepted vs rejected tokens."""
     from masktrl.analysis import sis_report

@@ -13,48 +13,48 @@ from masktrl.config import EVAL_BENCHMARKS
 
 
 def eval_command(
-    bench: Annotated[str, typer.Argument(help=f"Benchmark: {' | '.join(EVAL_BENCHMARKS)} | dataset (with --set task.source=...).", show_default=False)],
+    bench: Annotated[str, typer.Argument(metavar="BENCH", help=f"Benchmark: {' | '.join(EVAL_BENCHMARKS)} | dataset (with --set task.source=...).", show_default=False)],
     model: Annotated[
         str,
-        typer.Option("--model", help="A run folder (its checkpoints), a model folder, or a hub id (local cache only).", show_default=False),
+        typer.Option("--model", metavar="RUN|MODEL", help="A run folder (its checkpoints), a model folder, or a hub id (local cache only).", show_default=False),
     ],
     step: Annotated[
         Optional[int],
-        typer.Option("--step", help="Run only: the checkpoint step (default: the latest complete one; 0: the starting policy).", show_default=False),
+        typer.Option("--step", metavar="N", help="Run only: the checkpoint step (default: the latest complete one; 0: the starting policy).", show_default=False),
     ] = None,
-    k: Annotated[int, typer.Option("--k", help="Samples per problem.")] = 16,
-    temperature: Annotated[float, typer.Option("--temperature", help="Sampling temperature (0: greedy, needs --k 1).")] = 1.0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")] = 1.0,
+    k: Annotated[int, typer.Option("--k", metavar="K", help="Samples per problem.")] = 16,
+    temperature: Annotated[float, typer.Option("--temperature", metavar="T", help="Sampling temperature (0: greedy, needs --k 1).")] = 1.0,
+    top_p: Annotated[float, typer.Option("--top-p", metavar="P", help="Nucleus sampling threshold.")] = 1.0,
     max_new_tokens: Annotated[
         Optional[int],
-        typer.Option("--max-new-tokens", help="Response length (default: the run's rollout.max_new_tokens; 4096 on math for other models).", show_default=False),
+        typer.Option("--max-new-tokens", metavar="N", help="Response length (default: the run's rollout.max_new_tokens; 4096 on math for other models).", show_default=False),
     ] = None,
     data: Annotated[
         Optional[Path],
-        typer.Option("--data", help="Math benchmarks: a local .jsonl/.json/.parquet file of problems (default: the local datasets cache); dataset: task.source.", show_default=False),
+        typer.Option("--data", metavar="FILE", help="Math benchmarks: a local .jsonl/.json/.parquet file of problems (default: the local datasets cache); dataset: task.source.", show_default=False),
     ] = None,
     template: Annotated[
         Optional[str],
-        typer.Option("--template", help="Prompt template: base | chat | instruct | raw | dapo | a format string with {prompt} (default: the run's, else base for math, raw for dataset; chat for a run with model.chat_template).", show_default=False),
+        typer.Option("--template", metavar="NAME", help="Prompt template: base | chat | instruct | raw | dapo | a format string with {prompt} (default: the run's, else base for math, raw for dataset; chat for a run with model.chat_template).", show_default=False),
     ] = None,
     engine: Annotated[
-        Optional[str], typer.Option("--engine", help="hf | vllm (default: the run's rollout.engine, else hf).", show_default=False)
+        Optional[str], typer.Option("--engine", metavar="hf|vllm", help="hf | vllm (default: the run's rollout.engine, else hf).", show_default=False)
     ] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Sampling seed.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Sampling seed.")] = 0,
     n_problems: Annotated[
-        Optional[int], typer.Option("--n-problems", help="Evaluate only the first N problems.", show_default=False)
+        Optional[int], typer.Option("--n-problems", metavar="N", help="Evaluate only the first N problems.", show_default=False)
     ] = None,
     batch_size: Annotated[
         Optional[int],
-        typer.Option("--batch-size", help="Sequences generated together (default: the run's rollout.batch_size, 512).", show_default=False),
+        typer.Option("--batch-size", metavar="N", help="Sequences generated together (default: the run's rollout.batch_size, 512).", show_default=False),
     ] = None,
     dtype: Annotated[
         Optional[str],
-        typer.Option("--dtype", help="float32 | bfloat16 | float16 (default: the run's model.dtype; bfloat16 on GPU, else float32).", show_default=False),
+        typer.Option("--dtype", metavar="DTYPE", help="float32 | bfloat16 | float16 (default: the run's model.dtype; bfloat16 on GPU, else float32).", show_default=False),
     ] = None,
     out: Annotated[
         Optional[Path],
-        typer.Option("--out", help="Not a run: results go to OUT/eval/ (default: eval/ next to the model folder, outputs/eval/ for a hub id).", show_default=False),
+        typer.Option("--out", metavar="DIR", help="Not a run: results go to OUT/eval/ (default: eval/ next to the model folder, outputs/eval/ for a hub id).", show_default=False),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing result file for the same benchmark and step.")] = False,
     config: TaskConfigOpt = None,

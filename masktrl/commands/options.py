@@ -1,5 +1,12 @@
 """Option types shared by every subcommand, so --config, --run, --out, --seed and --set read
-the same everywhere."""
+the same everywhere, and the command classes that render their help.
+
+Conventions: ``--out DIR`` is always the folder that holds runs (default ``outputs``; a run
+given by name is looked up there); a command that writes a file or a result folder of its
+own names it ``--output``. A flag that sets a config key is spelled like the key
+(``rollout.logprobs_k`` -> ``--logprobs-k``). Every value option shows a metavar (FILE, DIR,
+N, ...), flags show none.
+"""
 
 from __future__ import annotations
 
@@ -7,28 +14,62 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperArgument, TyperCommand, TyperGroup
+
+DEFAULT_OUT = Path("outputs")
+
+
+def _hide_flag_types(params: list) -> list:
+    """Flags (``--force``, ``--help``) take no value: show no type for them (typer would print
+    <bool>); an argument shows its metavar, not its Python type as well (<str>, <list[str]>)."""
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+        elif isinstance(p, TyperArgument) and p.metavar:
+            p.display_type_rich = _no_type
+    return params
+
+
+def _no_type(ctx) -> None:
+    return None
+
+
+class Command(TyperCommand):
+    """A subcommand whose help shows no value type for flags."""
+
+    def get_params(self, ctx):
+        return _hide_flag_types(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    """A command group whose help shows no value type for flags."""
+
+    def get_params(self, ctx):
+        return _hide_flag_types(super().get_params(ctx))
+
 
 ConfigOpt = Annotated[
-    Optional[Path], typer.Option("--config", "-c", help="YAML preset (default: configs/tiny.yaml).", show_default=False)
+    Optional[Path], typer.Option("--config", "-c", metavar="FILE", help="YAML preset (default: configs/tiny.yaml).", show_default=False)
 ]
 RunOpt = Annotated[
-    Optional[str], typer.Option("--run", help="Run name (default: <method>-<timestamp>).", show_default=False)
+    Optional[str], typer.Option("--run", metavar="NAME", help="Run name (default: <method>-<timestamp>).", show_default=False)
 ]
-OutOpt = Annotated[Path, typer.Option("--out", help="Folder holding runs.")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Run seed (overrides the config).", show_default=False)]
+OutOpt = Annotated[Path, typer.Option("--out", metavar="DIR", help="Folder holding runs; a run given by name is looked up here.")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", help="Run seed (overrides the config).", show_default=False)]
 SetOpt = Annotated[
     Optional[list[str]],
-    typer.Option("--set", help="Dotted override, repeatable: --set train.lr=1e-4 --set method.divergence=topk-tv."),
+    typer.Option("--set", metavar="KEY=VALUE", show_default=False,
+                 help="Dotted config override, repeatable: --set train.lr=1e-4 --set method.divergence=topk-tv."),
 ]
 
 TaskConfigOpt = Annotated[
     Optional[Path],
-    typer.Option("--config", "-c", help="YAML file whose task section (and model.chat_template) sets the dataset, reward and "
+    typer.Option("--config", "-c", metavar="FILE", help="YAML file whose task section (and model.chat_template) sets the dataset, reward and "
                  "template, as for train (docs/TASKS.md).", show_default=False),
 ]
 TaskSetOpt = Annotated[
     Optional[list[str]],
-    typer.Option("--set", help="task.KEY=VALUE or model.chat_template=..., repeatable: the dataset, reward and template keys "
+    typer.Option("--set", metavar="KEY=VALUE", help="task.KEY=VALUE or model.chat_template=..., repeatable: the dataset, reward and template keys "
                  "of train, e.g. --set task.source=data/x.jsonl --set task.reward=my_rewards.py:score."),
 ]
 
@@ -41,5 +82,4 @@ def method_help() -> str:
     return f"Method (default: the config's). {listed}. Parameters via --set method.X=..."
 
 
-MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", help=method_help(), show_default=False)]
-DEFAULT_OUT = Path("outputs")
+MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", metavar="NAME", help=method_help(), show_default=False)]

@@ -12,20 +12,20 @@ from masktrl.commands.ui import console, kv_table
 
 
 def rollout(
-    model: Annotated[str, typer.Option("--model", help="A run folder (its latest checkpoint, or --step), a model folder or a cached hub id.")],
-    data: Annotated[str, typer.Option("--data", help="synthetic | aime24 | aime25 | aime | math500 | gsm8k | dapo-math | a .jsonl/.json/.parquet "
+    model: Annotated[str, typer.Option("--model", metavar="RUN|MODEL", help="A run folder (its latest checkpoint, or --step), a model folder or a cached hub id.")],
+    data: Annotated[str, typer.Option("--data", metavar="NAME|FILE", help="synthetic | aime24 | aime25 | aime | math500 | gsm8k | dapo-math | a .jsonl/.json/.parquet "
                                                      "math file | dataset (with --set task.source=...), or any file, folder or cached hub id with --set task.* keys.")],
-    out: Annotated[Path, typer.Option("--out", help="The parquet file to write.")],
-    n: Annotated[int, typer.Option("--n", help="Samples per prompt (group size G).")] = 8,
-    topk: Annotated[int, typer.Option("--topk", help="K of the recorded behaviour top-K lists.")] = 20,
-    prompts: Annotated[Optional[int], typer.Option("--prompts", help="Number of prompts (default: 32 synthetic, or all problems).", show_default=False)] = None,
-    step: Annotated[Optional[int], typer.Option("--step", help="Checkpoint step of a run (0: its starting policy).", show_default=False)] = None,
-    temperature: Annotated[float, typer.Option("--temperature")] = 1.0,
-    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
-    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Default: the run's, else 1024.", show_default=False)] = None,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
-    engine: Annotated[Optional[str], typer.Option("--engine", help="hf | vllm (default: the run's, else hf).", show_default=False)] = None,
-    template: Annotated[Optional[str], typer.Option("--template", help="Prompt template: base | chat | instruct | raw | dapo | a format string with {prompt} (task.template).", show_default=False)] = None,
+    out: Annotated[Path, typer.Option("--out", metavar="FILE", help="The parquet file to write.")],
+    n: Annotated[int, typer.Option("--n", metavar="N", help="Samples per prompt (group size G).")] = 8,
+    topk: Annotated[int, typer.Option("--topk", metavar="K", help="K of the recorded behaviour top-K lists.")] = 20,
+    prompts: Annotated[Optional[int], typer.Option("--prompts", metavar="N", help="Number of prompts (default: 32 synthetic, or all problems).", show_default=False)] = None,
+    step: Annotated[Optional[int], typer.Option("--step", metavar="N", help="Checkpoint step of a run (0: its starting policy).", show_default=False)] = None,
+    temperature: Annotated[float, typer.Option("--temperature", metavar="T", help="Sampling temperature.")] = 1.0,
+    top_p: Annotated[float, typer.Option("--top-p", metavar="P", help="Nucleus sampling threshold.")] = 1.0,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", metavar="N", help="Default: the run's, else 1024.", show_default=False)] = None,
+    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Sampling seed.")] = 0,
+    engine: Annotated[Optional[str], typer.Option("--engine", metavar="hf|vllm", help="hf | vllm (default: the run's, else hf).", show_default=False)] = None,
+    template: Annotated[Optional[str], typer.Option("--template", metavar="NAME", help="Prompt template: base | chat | instruct | raw | dapo | a format string with {prompt} (task.template).", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
     config: TaskConfigOpt = None,
     set_: TaskSetOpt = None,

@@ -14,7 +14,7 @@ from masktrl.commands.options import DEFAULT_OUT
 STATUS_STYLE = {"complete": "green", "running": "cyan", "interrupted": "yellow", "failed": "red"}
 
 
-def runs(folder: Annotated[Path, typer.Argument(help="Folder holding runs.")] = DEFAULT_OUT) -> None:
+def runs(folder: Annotated[Path, typer.Argument(metavar="DIR", help="Folder holding runs.")] = DEFAULT_OUT) -> None:
     """List runs: name, method, seed, steps done / planned, last reward, last eval accuracy, status."""
     from masktrl.pipeline.runs import list_runs
 

@@ -12,13 +12,13 @@ from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, OutOpt, SetOpt
 
 
 def sweep(
-    methods: Annotated[str, typer.Option("--methods", help="Comma-separated methods (parameters via --set method.X=...).")] = "grpo,dppo,pdm,sis",
-    seeds: Annotated[str, typer.Option("--seeds", help="A count (3: seeds 0,1,2) or a list (0,4,7).")] = "3",
+    methods: Annotated[str, typer.Option("--methods", metavar="LIST", help="Comma-separated methods (parameters via --set method.X=...).")] = "grpo,dppo,pdm,sis",
+    seeds: Annotated[str, typer.Option("--seeds", metavar="N|LIST", help="A count (3: seeds 0,1,2) or a list (0,4,7).")] = "3",
     config: ConfigOpt = None,
     out: OutOpt = DEFAULT_OUT,
     set_: SetOpt = None,
     baseline: Annotated[
-        Optional[str], typer.Option("--baseline", help="Method the compare table tests against (default: grpo if swept, else the first).", show_default=False)
+        Optional[str], typer.Option("--baseline", metavar="METHOD", help="Method the compare table tests against (default: grpo if swept, else the first).", show_default=False)
     ] = None,
 ) -> None:
     """Train every method x seed (runs <method>-seed<k> under OUT, one after another), then print the compare table.

@@ -22,12 +22,12 @@ def train(
     seed: SeedOpt = None,
     set_: SetOpt = None,
     resume: Annotated[
-        Optional[str], typer.Option("--resume", help="Continue RUN (a name under --out, or a folder) from its last checkpoint.", show_default=False)
+        Optional[str], typer.Option("--resume", metavar="RUN", help="Continue RUN (a name under --out, or a folder) from its last checkpoint.", show_default=False)
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="With --resume: accept a config that differs from run.yaml.")] = False,
     rollouts_from: Annotated[
         Optional[str],
-        typer.Option("--rollouts-from", help="Train on stored rollouts: a run folder or a parquet file from `masktrl rollout`.", show_default=False),
+        typer.Option("--rollouts-from", metavar="RUN|FILE", help="Train on stored rollouts: a run folder or a parquet file from `masktrl rollout`.", show_default=False),
     ] = None,
 ) -> None:
     """Run RL training (default: the embedded tiny model on synthetic arithmetic, GRPO).
