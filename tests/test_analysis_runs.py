@@ -96,7 +96,7 @@ def _cli(*args):
 
 
 def test_cli_analyses_write_json_and_png(runs, tmp_path):
-    out = _cli("analyze", "dynamics", str(runs), "--out", str(tmp_path / "dyn"))
+    out = _cli("analyze", "dynamics", str(runs), "--output", str(tmp_path / "dyn"))
     assert "grpo" in out and "sis" in out
     dyn = json.loads((tmp_path / "dyn" / "dynamics.json").read_text())
     grpo = next(g for g in dyn["groups"] if g["label"] == "grpo")
@@ -106,7 +106,8 @@ def test_cli_analyses_write_json_and_png(runs, tmp_path):
     assert all(lo <= m <= hi for m, lo, hi in zip(acc["mean"], acc["lo"], acc["hi"]))
     assert_png(tmp_path / "dyn" / "dynamics.png")
 
-    out = _cli("analyze", "compare", str(runs), "--baseline", "grpo")
+    names = ["grpo-seed0", "grpo-seed1", "grpo-seed2", "sis-seed0", "sis-seed1"]
+    out = _cli("analyze", "compare", *names, "--out", str(runs), "--baseline", "grpo")  # run names under --out
     assert "warning" in out and "sis: only 2 seeds" in out
     table = json.loads((runs / "analysis" / "compare.json").read_text())
     assert [r["label"] for r in table["methods"]] == ["grpo", "sis"]

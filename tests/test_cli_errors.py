@@ -56,7 +56,7 @@ def test_help_lists_working_subcommands():
     [("/nonexistent/model", "no such model folder"), ("nosuchorg/nosuchmodel", "local hub cache")],
 )
 def test_missing_models_are_one_line_and_never_downloaded(tmp_path, model, needle):
-    r = masktrl("rollout", "--model", model, "--data", "synthetic", "--out", str(tmp_path / "r.parquet"), cwd=tmp_path,
+    r = masktrl("rollout", "--model", model, "--data", "synthetic", "--output", str(tmp_path / "r.parquet"), cwd=tmp_path,
                 env={"HF_HOME": str(tmp_path / "hf")})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]

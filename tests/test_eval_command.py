@@ -119,7 +119,7 @@ def test_evaluate_alias_step_choice_and_starting_policy(run_dir):
     assert r["generation"]["greedy"] is True and r["step"] == 1
     invoke("eval", "synthetic", "--model", run_dir / "checkpoints" / "000001", "--k", 2, "--n-problems", 3, "--seed", 1, "--force")
     assert json.loads((run_dir / "eval" / "synthetic-step1.json").read_text())["generation"]["seed"] == 1
-    invoke("eval", "synthetic", "--model", run_dir, "--step", 0, "--k", 2, "--n-problems", 3)
+    invoke("eval", "synthetic", "--model", run_dir.name, "--out", run_dir.parent, "--step", 0, "--k", 2, "--n-problems", 3)  # by name
     r0 = json.loads((run_dir / "eval" / "synthetic-step0.json").read_text())
     assert r0["step"] == 0 and ".cache" in r0["weights"]  # the warm-start policy
 
@@ -150,8 +150,8 @@ def test_math_benchmark_correct_boxed_answers_score_one(model_dir, monkeypatch, 
         return out
 
     monkeypatch.setattr("masktrl.rollout.hf.HFEngine.generate", fake_generate)
-    invoke("eval", "math500", "--model", model, "--data", data, "--k", 3, "--out", tmp_path)
-    r = json.loads((tmp_path / "eval" / "math500-tiny-math.json").read_text())
+    invoke("eval", "math500", "--model", model, "--data", data, "--k", 3, "--output", tmp_path / "report.json")
+    r = json.loads((tmp_path / "report.json").read_text())
     check_report(r, k=3, n=3)
     assert r["avg_at_k"] == 1.0 and r["pass_at_k"] == 1.0 and r["maj_at_k"] == 1.0 and r["ci95"] == [1.0, 1.0]
     assert r["problems"][2]["answers"] == ["\\frac{1}{2}"] * 3 and r["truncated_frac"] == 0.0
@@ -166,7 +166,8 @@ def test_math_benchmark_correct_boxed_answers_score_one(model_dir, monkeypatch, 
         (["eval", "aime24", "--model", "RUN"], "pass --data FILE"),
         (["eval", "aime", "--model", "RUN", "--data", "missing.jsonl"], "missing.jsonl: no such file"),
         (["evaluate", "synthetic", "--model", "RUN", "--template", "chat"], "--template"),
-        (["eval", "synthetic", "--model", "MODEL"], "needs a run folder"),
+        (["eval", "synthetic", "--model", "MODEL"], "needs a run"),
+        (["eval", "synthetic", "--model", "RUN", "--output", "x.json"], "--output"),
         (["eval", "gsm8k", "--model", "MODEL", "--step", 1], "--step needs a run folder"),
     ],
 )

@@ -31,20 +31,20 @@ def source_run(tmp_path_factory):
 def test_rollout_command_writes_a_trainable_file(source_run):
     base, cfg, src = source_run
     out_file = base / "r.parquet"
-    r = invoke("rollout", "--model", src, "--data", "synthetic", "--n", 4, "--topk", 3, "--prompts", 5, "--out", out_file)
+    r = invoke("rollout", "--model", src, "--data", "synthetic", "--n", 4, "--topk", 3, "--prompts", 5, "--output", out_file)
     assert r.exit_code == 0, r.output
     samples, meta = read_rollouts(out_file)
     assert len(samples) == 20 and meta["logprobs_k"] == 3 and meta["model"].endswith("000002")
     assert all(len(row) == 3 for s in samples for row in s.gen.topk_ids)
     # refuses to overwrite
-    r = invoke("rollout", "--model", src, "--data", "synthetic", "--out", out_file)
+    r = invoke("rollout", "--model", "src", "--out", base / "out", "--data", "synthetic", "--output", out_file)  # a run by name
     assert r.exit_code == 2 or "already exists" in str(r.exception)
 
 
 def test_two_methods_replaying_one_file_see_identical_tokens(source_run):
     base, cfg, src = source_run
     out_file = base / "shared.parquet"
-    assert invoke("rollout", "--model", src, "--data", "synthetic", "--n", 4, "--prompts", 12, "--out", out_file).exit_code == 0
+    assert invoke("rollout", "--model", src, "--data", "synthetic", "--n", 4, "--prompts", 12, "--output", out_file).exit_code == 0
     for method in ("grpo", "dppo"):
         r = invoke("train", "--config", cfg, "--out", base / "out", "--run", f"replay-{method}", "--method", method,
                    "--rollouts-from", out_file, "--set", "train.steps=5")
@@ -62,7 +62,7 @@ def test_two_methods_replaying_one_file_see_identical_tokens(source_run):
 
 def test_replaying_a_run_folder(source_run):
     base, cfg, src = source_run
-    r = invoke("train", "--config", cfg, "--out", base / "out", "--run", "replay-run", "--method", "pdm", "--rollouts-from", src)
+    r = invoke("train", "--config", cfg, "--out", base / "out", "--run", "replay-run", "--method", "pdm", "--rollouts-from", "src")  # a run by name under --out
     assert r.exit_code == 0, r.output
     for s in ("000001", "000002"):
         mine = read_rollouts(base / "out" / "replay-run" / "steps" / s / "rollouts.parquet")[0]
@@ -80,12 +80,12 @@ def test_incompatible_tokenizer_is_refused(source_run, tmp_path):
 
 def test_runs_lists_status(source_run):
     base, cfg, src = source_run
-    r = runner.invoke(app, ["runs", str(base / "out")], env={"COLUMNS": "200"})
+    r = runner.invoke(app, ["runs", "--out", str(base / "out")], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
     assert "src" in r.output and "complete" in r.output and "2 / 2" in r.output
     # a run whose process died without saying so reads as interrupted
     m = json.loads((src / "manifest.json").read_text())
     (src / "manifest.json").write_text(json.dumps({**m, "status": "running", "pid": 2**22 + 12345}))
-    r = runner.invoke(app, ["runs", str(base / "out")], env={"COLUMNS": "200"})
-    assert "interrupted" in r.output
+    r = runner.invoke(app, ["runs", str(base / "out")], env={"COLUMNS": "200"})  # the deprecated spelling still works, and says so
+    assert "interrupted" in r.output and "deprecated" in r.output
     (src / "manifest.json").write_text(json.dumps(m))

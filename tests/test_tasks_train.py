@@ -93,7 +93,7 @@ def test_folder_with_nested_fields_trains_with_a_file_reward_that_fails_on_some_
     report = json.loads((root / "eval" / "dataset-step2.json").read_text())
     assert report["reward"] == "exact-match" and report["generation"]["template"] == "raw"
     out = tmp_path / "rollouts.parquet"
-    result = runner.invoke(app, ["rollout", "--model", str(root), "--data", "dataset", "--out", str(out), "--n", "2",
+    result = runner.invoke(app, ["rollout", "--model", str(root), "--data", "dataset", "--output", str(out), "--n", "2",
                                  "--set", "task.split=test", "--set", "task.reward=exact-match"])
     assert result.exit_code == 0, (result.output, result.exception)
     from masktrl.rollout.storage import read_rollouts

@@ -1,7 +1,8 @@
 """``masktrl analyze <analysis>``: studies of finished runs, written as JSON + PNG.
 
-Single-run analyses write under ``<run>/analysis/``; multi-run analyses under ``--out``, else
-the first run's parent ``analysis/`` folder. See docs/ANALYSIS.md.
+Runs are given as folders or as names under ``--out`` (the folder of runs, as on every
+command). Single-run analyses write under ``<run>/analysis/``; multi-run analyses under
+``--output``, else the first run's parent ``analysis/`` folder. See docs/ANALYSIS.md.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from masktrl.commands.ui import console, kv_table, progress_bar
-from masktrl.commands.options import DEFAULT_OUT, Command, Group
+from masktrl.commands.options import DEFAULT_OUT, Command, Group, OutOpt
 
 app = typer.Typer(
     cls=Group,
@@ -22,10 +23,10 @@ app = typer.Typer(
 )
 
 RunArg = Annotated[str, typer.Option("--run", metavar="RUN", help="Run folder, or a run name under --out.", show_default=False)]
-RunsDirOpt = Annotated[Path, typer.Option("--out", metavar="DIR", help="Folder holding runs (for a run given by name).")]
-RunsArg = Annotated[list[str], typer.Argument(metavar="RUN", help="Run folders (or names under ./outputs), or folders of runs.", show_default=False)]
+RunsArg = Annotated[list[str], typer.Argument(metavar="RUN", help="Run folders or names under --out, or folders of runs.", show_default=False)]
 ResultOpt = Annotated[
-    Optional[Path], typer.Option("--out", metavar="DIR", help="Where to write JSON + PNG (default: the first run's parent analysis/).", show_default=False)
+    Optional[Path],
+    typer.Option("--output", "-o", metavar="DIR", help="Where to write JSON + PNG (default: the first run's parent analysis/).", show_default=False),
 ]
 StepOpt = Annotated[
     Optional[int], typer.Option("--step", metavar="S", help="Rollout step S (default: the latest S whose checkpoint S-1 exists).", show_default=False)
@@ -81,7 +82,7 @@ DeltaOpt = Annotated[float, typer.Option("--delta", metavar="D", help="Trust-reg
 @app.command(cls=Command)
 def disagreement(
     run: StudyRunsOpt,
-    out: RunsDirOpt = DEFAULT_OUT,
+    out: OutOpt = DEFAULT_OUT,
     output: StudyOutputOpt = None,
     steps: StepsOpt = None,
     delta: DeltaOpt = 0.15,
@@ -172,7 +173,7 @@ def _steps_text(steps: list[int]) -> str:
 @app.command(cls=Command)
 def estimators(
     run: StudyRunsOpt,
-    out: RunsDirOpt = DEFAULT_OUT,
+    out: OutOpt = DEFAULT_OUT,
     output: StudyOutputOpt = None,
     steps: StepsOpt = None,
     k: Annotated[str, typer.Option("--k", metavar="K,...", help="List sizes K (re-cut from the stored list up to its size, else from the recomputed μ).")] = "5,10,20,50",
@@ -224,7 +225,8 @@ def print_estimators(result: dict) -> None:
 @app.command(cls=Command)
 def dynamics(
     runs: RunsArg,
-    out: ResultOpt = None,
+    out: OutOpt = DEFAULT_OUT,
+    output: ResultOpt = None,
     smooth: Annotated[int, typer.Option("--smooth", metavar="W", help="Moving-average window over logged steps (1 = raw).")] = 1,
 ) -> None:
     """Curves of reward, length, ppo_kl, mask fraction, SIS accept rate and eval accuracy; seeds averaged with a 95% band."""
@@ -234,9 +236,9 @@ def dynamics(
 
     if smooth < 1:
         raise MasktrlError(f"--smooth must be >= 1, got {smooth}")
-    roots = expand_runs(runs, DEFAULT_OUT)
+    roots = expand_runs(runs, out)
     result = dyn.dynamics([load_run(r) for r in roots], smooth)
-    paths = dyn.save(result, multi_run_dir(roots, out))
+    paths = dyn.save(result, multi_run_dir(roots, output))
     from rich.table import Table
 
     table = Table(title="last logged value (mean over seeds)")
@@ -255,7 +257,8 @@ def dynamics(
 @app.command(cls=Command)
 def compare(
     runs: RunsArg,
-    out: ResultOpt = None,
+    out: OutOpt = DEFAULT_OUT,
+    output: ResultOpt = None,
     baseline: Annotated[str, typer.Option("--baseline", metavar="LABEL", help="Method (or group label) the others are tested against.")] = "grpo",
     metric: Annotated[str, typer.Option("--metric", metavar="KEY", help="Metric: eval/heldout/accuracy or eval/<bench>/avg_at_k.")] = "eval/heldout/accuracy",
     test: Annotated[str, typer.Option("--test", metavar="welch|permutation", help="welch | permutation (both are in the JSON).")] = "welch",
@@ -265,9 +268,9 @@ def compare(
     from masktrl.analysis import compare as cmp
     from masktrl.analysis.io import expand_runs, load_run, multi_run_dir
 
-    roots = expand_runs(runs, DEFAULT_OUT)
+    roots = expand_runs(runs, out)
     table = cmp.compare([load_run(r) for r in roots], baseline, metric, test, n_boot)
-    paths = cmp.save(table, multi_run_dir(roots, out))
+    paths = cmp.save(table, multi_run_dir(roots, output))
     print_compare(table)
     _written(paths)
 
@@ -308,7 +311,7 @@ def _dev_over_training(tr: dict) -> list[tuple[str, str]]:
 @app.command(cls=Command)
 def sis(
     run: RunArg,
-    out: RunsDirOpt = DEFAULT_OUT,
+    out: OutOpt = DEFAULT_OUT,
     step: StepOpt = None,
     top: Annotated[int, typer.Option("--top", metavar="N", help="How many accepted / rejected tokens to list.")] = 10,
 ) -> None:

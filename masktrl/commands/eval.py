@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from masktrl.commands.options import TaskConfigOpt, TaskSetOpt
+from masktrl.commands.options import DEFAULT_OUT, OutOpt, TaskConfigOpt, TaskSetOpt
 from masktrl.commands.ui import console, kv_table, progress_bar
 from masktrl.config import EVAL_BENCHMARKS
 
@@ -16,7 +16,7 @@ def eval_command(
     bench: Annotated[str, typer.Argument(metavar="BENCH", help=f"Benchmark: {' | '.join(EVAL_BENCHMARKS)} | dataset (with --set task.source=...).", show_default=False)],
     model: Annotated[
         str,
-        typer.Option("--model", metavar="RUN|MODEL", help="A run folder (its checkpoints), a model folder, or a hub id (local cache only).", show_default=False),
+        typer.Option("--model", metavar="RUN|MODEL", help="A run (folder, or name under --out), a model folder, or a hub id (local cache only).", show_default=False),
     ],
     step: Annotated[
         Optional[int],
@@ -52,9 +52,11 @@ def eval_command(
         Optional[str],
         typer.Option("--dtype", metavar="DTYPE", help="float32 | bfloat16 | float16 (default: the run's model.dtype; bfloat16 on GPU, else float32).", show_default=False),
     ] = None,
-    out: Annotated[
+    out: OutOpt = DEFAULT_OUT,
+    output: Annotated[
         Optional[Path],
-        typer.Option("--out", metavar="DIR", help="Not a run: results go to OUT/eval/ (default: eval/ next to the model folder, outputs/eval/ for a hub id).", show_default=False),
+        typer.Option("--output", "-o", metavar="FILE", show_default=False,
+                     help="A model that is not a run: the JSON report to write (default: eval/ next to the model folder, OUT/eval/ for a hub id)."),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing result file for the same benchmark and step.")] = False,
     config: TaskConfigOpt = None,
@@ -80,7 +82,7 @@ def eval_command(
     opts.validate(bench)  # before any model is loaded
     console.print(f"[bold]masktrl eval[/] [cyan]{bench}[/] model [cyan]{model}[/]" + (f" step {step}" if step is not None else ""))
     with progress_bar() as progress:
-        result = evaluate.evaluate(bench, model, step, opts, out=out, force=force, progress=progress)
+        result = evaluate.evaluate(bench, model, step, opts, out=out, output=output, force=force, progress=progress)
     print_report(result.report, result.path)
 
 

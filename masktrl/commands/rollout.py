@@ -7,15 +7,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from masktrl.commands.options import TaskConfigOpt, TaskSetOpt
+from masktrl.commands.options import DEFAULT_OUT, OutOpt, TaskConfigOpt, TaskSetOpt
 from masktrl.commands.ui import console, kv_table
 
 
 def rollout(
-    model: Annotated[str, typer.Option("--model", metavar="RUN|MODEL", help="A run folder (its latest checkpoint, or --step), a model folder or a cached hub id.")],
+    model: Annotated[str, typer.Option("--model", metavar="RUN|MODEL", help="A run (folder, or name under --out; its latest checkpoint, or --step), a model folder or a cached hub id.")],
     data: Annotated[str, typer.Option("--data", metavar="NAME|FILE", help="synthetic | aime24 | aime25 | aime | math500 | gsm8k | dapo-math | a .jsonl/.json/.parquet "
                                                      "math file | dataset (with --set task.source=...), or any file, folder or cached hub id with --set task.* keys.")],
-    out: Annotated[Path, typer.Option("--out", metavar="FILE", help="The parquet file to write.")],
+    output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE", help="The rollout parquet file to write.")],
     n: Annotated[int, typer.Option("--n", metavar="N", help="Samples per prompt (group size G).")] = 8,
     topk: Annotated[int, typer.Option("--topk", metavar="K", help="K of the recorded behaviour top-K lists.")] = 20,
     prompts: Annotated[Optional[int], typer.Option("--prompts", metavar="N", help="Number of prompts (default: 32 synthetic, or all problems).", show_default=False)] = None,
@@ -26,7 +26,8 @@ def rollout(
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Sampling seed.")] = 0,
     engine: Annotated[Optional[str], typer.Option("--engine", metavar="hf|vllm", help="hf | vllm (default: the run's, else hf).", show_default=False)] = None,
     template: Annotated[Optional[str], typer.Option("--template", metavar="NAME", help="Prompt template: base | chat | instruct | raw | dapo | a format string with {prompt} (task.template).", show_default=False)] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
+    out: OutOpt = DEFAULT_OUT,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --output file.")] = False,
     config: TaskConfigOpt = None,
     set_: TaskSetOpt = None,
 ) -> None:
@@ -41,5 +42,5 @@ def rollout(
 
     opts = RolloutOptions(n, topk, prompts, temperature, top_p, max_new_tokens, seed, engine, template,
                           str(config) if config else None, tuple(set_ or ()))
-    info = generate(model, data, out, opts, step=step, force=force)
+    info = generate(model, data, output, opts, step=step, force=force, out=out)
     console.print(kv_table("masktrl rollout", [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in info.items()]))

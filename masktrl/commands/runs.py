@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
-from masktrl.commands.ui import console
-from masktrl.commands.options import DEFAULT_OUT
+from masktrl.commands.ui import console, err_console
+from masktrl.commands.options import DEFAULT_OUT, OutOpt
 
 STATUS_STYLE = {"complete": "green", "running": "cyan", "interrupted": "yellow", "failed": "red"}
 
 
-def runs(folder: Annotated[Path, typer.Argument(metavar="DIR", help="Folder holding runs.")] = DEFAULT_OUT) -> None:
+def runs(
+    out: OutOpt = DEFAULT_OUT,
+    folder: Annotated[
+        Optional[Path], typer.Argument(metavar="DIR", help="Deprecated spelling of --out DIR.", show_default=False, hidden=True)
+    ] = None,
+) -> None:
     """List runs: name, method, seed, steps done / planned, last reward, last eval accuracy, status."""
     from masktrl.pipeline.runs import list_runs
+
+    if folder is not None:
+        err_console.print(f"[yellow]deprecated:[/] masktrl runs DIR; use masktrl runs --out {folder}", highlight=False)
+        out = folder
+    folder = out
 
     rows = list_runs(folder)
     table = Table(title=f"runs in {folder}")

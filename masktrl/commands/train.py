@@ -27,7 +27,7 @@ def train(
     force: Annotated[bool, typer.Option("--force", help="With --resume: accept a config that differs from run.yaml.")] = False,
     rollouts_from: Annotated[
         Optional[str],
-        typer.Option("--rollouts-from", metavar="RUN|FILE", help="Train on stored rollouts: a run folder or a parquet file from `masktrl rollout`.", show_default=False),
+        typer.Option("--rollouts-from", metavar="RUN|FILE", help="Train on stored rollouts: a run (folder, or name under --out) or a parquet file from `masktrl rollout`.", show_default=False),
     ] = None,
 ) -> None:
     """Run RL training (default: the embedded tiny model on synthetic arithmetic, GRPO).
@@ -38,7 +38,7 @@ def train(
     """
     from masktrl.pipeline.train import train as run_training
     from masktrl.pipeline.distributed import launch_rank
-    from masktrl.pipeline.runstore import RunStore, resolve_run
+    from masktrl.pipeline.runstore import RunStore, is_run_folder, resolve_run
 
     if resume:
         store = RunStore(resolve_run(resume, out))
@@ -51,6 +51,8 @@ def train(
         store = RunStore(Path(out) / name)
         if store.root.exists() and any(store.root.iterdir()) and launch_rank() == 0:  # other ranks: the main one creates it
             raise MasktrlError(f"run folder {store.root} already exists: choose another --run, or --resume it (nothing was changed)")
+    if rollouts_from and not Path(rollouts_from).exists() and is_run_folder(Path(out) / rollouts_from):
+        rollouts_from = str(Path(out) / rollouts_from)  # a run given by name
     verb = "resuming" if resume else "run"
     console.print(f"[bold]masktrl train[/] {verb} [cyan]{name}[/] method [cyan]{cfg.method_name}[/] seed {cfg.seed}")
     with progress_bar() as progress:

@@ -143,13 +143,17 @@ def bench_task_config(bench: str, cfg: Config, *, template: str | None = None, d
 
 # --------------------------------------------------------------------------- the command's stage
 def evaluate(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None = None,
-             force: bool = False, progress=None) -> EvalResult:
-    """Evaluate ``model`` (a run folder, a model folder or a cached hub id) on ``bench``."""
+             output: Path | None = None, force: bool = False, progress=None) -> EvalResult:
+    """Evaluate ``model`` (a run folder or a run's name under ``out``, a model folder or a cached
+    hub id) on ``bench``; the report goes to ``output`` (a model that is not a run only) or to
+    its default place (``output_path``)."""
     opts.validate(bench)
-    ref = resolve_model(model, step)
+    ref = resolve_model(model, step, out)
     if bench == "synthetic" and ref.store is None:
-        raise ConfigError(f"benchmark synthetic needs a run folder (--model outputs/<run>): {model} has no run.yaml")
-    path = output_path(ref, bench, out)
+        raise ConfigError(f"benchmark synthetic needs a run (--model <run>): {model} is no run folder (no run.yaml)")
+    if output is not None and ref.store is not None:
+        raise ConfigError(f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is for models that are not runs")
+    path = Path(output) if output is not None else output_path(ref, bench, out)
     if path.exists() and not force:
         raise MasktrlError(f"{path} already exists; pass --force to replace it (nothing was changed)")
     cfg = eval_config(ref, opts)
@@ -181,10 +185,13 @@ def evaluate(bench: str, model: str, step: int | None, opts: EvalOptions, *, out
     return EvalResult(report, path)
 
 
-def resolve_model(model: str, step: int | None) -> ModelRef:
-    """A run folder (its checkpoint at ``step``, default the latest complete one; step 0 is the
-    warm-start policy), a checkpoint folder inside a run, a model folder, or a hub id."""
+def resolve_model(model: str, step: int | None, out: Path | None = None) -> ModelRef:
+    """A run folder or a run's name under ``out`` (its checkpoint at ``step``, default the latest
+    complete one; step 0 is the warm-start policy), a checkpoint folder inside a run, a model
+    folder, or a hub id."""
     p = Path(model)
+    if not p.exists() and out is not None and is_run_folder(Path(out) / model):
+        p = Path(out) / model
     if p.parent.name == "checkpoints" and is_run_folder(p.parent.parent) and p.name.isdigit():
         if step is not None and step != int(p.name):
             raise ConfigError(f"--step {step} contradicts the checkpoint folder {model} (step {int(p.name)})")
@@ -206,11 +213,12 @@ def resolve_model(model: str, step: int | None) -> ModelRef:
 
 
 def output_path(ref: ModelRef, bench: str, out: Path | None) -> Path:
-    """``<run>/eval/<bench>-step<S>.json``; for other models ``<out or next to the model>/eval/``."""
+    """``<run>/eval/<bench>-step<S>.json``; for a model folder ``eval/`` beside it; for a hub id
+    ``<out>/eval/`` (``out``: the folder of runs, ``outputs`` by default)."""
     if ref.store is not None:
         return ref.store.root / "eval" / f"{bench}-step{ref.step}.json"
     p = Path(ref.weights)
-    folder = Path(out) / "eval" if out is not None else (p.parent / "eval" if p.exists() else Path("outputs") / "eval")
+    folder = p.parent / "eval" if p.exists() else Path(out if out is not None else "outputs") / "eval"
     return folder / f"{bench}-{p.resolve().name if p.exists() else ref.weights.replace('/', '__')}.json"
 
 

@@ -48,14 +48,16 @@ class RolloutOptions:
             raise MasktrlError("--temperature must be > 0 and --top-p in (0, 1]")
 
 
-def generate(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: int | None = None, force: bool = False) -> dict:
-    """Sample ``opts.n`` responses per prompt of ``data`` from ``model``, score them, and write
-    them with group advantages to ``out_file``; returns a summary of what was written."""
+def generate(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: int | None = None, force: bool = False,
+             out: Path | None = None) -> dict:
+    """Sample ``opts.n`` responses per prompt of ``data`` from ``model`` (a run folder or a run's
+    name under ``out``, a model folder or a hub id), score them, and write them with group
+    advantages to ``out_file``; returns a summary of what was written."""
     opts.validate()
     out_file = Path(out_file)
     if out_file.exists() and not force:
         raise MasktrlError(f"{out_file} already exists; pass --force to replace it (nothing was changed)")
-    ref = resolve_model(model, step)
+    ref = resolve_model(model, step, out)
     cfg = ref.cfg or Config()
     cfg = replace(cfg, rollout=replace(cfg.rollout, engine=opts.engine or (cfg.rollout.engine if ref.cfg else "hf")),
                   model=replace(cfg.model, path=ref.weights))  # a chat template or token counts come from these weights
