@@ -31,7 +31,7 @@ def source_run(tmp_path_factory):
 def test_rollout_command_writes_a_trainable_file(source_run):
     base, cfg, src = source_run
     out_file = base / "r.parquet"
-    r = invoke("rollout", "--model", src, "--data", "synthetic", "--n", 4, "--topk", 3, "--prompts", 5, "--output", out_file)
+    r = invoke("rollout", "--model", src, "--data", "synthetic", "--n", 4, "--logprobs-k", 3, "--prompts", 5, "--output", out_file)
     assert r.exit_code == 0, r.output
     samples, meta = read_rollouts(out_file)
     assert len(samples) == 20 and meta["logprobs_k"] == 3 and meta["model"].endswith("000002")
@@ -44,7 +44,9 @@ def test_rollout_command_writes_a_trainable_file(source_run):
 def test_two_methods_replaying_one_file_see_identical_tokens(source_run):
     base, cfg, src = source_run
     out_file = base / "shared.parquet"
-    assert invoke("rollout", "--model", src, "--data", "synthetic", "--n", 4, "--prompts", 12, "--output", out_file).exit_code == 0
+    r = invoke("rollout", "--model", src, "--data", "synthetic", "--n", 4, "--topk", 4, "--prompts", 12, "--output", out_file)
+    assert r.exit_code == 0 and "deprecated: --topk; use --logprobs-k 4" in r.output, r.output  # the old spelling, visibly
+    assert read_rollouts(out_file)[1]["logprobs_k"] == 4
     for method in ("grpo", "dppo"):
         r = invoke("train", "--config", cfg, "--out", base / "out", "--run", f"replay-{method}", "--method", method,
                    "--rollouts-from", out_file, "--set", "train.steps=5")

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from masktrl.commands.options import DEFAULT_OUT, OutOpt, TaskConfigOpt, TaskSetOpt
-from masktrl.commands.ui import console, kv_table
+from masktrl.commands.ui import console, err_console, kv_table
 
 
 def rollout(
@@ -16,8 +16,9 @@ def rollout(
     data: Annotated[str, typer.Option("--data", metavar="NAME|FILE", help="synthetic | aime24 | aime25 | aime | math500 | gsm8k | dapo-math | a .jsonl/.json/.parquet "
                                                      "math file | dataset (with --set task.source=...), or any file, folder or cached hub id with --set task.* keys.")],
     output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE", help="The rollout parquet file to write.")],
-    n: Annotated[int, typer.Option("--n", metavar="N", help="Samples per prompt (group size G).")] = 8,
-    topk: Annotated[int, typer.Option("--topk", metavar="K", help="K of the recorded behaviour top-K lists.")] = 20,
+    n: Annotated[int, typer.Option("--n", metavar="N", help="Samples per prompt: the group size G (rollout.n).")] = 8,
+    logprobs_k: Annotated[int, typer.Option("--logprobs-k", metavar="K", help="K of the recorded behaviour top-K lists (rollout.logprobs_k).")] = 20,
+    topk: Annotated[Optional[int], typer.Option("--topk", metavar="K", hidden=True, help="Deprecated: --logprobs-k.")] = None,
     prompts: Annotated[Optional[int], typer.Option("--prompts", metavar="N", help="Number of prompts (default: 32 synthetic, or all problems).", show_default=False)] = None,
     step: Annotated[Optional[int], typer.Option("--step", metavar="N", help="Checkpoint step of a run (0: its starting policy).", show_default=False)] = None,
     temperature: Annotated[float, typer.Option("--temperature", metavar="T", help="Sampling temperature.")] = 1.0,
@@ -40,7 +41,10 @@ def rollout(
     """
     from masktrl.pipeline.generate import RolloutOptions, generate
 
-    opts = RolloutOptions(n, topk, prompts, temperature, top_p, max_new_tokens, seed, engine, template,
+    if topk is not None:
+        err_console.print(f"[yellow]deprecated:[/] --topk; use --logprobs-k {topk} (named as the config key rollout.logprobs_k)", highlight=False)
+        logprobs_k = topk
+    opts = RolloutOptions(n, logprobs_k, prompts, temperature, top_p, max_new_tokens, seed, engine, template,
                           str(config) if config else None, tuple(set_ or ()))
     info = generate(model, data, output, opts, step=step, force=force, out=out)
     console.print(kv_table("masktrl rollout", [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in info.items()]))

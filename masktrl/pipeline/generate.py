@@ -27,7 +27,7 @@ from masktrl.tasks.math_data import BENCHMARKS
 @dataclass(frozen=True)
 class RolloutOptions:
     n: int = 8
-    topk: int = 20
+    logprobs_k: int = 20
     prompts: int | None = None  # None: 32 synthetic prompts, or every problem of a dataset
     temperature: float = 1.0
     top_p: float = 1.0
@@ -39,9 +39,9 @@ class RolloutOptions:
     overrides: tuple[str, ...] = ()  # --set task.KEY=VALUE (and model.chat_template=...)
 
     def validate(self) -> None:
-        for name in ("n", "topk"):
+        for name in ("n", "logprobs_k"):
             if getattr(self, name) < 1:
-                raise MasktrlError(f"--{name} must be >= 1, got {getattr(self, name)}")
+                raise MasktrlError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.n < 2:
             raise MasktrlError("--n must be >= 2: group advantages need at least two samples per prompt")
         if not self.temperature > 0 or not 0 < self.top_p <= 1:
@@ -65,7 +65,7 @@ def generate(model: str, data: str, out_file: Path, opts: RolloutOptions, *, ste
     try:
         engine, tokenizer = load_engine(replace(cfg, model=replace(cfg.model, path=ref.weights)), ref.weights)
         max_new = opts.max_new_tokens or (cfg.rollout.max_new_tokens if ref.cfg else 1024)
-        settings = SamplingSettings(opts.n, max_new, opts.temperature, opts.top_p, opts.topk)
+        settings = SamplingSettings(opts.n, max_new, opts.temperature, opts.top_p, opts.logprobs_k)
         chat = cfg.model.chat_template and data == "synthetic"
         groups = generate_groups(engine, tokenizer, examples, settings, stream_seed(opts.seed, "rollout-cmd"), chat)
         score_groups(task, examples, groups)
