@@ -13,6 +13,7 @@ import sys
 
 import typer
 
+from masktrl.commands import config as config_cmd
 from masktrl.commands import eval as eval_cmd
 from masktrl.commands import rollout as rollout_cmd
 from masktrl.commands import runs as runs_cmd
@@ -39,6 +40,7 @@ def _root() -> None:
 app.command(cls=Command)(rollout_cmd.rollout)
 app.command(cls=Command)(train_cmd.train)
 app.add_typer(analyze_cmd.app, name="analyze")
+app.add_typer(config_cmd.app, name="config")
 app.command(cls=Command)(sweep_cmd.sweep)
 app.command("eval", cls=Command)(eval_cmd.eval_command)
 app.command("evaluate", cls=Command, hidden=True)(eval_cmd.eval_command)

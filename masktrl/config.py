@@ -7,9 +7,13 @@ a wrong type or an unknown key raises ``ConfigError`` naming the dotted key.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import hashlib
+import inspect
 import json
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +26,9 @@ from masktrl.errors import ConfigError
 from masktrl.io import atomic_write_text
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+REMOVED_KEYS = {"eval.batch_size": "it was never read; generation batches are rollout.batch_size"}
+"""Keys earlier versions wrote: dropped when a YAML file or a stored run.yaml has them (so old runs
+still load), refused in a --set override."""
 EVAL_BENCHMARKS = ("synthetic", "aime24", "aime25", "aime", "math500", "gsm8k")
 """`masktrl eval` benchmarks: synthetic = the run's own arithmetic held-out split; aime = aime24 + aime25."""
 
@@ -31,11 +38,15 @@ class ModelConfig:
     path: str = "tiny"
     """'tiny' builds the embedded Qwen3-style model; otherwise a local folder or a hub id."""
     hidden_size: int = 128
-    """Tiny model only: width, layers, heads and FFN size."""
+    """Tiny model only: the hidden width."""
     num_layers: int = 3
+    """Tiny model only: transformer layers."""
     num_heads: int = 4
+    """Tiny model only: attention heads (must divide hidden_size)."""
     num_kv_heads: int = 2
+    """Tiny model only: key/value heads of grouped-query attention (must divide num_heads)."""
     intermediate_size: int = 512
+    """Tiny model only: the MLP's inner width."""
     dtype: str = "float32"
     """Training dtype: float32 | bfloat16 | float16."""
     chat_template: bool = False
@@ -125,8 +136,11 @@ class WarmStartConfig:
     steps: int = 400
     """Supervised steps before RL (0 disables the warm start)."""
     batch_size: int = 128
+    """Problems per supervised step."""
     lr: float = 3e-3
+    """AdamW learning rate of the warm start, constant after the warm-up."""
     warmup_steps: int = 20
+    """Steps of linear learning-rate warm-up at the start of the warm start."""
 
     def validate(self) -> None:
         _non_negative("warmstart.steps", self.steps)
@@ -140,17 +154,22 @@ class RolloutConfig:
     engine: str = "hf"
     """hf (transformers generate, CPU or GPU) | vllm."""
     prompts_per_step: int = 32
+    """Prompts drawn per RL step; a step's batch is prompts_per_step x n responses."""
     n: int = 8
     """Samples per prompt: the group size G."""
     max_new_tokens: int = 6
+    """Response length limit in tokens (a longer response is cut and counts as truncated)."""
     temperature: float = 1.0
+    """Sampling temperature T; the recorded behaviour log-probs and the trained pi are both
+    log_softmax(logits / T)."""
     top_p: float = 1.0
+    """Nucleus sampling threshold (1: off); the recorded behaviour distribution is the truncated one."""
     logprobs_k: int = 20
     """K of the recorded behaviour top-K lists."""
     batch_size: int = 512
-    """Sequences generated together by the hf engine."""
+    """Sequences generated together by the hf engine (rollouts and evaluations)."""
     gpu_memory_utilization: float = 0.5
-    """vllm only."""
+    """vllm only: the fraction of GPU memory vLLM may take (weights and KV cache)."""
     quantization: str | None = None
     """vllm only: e.g. 'fp8'."""
     enforce_eager: bool = False
@@ -172,6 +191,7 @@ class TrainConfig:
     steps: int = 800
     """RL steps (one rollout batch each)."""
     lr: float = 3e-4
+    """AdamW learning rate of the RL updates (after the warm-up; no decay)."""
     minibatches: int = 1
     """Optimizer updates per rollout batch (the batch is split into this many)."""
     grad_accum: int = 1
@@ -179,8 +199,11 @@ class TrainConfig:
     run forward/backward in this many pieces and the gradients are summed (memory, not maths:
     the loss is normalised by the whole minibatch, so the update does not depend on it)."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     grad_clip: float = 1.0
+    """The gradient's global norm is clipped to this before every optimizer update."""
     warmup_steps: int = 0
+    """RL steps of linear learning-rate warm-up (0: none); the rate rises once per optimizer update."""
     checkpoint_every: int = 100
     """Save a checkpoint every this many steps (and always at the end)."""
     eval_every: int = 0
@@ -208,7 +231,6 @@ class TrainConfig:
 class EvalConfig:
     greedy: bool = True
     """eval_before/eval_after: greedy decoding (True) or one sample at rollout temperature."""
-    batch_size: int = 500
     k: int = 4
     """train.eval_benchmarks: samples per problem (avg@k, pass@k, maj@k), drawn at the rollout
     temperature and top_p."""
@@ -221,7 +243,6 @@ class EvalConfig:
     (benchmarks without one come from the local `datasets` cache)."""
 
     def validate(self) -> None:
-        _positive("eval.batch_size", self.batch_size)
         _positive("eval.k", self.k)
         if self.n_problems is not None:
             _positive("eval.n_problems", self.n_problems)
@@ -236,6 +257,7 @@ class EvalConfig:
 @dataclass(frozen=True)
 class Config:
     seed: int = 0
+    """Names every random stream of the run: warm start, prompts, sampling, minibatch order, SIS uniforms."""
     method: dict = field(default_factory=lambda: {"name": "grpo"})
     """The method name and its parameters, e.g. {name: dppo, divergence: topk-tv}."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -290,6 +312,8 @@ def read_overrides(path: str | Path | None = None, overrides: list[str] = (), ra
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like section.key=value")
+        if key.strip() in REMOVED_KEYS:
+            raise ConfigError(f"config key {key.strip()} was removed: {REMOVED_KEYS[key.strip()]}")
         value = _parse_scalar(text)
         if isinstance(value, (dict, list, bool)) and _is_text_key(key.strip()):
             value = text  # a text key keeps its text: --set task.template={prompt} is not a YAML mapping
@@ -298,6 +322,7 @@ def read_overrides(path: str | Path | None = None, overrides: list[str] = (), ra
 
 
 def from_dict(raw: dict) -> Config:
+    raw = _without_removed_keys(raw)
     cfg = _build(Config, raw, "")
     for section in (cfg.model, cfg.task, cfg.warmstart, cfg.rollout, cfg.train, cfg.eval):
         section.validate()
@@ -318,7 +343,79 @@ def diff_configs(a: Config, b: Config, ignore: tuple[str, ...] = ()) -> list[str
     return [k for k in keys if fa.get(k) != fb.get(k) and not k.startswith(ignore)]
 
 
+# --------------------------------------------------------------------------- documentation
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One config key as ``masktrl config keys`` lists it."""
+
+    key: str
+    type: str
+    default: Any
+    doc: str
+
+
+def config_keys(method: str | None = None) -> list[KeyDoc]:
+    """Every config key with its type, default and documentation: the sections' fields, then
+    ``method.name`` and the parameters of ``method`` (default: grpo) from the method registry.
+
+    The documentation is each field's docstring in this module (or in ``masktrl.methods.params``)."""
+    from masktrl.methods import get_method, method_names
+
+    keys = [KeyDoc("seed", "int", Config.seed, field_docs(Config)["seed"])]
+    for section in dataclasses.fields(Config):
+        cls = typing.get_type_hints(Config)[section.name]
+        if dataclasses.is_dataclass(cls):
+            keys += _class_keys(cls, section.name)
+    name = method or Config().method_name
+    get_method(name)  # an unknown name: the registry's error lists the valid ones
+    keys.append(KeyDoc("method.name", "str", Config().method_name, f"The method: {' | '.join(method_names())}."))
+    keys += _class_keys(get_method(name).params_cls, "method")
+    return keys
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """A dataclass's field docstrings (the string literal under each field), by field name."""
+    return dict(_field_docs(cls))
+
+
+@functools.cache
+def _field_docs(cls: type) -> tuple[tuple[str, str], ...]:
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = []
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs.append((node.target.id, inspect.cleandoc(nxt.value.value)))
+    return tuple(docs)
+
+
+def _class_keys(cls: type, prefix: str) -> list[KeyDoc]:
+    docs, hints, defaults = field_docs(cls), typing.get_type_hints(cls), cls()
+    return [KeyDoc(f"{prefix}.{f.name}", _type_name(hints[f.name]), getattr(defaults, f.name), docs.get(f.name, ""))
+            for f in dataclasses.fields(cls)]
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is tuple:
+        return "list"
+    return {dict: "mapping", type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
 # --------------------------------------------------------------------------- helpers
+
+
+def _without_removed_keys(raw: dict) -> dict:
+    if not isinstance(raw, dict):
+        return raw
+    raw = dict(raw)
+    for key in REMOVED_KEYS:
+        section, _, name = key.partition(".")
+        if isinstance(raw.get(section), dict) and name in raw[section]:
+            raw[section] = {k: v for k, v in raw[section].items() if k != name}
+    return raw
 
 
 def _validate_method(method: dict) -> None:

@@ -25,7 +25,7 @@ COMMANDS = list(_commands(typer.main.get_command(app)))
 
 def test_every_command_is_covered():
     names = {" ".join(c) for c in COMMANDS}
-    assert {"train", "rollout", "eval", "runs", "sweep", "analyze compare"} <= names
+    assert {"train", "rollout", "eval", "runs", "sweep", "config keys", "analyze compare"} <= names
 
 
 @pytest.mark.parametrize("path", COMMANDS, ids=lambda c: " ".join(c) or "masktrl")

@@ -1,6 +1,7 @@
 """Config: defaults < YAML < command line, strict validation naming the key."""
 
 import pytest
+import yaml
 
 from masktrl.config import Config, diff_configs, load_config
 from masktrl.errors import ConfigError
@@ -73,3 +74,41 @@ def test_hash_and_diff():
     assert a.hash() != b.hash()
     assert a.hash("task") == b.hash("task")
     assert diff_configs(a, b) == ["train.lr"]
+
+
+def test_every_key_is_documented():
+    import dataclasses
+
+    from masktrl.config import config_keys
+    from masktrl.methods import method_names
+
+    sections = [(s.name, getattr(Config(), s.name)) for s in dataclasses.fields(Config) if s.name not in ("seed", "method")]
+    every = {"seed"} | {f"{name}.{f.name}" for name, sec in sections for f in dataclasses.fields(sec)}
+    assert {k.key for k in config_keys() if not k.key.startswith("method.")} == every
+    for name in method_names():
+        undocumented = [k.key for k in config_keys(name) if len(k.doc) < 10]
+        assert not undocumented, (name, undocumented)
+
+
+def test_removed_keys_are_dropped_from_files_and_refused_on_the_command_line(tmp_path):
+    from masktrl.config import from_dict
+
+    old = Config().to_dict()
+    old["eval"]["batch_size"] = 500  # what run.yaml of earlier versions holds
+    assert from_dict(old) == Config()
+    with pytest.raises(ConfigError, match=r"eval\.batch_size was removed"):
+        load_config(None, ["eval.batch_size=8"])
+
+
+def test_config_command_lists_keys_and_shows_the_resolved_config():
+    from typer.testing import CliRunner
+
+    from masktrl.cli import app
+    from masktrl.config import from_dict
+
+    r = CliRunner().invoke(app, ["config", "keys", "train.lr"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0 and "train.lr" in r.output and "AdamW learning rate" in r.output, r.output
+    r = CliRunner().invoke(app, ["config", "keys", "method", "--method", "dppo"], env={"COLUMNS": "200"})
+    assert "method.divergence" in r.output and "binary-tv" in r.output
+    r = CliRunner().invoke(app, ["config", "show", "--method", "sis", "--set", "train.lr=0.5"])
+    assert from_dict(yaml.safe_load(r.output)) == load_config(None, ["train.lr=0.5"], method="sis")

@@ -59,7 +59,8 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", help="Run
 SetOpt = Annotated[
     Optional[list[str]],
     typer.Option("--set", metavar="KEY=VALUE", show_default=False,
-                 help="Dotted config override, repeatable: --set train.lr=1e-4 --set method.divergence=topk-tv."),
+                 help="Dotted config override, repeatable: --set train.lr=1e-4 --set method.divergence=topk-tv "
+                      "(every key: masktrl config keys)."),
 ]
 
 TaskConfigOpt = Annotated[
