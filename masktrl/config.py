@@ -1,8 +1,14 @@
 """Typed, frozen, validated experiment configuration.
 
-Precedence: dataclass defaults < YAML preset (``--config``) < command line (``--method``,
-``--seed``, ``--set a.b=value``). Everything is validated once, at load; an invalid value,
-a wrong type or an unknown key raises ``ConfigError`` naming the dotted key.
+Precedence: dataclass defaults < YAML presets (``--config``, repeatable) < command line
+(``--method``, ``--seed``, ``--set a.b=value``). Everything is validated once, at load; an
+invalid value, a wrong type or an unknown key raises ``ConfigError`` naming the dotted key.
+
+Presets compose: ``--config base.yaml --config overlay.yaml`` reads the files in order and a
+later file overrides an earlier one key by key (``merge_config``), so a recipe is a base per
+model size plus a small overlay (``configs/methods/<method>.yaml``). Lists are replaced
+whole; a ``method`` block that names another method replaces the method and its parameters,
+one without a name (or with the same) changes only the parameters it lists.
 """
 
 from __future__ import annotations
@@ -286,17 +292,21 @@ class Config:
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), **direct: Any) -> Config:
-    """Defaults < YAML file < ``direct`` (e.g. method="sis", seed=3) < ``key=value`` overrides."""
+def load_config(paths: str | Path | list | tuple | None = None, overrides: list[str] = (), **direct: Any) -> Config:
+    """Defaults < YAML files in order (none given: configs/tiny.yaml) < ``direct`` (e.g.
+    method="sis", seed=3) < ``key=value`` overrides."""
+    if paths is None or isinstance(paths, (str, Path)):
+        paths = [paths] if paths is not None else []
     raw: dict = {}
-    if path is not None or DEFAULT_CONFIG.exists():
-        raw = _read_yaml(Path(path) if path is not None else DEFAULT_CONFIG)
+    if not paths and DEFAULT_CONFIG.exists():
+        paths = [DEFAULT_CONFIG]
+    for path in paths:
+        raw = merge_config(raw, _read_yaml(Path(path)))
     for key, value in direct.items():
         if value is None:
             continue
         if key == "method":
-            method = raw.get("method") if isinstance(raw.get("method"), dict) else {}
-            raw["method"] = {"name": value} if method.get("name") != value else method
+            raw = merge_config(raw, {"method": {"name": value}})
         else:
             _set_dotted(raw, key, value)
     return from_dict(read_overrides(None, overrides, raw))
@@ -330,6 +340,24 @@ def from_dict(raw: dict) -> Config:
     if "synthetic" in cfg.train.eval_benchmarks and cfg.task.name != "arithmetic":
         raise ConfigError(f"train.eval_benchmarks: synthetic is the arithmetic task, but task.name is {cfg.task.name!r}")
     return cfg
+
+
+def merge_config(base: dict, overlay: dict) -> dict:
+    """``overlay`` on top of ``base`` (raw YAML mappings), key by key; a new dict.
+
+    Mappings merge recursively, anything else (lists included) is replaced. A ``method`` block
+    naming another method than ``base``'s replaces it whole: the parameters of one method mean
+    nothing to another."""
+    out = dict(base)
+    for key, value in overlay.items():
+        old = out.get(key)
+        if key == "method" and isinstance(value, dict) and isinstance(old, dict) and value.get("name", old.get("name")) != old.get("name"):
+            out[key] = dict(value)
+        elif isinstance(value, dict) and isinstance(old, dict):
+            out[key] = merge_config(old, value)
+        else:
+            out[key] = value
+    return out
 
 
 def save_config(cfg: Config, path: Path) -> None:

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from masktrl.config import Config, diff_configs, load_config
+from masktrl.config import DEFAULT_CONFIG, Config, diff_configs, load_config
 from masktrl.errors import ConfigError
 
 
@@ -112,3 +112,39 @@ def test_config_command_lists_keys_and_shows_the_resolved_config():
     assert "method.divergence" in r.output and "binary-tv" in r.output
     r = CliRunner().invoke(app, ["config", "show", "--method", "sis", "--set", "train.lr=0.5"])
     assert from_dict(yaml.safe_load(r.output)) == load_config(None, ["train.lr=0.5"], method="sis")
+
+
+def test_presets_compose_later_wins_key_by_key(tmp_path):
+    base, over = tmp_path / "base.yaml", tmp_path / "over.yaml"
+    base.write_text("seed: 1\nmethod: {name: dppo, divergence: topk-tv}\ntrain: {lr: 0.01, steps: 7, eval_benchmarks: [synthetic, gsm8k]}\n"
+                    "eval: {data: {gsm8k: a.jsonl, math500: b.jsonl}}\n")
+    over.write_text("train: {lr: 0.02, eval_benchmarks: [synthetic]}\neval: {data: {gsm8k: c.jsonl}}\n")
+    cfg = load_config([base, over])
+    assert cfg.seed == 1 and cfg.train.steps == 7 and cfg.train.lr == 0.02  # merged key by key, later wins
+    assert cfg.train.eval_benchmarks == ("synthetic",)  # a list is replaced whole
+    assert cfg.eval.data == {"gsm8k": "c.jsonl", "math500": "b.jsonl"}  # a mapping merges
+    assert cfg.method == {"name": "dppo", "divergence": "topk-tv"}
+    assert load_config([over, base]).train.lr == 0.01  # the order decides
+
+
+def test_a_method_overlay_replaces_another_method_and_tunes_the_same_one(tmp_path):
+    base, other, tune = tmp_path / "base.yaml", tmp_path / "other.yaml", tmp_path / "tune.yaml"
+    base.write_text("method: {name: dppo, divergence: topk-tv, delta_pos: 0.3}\n")
+    other.write_text("method: {name: sis, base: dapo}\n")
+    tune.write_text("method: {delta_neg: 0.1}\n")
+    assert load_config([base, other]).method == {"name": "sis", "base": "dapo"}  # dppo's parameters mean nothing to sis
+    assert load_config([base, tune]).method == {"name": "dppo", "divergence": "topk-tv", "delta_pos": 0.3, "delta_neg": 0.1}
+    assert load_config([base, tune], method="dppo").method["delta_neg"] == 0.1  # --method naming the same method keeps them
+    assert load_config([base, tune], method="grpo").method == {"name": "grpo"}
+
+
+def test_the_command_line_takes_several_configs(tmp_path):
+    from typer.testing import CliRunner
+
+    from masktrl.cli import app
+
+    over = tmp_path / "over.yaml"
+    over.write_text("rollout: {n: 4}\n")
+    r = CliRunner().invoke(app, ["config", "show", "-c", str(DEFAULT_CONFIG.parent / "tiny-offpolicy.yaml"), "--config", str(over), "--set", "rollout.n=6"])
+    cfg = yaml.safe_load(r.output)
+    assert cfg["train"]["minibatches"] == 4 and cfg["rollout"]["n"] == 6 and cfg["rollout"]["prompts_per_step"] == 32

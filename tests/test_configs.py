@@ -1,31 +1,56 @@
-"""Every shipped config loads and validates (no model is loaded), and every accelerate config
-is one that ``accelerate launch`` reads."""
+"""Every shipped config loads and validates (no model is loaded): the bases alone, every base
+with every method overlay, the tiny overlay; and every accelerate config is one that
+``accelerate launch`` reads."""
 
 from pathlib import Path
 
 import pytest
 
-from masktrl.config import load_config
+from masktrl.config import Config, load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+BASES = ["qwen3-4b.yaml", "qwen3-8b.yaml"]
+METHODS = {  # overlay -> the method block it must give
+    "grpo": {"name": "grpo"},
+    "dppo-topk-kl": {"name": "dppo", "divergence": "topk-kl", "delta_pos": 0.15, "delta_neg": 0.15},
+    "pdm-agg": {"name": "pdm", "divergence": "kl", "tail": "agg", "delta_pos": 0.15, "delta_neg": 0.15},
+    "pdm-uniform": {"name": "pdm", "divergence": "kl", "tail": "uniform", "delta_pos": 0.15, "delta_neg": 0.15},
+    "sis-dapo": {"name": "sis", "base": "dapo"},
+}
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
-def test_every_config_loads_and_validates(path):
-    cfg = load_config(path)
-    if path.name.startswith("qwen3-"):
-        assert cfg.model.path.startswith("Qwen/Qwen3-") and cfg.model.dtype == "bfloat16"
-        assert cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k == 20 and cfg.train.lr == 1e-6
-        assert cfg.task.name == "dapo-math" and cfg.train.eval_benchmarks == ("aime",) and cfg.eval.k == 16
-        assert 8 <= cfg.rollout.n <= 16
-        size = "4b" if "-4b-" in path.name else "8b"
-        assert load_config(CONFIGS / f"qwen3-{size}-grpo.yaml").model == cfg.model  # variants differ in the method only
+def test_the_shipped_files_are_the_bases_the_overlays_and_the_tiny_presets():
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(BASES + ["tiny.yaml", "tiny-offpolicy.yaml"])
+    assert sorted(p.stem for p in (CONFIGS / "methods").glob("*.yaml")) == sorted(METHODS)
 
 
-def test_every_recipe_exists_for_both_models():
-    for size in ("4b", "8b"):
-        for method in ("grpo", "dppo-topk-kl", "pdm-agg", "pdm-uniform", "sis-dapo"):
-            assert (CONFIGS / f"qwen3-{size}-{method}.yaml").is_file()
+@pytest.mark.parametrize("base", BASES)
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_base_with_every_method_overlay(base, method):
+    cfg = load_config([CONFIGS / base, CONFIGS / "methods" / f"{method}.yaml"])
+    assert cfg.method == METHODS[method]
+    alone = load_config(CONFIGS / base)
+    assert alone.method == {"name": "grpo"}
+    assert cfg.to_dict() | {"method": None} == alone.to_dict() | {"method": None}  # the overlay changes the method only
+    assert cfg.model.path == f"Qwen/Qwen3-{base[6:8].upper()}-Base" and cfg.model.dtype == "bfloat16"
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k == 20 and cfg.train.lr == 1e-6
+    assert cfg.task.name == "dapo-math" and cfg.train.eval_benchmarks == ("aime",) and cfg.eval.k == 16
+    assert cfg.rollout.n == 16 and cfg.rollout.prompts_per_step * cfg.rollout.n == 1024
+
+
+def test_the_bases_differ_in_the_model_and_vllm_memory_only():
+    from masktrl.config import diff_configs
+
+    a, b = (load_config(CONFIGS / base) for base in BASES)
+    assert diff_configs(a, b) == ["model.path", "rollout.gpu_memory_utilization"]
+
+
+def test_tiny_offpolicy_is_an_overlay_of_tiny():
+    alone = load_config(CONFIGS / "tiny-offpolicy.yaml")
+    on_tiny = load_config([CONFIGS / "tiny.yaml", CONFIGS / "tiny-offpolicy.yaml"])
+    assert alone == on_tiny and on_tiny.train.minibatches == 4
+    assert on_tiny.to_dict() | {"train": None} == load_config(CONFIGS / "tiny.yaml").to_dict() | {"train": None}
+    assert load_config(CONFIGS / "tiny.yaml") == Config()  # so the overlay alone means the same
 
 
 @pytest.mark.parametrize("path", sorted((CONFIGS / "accelerate").glob("*.yaml")), ids=lambda p: p.name)

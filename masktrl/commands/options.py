@@ -49,7 +49,12 @@ class Group(TyperGroup):
 
 
 ConfigOpt = Annotated[
-    Optional[Path], typer.Option("--config", "-c", metavar="FILE", help="YAML preset (default: configs/tiny.yaml).", show_default=False)
+    Optional[list[Path]],
+    typer.Option(
+        "--config", "-c", metavar="FILE", show_default=False,
+        help="YAML preset (default: configs/tiny.yaml). Repeatable: a later file overrides an earlier one key by key, "
+             "e.g. --config configs/qwen3-4b.yaml --config configs/methods/pdm-agg.yaml.",
+    ),
 ]
 RunOpt = Annotated[
     Optional[str], typer.Option("--run", metavar="NAME", help="Run name (default: <method>-<timestamp>).", show_default=False)

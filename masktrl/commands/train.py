@@ -68,9 +68,9 @@ def _resume_config(store, config, set_, method, seed, force: bool):
 
     saved_path = store.root / "run.yaml"
     saved = store.config()
-    if config is None and not set_ and method is None and seed is None:
+    if not config and not set_ and method is None and seed is None:
         return saved
-    cfg = load_config(config or saved_path, set_ or [], method=method, seed=seed)
+    cfg = load_config(config or [saved_path], set_ or [], method=method, seed=seed)
     changed = diff_configs(saved, cfg)
     if changed and not force:
         raise MasktrlError(f"config differs from {saved_path} in {', '.join(changed)}; pass --force to resume with it anyway")

@@ -77,8 +77,10 @@ def run_state(root: Path) -> str:
     return "incomplete"
 
 
-def plan(out: Path, methods: list[str], seeds: list[int], config: Path | None = None, overrides: list[str] = ()) -> list[SweepRun]:
-    """Every run of the grid with its config and what the sweep will do with it."""
+def plan(out: Path, methods: list[str], seeds: list[int], config: Path | list[Path] | None = None,
+         overrides: list[str] = ()) -> list[SweepRun]:
+    """Every run of the grid with its config (``config``: one preset or several, composed as
+    ``load_config`` does) and what the sweep will do with it."""
     runs = []
     for method in methods:
         for seed in seeds:
