@@ -1,35 +1,67 @@
-"""Shared fixtures: a very small config so end-to-end runs take seconds, and a set of tiny
-finished runs the analyses read."""
+"""Shared fixtures and helpers: the one tiny config of the suite (tests state only what they
+change, as an overlay), one way to run the real ``masktrl`` entry point in a subprocess, one
+way to invoke the CLI in-process (and its error boundary), a warm start trained once per
+session, and a set of tiny finished runs the analyses read."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
-TINY_TEST_YAML = """\
-seed: 0
-method: {name: grpo}
-model: {hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 64}
-task: {name: arithmetic, digits: 1, n_test: 16}
-warmstart: {steps: 40, batch_size: 16}
-rollout: {prompts_per_step: 6, n: 4, max_new_tokens: 4, logprobs_k: 5}
-train: {steps: 2, checkpoint_every: 1, lr: 1.0e-3}
-"""
+from masktrl.config import merge_config
+
+TINY = {  # every end-to-end run of the suite starts from this: a few seconds on a CPU
+    "seed": 0,
+    "method": {"name": "grpo"},
+    "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64},
+    "task": {"name": "arithmetic", "digits": 1, "n_test": 16},
+    "warmstart": {"steps": 40, "batch_size": 16},
+    "rollout": {"prompts_per_step": 6, "n": 4, "max_new_tokens": 4, "logprobs_k": 5},
+    "train": {"steps": 2, "checkpoint_every": 1, "lr": 1.0e-3},
+}
+TIMING = ("step_time_s", "rollout_time_s", "tokens_per_s")  # metrics that differ between identical runs
 
 
-@pytest.fixture
-def tiny_config(tmp_path):
-    path = tmp_path / "tiny_test.yaml"
-    path.write_text(TINY_TEST_YAML)
+def tiny_yaml(overlay: dict | None = None) -> str:
+    """The tiny config with ``overlay`` merged on top (as ``--config tiny --config overlay`` would)."""
+    return yaml.safe_dump(merge_config(TINY, overlay or {}), sort_keys=False)
+
+
+def write_tiny_config(path: Path, overlay: dict | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tiny_yaml(overlay))
     return path
 
 
-ANALYSIS_YAML = """\
-seed: 0
-method: {name: grpo}
-model: {hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 64}
-task: {name: arithmetic, digits: 1, n_test: 16}
-warmstart: {steps: 150, batch_size: 16}
-rollout: {prompts_per_step: 8, n: 4, max_new_tokens: 4, logprobs_k: 5}
-train: {steps: 3, checkpoint_every: 1, lr: 3.0e-3, minibatches: 2, eval_every: 2}
-"""
+@pytest.fixture
+def tiny_config(tmp_path) -> Path:
+    return write_tiny_config(tmp_path / "tiny_test.yaml")
+
+
+@pytest.fixture(scope="session")
+def warm_out(tmp_path_factory) -> Path:
+    """An outputs folder whose warm-start cache already holds the tiny config's warm start (seed
+    0): runs under it (any method, any train.* or rollout.* setting) skip the warm start."""
+    from masktrl.config import load_config
+    from masktrl.pipeline.warmstart import prepare_policy
+    from masktrl.tasks import make_task
+
+    out = tmp_path_factory.mktemp("warm") / "out"
+    cfg = load_config(write_tiny_config(out.parent / "tiny.yaml"))
+    prepare_policy(cfg, make_task(cfg.task, cfg.model), out)
+    return out
+
+
+ANALYSED = {  # a longer warm start and off-policy minibatches: the analyses need something to find
+    "warmstart": {"steps": 150}, "rollout": {"prompts_per_step": 8},
+    "train": {"steps": 3, "lr": 3.0e-3, "minibatches": 2, "eval_every": 2},
+}
 
 
 @pytest.fixture(scope="session")
@@ -40,26 +72,51 @@ def analysis_runs(tmp_path_factory):
     from masktrl.pipeline import sweep
 
     base = tmp_path_factory.mktemp("analysis")
-    config = base / "tiny.yaml"
-    config.write_text(ANALYSIS_YAML)
+    config = write_tiny_config(base / "tiny.yaml", ANALYSED)
     out = base / "out"
     sweep.run_sweep(sweep.plan(out, ["grpo"], [0, 1, 2], config))
     sweep.run_sweep(sweep.plan(out, ["sis"], [0, 1], config))
     return out
 
 
+def masktrl_env(extra: dict | None = None) -> dict:
+    """The environment for a child ``masktrl``: no debug / fault-injection / launcher variables
+    leak in from the test's own environment; a wide terminal for rich."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MASKTRL_", "ACCELERATE_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["COLUMNS"] = "200"
+    env.update(extra or {})
+    return env
+
+
+def masktrl(*args, env: dict | None = None, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the real entry point (``python -m masktrl.cli``) in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "masktrl.cli", *map(str, args)], capture_output=True, text=True,
+                          env=masktrl_env(env), cwd=cwd, timeout=timeout)
+
+
+def cli(*args, ok: bool = True):
+    """Invoke the typer app in-process (CliRunner); with ``ok`` assert it succeeded."""
+    from typer.testing import CliRunner
+
+    from masktrl.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+    if ok:
+        assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
 @pytest.fixture
 def cli_error(monkeypatch, capsys):
     """``cli_error(arg, ...)`` runs ``masktrl arg ...`` through the CLI's error boundary, checks it
     ended with exit code 2 and exactly one stderr line (no traceback), and returns that line."""
-    import sys
-
-    from masktrl import cli
+    from masktrl import cli as entry
 
     def run(*args) -> str:
         monkeypatch.setattr(sys, "argv", ["masktrl", *map(str, args)])
         with pytest.raises(SystemExit) as exc:
-            cli.main()
+            entry.main()
         assert exc.value.code == 2
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.strip()]

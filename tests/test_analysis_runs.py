@@ -7,16 +7,12 @@ import matplotlib.image
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from masktrl import cli
 from masktrl.analysis import disagreement as dis
 from masktrl.analysis.io import load_run
 from masktrl.analysis.step_replay import load_replay, replay_step
 from masktrl.analysis.sis_report import sis_report
-
-runner = CliRunner()
-
+from tests.conftest import cli
 
 @pytest.fixture(scope="module")
 def runs(analysis_runs):
@@ -89,14 +85,8 @@ def test_sis_report_recomputes_the_logged_accept_rate(runs):
     assert grpo["training"]["log_r_dev"] and grpo["training"]["log_w_dev"] == []  # D is logged by every method, D_SIS by SIS
 
 
-def _cli(*args):
-    result = runner.invoke(cli.app, list(args), env={"COLUMNS": "200"})
-    assert result.exit_code == 0, (result.output, result.exception)
-    return result.output
-
-
 def test_cli_analyses_write_json_and_png(runs, tmp_path):
-    out = _cli("analyze", "dynamics", str(runs), "--output", str(tmp_path / "dyn"))
+    out = cli("analyze", "dynamics", str(runs), "--output", str(tmp_path / "dyn")).output
     assert "grpo" in out and "sis" in out
     dyn = json.loads((tmp_path / "dyn" / "dynamics.json").read_text())
     grpo = next(g for g in dyn["groups"] if g["label"] == "grpo")
@@ -107,7 +97,7 @@ def test_cli_analyses_write_json_and_png(runs, tmp_path):
     assert_png(tmp_path / "dyn" / "dynamics.png")
 
     names = ["grpo-seed0", "grpo-seed1", "grpo-seed2", "sis-seed0", "sis-seed1"]
-    out = _cli("analyze", "compare", *names, "--out", str(runs), "--baseline", "grpo")  # run names under --out
+    out = cli("analyze", "compare", *names, "--out", str(runs), "--baseline", "grpo").output  # run names under --out
     assert "warning" in out and "sis: only 2 seeds" in out
     table = json.loads((runs / "analysis" / "compare.json").read_text())
     assert [r["label"] for r in table["methods"]] == ["grpo", "sis"]
@@ -118,12 +108,12 @@ def test_cli_analyses_write_json_and_png(runs, tmp_path):
     assert all(b >= f for b, f in zip(sis_row["best"]["values"], sis_row["final"]["values"]))
     assert_png(runs / "analysis" / "compare.png")
 
-    _cli("analyze", "sis", "--run", "sis-seed1", "--out", str(runs), "--top", "3")
+    cli("analyze", "sis", "--run", "sis-seed1", "--out", str(runs), "--top", "3")
     assert json.loads((runs / "sis-seed1" / "analysis" / "sis-step3.json").read_text())["run"] == "sis-seed1"
     assert_png(runs / "sis-seed1" / "analysis" / "sis-step3.png")
 
-    out = _cli("analyze", "disagreement", "--run", str(runs / "grpo-seed1"), "--partitions", "2", "--delta", "0.001",
-               "--step", "2", "--policy-step", "3", "--no-exact")
+    out = cli("analyze", "disagreement", "--run", str(runs / "grpo-seed1"), "--partitions", "2", "--delta", "0.001",
+              "--step", "2", "--policy-step", "3", "--no-exact").output
     assert "ddot_uniform" in out and "staleness 2" in out and "ratio_vs_ddot_agg" in out
     files = sorted(f for f in (runs / "grpo-seed1" / "analysis").iterdir() if f.name.startswith("disagreement-step2-policy3"))
     assert sorted(f.suffix for f in files) == [".json", ".parquet", ".png", ".png", ".png"]

@@ -1,16 +1,8 @@
 """Bad input: one clear line on stderr, exit code 2, no traceback, nothing stored touched."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-
-def masktrl(*args, cwd=None, env=None):
-    e = {k: v for k, v in os.environ.items() if k != "MASKTRL_DEBUG"}
-    e.update({"COLUMNS": "200", **(env or {})})
-    return subprocess.run([sys.executable, "-m", "masktrl.cli", *args], capture_output=True, text=True, cwd=cwd, env=e, timeout=120)
+from tests.conftest import masktrl
 
 
 @pytest.mark.parametrize(

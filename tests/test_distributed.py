@@ -3,7 +3,6 @@ the same global batch; rollouts are sharded by whole groups; only the main proce
 bad launch configs are one-line errors that change nothing stored."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,34 +14,21 @@ from safetensors.torch import load_file
 
 from masktrl.pipeline.update import micro_batches
 from masktrl.rollout.storage import read_rollouts
+from tests.conftest import TIMING, masktrl, masktrl_env, write_tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_DDP = ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"
-YAML = """\
-seed: 0
-method: {name: sis, base: dapo}
-model: {hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 64}
-task: {name: arithmetic, digits: 1, n_test: 16}
-warmstart: {steps: 40, batch_size: 16}
-rollout: {prompts_per_step: 6, n: 4, max_new_tokens: 4, logprobs_k: 5}
-train: {steps: 2, checkpoint_every: 1, lr: 1.0e-3, minibatches: 2}
-"""
+OVERLAY = {"method": {"name": "sis", "base": "dapo"}, "train": {"minibatches": 2}}
 
 
 def _env(**extra):
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "MASKTRL_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    e.update(extra)
-    return e
+    return masktrl_env(extra)
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def masktrl(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "masktrl.cli", *args], capture_output=True, text=True, env=env or _env(), timeout=300)
 
 
 def launch(config_file, *args, processes=2, env=None):
@@ -60,8 +46,7 @@ def metrics(root):
 def reference(tmp_path_factory):
     """A one-process 2-step run: its stored rollouts are the global batch both runs train on."""
     base = tmp_path_factory.mktemp("dist")
-    cfg = base / "c.yaml"
-    cfg.write_text(YAML)
+    cfg = write_tiny_config(base / "c.yaml", OVERLAY)
     r = masktrl("train", "--config", str(cfg), "--out", str(base / "out"), "--run", "ref")
     assert r.returncode == 0, r.stderr[-3000:]
     return base, cfg, base / "out" / "ref"
@@ -134,8 +119,7 @@ def test_two_process_run_killed_then_resumed_is_bit_identical(reference):
     a = load_file(base / "out" / "full3" / "checkpoints" / "000003" / "model.safetensors")
     b = load_file(base / "out" / "crash3" / "checkpoints" / "000003" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    timing = ("step_time_s", "rollout_time_s", "tokens_per_s")
-    strip = lambda rows: [{k: v for k, v in row.items() if k not in timing} for row in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in row.items() if k not in TIMING} for row in rows]  # noqa: E731
     assert strip(metrics(base / "out" / "full3")) == strip(metrics(base / "out" / "crash3"))
 
 

@@ -6,36 +6,20 @@ import string
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
 import masktrl.pipeline.evaluate as ev
-from masktrl.cli import app, main
+from masktrl.cli import main
 from masktrl.errors import MasktrlError
 from masktrl.pipeline.runstore import RunStore
 from masktrl.rollout.base import Generation
+from tests.conftest import cli, write_tiny_config
 
-runner = CliRunner()
-
-RUN_YAML = """\
-seed: 0
-method: {name: grpo}
-model: {hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 64}
-task: {name: arithmetic, digits: 1, n_test: 12}
-warmstart: {steps: 20, batch_size: 16}
-rollout: {prompts_per_step: 4, n: 4, max_new_tokens: 4, logprobs_k: 5}
-train: {steps: 2, checkpoint_every: 1, lr: 1.0e-3}
-"""
+RUN = {"task": {"n_test": 12}, "warmstart": {"steps": 20}, "rollout": {"prompts_per_step": 4}}
 PROBLEMS = [  # (problem, gold answer, the answer the patched "model" boxes)
     ("What is 1+1?", "2", "2"),
     ("What is 2+3?", "5", "05"),
     ("Half of one, as a decimal?", "0.5", "\\frac{1}{2}"),  # not string-equal: graded by math-verify
 ]
-
-
-def invoke(*args):
-    result = runner.invoke(app, [str(a) for a in args])
-    assert result.exit_code == 0, (result.output, result.exception)
-    return result
 
 
 def cli_error(capsys, monkeypatch, *args) -> str:
@@ -53,8 +37,8 @@ def cli_error(capsys, monkeypatch, *args) -> str:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("evalrun")
-    (root / "tiny.yaml").write_text(RUN_YAML)
-    invoke("train", "--config", root / "tiny.yaml", "--out", root / "out", "--run", "r")
+    write_tiny_config(root / "tiny.yaml", RUN)
+    cli("train", "--config", root / "tiny.yaml", "--out", root / "out", "--run", "r")
     return root / "out" / "r"
 
 
@@ -90,7 +74,7 @@ def check_report(r: dict, k: int, n: int) -> None:
 
 
 def test_synthetic_on_a_run_writes_report_and_manifest(run_dir):
-    result = invoke("eval", "synthetic", "--model", run_dir, "--k", 4)
+    result = cli("eval", "synthetic", "--model", run_dir, "--k", 4)
     assert "avg@4" in result.output and "synthetic-step2.json" in result.output
     path = run_dir / "eval" / "synthetic-step2.json"
     report = json.loads(path.read_text())
@@ -107,26 +91,26 @@ def test_synthetic_on_a_run_writes_report_and_manifest(run_dir):
     with pytest.raises(MasktrlError, match="already exists"):
         ev.evaluate("synthetic", str(run_dir), None, ev.EvalOptions(k=4))
     assert path.read_text() == before
-    invoke("eval", "synthetic", "--model", run_dir, "--k", 2, "--force")
+    cli("eval", "synthetic", "--model", run_dir, "--k", 2, "--force")
     assert json.loads(path.read_text())["k"] == 2
     RunStore(run_dir).verify("eval/synthetic/000002")
 
 
 def test_evaluate_alias_step_choice_and_starting_policy(run_dir):
-    invoke("evaluate", "synthetic", "--model", run_dir, "--step", 1, "--k", 1, "--temperature", 0, "--n-problems", 5)
+    cli("evaluate", "synthetic", "--model", run_dir, "--step", 1, "--k", 1, "--temperature", 0, "--n-problems", 5)
     r = json.loads((run_dir / "eval" / "synthetic-step1.json").read_text())
     check_report(r, k=1, n=5)
     assert r["generation"]["greedy"] is True and r["step"] == 1
-    invoke("eval", "synthetic", "--model", run_dir / "checkpoints" / "000001", "--k", 2, "--n-problems", 3, "--seed", 1, "--force")
+    cli("eval", "synthetic", "--model", run_dir / "checkpoints" / "000001", "--k", 2, "--n-problems", 3, "--seed", 1, "--force")
     assert json.loads((run_dir / "eval" / "synthetic-step1.json").read_text())["generation"]["seed"] == 1
-    invoke("eval", "synthetic", "--model", run_dir.name, "--out", run_dir.parent, "--step", 0, "--k", 2, "--n-problems", 3)  # by name
+    cli("eval", "synthetic", "--model", run_dir.name, "--out", run_dir.parent, "--step", 0, "--k", 2, "--n-problems", 3)  # by name
     r0 = json.loads((run_dir / "eval" / "synthetic-step0.json").read_text())
     assert r0["step"] == 0 and ".cache" in r0["weights"]  # the warm-start policy
 
 
 def test_math_benchmark_with_a_tiny_model_is_graded(model_dir):
     model, data = model_dir
-    invoke("eval", "gsm8k", "--model", model, "--data", data, "--k", 2, "--max-new-tokens", 6)
+    cli("eval", "gsm8k", "--model", model, "--data", data, "--k", 2, "--max-new-tokens", 6)
     r = json.loads((model.parent / "eval" / "gsm8k-tiny-math.json").read_text())
     check_report(r, k=2, n=3)
     assert r["step"] is None and r["run"] is None and r["data"] == str(data)
@@ -150,7 +134,7 @@ def test_math_benchmark_correct_boxed_answers_score_one(model_dir, monkeypatch, 
         return out
 
     monkeypatch.setattr("masktrl.rollout.hf.HFEngine.generate", fake_generate)
-    invoke("eval", "math500", "--model", model, "--data", data, "--k", 3, "--output", tmp_path / "report.json")
+    cli("eval", "math500", "--model", model, "--data", data, "--k", 3, "--output", tmp_path / "report.json")
     r = json.loads((tmp_path / "report.json").read_text())
     check_report(r, k=3, n=3)
     assert r["avg_at_k"] == 1.0 and r["pass_at_k"] == 1.0 and r["maj_at_k"] == 1.0 and r["ci95"] == [1.0, 1.0]

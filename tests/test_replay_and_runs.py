@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from masktrl.cli import app
 from masktrl.rollout.storage import read_rollouts
+from tests.conftest import write_tiny_config
 
 runner = CliRunner()
 
@@ -18,11 +19,8 @@ def invoke(*args):
 
 @pytest.fixture(scope="module")
 def source_run(tmp_path_factory):
-    from tests.conftest import TINY_TEST_YAML
-
     base = tmp_path_factory.mktemp("replay")
-    cfg = base / "c.yaml"
-    cfg.write_text(TINY_TEST_YAML)
+    cfg = write_tiny_config(base / "c.yaml")
     r = invoke("train", "--config", cfg, "--out", base / "out", "--run", "src")
     assert r.exit_code == 0, r.output
     return base, cfg, base / "out" / "src"

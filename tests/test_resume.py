@@ -2,7 +2,6 @@
 bit for bit; corrupted artifacts are reported by path and never used."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -11,22 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-RESUME_YAML = """\
-seed: 3
-method: {name: sis}
-model: {hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 64}
-task: {name: arithmetic, digits: 1, n_test: 16}
-warmstart: {steps: 40, batch_size: 16}
-rollout: {prompts_per_step: 6, n: 4, max_new_tokens: 4, logprobs_k: 5}
-train: {steps: 6, checkpoint_every: 2, lr: 1.0e-3, minibatches: 2}
-"""
-TIMING = ("step_time_s", "rollout_time_s", "tokens_per_s")
+from tests.conftest import TIMING, masktrl, masktrl_env, write_tiny_config
 
-
-def masktrl(*args, env=None, cwd=None):
-    e = {k: v for k, v in os.environ.items() if k not in ("MASKTRL_DEBUG", "MASKTRL_CRASH_AT")}
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "masktrl.cli", *args], capture_output=True, text=True, env=e, cwd=cwd, timeout=300)
+RESUME = {"seed": 3, "method": {"name": "sis"}, "train": {"steps": 6, "checkpoint_every": 2, "minibatches": 2}}
 
 
 def metrics(root):
@@ -41,8 +27,7 @@ def weights(root, step=6):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     base = tmp_path_factory.mktemp("resume")
-    cfg = base / "c.yaml"
-    cfg.write_text(RESUME_YAML)
+    cfg = write_tiny_config(base / "c.yaml", RESUME)
     r = masktrl("train", "--config", str(cfg), "--out", str(base / "out"), "--run", "ref")
     assert r.returncode == 0, r.stderr
     return base, cfg, base / "out" / "ref"
@@ -128,7 +113,7 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes_exactly(reference):
     import time
 
     base, cfg, ref = reference
-    env = {k: v for k, v in os.environ.items() if k not in ("MASKTRL_DEBUG", "MASKTRL_CRASH_AT")}
+    env = masktrl_env()
     proc = subprocess.Popen([sys.executable, "-m", "masktrl.cli", "train", "--config", str(cfg), "--out", str(base / "out"), "--run", "ctrlc"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     manifest = base / "out" / "ctrlc" / "manifest.json"

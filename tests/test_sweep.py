@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from masktrl.cli import app
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.pipeline import sweep
-from tests.conftest import TINY_TEST_YAML
+from tests.conftest import write_tiny_config
 
 runner = CliRunner()
 
@@ -24,8 +24,7 @@ def _sweep(config, out, *args):
 @pytest.fixture(scope="module")
 def swept(tmp_path_factory):
     base = tmp_path_factory.mktemp("sweep")
-    config = base / "tiny.yaml"
-    config.write_text(TINY_TEST_YAML)
+    config = write_tiny_config(base / "tiny.yaml")
     output = _sweep(config, base / "out")
     return config, base / "out", output
 

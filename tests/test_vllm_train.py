@@ -11,25 +11,20 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from masktrl.rollout.storage import read_rollouts
+from tests.conftest import write_tiny_config
 
 pytestmark = pytest.mark.vllm
 
-CONFIG = """\
-seed: 0
-method: {name: dppo}
-model: {hidden_size: 64, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 128}
-task: {name: arithmetic, digits: 1, n_test: 16}
-warmstart: {steps: 40, batch_size: 16}
-rollout: {engine: vllm, enforce_eager: true, prompts_per_step: 6, n: 4, max_new_tokens: 4, logprobs_k: 5}
-train: {steps: 2, checkpoint_every: 1, lr: 3.0e-3}
-"""
+VLLM = {
+    "method": {"name": "dppo"}, "model": {"hidden_size": 64, "intermediate_size": 128},
+    "rollout": {"engine": "vllm", "enforce_eager": True}, "train": {"lr": 3.0e-3},
+}
 CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def test_two_steps_with_vllm_rollouts_and_weight_sync(tmp_path):
     pytest.importorskip("vllm")
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(CONFIG)
+    cfg = write_tiny_config(tmp_path / "c.yaml", VLLM)
     env = {**os.environ, **CPU_ENV}
     r = subprocess.run([sys.executable, "-m", "masktrl.cli", "train", "--config", str(cfg), "--out", str(tmp_path / "out"), "--run", "v"],
                        capture_output=True, text=True, env=env, timeout=600)
