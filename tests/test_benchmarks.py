@@ -23,20 +23,29 @@ def common(tmp_path, monkeypatch):
     return importlib.import_module("common")
 
 
-def test_phase_timer_counts_exclusive_time_and_restores(common):
+def test_phase_timer_counts_exclusive_time_and_restores(common, monkeypatch):
     import types
 
-    mod = types.SimpleNamespace(inner=lambda: sum(range(1000)), outer=None)
-    mod.outer = lambda: mod.inner() + mod.inner()
+    clock = [0.0]  # a fake perf_counter: each call below takes a known time
+
+    def tick(seconds):
+        clock[0] += seconds
+
+    monkeypatch.setattr(common, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    mod = types.SimpleNamespace(inner=lambda: tick(1.0), outer=None)
+    mod.outer = lambda: (mod.inner(), tick(0.5), mod.inner())
     original_inner = mod.inner
     timer = common.PhaseTimer()
     timer.wrap(mod, "inner", "in")
     timer.wrap(mod, "outer", "out")
     mod.outer()
-    t = timer.take()
-    assert set(t) == {"in", "out"} and all(v >= 0 for v in t.values())
+    assert timer.take() == {"in": 2.0, "out": 0.5}  # the outer phase keeps only its own time
     timer.restore()
     assert mod.inner is original_inner and timer.take() == {}
+    timer.wrap(mod, "inner", "in")
+    timer.wrap(mod, "outer", "out", absorb=True)
+    mod.outer()
+    assert timer.take() == {"out": 2.5}  # absorb: the nested calls count as the outer phase
 
 
 def test_every_masktrl_stage_is_found(common):

@@ -1,6 +1,9 @@
 """Group-normalised advantages as a step's batch gets them, and the per-purpose random streams, by hand."""
 
 import math
+import os
+import subprocess
+import sys
 
 from masktrl.methods import get_method, make_params
 from masktrl.pipeline.collect import set_advantages
@@ -27,10 +30,26 @@ def test_equal_rewards_give_zero_advantage():
     assert [s.advantage for s in g] == [0.0, 0.0, 0.0]
 
 
-def test_streams_are_stable_and_distinct():
-    assert stream_seed(0, "rollout", 3, 0) == stream_seed(0, "rollout", 3, 0)
-    seeds = {stream_seed(0, "rollout", 3, 0), stream_seed(0, "rollout", 4, 0), stream_seed(1, "rollout", 3, 0), stream_seed(0, "sis", 3, 0)}
-    assert len(seeds) == 4 and all(0 <= s < 2**63 for s in seeds)
+KNOWN_STREAMS = {  # resume, replays and the processes of a launch all rely on these exact values
+    (0, "rollout", 3, 0): 3339349149211750549,
+    (0, "rollout", 4, 0): 2965434345700390563,
+    (1, "rollout", 3, 0): 6211495403011991807,
+    (0, "sis", 3, 0): 264868131719246759,
+}
+
+
+def test_streams_are_fixed_values_in_every_process():
+    assert {key: stream_seed(*key) for key in KNOWN_STREAMS} == KNOWN_STREAMS
+    code = f"from masktrl.seeding import stream_seed; print([stream_seed(*k) for k in {list(KNOWN_STREAMS)!r}])"
+    for hash_seed in ("0", "4242"):  # str hashing is salted per process unless fixed: the streams must not depend on it
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == str(list(KNOWN_STREAMS.values()))
+
+
+def test_streams_are_distinct_63_bit_seeds():
+    assert len(set(KNOWN_STREAMS.values())) == 4 and all(0 <= s < 2**63 for s in KNOWN_STREAMS.values())
 
 
 def test_the_method_chooses_the_normalisation():
@@ -46,3 +65,4 @@ def _by_default(rewards):
     g = _group(rewards)
     set_advantages([g])
     return g
+

@@ -7,11 +7,32 @@ from masktrl.config import DEFAULT_CONFIG, Config, diff_configs, load_config
 from masktrl.errors import ConfigError
 
 
-def test_default_preset_loads():
+def test_the_default_preset_is_configs_tiny_yaml_as_documented():
+    from masktrl.config import from_dict
+
+    written = from_dict(yaml.safe_load(DEFAULT_CONFIG.read_text()))  # fails if the file is gone or unreadable
     cfg = load_config()
-    assert cfg.method_name == "grpo"
-    assert cfg.model.path == "tiny"
-    assert cfg.rollout.logprobs_k == 20
+    assert cfg == written
+    # what the README says `masktrl train` runs
+    assert cfg.method == {"name": "grpo"} and cfg.seed == 0
+    assert (cfg.model.path, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.dtype) == ("tiny", 128, 3, "float32")
+    assert (cfg.task.name, cfg.task.ops, cfg.task.digits, cfg.task.answer_format, cfg.task.n_test) == ("arithmetic", "+", 3, "plain", 500)
+    assert (cfg.warmstart.steps, cfg.warmstart.lr) == (400, 3e-3)
+    assert (cfg.rollout.engine, cfg.rollout.prompts_per_step, cfg.rollout.n, cfg.rollout.logprobs_k) == ("hf", 32, 8, 20)
+    assert (cfg.train.steps, cfg.train.lr, cfg.train.minibatches, cfg.train.threads) == (800, 3e-4, 1, 1)
+    assert cfg.eval.greedy
+    # tiny.yaml writes the defaults out, so an overlay used alone means the same as on tiny.yaml
+    assert written == Config()
+
+
+def test_without_a_config_the_default_preset_file_is_read(monkeypatch, tmp_path):
+    import masktrl.config
+
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("seed: 7\ntrain: {steps: 3}\n")
+    monkeypatch.setattr(masktrl.config, "DEFAULT_CONFIG", preset)
+    assert load_config().seed == 7 and load_config().train.steps == 3
+    assert load_config(None, ["seed=8"]).train.steps == 3  # overrides go on top of it
 
 
 def test_precedence_yaml_then_direct_then_overrides(tmp_path):
