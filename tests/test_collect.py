@@ -66,3 +66,80 @@ def _by_default(rewards):
     set_advantages([g])
     return g
 
+
+# --------------------------------------------------------------------------- dynamic sampling
+
+
+class _Tokenizer:
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [1]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return str(ids[0])
+
+
+class _Engine:
+    """Sample j of every group answers "j"."""
+
+    def generate(self, prompt_ids, settings, seed):
+        return [[Generation([j], [-0.5], [[j]], [[-0.5]], True) for j in range(settings.n)] for _ in prompt_ids]
+
+
+class _Task:
+    """Prompts numbered in draw order; prompt i carries a signal (sample 0 right, the others
+    wrong) if ``signal(i)``, else every sample is right (equal rewards: no signal)."""
+
+    def __init__(self, signal):
+        self.signal, self.drawn = signal, 0
+
+    def train_examples(self, n, rng):
+        from masktrl.tasks.base import Example
+
+        out = [Example(f"p{self.drawn + i}", "q", "0") for i in range(n)]
+        self.drawn += n
+        return out
+
+    def score_many(self, examples, completions):
+        return [1.0 if not self.signal(int(e.id[1:])) else float(c == "0") for e, c in zip(examples, completions)]
+
+
+def _collect(task, method="dapo", prompts=4):
+    from masktrl.pipeline.collect import CollectSettings, collect_rollouts
+    from masktrl.rollout.base import SamplingSettings
+
+    settings = CollectSettings(SamplingSettings(3, 4, 1.0, 1.0, 1), prompts, 0, False)
+    return collect_rollouts(_Engine(), _Tokenizer(), task, get_method(method), make_params(method), settings, step=1)
+
+
+def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_a_signal():
+    task = _Task(signal=lambda i: i % 2 == 1)  # half the prompts of every draw carry a signal
+    samples, stats = _collect(task)
+    assert task.drawn == 8 and (stats["groups_generated"], stats["groups_kept"]) == (8, 4)  # one refill
+    assert sorted({s.example_id for s in samples}) == ["p1", "p3", "p5", "p7"]
+    assert [s.group for s in samples] == [g for g in range(4) for _ in range(3)]  # renumbered 0..3
+    for g in range(4):
+        assert [s.reward for s in samples if s.group == g] == [1.0, 0.0, 0.0]
+    assert stats["reward_mean"] == (4 * 3 + 4 * 1) / 24  # over every generated response, dropped groups too
+
+
+def test_dynamic_sampling_stops_after_max_refills_and_trains_on_what_it_kept():
+    from masktrl.pipeline.collect import MAX_REFILLS
+
+    task = _Task(signal=lambda i: i == 5)
+    samples, stats = _collect(task)
+    assert task.drawn == 4 * MAX_REFILLS and (stats["groups_generated"], stats["groups_kept"]) == (4 * MAX_REFILLS, 1)
+    assert {s.example_id for s in samples} == {"p5"} and {s.group for s in samples} == {0}
+
+
+def test_no_group_kept_gives_an_empty_batch():
+    from masktrl.pipeline.collect import MAX_REFILLS
+
+    samples, stats = _collect(_Task(signal=lambda i: False))
+    assert samples == [] and stats["groups_kept"] == 0 and stats["groups_generated"] == 4 * MAX_REFILLS
+    assert stats["reward_mean"] == 1.0 and stats["tokens"] == 4 * MAX_REFILLS * 3
+
+
+def test_without_dynamic_sampling_uniform_groups_are_kept():
+    samples, stats = _collect(_Task(signal=lambda i: False), method="grpo")
+    assert len(samples) == 12 and (stats["groups_generated"], stats["groups_kept"]) == (4, 4)
+    assert all(s.advantage == 0.0 for s in samples)
