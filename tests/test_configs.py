@@ -53,6 +53,21 @@ def test_tiny_offpolicy_is_an_overlay_of_tiny():
     assert load_config(CONFIGS / "tiny.yaml") == Config()  # so the overlay alone means the same
 
 
+def test_every_config_the_docs_name_exists():
+    import re
+
+    root = CONFIGS.parent
+    texts = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted(CONFIGS.rglob("*.yaml"))]
+    named = set()
+    for path in texts:
+        for ref in re.findall(r"configs/[\w./{},-]*\.yaml", path.read_text()):
+            head, _, rest = ref.partition("{")
+            options, _, tail = rest.partition("}")
+            named |= {head + o + tail for o in options.split(",")} if rest else {ref}
+    missing = sorted(n for n in named if not (root / n).is_file())
+    assert not missing and len(named) > 10, missing
+
+
 @pytest.mark.parametrize("path", sorted((CONFIGS / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
 def test_accelerate_configs_parse(path):
     from accelerate.commands.config.config_args import load_config_from_file
