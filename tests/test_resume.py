@@ -69,14 +69,17 @@ def crashed_copy(reference, tmp_path):
     return out, out / "c"
 
 
-def _resume_fails_naming(out, needle):
-    before = {p: p.read_bytes() for p in (out / "c").rglob("*") if p.is_file() and p.name != "manifest.json"}
-    r = masktrl("train", "--resume", "c", "--out", str(out))
+def _files(root):
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _resume_fails_naming(out, needle, *args):
+    before = _files(out / "c")
+    r = masktrl("train", "--resume", "c", "--out", str(out), *args)
     assert r.returncode == 2, r.stderr[-2000:]
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
-    after = {p: p.read_bytes() for p in (out / "c").rglob("*") if p.is_file() and p.name != "manifest.json"}
-    assert {p: v for p, v in after.items() if p in before} == before  # nothing else lost or changed
+    assert _files(out / "c") == before  # checked before anything is written: not even the manifest's status changed
 
 
 def test_truncated_rollout_parquet_is_reported(crashed_copy):
@@ -93,6 +96,8 @@ def test_flipped_byte_in_checkpoint_is_reported(crashed_copy):
     data[len(data) // 2] ^= 0xFF
     p.write_bytes(bytes(data))
     _resume_fails_naming(out, "checkpoints/000002/model.safetensors")
+    # --force with a changed config records the new config only once the run is found sound
+    _resume_fails_naming(out, "checkpoints/000002/model.safetensors", "--force", "--set", "train.lr=0.002")
 
 
 def test_deleted_manifest_is_reported(crashed_copy):

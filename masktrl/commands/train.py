@@ -43,6 +43,7 @@ def train(
     if resume:
         store = RunStore(resolve_run(resume, out))
         store.check_resumable()
+        store.resume_step()  # every artifact the resumed run reads is checked before anything is written (--force records the config)
         cfg = _resume_config(store, config, set_, method, seed, force)
         name = store.name
     else:

@@ -77,6 +77,7 @@ class RunStore:
         self._manifest: dict | None = None
         self._written: tuple | None = None  # (mtime, size, inode) of the manifest this object last wrote
         self._pending: dict[str, dict] = {}  # deferred stages not yet written (mark_done(defer=True))
+        self._resume_from: int | None = None  # resume_step's answer, once its checks passed
 
     def read_only(self) -> "RunStore":
         """A view that reads this run and writes nothing (the non-main processes of a
@@ -346,7 +347,10 @@ class RunStore:
     def resume_step(self) -> int:
         """The newest checkpoint the manifest records (0: none yet), after checking everything a
         resumed run will read (the stored rollout batches after it, the checkpoint's files) and
-        before anything is changed."""
+        before anything is changed. Reads only; the answer is kept, so the command can check a
+        run before it records anything and training does not hash the files again."""
+        if self._resume_from is not None:
+            return self._resume_from
         step = (self._recorded_checkpoints() or [0])[-1]
         for key, entry in self.manifest["stages"].items():
             if entry.get("status") == "done" and key.startswith("step/") and key.endswith("/rollout") and int(key.split("/")[1]) > step:
@@ -354,11 +358,13 @@ class RunStore:
                 read_rollouts(self.root / next(iter(entry["files"])))
         if step:
             self.verify(f"checkpoint/{step:06d}")
+        self._resume_from = step
         return step
 
     def rewind(self, step: int) -> None:
         """Forget what happened after ``step``'s checkpoint: the update records (lost with the
         process) and the metrics rows (the steps are redone and write them again)."""
+        self._resume_from = None
         for key in [k for k in self.manifest["stages"] if k.startswith("step/") and k.endswith("/train")]:
             if int(key.split("/")[1]) > step:
                 del self.manifest["stages"][key]

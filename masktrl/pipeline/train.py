@@ -120,6 +120,7 @@ def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
         store, progress = store.read_only(), None
     task = make_task(cfg.task, cfg.model)  # data, keys, template and reward checked before the run folder exists
     store.manifest  # noqa: B018  every process reads the run's state before the main one changes it
+    start = store.resume_step() if resume else 0  # checks every stored artifact it will read, before anything is written
     dist.barrier()
     if store.writable:
         store.root.mkdir(parents=True, exist_ok=True)
@@ -132,9 +133,7 @@ def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
     if not store.is_done("warmstart"):
         store.mark_done("warmstart", [], config_hash=cfg.hash("model", "task", "warmstart"), info=ws_info)
     optimizer, scheduler = make_optimizer(model, cfg.train)
-    start = 0
     if resume:
-        start = store.resume_step()  # checks every stored artifact it will read, before changing anything
         if start:
             ckpt.restore(store.checkpoint_dir(start), model, optimizer, scheduler)
         store.rewind(start)  # forget the updates and metrics after that checkpoint
