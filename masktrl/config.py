@@ -312,12 +312,13 @@ def load_config(paths: str | Path | list | tuple | None = None, overrides: list[
     return from_dict(read_overrides(None, overrides, raw))
 
 
-def read_overrides(path: str | Path | None = None, overrides: list[str] = (), raw: dict | None = None) -> dict:
-    """``raw`` (default: empty) updated with the YAML file ``path`` and the ``key=value``
-    overrides: the raw mapping, without defaults and not yet validated (``from_dict`` does that)."""
+def read_overrides(path: str | Path | list | tuple | None = None, overrides: list[str] = (), raw: dict | None = None) -> dict:
+    """``raw`` (default: empty) updated with the YAML file(s) ``path`` (several compose as in
+    ``load_config``) and the ``key=value`` overrides: the raw mapping, without defaults and not
+    yet validated (``from_dict`` does that)."""
     raw = dict(raw or {})
-    if path is not None:
-        raw.update(_read_yaml(Path(path)))
+    for p in [] if path is None else [path] if isinstance(path, (str, Path)) else path:
+        raw = merge_config(raw, _read_yaml(Path(p)))
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():

@@ -169,3 +169,13 @@ def test_the_command_line_takes_several_configs(tmp_path):
     r = CliRunner().invoke(app, ["config", "show", "-c", str(DEFAULT_CONFIG.parent / "tiny-offpolicy.yaml"), "--config", str(over), "--set", "rollout.n=6"])
     cfg = yaml.safe_load(r.output)
     assert cfg["train"]["minibatches"] == 4 and cfg["rollout"]["n"] == 6 and cfg["rollout"]["prompts_per_step"] == 32
+
+
+def test_eval_and_rollout_task_files_compose_the_same_way(tmp_path):
+    from masktrl.config import read_overrides
+
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("task: {name: dataset, source: x.jsonl, template: dapo}\n")
+    b.write_text("task: {template: raw}\n")
+    assert read_overrides([a, b], ["task.source=y.jsonl"]) == {"task": {"name": "dataset", "source": "y.jsonl", "template": "raw"}}
+    assert read_overrides(a) == read_overrides([a])

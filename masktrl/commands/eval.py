@@ -77,7 +77,7 @@ def eval_command(
     opts = evaluate.EvalOptions(
         k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, data=str(data) if data else None,
         template=template, engine=engine, seed=seed, n_problems=n_problems, batch_size=batch_size, dtype=dtype,
-        config=str(config) if config else None, overrides=tuple(set_ or ()),
+        config=tuple(map(str, config)) if config else None, overrides=tuple(set_ or ()),
     )
     opts.validate(bench)  # before any model is loaded
     console.print(f"[bold]masktrl eval[/] [cyan]{bench}[/] model [cyan]{model}[/]" + (f" step {step}" if step is not None else ""))

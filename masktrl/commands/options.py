@@ -69,9 +69,9 @@ SetOpt = Annotated[
 ]
 
 TaskConfigOpt = Annotated[
-    Optional[Path],
+    Optional[list[Path]],
     typer.Option("--config", "-c", metavar="FILE", help="YAML file whose task section (and model.chat_template) sets the dataset, reward and "
-                 "template, as for train (docs/TASKS.md).", show_default=False),
+                 "template, as for train (docs/TASKS.md); repeatable, a later file overrides an earlier one.", show_default=False),
 ]
 TaskSetOpt = Annotated[
     Optional[list[str]],

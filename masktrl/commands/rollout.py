@@ -45,6 +45,6 @@ def rollout(
         err_console.print(f"[yellow]deprecated:[/] --topk; use --logprobs-k {topk} (named as the config key rollout.logprobs_k)", highlight=False)
         logprobs_k = topk
     opts = RolloutOptions(n, logprobs_k, prompts, temperature, top_p, max_new_tokens, seed, engine, template,
-                          str(config) if config else None, tuple(set_ or ()))
+                          tuple(map(str, config)) if config else None, tuple(set_ or ()))
     info = generate(model, data, output, opts, step=step, force=force, out=out)
     console.print(kv_table("masktrl rollout", [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in info.items()]))

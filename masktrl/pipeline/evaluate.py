@@ -52,7 +52,7 @@ class EvalOptions:
     n_problems: int | None = None
     batch_size: int | None = None
     dtype: str | None = None
-    config: str | None = None  # a YAML file: its task section (and model.chat_template)
+    config: str | tuple[str, ...] | None = None  # YAML file(s), composed: the task section (and model.chat_template)
     overrides: tuple[str, ...] = ()  # --set task.KEY=VALUE (and model.chat_template=...)
 
     def validate(self, bench: str) -> None:

@@ -35,7 +35,7 @@ class RolloutOptions:
     seed: int = 0
     engine: str | None = None
     template: str | None = None
-    config: str | None = None  # a YAML file: its task section (and model.chat_template)
+    config: str | tuple[str, ...] | None = None  # YAML file(s), composed: the task section (and model.chat_template)
     overrides: tuple[str, ...] = ()  # --set task.KEY=VALUE (and model.chat_template=...)
 
     def validate(self) -> None:
