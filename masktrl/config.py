@@ -37,6 +37,10 @@ REMOVED_KEYS = {"eval.batch_size": "it was never read; generation batches are ro
 still load), refused in a --set override."""
 EVAL_BENCHMARKS = ("synthetic", "aime24", "aime25", "aime", "math500", "gsm8k")
 """`masktrl eval` benchmarks: synthetic = the run's own arithmetic held-out split; aime = aime24 + aime25."""
+LR_SCHEDULES = ("constant", "linear", "cosine")
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
+"""train.report_to: accelerate's trackers masktrl logs to (besides metrics.jsonl, the source of truth)."""
+ROLLOUT_STORE = ("all", "resume")
 
 
 @dataclass(frozen=True)
@@ -180,9 +184,17 @@ class RolloutConfig:
     """vllm only: e.g. 'fp8'."""
     enforce_eager: bool = False
     """vllm only: no CUDA graphs / compilation (slower; quicker start, needed by some CPU builds)."""
+    sleep_mode: bool = False
+    """vllm only (GPU): the engine sleeps between rollout and update (weights to CPU, KV cache freed)."""
+    store: str = "all"
+    """Which rollout batches a run keeps: all | resume (only those after the newest checkpoint,
+    which --resume needs; earlier ones are deleted once a newer checkpoint is recorded)."""
 
     def validate(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
+        _choice("rollout.store", self.store, ROLLOUT_STORE)
+        if self.sleep_mode and self.engine != "vllm":
+            raise ConfigError(f"rollout.sleep_mode needs rollout.engine=vllm, got {self.engine!r}")
         for name in ("prompts_per_step", "n", "max_new_tokens", "logprobs_k", "batch_size"):
             _positive(f"rollout.{name}", getattr(self, name))
         _positive("rollout.temperature", self.temperature)
@@ -220,10 +232,36 @@ class TrainConfig:
     """Tokens per chunk when computing log-probabilities (bounds the [chunk, V] logits)."""
     threads: int = 1
     """torch CPU threads. 1 is safe; 2 is ~1.3x faster on an idle 2-core machine, far slower when shared."""
+    lr_schedule: str = "constant"
+    """After the warm-up: constant | linear | cosine (decaying to lr x min_lr_ratio at the last update)."""
+    min_lr_ratio: float = 0.0
+    """linear / cosine: the final learning rate as a fraction of train.lr."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of storing them."""
+    keep_checkpoints: int | None = None
+    """Keep the newest N complete checkpoints (plus train.keep_steps); None keeps all."""
+    keep_steps: tuple[int, ...] = ()
+    """Checkpoints never deleted by train.keep_checkpoints (they are still written every checkpoint_every)."""
+    report_to: tuple[str, ...] = ()
+    """Live trackers besides metrics.jsonl: any of tensorboard, wandb, trackio, mlflow (none: no tracker)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "report_to", tuple(t for t in self.report_to if t != "none"))  # 'none' = no tracker
 
     def validate(self) -> None:
         for name in ("steps", "minibatches", "grad_accum", "checkpoint_every", "logprob_chunk", "threads"):
             _positive(f"train.{name}", getattr(self, name))
+        _choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ConfigError(f"train.keep_checkpoints must be >= 1 (or unset to keep all), got {self.keep_checkpoints}")
+        for step in self.keep_steps:
+            _positive("train.keep_steps", step)
+        for tracker in self.report_to:
+            _choice("train.report_to", tracker, (*TRACKERS, "none"))
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ConfigError(f"train.report_to lists a tracker twice: {', '.join(self.report_to)}")
         _positive("train.lr", self.lr)
         _non_negative("train.weight_decay", self.weight_decay)
         _positive("train.grad_clip", self.grad_clip)

@@ -1,0 +1,51 @@
+"""train.lr_schedule: warm-up then constant / linear / cosine; constant is the schedule masktrl always had."""
+
+import math
+
+import pytest
+import torch
+
+from masktrl.config import load_config
+from masktrl.pipeline.schedule import lr_factor, make_scheduler
+
+
+def _old_constant(warmup):  # the lambda make_optimizer used before schedules existed
+    return lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 3, 8])
+def test_constant_is_the_old_schedule_exactly(warmup):
+    new, old = lr_factor("constant", warmup, 100), _old_constant(warmup)
+    assert [new(u) for u in range(40)] == [old(u) for u in range(40)]
+
+
+def test_linear_and_cosine_warm_up_then_decay_to_the_floor():
+    for name in ("linear", "cosine"):
+        f = lr_factor(name, warmup=4, total=20, min_ratio=0.1)
+        assert [f(u) for u in range(4)] == [0.25, 0.5, 0.75, 1.0]
+        assert f(4) == 1.0  # decay starts after the warm-up
+        values = [f(u) for u in range(4, 20)]
+        assert all(a > b for a, b in zip(values, values[1:]))  # strictly decreasing
+        assert f(20) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)  # floor, never below
+    lin, cos = lr_factor("linear", 0, 10), lr_factor("cosine", 0, 10)
+    assert lin(5) == pytest.approx(0.5) and cos(5) == pytest.approx(0.5)
+    assert lin(2) == pytest.approx(0.8) and cos(2) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.2)))
+
+
+def test_scheduler_counts_optimizer_updates_and_resumes_from_its_state():
+    cfg = load_config(None, ["train.lr=1.0", "train.lr_schedule=linear", "train.warmup_steps=1", "train.minibatches=2"])
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=cfg.train.lr)
+    sched = make_scheduler(opt, cfg.train, total_updates=10)
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[3] == pytest.approx(1 - 1 / 8)  # warm-up: 1 step x 2 minibatches = 2 updates; decay over 8
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.train.lr)
+    resumed = make_scheduler(opt2, cfg.train, total_updates=10)
+    resumed.load_state_dict(sched.state_dict())
+    assert resumed.get_last_lr() == sched.get_last_lr()
+    sched.step(), resumed.step()
+    assert resumed.get_last_lr() == sched.get_last_lr()
