@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from masktrl.errors import ConfigError
+from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 
 DS_CONFIG_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
+ENGINE_STATE_TAG = "zero"  # the sub-folder DeepSpeed writes its shards into, inside a checkpoint's deepspeed/
 
 
 def launched() -> bool:
@@ -117,6 +118,55 @@ class Dist:
         if self.acc is None:
             return self.unwrap(model).state_dict()
         return self.acc.get_state_dict(model)
+
+    # -- DeepSpeed's sharded state (optimizer partitions, fp32 master weights) for --resume
+    @property
+    def zero_stage(self) -> int | None:
+        """The ZeRO stage of a DeepSpeed launch; None without DeepSpeed."""
+        return self.acc.state.deepspeed_plugin.zero_stage if self.deepspeed else None
+
+    def engine_state_info(self) -> dict:
+        """What a checkpoint's DeepSpeed state was written under; resuming needs the same."""
+        return {"zero_stage": self.zero_stage, "processes": self.world}
+
+    def save_engine_state(self, policy, folder: Path) -> None:
+        """Every process writes its shard of the DeepSpeed state (``engine.save_checkpoint``:
+        ZeRO optimizer partitions with the fp32 master weights, and the module states) into
+        ``folder``, which every process sees. No-op without DeepSpeed."""
+        if not self.deepspeed:
+            return
+        policy.save_checkpoint(str(folder), tag=ENGINE_STATE_TAG, client_state={}, save_latest=False)
+        self.barrier()
+
+    def load_engine_state(self, policy, folder: Path) -> None:
+        """Restore what ``save_engine_state`` wrote into the prepared ``policy`` (every process)."""
+        if not self.deepspeed:
+            return
+        path, _ = policy.load_checkpoint(str(folder), tag=ENGINE_STATE_TAG, load_module_strict=True,
+                                         load_optimizer_states=True, load_lr_scheduler_states=False)
+        if path is None:
+            raise ArtifactError(f"{folder}: no DeepSpeed state (tag {ENGINE_STATE_TAG}) for this process")
+
+    def check_engine_state(self, info: dict | None, path: Path) -> None:
+        """Refuse (one line, before anything changes) to resume checkpoint ``path`` whose
+        DeepSpeed state ``info`` (None: written without it) does not match this launch."""
+        here = self.engine_state_info() if self.deepspeed else None
+        if info == here:
+            return
+        if here is None:
+            raise MasktrlError(
+                f"{path}: written under DeepSpeed ZeRO-{info['zero_stage']} with {info['processes']} processes; "
+                "resume it under the same accelerate launch"
+            )
+        if info is None:
+            raise MasktrlError(
+                f"{path}: has no DeepSpeed optimizer state (written without DeepSpeed, or before masktrl saved it); resume it "
+                "the way it was trained, or start a new run from its weights (--set model.path=<checkpoint folder>)"
+            )
+        raise MasktrlError(
+            f"{path}: DeepSpeed state of ZeRO-{info['zero_stage']} with {info['processes']} processes, this launch is "
+            f"ZeRO-{here['zero_stage']} with {here['processes']}; resume with the same stage and process count"
+        )
 
     def gathered(self, module):
         """Context in which ``module``'s ZeRO-3 partitioned parameters are whole (no-op otherwise)."""
