@@ -204,3 +204,31 @@ def test_deepspeed_two_cpu_processes_match_one_process(reference, tmp_path, stag
         shares = y["sequences_per_process"]  # DeepSpeed really ran 2 processes, each on half
         assert len(shares) == 2 and shares[0] == shares[1] > 0
     assert "optimizer" not in torch.load(two / "checkpoints" / "000002" / "trainer_state.pt", weights_only=True)
+
+
+def _dist(stage, world):
+    """A Dist that looks like a launch of ``world`` processes under DeepSpeed ZeRO-``stage`` (None: no DeepSpeed)."""
+    from masktrl.pipeline.distributed import Dist
+
+    d = Dist()
+    d.world, d.deepspeed = world, stage is not None
+    d.zero3 = stage == 3
+    d.acc = None if stage is None else type("A", (), {"state": type("S", (), {"deepspeed_plugin": type("P", (), {"zero_stage": stage})})})()
+    return d
+
+
+def test_resume_refuses_a_checkpoint_whose_deepspeed_state_does_not_fit_the_launch(tmp_path):
+    from masktrl.errors import MasktrlError
+
+    _dist(2, 2).check_engine_state({"zero_stage": 2, "processes": 2}, tmp_path)  # same launch: fine
+    _dist(None, 2).check_engine_state(None, tmp_path)  # DDP checkpoint, DDP launch
+    cases = [
+        (_dist(3, 2), {"zero_stage": 2, "processes": 2}, "ZeRO-2 with 2 processes, this launch is ZeRO-3 with 2"),
+        (_dist(2, 4), {"zero_stage": 2, "processes": 2}, "resume with the same stage and process count"),
+        (_dist(2, 2), None, "has no DeepSpeed optimizer state"),
+        (_dist(None, 1), {"zero_stage": 3, "processes": 2}, "written under DeepSpeed ZeRO-3 with 2 processes"),
+    ]
+    for dist, info, needle in cases:
+        with pytest.raises(MasktrlError, match=needle) as exc:
+            dist.check_engine_state(info, tmp_path / "checkpoints" / "000002")
+        assert "\n" not in str(exc.value) and str(tmp_path) in str(exc.value)

@@ -1,0 +1,146 @@
+"""``masktrl sweep --launcher slurm``: each method x seed run as its own SLURM job.
+
+The sweep's plan (``pipeline/sweep.py``) decides what each run needs, with the usual resume
+rules: a complete run is skipped, an interrupted one resumes in place (``train --resume``), one
+that cannot resume starts again as ``<method>-seed<k>-retry<i>``. ``train_command`` turns each
+planned run into the ``masktrl train`` command line that does exactly that (``--print-commands``
+prints them); ``write_script`` wraps one in an sbatch script (``#SBATCH`` lines from
+``--slurm KEY=VALUE``, optionally under ``accelerate launch --config_file``), and ``submit``
+hands it to ``sbatch``.
+
+Submitted jobs are recorded in ``<out>/.sweep/slurm/jobs.json`` (run folder -> job id). A later
+sweep over the same folder asks ``squeue`` which of them are still pending or running and
+leaves those runs alone (their trainer may be on another node, where the manifest's pid means
+nothing here), so re-running the sweep after some jobs finished or died submits exactly the runs
+that still need it. Without ``squeue`` on the PATH a recorded job is taken as still active
+(``--resubmit`` submits again anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from masktrl.errors import ConfigError, MasktrlError
+from masktrl.io import atomic_write_json, atomic_write_text
+
+JOBS_FILE = "jobs.json"
+ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "PREEMPTED"}
+
+
+def slurm_dir(out: Path) -> Path:
+    return Path(out) / ".sweep" / "slurm"
+
+
+def train_command(item, *, out: Path, config: Path | None, overrides: list[str], python: str | None = None) -> list[str]:
+    """The ``masktrl train`` argv that carries out planned run ``item`` (a ``SweepRun``)."""
+    base = [python or sys.executable, "-m", "masktrl.cli", "train"]
+    if item.state == "resume":
+        return [*base, "--resume", str(item.root), "--out", str(out)]
+    if item.state not in ("new", "retry"):
+        raise ValueError(f"run {item.name} is {item.state}: nothing to start")
+    argv = [*base, "--method", item.method, "--seed", str(item.seed)]
+    if config is not None:
+        argv += ["--config", str(config)]
+    for o in overrides:
+        argv += ["--set", o]
+    return [*argv, "--out", str(out), "--run", item.root.name]
+
+
+def parse_options(pairs: list[str]) -> list[str]:
+    """``--slurm KEY=VALUE`` (or a bare ``KEY`` flag) as ``#SBATCH --KEY=VALUE`` arguments."""
+    out = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip().lstrip("-")
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", key):
+            raise ConfigError(f"--slurm {pair!r}: expected KEY=VALUE, e.g. --slurm partition=gpu --slurm gres=gpu:8")
+        if key in ("output", "error", "job-name", "J", "o", "e"):
+            raise ConfigError(f"--slurm {key}: set by masktrl (job name masktrl-<run>, log <out>/.sweep/slurm/<run>-<jobid>.log)")
+        out.append(f"--{key}={value}" if sep else f"--{key}")
+    return out
+
+
+def write_script(item, argv: list[str], out: Path, options: list[str], *, accelerate_config: Path | None = None,
+                 workdir: Path | None = None) -> Path:
+    """Write ``<out>/.sweep/slurm/<run>.sbatch`` running ``argv`` (under ``accelerate launch`` when
+    ``accelerate_config`` is given) from ``workdir`` (default: the current folder)."""
+    folder = slurm_dir(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    name = item.root.name
+    if accelerate_config is not None:  # python -m masktrl.cli train ... -> python -m accelerate.commands.launch ... -m masktrl.cli train ...
+        argv = [argv[0], "-m", "accelerate.commands.launch", "--config_file", str(Path(accelerate_config).resolve()), *argv[1:]]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=masktrl-{name}",
+        f"#SBATCH --output={(folder / name).resolve()}-%j.log",
+        *(f"#SBATCH {opt}" for opt in options),
+        "# written by masktrl sweep --launcher slurm; run it again with: sbatch " + shlex.quote(str(folder / f"{name}.sbatch")),
+        "set -euo pipefail",
+        f"cd {shlex.quote(str(Path(workdir or os.getcwd()).resolve()))}",
+        "exec " + shlex.join(argv),
+        "",
+    ]
+    path = folder / f"{name}.sbatch"
+    atomic_write_text(path, "\n".join(lines))
+    path.chmod(0o755)
+    return path
+
+
+def check_sbatch() -> str:
+    """The sbatch executable, or a ``ConfigError`` before anything is written."""
+    exe = shutil.which("sbatch")
+    if exe is None:
+        raise ConfigError("--launcher slurm: sbatch is not on the PATH (run on a SLURM login node, or pass --no-submit to only write the scripts)")
+    return exe
+
+
+def submit(script: Path) -> str:
+    """``sbatch --parsable SCRIPT``; returns the job id."""
+    r = subprocess.run([check_sbatch(), "--parsable", str(script)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise MasktrlError(f"sbatch {script} failed: {(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}")
+    job = r.stdout.strip().split(";")[0]  # --parsable: "jobid" or "jobid;cluster"
+    if not job:
+        raise MasktrlError(f"sbatch {script}: no job id in its output")
+    return job
+
+
+def recorded_jobs(out: Path) -> dict[str, str]:
+    """Run folder name -> job id of the jobs earlier sweeps submitted."""
+    path = slurm_dir(out) / JOBS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return {str(k): str(v) for k, v in json.loads(path.read_text()).items()}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        raise MasktrlError(f"{path}: unreadable (corrupted); delete it once no job of this sweep is queued or running") from None
+
+
+def record_job(out: Path, run: str, job: str) -> None:
+    jobs = recorded_jobs(out)
+    jobs[run] = job
+    atomic_write_json(slurm_dir(out) / JOBS_FILE, jobs)
+
+
+def active_jobs(jobs: dict[str, str]) -> dict[str, str]:
+    """The recorded jobs still pending or running (run -> 'job <id> <STATE>'), from ``squeue``; all
+    of them when squeue is not available (unknown counts as active: never two writers)."""
+    if not jobs:
+        return {}
+    exe = shutil.which("squeue")
+    if exe is None:
+        return {run: f"job {job} (squeue not available to check it)" for run, job in jobs.items()}
+    r = subprocess.run([exe, "-h", "-o", "%i %T", "-j", ",".join(sorted(set(jobs.values())))], capture_output=True, text=True)
+    states = {}
+    for line in r.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            states[parts[0]] = parts[1]
+    return {run: f"job {job} {states[job]}" for run, job in jobs.items() if states.get(job) in ACTIVE_STATES}
