@@ -29,9 +29,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-ROLLOUT_BYTES_PER_TOKEN = 160.0
-"""Bytes of a stored rollout batch per generated token at K = 20 with a real (~150k) vocabulary,
-rollout storage format 1 (docs/BENCHMARKS.md, "Storage budgets")."""
+ROLLOUT_BYTES_PER_TOKEN = 219.0
+"""Bytes of a stored rollout batch per generated token at K = 20 with a 151,936-token vocabulary,
+as ``benchmarks/disk_projection.py`` measures it for the rollout storage format of this
+checkout (docs/BENCHMARKS.md, "Disk use"); rerun it when the format changes."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAM_FP32_BYTES = 12
 """DeepSpeed ZeRO optimizer state per parameter: fp32 master weights + Adam's two fp32 moments."""

@@ -1,0 +1,103 @@
+"""Disk use of the paper recipes: bytes per generated token of a stored rollout batch (measured
+here, with the rollout storage format of this checkout), then each recipe's projected disk per
+step and per run (``masktrl.pipeline.storage_budget.project``, the numbers ``masktrl train``
+prints at start).
+
+The measured batch is synthetic but shaped like a real one: 16 responses of 1,024 tokens, a
+151,936-token vocabulary (Qwen3), K = 20 behaviour top-K ids (uniform over the vocabulary) and
+float32 log-probabilities (no two alike), the sampled token the top-1 70% of the time, 200
+prompt tokens and 3 kB of text per response. Random ids and log-probabilities compress worse
+than real ones, so the bytes/token is an upper estimate.
+
+    python benchmarks/disk_projection.py                       # measure, then every recipe
+    python benchmarks/disk_projection.py --set train.keep_checkpoints=2 --set rollout.store=resume
+    python benchmarks/disk_projection.py --bytes-per-token 40  # a given rate instead of measuring
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# config.json of the Hugging Face models the recipes name (dense Qwen3; parameters counted below)
+MODELS = {
+    "Qwen/Qwen3-4B-Base": dict(vocab=151936, hidden=2560, intermediate=9728, layers=36, heads=32, kv_heads=8, head_dim=128, tied=True),
+    "Qwen/Qwen3-8B-Base": dict(vocab=151936, hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128, tied=False),
+}
+ZERO_STAGE = {"qwen3-4b": 2, "qwen3-8b": 3}  # the accelerate config docs/CLUSTER.md runs each size with
+
+
+def qwen3_parameters(vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, tied) -> int:
+    """Parameters of a dense Qwen3 (q/k/v/o projections, q/k norms, SwiGLU MLP, two RMSNorms per layer)."""
+    attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden + 2 * head_dim
+    per_layer = attn + 3 * hidden * intermediate + 2 * hidden
+    return layers * per_layer + vocab * hidden * (1 if tied else 2) + hidden
+
+
+def measure_bytes_per_token(seqs=16, length=1024, vocab=151936, k=20, seed=0) -> float:
+    from masktrl.rollout.base import Generation, Sample
+    from masktrl.rollout.storage import write_rollouts
+
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(seqs):
+        ids, logp, topk_ids, topk_logp = [], [], [], []
+        for _ in range(length):
+            top = rng.sample(range(vocab), k)
+            lps = sorted((-abs(rng.gauss(0, 3)) * (j + 1) / 2 for j in range(k)), reverse=True)
+            pick = 0 if rng.random() < 0.7 else rng.randrange(k)
+            ids.append(top[pick])
+            logp.append(lps[pick])
+            topk_ids.append(top)
+            topk_logp.append(lps)
+        gen = Generation(response_ids=ids, logp=logp, topk_ids=topk_ids, topk_logp=topk_logp, finished=True)
+        samples.append(Sample("ex", "p " * 300, "42", [rng.randrange(vocab) for _ in range(200)], 0, gen,
+                              text="x" * 3000, reward=1.0, advantage=0.5))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rollouts.parquet"
+        write_rollouts(path, samples, {"engine": "synthetic", "logprobs_k": k})
+        return os.path.getsize(path) / (seqs * length)
+
+
+def main() -> None:
+    from masktrl.config import load_config
+    from masktrl.pipeline.storage_budget import human, project
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bytes-per-token", type=float, default=None, help="use this rate instead of measuring one")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="config override for every recipe")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    bpt = args.bytes_per_token if args.bytes_per_token is not None else measure_bytes_per_token()
+    print(f"rollout storage: {bpt:.1f} B per generated token (K = 20, V = 151,936)"
+          + ("" if args.bytes_per_token is None else " (given)"))
+    rows = []
+    for cfg_path in sorted((ROOT / "configs").glob("qwen3-*.yaml")):
+        cfg = load_config(cfg_path, args.overrides)
+        n_params = qwen3_parameters(**MODELS[cfg.model.path])
+        stage = ZERO_STAGE[cfg_path.stem[:8]]
+        proj = project(cfg, n_params, deepspeed_stage=stage, bytes_per_token=bpt)
+        rows.append({"recipe": cfg_path.stem, "params": n_params, "zero_stage": stage, "rollout_step": proj.rollout_step,
+                     "rollouts_kept": proj.rollouts_kept, "rollouts": proj.rollouts, "checkpoint": proj.checkpoint,
+                     "checkpoints_kept": proj.checkpoints_kept, "checkpoints": proj.checkpoints, "per_run": proj.per_run})
+    print(f"{'recipe':28} {'params':>7} {'ZeRO':>4} {'rollouts/step':>13} {'kept':>4} {'rollouts':>9} "
+          f"{'ckpt':>8} {'kept':>4} {'ckpts':>9} {'run':>9}")
+    for r in rows:
+        print(f"{r['recipe']:28} {r['params'] / 1e9:6.2f}B {r['zero_stage']:>4} {human(r['rollout_step']):>13} {r['rollouts_kept']:>4} "
+              f"{human(r['rollouts']):>9} {human(sum(r['checkpoint'].values())):>8} {r['checkpoints_kept']:>4} "
+              f"{human(r['checkpoints']):>9} {human(r['per_run']):>9}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"bytes_per_token": bpt, "overrides": args.overrides, "recipes": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
