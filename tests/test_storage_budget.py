@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from masktrl.config import load_config
 from masktrl.pipeline import storage_budget as sb
-from masktrl.pipeline.store import RunStore
+from masktrl.pipeline.runstore import RunStore
 
 
 def test_retention_policy():
@@ -47,7 +47,7 @@ def test_prune_keeps_newest_and_pinned_checkpoints_and_resume_rollouts(tmp_path)
     assert manifest["checkpoint/000004"]["status"] == "pruned" and manifest["checkpoint/000006"]["status"] == "done"
     assert manifest["step/000003/rollout"]["status"] == "pruned" and manifest["step/000007/rollout"]["status"] == "done"
     fresh = RunStore(tmp_path / "run")
-    assert sorted(k for k, v in fresh.manifest["stages"].items() if k.startswith("checkpoint/") and v["status"] == "done") == ["checkpoint/000002", "checkpoint/000006"]
+    assert fresh.checkpoints() == [2, 6]
     fresh.verify("checkpoint/000006"), fresh.verify("step/000007/rollout")  # what stays is intact
 
 
