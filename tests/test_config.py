@@ -68,6 +68,14 @@ def test_method_and_its_params():
         ("model.dtype=int8", "model.dtype"),
         ("rollout.n=1", "rollout.n"),
         ("task.ops=/", "task.ops"),
+        ("train.lr_schedule=step", "train.lr_schedule"),
+        ("train.min_lr_ratio=1.5", "train.min_lr_ratio"),
+        ("train.keep_checkpoints=0", "train.keep_checkpoints"),
+        ("train.keep_steps=[0]", "train.keep_steps"),
+        ("train.report_to=tensorbored", "train.report_to"),
+        ("train.report_to=[wandb,wandb]", "train.report_to"),
+        ("rollout.store=none", "rollout.store"),
+        ("rollout.sleep_mode=true", "rollout.sleep_mode"),
     ],
 )
 def test_invalid_values_name_the_key(override, key):

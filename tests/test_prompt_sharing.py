@@ -82,20 +82,3 @@ def test_shared_prompt_forward_equals_whole_sequences(tiny, monkeypatch, truncat
     assert torch.equal(a.batch.seq_ids, b.batch.seq_ids) and torch.equal(a.batch.sampled_ids, b.batch.sampled_ids)
     for k in gb:
         torch.testing.assert_close(ga[k], gb[k], atol=1e-6 * max(1.0, gb[k].abs().max().item()), rtol=1e-4)
-
-
-def test_activation_checkpointing_falls_back_to_whole_sequences(tiny, monkeypatch):
-    model = tiny[0]
-    calls = []
-    monkeypatch.setattr(policy, "shared_prompt_hidden", lambda *a: calls.append(a))
-    on, off = (("activation_checkpointing_enable", "activation_checkpointing_disable")
-               if hasattr(model, "activation_checkpointing_enable") else
-               ("gradient_checkpointing_enable", "gradient_checkpointing_disable"))  # older transformers
-    getattr(model, on)()
-    try:
-        model.train()
-        policy.policy_token_batch(model, _samples(tiny), temperature=1.0, chunk=64)
-    finally:
-        getattr(model, off)()
-        model.eval()
-    assert calls == []

@@ -2,12 +2,19 @@
 
 Written into a temporary folder and renamed into place, so a checkpoint folder that exists
 is complete. Loading uses ``torch.load(weights_only=True)``: no pickle from files.
+
+Under DeepSpeed the optimizer state is sharded: each process's shard is written by DeepSpeed
+itself (``engine.save_checkpoint``) into the checkpoint's ``deepspeed/`` folder, and
+``trainer_state.json`` records the ZeRO stage and process count it needs. DeepSpeed loads its
+files with pickle; masktrl loads them only from the run's own checkpoint, after the manifest's
+sha256 check of every file (``RunStore.resume_step``).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +27,14 @@ from masktrl.pipeline.distributed import Dist
 from masktrl.pipeline.faults import maybe_crash
 from masktrl.pipeline.runstore import RunStore
 
+ENGINE_STATE_DIR = "deepspeed"  # DeepSpeed's own checkpoint format, inside checkpoints/<step>/
 
-def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, extra: dict | None = None, state_dict: dict | None = None) -> Path:
+
+def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, extra: dict | None = None, state_dict: dict | None = None,
+         engine_state: Path | None = None) -> Path:
     """``state_dict``: the weights to write instead of ``model``'s own (gathered from DeepSpeed
-    shards). ``optimizer=None`` (DeepSpeed: its state is sharded) leaves the optimizer state out."""
+    shards). ``optimizer=None`` (DeepSpeed: its state is sharded) leaves the optimizer state out;
+    ``engine_state``: a folder of DeepSpeed shards moved into the checkpoint as ``deepspeed/``."""
     dest = Path(dest)
     with atomic_dir(dest) as tmp:
         model.save_pretrained(tmp, state_dict=state_dict)
@@ -33,27 +44,42 @@ def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, extra: d
         torch.save({**trainer, "scheduler": scheduler.state_dict()}, tmp / "trainer_state.pt")
         torch.save(_rng_state(), tmp / "rng_state.pt")
         atomic_write_json(tmp / "trainer_state.json", {"step": step, **(extra or {})})
+        if engine_state is not None:
+            Path(engine_state).rename(tmp / ENGINE_STATE_DIR)
     return dest
 
 
 def save_step(store: RunStore, step: int, model, tokenizer, optimizer, scheduler, dist: Dist | None = None, policy=None) -> None:
     """Checkpoint ``step`` into the run and record it as stage ``checkpoint/<step>``.
 
-    Written by the main process. Under DeepSpeed the weights are first gathered from the
-    shards (every process takes part) and the sharded optimizer state is left out."""
+    Written by the main process. Under DeepSpeed every process takes part: the weights are
+    gathered from the shards for the HF export, and each process writes its shard of DeepSpeed's
+    state (optimizer partitions with the fp32 master weights) into ``<step>.deepspeed.tmp``,
+    which is moved into the checkpoint as ``deepspeed/`` before the checkpoint is renamed into
+    place: a checkpoint folder that exists is complete, DeepSpeed state included."""
     dist = dist or Dist()
     state = dist.full_state_dict(policy) if dist.deepspeed else None  # ZeRO-3: None except on the main process
     if state is not None:
         state = {k.removeprefix("lm."): v for k, v in state.items()}
+    dest = store.checkpoint_dir(step)
+    shards = dest.with_name(dest.name + ".deepspeed.tmp") if dist.deepspeed else None
+    if shards is not None:
+        if store.writable:
+            shutil.rmtree(shards, ignore_errors=True)
+        dist.barrier()
+        dist.save_engine_state(policy, shards)  # every process, its own shard
     if store.writable:
-        path = save(store.checkpoint_dir(step), model, tokenizer, None if dist.deepspeed else optimizer, scheduler, step, state_dict=state)
+        extra = {"deepspeed": dist.engine_state_info()} if dist.deepspeed else None
+        path = save(dest, model, tokenizer, None if dist.deepspeed else optimizer, scheduler, step, extra=extra, state_dict=state,
+                    engine_state=shards)
         store.mark_done(f"checkpoint/{step:06d}", [path])
     dist.barrier()
 
 
 def restore(path: Path, model, optimizer, scheduler) -> None:
     """Load a checkpoint into ``model`` (weights, in its dtype), ``optimizer``, ``scheduler`` and
-    the global RNGs: what ``--resume`` continues from."""
+    the global RNGs: what ``--resume`` continues from. A DeepSpeed checkpoint has no optimizer
+    state here: ``restore_engine_state`` loads it after ``prepare``."""
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     try:
         loaded, _ = load_model_and_tokenizer(path, dtype)
@@ -61,6 +87,24 @@ def restore(path: Path, model, optimizer, scheduler) -> None:
         raise ArtifactError(f"{path}/model.safetensors: unreadable checkpoint ({exc})") from None
     model.load_state_dict(loaded.state_dict())
     load_trainer_state(path, optimizer, scheduler)
+
+
+def check_resumable(path: Path, dist: Dist) -> None:
+    """Refuse, before anything changes, a checkpoint whose DeepSpeed state does not fit this
+    launch (written with or without DeepSpeed, another ZeRO stage, another process count)."""
+    try:
+        info = json.loads((Path(path) / "trainer_state.json").read_text()).get("deepspeed")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path}/trainer_state.json: unreadable checkpoint ({str(exc).splitlines()[0]})") from None
+    if info is not None and not (Path(path) / ENGINE_STATE_DIR).is_dir():
+        raise ArtifactError(f"{path}/{ENGINE_STATE_DIR}: missing (the checkpoint's DeepSpeed state)")
+    dist.check_engine_state(info, path)
+
+
+def restore_engine_state(path: Path, dist: Dist, policy) -> None:
+    """Every process loads its shard of the checkpoint's DeepSpeed state into the prepared
+    ``policy`` (no-op without DeepSpeed)."""
+    dist.load_engine_state(policy, Path(path) / ENGINE_STATE_DIR)
 
 
 def load_trainer_state(path: Path, optimizer, scheduler) -> dict:
@@ -80,7 +124,8 @@ def load_optimizer_state(path: Path, optimizer, scheduler) -> None:
     path = Path(path)
     try:
         state = torch.load(path / "trainer_state.pt", weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # DeepSpeed checkpoints keep it in deepspeed/ (restore_engine_state)
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
         raise ArtifactError(f"{path}: unreadable optimizer state ({str(exc).splitlines()[0]})") from None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from masktrl.methods import TokenBatch
+from masktrl.models import checkpointing
 from masktrl.models.kvcache import cache_kwarg, new_cache
 from masktrl.models.logprobs import token_logprobs_and_entropy
 from masktrl.rollout.base import Sample
@@ -23,6 +24,7 @@ class PolicyOutputs:
     batch: TokenBatch
     advantages: torch.Tensor  # [N]
     entropy: torch.Tensor  # [N] (no grad)
+    shared_prompt: bool = False  # whether the shared-prompt forward ran
 
 
 class PolicyForward(torch.nn.Module):
@@ -56,14 +58,20 @@ class PolicyForward(torch.nn.Module):
         return hidden[rows, cols]
 
 
-def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: int) -> PolicyOutputs:
+def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: int, *, share: bool | None = None) -> PolicyOutputs:
     """Run the policy on prompt+response and gather log pi at the sampled and top-K ids.
 
     ``model``: a causal LM, or a ``PolicyForward`` (possibly wrapped by DDP/DeepSpeed). Never
     materialises the [B, T, V] logits: ``token_logprobs`` works on response positions only,
     ``chunk`` tokens at a time.
+
+    ``share``: run each distinct prompt once (``shared_prompt_hidden``); None decides from the
+    samples (``can_share_prompts``). Under ZeRO-3 every process must make the same choice (the
+    caller agrees on it). With activation checkpointing on, the shared path needs transformers'
+    support for a read-only cache in checkpointed layers (``models/checkpointing.py``); without
+    it every response runs with its prompt.
     """
-    policy, inner, inputs = _policy_inputs(model, samples)
+    policy, inner, inputs, share = _policy_inputs(model, samples, share)
     vocab_size = inner.vocab_size
     device = next(policy.parameters()).device
 
@@ -87,7 +95,7 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
         seq_ids=seq_ids,
         vocab_size=vocab_size,
     )
-    return PolicyOutputs(batch, advantages, entropy)
+    return PolicyOutputs(batch, advantages, entropy, shared_prompt=share)
 
 
 @torch.no_grad()
@@ -96,7 +104,7 @@ def response_hidden(model, samples: list[Sample]) -> torch.Tensor:
     ``samples`` in order, as in ``policy_token_batch``), without gradient. With
     ``full_logprobs`` it gives the whole next-token distribution, for analyses that need more
     than the listed ids (exact divergences, docs/METHODS.md §4.5)."""
-    policy, inner, inputs = _policy_inputs(model, samples)
+    policy, inner, inputs, _ = _policy_inputs(model, samples)
     return inner.hidden(inputs.pop("input_ids"), inputs.pop("attention"), inputs.pop("rows"), inputs.pop("cols"), **inputs)
 
 
@@ -116,17 +124,22 @@ def full_logprobs(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
     return torch.log_softmax((hidden.to(dtype) @ weight.to(dtype).t()) / temperature, dim=-1)
 
 
-def _policy_inputs(model, samples: list[Sample]):
-    """(the PolicyForward to call, its unwrapped module, its inputs on the model's device)."""
+def _policy_inputs(model, samples: list[Sample], share: bool | None = None):
+    """(the PolicyForward to call, its unwrapped module, its inputs on the model's device, whether
+    they are the shared-prompt forward's). ``share``: see ``policy_token_batch``."""
     policy = model if isinstance(getattr(model, "module", model), PolicyForward) else PolicyForward(model)
     inner = getattr(policy, "module", policy)
     device = next(policy.parameters()).device
     prompts, group = _distinct_prompts(samples)
-    if len(prompts) < len(samples) and not _checkpointing(inner.lm):
+    if share is None:
+        share = can_share_prompts(samples)
+    if share and checkpointing.is_enabled(inner.lm) and not checkpointing.shared_prompt_supported(inner.lm.base_model):
+        share = False
+    if share:
         inputs = _shared_prompt_inputs(samples, prompts, group)
     else:
         inputs = _whole_sequence_inputs(samples)
-    return policy, inner, {k: v.to(device) for k, v in inputs.items()}
+    return policy, inner, {k: v.to(device) for k, v in inputs.items()}, share
 
 
 def _distinct_prompts(samples: list[Sample]) -> tuple[list[list[int]], list[int]]:
@@ -136,13 +149,15 @@ def _distinct_prompts(samples: list[Sample]) -> tuple[list[list[int]], list[int]
     return [list(p) for p in index], group
 
 
-def _checkpointing(lm) -> bool:
-    """Whether transformers' activation checkpointing is on (it turns the KV cache off, which
-    ``shared_prompt_hidden`` needs)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # the first is the newer name
-        if hasattr(type(lm), name):
-            return bool(getattr(lm, name))
-    return False
+def can_share_prompts(samples: list[Sample]) -> bool:
+    """Whether the shared-prompt forward applies: some prompt repeats among ``samples``."""
+    return len(_distinct_prompts(samples)[0]) < len(samples)
+
+
+def shared_forward_calls(samples: list[Sample]) -> int:
+    """How many base-model calls the shared-prompt forward makes for ``samples`` (1 when every
+    response is a single token: no response pass); ZeRO-3 processes must agree on it."""
+    return 1 if max(len(s.gen.response_ids) for s in samples) <= 1 else 2
 
 
 def _padded(rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,18 +210,23 @@ def shared_prompt_hidden(base, prompt_ids, prompt_attention, response_ids, respo
     key = cache_kwarg(base)
     lengths = prompt_attention.sum(1)  # [U]
     positions = torch.arange(prompt_ids.shape[1], device=prompt_ids.device).expand_as(prompt_ids)
-    out = base(input_ids=prompt_ids, attention_mask=prompt_attention, position_ids=positions, use_cache=True, **{key: cache})
+    with checkpointing.prompt_pass(base):  # the prompt pass writes the cache: never checkpointed
+        out = base(input_ids=prompt_ids, attention_mask=prompt_attention, position_ids=positions, use_cache=True, **{key: cache})
     last = out.last_hidden_state[torch.arange(len(lengths), device=lengths.device), lengths - 1]  # [U, H]
     first = last[group][:, None]  # [B, 1, H]
     if response_ids.shape[1] == 0:  # every response is a single token
         return first
     cache.reorder_cache(group)  # [U, ...] -> [B, ...], differentiable
     steps = torch.arange(response_ids.shape[1], device=response_ids.device)
-    rest = base(
-        input_ids=response_ids,
-        attention_mask=torch.cat([prompt_attention[group], response_attention], dim=1),  # [B, W+R], pad holes masked
-        position_ids=lengths[group][:, None] + steps,  # [B, R]
-        use_cache=True,
-        **{key: cache},
-    ).last_hidden_state  # [B, R, H]
+    checkpointed = checkpointing.is_enabled(base)
+    if checkpointed:  # the response pass only reads the prompt's cache, so its layers may be replayed
+        checkpointing.read_only(cache)
+    with checkpointing.response_pass(base):
+        rest = base(
+            input_ids=response_ids,
+            attention_mask=torch.cat([prompt_attention[group], response_attention], dim=1),  # [B, W+R], pad holes masked
+            position_ids=lengths[group][:, None] + steps,  # [B, R]
+            use_cache=not checkpointed,
+            **{key: cache},
+        ).last_hidden_state  # [B, R, H]
     return torch.cat([first, rest], dim=1)

@@ -25,7 +25,15 @@ class RolloutSource:
         if path.is_dir():
             files = sorted(path.glob("steps/*/rollouts.parquet"))
             if not files:
-                raise MasktrlError(f"{path}: no stored rollouts (steps/*/rollouts.parquet)")
+                raise MasktrlError(f"{path}: no stored rollouts (steps/*/rollouts.parquet; a run with rollout.store=resume "
+                                   "deletes each batch once a checkpoint covers it)")
+            steps = [int(f.parent.name) for f in files if f.parent.name.isdigit()]
+            if steps != list(range(1, len(files) + 1)):
+                raise MasktrlError(
+                    f"{path}: stored rollouts cover {len(steps)} steps between {steps[0]} and {steps[-1]}, not every step from 1 "
+                    "(a run with rollout.store=resume keeps only the batches after its newest checkpoint); "
+                    "--rollouts-from needs a run that kept them all (rollout.store=all)"
+                )
             self._files = files
             self._batches = None
         elif path.is_file():

@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from masktrl.config import Config
-from masktrl.errors import MasktrlError
 from masktrl.io import atomic_write_json
 from masktrl.methods import get_method, make_params
 from masktrl.models.loading import tokenizer_fingerprint
+from masktrl.models import checkpointing
 from masktrl.pipeline import checkpoint as ckpt
+from masktrl.pipeline import storage_budget, tracking
 from masktrl.pipeline.collect import CollectSettings, collect_rollouts
 from masktrl.pipeline.distributed import Dist, launched
 from masktrl.pipeline.evaluate import heldout_accuracy, periodic_eval
@@ -40,6 +42,7 @@ from masktrl.pipeline.policy import PolicyForward
 from masktrl.pipeline.rollout_source import RolloutSource
 from masktrl.pipeline.runstore import RunStore
 from masktrl.pipeline.signals import graceful_stop
+from masktrl.pipeline.tracking import Trackers, open_trackers
 from masktrl.pipeline.update import UpdateSettings, make_optimizer, policy_update
 from masktrl.pipeline.warmstart import prepare_policy
 from masktrl.rollout import make_engine
@@ -82,6 +85,7 @@ class State:
     eval_before: float
     t_start: float
     progress: object = None
+    trackers: Trackers = field(default_factory=lambda: Trackers((), Path("."), ""))  # train.report_to (main process)
 
 
 def train(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, rollouts_from: str | None = None,
@@ -95,8 +99,9 @@ def train(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
             for step in range(s.start + 1, s.steps + 1):
                 row = rl_step(s, step)
                 stopping = s.dist.broadcast(stop.requested)  # every process stops after the same step
-                if step % cfg.train.checkpoint_every == 0 or step == s.steps or stopping:
+                if step % cfg.train.checkpoint_every == 0 or step == s.steps or step in cfg.train.keep_steps or stopping:
                     ckpt.save_step(s.store, step, s.model, s.tokenizer, s.optimizer, s.scheduler, s.dist, s.policy)
+                    apply_retention(s)
                 if s.progress:
                     s.progress.update(bar, advance=1, info=f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s")
                 if stopping:
@@ -104,6 +109,7 @@ def train(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
         return finish(s)
     finally:
         s.task.close()  # reward / grading processes
+        s.trackers.close()  # flushed and closed however the run ends (finish closed them already when it completed)
 
 
 def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, rollouts_from: str | None = None,
@@ -111,9 +117,8 @@ def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
     """Record the run, load (or warm-start) the policy, restore a checkpoint when resuming, start
     the engine and evaluate the starting policy."""
     t_start = time.time()
+    tracking.check_available(cfg.train.report_to)  # a tracker's missing package: one line, before any write
     dist = dist or (Dist.from_launch(cfg.train) if launched() else Dist())  # a bad launch config fails here, before any write
-    if resume and dist.deepspeed:
-        raise MasktrlError("--resume of a DeepSpeed run is not supported yet: its checkpoints hold the weights, not the sharded optimizer state")
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.seed)
     if not dist.is_main:
@@ -121,6 +126,8 @@ def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
     task = make_task(cfg.task, cfg.model)  # data, keys, template and reward checked before the run folder exists
     store.manifest  # noqa: B018  every process reads the run's state before the main one changes it
     start = store.resume_step() if resume else 0  # checks every stored artifact it will read, before anything is written
+    if start:
+        ckpt.check_resumable(store.checkpoint_dir(start), dist)  # its DeepSpeed state fits this launch, before anything is written
     dist.barrier()
     if store.writable:
         store.root.mkdir(parents=True, exist_ok=True)
@@ -132,13 +139,26 @@ def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
         model, tokenizer, ws_info = prepare_policy(cfg, task, store.root.parent, progress)
     if not store.is_done("warmstart"):
         store.mark_done("warmstart", [], config_hash=cfg.hash("model", "task", "warmstart"), info=ws_info)
+    if cfg.train.gradient_checkpointing:
+        checkpointing.enable(model)
+        if not checkpointing.shared_prompt_supported(model.base_model):
+            _note(progress, dist, "warning: train.gradient_checkpointing: this transformers version drops the KV cache in "
+                  "checkpointed layers, so the policy forward runs every response with its own prompt (no prompt sharing; "
+                  "metrics column shared_prompt_frac = 0)")
     optimizer, scheduler = make_optimizer(model, cfg.train)
+    projection = storage_budget.project(cfg, storage_budget.count_parameters(model), deepspeed_stage=dist.zero_stage)
     if resume:
         if start:
-            ckpt.restore(store.checkpoint_dir(start), model, optimizer, scheduler)
+            with dist.loading():  # ZeRO-3: the checkpoint loads whole (no zero.Init), prepare shards it
+                ckpt.restore(store.checkpoint_dir(start), model, optimizer, scheduler)
         store.rewind(start)  # forget the updates and metrics after that checkpoint
         dist.barrier()
     policy, optimizer = dist.prepare(PolicyForward(model), optimizer)  # model stays the (unwrapped) LM
+    if start:
+        ckpt.restore_engine_state(store.checkpoint_dir(start), dist, policy)  # DeepSpeed: optimizer shards, fp32 master weights
+    store.set_info(disk_projection={"per_step": projection.rollout_step, "per_checkpoint": projection.checkpoint_total,
+                                    "per_run": projection.per_run, "bytes_per_token": projection.bytes_per_token})
+    _note(progress, dist, projection.summary())
     engine = make_engine(cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
     if start:
         sync_weights(engine, model, dist)
@@ -154,6 +174,8 @@ def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
         warmstart=ws_info, test_set=task.test_examples(), eval_before=float("nan"), t_start=t_start, progress=progress,
     )
     s.eval_before = _heldout_once(s, "eval/before")
+    s.trackers = open_trackers(cfg.train.report_to, store.root, store.name, cfg.to_dict(), dist.is_main)
+    s.trackers.log({"eval/heldout/accuracy": s.eval_before}, step=0)
     return s
 
 
@@ -178,6 +200,7 @@ def rl_step(s: State, step: int) -> dict:
     }
     row.update(step_evals(s, step))
     s.store.append_metrics(row)
+    s.trackers.log(row)
     return row
 
 
@@ -185,6 +208,8 @@ def finish(s: State) -> TrainResult:
     """Evaluate the final policy, write summary.json and mark the run complete."""
     cfg = s.cfg
     eval_after = _heldout_once(s, "eval/after")
+    s.trackers.log({"eval/heldout/accuracy": eval_after}, step=s.steps)
+    s.trackers.close()
     summary = {
         "run": s.store.name,
         "method": cfg.method_name,
@@ -230,6 +255,24 @@ def step_evals(s: State, step: int) -> dict:
         row["eval/heldout/accuracy"] = _heldout(s)
     row.update(periodic_eval(s.cfg, s.store, s.engine, s.tokenizer, step, s.steps, write=s.store.writable))
     return row
+
+
+def apply_retention(s: State) -> None:
+    """After a checkpoint is recorded: delete what ``train.keep_checkpoints`` / ``keep_steps`` and
+    ``rollout.store`` no longer keep (``pipeline/storage_budget.py``). The defaults keep everything."""
+    t = s.cfg.train
+    if s.store.writable and (t.keep_checkpoints is not None or s.cfg.rollout.store != "all"):
+        storage_budget.prune(s.store, t.keep_checkpoints, t.keep_steps, s.cfg.rollout.store)
+
+
+def _note(progress, dist: Dist, text: str) -> None:
+    """One line for the user, from the main process (above the progress bar when there is one)."""
+    if not dist.is_main:
+        return
+    if progress is not None:
+        progress.console.print(text, highlight=False, markup=False)
+    else:
+        print(text, flush=True)
 
 
 def sync_weights(engine, model, dist: Dist) -> None:

@@ -18,7 +18,8 @@ from masktrl.config import Config, TrainConfig
 from masktrl.errors import MasktrlError
 from masktrl.methods.diagnostics import token_diagnostics
 from masktrl.pipeline.distributed import Dist
-from masktrl.pipeline.policy import policy_token_batch
+from masktrl.pipeline.policy import can_share_prompts, policy_token_batch, shared_forward_calls
+from masktrl.pipeline.schedule import make_scheduler
 from masktrl.rollout.base import Sample
 from masktrl.seeding import stream_seed
 
@@ -34,20 +35,21 @@ class UpdateSettings:
     logprob_chunk: int
     temperature: float
     horizon: int  # rollout.max_new_tokens: the longest possible response
+    gradient_checkpointing: bool = False  # train.gradient_checkpointing: report which forward ran (shared_prompt_frac)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "UpdateSettings":
         t = cfg.train
-        return cls(t.minibatches, t.grad_accum, t.grad_clip, t.logprob_chunk, cfg.rollout.temperature, cfg.rollout.max_new_tokens)
+        return cls(t.minibatches, t.grad_accum, t.grad_clip, t.logprob_chunk, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
+                   t.gradient_checkpointing)
 
 
 def make_optimizer(model, train_cfg: TrainConfig):
-    """AdamW and its warm-up schedule (stepped once per optimizer update)."""
+    """AdamW and its learning-rate schedule (``pipeline/schedule.py``: warm-up, then constant,
+    linear or cosine over ``train.steps x train.minibatches`` updates; stepped once per update)."""
     t = train_cfg
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999))
-    warmup = t.warmup_steps * t.minibatches
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
-    return optimizer, scheduler
+    return optimizer, make_scheduler(optimizer, t, total_updates=t.steps * t.minibatches)
 
 
 def policy_update(model, optimizer, scheduler, samples: list[Sample], method, params, settings: UpdateSettings, seed: int,
@@ -80,7 +82,9 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
         micro_rows, loss_value = [], 0.0
         for micro in micro_batches(len(mb_samples), dist.rank, dist.world, settings.grad_accum):
             with dist.accumulate(model):
-                out = policy_token_batch(model, [mb_samples[i] for i in micro], settings.temperature, settings.logprob_chunk)
+                micro_samples = [mb_samples[i] for i in micro]
+                out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk,
+                                         share=_agreed_share(micro_samples, dist))
                 u_micro = None if u is None else torch.cat([u[i] for i in micro]).to(out.batch.logp.dtype)
                 losses = method.token_losses(out.batch, out.advantages, params, u=u_micro)
                 if before is not None:
@@ -91,6 +95,8 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
             loss_value += loss.item() * share
             trained += len(micro)
             micro_rows.append({**token_diagnostics(out.batch, losses, out.advantages, params), "entropy": out.entropy.mean().item()})
+            if settings.gradient_checkpointing:
+                micro_rows[-1]["shared_prompt_frac"] = float(out.shared_prompt)
         grad_norm = dist.clip_grad_norm(model, settings.grad_clip)
         optimizer.step()
         scheduler.step()
@@ -104,6 +110,17 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     if dist.world > 1:  # shows the sharding: sequences each process trained on, in rank order
         stats["sequences_per_process"] = dist.gather_objects(trained)
     return stats
+
+
+def _agreed_share(samples: list[Sample], dist: Dist) -> bool | None:
+    """Under ZeRO-3 every process must run the same module calls (each call gathers its
+    weights from all processes), so they agree on the policy forward: the shared-prompt one only
+    if every process can use it with the same number of calls. Otherwise each decides (None)."""
+    if not dist.zero3:
+        return None
+    mine = (can_share_prompts(samples), shared_forward_calls(samples))
+    views = dist.gather_objects(mine)
+    return all(ok for ok, _ in views) and len({calls for _, calls in views}) == 1
 
 
 def micro_batches(n: int, rank: int, world: int, grad_accum: int) -> list[list[int]]:

@@ -7,6 +7,9 @@ from masktrl.rollout.base import Generation, RolloutEngine, Sample, SamplingSett
 __all__ = ["Generation", "RolloutEngine", "Sample", "SamplingSettings", "make_engine"]
 
 
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's own default for max_logprobs
+
+
 def make_engine(rollout_cfg, model, tokenizer, model_dir: str | None, *, dtype: str, seed: int) -> RolloutEngine:
     """The engine named by ``rollout_cfg.engine`` (a ``RolloutConfig``); ``model_dir`` holds the
     weights vLLM starts from, in ``dtype``; ``seed`` is vLLM's engine seed."""
@@ -24,4 +27,6 @@ def make_engine(rollout_cfg, model, tokenizer, model_dir: str | None, *, dtype: 
         quantization=rollout_cfg.quantization,
         enforce_eager=rollout_cfg.enforce_eager,
         seed=seed,
+        enable_sleep_mode=rollout_cfg.sleep_mode,
+        max_logprobs=max(rollout_cfg.logprobs_k, DEFAULT_MAX_LOGPROBS),  # K = 30/50 need vLLM's limit raised
     )
