@@ -232,3 +232,37 @@ def test_resume_refuses_a_checkpoint_whose_deepspeed_state_does_not_fit_the_laun
         with pytest.raises(MasktrlError, match=needle) as exc:
             dist.check_engine_state(info, tmp_path / "checkpoints" / "000002")
         assert "\n" not in str(exc.value) and str(tmp_path) in str(exc.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_run_killed_then_resumed_is_bit_identical(reference, stage):
+    """ZeRO-2 / ZeRO-3 on 2 CPU processes, rollouts generated on policy: SIGKILL (both processes)
+    during step 2's update, then --resume under the same launch. Checkpoint 1 holds DeepSpeed's
+    shards (each process's optimizer partition with its fp32 master weights); the resumed run's
+    final weights and metrics equal the uninterrupted run's exactly."""
+    pytest.importorskip("deepspeed")
+    base, cfg, _ = reference
+    acc = base / f"zero{stage}_resume.yaml"
+    acc.write_text(DS_CPU.format(stage=stage))
+    env = _env(TORCH_EXTENSIONS_DIR=str(base / "torch_extensions"))  # DeepSpeed's op, compiled once for the module
+    out = base / "out"
+    full, crash = f"z{stage}-full", f"z{stage}-crash"
+    r = launch(acc, "--config", str(cfg), "--out", str(out), "--run", full, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    r = launch(acc, "--config", str(cfg), "--out", str(out), "--run", crash, env={**env, "MASKTRL_CRASH_AT": "update:2"})
+    assert r.returncode != 0 and not (out / crash / "summary.json").exists()
+    ckpt = out / crash / "checkpoints" / "000001"
+    assert len(list((ckpt / "deepspeed").rglob("*optim_states.pt"))) == 2  # one optimizer partition per process
+    assert json.loads((ckpt / "trainer_state.json").read_text())["deepspeed"] == {"zero_stage": stage, "processes": 2}
+    r = launch(acc, "--resume", crash, "--out", str(out), env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    a = load_file(out / full / "checkpoints" / "000002" / "model.safetensors")
+    b = load_file(out / crash / "checkpoints" / "000002" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    timing = ("step_time_s", "rollout_time_s", "tokens_per_s")
+    strip = lambda rows: [{k: v for k, v in row.items() if k not in timing} for row in rows]  # noqa: E731
+    assert strip(metrics(out / full)) == strip(metrics(out / crash))
+    r = masktrl("train", "--resume", crash, "--out", str(out))  # one process: refused, the run left as it is
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and f"ZeRO-{stage} with 2 processes" in lines[0], r.stderr[-2000:]

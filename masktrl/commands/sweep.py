@@ -9,6 +9,7 @@ import typer
 
 from masktrl.commands.ui import console, progress_bar
 from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, OutOpt, SetOpt
+from masktrl.errors import ConfigError
 
 
 def sweep(
@@ -20,19 +21,50 @@ def sweep(
     baseline: Annotated[
         Optional[str], typer.Option("--baseline", metavar="METHOD", help="Method the compare table tests against (default: grpo if swept, else the first).", show_default=False)
     ] = None,
+    launcher: Annotated[
+        str, typer.Option("--launcher", help="local: train the runs one after another here; slurm: one sbatch job per run.")
+    ] = "local",
+    print_commands: Annotated[
+        bool, typer.Option("--print-commands", help="Print the masktrl train command of every run still to do, and start nothing.")
+    ] = False,
+    slurm_opts: Annotated[
+        Optional[list[str]],
+        typer.Option("--slurm", help="slurm: an #SBATCH option KEY=VALUE, repeatable: --slurm partition=gpu --slurm gres=gpu:8 --slurm time=72:00:00.",
+                     show_default=False),
+    ] = None,
+    accelerate_config: Annotated[
+        Optional[Path], typer.Option("--accelerate-config", help="Run each training under accelerate launch --config_file FILE.", show_default=False)
+    ] = None,
+    no_submit: Annotated[bool, typer.Option("--no-submit", help="slurm: write the sbatch scripts, submit nothing.")] = False,
+    resubmit: Annotated[bool, typer.Option("--resubmit", help="slurm: submit runs whose earlier job squeue cannot rule out as still queued or running.")] = False,
 ) -> None:
     """Train every method x seed (runs <method>-seed<k> under OUT, one after another), then print the compare table.
 
     Resumable: complete runs are skipped, interrupted ones resume from their last checkpoint, one that cannot resume starts again as <method>-seed<k>-retry<i> (nothing stored is deleted).
+    With --launcher slurm each run still to do becomes one sbatch job (scripts in OUT/.sweep/slurm/); run the same command again later: finished runs are skipped, runs whose job is still queued or running are left alone, the rest are submitted again, and the compare table is printed once every run is complete.
     """
     from masktrl.analysis import compare as cmp
     from masktrl.analysis.io import load_run, multi_run_dir
     from masktrl.commands.analyze import print_compare
     from masktrl.pipeline import sweep as stage
+    from masktrl.pipeline.tracking import check_available as check_trackers
 
+    if launcher not in ("local", "slurm"):
+        raise ConfigError(f"--launcher must be local or slurm, got {launcher!r}")
+    if accelerate_config is not None and not accelerate_config.is_file():
+        raise ConfigError(f"--accelerate-config {accelerate_config}: no such file")
+    if accelerate_config is not None and launcher == "local" and not print_commands:
+        raise ConfigError("--accelerate-config goes with --launcher slurm or --print-commands (the local launcher trains in this process)")
     method_list = stage.parse_methods(methods)
     seed_list = stage.parse_seeds(seeds)
     items = stage.plan(Path(out), method_list, seed_list, config, set_ or [])
+    for item in items:  # every run's trackers are importable, before anything starts
+        check_trackers(item.cfg.train.report_to)
+    if print_commands or launcher == "slurm":
+        launch_runs(items, Path(out), config, set_ or [], accelerate_config, print_only=print_commands,
+                    options=slurm_opts or [], submit=not no_submit, resubmit=resubmit)
+        if print_commands or not all(i.state == "complete" for i in items):
+            return
     todo = sum(i.state != "complete" for i in items)
     console.print(f"[bold]masktrl sweep[/] {len(method_list)} methods x {len(seed_list)} seeds: {len(items) - todo} complete, {todo} to run, under {out}")
     for n, item in enumerate(items, 1):
@@ -52,3 +84,45 @@ def sweep(
     paths = cmp.save(table, multi_run_dir(roots, None))
     print_compare(table)
     console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
+
+
+def launch_runs(items, out: Path, config, overrides: list[str], accelerate_config, *, print_only: bool, options: list[str],
+                submit: bool, resubmit: bool) -> None:
+    """--print-commands (print each run's command) or --launcher slurm (one sbatch job per run)."""
+    import shlex
+
+    from masktrl.pipeline import slurm
+
+    todo = [i for i in items if i.state != "complete"]
+    commands = {i.root: slurm.train_command(i, out=out, config=config, overrides=overrides, accelerate_config=accelerate_config) for i in todo}
+    if print_only:
+        for item in items:
+            if item.state == "complete":
+                console.print(f"# {item.root.name}: complete", highlight=False, markup=False)
+            else:
+                console.print(shlex.join(commands[item.root]), highlight=False, markup=False, soft_wrap=True)
+        return
+    sbatch_options = slurm.parse_options(options)
+    if submit and todo:
+        slurm.check_sbatch()
+    active = {} if resubmit else slurm.active_jobs(slurm.recorded_jobs(out))
+    console.print(f"[bold]masktrl sweep[/] --launcher slurm: {len(items) - len(todo)} complete, {len(todo)} to run, under {out}", soft_wrap=True)
+    for item in items:
+        name = item.root.name
+        if item.state == "complete":
+            console.print(f"skip [cyan]{name}[/] (complete)", highlight=False, soft_wrap=True)
+        elif name in active:
+            console.print(f"skip [cyan]{name}[/]: {active[name]} (still queued or running; left alone)", highlight=False, soft_wrap=True)
+        else:
+            script = slurm.write_script(item, commands[item.root], out, sbatch_options)
+            if not submit:
+                console.print(f"wrote {script}", highlight=False, soft_wrap=True)
+                continue
+            job = slurm.submit(script)
+            slurm.record_job(out, name, job)
+            note = {"resume": ", resuming", "retry": ", fresh restart"}.get(item.state, "")
+            console.print(f"submitted [cyan]{name}[/] as job {job}{note} ({script})", highlight=False, soft_wrap=True)
+    if todo:
+        console.print("run this command again when the jobs are done: complete runs are skipped, and the compare table "
+                      "is printed once every run is complete", highlight=False, soft_wrap=True)
+

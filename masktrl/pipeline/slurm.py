@@ -38,9 +38,15 @@ def slurm_dir(out: Path) -> Path:
     return Path(out) / ".sweep" / "slurm"
 
 
-def train_command(item, *, out: Path, config: Path | None, overrides: list[str], python: str | None = None) -> list[str]:
-    """The ``masktrl train`` argv that carries out planned run ``item`` (a ``SweepRun``)."""
-    base = [python or sys.executable, "-m", "masktrl.cli", "train"]
+def train_command(item, *, out: Path, config: Path | None, overrides: list[str], accelerate_config: Path | None = None,
+                  python: str | None = None) -> list[str]:
+    """The ``masktrl train`` argv that carries out planned run ``item`` (a ``SweepRun``): a new
+    run, a fresh retry folder, or ``--resume`` of an interrupted one; under ``accelerate launch
+    --config_file`` when ``accelerate_config`` is given."""
+    python = python or sys.executable
+    base = [python, "-m", "masktrl.cli", "train"]
+    if accelerate_config is not None:
+        base = [python, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config), *base[1:]]
     if item.state == "resume":
         return [*base, "--resume", str(item.root), "--out", str(out)]
     if item.state not in ("new", "retry"):
@@ -67,15 +73,12 @@ def parse_options(pairs: list[str]) -> list[str]:
     return out
 
 
-def write_script(item, argv: list[str], out: Path, options: list[str], *, accelerate_config: Path | None = None,
-                 workdir: Path | None = None) -> Path:
-    """Write ``<out>/.sweep/slurm/<run>.sbatch`` running ``argv`` (under ``accelerate launch`` when
-    ``accelerate_config`` is given) from ``workdir`` (default: the current folder)."""
+def write_script(item, argv: list[str], out: Path, options: list[str], *, workdir: Path | None = None) -> Path:
+    """Write ``<out>/.sweep/slurm/<run>.sbatch`` that runs ``argv`` (``train_command``) from
+    ``workdir`` (default: the current folder, so relative paths mean what they meant here)."""
     folder = slurm_dir(out)
     folder.mkdir(parents=True, exist_ok=True)
     name = item.root.name
-    if accelerate_config is not None:  # python -m masktrl.cli train ... -> python -m accelerate.commands.launch ... -m masktrl.cli train ...
-        argv = [argv[0], "-m", "accelerate.commands.launch", "--config_file", str(Path(accelerate_config).resolve()), *argv[1:]]
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name=masktrl-{name}",
