@@ -10,6 +10,9 @@ Under ``accelerate launch`` (DDP or DeepSpeed ZeRO-2/3, GPUs or nodes, or ``--cp
 * rank / world size / ``is_main`` (only the main process writes artifacts),
 * ``prepare`` (wrap the policy and its optimizer), ``unwrap``, ``full_state_dict`` (ZeRO-3
   gathers the weights for ``save_pretrained``),
+* DeepSpeed's sharded state for ``--resume`` (``save_engine_state`` / ``load_engine_state``:
+  DeepSpeed's own ``engine.save_checkpoint`` format, one shard per process, checked against
+  the launch by ``check_engine_state``),
 * collectives on python objects and numbers (``gather_objects``, ``sum``, ``barrier``),
 * gradient accumulation (``accumulate``/``backward``/``clip_grad_norm``): the loss handed to
   ``backward`` is already normalised by the whole batch (see ``pipeline/update.py``), so the
