@@ -187,6 +187,25 @@ def test_logprobs_k_above_max_is_one_clear_error(engine, tiny):
         engine.generate(tiny.prompts[:1], SamplingSettings(n=1, logprobs_k=engine.max_logprobs + 1), seed=0)
 
 
+def test_logprobs_k_above_vllm_default_with_max_logprobs_raised(tmp_path):
+    """K = 30 (the SIS paper's setting; masktrl train passes max_logprobs = max(K, 20)) on a model
+    whose vocabulary is larger than 30: every position has 30 genuine top-K entries, within TOL
+    of transformers."""
+    pytest.importorskip("vllm")
+    tok = build_char_tokenizer("0123456789+-*= abcdefghijklmnopqrstuvwxyz")
+    model = build_tiny_model(tok, TinyModelConfig(max_positions=128), seed=1).float().eval()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in CPU_ENV.items():
+            mp.setenv(key, value)
+        engine = VLLMEngine(str(tmp_path), tok, dtype="float32", enforce_eager=True, seed=0, max_logprobs=30)
+        prompts = [tok.encode("12+3="), tok.encode("abc")]
+        gens = engine.generate(prompts, SamplingSettings(n=2, max_new_tokens=6, temperature=1.0, logprobs_k=30), seed=0)
+    assert all(len(row) == 30 and -1 not in row for group in gens for g in group for row in g.topk_ids)
+    assert max_error(model, prompts, gens, 1.0) < TOL
+
+
 def test_position_topk_excludes_extra_sampled_entry_and_pads():
     entry = lambda lp, rank: SimpleNamespace(logprob=lp, rank=rank)  # noqa: E731
     # sampled token 9 outside the top-2: vLLM lists it first, with its own rank
