@@ -29,6 +29,25 @@ OUT = Path(os.environ.get("MASKTRL_BENCH_OUT", REPO / "outputs"))
 BENCH_TMP = OUT / "bench"  # run folders of timed runs; deleted after each run
 
 
+# --------------------------------------------------------------------------- process memory
+
+
+def rss_mib() -> float:
+    """This process's resident memory now (MiB)."""
+    import resource
+
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * resource.getpagesize() / 2**20
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far (MiB; ``ru_maxrss`` is KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 # --------------------------------------------------------------------------- configs and models
 
 

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,13 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import peak_rss_mib, rss_mib  # noqa: E402  (benchmarks/common.py)
+
 VARIANTS = ("plain-shared", "checkpointed-shared", "plain-whole", "checkpointed-whole")
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * resource.getpagesize() / 2**20
 
 
 def worker(args) -> dict:
@@ -75,11 +70,11 @@ def worker(args) -> dict:
         (out.batch.logp * out.advantages).sum().backward()
         model.zero_grad(set_to_none=True)
 
-    base_rss = _rss_mib()
+    base_rss = rss_mib()
     t0 = time.perf_counter()
     step()
     first = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+    peak = peak_rss_mib()
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()

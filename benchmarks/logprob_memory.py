@@ -17,17 +17,12 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * resource.getpagesize() / 2**20
+from common import peak_rss_mib, rss_mib  # noqa: E402  (benchmarks/common.py)
 
 
 def worker(args) -> dict:
@@ -42,8 +37,8 @@ def worker(args) -> dict:
     weight = (0.02 * torch.randn(args.vocab, args.hidden, generator=gen)).requires_grad_(True)  # lm_head init scale
     ids = torch.randint(0, args.vocab, (args.seqs, args.tokens, 1 + args.topk), generator=gen)  # sampled + top-K
     g = torch.randn(args.seqs, args.tokens, 1 + args.topk, generator=gen)
-    base_rss = _rss_mib()
-    base_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+    base_rss = rss_mib()
+    base_peak = peak_rss_mib()
 
     def step():
         if args.variant == "naive":
@@ -60,7 +55,7 @@ def worker(args) -> dict:
         step()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_mib()
     return {
         "variant": args.variant,
         "tokens": n,

@@ -12,17 +12,13 @@ import torch
 from masktrl.errors import ConfigError
 from masktrl.pipeline.runstore import RunStore
 from tests.test_cli_errors import masktrl as masktrl_cli
-from tests.test_resume import masktrl, metrics, weights
+from tests.test_resume import RESUME_YAML, masktrl, metrics, weights
 
-YAML = """\
-seed: 3
-method: {name: sis}
-model: {hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 64}
-task: {name: arithmetic, digits: 1, n_test: 16}
-warmstart: {steps: 40, batch_size: 16}
-rollout: {prompts_per_step: 6, n: 4, max_new_tokens: 4, logprobs_k: 5}
-train: {steps: 4, checkpoint_every: 1, lr: 1.0e-3, minibatches: 2, lr_schedule: cosine, warmup_steps: 1, min_lr_ratio: 0.1}
-"""
+YAML = RESUME_YAML.replace(  # the resume tests' tiny SIS run: 4 steps, a checkpoint after each, a cosine schedule
+    "train: {steps: 6, checkpoint_every: 2, lr: 1.0e-3, minibatches: 2}",
+    "train: {steps: 4, checkpoint_every: 1, lr: 1.0e-3, minibatches: 2, lr_schedule: cosine, warmup_steps: 1, min_lr_ratio: 0.1}",
+)
+assert "lr_schedule: cosine" in YAML
 BUDGET = ["--set", "train.keep_checkpoints=1", "--set", "train.keep_steps=[2]", "--set", "rollout.store=resume"]
 
 

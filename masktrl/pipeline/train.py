@@ -9,8 +9,14 @@ in the manifest only once complete (``pipeline/runstore.py``).
 Resume (``resume=True``) restarts from the newest complete checkpoint: the run store checks every
 artifact the resumed run will read, then weights, optimizer, scheduler and RNG states are
 restored, ``metrics.jsonl`` is cut back to that step, and the rollout batches already stored for
-later steps are reused instead of regenerated. On CPU with the same seed the final weights are
-bit-identical to an uninterrupted run.
+later steps are reused instead of regenerated. Under DeepSpeed each process also reloads its
+shard of the optimizer state (``checkpoint.restore_engine_state``), after checking the shards
+fit this launch. On CPU with the same seed the final weights are bit-identical to an
+uninterrupted run, with one process, DDP, ZeRO-2 and ZeRO-3.
+
+After each checkpoint, ``apply_retention`` deletes what ``train.keep_checkpoints`` and
+``rollout.store`` no longer keep; every metrics row also goes to the ``train.report_to``
+trackers (``pipeline/tracking.py``).
 
 Under ``accelerate launch`` (``pipeline/distributed.py``, docs/CLUSTER.md) every process
 generates its share of the prompt groups, the groups are gathered so every process holds the
@@ -30,8 +36,8 @@ import torch
 from masktrl.config import Config
 from masktrl.io import atomic_write_json
 from masktrl.methods import get_method, make_params
-from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.models import checkpointing
+from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.pipeline import checkpoint as ckpt
 from masktrl.pipeline import storage_budget, tracking
 from masktrl.pipeline.collect import CollectSettings, collect_rollouts
