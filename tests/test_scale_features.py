@@ -1,4 +1,4 @@
-"""Issue 13's run settings end to end on the tiny model: live tracking (TensorBoard events read
+"""Long-run settings end to end on the tiny model: live tracking (TensorBoard events read
 back), storage budgets (keep_checkpoints, keep_steps, rollout.store=resume) with a SIGKILL and
 --resume, gradient checkpointing and the learning-rate schedule, and their bad inputs."""
 
