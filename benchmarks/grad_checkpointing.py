@@ -7,7 +7,8 @@ distinct prompt once), whole sequences (every response with its prompt)}. A step
 and the backward of a policy-gradient loss; no optimizer step (its state is the same either
 way). Peak extra memory is the process's peak RSS (``ru_maxrss``) minus its RSS right before the
 first step, so it counts the activations kept for the backward, the gradients and the
-temporaries. Time is the median of ``--repeats`` steps after that first one. The variants run
+temporaries. Time is the median of ``--repeats`` steps after that first one, as wall time and
+as process CPU time (user + sys; the steadier of the two on a shared machine). The variants run
 interleaved for ``--rounds`` rounds (rotating the order) and each number is the median over
 rounds: the ratios are measured side by side, which stays meaningful on a shared machine.
 
@@ -75,13 +76,15 @@ def worker(args) -> dict:
     step()
     first = time.perf_counter() - t0
     peak = peak_rss_mib()
-    times = []
+    times, cpu = [], []
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     return {"variant": args.variant, "params": n_params, "peak_extra_mib": peak - base_rss, "first_s": first,
-            "time_s": statistics.median(times) if times else first, "times_s": times}
+            "time_s": statistics.median(times) if times else first, "times_s": times,
+            "cpu_s": statistics.median(cpu) if cpu else first}
 
 
 def run_variant(args, variant: str) -> dict:
@@ -115,19 +118,20 @@ def main() -> None:
     for r in range(args.rounds):
         for v in VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]:
             runs[v].append(run_variant(args, v))
-    med = {v: {k: statistics.median(x[k] for x in rs) for k in ("peak_extra_mib", "time_s")} for v, rs in runs.items()}
+    med = {v: {k: statistics.median(x[k] for x in rs) for k in ("peak_extra_mib", "time_s", "cpu_s")} for v, rs in runs.items()}
     params = runs[VARIANTS[0]][0]["params"]
     tokens = args.prompts * args.group * (args.prompt + args.response)
     print(f"{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} responses x ({args.prompt} + {args.response}) tokens, "
           f"{args.threads} thread(s), medians of {args.rounds} rounds")
-    print(f"{'variant':22} {'peak extra MiB':>15} {'step s':>8}")
+    print(f"{'variant':22} {'peak extra MiB':>15} {'wall s':>8} {'cpu s':>8}")
     for v in VARIANTS:
-        print(f"{v:22} {med[v]['peak_extra_mib']:15.0f} {med[v]['time_s']:8.2f}")
+        print(f"{v:22} {med[v]['peak_extra_mib']:15.0f} {med[v]['time_s']:8.2f} {med[v]['cpu_s']:8.2f}")
     ratios = {}
     for path in ("shared", "whole"):
         plain, ckpt = med[f"plain-{path}"], med[f"checkpointed-{path}"]
-        ratios[path] = {"memory": ckpt["peak_extra_mib"] / plain["peak_extra_mib"], "time": ckpt["time_s"] / plain["time_s"]}
-        print(f"checkpointed / plain, {path:6}: memory {ratios[path]['memory']:.2f}x, time {ratios[path]['time']:.2f}x")
+        ratios[path] = {k: ckpt[m] / plain[m] for k, m in (("memory", "peak_extra_mib"), ("time", "time_s"), ("cpu", "cpu_s"))}
+        print(f"checkpointed / plain, {path:6}: memory {ratios[path]['memory']:.2f}x, wall time {ratios[path]['time']:.2f}x, "
+              f"cpu time {ratios[path]['cpu']:.2f}x")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "worker"}, "params": params,
