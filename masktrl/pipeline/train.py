@@ -275,8 +275,9 @@ def _note(progress, dist: Dist, text: str) -> None:
     """One line for the user, from the main process (above the progress bar when there is one)."""
     if not dist.is_main:
         return
-    if progress is not None:
-        progress.console.print(text, highlight=False, markup=False)
+    console = getattr(progress, "console", None)  # a rich Progress; other progress objects have none
+    if console is not None:
+        console.print(text, highlight=False, markup=False)
     else:
         print(text, flush=True)
 
