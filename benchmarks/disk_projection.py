@@ -1,17 +1,18 @@
-"""Disk use of the paper recipes: bytes per generated token of a stored rollout batch (measured
-here, with the rollout storage format of this checkout), then each recipe's projected disk per
-step and per run (``masktrl.pipeline.storage_budget.project``, the numbers ``masktrl train``
-prints at start).
+"""Disk use of the paper recipes: each recipe's projected disk per step and per run
+(``masktrl.pipeline.storage_budget.project``, the numbers ``masktrl train`` prints at start), at
+the documented bytes per generated token of its ``model.dtype`` (docs/ROLLOUTS.md), a given
+rate, or one measured here.
 
-The measured batch is synthetic but shaped like a real one: 16 responses of 1,024 tokens, a
-151,936-token vocabulary (Qwen3), K = 20 behaviour top-K ids (uniform over the vocabulary) and
-float32 log-probabilities (no two alike), the sampled token the top-1 70% of the time, 200
-prompt tokens and 3 kB of text per response. Random ids and log-probabilities compress worse
-than real ones, so the bytes/token is an upper estimate.
+``--measure`` writes a synthetic worst-case batch with the rollout storage format of this
+checkout: 16 responses of 1,024 tokens, Qwen3's 151,936-token vocabulary, K = 20 top-K ids
+uniform over it and float32 log-probabilities with no two alike (both compress worse than a
+real model's), the sampled token the top-1 70% of the time, 200 prompt tokens and 3 kB of text
+per response.
 
-    python benchmarks/disk_projection.py                       # measure, then every recipe
+    python benchmarks/disk_projection.py                       # every recipe at the documented rate
     python benchmarks/disk_projection.py --set train.keep_checkpoints=2 --set rollout.store=resume
-    python benchmarks/disk_projection.py --bytes-per-token 40  # a given rate instead of measuring
+    python benchmarks/disk_projection.py --measure             # the worst case of this checkout's format
+    python benchmarks/disk_projection.py --bytes-per-token 40  # a given rate
 """
 
 from __future__ import annotations
@@ -72,26 +73,27 @@ def main() -> None:
     from masktrl.pipeline.storage_budget import human, project
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bytes-per-token", type=float, default=None, help="use this rate instead of measuring one")
+    p.add_argument("--bytes-per-token", type=float, default=None, help="use this rate for every recipe")
+    p.add_argument("--measure", action="store_true", help="measure a synthetic worst-case batch and use its rate")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="config override for every recipe")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    bpt = args.bytes_per_token if args.bytes_per_token is not None else measure_bytes_per_token()
-    print(f"rollout storage: {bpt:.1f} B per generated token (K = 20, V = 151,936)"
-          + ("" if args.bytes_per_token is None else " (given)"))
+    bpt = measure_bytes_per_token() if args.measure else args.bytes_per_token
+    if bpt is not None:
+        print(f"rollout storage: {bpt:.1f} B per generated token (K = 20, V = 151,936)" + (" (measured, worst case)" if args.measure else " (given)"))
     rows = []
     for cfg_path in sorted((ROOT / "configs").glob("qwen3-*.yaml")):
         cfg = load_config(cfg_path, args.overrides)
         n_params = qwen3_parameters(**MODELS[cfg.model.path])
         stage = ZERO_STAGE[cfg_path.stem[:8]]
         proj = project(cfg, n_params, deepspeed_stage=stage, bytes_per_token=bpt)
-        rows.append({"recipe": cfg_path.stem, "params": n_params, "zero_stage": stage, "rollout_step": proj.rollout_step,
+        rows.append({"recipe": cfg_path.stem, "bytes_per_token": proj.bytes_per_token, "params": n_params, "zero_stage": stage, "rollout_step": proj.rollout_step,
                      "rollouts_kept": proj.rollouts_kept, "rollouts": proj.rollouts, "checkpoint": proj.checkpoint,
                      "checkpoints_kept": proj.checkpoints_kept, "checkpoints": proj.checkpoints, "per_run": proj.per_run})
-    print(f"{'recipe':28} {'params':>7} {'ZeRO':>4} {'rollouts/step':>13} {'kept':>4} {'rollouts':>9} "
+    print(f"{'recipe':28} {'params':>7} {'ZeRO':>4} {'B/token':>7} {'rollouts/step':>13} {'kept':>4} {'rollouts':>9} "
           f"{'ckpt':>8} {'kept':>4} {'ckpts':>9} {'run':>9}")
     for r in rows:
-        print(f"{r['recipe']:28} {r['params'] / 1e9:6.2f}B {r['zero_stage']:>4} {human(r['rollout_step']):>13} {r['rollouts_kept']:>4} "
+        print(f"{r['recipe']:28} {r['params'] / 1e9:6.2f}B {r['zero_stage']:>4} {r['bytes_per_token']:7.1f} {human(r['rollout_step']):>13} {r['rollouts_kept']:>4} "
               f"{human(r['rollouts']):>9} {human(sum(r['checkpoint'].values())):>8} {r['checkpoints_kept']:>4} "
               f"{human(r['checkpoints']):>9} {human(r['per_run']):>9}")
     if args.json:

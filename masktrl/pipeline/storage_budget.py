@@ -16,8 +16,9 @@ manifest that points at a deleted file as ``done``.
   with ``rollout.store=all``.
 
 ``project`` estimates the disk a run needs from its config and parameter count: rollouts at
-``ROLLOUT_BYTES_PER_TOKEN`` per generated token (every response at ``rollout.max_new_tokens``,
-an upper bound), checkpoints at their weights plus optimizer state (see ``checkpoint_bytes``).
+``ROLLOUT_BYTES_PER_TOKEN[model.dtype]`` per generated token (every response at
+``rollout.max_new_tokens``, an upper bound), checkpoints at their weights plus optimizer state
+(see ``checkpoint_bytes``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-ROLLOUT_BYTES_PER_TOKEN = 219.0
-"""Bytes of a stored rollout batch per generated token at K = 20 with a 151,936-token vocabulary,
-as ``benchmarks/disk_projection.py`` measures it for the rollout storage format of this
-checkout (docs/BENCHMARKS.md, "Disk use"); rerun it when the format changes."""
+ROLLOUT_BYTES_PER_TOKEN = {"bfloat16": 38.7, "float16": 78.0, "float32": 78.0}
+"""Bytes of a stored rollout batch per generated token at K = 20 with Qwen3's 151,936-token
+vocabulary and trained-model-like (Zipf) ids, by ``model.dtype``: rollout storage format 2 on
+bf16 logits 38.7, on float32 logits 78.0 (docs/ROLLOUTS.md, *Bytes per generated token*;
+float16, not measured, is taken as float32). ``benchmarks/disk_projection.py --measure`` gives
+a worst case (uniform ids) for the checkout's format."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAM_FP32_BYTES = 12
 """DeepSpeed ZeRO optimizer state per parameter: fp32 master weights + Adam's two fp32 moments."""
@@ -155,9 +158,12 @@ class DiskProjection:
         )
 
 
-def project(cfg, n_params: int, *, deepspeed_stage: int | None = None, bytes_per_token: float = ROLLOUT_BYTES_PER_TOKEN) -> DiskProjection:
-    """The disk a run of ``cfg`` needs at most, for a policy of ``n_params`` parameters."""
+def project(cfg, n_params: int, *, deepspeed_stage: int | None = None, bytes_per_token: float | None = None) -> DiskProjection:
+    """The disk a run of ``cfg`` needs at most, for a policy of ``n_params`` parameters
+    (``bytes_per_token``: default ``ROLLOUT_BYTES_PER_TOKEN[cfg.model.dtype]``)."""
     r, t = cfg.rollout, cfg.train
+    if bytes_per_token is None:
+        bytes_per_token = ROLLOUT_BYTES_PER_TOKEN[cfg.model.dtype]
     tokens = r.prompts_per_step * r.n * r.max_new_tokens
     kept_rollouts = t.steps if r.store == "all" else min(t.steps, t.checkpoint_every)
     written = checkpoint_steps(t.steps, t.checkpoint_every)
