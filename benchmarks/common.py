@@ -41,6 +41,17 @@ def rss_mib() -> float:
     return pages * resource.getpagesize() / 2**20
 
 
+def run_worker(script: str, variant: str, args, keys: tuple[str, ...]) -> dict:
+    """Run ``script --worker VARIANT --key=value...`` (``args``' ``keys``) in a fresh process
+    (its memory peak is its own) and return the JSON object it prints last."""
+    import subprocess
+
+    cmd = [sys.executable, script, "--worker", variant, *[f"--{k}={getattr(args, k)}" for k in keys]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def peak_rss_mib() -> float:
     """This process's peak resident memory so far (MiB; ``ru_maxrss`` is KiB on Linux)."""
     import resource

@@ -23,7 +23,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import peak_rss_mib, rss_mib  # noqa: E402  (benchmarks/common.py)
+from common import peak_rss_mib, rss_mib, run_worker  # noqa: E402  (benchmarks/common.py)
 
 VARIANTS = ("plain-shared", "checkpointed-shared", "plain-whole", "checkpointed-whole")
 
@@ -89,9 +88,7 @@ def worker(args) -> dict:
 
 def run_variant(args, variant: str) -> dict:
     keys = ("hidden", "layers", "heads", "prompts", "group", "prompt", "response", "topk", "threads", "repeats")
-    cmd = [sys.executable, __file__, "--worker", variant, *[f"--{k}={getattr(args, k)}" for k in keys]]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_worker(__file__, variant, args, keys)
 
 
 def main() -> None:

@@ -18,11 +18,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
-from common import peak_rss_mib, rss_mib  # noqa: E402  (benchmarks/common.py)
+from common import peak_rss_mib, rss_mib, run_worker  # noqa: E402  (benchmarks/common.py)
 
 
 def worker(args) -> dict:
@@ -70,15 +69,8 @@ def worker(args) -> dict:
 
 
 def run_variant(args, variant: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", variant] + [
-        f"--{k}={v}" for k, v in (
-            ("vocab", args.vocab), ("hidden", args.hidden), ("seqs", args.seqs), ("tokens", args.tokens),
-            ("topk", args.topk), ("chunk", args.chunk), ("threads", args.threads), ("repeats", args.repeats),
-            ("temperature", args.temperature),
-        )
-    ]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    keys = ("vocab", "hidden", "seqs", "tokens", "topk", "chunk", "threads", "repeats", "temperature")
+    return run_worker(__file__, variant, args, keys)
 
 
 def main() -> None:
