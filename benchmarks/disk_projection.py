@@ -82,12 +82,13 @@ def main() -> None:
     if bpt is not None:
         print(f"rollout storage: {bpt:.1f} B per generated token (K = 20, V = 151,936)" + (" (measured, worst case)" if args.measure else " (given)"))
     rows = []
-    for cfg_path in sorted((ROOT / "configs").glob("qwen3-*.yaml")):
-        cfg = load_config(cfg_path, args.overrides)
+    overlays = sorted((ROOT / "configs" / "methods").glob("*.yaml"))
+    for base, method in [(b, m) for b in ("qwen3-4b", "qwen3-8b") for m in overlays]:  # each base with each method overlay
+        cfg = load_config([ROOT / "configs" / f"{base}.yaml", method], args.overrides)
         n_params = qwen3_parameters(**MODELS[cfg.model.path])
-        stage = ZERO_STAGE[cfg_path.stem[:8]]
+        stage = ZERO_STAGE[base]
         proj = project(cfg, n_params, deepspeed_stage=stage, bytes_per_token=bpt)
-        rows.append({"recipe": cfg_path.stem, "bytes_per_token": proj.bytes_per_token, "params": n_params, "zero_stage": stage, "rollout_step": proj.rollout_step,
+        rows.append({"recipe": f"{base} + {method.stem}", "bytes_per_token": proj.bytes_per_token, "params": n_params, "zero_stage": stage, "rollout_step": proj.rollout_step,
                      "rollouts_kept": proj.rollouts_kept, "rollouts": proj.rollouts, "checkpoint": proj.checkpoint,
                      "checkpoints_kept": proj.checkpoints_kept, "checkpoints": proj.checkpoints, "per_run": proj.per_run})
     print(f"{'recipe':28} {'params':>7} {'ZeRO':>4} {'B/token':>7} {'rollouts/step':>13} {'kept':>4} {'rollouts':>9} "

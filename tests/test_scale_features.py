@@ -11,14 +11,12 @@ import torch
 
 from masktrl.errors import ConfigError
 from masktrl.pipeline.runstore import RunStore
-from tests.test_cli_errors import masktrl as masktrl_cli
-from tests.test_resume import RESUME_YAML, masktrl, metrics, weights
+from tests.conftest import masktrl, write_tiny_config
+from tests.test_resume import RESUME, metrics, weights
 
-YAML = RESUME_YAML.replace(  # the resume tests' tiny SIS run: 4 steps, a checkpoint after each, a cosine schedule
-    "train: {steps: 6, checkpoint_every: 2, lr: 1.0e-3, minibatches: 2}",
-    "train: {steps: 4, checkpoint_every: 1, lr: 1.0e-3, minibatches: 2, lr_schedule: cosine, warmup_steps: 1, min_lr_ratio: 0.1}",
-)
-assert "lr_schedule: cosine" in YAML
+# the resume tests' tiny SIS run: 4 steps, a checkpoint after each, a cosine schedule
+OVERLAY = {**RESUME, "train": {**RESUME["train"], "steps": 4, "checkpoint_every": 1, "lr_schedule": "cosine", "warmup_steps": 1,
+                               "min_lr_ratio": 0.1}}
 BUDGET = ["--set", "train.keep_checkpoints=1", "--set", "train.keep_steps=[2]", "--set", "rollout.store=resume"]
 
 
@@ -26,8 +24,7 @@ BUDGET = ["--set", "train.keep_checkpoints=1", "--set", "train.keep_steps=[2]", 
 def runs(tmp_path_factory):
     """A plain cosine-schedule run, and the same run with tracking, checkpointing and budgets."""
     base = tmp_path_factory.mktemp("scale")
-    cfg = base / "c.yaml"
-    cfg.write_text(YAML)
+    cfg = write_tiny_config(base / "c.yaml", OVERLAY)
     out = base / "out"
     r = masktrl("train", "--config", str(cfg), "--out", str(out), "--run", "plain")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -118,19 +115,15 @@ def test_rollouts_from_a_run_that_kept_only_resume_batches_is_refused(runs, tmp_
     (["--set", "train.keep_checkpoints=0"], "train.keep_checkpoints must be >= 1"),
     (["--set", "rollout.sleep_mode=true"], "rollout.sleep_mode needs rollout.engine=vllm"),
 ])
-def test_bad_settings_exit_2_with_one_line_and_no_folder(tmp_path, args, needle):
-    r = masktrl_cli("train", *args, "--out", str(tmp_path), "--run", "x", cwd=tmp_path)
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
-    assert not (tmp_path / "x").exists()
+def test_bad_settings_exit_2_with_one_line_and_no_folder(tmp_path, cli_error, args, needle):
+    line = cli_error("train", *args, "--out", tmp_path, "--run", "x")
+    assert needle in line and not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("tracker", ["wandb"])
-def test_a_tracker_whose_package_is_missing_exits_2_before_the_run_folder_exists(tmp_path, tracker):
+def test_a_tracker_whose_package_is_missing_exits_2_before_the_run_folder_exists(tmp_path, cli_error, tracker):
     if importlib.util.find_spec(tracker) is not None:
         pytest.skip(f"{tracker} is installed here")
-    r = masktrl_cli("train", "--set", f"train.report_to=tensorboard,{tracker}", "--out", str(tmp_path), "--run", "x", cwd=tmp_path)
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert f"train.report_to={tracker}: the {tracker} package is not installed (pip install {tracker}" in lines[0]
+    line = cli_error("train", "--set", f"train.report_to=tensorboard,{tracker}", "--out", tmp_path, "--run", "x")
+    assert f"train.report_to={tracker}: the {tracker} package is not installed (pip install {tracker}" in line
     assert not (tmp_path / "x").exists()

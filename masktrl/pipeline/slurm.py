@@ -38,7 +38,7 @@ def slurm_dir(out: Path) -> Path:
     return Path(out) / ".sweep" / "slurm"
 
 
-def train_command(item, *, out: Path, config: Path | None, overrides: list[str], accelerate_config: Path | None = None,
+def train_command(item, *, out: Path, config: Path | list | None, overrides: list[str], accelerate_config: Path | None = None,
                   python: str | None = None) -> list[str]:
     """The ``masktrl train`` argv that carries out planned run ``item`` (a ``SweepRun``): a new
     run, a fresh retry folder, or ``--resume`` of an interrupted one; under ``accelerate launch
@@ -52,8 +52,8 @@ def train_command(item, *, out: Path, config: Path | None, overrides: list[str],
     if item.state not in ("new", "retry"):
         raise ValueError(f"run {item.name} is {item.state}: nothing to start")
     argv = [*base, "--method", item.method, "--seed", str(item.seed)]
-    if config is not None:
-        argv += ["--config", str(config)]
+    for path in ([] if config is None else config if isinstance(config, (list, tuple)) else [config]):  # --config is repeatable
+        argv += ["--config", str(path)]
     for o in overrides:
         argv += ["--set", o]
     return [*argv, "--out", str(out), "--run", item.root.name]
