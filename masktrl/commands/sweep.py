@@ -22,18 +22,18 @@ def sweep(
         Optional[str], typer.Option("--baseline", metavar="METHOD", help="Method the compare table tests against (default: grpo if swept, else the first).", show_default=False)
     ] = None,
     launcher: Annotated[
-        str, typer.Option("--launcher", help="local: train the runs one after another here; slurm: one sbatch job per run.")
+        str, typer.Option("--launcher", metavar="local|slurm", help="local: train the runs one after another here; slurm: one sbatch job per run.")
     ] = "local",
     print_commands: Annotated[
         bool, typer.Option("--print-commands", help="Print the masktrl train command of every run still to do, and start nothing.")
     ] = False,
     slurm_opts: Annotated[
         Optional[list[str]],
-        typer.Option("--slurm", help="slurm: an #SBATCH option KEY=VALUE, repeatable: --slurm partition=gpu --slurm gres=gpu:8 --slurm time=72:00:00.",
+        typer.Option("--slurm", metavar="KEY=VALUE", help="slurm: an #SBATCH option KEY=VALUE, repeatable: --slurm partition=gpu --slurm gres=gpu:8 --slurm time=72:00:00.",
                      show_default=False),
     ] = None,
     accelerate_config: Annotated[
-        Optional[Path], typer.Option("--accelerate-config", help="Run each training under accelerate launch --config_file FILE.", show_default=False)
+        Optional[Path], typer.Option("--accelerate-config", metavar="FILE", help="Run each training under accelerate launch --config_file FILE.", show_default=False)
     ] = None,
     no_submit: Annotated[bool, typer.Option("--no-submit", help="slurm: write the sbatch scripts, submit nothing.")] = False,
     resubmit: Annotated[bool, typer.Option("--resubmit", help="slurm: submit runs whose earlier job squeue cannot rule out as still queued or running.")] = False,
