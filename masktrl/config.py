@@ -9,6 +9,10 @@ later file overrides an earlier one key by key (``merge_config``), so a recipe i
 model size plus a small overlay (``configs/methods/<method>.yaml``). Lists are replaced
 whole; a ``method`` block that names another method replaces the method and its parameters,
 one without a name (or with the same) changes only the parameters it lists.
+
+Every number is checked: floats must be finite (YAML reads ``1e400`` as inf and ``.nan`` as
+NaN), integers must lie in [-MAX_INT, MAX_INT] (the seed in [0, MAX_SEED]), and each key has
+its own range.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import textwrap
 import types
 import typing
@@ -35,6 +40,10 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml
 REMOVED_KEYS = {"eval.batch_size": "it was never read; generation batches are rollout.batch_size"}
 """Keys earlier versions wrote: dropped when a YAML file or a stored run.yaml has them (so old runs
 still load), refused in a --set override."""
+MAX_INT = 2**31 - 1
+"""The largest integer any config key accepts (sizes, counts, steps)."""
+MAX_SEED = 2**32 - 1
+"""The largest seed: what every generator seeded from it (torch, numpy, python) accepts."""
 EVAL_BENCHMARKS = ("synthetic", "aime24", "aime25", "aime", "math500", "gsm8k")
 """`masktrl eval` benchmarks: synthetic = the run's own arithmetic held-out split; aime = aime24 + aime25."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -202,6 +211,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.n < 2:
             raise ConfigError("rollout.n must be >= 2: group-normalised advantages need a group")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -244,12 +255,16 @@ class TrainConfig:
     """Checkpoints never deleted by train.keep_checkpoints (they are still written every checkpoint_every)."""
     report_to: tuple[str, ...] = ()
     """Live trackers besides metrics.jsonl: any of tensorboard, wandb, trackio, mlflow (none: no tracker)."""
+    max_nonfinite_steps: int = 5
+    """A step whose loss or gradient norm is not finite is skipped (no optimizer step) and counted
+    (nonfinite_steps in metrics.jsonl); after this many consecutive skipped steps the run stops
+    with status failed."""
 
     def __post_init__(self):
         object.__setattr__(self, "report_to", tuple(t for t in self.report_to if t != "none"))  # 'none' = no tracker
 
     def validate(self) -> None:
-        for name in ("steps", "minibatches", "grad_accum", "checkpoint_every", "logprob_chunk", "threads"):
+        for name in ("steps", "minibatches", "grad_accum", "checkpoint_every", "logprob_chunk", "threads", "max_nonfinite_steps"):
             _positive(f"train.{name}", getattr(self, name))
         _choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -373,6 +388,8 @@ def read_overrides(path: str | Path | list | tuple | None = None, overrides: lis
 def from_dict(raw: dict) -> Config:
     raw = _without_removed_keys(raw)
     cfg = _build(Config, raw, "")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        raise ConfigError(f"seed must be in [0, {MAX_SEED}], got {cfg.seed}")
     for section in (cfg.model, cfg.task, cfg.warmstart, cfg.rollout, cfg.train, cfg.eval):
         section.validate()
     _validate_method(cfg.method)
@@ -582,6 +599,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key} must be an integer, got {value!r}")
+        if abs(value) > (MAX_SEED if key == "seed" else MAX_INT):
+            raise ConfigError(f"{key} is out of range: {_digits(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
@@ -591,12 +610,23 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be a number, got {value!r}")
-        return float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer too large for a float
+            raise ConfigError(f"{key} is out of range: {_digits(value)}") from None
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+        return value
     if tp is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{key} must be a string, got {value!r}")
         return str(value)
     raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _digits(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"an integer of {len(text)} digits"
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

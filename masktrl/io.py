@@ -2,12 +2,15 @@
 
 A write goes to a temporary file in the same folder, is fsynced, renamed over the target and
 the folder is fsynced: readers see the old or the new file, never a torn one, whatever kills
-the process or the machine. ``atomic_dir`` does the same for a whole folder.
+the process or the machine. ``atomic_dir`` does the same for a whole folder. Files get the
+mode an ordinary ``open`` gives under the user's umask (``tempfile`` and safetensors create
+them 0600).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -17,12 +20,33 @@ from pathlib import Path
 from typing import Any
 
 
+def file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file: 0o666 less the process's umask."""
+    return 0o666 & ~_umask()
+
+
+@functools.lru_cache(maxsize=1)
+def _umask() -> int:
+    """The process's umask, read once (it is set at start-up by the shell or the scheduler)."""
+    try:  # Linux: read it without changing it (os.umask can only be read by setting it)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write via a temporary file, fsync, rename, fsync the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -51,6 +75,10 @@ def atomic_dir(dest: Path):
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     yield tmp
+    mode = file_mode()
+    for p in tmp.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     fsync_dir(dest.parent)
