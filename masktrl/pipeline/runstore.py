@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,44 @@ import yaml
 from masktrl.config import Config, from_dict, save_config
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.io import atomic_write_text, json_default, sha256_file
+from masktrl.pipeline import runlock
 from masktrl.rollout.storage import read_rollouts, write_rollouts
 
 MANIFEST = "manifest.json"
+MAX_NAME_BYTES = 200
+
+
+def check_run_name(name: str) -> str:
+    """A run name is one folder directly under ``--out``: no path separators, not hidden (no
+    leading dot, so not ``.`` or ``..``: ``.cache`` holds the warm starts), no control
+    characters, at most 200 bytes. Returns the name; ConfigError otherwise."""
+    bad = None
+    if not name or not name.strip():
+        bad = "it is empty"
+    elif "/" in name or "\\" in name or (os.altsep and os.altsep in name):
+        bad = "it holds a path separator; a run is one folder under --out (use --out to choose where)"
+    elif name.startswith("."):
+        bad = "it starts with a dot"
+    elif ".." in name:
+        bad = "it holds '..'"
+    elif any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in name):
+        bad = "it holds a control character"
+    elif len(name.encode()) > MAX_NAME_BYTES:
+        bad = f"it is longer than {MAX_NAME_BYTES} bytes"
+    if bad:
+        raise ConfigError(f"invalid run name {name!r}: {bad}")
+    return name
+
+
+def is_fresh_folder(path: str | Path) -> bool:
+    """A folder that does not exist, or holds nothing a run recorded: at most a writer's lock
+    file, a run.yaml without a manifest, and temporary files of writes that never finished."""
+    path = Path(path)
+    if not path.exists():
+        return True
+    if not path.is_dir():
+        return False
+    return all(p.name in (runlock.LOCK_NAME, "run.yaml") or (p.name.startswith(".") and p.name.endswith(".tmp")) for p in path.iterdir())
 
 
 def is_run_folder(path: str | Path) -> bool:
@@ -108,10 +144,7 @@ class RunStore:
         if self._manifest is None:
             path = self.root / MANIFEST
             if path.exists():
-                try:
-                    self._manifest = json.loads(path.read_text())
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    raise ArtifactError(f"{path}: manifest is unreadable (corrupted)") from None
+                self._manifest = _read_manifest(path)
             else:
                 self._manifest = {"version": 1, "stages": {}}
             self._manifest["stages"].update(self._pending)  # re-read from disk: keep what is deferred
@@ -142,19 +175,30 @@ class RunStore:
                     hashes[str(p.relative_to(self.root))] = sha256_file(p)
         entry = {"status": "done", "time": time.time(), "config_hash": config_hash, "files": hashes}
         entry.update(info)
-        self.reload()
-        self.manifest["stages"][stage] = entry
         if defer:
+            self.reload()
+            self.manifest["stages"][stage] = entry
             self._pending[stage] = entry
-        else:
-            self.write_manifest()
+            return
+        with self.updating() as manifest:
+            manifest["stages"][stage] = entry
 
     def set_info(self, **info: Any) -> None:
         if not self.writable:
             return
-        self.reload()
-        self.manifest.update(info)
-        self.write_manifest()
+        with self.updating() as manifest:
+            manifest.update(info)
+
+    @contextlib.contextmanager
+    def updating(self):
+        """Read-modify-write of the manifest: yields it (re-read if another process changed it)
+        and writes it after the block, under the run's manifest lock, so a stage that another
+        process records meanwhile (an eval of this run) is never lost."""
+        with runlock.manifest_lock(self.root):
+            self.reload()
+            manifest = self.manifest
+            yield manifest
+            self.write_manifest()
 
     def reload(self) -> None:
         """Re-read the manifest if another process changed it since this one last wrote it (an
@@ -202,16 +246,58 @@ class RunStore:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row, sort_keys=True, default=json_default) + "\n")
 
+    def sync_metrics(self) -> None:
+        """Make the rows appended so far durable (fsync): done before a checkpoint is recorded,
+        so a checkpoint never exists without the metrics rows of its steps."""
+        if not self.writable:
+            return
+        try:
+            fd = os.open(self.metrics_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def read_metrics(self) -> list[dict]:
-        if not self.metrics_path.exists():
+        """The rows of metrics.jsonl. A torn last line (a crash in the middle of an append: no
+        newline after it) is left out; any other line that is not a JSON object with an integer
+        ``step`` raises ArtifactError naming its line number."""
+        try:
+            data = self.metrics_path.read_bytes()
+        except FileNotFoundError:
             return []
+        lines = data.split(b"\n")  # data ending with a newline leaves an empty last piece
         rows = []
-        for line in self.metrics_path.read_text().splitlines():
+        for number, line in enumerate(lines, 1):
+            last = number == len(lines)
+            if last and not line.strip():
+                break
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a torn last line from a crash; everything before it is intact
+                row = json.loads(line)
+            except (ValueError, RecursionError):
+                if last:
+                    break  # torn by a crash; everything before it is intact
+                raise ArtifactError(f"{self.metrics_path}: line {number} is not valid JSON (the file is damaged)") from None
+            if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
+                raise ArtifactError(f"{self.metrics_path}: line {number} is not a metrics row (a JSON object with an integer step)")
+            rows.append(row)
         return rows
+
+    def check_metrics(self, step: int) -> None:
+        """Raise ArtifactError unless metrics.jsonl holds exactly one row for each step 1..``step``,
+        in order (what resume keeps: a checkpoint's steps cannot be recomputed)."""
+        have = [r["step"] for r in self.read_metrics() if r["step"] <= step]
+        if have == list(range(1, step + 1)):
+            return
+        for expected, got in zip(range(1, step + 1), have + [None]):
+            if got != expected:
+                what = f"step {got} where step {expected} belongs" if got is not None else f"no row for step {expected}"
+                raise ArtifactError(
+                    f"{self.metrics_path}: {what} (the rows of steps 1..{step} must precede checkpoint {step}); "
+                    "the file was damaged or edited, restore it to resume"
+                )
 
     # -- config, summary, status
     def config(self) -> Config:
@@ -243,23 +329,84 @@ class RunStore:
 
     def status(self) -> str:
         """running | interrupted | failed | complete | unknown; a run whose trainer died without a
-        chance to say so (status running, no such process) is interrupted."""
+        chance to say so (status running, nobody holds the run's lock) is interrupted."""
         status = self.manifest.get("status", "unknown")
-        if status == "running" and not process_alive(self.manifest.get("pid")):
+        if status == "running" and not self.writer_alive():
             return "interrupted"
         return status
 
+    def writer_alive(self) -> bool:
+        """Whether a process is writing this run: it holds the run's lock (runs from before
+        locks existed: the recorded trainer pid exists)."""
+        if runlock.holds(self.root):  # this process: alive if it is the trainer the manifest names
+            return self.manifest.get("pid") == os.getpid()
+        if runlock.has_lock_file(self.root):
+            return runlock.holder(self.root) is not None
+        return process_alive(self.manifest.get("pid"))
+
+    # -- one writer
     @contextlib.contextmanager
-    def recording_failure(self):
-        """Record status ``interrupted`` (Ctrl-C) or ``failed`` (any other exception) if the block raises."""
+    def writing(self):
+        """This process is the run's only writer for the block (``pipeline/runlock.py``): the
+        folder is created and locked, or RunBusyError names the process that writes it. A
+        read-only view takes nothing."""
+        if not self.writable:
+            yield
+            return
+        with runlock.holding(self.root):
+            yield
+
+    @contextlib.contextmanager
+    def recording_failure(self, extra=None):
+        """Record status ``interrupted`` (Ctrl-C, SIGTERM) or ``failed`` with the reason (any
+        other exception, ``SystemExit`` included) if the block raises, with ``extra()``'s entries.
+        Best effort: a full or read-only disk that stopped the run may refuse this write too,
+        and the original error is what the user must see."""
         try:
             yield
         except KeyboardInterrupt:
-            self.set_info(status="interrupted")
+            self._record_end(extra, status="interrupted")
             raise
-        except BaseException:
-            self.set_info(status="failed")
+        except BaseException as exc:
+            self._record_end(extra, status="failed", reason=failure_reason(exc))
             raise
+
+    def _record_end(self, extra, **info: Any) -> None:
+        try:
+            self.set_info(**info, **(extra() if extra else {}))
+        except Exception:  # noqa: BLE001  (see recording_failure)
+            pass
+
+    def previous_wall_time(self) -> float:
+        """Wall time of the run's earlier sessions, as the last of them recorded it (at each
+        checkpoint and when it ended); a run from before this was recorded: its summary's."""
+        recorded = self.manifest.get("wall_time_s")
+        if isinstance(recorded, (int, float)):
+            return float(recorded)
+        try:
+            return float((self.summary() or {}).get("wall_time_s") or 0.0)
+        except (ArtifactError, TypeError, ValueError):
+            return 0.0
+
+    def restart(self) -> None:
+        """Start this folder's run again from scratch: a failed or interrupted run without a
+        completed checkpoint, re-run with another config (``preflight.plan_start``). The files
+        its stages recorded (stored rollouts, evals) and its metrics are deleted, as nothing of
+        them can be reused; the manifest keeps how each earlier attempt ended."""
+        if not self.writable:
+            return
+        old = self.manifest
+        for name, entry in old["stages"].items():
+            if name != "config":
+                for rel in entry.get("files", {}):
+                    (self.root / rel).unlink(missing_ok=True)
+        for path in (self.metrics_path, self.root / "summary.json"):
+            path.unlink(missing_ok=True)
+        attempts = [*old.get("attempts", []), {"status": old.get("status"), "reason": old.get("reason"), "restarted": time.time()}]
+        self._manifest = {"version": 1, "stages": {}, "attempts": attempts}
+        self._pending.clear()
+        with runlock.manifest_lock(self.root):
+            self.write_manifest()
 
     def is_complete(self) -> bool:
         return (self.root / "summary.json").is_file() and self.exists() and self.manifest.get("status") == "complete"
@@ -290,6 +437,9 @@ class RunStore:
         if info.get("path"):
             for candidate in (Path(path), self.root.parent / ".cache" / "warmstart" / Path(path).name):
                 if (candidate / "config.json").is_file():
+                    for name, digest in (info.get("files") or {}).items():  # as the run recorded it
+                        if not (candidate / name).is_file() or sha256_file(candidate / name) != digest:
+                            raise ArtifactError(f"{candidate / name}: the run's warm-start model changed or is gone (fails its sha256 check)")
                     return str(candidate)
             raise ArtifactError(f"{path}: the run's warm-start model is gone (was the .cache folder removed?)")
         if Path(path).exists() and not (Path(path) / "config.json").is_file():
@@ -358,6 +508,7 @@ class RunStore:
                 read_rollouts(self.root / next(iter(entry["files"])))
         if step:
             self.verify(f"checkpoint/{step:06d}")
+        self.check_metrics(step)
         self._resume_from = step
         return step
 
@@ -365,10 +516,47 @@ class RunStore:
         """Forget what happened after ``step``'s checkpoint: the update records (lost with the
         process) and the metrics rows (the steps are redone and write them again)."""
         self._resume_from = None
-        for key in [k for k in self.manifest["stages"] if k.startswith("step/") and k.endswith("/train")]:
-            if int(key.split("/")[1]) > step:
-                del self.manifest["stages"][key]
-        self.write_manifest()
+        if not self.writable:
+            return
+        with self.updating() as manifest:
+            for key in [k for k in manifest["stages"] if k.startswith("step/") and k.endswith("/train")]:
+                if int(key.split("/")[1]) > step:
+                    del manifest["stages"][key]
         if self.writable:
             rows = [r for r in self.read_metrics() if r["step"] <= step]
             atomic_write_text(self.metrics_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The first line of an exception, as ``manifest.json`` records why a run failed."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _read_manifest(path: Path) -> dict:
+    """manifest.json, checked for the shape every reader relies on: an object whose ``stages``
+    maps names to objects, each with a ``status`` and its ``files`` as path -> sha256."""
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (ValueError, RecursionError):
+        raise ArtifactError(f"{path}: manifest is unreadable (corrupted)") from None
+    except OSError as exc:
+        raise ArtifactError(f"{path}: cannot read the manifest ({exc.strerror or exc})") from None
+    problem = None
+    if not isinstance(manifest, dict):
+        problem = f"a JSON {type(manifest).__name__}, not an object"
+    elif not isinstance(manifest.get("stages"), dict):
+        problem = "no 'stages' object"
+    else:
+        for name, entry in manifest["stages"].items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("status"), str):
+                problem = f"stage {name!r} is not an object with a status"
+            elif not isinstance(entry.get("files", {}), dict) or not all(isinstance(v, str) for v in entry.get("files", {}).values()):
+                problem = f"stage {name!r} has no valid file list"
+            elif name.startswith(("step/", "checkpoint/")) and not name.split("/")[1].isdigit():
+                problem = f"stage {name!r} names no step"
+            if problem:
+                break
+    if problem:
+        raise ArtifactError(f"{path}: not a masktrl manifest ({problem})")
+    return manifest
