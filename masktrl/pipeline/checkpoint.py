@@ -56,11 +56,16 @@ def save_step(store: RunStore, step: int, model, tokenizer, optimizer, scheduler
     gathered from the shards for the HF export, and each process writes its shard of DeepSpeed's
     state (optimizer partitions with the fp32 master weights) into ``<step>.deepspeed.tmp``,
     which is moved into the checkpoint as ``deepspeed/`` before the checkpoint is renamed into
-    place: a checkpoint folder that exists is complete, DeepSpeed state included."""
+    place: a checkpoint folder that exists is complete, DeepSpeed state included. Weights that
+    are not all finite are never written (MasktrlError: the run stops as failed)."""
     dist = dist or Dist()
     state = dist.full_state_dict(policy) if dist.deepspeed else None  # ZeRO-3: None except on the main process
     if state is not None:
         state = {k.removeprefix("lm."): v for k, v in state.items()}
+    weights = state if state is not None else (model.state_dict() if store.writable else None)
+    bad = dist.broadcast(nonfinite_tensor(weights) if weights is not None else None)  # every process stops alike
+    if bad is not None:
+        raise MasktrlError(f"step {step}: the weights are not finite ({bad} holds NaN or inf); checkpoint {step} was not written")
     dest = store.checkpoint_dir(step)
     shards = dest.with_name(dest.name + ".deepspeed.tmp") if dist.deepspeed else None
     if shards is not None:
@@ -72,8 +77,17 @@ def save_step(store: RunStore, step: int, model, tokenizer, optimizer, scheduler
         extra = {"deepspeed": dist.engine_state_info()} if dist.deepspeed else None
         path = save(dest, model, tokenizer, None if dist.deepspeed else optimizer, scheduler, step, extra=extra, state_dict=state,
                     engine_state=shards)
+        store.sync_metrics()  # the metrics rows of the checkpoint's steps are durable before it is recorded
         store.mark_done(f"checkpoint/{step:06d}", [path])
     dist.barrier()
+
+
+def nonfinite_tensor(state: dict) -> str | None:
+    """The name of the first floating-point tensor of ``state`` holding NaN or inf, else None."""
+    for name, tensor in state.items():
+        if torch.is_tensor(tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
 
 
 def restore(path: Path, model, optimizer, scheduler) -> None:

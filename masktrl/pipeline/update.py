@@ -10,6 +10,7 @@ are the method's (``masktrl.methods``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,11 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     minibatch, for any number of processes and micro-batches. SIS draws its uniforms for the
     whole minibatch, so they do not depend on the split either.
 
+    An update whose loss or gradient norm is not finite is not applied (no optimizer step; the
+    gradients are dropped) and counted in ``skipped_updates``: one bad batch cannot turn every
+    weight into NaN. Under DeepSpeed the engine has applied it inside ``backward`` already; it is
+    only counted.
+
     The analyses replay a stored step through this same function (with their own
     ``settings.minibatches``): ``before(mb, idx, out, losses, u)`` sees each micro-batch's policy
     outputs and token losses (``idx``: indices into ``samples``) before its backward, and
@@ -72,7 +78,7 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     dist = dist or Dist()
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(stream_seed(seed, "order", step)))
     parts = [p for p in order.chunk(settings.minibatches) if len(p)]
-    rows, trained = [], 0
+    rows, trained, skipped = [], 0, 0
     model.train()
     for mb, idx in enumerate(parts):
         mb_samples = [samples[i] for i in idx.tolist()]
@@ -98,15 +104,21 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
             if settings.gradient_checkpointing:
                 micro_rows[-1]["shared_prompt_frac"] = float(out.shared_prompt)
         grad_norm = dist.clip_grad_norm(model, settings.grad_clip)
-        optimizer.step()
-        scheduler.step()
+        loss_total = dist.sum([loss_value])[0]
+        if math.isfinite(loss_total) and (math.isfinite(grad_norm) or dist.deepspeed):  # DeepSpeed: no norm; it stepped already
+            optimizer.step()
+        else:  # not applied: the weights and the optimizer state stay as they were
+            optimizer.zero_grad(set_to_none=True)
+            skipped += 1
+        scheduler.step()  # the schedule follows the updates planned, applied or not
         if after is not None:
             after(mb, idx.tolist())
         diag = combine_rows([r for rank_rows in dist.gather_objects(micro_rows) for r in rank_rows])
-        diag.update(loss=dist.sum([loss_value])[0], grad_norm=grad_norm)
+        diag.update(loss=loss_total, grad_norm=grad_norm)
         rows.append(diag)
     model.eval()
     stats = _mean_rows(rows)
+    stats["skipped_updates"] = skipped
     if dist.world > 1:  # shows the sharding: sequences each process trained on, in rank order
         stats["sequences_per_process"] = dist.gather_objects(trained)
     return stats
