@@ -5,12 +5,22 @@ The warm start trains on (prompt, target + EOS) pairs of the task with the loss 
 target tokens only, so RL begins with non-trivial accuracy. Its result is cached under
 ``<out>/.cache/warmstart/<hash>/``, keyed by the model, task and warm-start settings and the
 seed, so a second run (another method, the same seed) starts from the identical model.
+
+``warmstart.json`` (written last: it marks the entry complete) records the sha256 of every
+file of the entry; an entry is verified each time it is reused, and one that fails (a file
+changed, missing, or an entry from before hashes were recorded) is rebuilt, never trained on.
+Building, verifying and loading an entry happen under a lock (``<out>/.cache/locks/``), so
+runs started together never write one entry twice or read it half replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +29,7 @@ import torch
 from masktrl.config import Config
 from masktrl.models.loading import load_model_and_tokenizer, quiet_transformers
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from masktrl.io import atomic_dir, atomic_write_json
+from masktrl.io import atomic_dir, atomic_write_json, file_mode, sha256_file
 
 
 WARMSTART_VERSION = 3  # bump when the warm-start procedure changes: old cache entries are then ignored
@@ -36,10 +46,18 @@ def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):
         model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype)
         return model, tokenizer, {"source": cfg.model.path, "warmstart": None}
     cache = Path(out_dir) / ".cache" / "warmstart" / warmstart_key(cfg)
-    if (cache / "warmstart.json").is_file():
-        model, tokenizer = load_model_and_tokenizer(cache, cfg.model.dtype)
-        info = json.loads((cache / "warmstart.json").read_text())
-        return model, tokenizer, {**info, "cached": True, "path": str(cache)}
+    with _entry_lock(cache):
+        if (cache / "warmstart.json").is_file():
+            problem = cache_problem(cache)
+            if problem is None:
+                model, tokenizer = load_model_and_tokenizer(cache, cfg.model.dtype)
+                info = json.loads((cache / "warmstart.json").read_text())
+                return model, tokenizer, {**info, "cached": True, "path": str(cache)}
+            print(f"warm-start cache {cache}: {problem}; building it again", file=sys.stderr, flush=True)
+        return _build(cfg, task, cache, progress)
+
+
+def _build(cfg: Config, task, cache: Path, progress=None):
     m = cfg.model
     tokenizer = build_char_tokenizer(task.alphabet())
     tiny = TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size)
@@ -52,10 +70,10 @@ def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):
         "final_loss": losses[-1] if losses else None,
         "time_s": time.time() - t0,
     }
-    _save_atomically(model, tokenizer, info, cache)
+    files = _save_atomically(model, tokenizer, info, cache)
     # Reload what was stored, so a first run and a cached rerun start from identical objects.
     model, tokenizer = load_model_and_tokenizer(cache, cfg.model.dtype)
-    return model, tokenizer, {**info, "cached": False, "path": str(cache)}
+    return model, tokenizer, {**info, "files": files, "cached": False, "path": str(cache)}
 
 
 def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None) -> list[float]:
@@ -106,8 +124,40 @@ def _warmup_constant(warmup: int):
     return lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
 
 
-def _save_atomically(model, tokenizer, info: dict, dest: Path) -> None:
+def _save_atomically(model, tokenizer, info: dict, dest: Path) -> dict:
+    """Write the entry; returns its files' sha256 (also recorded in its warmstart.json)."""
     with atomic_dir(dest) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        atomic_write_json(tmp / "warmstart.json", info)  # written last: marks the cache entry complete
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        atomic_write_json(tmp / "warmstart.json", {**info, "files": files})  # written last: marks the cache entry complete
+    return files
+
+
+def cache_problem(entry: Path) -> str | None:
+    """Why the cache entry cannot be used (a file changed or missing), or None if it verifies."""
+    try:
+        files = json.loads((entry / "warmstart.json").read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return "warmstart.json is unreadable"
+    if not isinstance(files, dict) or not files:
+        return "no file hashes recorded (an entry from an older masktrl)"
+    for name, digest in files.items():
+        path = entry / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if sha256_file(path) != digest:
+            return f"{name} fails its sha256 check (changed since it was written)"
+    return None
+
+
+@contextlib.contextmanager
+def _entry_lock(entry: Path):
+    locks = entry.parent.parent / "locks"  # <out>/.cache/locks: the warm-start folder holds entries only
+    locks.mkdir(parents=True, exist_ok=True)
+    fd = os.open(locks / f"warmstart-{entry.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, file_mode())
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
