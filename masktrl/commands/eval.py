@@ -99,6 +99,7 @@ def print_report(r: dict, path: Path) -> None:
         *[(f"pass@{j}", f"{v:.4f}") for j, v in r["pass_at"].items() if j != "1"],
         (f"maj@{k}", f"{r['maj_at_k']:.4f}"),
         ("truncated samples", f"{r['truncated_frac']:.1%}"),
+        *([("skipped: prompt longer than the context", str(r["prompts_too_long"]))] if r.get("prompts_too_long") else []),
         ("wall time", f"{r['time_s']:.0f} s"),
     ]
     console.print(kv_table(f"eval {r['benchmark']}", rows))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -29,55 +30,96 @@ def train(
         Optional[str],
         typer.Option("--rollouts-from", metavar="RUN|FILE", help="Train on stored rollouts: a run (folder, or name under --out) or a parquet file from `masktrl rollout`.", show_default=False),
     ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Run every check, print the resolved config and the projected disk use, write nothing.")
+    ] = False,
 ) -> None:
     """Run RL training (default: the embedded tiny model on synthetic arithmetic, GRPO).
 
     Artifacts go to OUT/RUN: run.yaml, manifest.json, metrics.jsonl, steps/*/rollouts.parquet,
-    checkpoints/*, summary.json. Ctrl-C finishes the current step, checkpoints it and leaves a
-    run that --resume continues.
+    checkpoints/*, summary.json. Ctrl-C or SIGTERM finishes the current step, checkpoints it and
+    leaves a run that --resume (or the same command again) continues. Re-running the command of
+    a failed run continues it, or starts it again in place if its config changed before any
+    checkpoint (docs/RELIABILITY.md).
     """
-    from masktrl.pipeline.train import train as run_training
+    from masktrl.pipeline import preflight
     from masktrl.pipeline.distributed import launch_rank
-    from masktrl.pipeline.runstore import RunStore, is_run_folder, resolve_run
+    from masktrl.pipeline.runstore import RunStore, check_run_name, is_run_folder, resolve_run
+    from masktrl.pipeline.train import train as run_training
 
+    main = launch_rank() == 0  # under accelerate launch the main process decides and writes; the others follow
     if resume:
-        store = RunStore(resolve_run(resume, out))
-        store.check_resumable()
-        store.resume_step()  # every artifact the resumed run reads is checked before anything is written (--force records the config)
-        cfg = _resume_config(store, config, set_, method, seed, force)
-        name = store.name
+        root = resolve_run(resume, out)
+        plan = preflight.Start(root, "resume")
     else:
         cfg = load_config(config, set_ or [], method=method, seed=seed)
-        name = run or f"{cfg.method_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        store = RunStore(Path(out) / name)
-        if store.root.exists() and any(store.root.iterdir()) and launch_rank() == 0:  # other ranks: the main one creates it
-            raise MasktrlError(f"run folder {store.root} already exists: choose another --run, or --resume it (nothing was changed)")
+        name = check_run_name(run) if run is not None else f"{cfg.method_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        root = Path(out) / name
+        plan = preflight.plan_start(root, cfg) if main else preflight.Start(root, "new")
     if rollouts_from and not Path(rollouts_from).exists() and is_run_folder(Path(out) / rollouts_from):
         rollouts_from = str(Path(out) / rollouts_from)  # a run given by name
-    verb = "resuming" if resume else "run"
-    console.print(f"[bold]masktrl train[/] {verb} [cyan]{name}[/] method [cyan]{cfg.method_name}[/] seed {cfg.seed}")
-    with progress_bar() as progress:
-        result = run_training(cfg, store, progress, resume=bool(resume), rollouts_from=rollouts_from)
+    store, changed = RunStore(root), []
+    if plan.mode == "resume":
+        store.check_resumable()
+        cfg, changed = _resume_config(store, config, set_, method, seed, force) if resume else (cfg, [])
+    checked = preflight.check(cfg, rollouts_from=rollouts_from, out=Path(out))  # everything that needs no write
+    try:
+        if dry_run:
+            if plan.mode == "resume":
+                store.resume_step()  # checks every artifact the resumed run reads
+            print_dry_run(cfg, plan, checked)
+            return
+        with store.writing() if main and plan.mode != "new" else contextlib.nullcontext():  # one writer from here on
+            if main and plan.mode != "new":  # again, under the lock: another process may have moved the run on
+                if not resume:
+                    plan = preflight.plan_start(root, cfg)
+                if plan.mode == "resume":
+                    store.check_resumable()
+                    store.resume_step()  # every artifact the resumed run reads, before --force records the config
+                    if changed:
+                        store.record_config(cfg, forced_changes=changed)
+            verb = {"resume": "resuming", "restart": "restarting"}.get(plan.mode, "run")
+            console.print(f"[bold]masktrl train[/] {verb} [cyan]{root.name}[/] method [cyan]{cfg.method_name}[/] seed {cfg.seed}")
+            if plan.note and not resume:
+                console.print(plan.note, highlight=False)
+            with progress_bar() as progress:
+                result = run_training(cfg, store, progress, resume=plan.mode == "resume", restart=plan.mode == "restart",
+                                      rollouts_from=rollouts_from, checked=checked)
+    finally:
+        checked.task.close()
     if result.is_main:
         print_summary(result.summary, store.root)
 
 
 def _resume_config(store, config, set_, method, seed, force: bool):
-    """run.yaml, or the given config/overrides if they agree with it (or --force)."""
+    """(run.yaml, or the given config/overrides if they agree with it or --force; the keys that differ)."""
     from masktrl.config import diff_configs
-    from masktrl.pipeline.distributed import launch_rank
 
     saved_path = store.root / "run.yaml"
     saved = store.config()
     if not config and not set_ and method is None and seed is None:
-        return saved
+        return saved, []
     cfg = load_config(config or [saved_path], set_ or [], method=method, seed=seed)
     changed = diff_configs(saved, cfg)
     if changed and not force:
         raise MasktrlError(f"config differs from {saved_path} in {', '.join(changed)}; pass --force to resume with it anyway")
-    if changed and launch_rank() == 0:
-        store.record_config(cfg, forced_changes=changed)
-    return cfg
+    return cfg, changed
+
+
+def print_dry_run(cfg, plan, checked) -> None:
+    """What ``--dry-run`` found: the resolved config, what would happen to the run folder, the
+    checks that passed and the projected disk use. Nothing was written."""
+    import yaml
+
+    from masktrl.pipeline.preflight import projected_disk
+
+    console.print("[bold]masktrl train --dry-run[/]: every check passed; nothing was written", highlight=False)
+    console.print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(), highlight=False, markup=False)
+    what = {"new": "a new run", "resume": "resume it from its last checkpoint", "restart": "start it again in place"}[plan.mode]
+    rows = [("run folder", f"{plan.root}: {what}" + (f" ({plan.note})" if plan.note else ""))]
+    rows += checked.report
+    rows.append(("projected disk use", projected_disk(cfg, checked)))
+    console.print(kv_table("checks", rows))
 
 
 def print_summary(summary: dict, root: Path) -> None:

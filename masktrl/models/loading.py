@@ -51,6 +51,16 @@ def load_tokenizer(path: str | Path):
     return tokenizer
 
 
+def load_model_config(path: str | Path):
+    """The transformers config of a model folder or a cached hub id, without the weights (never
+    downloads): what the checks before a run read (context length, vocabulary)."""
+    from transformers import AutoConfig
+
+    quiet_transformers()
+    with _load_errors(path, "model"):
+        return AutoConfig.from_pretrained(str(path), local_files_only=hub_offline())
+
+
 @contextlib.contextmanager
 def _load_errors(path, what: str):
     """transformers' OSError/ValueError as one MasktrlError line."""

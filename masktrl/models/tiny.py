@@ -22,7 +22,7 @@ class TinyModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 512
-    max_positions: int = 64
+    max_positions: int = 256
 
 
 def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:

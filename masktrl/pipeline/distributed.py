@@ -70,8 +70,7 @@ class Dist:
     @classmethod
     def from_launch(cls, train_cfg) -> "Dist":
         """The Accelerator of this launch, configured from ``train_cfg`` (grad_accum, grad_clip)."""
-        _check_deepspeed_json(os.environ.get(DS_CONFIG_ENV))
-        _check_zero_stage(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))  # before DeepSpeed is even imported
+        check_launch_settings()  # before DeepSpeed is even imported
         from accelerate import Accelerator
 
         # Without a GPU, accelerate only sets up gloo (MULTI_CPU) when told cpu=True; DeepSpeed
@@ -249,6 +248,13 @@ class Dist:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(t)
         return t.tolist()
+
+
+def check_launch_settings() -> None:
+    """The launch settings that can be checked before anything starts (the DeepSpeed JSON and
+    ZeRO stage named by ``accelerate launch``); nothing to check for a plain run."""
+    _check_deepspeed_json(os.environ.get(DS_CONFIG_ENV))
+    _check_zero_stage(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))
 
 
 def _check_deepspeed_json(path: str | None) -> None:

@@ -25,6 +25,7 @@ from masktrl.config import EVAL_BENCHMARKS, Config, TaskConfig, from_dict, read_
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.io import atomic_write_json
 from masktrl.models.loading import load_tokenizer
+from masktrl.pipeline.preflight import fit_context, model_context
 from masktrl.pipeline.runstore import RunStore, is_run_folder
 from masktrl.rollout.base import SamplingSettings
 from masktrl.seeding import stream_seed
@@ -170,6 +171,7 @@ def evaluate(bench: str, model: str, step: int | None, opts: EvalOptions, *, out
         settings = SamplingSettings(n=opts.k, max_new_tokens=max_new_tokens(bench, ref, opts), temperature=opts.temperature or 1.0,
                                     top_p=opts.top_p, logprobs_k=1, greedy=opts.temperature == 0)
         chat = cfg.model.chat_template if bench == "synthetic" else False
+        examples, too_long = fit_context(examples, tokenizer, chat, model_context(ref.weights))  # before any generation
         t0 = time.time()
         graded = sample_and_grade(engine, tokenizer, task, examples, settings, (opts.seed, "eval", bench), cfg.rollout.batch_size,
                                   chat, progress, label=f"eval {bench}")
@@ -179,7 +181,7 @@ def evaluate(bench: str, model: str, step: int | None, opts: EvalOptions, *, out
     report.update(
         model=ref.label, weights=ref.weights, run=ref.store.name if ref.store else None, step=ref.step,
         data=describe_data(bench, cfg), time_s=time.time() - t0, reward=reward_name(task),
-        generation=generation_block(settings, engine.name, template_label(task), chat, opts.seed, cfg),
+        generation=generation_block(settings, engine.name, template_label(task), chat, opts.seed, cfg), prompts_too_long=too_long,
     )
     save(report, path, ref.store, bench, ref.step)
     return EvalResult(report, path)

@@ -1,10 +1,13 @@
 """Training on rollouts produced elsewhere (``masktrl train --rollouts-from RUN_OR_FILE``).
 
-A run folder supplies its stored batches step by step (``steps/<s>/rollouts.parquet``); a
-single parquet file (from ``masktrl rollout``) is cut into batches of ``prompts_per_step``
-groups, in order. The tokens, behaviour log-probabilities, rewards and advantages are used
-exactly as stored, so methods trained from the same source see identical data (reward
-shaping and dynamic sampling belong to the run that produced the rollouts).
+A run folder supplies its stored batches step by step: the batches its manifest records as
+complete (``step/<s>/rollout``), each checked against the sha256 recorded there before the run
+starts, so a batch changed after it was written is never trained on. A single parquet file
+(from ``masktrl rollout``) is cut into batches of ``prompts_per_step`` groups, in order. A run
+that kept only some batches (``rollout.store=resume``) is refused. Every file is validated row
+by row when read (``rollout/storage.py``). The tokens, behaviour log-probabilities, rewards and
+advantages are used exactly as stored, so methods trained from the same source see identical
+data (reward shaping and dynamic sampling belong to the run that produced the rollouts).
 """
 
 from __future__ import annotations
@@ -14,30 +17,25 @@ from pathlib import Path
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.pipeline.collect import rollout_stats
+from masktrl.pipeline.runstore import RunStore, is_run_folder
 from masktrl.rollout.storage import read_rollouts
 
 
 class RolloutSource:
-    """The batches of a run folder or of one rollout file, checked against this model's tokenizer."""
+    """The batches of a run folder or of one rollout file, checked against this model's tokenizer.
 
-    def __init__(self, spec: str, prompts_per_step: int, tokenizer):
+    ``steps``: the most batches the run will use (those are verified now); ``vocab_size``: the
+    policy's vocabulary, which every token id must lie in."""
+
+    def __init__(self, spec: str, prompts_per_step: int, tokenizer, *, vocab_size: int | None = None, steps: int | None = None):
         path = Path(spec)
+        self.vocab_size = vocab_size
+        self._store = None
         if path.is_dir():
-            files = sorted(path.glob("steps/*/rollouts.parquet"))
-            if not files:
-                raise MasktrlError(f"{path}: no stored rollouts (steps/*/rollouts.parquet; a run with rollout.store=resume "
-                                   "deletes each batch once a checkpoint covers it)")
-            steps = [int(f.parent.name) for f in files if f.parent.name.isdigit()]
-            if steps != list(range(1, len(files) + 1)):
-                raise MasktrlError(
-                    f"{path}: stored rollouts cover {len(steps)} steps between {steps[0]} and {steps[-1]}, not every step from 1 "
-                    "(a run with rollout.store=resume keeps only the batches after its newest checkpoint); "
-                    "--rollouts-from needs a run that kept them all (rollout.store=all)"
-                )
-            self._files = files
+            self._store, self._files = _run_batches(path, steps)
             self._batches = None
         elif path.is_file():
-            samples, meta = read_rollouts(path)
+            samples, meta = self._read(path)
             groups: dict[tuple[str, int], list] = {}
             for s in samples:
                 groups.setdefault((s.example_id, s.group), []).append(s)
@@ -49,7 +47,7 @@ class RolloutSource:
         else:
             raise MasktrlError(f"--rollouts-from {spec}: no such run folder or parquet file")
         if self._files is not None:
-            _, meta = read_rollouts(self._files[0])
+            _, meta = self._read(self._files[0])
             self._check(meta, tokenizer, self._files[0])
             self.meta = {k: v for k, v in meta.items() if k != "stats"}
 
@@ -60,13 +58,17 @@ class RolloutSource:
     def batch(self, step: int):
         """(samples, stats) of the step-th batch (1-based), groups renumbered 0..P-1."""
         if self._files is not None:
-            samples, meta = read_rollouts(self._files[step - 1])
+            self._store.verify(f"step/{step:06d}/rollout")  # again: the source may have changed since the start
+            samples, meta = self._read(self._files[step - 1])
             return samples, meta.get("stats") or rollout_stats(_group(samples), len(_group(samples)))
         groups = self._batches[step - 1]
         for g, group in enumerate(groups):
             for s in group:
                 s.group = g
         return [s for g in groups for s in g], rollout_stats(groups, len(groups))
+
+    def _read(self, path: Path):
+        return read_rollouts(path)
 
     @staticmethod
     def _check(meta: dict, tokenizer, path: Path) -> None:
@@ -79,6 +81,29 @@ class RolloutSource:
                 f"{path}: rollouts were made with another tokenizer ({want}) than this model's ({have}); "
                 "train a model with the same vocabulary"
             )
+
+
+def _run_batches(root: Path, steps: int | None) -> tuple[RunStore, list[Path]]:
+    """The run's store and the rollout files of the run ``root`` for its steps 1, 2, ... (up to ``steps``), each
+    verified against the sha256 its manifest records; ArtifactError names the first bad one."""
+    if not is_run_folder(root):
+        raise MasktrlError(f"--rollouts-from {root}: not a masktrl run folder (no run.yaml) and not a parquet file")
+    store = RunStore(root, writable=False)
+    recorded = sorted(int(k.split("/")[1]) for k, v in store.manifest["stages"].items()
+                      if k.startswith("step/") and k.endswith("/rollout") and v.get("status") == "done")
+    if not recorded:
+        raise MasktrlError(f"{root}: no stored rollouts recorded in its manifest (a run with rollout.store=resume deletes "
+                           "each batch once a checkpoint covers it)")
+    if recorded != list(range(1, len(recorded) + 1)):
+        raise ArtifactError(
+            f"{root}: stored rollouts cover {len(recorded)} steps between {recorded[0]} and {recorded[-1]}, not every step from 1 "
+            "(a run with rollout.store=resume keeps only the batches after its newest checkpoint); "
+            "--rollouts-from needs a run that kept them all (rollout.store=all)"
+        )
+    usable = recorded[: steps or None]
+    for step in usable:
+        store.verify(f"step/{step:06d}/rollout")
+    return store, [store.rollout_path(step) for step in usable]
 
 
 def _group(samples):

@@ -22,6 +22,13 @@ Under ``accelerate launch`` (``pipeline/distributed.py``, docs/CLUSTER.md) every
 generates its share of the prompt groups, the groups are gathered so every process holds the
 whole batch, and ``policy_update`` trains each process on its part of every minibatch; only the
 main process writes, through the same store (the others get a read-only view).
+
+What can go wrong is handled here too (docs/RELIABILITY.md): everything checkable is checked
+before the run folder is written (``pipeline/preflight.py``); the main process holds the run's
+lock for the whole run (``pipeline/runlock.py``); SIGTERM is a Ctrl-C (``pipeline/signals.py``);
+a step whose loss or gradient norm is not finite is not applied, and ``train.max_nonfinite_steps``
+of them in a row stop the run; any way out of ``train`` records the status (``interrupted`` or
+``failed`` with the reason), never leaving ``running`` behind.
 """
 
 from __future__ import annotations
@@ -34,25 +41,26 @@ from pathlib import Path
 import torch
 
 from masktrl.config import Config
+from masktrl.errors import MasktrlError
 from masktrl.io import atomic_write_json
 from masktrl.methods import get_method, make_params
 from masktrl.models import checkpointing
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.pipeline import checkpoint as ckpt
-from masktrl.pipeline import storage_budget, tracking
+from masktrl.pipeline import storage_budget
 from masktrl.pipeline.collect import CollectSettings, collect_rollouts
 from masktrl.pipeline.distributed import Dist, launched
 from masktrl.pipeline.evaluate import heldout_accuracy, periodic_eval
 from masktrl.pipeline.faults import maybe_crash
+from masktrl.pipeline import preflight
 from masktrl.pipeline.policy import PolicyForward
 from masktrl.pipeline.rollout_source import RolloutSource
 from masktrl.pipeline.runstore import RunStore
-from masktrl.pipeline.signals import graceful_stop
+from masktrl.pipeline.signals import Interrupted, graceful_stop
 from masktrl.pipeline.tracking import Trackers, open_trackers
 from masktrl.pipeline.update import UpdateSettings, make_optimizer, policy_update
 from masktrl.pipeline.warmstart import prepare_policy
 from masktrl.rollout import make_engine
-from masktrl.tasks import make_task
 from masktrl.tasks.prompts import wraps_chat
 
 
@@ -90,57 +98,89 @@ class State:
     test_set: list  # the task's held-out split (eval_before, eval_after, train.eval_every)
     eval_before: float
     t_start: float
+    wall_before: float = 0.0  # wall time of the run's earlier sessions (resume)
+    nonfinite_total: int = 0  # steps so far with an update skipped for a non-finite loss or gradient norm
+    nonfinite_run: int = 0  # ... of them in a row, up to the last step
     progress: object = None
     trackers: Trackers = field(default_factory=lambda: Trackers((), Path("."), ""))  # train.report_to (main process)
 
+    def wall_time(self) -> float:
+        return self.wall_before + time.time() - self.t_start
+
+
+class NonFiniteError(MasktrlError):
+    """Too many consecutive steps with a non-finite loss or gradient norm."""
+
 
 def train(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, rollouts_from: str | None = None,
-          dist: Dist | None = None) -> TrainResult:
-    """The whole run: setup, the RL steps (a checkpoint every ``train.checkpoint_every``, at the
-    end, and when Ctrl-C asks to stop), then ``finish``."""
-    s = setup(cfg, store, progress, resume=resume, rollouts_from=rollouts_from, dist=dist)
-    bar = s.progress.add_task("RL", total=s.steps, completed=s.start, info="") if s.progress else None
-    try:
-        with graceful_stop() as stop, s.store.recording_failure():  # s.store: read-only on the non-main processes
-            for step in range(s.start + 1, s.steps + 1):
-                row = rl_step(s, step)
-                stopping = s.dist.broadcast(stop.requested)  # every process stops after the same step
-                if step % cfg.train.checkpoint_every == 0 or step == s.steps or step in cfg.train.keep_steps or stopping:
-                    ckpt.save_step(s.store, step, s.model, s.tokenizer, s.optimizer, s.scheduler, s.dist, s.policy)
-                    apply_retention(s)
-                if s.progress:
-                    s.progress.update(bar, advance=1, info=f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s")
-                if stopping:
-                    raise KeyboardInterrupt
-        return finish(s)
-    finally:
-        s.task.close()  # reward / grading processes
-        s.trackers.close()  # flushed and closed however the run ends (finish closed them already when it completed)
-
-
-def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, rollouts_from: str | None = None,
-          dist: Dist | None = None) -> State:
-    """Record the run, load (or warm-start) the policy, restore a checkpoint when resuming, start
-    the engine and evaluate the starting policy."""
-    t_start = time.time()
-    tracking.check_available(cfg.train.report_to)  # a tracker's missing package: one line, before any write
+          dist: Dist | None = None, checked: preflight.Checked | None = None, restart: bool = False) -> TrainResult:
+    """The whole run: the checks (``checked``: already done by the caller), setup, the RL steps (a
+    checkpoint every ``train.checkpoint_every``, at each of ``train.keep_steps``, at the end, and
+    when Ctrl-C or SIGTERM asks to stop; retention applied after each), then ``finish``.
+    ``restart``: the run folder holds a failed or interrupted run with no checkpoint, started
+    again from scratch (``preflight.plan_start``)."""
     dist = dist or (Dist.from_launch(cfg.train) if launched() else Dist())  # a bad launch config fails here, before any write
-    torch.set_num_threads(cfg.train.threads)
-    torch.manual_seed(cfg.seed)
+    resume, restart = dist.broadcast((resume, restart))  # the main process decided what to do with the folder
+    checked = checked or preflight.check(cfg, rollouts_from=rollouts_from)  # before anything is written
     if not dist.is_main:
         store, progress = store.read_only(), None
-    task = make_task(cfg.task, cfg.model)  # data, keys, template and reward checked before the run folder exists
+    s = None
+    try:
+        with store.writing(), graceful_stop(graceful=False) as stop:  # one writer per run; SIGTERM = Ctrl-C
+            s = setup(cfg, store, checked, progress, resume=resume, restart=restart, rollouts_from=rollouts_from, dist=dist)
+            with s.store.recording_failure(lambda: {"wall_time_s": s.wall_time()}):
+                bar = s.progress.add_task("RL", total=s.steps, completed=s.start, info="") if s.progress else None
+                stop.graceful = True  # a signal now finishes the step and checkpoints it
+                for step in range(s.start + 1, s.steps + 1):
+                    row = rl_step(s, step)
+                    stopping = s.dist.broadcast(stop.requested)  # every process stops after the same step
+                    if step % cfg.train.checkpoint_every == 0 or step == s.steps or step in cfg.train.keep_steps or stopping:
+                        ckpt.save_step(s.store, step, s.model, s.tokenizer, s.optimizer, s.scheduler, s.dist, s.policy)
+                        s.store.set_info(wall_time_s=s.wall_time())
+                        apply_retention(s)
+                    if s.progress:
+                        s.progress.update(bar, advance=1, info=f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s")
+                    if stopping:
+                        raise Interrupted(stop.signum)
+                stop.graceful = False
+                return finish(s)
+    finally:
+        checked.task.close()  # reward / grading processes
+        if s is not None:
+            s.trackers.close()  # flushed and closed however the run ends (finish closed them already when it completed)
+
+
+def setup(cfg: Config, store: RunStore, checked: preflight.Checked, progress=None, *, resume: bool = False, restart: bool = False,
+          rollouts_from: str | None = None, dist: Dist | None = None) -> State:
+    """Record the run, load (or warm-start) the policy, restore a checkpoint when resuming, start
+    the engine and evaluate the starting policy. A failure once the run is recorded leaves it
+    ``failed`` with the reason (or ``interrupted``), never ``running``."""
+    t_start = time.time()
+    dist = dist or Dist()
+    torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.seed)
     store.manifest  # noqa: B018  every process reads the run's state before the main one changes it
     start = store.resume_step() if resume else 0  # checks every stored artifact it will read, before anything is written
     if start:
         ckpt.check_resumable(store.checkpoint_dir(start), dist)  # its DeepSpeed state fits this launch, before anything is written
     dist.barrier()
-    if store.writable:
-        store.root.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            store.record_config(cfg)
-    store.set_info(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid(), processes=dist.world)
+    if store.writable and not resume:
+        if restart:
+            store.restart()
+        elif store.exists():
+            raise MasktrlError(f"run folder {store.root} was started by another process meanwhile; choose another --run (nothing was changed)")
+        store.record_config(cfg)
+    wall_before = store.previous_wall_time() if resume else 0.0
+    store.set_info(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid(),
+                   processes=dist.world, reason=None)
+    with store.recording_failure(lambda: {"wall_time_s": wall_before + time.time() - t_start}):
+        return _build(cfg, store, checked, progress, resume=resume, rollouts_from=rollouts_from, dist=dist, t_start=t_start,
+                      wall_before=wall_before)
 
+
+def _build(cfg: Config, store: RunStore, checked: preflight.Checked, progress, *, resume: bool, rollouts_from: str | None,
+           dist: Dist, t_start: float, wall_before: float) -> State:
+    task = checked.task
     with dist.loading():  # the main process first: it fills the warm-start cache, the others read it
         model, tokenizer, ws_info = prepare_policy(cfg, task, store.root.parent, progress)
     if not store.is_done("warmstart"):
@@ -159,6 +199,7 @@ def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
                 ckpt.restore(store.checkpoint_dir(start), model, optimizer, scheduler)
         store.rewind(start)  # forget the updates and metrics after that checkpoint
         dist.barrier()
+    nonfinite_total, nonfinite_run = nonfinite_counts(store.read_metrics()) if start else (0, 0)
     policy, optimizer = dist.prepare(PolicyForward(model), optimizer)  # model stays the (unwrapped) LM
     if start:
         ckpt.restore_engine_state(store.checkpoint_dir(start), dist, policy)  # DeepSpeed: optimizer shards, fp32 master weights
@@ -168,7 +209,7 @@ def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
     engine = make_engine(cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
     if start:
         sync_weights(engine, model, dist)
-    source = RolloutSource(rollouts_from, cfg.rollout.prompts_per_step, tokenizer) if rollouts_from else None
+    source: RolloutSource | None = checked.source
     collect = replace(CollectSettings.from_config(cfg), chat_template=wraps_chat(task, cfg.model.chat_template))
     s = State(
         cfg=cfg, store=store, dist=dist, task=task, model=model, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
@@ -177,12 +218,24 @@ def setup(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
         rollouts_from=rollouts_from, source=source,
         rollout_meta=source.meta if source else {"engine": engine.name, "tokenizer": tokenizer_fingerprint(tokenizer), **collect.sampling.__dict__},
         start=start, steps=min(cfg.train.steps, source.num_steps) if source else cfg.train.steps,
-        warmstart=ws_info, test_set=task.test_examples(), eval_before=float("nan"), t_start=t_start, progress=progress,
+        warmstart=ws_info, test_set=task.test_examples(), eval_before=float("nan"), t_start=t_start, wall_before=wall_before,
+        nonfinite_total=nonfinite_total, nonfinite_run=nonfinite_run, progress=progress,
     )
-    s.eval_before = _heldout_once(s, "eval/before")
+    s.eval_before = _heldout_once(s, "eval/before", 0)
     s.trackers = open_trackers(cfg.train.report_to, store.root, store.name, cfg.to_dict(), dist.is_main)
     s.trackers.log({"eval/heldout/accuracy": s.eval_before}, step=0)
     return s
+
+
+def nonfinite_counts(rows: list[dict]) -> tuple[int, int]:
+    """(steps with a skipped update, how many of the last rows in a row had one) from metrics rows."""
+    total = rows[-1].get("nonfinite_steps", 0) if rows else 0
+    run = 0
+    for row in reversed(rows):
+        if not row.get("skipped_updates"):
+            break
+        run += 1
+    return total, run
 
 
 def rl_step(s: State, step: int) -> dict:
@@ -204,16 +257,26 @@ def rl_step(s: State, step: int) -> dict:
         "tokens_per_s": gen_stats["tokens"] / max(time.time() - t0, 1e-9),
         "lr": s.scheduler.get_last_lr()[0],
     }
+    skipped = stats.get("skipped_updates", 0)
+    s.nonfinite_total += bool(skipped)
+    s.nonfinite_run = s.nonfinite_run + 1 if skipped else 0
+    row.update(skipped_updates=skipped, nonfinite_steps=s.nonfinite_total)
     row.update(step_evals(s, step))
     s.store.append_metrics(row)
     s.trackers.log(row)
+    if s.nonfinite_run >= s.cfg.train.max_nonfinite_steps:
+        first = step - s.nonfinite_run + 1
+        raise NonFiniteError(
+            f"steps {first}-{step}: {s.nonfinite_run} steps in a row with a non-finite loss or gradient norm (not applied); "
+            f"the run stops (train.max_nonfinite_steps={s.cfg.train.max_nonfinite_steps}): lower train.lr or check the rollouts"
+        )
     return row
 
 
 def finish(s: State) -> TrainResult:
     """Evaluate the final policy, write summary.json and mark the run complete."""
     cfg = s.cfg
-    eval_after = _heldout_once(s, "eval/after")
+    eval_after = _heldout_once(s, "eval/after", s.steps)
     s.trackers.log({"eval/heldout/accuracy": eval_after}, step=s.steps)
     s.trackers.close()
     summary = {
@@ -228,12 +291,13 @@ def finish(s: State) -> TrainResult:
         "eval_decoding": "greedy" if cfg.eval.greedy else f"sampled (T={cfg.rollout.temperature})",
         "warmstart": {k: s.warmstart.get(k) for k in ("source", "cached", "time_s", "final_loss")},
         "rollouts_from": s.rollouts_from,
-        "wall_time_s": time.time() - s.t_start,
+        "wall_time_s": s.wall_time(),  # every session of the run (resumes included)
     }
     if s.store.writable:
+        s.store.sync_metrics()
         atomic_write_json(s.store.root / "summary.json", summary)
-    s.store.mark_done("summary", [s.store.root / "summary.json"])
-    s.store.set_info(status="complete")
+    s.store.mark_done("summary", [s.store.root / "summary.json"], step=s.steps)
+    s.store.set_info(status="complete", wall_time_s=summary["wall_time_s"])
     s.dist.barrier()
     return TrainResult(summary, s.store, s.dist.is_main)
 
@@ -293,10 +357,13 @@ def _heldout(s: State) -> float:
                             s.collect.chat_template, cfg.seed)
 
 
-def _heldout_once(s: State, stage: str) -> float:
-    """Held-out accuracy recorded as ``stage`` (eval/before, eval/after); a resumed run reads it back."""
-    if s.store.is_done(stage):
-        return s.store.stage(stage)["accuracy"]
+def _heldout_once(s: State, stage: str, step: int) -> float:
+    """Held-out accuracy of the policy after ``step`` updates, recorded as ``stage`` (eval/before:
+    step 0, eval/after: the last step) with its step; a resumed run reads it back if it measured
+    the same step (a run extended with more steps measures its new last step)."""
+    entry = s.store.stage(stage)
+    if entry is not None and entry.get("status") == "done" and entry.get("step", 0 if stage == "eval/before" else None) == step:
+        return entry["accuracy"]
     accuracy = _heldout(s)
-    s.store.mark_done(stage, [], accuracy=accuracy)
+    s.store.mark_done(stage, [], accuracy=accuracy, step=step)
     return accuracy

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from masktrl.errors import MasktrlError
 from masktrl.models.kvcache import cache_kwarg, new_cache
 from masktrl.rollout.base import Generation, SamplingSettings
 
@@ -68,6 +69,21 @@ def gc_paused():
             gc.enable()
 
 
+def check_context(model, prompts: list[list[int]]) -> None:
+    """MasktrlError, before anything is generated, for a prompt that leaves no position of the
+    model's context for a response (transformers would run it anyway, far past what the model
+    was trained on, at a cost quadratic in its length: a megabyte of text ran for minutes)."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not context:
+        return
+    too_long = [len(p) for p in prompts if len(p) >= context]
+    if too_long:
+        raise MasktrlError(
+            f"{len(too_long)} of {len(prompts)} prompts do not fit the model's context ({context} positions); "
+            f"the longest has {max(too_long)} tokens"
+        )
+
+
 class HFEngine:
     """Generation with the training model itself (no copy: weights are always in sync)."""
 
@@ -83,6 +99,7 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], settings: SamplingSettings, seed: int) -> list[list[Generation]]:
+        check_context(self.model, prompts)
         per_call = max(1, self.batch_size // settings.n)
         gens: list[list[Generation]] = []
         with torch.random.fork_rng(devices=[]):

@@ -1,0 +1,201 @@
+"""Everything ``masktrl train`` can check before it writes anything; ``--dry-run`` runs exactly
+these checks, prints what it found and stops.
+
+``plan_start`` decides what happens to the run folder: a new run, a resume, or a restart in
+place of a failed or interrupted run. Re-running the command of a run that failed or was
+interrupted continues it (same config: as ``--resume`` would) or, when the config changed and
+no checkpoint was completed yet, starts it again in the same folder; nothing has to be deleted
+by hand.
+
+``check`` builds the task (its data files and fields), finds the model (a folder, or the local
+hub cache) and its tokenizer without loading the weights, checks the ``train.report_to``
+trackers' packages, ``rollout.logprobs_k`` against the vocabulary (vLLM), the held-out prompts
+against the model's context, the launch settings (accelerate / DeepSpeed), and
+``--rollouts-from`` (its manifest hashes, its schema and rows, its tokenizer). A failure
+raises a ``MasktrlError`` naming the file or key.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from masktrl.config import Config, diff_configs
+from masktrl.errors import ConfigError, MasktrlError
+from masktrl.pipeline import tracking
+from masktrl.pipeline.runstore import RunStore, is_fresh_folder, is_run_folder
+
+
+@dataclass
+class Start:
+    """What a train command does with its run folder: ``new``, ``resume`` (``--resume``, or the
+    same command re-run after a failure or an interruption) or ``restart`` (re-run with a
+    changed config, before any checkpoint: the folder is reused from scratch)."""
+
+    root: Path
+    mode: str
+    note: str = ""
+
+
+@dataclass
+class Checked:
+    """What the checks found, reused by the run so nothing is built twice."""
+
+    task: object
+    tokenizer: object  # the policy's tokenizer (the tiny model's: built from the task's alphabet)
+    vocab_size: int  # the width of the model's logits: token ids lie in [0, vocab_size)
+    context: int | None  # positions the model takes (prompt + response); None: unknown
+    source: object = None  # the RolloutSource of --rollouts-from
+    report: list[tuple[str, str]] = field(default_factory=list)  # what was checked, for --dry-run
+
+
+def plan_start(root: Path, cfg: Config, *, resume: bool = False) -> Start:
+    """What to do with ``root`` for a run of ``cfg``; MasktrlError when it must be left alone."""
+    root = Path(root)
+    if resume:
+        return Start(root, "resume", "continuing from its last checkpoint")
+    _check_folder_for_writing(root)
+    if is_fresh_folder(root):
+        return Start(root, "new")
+    if not is_run_folder(root) or not (root / "manifest.json").is_file():
+        raise MasktrlError(f"run folder {root} already exists: choose another --run, or --resume it (nothing was changed)")
+    store = RunStore(root)
+    status = store.status()
+    if status not in ("failed", "interrupted"):
+        what = {"complete": "a complete run", "running": "a run that is training right now"}.get(status, f"a run (status {status})")
+        raise MasktrlError(f"run folder {root} already exists and holds {what}: choose another --run, or --resume it (nothing was changed)")
+    changed = diff_configs(store.config(), cfg)
+    reason = store.manifest.get("reason")
+    why = f"{status}" + (f": {reason}" if reason else "")
+    if not changed:
+        return Start(root, "resume", f"the run {why}; continuing it from its last checkpoint (same config)")
+    if store.checkpoints():
+        raise MasktrlError(
+            f"run folder {root} holds a {status} run with checkpoints and a different config ({', '.join(changed[:4])}): "
+            "--resume it (--force to take the new config), or choose another --run (nothing was changed)"
+        )
+    return Start(root, "restart", f"the run {why}; no checkpoint yet and the config changed ({', '.join(changed[:4])}): starting it again in place")
+
+
+def _check_folder_for_writing(root: Path) -> None:
+    """The run folder can be created: nothing that is not a folder on the way, and the nearest
+    existing folder is writable."""
+    for parent in [root, *root.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                raise MasktrlError(f"{parent}: not a folder (a file is in the way of the run folder {root})")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise MasktrlError(f"{parent}: permission denied (cannot write the run folder {root})")
+            return
+
+
+def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = None) -> Checked:
+    """Every check that needs no write (see the module doc); returns what the run reuses."""
+    from masktrl.pipeline.distributed import check_launch_settings
+    from masktrl.tasks import make_task
+
+    report: list[tuple[str, str]] = []
+    tracking.check_available(cfg.train.report_to)  # a tracker's missing package: one line
+    check_launch_settings()
+    task = make_task(cfg.task, cfg.model)
+    try:
+        tokenizer, vocab_size, context = policy_tokenizer(cfg, task)
+        report.append(("task", f"{task.name}: {len(task.test_examples())} held-out problems"))
+        report.append(("model", f"{cfg.model.path} (vocabulary {vocab_size}, context {context or 'unknown'})"))
+        if cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k > vocab_size:  # transformers records min(K, vocabulary)
+            raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary ({vocab_size}): "
+                              "the vllm engine cannot record that many entries per token")
+        if context is not None:
+            check_prompt_lengths(task.test_examples(), tokenizer, cfg.model.chat_template, context - cfg.rollout.max_new_tokens,
+                                 what=f"task {task.name}: held-out prompts", fix="rollout.max_new_tokens")
+        source = None
+        if rollouts_from:
+            from masktrl.pipeline.rollout_source import RolloutSource
+
+            source = RolloutSource(rollouts_from, cfg.rollout.prompts_per_step, tokenizer, vocab_size=vocab_size,
+                                   steps=cfg.train.steps)
+            report.append(("--rollouts-from", f"{rollouts_from}: {source.num_steps} batches, verified"))
+    except BaseException:
+        task.close()
+        raise
+    if out is not None:
+        report.append(("free disk under --out", _free(out)))
+    return Checked(task, tokenizer, vocab_size, context, source, report)
+
+
+def policy_tokenizer(cfg: Config, task) -> tuple[object, int, int | None]:
+    """(tokenizer, vocabulary size, context length) of the policy, without its weights: the tiny
+    model's character tokenizer, or the model folder / hub cache entry's tokenizer and config."""
+    if cfg.model.path == "tiny":
+        from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer
+
+        alphabet = task.alphabet()
+        if alphabet is None:
+            raise ConfigError(f"model.path=tiny builds a character tokenizer from the task's alphabet, and task {task.name} has none: "
+                              "set model.path to a model folder or hub id")
+        tokenizer = build_char_tokenizer(alphabet)
+        return tokenizer, len(tokenizer), TinyModelConfig.max_positions
+    from masktrl.models.loading import load_model_config, load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.path)
+    config = load_model_config(cfg.model.path)
+    vocab = max(getattr(config, "vocab_size", None) or 0, len(tokenizer))
+    return tokenizer, vocab, getattr(config, "max_position_embeddings", None)
+
+
+def check_prompt_lengths(examples, tokenizer, chat_template: bool, limit: int, *, what: str, fix: str) -> None:
+    """ConfigError when any prompt is longer than ``limit`` tokens (the model's context less the
+    response length), with how many and the longest."""
+    too_long = prompts_too_long(examples, tokenizer, chat_template, limit)
+    if too_long:
+        worst = max(too_long, key=lambda ex: len(ex.prompt))
+        raise ConfigError(
+            f"{what}: {len(too_long)} of {len(examples)} are longer than the model's context allows ({limit} tokens with "
+            f"{fix}); the longest, {worst.id}, has {len(worst.prompt)} characters"
+        )
+
+
+def prompts_too_long(examples, tokenizer, chat_template: bool, limit: int) -> list:
+    """The examples whose prompt is longer than ``limit`` tokens. A text with more than 64
+    characters per allowed token is not tokenized at all (no tokenizer packs that many into
+    one token): a megabyte of text would take seconds to encode only to be refused."""
+    from masktrl.tasks import encode_prompt
+
+    return [ex for ex in examples
+            if len(ex.prompt) > 64 * max(limit, 1) or len(encode_prompt(tokenizer, ex.prompt, chat_template)) > limit]
+
+
+def fit_context(examples: list, tokenizer, chat_template: bool, context: int | None) -> tuple[list, int]:
+    """(the examples whose prompt leaves room for a response in the model's ``context``, how many
+    were left out); ConfigError if none is left. ``masktrl eval`` reports the count."""
+    if not context:
+        return examples, 0
+    too_long = {id(ex) for ex in prompts_too_long(examples, tokenizer, chat_template, context - 1)}
+    kept = [ex for ex in examples if id(ex) not in too_long]
+    if not kept:
+        raise ConfigError(f"all {len(examples)} problems have prompts longer than the model's context ({context} positions)")
+    return kept, len(examples) - len(kept)
+
+
+def model_context(weights: str) -> int | None:
+    """The context length (positions) of a model folder or cached hub id, from its config."""
+    from masktrl.models.loading import load_model_config
+
+    return getattr(load_model_config(weights), "max_position_embeddings", None)
+
+
+def projected_disk(cfg: Config, checked: Checked) -> str:
+    """The disk a run of ``cfg`` will use, for ``--dry-run``."""
+    # CALL SITE: the projection itself is pipeline/storage_budget.py's (``project``); until that
+    # module is in this checkout the line says so.
+    return "not computed in this checkout (pipeline/storage_budget.py)"
+
+
+def _free(out: Path) -> str:
+    for parent in [Path(out), *Path(out).parents]:
+        if parent.exists():
+            return f"{shutil.disk_usage(parent).free / 1e9:.1f} GB"
+    return "unknown"
+
