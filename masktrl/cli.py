@@ -2,8 +2,10 @@
 that load a config, call a pipeline stage and print a rich summary.
 
 One error boundary: a ``MasktrlError`` (bad config, missing file, unknown method, corrupted
-artifact...) becomes one red line on stderr and exit code 2. ``MASKTRL_DEBUG=1`` shows the
-traceback instead.
+artifact...) becomes one red line on stderr and exit code 2, and so does an ``OSError`` the
+machine raises (permission denied, no space left, read-only file system, a file where a folder
+belongs), named by its file. ``MASKTRL_DEBUG=1`` shows the traceback instead. A run stopped by
+Ctrl-C or SIGTERM exits with 128 + the signal number (130, 143).
 """
 
 from __future__ import annotations
@@ -51,13 +53,27 @@ def main() -> None:
     try:
         app()
     except MasktrlError as exc:
-        if os.environ.get("MASKTRL_DEBUG"):
-            raise
-        err_console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
+        _fail(exc, str(exc))
+    except OSError as exc:  # the machine, not masktrl: name the file and the reason
+        _fail(exc, os_error_line(exc))
+    except KeyboardInterrupt as exc:
         err_console.print("[yellow]interrupted[/]")
-        sys.exit(130)
+        sys.exit(128 + getattr(exc, "signum", 2))
+
+
+def _fail(exc: BaseException, line: str) -> None:
+    if os.environ.get("MASKTRL_DEBUG"):
+        raise exc
+    err_console.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
+    sys.exit(2)
+
+
+def os_error_line(exc: OSError) -> str:
+    """``<file>: <reason>`` for an OSError (ENOSPC, EACCES, EROFS, ENOTDIR...)."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    files = [f for f in (exc.filename, exc.filename2) if f]
+    where = " -> ".join(str(f) for f in files)
+    return f"{where}: {reason}" if where else reason
 
 
 if __name__ == "__main__":

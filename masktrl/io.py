@@ -10,6 +10,7 @@ them 0600).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -74,7 +75,12 @@ def atomic_dir(dest: Path):
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    yield tmp
+    try:
+        with disk_errors(tmp):
+            yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
+        raise
     mode = file_mode()
     for p in tmp.rglob("*"):
         if p.is_file() and not p.is_symlink():
@@ -82,6 +88,40 @@ def atomic_dir(dest: Path):
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     fsync_dir(dest.parent)
+
+
+@contextlib.contextmanager
+def disk_errors(dest: Path):
+    """Writers outside masktrl report a full or read-only disk in their own words (safetensors:
+    ``SafetensorError``; ``torch.save``: ``RuntimeError: unexpected pos``). When the block fails
+    that way and the file system under ``dest`` is read-only or full (under 1 MiB free), the
+    failure is raised as the ``OSError`` it is (EROFS, ENOSPC), naming ``dest``."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception:
+        problem = disk_problem(dest)
+        if problem is None:
+            raise
+        raise problem  # noqa: B904  (the writer's own exception stays attached as the context)
+
+
+def disk_problem(path: Path, min_free: int = 1 << 20) -> OSError | None:
+    """An OSError describing why nothing can be written under ``path`` (a read-only file system,
+    or one with less than ``min_free`` bytes free), or None."""
+    for folder in [Path(path), *Path(path).parents]:
+        if folder.exists():
+            break
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+    if st.f_bavail * st.f_frsize < min_free:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return None
 
 
 def fsync_dir(path: Path) -> None:

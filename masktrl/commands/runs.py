@@ -11,7 +11,7 @@ from rich.table import Table
 from masktrl.commands.ui import console, err_console
 from masktrl.commands.options import DEFAULT_OUT, OutOpt
 
-STATUS_STYLE = {"complete": "green", "running": "cyan", "interrupted": "yellow", "failed": "red"}
+STATUS_STYLE = {"complete": "green", "running": "cyan", "interrupted": "yellow", "failed": "red", "damaged": "red"}
 
 
 def runs(
@@ -40,7 +40,10 @@ def runs(
             _fmt(r["last_reward"]), _fmt(r["last_eval"]), f"[{style}]{r['status']}[/]",
         )
     console.print(table if rows else f"no runs in {folder}")
+    for r in rows:
+        if r.get("problem"):
+            console.print(f"[red]damaged[/] {r['name']}: {r['problem']}", highlight=False, soft_wrap=True)
 
 
 def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.3f}"
+    return f"{x:.3f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"

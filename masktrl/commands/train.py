@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -10,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from masktrl.config import load_config
-from masktrl.commands.ui import console, kv_table, progress_bar
+from masktrl.commands.ui import console, err_console, kv_table, progress_bar
 from masktrl.errors import MasktrlError
 from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, MethodOpt, OutOpt, RunOpt, SeedOpt, SetOpt
 
@@ -45,6 +46,7 @@ def train(
     from masktrl.pipeline import preflight
     from masktrl.pipeline.distributed import launch_rank
     from masktrl.pipeline.runstore import RunStore, check_run_name, is_run_folder, resolve_run
+    from masktrl.pipeline.signals import Interrupted
     from masktrl.pipeline.train import train as run_training
 
     main = launch_rank() == 0  # under accelerate launch the main process decides and writes; the others follow
@@ -85,6 +87,12 @@ def train(
             with progress_bar() as progress:
                 result = run_training(cfg, store, progress, resume=plan.mode == "resume", restart=plan.mode == "restart",
                                       rollouts_from=rollouts_from, checked=checked)
+    except Interrupted as exc:
+        done = store.checkpoints() if store.exists() else []
+        where = f"after checkpoint {done[-1]}" if done else "before its first checkpoint"
+        err_console.print(f"[yellow]interrupted[/] ({signal.Signals(exc.signum).name}): run {root.name} stopped {where}; "
+                          "`masktrl train --resume` (or the same command) continues it", highlight=False, soft_wrap=True)
+        raise typer.Exit(128 + exc.signum) from None
     finally:
         checked.task.close()
     if result.is_main:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from masktrl.config import Config, diff_configs
 from masktrl.errors import ConfigError, MasktrlError
-from masktrl.pipeline import tracking
+from masktrl.io import disk_problem
+from masktrl.pipeline import runlock, tracking
 from masktrl.pipeline.runstore import RunStore, is_fresh_folder, is_run_folder
 
 
@@ -64,7 +65,8 @@ def plan_start(root: Path, cfg: Config, *, resume: bool = False) -> Start:
     store = RunStore(root)
     status = store.status()
     if status not in ("failed", "interrupted"):
-        what = {"complete": "a complete run", "running": "a run that is training right now"}.get(status, f"a run (status {status})")
+        what = {"complete": "a complete run", "running": f"a run that is training right now (pid {runlock.holder(root)})"}.get(
+            status, f"a run (status {status})")
         raise MasktrlError(f"run folder {root} already exists and holds {what}: choose another --run, or --resume it (nothing was changed)")
     changed = diff_configs(store.config(), cfg)
     reason = store.manifest.get("reason")
@@ -86,6 +88,9 @@ def _check_folder_for_writing(root: Path) -> None:
         if parent.exists():
             if not parent.is_dir():
                 raise MasktrlError(f"{parent}: not a folder (a file is in the way of the run folder {root})")
+            problem = disk_problem(parent, min_free=64 << 10)
+            if problem is not None:
+                raise MasktrlError(f"{parent}: {problem.strerror} (cannot write the run folder {root})")
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise MasktrlError(f"{parent}: permission denied (cannot write the run folder {root})")
             return

@@ -530,6 +530,8 @@ class RunStore:
 def failure_reason(exc: BaseException) -> str:
     """The first line of an exception, as ``manifest.json`` records why a run failed."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if isinstance(exc, MasktrlError) and text:
+        return text
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 

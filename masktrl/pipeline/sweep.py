@@ -19,14 +19,14 @@ Every config is built and validated before the first run starts.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from masktrl.config import Config, diff_configs, load_config
 from masktrl.errors import ConfigError, MasktrlError
-from masktrl.pipeline.runstore import RunStore
+from masktrl.pipeline import runlock
+from masktrl.pipeline.runstore import RunStore, is_fresh_folder
 
 
 @dataclass
@@ -70,7 +70,7 @@ def parse_seeds(text: str) -> list[int]:
 
 def run_state(root: Path) -> str:
     """'missing' | 'complete' | 'incomplete' for a run folder."""
-    if not root.exists() or not any(root.iterdir()):
+    if is_fresh_folder(root):
         return "missing"
     if RunStore(root).is_complete():
         return "complete"
@@ -120,8 +120,8 @@ def _resumable(root: Path, cfg: Config) -> bool:
         store.check_resumable()
     except MasktrlError:
         return False
-    pid = store.manifest.get("pid")
-    if store.status() == "running" and pid != os.getpid():  # status() checks the pid is alive
+    if store.status() == "running":  # a process holds the run's lock (pipeline/runlock.py)
+        pid = runlock.holder(root)
         raise MasktrlError(f"{root} is being trained right now (pid {pid}); wait for it or stop it first")
     _check_same_config(root, cfg)
     return True

@@ -11,6 +11,7 @@ are the method's (``masktrl.methods``).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -110,7 +111,9 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
         else:  # not applied: the weights and the optimizer state stay as they were
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
-        scheduler.step()  # the schedule follows the updates planned, applied or not
+        with warnings.catch_warnings():  # torch warns when the first update of a run is the skipped one
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.step()  # the schedule follows the updates planned, applied or not
         if after is not None:
             after(mb, idx.tolist())
         diag = combine_rows([r for rank_rows in dist.gather_objects(micro_rows) for r in rank_rows])

@@ -121,15 +121,20 @@ class HFEngine:
             inputs = shared_prefill(self.model, input_ids, attention, s.n)
         else:
             inputs = {"input_ids": input_ids, "attention_mask": attention, "num_return_sequences": s.n}
-        out = self.model.generate(
-            **inputs,
-            **sampling_kwargs(s),
-            max_new_tokens=s.max_new_tokens,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=pad,
-            eos_token_id=tok.eos_token_id,
-        )
+        try:
+            out = self.model.generate(
+                **inputs,
+                **sampling_kwargs(s),
+                max_new_tokens=s.max_new_tokens,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=pad,
+                eos_token_id=tok.eos_token_id,
+            )
+        except RuntimeError as exc:
+            if "probability tensor contains" not in str(exc):
+                raise
+            raise MasktrlError("the policy's next-token probabilities are not finite (NaN or inf): its weights have diverged") from None
         self.model.train(was_training)
         new = out.sequences[:, width:]  # [P*n, T]
         k = s.logprobs_k

@@ -128,9 +128,12 @@ def _iter_jsonl(path: Path, lines: Iterator[bytes]) -> Iterator[tuple[str, Any]]
         except UnicodeDecodeError as e:
             raise DataError(f"{where}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
         try:
-            yield where, json.loads(text.lstrip("\ufeff"))
+            row = json.loads(text.lstrip("\ufeff"))
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: invalid JSON ({e.msg}, column {e.colno})") from None
+        except RecursionError:
+            raise DataError(f"{where}: JSON nested too deeply") from None
+        yield where, row
 
 
 def _iter_json(path: Path, data: bytes) -> Iterator[tuple[str, Any]]:
@@ -148,6 +151,8 @@ def _iter_json(path: Path, data: bytes) -> Iterator[tuple[str, Any]]:
             yield from _iter_jsonl(path, iter(data.split(b"\n")))
             return
         raise DataError(f"{path}, line {e.lineno}: invalid JSON ({e.msg}, column {e.colno})") from None
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deeply") from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: expected a JSON list of objects, got a JSON {type(rows).__name__}")
     for i, row in enumerate(rows, 1):
