@@ -511,6 +511,15 @@ def test_deep_json_in_data_is_one_line(finished, tmp_path, cli):
     one_line(*cli("eval", "gsm8k", "--model", root, "--data", data, "--out", tmp_path)[::2], needle="JSON nested too deeply")
 
 
+def test_deep_json_in_a_dataset_task_is_one_line_not_a_crash(tmp_path, cli):
+    pytest.importorskip("datasets")
+    data = tmp_path / "deep.jsonl"
+    data.write_text('{"prompt": ' + "[" * 100000 + "]" * 100000 + ', "answer": "1"}\n')
+    one_line(*cli("train", "--out", tmp_path / "out", "--run", "x", "--set", "task.name=dataset", "--set", f"task.source={data}",
+                  "--set", "task.reward=exact-match")[::2], needle="JSON nested too deeply")
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------- 9. bounded inputs
 
 

@@ -100,6 +100,7 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
     """Every check that needs no write (see the module doc); returns what the run reuses."""
     from masktrl.pipeline.distributed import check_launch_settings
     from masktrl.tasks import make_task
+    from masktrl.tasks.prompts import wraps_chat
 
     report: list[tuple[str, str]] = []
     tracking.check_available(cfg.train.report_to)  # a tracker's missing package: one line
@@ -113,8 +114,9 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
             raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary ({vocab_size}): "
                               "the vllm engine cannot record that many entries per token")
         if context is not None:
-            check_prompt_lengths(task.test_examples(), tokenizer, cfg.model.chat_template, context - cfg.rollout.max_new_tokens,
-                                 what=f"task {task.name}: held-out prompts", fix="rollout.max_new_tokens")
+            check_prompt_lengths(task.test_examples(), tokenizer, wraps_chat(task, cfg.model.chat_template),
+                                 context - cfg.rollout.max_new_tokens, what=f"task {task.name}: held-out prompts",
+                                 room=f"{context} positions less rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
         source = None
         if rollouts_from:
             from masktrl.pipeline.rollout_source import RolloutSource
@@ -150,15 +152,16 @@ def policy_tokenizer(cfg: Config, task) -> tuple[object, int, int | None]:
     return tokenizer, vocab, getattr(config, "max_position_embeddings", None)
 
 
-def check_prompt_lengths(examples, tokenizer, chat_template: bool, limit: int, *, what: str, fix: str) -> None:
+def check_prompt_lengths(examples, tokenizer, chat_template: bool, limit: int, *, what: str, room: str) -> None:
     """ConfigError when any prompt is longer than ``limit`` tokens (the model's context less the
-    response length), with how many and the longest."""
+    response length: ``room`` says so), with how many and the longest."""
     too_long = prompts_too_long(examples, tokenizer, chat_template, limit)
     if too_long:
         worst = max(too_long, key=lambda ex: len(ex.prompt))
         raise ConfigError(
-            f"{what}: {len(too_long)} of {len(examples)} are longer than the model's context allows ({limit} tokens with "
-            f"{fix}); the longest, {worst.id}, has {len(worst.prompt)} characters"
+            f"{what}: {len(too_long)} of {len(examples)} are longer than the model's context allows ({limit} tokens: {room}); "
+            f"the longest, {worst.id}, has {len(worst.prompt)} characters; drop such prompts (task.max_prompt_tokens) or "
+            "shorten rollout.max_new_tokens"
         )
 
 

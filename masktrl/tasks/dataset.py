@@ -97,12 +97,38 @@ def _read_files(datasets, files: list[Path], where: str) -> list[dict]:
     rows: list[dict] = []
     for builder in dict.fromkeys(BUILDERS[p.suffix.lower()] for p in files):  # one load per format
         group = [str(p) for p in files if BUILDERS[p.suffix.lower()] == builder]
+        if builder == "json":
+            for path in group:
+                _check_nesting(Path(path))
         try:
             ds = datasets.load_dataset(builder, data_files={"train": group}, split="train")
         except Exception as e:
             raise DataError(f"{where}: cannot read {', '.join(Path(g).name for g in group)} ({_first_line(e)})") from None
         rows.extend(ds.to_list() if hasattr(ds, "to_list") else [dict(r) for r in ds])
     return rows
+
+
+def _check_nesting(path: Path) -> None:
+    """DataError for JSON nested deeper than Python's parser goes (about 1,000 levels): the
+    ``datasets`` JSON reader crashes the process on such input instead of raising."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    pieces = [data]
+    try:
+        json.loads(data)
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deeply") from None
+    except ValueError:
+        pieces = data.split(b"\n")  # JSON lines (or broken JSON: the reader below names the problem)
+    for number, line in enumerate(pieces if len(pieces) > 1 else [], 1):
+        try:
+            json.loads(line)
+        except RecursionError:
+            raise DataError(f"{path}, line {number}: JSON nested too deeply") from None
+        except ValueError:
+            pass
 
 
 def load_rows(source: str, split: str = "train", subset: str | None = None) -> list[dict]:
