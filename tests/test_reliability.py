@@ -187,6 +187,42 @@ def test_rollouts_from_a_run_checks_its_manifest_hashes(finished, tmp_path, cli)
     assert not (out / "replay").exists()  # refused before the run folder was created
 
 
+def _bad_file(root, tmp_path, how):
+    samples, meta = read_rollouts(root / "steps" / "000001" / "rollouts.parquet")
+    gen = samples[1].gen
+    if how == "positive logp":
+        gen.logp[0] = 0.5
+    elif how == "shifted top-K":  # every list one place along
+        for sample in samples:
+            sample.gen.topk_ids = [ids[1:] + ids[:1] for ids in sample.gen.topk_ids]
+    elif how == "moved logp":  # the first token's behaviour log-prob moved to the next row
+        firsts = [sample.gen.logp[0] for sample in samples]
+        for sample, value in zip(samples, firsts[-1:] + firsts[:-1]):
+            sample.gen.logp[0] = value
+    elif how == "id outside the vocabulary":
+        gen.topk_ids[0] = [999] + gen.topk_ids[0][1:]
+    path = tmp_path / "bad.parquet"
+    write_rollouts(path, samples, meta)
+    if how == "wrong column type":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        i = table.column_names.index("advantage")
+        pq.write_table(table.set_column(i, "advantage", table["advantage"].cast(pa.string())), path)
+    return path
+
+
+@pytest.mark.parametrize("how, needle", [("positive logp", "is not a log-probability"), ("shifted top-K", "top-K entry"),
+                                         ("moved logp", "top-K entry"), ("id outside the vocabulary", "outside the vocabulary [0, 17)"),
+                                         ("wrong column type", "advantage")])
+def test_malformed_rollout_file_is_refused_before_the_run_folder(finished, tmp_path, cli, how, needle):
+    config, _, root = finished
+    path = _bad_file(root, tmp_path, how)
+    one_line(*cli("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", path)[::2], needle=needle)
+    assert not (tmp_path / "out").exists()
+
+
 def test_warmstart_cache_entry_that_changed_is_rebuilt_never_used(finished, tmp_path, cli):
     config, out, root = copy_run(finished, tmp_path)
     [entry] = [p for p in (out / ".cache" / "warmstart").iterdir()]

@@ -50,7 +50,7 @@ def rollout_curves(root: Path, vocab_size: int | None = None) -> dict:
     out = {k: [] for k in ("step", "outside_topk_frac", "behaviour_residual_mean", "behaviour_residual_p50",
                            "behaviour_residual_p90", "behaviour_residual_p99", "n_tokens")}
     for step in steps:
-        samples, _ = store.read_rollouts(step)
+        samples, _ = store.read_rollouts(step, vocab_size=vocab_size)
         rows = [(k, ids, lps) for s in samples for k, ids, lps in zip(s.gen.response_ids, s.gen.topk_ids, s.gen.topk_logp)]
         if not rows:
             continue

@@ -68,7 +68,7 @@ def train(
     try:
         if dry_run:
             if plan.mode == "resume":
-                store.resume_step()  # checks every artifact the resumed run reads
+                store.resume_step(checked.vocab_size)  # checks every artifact the resumed run reads
             print_dry_run(cfg, plan, checked)
             return
         with store.writing() if main and plan.mode != "new" else contextlib.nullcontext():  # one writer from here on
@@ -77,7 +77,7 @@ def train(
                     plan = preflight.plan_start(root, cfg)
                 if plan.mode == "resume":
                     store.check_resumable()
-                    store.resume_step()  # every artifact the resumed run reads, before --force records the config
+                    store.resume_step(checked.vocab_size)  # every artifact the resumed run reads, before --force records the config
                     if changed:
                         store.record_config(cfg, forced_changes=changed)
             verb = {"resume": "resuming", "restart": "restarting"}.get(plan.mode, "run")

@@ -68,7 +68,7 @@ class RolloutSource:
         return [s for g in groups for s in g], rollout_stats(groups, len(groups))
 
     def _read(self, path: Path):
-        return read_rollouts(path)
+        return read_rollouts(path, vocab_size=self.vocab_size)
 
     @staticmethod
     def _check(meta: dict, tokenizer, path: Path) -> None:

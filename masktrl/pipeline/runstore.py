@@ -30,7 +30,7 @@ import yaml
 
 from masktrl.config import Config, from_dict, save_config
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
-from masktrl.io import atomic_write_text, json_default, sha256_file
+from masktrl.io import atomic_write_text, json_default, naming, sha256_file
 from masktrl.pipeline import runlock
 from masktrl.rollout.storage import read_rollouts, write_rollouts
 
@@ -243,7 +243,7 @@ class RunStore:
         self.root.mkdir(parents=True, exist_ok=True)
         # No fsync: rows after the last checkpoint are recomputed on resume (and a torn last
         # line is skipped by read_metrics), so durability here buys nothing.
-        with open(self.metrics_path, "a") as f:
+        with naming(self.metrics_path), open(self.metrics_path, "a") as f:
             f.write(json.dumps(row, sort_keys=True, default=json_default) + "\n")
 
     def sync_metrics(self) -> None:
@@ -256,7 +256,8 @@ class RunStore:
         except FileNotFoundError:
             return
         try:
-            os.fsync(fd)
+            with naming(self.metrics_path):
+                os.fsync(fd)
         finally:
             os.close(fd)
 
@@ -475,8 +476,9 @@ class RunStore:
             return []
         return sorted(int(p.name) for p in steps_dir.iterdir() if p.name.isdigit() and (p / "rollouts.parquet").is_file())
 
-    def read_rollouts(self, step: int, *, verify: bool = False):
-        """(samples, metadata) of step ``step``'s rollout batch; ``verify``: check its hash first."""
+    def read_rollouts(self, step: int, *, verify: bool = False, vocab_size: int | None = None):
+        """(samples, metadata) of step ``step``'s rollout batch, validated row by row (token ids
+        below ``vocab_size`` when it is given); ``verify``: check its hash first."""
         path = self.rollout_path(step)
         if verify:
             self.verify(f"step/{step:06d}/rollout")
@@ -484,7 +486,7 @@ class RunStore:
             have = self.rollout_steps()
             span = f"{have[0]}..{have[-1]}" if have else "none"
             raise ArtifactError(f"{self.root}: no rollouts for step {step} (stored steps: {span})")
-        return read_rollouts(path)
+        return read_rollouts(path, vocab_size=vocab_size)
 
     def write_rollouts(self, step: int, samples, meta: dict) -> None:
         """Store step ``step``'s rollout batch and record it as stage ``step/<step>/rollout``."""
@@ -494,9 +496,10 @@ class RunStore:
         self.mark_done(f"step/{step:06d}/rollout", [path])
 
     # -- resume
-    def resume_step(self) -> int:
+    def resume_step(self, vocab_size: int | None = None) -> int:
         """The newest checkpoint the manifest records (0: none yet), after checking everything a
-        resumed run will read (the stored rollout batches after it, the checkpoint's files) and
+        resumed run will read (the stored rollout batches after it, by hash and row by row with
+        token ids below ``vocab_size``; the checkpoint's files; the metrics rows up to it) and
         before anything is changed. Reads only; the answer is kept, so the command can check a
         run before it records anything and training does not hash the files again."""
         if self._resume_from is not None:
@@ -505,7 +508,7 @@ class RunStore:
         for key, entry in self.manifest["stages"].items():
             if entry.get("status") == "done" and key.startswith("step/") and key.endswith("/rollout") and int(key.split("/")[1]) > step:
                 self.verify(key)
-                read_rollouts(self.root / next(iter(entry["files"])))
+                read_rollouts(self.root / next(iter(entry["files"])), vocab_size=vocab_size)
         if step:
             self.verify(f"checkpoint/{step:06d}")
         self.check_metrics(step)

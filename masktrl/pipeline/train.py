@@ -160,7 +160,7 @@ def setup(cfg: Config, store: RunStore, checked: preflight.Checked, progress=Non
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.seed)
     store.manifest  # noqa: B018  every process reads the run's state before the main one changes it
-    start = store.resume_step() if resume else 0  # checks every stored artifact it will read, before anything is written
+    start = store.resume_step(checked.vocab_size) if resume else 0  # checks every stored artifact it reads, before any write
     if start:
         ckpt.check_resumable(store.checkpoint_dir(start), dist)  # its DeepSpeed state fits this launch, before anything is written
     dist.barrier()
@@ -174,12 +174,13 @@ def setup(cfg: Config, store: RunStore, checked: preflight.Checked, progress=Non
     store.set_info(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid(),
                    processes=dist.world, reason=None)
     with store.recording_failure(lambda: {"wall_time_s": wall_before + time.time() - t_start}):
-        return _build(cfg, store, checked, progress, resume=resume, rollouts_from=rollouts_from, dist=dist, t_start=t_start,
-                      wall_before=wall_before)
+        return _build(cfg, store, checked, progress, start=start if resume else None, rollouts_from=rollouts_from, dist=dist,
+                      t_start=t_start, wall_before=wall_before)
 
 
-def _build(cfg: Config, store: RunStore, checked: preflight.Checked, progress, *, resume: bool, rollouts_from: str | None,
+def _build(cfg: Config, store: RunStore, checked: preflight.Checked, progress, *, start: int | None, rollouts_from: str | None,
            dist: Dist, t_start: float, wall_before: float) -> State:
+    """``start``: the checkpoint a resumed run continues from (None: a new run)."""
     task = checked.task
     with dist.loading():  # the main process first: it fills the warm-start cache, the others read it
         model, tokenizer, ws_info = prepare_policy(cfg, task, store.root.parent, progress)
@@ -193,12 +194,13 @@ def _build(cfg: Config, store: RunStore, checked: preflight.Checked, progress, *
                   "metrics column shared_prompt_frac = 0)")
     optimizer, scheduler = make_optimizer(model, cfg.train)
     projection = storage_budget.project(cfg, storage_budget.count_parameters(model), deepspeed_stage=dist.zero_stage)
-    if resume:
+    if start is not None:
         if start:
             with dist.loading():  # ZeRO-3: the checkpoint loads whole (no zero.Init), prepare shards it
                 ckpt.restore(store.checkpoint_dir(start), model, optimizer, scheduler)
         store.rewind(start)  # forget the updates and metrics after that checkpoint
         dist.barrier()
+    start = start or 0
     nonfinite_total, nonfinite_run = nonfinite_counts(store.read_metrics()) if start else (0, 0)
     policy, optimizer = dist.prepare(PolicyForward(model), optimizer)  # model stays the (unwrapped) LM
     if start:
@@ -306,7 +308,7 @@ def rollout_batch(s: State, step: int) -> tuple[list, dict]:
     """The step's batch with rewards and advantages, and its statistics: stored (a resumed run
     reuses it, hash checked), replayed from ``--rollouts-from``, or collected; stored if new."""
     if s.store.is_done(f"step/{step:06d}/rollout"):
-        samples, meta = s.store.read_rollouts(step, verify=True)
+        samples, meta = s.store.read_rollouts(step, verify=True, vocab_size=s.model.config.vocab_size)
         return samples, meta["stats"]
     if s.source:
         samples, gen_stats = s.source.batch(step)
