@@ -137,13 +137,13 @@ def load_replay(root: Path, step: int, policy_step: int | None = None, update_na
     policy_step = step - 1 if policy_step is None else policy_step
     if policy_step < 0:
         raise ArtifactError(f"policy step must be >= 0, got {policy_step}")
+    samples, _ = store.read_rollouts(step)
+    if not samples:
+        raise ArtifactError(f"{store.rollout_path(step)}: empty rollout batch")
     path = store.policy_path(policy_step)
     torch.set_num_threads(cfg.train.threads)
     model, tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
     model.eval()
-    samples, _ = store.read_rollouts(step, vocab_size=model.config.vocab_size)
-    if not samples:
-        raise ArtifactError(f"{store.rollout_path(step)}: empty rollout batch")
     optimizer, scheduler = update.make_optimizer(model, cfg.train)
     if policy_step > 0:
         load_optimizer_state(Path(path), optimizer, scheduler)
