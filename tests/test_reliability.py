@@ -613,7 +613,8 @@ def test_engine_refuses_a_prompt_that_does_not_fit_the_context():
         (["--set", "task.name=gsm8k"], "gsm8k"),
         (["--rollouts-from", "/nonexistent/run"], "no such run folder or parquet file"),
         (["--set", "rollout.engine=vllm", "--set", "rollout.logprobs_k=30"], "rollout.logprobs_k=30 exceeds the model's vocabulary (17)"),
-        (["--set", "rollout.max_new_tokens=300"], "held-out prompts"),
+        (["--set", "rollout.max_new_tokens=300"], "leaves no room for a prompt in the model's context (256 positions)"),
+        (["--set", "rollout.max_new_tokens=254"], "held-out prompts: 16 of 16 are longer than the model's context allows"),
     ],
 )
 def test_bad_inputs_fail_before_the_run_folder_exists(finished, tmp_path, cli, args, needle):

@@ -113,6 +113,9 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
         if cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k > vocab_size:  # transformers records min(K, vocabulary)
             raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary ({vocab_size}): "
                               "the vllm engine cannot record that many entries per token")
+        if context is not None and cfg.rollout.max_new_tokens >= context:
+            raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the model's context "
+                              f"({context} positions)")
         if context is not None:
             check_prompt_lengths(task.test_examples(), tokenizer, wraps_chat(task, cfg.model.chat_template),
                                  context - cfg.rollout.max_new_tokens, what=f"task {task.name}: held-out prompts",
