@@ -3,7 +3,6 @@ exactly where an uninterrupted run ends (weights, metrics, manifest), and no sta
 recorded as done without its files."""
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from masktrl.pipeline.runstore import RunStore
+from tests.conftest import TIMING, masktrl_env
 
 pytestmark = pytest.mark.slow
 
@@ -31,13 +31,11 @@ STEPS = 5
 CRASH_POINTS = [f"{point}:{step}" for point in ("rollout-write", "update") for step in range(1, STEPS + 1)] + [
     f"checkpoint-write:{step}" for step in (2, 4, 5)  # the steps that checkpoint
 ]
-TIMING = ("step_time_s", "rollout_time_s", "tokens_per_s")
 UNSTABLE_FILES = ("rng_state.pt", "summary.json")  # the global RNG state and the wall time differ run to run
 
 
 def masktrl(*args, env=None, wait=True):
-    e = {k: v for k, v in os.environ.items() if k not in ("MASKTRL_DEBUG", "MASKTRL_CRASH_AT")}
-    e.update(env or {})
+    e = masktrl_env(env)
     cmd = [sys.executable, "-m", "masktrl.cli", *map(str, args)]
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=300)

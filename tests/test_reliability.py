@@ -14,50 +14,20 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from masktrl.cli import app, main
 from masktrl.config import load_config
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.io import atomic_write_json, file_mode
 from masktrl.pipeline import runlock
 from masktrl.pipeline.runstore import RunStore, check_run_name
 from masktrl.rollout.storage import read_rollouts, write_rollouts
-from tests.conftest import TINY_TEST_YAML
-
-runner = CliRunner()
+from tests.conftest import TIMING, cli, masktrl_env, tiny_yaml
 
 
-def invoke(*args):
-    """In process, as a test harness (exceptions stay in ``result.exception``)."""
-    return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    """``masktrl`` through its real entry point (the one error boundary), in process:
-    returns (exit code, stdout, stderr)."""
-    monkeypatch.delenv("MASKTRL_DEBUG", raising=False)
-    monkeypatch.setenv("COLUMNS", "250")
-
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["masktrl", *map(str, args)])
-        code = 0
-        try:
-            main()
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return run
-
-
-def one_line(code, err, needle: str) -> str:
-    """A user error: exit 2, one line on stderr naming ``needle``, no traceback."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, (code, err[-3000:])
-    return lines[0]
+def one_line(line: str, needle: str) -> str:
+    """``line``: the one stderr line of a command that exited with 2 (``cli_error``)."""
+    assert needle in line, line
+    return line
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +35,8 @@ def finished(tmp_path_factory):
     """A complete 2-step run (copy it before changing it)."""
     base = tmp_path_factory.mktemp("rel")
     config = base / "tiny.yaml"
-    config.write_text(TINY_TEST_YAML)
-    r = invoke("train", "--config", config, "--out", base / "out", "--run", "r")
-    assert r.exit_code == 0, (r.output, r.exception)
+    config.write_text(tiny_yaml())
+    cli("train", "--config", config, "--out", base / "out", "--run", "r")
     return config, base / "out", base / "out" / "r"
 
 
@@ -101,32 +70,30 @@ time.sleep(120)
 """
 
 
-def test_second_writer_gets_one_line_naming_the_holder(finished, tmp_path, cli):
+def test_second_writer_gets_one_line_naming_the_holder(finished, tmp_path, cli_error):
     _, out, root = copy_run(finished, tmp_path)
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(root / ".lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         before = snapshot(root)
-        line = one_line(*cli("train", "--resume", "r", "--out", out)[::2], needle=f"pid {holder.pid}")
+        line = one_line(cli_error("train", "--resume", "r", "--out", out), f"pid {holder.pid}")
         assert "being written" in line and snapshot(root) == before  # nothing changed, not even the lock file
-        code, stdout, _ = cli("runs", out)
-        assert code == 0 and "complete" in stdout  # a reader is never refused
+        r = cli("runs", out)
+        assert "complete" in r.output  # a reader is never refused
     finally:
         holder.kill()
         holder.wait()
-    code, _, err = cli("train", "--resume", "r", "--out", out)  # the holder is gone: its lock went with it
-    assert code == 0, err[-2000:]
+    cli("train", "--resume", "r", "--out", out)  # the holder is gone: its lock went with it
 
 
-def test_stale_running_status_of_a_dead_process_is_taken_over(finished, tmp_path, cli):
-    config, out, root = copy_run(finished, tmp_path)
+def test_stale_running_status_of_a_dead_process_is_taken_over(finished, tmp_path):
+    _, out, root = copy_run(finished, tmp_path)
     m = manifest(root)
     (root / "manifest.json").write_text(json.dumps({**m, "status": "running", "pid": 2**22 + 12345}))
     (root / "summary.json").unlink()
-    code, stdout, _ = cli("runs", out)
-    assert "interrupted" in stdout  # nobody holds the lock: the trainer is gone
-    code, _, err = cli("train", "--resume", "r", "--out", out)
-    assert code == 0, err[-2000:]
+    r = cli("runs", out)
+    assert "interrupted" in r.output  # nobody holds the lock: the trainer is gone
+    cli("train", "--resume", "r", "--out", out)
     assert manifest(root)["status"] == "complete"
 
 
@@ -146,8 +113,8 @@ def test_resume_while_the_run_trains_is_refused_and_the_run_stays_whole(tmp_path
     import signal
 
     config = tmp_path / "c.yaml"
-    config.write_text(TINY_TEST_YAML.replace("steps: 2, checkpoint_every: 1", "steps: 5000, checkpoint_every: 3"))
-    env = {k: v for k, v in os.environ.items() if k not in ("MASKTRL_DEBUG", "MASKTRL_CRASH_AT")}
+    config.write_text(tiny_yaml({"train": {"steps": 5000, "checkpoint_every": 3}}))
+    env = masktrl_env()
     cmd = [sys.executable, "-m", "masktrl.cli", "train", "--config", str(config), "--out", str(tmp_path / "out")]
     first = subprocess.Popen([*cmd, "--run", "y"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     root = tmp_path / "out" / "y"
@@ -174,15 +141,14 @@ def test_resume_while_the_run_trains_is_refused_and_the_run_stays_whole(tmp_path
 # --------------------------------------------------------------------------- 2. inputs verified
 
 
-def test_rollouts_from_a_run_checks_its_manifest_hashes(finished, tmp_path, cli):
+def test_rollouts_from_a_run_checks_its_manifest_hashes(finished, tmp_path, cli_error):
     config, out, root = copy_run(finished, tmp_path)
     path = root / "steps" / "000001" / "rollouts.parquet"
     samples, meta = read_rollouts(path)
     for s in samples:
         s.advantage = -s.advantage  # a valid file, with the advantages' sign flipped
     write_rollouts(path, samples, meta)
-    line = one_line(*cli("train", "--config", config, "--out", out, "--run", "replay", "--rollouts-from", root)[::2],
-                    needle="steps/000001/rollouts.parquet")
+    line = one_line(cli_error("train", "--config", config, "--out", out, "--run", "replay", "--rollouts-from", root), "steps/000001/rollouts.parquet")
     assert "hash mismatch" in line
     assert not (out / "replay").exists()  # refused before the run folder was created
 
@@ -216,14 +182,14 @@ def _bad_file(root, tmp_path, how):
 @pytest.mark.parametrize("how, needle", [("positive logp", "is not a log-probability"), ("shifted top-K", "top-K entry"),
                                          ("moved logp", "top-K entry"), ("id outside the vocabulary", "outside the vocabulary [0, 17)"),
                                          ("wrong column type", "advantage")])
-def test_malformed_rollout_file_is_refused_before_the_run_folder(finished, tmp_path, cli, how, needle):
+def test_malformed_rollout_file_is_refused_before_the_run_folder(finished, tmp_path, cli_error, how, needle):
     config, _, root = finished
     path = _bad_file(root, tmp_path, how)
-    one_line(*cli("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", path)[::2], needle=needle)
+    one_line(cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", path), needle)
     assert not (tmp_path / "out").exists()
 
 
-def test_warmstart_cache_entry_that_changed_is_rebuilt_never_used(finished, tmp_path, cli):
+def test_warmstart_cache_entry_that_changed_is_rebuilt_never_used(finished, tmp_path):
     config, out, root = copy_run(finished, tmp_path)
     [entry] = [p for p in (out / ".cache" / "warmstart").iterdir()]
     weights = entry / "model.safetensors"
@@ -231,9 +197,8 @@ def test_warmstart_cache_entry_that_changed_is_rebuilt_never_used(finished, tmp_
     data = bytearray(original)
     data[-256:] = bytes(256)  # 64 float32 weights zeroed
     weights.write_bytes(bytes(data))
-    code, _, err = cli("train", "--config", config, "--out", out, "--run", "second")
-    assert code == 0, err[-2000:]
-    assert "fails its sha256 check" in err and "building it again" in err
+    r = cli("train", "--config", config, "--out", out, "--run", "second")
+    assert "fails its sha256 check" in r.stderr and "building it again" in r.stderr
     assert weights.read_bytes() == original  # rebuilt: the warm start is deterministic
     info = RunStore(out / "second").stage("warmstart")["info"]
     assert info["cached"] is False and info["files"]["model.safetensors"]
@@ -277,8 +242,8 @@ def test_config_rejects_infinities_and_out_of_range_numbers(override, needle):
     assert needle in str(info.value)
 
 
-def test_inf_learning_rate_is_one_line_before_anything_is_written(tmp_path, cli):
-    line = one_line(*cli("train", "--out", tmp_path / "out", "--run", "x", "--set", "train.lr=1e400")[::2], needle="train.lr")
+def test_inf_learning_rate_is_one_line_before_anything_is_written(tmp_path, cli_error):
+    line = one_line(cli_error("train", "--out", tmp_path / "out", "--run", "x", "--set", "train.lr=1e400"), "train.lr")
     assert "finite" in line and not (tmp_path / "out").exists()
 
 
@@ -296,11 +261,10 @@ def _nan_norm_at(monkeypatch, calls: set[int]):
     monkeypatch.setattr(Dist, "clip_grad_norm", fake)
 
 
-def test_nonfinite_update_is_skipped_and_counted(finished, tmp_path, monkeypatch, cli):
-    config, out, root = finished
+def test_nonfinite_update_is_skipped_and_counted(finished, tmp_path, monkeypatch):
+    config, _, root = finished
     _nan_norm_at(monkeypatch, {1})  # step 2's update
-    code, _, err = cli("train", "--config", config, "--out", tmp_path / "out", "--run", "nan")
-    assert code == 0, err[-2000:]
+    cli("train", "--config", config, "--out", tmp_path / "out", "--run", "nan")
     nan_root = tmp_path / "out" / "nan"
     rows = metrics_rows(nan_root)
     assert [r["skipped_updates"] for r in rows] == [0, 1] and [r["nonfinite_steps"] for r in rows] == [0, 1]
@@ -312,21 +276,21 @@ def test_nonfinite_update_is_skipped_and_counted(finished, tmp_path, monkeypatch
     assert manifest(nan_root)["status"] == "complete"
 
 
-def test_consecutive_nonfinite_steps_fail_the_run_with_the_reason(finished, tmp_path, monkeypatch, cli):
+def test_consecutive_nonfinite_steps_fail_the_run_with_the_reason(finished, tmp_path, monkeypatch, cli_error):
     config, _, _ = finished
     _nan_norm_at(monkeypatch, set(range(100)))
-    line = one_line(*cli("train", "--config", config, "--out", tmp_path / "out", "--run", "nan", "--set", "train.steps=5",
-                         "--set", "train.max_nonfinite_steps=2")[::2], needle="steps 1-2: 2 steps in a row")
+    line = one_line(cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "nan", "--set", "train.steps=5",
+                              "--set", "train.max_nonfinite_steps=2"), "steps 1-2: 2 steps in a row")
     root = tmp_path / "out" / "nan"
     m = manifest(root)
     assert m["status"] == "failed" and m["reason"] in line
     assert [r["nonfinite_steps"] for r in metrics_rows(root)] == [1, 2]
 
 
-def test_diverged_weights_stop_the_run_as_failed(finished, tmp_path, cli):
+def test_diverged_weights_stop_the_run_as_failed(finished, tmp_path, cli_error):
     config, _, _ = finished
-    one_line(*cli("train", "--config", config, "--out", tmp_path / "out", "--run", "big", "--set", "train.lr=1e30",
-                  "--set", "train.steps=4")[::2], needle="not finite")
+    one_line(cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "big", "--set", "train.lr=1e30",
+                       "--set", "train.steps=4"), "not finite")
     m = manifest(tmp_path / "out" / "big")
     assert m["status"] == "failed" and "not finite" in m["reason"]
 
@@ -350,19 +314,19 @@ def test_checkpoint_with_nonfinite_weights_is_never_written(tmp_path):
 # --------------------------------------------------------------------------- 4. metrics never silently lost
 
 
-def test_corrupt_metrics_line_stops_resume_naming_the_line(finished, tmp_path, cli):
+def test_corrupt_metrics_line_stops_resume_naming_the_line(finished, tmp_path, cli_error):
     _, out, root = copy_run(finished, tmp_path)
     lines = (root / "metrics.jsonl").read_text().splitlines()
     (root / "metrics.jsonl").write_text(lines[0][:-5] + "\n" + lines[1] + "\n")
     before = (root / "metrics.jsonl").read_bytes()
-    one_line(*cli("train", "--resume", "r", "--out", out)[::2], needle="metrics.jsonl: line 1 is not valid JSON")
+    one_line(cli_error("train", "--resume", "r", "--out", out), "metrics.jsonl: line 1 is not valid JSON")
     assert (root / "metrics.jsonl").read_bytes() == before  # nothing cut
 
 
-def test_missing_metrics_rows_before_a_checkpoint_stop_resume(finished, tmp_path, cli):
+def test_missing_metrics_rows_before_a_checkpoint_stop_resume(finished, tmp_path, cli_error):
     _, out, root = copy_run(finished, tmp_path)
     (root / "metrics.jsonl").write_text((root / "metrics.jsonl").read_text().splitlines()[1] + "\n")
-    one_line(*cli("train", "--resume", "r", "--out", out)[::2], needle="step 2 where step 1 belongs")
+    one_line(cli_error("train", "--resume", "r", "--out", out), "step 2 where step 1 belongs")
 
 
 def test_torn_last_line_is_still_dropped(tmp_path):
@@ -395,17 +359,15 @@ def test_metrics_are_durable_before_a_checkpoint_is_recorded(tmp_path, monkeypat
 # --------------------------------------------------------------------------- 5. results stay true
 
 
-def test_extending_a_finished_run_reevaluates_and_accumulates_wall_time(finished, tmp_path, cli):
+def test_extending_a_finished_run_reevaluates_and_accumulates_wall_time(finished, tmp_path):
     _, out, root = copy_run(finished, tmp_path)
     before = json.loads((root / "summary.json").read_text())
-    code, _, err = cli("train", "--resume", "r", "--out", out, "--force", "--set", "train.steps=3")
-    assert code == 0, err[-2000:]
+    cli("train", "--resume", "r", "--out", out, "--force", "--set", "train.steps=3")
     after = json.loads((root / "summary.json").read_text())
     m = manifest(root)
     assert m["stages"]["eval/after"]["step"] == 3 and after["steps"] == 3
     assert after["wall_time_s"] > before["wall_time_s"] and m["wall_time_s"] == after["wall_time_s"]
-    code, _, err = cli("eval", "synthetic", "--model", root, "--step", 3, "--k", 1, "--temperature", 0)
-    assert code == 0, err[-2000:]
+    cli("eval", "synthetic", "--model", root, "--step", 3, "--k", 1, "--temperature", 0)
     assert json.loads((root / "eval" / "synthetic-step3.json").read_text())["avg_at_k"] == after["eval_after"]
 
 
@@ -420,7 +382,7 @@ def test_status_is_never_left_running(finished, tmp_path, monkeypatch, exc):
         raise exc
 
     monkeypatch.setattr("masktrl.pipeline.train.make_engine", broken)
-    r = invoke("train", "--config", config, "--out", tmp_path / "out", "--run", "x")
+    r = cli("train", "--config", config, "--out", tmp_path / "out", "--run", "x", ok=False)
     assert r.exit_code != 0
     m = manifest(tmp_path / "out" / "x")
     want = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
@@ -434,8 +396,8 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path):
     import signal
 
     config = tmp_path / "c.yaml"
-    config.write_text(TINY_TEST_YAML.replace("steps: 2, checkpoint_every: 1", "steps: 8, checkpoint_every: 4"))
-    env = {k: v for k, v in os.environ.items() if k not in ("MASKTRL_DEBUG", "MASKTRL_CRASH_AT")}
+    config.write_text(tiny_yaml({"train": {"steps": 8, "checkpoint_every": 4}}))
+    env = masktrl_env()
     cmd = [sys.executable, "-m", "masktrl.cli", "train", "--config", str(config), "--out", str(tmp_path / "out")]
     assert subprocess.run([*cmd, "--run", "ref"], env=env, capture_output=True, timeout=300).returncode == 0
     proc = subprocess.Popen([*cmd, "--run", "term"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -454,8 +416,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path):
     a = load_file(tmp_path / "out" / "ref" / "checkpoints" / "000008" / "model.safetensors")
     b = load_file(root / "checkpoints" / "000008" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    timing = ("step_time_s", "rollout_time_s", "tokens_per_s")
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
     assert strip(metrics_rows(tmp_path / "out" / "ref")) == strip(metrics_rows(root))
 
 
@@ -463,9 +424,9 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["../../escape", "/abs/path", "a\nb", ".hidden", "..", "a/b", ""])
-def test_run_names_stay_inside_out(tmp_path, cli, name):
+def test_run_names_stay_inside_out(tmp_path, cli_error, name):
     out = tmp_path / "a" / "b" / "out"
-    one_line(*cli("train", "--out", out, "--run", name)[::2], needle="invalid run name")
+    one_line(cli_error("train", "--out", out, "--run", name), "invalid run name")
     assert not any(tmp_path.rglob("*"))  # nothing created anywhere
 
 
@@ -476,13 +437,13 @@ def test_good_run_names_pass():
 # --------------------------------------------------------------------------- 8. one line per failure
 
 
-def test_out_that_is_a_file(tmp_path, cli):
+def test_out_that_is_a_file(tmp_path, cli_error):
     (tmp_path / "out").write_text("not a folder")
-    one_line(*cli("train", "--out", tmp_path / "out", "--run", "x")[::2], needle="not a folder")
+    one_line(cli_error("train", "--out", tmp_path / "out", "--run", "x"), "not a folder")
 
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EACCES, errno.EROFS])
-def test_machine_errors_mid_run_are_one_line_naming_the_file(finished, tmp_path, monkeypatch, cli, err):
+def test_machine_errors_mid_run_are_one_line_naming_the_file(finished, tmp_path, monkeypatch, cli_error, err):
     import masktrl.io
 
     config, _, _ = finished
@@ -494,7 +455,7 @@ def test_machine_errors_mid_run_are_one_line_naming_the_file(finished, tmp_path,
         return real(path, data)
 
     monkeypatch.setattr(masktrl.io, "atomic_write_bytes", failing)
-    line = one_line(*cli("train", "--config", config, "--out", tmp_path / "out", "--run", "x")[::2], needle=os.strerror(err))
+    line = one_line(cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "x"), os.strerror(err))
     assert "trainer_state.json" in line
     m = manifest(tmp_path / "out" / "x")
     assert m["status"] == "failed" and os.strerror(err) in m["reason"]
@@ -513,46 +474,45 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def test_full_and_read_only_disks_are_one_line(finished, small_disk, cli):
+def test_full_and_read_only_disks_are_one_line(finished, small_disk, cli_error):
     config, _, _ = finished
     out = small_disk / "out"
-    line = one_line(*cli("train", "--config", config, "--out", out, "--run", "x", "--set", "train.steps=30")[::2],
-                    needle="No space left on device")
+    line = one_line(cli_error("train", "--config", config, "--out", out, "--run", "x", "--set", "train.steps=30"), "No space left on device")
     assert str(out) in line
     assert RunStore(out / "x").status() in ("failed", "interrupted")  # never running
     gc.collect()  # the failure's traceback may still hold a file open for writing, which blocks remount,ro
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
-    one_line(*cli("train", "--config", config, "--out", out, "--run", "y")[::2], needle="Read-only file system")
-    code, stdout, err = cli("runs", out)
-    assert code == 0 and "x" in stdout, err
+    one_line(cli_error("train", "--config", config, "--out", out, "--run", "y"), "Read-only file system")
+    r = cli("runs", out)
+    assert "x" in r.output
 
 
 @pytest.mark.parametrize("content, problem", [("[]", "a JSON list, not an object"), ('{"stages": []}', "no 'stages' object"),
                                               ('{"stages": {"checkpoint/x": {"status": "done"}}}', "names no step"),
                                               ('{"stages": {"config": 5}}', "not an object with a status")])
-def test_manifest_of_the_wrong_shape_is_one_line_and_runs_goes_on(finished, tmp_path, cli, content, problem):
+def test_manifest_of_the_wrong_shape_is_one_line_and_runs_goes_on(finished, tmp_path, cli_error, content, problem):
     _, out, root = copy_run(finished, tmp_path)
     shutil.copytree(root, out / "healthy")
     (root / "manifest.json").write_text(content)
-    line = one_line(*cli("train", "--resume", "r", "--out", out)[::2], needle="not a masktrl manifest")
+    line = one_line(cli_error("train", "--resume", "r", "--out", out), "not a masktrl manifest")
     assert problem in line
-    code, stdout, err = cli("runs", out)
-    assert code == 0 and "damaged" in stdout and "healthy" in stdout and "complete" in stdout, stdout + err
+    r = cli("runs", out)
+    assert "damaged" in r.output and "healthy" in r.output and "complete" in r.output, r.output
 
 
-def test_deep_json_in_data_is_one_line(finished, tmp_path, cli):
+def test_deep_json_in_data_is_one_line(finished, tmp_path, cli_error):
     _, _, root = finished
     data = tmp_path / "deep.jsonl"
     data.write_text('{"problem": ' + "[" * 100000 + "]" * 100000 + ', "answer": "1"}\n')
-    one_line(*cli("eval", "gsm8k", "--model", root, "--data", data, "--out", tmp_path)[::2], needle="JSON nested too deeply")
+    one_line(cli_error("eval", "gsm8k", "--model", root, "--data", data, "--out", tmp_path), "JSON nested too deeply")
 
 
-def test_deep_json_in_a_dataset_task_is_one_line_not_a_crash(tmp_path, cli):
+def test_deep_json_in_a_dataset_task_is_one_line_not_a_crash(tmp_path, cli_error):
     pytest.importorskip("datasets")
     data = tmp_path / "deep.jsonl"
     data.write_text('{"prompt": ' + "[" * 100000 + "]" * 100000 + ', "answer": "1"}\n')
-    one_line(*cli("train", "--out", tmp_path / "out", "--run", "x", "--set", "task.name=dataset", "--set", f"task.source={data}",
-                  "--set", "task.reward=exact-match")[::2], needle="JSON nested too deeply")
+    one_line(cli_error("train", "--out", tmp_path / "out", "--run", "x", "--set", "task.name=dataset", "--set", f"task.source={data}",
+                       "--set", "task.reward=exact-match"), "JSON nested too deeply")
     assert not (tmp_path / "out").exists()
 
 
@@ -574,19 +534,18 @@ def test_atomic_writes_follow_the_umask(tmp_path):
     assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == file_mode() != 0o600
 
 
-def test_megabyte_problem_in_eval_is_skipped_before_generation(finished, tmp_path, cli):
+def test_megabyte_problem_in_eval_is_skipped_before_generation(finished, tmp_path, cli_error):
     _, _, root = copy_run(finished, tmp_path)
     data = tmp_path / "long.jsonl"
     data.write_text(json.dumps({"problem": "1+1=" * 250_000, "answer": "2"}) + "\n" + json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
     t0 = time.time()
-    code, stdout, err = cli("eval", "gsm8k", "--model", root, "--data", data, "--k", 1, "--max-new-tokens", 4)
-    assert code == 0, err[-2000:]
+    r = cli("eval", "gsm8k", "--model", root, "--data", data, "--k", 1, "--max-new-tokens", 4)
     assert time.time() - t0 < 60
     report = json.loads((root / "eval" / "gsm8k-step2.json").read_text())
     assert report["prompts_too_long"] == 1 and report["n_problems"] == 1
-    assert "prompt longer than the context" in stdout
+    assert "prompt longer than the context" in r.output
     data.write_text(json.dumps({"problem": "1+1=" * 250_000, "answer": "2"}) + "\n")
-    one_line(*cli("eval", "gsm8k", "--model", root, "--data", data, "--force")[::2], needle="longer than the model's context")
+    one_line(cli_error("eval", "gsm8k", "--model", root, "--data", data, "--force"), "longer than the model's context")
 
 
 def test_engine_refuses_a_prompt_that_does_not_fit_the_context():
@@ -617,14 +576,14 @@ def test_engine_refuses_a_prompt_that_does_not_fit_the_context():
         (["--set", "rollout.max_new_tokens=254"], "held-out prompts: 16 of 16 are longer than the model's context allows"),
     ],
 )
-def test_bad_inputs_fail_before_the_run_folder_exists(finished, tmp_path, cli, args, needle):
+def test_bad_inputs_fail_before_the_run_folder_exists(finished, tmp_path, cli_error, args, needle):
     config, _, _ = finished
     out = tmp_path / "out"
-    one_line(*cli("train", "--config", config, "--out", out, "--run", "x", *args)[::2], needle=needle)
+    one_line(cli_error("train", "--config", config, "--out", out, "--run", "x", *args), needle)
     assert not (out / "x").exists() and not (out / ".cache").exists()
 
 
-def test_a_failed_run_continues_when_the_same_command_is_run_again(finished, tmp_path, monkeypatch, cli):
+def test_a_failed_run_continues_when_the_same_command_is_run_again(finished, tmp_path, monkeypatch, cli_error):
     config, _, ref = finished
     out = tmp_path / "out"
     from masktrl.pipeline import checkpoint
@@ -632,51 +591,48 @@ def test_a_failed_run_continues_when_the_same_command_is_run_again(finished, tmp
     real = checkpoint.save
     monkeypatch.setattr(checkpoint, "save", lambda dest, *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device", str(dest)))
                         if str(dest).endswith("000002") else real(dest, *a, **k))
-    one_line(*cli("train", "--config", config, "--out", out, "--run", "x")[::2], needle="No space left on device")
+    one_line(cli_error("train", "--config", config, "--out", out, "--run", "x"), "No space left on device")
     m = manifest(out / "x")
     assert m["status"] == "failed" and "No space left" in m["reason"]
     monkeypatch.setattr(checkpoint, "save", real)  # the disk has room again
-    code, stdout, err = cli("train", "--config", config, "--out", out, "--run", "x")
-    assert code == 0, err[-2000:]
-    assert "continuing it" in stdout and manifest(out / "x")["status"] == "complete"
+    r = cli("train", "--config", config, "--out", out, "--run", "x")
+    assert "continuing it" in r.output and manifest(out / "x")["status"] == "complete"
     a = load_file(ref / "checkpoints" / "000002" / "model.safetensors")
     b = load_file(out / "x" / "checkpoints" / "000002" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_failed_run_without_checkpoint_restarts_in_place_with_a_fixed_config(finished, tmp_path, monkeypatch, cli):
+def test_a_failed_run_without_checkpoint_restarts_in_place_with_a_fixed_config(finished, tmp_path, monkeypatch, cli_error):
     config, _, ref = finished
     out = tmp_path / "out"
     from masktrl.pipeline import train as train_stage
 
     real = train_stage.make_engine
     monkeypatch.setattr(train_stage, "make_engine", lambda *a, **k: (_ for _ in ()).throw(MasktrlError("engine failed to start")))
-    one_line(*cli("train", "--config", config, "--out", out, "--run", "x", "--set", "rollout.batch_size=7")[::2], needle="engine failed")
+    one_line(cli_error("train", "--config", config, "--out", out, "--run", "x", "--set", "rollout.batch_size=7"), "engine failed")
     assert manifest(out / "x")["reason"] == "engine failed to start"
     monkeypatch.setattr(train_stage, "make_engine", real)
-    code, stdout, err = cli("train", "--config", config, "--out", out, "--run", "x")  # the "fix": another config
-    assert code == 0, err[-2000:]
-    assert "starting it again in place" in stdout
+    r = cli("train", "--config", config, "--out", out, "--run", "x")  # the "fix": another config
+    assert "starting it again in place" in r.output
     m = manifest(out / "x")
     assert m["status"] == "complete" and m["attempts"][0]["reason"] == "engine failed to start"
     assert (out / "x" / "run.yaml").read_text() == (ref / "run.yaml").read_text()
 
 
-def test_a_complete_run_is_never_overwritten(finished, cli):
+def test_a_complete_run_is_never_overwritten(finished, cli_error):
     config, out, root = finished
     before = snapshot(root)
-    one_line(*cli("train", "--config", config, "--out", out, "--run", "r")[::2], needle="holds a complete run")
+    one_line(cli_error("train", "--config", config, "--out", out, "--run", "r"), "holds a complete run")
     assert snapshot(root) == before
 
 
-def test_dry_run_prints_the_config_and_writes_nothing(finished, tmp_path, cli):
+def test_dry_run_prints_the_config_and_writes_nothing(finished, tmp_path, cli_error):
     config, out, root = finished
-    code, stdout, err = cli("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--dry-run")
-    assert code == 0, err
-    assert "nothing was written" in stdout and "hidden_size: 32" in stdout and "projected disk use" in stdout
+    r = cli("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--dry-run")
+    assert "nothing was written" in r.output and "hidden_size: 32" in r.output and "projected disk use" in r.output
     assert not (tmp_path / "out").exists()
     before = snapshot(out)
-    code, stdout, err = cli("train", "--resume", "r", "--out", out, "--dry-run", "--rollouts-from", root)
-    assert code == 0 and "resume it" in stdout and "2 batches, verified" in stdout, err
+    r = cli("train", "--resume", "r", "--out", out, "--dry-run", "--rollouts-from", root)
+    assert "resume it" in r.output and "2 batches, verified" in r.output
     assert snapshot(out) == before
-    one_line(*cli("train", "--config", config, "--out", tmp_path / "out", "--dry-run", "--set", "task.name=foo")[::2], needle="foo")
+    one_line(cli_error("train", "--config", config, "--out", tmp_path / "out", "--dry-run", "--set", "task.name=foo"), "foo")
