@@ -5,6 +5,7 @@ back), storage budgets (keep_checkpoints, keep_steps, rollout.store=resume) with
 import importlib.util
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -103,11 +104,14 @@ def test_rollouts_from_a_run_that_kept_only_resume_batches_is_refused(runs, tmp_
     from masktrl.pipeline.rollout_source import RolloutSource
 
     _, _, out, _ = runs
-    (out / "partial" / "steps" / "000004").mkdir(parents=True)  # what a killed rollout.store=resume run keeps
-    (out / "partial" / "steps" / "000004" / "rollouts.parquet").write_bytes(b"")
-    for run, needle in (("all", "no stored rollouts"), ("partial", "1 steps between 4 and 4, not every step from 1")):
+    partial = tmp_path / "partial"  # what a rollout.store=resume run killed after checkpoint 3 keeps: step 4's batch
+    shutil.copytree(out / "all", partial)
+    manifest = json.loads((partial / "manifest.json").read_text())
+    manifest["stages"]["step/000004/rollout"]["status"] = "done"
+    (partial / "manifest.json").write_text(json.dumps(manifest))
+    for root, needle in ((out / "all", "no stored rollouts"), (partial, "1 steps between 4 and 4, not every step from 1")):
         with pytest.raises(MasktrlError, match=needle) as exc:
-            RolloutSource(str(out / run), 6, tokenizer=None)
+            RolloutSource(str(root), 6, tokenizer=None)
         assert "rollout.store" in str(exc.value)
 
 
