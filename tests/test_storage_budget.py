@@ -51,6 +51,15 @@ def test_prune_keeps_newest_and_pinned_checkpoints_and_resume_rollouts(tmp_path)
     fresh.verify("checkpoint/000006"), fresh.verify("step/000007/rollout")  # what stays is intact
 
 
+def test_prune_keeps_a_stage_another_process_recorded_meanwhile(tmp_path):
+    """An eval of the running run records its stage between the trainer's manifest writes."""
+    store = _fake_run(tmp_path / "run", steps=4, every=2)
+    RunStore(tmp_path / "run").mark_done("eval/gsm8k/000004", [], accuracy=0.5)  # another process's view
+    sb.prune(store, keep=1, keep_steps=(), rollout_store="resume")
+    stages = json.loads((tmp_path / "run" / "manifest.json").read_text())["stages"]
+    assert stages["eval/gsm8k/000004"]["accuracy"] == 0.5 and stages["checkpoint/000002"]["status"] == "pruned"
+
+
 def test_prune_defaults_keep_everything(tmp_path):
     store = _fake_run(tmp_path / "run", steps=4, every=2)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))

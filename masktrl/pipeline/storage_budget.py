@@ -64,21 +64,21 @@ def prune(store, keep: int | None, keep_steps: tuple[int, ...], rollout_store: s
     """Apply the retention settings to a run (``RunStore``); returns the steps pruned.
 
     Called by the main process after a checkpoint is recorded. Marks the stages ``pruned`` in
-    the manifest (one write), then deletes their files, and any files of stages marked
-    ``pruned`` earlier that are still there (a crash in between)."""
+    the manifest (one read-modify-write under the run's manifest lock), then deletes their
+    files, and any files of stages marked ``pruned`` earlier that are still there (a crash in
+    between)."""
     if not store.writable:
         return {"checkpoints": [], "rollouts": []}
-    stages = store.manifest["stages"]
-    done_ckpt = sorted(int(k.split("/")[1]) for k, v in stages.items() if k.startswith("checkpoint/") and v.get("status") == "done")
-    stored = sorted(int(k.split("/")[1]) for k, v in stages.items()
-                    if k.startswith("step/") and k.endswith("/rollout") and v.get("status") == "done")
-    ckpts = checkpoints_to_prune(done_ckpt, keep, keep_steps)
-    rollouts = rollouts_to_prune(stored, done_ckpt[-1] if done_ckpt else 0, rollout_store)
-    keys = [f"checkpoint/{s:06d}" for s in ckpts] + [f"step/{s:06d}/rollout" for s in rollouts]
-    for key in keys:
-        stages[key] = {**stages[key], "status": "pruned"}
-    if keys:
-        store.write_manifest()
+    with store.updating() as manifest:  # under the run's manifest lock: a stage an eval records meanwhile is kept
+        stages = manifest["stages"]
+        done_ckpt = sorted(int(k.split("/")[1]) for k, v in stages.items() if k.startswith("checkpoint/") and v.get("status") == "done")
+        stored = sorted(int(k.split("/")[1]) for k, v in stages.items()
+                        if k.startswith("step/") and k.endswith("/rollout") and v.get("status") == "done")
+        ckpts = checkpoints_to_prune(done_ckpt, keep, keep_steps)
+        rollouts = rollouts_to_prune(stored, done_ckpt[-1] if done_ckpt else 0, rollout_store)
+        keys = [f"checkpoint/{s:06d}" for s in ckpts] + [f"step/{s:06d}/rollout" for s in rollouts]
+        for key in keys:
+            stages[key] = {**stages[key], "status": "pruned"}
     for key, entry in stages.items():
         if entry.get("status") != "pruned":
             continue
