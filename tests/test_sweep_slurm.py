@@ -136,3 +136,23 @@ def test_a_written_script_resumes_the_interrupted_run(grid):
     r = runner.invoke(app, ["sweep", "--methods", "grpo,dppo", "--seeds", "1", "--config", str(config), "--out", str(out),
                             "--launcher", "slurm"], env={"COLUMNS": "250"})
     assert r.exit_code == 0 and "2 complete, 0 to run" in r.output and (out / "analysis" / "compare.json").is_file(), r.output
+
+
+def test_slurm_leaves_a_run_that_is_training_alone(grid, fake_slurm):
+    """A run whose lock is held (its job, or any other process, trains it now) is neither
+    submitted again nor a reason to stop: the local launcher refuses it with one line."""
+    from tests.test_reliability import HOLD_LOCK
+
+    config, out = grid
+    env, log, _ = fake_slurm
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out / "dppo-seed0" / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        r = sweep(config, out, "--launcher", "slurm", env=env)
+        assert r.exit_code == 0, r.output
+        assert f"skip dppo-seed0: being trained right now by pid {holder.pid}" in r.output
+        assert len(log.read_text().splitlines()) == 2 and "dppo-seed0" not in log.read_text()
+        assert failed(sweep(config, out), f"is being trained right now (pid {holder.pid})")
+    finally:
+        holder.kill()
+        holder.wait()

@@ -57,7 +57,7 @@ def sweep(
         raise ConfigError("--accelerate-config goes with --launcher slurm or --print-commands (the local launcher trains in this process)")
     method_list = stage.parse_methods(methods)
     seed_list = stage.parse_seeds(seeds)
-    items = stage.plan(Path(out), method_list, seed_list, config, set_ or [])
+    items = stage.plan(Path(out), method_list, seed_list, config, set_ or [], busy_ok=print_commands or launcher == "slurm")
     for item in items:  # every run's trackers are importable, before anything starts
         check_trackers(item.cfg.train.report_to)
     if print_commands or launcher == "slurm":
@@ -113,6 +113,10 @@ def launch_runs(items, out: Path, config, overrides: list[str], accelerate_confi
             console.print(f"skip [cyan]{name}[/] (complete)", highlight=False, soft_wrap=True)
         elif name in active:
             console.print(f"skip [cyan]{name}[/]: {active[name]} (still queued or running; left alone)", highlight=False, soft_wrap=True)
+        elif item.writer is not None:
+            who = f"pid {item.writer}" if item.writer > 0 else "another process"
+            console.print(f"skip [cyan]{name}[/]: being trained right now by {who} (it holds the run's lock; left alone)",
+                          highlight=False, soft_wrap=True)
         else:
             script = slurm.write_script(item, commands[item.root], out, sbatch_options)
             if not submit:

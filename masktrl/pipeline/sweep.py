@@ -38,6 +38,7 @@ class SweepRun:
     root: Path  # the folder that holds (or will hold) the complete run
     state: str  # "complete" (skip) | "new" | "resume" (incomplete, resumable) | "retry" (fresh folder)
     incomplete: list[Path] = field(default_factory=list)
+    writer: int | None = None  # plan(busy_ok=True): the pid holding the run's lock (-1: not known), if a process trains it now
 
 
 def parse_methods(text: str) -> list[str]:
@@ -78,9 +79,11 @@ def run_state(root: Path) -> str:
 
 
 def plan(out: Path, methods: list[str], seeds: list[int], config: Path | list[Path] | None = None,
-         overrides: list[str] = ()) -> list[SweepRun]:
+         overrides: list[str] = (), *, busy_ok: bool = False) -> list[SweepRun]:
     """Every run of the grid with its config (``config``: one preset or several, composed as
-    ``load_config`` does) and what the sweep will do with it."""
+    ``load_config`` does) and what the sweep will do with it. A run that a process is training
+    right now (it holds the run's lock) stops the plan with one line, or, with ``busy_ok`` (the
+    slurm launcher: its job may be that process), is planned as a resume with ``writer`` set."""
     runs = []
     for method in methods:
         for seed in seeds:
@@ -94,8 +97,8 @@ def plan(out: Path, methods: list[str], seeds: list[int], config: Path | list[Pa
                 _check_same_config(root, cfg)
             if complete:
                 runs.append(SweepRun(method, seed, name, cfg, complete[-1], "complete", incomplete))
-            elif incomplete and _resumable(incomplete[-1], cfg):
-                runs.append(SweepRun(method, seed, name, cfg, incomplete[-1], "resume", incomplete))
+            elif incomplete and _resumable(incomplete[-1], cfg, busy_ok):
+                runs.append(SweepRun(method, seed, name, cfg, incomplete[-1], "resume", incomplete, runlock.holder(incomplete[-1])))
             elif incomplete:
                 runs.append(SweepRun(method, seed, name, cfg, Path(out) / f"{name}-retry{_next_retry(attempts)}", "retry", incomplete))
             else:
@@ -109,10 +112,10 @@ def _check_same_config(root: Path, cfg: Config) -> None:
         raise MasktrlError(f"{root} holds a run with a different config ({', '.join(diff[:4])}); use another --out (nothing was changed)")
 
 
-def _resumable(root: Path, cfg: Config) -> bool:
+def _resumable(root: Path, cfg: Config, busy_ok: bool = False) -> bool:
     """An interrupted run of this config that ``train(resume=True)`` accepts.
 
-    Raises if the run looks alive (status running and its process exists): two sweeps must
+    Raises if the run is alive (a process holds its lock) unless ``busy_ok``: two sweeps must
     not write into the same run.
     """
     store = RunStore(root)
@@ -120,9 +123,10 @@ def _resumable(root: Path, cfg: Config) -> bool:
         store.check_resumable()
     except MasktrlError:
         return False
-    if store.status() == "running":  # a process holds the run's lock (pipeline/runlock.py)
-        pid = runlock.holder(root)
-        raise MasktrlError(f"{root} is being trained right now (pid {pid}); wait for it or stop it first")
+    pid = runlock.holder(root)  # a process holds the run's lock (pipeline/runlock.py)
+    if (pid is not None or store.status() == "running") and not busy_ok:
+        who = f"pid {pid}" if pid and pid > 0 else "a process"
+        raise MasktrlError(f"{root} is being trained right now ({who}); wait for it or stop it first")
     _check_same_config(root, cfg)
     return True
 
