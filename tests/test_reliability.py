@@ -630,6 +630,7 @@ def test_dry_run_prints_the_config_and_writes_nothing(finished, tmp_path, cli_er
     config, out, root = finished
     r = cli("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--dry-run")
     assert "nothing was written" in r.output and "hidden_size: 32" in r.output and "projected disk use" in r.output
+    assert "run total <=" in r.output  # storage_budget.project on the policy's parameter count
     assert not (tmp_path / "out").exists()
     before = snapshot(out)
     r = cli("train", "--resume", "r", "--out", out, "--dry-run", "--rollouts-from", root)

@@ -198,10 +198,28 @@ def model_context(weights: str) -> int | None:
 
 
 def projected_disk(cfg: Config, checked: Checked) -> str:
-    """The disk a run of ``cfg`` will use, for ``--dry-run``."""
-    # CALL SITE: the projection itself is pipeline/storage_budget.py's (``project``); until that
-    # module is in this checkout the line says so.
-    return "not computed in this checkout (pipeline/storage_budget.py)"
+    """The disk a run of ``cfg`` will use at most (``storage_budget.project``), for ``--dry-run``:
+    the policy's parameters are counted on a model built on the meta device (no weights)."""
+    import torch
+
+    from masktrl.pipeline import storage_budget
+
+    with torch.device("meta"):
+        if cfg.model.path == "tiny":
+            from masktrl.models.tiny import TinyModelConfig, build_tiny_model
+
+            m = cfg.model
+            tiny = TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size)
+            model = build_tiny_model(checked.tokenizer, tiny, seed=cfg.seed)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            from masktrl.models.loading import load_model_config
+
+            model = AutoModelForCausalLM.from_config(load_model_config(cfg.model.path))
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "") if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" else ""
+    projection = storage_budget.project(cfg, storage_budget.count_parameters(model), deepspeed_stage=int(stage) if stage.isdigit() else None)
+    return projection.summary().removeprefix("projected disk: ")
 
 
 def _free(out: Path) -> str:
