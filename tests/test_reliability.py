@@ -371,6 +371,20 @@ def test_extending_a_finished_run_reevaluates_and_accumulates_wall_time(finished
     assert json.loads((root / "eval" / "synthetic-step3.json").read_text())["avg_at_k"] == after["eval_after"]
 
 
+def test_resume_force_of_a_deepspeed_checkpoint_under_another_launch_changes_nothing(finished, tmp_path, cli_error):
+    """The DeepSpeed state is compared with the launch before --force records the new config."""
+    _, out, root = copy_run(finished, tmp_path)
+    ckpt = root / "checkpoints" / "000002"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    (ckpt / "trainer_state.json").write_text(json.dumps({**state, "deepspeed": {"zero_stage": 2, "processes": 2}}))
+    (ckpt / "deepspeed").mkdir()
+    (ckpt / "deepspeed" / "latest").write_text("global_step2")
+    RunStore(root).mark_done("checkpoint/000002", [ckpt], step=2)  # as a ZeRO-2 run on 2 processes records it
+    before = snapshot(root)
+    line = one_line(cli_error("train", "--resume", "r", "--out", out, "--force", "--set", "train.steps=3"), "ZeRO-2 with 2 processes")
+    assert "resume it under the same accelerate launch" in line and snapshot(root) == before
+
+
 # --------------------------------------------------------------------------- 6. preemption and status
 
 

@@ -78,15 +78,13 @@ def train(
                 if plan.mode == "resume":
                     store.check_resumable()
                     store.resume_step(checked.vocab_size)  # every artifact the resumed run reads, before --force records the config
-                    if changed:
-                        store.record_config(cfg, forced_changes=changed)
             verb = {"resume": "resuming", "restart": "restarting"}.get(plan.mode, "run")
             console.print(f"[bold]masktrl train[/] {verb} [cyan]{root.name}[/] method [cyan]{cfg.method_name}[/] seed {cfg.seed}")
             if plan.note and not resume:
                 console.print(plan.note, highlight=False)
             with progress_bar() as progress:
                 result = run_training(cfg, store, progress, resume=plan.mode == "resume", restart=plan.mode == "restart",
-                                      rollouts_from=rollouts_from, checked=checked)
+                                      rollouts_from=rollouts_from, checked=checked, forced_changes=changed)
     except Interrupted as exc:
         done = store.checkpoints() if store.exists() else []
         where = f"after checkpoint {done[-1]}" if done else "before its first checkpoint"

@@ -113,12 +113,14 @@ class NonFiniteError(MasktrlError):
 
 
 def train(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, rollouts_from: str | None = None,
-          dist: Dist | None = None, checked: preflight.Checked | None = None, restart: bool = False) -> TrainResult:
+          dist: Dist | None = None, checked: preflight.Checked | None = None, restart: bool = False,
+          forced_changes: list[str] | None = None) -> TrainResult:
     """The whole run: the checks (``checked``: already done by the caller), setup, the RL steps (a
     checkpoint every ``train.checkpoint_every``, at each of ``train.keep_steps``, at the end, and
     when Ctrl-C or SIGTERM asks to stop; retention applied after each), then ``finish``.
     ``restart``: the run folder holds a failed or interrupted run with no checkpoint, started
-    again from scratch (``preflight.plan_start``)."""
+    again from scratch (``preflight.plan_start``). ``forced_changes``: the keys ``--resume --force``
+    changed, recorded with the new config once the checkpoint is known to fit this launch."""
     dist = dist or (Dist.from_launch(cfg.train) if launched() else Dist())  # a bad launch config fails here, before any write
     resume, restart = dist.broadcast((resume, restart))  # the main process decided what to do with the folder
     checked = checked or preflight.check(cfg, rollouts_from=rollouts_from)  # before anything is written
@@ -127,7 +129,8 @@ def train(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
     s = None
     try:
         with store.writing(), graceful_stop(graceful=False) as stop:  # one writer per run; SIGTERM = Ctrl-C
-            s = setup(cfg, store, checked, progress, resume=resume, restart=restart, rollouts_from=rollouts_from, dist=dist)
+            s = setup(cfg, store, checked, progress, resume=resume, restart=restart, rollouts_from=rollouts_from, dist=dist,
+                      forced_changes=forced_changes)
             with s.store.recording_failure(lambda: {"wall_time_s": s.wall_time()}):
                 bar = s.progress.add_task("RL", total=s.steps, completed=s.start, info="") if s.progress else None
                 stop.graceful = True  # a signal now finishes the step and checkpoints it
@@ -151,7 +154,7 @@ def train(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
 
 
 def setup(cfg: Config, store: RunStore, checked: preflight.Checked, progress=None, *, resume: bool = False, restart: bool = False,
-          rollouts_from: str | None = None, dist: Dist | None = None) -> State:
+          rollouts_from: str | None = None, dist: Dist | None = None, forced_changes: list[str] | None = None) -> State:
     """Record the run, load (or warm-start) the policy, restore a checkpoint when resuming, start
     the engine and evaluate the starting policy. A failure once the run is recorded leaves it
     ``failed`` with the reason (or ``interrupted``), never ``running``."""
@@ -170,6 +173,8 @@ def setup(cfg: Config, store: RunStore, checked: preflight.Checked, progress=Non
         elif store.exists():
             raise MasktrlError(f"run folder {store.root} was started by another process meanwhile; choose another --run (nothing was changed)")
         store.record_config(cfg)
+    elif store.writable and forced_changes:
+        store.record_config(cfg, forced_changes=forced_changes)  # --resume --force with another config
     wall_before = store.previous_wall_time() if resume else 0.0
     store.set_info(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid(),
                    processes=dist.world, reason=None)
