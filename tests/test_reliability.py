@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -108,19 +109,25 @@ def test_lock_is_reentrant_in_one_process_and_released_after(tmp_path):
     assert not runlock.holds(root) and runlock.holder(root) is None
 
 
-@pytest.mark.slow
-def test_resume_while_the_run_trains_is_refused_and_the_run_stays_whole(tmp_path):
-    import signal
-
+def start_training(tmp_path, train: dict, name: str):
+    """``masktrl train --run name`` in the background with the tiny config and ``train`` settings,
+    once its first step is recorded: (the command without --run, its environment, the process,
+    the run folder)."""
     config = tmp_path / "c.yaml"
-    config.write_text(tiny_yaml({"train": {"steps": 5000, "checkpoint_every": 3}}))
+    config.write_text(tiny_yaml({"train": train}))
     env = masktrl_env()
     cmd = [sys.executable, "-m", "masktrl.cli", "train", "--config", str(config), "--out", str(tmp_path / "out")]
-    first = subprocess.Popen([*cmd, "--run", "y"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    root = tmp_path / "out" / "y"
+    proc = subprocess.Popen([*cmd, "--run", name], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    root = tmp_path / "out" / name
     deadline = time.time() + 240
     while time.time() < deadline and not ((root / "manifest.json").exists() and "step/000001/train" in (root / "manifest.json").read_text()):
         time.sleep(0.05)
+    return cmd, env, proc, root
+
+
+@pytest.mark.slow
+def test_resume_while_the_run_trains_is_refused_and_the_run_stays_whole(tmp_path):
+    cmd, env, first, root = start_training(tmp_path, {"steps": 5000, "checkpoint_every": 3}, "y")
     for args in (["--resume", "y"], ["--run", "y"]):  # a resume, and the same command again
         second = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=240)
         lines = [line for line in second.stderr.splitlines() if line.strip()]
@@ -167,6 +174,8 @@ def _bad_file(root, tmp_path, how):
             sample.gen.logp[0] = value
     elif how == "id outside the vocabulary":
         gen.topk_ids[0] = [999] + gen.topk_ids[0][1:]
+    elif how == "NaN advantage":
+        samples[2].advantage = float("nan")
     path = tmp_path / "bad.parquet"
     write_rollouts(path, samples, meta)
     if how == "wrong column type":
@@ -181,7 +190,7 @@ def _bad_file(root, tmp_path, how):
 
 @pytest.mark.parametrize("how, needle", [("positive logp", "is not a log-probability"), ("shifted top-K", "top-K entry"),
                                          ("moved logp", "top-K entry"), ("id outside the vocabulary", "outside the vocabulary [0, 17)"),
-                                         ("wrong column type", "advantage")])
+                                         ("wrong column type", "advantage"), ("NaN advantage", "row 2: advantage is nan")])
 def test_malformed_rollout_file_is_refused_before_the_run_folder(finished, tmp_path, cli_error, how, needle):
     config, _, root = finished
     path = _bad_file(root, tmp_path, how)
@@ -407,24 +416,14 @@ def test_status_is_never_left_running(finished, tmp_path, monkeypatch, exc):
 
 @pytest.mark.slow
 def test_sigterm_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path):
-    import signal
-
-    config = tmp_path / "c.yaml"
-    config.write_text(tiny_yaml({"train": {"steps": 8, "checkpoint_every": 4}}))
-    env = masktrl_env()
-    cmd = [sys.executable, "-m", "masktrl.cli", "train", "--config", str(config), "--out", str(tmp_path / "out")]
-    assert subprocess.run([*cmd, "--run", "ref"], env=env, capture_output=True, timeout=300).returncode == 0
-    proc = subprocess.Popen([*cmd, "--run", "term"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    root = tmp_path / "out" / "term"
-    deadline = time.time() + 240
-    while time.time() < deadline and not ((root / "manifest.json").exists() and "step/000001/train" in (root / "manifest.json").read_text()):
-        time.sleep(0.05)
+    cmd, env, proc, root = start_training(tmp_path, {"steps": 8, "checkpoint_every": 4}, "term")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     m = manifest(root)
     done = sorted(int(k.split("/")[1]) for k in m["stages"] if k.startswith("checkpoint/"))
     assert m["status"] == "interrupted" and done and done[-1] < 8 and len(metrics_rows(root)) == done[-1]
+    assert subprocess.run([*cmd, "--run", "ref"], env=env, capture_output=True, timeout=300).returncode == 0
     r = subprocess.run([*cmd, "--resume", "term"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     a = load_file(tmp_path / "out" / "ref" / "checkpoints" / "000008" / "model.safetensors")
