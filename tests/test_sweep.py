@@ -97,3 +97,27 @@ def test_seed_and_method_parsing():
     assert sweep.parse_methods("grpo, sis") == ["grpo", "sis"]
     with pytest.raises(ConfigError, match="valid methods"):
         sweep.parse_methods("grpo,nosuch")
+
+
+def test_method_specs_with_parameters_are_their_own_runs(tmp_path):
+    """``pdm:tail=agg,pdm:tail=uniform``: two variants of one method in one sweep, each run
+    named after its spec and configured with its parameters; a bad spec is one ConfigError."""
+    from masktrl.pipeline import slurm
+
+    config = write_tiny_config(tmp_path / "tiny.yaml")
+    specs = sweep.parse_methods("grpo, pdm:tail=agg, pdm:tail=uniform, dppo:divergence=topk-kl:delta_pos=0.1")
+    items = sweep.plan(tmp_path / "out", specs, [3], config)
+    assert [i.name for i in items] == ["grpo-seed3", "pdm-tail-agg-seed3", "pdm-tail-uniform-seed3",
+                                       "dppo-divergence-topk-kl-delta_pos-0.1-seed3"]
+    params = [(i.cfg.method_name, dict(i.cfg.method)) for i in items]
+    assert params[1][0] == params[2][0] == "pdm"
+    assert params[1][1]["tail"] == "agg" and params[2][1]["tail"] == "uniform"
+    assert params[3][0] == "dppo" and params[3][1]["divergence"] == "topk-kl" and params[3][1]["delta_pos"] == 0.1
+    argv = slurm.train_command(items[2], out=tmp_path / "out", config=config, overrides=["train.steps=2"])
+    assert argv[argv.index("--method") + 1] == "pdm" and argv[-1] == "pdm-tail-uniform-seed3"
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--set"] == ["train.steps=2", "method.tail=uniform"]
+    for bad in ("pdm:tail", "pdm:=x", "nosuch:tail=agg", "pdm:tail=agg,pdm:tail=agg"):
+        with pytest.raises(ConfigError):
+            sweep.parse_methods(bad)
+    with pytest.raises(ConfigError):  # an unknown parameter is caught when the config is built
+        sweep.plan(tmp_path / "out", ["pdm:nosuch=1"], [0], config)

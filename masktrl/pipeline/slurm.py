@@ -29,6 +29,7 @@ from pathlib import Path
 
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.io import atomic_write_json, atomic_write_text
+from masktrl.pipeline.sweep import split_method
 
 JOBS_FILE = "jobs.json"
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "PREEMPTED"}
@@ -51,10 +52,11 @@ def train_command(item, *, out: Path, config: Path | list | None, overrides: lis
         return [*base, "--resume", str(item.root), "--out", str(out)]
     if item.state not in ("new", "retry"):
         raise ValueError(f"run {item.name} is {item.state}: nothing to start")
-    argv = [*base, "--method", item.method, "--seed", str(item.seed)]
+    name, params = split_method(item.method)  # a method spec: NAME[:KEY=VALUE...]
+    argv = [*base, "--method", name, "--seed", str(item.seed)]
     for path in ([] if config is None else config if isinstance(config, (list, tuple)) else [config]):  # --config is repeatable
         argv += ["--config", str(path)]
-    for o in overrides:
+    for o in [*overrides, *params]:
         argv += ["--set", o]
     return [*argv, "--out", str(out), "--run", item.root.name]
 

@@ -1,6 +1,7 @@
 """``masktrl sweep``: a grid of methods x seeds, one training run after another.
 
-Run names are ``<method>-seed<k>`` under one output folder, so every run of a seed reuses the
+Run names are ``<method>-seed<k>`` under one output folder (a method spec with parameters,
+``pdm:tail=uniform``, is named ``pdm-tail-uniform-seed<k>``), so every run of a seed reuses the
 same cached warm start (``<out>/.cache/warmstart``). The sweep resumes at run granularity:
 
 * a run that is **complete** (summary.json present and manifest status ``complete``) with
@@ -31,7 +32,7 @@ from masktrl.pipeline.runstore import RunStore, is_fresh_folder
 
 @dataclass
 class SweepRun:
-    method: str
+    method: str  # the method spec: NAME or NAME:KEY=VALUE[:KEY=VALUE...]
     seed: int
     name: str  # the canonical name <method>-seed<k>
     cfg: Config
@@ -42,17 +43,38 @@ class SweepRun:
 
 
 def parse_methods(text: str) -> list[str]:
+    """Comma-separated method specs: ``NAME`` or ``NAME:KEY=VALUE[:KEY=VALUE...]`` (a method with
+    its parameters, e.g. ``pdm:tail=uniform``, ``dppo:divergence=topk-kl``), so one sweep can hold
+    two variants of a method. Each spec's parameters are checked when its config is built."""
     from masktrl.methods import method_names
 
     methods = [m.strip() for m in text.split(",") if m.strip()]
     if not methods:
         raise ConfigError("--methods is empty")
-    unknown = [m for m in methods if m not in method_names()]
-    if unknown:
-        raise ConfigError(f"unknown method {unknown[0]!r}; valid methods: {', '.join(method_names())}")
+    for spec in methods:
+        name, params = split_method(spec)
+        if name not in method_names():
+            raise ConfigError(f"unknown method {name!r}; valid methods: {', '.join(method_names())}")
     if len(set(methods)) != len(methods):
         raise ConfigError(f"--methods lists a method twice: {text}")
     return methods
+
+
+def split_method(spec: str) -> tuple[str, list[str]]:
+    """``pdm:tail=uniform`` -> ("pdm", ["method.tail=uniform"])."""
+    name, *pairs = spec.split(":")
+    overrides = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value.strip() or not key.strip().replace("_", "").isalnum():
+            raise ConfigError(f"--methods: {spec!r}: parameters go as NAME:KEY=VALUE (e.g. pdm:tail=uniform)")
+        overrides.append(f"method.{key.strip()}={value.strip()}")
+    return name.strip(), overrides
+
+
+def run_stem(spec: str) -> str:
+    """The run-name stem of a method spec: ``pdm:tail=uniform`` -> ``pdm-tail-uniform``."""
+    return spec.replace(":", "-").replace("=", "-")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -87,8 +109,9 @@ def plan(out: Path, methods: list[str], seeds: list[int], config: Path | list[Pa
     runs = []
     for method in methods:
         for seed in seeds:
-            cfg = load_config(config, list(overrides), method=method, seed=seed)
-            name = f"{method}-seed{seed}"
+            name_, params = split_method(method)
+            cfg = load_config(config, [*overrides, *params], method=name_, seed=seed)
+            name = f"{run_stem(method)}-seed{seed}"
             attempts = [Path(out) / name] + sorted(Path(out).glob(f"{name}-retry*"), key=_retry_index)
             states = {root: run_state(root) for root in attempts}
             complete = [r for r in attempts if states[r] == "complete"]
