@@ -13,6 +13,7 @@ from typing import Iterable
 from masktrl.errors import ConfigError
 from masktrl.tasks.base import Example, register_task
 from masktrl.tasks.rewards import boxed_match, exact_match
+from masktrl.tasks.synthetic import SyntheticTask, int_option
 
 OPS = ("+", "-", "*")
 ANSWER_FORMATS = ("plain", "boxed")
@@ -37,13 +38,11 @@ def _parse_ops(ops: str | Iterable[str]) -> tuple[str, ...]:
 
 
 def _int_option(name: str, value, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(f"arithmetic: {name} must be an integer in [{lo}, {hi}], got {value!r}")
-    return value
+    return int_option("arithmetic", name, value, lo, hi)
 
 
 @register_task("arithmetic")
-class ArithmeticTask:
+class ArithmeticTask(SyntheticTask):
     """Arithmetic problems with exact-match scoring.
 
     Args:
@@ -76,26 +75,9 @@ class ArithmeticTask:
         n_problems = len(self.ops) * 10 ** (2 * self.digits)
         self.n_test = _int_option("n_test", n_test, 1, n_problems // 2)
         self.seed = _int_option("seed", seed, -(2**63), 2**63 - 1)
-        rng = random.Random(f"masktrl.arithmetic.test:{self.seed}")
-        test: dict[tuple[int, str, int], None] = {}  # insertion-ordered set
-        while len(test) < self.n_test:
-            test.setdefault(self._draw(rng))
-        self._test_keys = frozenset(test)
-        self._test = [self._example("test", *key) for key in test]
+        self._draw_split(self.n_test)
 
-    # ----------------------------------------------------------------- Task protocol
-    def train_examples(self, n: int, rng: random.Random) -> list[Example]:
-        """``n`` fresh i.i.d. problems from ``rng``, never one of the test split."""
-        out = []
-        while len(out) < n:
-            key = self._draw(rng)
-            if key not in self._test_keys:
-                out.append(self._example("train", *key))
-        return out
-
-    def test_examples(self) -> list[Example]:
-        return list(self._test)
-
+    # ----------------------------------------------------------------- Task protocol (and SyntheticTask's)
     def score(self, example: Example, completion: str) -> float:
         return self.score_many([example], [completion])[0]
 
@@ -110,20 +92,14 @@ class ArithmeticTask:
     def alphabet(self) -> str:
         return alphabet(self.answer_format)
 
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> ArithmeticTask:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     # ----------------------------------------------------------------- helpers
     def _draw(self, rng: random.Random) -> tuple[int, str, int]:
         op = rng.choice(self.ops)
         hi = 10**self.digits
         return rng.randrange(hi), op, rng.randrange(hi)
+
+    def _example_of(self, split: str, key: tuple[int, str, int], rng: random.Random) -> Example:
+        return self._example(split, *key)
 
     @staticmethod
     def _example(split: str, a: int, op: str, b: int) -> Example:
