@@ -50,6 +50,14 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 """train.report_to: accelerate's trackers masktrl logs to (besides metrics.jsonl, the source of truth)."""
 ROLLOUT_STORE = ("all", "resume")
+TINY_TOKENIZERS = ("char", "numbers")
+HASH_STABLE_DEFAULTS = {
+    "model.tokenizer": "char", "model.embedding_init": "random", "task.options": {}, "warmstart.target_accuracy": None,
+    "rollout.staleness": 0, "train.lab_stats": False,
+}
+"""Keys added after runs and warm-start caches were fingerprinted (``Config.hash``): left out of
+the hash while at these defaults, so a config that does not use them keeps its fingerprint (its
+warm-start cache entry, its run's recorded config hash)."""
 
 
 @dataclass(frozen=True)
@@ -70,9 +78,22 @@ class ModelConfig:
     """Training dtype: float32 | bfloat16 | float16."""
     chat_template: bool = False
     """Wrap prompts with the tokenizer's chat template (instruct models)."""
+    tokenizer: str = "char"
+    """Tiny model only: 'char' (one token per character of the task's alphabet) or 'numbers' (one
+    token per integer 0..1999 plus pad/eos/unk and '=': 2,004 tokens; for task residues, docs/LAB.md)."""
+    embedding_init: str = "random"
+    """Tiny model only: 'random', or 'numbers' (the number tokens' input and output embeddings start
+    with features of their value: residues mod 2..9, a band per hundred, low frequencies; needs
+    model.tokenizer=numbers; docs/LAB.md)."""
 
     def validate(self) -> None:
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _choice("model.tokenizer", self.tokenizer, TINY_TOKENIZERS)
+        _choice("model.embedding_init", self.embedding_init, ("random", "numbers"))
+        if self.embedding_init == "numbers" and self.tokenizer != "numbers":
+            raise ConfigError("model.embedding_init=numbers needs model.tokenizer=numbers")
+        if self.path != "tiny" and (self.tokenizer, self.embedding_init) != ("char", "random"):
+            raise ConfigError("model.tokenizer and model.embedding_init are options of the tiny model (model.path=tiny)")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             _positive(f"model.{name}", getattr(self, name))
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -131,6 +152,10 @@ class TaskConfig:
     """Processes running the reward (custom rewards and math-verify)."""
     max_prompt_tokens: int | None = None
     """Drop examples whose rendered prompt has more tokens than this."""
+    options: dict = field(default_factory=dict)
+    """residues and tasks added with register_task: further options of the task's factory, e.g.
+    {answers: 4, distinct: true} for residues (docs/LAB.md; an unknown option is refused naming
+    the accepted ones)."""
 
     def validate(self) -> None:
         _choice("task.answer_format", self.answer_format, ("plain", "boxed"))
@@ -160,12 +185,18 @@ class WarmStartConfig:
     """AdamW learning rate of the warm start, constant after the warm-up."""
     warmup_steps: int = 20
     """Steps of linear learning-rate warm-up at the start of the warm start."""
+    target_accuracy: float | None = None
+    """Stop the warm start at the first check (every 100 steps) whose greedy accuracy on 256 fixed
+    training problems (never held-out ones) reaches this; warmstart.steps is then the maximum.
+    None: exactly warmstart.steps."""
 
     def validate(self) -> None:
         _non_negative("warmstart.steps", self.steps)
         _positive("warmstart.batch_size", self.batch_size)
         _positive("warmstart.lr", self.lr)
         _non_negative("warmstart.warmup_steps", self.warmup_steps)
+        if self.target_accuracy is not None and not 0.0 < self.target_accuracy <= 1.0:
+            raise ConfigError(f"warmstart.target_accuracy must be in (0, 1], got {self.target_accuracy}")
 
 
 @dataclass(frozen=True)
@@ -198,6 +229,10 @@ class RolloutConfig:
     store: str = "all"
     """Which rollout batches a run keeps: all | resume (only those after the newest checkpoint,
     which --resume needs; earlier ones are deleted once a newer checkpoint is recorded)."""
+    staleness: int = 0
+    """Rollout batches are sampled this many steps ahead: step S trains on a batch sampled by the
+    policy after step S-1-staleness (the starting policy for the first ones), so even its first
+    minibatch update is off-policy. 0: on-policy. Not used with --rollouts-from."""
 
     def validate(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
@@ -207,6 +242,7 @@ class RolloutConfig:
         for name in ("prompts_per_step", "n", "max_new_tokens", "logprobs_k", "batch_size"):
             _positive(f"rollout.{name}", getattr(self, name))
         _positive("rollout.temperature", self.temperature)
+        _non_negative("rollout.staleness", self.staleness)
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.n < 2:
@@ -259,6 +295,10 @@ class TrainConfig:
     """A step whose loss or gradient norm is not finite is skipped (no optimizer step) and counted
     (nonfinite_steps in metrics.jsonl); after this many consecutive skipped steps the run stops
     with status failed."""
+    lab_stats: bool = False
+    """Record whether the methods can differ on this run: per step the behaviour's residual mass
+    1 - mu(top-K) and unlisted sampled tokens, and at the update the tokens with D > 0.15 and where
+    the ratio and Ddot rules disagree (metrics lab/*, summary lab_stats; docs/LAB.md)."""
 
     def __post_init__(self):
         object.__setattr__(self, "report_to", tuple(t for t in self.report_to if t != "none"))  # 'none' = no tracker
@@ -340,6 +380,10 @@ class Config:
     def hash(self, *sections: str) -> str:
         """sha256 of the whole config, or of the named sections only (e.g. the warm start's inputs)."""
         d = self.to_dict()
+        for key, default in HASH_STABLE_DEFAULTS.items():
+            section, name = key.split(".")
+            if d[section][name] == default:
+                del d[section][name]
         if sections:
             d = {s: d[s] for s in sections}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -393,6 +437,8 @@ def from_dict(raw: dict) -> Config:
     for section in (cfg.model, cfg.task, cfg.warmstart, cfg.rollout, cfg.train, cfg.eval):
         section.validate()
     _validate_method(cfg.method)
+    if cfg.model.tokenizer == "numbers" and cfg.task.name != "residues":
+        raise ConfigError(f"model.tokenizer=numbers cannot encode task {cfg.task.name!r} (it serves task residues)")
     if "synthetic" in cfg.train.eval_benchmarks and cfg.task.name != "arithmetic":
         raise ConfigError(f"train.eval_benchmarks: synthetic is the arithmetic task, but task.name is {cfg.task.name!r}")
     return cfg

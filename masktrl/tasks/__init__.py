@@ -1,7 +1,7 @@
 """Tasks: what the model is asked, and how an answer is scored.
 
 ``make_task(cfg.task, cfg.model)`` builds a run's task from its config;
-``get_task("arithmetic", digits=3)`` or ``get_task("math", test="aime24", test_file=...)``
+``get_task("arithmetic", digits=3)``, ``get_task("residues", distinct=True)`` (the lab task) or ``get_task("math", test="aime24", test_file=...)``
 returns an object following the :class:`Task` protocol; ``get_task("dataset", source=...,
 reward="my_rewards.py:score")`` is any dataset with any reward (see docs/TASKS.md). Rewards are
 registered with :func:`register_reward`, tasks with :func:`register_task`; ``encode_prompt``
@@ -11,6 +11,7 @@ math-verify is imported only inside grading worker processes.
 from masktrl.tasks.base import Example, Task, get_task, register_task, task_names
 from masktrl.tasks import arithmetic as _arithmetic  # noqa: F401  (registers "arithmetic")
 from masktrl.tasks import math_data as _math_data  # noqa: F401  (registers "math" and the benchmarks)
+from masktrl.tasks import residues as _residues  # noqa: F401  (registers "residues", the lab task)
 from masktrl.tasks.dataset import DatasetTask
 from masktrl.tasks.factory import make_eval_task, make_task
 from masktrl.tasks.prompts import encode_prompt

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from masktrl.config import ModelConfig, TaskConfig
+from masktrl.errors import ConfigError
 from masktrl.tasks.base import Task, get_task, task_parameters
 
 HELDOUT_SEED = 1234  # the held-out split is the same for every run, whatever its seed
@@ -15,31 +16,40 @@ def make_task(task_cfg: TaskConfig, model_cfg: ModelConfig, tokenizer=None) -> T
 
     * ``arithmetic``: the synthetic task (no template; ``encode_prompt`` wraps it in the chat
       template when ``model_cfg.chat_template`` is set).
+    * ``residues``: the lab's synthetic task (docs/LAB.md), its options from ``task.options``.
     * ``dataset`` and the math presets: prompts rendered once, with the task's template, through
       the policy's chat template when ``model_cfg.chat_template`` is set; the policy's tokenizer
       (pass it, or it is loaded from ``model_cfg.path``, local files / cache only) renders chat
       prompts and counts ``task.max_prompt_tokens`` (the tiny model's character tokenizer: one
       token per character).
     * a task added with ``register_task``: its factory gets the ``task.*`` keys it names as
-      parameters (and ``tokenizer`` / ``chat`` if it asks for them).
+      parameters (and ``tokenizer`` / ``chat`` if it asks for them) and ``task.options``.
 
     Everything is checked here (data, keys, template, reward), before a run writes anything.
     """
     import masktrl.tasks.arithmetic  # noqa: F401  (registers the task)
     import masktrl.tasks.math_data  # noqa: F401  (registers the math tasks)
+    import masktrl.tasks.residues  # noqa: F401  (registers the lab task)
     from masktrl.tasks.math_data import BENCHMARKS
 
     t = task_cfg
+    if t.options and (t.name in ("arithmetic", "dataset") or t.name in BENCHMARKS):
+        raise ConfigError(f"task.options: the {t.name} task takes no options there; its keys are task.* (masktrl config keys)")
     if t.name == "arithmetic":
         return get_task(
             "arithmetic", ops=t.ops, digits=t.digits, answer_format=t.answer_format, n_test=t.n_test, seed=HELDOUT_SEED
         )
+    if t.name == "residues":
+        fixed = sorted({"n_test", "seed"} & set(t.options))
+        if fixed:
+            raise ConfigError(f"task.options.{fixed[0]}: the held-out split is task.n_test problems drawn with a fixed seed")
+        return get_task("residues", **t.options, n_test=t.n_test, seed=HELDOUT_SEED)
     if t.name == "dataset" or t.name in BENCHMARKS:
         return get_task(t.name, **_dataset_options(t, model_cfg, tokenizer))
     params = task_parameters(t.name)  # ConfigError for an unknown name
     extra = {"tokenizer": tokenizer, "chat": model_cfg.chat_template}
-    kwargs = {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name in params and f.name != "name"}
-    return get_task(t.name, **kwargs, **{k: v for k, v in extra.items() if k in params})
+    kwargs = {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name in params and f.name not in ("name", "options")}
+    return get_task(t.name, **kwargs, **{k: v for k, v in extra.items() if k in params}, **t.options)
 
 
 def make_eval_task(task_cfg: TaskConfig, model_cfg: ModelConfig, tokenizer=None, *, whole_split: bool = False) -> Task:

@@ -1,0 +1,128 @@
+"""The lab task: numbers in a range with a given residue, many correct answers per prompt.
+
+Prompt ``"lo hi m r ="``; a correct completion is ``answers`` integers ``x`` (default 4), space
+separated, each with ``lo <= x < hi`` and ``x % m == r`` (and pairwise different when
+``distinct``). Every prompt has between ``min_solutions`` and ``max_solutions`` such integers,
+so many completions are correct: the policy can stay spread over them, which keeps the
+behaviour's probability mass outside its top-K list large (what the top-K estimators and SIS
+need to be tested on). Reward 1 iff the whole completion is correct.
+
+Sampling: ``m`` uniform in ``moduli``, ``r`` uniform in ``[0, m)``, the width ``hi - lo``
+uniform in ``[min_solutions * m, max_solutions * m]``, ``lo`` uniform with ``hi <= max_value``.
+The held-out split is a fixed function of the options and ``seed``; training sampling rejects
+every test prompt, so train and test never overlap. A training example's ``answer`` (the warm
+start's target) is a fresh uniform draw from the correct answers; a test example's is one fixed
+correct answer (scoring never uses it: any correct completion scores 1).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Iterable
+
+from masktrl.errors import ConfigError
+from masktrl.tasks.base import Example, register_task
+from masktrl.tasks.synthetic import SyntheticTask, int_option
+
+ALPHABET = "0123456789 ="
+
+
+def _int_option(name: str, value, lo: int, hi: int) -> int:
+    return int_option("residues", name, value, lo, hi)
+
+
+def parse_prompt(prompt: str) -> tuple[int, int, int, int]:
+    """(lo, hi, m, r) of a prompt ``"lo hi m r ="``."""
+    lo, hi, m, r = (int(w) for w in prompt.split()[:4])
+    return lo, hi, m, r
+
+
+def is_correct(lo: int, hi: int, m: int, r: int, completion: str, answers: int, distinct: bool) -> bool:
+    """Whether ``completion`` is ``answers`` whitespace-separated integers in [lo, hi), each = r mod m."""
+    words = completion.split() if isinstance(completion, str) else []
+    if len(words) != answers or not all(w.isdecimal() and w.isascii() for w in words):
+        return False
+    xs = [int(w) for w in words]
+    if distinct and len(set(xs)) != len(xs):
+        return False
+    return all(lo <= x < hi and x % m == r for x in xs)
+
+
+@register_task("residues")
+class ResidueTask(SyntheticTask):
+    """``lo hi m r =`` -> ``answers`` integers x with lo <= x < hi and x = r (mod m).
+
+    Args:
+        answers: integers per completion. Default 4.
+        distinct: the integers must be pairwise different. Default False.
+        max_value: every number is < max_value (the number tokenizer has 2,000). Default 2000.
+        moduli: the moduli to draw ``m`` from (integers >= 2). Default 2..9.
+        min_solutions, max_solutions: range of the number of correct integers per prompt.
+            Default 11 and 100.
+        n_test: size of the held-out split. Default 500.
+        seed: seed of the held-out split (training samples come from the caller's rng).
+    """
+
+    name = "residues"
+
+    def __init__(
+        self,
+        answers: int = 4,
+        distinct: bool = False,
+        max_value: int = 2000,
+        moduli: Iterable[int] = tuple(range(2, 10)),
+        min_solutions: int = 11,
+        max_solutions: int = 100,
+        n_test: int = 500,
+        seed: int = 0,
+    ) -> None:
+        self.answers = _int_option("answers", answers, 1, 64)
+        if not isinstance(distinct, bool):
+            raise ConfigError(f"residues: distinct must be true or false, got {distinct!r}")
+        self.distinct = distinct
+        self.max_value = _int_option("max_value", max_value, 2, 10**9)
+        self.moduli = tuple(sorted({_int_option("moduli", m, 2, self.max_value) for m in moduli}))
+        if not self.moduli:
+            raise ConfigError("residues: moduli must not be empty")
+        lo_sol = max(answers if distinct else 1, 1)
+        self.min_solutions = _int_option("min_solutions", min_solutions, lo_sol, self.max_value)
+        self.max_solutions = _int_option("max_solutions", max_solutions, self.min_solutions, self.max_value)
+        if self.max_solutions * max(self.moduli) > self.max_value:
+            raise ConfigError(
+                f"residues: max_solutions * max(moduli) = {self.max_solutions * max(self.moduli)} exceeds max_value {self.max_value}"
+            )
+        self.n_test = _int_option("n_test", n_test, 1, 100_000)
+        self.seed = _int_option("seed", seed, -(2**63), 2**63 - 1)
+        self._draw_split(self.n_test)
+
+    # ----------------------------------------------------------------- Task protocol (and SyntheticTask's)
+    def score(self, example: Example, completion: str) -> float:
+        return float(is_correct(*parse_prompt(example.prompt), completion, self.answers, self.distinct))
+
+    def score_many(self, examples: list[Example], completions: list[str]) -> list[float]:
+        return [self.score(e, c) for e, c in zip(examples, completions, strict=True)]
+
+    def format_target(self, example: Example) -> str:
+        return example.answer
+
+    def alphabet(self) -> str:
+        return ALPHABET
+
+    # ----------------------------------------------------------------- helpers
+    def solutions(self, lo: int, hi: int, m: int, r: int) -> range:
+        """The integers x with lo <= x < hi and x = r (mod m), ascending."""
+        first = lo + (r - lo) % m
+        return range(first, hi, m)
+
+    def _draw(self, rng: random.Random) -> tuple[int, int, int, int]:
+        m = rng.choice(self.moduli)
+        r = rng.randrange(m)
+        width = rng.randint(self.min_solutions * m, self.max_solutions * m)
+        lo = rng.randint(0, self.max_value - width)
+        return lo, lo + width, m, r  # [lo, lo + width) holds between min and max solutions
+
+    def _example_of(self, split: str, key: tuple[int, int, int, int], rng: random.Random) -> Example:
+        lo, hi, m, r = key
+        sols = self.solutions(lo, hi, m, r)
+        xs = rng.sample(sols, self.answers) if self.distinct else [rng.choice(sols) for _ in range(self.answers)]
+        return Example(id=f"{split}/{lo}-{hi}-{m}-{r}", prompt=f"{lo} {hi} {m} {r} =", answer=" ".join(map(str, xs)))

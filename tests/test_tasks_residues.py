@@ -1,0 +1,122 @@
+"""The lab task: prompts, targets, the scorer and the held-out split."""
+
+import random
+
+import pytest
+
+from masktrl.config import load_config
+from masktrl.errors import ConfigError
+from masktrl.tasks import Task, get_task, make_task
+from masktrl.tasks.factory import HELDOUT_SEED
+from masktrl.tasks.residues import ALPHABET, ResidueTask, is_correct, parse_prompt
+
+
+def test_registered_and_follows_the_task_protocol():
+    task = get_task("residues", n_test=10)
+    assert isinstance(task, Task) and task.name == "residues"
+    with pytest.raises(ConfigError, match="unknown option.*answerz"):
+        get_task("residues", answerz=3)
+
+
+@pytest.mark.parametrize("distinct", [False, True])
+def test_every_prompt_has_11_to_100_solutions_and_every_target_is_correct(distinct):
+    task = ResidueTask(distinct=distinct, n_test=200, seed=5)
+    examples = task.train_examples(500, random.Random(0)) + task.test_examples()
+    counts = []
+    for ex in examples:
+        lo, hi, m, r = parse_prompt(ex.prompt)
+        assert ex.prompt == f"{lo} {hi} {m} {r} =" and 2 <= m <= 9 and 0 <= r < m and 0 <= lo < hi <= 2000
+        sols = list(task.solutions(lo, hi, m, r))
+        assert sols == [x for x in range(lo, hi) if x % m == r]
+        counts.append(len(sols))
+        xs = [int(w) for w in task.format_target(ex).split()]
+        assert len(xs) == 4 and all(x in sols for x in xs)
+        assert not distinct or len(set(xs)) == 4
+        assert task.score(ex, task.format_target(ex)) == 1.0
+    assert min(counts) >= 11 and max(counts) <= 100
+    assert max(counts) - min(counts) > 60  # the range is used, not one size
+
+
+def test_targets_are_fresh_draws_from_the_correct_set():
+    task = ResidueTask(n_test=10)
+    rng = random.Random(0)
+    ex = task.train_examples(1, rng)[0]
+    lo, hi, m, r = parse_prompt(ex.prompt)
+    answers = {task._example_of("train", (lo, hi, m, r), rng).answer for _ in range(50)}
+    assert len(answers) > 40  # many different correct completions of one prompt
+
+
+@pytest.mark.parametrize(
+    "completion, distinct, expected",
+    [
+        ("3 5 7 9", False, True),
+        (" 3  5 7 9 ", False, True),  # whitespace is free
+        ("3 3 3 3", False, True),
+        ("3 3 3 3", True, False),  # repeats not allowed with distinct
+        ("3 5 7", False, False),  # too few
+        ("3 5 7 9 11", False, False),  # too many
+        ("3 5 7 4", False, False),  # wrong residue
+        ("1 3 5 7", False, False),  # below lo
+        ("3 5 7 13", False, False),  # not below hi
+        ("3 5 7 =", False, False),
+        ("3 5 7 -9", False, False),
+        ("3 5 7 ９", False, False),  # a non-ASCII digit
+        ("", False, False),
+    ],
+)
+def test_scorer(completion, distinct, expected):
+    assert is_correct(3, 13, 2, 1, completion, 4, distinct) is expected
+
+
+def test_score_never_raises_on_malformed_output():
+    task = ResidueTask(n_test=10)
+    ex = task.test_examples()[0]
+    for bad in [None, 3, "<unk>", "1e3 1 1 1", "0x10 2 3 4"]:
+        assert task.score(ex, bad) == 0.0
+    assert task.score_many([ex, ex], [task.format_target(ex), "x"]) == [1.0, 0.0]
+
+
+def test_held_out_split_is_fixed_and_disjoint_from_training():
+    a, b = ResidueTask(n_test=300, seed=3), ResidueTask(n_test=300, seed=3)
+    assert a.test_examples() == b.test_examples()
+    assert ResidueTask(n_test=300, seed=4).test_examples() != a.test_examples()
+    test_prompts = {e.prompt for e in a.test_examples()}
+    assert len(test_prompts) == 300
+    # A narrow space (m = 2, 11..12 solutions: a few thousand prompts) so that draws would
+    # hit the test split often without rejection.
+    narrow = ResidueTask(moduli=[2], min_solutions=11, max_solutions=12, n_test=500, seed=1)
+    held = {e.prompt for e in narrow.test_examples()}
+    train = {e.prompt for e in narrow.train_examples(5000, random.Random(0))}
+    assert not held & train
+    assert len(train) > 1000
+
+
+def test_options_are_validated():
+    with pytest.raises(ConfigError, match="answers"):
+        ResidueTask(answers=0)
+    with pytest.raises(ConfigError, match="distinct"):
+        ResidueTask(distinct="yes")
+    with pytest.raises(ConfigError, match="moduli"):
+        ResidueTask(moduli=[1, 3])
+    with pytest.raises(ConfigError, match="max_value"):
+        ResidueTask(moduli=[9], max_solutions=300)  # 9 * 300 numbers do not fit below 2000
+    with pytest.raises(ConfigError, match="min_solutions"):
+        ResidueTask(distinct=True, answers=4, min_solutions=3)  # fewer solutions than answers
+
+
+def test_config_builds_the_task_with_its_options_and_fixed_heldout_seed():
+    cfg = load_config(None, ["task.name=residues", "task.n_test=20", "model.tokenizer=numbers",
+                             "task.options={answers: 3, distinct: true}"])
+    task = make_task(cfg.task, cfg.model)
+    assert task.answers == 3 and task.distinct and len(task.test_examples()) == 20
+    assert task.seed == HELDOUT_SEED
+    assert set(ALPHABET) >= set(task.test_examples()[0].prompt + task.format_target(task.test_examples()[0]))
+    with pytest.raises(ConfigError, match="tokenizer=numbers cannot encode task 'arithmetic'"):
+        load_config(None, ["model.tokenizer=numbers"])
+    with pytest.raises(ConfigError, match="embedding_init=numbers needs model.tokenizer=numbers"):
+        load_config(None, ["model.embedding_init=numbers"])
+    for options in ("{seed: 3}", "{n_test: 3}"):  # the held-out split is task.n_test problems of a fixed seed
+        with pytest.raises(ConfigError, match="held-out split"):
+            make_task(load_config(None, ["task.name=residues", f"task.options={options}"]).task, cfg.model)
+    with pytest.raises(ConfigError, match="task.options"):
+        make_task(load_config(None, ["task.options={answers: 3}"]).task, cfg.model)  # arithmetic has task.* keys
