@@ -1,4 +1,5 @@
-"""The embedded default model: a tiny Qwen3-architecture causal LM and a character tokenizer.
+"""The embedded default model: a tiny Qwen3-architecture causal LM and a character tokenizer
+(the lab's number tokenizer is in ``numbers.py``).
 
 Both are built locally (no hub) and saved with ``save_pretrained`` so every later stage,
 and vLLM, loads them exactly like a real checkpoint.
@@ -38,6 +39,11 @@ def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    return wrap_tokenizer(tok)
+
+
+def wrap_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    """A ``tokenizers`` word-level tokenizer with the special tokens as a transformers tokenizer."""
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,

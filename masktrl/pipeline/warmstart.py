@@ -11,6 +11,12 @@ file of the entry; an entry is verified each time it is reused, and one that fai
 changed, missing, or an entry from before hashes were recorded) is rebuilt, never trained on.
 Building, verifying and loading an entry happen under a lock (``<out>/.cache/locks/``), so
 runs started together never write one entry twice or read it half replaced.
+
+With ``warmstart.target_accuracy`` the warm start stops at the first check (every
+``CHECK_EVERY`` steps) whose greedy accuracy on ``CHECK_PROBLEMS`` fixed training problems
+reaches the target. The lab's tiny model (``model.tokenizer: numbers``) gets the number
+tokenizer and, with ``model.embedding_init: numbers``, structured number-token embeddings
+(``models/numbers.py``, docs/LAB.md).
 """
 
 from __future__ import annotations
@@ -28,15 +34,24 @@ import torch
 
 from masktrl.config import Config
 from masktrl.models.loading import load_model_and_tokenizer, quiet_transformers
+from masktrl.models.numbers import build_number_tokenizer, init_number_embeddings
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from masktrl.io import atomic_dir, atomic_write_json, file_mode, sha256_file
+from masktrl.pipeline.evaluate import heldout_accuracy
+from masktrl.rollout.base import SamplingSettings
+from masktrl.rollout.hf import HFEngine
 
 
 WARMSTART_VERSION = 3  # bump when the warm-start procedure changes: old cache entries are then ignored
+CHECK_EVERY, CHECK_PROBLEMS = 100, 256  # warmstart.target_accuracy: how often, on how many training problems
 
 
 def warmstart_key(cfg: Config) -> str:
-    return f"v{WARMSTART_VERSION}-{cfg.hash('model', 'task', 'warmstart')}-seed{cfg.seed}"
+    """The cache entry's name: the model, task and warm-start settings, the seed and, other than
+    1, the thread count (it changes the reduction order, hence the weights: measured, a different
+    held-out accuracy), so a run never starts from another thread count's warm start."""
+    threads = "" if cfg.train.threads == 1 else f"-threads{cfg.train.threads}"
+    return f"v{WARMSTART_VERSION}-{cfg.hash('model', 'task', 'warmstart')}-seed{cfg.seed}{threads}"
 
 
 def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):
@@ -59,15 +74,20 @@ def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):
 
 def _build(cfg: Config, task, cache: Path, progress=None):
     m = cfg.model
-    tokenizer = build_char_tokenizer(task.alphabet())
+    tokenizer = build_number_tokenizer() if m.tokenizer == "numbers" else build_char_tokenizer(task.alphabet())
     tiny = TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size)
     model = build_tiny_model(tokenizer, tiny, seed=cfg.seed)
+    if m.embedding_init == "numbers":
+        init_number_embeddings(model, tokenizer)
     t0 = time.time()
-    losses = supervised_warmstart(model, tokenizer, task, cfg, progress)
+    checks: list[tuple[int, float]] = []
+    losses = supervised_warmstart(model, tokenizer, task, cfg, progress, checks)
     info = {
         "source": "tiny",
         "warmstart": cfg.warmstart.__dict__,
         "final_loss": losses[-1] if losses else None,
+        "steps_done": len(losses),
+        "train_accuracy_checks": checks,
         "time_s": time.time() - t0,
     }
     files = _save_atomically(model, tokenizer, info, cache)
@@ -76,11 +96,15 @@ def _build(cfg: Config, task, cache: Path, progress=None):
     return model, tokenizer, {**info, "files": files, "cached": False, "path": str(cache)}
 
 
-def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None) -> list[float]:
+def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None, checks: list | None = None) -> list[float]:
+    """The supervised steps; returns their losses. With ``warmstart.target_accuracy`` it stops at
+    the first check (every CHECK_EVERY steps) that reaches the target, appending each check's
+    (step, accuracy) to ``checks``."""
     ws = cfg.warmstart
     if ws.steps == 0:
         return []
     rng = random.Random(f"warmstart-{cfg.seed}")
+    check = _accuracy_check(model, tokenizer, task, cfg) if ws.target_accuracy is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_constant(ws.warmup_steps))
     model.train()
@@ -98,8 +122,29 @@ def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None) -> 
         losses.append(loss.item())
         if progress:
             progress.update(task_id, advance=1, info=f"loss {loss.item():.3f}")
+        if check is not None and (step + 1) % CHECK_EVERY == 0:
+            accuracy = check()
+            model.train()
+            if checks is not None:
+                checks.append((step + 1, accuracy))
+            if accuracy >= ws.target_accuracy:
+                break
     model.eval()
     return losses
+
+
+def _accuracy_check(model, tokenizer, task, cfg: Config):
+    """A function returning the model's greedy accuracy on CHECK_PROBLEMS training problems (a
+    fixed draw of the seed, apart from the training stream; the task never draws held-out ones).
+
+    Why: how many steps the tiny model needs before it answers well varies with the seed and with
+    the CPU's floating-point kernels, and RL needs a start that is neither collapsed (all samples
+    of many groups fail: no gradient) nor saturated (docs/LAB.md).
+    """
+    examples = task.train_examples(CHECK_PROBLEMS, random.Random(f"warmstart-check-{cfg.seed}"))
+    settings = SamplingSettings(n=1, max_new_tokens=cfg.rollout.max_new_tokens, logprobs_k=1)
+    engine = HFEngine(model, tokenizer, batch_size=cfg.rollout.batch_size)
+    return lambda: heldout_accuracy(engine, tokenizer, task, examples, settings, greedy=True)
 
 
 def _sft_batch(tokenizer, task, examples):

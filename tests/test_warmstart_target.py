@@ -1,0 +1,65 @@
+"""warmstart.target_accuracy: the warm start stops at the first check that reaches the target;
+the warm-start cache key (thread count, and unchanged for configs without the new keys)."""
+
+import pytest
+import torch
+
+from masktrl.config import load_config
+from masktrl.errors import ConfigError
+from masktrl.pipeline import warmstart
+from masktrl.pipeline.warmstart import prepare_policy, warmstart_key
+from masktrl.tasks import make_task
+
+EVERY = 20  # checks every 20 steps here (100 in a run), so the test stays short
+
+
+@pytest.fixture
+def checks_every(monkeypatch):
+    monkeypatch.setattr(warmstart, "CHECK_EVERY", EVERY)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _policy(tiny_config, out, *sets):
+    cfg = load_config(tiny_config, list(sets))
+    return prepare_policy(cfg, make_task(cfg.task, cfg.model), out)
+
+
+def test_stops_at_the_first_check_reaching_the_target_and_equals_the_shorter_warm_start(tiny_config, tmp_path, checks_every):
+    model, _, info = _policy(tiny_config, tmp_path, "warmstart.steps=200", "warmstart.target_accuracy=0.2")
+    checks = info["train_accuracy_checks"]
+    assert [s for s, _ in checks] == list(range(EVERY, info["steps_done"] + 1, EVERY))
+    assert checks[-1][1] >= 0.2 > max(a for _, a in checks[:-1]) and info["steps_done"] < 200
+    # the checks draw nothing from the training stream: it is exactly the fixed warm start of that many steps
+    fixed, _, fixed_info = _policy(tiny_config, tmp_path, f"warmstart.steps={info['steps_done']}")
+    assert fixed_info["steps_done"] == info["steps_done"] and fixed_info["train_accuracy_checks"] == []
+    for (name, a), b in zip(model.state_dict().items(), fixed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_an_unreached_target_runs_every_step(tiny_config, tmp_path, checks_every):
+    _, _, info = _policy(tiny_config, tmp_path, "warmstart.steps=40", "warmstart.target_accuracy=1.0")
+    assert info["steps_done"] == 40
+    assert [s for s, _ in info["train_accuracy_checks"]] == [20, 40]
+    assert all(0.0 <= a < 1.0 for _, a in info["train_accuracy_checks"])
+
+
+def test_target_is_validated_and_part_of_the_cache_key_as_the_thread_count_is(tiny_config):
+    with pytest.raises(ConfigError, match="warmstart.target_accuracy"):
+        load_config(tiny_config, ["warmstart.target_accuracy=1.5"])
+    a = load_config(tiny_config, ["warmstart.target_accuracy=0.5"])
+    b = load_config(tiny_config, ["warmstart.target_accuracy=0.6"])
+    c = load_config(tiny_config, ["warmstart.target_accuracy=0.5", "train.threads=2"])
+    assert len({warmstart_key(a), warmstart_key(b), warmstart_key(c)}) == 3
+    assert warmstart_key(c) == warmstart_key(a) + "-threads2"
+
+
+def test_configs_without_the_lab_keys_keep_their_fingerprints():
+    """The lab's keys at their defaults are left out of Config.hash: the default config's run
+    hash and warm-start cache entry are those written before the keys existed."""
+    cfg = load_config()
+    assert cfg.hash() == "67de28d7159824bb" and warmstart_key(cfg) == "v3-c1a42e1be579208d-seed0"
+    lab = load_config(None, ["rollout.staleness=2"])
+    assert lab.hash() != cfg.hash() and lab.hash("model", "task", "warmstart") == cfg.hash("model", "task", "warmstart")
