@@ -25,20 +25,12 @@ import torch
 
 from masktrl.analysis.io import RunInfo, default_replay_step
 from masktrl.methods import sis_accept
-from masktrl.methods.batch import genuine_entries, log_ratio, tail_mass
+from masktrl.methods.batch import log_ratio, outside_list, residual_mass
 from masktrl.methods.diagnostics import log_importance_deviation
 from masktrl.pipeline.runstore import RunStore
+from masktrl.rollout.base import behaviour_lists
 
 MAX_ROLLOUT_STEPS = 200  # rollout files read for the curves (evenly spaced when there are more)
-
-
-def residual_mass(lp_list: torch.Tensor, ids: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
-    """[N] 1 − p(genuine top-K list) from [N, K] log-probs at the list ids (0 if the list is the vocabulary)."""
-    genuine = genuine_entries(ids)  # [N, K]
-    resid = tail_mass(lp_list.to(torch.float64).masked_fill(~genuine, float("-inf")))  # [N]
-    if vocab_size is not None:
-        resid = torch.where(genuine.sum(dim=1) == vocab_size, torch.zeros_like(resid), resid)
-    return resid
 
 
 def rollout_curves(root: Path, vocab_size: int | None = None) -> dict:
@@ -51,20 +43,16 @@ def rollout_curves(root: Path, vocab_size: int | None = None) -> dict:
                            "behaviour_residual_p90", "behaviour_residual_p99", "n_tokens")}
     for step in steps:
         samples, _ = store.read_rollouts(step, vocab_size=vocab_size)
-        rows = [(k, ids, lps) for s in samples for k, ids, lps in zip(s.gen.response_ids, s.gen.topk_ids, s.gen.topk_logp)]
-        if not rows:
+        sampled, ids, lps = behaviour_lists(samples)  # [N], [N, K], [N, K]
+        if not len(sampled):
             continue
-        ids = torch.tensor([r[1] for r in rows], dtype=torch.long)  # [N, K]
-        lps = torch.tensor([r[2] for r in rows], dtype=torch.float64)  # [N, K]
-        sampled = torch.tensor([r[0] for r in rows], dtype=torch.long)  # [N]
-        inside = (genuine_entries(ids) & (ids == sampled[:, None])).any(dim=1)
         resid = residual_mass(lps, ids, vocab_size).numpy()
         out["step"].append(step)
-        out["outside_topk_frac"].append(float((~inside).double().mean()))
+        out["outside_topk_frac"].append(float(outside_list(sampled, ids).double().mean()))
         out["behaviour_residual_mean"].append(float(resid.mean()))
         for q in (50, 90, 99):
             out[f"behaviour_residual_p{q}"].append(float(np.quantile(resid, q / 100)))
-        out["n_tokens"].append(len(rows))
+        out["n_tokens"].append(len(sampled))
     return out
 
 
@@ -86,7 +74,7 @@ def replay_decisions(root: Path, step: int) -> dict:
         rows["accepted"].append(dec.accepted)
         rows["tested"].append(~torch.isnan(dec.accept_prob))
         rows["valid"].append(b.valid)
-        rows["resid"].append(residual_mass(b.topk_logp.detach(), b.topk_ids, b.vocab_size))
+        rows["resid"].append(residual_mass(b.topk_logp.detach().to(torch.float64), b.topk_ids, b.vocab_size))
         rows["mb_rate"].append(float(dec.accepted[b.valid].double().mean()) if bool(b.valid.any()) else float("nan"))
         rows["mb_dev"].append((log_importance_deviation(b, log_ratio(b)), log_importance_deviation(b, dec.log_w)))
 

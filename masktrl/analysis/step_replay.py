@@ -73,15 +73,10 @@ def update_choice(name: str, cfg: Config) -> UpdateChoice:
     return UpdateChoice(name, name, make_params(name))
 
 
-def staleness(cfg: Config) -> int:
-    """``rollout.staleness`` (0 where the config has no such key)."""
-    return int(getattr(cfg.rollout, "staleness", 0) or 0)
-
-
 def behaviour_step(cfg: Config, step: int) -> int:
-    """The checkpoint whose policy sampled step ``step``'s batch: step-1-staleness, 0 (the
-    starting policy) for the first batches."""
-    return max(0, step - 1 - staleness(cfg))
+    """The checkpoint whose policy sampled step ``step``'s batch: step-1-``rollout.staleness``,
+    0 (the starting policy) for the first batches."""
+    return max(0, step - 1 - cfg.rollout.staleness)
 
 
 @dataclass

@@ -32,33 +32,13 @@ from torch import Tensor
 
 from masktrl.methods import TokenBatch, ddot_kl_bracket, divergence, divergence_full, divergence_rate, divergence_rate_full, truncate_topk
 from masktrl.methods.batch import log_ratio
+from masktrl.methods.diagnostics import keep_decisions  # noqa: F401  (the direction rules; imported from here too)
 from masktrl.pipeline.policy import full_logprobs, lm_head_weight, response_hidden
 
 CRITERIA = ("ratio", "ddot_agg", "ddot_uniform")  # the paper's three direction rules
 EXACT_CRITERIA = ("ddot_exact",)  # needs the full vocabulary
 BRACKET_CRITERIA = ("bracket_keep", "bracket_mask")  # pdm tail=bracket, uncertain=keep | mask (§4.6)
 FULL_ROW_BUDGET = 1 << 24  # float64 entries of one [rows, V] chunk of full log-probabilities (128 MiB)
-
-
-def keep_decisions(adv: Tensor, log_r: Tensor, ddot_agg: Tensor, ddot_uniform: Tensor, lo: Tensor | None = None,
-                   hi: Tensor | None = None, ddot_exact: Tensor | None = None) -> dict[str, Tensor]:
-    """[N] bool per criterion: the direction rule keeps the token's update (does not mask it).
-
-    ratio: masks iff sign(A (r-1)) > 0 (DPPO, §3); ddot_*: masks iff sign(A Ḋ) > 0 (PDM, §4);
-    bracket_keep / bracket_mask: PDM tail=bracket with uncertain=keep / mask (§4.6): masks iff
-    the bracket certifies A Ḋ > 0 / unless it certifies A Ḋ <= 0.
-    """
-    out = {
-        "ratio": ~(torch.sign(adv * log_r) > 0),  # sign(r - 1) = sign(log r)
-        "ddot_agg": ~(torch.sign(adv * ddot_agg) > 0),
-        "ddot_uniform": ~(torch.sign(adv * ddot_uniform) > 0),
-    }
-    if lo is not None and hi is not None:
-        out["bracket_keep"] = ~(((adv > 0) & (lo > 0)) | ((adv < 0) & (hi < 0)))
-        out["bracket_mask"] = ~(((adv > 0) & (hi > 0)) | ((adv < 0) & (lo < 0)))
-    if ddot_exact is not None:
-        out["ddot_exact"] = ~(torch.sign(adv * ddot_exact) > 0)
-    return out
 
 
 def chunk_rows(vocab: int, budget: int = FULL_ROW_BUDGET) -> int:

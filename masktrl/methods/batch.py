@@ -160,6 +160,21 @@ def tail_mass(lp: Tensor) -> Tensor:
     return (-torch.expm1(torch.logsumexp(lp, dim=-1))).clamp_min(0.0)
 
 
+def residual_mass(lp_list: Tensor, topk_ids: Tensor, vocab_size: int | None) -> Tensor:
+    """[N] 1 - p(genuine top-K list), from [N, K] log-probabilities at the list ids (in their
+    dtype); exactly 0 where the genuine list is the whole vocabulary."""
+    genuine = genuine_entries(topk_ids)  # [N, K]
+    resid = tail_mass(lp_list.masked_fill(~genuine, float("-inf")))  # [N]
+    if vocab_size is not None:
+        resid = torch.where(genuine.sum(dim=1) == vocab_size, torch.zeros_like(resid), resid)
+    return resid
+
+
+def outside_list(sampled_ids: Tensor, topk_ids: Tensor) -> Tensor:
+    """[N] bool: the sampled token is not among its row's genuine top-K ids ([N, K], padding < 0)."""
+    return ~(genuine_entries(topk_ids) & (topk_ids == sampled_ids[:, None])).any(dim=1)
+
+
 def list_logps(batch: TokenBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The genuine list with the sampled token's entry taken from (behavior_logp, logp).
 

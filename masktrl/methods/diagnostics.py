@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from masktrl.methods.batch import TokenBatch, genuine_entries, log_ratio, seq_index, tail_mass
+from masktrl.methods.batch import TokenBatch, log_ratio, residual_mass, seq_index
 from masktrl.methods.divergence import divergence, divergence_rate
 from masktrl.methods.masks import delta_of
 from masktrl.methods.params import DELTA_DIAG
@@ -100,14 +100,31 @@ def token_diagnostics(
     res["log_r_dev"] = log_importance_deviation(batch, log_ratio(batch))
     if out.accepted is not None and out.log_w is not None:
         res["log_w_dev"] = log_importance_deviation(batch, out.log_w)
-    genuine = genuine_entries(batch.topk_ids)  # [N, K]
-    pi_list = batch.topk_logp.detach().to(batch.dtype).masked_fill(~genuine, float("-inf"))  # [N, K]
-    resid = tail_mass(pi_list)  # [N]
-    if batch.vocab_size is not None:
-        resid = torch.where(genuine.sum(dim=1) == batch.vocab_size, torch.zeros_like(resid), resid)
+    resid = residual_mass(batch.topk_logp.detach().to(batch.dtype), batch.topk_ids, batch.vocab_size)  # [N]
     res["topk_residual_mass_mean"] = _mean(resid[valid])
     r = lr.exp()
     res["ratio_mean"] = _mean(r)
     res["ratio_max"] = float(r.max())
     res["ppo_kl"] = _mean(-lr)
     return res
+
+
+def keep_decisions(adv: Tensor, log_r: Tensor, ddot_agg: Tensor, ddot_uniform: Tensor, lo: Tensor | None = None,
+                   hi: Tensor | None = None, ddot_exact: Tensor | None = None) -> dict[str, Tensor]:
+    """[N] bool per criterion: the direction rule keeps the token's update (does not mask it).
+
+    ratio: masks iff sign(A (r-1)) > 0 (DPPO, §3); ddot_*: masks iff sign(A Ḋ) > 0 (PDM, §4);
+    bracket_keep / bracket_mask: PDM tail=bracket with uncertain=keep / mask (§4.6): masks iff
+    the bracket certifies A Ḋ > 0 / unless it certifies A Ḋ <= 0.
+    """
+    out = {
+        "ratio": ~(torch.sign(adv * log_r) > 0),  # sign(r - 1) = sign(log r)
+        "ddot_agg": ~(torch.sign(adv * ddot_agg) > 0),
+        "ddot_uniform": ~(torch.sign(adv * ddot_uniform) > 0),
+    }
+    if lo is not None and hi is not None:
+        out["bracket_keep"] = ~(((adv > 0) & (lo > 0)) | ((adv < 0) & (hi < 0)))
+        out["bracket_mask"] = ~(((adv > 0) & (hi > 0)) | ((adv < 0) & (lo < 0)))
+    if ddot_exact is not None:
+        out["ddot_exact"] = ~(torch.sign(adv * ddot_exact) > 0)
+    return out

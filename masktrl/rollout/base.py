@@ -52,6 +52,19 @@ class Sample:
     extra: dict = field(default_factory=dict)
 
 
+def behaviour_lists(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The response tokens of ``samples`` in order, as tensors: sampled ids [N], behaviour top-K
+    ids [N, K] (padded with -1) and their log mu [N, K] float64 (padded with -inf); K is the
+    longest list."""
+    gens = [s.gen for s in samples]
+    k = max((len(row) for g in gens for row in g.topk_ids), default=0)
+    ids = [list(row) + [-1] * (k - len(row)) for g in gens for row in g.topk_ids]
+    lps = [list(row) + [float("-inf")] * (k - len(row)) for g in gens for row in g.topk_logp]
+    sampled = torch.tensor([t for g in gens for t in g.response_ids], dtype=torch.long)  # [N]
+    n = len(ids)
+    return sampled, torch.tensor(ids, dtype=torch.long).reshape(n, k), torch.tensor(lps, dtype=torch.float64).reshape(n, k)
+
+
 class RolloutEngine(Protocol):
     """What the pipeline needs from a generation backend."""
 
