@@ -14,6 +14,12 @@ shard of the optimizer state (``checkpoint.restore_engine_state``), after checki
 fit this launch. On CPU with the same seed the final weights are bit-identical to an
 uninterrupted run, with one process, DDP, ZeRO-2 and ZeRO-3.
 
+With ``rollout.staleness`` = s the batches are sampled s steps ahead: step S first stores the
+batches of steps S+1..S+s not stored yet, sampled by the policy after step S-1, so step S trains
+on a batch sampled by the policy after step S-1-s (the starting policy for the first ones). With
+``train.lab_stats`` every metrics row also says whether the methods can differ on the run
+(``pipeline/lab_stats.py``, docs/LAB.md).
+
 After each checkpoint, ``apply_retention`` deletes what ``train.keep_checkpoints`` and
 ``rollout.store`` no longer keep; every metrics row also goes to the ``train.report_to``
 trackers (``pipeline/tracking.py``).
@@ -53,6 +59,7 @@ from masktrl.pipeline.distributed import Dist, launched
 from masktrl.pipeline.evaluate import heldout_accuracy, periodic_eval
 from masktrl.pipeline.faults import maybe_crash
 from masktrl.pipeline import preflight
+from masktrl.pipeline.lab_stats import LabStats
 from masktrl.pipeline.policy import PolicyForward
 from masktrl.pipeline.rollout_source import RolloutSource
 from masktrl.pipeline.runstore import RunStore
@@ -102,6 +109,7 @@ class State:
     nonfinite_total: int = 0  # steps so far with an update skipped for a non-finite loss or gradient norm
     nonfinite_run: int = 0  # ... of them in a row, up to the last step
     progress: object = None
+    lab: LabStats | None = None  # train.lab_stats: the before-update hook and the rows' lab/* entries
     trackers: Trackers = field(default_factory=lambda: Trackers((), Path("."), ""))  # train.report_to (main process)
 
     def wall_time(self) -> float:
@@ -207,6 +215,7 @@ def _build(cfg: Config, store: RunStore, checked: preflight.Checked, progress, *
         dist.barrier()
     start = start or 0
     nonfinite_total, nonfinite_run = nonfinite_counts(store.read_metrics()) if start else (0, 0)
+    vocab_size = model.get_output_embeddings().weight.shape[0]  # lab_stats; read before ZeRO-3 partitions it
     policy, optimizer = dist.prepare(PolicyForward(model), optimizer)  # model stays the (unwrapped) LM
     if start:
         ckpt.restore_engine_state(store.checkpoint_dir(start), dist, policy)  # DeepSpeed: optimizer shards, fp32 master weights
@@ -227,6 +236,7 @@ def _build(cfg: Config, store: RunStore, checked: preflight.Checked, progress, *
         start=start, steps=min(cfg.train.steps, source.num_steps) if source else cfg.train.steps,
         warmstart=ws_info, test_set=task.test_examples(), eval_before=float("nan"), t_start=t_start, wall_before=wall_before,
         nonfinite_total=nonfinite_total, nonfinite_run=nonfinite_run, progress=progress,
+        lab=LabStats(vocab_size, cfg.rollout.logprobs_k) if cfg.train.lab_stats else None,
     )
     s.eval_before = _heldout_once(s, "eval/before", 0)
     s.trackers = open_trackers(cfg.train.report_to, store.root, store.name, cfg.to_dict(), dist.is_main)
@@ -249,9 +259,14 @@ def rl_step(s: State, step: int) -> dict:
     """One RL step; returns its metrics row (also appended to metrics.jsonl)."""
     t0 = time.time()
     samples, gen_stats = rollout_batch(s, step)  # rollout -> reward -> advantages (or the stored batch)
+    if not s.source:
+        for ahead in range(step + 1, min(step + s.cfg.rollout.staleness, s.steps) + 1):  # rollout.staleness: sampled now
+            if not s.store.is_done(f"step/{ahead:06d}/rollout"):
+                rollout_batch(s, ahead)
     t_rollout = time.time() - t0
     maybe_crash("update", step)
-    stats = policy_update(s.policy, s.optimizer, s.scheduler, samples, s.method, s.params, s.update, s.cfg.seed, step, s.dist) if samples else {}
+    stats = policy_update(s.policy, s.optimizer, s.scheduler, samples, s.method, s.params, s.update, s.cfg.seed, step, s.dist,
+                          before=s.lab) if samples else {}
     sync_weights(s.engine, s.model, s.dist)
     s.store.mark_done(f"step/{step:06d}/train", [], defer=True)  # written with the next manifest write
     row = {
@@ -268,6 +283,8 @@ def rl_step(s: State, step: int) -> dict:
     s.nonfinite_total += bool(skipped)
     s.nonfinite_run = s.nonfinite_run + 1 if skipped else 0
     row.update(skipped_updates=skipped, nonfinite_steps=s.nonfinite_total)
+    if s.lab is not None:  # pipeline/lab_stats.py: can the methods differ here?
+        row.update(s.lab.row(samples, s.dist))
     row.update(step_evals(s, step))
     s.store.append_metrics(row)
     s.trackers.log(row)
@@ -296,10 +313,12 @@ def finish(s: State) -> TrainResult:
         "eval_after": eval_after,
         "eval_split": f"{s.task.name} held-out, n={len(s.test_set)}",
         "eval_decoding": "greedy" if cfg.eval.greedy else f"sampled (T={cfg.rollout.temperature})",
-        "warmstart": {k: s.warmstart.get(k) for k in ("source", "cached", "time_s", "final_loss")},
+        "warmstart": {k: s.warmstart.get(k) for k in ("source", "cached", "time_s", "final_loss", "steps_done")},
         "rollouts_from": s.rollouts_from,
         "wall_time_s": s.wall_time(),  # every session of the run (resumes included)
     }
+    if s.lab is not None:
+        summary["lab_stats"] = s.lab.summary(s.store.read_metrics())
     if s.store.writable:
         s.store.sync_metrics()
         atomic_write_json(s.store.root / "summary.json", summary)
@@ -311,7 +330,8 @@ def finish(s: State) -> TrainResult:
 
 def rollout_batch(s: State, step: int) -> tuple[list, dict]:
     """The step's batch with rewards and advantages, and its statistics: stored (a resumed run
-    reuses it, hash checked), replayed from ``--rollouts-from``, or collected; stored if new."""
+    reuses it, hash checked; with rollout.staleness, sampled ahead), replayed from
+    ``--rollouts-from``, or collected; stored if new."""
     if s.store.is_done(f"step/{step:06d}/rollout"):
         samples, meta = s.store.read_rollouts(step, verify=True, vocab_size=s.model.config.vocab_size)
         return samples, meta["stats"]
