@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from masktrl.analysis.step_replay import behaviour_step
 from masktrl.models.loading import load_model_and_tokenizer
 from masktrl.pipeline.policy import policy_token_batch
 from masktrl.pipeline.runstore import RunStore
-from tests.conftest import cli
+from tests.conftest import TIMING, cli, masktrl
 
 LAB = Path(__file__).resolve().parent.parent / "configs" / "lab.yaml"
 SMALL = {  # the preset's task, tokenizer, embeddings, K and lab statistics; a smaller model and run
@@ -31,6 +32,11 @@ def lab_run(tmp_path_factory):
     overlay.write_text(yaml.safe_dump(SMALL))
     cli("train", "--config", LAB, "--config", overlay, "--out", tmp / "out", "--run", "r")
     return tmp / "out" / "r"
+
+
+def _metrics(root):
+    rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
 def test_lab_properties_are_reported(lab_run):
@@ -70,3 +76,18 @@ def test_staleness_samples_each_batch_with_the_policy_one_step_older(lab_run, st
     torch.testing.assert_close(_logp_under(store.policy_path(behaviour), samples), recorded, atol=2e-5, rtol=0)
     if step - 1 != behaviour:
         assert not torch.allclose(_logp_under(store.policy_path(step - 1), samples), recorded, atol=1e-3, rtol=0)
+
+
+def test_a_stale_run_killed_while_sampling_ahead_resumes_bit_identically(lab_run):
+    """Killed while step 2 stores step 3's batch (sampled ahead): the resumed run restarts from
+    checkpoint 1, reuses the stored batch 2 and samples batch 3 again with the same policy."""
+    out = lab_run.parent
+    args = ["--config", LAB, "--config", out.parent / "small.yaml", "--out", out]
+    r = masktrl("train", *args, "--run", "killed", env={"MASKTRL_CRASH_AT": "rollout-write:3"})
+    assert r.returncode == -9, r.stderr[-2000:]
+    assert RunStore(out / "killed").checkpoints() == [1]
+    r = masktrl("train", "--resume", "killed", "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _metrics(out / "killed") == _metrics(lab_run)
+    a, b = (load_file(root / "checkpoints" / "000003" / "model.safetensors") for root in (lab_run, out / "killed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
