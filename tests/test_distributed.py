@@ -84,9 +84,12 @@ def test_two_processes_match_one_process_on_the_same_rollouts(reference, sets):
 
 def test_two_process_rollouts_are_sharded_by_group_and_written_once(reference):
     """Each process generates every other prompt's group; the gathered batch is stored once,
-    with whole groups and group-normalised advantages (DAPO: dynamic sampling on the whole batch)."""
+    with whole groups and group-normalised advantages (DAPO: dynamic sampling on the whole batch).
+    Here with stale batches (both sampled at step 1, every process deciding alike which batch to
+    sample ahead) and the lab statistics (counts summed over the processes)."""
     base, cfg, _ = reference
-    r = launch(CPU_DDP, "--config", str(cfg), "--out", str(base / "out"), "--run", "gen2", "--method", "dapo")
+    r = launch(CPU_DDP, "--config", str(cfg), "--out", str(base / "out"), "--run", "gen2", "--method", "dapo",
+               "--set", "rollout.staleness=1", "--set", "train.lab_stats=true")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     root = base / "out" / "gen2"
     for step in (1, 2):
@@ -101,6 +104,7 @@ def test_two_process_rollouts_are_sharded_by_group_and_written_once(reference):
     rows = metrics(root)
     assert [row["step"] for row in rows] == [1, 2]  # one writer: no duplicated rows
     assert all(sum(row["sequences_per_process"]) == row["groups_kept"] * 4 for row in rows)
+    assert rows[0]["lab/over_delta_first_mb"] == 0 and all("lab/resid_p50" in row and "lab/disagree" in row for row in rows)
     assert not list(root.rglob("*.tmp"))
     assert (root / "summary.json").is_file() and json.loads((root / "manifest.json").read_text())["status"] == "complete"
 

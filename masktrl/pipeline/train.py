@@ -110,6 +110,7 @@ class State:
     nonfinite_run: int = 0  # ... of them in a row, up to the last step
     progress: object = None
     lab: LabStats | None = None  # train.lab_stats: the before-update hook and the rows' lab/* entries
+    ahead: dict = field(default_factory=dict)  # rollout.staleness: step -> (samples, stats) sampled ahead, not yet trained on
     trackers: Trackers = field(default_factory=lambda: Trackers((), Path("."), ""))  # train.report_to (main process)
 
     def wall_time(self) -> float:
@@ -259,10 +260,7 @@ def rl_step(s: State, step: int) -> dict:
     """One RL step; returns its metrics row (also appended to metrics.jsonl)."""
     t0 = time.time()
     samples, gen_stats = rollout_batch(s, step)  # rollout -> reward -> advantages (or the stored batch)
-    if not s.source:
-        for ahead in range(step + 1, min(step + s.cfg.rollout.staleness, s.steps) + 1):  # rollout.staleness: sampled now
-            if not s.store.is_done(f"step/{ahead:06d}/rollout"):
-                rollout_batch(s, ahead)
+    sample_ahead(s, step)
     t_rollout = time.time() - t0
     maybe_crash("update", step)
     stats = policy_update(s.policy, s.optimizer, s.scheduler, samples, s.method, s.params, s.update, s.cfg.seed, step, s.dist,
@@ -328,10 +326,24 @@ def finish(s: State) -> TrainResult:
     return TrainResult(summary, s.store, s.dist.is_main)
 
 
+def sample_ahead(s: State, step: int) -> None:
+    """``rollout.staleness`` = k: collect and store now, with the policy after step ``step`` - 1,
+    the batches of steps ``step`` + 1 .. ``step`` + k that are neither sampled yet nor stored (by
+    the run before a resume). Every process takes the same decisions: from the batches it holds
+    and the manifest as read at setup (the other processes' view is not updated)."""
+    if s.source:
+        return  # --rollouts-from: the batches are used as stored
+    for ahead in range(step + 1, min(step + s.cfg.rollout.staleness, s.steps) + 1):
+        if ahead not in s.ahead and not s.store.is_done(f"step/{ahead:06d}/rollout"):
+            s.ahead[ahead] = rollout_batch(s, ahead)
+
+
 def rollout_batch(s: State, step: int) -> tuple[list, dict]:
-    """The step's batch with rewards and advantages, and its statistics: stored (a resumed run
-    reuses it, hash checked; with rollout.staleness, sampled ahead), replayed from
+    """The step's batch with rewards and advantages, and its statistics: sampled ahead
+    (``sample_ahead``), stored (a resumed run reuses it, hash checked), replayed from
     ``--rollouts-from``, or collected; stored if new."""
+    if step in s.ahead:
+        return s.ahead.pop(step)
     if s.store.is_done(f"step/{step:06d}/rollout"):
         samples, meta = s.store.read_rollouts(step, verify=True, vocab_size=s.model.config.vocab_size)
         return samples, meta["stats"]
