@@ -42,6 +42,16 @@ def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     return wrap_tokenizer(tok)
 
 
+def tiny_tokenizer(kind: str, alphabet: str | None) -> PreTrainedTokenizerFast:
+    """The tiny model's tokenizer of ``model.tokenizer`` = ``kind``: 'char' (one token per
+    character of the task's ``alphabet``) or 'numbers' (one token per integer, ``numbers.py``)."""
+    if kind == "numbers":
+        from masktrl.models.numbers import build_number_tokenizer  # it builds on this module
+
+        return build_number_tokenizer()
+    return build_char_tokenizer(alphabet)
+
+
 def wrap_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
     """A ``tokenizers`` word-level tokenizer with the special tokens as a transformers tokenizer."""
     return PreTrainedTokenizerFast(

@@ -137,15 +137,16 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
 
 def policy_tokenizer(cfg: Config, task) -> tuple[object, int, int | None]:
     """(tokenizer, vocabulary size, context length) of the policy, without its weights: the tiny
-    model's character tokenizer, or the model folder / hub cache entry's tokenizer and config."""
+    model's tokenizer (``model.tokenizer``: characters or numbers), or the model folder / hub
+    cache entry's tokenizer and config."""
     if cfg.model.path == "tiny":
-        from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer
+        from masktrl.models.tiny import TinyModelConfig, tiny_tokenizer
 
         alphabet = task.alphabet()
-        if alphabet is None:
+        if alphabet is None and cfg.model.tokenizer == "char":
             raise ConfigError(f"model.path=tiny builds a character tokenizer from the task's alphabet, and task {task.name} has none: "
                               "set model.path to a model folder or hub id")
-        tokenizer = build_char_tokenizer(alphabet)
+        tokenizer = tiny_tokenizer(cfg.model.tokenizer, alphabet)
         return tokenizer, len(tokenizer), TinyModelConfig.max_positions
     from masktrl.models.loading import load_model_config, load_tokenizer
 

@@ -34,8 +34,8 @@ import torch
 
 from masktrl.config import Config
 from masktrl.models.loading import load_model_and_tokenizer, quiet_transformers
-from masktrl.models.numbers import build_number_tokenizer, init_number_embeddings
-from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from masktrl.models.numbers import init_number_embeddings
+from masktrl.models.tiny import TinyModelConfig, build_tiny_model, tiny_tokenizer
 from masktrl.io import atomic_dir, atomic_write_json, file_mode, sha256_file
 from masktrl.pipeline.evaluate import heldout_accuracy
 from masktrl.rollout.base import SamplingSettings
@@ -74,7 +74,7 @@ def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):
 
 def _build(cfg: Config, task, cache: Path, progress=None):
     m = cfg.model
-    tokenizer = build_number_tokenizer() if m.tokenizer == "numbers" else build_char_tokenizer(task.alphabet())
+    tokenizer = tiny_tokenizer(m.tokenizer, task.alphabet())
     tiny = TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size)
     model = build_tiny_model(tokenizer, tiny, seed=cfg.seed)
     if m.embedding_init == "numbers":
