@@ -17,8 +17,8 @@ def test_the_default_preset_is_configs_tiny_yaml_as_documented():
     assert cfg.method == {"name": "grpo"} and cfg.seed == 0
     assert (cfg.model.path, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.dtype) == ("tiny", 128, 3, "float32")
     assert (cfg.task.name, cfg.task.ops, cfg.task.digits, cfg.task.answer_format, cfg.task.n_test) == ("arithmetic", "+", 3, "plain", 500)
-    assert (cfg.warmstart.steps, cfg.warmstart.lr) == (400, 3e-3)
-    assert (cfg.rollout.engine, cfg.rollout.prompts_per_step, cfg.rollout.n, cfg.rollout.logprobs_k) == ("hf", 32, 8, 20)
+    assert (cfg.warmstart.steps, cfg.warmstart.target_accuracy, cfg.warmstart.lr) == (2000, 0.5, 3e-3)
+    assert (cfg.rollout.engine, cfg.rollout.prompts_per_step, cfg.rollout.n, cfg.rollout.logprobs_k) == ("hf", 64, 8, 20)
     assert (cfg.train.steps, cfg.train.lr, cfg.train.minibatches, cfg.train.threads) == (800, 3e-4, 1, 1)
     assert cfg.eval.greedy
     # tiny.yaml writes the defaults out, so an overlay used alone means the same as on tiny.yaml
@@ -176,7 +176,7 @@ def test_the_command_line_takes_several_configs(tmp_path):
     over.write_text("rollout: {n: 4}\n")
     r = CliRunner().invoke(app, ["config", "show", "-c", str(DEFAULT_CONFIG.parent / "tiny-offpolicy.yaml"), "--config", str(over), "--set", "rollout.n=6"])
     cfg = yaml.safe_load(r.output)
-    assert cfg["train"]["minibatches"] == 4 and cfg["rollout"]["n"] == 6 and cfg["rollout"]["prompts_per_step"] == 32
+    assert cfg["train"]["minibatches"] == 4 and cfg["rollout"]["n"] == 6 and cfg["rollout"]["prompts_per_step"] == 64
 
 
 def test_eval_and_rollout_task_files_compose_the_same_way(tmp_path):

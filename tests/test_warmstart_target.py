@@ -36,7 +36,7 @@ def test_stops_at_the_first_check_reaching_the_target_and_equals_the_shorter_war
     assert [s for s, _ in checks] == list(range(EVERY, info["steps_done"] + 1, EVERY))
     assert checks[-1][1] >= 0.2 > max(a for _, a in checks[:-1]) and info["steps_done"] < 200
     # the checks draw nothing from the training stream: it is exactly the fixed warm start of that many steps
-    fixed, _, fixed_info = _policy(tiny_config, tmp_path, f"warmstart.steps={info['steps_done']}")
+    fixed, _, fixed_info = _policy(tiny_config, tmp_path, f"warmstart.steps={info['steps_done']}", "warmstart.target_accuracy=null")
     assert fixed_info["steps_done"] == info["steps_done"] and fixed_info["train_accuracy_checks"] == []
     for (name, a), b in zip(model.state_dict().items(), fixed.state_dict().values()):
         assert torch.equal(a, b), name
@@ -62,12 +62,12 @@ def test_target_is_validated_and_part_of_the_cache_key_as_the_thread_count_is(ti
 def test_configs_without_the_lab_keys_keep_their_fingerprints():
     """The lab's keys at their defaults are left out of Config.hash: a config that does not use
     them hashes as it did before they existed (its run's config hash, its warm-start cache entry)."""
-    cfg = load_config()
+    cfg = load_config(None, ["warmstart.target_accuracy=null"])  # the default before it had a target
     before = cfg.to_dict()
     for key in HASH_STABLE_DEFAULTS:
         section, name = key.split(".")
         del before[section][name]
     assert cfg.hash() == hashlib.sha256(json.dumps(before, sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert warmstart_key(cfg).endswith("-seed0")  # threads 1: no suffix
-    lab = load_config(None, ["rollout.staleness=2"])
+    lab = load_config(None, ["warmstart.target_accuracy=null", "rollout.staleness=2"])
     assert lab.hash() != cfg.hash() and lab.hash("model", "task", "warmstart") == cfg.hash("model", "task", "warmstart")
