@@ -44,7 +44,6 @@ def test_two_steps_with_vllm_rollouts_and_weight_sync(tmp_path):
     assert worst < 1e-4, worst
 
 
-
 def test_sleep_mode_from_the_config_on_cpu_is_one_line(tmp_path):
     """rollout.sleep_mode reaches the engine; the CPU build has no sleep mode: one line, exit 2."""
     pytest.importorskip("vllm")
@@ -52,8 +51,7 @@ def test_sleep_mode_from_the_config_on_cpu_is_one_line(tmp_path):
 
     if current_platform.is_sleep_mode_available():
         pytest.skip("this platform supports sleep mode")
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(CONFIG)
+    cfg = write_tiny_config(tmp_path / "c.yaml", VLLM)
     env = {**os.environ, **CPU_ENV}
     r = subprocess.run([sys.executable, "-m", "masktrl.cli", "train", "--config", str(cfg), "--out", str(tmp_path / "out"), "--run", "s",
                         "--set", "rollout.sleep_mode=true"], capture_output=True, text=True, env=env, timeout=600)
