@@ -128,6 +128,9 @@ def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None, che
             if checks is not None:
                 checks.append((step + 1, accuracy))
             if accuracy >= ws.target_accuracy:
+                if progress:  # the bar ends where the warm start did, and its clock stops
+                    progress.update(task_id, total=step + 1, info=f"loss {loss.item():.3f}, target reached: accuracy {accuracy:.2f}")
+                    progress.stop_task(task_id)
                 break
     model.eval()
     return losses
