@@ -91,6 +91,8 @@ def test_cli_analyses_write_json_and_png(runs, tmp_path):
     dyn = json.loads((tmp_path / "dyn" / "dynamics.json").read_text())
     grpo = next(g for g in dyn["groups"] if g["label"] == "grpo")
     assert grpo["seeds"] == [0, 1, 2]
+    assert {"reward_mean", "ppo_kl", "mask_frac", "D_p95", "sis_accept_rate"} <= set(dyn["metrics"])
+    assert len(grpo["curves"]["D_p95"]["step"]) == 3 and all(v >= 0 for v in grpo["curves"]["D_p95"]["mean"])
     acc = grpo["curves"]["eval/heldout/accuracy"]
     assert acc["step"] == [0, 2, 3] and acc["n"] == [3, 3, 3]  # eval_before, the step-2 eval row, eval_after
     assert all(lo <= m <= hi for m, lo, hi in zip(acc["mean"], acc["lo"], acc["hi"]))

@@ -18,6 +18,7 @@ METRICS = [
     ("response_len_mean", "response length (tokens)"),
     ("ppo_kl", "ppo_kl (k1 estimate of KL(μ||π))"),
     ("mask_frac", "mask / clip fraction"),
+    ("D_p95", "D_p95 (95th percentile of the method's D, else top-K KL)"),
     ("sis_accept_rate", "SIS accept rate"),
     (HELDOUT, "held-out accuracy"),
 ]
