@@ -121,3 +121,17 @@ def test_method_specs_with_parameters_are_their_own_runs(tmp_path):
             sweep.parse_methods(bad)
     with pytest.raises(ConfigError):  # an unknown parameter is caught when the config is built
         sweep.plan(tmp_path / "out", ["pdm:nosuch=1"], [0], config)
+
+
+def test_method_specs_that_train_the_same_config_are_refused(tmp_path, cli_error):
+    """``dppo`` and ``dppo:divergence=topk-kl`` (its default) would be one method twice in the
+    compare table under two names: the sweep refuses them before anything runs, in one line."""
+    config = write_tiny_config(tmp_path / "tiny.yaml")
+    with pytest.raises(ConfigError, match="'dppo:divergence=topk-kl' trains the same config as 'dppo'"):
+        sweep.plan(tmp_path / "out", ["dppo", "dppo:divergence=topk-kl"], [0, 1], config)
+    with pytest.raises(ConfigError, match="same config"):  # the parameter given explicitly on both
+        sweep.plan(tmp_path / "out", ["pdm:tail=agg", "pdm:tail=agg:divergence=kl"], [0], config)
+    assert len(sweep.plan(tmp_path / "out", ["dppo", "dppo:divergence=binary-tv"], [0, 1], config)) == 4
+    line = cli_error("sweep", "--methods", "dppo,dppo:divergence=topk-kl", "--seeds", "1", "--config", config, "--out", tmp_path / "out")
+    assert "same config" in line
+    assert not (tmp_path / "out").exists()

@@ -44,7 +44,7 @@ class SweepRun:
 
 def parse_methods(text: str) -> list[str]:
     """Comma-separated method specs: ``NAME`` or ``NAME:KEY=VALUE[:KEY=VALUE...]`` (a method with
-    its parameters, e.g. ``pdm:tail=uniform``, ``dppo:divergence=topk-kl``), so one sweep can hold
+    its parameters, e.g. ``pdm:tail=uniform``, ``dppo:divergence=binary-tv``), so one sweep can hold
     two variants of a method. Each spec's parameters are checked when its config is built."""
     from masktrl.methods import method_names
 
@@ -107,10 +107,13 @@ def plan(out: Path, methods: list[str], seeds: list[int], config: Path | list[Pa
     right now (it holds the run's lock) stops the plan with one line, or, with ``busy_ok`` (the
     slurm launcher: its job may be that process), is planned as a resume with ``writer`` set."""
     runs = []
+    first: dict[str, Config] = {}  # method spec -> its config for the first seed
     for method in methods:
         for seed in seeds:
             name_, params = split_method(method)
             cfg = load_config(config, [*overrides, *params], method=name_, seed=seed)
+            if seed == seeds[0]:
+                _check_distinct(method, cfg, first)
             name = f"{run_stem(method)}-seed{seed}"
             attempts = [Path(out) / name] + sorted(Path(out).glob(f"{name}-retry*"), key=_retry_index)
             states = {root: run_state(root) for root in attempts}
@@ -127,6 +130,21 @@ def plan(out: Path, methods: list[str], seeds: list[int], config: Path | list[Pa
             else:
                 runs.append(SweepRun(method, seed, name, cfg, Path(out) / name, "new"))
     return runs
+
+
+def _check_distinct(method: str, cfg: Config, seen: dict[str, Config]) -> None:
+    """Refuse a method spec that trains the same config as an earlier one (a parameter set to
+    its default value, e.g. ``dppo`` and ``dppo:divergence=topk-kl``): the compare table would
+    hold one method twice under two names."""
+    from masktrl.methods import make_params
+
+    def resolved(c: Config) -> tuple:  # the method with every parameter resolved, the rest as given
+        return c.method_name, make_params(c.method_name, **c.method_params).__dict__
+
+    for other, other_cfg in seen.items():
+        if resolved(other_cfg) == resolved(cfg) and not diff_configs(other_cfg, cfg, ignore=("method.",)):
+            raise ConfigError(f"--methods: {method!r} trains the same config as {other!r} (its parameters are the defaults); drop one")
+    seen[method] = cfg
 
 
 def _check_same_config(root: Path, cfg: Config) -> None:
