@@ -197,6 +197,15 @@ def test_group_curve_averages_seeds_on_shared_steps():
     assert dyn.smooth({1: 0.0, 2: 1.0, 3: 2.0}, 2) == {1: 0.0, 2: 0.5, 3: 1.5}
 
 
+def test_groups_compare_resolved_method_parameters():
+    """A parameter given at its default value is the same config: one group. Groups of one
+    method are labelled by the resolved parameters in which they differ."""
+    runs = [_run("dppo", 0, 0.5), _run("dppo", 1, 0.6, divergence="topk-kl"), _run("dppo", 0, 0.1, divergence="binary-tv")]
+    groups = group_runs(runs)
+    assert [(label, [r.cfg.seed for r in members]) for label, members in groups] == [
+        ("dppo[divergence=topk-kl]", [0, 1]), ("dppo[divergence=binary-tv]", [0])]
+
+
 def test_unknown_run_is_an_artifact_error(tmp_path):
     with pytest.raises(ArtifactError, match="unknown run"):
         resolve_run("nosuch", tmp_path)
