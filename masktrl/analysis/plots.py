@@ -155,8 +155,10 @@ def estimator_panels(result: dict) -> Figure:
 
 
 def curves(groups: list[dict], metrics: list[tuple[str, str]]) -> Figure:
-    """One panel per metric; a line per group (mean over seeds) with its 95% band."""
+    """One panel per metric; a line per group (mean over seeds) with its 95% band; one legend
+    for the figure, below the panels."""
     fig, axes = _grid(len(metrics))
+    legend: dict[str, object] = {}
     for ax, (key, label) in zip(axes, metrics):
         for i, g in enumerate(groups):
             c = g["curves"].get(key)
@@ -165,17 +167,18 @@ def curves(groups: list[dict], metrics: list[tuple[str, str]]) -> Figure:
             steps = np.array(c["step"], dtype=float)
             mean = np.array([_nan(v) for v in c["mean"]])
             color = COLORS[i % len(COLORS)]
-            ax.plot(steps, mean, color=color, lw=1.2, marker="o" if len(steps) < 12 else None, ms=3,
-                    label=f"{g['label']} (n={len(g['runs'])})")
+            name = f"{g['label']} (n={len(g['runs'])})"
+            (line,) = ax.plot(steps, mean, color=color, lw=1.2, marker="o" if len(steps) < 12 else None, ms=3, label=name)
+            legend.setdefault(name, line)
             lo, hi = np.array([_nan(v) for v in c["lo"]]), np.array([_nan(v) for v in c["hi"]])
             if np.isfinite(lo).any():
-                ax.fill_between(steps, lo, hi, color=color, alpha=0.2, lw=0)
+                ax.fill_between(steps, lo, hi, color=color, alpha=0.15, lw=0)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        else:
+        if not ax.get_legend_handles_labels()[0]:
             ax.text(0.5, 0.5, "not logged", ha="center", transform=ax.transAxes, fontsize=8, color="0.5")
+    if legend:
+        fig.legend(list(legend.values()), list(legend), loc="outside lower center", ncols=min(4, len(legend)), fontsize=8)
     return fig
 
 
