@@ -212,3 +212,18 @@ def test_unknown_run_is_an_artifact_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ArtifactError, match="not a masktrl run folder"):
         resolve_run(tmp_path / "empty")
+
+
+def test_compare_table_prints_bracketed_group_labels(monkeypatch):
+    """Group labels such as ``dppo[divergence=binary-tv]`` are text, not rich markup."""
+    from masktrl.commands.analyze import print_compare
+    from masktrl.commands.ui import console
+
+    runs = [_run("dppo", s, v, divergence="binary-tv") for s, v in enumerate([0.1, 0.2, 0.3])]
+    runs += [_run("dppo", s, v) for s, v in enumerate([0.4, 0.5, 0.6])]
+    table = cmp.compare(runs, baseline="dppo[divergence=topk-kl]", n_boot=200)
+    monkeypatch.setattr(console, "width", 200)
+    with console.capture() as captured:
+        print_compare(table)
+    text = captured.get()
+    assert "dppo[divergence=binary-tv]" in text and "vs dppo[divergence=topk-kl]" in text

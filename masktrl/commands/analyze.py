@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from masktrl.commands.ui import console, kv_table, progress_bar
 from masktrl.commands.options import DEFAULT_OUT, Command, Group, OutOpt
@@ -249,7 +250,7 @@ def dynamics(
     for key in short.values():
         table.add_column(key, justify="right")
     for g in result["groups"]:
-        table.add_row(g["label"], ",".join(str(s) for s in g["seeds"]), *[fmt(g["final"].get(k)) for k in short])
+        table.add_row(escape(g["label"]), ",".join(str(s) for s in g["seeds"]), *[fmt(g["final"].get(k)) for k in short])
     console.print(table)
     _written(paths)
 
@@ -278,7 +279,7 @@ def compare(
 def print_compare(table: dict) -> None:
     from rich.table import Table
 
-    t = Table(title=f"{table['metric']}: mean ± std over seeds, bootstrap 95% CI, {table['test']} p vs {table['baseline']}")
+    t = Table(title=f"{table['metric']}: mean ± std over seeds, bootstrap 95% CI, {table['test']} p vs {escape(table['baseline'])}")
     t.add_column("method")
     t.add_column("n", justify="right")
     for key in ("final", "best"):
@@ -290,7 +291,7 @@ def print_compare(table: dict) -> None:
         for key in ("final", "best"):
             s = row[key]
             cells += [pm(s["mean"], s["std"]), f"[{fmt(s['ci_low'])}, {fmt(s['ci_high'])}]", "base" if row["is_baseline"] else fmt(s["p"])]
-        t.add_row(row["label"], str(row["final"]["n"]), *cells)
+        t.add_row(escape(row["label"]), str(row["final"]["n"]), *cells)
     console.print(t)
     for w in table["warnings"]:
         console.print(f"[yellow]warning:[/] {w}", highlight=False)
