@@ -157,6 +157,26 @@ def test_compare_statistics_match_hand_computation():
     assert rows["grpo"]["best"]["values"] == [4.0, 5.0, 6.0] and rows["grpo"]["is_baseline"]
 
 
+def test_compare_pairs_seeds_with_the_baseline():
+    """The paired t-test matches runs by seed (a seed's runs share its warm start) and uses only
+    the seeds both groups have; scipy's ttest_rel on those pairs."""
+    from scipy import stats as sps
+
+    runs = [_run("grpo", s, v) for s, v in zip([0, 1, 2, 3], [0.40, 0.34, 0.40, 0.41])]
+    runs += [_run("dapo", s, v) for s, v in zip([3, 1, 2, 9], [0.48, 0.39, 0.39, 0.10])]  # seed 9: no pair
+    runs += [_run("sis", s, v) for s, v in zip([0, 1, 2], [0.43, 0.30, 0.32])]
+    table = cmp.compare(runs, baseline="grpo", test="paired", n_boot=200)
+    rows = {r["label"]: r for r in table["methods"]}
+    d = rows["dapo"]["final"]
+    assert d["n_paired"] == 3 and d["p"] == d["p_paired"]
+    assert d["p_paired"] == pytest.approx(sps.ttest_rel([0.39, 0.39, 0.48], [0.34, 0.40, 0.41]).pvalue)
+    assert d["t_paired"] == pytest.approx(sps.ttest_rel([0.39, 0.39, 0.48], [0.34, 0.40, 0.41]).statistic)
+    assert rows["sis"]["final"]["p_paired"] == pytest.approx(sps.ttest_rel([0.43, 0.30, 0.32], [0.40, 0.34, 0.40]).pvalue)
+    assert rows["grpo"]["final"]["n_paired"] == 0 and math.isnan(rows["grpo"]["final"]["p_paired"])
+    lone = cmp.compare([_run("grpo", 0, 0.4), _run("grpo", 1, 0.5), _run("sis", 5, 0.3), _run("sis", 6, 0.2)], n_boot=200)
+    assert lone["methods"][1]["final"]["n_paired"] == 0 and math.isnan(lone["methods"][1]["final"]["p_paired"])
+
+
 def test_compare_warns_below_three_seeds_and_labels_variants():
     runs = [_run("grpo", s, 0.5) for s in range(3)]
     runs += [_run("dppo", 0, 0.4, divergence="topk-tv"), _run("dppo", 1, 0.6, divergence="topk-tv")]

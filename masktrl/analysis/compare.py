@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 
 from masktrl.analysis.io import RunInfo, group_runs
-from masktrl.stats import bootstrap_ci, permutation_test, welch_t_test
+from masktrl.stats import bootstrap_ci, paired_tests, permutation_test, welch_t_test
 from masktrl.errors import MasktrlError
 
 HELDOUT = "eval/heldout/accuracy"
 MIN_SEEDS = 3
-TESTS = ("welch", "permutation")
+TESTS = ("welch", "permutation", "paired")
 
 
 def run_scores(run: RunInfo, metric: str = HELDOUT) -> tuple[float, float]:
@@ -51,14 +51,22 @@ def describe(values: list[float], n_boot: int, seed: int = 0) -> dict:
     }
 
 
-def test_against(values: list[float], base: list[float], n_perm: int, seed: int = 0) -> dict:
-    """Welch's t-test and the permutation test of mean(values) == mean(base)."""
+def test_against(values: list[float], base: list[float], n_perm: int, seed: int = 0,
+                 seeds: list[int] | None = None, base_seeds: list[int] | None = None) -> dict:
+    """Welch's t-test and the permutation test of mean(values) == mean(base), and the paired
+    t-test over the seeds both have (runs of one seed share the warm start; nan with < 2)."""
     t, p = welch_t_test(values, base)
+    shared = sorted(set(seeds or []) & set(base_seeds or []))
+    pick = lambda vals, ss: [vals[ss.index(s)] for s in shared]  # noqa: E731
+    paired = paired_tests(pick(values, seeds), pick(base, base_seeds))
     return {
         "diff_vs_baseline": float(np.mean(values) - np.mean(base)),
         "t_welch": t,
         "p_welch": p,
         "p_permutation": permutation_test(values, base, n_perm=n_perm, seed=seed),
+        "n_paired": len(shared),
+        "t_paired": paired["t"],
+        "p_paired": paired["p_ttest"],
     }
 
 
@@ -95,7 +103,10 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
             vals = [s[i] for s in scores[label]]
             base = [s[i] for s in scores[base_label]]
             row[key] = describe(vals, n_boot)
-            tests = test_against(vals, base, n_perm) if label != base_label else {"diff_vs_baseline": 0.0, "t_welch": float("nan"), "p_welch": float("nan"), "p_permutation": float("nan")}
+            seeds, base_seeds = [r.cfg.seed for r in members], [r.cfg.seed for r in dict(groups)[base_label]]
+            tests = (test_against(vals, base, n_perm, seeds=seeds, base_seeds=base_seeds) if label != base_label else
+                     {"diff_vs_baseline": 0.0, "t_welch": float("nan"), "p_welch": float("nan"), "p_permutation": float("nan"),
+                      "n_paired": 0, "t_paired": float("nan"), "p_paired": float("nan")})
             row[key].update(tests, p=tests[f"p_{test}"])
         if len(members) < MIN_SEEDS:
             warnings.append(f"{label}: only {len(members)} seed{'s' if len(members) != 1 else ''} (< {MIN_SEEDS}); its CI and p-value mean little")

@@ -262,7 +262,7 @@ def compare(
     output: ResultOpt = None,
     baseline: Annotated[str, typer.Option("--baseline", metavar="LABEL", help="Method (or group label) the others are tested against.")] = "grpo",
     metric: Annotated[str, typer.Option("--metric", metavar="KEY", help="Metric: eval/heldout/accuracy or eval/<bench>/avg_at_k.")] = "eval/heldout/accuracy",
-    test: Annotated[str, typer.Option("--test", metavar="welch|permutation", help="welch | permutation (both are in the JSON).")] = "welch",
+    test: Annotated[str, typer.Option("--test", metavar="welch|permutation|paired", help="welch | permutation | paired (a paired t-test over the seeds shared with the baseline: a seed's runs share its warm start). All three are in the JSON.")] = "welch",
     n_boot: Annotated[int, typer.Option("--n-boot", metavar="N", help="Bootstrap resamples for the 95% CI.")] = 10000,
 ) -> None:
     """Methods by final and best eval accuracy over seeds: mean, std, bootstrap 95% CI, p-value vs baseline."""
