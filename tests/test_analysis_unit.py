@@ -242,7 +242,7 @@ def test_compare_table_prints_bracketed_group_labels(monkeypatch):
     runs = [_run("dppo", s, v, divergence="binary-tv") for s, v in enumerate([0.1, 0.2, 0.3])]
     runs += [_run("dppo", s, v) for s, v in enumerate([0.4, 0.5, 0.6])]
     table = cmp.compare(runs, baseline="dppo[divergence=topk-kl]", n_boot=200)
-    monkeypatch.setattr(console, "width", 200)
+    monkeypatch.setattr(console, "_width", 200)  # restored to auto width afterwards (the width property would pin it)
     with console.capture() as captured:
         print_compare(table)
     text = captured.get()
