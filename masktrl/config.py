@@ -375,6 +375,13 @@ class Config:
     def method_params(self) -> dict:
         return {k: v for k, v in self.method.items() if k != "name"}
 
+    def resolved_method(self) -> dict:
+        """``method`` with every parameter at its value, defaults included: ``dppo`` and
+        ``dppo`` with ``divergence: topk-kl`` (its default) resolve alike."""
+        from masktrl.methods import make_params
+
+        return {"name": self.method_name, **make_params(self.method_name, **self.method_params).__dict__}
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -95,6 +95,7 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
     groups = group_runs(complete)
     base_label = find_baseline([(label, m[0].cfg.method_name) for label, m in groups], baseline)
     scores = {label: [run_scores(r, metric) for r in members] for label, members in groups}
+    base_seeds = [r.cfg.seed for r in dict(groups)[base_label]]
     rows, warnings = [], []
     for label, members in groups:
         row = {"label": label, "method": members[0].cfg.method_name, "runs": [str(r.root) for r in members],
@@ -103,8 +104,7 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
             vals = [s[i] for s in scores[label]]
             base = [s[i] for s in scores[base_label]]
             row[key] = describe(vals, n_boot)
-            seeds, base_seeds = [r.cfg.seed for r in members], [r.cfg.seed for r in dict(groups)[base_label]]
-            tests = (test_against(vals, base, n_perm, seeds=seeds, base_seeds=base_seeds) if label != base_label else
+            tests = (test_against(vals, base, n_perm, seeds=row["seeds"], base_seeds=base_seeds) if label != base_label else
                      {"diff_vs_baseline": 0.0, "t_welch": float("nan"), "p_welch": float("nan"), "p_permutation": float("nan"),
                       "n_paired": 0, "t_paired": float("nan"), "p_paired": float("nan")})
             row[key].update(tests, p=tests[f"p_{test}"])

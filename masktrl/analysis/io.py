@@ -92,11 +92,9 @@ def config_key(cfg: Config) -> str:
     """The config with the seed removed and every method parameter resolved (``dppo`` and
     ``dppo:divergence=topk-kl``, its default, are one config): runs with the same key differ
     only in seed."""
-    from masktrl.methods import make_params
-
     d = cfg.to_dict()
     d.pop("seed", None)
-    d["method"] = {"name": cfg.method_name, **make_params(cfg.method_name, **cfg.method_params).__dict__}
+    d["method"] = cfg.resolved_method()
     return json.dumps(d, sort_keys=True, default=str)
 
 

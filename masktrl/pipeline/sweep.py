@@ -136,13 +136,8 @@ def _check_distinct(method: str, cfg: Config, seen: dict[str, Config]) -> None:
     """Refuse a method spec that trains the same config as an earlier one (a parameter set to
     its default value, e.g. ``dppo`` and ``dppo:divergence=topk-kl``): the compare table would
     hold one method twice under two names."""
-    from masktrl.methods import make_params
-
-    def resolved(c: Config) -> tuple:  # the method with every parameter resolved, the rest as given
-        return c.method_name, make_params(c.method_name, **c.method_params).__dict__
-
     for other, other_cfg in seen.items():
-        if resolved(other_cfg) == resolved(cfg) and not diff_configs(other_cfg, cfg, ignore=("method.",)):
+        if other_cfg.resolved_method() == cfg.resolved_method() and not diff_configs(other_cfg, cfg, ignore=("method.",)):
             raise ConfigError(f"--methods: {method!r} trains the same config as {other!r} (its parameters are the defaults); drop one")
     seen[method] = cfg
 
