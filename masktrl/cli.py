@@ -64,7 +64,9 @@ def main() -> None:
 def _fail(exc: BaseException, line: str) -> None:
     if os.environ.get("MASKTRL_DEBUG"):
         raise exc
-    err_console.print(f"[red]error:[/] {line}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    err_console.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)  # the line is text: "dppo[x]" stays
     sys.exit(2)
 
 

@@ -247,3 +247,9 @@ def test_compare_table_prints_bracketed_group_labels(monkeypatch):
         print_compare(table)
     text = captured.get()
     assert "dppo[divergence=binary-tv]" in text and "vs dppo[divergence=topk-kl]" in text
+
+
+def test_error_lines_print_brackets_as_text(cli_error, tmp_path):
+    """The CLI's error line is text, not rich markup: a label such as dppo[divergence=x] stays whole."""
+    line = cli_error("analyze", "compare", tmp_path / "nosuch[divergence=x]")
+    assert "nosuch[divergence=x]" in line
