@@ -75,7 +75,7 @@ def warm_model(cfg) -> Path:
     The cache key is the one ``masktrl train`` uses, so a benchmark after a default training
     run (or the other way round) reuses the same warm start.
     """
-    from masktrl.pipeline.warmstart import prepare_policy
+    from masktrl.rl.warmstart import prepare_policy
     from masktrl.tasks import make_task
 
     _, _, info = prepare_policy(cfg, make_task(cfg.task, cfg.model), OUT)
@@ -159,13 +159,13 @@ class StepClock:
 
 
 def run_masktrl(cfg, on_start=None, on_step=None) -> dict:
-    """``masktrl.pipeline.train.train`` on ``cfg`` in a scratch run folder (deleted afterwards).
+    """``masktrl.recipes.train.train`` on ``cfg`` in a scratch run folder (deleted afterwards).
 
     Returns per-step wall times (``step_times``, one per step of the real loop), per-step
     process CPU times (``cpu_times``) and the metrics rows the run wrote.
     """
-    from masktrl.pipeline.runstore import RunStore
-    from masktrl.pipeline.train import train
+    from masktrl.runs.store import RunStore
+    from masktrl.recipes.train import train
 
     BENCH_TMP.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="run-", dir=BENCH_TMP))
@@ -263,8 +263,8 @@ def wrap_masktrl_phases(timer: PhaseTimer, common: bool = True) -> None:
     from transformers.models.qwen3 import modeling_qwen3
 
     from masktrl.methods.registry import Method
-    from masktrl.pipeline import checkpoint, policy, train, update
-    from masktrl.pipeline.runstore import RunStore
+    from masktrl.rl import checkpoint, policy, train, update
+    from masktrl.runs.store import RunStore
     from masktrl.rollout import hf
     from masktrl.rollout.hf import HFEngine
 

@@ -1,5 +1,5 @@
 """Disk use of the paper recipes: each recipe's projected disk per step and per run
-(``masktrl.pipeline.storage_budget.project``, the numbers ``masktrl train`` prints at start), at
+(``masktrl.runs.retention.project``, the numbers ``masktrl train`` prints at start), at
 the documented bytes per generated token of its ``model.dtype`` (docs/ROLLOUTS.md), a given
 rate, or one measured here.
 
@@ -70,7 +70,7 @@ def measure_bytes_per_token(seqs=16, length=1024, vocab=151936, k=20, seed=0) ->
 
 def main() -> None:
     from masktrl.config import load_config
-    from masktrl.pipeline.storage_budget import human, project
+    from masktrl.runs.retention import human, project
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bytes-per-token", type=float, default=None, help="use this rate for every recipe")

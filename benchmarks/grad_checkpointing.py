@@ -40,7 +40,7 @@ def worker(args) -> dict:
 
     from masktrl.models import checkpointing
     from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-    from masktrl.pipeline.policy import policy_token_batch
+    from masktrl.rl.policy import policy_token_batch
     from masktrl.rollout.base import Generation, Sample
 
     torch.set_num_threads(args.threads)

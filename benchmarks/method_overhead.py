@@ -1,7 +1,7 @@
 """Time one training step of every method and variant against ``grpo`` on the same batch.
 
 A step = policy forward (Qwen3 built from a config, no hub) -> ``token_logprobs`` at the sampled
-token and the behaviour top-K ids (as ``pipeline/rl.py`` does) -> ``token_losses`` ->
+token and the behaviour top-K ids (as ``rl/update.py`` does) -> ``token_losses`` ->
 ``aggregate`` -> backward. The batch is synthetic but consistent: a perturbed copy of the model
 is the behaviour policy; tokens are sampled from it and its top-K lists recorded.
 

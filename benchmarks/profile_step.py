@@ -1,6 +1,6 @@
 """Where one masktrl RL step spends its time, on the tiny default (configs/tiny.yaml).
 
-Runs the real training loop (``masktrl.pipeline.train.train``) for ``--steps`` steps and times
+Runs the real training loop (``masktrl.recipes.train.train``) for ``--steps`` steps and times
 each stage by wrapping the functions that implement it (benchmarks/common.py, PhaseTimer):
 rollout (transformers generate, logprob/top-K extraction, decode + scoring + advantages),
 log-probability recomputation (policy forward, token_logprobs at the sampled and top-K ids,
@@ -122,7 +122,7 @@ def io_probe(steps_now: int, steps_full: int, reps: int = 7) -> dict:
     import time
 
     from masktrl.io import atomic_write_bytes
-    from masktrl.pipeline.runstore import RunStore
+    from masktrl.runs.store import RunStore
 
     from common import BENCH_TMP
 

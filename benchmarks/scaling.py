@@ -1,6 +1,6 @@
 """How masktrl's step time grows with the group size, the response length and the top-K.
 
-Each point is a short run of the real training loop (``masktrl.pipeline.train.train``) on the
+Each point is a short run of the real training loop (``masktrl.recipes.train.train``) on the
 tiny default with one setting changed; ``--steps`` steps are timed per run (the first and
 the last, which writes the final checkpoint, are not). The points are run round-robin,
 ``--reps`` times, so load drift on a shared machine spreads over all of them.

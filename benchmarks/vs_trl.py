@@ -196,7 +196,7 @@ def prompt_sharing(on: bool):
     """Switch masktrl's per-group prompt sharing off (``on=False``) for an ablation: the engine
     prefills every sample's prompt (``num_return_sequences``) and the policy forward runs each
     prompt+response whole, exactly the code paths used when all prompts are distinct."""
-    from masktrl.pipeline import policy
+    from masktrl.rl import policy
     from masktrl.rollout import hf
 
     if on:

@@ -1,5 +1,5 @@
 """The ``masktrl`` command line: thin commands (one module each in ``masktrl/commands/``)
-that load a config, call a pipeline stage and print a rich summary.
+that load a config, call a stage (``masktrl/recipes/``) and print a rich summary.
 
 One error boundary: a ``MasktrlError`` (bad config, missing file, unknown method, corrupted
 artifact...) becomes one red line on stderr and exit code 2, and so does an ``OSError`` the

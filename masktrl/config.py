@@ -707,3 +707,15 @@ def _positive(key: str, value: float) -> None:
 def _non_negative(key: str, value: float) -> None:
     if not value >= 0:
         raise ConfigError(f"{key} must be >= 0, got {value}")
+
+
+def split_method(spec: str) -> tuple[str, list[str]]:
+    """``pdm:tail=uniform`` -> ("pdm", ["method.tail=uniform"])."""
+    name, *pairs = spec.split(":")
+    overrides = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value.strip() or not key.strip().replace("_", "").isalnum():
+            raise ConfigError(f"--methods: {spec!r}: parameters go as NAME:KEY=VALUE (e.g. pdm:tail=uniform)")
+        overrides.append(f"method.{key.strip()}={value.strip()}")
+    return name.strip(), overrides

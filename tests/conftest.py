@@ -49,7 +49,7 @@ def warm_out(tmp_path_factory) -> Path:
     """An outputs folder whose warm-start cache already holds the tiny config's warm start (seed
     0): runs under it (any method, any train.* or rollout.* setting) skip the warm start."""
     from masktrl.config import load_config
-    from masktrl.pipeline.warmstart import prepare_policy
+    from masktrl.rl.warmstart import prepare_policy
     from masktrl.tasks import make_task
 
     out = tmp_path_factory.mktemp("warm") / "out"
@@ -69,7 +69,7 @@ def analysis_runs(tmp_path_factory):
     """A folder of finished runs: grpo x seeds 0, 1, 2 and sis x seeds 0, 1 (3 steps each, 2
     minibatches, every checkpoint kept, K = 5 lists over a 17-token vocabulary). Tests that
     write into a run's analysis/ folder must not assume it is empty."""
-    from masktrl.pipeline import sweep
+    from masktrl.recipes import sweep
 
     base = tmp_path_factory.mktemp("analysis")
     config = write_tiny_config(base / "tiny.yaml", ANALYSED)

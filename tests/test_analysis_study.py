@@ -20,7 +20,7 @@ from masktrl.analysis.token_replay import CRITERIA, keep_decisions, record_token
 from masktrl.methods import ddot_kl_bracket, divergence_rate
 from masktrl.methods.batch import log_ratio
 from masktrl.models.loading import load_model_and_tokenizer
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs.store import RunStore
 
 runner = CliRunner()
 

@@ -12,7 +12,7 @@ from masktrl.analysis.replicates import STUDY_MINIBATCHES, parse_steps, study_mi
 from masktrl.analysis.token_replay import keep_decisions
 from masktrl.analysis import dynamics as dyn
 from masktrl.analysis.io import RunInfo, group_runs
-from masktrl.pipeline.runstore import resolve_run
+from masktrl.runs.store import resolve_run
 from masktrl.stats import bootstrap_ci
 from masktrl.config import from_dict
 from masktrl.errors import ArtifactError, MasktrlError

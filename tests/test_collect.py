@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from masktrl.methods import get_method, make_params
-from masktrl.pipeline.collect import set_advantages
+from masktrl.rl.collect import set_advantages
 from masktrl.seeding import stream_seed
 from masktrl.rollout.base import Generation, Sample
 
@@ -104,7 +104,7 @@ class _Task:
 
 
 def _collect(task, method="dapo", prompts=4):
-    from masktrl.pipeline.collect import CollectSettings, collect_rollouts
+    from masktrl.rl.collect import CollectSettings, collect_rollouts
     from masktrl.rollout.base import SamplingSettings
 
     settings = CollectSettings(SamplingSettings(3, 4, 1.0, 1.0, 1), prompts, 0, False)
@@ -123,7 +123,7 @@ def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_a_signal():
 
 
 def test_dynamic_sampling_stops_after_max_refills_and_trains_on_what_it_kept():
-    from masktrl.pipeline.collect import MAX_REFILLS
+    from masktrl.rl.collect import MAX_REFILLS
 
     task = _Task(signal=lambda i: i == 5)
     samples, stats = _collect(task)
@@ -132,7 +132,7 @@ def test_dynamic_sampling_stops_after_max_refills_and_trains_on_what_it_kept():
 
 
 def test_no_group_kept_gives_an_empty_batch():
-    from masktrl.pipeline.collect import MAX_REFILLS
+    from masktrl.rl.collect import MAX_REFILLS
 
     samples, stats = _collect(_Task(signal=lambda i: False))
     assert samples == [] and stats["groups_kept"] == 0 and stats["groups_generated"] == 4 * MAX_REFILLS

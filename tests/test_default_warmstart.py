@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from masktrl.config import load_config
-from masktrl.pipeline.evaluate import heldout_accuracy
-from masktrl.pipeline.warmstart import prepare_policy
+from masktrl.rl.evaluation import heldout_accuracy
+from masktrl.rl.warmstart import prepare_policy
 from masktrl.rollout.base import SamplingSettings
 from masktrl.rollout.hf import HFEngine
 from masktrl.tasks import make_task

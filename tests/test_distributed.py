@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from masktrl.pipeline.update import micro_batches
+from masktrl.rl.update import micro_batches
 from masktrl.rollout.storage import read_rollouts
 from tests.conftest import TIMING, masktrl, masktrl_env, write_tiny_config
 
@@ -212,7 +212,7 @@ def test_deepspeed_two_cpu_processes_match_one_process(reference, tmp_path, stag
 
 def _dist(stage, world):
     """A Dist that looks like a launch of ``world`` processes under DeepSpeed ZeRO-``stage`` (None: no DeepSpeed)."""
-    from masktrl.pipeline.distributed import Dist
+    from masktrl.rl.distributed import Dist
 
     d = Dist()
     d.world, d.deepspeed = world, stage is not None

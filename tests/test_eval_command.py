@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-import masktrl.pipeline.evaluate as ev
+import masktrl.recipes.eval as ev
 from masktrl.cli import main
 from masktrl.errors import MasktrlError
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs.store import RunStore
 from masktrl.rollout.base import Generation
 from tests.conftest import cli, write_tiny_config
 

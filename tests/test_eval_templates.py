@@ -7,7 +7,7 @@ import string
 
 import pytest
 
-import masktrl.pipeline.evaluate as ev
+import masktrl.recipes.eval as ev
 from masktrl.config import load_config
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from masktrl.tasks import make_task

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from masktrl.cli import app
 from masktrl.config import load_config
 from masktrl.errors import ConfigError, DataError
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs.store import RunStore
 from tests.conftest import write_tiny_config
 
 runner = CliRunner()

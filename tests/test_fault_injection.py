@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs.store import RunStore
 from tests.conftest import TIMING, masktrl_env
 
 pytestmark = pytest.mark.slow

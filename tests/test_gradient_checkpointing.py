@@ -7,7 +7,7 @@ import torch
 
 from masktrl.models import checkpointing
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from masktrl.pipeline import policy
+from masktrl.rl import policy
 from tests.test_prompt_sharing import _samples
 
 

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from masktrl.analysis.step_replay import behaviour_step
 from masktrl.models.loading import load_model_and_tokenizer
-from masktrl.pipeline.policy import policy_token_batch
-from masktrl.pipeline.runstore import RunStore
+from masktrl.rl.policy import policy_token_batch
+from masktrl.runs.store import RunStore
 from tests.conftest import TIMING, cli, masktrl
 
 LAB = Path(__file__).resolve().parent.parent / "configs" / "lab.yaml"

@@ -11,7 +11,7 @@ from masktrl.analysis.token_replay import keep_decisions
 
 from masktrl.methods import TokenBatch, divergence, divergence_rate
 from masktrl.methods.batch import outside_list, residual_mass
-from masktrl.pipeline.lab_stats import LabStats, behaviour_stats, lab_summary, update_counts
+from masktrl.rl.lab_stats import LabStats, behaviour_stats, lab_summary, update_counts
 from masktrl.rollout.base import Generation, Sample
 
 

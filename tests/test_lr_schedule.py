@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from masktrl.config import load_config
-from masktrl.pipeline.schedule import lr_factor, make_scheduler
+from masktrl.rl.schedule import lr_factor, make_scheduler
 
 
 def _old_constant(warmup):  # the lambda make_optimizer used before schedules existed

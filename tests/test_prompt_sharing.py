@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from masktrl.pipeline import policy
+from masktrl.rl import policy
 from masktrl.rollout import hf
 from masktrl.rollout.base import Sample, SamplingSettings
 from masktrl.rollout.hf import HFEngine

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from masktrl.config import load_config
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.io import atomic_write_json, file_mode
-from masktrl.pipeline import runlock
-from masktrl.pipeline.runstore import RunStore, check_run_name
+from masktrl.runs import locks
+from masktrl.runs.store import RunStore, check_run_name
 from masktrl.rollout.storage import read_rollouts, write_rollouts
 from tests.conftest import TIMING, cli, masktrl_env, tiny_yaml
 
@@ -100,13 +100,13 @@ def test_stale_running_status_of_a_dead_process_is_taken_over(finished, tmp_path
 
 def test_lock_is_reentrant_in_one_process_and_released_after(tmp_path):
     root = tmp_path / "run"
-    runlock.acquire(root)
-    runlock.acquire(root)
-    assert runlock.holder(root) == os.getpid()
-    runlock.release(root)
-    assert runlock.holds(root)
-    runlock.release(root)
-    assert not runlock.holds(root) and runlock.holder(root) is None
+    locks.acquire(root)
+    locks.acquire(root)
+    assert locks.holder(root) == os.getpid()
+    locks.release(root)
+    assert locks.holds(root)
+    locks.release(root)
+    assert not locks.holds(root) and locks.holder(root) is None
 
 
 def start_training(tmp_path, train: dict, name: str):
@@ -258,7 +258,7 @@ def test_inf_learning_rate_is_one_line_before_anything_is_written(tmp_path, cli_
 
 def _nan_norm_at(monkeypatch, calls: set[int]):
     """Make the gradient norm of the given optimizer updates (0-based, in call order) NaN."""
-    from masktrl.pipeline.distributed import Dist
+    from masktrl.rl.distributed import Dist
 
     real = Dist.clip_grad_norm
     count = iter(range(10**6))
@@ -306,7 +306,7 @@ def test_diverged_weights_stop_the_run_as_failed(finished, tmp_path, cli_error):
 
 def test_checkpoint_with_nonfinite_weights_is_never_written(tmp_path):
     from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-    from masktrl.pipeline import checkpoint as ckpt
+    from masktrl.rl import train_state as ckpt
 
     tok = build_char_tokenizer("0123456789+=")
     model = build_tiny_model(tok, TinyModelConfig(16, 1, 2, 1, 32), seed=0)
@@ -348,7 +348,7 @@ def test_torn_last_line_is_still_dropped(tmp_path):
 
 def test_metrics_are_durable_before_a_checkpoint_is_recorded(tmp_path, monkeypatch):
     from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-    from masktrl.pipeline import checkpoint as ckpt
+    from masktrl.rl import train_state as ckpt
 
     tok = build_char_tokenizer("0123456789+=")
     model = build_tiny_model(tok, TinyModelConfig(16, 1, 2, 1, 32), seed=0)
@@ -404,7 +404,7 @@ def test_status_is_never_left_running(finished, tmp_path, monkeypatch, exc):
     def broken(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr("masktrl.pipeline.train.make_engine", broken)
+    monkeypatch.setattr("masktrl.recipes.train.make_engine", broken)
     r = cli("train", "--config", config, "--out", tmp_path / "out", "--run", "x", ok=False)
     assert r.exit_code != 0
     m = manifest(tmp_path / "out" / "x")
@@ -597,7 +597,7 @@ def test_bad_inputs_fail_before_the_run_folder_exists(finished, tmp_path, cli_er
 def test_a_failed_run_continues_when_the_same_command_is_run_again(finished, tmp_path, monkeypatch, cli_error):
     config, _, ref = finished
     out = tmp_path / "out"
-    from masktrl.pipeline import checkpoint
+    from masktrl.rl import checkpoint
 
     real = checkpoint.save
     monkeypatch.setattr(checkpoint, "save", lambda dest, *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device", str(dest)))
@@ -616,7 +616,7 @@ def test_a_failed_run_continues_when_the_same_command_is_run_again(finished, tmp
 def test_a_failed_run_without_checkpoint_restarts_in_place_with_a_fixed_config(finished, tmp_path, monkeypatch, cli_error):
     config, _, ref = finished
     out = tmp_path / "out"
-    from masktrl.pipeline import train as train_stage
+    from masktrl.recipes import train as train_stage
 
     real = train_stage.make_engine
     monkeypatch.setattr(train_stage, "make_engine", lambda *a, **k: (_ for _ in ()).throw(MasktrlError("engine failed to start")))
@@ -641,7 +641,7 @@ def test_dry_run_prints_the_config_and_writes_nothing(finished, tmp_path, cli_er
     config, out, root = finished
     r = cli("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--dry-run")
     assert "nothing was written" in r.output and "hidden_size: 32" in r.output and "projected disk use" in r.output
-    assert "run total <=" in r.output  # storage_budget.project on the policy's parameter count
+    assert "run total <=" in r.output  # retention.project on the policy's parameter count
     assert not (tmp_path / "out").exists()
     before = snapshot(out)
     r = cli("train", "--resume", "r", "--out", out, "--dry-run", "--rollouts-from", root)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from masktrl.errors import ConfigError
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs.store import RunStore
 from tests.conftest import masktrl, write_tiny_config
 from tests.test_resume import RESUME, metrics, weights
 
@@ -101,7 +101,7 @@ def test_budgeted_run_killed_then_resumed_is_bit_identical(runs):
 
 def test_rollouts_from_a_run_that_kept_only_resume_batches_is_refused(runs, tmp_path):
     from masktrl.errors import MasktrlError
-    from masktrl.pipeline.rollout_source import RolloutSource
+    from masktrl.rl.rollout_source import RolloutSource
 
     _, _, out, _ = runs
     partial = tmp_path / "partial"  # what a rollout.store=resume run killed after checkpoint 3 keeps: step 4's batch

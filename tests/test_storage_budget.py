@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from masktrl.config import load_config
-from masktrl.pipeline import storage_budget as sb
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs import retention as sb
+from masktrl.runs.store import RunStore
 
 
 def test_retention_policy():

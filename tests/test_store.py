@@ -7,7 +7,7 @@ import pytest
 from masktrl.errors import ArtifactError
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from masktrl.io import atomic_write_text
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs.store import RunStore
 from masktrl.rollout.base import Generation, Sample
 from masktrl.rollout.storage import read_rollouts, write_rollouts
 

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from masktrl.cli import app
 from masktrl.errors import ConfigError, MasktrlError
-from masktrl.pipeline import sweep
+from masktrl.recipes import sweep
 from tests.conftest import write_tiny_config
 
 runner = CliRunner()
@@ -102,7 +102,7 @@ def test_seed_and_method_parsing():
 def test_method_specs_with_parameters_are_their_own_runs(tmp_path):
     """``pdm:tail=agg,pdm:tail=uniform``: two variants of one method in one sweep, each run
     named after its spec and configured with its parameters; a bad spec is one ConfigError."""
-    from masktrl.pipeline import slurm
+    from masktrl.recipes import slurm
 
     config = write_tiny_config(tmp_path / "tiny.yaml")
     specs = sweep.parse_methods("grpo, pdm:tail=agg, pdm:tail=uniform, dppo:divergence=topk-kl:delta_pos=0.1")

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from masktrl.cli import app
 from masktrl.errors import MasktrlError
-from masktrl.pipeline import slurm
-from masktrl.pipeline import sweep as sweep_stage
+from masktrl.recipes import slurm
+from masktrl.recipes import sweep as sweep_stage
 from tests.test_sweep import _copy, swept  # noqa: F401  (the module fixture: grpo-seed0 and dppo-seed0, complete)
 
 runner = CliRunner()

@@ -140,7 +140,7 @@ def test_bad_input_exits_2_with_one_line_on_stderr(tmp_path, data):
 def test_eval_and_rollout_task_keys():
     from masktrl.config import Config, from_dict
     from masktrl.errors import ConfigError
-    from masktrl.pipeline.evaluate import bench_task_config
+    from masktrl.rl.evaluation import bench_task_config
 
     t = bench_task_config("aime24", Config(), template="dapo", overrides=("task.reward=exact-match", "model.chat_template=false"))
     assert (t.name, t.template, t.reward, t.data) == ("aime24", "dapo", "exact-match", None)

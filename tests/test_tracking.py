@@ -5,7 +5,7 @@ import pytest
 
 from masktrl.config import load_config
 from masktrl.errors import ConfigError
-from masktrl.pipeline import tracking
+from masktrl.rl import tracking
 
 
 def read_scalars(logdir):

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from masktrl.cli import app
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs.store import RunStore
 from masktrl.rollout.storage import read_rollouts
 
 runner = CliRunner()

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from masktrl.methods import make_params, overlong_penalty
 from masktrl.methods.advantages import group_advantages
 from masktrl.methods.batch import log_ratio
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs.store import RunStore
 from tests.conftest import cli, write_tiny_config
 
 OFF_POLICY = {"train": {"lr": 1.0e-2, "minibatches": 2, "checkpoint_every": 2}}
@@ -47,7 +47,7 @@ class TokenRecorder:
 
 def train_recorded(out, config, name, *args):
     """``masktrl train`` in-process with the token recorder in place; (run folder, recorded calls)."""
-    import masktrl.pipeline.update as update
+    import masktrl.rl.update as update
 
     recorder = TokenRecorder(update.token_diagnostics)
     with pytest.MonkeyPatch.context() as mp:
@@ -181,7 +181,7 @@ def test_overlong_shaping_is_in_the_stored_rewards(warm_out):
 def test_a_step_where_dynamic_sampling_kept_no_group(warm_out, monkeypatch):
     """Every group has equal rewards: after all refills nothing is trained, the step is still
     recorded (no update, an empty batch stored) and the run goes on."""
-    import masktrl.pipeline.collect as collect
+    import masktrl.rl.collect as collect
 
     def equal_rewards(task, examples, groups):
         for g in groups:
@@ -206,7 +206,7 @@ def test_a_step_where_dynamic_sampling_kept_no_group(warm_out, monkeypatch):
 def test_ctrl_c_once_finishes_the_step_twice_stops_at_once(warm_out, presses):
     """Ctrl-C as step 2 starts: once, the step is finished, checkpointed and the run stops;
     twice, it stops there: step 2 is neither trained, recorded nor checkpointed."""
-    import masktrl.pipeline.train as train
+    import masktrl.recipes.train as train
 
     real, calls, handler = train.rl_step, [], signal.getsignal(signal.SIGINT)
 

@@ -9,8 +9,8 @@ import torch
 
 from masktrl.config import HASH_STABLE_DEFAULTS, load_config
 from masktrl.errors import ConfigError
-from masktrl.pipeline import warmstart
-from masktrl.pipeline.warmstart import prepare_policy, warmstart_key
+from masktrl.rl import warmstart
+from masktrl.rl.warmstart import prepare_policy, warmstart_key
 from masktrl.tasks import make_task
 
 EVERY = 20  # checks every 20 steps here (100 in a run), so the test stays short

@@ -209,7 +209,7 @@ def run_study(
 ) -> tuple[dict, dict]:
     """The whole study on the run folders ``runs``: (JSON-ready result, token table)."""
     from masktrl.analysis.replicates import prepare, replay_all
-    from masktrl.pipeline.runstore import RunStore
+    from masktrl.runs.store import RunStore
 
     if test not in TESTS:
         raise MasktrlError(f"--test must be one of {', '.join(TESTS)}, got {test!r}")

@@ -1,7 +1,7 @@
 """Runs as the analyses see them (``RunInfo``, grouped by seed), and their results written as
 JSON + PNG atomically.
 
-Run folders are read through the run store (``pipeline/runstore.py``): every missing or
+Run folders are read through the run store (``runs/store.py``): every missing or
 unreadable artifact raises ``ArtifactError`` (one line, exit code 2 on the CLI).
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 from masktrl.config import Config, flatten
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.io import atomic_write_bytes, atomic_write_json
-from masktrl.pipeline.runstore import RunStore, is_run_folder, resolve_run
+from masktrl.runs.store import RunStore, is_run_folder, resolve_run
 
 ANALYSIS_DIR = "analysis"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from masktrl.errors import ArtifactError, MasktrlError
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs.store import RunStore
 
 REPLICATE_UNITS = ("batch", "partition")
 
@@ -157,7 +157,7 @@ def replay_all(refs: list[BatchRef], *, update: str, partitions: int, minibatche
     per batch (run, step, policy_step, behaviour_step, method, minibatches, n_tokens, ...)."""
     from masktrl.analysis.step_replay import load_behaviour, load_replay
     from masktrl.analysis.token_replay import record_tokens
-    from masktrl.pipeline.policy import lm_head_weight
+    from masktrl.rl.policy import lm_head_weight
 
     if unit not in REPLICATE_UNITS:
         raise MasktrlError(f"--replicate must be one of {', '.join(REPLICATE_UNITS)}, got {unit!r}")

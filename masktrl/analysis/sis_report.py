@@ -27,7 +27,7 @@ from masktrl.analysis.io import RunInfo, default_replay_step
 from masktrl.methods import sis_accept
 from masktrl.methods.batch import log_ratio, outside_list, residual_mass
 from masktrl.methods.diagnostics import log_importance_deviation
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs.store import RunStore
 from masktrl.rollout.base import behaviour_lists
 
 MAX_ROLLOUT_STEPS = 200  # rollout files read for the curves (evenly spaced when there are more)

@@ -2,7 +2,7 @@
 
 ``load_replay`` loads checkpoint P (weights + optimizer + scheduler; P = 0 is the warm-start
 policy with a fresh optimizer, as the train loop starts) and the rollout batch of step S.
-``replay_step`` then runs the minibatch updates of ``pipeline.update.policy_update`` with the
+``replay_step`` then runs the minibatch updates of ``rl.update.policy_update`` with the
 run's method, parameters and optimizer, calling hooks before and after each update, so an
 analysis can look at exactly what the method saw. With P = S-1, the run's seed and the run's
 number of minibatches, the replay reproduces the stored checkpoint S (tested).
@@ -12,8 +12,8 @@ named method with its defaults, or ``unmasked``: importance-weighted policy grad
 trust-region mask (see ``update_choice``). The behaviour policy that sampled step S is the
 checkpoint ``behaviour_step(cfg, S)`` = S-1-``rollout.staleness`` (0 = the starting policy).
 
-The pipeline modules used here (``runstore``, ``checkpoint``, ``policy``, ``update``) are the
-ones the analyses may use: the import contract in pyproject.toml keeps them off the others.
+The modules used here (``runs.store``, ``rl.train_state``, ``rl.policy``, ``rl.update``) are the
+public API the analyses may use: the import contract in pyproject.toml keeps them off the others.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from masktrl.config import Config
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.methods import Method, get_method, make_params, method_names
 from masktrl.models.loading import load_model_and_tokenizer
-from masktrl.pipeline import update
-from masktrl.pipeline.checkpoint import load_optimizer_state
-from masktrl.pipeline.policy import PolicyOutputs, lm_head_weight, policy_token_batch, response_hidden
-from masktrl.pipeline.runstore import RunStore
+from masktrl.rl import update
+from masktrl.rl.train_state import load_optimizer_state
+from masktrl.rl.policy import PolicyOutputs, lm_head_weight, policy_token_batch, response_hidden
+from masktrl.runs.store import RunStore
 from masktrl.rollout.base import Sample
 
 
@@ -152,7 +152,7 @@ def load_replay(root: Path, step: int, policy_step: int | None = None, update_na
 class Behaviour:
     """The behaviour policy of a replayed batch over the whole vocabulary: the final hidden
     state predicting each token ([N, H], sample order) and its lm_head ([V, H]).
-    ``pipeline.policy.full_logprobs(hidden[rows], weight, T)`` is log mu of those tokens."""
+    ``rl.policy.full_logprobs(hidden[rows], weight, T)`` is log mu of those tokens."""
 
     step: int
     hidden: torch.Tensor

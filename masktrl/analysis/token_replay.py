@@ -2,7 +2,7 @@
 full-vocabulary values, and how D then moved.
 
 ``record_tokens`` replays one rollout batch (``step_replay.replay_step``: the minibatch updates
-of ``pipeline.update.policy_update``) and, for every token, at the forward pass its own
+of ``rl.update.policy_update``) and, for every token, at the forward pass its own
 minibatch trains on (the policy the method sees):
 
     adv, d (top-K KL, docs/METHODS.md §3), log_ratio, ddot_agg, ddot_uniform (§4.2),
@@ -33,7 +33,7 @@ from torch import Tensor
 from masktrl.methods import TokenBatch, ddot_kl_bracket, divergence, divergence_full, divergence_rate, divergence_rate_full, truncate_topk
 from masktrl.methods.batch import log_ratio
 from masktrl.methods.diagnostics import keep_decisions  # noqa: F401  (the direction rules; imported from here too)
-from masktrl.pipeline.policy import full_logprobs, lm_head_weight, response_hidden
+from masktrl.rl.policy import full_logprobs, lm_head_weight, response_hidden
 
 CRITERIA = ("ratio", "ddot_agg", "ddot_uniform")  # the paper's three direction rules
 EXACT_CRITERIA = ("ddot_exact",)  # needs the full vocabulary

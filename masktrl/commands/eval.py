@@ -72,7 +72,7 @@ def eval_command(
     task.source=data/x.jsonl --set task.reward=my_rewards.py:score`; every example of
     task.test_split (else task.split) is evaluated.
     """
-    from masktrl.pipeline import evaluate
+    from masktrl.recipes import eval as evaluate
 
     opts = evaluate.EvalOptions(
         k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, data=str(data) if data else None,

@@ -39,7 +39,7 @@ def rollout(
     FILE (its task section) and --set task.KEY=VALUE, e.g. --data dataset --set task.source=x.jsonl
     --set task.reward=my_rewards.py:score; every example of task.test_split (else task.split).
     """
-    from masktrl.pipeline.generate import RolloutOptions, generate
+    from masktrl.recipes.rollout import RolloutOptions, generate
 
     if topk is not None:
         err_console.print(f"[yellow]deprecated:[/] --topk; use --logprobs-k {topk} (named as the config key rollout.logprobs_k)", highlight=False)

@@ -21,7 +21,7 @@ def runs(
     ] = None,
 ) -> None:
     """List runs: name, method, seed, steps done / planned, last reward, last eval accuracy, status."""
-    from masktrl.pipeline.runs import list_runs
+    from masktrl.runs.listing import list_runs
 
     if folder is not None:
         err_console.print(f"[yellow]deprecated:[/] masktrl runs DIR; use masktrl runs --out {folder}", highlight=False)

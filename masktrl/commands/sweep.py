@@ -46,8 +46,8 @@ def sweep(
     from masktrl.analysis import compare as cmp
     from masktrl.analysis.io import load_run, multi_run_dir
     from masktrl.commands.analyze import print_compare
-    from masktrl.pipeline import sweep as stage
-    from masktrl.pipeline.tracking import check_available as check_trackers
+    from masktrl.recipes import sweep as stage
+    from masktrl.rl.tracking import check_available as check_trackers
 
     if launcher not in ("local", "slurm"):
         raise ConfigError(f"--launcher must be local or slurm, got {launcher!r}")
@@ -91,7 +91,7 @@ def launch_runs(items, out: Path, config, overrides: list[str], accelerate_confi
     """--print-commands (print each run's command) or --launcher slurm (one sbatch job per run)."""
     import shlex
 
-    from masktrl.pipeline import slurm
+    from masktrl.recipes import slurm
 
     todo = [i for i in items if i.state != "complete"]
     commands = {i.root: slurm.train_command(i, out=out, config=config, overrides=overrides, accelerate_config=accelerate_config) for i in todo}

@@ -43,38 +43,39 @@ def train(
     a failed run continues it, or starts it again in place if its config changed before any
     checkpoint (docs/RELIABILITY.md).
     """
-    from masktrl.pipeline import preflight
-    from masktrl.pipeline.distributed import launch_rank
-    from masktrl.pipeline.runstore import RunStore, check_run_name, is_run_folder, resolve_run
-    from masktrl.pipeline.signals import Interrupted
-    from masktrl.pipeline.train import train as run_training
+    from masktrl.rl import checks
+    from masktrl.runs.plan import Start, plan_start
+    from masktrl.rl.distributed import launch_rank
+    from masktrl.runs.store import RunStore, check_run_name, is_run_folder, resolve_run
+    from masktrl.rl.signals import Interrupted
+    from masktrl.recipes.train import train as run_training
 
     main = launch_rank() == 0  # under accelerate launch the main process decides and writes; the others follow
     if resume:
         root = resolve_run(resume, out)
-        plan = preflight.Start(root, "resume")
+        plan = Start(root, "resume")
     else:
         cfg = load_config(config, set_ or [], method=method, seed=seed)
         name = check_run_name(run) if run is not None else f"{cfg.method_name}-{time.strftime('%Y%m%d-%H%M%S')}"
         root = Path(out) / name
-        plan = preflight.plan_start(root, cfg) if main else preflight.Start(root, "new")
+        plan = plan_start(root, cfg) if main else Start(root, "new")
     if rollouts_from and not Path(rollouts_from).exists() and is_run_folder(Path(out) / rollouts_from):
         rollouts_from = str(Path(out) / rollouts_from)  # a run given by name
     store, changed = RunStore(root), []
     if plan.mode == "resume":
         store.check_resumable()
         cfg, changed = _resume_config(store, config, set_, method, seed, force) if resume else (cfg, [])
-    checked = preflight.check(cfg, rollouts_from=rollouts_from, out=Path(out))  # everything that needs no write
+    checked = checks.check(cfg, rollouts_from=rollouts_from, out=Path(out))  # everything that needs no write
     try:
         if dry_run:
-            if plan.mode == "resume":
-                store.resume_step(checked.vocab_size)  # checks every artifact the resumed run reads
-            print_dry_run(cfg, plan, checked)
+            from masktrl.recipes import preflight
+
+            print_dry_run(cfg, preflight.run(cfg, plan, checked))
             return
         with store.writing() if main and plan.mode != "new" else contextlib.nullcontext():  # one writer from here on
             if main and plan.mode != "new":  # again, under the lock: another process may have moved the run on
                 if not resume:
-                    plan = preflight.plan_start(root, cfg)
+                    plan = plan_start(root, cfg)
                 if plan.mode == "resume":
                     store.check_resumable()
                     store.resume_step(checked.vocab_size)  # every artifact the resumed run reads, before --force records the config
@@ -112,19 +113,13 @@ def _resume_config(store, config, set_, method, seed, force: bool):
     return cfg, changed
 
 
-def print_dry_run(cfg, plan, checked) -> None:
+def print_dry_run(cfg, rows) -> None:
     """What ``--dry-run`` found: the resolved config, what would happen to the run folder, the
     checks that passed and the projected disk use. Nothing was written."""
     import yaml
 
-    from masktrl.pipeline.preflight import projected_disk
-
     console.print("[bold]masktrl train --dry-run[/]: every check passed; nothing was written", highlight=False)
     console.print(yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(), highlight=False, markup=False)
-    what = {"new": "a new run", "resume": "resume it from its last checkpoint", "restart": "start it again in place"}[plan.mode]
-    rows = [("run folder", f"{plan.root}: {what}" + (f" ({plan.note})" if plan.note else ""))]
-    rows += checked.report
-    rows.append(("projected disk use", projected_disk(cfg, checked)))
     console.print(kv_table("checks", rows))
 
 

@@ -1,5 +1,5 @@
 """The KV-cache plumbing shared by generation (``rollout/hf.py``'s shared prefill) and the
-training forward (``pipeline/policy.py``'s shared prompt): an empty cache, and the keyword
+training forward (``rl/policy.py``'s shared prompt): an empty cache, and the keyword
 that hands it to a model, across transformers versions."""
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def behaviour_lists(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 class RolloutEngine(Protocol):
-    """What the pipeline needs from a generation backend."""
+    """What training and evaluation need from a generation backend."""
 
     name: str
 

@@ -34,7 +34,7 @@ class Example:
 
 @runtime_checkable
 class Task(Protocol):
-    """What the pipeline needs from a task.
+    """What training and evaluation need from a task.
 
     ``train_examples`` gives fresh samples for synthetic tasks and samples of the train set
     for datasets; ``test_examples`` is a fixed held-out split, identical on every call.

@@ -4,7 +4,7 @@ summary; ``train`` runs them, with Ctrl-C and checkpoints around the steps.
 
 Every random draw comes from a stream named by (seed, purpose, step) (``masktrl.seeding``), so a
 resumed run reproduces an uninterrupted one; every artifact is written atomically and recorded
-in the manifest only once complete (``pipeline/runstore.py``).
+in the manifest only once complete (``runs/store.py``).
 
 Resume (``resume=True``) restarts from the newest complete checkpoint: the run store checks every
 artifact the resumed run will read, then weights, optimizer, scheduler and RNG states are
@@ -18,20 +18,20 @@ With ``rollout.staleness`` = s the batches are sampled s steps ahead: step S fir
 batches of steps S+1..S+s not stored yet, sampled by the policy after step S-1, so step S trains
 on a batch sampled by the policy after step S-1-s (the starting policy for the first ones). With
 ``train.lab_stats`` every metrics row also says whether the methods can differ on the run
-(``pipeline/lab_stats.py``, docs/LAB.md).
+(``rl/lab_stats.py``, docs/LAB.md).
 
 After each checkpoint, ``apply_retention`` deletes what ``train.keep_checkpoints`` and
 ``rollout.store`` no longer keep; every metrics row also goes to the ``train.report_to``
-trackers (``pipeline/tracking.py``).
+trackers (``rl/tracking.py``).
 
-Under ``accelerate launch`` (``pipeline/distributed.py``, docs/CLUSTER.md) every process
+Under ``accelerate launch`` (``rl/distributed.py``, docs/CLUSTER.md) every process
 generates its share of the prompt groups, the groups are gathered so every process holds the
 whole batch, and ``policy_update`` trains each process on its part of every minibatch; only the
 main process writes, through the same store (the others get a read-only view).
 
 What can go wrong is handled here too (docs/RELIABILITY.md): everything checkable is checked
-before the run folder is written (``pipeline/preflight.py``); the main process holds the run's
-lock for the whole run (``pipeline/runlock.py``); SIGTERM is a Ctrl-C (``pipeline/signals.py``);
+before the run folder is written (``rl/checks.py``); the main process holds the run's
+lock for the whole run (``runs/locks.py``); SIGTERM is a Ctrl-C (``rl/signals.py``);
 a step whose loss or gradient norm is not finite is not applied, and ``train.max_nonfinite_steps``
 of them in a row stop the run; any way out of ``train`` records the status (``interrupted`` or
 ``failed`` with the reason), never leaving ``running`` behind.
@@ -52,21 +52,21 @@ from masktrl.io import atomic_write_json
 from masktrl.methods import get_method, make_params
 from masktrl.models import checkpointing
 from masktrl.models.loading import tokenizer_fingerprint
-from masktrl.pipeline import checkpoint as ckpt
-from masktrl.pipeline import storage_budget
-from masktrl.pipeline.collect import CollectSettings, collect_rollouts
-from masktrl.pipeline.distributed import Dist, launched
-from masktrl.pipeline.evaluate import heldout_accuracy, periodic_eval
-from masktrl.pipeline.faults import maybe_crash
-from masktrl.pipeline import preflight
-from masktrl.pipeline.lab_stats import LabStats
-from masktrl.pipeline.policy import PolicyForward
-from masktrl.pipeline.rollout_source import RolloutSource
-from masktrl.pipeline.runstore import RunStore
-from masktrl.pipeline.signals import Interrupted, graceful_stop
-from masktrl.pipeline.tracking import Trackers, open_trackers
-from masktrl.pipeline.update import UpdateSettings, make_optimizer, policy_update
-from masktrl.pipeline.warmstart import prepare_policy
+from masktrl.rl import train_state as ckpt
+from masktrl.runs import retention
+from masktrl.rl.collect import CollectSettings, collect_rollouts
+from masktrl.rl.distributed import Dist, launched
+from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
+from masktrl.runs.faults import maybe_crash
+from masktrl.rl import checks
+from masktrl.rl.lab_stats import LabStats
+from masktrl.rl.policy import PolicyForward
+from masktrl.rl.rollout_source import RolloutSource
+from masktrl.runs.store import RunStore
+from masktrl.rl.signals import Interrupted, graceful_stop
+from masktrl.rl.tracking import Trackers, open_trackers
+from masktrl.rl.update import UpdateSettings, make_optimizer, policy_update
+from masktrl.rl.warmstart import prepare_policy
 from masktrl.rollout import make_engine
 from masktrl.tasks.prompts import wraps_chat
 
@@ -122,17 +122,17 @@ class NonFiniteError(MasktrlError):
 
 
 def train(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, rollouts_from: str | None = None,
-          dist: Dist | None = None, checked: preflight.Checked | None = None, restart: bool = False,
+          dist: Dist | None = None, checked: checks.Checked | None = None, restart: bool = False,
           forced_changes: list[str] | None = None) -> TrainResult:
     """The whole run: the checks (``checked``: already done by the caller), setup, the RL steps (a
     checkpoint every ``train.checkpoint_every``, at each of ``train.keep_steps``, at the end, and
     when Ctrl-C or SIGTERM asks to stop; retention applied after each), then ``finish``.
     ``restart``: the run folder holds a failed or interrupted run with no checkpoint, started
-    again from scratch (``preflight.plan_start``). ``forced_changes``: the keys ``--resume --force``
+    again from scratch (``plan_start``). ``forced_changes``: the keys ``--resume --force``
     changed, recorded with the new config once the checkpoint is known to fit this launch."""
     dist = dist or (Dist.from_launch(cfg.train) if launched() else Dist())  # a bad launch config fails here, before any write
     resume, restart = dist.broadcast((resume, restart))  # the main process decided what to do with the folder
-    checked = checked or preflight.check(cfg, rollouts_from=rollouts_from)  # before anything is written
+    checked = checked or checks.check(cfg, rollouts_from=rollouts_from)  # before anything is written
     if not dist.is_main:
         store, progress = store.read_only(), None
     s = None
@@ -162,7 +162,7 @@ def train(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, 
             s.trackers.close()  # flushed and closed however the run ends (finish closed them already when it completed)
 
 
-def setup(cfg: Config, store: RunStore, checked: preflight.Checked, progress=None, *, resume: bool = False, restart: bool = False,
+def setup(cfg: Config, store: RunStore, checked: checks.Checked, progress=None, *, resume: bool = False, restart: bool = False,
           rollouts_from: str | None = None, dist: Dist | None = None, forced_changes: list[str] | None = None) -> State:
     """Record the run, load (or warm-start) the policy, restore a checkpoint when resuming, start
     the engine and evaluate the starting policy. A failure once the run is recorded leaves it
@@ -192,7 +192,7 @@ def setup(cfg: Config, store: RunStore, checked: preflight.Checked, progress=Non
                       t_start=t_start, wall_before=wall_before)
 
 
-def _build(cfg: Config, store: RunStore, checked: preflight.Checked, progress, *, start: int | None, rollouts_from: str | None,
+def _build(cfg: Config, store: RunStore, checked: checks.Checked, progress, *, start: int | None, rollouts_from: str | None,
            dist: Dist, t_start: float, wall_before: float) -> State:
     """``start``: the checkpoint a resumed run continues from (None: a new run)."""
     task = checked.task
@@ -207,7 +207,7 @@ def _build(cfg: Config, store: RunStore, checked: preflight.Checked, progress, *
                   "checkpointed layers, so the policy forward runs every response with its own prompt (no prompt sharing; "
                   "metrics column shared_prompt_frac = 0)")
     optimizer, scheduler = make_optimizer(model, cfg.train)
-    projection = storage_budget.project(cfg, storage_budget.count_parameters(model), deepspeed_stage=dist.zero_stage)
+    projection = retention.project(cfg, retention.count_parameters(model), deepspeed_stage=dist.zero_stage)
     if start is not None:
         if start:
             with dist.loading():  # ZeRO-3: the checkpoint loads whole (no zero.Init), prepare shards it
@@ -281,7 +281,7 @@ def rl_step(s: State, step: int) -> dict:
     s.nonfinite_total += bool(skipped)
     s.nonfinite_run = s.nonfinite_run + 1 if skipped else 0
     row.update(skipped_updates=skipped, nonfinite_steps=s.nonfinite_total)
-    if s.lab is not None:  # pipeline/lab_stats.py: can the methods differ here?
+    if s.lab is not None:  # rl/lab_stats.py: can the methods differ here?
         row.update(s.lab.row(samples, s.dist))
     row.update(step_evals(s, step))
     s.store.append_metrics(row)
@@ -368,10 +368,10 @@ def step_evals(s: State, step: int) -> dict:
 
 def apply_retention(s: State) -> None:
     """After a checkpoint is recorded: delete what ``train.keep_checkpoints`` / ``keep_steps`` and
-    ``rollout.store`` no longer keep (``pipeline/storage_budget.py``). The defaults keep everything."""
+    ``rollout.store`` no longer keep (``runs/retention.py``). The defaults keep everything."""
     t = s.cfg.train
     if s.store.writable and (t.keep_checkpoints is not None or s.cfg.rollout.store != "all"):
-        storage_budget.prune(s.store, t.keep_checkpoints, t.keep_steps, s.cfg.rollout.store)
+        retention.prune(s.store, t.keep_checkpoints, t.keep_steps, s.cfg.rollout.store)
 
 
 def _note(progress, dist: Dist, text: str) -> None:

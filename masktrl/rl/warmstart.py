@@ -37,7 +37,7 @@ from masktrl.models.loading import load_model_and_tokenizer, quiet_transformers
 from masktrl.models.numbers import init_number_embeddings
 from masktrl.models.tiny import TinyModelConfig, build_tiny_model, tiny_tokenizer
 from masktrl.io import atomic_dir, atomic_write_json, file_mode, sha256_file
-from masktrl.pipeline.evaluate import heldout_accuracy
+from masktrl.rl.evaluation import heldout_accuracy
 from masktrl.rollout.base import SamplingSettings
 from masktrl.rollout.hf import HFEngine
 

@@ -9,7 +9,7 @@ same cached warm start (``<out>/.cache/warmstart``). The sweep resumes at run gr
 * a complete run with a *different* config stops the sweep before anything runs (choose
   another ``--out``; nothing is overwritten);
 * an **incomplete** run (interrupted or failed: no summary, or status not ``complete``) with
-  the same config is reported and **resumed** in place (``pipeline.train.train(resume=True)``:
+  the same config is reported and **resumed** in place (``recipes.train.train(resume=True)``:
   from its last checkpoint, reusing its stored rollouts);
 * an incomplete run that cannot be resumed (no manifest, run.yaml missing or changed) is
   reported and left as it is; the run starts again in a fresh folder
@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from masktrl.config import Config, diff_configs, load_config
+from masktrl.config import Config, diff_configs, load_config, split_method
 from masktrl.errors import ConfigError, MasktrlError
-from masktrl.pipeline import runlock
-from masktrl.pipeline.runstore import RunStore, is_fresh_folder
+from masktrl.runs import locks
+from masktrl.runs.store import RunStore, is_fresh_folder
 
 
 @dataclass
@@ -58,18 +58,6 @@ def parse_methods(text: str) -> list[str]:
     if len(set(methods)) != len(methods):
         raise ConfigError(f"--methods lists a method twice: {text}")
     return methods
-
-
-def split_method(spec: str) -> tuple[str, list[str]]:
-    """``pdm:tail=uniform`` -> ("pdm", ["method.tail=uniform"])."""
-    name, *pairs = spec.split(":")
-    overrides = []
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip() or not value.strip() or not key.strip().replace("_", "").isalnum():
-            raise ConfigError(f"--methods: {spec!r}: parameters go as NAME:KEY=VALUE (e.g. pdm:tail=uniform)")
-        overrides.append(f"method.{key.strip()}={value.strip()}")
-    return name.strip(), overrides
 
 
 def run_stem(spec: str) -> str:
@@ -124,7 +112,7 @@ def plan(out: Path, methods: list[str], seeds: list[int], config: Path | list[Pa
             if complete:
                 runs.append(SweepRun(method, seed, name, cfg, complete[-1], "complete", incomplete))
             elif incomplete and _resumable(incomplete[-1], cfg, busy_ok):
-                runs.append(SweepRun(method, seed, name, cfg, incomplete[-1], "resume", incomplete, runlock.holder(incomplete[-1])))
+                runs.append(SweepRun(method, seed, name, cfg, incomplete[-1], "resume", incomplete, locks.holder(incomplete[-1])))
             elif incomplete:
                 runs.append(SweepRun(method, seed, name, cfg, Path(out) / f"{name}-retry{_next_retry(attempts)}", "retry", incomplete))
             else:
@@ -159,7 +147,7 @@ def _resumable(root: Path, cfg: Config, busy_ok: bool = False) -> bool:
         store.check_resumable()
     except MasktrlError:
         return False
-    pid = runlock.holder(root)  # a process holds the run's lock (pipeline/runlock.py)
+    pid = locks.holder(root)  # a process holds the run's lock (runs/locks.py)
     if (pid is not None or store.status() == "running") and not busy_ok:
         who = f"pid {pid}" if pid and pid > 0 else "a process"
         raise MasktrlError(f"{root} is being trained right now ({who}); wait for it or stop it first")
@@ -178,7 +166,7 @@ def _next_retry(attempts: list[Path]) -> int:
 
 def run_one(item: SweepRun, progress=None) -> Path:
     """Train one planned run into ``item.root`` (a complete run is returned as it is)."""
-    from masktrl.pipeline.train import train
+    from masktrl.recipes.train import train
 
     if item.state != "complete":
         train(item.cfg, RunStore(item.root), progress, resume=item.state == "resume")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from masktrl.errors import MasktrlError
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs.store import RunStore
 
 
 def list_runs(folder: Path) -> list[dict]:

@@ -15,9 +15,10 @@ from pathlib import Path
 from masktrl.config import Config
 from masktrl.errors import MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
-from masktrl.pipeline.evaluate import bench_task_config, build_task, eval_chat, load_engine, resolve_model
+from masktrl.rl.evaluation import bench_task_config, build_task, eval_chat, load_engine
+from masktrl.runs.resolve import resolve_model
 from masktrl.tasks import make_eval_task
-from masktrl.pipeline.collect import generate_groups, score_groups, set_advantages
+from masktrl.rl.collect import generate_groups, score_groups, set_advantages
 from masktrl.seeding import stream_seed
 from masktrl.rollout.base import SamplingSettings
 from masktrl.rollout.storage import write_rollouts

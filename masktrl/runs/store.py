@@ -31,7 +31,7 @@ import yaml
 from masktrl.config import Config, from_dict, save_config
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.io import atomic_write_text, json_default, naming, sha256_file
-from masktrl.pipeline import runlock
+from masktrl.runs import locks
 from masktrl.rollout.storage import read_rollouts, write_rollouts
 
 MANIFEST = "manifest.json"
@@ -68,7 +68,7 @@ def is_fresh_folder(path: str | Path) -> bool:
         return True
     if not path.is_dir():
         return False
-    return all(p.name in (runlock.LOCK_NAME, "run.yaml") or (p.name.startswith(".") and p.name.endswith(".tmp")) for p in path.iterdir())
+    return all(p.name in (locks.LOCK_NAME, "run.yaml") or (p.name.startswith(".") and p.name.endswith(".tmp")) for p in path.iterdir())
 
 
 def is_run_folder(path: str | Path) -> bool:
@@ -194,7 +194,7 @@ class RunStore:
         """Read-modify-write of the manifest: yields it (re-read if another process changed it)
         and writes it after the block, under the run's manifest lock, so a stage that another
         process records meanwhile (an eval of this run) is never lost."""
-        with runlock.manifest_lock(self.root):
+        with locks.manifest_lock(self.root):
             self.reload()
             manifest = self.manifest
             yield manifest
@@ -339,22 +339,22 @@ class RunStore:
     def writer_alive(self) -> bool:
         """Whether a process is writing this run: it holds the run's lock (runs from before
         locks existed: the recorded trainer pid exists)."""
-        if runlock.holds(self.root):  # this process: alive if it is the trainer the manifest names
+        if locks.holds(self.root):  # this process: alive if it is the trainer the manifest names
             return self.manifest.get("pid") == os.getpid()
-        if runlock.has_lock_file(self.root):
-            return runlock.holder(self.root) is not None
+        if locks.has_lock_file(self.root):
+            return locks.holder(self.root) is not None
         return process_alive(self.manifest.get("pid"))
 
     # -- one writer
     @contextlib.contextmanager
     def writing(self):
-        """This process is the run's only writer for the block (``pipeline/runlock.py``): the
+        """This process is the run's only writer for the block (``runs/locks.py``): the
         folder is created and locked, or RunBusyError names the process that writes it. A
         read-only view takes nothing."""
         if not self.writable:
             yield
             return
-        with runlock.holding(self.root):
+        with locks.holding(self.root):
             yield
 
     @contextlib.contextmanager
@@ -406,7 +406,7 @@ class RunStore:
         attempts = [*old.get("attempts", []), {"status": old.get("status"), "reason": old.get("reason"), "restarted": time.time()}]
         self._manifest = {"version": 1, "stages": {}, "attempts": attempts}
         self._pending.clear()
-        with runlock.manifest_lock(self.root):
+        with locks.manifest_lock(self.root):
             self.write_manifest()
 
     def is_complete(self) -> bool:

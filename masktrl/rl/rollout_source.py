@@ -16,8 +16,8 @@ from pathlib import Path
 
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
-from masktrl.pipeline.collect import rollout_stats
-from masktrl.pipeline.runstore import RunStore, is_run_folder
+from masktrl.rl.collect import rollout_stats
+from masktrl.runs.store import RunStore, is_run_folder
 from masktrl.rollout.storage import read_rollouts
 
 

@@ -1,6 +1,6 @@
 """``masktrl sweep --launcher slurm``: each method x seed run as its own SLURM job.
 
-The sweep's plan (``pipeline/sweep.py``) decides what each run needs, with the usual resume
+The sweep's plan (``recipes/sweep.py``) decides what each run needs, with the usual resume
 rules: a complete run is skipped, an interrupted one resumes in place (``train --resume``), one
 that cannot resume starts again as ``<method>-seed<k>-retry<i>``. ``train_command`` turns each
 planned run into the ``masktrl train`` command line that does exactly that (``--print-commands``
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.io import atomic_write_json, atomic_write_text
-from masktrl.pipeline.sweep import split_method
+from masktrl.config import split_method
 
 JOBS_FILE = "jobs.json"
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "PREEMPTED"}

@@ -15,7 +15,7 @@ Under ``accelerate launch`` (DDP or DeepSpeed ZeRO-2/3, GPUs or nodes, or ``--cp
   the launch by ``check_engine_state``),
 * collectives on python objects and numbers (``gather_objects``, ``sum``, ``barrier``),
 * gradient accumulation (``accumulate``/``backward``/``clip_grad_norm``): the loss handed to
-  ``backward`` is already normalised by the whole batch (see ``pipeline/update.py``), so the
+  ``backward`` is already normalised by the whole batch (see ``rl/update.py``), so the
   ``1/grad_accum`` that accelerate and DeepSpeed apply is undone here.
 
 An invalid DeepSpeed JSON (``deepspeed_config_file`` of the accelerate config, passed on as

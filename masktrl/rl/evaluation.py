@@ -1,15 +1,13 @@
-"""``masktrl eval``: k sampled completions per problem of a benchmark, graded by the task's own
-scorer, summarised as avg@k, pass@k and maj@k with a bootstrap CI over problems.
+"""The evaluation core shared by ``masktrl eval`` (``recipes/eval.py``), ``masktrl rollout``
+and training: k sampled completions per problem graded by the task's own scorer
+(:func:`sample_and_grade`), summarised as avg@k, pass@k and maj@k with a bootstrap CI over
+problems (:func:`summarize`); the periodic evals of ``train.eval_benchmarks``
+(:func:`periodic_eval`) and the run's own eval_before / eval_after (:func:`heldout_accuracy`).
 
 Generation goes through the rollout engine interface used in training (``make_engine``:
 transformers or vLLM), in batches of problems; grading is ``task.score_many`` (MathTask grades
-in its killable math-verify pool). The same core (:func:`sample_and_grade`, :func:`summarize`)
-serves the command and the periodic evals of ``train.eval_benchmarks`` (:func:`periodic_eval`);
-:func:`heldout_accuracy` is the training run's own eval_before / eval_after.
-
-Results are JSON (schema in docs/EVAL.md), written atomically. For a run: ``<run>/eval/
-<bench>-step<S>.json``, recorded in the manifest as stage ``eval/<bench>/<S:06d>`` with the
-file's sha256. An existing result is never replaced unless ``force`` is set.
+in its killable math-verify pool). Reports are JSON (schema in docs/EVAL.md), written
+atomically; for a run recorded in the manifest as stage ``eval/<bench>/<S:06d>``.
 """
 
 from __future__ import annotations
@@ -21,90 +19,19 @@ from pathlib import Path
 
 import numpy as np
 
-from masktrl.config import EVAL_BENCHMARKS, Config, TaskConfig, from_dict, read_overrides
-from masktrl.errors import ArtifactError, ConfigError, MasktrlError
+from masktrl.config import Config, TaskConfig, from_dict, read_overrides
+from masktrl.errors import ConfigError
 from masktrl.io import atomic_write_json
 from masktrl.models.loading import load_tokenizer
-from masktrl.pipeline.preflight import fit_context, model_context
-from masktrl.pipeline.runstore import RunStore, is_run_folder
 from masktrl.rollout.base import SamplingSettings
+from masktrl.runs.store import RunStore
 from masktrl.seeding import stream_seed
 from masktrl.stats import avg_at_k, bootstrap_ci, maj_at_k, pass_at_k_matrix
 from masktrl.tasks import encode_prompt, make_eval_task, make_task
 from masktrl.tasks.grader import extract_answer, normalize
 
 SCHEMA_VERSION = 1
-MATH_MAX_NEW_TOKENS = 4096  # default response length on math benchmarks for a model that is not a math run
 ANSWER_CHARS = 100  # extracted answers are stored up to this length
-
-
-@dataclass(frozen=True)
-class EvalOptions:
-    """What ``masktrl eval`` was asked for; None means "from the run's config, else a default"."""
-
-    k: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int | None = None
-    data: str | None = None
-    template: str | None = None
-    engine: str | None = None
-    seed: int = 0
-    n_problems: int | None = None
-    batch_size: int | None = None
-    dtype: str | None = None
-    config: str | tuple[str, ...] | None = None  # YAML file(s), composed: the task section (and model.chat_template)
-    overrides: tuple[str, ...] = ()  # --set task.KEY=VALUE (and model.chat_template=...)
-
-    def validate(self, bench: str) -> None:
-        check_benchmark(bench)
-        if self.k < 1:
-            raise ConfigError(f"--k must be >= 1, got {self.k}")
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.temperature == 0 and self.k != 1:
-            raise ConfigError("--temperature 0 is greedy decoding: all k samples would be identical; use --k 1")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
-        for name in ("max_new_tokens", "n_problems", "batch_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if self.engine is not None and self.engine not in ("hf", "vllm"):
-            raise ConfigError(f"--engine must be hf or vllm, got {self.engine!r}")
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if bench == "synthetic" and (self.data is not None or self.template is not None or self.config or self.overrides):
-            raise ConfigError("--data, --template, --config and --set apply to datasets; synthetic uses the run's own task")
-        if self.template is not None:
-            from masktrl.tasks.templates import PromptTemplate
-
-            PromptTemplate.resolve(self.template)
-
-    def task_args(self) -> dict:
-        return dict(template=self.template, data=self.data, config=self.config, overrides=self.overrides)
-
-
-@dataclass
-class ModelRef:
-    """The weights to evaluate and, when they belong to a run, the run and step."""
-
-    label: str  # what --model said
-    weights: str  # a folder with config.json, or a hub id
-    store: RunStore | None = None
-    cfg: Config | None = None
-    step: int | None = None  # 0 = the run's starting policy (warm start)
-
-
-@dataclass
-class EvalResult:
-    report: dict
-    path: Path
-
-
-def check_benchmark(bench: str) -> None:
-    if bench not in (*EVAL_BENCHMARKS, "dataset"):
-        raise ConfigError(f"unknown benchmark {bench!r}; valid benchmarks: {', '.join(EVAL_BENCHMARKS)}, dataset")
 
 
 def bench_task_config(bench: str, cfg: Config, *, template: str | None = None, data: str | None = None,
@@ -142,88 +69,6 @@ def bench_task_config(bench: str, cfg: Config, *, template: str | None = None, d
     return from_dict({"task": raw, "model": {"chat_template": chat}}).task
 
 
-# --------------------------------------------------------------------------- the command's stage
-def evaluate(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None = None,
-             output: Path | None = None, force: bool = False, progress=None) -> EvalResult:
-    """Evaluate ``model`` (a run folder or a run's name under ``out``, a model folder or a cached
-    hub id) on ``bench``; the report goes to ``output`` (a model that is not a run only) or to
-    its default place (``output_path``)."""
-    opts.validate(bench)
-    ref = resolve_model(model, step, out)
-    if bench == "synthetic" and ref.store is None:
-        raise ConfigError(f"benchmark synthetic needs a run (--model <run>): {model} is no run folder (no run.yaml)")
-    if output is not None and ref.store is not None:
-        raise ConfigError(f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is for models that are not runs")
-    path = Path(output) if output is not None else output_path(ref, bench, out)
-    if path.exists() and not force:
-        raise MasktrlError(f"{path} already exists; pass --force to replace it (nothing was changed)")
-    cfg = eval_config(ref, opts)
-    if ref.store is not None:
-        import torch
-
-        torch.set_num_threads(cfg.train.threads)
-    if bench != "synthetic":
-        cfg = replace(cfg, model=replace(cfg.model, chat_template=eval_chat(cfg, opts)), task=bench_task_config(bench, cfg, **opts.task_args()))
-    task = build_task(bench, cfg)
-    try:  # the data loaded: now the weights
-        engine, tokenizer = load_engine(cfg, ref.weights)
-        examples = task.test_examples()[: opts.n_problems]
-        settings = SamplingSettings(n=opts.k, max_new_tokens=max_new_tokens(bench, ref, opts), temperature=opts.temperature or 1.0,
-                                    top_p=opts.top_p, logprobs_k=1, greedy=opts.temperature == 0)
-        chat = cfg.model.chat_template if bench == "synthetic" else False
-        examples, too_long = fit_context(examples, tokenizer, chat, model_context(ref.weights))  # before any generation
-        t0 = time.time()
-        graded = sample_and_grade(engine, tokenizer, task, examples, settings, (opts.seed, "eval", bench), cfg.rollout.batch_size,
-                                  chat, progress, label=f"eval {bench}")
-    finally:
-        task.close()
-    report = summarize(bench, examples, graded, seed=opts.seed)
-    report.update(
-        model=ref.label, weights=ref.weights, run=ref.store.name if ref.store else None, step=ref.step,
-        data=describe_data(bench, cfg), time_s=time.time() - t0, reward=reward_name(task),
-        generation=generation_block(settings, engine.name, template_label(task), chat, opts.seed, cfg), prompts_too_long=too_long,
-    )
-    save(report, path, ref.store, bench, ref.step)
-    return EvalResult(report, path)
-
-
-def resolve_model(model: str, step: int | None, out: Path | None = None) -> ModelRef:
-    """A run folder or a run's name under ``out`` (its checkpoint at ``step``, default the latest
-    complete one; step 0 is the warm-start policy), a checkpoint folder inside a run, a model
-    folder, or a hub id."""
-    p = Path(model)
-    if not p.exists() and out is not None and is_run_folder(Path(out) / model):
-        p = Path(out) / model
-    if p.parent.name == "checkpoints" and is_run_folder(p.parent.parent) and p.name.isdigit():
-        if step is not None and step != int(p.name):
-            raise ConfigError(f"--step {step} contradicts the checkpoint folder {model} (step {int(p.name)})")
-        return resolve_model(str(p.parent.parent), int(p.name))
-    if not is_run_folder(p):
-        if step is not None:
-            raise ConfigError(f"--step needs a run folder; {model} is not one (no run.yaml)")
-        if p.exists() and not (p / "config.json").is_file():
-            raise MasktrlError(f"{model}: neither a run folder (run.yaml) nor a model folder (config.json)")
-        return ModelRef(label=model, weights=model)
-    store = RunStore(p)
-    if not store.exists():
-        raise ArtifactError(f"{p / 'manifest.json'}: missing; is {model} a masktrl run?")
-    if step is None:
-        if not store.checkpoints():
-            raise ConfigError(f"run {model} has no complete checkpoint yet; pass --step 0 for its starting policy")
-        step = store.checkpoints()[-1]
-    return ModelRef(label=model, weights=store.policy_path(step), store=store, cfg=store.config(), step=step)
-
-
-def output_path(ref: ModelRef, bench: str, out: Path | None) -> Path:
-    """``<run>/eval/<bench>-step<S>.json``; for a model folder ``eval/`` beside it; for a hub id
-    ``<out>/eval/`` (``out``: the folder of runs, ``outputs`` by default)."""
-    if ref.store is not None:
-        return ref.store.root / "eval" / f"{bench}-step{ref.step}.json"
-    p = Path(ref.weights)
-    folder = p.parent / "eval" if p.exists() else Path(out if out is not None else "outputs") / "eval"
-    return folder / f"{bench}-{p.resolve().name if p.exists() else ref.weights.replace('/', '__')}.json"
-
-
 def eval_chat(cfg: Config, opts) -> bool:
     """Whether prompts go through the chat template: ``--template chat`` yes, ``base`` / ``instruct``
     / ``raw`` no (the math templates as text), else ``model.chat_template`` (the run's, or --set)."""
@@ -233,21 +78,6 @@ def eval_chat(cfg: Config, opts) -> bool:
         return True
     given = read_overrides(opts.config, list(opts.overrides)).get("model", {})
     return bool(given.get("chat_template", cfg.model.chat_template))
-
-
-def eval_config(ref: ModelRef, opts: EvalOptions) -> Config:
-    """The run's config (or the defaults) with the command line's engine, dtype and batch size."""
-    cfg = ref.cfg or Config()
-    dtype = opts.dtype or (cfg.model.dtype if ref.cfg else _default_dtype())
-    rollout = replace(cfg.rollout, engine=opts.engine or (cfg.rollout.engine if ref.cfg else "hf"),
-                      batch_size=opts.batch_size or cfg.rollout.batch_size)
-    return replace(cfg, seed=opts.seed, model=replace(cfg.model, path=ref.weights, dtype=dtype), rollout=rollout)
-
-
-def _default_dtype() -> str:
-    import torch
-
-    return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
 def load_engine(cfg: Config, weights: str):
@@ -262,15 +92,6 @@ def load_engine(cfg: Config, weights: str):
     return make_engine(cfg.rollout, model, tokenizer, weights, dtype=cfg.model.dtype, seed=cfg.seed), tokenizer
 
 
-def max_new_tokens(bench: str, ref: ModelRef, opts: EvalOptions) -> int:
-    if opts.max_new_tokens is not None:
-        return opts.max_new_tokens
-    if bench == "synthetic" or (ref.cfg is not None and ref.cfg.task.name != "arithmetic"):
-        return ref.cfg.rollout.max_new_tokens  # what the run trained with
-    return MATH_MAX_NEW_TOKENS
-
-
-# --------------------------------------------------------------------------- shared core
 def build_task(bench: str, cfg: Config, tokenizer=None):
     """synthetic: the run's arithmetic task (its fixed held-out split); else the task of
     ``cfg.task`` (see :func:`bench_task_config`) with every example of its split held out,
@@ -393,7 +214,6 @@ def save(report: dict, path: Path, store: RunStore | None, bench: str, step: int
         store.mark_done(f"eval/{bench}/{step:06d}", [path], avg_at_k=report["avg_at_k"], k=report["k"])
 
 
-# --------------------------------------------------------------------------- during training
 def heldout_accuracy(engine, tokenizer, task, examples, settings: SamplingSettings, greedy: bool, chat_template=False, seed=0) -> float:
     """eval_before / eval_after: the fraction of ``examples`` (the task's held-out split) answered
     correctly with one completion each, greedy or sampled."""
@@ -453,4 +273,3 @@ def _bench_config(cfg: Config, bench: str) -> Config:
     if bench == "synthetic":
         return cfg
     return replace(cfg, task=bench_task_config(bench, cfg, data=cfg.eval.data.get(bench)))
-

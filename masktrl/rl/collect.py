@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from masktrl.config import Config, RolloutConfig
 from masktrl.methods import group_advantages
-from masktrl.pipeline.distributed import Dist
+from masktrl.rl.distributed import Dist
 from masktrl.rollout.base import Sample, SamplingSettings
 from masktrl.seeding import stream_seed
 from masktrl.tasks import encode_prompt

@@ -1,7 +1,7 @@
 """One policy update on a rollout batch: N minibatch updates with any registered method.
 
 ``policy_update`` cuts the batch into ``minibatches`` (a seeded order), runs the policy forward
-(``pipeline/policy.py``), asks the method for per-token losses, aggregates them, and steps
+(``rl/policy.py``), asks the method for per-token losses, aggregates them, and steps
 AdamW; under several processes each trains on its share of every minibatch with the same
 result (see ``micro_batches`` and the loss scaling below). Nothing here knows which method
 runs: the token losses, the aggregation and its denominator, and whether SIS uniforms are drawn
@@ -19,9 +19,9 @@ import torch
 from masktrl.config import Config, TrainConfig
 from masktrl.errors import MasktrlError
 from masktrl.methods.diagnostics import token_diagnostics
-from masktrl.pipeline.distributed import Dist
-from masktrl.pipeline.policy import can_share_prompts, policy_token_batch, shared_forward_calls
-from masktrl.pipeline.schedule import make_scheduler
+from masktrl.rl.distributed import Dist
+from masktrl.rl.policy import can_share_prompts, policy_token_batch, shared_forward_calls
+from masktrl.rl.schedule import make_scheduler
 from masktrl.rollout.base import Sample
 from masktrl.seeding import stream_seed
 
@@ -47,7 +47,7 @@ class UpdateSettings:
 
 
 def make_optimizer(model, train_cfg: TrainConfig):
-    """AdamW and its learning-rate schedule (``pipeline/schedule.py``: warm-up, then constant,
+    """AdamW and its learning-rate schedule (``rl/schedule.py``: warm-up, then constant,
     linear or cosine over ``train.steps x train.minibatches`` updates; stepped once per update)."""
     t = train_cfg
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999))

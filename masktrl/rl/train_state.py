@@ -23,9 +23,9 @@ import torch
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.io import atomic_dir, atomic_write_json
 from masktrl.models.loading import load_model_and_tokenizer
-from masktrl.pipeline.distributed import Dist
-from masktrl.pipeline.faults import maybe_crash
-from masktrl.pipeline.runstore import RunStore
+from masktrl.rl.distributed import Dist
+from masktrl.runs.faults import maybe_crash
+from masktrl.runs.store import RunStore
 
 ENGINE_STATE_DIR = "deepspeed"  # DeepSpeed's own checkpoint format, inside checkpoints/<step>/
 

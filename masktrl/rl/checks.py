@@ -1,11 +1,5 @@
-"""Everything ``masktrl train`` can check before it writes anything; ``--dry-run`` runs exactly
-these checks, prints what it found and stops.
-
-``plan_start`` decides what happens to the run folder: a new run, a resume, or a restart in
-place of a failed or interrupted run. Re-running the command of a run that failed or was
-interrupted continues it (same config: as ``--resume`` would) or, when the config changed and
-no checkpoint was completed yet, starts it again in the same folder; nothing has to be deleted
-by hand.
+"""Everything ``masktrl train`` can check before it writes anything; ``--dry-run``
+(``recipes/preflight.py``) runs exactly these checks, prints what it found and stops.
 
 ``check`` builds the task (its data files and fields), finds the model (a folder, or the local
 hub cache) and its tokenizer without loading the weights, checks the ``train.report_to``
@@ -22,22 +16,9 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from masktrl.config import Config, diff_configs
-from masktrl.errors import ConfigError, MasktrlError
-from masktrl.io import disk_problem
-from masktrl.pipeline import runlock, tracking
-from masktrl.pipeline.runstore import RunStore, is_fresh_folder, is_run_folder
-
-
-@dataclass
-class Start:
-    """What a train command does with its run folder: ``new``, ``resume`` (``--resume``, or the
-    same command re-run after a failure or an interruption) or ``restart`` (re-run with a
-    changed config, before any checkpoint: the folder is reused from scratch)."""
-
-    root: Path
-    mode: str
-    note: str = ""
+from masktrl.config import Config
+from masktrl.errors import ConfigError
+from masktrl.rl import tracking
 
 
 @dataclass
@@ -52,53 +33,9 @@ class Checked:
     report: list[tuple[str, str]] = field(default_factory=list)  # what was checked, for --dry-run
 
 
-def plan_start(root: Path, cfg: Config, *, resume: bool = False) -> Start:
-    """What to do with ``root`` for a run of ``cfg``; MasktrlError when it must be left alone."""
-    root = Path(root)
-    if resume:
-        return Start(root, "resume", "continuing from its last checkpoint")
-    _check_folder_for_writing(root)
-    if is_fresh_folder(root):
-        return Start(root, "new")
-    if not is_run_folder(root) or not (root / "manifest.json").is_file():
-        raise MasktrlError(f"run folder {root} already exists: choose another --run, or --resume it (nothing was changed)")
-    store = RunStore(root)
-    status = store.status()
-    if status not in ("failed", "interrupted"):
-        what = {"complete": "a complete run", "running": f"a run that is training right now (pid {runlock.holder(root)})"}.get(
-            status, f"a run (status {status})")
-        raise MasktrlError(f"run folder {root} already exists and holds {what}: choose another --run, or --resume it (nothing was changed)")
-    changed = diff_configs(store.config(), cfg)
-    reason = store.manifest.get("reason")
-    why = f"{status}" + (f": {reason}" if reason else "")
-    if not changed:
-        return Start(root, "resume", f"the run {why}; continuing it from its last checkpoint (same config)")
-    if store.checkpoints():
-        raise MasktrlError(
-            f"run folder {root} holds a {status} run with checkpoints and a different config ({', '.join(changed[:4])}): "
-            "--resume it (--force to take the new config), or choose another --run (nothing was changed)"
-        )
-    return Start(root, "restart", f"the run {why}; no checkpoint yet and the config changed ({', '.join(changed[:4])}): starting it again in place")
-
-
-def _check_folder_for_writing(root: Path) -> None:
-    """The run folder can be created: nothing that is not a folder on the way, and the nearest
-    existing folder is writable."""
-    for parent in [root, *root.parents]:
-        if parent.exists():
-            if not parent.is_dir():
-                raise MasktrlError(f"{parent}: not a folder (a file is in the way of the run folder {root})")
-            problem = disk_problem(parent, min_free=64 << 10)
-            if problem is not None:
-                raise MasktrlError(f"{parent}: {problem.strerror} (cannot write the run folder {root})")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise MasktrlError(f"{parent}: permission denied (cannot write the run folder {root})")
-            return
-
-
 def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = None) -> Checked:
     """Every check that needs no write (see the module doc); returns what the run reuses."""
-    from masktrl.pipeline.distributed import check_launch_settings
+    from masktrl.rl.distributed import check_launch_settings
     from masktrl.tasks import make_task
     from masktrl.tasks.prompts import wraps_chat
 
@@ -122,7 +59,7 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
                                  room=f"{context} positions less rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
         source = None
         if rollouts_from:
-            from masktrl.pipeline.rollout_source import RolloutSource
+            from masktrl.rl.rollout_source import RolloutSource
 
             source = RolloutSource(rollouts_from, cfg.rollout.prompts_per_step, tokenizer, vocab_size=vocab_size,
                                    steps=cfg.train.steps)
@@ -199,11 +136,11 @@ def model_context(weights: str) -> int | None:
 
 
 def projected_disk(cfg: Config, checked: Checked) -> str:
-    """The disk a run of ``cfg`` will use at most (``storage_budget.project``), for ``--dry-run``:
+    """The disk a run of ``cfg`` will use at most (``retention.project``), for ``--dry-run``:
     the policy's parameters are counted on a model built on the meta device (no weights)."""
     import torch
 
-    from masktrl.pipeline import storage_budget
+    from masktrl.runs import retention
 
     with torch.device("meta"):
         if cfg.model.path == "tiny":
@@ -219,7 +156,7 @@ def projected_disk(cfg: Config, checked: Checked) -> str:
 
             model = AutoModelForCausalLM.from_config(load_model_config(cfg.model.path))
     stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "") if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" else ""
-    projection = storage_budget.project(cfg, storage_budget.count_parameters(model), deepspeed_stage=int(stage) if stage.isdigit() else None)
+    projection = retention.project(cfg, retention.count_parameters(model), deepspeed_stage=int(stage) if stage.isdigit() else None)
     return projection.summary().removeprefix("projected disk: ")
 
 

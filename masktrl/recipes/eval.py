@@ -1,0 +1,160 @@
+"""``masktrl eval``: k sampled completions per problem of a benchmark, graded by the task's own
+scorer, summarised as avg@k, pass@k and maj@k with a bootstrap CI over problems (the core is
+``rl/evaluation.py``, shared with the evals during training and ``masktrl rollout``).
+
+Results are JSON (schema in docs/EVAL.md), written atomically. For a run: ``<run>/eval/
+<bench>-step<S>.json``, recorded in the manifest as stage ``eval/<bench>/<S:06d>`` with the
+file's sha256. An existing result is never replaced unless ``force`` is set.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from masktrl.config import EVAL_BENCHMARKS, Config
+from masktrl.errors import ConfigError, MasktrlError
+from masktrl.rl.checks import fit_context, model_context
+from masktrl.rl.evaluation import (bench_task_config, build_task, describe_data, eval_chat, generation_block, load_engine,
+                                   reward_name, sample_and_grade, save, summarize, template_label)
+from masktrl.rollout.base import SamplingSettings
+from masktrl.runs.resolve import ModelRef, resolve_model
+
+MATH_MAX_NEW_TOKENS = 4096  # default response length on math benchmarks for a model that is not a math run
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What ``masktrl eval`` was asked for; None means "from the run's config, else a default"."""
+
+    k: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int | None = None
+    data: str | None = None
+    template: str | None = None
+    engine: str | None = None
+    seed: int = 0
+    n_problems: int | None = None
+    batch_size: int | None = None
+    dtype: str | None = None
+    config: str | tuple[str, ...] | None = None  # YAML file(s), composed: the task section (and model.chat_template)
+    overrides: tuple[str, ...] = ()  # --set task.KEY=VALUE (and model.chat_template=...)
+
+    def validate(self, bench: str) -> None:
+        check_benchmark(bench)
+        if self.k < 1:
+            raise ConfigError(f"--k must be >= 1, got {self.k}")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.temperature == 0 and self.k != 1:
+            raise ConfigError("--temperature 0 is greedy decoding: all k samples would be identical; use --k 1")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        for name in ("max_new_tokens", "n_problems", "batch_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.engine is not None and self.engine not in ("hf", "vllm"):
+            raise ConfigError(f"--engine must be hf or vllm, got {self.engine!r}")
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if bench == "synthetic" and (self.data is not None or self.template is not None or self.config or self.overrides):
+            raise ConfigError("--data, --template, --config and --set apply to datasets; synthetic uses the run's own task")
+        if self.template is not None:
+            from masktrl.tasks.templates import PromptTemplate
+
+            PromptTemplate.resolve(self.template)
+
+    def task_args(self) -> dict:
+        return dict(template=self.template, data=self.data, config=self.config, overrides=self.overrides)
+
+
+@dataclass
+class EvalResult:
+    report: dict
+    path: Path
+
+
+def check_benchmark(bench: str) -> None:
+    if bench not in (*EVAL_BENCHMARKS, "dataset"):
+        raise ConfigError(f"unknown benchmark {bench!r}; valid benchmarks: {', '.join(EVAL_BENCHMARKS)}, dataset")
+
+
+def evaluate(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None = None,
+             output: Path | None = None, force: bool = False, progress=None) -> EvalResult:
+    """Evaluate ``model`` (a run folder or a run's name under ``out``, a model folder or a cached
+    hub id) on ``bench``; the report goes to ``output`` (a model that is not a run only) or to
+    its default place (``output_path``)."""
+    opts.validate(bench)
+    ref = resolve_model(model, step, out)
+    if bench == "synthetic" and ref.store is None:
+        raise ConfigError(f"benchmark synthetic needs a run (--model <run>): {model} is no run folder (no run.yaml)")
+    if output is not None and ref.store is not None:
+        raise ConfigError(f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is for models that are not runs")
+    path = Path(output) if output is not None else output_path(ref, bench, out)
+    if path.exists() and not force:
+        raise MasktrlError(f"{path} already exists; pass --force to replace it (nothing was changed)")
+    cfg = eval_config(ref, opts)
+    if ref.store is not None:
+        import torch
+
+        torch.set_num_threads(cfg.train.threads)
+    if bench != "synthetic":
+        cfg = replace(cfg, model=replace(cfg.model, chat_template=eval_chat(cfg, opts)), task=bench_task_config(bench, cfg, **opts.task_args()))
+    task = build_task(bench, cfg)
+    try:  # the data loaded: now the weights
+        engine, tokenizer = load_engine(cfg, ref.weights)
+        examples = task.test_examples()[: opts.n_problems]
+        settings = SamplingSettings(n=opts.k, max_new_tokens=max_new_tokens(bench, ref, opts), temperature=opts.temperature or 1.0,
+                                    top_p=opts.top_p, logprobs_k=1, greedy=opts.temperature == 0)
+        chat = cfg.model.chat_template if bench == "synthetic" else False
+        examples, too_long = fit_context(examples, tokenizer, chat, model_context(ref.weights))  # before any generation
+        t0 = time.time()
+        graded = sample_and_grade(engine, tokenizer, task, examples, settings, (opts.seed, "eval", bench), cfg.rollout.batch_size,
+                                  chat, progress, label=f"eval {bench}")
+    finally:
+        task.close()
+    report = summarize(bench, examples, graded, seed=opts.seed)
+    report.update(
+        model=ref.label, weights=ref.weights, run=ref.store.name if ref.store else None, step=ref.step,
+        data=describe_data(bench, cfg), time_s=time.time() - t0, reward=reward_name(task),
+        generation=generation_block(settings, engine.name, template_label(task), chat, opts.seed, cfg), prompts_too_long=too_long,
+    )
+    save(report, path, ref.store, bench, ref.step)
+    return EvalResult(report, path)
+
+
+def output_path(ref: ModelRef, bench: str, out: Path | None) -> Path:
+    """``<run>/eval/<bench>-step<S>.json``; for a model folder ``eval/`` beside it; for a hub id
+    ``<out>/eval/`` (``out``: the folder of runs, ``outputs`` by default)."""
+    if ref.store is not None:
+        return ref.store.root / "eval" / f"{bench}-step{ref.step}.json"
+    p = Path(ref.weights)
+    folder = p.parent / "eval" if p.exists() else Path(out if out is not None else "outputs") / "eval"
+    return folder / f"{bench}-{p.resolve().name if p.exists() else ref.weights.replace('/', '__')}.json"
+
+
+def eval_config(ref: ModelRef, opts: EvalOptions) -> Config:
+    """The run's config (or the defaults) with the command line's engine, dtype and batch size."""
+    cfg = ref.cfg or Config()
+    dtype = opts.dtype or (cfg.model.dtype if ref.cfg else _default_dtype())
+    rollout = replace(cfg.rollout, engine=opts.engine or (cfg.rollout.engine if ref.cfg else "hf"),
+                      batch_size=opts.batch_size or cfg.rollout.batch_size)
+    return replace(cfg, seed=opts.seed, model=replace(cfg.model, path=ref.weights, dtype=dtype), rollout=rollout)
+
+
+def _default_dtype() -> str:
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def max_new_tokens(bench: str, ref: ModelRef, opts: EvalOptions) -> int:
+    if opts.max_new_tokens is not None:
+        return opts.max_new_tokens
+    if bench == "synthetic" or (ref.cfg is not None and ref.cfg.task.name != "arithmetic"):
+        return ref.cfg.rollout.max_new_tokens  # what the run trained with
+    return MATH_MAX_NEW_TOKENS
+

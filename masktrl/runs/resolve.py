@@ -1,0 +1,50 @@
+"""What a ``--model`` argument names: a run folder or a run's name under ``--out`` (one of its
+checkpoints, or step 0: its starting policy), a checkpoint folder inside a run, a model folder,
+or a hub id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from masktrl.config import Config
+from masktrl.errors import ArtifactError, ConfigError, MasktrlError
+from masktrl.runs.store import RunStore, is_run_folder
+
+
+@dataclass
+class ModelRef:
+    """The weights to evaluate and, when they belong to a run, the run and step."""
+
+    label: str  # what --model said
+    weights: str  # a folder with config.json, or a hub id
+    store: RunStore | None = None
+    cfg: Config | None = None
+    step: int | None = None  # 0 = the run's starting policy (warm start)
+
+
+def resolve_model(model: str, step: int | None, out: Path | None = None) -> ModelRef:
+    """A run folder or a run's name under ``out`` (its checkpoint at ``step``, default the latest
+    complete one; step 0 is the warm-start policy), a checkpoint folder inside a run, a model
+    folder, or a hub id."""
+    p = Path(model)
+    if not p.exists() and out is not None and is_run_folder(Path(out) / model):
+        p = Path(out) / model
+    if p.parent.name == "checkpoints" and is_run_folder(p.parent.parent) and p.name.isdigit():
+        if step is not None and step != int(p.name):
+            raise ConfigError(f"--step {step} contradicts the checkpoint folder {model} (step {int(p.name)})")
+        return resolve_model(str(p.parent.parent), int(p.name))
+    if not is_run_folder(p):
+        if step is not None:
+            raise ConfigError(f"--step needs a run folder; {model} is not one (no run.yaml)")
+        if p.exists() and not (p / "config.json").is_file():
+            raise MasktrlError(f"{model}: neither a run folder (run.yaml) nor a model folder (config.json)")
+        return ModelRef(label=model, weights=model)
+    store = RunStore(p)
+    if not store.exists():
+        raise ArtifactError(f"{p / 'manifest.json'}: missing; is {model} a masktrl run?")
+    if step is None:
+        if not store.checkpoints():
+            raise ConfigError(f"run {model} has no complete checkpoint yet; pass --step 0 for its starting policy")
+        step = store.checkpoints()[-1]
+    return ModelRef(label=model, weights=store.policy_path(step), store=store, cfg=store.config(), step=step)
