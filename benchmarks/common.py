@@ -263,7 +263,9 @@ def wrap_masktrl_phases(timer: PhaseTimer, common: bool = True) -> None:
     from transformers.models.qwen3 import modeling_qwen3
 
     from masktrl.methods.registry import Method
-    from masktrl.rl import checkpoint, policy, train, update
+    from masktrl.recipes import train
+    from masktrl.rl import policy, update
+    from masktrl.rl import train_state as checkpoint
     from masktrl.runs.store import RunStore
     from masktrl.rollout import hf
     from masktrl.rollout.hf import HFEngine

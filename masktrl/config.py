@@ -37,9 +37,6 @@ from masktrl.errors import ConfigError
 from masktrl.io import atomic_write_text
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
-REMOVED_KEYS = {"eval.batch_size": "it was never read; generation batches are rollout.batch_size"}
-"""Keys earlier versions wrote: dropped when a YAML file or a stored run.yaml has them (so old runs
-still load), refused in a --set override."""
 MAX_INT = 2**31 - 1
 """The largest integer any config key accepts (sizes, counts, steps)."""
 MAX_SEED = 2**32 - 1
@@ -51,13 +48,6 @@ TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 """train.report_to: accelerate's trackers masktrl logs to (besides metrics.jsonl, the source of truth)."""
 ROLLOUT_STORE = ("all", "resume")
 TINY_TOKENIZERS = ("char", "numbers")
-HASH_STABLE_DEFAULTS = {
-    "model.tokenizer": "char", "model.embedding_init": "random", "task.options": {}, "warmstart.target_accuracy": None,
-    "rollout.staleness": 0, "train.lab_stats": False,
-}
-"""Keys added after runs and warm-start caches were fingerprinted (``Config.hash``): left out of
-the hash while at these defaults, so a config that does not use them keeps its fingerprint (its
-warm-start cache entry, its run's recorded config hash)."""
 
 
 @dataclass(frozen=True)
@@ -371,16 +361,22 @@ class Config:
     def method_name(self) -> str:
         return self.method["name"]
 
-    @property
-    def method_params(self) -> dict:
-        return {k: v for k, v in self.method.items() if k != "name"}
+    @functools.cached_property
+    def method_params(self) -> Any:
+        """The method's parameters: its frozen params object (``masktrl.methods.params``), built
+        and validated once, when the config is loaded (``from_dict``); everything reads it here."""
+        from masktrl.methods import make_params
+
+        given = {k: v for k, v in self.method.items() if k != "name"}
+        try:
+            return make_params(self.method_name, **given)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     def resolved_method(self) -> dict:
         """``method`` with every parameter at its value, defaults included: ``dppo`` and
         ``dppo`` with ``divergence: topk-kl`` (its default) resolve alike."""
-        from masktrl.methods import make_params
-
-        return {"name": self.method_name, **make_params(self.method_name, **self.method_params).__dict__}
+        return {"name": self.method_name, **self.method_params.__dict__}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -388,10 +384,6 @@ class Config:
     def hash(self, *sections: str) -> str:
         """sha256 of the whole config, or of the named sections only (e.g. the warm start's inputs)."""
         d = self.to_dict()
-        for key, default in HASH_STABLE_DEFAULTS.items():
-            section, name = key.split(".")
-            if d[section][name] == default:
-                del d[section][name]
         if sections:
             d = {s: d[s] for s in sections}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -428,8 +420,6 @@ def read_overrides(path: str | Path | list | tuple | None = None, overrides: lis
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        if key.strip() in REMOVED_KEYS:
-            raise ConfigError(f"config key {key.strip()} was removed: {REMOVED_KEYS[key.strip()]}")
         value = _parse_scalar(text)
         if isinstance(value, (dict, list, bool)) and _is_text_key(key.strip()):
             value = text  # a text key keeps its text: --set task.template={prompt} is not a YAML mapping
@@ -438,13 +428,14 @@ def read_overrides(path: str | Path | list | tuple | None = None, overrides: lis
 
 
 def from_dict(raw: dict) -> Config:
-    raw = _without_removed_keys(raw)
-    cfg = _build(Config, raw, "")
+    cfg = _section(Config, raw, "")
     if not 0 <= cfg.seed <= MAX_SEED:
         raise ConfigError(f"seed must be in [0, {MAX_SEED}], got {cfg.seed}")
     for section in (cfg.model, cfg.task, cfg.warmstart, cfg.rollout, cfg.train, cfg.eval):
         section.validate()
-    _validate_method(cfg.method)
+    if "name" not in cfg.method:
+        raise ConfigError("method.name is required")
+    cfg.method_params  # noqa: B018  built once, here: a bad parameter fails the load
     if cfg.model.tokenizer == "numbers" and cfg.task.name != "residues":
         raise ConfigError(f"model.tokenizer=numbers cannot encode task {cfg.task.name!r} (it serves task residues)")
     if "synthetic" in cfg.train.eval_benchmarks and cfg.task.name != "arithmetic":
@@ -545,29 +536,6 @@ def _type_name(tp: Any) -> str:
 # --------------------------------------------------------------------------- helpers
 
 
-def _without_removed_keys(raw: dict) -> dict:
-    if not isinstance(raw, dict):
-        return raw
-    raw = dict(raw)
-    for key in REMOVED_KEYS:
-        section, _, name = key.partition(".")
-        if isinstance(raw.get(section), dict) and name in raw[section]:
-            raw[section] = {k: v for k, v in raw[section].items() if k != name}
-    return raw
-
-
-def _validate_method(method: dict) -> None:
-    from masktrl.methods import make_params
-
-    if "name" not in method:
-        raise ConfigError("method.name is required")
-    params = {k: v for k, v in method.items() if k != "name"}
-    try:
-        make_params(method["name"], **params)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -612,7 +580,8 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
+def _section(cls: type, raw: Any, prefix: str) -> Any:
+    """The dataclass ``cls`` from the mapping ``raw`` (keys under ``prefix``), every value coerced to its field's type."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -628,7 +597,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key + ".")
+        return _section(tp, value, key + ".")
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]

@@ -119,13 +119,14 @@ def test_every_key_is_documented():
         assert not undocumented, (name, undocumented)
 
 
-def test_removed_keys_are_dropped_from_files_and_refused_on_the_command_line(tmp_path):
+def test_a_key_masktrl_does_not_have_is_refused_in_a_file_and_on_the_command_line(tmp_path):
     from masktrl.config import from_dict
 
     old = Config().to_dict()
-    old["eval"]["batch_size"] = 500  # what run.yaml of earlier versions holds
-    assert from_dict(old) == Config()
-    with pytest.raises(ConfigError, match=r"eval\.batch_size was removed"):
+    old["eval"]["batch_size"] = 500  # generation batches are rollout.batch_size
+    with pytest.raises(ConfigError, match=r"unknown config key eval\.batch_size"):
+        from_dict(old)
+    with pytest.raises(ConfigError, match=r"unknown config key eval\.batch_size"):
         load_config(None, ["eval.batch_size=8"])
 
 

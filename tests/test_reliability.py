@@ -98,12 +98,12 @@ def test_stale_running_status_of_a_dead_process_is_taken_over(finished, tmp_path
     assert manifest(root)["status"] == "complete"
 
 
-def test_lock_is_reentrant_in_one_process_and_released_after(tmp_path):
+def test_lock_is_taken_once_per_process_and_released_after(tmp_path):
     root = tmp_path / "run"
     locks.acquire(root)
-    locks.acquire(root)
     assert locks.holder(root) == os.getpid()
-    locks.release(root)
+    with pytest.raises(MasktrlError, match="holds the run's lock already"):
+        locks.acquire(root)
     assert locks.holds(root)
     locks.release(root)
     assert not locks.holds(root) and locks.holder(root) is None
@@ -500,6 +500,13 @@ def test_full_and_read_only_disks_are_one_line(finished, small_disk, cli_error):
     assert "x" in r.output
 
 
+def test_a_manifest_of_another_version_is_refused_in_one_line(finished, tmp_path, cli_error):
+    _, out, root = copy_run(finished, tmp_path)
+    m = manifest(root)
+    (root / "manifest.json").write_text(json.dumps({**m, "version": 0}))
+    one_line(cli_error("train", "--resume", "r", "--out", out), "manifest version 0; this masktrl reads version 1")
+
+
 @pytest.mark.parametrize("content, problem", [("[]", "a JSON list, not an object"), ('{"stages": []}', "no 'stages' object"),
                                               ('{"stages": {"checkpoint/x": {"status": "done"}}}', "names no step"),
                                               ('{"stages": {"config": 5}}', "not an object with a status")])
@@ -597,7 +604,7 @@ def test_bad_inputs_fail_before_the_run_folder_exists(finished, tmp_path, cli_er
 def test_a_failed_run_continues_when_the_same_command_is_run_again(finished, tmp_path, monkeypatch, cli_error):
     config, _, ref = finished
     out = tmp_path / "out"
-    from masktrl.rl import checkpoint
+    from masktrl.rl import train_state as checkpoint
 
     real = checkpoint.save
     monkeypatch.setattr(checkpoint, "save", lambda dest, *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device", str(dest)))

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from masktrl.config import HASH_STABLE_DEFAULTS, load_config
+from masktrl.config import load_config
 from masktrl.errors import ConfigError
 from masktrl.rl import warmstart
 from masktrl.rl.warmstart import prepare_policy, warmstart_key
@@ -59,15 +59,11 @@ def test_target_is_validated_and_part_of_the_cache_key_as_the_thread_count_is(ti
     assert warmstart_key(c) == warmstart_key(a) + "-threads2"
 
 
-def test_configs_without_the_lab_keys_keep_their_fingerprints():
-    """The lab's keys at their defaults are left out of Config.hash: a config that does not use
-    them hashes as it did before they existed (its run's config hash, its warm-start cache entry)."""
-    cfg = load_config(None, ["warmstart.target_accuracy=null"])  # the default before it had a target
-    before = cfg.to_dict()
-    for key in HASH_STABLE_DEFAULTS:
-        section, name = key.split(".")
-        del before[section][name]
-    assert cfg.hash() == hashlib.sha256(json.dumps(before, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def test_the_fingerprint_is_the_whole_config_and_the_warm_start_key_its_inputs():
+    """Config.hash is the sha256 of the whole resolved config; the warm-start cache key hashes
+    only its inputs (model, task, warmstart), so a key of another section changes the first only."""
+    cfg = load_config(None, ["warmstart.target_accuracy=null"])
+    assert cfg.hash() == hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:16]
     assert warmstart_key(cfg).endswith("-seed0")  # threads 1: no suffix
     lab = load_config(None, ["warmstart.target_accuracy=null", "rollout.staleness=2"])
     assert lab.hash() != cfg.hash() and lab.hash("model", "task", "warmstart") == cfg.hash("model", "task", "warmstart")

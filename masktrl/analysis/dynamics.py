@@ -27,12 +27,12 @@ METRICS = [
 def run_series(run: RunInfo, key: str) -> dict[int, float]:
     """step -> value of metric ``key`` for one run.
 
-    ``mask_frac`` falls back to ``clip_frac``. The held-out accuracy adds eval_before at step 0
+    The held-out accuracy adds eval_before at step 0
     and eval_after at the last step (summary.json, else the manifest's eval stages).
     """
     out: dict[int, float] = {}
     for row in run.metrics:
-        v = row.get(key, row.get("clip_frac") if key == "mask_frac" else None)
+        v = row.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             out[int(row["step"])] = float(v)
     if key == HELDOUT:

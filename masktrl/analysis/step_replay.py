@@ -62,7 +62,7 @@ def update_choice(name: str, cfg: Config) -> UpdateChoice:
     every token with A != 0 gets the gradient coefficient -A r (docs/ANALYSIS.md says why).
     ``run``: the run's method and parameters. A method name: that method, with the run's
     parameters if it is the run's method, else its defaults."""
-    run_params = make_params(cfg.method_name, **cfg.method_params)
+    run_params = cfg.method_params
     if name == UNMASKED:
         params = make_params("dppo", delta_pos=math.inf, delta_neg=math.inf, loss_agg=run_params.agg_mode)
         return UpdateChoice(UNMASKED, "dppo", params)

@@ -9,7 +9,6 @@ import typer
 
 from masktrl.commands.ui import console, progress_bar
 from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, OutOpt, SetOpt
-from masktrl.errors import ConfigError
 
 
 def sweep(
@@ -49,12 +48,7 @@ def sweep(
     from masktrl.recipes import sweep as stage
     from masktrl.rl.tracking import check_available as check_trackers
 
-    if launcher not in ("local", "slurm"):
-        raise ConfigError(f"--launcher must be local or slurm, got {launcher!r}")
-    if accelerate_config is not None and not accelerate_config.is_file():
-        raise ConfigError(f"--accelerate-config {accelerate_config}: no such file")
-    if accelerate_config is not None and launcher == "local" and not print_commands:
-        raise ConfigError("--accelerate-config goes with --launcher slurm or --print-commands (the local launcher trains in this process)")
+    stage.check_launcher(launcher, accelerate_config, print_commands)
     method_list = stage.parse_methods(methods)
     seed_list = stage.parse_seeds(seeds)
     items = stage.plan(Path(out), method_list, seed_list, config, set_ or [], busy_ok=print_commands or launcher == "slurm")
@@ -67,17 +61,7 @@ def sweep(
             return
     todo = sum(i.state != "complete" for i in items)
     console.print(f"[bold]masktrl sweep[/] {len(method_list)} methods x {len(seed_list)} seeds: {len(items) - todo} complete, {todo} to run, under {out}")
-    for n, item in enumerate(items, 1):
-        for root in item.incomplete:
-            if not (item.state == "resume" and root == item.root):
-                console.print(f"[yellow]incomplete run[/] {root} (cannot resume; left as it is)", highlight=False)
-        if item.state == "complete":
-            console.print(f"[{n}/{len(items)}] skip [cyan]{item.root.name}[/] (complete)", highlight=False)
-            continue
-        note = {"resume": " (resuming an interrupted run)", "retry": " (fresh restart of an incomplete run)"}.get(item.state, "")
-        console.print(f"[{n}/{len(items)}] train [cyan]{item.root.name}[/]{note}", highlight=False)
-        with progress_bar() as progress:
-            stage.run_one(item, progress)
+    stage.run_sweep(items, progress_bar, lambda event, item: print_event(event, item, items))
     roots = [i.root for i in items]
     base = baseline or ("grpo" if "grpo" in method_list else method_list[0])
     table = cmp.compare([load_run(r) for r in roots], base)
@@ -86,47 +70,23 @@ def sweep(
     console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
 
 
+def print_event(event: str, item, items) -> None:
+    n = items.index(item) + 1
+    for root in item.incomplete:
+        if not (item.state == "resume" and root == item.root):
+            console.print(f"[yellow]incomplete run[/] {root} (cannot resume; left as it is)", highlight=False)
+    if event == "skip":
+        console.print(f"[{n}/{len(items)}] skip [cyan]{item.root.name}[/] (complete)", highlight=False)
+        return
+    note = {"resume": " (resuming an interrupted run)", "retry": " (fresh restart of an incomplete run)"}.get(item.state, "")
+    console.print(f"[{n}/{len(items)}] train [cyan]{item.root.name}[/]{note}", highlight=False)
+
+
 def launch_runs(items, out: Path, config, overrides: list[str], accelerate_config, *, print_only: bool, options: list[str],
                 submit: bool, resubmit: bool) -> None:
     """--print-commands (print each run's command) or --launcher slurm (one sbatch job per run)."""
-    import shlex
-
     from masktrl.recipes import slurm
 
-    todo = [i for i in items if i.state != "complete"]
-    commands = {i.root: slurm.train_command(i, out=out, config=config, overrides=overrides, accelerate_config=accelerate_config) for i in todo}
-    if print_only:
-        for item in items:
-            if item.state == "complete":
-                console.print(f"# {item.root.name}: complete", highlight=False, markup=False)
-            else:
-                console.print(shlex.join(commands[item.root]), highlight=False, markup=False, soft_wrap=True)
-        return
-    sbatch_options = slurm.parse_options(options)
-    if submit and todo:
-        slurm.check_sbatch()
-    active = {} if resubmit else slurm.active_jobs(slurm.recorded_jobs(out))
-    console.print(f"[bold]masktrl sweep[/] --launcher slurm: {len(items) - len(todo)} complete, {len(todo)} to run, under {out}", soft_wrap=True)
-    for item in items:
-        name = item.root.name
-        if item.state == "complete":
-            console.print(f"skip [cyan]{name}[/] (complete)", highlight=False, soft_wrap=True)
-        elif name in active:
-            console.print(f"skip [cyan]{name}[/]: {active[name]} (still queued or running; left alone)", highlight=False, soft_wrap=True)
-        elif item.writer is not None:
-            who = f"pid {item.writer}" if item.writer > 0 else "another process"
-            console.print(f"skip [cyan]{name}[/]: being trained right now by {who} (it holds the run's lock; left alone)",
-                          highlight=False, soft_wrap=True)
-        else:
-            script = slurm.write_script(item, commands[item.root], out, sbatch_options)
-            if not submit:
-                console.print(f"wrote {script}", highlight=False, soft_wrap=True)
-                continue
-            job = slurm.submit(script)
-            slurm.record_job(out, name, job)
-            note = {"resume": ", resuming", "retry": ", fresh restart"}.get(item.state, "")
-            console.print(f"submitted [cyan]{name}[/] as job {job}{note} ({script})", highlight=False, soft_wrap=True)
-    if todo:
-        console.print("run this command again when the jobs are done: complete runs are skipped, and the compare table "
-                      "is printed once every run is complete", highlight=False, soft_wrap=True)
-
+    for line in slurm.launch(items, out, config, overrides, accelerate_config, print_only=print_only, options=options, submit=submit,
+                             resubmit=resubmit):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)

@@ -129,14 +129,6 @@ class Method:
         buffer, penalty = self.overlong(params)
         return overlong_penalty(response_len, max_len, buffer, penalty)
 
-    def shape_rewards(self, params, samples, max_len: int) -> None:
-        """Add ``reward_delta`` to ``s.reward`` of each sample (duck-typed: ``s.gen.response_ids``)."""
-        buffer, _ = self.overlong(params)
-        if buffer <= 0:
-            return
-        for s in samples:
-            s.reward = s.reward + self.reward_delta(params, len(s.gen.response_ids), max_len)
-
     def diagnostic_thresholds(self, params) -> tuple[float, float]:
         """(delta_pos, delta_neg) used by ``token_diagnostics`` (the method's own, else top-K KL's)."""
         self._check(params)

@@ -4,20 +4,35 @@ disk use; nothing is written."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 from masktrl.config import Config
-from masktrl.rl.checks import Checked, projected_disk
-from masktrl.runs.plan import Start
+from masktrl.rl import checks
+from masktrl.runs.plan import RunRequest, plan_run
 from masktrl.runs.store import RunStore
 
 WHAT = {"new": "a new run", "resume": "resume it from its last checkpoint", "restart": "start it again in place"}
 
 
-def run(cfg: Config, start: Start, checked: Checked) -> list[tuple[str, str]]:
-    """The rows ``--dry-run`` prints: the run folder's fate, what ``checked`` found, the disk a
-    run of ``cfg`` will use at most. A resume also checks every artifact the resumed run reads."""
-    if start.mode == "resume":
-        RunStore(start.root).resume_step(checked.vocab_size)
-    rows = [("run folder", f"{start.root}: {WHAT[start.mode]}" + (f" ({start.note})" if start.note else ""))]
-    rows += checked.report
-    rows.append(("projected disk use", projected_disk(cfg, checked)))
-    return rows
+@dataclass(frozen=True)
+class DryRun:
+    cfg: Config  # the resolved config the run would train with
+    rows: list[tuple[str, str]]  # what was checked and found, in order
+
+
+def run(request: RunRequest) -> DryRun:
+    """Resolve ``request`` as ``masktrl train`` would, run every check (a resume also checks every
+    artifact the resumed run reads) and project the disk use."""
+    plan = plan_run(request)
+    checked = checks.check(plan.cfg, rollouts_from=plan.rollouts_from, out=Path(request.out))
+    try:
+        if plan.start.mode == "resume":
+            RunStore(plan.root).resume_step(checked.vocab_size)
+        start = plan.start
+        rows = [("run folder", f"{start.root}: {WHAT[start.mode]}" + (f" ({start.note})" if start.note else ""))]
+        rows += checked.report
+        rows.append(("projected disk use", checks.projected_disk(plan.cfg, checked)))
+    finally:
+        checked.task.close()
+    return DryRun(plan.cfg, rows)

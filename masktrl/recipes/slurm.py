@@ -106,7 +106,7 @@ def check_sbatch() -> str:
     return exe
 
 
-def submit(script: Path) -> str:
+def submit_job(script: Path) -> str:
     """``sbatch --parsable SCRIPT``; returns the job id."""
     r = subprocess.run([check_sbatch(), "--parsable", str(script)], capture_output=True, text=True)
     if r.returncode != 0:
@@ -149,3 +149,42 @@ def active_jobs(jobs: dict[str, str]) -> dict[str, str]:
         if len(parts) == 2:
             states[parts[0]] = parts[1]
     return {run: f"job {job} {states[job]}" for run, job in jobs.items() if states.get(job) in ACTIVE_STATES}
+
+
+def launch(items, out: Path, config, overrides: list[str], accelerate_config: Path | None, *, print_only: bool, options: list[str],
+           submit: bool, resubmit: bool):
+    """``--print-commands`` (each run's train command) or ``--launcher slurm`` (one sbatch job per
+    run still to do: skipped when complete, still queued or running, or trained right now);
+    yields the lines to show."""
+    todo = [i for i in items if i.state != "complete"]
+    commands = {i.root: train_command(i, out=out, config=config, overrides=overrides, accelerate_config=accelerate_config) for i in todo}
+    if print_only:
+        for item in items:
+            yield f"# {item.root.name}: complete" if item.state == "complete" else shlex.join(commands[item.root])
+        return
+    sbatch_options = parse_options(options)
+    if submit and todo:
+        check_sbatch()
+    active = {} if resubmit else active_jobs(recorded_jobs(out))
+    yield f"masktrl sweep --launcher slurm: {len(items) - len(todo)} complete, {len(todo)} to run, under {out}"
+    for item in items:
+        name = item.root.name
+        if item.state == "complete":
+            yield f"skip {name} (complete)"
+        elif name in active:
+            yield f"skip {name}: {active[name]} (still queued or running; left alone)"
+        elif item.writer is not None:
+            who = f"pid {item.writer}" if item.writer > 0 else "another process"
+            yield f"skip {name}: being trained right now by {who} (it holds the run's lock; left alone)"
+        else:
+            script = write_script(item, commands[item.root], out, sbatch_options)
+            if not submit:
+                yield f"wrote {script}"
+                continue
+            job = submit_job(script)
+            record_job(out, name, job)
+            note = {"resume": ", resuming", "retry": ", fresh restart"}.get(item.state, "")
+            yield f"submitted {name} as job {job}{note} ({script})"
+    if todo:
+        yield ("run this command again when the jobs are done: complete runs are skipped, and the compare table "
+               "is printed once every run is complete")

@@ -20,9 +20,10 @@ Every config is built and validated before the first run starts.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager
 
 from masktrl.config import Config, diff_configs, load_config, split_method
 from masktrl.errors import ConfigError, MasktrlError
@@ -164,6 +165,16 @@ def _next_retry(attempts: list[Path]) -> int:
     return 1 + max([_retry_index(p) for p in attempts if "-retry" in p.name] + [0])
 
 
+def check_launcher(launcher: str, accelerate_config: Path | None, print_commands: bool) -> None:
+    """ConfigError for a launcher this sweep cannot use."""
+    if launcher not in ("local", "slurm"):
+        raise ConfigError(f"--launcher must be local or slurm, got {launcher!r}")
+    if accelerate_config is not None and not accelerate_config.is_file():
+        raise ConfigError(f"--accelerate-config {accelerate_config}: no such file")
+    if accelerate_config is not None and launcher == "local" and not print_commands:
+        raise ConfigError("--accelerate-config goes with --launcher slurm or --print-commands (the local launcher trains in this process)")
+
+
 def run_one(item: SweepRun, progress=None) -> Path:
     """Train one planned run into ``item.root`` (a complete run is returned as it is)."""
     from masktrl.recipes.train import train
@@ -174,11 +185,15 @@ def run_one(item: SweepRun, progress=None) -> Path:
     return item.root
 
 
-def run_sweep(runs: list[SweepRun], progress=None, on_event: Callable[[str, SweepRun], None] | None = None) -> list[Path]:
-    """Train every run that is not complete, in order; return the folders of all complete runs."""
+def run_sweep(runs: list[SweepRun], progress_bar: Callable[[], ContextManager] | None = None,
+              on_event: Callable[[str, SweepRun], None] | None = None) -> list[Path]:
+    """Train every run that is not complete, in order, each under a fresh ``progress_bar()``;
+    ``on_event`` hears ``skip`` or ``start`` before each run. Returns the folders of all runs."""
     done = []
     for item in runs:
         if on_event:
             on_event("skip" if item.state == "complete" else "start", item)
-        done.append(run_one(item, progress))
+        bar = progress_bar() if progress_bar is not None and item.state != "complete" else contextlib.nullcontext()
+        with bar as progress:
+            done.append(run_one(item, progress))
     return done

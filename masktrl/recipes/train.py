@@ -1,17 +1,19 @@
-"""``masktrl train`` as a recipe: ``setup`` builds everything once, ``rl_step`` is one RL step
-(rollout -> reward -> advantages -> update -> record), ``finish`` evaluates and writes the
-summary; ``train`` runs them, with Ctrl-C and checkpoints around the steps.
+"""``masktrl train`` as a recipe: ``run`` plans the run folder and checks everything once
+(``runs/plan.py``, ``rl/checks.py``); ``train`` takes the run's lock, confirms the plan under
+it, and runs ``setup`` (builds everything once), ``rl_step`` per step (rollout -> reward ->
+advantages -> update -> record) and ``finish`` (evaluates, writes the summary), with Ctrl-C and
+checkpoints around the steps.
 
 Every random draw comes from a stream named by (seed, purpose, step) (``masktrl.seeding``), so a
 resumed run reproduces an uninterrupted one; every artifact is written atomically and recorded
 in the manifest only once complete (``runs/store.py``).
 
-Resume (``resume=True``) restarts from the newest complete checkpoint: the run store checks every
-artifact the resumed run will read, then weights, optimizer, scheduler and RNG states are
-restored, ``metrics.jsonl`` is cut back to that step, and the rollout batches already stored for
-later steps are reused instead of regenerated. Under DeepSpeed each process also reloads its
-shard of the optimizer state (``checkpoint.restore_engine_state``), after checking the shards
-fit this launch. On CPU with the same seed the final weights are bit-identical to an
+Resume restarts from the newest complete checkpoint: the run store checks every artifact the
+resumed run will read (``RunStore.resume_step``), then weights, optimizer, scheduler and RNG
+states are restored, ``metrics.jsonl`` is cut back to that step, and the rollout batches already
+stored for later steps are reused instead of regenerated. Under DeepSpeed each process also
+reloads its shard of the optimizer state (``train_state.restore_engine_state``), after checking
+the shards fit this launch. On CPU with the same seed the final weights are bit-identical to an
 uninterrupted run, with one process, DDP, ZeRO-2 and ZeRO-3.
 
 With ``rollout.staleness`` = s the batches are sampled s steps ahead: step S first stores the
@@ -43,32 +45,39 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from masktrl.config import Config
 from masktrl.errors import MasktrlError
-from masktrl.io import atomic_write_json
-from masktrl.methods import get_method, make_params
+from masktrl.methods import Method, get_method
 from masktrl.models import checkpointing
 from masktrl.models.loading import tokenizer_fingerprint
-from masktrl.rl import train_state as ckpt
-from masktrl.runs import retention
-from masktrl.rl.collect import CollectSettings, collect_rollouts
-from masktrl.rl.distributed import Dist, launched
-from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
-from masktrl.runs.faults import maybe_crash
 from masktrl.rl import checks
+from masktrl.rl import train_state as ckpt
+from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts
+from masktrl.rl.distributed import Dist, launch_rank, launched
+from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
 from masktrl.rl.policy import PolicyForward
 from masktrl.rl.rollout_source import RolloutSource
-from masktrl.runs.store import RunStore
-from masktrl.rl.signals import Interrupted, graceful_stop
+from masktrl.rl.signals import GracefulStop, Interrupted, graceful_stop
 from masktrl.rl.tracking import Trackers, open_trackers
 from masktrl.rl.update import UpdateSettings, make_optimizer, policy_update
 from masktrl.rl.warmstart import prepare_policy
 from masktrl.rollout import make_engine
+from masktrl.rollout.base import RolloutEngine, Sample
+from masktrl.runs import retention
+from masktrl.runs.faults import maybe_crash
+from masktrl.runs.plan import Plan, RunRequest, plan_run, plan_start
+from masktrl.runs.store import RunStore, rollout_key, update_key
+from masktrl.tasks import Example, Task
 from masktrl.tasks.prompts import wraps_chat
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -79,91 +88,162 @@ class TrainResult:
 
 
 @dataclass
-class State:
-    """Everything a run's steps share, built once by ``setup``."""
+class ModelParts:
+    """What a step computes with: the policy, its optimizer, the engine sampling from it, the method."""
+
+    model: torch.nn.Module  # the (unwrapped) language model
+    tokenizer: PreTrainedTokenizerBase
+    policy: torch.nn.Module  # its training forward, wrapped for DDP / DeepSpeed when launched
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    engine: RolloutEngine
+    method: Method  # its parameters: cfg.method_params
+
+
+@dataclass
+class RunServices:
+    """Where a step's inputs come from and its results go."""
 
     cfg: Config
     store: RunStore
     dist: Dist
-    task: object
-    model: torch.nn.Module  # the (unwrapped) language model
-    tokenizer: object
-    policy: torch.nn.Module  # its training forward, wrapped for DDP / DeepSpeed when launched so
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    engine: object
-    method: object
-    params: object
+    task: Task
     collect: CollectSettings
     update: UpdateSettings
-    rollouts_from: str | None
     source: RolloutSource | None  # --rollouts-from: stored batches instead of generation
     rollout_meta: dict  # written with every rollout batch
+    test_set: list[Example]  # the task's held-out split (eval_before, eval_after, train.eval_every)
+    lab: LabStats | None  # train.lab_stats: the before-update hook and the rows' lab/* entries
+    trackers: Trackers  # train.report_to (main process)
+    progress: Progress | None
+
+
+@dataclass
+class Counters:
+    """Where the run stands."""
+
     start: int  # the last step already done (resume), 0 for a new run
-    steps: int
-    warmstart: dict
-    test_set: list  # the task's held-out split (eval_before, eval_after, train.eval_every)
-    eval_before: float
+    steps: int  # the last step to do
     t_start: float
     wall_before: float = 0.0  # wall time of the run's earlier sessions (resume)
+    eval_before: float = float("nan")
     nonfinite_total: int = 0  # steps so far with an update skipped for a non-finite loss or gradient norm
     nonfinite_run: int = 0  # ... of them in a row, up to the last step
-    progress: object = None
-    lab: LabStats | None = None  # train.lab_stats: the before-update hook and the rows' lab/* entries
-    ahead: dict = field(default_factory=dict)  # rollout.staleness: step -> (samples, stats) sampled ahead, not yet trained on
-    trackers: Trackers = field(default_factory=lambda: Trackers((), Path("."), ""))  # train.report_to (main process)
+    ahead: dict[int, Batch] = field(default_factory=dict)  # rollout.staleness: batches sampled ahead, not yet trained on
 
     def wall_time(self) -> float:
         return self.wall_before + time.time() - self.t_start
+
+
+@dataclass
+class State:
+    """Everything a run's steps share, built once by ``setup``."""
+
+    parts: ModelParts
+    run: RunServices
+    count: Counters
+    warmstart: dict  # where the starting policy came from (prepare_policy's info)
+    rollouts_from: str | None
+
+    @property
+    def cfg(self) -> Config:
+        return self.run.cfg
+
+    @property
+    def store(self) -> RunStore:
+        return self.run.store
 
 
 class NonFiniteError(MasktrlError):
     """Too many consecutive steps with a non-finite loss or gradient norm."""
 
 
-def train(cfg: Config, store: RunStore, progress=None, *, resume: bool = False, rollouts_from: str | None = None,
-          dist: Dist | None = None, checked: checks.Checked | None = None, restart: bool = False,
-          forced_changes: list[str] | None = None) -> TrainResult:
-    """The whole run: the checks (``checked``: already done by the caller), setup, the RL steps (a
-    checkpoint every ``train.checkpoint_every``, at each of ``train.keep_steps``, at the end, and
-    when Ctrl-C or SIGTERM asks to stop; retention applied after each), then ``finish``.
-    ``restart``: the run folder holds a failed or interrupted run with no checkpoint, started
-    again from scratch (``plan_start``). ``forced_changes``: the keys ``--resume --force``
-    changed, recorded with the new config once the checkpoint is known to fit this launch."""
+def run(request: RunRequest, progress: Progress | None = None, on_start: Callable[[Plan], None] | None = None) -> TrainResult:
+    """``masktrl train``: resolve the request (``plan_run``: the folder, the config, what to do
+    with the folder), run every check before anything is written, then ``train``. ``on_start``
+    sees the plan confirmed under the run's lock, before the first write. An ``Interrupted``
+    leaving here carries ``run`` (its name) and ``checkpoints`` (its complete checkpoints)."""
+    plan = plan_run(request, main=launch_rank() == 0)
+    checked = checks.check(plan.cfg, rollouts_from=plan.rollouts_from, out=Path(request.out))
+    store = RunStore(plan.root)
+    try:
+        return train(plan.cfg, store, progress, rollouts_from=plan.rollouts_from, checked=checked, plan=plan, on_start=on_start)
+    except Interrupted as exc:
+        exc.run, exc.checkpoints = plan.root.name, store.checkpoints() if store.exists() else []
+        raise
+
+
+def train(cfg: Config, store: RunStore, progress: Progress | None = None, *, resume: bool = False, restart: bool = False,
+          rollouts_from: str | None = None, dist: Dist | None = None, checked: checks.Checked | None = None,
+          forced_changes: list[str] | None = None, plan: Plan | None = None,
+          on_start: Callable[[Plan], None] | None = None) -> TrainResult:
+    """The whole run under the run's lock: the checks (``checked``: already done by the caller),
+    the plan confirmed (``plan``; else ``resume`` / ``restart`` as given: ``restart`` starts a
+    failed or interrupted run with no checkpoint again from scratch), setup, the RL steps, then
+    ``finish``. ``forced_changes``: the keys ``--resume --force`` changed, recorded with the new
+    config once the checkpoint is known to fit this launch."""
     dist = dist or (Dist.from_launch(cfg.train) if launched() else Dist())  # a bad launch config fails here, before any write
-    resume, restart = dist.broadcast((resume, restart))  # the main process decided what to do with the folder
     checked = checked or checks.check(cfg, rollouts_from=rollouts_from)  # before anything is written
     if not dist.is_main:
         store, progress = store.read_only(), None
     s = None
     try:
         with store.writing(), graceful_stop(graceful=False) as stop:  # one writer per run; SIGTERM = Ctrl-C
+            if plan is not None:
+                plan = confirm(plan, store, checked.vocab_size) if dist.is_main else plan
+                resume, restart, forced_changes = plan.start.mode == "resume", plan.start.mode == "restart", plan.forced_changes
+            resume, restart = dist.broadcast((resume, restart))  # the main process decided what to do with the folder
+            if on_start is not None and plan is not None:
+                on_start(plan)
             s = setup(cfg, store, checked, progress, resume=resume, restart=restart, rollouts_from=rollouts_from, dist=dist,
                       forced_changes=forced_changes)
-            with s.store.recording_failure(lambda: {"wall_time_s": s.wall_time()}):
-                bar = s.progress.add_task("RL", total=s.steps, completed=s.start, info="") if s.progress else None
-                stop.graceful = True  # a signal now finishes the step and checkpoints it
-                for step in range(s.start + 1, s.steps + 1):
-                    row = rl_step(s, step)
-                    stopping = s.dist.broadcast(stop.requested)  # every process stops after the same step
-                    if step % cfg.train.checkpoint_every == 0 or step == s.steps or step in cfg.train.keep_steps or stopping:
-                        ckpt.save_step(s.store, step, s.model, s.tokenizer, s.optimizer, s.scheduler, s.dist, s.policy)
-                        s.store.set_info(wall_time_s=s.wall_time())
-                        apply_retention(s)
-                    if s.progress:
-                        s.progress.update(bar, advance=1, info=f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s")
-                    if stopping:
-                        raise Interrupted(stop.signum)
-                stop.graceful = False
+            with s.store.recording_failure(lambda: {"wall_time_s": s.count.wall_time()}):
+                run_steps(s, stop)
                 return finish(s)
     finally:
         checked.task.close()  # reward / grading processes
         if s is not None:
-            s.trackers.close()  # flushed and closed however the run ends (finish closed them already when it completed)
+            s.run.trackers.close()  # flushed and closed however the run ends (finish closed them already when it completed)
 
 
-def setup(cfg: Config, store: RunStore, checked: checks.Checked, progress=None, *, resume: bool = False, restart: bool = False,
-          rollouts_from: str | None = None, dist: Dist | None = None, forced_changes: list[str] | None = None) -> State:
+def confirm(plan: Plan, store: RunStore, vocab_size: int) -> Plan:
+    """The plan again under the run's lock (another process may have moved the run on since it
+    was made), and for a resume every artifact the resumed run reads checked, before any write."""
+    if plan.start.mode == "new":
+        return plan  # setup refuses a folder that another process created meanwhile
+    if not plan.explicit_resume:
+        plan = replace(plan, start=plan_start(plan.root, plan.cfg))
+    if plan.start.mode == "resume":
+        store.check_resumable()
+        store.resume_step(vocab_size)
+    return plan
+
+
+def run_steps(s: State, stop: GracefulStop) -> None:
+    """``rl_step`` for every step left: a checkpoint every ``train.checkpoint_every``, at each of
+    ``train.keep_steps``, at the end, and when Ctrl-C or SIGTERM asks to stop (retention applied
+    after each)."""
+    t, p, c = s.cfg.train, s.parts, s.count
+    progress = s.run.progress
+    bar = progress.add_task("RL", total=c.steps, completed=c.start, info="") if progress else None
+    stop.graceful = True  # a signal now finishes the step and checkpoints it
+    for step in range(c.start + 1, c.steps + 1):
+        row = rl_step(s, step)
+        stopping = s.run.dist.broadcast(stop.requested)  # every process stops after the same step
+        if step % t.checkpoint_every == 0 or step == c.steps or step in t.keep_steps or stopping:
+            ckpt.save_step(s.store, step, p.model, p.tokenizer, p.optimizer, p.scheduler, s.run.dist, p.policy)
+            s.store.set_info(wall_time_s=c.wall_time())
+            apply_retention(s)
+        if progress:
+            progress.update(bar, advance=1, info=f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s")
+        if stopping:
+            raise Interrupted(stop.signum)
+    stop.graceful = False
+
+
+def setup(cfg: Config, store: RunStore, checked: checks.Checked, progress: Progress | None = None, *, resume: bool = False,
+          restart: bool = False, rollouts_from: str | None = None, dist: Dist | None = None,
+          forced_changes: list[str] | None = None) -> State:
     """Record the run, load (or warm-start) the policy, restore a checkpoint when resuming, start
     the engine and evaluate the starting policy. A failure once the run is recorded leaves it
     ``failed`` with the reason (or ``interrupted``), never ``running``."""
@@ -184,18 +264,53 @@ def setup(cfg: Config, store: RunStore, checked: checks.Checked, progress=None, 
         store.record_config(cfg)
     elif store.writable and forced_changes:
         store.record_config(cfg, forced_changes=forced_changes)  # --resume --force with another config
-    wall_before = store.previous_wall_time() if resume else 0.0
+    wall_before = store.recorded_wall_time() if resume else 0.0
     store.set_info(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid(),
                    processes=dist.world, reason=None)
-    with store.recording_failure(lambda: {"wall_time_s": wall_before + time.time() - t_start}):
-        return _build(cfg, store, checked, progress, start=start if resume else None, rollouts_from=rollouts_from, dist=dist,
-                      t_start=t_start, wall_before=wall_before)
+    count = Counters(start=start, steps=cfg.train.steps, t_start=t_start, wall_before=wall_before)
+    with store.recording_failure(lambda: {"wall_time_s": count.wall_time()}):
+        return build_state(cfg, store, checked, progress, count, resumed=resume, rollouts_from=rollouts_from, dist=dist)
 
 
-def _build(cfg: Config, store: RunStore, checked: checks.Checked, progress, *, start: int | None, rollouts_from: str | None,
-           dist: Dist, t_start: float, wall_before: float) -> State:
-    """``start``: the checkpoint a resumed run continues from (None: a new run)."""
+def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress: Progress | None, count: Counters, *,
+                resumed: bool, rollouts_from: str | None, dist: Dist) -> State:
+    """The model parts (the policy warm-started or restored), the run's services, the counters;
+    then held-out accuracy of the starting policy."""
     task = checked.task
+    model, tokenizer, ws_info = load_policy(cfg, store, task, progress, dist)
+    optimizer, scheduler = make_optimizer(model, cfg.train)
+    projection = retention.project(cfg, retention.count_parameters(model), deepspeed_stage=dist.zero_stage)
+    if resumed:
+        restore(store, count, model, optimizer, scheduler, dist)
+    vocab_size = model.get_output_embeddings().weight.shape[0]  # lab_stats; read before ZeRO-3 partitions it
+    policy, optimizer = dist.prepare(PolicyForward(model), optimizer)  # model stays the (unwrapped) LM
+    if count.start:
+        ckpt.restore_engine_state(store.checkpoint_dir(count.start), dist, policy)  # DeepSpeed: optimizer shards, fp32 master weights
+    store.set_info(disk_projection={"per_step": projection.rollout_step, "per_checkpoint": projection.checkpoint_total,
+                                    "per_run": projection.per_run, "bytes_per_token": projection.bytes_per_token})
+    _note(progress, dist, projection.summary())
+    engine = make_engine(cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
+    if count.start:
+        sync_weights(engine, model, dist)
+    source = checked.source
+    collect = replace(CollectSettings.from_config(cfg), chat_template=wraps_chat(task, cfg.model.chat_template))
+    meta = source.meta if source else {"engine": engine.name, "tokenizer": tokenizer_fingerprint(tokenizer), **collect.sampling.__dict__}
+    if source:
+        count.steps = min(cfg.train.steps, source.num_steps)
+    parts = ModelParts(model, tokenizer, policy, optimizer, scheduler, engine, get_method(cfg.method_name))
+    services = RunServices(cfg, store, dist, task, collect, UpdateSettings.from_config(cfg), source, meta, task.test_examples(),
+                           LabStats(vocab_size, cfg.rollout.logprobs_k) if cfg.train.lab_stats else None,
+                           Trackers((), Path("."), ""), progress)
+    s = State(parts, services, count, ws_info, rollouts_from)
+    count.eval_before = _heldout_once(s, "eval/before", 0)
+    services.trackers = open_trackers(cfg.train.report_to, store.root, store.name, cfg.to_dict(), dist.is_main)
+    services.trackers.log({"eval/heldout/accuracy": count.eval_before}, step=0)
+    return s
+
+
+def load_policy(cfg: Config, store: RunStore, task: Task, progress: Progress | None, dist: Dist):
+    """(model, tokenizer, info): the warm-started tiny model or the configured one, recorded as
+    stage ``warmstart``; gradient checkpointing switched on when asked."""
     with dist.loading():  # the main process first: it fills the warm-start cache, the others read it
         model, tokenizer, ws_info = prepare_policy(cfg, task, store.root.parent, progress)
     if not store.is_done("warmstart"):
@@ -206,43 +321,19 @@ def _build(cfg: Config, store: RunStore, checked: checks.Checked, progress, *, s
             _note(progress, dist, "warning: train.gradient_checkpointing: this transformers version drops the KV cache in "
                   "checkpointed layers, so the policy forward runs every response with its own prompt (no prompt sharing; "
                   "metrics column shared_prompt_frac = 0)")
-    optimizer, scheduler = make_optimizer(model, cfg.train)
-    projection = retention.project(cfg, retention.count_parameters(model), deepspeed_stage=dist.zero_stage)
-    if start is not None:
-        if start:
-            with dist.loading():  # ZeRO-3: the checkpoint loads whole (no zero.Init), prepare shards it
-                ckpt.restore(store.checkpoint_dir(start), model, optimizer, scheduler)
-        store.rewind(start)  # forget the updates and metrics after that checkpoint
-        dist.barrier()
-    start = start or 0
-    nonfinite_total, nonfinite_run = nonfinite_counts(store.read_metrics()) if start else (0, 0)
-    vocab_size = model.get_output_embeddings().weight.shape[0]  # lab_stats; read before ZeRO-3 partitions it
-    policy, optimizer = dist.prepare(PolicyForward(model), optimizer)  # model stays the (unwrapped) LM
-    if start:
-        ckpt.restore_engine_state(store.checkpoint_dir(start), dist, policy)  # DeepSpeed: optimizer shards, fp32 master weights
-    store.set_info(disk_projection={"per_step": projection.rollout_step, "per_checkpoint": projection.checkpoint_total,
-                                    "per_run": projection.per_run, "bytes_per_token": projection.bytes_per_token})
-    _note(progress, dist, projection.summary())
-    engine = make_engine(cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
-    if start:
-        sync_weights(engine, model, dist)
-    source: RolloutSource | None = checked.source
-    collect = replace(CollectSettings.from_config(cfg), chat_template=wraps_chat(task, cfg.model.chat_template))
-    s = State(
-        cfg=cfg, store=store, dist=dist, task=task, model=model, tokenizer=tokenizer, policy=policy, optimizer=optimizer,
-        scheduler=scheduler, engine=engine, method=get_method(cfg.method_name),
-        params=make_params(cfg.method_name, **cfg.method_params), collect=collect, update=UpdateSettings.from_config(cfg),
-        rollouts_from=rollouts_from, source=source,
-        rollout_meta=source.meta if source else {"engine": engine.name, "tokenizer": tokenizer_fingerprint(tokenizer), **collect.sampling.__dict__},
-        start=start, steps=min(cfg.train.steps, source.num_steps) if source else cfg.train.steps,
-        warmstart=ws_info, test_set=task.test_examples(), eval_before=float("nan"), t_start=t_start, wall_before=wall_before,
-        nonfinite_total=nonfinite_total, nonfinite_run=nonfinite_run, progress=progress,
-        lab=LabStats(vocab_size, cfg.rollout.logprobs_k) if cfg.train.lab_stats else None,
-    )
-    s.eval_before = _heldout_once(s, "eval/before", 0)
-    s.trackers = open_trackers(cfg.train.report_to, store.root, store.name, cfg.to_dict(), dist.is_main)
-    s.trackers.log({"eval/heldout/accuracy": s.eval_before}, step=0)
-    return s
+    return model, tokenizer, ws_info
+
+
+def restore(store: RunStore, count: Counters, model, optimizer, scheduler, dist: Dist) -> None:
+    """A resumed run: the checkpoint ``count.start`` loaded (none at step 0), what happened after
+    it forgotten, and the non-finite counters read back from the metrics rows."""
+    if count.start:
+        with dist.loading():  # ZeRO-3: the checkpoint loads whole (no zero.Init), prepare shards it
+            ckpt.restore(store.checkpoint_dir(count.start), model, optimizer, scheduler)
+    store.rewind(count.start)  # forget the updates and metrics after that checkpoint
+    dist.barrier()
+    if count.start:
+        count.nonfinite_total, count.nonfinite_run = nonfinite_counts(store.read_metrics())
 
 
 def nonfinite_counts(rows: list[dict]) -> tuple[int, int]:
@@ -257,73 +348,92 @@ def nonfinite_counts(rows: list[dict]) -> tuple[int, int]:
 
 
 def rl_step(s: State, step: int) -> dict:
-    """One RL step; returns its metrics row (also appended to metrics.jsonl)."""
+    """One RL step: rollout -> reward -> advantages (``rollout_batch``) -> update -> record;
+    returns its metrics row (also appended to metrics.jsonl)."""
     t0 = time.time()
-    samples, gen_stats = rollout_batch(s, step)  # rollout -> reward -> advantages (or the stored batch)
+    batch = rollout_batch(s, step)  # rollout -> reward -> advantages (or the stored batch)
     sample_ahead(s, step)
     t_rollout = time.time() - t0
     maybe_crash("update", step)
-    stats = policy_update(s.policy, s.optimizer, s.scheduler, samples, s.method, s.params, s.update, s.cfg.seed, step, s.dist,
-                          before=s.lab) if samples else {}
-    sync_weights(s.engine, s.model, s.dist)
-    s.store.mark_done(f"step/{step:06d}/train", [], defer=True)  # written with the next manifest write
+    stats = update(s, batch.samples, step)
+    row = record(s, step, batch, stats, t0=t0, t_rollout=t_rollout)
+    check_finite(s, step)
+    return row
+
+
+def update(s: State, samples: list[Sample], step: int) -> dict:
+    """The policy update on the batch (nothing to train on: no update), the engine given the new
+    weights, the step's update recorded."""
+    p, r = s.parts, s.run
+    stats = policy_update(p.policy, p.optimizer, p.scheduler, samples, p.method, s.cfg.method_params, r.update, s.cfg.seed, step,
+                          r.dist, before=r.lab) if samples else {}
+    sync_weights(p.engine, p.model, r.dist)
+    s.store.mark_done(update_key(step), [], defer=True)  # written with the next manifest write
+    return stats
+
+
+def record(s: State, step: int, batch: Batch, stats: dict, *, t0: float, t_rollout: float) -> dict:
+    """The step's metrics row: the rollout's statistics, the update's, timings, the learning
+    rate, the non-finite counters, lab statistics and the evaluations due; appended to
+    metrics.jsonl and sent to the trackers."""
+    c = s.count
     row = {
         "step": step,
-        **gen_stats,
+        **batch.stats,
         **stats,
         "clip_frac": stats.get("mask_frac"),
         "rollout_time_s": t_rollout,
         "step_time_s": time.time() - t0,
-        "tokens_per_s": gen_stats["tokens"] / max(time.time() - t0, 1e-9),
-        "lr": s.scheduler.get_last_lr()[0],
+        "tokens_per_s": batch.stats["tokens"] / max(time.time() - t0, 1e-9),
+        "lr": s.parts.scheduler.get_last_lr()[0],
     }
     skipped = stats.get("skipped_updates", 0)
-    s.nonfinite_total += bool(skipped)
-    s.nonfinite_run = s.nonfinite_run + 1 if skipped else 0
-    row.update(skipped_updates=skipped, nonfinite_steps=s.nonfinite_total)
-    if s.lab is not None:  # rl/lab_stats.py: can the methods differ here?
-        row.update(s.lab.row(samples, s.dist))
+    c.nonfinite_total += bool(skipped)
+    c.nonfinite_run = c.nonfinite_run + 1 if skipped else 0
+    row.update(skipped_updates=skipped, nonfinite_steps=c.nonfinite_total)
+    if s.run.lab is not None:  # rl/lab_stats.py: can the methods differ here?
+        row.update(s.run.lab.row(batch.samples, s.run.dist))
     row.update(step_evals(s, step))
     s.store.append_metrics(row)
-    s.trackers.log(row)
-    if s.nonfinite_run >= s.cfg.train.max_nonfinite_steps:
-        first = step - s.nonfinite_run + 1
-        raise NonFiniteError(
-            f"steps {first}-{step}: {s.nonfinite_run} steps in a row with a non-finite loss or gradient norm (not applied); "
-            f"the run stops (train.max_nonfinite_steps={s.cfg.train.max_nonfinite_steps}): lower train.lr or check the rollouts"
-        )
+    s.run.trackers.log(row)
     return row
+
+
+def check_finite(s: State, step: int) -> None:
+    """NonFiniteError after ``train.max_nonfinite_steps`` steps in a row whose update was not applied."""
+    run, limit = s.count.nonfinite_run, s.cfg.train.max_nonfinite_steps
+    if run >= limit:
+        raise NonFiniteError(
+            f"steps {step - run + 1}-{step}: {run} steps in a row with a non-finite loss or gradient norm (not applied); "
+            f"the run stops (train.max_nonfinite_steps={limit}): lower train.lr or check the rollouts"
+        )
 
 
 def finish(s: State) -> TrainResult:
     """Evaluate the final policy, write summary.json and mark the run complete."""
-    cfg = s.cfg
-    eval_after = _heldout_once(s, "eval/after", s.steps)
-    s.trackers.log({"eval/heldout/accuracy": eval_after}, step=s.steps)
-    s.trackers.close()
+    cfg, c = s.cfg, s.count
+    eval_after = _heldout_once(s, "eval/after", c.steps)
+    s.run.trackers.log({"eval/heldout/accuracy": eval_after}, step=c.steps)
+    s.run.trackers.close()
     summary = {
         "run": s.store.name,
         "method": cfg.method_name,
-        "method_params": s.params.__dict__,
+        "method_params": cfg.method_params.__dict__,
         "seed": cfg.seed,
-        "steps": s.steps,
-        "eval_before": s.eval_before,
+        "steps": c.steps,
+        "eval_before": c.eval_before,
         "eval_after": eval_after,
-        "eval_split": f"{s.task.name} held-out, n={len(s.test_set)}",
+        "eval_split": f"{s.run.task.name} held-out, n={len(s.run.test_set)}",
         "eval_decoding": "greedy" if cfg.eval.greedy else f"sampled (T={cfg.rollout.temperature})",
         "warmstart": {k: s.warmstart.get(k) for k in ("source", "cached", "time_s", "final_loss", "steps_done")},
         "rollouts_from": s.rollouts_from,
-        "wall_time_s": s.wall_time(),  # every session of the run (resumes included)
+        "wall_time_s": c.wall_time(),  # every session of the run (resumes included)
     }
-    if s.lab is not None:
-        summary["lab_stats"] = s.lab.summary(s.store.read_metrics())
-    if s.store.writable:
-        s.store.sync_metrics()
-        atomic_write_json(s.store.root / "summary.json", summary)
-    s.store.mark_done("summary", [s.store.root / "summary.json"], step=s.steps)
-    s.store.set_info(status="complete", wall_time_s=summary["wall_time_s"])
-    s.dist.barrier()
-    return TrainResult(summary, s.store, s.dist.is_main)
+    if s.run.lab is not None:
+        summary["lab_stats"] = s.run.lab.summary(s.store.read_metrics())
+    s.store.write_summary(summary, step=c.steps)
+    s.run.dist.barrier()
+    return TrainResult(summary, s.store, s.run.dist.is_main)
 
 
 def sample_ahead(s: State, step: int) -> None:
@@ -331,38 +441,39 @@ def sample_ahead(s: State, step: int) -> None:
     the batches of steps ``step`` + 1 .. ``step`` + k that are neither sampled yet nor stored (by
     the run before a resume). Every process takes the same decisions: from the batches it holds
     and the manifest as read at setup (the other processes' view is not updated)."""
-    if s.source:
+    if s.run.source:
         return  # --rollouts-from: the batches are used as stored
-    for ahead in range(step + 1, min(step + s.cfg.rollout.staleness, s.steps) + 1):
-        if ahead not in s.ahead and not s.store.is_done(f"step/{ahead:06d}/rollout"):
-            s.ahead[ahead] = rollout_batch(s, ahead)
+    for ahead in range(step + 1, min(step + s.cfg.rollout.staleness, s.count.steps) + 1):
+        if ahead not in s.count.ahead and not s.store.is_done(rollout_key(ahead)):
+            s.count.ahead[ahead] = rollout_batch(s, ahead)
 
 
-def rollout_batch(s: State, step: int) -> tuple[list, dict]:
+def rollout_batch(s: State, step: int) -> Batch:
     """The step's batch with rewards and advantages, and its statistics: sampled ahead
     (``sample_ahead``), stored (a resumed run reuses it, hash checked), replayed from
     ``--rollouts-from``, or collected; stored if new."""
-    if step in s.ahead:
-        return s.ahead.pop(step)
-    if s.store.is_done(f"step/{step:06d}/rollout"):
-        samples, meta = s.store.read_rollouts(step, verify=True, vocab_size=s.model.config.vocab_size)
-        return samples, meta["stats"]
-    if s.source:
-        samples, gen_stats = s.source.batch(step)
+    p, r = s.parts, s.run
+    if step in s.count.ahead:
+        return s.count.ahead.pop(step)
+    if s.store.is_done(rollout_key(step)):
+        samples, meta = s.store.read_rollouts(step, verify=True, vocab_size=p.model.config.vocab_size)
+        return Batch(samples, meta["stats"])
+    if r.source:
+        batch = r.source.batch(step)
     else:
-        samples, gen_stats = collect_rollouts(s.engine, s.tokenizer, s.task, s.method, s.params, s.collect, step, s.dist)
+        batch = collect_rollouts(p.engine, p.tokenizer, r.task, p.method, s.cfg.method_params, r.collect, step, r.dist)
     maybe_crash("rollout-write", step)
-    s.store.write_rollouts(step, samples, {**s.rollout_meta, "stats": gen_stats})
-    return samples, gen_stats
+    s.store.write_rollouts(step, batch.samples, {**r.rollout_meta, "stats": batch.stats})
+    return batch
 
 
 def step_evals(s: State, step: int) -> dict:
     """The evaluations due after ``step``: held-out accuracy every ``train.eval_every`` steps and
     the ``train.eval_benchmarks`` (``periodic_eval``)."""
     row = {}
-    if s.cfg.train.eval_every and step % s.cfg.train.eval_every == 0 and step < s.steps:
+    if s.cfg.train.eval_every and step % s.cfg.train.eval_every == 0 and step < s.count.steps:
         row["eval/heldout/accuracy"] = _heldout(s)
-    row.update(periodic_eval(s.cfg, s.store, s.engine, s.tokenizer, step, s.steps, write=s.store.writable))
+    row.update(periodic_eval(s.cfg, s.store, s.parts.engine, s.parts.tokenizer, step, s.count.steps, write=s.store.writable))
     return row
 
 
@@ -374,7 +485,7 @@ def apply_retention(s: State) -> None:
         retention.prune(s.store, t.keep_checkpoints, t.keep_steps, s.cfg.rollout.store)
 
 
-def _note(progress, dist: Dist, text: str) -> None:
+def _note(progress: Progress | None, dist: Dist, text: str) -> None:
     """One line for the user, from the main process (above the progress bar when there is one)."""
     if not dist.is_main:
         return
@@ -385,15 +496,15 @@ def _note(progress, dist: Dist, text: str) -> None:
         print(text, flush=True)
 
 
-def sync_weights(engine, model, dist: Dist) -> None:
+def sync_weights(engine: RolloutEngine, model: torch.nn.Module, dist: Dist) -> None:
     with dist.gathered(model):  # ZeRO-3: the engine reads whole weights
         engine.sync_weights(model)
 
 
 def _heldout(s: State) -> float:
-    cfg = s.cfg
-    return heldout_accuracy(s.engine, s.tokenizer, s.task, s.test_set, s.collect.sampling, cfg.eval.greedy,
-                            s.collect.chat_template, cfg.seed)
+    cfg, p, r = s.cfg, s.parts, s.run
+    return heldout_accuracy(p.engine, p.tokenizer, r.task, r.test_set, r.collect.sampling, cfg.eval.greedy,
+                            r.collect.chat_template, cfg.seed)
 
 
 def _heldout_once(s: State, stage: str, step: int) -> float:

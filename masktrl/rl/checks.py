@@ -144,11 +144,9 @@ def projected_disk(cfg: Config, checked: Checked) -> str:
 
     with torch.device("meta"):
         if cfg.model.path == "tiny":
-            from masktrl.models.tiny import TinyModelConfig, build_tiny_model
+            from masktrl.rl.warmstart import new_tiny_model
 
-            m = cfg.model
-            tiny = TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size)
-            model = build_tiny_model(checked.tokenizer, tiny, seed=cfg.seed)
+            model = new_tiny_model(cfg, checked.tokenizer)
         else:
             from transformers import AutoModelForCausalLM
 

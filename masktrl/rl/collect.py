@@ -1,6 +1,10 @@
 """One step's rollout batch: prompts -> rollout (the engine samples G responses per prompt) ->
 reward (the task's scorer, then the method's shaping) -> group advantages.
 
+This module is the one place a sample gets its reward (``score_groups``, ``shape_rewards``),
+its advantage (``set_advantages``) and its group number (``numbered``); the engines create
+samples, everything after reads them.
+
 With dynamic sampling (DAPO) groups whose rewards are all equal carry no signal: they are
 dropped and more prompts are drawn (up to ``MAX_REFILLS`` attempts) to refill the batch. Under
 several processes each generates and scores every world-th prompt's group (with its own
@@ -12,15 +16,23 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from masktrl.config import Config, RolloutConfig
 from masktrl.methods import group_advantages
 from masktrl.rl.distributed import Dist
+from masktrl.rl.sampling import grade, sample
 from masktrl.rollout.base import Sample, SamplingSettings
 from masktrl.seeding import stream_seed
-from masktrl.tasks import encode_prompt
 
 MAX_REFILLS = 4  # dynamic sampling: rollout attempts per step before training on what was kept
+
+
+class Batch(NamedTuple):
+    """A step's samples (with rewards and advantages, numbered by group) and their statistics."""
+
+    samples: list[Sample]
+    stats: dict
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,7 @@ def sampling_settings(rollout_cfg: RolloutConfig) -> SamplingSettings:
 
 
 def collect_rollouts(engine, tokenizer, task, method, params, settings: CollectSettings, step: int,
-                     dist: Dist | None = None) -> tuple[list[Sample], dict]:
+                     dist: Dist | None = None) -> Batch:
     """``prompts_per_step`` groups with rewards and advantages (samples numbered by group), and
     the step's rollout statistics."""
     dist = dist or Dist()
@@ -57,8 +69,7 @@ def collect_rollouts(engine, tokenizer, task, method, params, settings: CollectS
         seed = stream_seed(settings.seed, "rollout", step, attempt, *dist.stream_key)
         groups = generate_groups(engine, tokenizer, examples, settings.sampling, seed, settings.chat_template) if examples else []
         score_groups(task, examples, groups)  # reward: the task's score, then the method's shaping
-        for group in groups:
-            method.shape_rewards(params, group, max_len)
+        shape_rewards(groups, method, params, max_len)
         set_advantages(groups, method, params)  # within each group, where it was generated
         groups = _interleave(dist.gather_objects(groups))
         generated.extend(groups)
@@ -66,37 +77,47 @@ def collect_rollouts(engine, tokenizer, task, method, params, settings: CollectS
         if len(kept) >= want:
             break
     kept = kept[:want]
-    for g, group in enumerate(kept):
-        for s in group:
-            s.group = g
     # completions the reward failed on (scored 0), summed over the processes: same number of attempts on each
     reward_errors = sum(dist.gather_objects(getattr(task, "reward_errors", 0) - errors_before))
-    return [s for g in kept for s in g], {**rollout_stats(generated, len(kept)), "reward_errors": reward_errors}
+    return Batch(numbered(kept), {**rollout_stats(generated, len(kept)), "reward_errors": reward_errors})
 
 
 def generate_groups(engine, tokenizer, examples, settings: SamplingSettings, seed: int, chat_template=False) -> list[list[Sample]]:
     """``settings.n`` samples per example, one list per example (a GRPO group), not yet scored."""
-    prompt_ids = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in examples]
-    gens = engine.generate(prompt_ids, settings, seed)
+    prompt_ids, gens, texts = sample(engine, tokenizer, examples, settings, seed, chat_template)
     return [
-        [
-            Sample(ex.id, ex.prompt, ex.answer, ids, g, gen, text=tokenizer.decode(gen.response_ids, skip_special_tokens=True))
-            for gen in outs
-        ]
-        for g, (ex, ids, outs) in enumerate(zip(examples, prompt_ids, gens))
+        [Sample(ex.id, ex.prompt, ex.answer, ids, g, gen, text=text) for gen, text in zip(outs, group_texts)]
+        for g, (ex, ids, outs, group_texts) in enumerate(zip(examples, prompt_ids, gens, texts))
     ]
 
 
 def score_groups(task, examples, groups: list[list[Sample]]) -> None:
-    """Each sample's reward (and ``extra["score"]``) is the task's score of its text; one batched
-    call (math grading runs in a pool)."""
-    flat = [s for group in groups for s in group]
-    if not flat:
+    """Each sample's reward (and ``extra["score"]``) is the task's score of its text (``grade``:
+    one batched call)."""
+    scores = grade(task, examples, [[s.text for s in group] for group in groups])
+    for group, group_scores in zip(groups, scores):
+        for s, score in zip(group, group_scores):
+            s.reward = score
+            s.extra["score"] = score
+
+
+def shape_rewards(groups: list[list[Sample]], method, params, max_len: int) -> None:
+    """The method's reward shaping (DAPO's overlong penalty: ``method.reward_delta``) added to
+    each sample's reward; nothing for methods without it."""
+    buffer, _ = method.overlong(params)
+    if buffer <= 0:
         return
-    scores = task.score_many([examples[s.group] for s in flat], [s.text for s in flat])
-    for s, score in zip(flat, scores):
-        s.reward = score
-        s.extra["score"] = score
+    for group in groups:
+        for s in group:
+            s.reward = s.reward + method.reward_delta(params, len(s.gen.response_ids), max_len)
+
+
+def numbered(groups: list[list[Sample]]) -> list[Sample]:
+    """The samples of ``groups`` in order, each carrying its group's index in the batch."""
+    for g, group in enumerate(groups):
+        for s in group:
+            s.group = g
+    return [s for group in groups for s in group]
 
 
 def set_advantages(groups: list[list[Sample]], method=None, params=None) -> None:

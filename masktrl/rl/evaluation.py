@@ -22,12 +22,13 @@ import numpy as np
 from masktrl.config import Config, TaskConfig, from_dict, read_overrides
 from masktrl.errors import ConfigError
 from masktrl.io import atomic_write_json
+from masktrl.rl.sampling import grade, sample
 from masktrl.models.loading import load_tokenizer
 from masktrl.rollout.base import SamplingSettings
-from masktrl.runs.store import RunStore
+from masktrl.runs.store import RunStore, eval_key
 from masktrl.seeding import stream_seed
 from masktrl.stats import avg_at_k, bootstrap_ci, maj_at_k, pass_at_k_matrix
-from masktrl.tasks import encode_prompt, make_eval_task, make_task
+from masktrl.tasks import make_eval_task, make_task
 from masktrl.tasks.grader import extract_answer, normalize
 
 SCHEMA_VERSION = 1
@@ -142,13 +143,10 @@ def sample_and_grade(engine, tokenizer, task, examples, settings: SamplingSettin
     bar = progress.add_task(label, total=len(examples), info="") if progress else None
     for i, start in enumerate(range(0, len(examples), per_batch)):
         chunk = examples[start : start + per_batch]
-        prompts = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in chunk]
-        gens = engine.generate(prompts, settings, stream_seed(*seed_key, i))
-        texts = [[tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in group] for group in gens]
-        flat_ex = [ex for ex, group in zip(chunk, texts) for _ in group]
-        scores = task.score_many(flat_ex, [t for group in texts for t in group])
+        _, gens, texts = sample(engine, tokenizer, chunk, settings, stream_seed(*seed_key, i), chat_template)
+        scores = grade(task, chunk, texts)
         for j, group in enumerate(texts):
-            out.scores.append(scores[j * settings.n : (j + 1) * settings.n])
+            out.scores.append(scores[j])
             out.answers.append([_clip(extract(t)) for t in group])
             out.lengths.append([len(g.response_ids) for g in gens[j]])
             out.finished.append([g.finished for g in gens[j]])
@@ -211,18 +209,14 @@ def save(report: dict, path: Path, store: RunStore | None, bench: str, step: int
     report["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     atomic_write_json(path, report)
     if store is not None:
-        store.mark_done(f"eval/{bench}/{step:06d}", [path], avg_at_k=report["avg_at_k"], k=report["k"])
+        store.mark_done(eval_key(bench, step), [path], avg_at_k=report["avg_at_k"], k=report["k"])
 
 
 def heldout_accuracy(engine, tokenizer, task, examples, settings: SamplingSettings, greedy: bool, chat_template=False, seed=0) -> float:
     """eval_before / eval_after: the fraction of ``examples`` (the task's held-out split) answered
     correctly with one completion each, greedy or sampled."""
-    one = replace(settings, n=1, greedy=greedy)
-    prompts = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in examples]
-    gens = engine.generate(prompts, one, seed)
-    texts = [tokenizer.decode(gen.response_ids, skip_special_tokens=True) for (gen,) in gens]
-    scores = task.score_many(examples, texts)
-    return sum(x > 0 for x in scores) / max(1, len(examples))
+    _, _, texts = sample(engine, tokenizer, examples, replace(settings, n=1, greedy=greedy), seed, chat_template)
+    return sum(score > 0 for (score,) in grade(task, examples, texts)) / max(1, len(examples))
 
 
 def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, last_step: int, *, write: bool = True) -> dict:

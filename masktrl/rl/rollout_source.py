@@ -16,8 +16,8 @@ from pathlib import Path
 
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
-from masktrl.rl.collect import rollout_stats
-from masktrl.runs.store import RunStore, is_run_folder
+from masktrl.rl.collect import Batch, numbered, rollout_stats
+from masktrl.runs.store import RunStore, done_steps, is_run_folder, rollout_key
 from masktrl.rollout.storage import read_rollouts
 
 
@@ -55,17 +55,14 @@ class RolloutSource:
     def num_steps(self) -> int:
         return len(self._files) if self._files is not None else len(self._batches)
 
-    def batch(self, step: int):
-        """(samples, stats) of the step-th batch (1-based), groups renumbered 0..P-1."""
+    def batch(self, step: int) -> Batch:
+        """The step-th batch (1-based), groups renumbered 0..P-1."""
         if self._files is not None:
-            self._store.verify(f"step/{step:06d}/rollout")  # again: the source may have changed since the start
+            self._store.verify(rollout_key(step))  # again: the source may have changed since the start
             samples, meta = self._read(self._files[step - 1])
-            return samples, meta.get("stats") or rollout_stats(_group(samples), len(_group(samples)))
+            return Batch(samples, meta.get("stats") or rollout_stats(_group(samples), len(_group(samples))))
         groups = self._batches[step - 1]
-        for g, group in enumerate(groups):
-            for s in group:
-                s.group = g
-        return [s for g in groups for s in g], rollout_stats(groups, len(groups))
+        return Batch(numbered(groups), rollout_stats(groups, len(groups)))
 
     def _read(self, path: Path):
         return read_rollouts(path, vocab_size=self.vocab_size)
@@ -89,8 +86,7 @@ def _run_batches(root: Path, steps: int | None) -> tuple[RunStore, list[Path]]:
     if not is_run_folder(root):
         raise MasktrlError(f"--rollouts-from {root}: not a masktrl run folder (no run.yaml) and not a parquet file")
     store = RunStore(root, writable=False)
-    recorded = sorted(int(k.split("/")[1]) for k, v in store.manifest["stages"].items()
-                      if k.startswith("step/") and k.endswith("/rollout") and v.get("status") == "done")
+    recorded = done_steps(store.manifest["stages"], "rollout")
     if not recorded:
         raise MasktrlError(f"{root}: no stored rollouts recorded in its manifest (a run with rollout.store=resume deletes "
                            "each batch once a checkpoint covers it)")
@@ -102,7 +98,7 @@ def _run_batches(root: Path, steps: int | None) -> tuple[RunStore, list[Path]]:
         )
     usable = recorded[: steps or None]
     for step in usable:
-        store.verify(f"step/{step:06d}/rollout")
+        store.verify(rollout_key(step))
     return store, [store.rollout_path(step) for step in usable]
 
 

@@ -2,7 +2,7 @@
 
 ``lr_factor`` gives the multiplier of ``train.lr`` for optimizer update ``u`` (0-based; the
 scheduler steps once per optimizer update, so a run makes ``train.steps x train.minibatches``
-of them). ``constant`` is the schedule masktrl always had: ``min(1, (u + 1) / warmup)``, then 1.
+of them). ``constant``: ``min(1, (u + 1) / warmup)``, then 1 (the warm start uses it too).
 After the warm-up, ``linear`` and ``cosine`` decay from 1 at update ``warmup`` towards
 ``min_ratio`` at update ``total`` (one past the last update, as in transformers'
 ``get_linear_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup`` with a floor).

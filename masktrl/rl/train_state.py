@@ -25,7 +25,7 @@ from masktrl.io import atomic_dir, atomic_write_json
 from masktrl.models.loading import load_model_and_tokenizer
 from masktrl.rl.distributed import Dist
 from masktrl.runs.faults import maybe_crash
-from masktrl.runs.store import RunStore
+from masktrl.runs.store import RunStore, checkpoint_key
 
 ENGINE_STATE_DIR = "deepspeed"  # DeepSpeed's own checkpoint format, inside checkpoints/<step>/
 
@@ -78,7 +78,7 @@ def save_step(store: RunStore, step: int, model, tokenizer, optimizer, scheduler
         path = save(dest, model, tokenizer, None if dist.deepspeed else optimizer, scheduler, step, extra=extra, state_dict=state,
                     engine_state=shards)
         store.sync_metrics()  # the metrics rows of the checkpoint's steps are durable before it is recorded
-        store.mark_done(f"checkpoint/{step:06d}", [path])
+        store.mark_done(checkpoint_key(step), [path])
     dist.barrier()
 
 

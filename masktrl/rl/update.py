@@ -82,42 +82,11 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     rows, trained, skipped = [], 0, 0
     model.train()
     for mb, idx in enumerate(parts):
-        mb_samples = [samples[i] for i in idx.tolist()]
-        u = _sis_uniforms(mb_samples, seed, step, mb) if method.needs_u(params) else None
-        total = method.denominator(params, valid_counts(mb_samples))  # of the whole minibatch
-        optimizer.zero_grad(set_to_none=True)
-        micro_rows, loss_value = [], 0.0
-        for micro in micro_batches(len(mb_samples), dist.rank, dist.world, settings.grad_accum):
-            with dist.accumulate(model):
-                micro_samples = [mb_samples[i] for i in micro]
-                out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk,
-                                         share=_agreed_share(micro_samples, dist))
-                u_micro = None if u is None else torch.cat([u[i] for i in micro]).to(out.batch.logp.dtype)
-                losses = method.token_losses(out.batch, out.advantages, params, u=u_micro)
-                if before is not None:
-                    before(mb, [idx[i].item() for i in micro], out, losses, u_micro)
-                loss = method.aggregate(params, losses.loss, out.batch, horizon=settings.horizon)
-                share = method.denominator(params, out.batch) / max(total, 1)  # 1.0 for one process, one micro-batch
-                dist.backward(loss if share == 1.0 and dist.world == 1 else loss * (share * dist.world))
-            loss_value += loss.item() * share
-            trained += len(micro)
-            micro_rows.append({**token_diagnostics(out.batch, losses, out.advantages, params), "entropy": out.entropy.mean().item()})
-            if settings.gradient_checkpointing:
-                micro_rows[-1]["shared_prompt_frac"] = float(out.shared_prompt)
-        grad_norm = dist.clip_grad_norm(model, settings.grad_clip)
-        loss_total = dist.sum([loss_value])[0]
-        if math.isfinite(loss_total) and (math.isfinite(grad_norm) or dist.deepspeed):  # DeepSpeed: no norm; it stepped already
-            optimizer.step()
-        else:  # not applied: the weights and the optimizer state stay as they were
-            optimizer.zero_grad(set_to_none=True)
-            skipped += 1
-        with warnings.catch_warnings():  # torch warns when the first update of a run is the skipped one
-            warnings.simplefilter("ignore", UserWarning)
-            scheduler.step()  # the schedule follows the updates planned, applied or not
+        diag, n, applied = minibatch_update(model, optimizer, scheduler, samples, idx, mb, method, params, settings, seed, step, dist,
+                                            before=before)
+        trained, skipped = trained + n, skipped + (not applied)
         if after is not None:
             after(mb, idx.tolist())
-        diag = combine_rows([r for rank_rows in dist.gather_objects(micro_rows) for r in rank_rows])
-        diag.update(loss=loss_total, grad_norm=grad_norm)
         rows.append(diag)
     model.eval()
     stats = _mean_rows(rows)
@@ -125,6 +94,48 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     if dist.world > 1:  # shows the sharding: sequences each process trained on, in rank order
         stats["sequences_per_process"] = dist.gather_objects(trained)
     return stats
+
+
+def minibatch_update(model, optimizer, scheduler, samples: list[Sample], idx: torch.Tensor, mb: int, method, params,
+                     settings: UpdateSettings, seed: int, step: int, dist: Dist, *, before=None) -> tuple[dict, int, bool]:
+    """One optimizer update on minibatch ``mb`` (``idx``: its indices into ``samples``), this
+    process's micro-batches of it accumulated; (its diagnostics, the sequences this process
+    trained on, whether the update was applied)."""
+    mb_samples = [samples[i] for i in idx.tolist()]
+    u = _sis_uniforms(mb_samples, seed, step, mb) if method.needs_u(params) else None
+    total = method.denominator(params, valid_counts(mb_samples))  # of the whole minibatch
+    optimizer.zero_grad(set_to_none=True)
+    micro_rows, loss_value, trained = [], 0.0, 0
+    for micro in micro_batches(len(mb_samples), dist.rank, dist.world, settings.grad_accum):
+        with dist.accumulate(model):
+            micro_samples = [mb_samples[i] for i in micro]
+            out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk,
+                                     share=_agreed_share(micro_samples, dist))
+            u_micro = None if u is None else torch.cat([u[i] for i in micro]).to(out.batch.logp.dtype)
+            losses = method.token_losses(out.batch, out.advantages, params, u=u_micro)
+            if before is not None:
+                before(mb, [idx[i].item() for i in micro], out, losses, u_micro)
+            loss = method.aggregate(params, losses.loss, out.batch, horizon=settings.horizon)
+            share = method.denominator(params, out.batch) / max(total, 1)  # 1.0 for one process, one micro-batch
+            dist.backward(loss if share == 1.0 and dist.world == 1 else loss * (share * dist.world))
+        loss_value += loss.item() * share
+        trained += len(micro)
+        micro_rows.append({**token_diagnostics(out.batch, losses, out.advantages, params), "entropy": out.entropy.mean().item()})
+        if settings.gradient_checkpointing:
+            micro_rows[-1]["shared_prompt_frac"] = float(out.shared_prompt)
+    grad_norm = dist.clip_grad_norm(model, settings.grad_clip)
+    loss_total = dist.sum([loss_value])[0]
+    applied = math.isfinite(loss_total) and (math.isfinite(grad_norm) or dist.deepspeed)  # DeepSpeed: no norm; it stepped already
+    if applied:
+        optimizer.step()
+    else:  # not applied: the weights and the optimizer state stay as they were
+        optimizer.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():  # torch warns when the first update of a run is the skipped one
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()  # the schedule follows the updates planned, applied or not
+    diag = combine_rows([r for rank_rows in dist.gather_objects(micro_rows) for r in rank_rows])
+    diag.update(loss=loss_total, grad_norm=grad_norm)
+    return diag, trained, applied
 
 
 def _agreed_share(samples: list[Sample], dist: Dist) -> bool | None:

@@ -21,10 +21,7 @@ tokenizer and, with ``model.embedding_init: numbers``, structured number-token e
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
-import os
 import random
 import sys
 import time
@@ -36,10 +33,12 @@ from masktrl.config import Config
 from masktrl.models.loading import load_model_and_tokenizer, quiet_transformers
 from masktrl.models.numbers import init_number_embeddings
 from masktrl.models.tiny import TinyModelConfig, build_tiny_model, tiny_tokenizer
-from masktrl.io import atomic_dir, atomic_write_json, file_mode, sha256_file
+from masktrl.io import atomic_dir, atomic_write_json, sha256_file
 from masktrl.rl.evaluation import heldout_accuracy
+from masktrl.rl.schedule import lr_factor
 from masktrl.rollout.base import SamplingSettings
 from masktrl.rollout.hf import HFEngine
+from masktrl.runs import locks
 
 
 WARMSTART_VERSION = 3  # bump when the warm-start procedure changes: old cache entries are then ignored
@@ -69,14 +68,14 @@ def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):
                 info = json.loads((cache / "warmstart.json").read_text())
                 return model, tokenizer, {**info, "cached": True, "path": str(cache)}
             print(f"warm-start cache {cache}: {problem}; building it again", file=sys.stderr, flush=True)
-        return _build(cfg, task, cache, progress)
+        return _train_entry(cfg, task, cache, progress)
 
 
-def _build(cfg: Config, task, cache: Path, progress=None):
+def _train_entry(cfg: Config, task, cache: Path, progress=None):
+    """Build the tiny model, warm-start it and store it as the cache entry ``cache``; (model, tokenizer, info) as reloaded."""
     m = cfg.model
     tokenizer = tiny_tokenizer(m.tokenizer, task.alphabet())
-    tiny = TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size)
-    model = build_tiny_model(tokenizer, tiny, seed=cfg.seed)
+    model = new_tiny_model(cfg, tokenizer)
     if m.embedding_init == "numbers":
         init_number_embeddings(model, tokenizer)
     t0 = time.time()
@@ -96,6 +95,14 @@ def _build(cfg: Config, task, cache: Path, progress=None):
     return model, tokenizer, {**info, "files": files, "cached": False, "path": str(cache)}
 
 
+def new_tiny_model(cfg: Config, tokenizer):
+    """The tiny model of ``cfg.model`` with ``tokenizer``'s vocabulary, initialised from ``cfg.seed``
+    (on the meta device too: the disk projection counts its parameters)."""
+    m = cfg.model
+    return build_tiny_model(tokenizer, TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size),
+                            seed=cfg.seed)
+
+
 def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None, checks: list | None = None) -> list[float]:
     """The supervised steps; returns their losses. With ``warmstart.target_accuracy`` it stops at
     the first check (every CHECK_EVERY steps) that reaches the target, appending each check's
@@ -106,7 +113,7 @@ def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None, che
     rng = random.Random(f"warmstart-{cfg.seed}")
     check = _accuracy_check(model, tokenizer, task, cfg) if ws.target_accuracy is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_constant(ws.warmup_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor("constant", ws.warmup_steps, ws.steps))  # see docs/DESIGN.md
     model.train()
     losses: list[float] = []
     task_id = progress.add_task("warm start", total=ws.steps, info="") if progress else None
@@ -166,12 +173,6 @@ def _sft_batch(tokenizer, task, examples):
     return input_ids, attention, labels
 
 
-def _warmup_constant(warmup: int):
-    # A decaying schedule stalled the tiny model before it learned carries (1% vs 28% held-out
-    # accuracy after 400 steps, seed 0): keep the rate constant after the warm-up.
-    return lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-
-
 def _save_atomically(model, tokenizer, info: dict, dest: Path) -> dict:
     """Write the entry; returns its files' sha256 (also recorded in its warmstart.json)."""
     with atomic_dir(dest) as tmp:
@@ -199,13 +200,6 @@ def cache_problem(entry: Path) -> str | None:
     return None
 
 
-@contextlib.contextmanager
 def _entry_lock(entry: Path):
-    locks = entry.parent.parent / "locks"  # <out>/.cache/locks: the warm-start folder holds entries only
-    locks.mkdir(parents=True, exist_ok=True)
-    fd = os.open(locks / f"warmstart-{entry.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, file_mode())
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    """The cache entry's lock: ``<out>/.cache/locks/warmstart-<entry>.lock`` (the warm-start folder holds entries only)."""
+    return locks.cache_lock(entry.parent.parent / "locks" / f"warmstart-{entry.name}.lock")

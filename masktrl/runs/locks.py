@@ -6,8 +6,8 @@ The lock is ``fcntl.flock`` on an open file: the kernel drops it when the proces
 it ends (SIGKILL and a machine reboot included), so a lock file left behind by a dead process
 is simply taken over by the next writer. The file stays empty: the holder's pid, which the
 message a second writer gets names, is read from the kernel's lock table (``/proc/locks``), so
-a refused command changes no byte of the run. A lock is per open file, so one process that takes the
-same run's lock twice (a command and the pipeline stage it calls) counts references instead.
+a refused command changes no byte of the run. A process takes a run's lock once (``train`` does,
+for the whole run); taking it again while holding it is a bug, refused.
 
 ``holder`` asks, without waiting, whether some process holds a run's lock: ``masktrl runs`` and
 ``RunStore.status`` tell a live run from a dead one by it (a pid can be reused; a lock cannot
@@ -18,6 +18,9 @@ Commands that write *into* a run without training it do not take this lock: ``ma
 writes ``eval/<bench>-step<S>.json`` atomically and records it in the manifest, whose
 read-modify-write is serialised by a second, short lock on the run folder itself
 (``manifest_lock``), so evaluating a running run is safe; the analyses write only their own files under ``analysis/``, atomically.
+
+``exclusive`` is the one wait-for-it flock of masktrl: the manifest lock and the warm-start
+cache's entry locks (``<out>/.cache/locks/``) are both made of it.
 
 On NFS, Linux implements flock with the server's byte-range locks (NFSv4), which also work
 across nodes.
@@ -38,7 +41,7 @@ from masktrl.io import file_mode
 LOCK_NAME = ".lock"
 WAIT_S = 1.0  # how long ``acquire`` retries: longer than any ``holder`` probe holds its shared lock
 
-_held: dict[Path, list] = {}  # resolved run folder -> [fd, references]
+_held: dict[Path, int] = {}  # resolved run folder -> the open lock file's descriptor
 
 
 class RunBusyError(MasktrlError):
@@ -50,8 +53,7 @@ def acquire(root: Path, *, wait_s: float = WAIT_S) -> None:
     root = Path(root)
     key = _key(root)
     if key in _held:
-        _held[key][1] += 1
-        return
+        raise MasktrlError(f"{root}: this process holds the run's lock already")
     path = root / LOCK_NAME
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -75,19 +77,14 @@ def acquire(root: Path, *, wait_s: float = WAIT_S) -> None:
                     "(nothing was changed)"
                 ) from None
             time.sleep(0.05)
-    _held[key] = [fd, 1]
+    _held[key] = fd
 
 
 def release(root: Path) -> None:
-    """Drop one reference to the run's lock; the last one unlocks it."""
-    key = _key(Path(root))
-    entry = _held.get(key)
-    if entry is None:
-        return
-    entry[1] -= 1
-    if entry[1] == 0:
-        del _held[key]
-        os.close(entry[0])  # closing the file releases the flock
+    """Drop the run's lock (closing the file releases the flock)."""
+    fd = _held.pop(_key(Path(root)), None)
+    if fd is not None:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -106,8 +103,7 @@ def holds(root: Path) -> bool:
 
 
 def holder(root: Path) -> int | None:
-    """The pid holding the run's lock (-1 if the kernel does not say), or None if nobody holds
-    it; also None for a run without a lock file (written before locks existed)."""
+    """The pid holding the run's lock (-1 if the kernel does not say), or None if nobody holds it."""
     root = Path(root)
     if holds(root):
         return os.getpid()
@@ -126,10 +122,6 @@ def holder(root: Path) -> int | None:
         os.close(fd)
 
 
-def has_lock_file(root: Path) -> bool:
-    return (Path(root) / LOCK_NAME).is_file()
-
-
 @contextlib.contextmanager
 def manifest_lock(root: Path):
     """A short exclusive lock (flock on the run folder) around one read-modify-write of the
@@ -140,6 +132,20 @@ def manifest_lock(root: Path):
     except OSError:  # no folder yet (the write creates it) or no access (the write will say so)
         yield
         return
+    with exclusive(fd):
+        yield
+
+
+def cache_lock(path: Path):
+    """An exclusive lock on the lock file ``path`` (created, with its folder), waited for."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return exclusive(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, file_mode()))
+
+
+@contextlib.contextmanager
+def exclusive(fd: int):
+    """Hold an exclusive flock on the open file ``fd`` for the block, waiting for it; the file is
+    closed after (which releases the lock)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -1,5 +1,5 @@
-"""What a train command does with its run folder (``plan_start``): a new run, a resume, or a
-restart in place of a failed or interrupted run. Re-running the command of a run that failed
+"""What a train command does with its run folder (``plan_run``, ``plan_start``): a new run, a
+resume, or a restart in place of a failed or interrupted run. Re-running the command of a run that failed
 or was interrupted continues it (same config: as ``--resume`` would) or, when the config
 changed and no checkpoint was completed yet, starts it again in the same folder; nothing has to
 be deleted by hand."""
@@ -7,14 +7,15 @@ be deleted by hand."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from masktrl.config import Config, diff_configs
+from masktrl.config import Config, diff_configs, load_config
 from masktrl.errors import MasktrlError
 from masktrl.io import disk_problem
 from masktrl.runs import locks
-from masktrl.runs.store import RunStore, is_fresh_folder, is_run_folder
+from masktrl.runs.store import RunStore, check_run_name, is_fresh_folder, is_run_folder, resolve_run
 
 
 @dataclass
@@ -26,6 +27,76 @@ class Start:
     root: Path
     mode: str
     note: str = ""
+
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What ``masktrl train`` was asked for, before anything is resolved."""
+
+    config: tuple[Path, ...] | None = None  # --config files, composed in order (None: configs/tiny.yaml)
+    method: str | None = None
+    run: str | None = None  # --run (default: <method>-<timestamp>)
+    out: Path = Path("outputs")
+    seed: int | None = None
+    overrides: tuple[str, ...] = ()  # --set KEY=VALUE
+    resume: str | None = None  # --resume RUN: a name under out, or a folder
+    force: bool = False  # with resume: accept a config that differs from run.yaml
+    rollouts_from: str | None = None  # a run (folder, or name under out) or a rollout file
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A request resolved: the run folder and what to do with it, the config to train with,
+    ``--rollouts-from`` as a path, and the keys ``--resume --force`` changes."""
+
+    start: Start
+    cfg: Config
+    rollouts_from: str | None = None
+    forced_changes: list[str] = field(default_factory=list)
+    explicit_resume: bool = False  # --resume (else the folder's state decided)
+
+    @property
+    def root(self) -> Path:
+        return self.start.root
+
+
+def plan_run(request: RunRequest, *, main: bool = True) -> Plan:
+    """Resolve ``request`` without writing anything: the folder (``--resume``'s run, or
+    ``--out/--run``), the config (run.yaml on ``--resume``, unless other settings agree with it
+    or ``--force``), and what to do with the folder (``plan_start``; only the main process of a
+    launch decides, the others follow it)."""
+    r = request
+    if r.resume:
+        start = Start(resolve_run(r.resume, r.out), "resume")
+    else:
+        cfg = load_config(r.config, list(r.overrides), method=r.method, seed=r.seed)
+        name = check_run_name(r.run) if r.run is not None else f"{cfg.method_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        root = Path(r.out) / name
+        start = plan_start(root, cfg) if main else Start(root, "new")
+    rollouts_from = r.rollouts_from
+    if rollouts_from and not Path(rollouts_from).exists() and is_run_folder(Path(r.out) / rollouts_from):
+        rollouts_from = str(Path(r.out) / rollouts_from)  # a run given by name
+    changed: list[str] = []
+    if start.mode == "resume":
+        store = RunStore(start.root)
+        store.check_resumable()
+        if r.resume:
+            cfg, changed = _resume_config(store, r)
+    return Plan(start, cfg, rollouts_from, changed, explicit_resume=bool(r.resume))
+
+
+def _resume_config(store: RunStore, r: RunRequest) -> tuple[Config, list[str]]:
+    """(run.yaml, or the given config/overrides if they agree with it or --force; the keys that differ)."""
+    saved_path = store.root / "run.yaml"
+    saved = store.config()
+    if not r.config and not r.overrides and r.method is None and r.seed is None:
+        return saved, []
+    cfg = load_config(r.config or [saved_path], list(r.overrides), method=r.method, seed=r.seed)
+    changed = diff_configs(saved, cfg)
+    if changed and not r.force:
+        raise MasktrlError(f"config differs from {saved_path} in {', '.join(changed)}; pass --force to resume with it anyway")
+    return cfg, changed
 
 
 def plan_start(root: Path, cfg: Config, *, resume: bool = False) -> Start:

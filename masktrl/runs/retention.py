@@ -30,6 +30,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from masktrl.runs.store import checkpoint_key, done_steps, key_step, rollout_key
+
 ROLLOUT_BYTES_PER_TOKEN = {"bfloat16": 38.7, "float16": 78.0, "float32": 78.0}
 """Bytes of a stored rollout batch per generated token at K = 20 with Qwen3's 151,936-token
 vocabulary and trained-model-like (Zipf) ids, by ``model.dtype``: rollout storage format 2 on
@@ -71,18 +73,17 @@ def prune(store, keep: int | None, keep_steps: tuple[int, ...], rollout_store: s
         return {"checkpoints": [], "rollouts": []}
     with store.updating() as manifest:  # under the run's manifest lock: a stage an eval records meanwhile is kept
         stages = manifest["stages"]
-        done_ckpt = sorted(int(k.split("/")[1]) for k, v in stages.items() if k.startswith("checkpoint/") and v.get("status") == "done")
-        stored = sorted(int(k.split("/")[1]) for k, v in stages.items()
-                        if k.startswith("step/") and k.endswith("/rollout") and v.get("status") == "done")
+        done_ckpt = done_steps(stages, "checkpoint")
+        stored = done_steps(stages, "rollout")
         ckpts = checkpoints_to_prune(done_ckpt, keep, keep_steps)
         rollouts = rollouts_to_prune(stored, done_ckpt[-1] if done_ckpt else 0, rollout_store)
-        keys = [f"checkpoint/{s:06d}" for s in ckpts] + [f"step/{s:06d}/rollout" for s in rollouts]
+        keys = [checkpoint_key(s) for s in ckpts] + [rollout_key(s) for s in rollouts]
         for key in keys:
             stages[key] = {**stages[key], "status": "pruned"}
     for key, entry in stages.items():
         if entry.get("status") != "pruned":
             continue
-        step = int(key.split("/")[1])
+        step = key_step(key)
         if key.startswith("checkpoint/"):
             shutil.rmtree(store.checkpoint_dir(step), ignore_errors=True)
         else:

@@ -30,11 +30,12 @@ import yaml
 
 from masktrl.config import Config, from_dict, save_config
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
-from masktrl.io import atomic_write_text, json_default, naming, sha256_file
+from masktrl.io import atomic_write_json, atomic_write_text, json_default, naming, sha256_file
 from masktrl.runs import locks
 from masktrl.rollout.storage import read_rollouts, write_rollouts
 
 MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1  # the manifest layout this masktrl writes and reads
 MAX_NAME_BYTES = 200
 
 
@@ -91,17 +92,49 @@ def resolve_run(run: str | Path, out: Path | None = None) -> Path:
     raise ArtifactError(f"unknown run {run}: no such folder{where}")
 
 
-def process_alive(pid: object) -> bool:
-    """Whether a process with this id exists (a run's manifest records its trainer's pid)."""
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+# -- stage keys: the one place that formats and parses them
+def step_name(step: int) -> str:
+    """A step's folder name under ``steps/`` and ``checkpoints/``: ``000012``."""
+    return f"{step:06d}"
+
+
+def rollout_key(step: int) -> str:
+    """The stage of a step's stored rollout batch: ``step/000012/rollout``."""
+    return f"step/{step_name(step)}/rollout"
+
+
+def update_key(step: int) -> str:
+    """The stage of a step's policy update: ``step/000012/train``."""
+    return f"step/{step_name(step)}/train"
+
+
+def checkpoint_key(step: int) -> str:
+    """The stage of a checkpoint: ``checkpoint/000012``."""
+    return f"checkpoint/{step_name(step)}"
+
+
+def eval_key(bench: str, step: int) -> str:
+    """The stage of a benchmark eval of the policy after ``step`` updates: ``eval/math500/000012``."""
+    return f"eval/{bench}/{step_name(step)}"
+
+
+def key_step(key: str) -> int:
+    """The step a ``step/...`` or ``checkpoint/...`` stage names."""
+    return int(key.split("/")[1])
+
+
+def _kind(key: str) -> str | None:
+    """``rollout``, ``train`` or ``checkpoint`` for the stages of a step; None for others."""
+    if key.startswith("checkpoint/"):
+        return "checkpoint"
+    if key.startswith("step/"):
+        return key.rsplit("/", 1)[-1]
+    return None
+
+
+def done_steps(stages: dict, kind: str, status: str | None = "done") -> list[int]:
+    """The steps whose ``kind`` stage (rollout | train | checkpoint) has ``status`` (None: any), sorted."""
+    return sorted(key_step(k) for k, v in stages.items() if _kind(k) == kind and status in (None, v.get("status")))
 
 
 class RunStore:
@@ -129,10 +162,10 @@ class RunStore:
         return self.root.name
 
     def step_dir(self, step: int) -> Path:
-        return self.root / "steps" / f"{step:06d}"
+        return self.root / "steps" / step_name(step)
 
     def checkpoint_dir(self, step: int) -> Path:
-        return self.root / "checkpoints" / f"{step:06d}"
+        return self.root / "checkpoints" / step_name(step)
 
     @property
     def metrics_path(self) -> Path:
@@ -146,7 +179,7 @@ class RunStore:
             if path.exists():
                 self._manifest = _read_manifest(path)
             else:
-                self._manifest = {"version": 1, "stages": {}}
+                self._manifest = {"version": MANIFEST_VERSION, "stages": {}}
             self._manifest["stages"].update(self._pending)  # re-read from disk: keep what is deferred
         return self._manifest
 
@@ -337,13 +370,10 @@ class RunStore:
         return status
 
     def writer_alive(self) -> bool:
-        """Whether a process is writing this run: it holds the run's lock (runs from before
-        locks existed: the recorded trainer pid exists)."""
+        """Whether a process is writing this run: it holds the run's lock."""
         if locks.holds(self.root):  # this process: alive if it is the trainer the manifest names
             return self.manifest.get("pid") == os.getpid()
-        if locks.has_lock_file(self.root):
-            return locks.holder(self.root) is not None
-        return process_alive(self.manifest.get("pid"))
+        return locks.holder(self.root) is not None
 
     # -- one writer
     @contextlib.contextmanager
@@ -378,20 +408,24 @@ class RunStore:
         except Exception:  # noqa: BLE001  (see recording_failure)
             pass
 
-    def previous_wall_time(self) -> float:
+    def recorded_wall_time(self) -> float:
         """Wall time of the run's earlier sessions, as the last of them recorded it (at each
-        checkpoint and when it ended); a run from before this was recorded: its summary's."""
-        recorded = self.manifest.get("wall_time_s")
-        if isinstance(recorded, (int, float)):
-            return float(recorded)
-        try:
-            return float((self.summary() or {}).get("wall_time_s") or 0.0)
-        except (ArtifactError, TypeError, ValueError):
-            return 0.0
+        checkpoint and when it ended)."""
+        return float(self.manifest.get("wall_time_s") or 0.0)
+
+    def write_summary(self, summary: dict, *, step: int) -> None:
+        """Write summary.json (after making the metrics rows durable), record it as stage
+        ``summary`` at ``step`` and mark the run complete."""
+        path = self.root / "summary.json"
+        if self.writable:
+            self.sync_metrics()
+            atomic_write_json(path, summary)
+        self.mark_done("summary", [path], step=step)
+        self.set_info(status="complete", wall_time_s=summary["wall_time_s"])
 
     def restart(self) -> None:
         """Start this folder's run again from scratch: a failed or interrupted run without a
-        completed checkpoint, re-run with another config (``preflight.plan_start``). The files
+        completed checkpoint, re-run with another config (``runs/plan.py``). The files
         its stages recorded (stored rollouts, evals) and its metrics are deleted, as nothing of
         them can be reused; the manifest keeps how each earlier attempt ended."""
         if not self.writable:
@@ -404,7 +438,7 @@ class RunStore:
         for path in (self.metrics_path, self.root / "summary.json"):
             path.unlink(missing_ok=True)
         attempts = [*old.get("attempts", []), {"status": old.get("status"), "reason": old.get("reason"), "restarted": time.time()}]
-        self._manifest = {"version": 1, "stages": {}, "attempts": attempts}
+        self._manifest = {"version": MANIFEST_VERSION, "stages": {}, "attempts": attempts}
         self._pending.clear()
         with locks.manifest_lock(self.root):
             self.write_manifest()
@@ -426,7 +460,7 @@ class RunStore:
         return [s for s in self._recorded_checkpoints() if self.checkpoint_dir(s).is_dir()]
 
     def _recorded_checkpoints(self) -> list[int]:
-        return sorted(int(k.split("/")[1]) for k, v in self.manifest["stages"].items() if k.startswith("checkpoint/") and v.get("status") == "done")
+        return done_steps(self.manifest["stages"], "checkpoint")
 
     def starting_policy(self) -> str:
         """Where the run's RL started (step 0): its warm-start cache entry (also found beside the
@@ -463,7 +497,7 @@ class RunStore:
         if step not in self.checkpoints():
             avail = ", ".join(["0 (starting policy)", *map(str, self.checkpoints())])
             raise ConfigError(f"run {self.root} has no checkpoint {step} (none complete at that step); available steps: {avail}")
-        self.verify(f"checkpoint/{step:06d}")
+        self.verify(checkpoint_key(step))
         return str(self.checkpoint_dir(step))
 
     # -- rollouts
@@ -481,7 +515,7 @@ class RunStore:
         below ``vocab_size`` when it is given); ``verify``: check its hash first."""
         path = self.rollout_path(step)
         if verify:
-            self.verify(f"step/{step:06d}/rollout")
+            self.verify(rollout_key(step))
         elif not path.is_file():
             have = self.rollout_steps()
             span = f"{have[0]}..{have[-1]}" if have else "none"
@@ -493,7 +527,7 @@ class RunStore:
         path = self.rollout_path(step)
         if self.writable:
             write_rollouts(path, samples, meta)
-        self.mark_done(f"step/{step:06d}/rollout", [path])
+        self.mark_done(rollout_key(step), [path])
 
     # -- resume
     def resume_step(self, vocab_size: int | None = None) -> int:
@@ -505,12 +539,12 @@ class RunStore:
         if self._resume_from is not None:
             return self._resume_from
         step = (self._recorded_checkpoints() or [0])[-1]
-        for key, entry in self.manifest["stages"].items():
-            if entry.get("status") == "done" and key.startswith("step/") and key.endswith("/rollout") and int(key.split("/")[1]) > step:
-                self.verify(key)
-                read_rollouts(self.root / next(iter(entry["files"])), vocab_size=vocab_size)
+        for later in done_steps(self.manifest["stages"], "rollout"):
+            if later > step:
+                self.verify(rollout_key(later))
+                read_rollouts(self.root / next(iter(self.stage(rollout_key(later))["files"])), vocab_size=vocab_size)
         if step:
-            self.verify(f"checkpoint/{step:06d}")
+            self.verify(checkpoint_key(step))
         self.check_metrics(step)
         self._resume_from = step
         return step
@@ -522,9 +556,9 @@ class RunStore:
         if not self.writable:
             return
         with self.updating() as manifest:
-            for key in [k for k in manifest["stages"] if k.startswith("step/") and k.endswith("/train")]:
-                if int(key.split("/")[1]) > step:
-                    del manifest["stages"][key]
+            for later in done_steps(manifest["stages"], "train", status=None):
+                if later > step:
+                    del manifest["stages"][update_key(later)]
         if self.writable:
             rows = [r for r in self.read_metrics() if r["step"] <= step]
             atomic_write_text(self.metrics_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
@@ -558,10 +592,12 @@ def _read_manifest(path: Path) -> dict:
                 problem = f"stage {name!r} is not an object with a status"
             elif not isinstance(entry.get("files", {}), dict) or not all(isinstance(v, str) for v in entry.get("files", {}).values()):
                 problem = f"stage {name!r} has no valid file list"
-            elif name.startswith(("step/", "checkpoint/")) and not name.split("/")[1].isdigit():
+            elif _kind(name) is not None and not name.split("/")[1].isdigit():
                 problem = f"stage {name!r} names no step"
             if problem:
                 break
     if problem:
         raise ArtifactError(f"{path}: not a masktrl manifest ({problem})")
+    if manifest.get("version") != MANIFEST_VERSION:
+        raise ArtifactError(f"{path}: manifest version {manifest.get('version')!r}; this masktrl reads version {MANIFEST_VERSION}")
     return manifest

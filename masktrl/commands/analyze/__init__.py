@@ -1,0 +1,88 @@
+"""``masktrl analyze <analysis>``: studies of finished runs, written as JSON + PNG.
+
+Runs are given as folders or as names under ``--out`` (the folder of runs, as on every
+command). Single-run analyses write under ``<run>/analysis/``; multi-run analyses under
+``--output``, else the first run's parent ``analysis/`` folder. See docs/ANALYSIS.md.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from masktrl.commands.ui import console
+from masktrl.commands.options import DEFAULT_OUT, Command, Group, OutOpt  # noqa: F401  (DEFAULT_OUT, Command, OutOpt: for the analyses)
+
+app = typer.Typer(
+    cls=Group,
+    help="Analyses of runs: disagreement (token study), estimators (top-K Ḋ vs exact), dynamics (curves), compare (seed statistics), sis.",
+    no_args_is_help=True,
+)
+
+RunArg = Annotated[str, typer.Option("--run", metavar="RUN", help="Run folder, or a run name under --out.", show_default=False)]
+RunsArg = Annotated[list[str], typer.Argument(metavar="RUN", help="Run folders or names under --out, or folders of runs.", show_default=False)]
+ResultOpt = Annotated[
+    Optional[Path],
+    typer.Option("--output", "-o", metavar="DIR", help="Where to write JSON + PNG (default: the first run's parent analysis/).", show_default=False),
+]
+StepOpt = Annotated[
+    Optional[int], typer.Option("--step", metavar="S", help="Rollout step S (default: the latest S whose checkpoint S-1 exists).", show_default=False)
+]
+
+
+def fmt(x, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:.{digits}f}"
+
+
+def pm(mean, se, digits: int = 3) -> str:
+    return fmt(mean, digits) if se is None or se != se else f"{fmt(mean, digits)} ± {fmt(se, digits)}"
+
+
+def written(paths: list[Path]) -> None:
+    console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
+
+
+StudyRunsOpt = Annotated[
+    list[str],
+    typer.Option("--run", metavar="RUN", help="Run folder, run name under --out, or a folder of runs (a sweep); repeat to pool runs.",
+                 show_default=False),
+]
+StepsOpt = Annotated[
+    Optional[str],
+    typer.Option("--steps", "--step", metavar="STEPS", help="Rollout steps S: 600 | 600,650,700 | 600:700:50 (inclusive) "
+                 "(default: each run's latest S whose checkpoint S-1 exists).", show_default=False),
+]
+UpdateOpt = Annotated[
+    str,
+    typer.Option("--update-method", metavar="NAME", help="The replayed update: unmasked (importance-weighted PG, no trust-region mask: "
+                 "favours no criterion), run (the run's own method) or a method name (its defaults)."),
+]
+PartitionsOpt = Annotated[int, typer.Option("--partitions", metavar="N", help="Replays of each batch with other minibatch partitions (seed values run seed + 0..N-1).")]
+PolicyStepOpt = Annotated[
+    Optional[int],
+    typer.Option("--policy-step", metavar="P", help="Checkpoint the update starts from (one run, one step; default S-1; later = staler rollouts).", show_default=False),
+]
+MinibatchesOpt = Annotated[
+    Optional[int],
+    typer.Option("--minibatches", metavar="M", help="Minibatch updates in the step (default: the run's; 4 if it used 1 without staleness).", show_default=False),
+]
+StudyOutputOpt = Annotated[
+    Optional[Path],
+    typer.Option("--output", "-o", metavar="DIR", help="Where to write JSON, parquet and PNG (default: <run>/analysis/, "
+                 "or the first run's parent analysis/ when runs are pooled).", show_default=False),
+]
+DeltaOpt = Annotated[float, typer.Option("--delta", metavar="D", help="Trust-region threshold δ on the top-K KL D (the paper's main value).")]
+
+
+def steps_text(steps: list[int]) -> str:
+    return str(steps[0]) if len(steps) == 1 else f"{steps[0]}..{steps[-1]} ({len(steps)})"
+
+
+# the analyses, one module each, registered on ``app`` in this order
+from masktrl.commands.analyze import disagreement, estimators, dynamics, compare, sis  # noqa: E402, F401, I001
+from masktrl.commands.analyze.compare import print_compare  # noqa: E402, F401
