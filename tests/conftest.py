@@ -74,8 +74,8 @@ def analysis_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("analysis")
     config = write_tiny_config(base / "tiny.yaml", ANALYSED)
     out = base / "out"
-    sweep.run_sweep(sweep.plan(out, ["grpo"], [0, 1, 2], config))
-    sweep.run_sweep(sweep.plan(out, ["sis"], [0, 1], config))
+    sweep.run(sweep.plan(out, ["grpo"], [0, 1, 2], config))
+    sweep.run(sweep.plan(out, ["sis"], [0, 1], config))
     return out
 
 

@@ -89,7 +89,7 @@ def test_synthetic_on_a_run_writes_report_and_manifest(run_dir):
     # never overwritten silently; --force replaces it
     before = path.read_text()
     with pytest.raises(MasktrlError, match="already exists"):
-        ev.evaluate("synthetic", str(run_dir), None, ev.EvalOptions(k=4))
+        ev.run("synthetic", str(run_dir), None, ev.EvalOptions(k=4))
     assert path.read_text() == before
     cli("eval", "synthetic", "--model", run_dir, "--k", 2, "--force")
     assert json.loads(path.read_text())["k"] == 2

@@ -69,7 +69,7 @@ def test_eval_with_chat_template_sends_the_rendered_text_once(chat_tokenizer, tm
         return [[Generation(resp, [0.0] * len(resp), [[t] for t in resp], [[0.0]] * len(resp), True)] * settings.n for _ in prompts]
 
     monkeypatch.setattr("masktrl.rollout.hf.HFEngine.generate", fake_generate)
-    result = ev.evaluate("gsm8k", str(model_dir), None, ev.EvalOptions(k=2, data=str(data), template="chat"))
+    result = ev.run("gsm8k", str(model_dir), None, ev.EvalOptions(k=2, data=str(data), template="chat"))
     assert seen == [f"<|user|>{instruct_prompt('1+1')}\n<|assistant|>"]
     report = json.loads(result.path.read_text())
     assert report["avg_at_k"] == 1.0 and report["generation"]["template"] == "chat"

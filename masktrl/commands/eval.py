@@ -72,9 +72,9 @@ def eval_command(
     task.source=data/x.jsonl --set task.reward=my_rewards.py:score`; every example of
     task.test_split (else task.split) is evaluated.
     """
-    from masktrl.recipes import eval as evaluate
+    from masktrl.recipes import eval as recipe
 
-    opts = evaluate.EvalOptions(
+    opts = recipe.EvalOptions(
         k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, data=str(data) if data else None,
         template=template, engine=engine, seed=seed, n_problems=n_problems, batch_size=batch_size, dtype=dtype,
         config=tuple(map(str, config)) if config else None, overrides=tuple(set_ or ()),
@@ -82,7 +82,7 @@ def eval_command(
     opts.validate(bench)  # before any model is loaded
     console.print(f"[bold]masktrl eval[/] [cyan]{bench}[/] model [cyan]{model}[/]" + (f" step {step}" if step is not None else ""))
     with progress_bar() as progress:
-        result = evaluate.evaluate(bench, model, step, opts, out=out, output=output, force=force, progress=progress)
+        result = recipe.run(bench, model, step, opts, out=out, output=output, force=force, progress=progress)
     print_report(result.report, result.path)
 
 

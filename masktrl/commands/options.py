@@ -89,3 +89,15 @@ def method_help() -> str:
 
 
 MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", metavar="NAME", help=method_help(), show_default=False)]
+
+
+# ``masktrl train``'s own options
+ResumeOpt = Annotated[
+    Optional[str], typer.Option("--resume", metavar="RUN", help="Continue RUN (a name under --out, or a folder) from its last checkpoint.", show_default=False)
+]
+ForceOpt = Annotated[bool, typer.Option("--force", help="With --resume: accept a config that differs from run.yaml.")]
+RolloutsFromOpt = Annotated[
+    Optional[str],
+    typer.Option("--rollouts-from", metavar="RUN|FILE", help="Train on stored rollouts: a run (folder, or name under --out) or a parquet file from `masktrl rollout`.", show_default=False),
+]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Run every check, print the resolved config and the projected disk use, write nothing.")]

@@ -39,12 +39,12 @@ def rollout(
     FILE (its task section) and --set task.KEY=VALUE, e.g. --data dataset --set task.source=x.jsonl
     --set task.reward=my_rewards.py:score; every example of task.test_split (else task.split).
     """
-    from masktrl.recipes.rollout import RolloutOptions, generate
+    from masktrl.recipes import rollout as recipe
 
     if topk is not None:
         err_console.print(f"[yellow]deprecated:[/] --topk; use --logprobs-k {topk} (named as the config key rollout.logprobs_k)", highlight=False)
         logprobs_k = topk
-    opts = RolloutOptions(n, logprobs_k, prompts, temperature, top_p, max_new_tokens, seed, engine, template,
+    opts = recipe.RolloutOptions(n, logprobs_k, prompts, temperature, top_p, max_new_tokens, seed, engine, template,
                           tuple(map(str, config)) if config else None, tuple(set_ or ()))
-    info = generate(model, data, output, opts, step=step, force=force, out=out)
+    info = recipe.run(model, data, output, opts, step=step, force=force, out=out)
     console.print(kv_table("masktrl rollout", [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in info.items()]))

@@ -61,7 +61,7 @@ def sweep(
             return
     todo = sum(i.state != "complete" for i in items)
     console.print(f"[bold]masktrl sweep[/] {len(method_list)} methods x {len(seed_list)} seeds: {len(items) - todo} complete, {todo} to run, under {out}")
-    stage.run_sweep(items, progress_bar, lambda event, item: print_event(event, item, items))
+    stage.run(items, progress_bar, lambda event, item: print_event(event, item, items))
     roots = [i.root for i in items]
     base = baseline or ("grpo" if "grpo" in method_list else method_list[0])
     table = cmp.compare([load_run(r) for r in roots], base)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Annotated, Optional
-
 import typer
 
-from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, MethodOpt, OutOpt, RunOpt, SeedOpt, SetOpt
+from masktrl.commands.options import (DEFAULT_OUT, ConfigOpt, DryRunOpt, ForceOpt, MethodOpt, OutOpt, ResumeOpt, RolloutsFromOpt,
+                                      RunOpt, SeedOpt, SetOpt)
 from masktrl.commands.ui import console, err_console, kv_table, progress_bar
 
 
@@ -19,17 +18,10 @@ def train(
     out: OutOpt = DEFAULT_OUT,
     seed: SeedOpt = None,
     set_: SetOpt = None,
-    resume: Annotated[
-        Optional[str], typer.Option("--resume", metavar="RUN", help="Continue RUN (a name under --out, or a folder) from its last checkpoint.", show_default=False)
-    ] = None,
-    force: Annotated[bool, typer.Option("--force", help="With --resume: accept a config that differs from run.yaml.")] = False,
-    rollouts_from: Annotated[
-        Optional[str],
-        typer.Option("--rollouts-from", metavar="RUN|FILE", help="Train on stored rollouts: a run (folder, or name under --out) or a parquet file from `masktrl rollout`.", show_default=False),
-    ] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Run every check, print the resolved config and the projected disk use, write nothing.")
-    ] = False,
+    resume: ResumeOpt = None,
+    force: ForceOpt = False,
+    rollouts_from: RolloutsFromOpt = None,
+    dry_run: DryRunOpt = False,
 ) -> None:
     """Run RL training (default: the embedded tiny model on synthetic arithmetic, GRPO).
 

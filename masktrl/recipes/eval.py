@@ -82,7 +82,7 @@ def check_benchmark(bench: str) -> None:
         raise ConfigError(f"unknown benchmark {bench!r}; valid benchmarks: {', '.join(EVAL_BENCHMARKS)}, dataset")
 
 
-def evaluate(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None = None,
+def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None = None,
              output: Path | None = None, force: bool = False, progress=None) -> EvalResult:
     """Evaluate ``model`` (a run folder or a run's name under ``out``, a model folder or a cached
     hub id) on ``bench``; the report goes to ``output`` (a model that is not a run only) or to

@@ -49,7 +49,7 @@ class RolloutOptions:
             raise MasktrlError("--temperature must be > 0 and --top-p in (0, 1]")
 
 
-def generate(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: int | None = None, force: bool = False,
+def run(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: int | None = None, force: bool = False,
              out: Path | None = None) -> dict:
     """Sample ``opts.n`` responses per prompt of ``data`` from ``model`` (a run folder or a run's
     name under ``out``, a model folder or a hub id), score them, and write them with group

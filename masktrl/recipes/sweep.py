@@ -185,7 +185,7 @@ def run_one(item: SweepRun, progress=None) -> Path:
     return item.root
 
 
-def run_sweep(runs: list[SweepRun], progress_bar: Callable[[], ContextManager] | None = None,
+def run(runs: list[SweepRun], progress_bar: Callable[[], ContextManager] | None = None,
               on_event: Callable[[str, SweepRun], None] | None = None) -> list[Path]:
     """Train every run that is not complete, in order, each under a fresh ``progress_bar()``;
     ``on_event`` hears ``skip`` or ``start`` before each run. Returns the folders of all runs."""

@@ -39,6 +39,7 @@ from masktrl.rl.schedule import lr_factor
 from masktrl.rollout.base import SamplingSettings
 from masktrl.rollout.hf import HFEngine
 from masktrl.runs import locks
+from masktrl.runs.store import warmstart_cache
 
 
 WARMSTART_VERSION = 3  # bump when the warm-start procedure changes: old cache entries are then ignored
@@ -59,7 +60,7 @@ def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):
     if cfg.model.path != "tiny":
         model, tokenizer = load_model_and_tokenizer(cfg.model.path, cfg.model.dtype)
         return model, tokenizer, {"source": cfg.model.path, "warmstart": None}
-    cache = Path(out_dir) / ".cache" / "warmstart" / warmstart_key(cfg)
+    cache = warmstart_cache(out_dir) / warmstart_key(cfg)
     with _entry_lock(cache):
         if (cache / "warmstart.json").is_file():
             problem = cache_problem(cache)

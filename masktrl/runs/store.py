@@ -92,6 +92,11 @@ def resolve_run(run: str | Path, out: Path | None = None) -> Path:
     raise ArtifactError(f"unknown run {run}: no such folder{where}")
 
 
+def warmstart_cache(out: str | Path) -> Path:
+    """Where the warm starts of the runs under ``out`` are cached: ``<out>/.cache/warmstart/``."""
+    return Path(out) / ".cache" / "warmstart"
+
+
 # -- stage keys: the one place that formats and parses them
 def step_name(step: int) -> str:
     """A step's folder name under ``steps/`` and ``checkpoints/``: ``000012``."""
@@ -470,7 +475,7 @@ class RunStore:
         if not path or path == "tiny":
             raise ArtifactError(f"{self.root}: the warm start is not recorded in the manifest; no starting policy (step 0)")
         if info.get("path"):
-            for candidate in (Path(path), self.root.parent / ".cache" / "warmstart" / Path(path).name):
+            for candidate in (Path(path), warmstart_cache(self.root.parent) / Path(path).name):
                 if (candidate / "config.json").is_file():
                     for name, digest in (info.get("files") or {}).items():  # as the run recorded it
                         if not (candidate / name).is_file() or sha256_file(candidate / name) != digest:
