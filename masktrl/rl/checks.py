@@ -15,21 +15,28 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from masktrl.config import Config
 from masktrl.errors import ConfigError
 from masktrl.rl import tracking
+from masktrl.tasks.base import Task
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from masktrl.rl.rollout_source import RolloutSource
 
 
 @dataclass
 class Checked:
     """What the checks found, reused by the run so nothing is built twice."""
 
-    task: object
-    tokenizer: object  # the policy's tokenizer (the tiny model's: built from the task's alphabet)
+    task: Task
+    tokenizer: PreTrainedTokenizerBase  # the policy's tokenizer (the tiny model's: built from the task's alphabet)
     vocab_size: int  # the width of the model's logits: token ids lie in [0, vocab_size)
     context: int | None  # positions the model takes (prompt + response); None: unknown
-    source: object = None  # the RolloutSource of --rollouts-from
+    source: RolloutSource | None = None  # --rollouts-from
     report: list[tuple[str, str]] = field(default_factory=list)  # what was checked, for --dry-run
 
 
