@@ -1,12 +1,21 @@
-"""Group advantages from sequence rewards (docs/METHODS.md §11).
+"""Advantages from sequence rewards (docs/METHODS.md §11), one value per response.
 
 Every response of a group answers the same prompt. With rewards R_i of the group's n responses:
 
     group-std  (GRPO):     A_i = (R_i - mean R) / (std R + eps)   unbiased std; std = 0 when n = 1
     none       (Dr.GRPO):  A_i =  R_i - mean R
 
-computed in float64, one group at a time with the same tensor ops, so the values do not depend
-on how the groups are laid out in the batch.
+and the estimators that look past the group (§11.1):
+
+    rloo                  A_i = R_i - mean_{j != i} R_j = n/(n-1) (R_i - mean R)      0 when n = 1
+    batch-std             A_i = (R_i - mean R) / (std over the batch of R + eps)      TRL scale_rewards=batch
+    reinforce++           A_i = whiten_batch(R)_i                                    REINFORCE++ (outcome reward)
+    reinforce++-baseline  A_i = whiten_batch(R - group mean R)_i
+
+whiten_batch(x)_i = (x_i - m) / sqrt(v + 1e-8), m and v the mean and unbiased variance over the
+batch's response tokens (each response weighted by its token count ``lengths``, or 1 without
+it), as verl's ``masked_whiten``. Everything is float64; the group statistics are computed one
+group at a time with the same tensor ops, so they do not depend on how the groups are laid out.
 """
 
 from __future__ import annotations
@@ -18,18 +27,22 @@ from torch import Tensor
 
 from masktrl.methods.batch import check_choice
 
-ADV_NORMS = ("group-std", "none")
-ADV_EPS = 1e-6  # added to the group std (GRPO)
+GROUP_NORMS = ("group-std", "none")
+ADV_NORMS = GROUP_NORMS + ("rloo", "batch-std", "reinforce++", "reinforce++-baseline")
+ADV_EPS = 1e-6  # added to the group std (GRPO) and the batch std
+WHITEN_EPS = 1e-8  # added to the batch variance before its square root (REINFORCE++, verl's masked_whiten)
 
 
 def group_advantages(rewards: Sequence[float] | Tensor, groups: Sequence[int] | Tensor, *, norm: str = "group-std",
-                     eps: float = ADV_EPS) -> Tensor:
+                     eps: float = ADV_EPS, lengths: Sequence[int] | Tensor | None = None) -> Tensor:
     """[B] float64 advantages of B responses; ``groups`` [B] names each response's group.
 
     Responses of one group need not be contiguous; within a group their order is kept.
-    ``norm``: "group-std" (divide the centred reward by the group's unbiased std + ``eps``; a group
-    of one has std 0) or "none" (centre only, Dr.GRPO). A group whose rewards are all equal gets
-    0 up to the rounding of its mean (exactly 0 for 0/1 rewards).
+    ``norm``: one of ``ADV_NORMS`` (formulas in the module docstring and docs/METHODS.md §11).
+    A group whose rewards are all equal gets 0 from the group estimators up to the rounding of
+    its mean (exactly 0 for 0/1 rewards); a group of one gets 0 from group-std, none and rloo.
+    ``lengths`` [B]: each response's token count, the weights of the batch mean and variance of
+    reinforce++ and reinforce++-baseline (None: every response weighs 1); read only by those two.
     """
     check_choice("norm", norm, ADV_NORMS)
     r = torch.as_tensor(rewards, dtype=torch.float64).detach().cpu()  # [B]; python floats exactly, no float32 detour
@@ -44,13 +57,51 @@ def group_advantages(rewards: Sequence[float] | Tensor, groups: Sequence[int] | 
         raise ValueError(f"groups must be integer ids, got {g.dtype}")
     if not bool(torch.isfinite(r).all()):
         raise ValueError("rewards must be finite (found NaN or inf)")
+    weights = _weights(lengths, r.shape[0])
+    if norm == "reinforce++":
+        return _whiten(r, weights)
+    if norm == "batch-std":
+        std = r.std() if r.shape[0] > 1 else torch.tensor(0.0, dtype=torch.float64)
+        return _per_group(r, g, "none", eps) / (std + eps)
+    if norm == "reinforce++-baseline":
+        return _whiten(_per_group(r, g, "none", eps), weights)
+    return _per_group(r, g, norm, eps)
+
+
+def _per_group(r: Tensor, g: Tensor, norm: str, eps: float) -> Tensor:
     out = torch.zeros_like(r)  # [B]
     for gid in torch.unique(g):
         idx = (g == gid).nonzero().squeeze(1)  # [n] in batch order
         group = r[idx]  # [n]
+        n = group.shape[0]
         centred = group - group.mean()
         if norm == "group-std":
-            std = group.std() if group.shape[0] > 1 else torch.tensor(0.0, dtype=torch.float64)
+            std = group.std() if n > 1 else torch.tensor(0.0, dtype=torch.float64)
             centred = centred / (std + eps)
+        elif norm == "rloo":  # R_i - (sum R - R_i) / (n - 1); a response alone has no baseline: 0
+            centred = centred * (n / (n - 1)) if n > 1 else torch.zeros_like(centred)
         out[idx] = centred
     return out
+
+
+def _weights(lengths, b: int) -> Tensor:
+    if lengths is None:
+        return torch.ones(b, dtype=torch.float64)
+    w = torch.as_tensor(lengths).detach().cpu()
+    if w.shape != (b,) or w.is_floating_point() or w.is_complex() or w.dtype == torch.bool:
+        raise ValueError(f"lengths must be [B] = [{b}] integer token counts, got {w.dtype} {list(w.shape)}")
+    if bool((w < 0).any()):
+        raise ValueError("lengths must be >= 0")
+    return w.to(torch.float64)
+
+
+def _whiten(x: Tensor, w: Tensor) -> Tensor:
+    """(x - m) / sqrt(v + 1e-8) with the w-weighted mean m and unbiased variance
+    v = sum w (x - m)^2 / (sum w - 1) (0 when sum w <= 1): verl's masked_whiten over tokens."""
+    total = w.sum()
+    if total <= 0:
+        return torch.zeros_like(x)
+    m = (w * x).sum() / total
+    c = x - m
+    v = (w * c * c).sum() / (total - 1) if total > 1 else torch.tensor(0.0, dtype=torch.float64)
+    return c / torch.sqrt(v + WHITEN_EPS)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from masktrl.methods.advantages import ADV_NORMS
 from masktrl.methods.aggregation import AGG_MODES
 from masktrl.methods.divergence import DIVERGENCE_KINDS, RATE_KINDS, TAILS
+from masktrl.methods.regularizers import RegularizerParams, check_regularizers
 
 SIS_BASES = ("grpo", "dapo", "gspo")
 PDM_TAILS = TAILS + ("bracket",)  # bracket: the certified-sign mask (§4.6), kl only
@@ -58,6 +59,7 @@ def _common(p) -> None:
     _choice("loss_agg", p.loss_agg, AGG_MODES)
     _flag("dynamic_sampling", p.dynamic_sampling)
     _choice("adv_norm", p.adv_norm, ADV_NORMS)
+    check_regularizers(p)  # the reference KL and entropy fields every method shares (§13)
 
 
 def _deltas(p) -> None:
@@ -82,8 +84,10 @@ def _resolve_deltas(p, kind: str) -> tuple[float, float]:
     return pos, neg
 
 
-class _Protocol:
-    """Read-only answers the registry asks of any params object (no fields)."""
+class _Protocol(RegularizerParams):
+    """Read-only answers the registry asks of any params object; its only fields are the
+    regularisers every method shares (``RegularizerParams``: kl_coef, kl_estimator, kl_in,
+    kl_is_correction, entropy_coef; keyword-only, listed after the method's own)."""
 
     @property
     def agg_mode(self) -> str:
@@ -307,6 +311,7 @@ class SISParams(_Protocol):
                 if getattr(self, name) is not None:
                     raise ValueError(f"method.{name} applies only with method.base=dapo, got base={self.base}")
         self.base_params  # validates every override through the base class
+        check_regularizers(self)  # the regularisers are the sis method's own, not its base's
 
     @property
     def base_params(self):

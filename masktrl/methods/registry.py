@@ -24,6 +24,7 @@ from masktrl.methods.aggregation import (
     check_horizon,
 )
 from masktrl.methods.batch import TokenBatch
+from masktrl.methods.regularizers import Regularized, regularize
 
 
 class TokenLosses(NamedTuple):
@@ -103,11 +104,31 @@ class Method:
             return aggregate_denominator(valid_counts, mode)
         return aggregate_denominator_from_counts(valid_counts, mode)
 
-    def advantages(self, params, rewards, groups) -> Tensor:
-        """[B] float64 group advantages of B responses (§11) with this method's ``adv_norm``;
-        ``groups`` [B] names each response's group (its prompt)."""
+    def advantages(self, params, rewards, groups, lengths=None) -> Tensor:
+        """[B] float64 advantages of B responses (§11) with this method's ``adv_norm``;
+        ``groups`` [B] names each response's group (its prompt), ``lengths`` [B] the responses'
+        token counts (the batch weights of reinforce++ and reinforce++-baseline; None: 1 each)."""
         self._check(params)
-        return group_advantages(rewards, groups, norm=params.advantage_norm)
+        return group_advantages(rewards, groups, norm=params.advantage_norm, lengths=lengths)
+
+    # ---- regularisers (reference KL, entropy bonus: §13), the same for every method
+
+    def regularize(self, params, loss: Tensor, batch: TokenBatch, *, ref_logp: Tensor | None = None,
+                   entropy: Tensor | None = None) -> Regularized:
+        """``loss`` [N] (``TokenLosses.loss``) plus the in-loss KL and the entropy bonus of
+        ``params``; aggregate ``.loss`` with ``aggregate``. Returns ``loss`` itself when both are off."""
+        self._check(params)
+        return regularize(loss, batch, params, ref_logp=ref_logp, entropy=entropy)
+
+    def needs_reference(self, params) -> bool:
+        """Whether the update needs the reference policy's log-probabilities (kl_coef > 0)."""
+        self._check(params)
+        return params.uses_reference
+
+    def needs_entropy_grad(self, params) -> bool:
+        """Whether the policy forward must keep the entropy's gradient (entropy_coef > 0)."""
+        self._check(params)
+        return params.uses_entropy_grad
 
     def dynamic_sampling(self, params) -> bool:
         """Whether the trainer drops all-equal-reward groups and refills (DAPO)."""

@@ -7,6 +7,10 @@ backward also holds one chunk's [chunk, V] buffer at a time:
 
     d logp_j / d logits = e_{id_j} - p,   grad_logits = scatter(g) - p * sum_j g_j
 
+The entropy H = lse - sum_i p_i x_i comes out of the same pass. With ``entropy_grad=True`` it is
+differentiable too: dH/dx_i = -p_i (log p_i + H), added to the same recomputed chunk in the
+backward pass, which then holds a second [chunk, V] buffer (log p and p), still never [N, V].
+
 Logits are computed in float32 at least (float64 inputs stay float64); the result has that
 dtype. Padding ids (< 0) give **0.0** with zero gradient (0.0 rather than -inf so that nothing
 downstream turns into NaN; mask them yourself).
@@ -82,39 +86,57 @@ def _forward(h, w, b, ids, inv_t: float, chunk: int, want_entropy: bool):
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, inv_t, chunk, want_entropy):
+    def forward(ctx, hidden, weight, bias, ids, inv_t, chunk, want_entropy, entropy_grad=False):
         dt = _compute_dtype(hidden, weight, bias)
         h, w = hidden.to(dt), weight.to(dt)
         b = None if bias is None else bias.to(dt)
         logp, lse, ent = _forward(h, w, b, ids, inv_t, chunk, want_entropy)
-        ctx.save_for_backward(hidden, weight, bias, ids, lse)
         ctx.inv_t, ctx.chunk = inv_t, chunk
-        if ent is not None:
-            ctx.mark_non_differentiable(ent)
+        ctx.entropy_grad = bool(entropy_grad and ent is not None)
+        if ctx.entropy_grad:
+            ctx.save_for_backward(hidden, weight, bias, ids, lse, ent)
+            ctx.set_materialize_grads(False)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, ids, lse)
+            if ent is not None:
+                ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp, grad_ent):
-        hidden, weight, bias, ids, lse = ctx.saved_tensors
+        if ctx.entropy_grad:
+            hidden, weight, bias, ids, lse, ent = ctx.saved_tensors
+        else:
+            (hidden, weight, bias, ids, lse), ent = ctx.saved_tensors, None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         dt = lse.dtype
         h, w = hidden.to(dt), weight.to(dt)
         b = None if bias is None else bias.to(dt)
         inv_t, chunk = ctx.inv_t, ctx.chunk
         n, v = h.shape[0], w.shape[0]
+        if grad_logp is None:  # only the entropy is used (set_materialize_grads(False))
+            grad_logp = torch.zeros(ids.shape, dtype=dt, device=h.device)
         g = grad_logp.to(dt).masked_fill(ids < 0, 0.0)  # [N, J]
         gsum = g.sum(dim=1)  # [N]
+        g_ent = None if ent is None or grad_ent is None else grad_ent.to(dt)  # [N]
         safe_ids = ids.clamp_min(0)
         grad_h = torch.empty_like(h) if need_h else None  # [N, H]
         grad_w = torch.zeros_like(w) if need_w else None  # [V, H]
         grad_b = torch.zeros(v, dtype=dt, device=h.device) if need_b else None  # [V]
         buf = torch.empty(min(chunk, n), v, dtype=dt, device=h.device)  # [C, V] reused
+        pbuf = torch.empty_like(buf) if g_ent is not None else None  # [C, V] p, for the entropy's term
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             x = _chunk_logits(h[s:e], w, b, inv_t, buf)  # [c, V]
-            x.sub_(lse[s:e, None]).exp_()  # p
-            x.mul_(-gsum[s:e, None]).scatter_add_(1, safe_ids[s:e], g[s:e])  # d loss / d logits
+            if g_ent is None:
+                x.sub_(lse[s:e, None]).exp_()  # p
+                x.mul_(-gsum[s:e, None])
+            else:  # p * (-sum_j g_j - g_H (log p + H)): the log-probs' and the entropy's terms at once
+                x.sub_(lse[s:e, None])  # log p
+                p = torch.exp(x, out=pbuf[: e - s])  # [c, V]
+                x.add_(ent[s:e, None]).mul_(-g_ent[s:e, None]).sub_(gsum[s:e, None]).mul_(p)
+            x.scatter_add_(1, safe_ids[s:e], g[s:e])  # d loss / d logits
             if need_h:
                 torch.matmul(x, w, out=grad_h[s:e]).mul_(inv_t)
             if need_w:
@@ -124,15 +146,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
         out_h = None if grad_h is None else grad_h.to(hidden.dtype)
         out_w = None if grad_w is None else grad_w.to(weight.dtype)
         out_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return out_h, out_w, out_b, None, None, None, None
+        return out_h, out_w, out_b, None, None, None, None, None
 
 
-def _run(hidden, weight, ids, temperature, chunk_size, bias, want_entropy):
+def _run(hidden, weight, ids, temperature, chunk_size, bias, want_entropy, entropy_grad=False):
     _check(hidden, weight, ids, temperature, chunk_size, bias)
     lead = hidden.shape[:-1]
     h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     ids2 = ids.reshape(h2.shape[0], ids.shape[-1]).long()  # [N, J]
-    logp, ent = _ChunkedLogProbs.apply(h2, weight, bias, ids2, 1.0 / float(temperature), chunk_size, want_entropy)
+    logp, ent = _ChunkedLogProbs.apply(h2, weight, bias, ids2, 1.0 / float(temperature), chunk_size, want_entropy,
+                                       entropy_grad)
     return logp.reshape(*lead, ids.shape[-1]), None if ent is None else ent.reshape(lead)
 
 
@@ -147,11 +170,13 @@ def token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, temperature: 
 
 
 def token_logprobs_and_entropy(
-    hidden: Tensor, weight: Tensor, ids: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024, bias: Tensor | None = None
+    hidden: Tensor, weight: Tensor, ids: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024, bias: Tensor | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """``token_logprobs`` plus the entropy [...] of softmax(logits / T) per token (no gradient),
-    in the same single pass over the vocabulary."""
-    return _run(hidden, weight, ids, temperature, chunk_size, bias, True)
+    """``token_logprobs`` plus the entropy [...] of softmax(logits / T) per token, in the same
+    single pass over the vocabulary. ``entropy_grad``: the entropy is differentiable too (an
+    entropy bonus); otherwise it carries no gradient and the backward pass is unchanged."""
+    return _run(hidden, weight, ids, temperature, chunk_size, bias, True, entropy_grad)
 
 
 @torch.no_grad()
