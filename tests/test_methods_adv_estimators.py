@@ -1,4 +1,4 @@
-"""The advantage estimators beside group-std and none (docs/METHODS.md §11.1): rloo, batch-std,
+"""The advantage estimators beside group-std and none (docs/METHODS.md §13.4): rloo, batch-std,
 reinforce++, reinforce++-baseline, each hand-computed, with the edge cases (a group of one,
 all-equal rewards, n = 2, token weights) and their identities with the anchors' formulas."""
 

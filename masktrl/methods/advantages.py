@@ -5,7 +5,7 @@ Every response of a group answers the same prompt. With rewards R_i of the group
     group-std  (GRPO):     A_i = (R_i - mean R) / (std R + eps)   unbiased std; std = 0 when n = 1
     none       (Dr.GRPO):  A_i =  R_i - mean R
 
-and the estimators that look past the group (§11.1):
+and the estimators that look past the group (§13.4):
 
     rloo                  A_i = R_i - mean_{j != i} R_j = n/(n-1) (R_i - mean R)      0 when n = 1
     batch-std             A_i = (R_i - mean R) / (std over the batch of R + eps)      TRL scale_rewards=batch
@@ -38,7 +38,7 @@ def group_advantages(rewards: Sequence[float] | Tensor, groups: Sequence[int] | 
     """[B] float64 advantages of B responses; ``groups`` [B] names each response's group.
 
     Responses of one group need not be contiguous; within a group their order is kept.
-    ``norm``: one of ``ADV_NORMS`` (formulas in the module docstring and docs/METHODS.md §11).
+    ``norm``: one of ``ADV_NORMS`` (formulas in the module docstring and docs/METHODS.md §11, §13.4).
     A group whose rewards are all equal gets 0 from the group estimators up to the rounding of
     its mean (exactly 0 for 0/1 rewards); a group of one gets 0 from group-std, none and rloo.
     ``lengths`` [B]: each response's token count, the weights of the batch mean and variance of

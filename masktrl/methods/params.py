@@ -132,7 +132,7 @@ class GRPOParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Group advantages (§11): group-std (GRPO, (R - mean) / (std + 1e-6)) | none (Dr.GRPO, R - mean)."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
 
     def __post_init__(self) -> None:
         _eps(self)
@@ -152,7 +152,7 @@ class DAPOParams(_Protocol):
     dynamic_sampling: bool = True
     """Drop groups whose rewards are all equal and refill the batch."""
     adv_norm: str = "group-std"
-    """Group advantages (§11): group-std (GRPO, (R - mean) / (std + 1e-6)) | none (Dr.GRPO, R - mean)."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
     overlong_buffer: int = 0
     """Soft overlong punishment: length of the buffer before max_new_tokens, in tokens (0 = off)."""
     overlong_penalty: float = 1.0
@@ -183,7 +183,7 @@ class GSPOParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Group advantages (§11): group-std (GRPO, (R - mean) / (std + 1e-6)) | none (Dr.GRPO, R - mean)."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
 
     def __post_init__(self) -> None:
         _eps(self)
@@ -209,7 +209,7 @@ class DPPOParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Group advantages (§11): group-std (GRPO, (R - mean) / (std + 1e-6)) | none (Dr.GRPO, R - mean)."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
 
     def __post_init__(self) -> None:
         _choice("divergence", self.divergence, DIVERGENCE_KINDS)
@@ -249,7 +249,7 @@ class PDMParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Group advantages (§11): group-std (GRPO, (R - mean) / (std + 1e-6)) | none (Dr.GRPO, R - mean)."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
 
     def __post_init__(self) -> None:
         _choice("divergence", self.divergence, RATE_KINDS)
@@ -302,7 +302,7 @@ class SISParams(_Protocol):
     overlong_penalty: float | None = None
     """DAPO overlong penalty (null = the base's; only with base dapo)."""
     adv_norm: str | None = None
-    """Group advantages (§11): group-std | none (null = the base's: group-std)."""
+    """Advantages (§11, §13.4): group-std | none | rloo | batch-std | reinforce++ | reinforce++-baseline (null = the base's: group-std)."""
 
     def __post_init__(self) -> None:
         _choice("base", self.base, SIS_BASES)
