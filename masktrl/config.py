@@ -200,6 +200,8 @@ class RolloutConfig:
     """Samples per prompt: the group size G."""
     max_new_tokens: int = 6
     """Response length limit in tokens (a longer response is cut and counts as truncated)."""
+    mask_truncated: bool = False
+    """Responses cut at max_new_tokens get no gradient (their reward still enters the group baseline; TRL mask_truncated_completions)."""
     temperature: float = 1.0
     """Sampling temperature T; the recorded behaviour log-probs and the trained pi are both
     log_softmax(logits / T)."""
@@ -520,7 +522,11 @@ def _field_docs(cls: type) -> tuple[tuple[str, str], ...]:
 
 
 def _class_keys(cls: type, prefix: str) -> list[KeyDoc]:
-    docs, hints, defaults = field_docs(cls), typing.get_type_hints(cls), cls()
+    docs = {}  # a field's docstring is in the class that declares it (a method's regularisers: a base class)
+    for base in reversed(cls.__mro__):
+        if "__dataclass_fields__" in vars(base):
+            docs.update(field_docs(base))
+    hints, defaults = typing.get_type_hints(cls), cls()
     return [KeyDoc(f"{prefix}.{f.name}", _type_name(hints[f.name]), getattr(defaults, f.name), docs.get(f.name, ""))
             for f in dataclasses.fields(cls)]
 

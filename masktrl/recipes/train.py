@@ -56,11 +56,12 @@ from masktrl.models import checkpointing
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.rl import checks
 from masktrl.rl import train_state as ckpt
-from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts
+from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts, penalise_kl
 from masktrl.rl.distributed import Dist, launch_rank, launched
 from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
 from masktrl.rl.policy import PolicyForward
+from masktrl.rl.reference import FrozenReference, Reference, reference_logprobs
 from masktrl.rl.rollout_source import RolloutSource
 from masktrl.rl.signals import GracefulStop, Interrupted, graceful_stop
 from masktrl.rl.tracking import Trackers, open_trackers
@@ -98,6 +99,7 @@ class ModelParts:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     engine: RolloutEngine
     method: Method  # its parameters: cfg.method_params
+    reference: Reference | None = None  # the reference-KL term's policy (rl/reference.py); None without one
 
 
 @dataclass
@@ -278,6 +280,10 @@ def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress:
     then held-out accuracy of the starting policy."""
     task = checked.task
     model, tokenizer, ws_info = load_policy(cfg, store, task, progress, dist)
+    method = get_method(cfg.method_name)
+    reference = None  # the starting policy, frozen before a resumed run loads its checkpoint
+    if method.needs_reference(cfg.method_params):
+        reference = FrozenReference(model, cfg.rollout.temperature, cfg.train.logprob_chunk)
     optimizer, scheduler = make_optimizer(model, cfg.train)
     projection = retention.project(cfg, retention.count_parameters(model), deepspeed_stage=dist.zero_stage)
     if resumed:
@@ -297,7 +303,7 @@ def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress:
     meta = source.meta if source else {"engine": engine.name, "tokenizer": tokenizer_fingerprint(tokenizer), **collect.sampling.__dict__}
     if source:
         count.steps = min(cfg.train.steps, source.num_steps)
-    parts = ModelParts(model, tokenizer, policy, optimizer, scheduler, engine, get_method(cfg.method_name))
+    parts = ModelParts(model, tokenizer, policy, optimizer, scheduler, engine, method, reference)
     services = RunServices(cfg, store, dist, task, collect, UpdateSettings.from_config(cfg), source, meta, task.test_examples(),
                            LabStats(vocab_size, cfg.rollout.logprobs_k) if cfg.train.lab_stats else None,
                            Trackers((), Path("."), ""), progress)
@@ -365,8 +371,14 @@ def update(s: State, samples: list[Sample], step: int) -> dict:
     """The policy update on the batch (nothing to train on: no update), the engine given the new
     weights, the step's update recorded."""
     p, r = s.parts, s.run
-    stats = policy_update(p.policy, p.optimizer, p.scheduler, samples, p.method, s.cfg.method_params, r.update, s.cfg.seed, step,
-                          r.dist, before=r.lab) if samples else {}
+    params = s.cfg.method_params
+    penalty = {}
+    if params.kl_in_reward and samples:  # docs/METHODS.md §13.2: the rewards, then the advantages, before the update
+        micro = max(1, len(samples) // (r.update.minibatches * r.update.grad_accum))
+        penalty = penalise_kl(samples, reference_logprobs(p.reference, samples, micro), p.method, params)
+    stats = policy_update(p.policy, p.optimizer, p.scheduler, samples, p.method, params, r.update, s.cfg.seed, step,
+                          r.dist, before=r.lab, reference=p.reference) if samples else {}
+    stats.update(penalty)
     sync_weights(p.engine, p.model, r.dist)
     s.store.mark_done(update_key(step), [], defer=True)  # written with the next manifest write
     return stats

@@ -23,7 +23,7 @@ from masktrl.rollout.base import Sample
 class PolicyOutputs:
     batch: TokenBatch
     advantages: torch.Tensor  # [N]
-    entropy: torch.Tensor  # [N] (no grad)
+    entropy: torch.Tensor  # [N] (with its gradient only when asked: entropy_grad)
     shared_prompt: bool = False  # whether the shared-prompt forward ran
 
 
@@ -40,13 +40,15 @@ class PolicyForward(torch.nn.Module):
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]  # read before ZeRO-3 partitions it
 
     def forward(self, input_ids, attention, rows, cols, ids, temperature: float, chunk: int,
-                prompt_ids=None, prompt_attention=None, group=None):
+                prompt_ids=None, prompt_attention=None, group=None, entropy_grad: bool = False):
         """Without ``prompt_ids``: ``input_ids`` [B, L] is prompt+response, right-padded. With them:
-        ``input_ids`` [B, R] holds the responses only (see ``shared_prompt_hidden``)."""
+        ``input_ids`` [B, R] holds the responses only (see ``shared_prompt_hidden``).
+        ``entropy_grad``: the entropy keeps its gradient (an entropy bonus, docs/METHODS.md §13.3)."""
         h = self.hidden(input_ids, attention, rows, cols, prompt_ids, prompt_attention, group)  # [N, H]
         weight = self.lm.get_output_embeddings().weight  # [V, H]
-        # [N, 1+K] log pi at the sampled and top-K ids, and [N] entropy (no grad), in one pass over V
-        lp, entropy = token_logprobs_and_entropy(h, weight, ids, temperature=temperature, chunk_size=chunk)
+        # [N, 1+K] log pi at the sampled and top-K ids, and [N] entropy, in one pass over V
+        lp, entropy = token_logprobs_and_entropy(h, weight, ids, temperature=temperature, chunk_size=chunk,
+                                                 entropy_grad=entropy_grad)
         return lp, entropy
 
     def hidden(self, input_ids, attention, rows, cols, prompt_ids=None, prompt_attention=None, group=None):
@@ -58,7 +60,8 @@ class PolicyForward(torch.nn.Module):
         return hidden[rows, cols]
 
 
-def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: int, *, share: bool | None = None) -> PolicyOutputs:
+def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: int, *, share: bool | None = None,
+                       entropy_grad: bool = False, drop_truncated: bool = False) -> PolicyOutputs:
     """Run the policy on prompt+response and gather log pi at the sampled and top-K ids.
 
     ``model``: a causal LM, or a ``PolicyForward`` (possibly wrapped by DDP/DeepSpeed). Never
@@ -70,6 +73,11 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
     caller agrees on it). With activation checkpointing on, the shared path needs transformers'
     support for a read-only cache in checkpointed layers (``models/checkpointing.py``); without
     it every response runs with its prompt.
+
+    ``entropy_grad``: ``PolicyOutputs.entropy`` keeps its gradient (an entropy bonus).
+    ``drop_truncated`` (``rollout.mask_truncated``): the tokens of a response cut at the length
+    limit get behaviour log-probability -inf, so every method treats them as invalid: no loss,
+    no gradient, left out of every aggregation denominator (docs/METHODS.md §13.5).
     """
     policy, inner, inputs, share = _policy_inputs(model, samples, share)
     vocab_size = inner.vocab_size
@@ -78,11 +86,13 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
     sampled = torch.tensor([t for s in samples for t in s.gen.response_ids], device=device)  # [N]
     topk_ids = torch.tensor([row for s in samples for row in s.gen.topk_ids], dtype=torch.long, device=device)  # [N, K]
     ids = torch.cat([sampled[:, None], topk_ids], dim=1)  # [N, 1+K]
+    if entropy_grad:
+        inputs["entropy_grad"] = True
     lp, entropy = policy(inputs.pop("input_ids"), inputs.pop("attention"), inputs.pop("rows"), inputs.pop("cols"),
                          ids, temperature, chunk, **inputs)  # [N, 1+K], [N]
     dt = lp.dtype  # float32 at least (float64 for a float64 model)
     behavior_topk = torch.tensor([row for s in samples for row in s.gen.topk_logp], dtype=dt, device=device)  # [N, K]
-    behavior_logp = torch.tensor([x for s in samples for x in s.gen.logp], dtype=dt, device=device)  # [N]
+    behavior_logp = torch.tensor([x for s in samples for x in behaviour_logp(s, drop_truncated)], dtype=dt, device=device)  # [N]
     seq_ids = torch.tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids], device=device)  # [N]
     advantages = torch.tensor([s.advantage for s in samples for _ in s.gen.response_ids], dtype=dt, device=device)
     batch = TokenBatch(
@@ -96,6 +106,14 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
         vocab_size=vocab_size,
     )
     return PolicyOutputs(batch, advantages, entropy, shared_prompt=share)
+
+
+def behaviour_logp(sample: Sample, drop_truncated: bool = False) -> list[float]:
+    """The recorded log mu of each response token; all -inf (invalid) for a response cut at the
+    length limit when ``drop_truncated`` (``rollout.mask_truncated``)."""
+    if drop_truncated and not sample.gen.finished:
+        return [float("-inf")] * len(sample.gen.logp)
+    return sample.gen.logp
 
 
 @torch.no_grad()

@@ -19,8 +19,10 @@ import torch
 from masktrl.config import Config, TrainConfig
 from masktrl.errors import MasktrlError
 from masktrl.methods.diagnostics import token_diagnostics
+from masktrl.methods.regularizers import mean_over_valid
 from masktrl.rl.distributed import Dist
-from masktrl.rl.policy import can_share_prompts, policy_token_batch, shared_forward_calls
+from masktrl.rl.policy import behaviour_logp, can_share_prompts, policy_token_batch, shared_forward_calls
+from masktrl.rl.reference import Reference
 from masktrl.rl.schedule import make_scheduler
 from masktrl.rollout.base import Sample
 from masktrl.seeding import stream_seed
@@ -38,12 +40,13 @@ class UpdateSettings:
     temperature: float
     horizon: int  # rollout.max_new_tokens: the longest possible response
     gradient_checkpointing: bool = False  # train.gradient_checkpointing: report which forward ran (shared_prompt_frac)
+    mask_truncated: bool = False  # rollout.mask_truncated: responses cut at the length limit get no gradient
 
     @classmethod
     def from_config(cls, cfg: Config) -> "UpdateSettings":
         t = cfg.train
         return cls(t.minibatches, t.grad_accum, t.grad_clip, t.logprob_chunk, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
-                   t.gradient_checkpointing)
+                   t.gradient_checkpointing, cfg.rollout.mask_truncated)
 
 
 def make_optimizer(model, train_cfg: TrainConfig):
@@ -55,7 +58,7 @@ def make_optimizer(model, train_cfg: TrainConfig):
 
 
 def policy_update(model, optimizer, scheduler, samples: list[Sample], method, params, settings: UpdateSettings, seed: int,
-                  step: int, dist: Dist | None = None, *, before=None, after=None) -> dict:
+                  step: int, dist: Dist | None = None, *, before=None, after=None, reference: Reference | None = None) -> dict:
     """N minibatch updates on one rollout batch; returns the step's averaged diagnostics.
 
     Several processes (``dist``) all hold the whole batch and cut it into the same minibatches;
@@ -75,6 +78,12 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     ``settings.minibatches``): ``before(mb, idx, out, losses, u)`` sees each micro-batch's policy
     outputs and token losses (``idx``: indices into ``samples``) before its backward, and
     ``after(mb, idx)`` runs after each optimizer step.
+
+    The method's regularisers (docs/METHODS.md §13) join each micro-batch's per-token loss before
+    its aggregation: the reference KL in the loss needs ``reference`` (``rl/reference.py``), called
+    once per micro-batch without gradient (each sample is in one minibatch, so once per sample and
+    step); the entropy bonus makes the policy forward keep the entropy's gradient. With both
+    coefficients 0 nothing of this runs.
     """
     dist = dist or Dist()
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(stream_seed(seed, "order", step)))
@@ -83,7 +92,7 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     model.train()
     for mb, idx in enumerate(parts):
         diag, n, applied = minibatch_update(model, optimizer, scheduler, samples, idx, mb, method, params, settings, seed, step, dist,
-                                            before=before)
+                                            before=before, reference=reference)
         trained, skipped = trained + n, skipped + (not applied)
         if after is not None:
             after(mb, idx.tolist())
@@ -97,30 +106,38 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
 
 
 def minibatch_update(model, optimizer, scheduler, samples: list[Sample], idx: torch.Tensor, mb: int, method, params,
-                     settings: UpdateSettings, seed: int, step: int, dist: Dist, *, before=None) -> tuple[dict, int, bool]:
+                     settings: UpdateSettings, seed: int, step: int, dist: Dist, *, before=None,
+                     reference: Reference | None = None) -> tuple[dict, int, bool]:
     """One optimizer update on minibatch ``mb`` (``idx``: its indices into ``samples``), this
     process's micro-batches of it accumulated; (its diagnostics, the sequences this process
     trained on, whether the update was applied)."""
     mb_samples = [samples[i] for i in idx.tolist()]
     u = _sis_uniforms(mb_samples, seed, step, mb) if method.needs_u(params) else None
-    total = method.denominator(params, valid_counts(mb_samples))  # of the whole minibatch
+    total = method.denominator(params, valid_counts(mb_samples, settings.mask_truncated))  # of the whole minibatch
+    kl_in_loss, entropy_grad = params.kl_in_loss, method.needs_entropy_grad(params)
+    if kl_in_loss and reference is None:
+        raise MasktrlError("method.kl_coef > 0 with method.kl_in=loss needs the reference policy's log-probabilities")
     optimizer.zero_grad(set_to_none=True)
     micro_rows, loss_value, trained = [], 0.0, 0
     for micro in micro_batches(len(mb_samples), dist.rank, dist.world, settings.grad_accum):
         with dist.accumulate(model):
             micro_samples = [mb_samples[i] for i in micro]
-            out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk,
-                                     share=_agreed_share(micro_samples, dist))
+            share_prompts = _agreed_share(micro_samples, dist)
+            out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk, share=share_prompts,
+                                     entropy_grad=entropy_grad, drop_truncated=settings.mask_truncated)
             u_micro = None if u is None else torch.cat([u[i] for i in micro]).to(out.batch.logp.dtype)
             losses = method.token_losses(out.batch, out.advantages, params, u=u_micro)
             if before is not None:
                 before(mb, [idx[i].item() for i in micro], out, losses, u_micro)
-            loss = method.aggregate(params, losses.loss, out.batch, horizon=settings.horizon)
+            ref_lp = reference(micro_samples, share=share_prompts).to(out.batch.logp.device) if kl_in_loss else None
+            reg = method.regularize(params, losses.loss, out.batch, ref_logp=ref_lp, entropy=out.entropy)
+            loss = method.aggregate(params, reg.loss, out.batch, horizon=settings.horizon)
             share = method.denominator(params, out.batch) / max(total, 1)  # 1.0 for one process, one micro-batch
             dist.backward(loss if share == 1.0 and dist.world == 1 else loss * (share * dist.world))
         loss_value += loss.item() * share
         trained += len(micro)
-        micro_rows.append({**token_diagnostics(out.batch, losses, out.advantages, params), "entropy": out.entropy.mean().item()})
+        micro_rows.append({**token_diagnostics(out.batch, losses, out.advantages, params), "entropy": out.entropy.mean().item(),
+                           **regularizer_diagnostics(out.batch, reg, params)})
         if settings.gradient_checkpointing:
             micro_rows[-1]["shared_prompt_frac"] = float(out.shared_prompt)
     grad_norm = dist.clip_grad_norm(model, settings.grad_clip)
@@ -163,11 +180,23 @@ def micro_batches(n: int, rank: int, world: int, grad_accum: int) -> list[list[i
     return [mine[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def valid_counts(samples: list[Sample]) -> list[int]:
+def valid_counts(samples: list[Sample], drop_truncated: bool = False) -> list[int]:
     """Valid tokens per sequence, from the recorded behaviour log-probabilities (a token is
-    valid iff log mu > -inf): what the minibatch's aggregation denominator is made of, known
-    without a forward pass."""
-    return [sum(lp > float("-inf") for lp in s.gen.logp) for s in samples]
+    valid iff log mu > -inf; none of a truncated response's with ``drop_truncated``): what the
+    minibatch's aggregation denominator is made of, known without a forward pass."""
+    return [sum(lp > float("-inf") for lp in behaviour_logp(s, drop_truncated)) for s in samples]
+
+
+def regularizer_diagnostics(batch, reg, params) -> dict:
+    """The regularisers' metrics of a micro-batch (docs/METHODS.md §12): ``kl_ref``, the mean
+    in-loss KL estimate over valid tokens, and ``entropy_bonus``, entropy_coef times the mean
+    entropy (what the bonus takes off a token-mean loss); none when off."""
+    row = {}
+    if reg.kl is not None:
+        row["kl_ref"] = mean_over_valid(reg.kl, batch)
+    if reg.entropy is not None:
+        row["entropy_bonus"] = params.entropy_coef * mean_over_valid(reg.entropy, batch)
+    return row
 
 
 def sis_uniforms(seed: int, step: int, mb: int, n: int) -> torch.Tensor:
