@@ -86,8 +86,7 @@ def test_kl_in_the_loss_is_zero_at_the_reference_and_pulls_back_later(warm_out, 
 
 
 def test_kl_in_the_reward_penalises_the_rewards_before_the_advantages(warm_out):
-    from masktrl.rl.collect import penalise_kl
-    from masktrl.rl.reference import FrozenReference, reference_logprobs
+    from masktrl.rl.reference import FrozenReference, penalise_kl, reference_logprobs
     from masktrl.rl.warmstart import prepare_policy
     from masktrl.tasks import make_task
 
@@ -104,7 +103,7 @@ def test_kl_in_the_reward_penalises_the_rewards_before_the_advantages(warm_out):
     ref = FrozenReference(model, cfg.rollout.temperature, cfg.train.logprob_chunk)
     samples, _ = RunStore(root).read_rollouts(2)
     stored = [s.advantage for s in samples]
-    stats = penalise_kl(samples, reference_logprobs(ref, samples, 8), _method(cfg), cfg.method_params)
+    stats = penalise_kl(samples, reference_logprobs(ref, samples, len(samples)), _method(cfg), cfg.method_params)
     assert stats["kl_penalty"] == pytest.approx(rows[1]["kl_penalty"], rel=1e-9)
     assert [s.advantage for s in samples] != stored  # the stored batch keeps the unpenalised values
     batch, _, adv = calls[1][:3]  # the update's [N] advantages (in the policy's float32)
@@ -178,3 +177,19 @@ def test_config_keys_document_the_new_keys():
         assert keys[f"method.{name}"].doc, name
     assert keys["rollout.mask_truncated"].default is False and keys["rollout.mask_truncated"].doc
     assert copy.deepcopy(keys["method.kl_estimator"].default) == "low_var_kl"
+
+
+@pytest.mark.parametrize("kl_in", ["loss", "reward"])
+def test_a_step_replay_of_a_kl_run_reproduces_its_checkpoint(warm_out, plain, kl_in):
+    from masktrl.analysis.step_replay import load_replay, replay_step
+
+    config, _ = plain
+    root, _ = train(warm_out, config, f"reg-replay-{kl_in}", "--set", "method.kl_coef=0.5", "--set", f"method.kl_in={kl_in}",
+                    "--set", "method.entropy_coef=0.01")
+    for step in (1, 2):
+        replay = load_replay(root, step)
+        assert replay.reference is not None
+        replay_step(replay, replay.cfg.seed, replay.cfg.train.minibatches)
+        stored = _weights(root, step)
+        now = replay.model.state_dict()
+        assert all(torch.equal(now[k], stored[k]) for k in stored)

@@ -34,6 +34,7 @@ from masktrl.models.loading import load_model_and_tokenizer
 from masktrl.rl import update
 from masktrl.rl.train_state import load_optimizer_state
 from masktrl.rl.policy import PolicyOutputs, lm_head_weight, policy_token_batch, response_hidden
+from masktrl.rl.reference import FrozenReference, Reference, micro_batch_size, penalise_kl, reference_logprobs
 from masktrl.runs.store import RunStore
 from masktrl.rollout.base import Sample
 
@@ -93,6 +94,7 @@ class Replay:
     optimizer: torch.optim.Optimizer
     scheduler: object
     update: UpdateChoice | None = None
+    reference: Reference | None = None  # the run's starting policy, when the replayed update has a reference KL
     _saved: tuple | None = None
 
     @property
@@ -142,8 +144,16 @@ def load_replay(root: Path, step: int, policy_step: int | None = None, update_na
     optimizer, scheduler = update.make_optimizer(model, cfg.train)
     if policy_step > 0:
         load_optimizer_state(Path(path), optimizer, scheduler)
-    replay = Replay(Path(root), cfg, get_method(choice.method), choice.params, samples, step, policy_step, model, tokenizer,
-                    optimizer, scheduler, choice)
+    method = get_method(choice.method)
+    reference = None
+    if method.needs_reference(choice.params):  # the starting policy, as the run's (docs/METHODS.md §13.7)
+        start, _ = load_model_and_tokenizer(store.policy_path(0), cfg.model.dtype)
+        reference = FrozenReference(start, cfg.rollout.temperature, cfg.train.logprob_chunk)
+        if choice.params.kl_in_reward:  # the stored batch holds the unpenalised rewards and advantages
+            micro = micro_batch_size(len(samples), cfg.train.minibatches, cfg.train.grad_accum)
+            penalise_kl(samples, reference_logprobs(reference, samples, micro), method, choice.params)
+    replay = Replay(Path(root), cfg, method, choice.params, samples, step, policy_step, model, tokenizer,
+                    optimizer, scheduler, choice, reference)
     replay.save_state()
     return replay
 
@@ -202,4 +212,4 @@ def replay_step(replay: Replay, seed: int, minibatches: int, before: Hook | None
     """
     settings = replace(update.UpdateSettings.from_config(replay.cfg), minibatches=minibatches)
     update.policy_update(replay.model, replay.optimizer, replay.scheduler, replay.samples, replay.method, replay.params,
-                         settings, seed, replay.step, before=before, after=after)
+                         settings, seed, replay.step, before=before, after=after, reference=replay.reference)

@@ -56,12 +56,12 @@ from masktrl.models import checkpointing
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.rl import checks
 from masktrl.rl import train_state as ckpt
-from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts, penalise_kl
+from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts
 from masktrl.rl.distributed import Dist, launch_rank, launched
 from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
 from masktrl.rl.policy import PolicyForward
-from masktrl.rl.reference import FrozenReference, Reference, reference_logprobs
+from masktrl.rl.reference import FrozenReference, Reference, micro_batch_size, penalise_kl, reference_logprobs
 from masktrl.rl.rollout_source import RolloutSource
 from masktrl.rl.signals import GracefulStop, Interrupted, graceful_stop
 from masktrl.rl.tracking import Trackers, open_trackers
@@ -374,7 +374,7 @@ def update(s: State, samples: list[Sample], step: int) -> dict:
     params = s.cfg.method_params
     penalty = {}
     if params.kl_in_reward and samples:  # docs/METHODS.md §13.2: the rewards, then the advantages, before the update
-        micro = max(1, len(samples) // (r.update.minibatches * r.update.grad_accum))
+        micro = micro_batch_size(len(samples), r.update.minibatches, r.update.grad_accum)
         penalty = penalise_kl(samples, reference_logprobs(p.reference, samples, micro), p.method, params)
     stats = policy_update(p.policy, p.optimizer, p.scheduler, samples, p.method, params, r.update, s.cfg.seed, step,
                           r.dist, before=r.lab, reference=p.reference) if samples else {}

@@ -3,7 +3,8 @@ reward (the task's scorer, then the method's shaping) -> group advantages.
 
 This module is the one place a sample gets its reward (``score_groups``, ``shape_rewards``),
 its advantage (``set_advantages``) and its group number (``numbered``); the engines create
-samples, everything after reads them.
+samples, everything after reads them. (A reference KL in the reward changes rewards and
+advantages once more, just before the update: ``rl/reference.py``'s ``penalise_kl``.)
 
 With dynamic sampling (DAPO) groups whose rewards are all equal carry no signal: they are
 dropped and more prompts are drawn (up to ``MAX_REFILLS`` attempts) to refill the batch. Under
@@ -18,11 +19,10 @@ import random
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import torch
-
 from masktrl.config import Config, RolloutConfig
-from masktrl.methods import group_advantages, kl_reward_penalty
+from masktrl.methods import group_advantages
 from masktrl.rl.distributed import Dist
+from masktrl.rl.reference import response_lengths
 from masktrl.rl.sampling import grade, sample
 from masktrl.rollout.base import Sample, SamplingSettings
 from masktrl.seeding import stream_seed
@@ -130,30 +130,10 @@ def set_advantages(groups: list[list[Sample]], method=None, params=None) -> None
     if not flat:
         return
     rewards, ids = [s.reward for s in flat], [s.group for s in flat]
-    lengths = [len(s.gen.response_ids) for s in flat]  # the batch weights of reinforce++ (docs/METHODS.md §13.4)
+    lengths = response_lengths(flat)  # the batch weights of reinforce++ (docs/METHODS.md §13.4)
     adv = method.advantages(params, rewards, ids, lengths) if method else group_advantages(rewards, ids)  # [B]
     for s, a in zip(flat, adv.tolist()):
         s.advantage = a
-
-
-def penalise_kl(samples: list[Sample], ref_logp: list[torch.Tensor], method, params) -> dict:
-    """``method.kl_in=reward`` (docs/METHODS.md §13.2): each reward minus kl_coef * sum_t kl_t,
-    the estimator at the recorded log mu against ``ref_logp`` (one [len] tensor per sample), then
-    every advantage again from the penalised rewards. Returns the metrics ``kl_ref`` (the mean
-    estimate over valid tokens) and ``kl_penalty`` (the mean penalty per response)."""
-    if not samples:
-        return {}
-    mu = torch.tensor([x for s in samples for x in s.gen.logp], dtype=torch.float64)  # [N]
-    ref = torch.cat([r.detach().to(torch.float64).cpu() for r in ref_logp])  # [N]
-    seq = torch.tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids])  # [N], sorted
-    per_token = kl_reward_penalty(mu, ref, torch.arange(mu.shape[0]), params.kl_estimator, 1.0)  # [N] (0 where invalid)
-    penalty = params.kl_coef * torch.zeros(len(samples), dtype=torch.float64).index_add_(0, seq, per_token)  # [B]
-    valid = mu > float("-inf")
-    for s, p in zip(samples, penalty.tolist()):
-        s.reward = s.reward - p
-    set_advantages([samples], method, params)
-    return {"kl_ref": float(per_token[valid].mean()) if bool(valid.any()) else float("nan"),
-            "kl_penalty": float(penalty.mean())}
 
 
 def rollout_stats(groups: list[list[Sample]], kept: int) -> dict:

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from masktrl.methods import kl_reward_penalty
 from masktrl.rl.policy import policy_token_batch
 from masktrl.rollout.base import Sample
 
@@ -41,6 +42,12 @@ class FrozenReference:
         return out.batch.logp.detach()
 
 
+def micro_batch_size(n: int, minibatches: int, grad_accum: int) -> int:
+    """The samples of one training micro-batch of an ``n``-sample batch: the reference forward
+    over a whole batch (a KL in the reward) runs in pieces of this size."""
+    return max(1, n // (minibatches * grad_accum))
+
+
 def reference_logprobs(reference: Reference, samples: list[Sample], batch_size: int) -> list[torch.Tensor]:
     """Per sample, [len(response)] log pi_ref, computed ``batch_size`` samples at a time."""
     out: list[torch.Tensor] = []
@@ -49,3 +56,31 @@ def reference_logprobs(reference: Reference, samples: list[Sample], batch_size: 
         lp = reference(part)
         out.extend(lp.split([len(s.gen.response_ids) for s in part]))
     return out
+
+
+def response_lengths(samples: list[Sample]) -> list[int]:
+    """Each response's token count: the batch weights of the reinforce++ advantages (§13.4)."""
+    return [len(s.gen.response_ids) for s in samples]
+
+
+def penalise_kl(samples: list[Sample], ref_logp: list[torch.Tensor], method, params) -> dict:
+    """``method.kl_in=reward`` (docs/METHODS.md §13.2): each reward minus kl_coef * sum_t kl_t,
+    the estimator at the recorded log mu against ``ref_logp`` (one [len] tensor per sample), then
+    every advantage again from the penalised rewards (``method.advantages``, as ``rl/collect.py``
+    sets them). Returns the metrics ``kl_ref`` (the mean estimate over valid tokens) and
+    ``kl_penalty`` (the mean penalty per response)."""
+    if not samples:
+        return {}
+    mu = torch.tensor([x for s in samples for x in s.gen.logp], dtype=torch.float64)  # [N]
+    ref = torch.cat([r.detach().to(torch.float64).cpu() for r in ref_logp])  # [N]
+    seq = torch.tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids])  # [N], sorted
+    per_token = kl_reward_penalty(mu, ref, torch.arange(mu.shape[0]), params.kl_estimator, 1.0)  # [N] (0 where invalid)
+    penalty = params.kl_coef * torch.zeros(len(samples), dtype=torch.float64).index_add_(0, seq, per_token)  # [B]
+    valid = mu > float("-inf")
+    for s, p in zip(samples, penalty.tolist()):
+        s.reward = s.reward - p
+    adv = method.advantages(params, [s.reward for s in samples], [s.group for s in samples], response_lengths(samples))
+    for s, a in zip(samples, adv.tolist()):
+        s.advantage = a
+    return {"kl_ref": float(per_token[valid].mean()) if bool(valid.any()) else float("nan"),
+            "kl_penalty": float(penalty.mean())}
