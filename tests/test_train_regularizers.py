@@ -193,3 +193,26 @@ def test_a_step_replay_of_a_kl_run_reproduces_its_checkpoint(warm_out, plain, kl
         stored = _weights(root, step)
         now = replay.model.state_dict()
         assert all(torch.equal(now[k], stored[k]) for k in stored)
+
+
+@pytest.mark.slow  # three subprocess runs: about a minute
+@pytest.mark.parametrize("kl_in", ["loss", "reward"])
+def test_killed_and_resumed_kl_run_is_bit_identical(warm_out, kl_in):
+    """The reference stays the starting policy on resume: the resumed run equals the uninterrupted one."""
+    from tests.conftest import masktrl
+
+    config = write_tiny_config(warm_out.parent / f"reg-resume-{kl_in}.yaml",
+                               {"train": {"steps": 4, "checkpoint_every": 2, "minibatches": 2, "lr": 1.0e-2},
+                                "method": {"name": "grpo", "kl_coef": 0.5, "kl_in": kl_in, "entropy_coef": 0.01}})
+    ref = masktrl("train", "--config", config, "--out", warm_out, "--run", f"reg-full-{kl_in}")
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    crash = masktrl("train", "--config", config, "--out", warm_out, "--run", f"reg-cut-{kl_in}", env={"MASKTRL_CRASH_AT": "update:3"})
+    assert crash.returncode == -9, crash.stderr[-2000:]
+    again = masktrl("train", "--resume", f"reg-cut-{kl_in}", "--out", warm_out)
+    assert again.returncode == 0, again.stderr[-2000:]
+    a, b = _weights(warm_out / f"reg-full-{kl_in}", 4), _weights(warm_out / f"reg-cut-{kl_in}", 4)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows_a, rows_b = _rows(warm_out / f"reg-full-{kl_in}"), _rows(warm_out / f"reg-cut-{kl_in}")
+    assert [{k: v for k, v in r.items() if k not in TIMING} for r in rows_a] == \
+        [{k: v for k, v in r.items() if k not in TIMING} for r in rows_b]
+    assert all(r["kl_ref"] > 0 for r in rows_b[2:])
