@@ -216,3 +216,26 @@ def test_killed_and_resumed_kl_run_is_bit_identical(warm_out, kl_in):
     assert [{k: v for k, v in r.items() if k not in TIMING} for r in rows_a] == \
         [{k: v for k, v in r.items() if k not in TIMING} for r in rows_b]
     assert all(r["kl_ref"] > 0 for r in rows_b[2:])
+
+
+@pytest.mark.slow  # an accelerate launch of two processes and two one-process runs: about a minute
+@pytest.mark.parametrize("kl_in", ["loss", "reward"])
+def test_two_processes_match_one_process_with_kl_and_entropy(warm_out, kl_in):
+    """Under DDP each process asks the reference for its own micro-batches (in the loss) or the
+    whole batch (in the reward): the update is the one-process update."""
+    from tests.conftest import masktrl
+    from tests.test_distributed import CPU_DDP, launch
+
+    config = write_tiny_config(warm_out.parent / f"reg-ddp-{kl_in}.yaml",
+                               {"train": {"minibatches": 2},
+                                "method": {"name": "grpo", "kl_coef": 0.5, "kl_in": kl_in, "entropy_coef": 0.01}})
+    one = masktrl("train", "--config", config, "--out", warm_out, "--run", f"reg-ddp1-{kl_in}")
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = launch(CPU_DDP, "--config", str(config), "--out", str(warm_out), "--run", f"reg-ddp2-{kl_in}",
+                 "--rollouts-from", str(warm_out / f"reg-ddp1-{kl_in}"))
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
+    a, b = _weights(warm_out / f"reg-ddp1-{kl_in}"), _weights(warm_out / f"reg-ddp2-{kl_in}")
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-6), (k, (a[k] - b[k]).abs().max())
+    for x, y in zip(_rows(warm_out / f"reg-ddp1-{kl_in}"), _rows(warm_out / f"reg-ddp2-{kl_in}")):
+        assert abs(x["kl_ref"] - y["kl_ref"]) < 1e-6 and abs(x["loss"] - y["loss"]) < 1e-6
