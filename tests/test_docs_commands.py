@@ -56,7 +56,7 @@ def _is_group(cmd) -> bool:
 
 
 def _context(cmd):
-    return type(typer.main.get_command(app).make_context("masktrl", [], resilient_parsing=True))(cmd)
+    return cmd.context_class(cmd)
 
 
 def _options(cmd) -> set[str]:
