@@ -47,11 +47,11 @@ def test_two_methods_replaying_one_file_see_identical_tokens(source_run):
     assert read_rollouts(out_file)[1]["logprobs_k"] == 4
     for method in ("grpo", "dppo"):
         r = invoke("train", "--config", cfg, "--out", base / "out", "--run", f"replay-{method}", "--method", method,
-                   "--rollouts-from", out_file, "--set", "train.steps=5")
+                   "--rollouts-from", out_file, "--set", "train.steps=2")
         assert r.exit_code == 0, r.output
     a, b = base / "out" / "replay-grpo", base / "out" / "replay-dppo"
     steps = sorted(p.name for p in (a / "steps").iterdir())
-    assert steps == ["000001", "000002"]  # 12 prompts / 6 per step: capped at 2 steps
+    assert steps == ["000001", "000002"]  # 12 prompts / 6 per step
     for s in steps:
         assert (a / "steps" / s / "rollouts.parquet").read_bytes() == (b / "steps" / s / "rollouts.parquet").read_bytes()
     src_tokens = [x.gen.response_ids for x in read_rollouts(out_file)[0]]
@@ -89,3 +89,20 @@ def test_runs_lists_status(source_run):
     r = runner.invoke(app, ["runs", str(base / "out")], env={"COLUMNS": "200"})  # the deprecated spelling still works, and says so
     assert "interrupted" in r.output and "deprecated" in r.output
     (src / "manifest.json").write_text(json.dumps(m))
+
+
+def test_a_replay_that_is_not_the_configured_run_is_refused_before_training(source_run, tmp_path, cli_error):
+    """A replay shorter than train.steps, or cut into batches of another size, says so and names the fix."""
+    base, cfg, src = source_run
+    out_file = base / "short.parquet"
+    r = invoke("rollout", "--model", src, "--data", "synthetic", "--n", 4, "--logprobs-k", 3, "--prompts", 12, "--output", out_file)
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "out"
+    line = cli_error("train", "--config", cfg, "--out", out, "--run", "x", "--rollouts-from", out_file, "--set", "train.steps=5")
+    assert "2 batches of 6 prompts, fewer than train.steps=5; add --set train.steps=2" in line
+    line = cli_error("train", "--config", cfg, "--out", out, "--run", "x", "--rollouts-from", out_file,
+                     "--set", "rollout.prompts_per_step=5", "--set", "train.steps=2")
+    assert "12 prompt groups do not make whole steps of rollout.prompts_per_step=5" in line and "prompts_per_step=4" in line
+    line = cli_error("train", "--config", cfg, "--out", out, "--run", "x", "--rollouts-from", src, "--set", "rollout.prompts_per_step=3")
+    assert "its batches have 6 prompts each" in line and "--set rollout.prompts_per_step=6" in line
+    assert not out.exists() or not any(out.iterdir())  # nothing written

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from masktrl.errors import ArtifactError, MasktrlError
+from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.rl.collect import Batch, numbered, rollout_stats
 from masktrl.runs.store import RunStore, done_steps, is_run_folder, rollout_key
@@ -50,6 +50,29 @@ class RolloutSource:
             _, meta = self._read(self._files[0])
             self._check(meta, tokenizer, self._files[0])
             self.meta = {k: v for k, v in meta.items() if k != "stats"}
+        self._check_shape(spec, prompts_per_step, steps)
+
+    def _check_shape(self, spec: str, prompts_per_step: int, steps: int | None) -> None:
+        """ConfigError, before anything trains, when the replay would not be the run its config
+        describes: batches of another size than ``rollout.prompts_per_step``, or fewer batches than
+        ``train.steps`` (a replay never stops early without a word)."""
+        if self._store is not None:
+            theirs = self._store.config().rollout.prompts_per_step
+            if theirs != prompts_per_step:
+                raise ConfigError(f"--rollouts-from {spec}: its batches have {theirs} prompts each, this config "
+                                  f"rollout.prompts_per_step={prompts_per_step}; add --set rollout.prompts_per_step={theirs}")
+        else:
+            groups = sum(len(b) for b in self._batches)
+            if groups % prompts_per_step:
+                whole = groups // prompts_per_step
+                fits = f"{whole} step{'s' * (whole != 1)} of {prompts_per_step} and {groups % prompts_per_step} left over"
+                raise ConfigError(f"--rollouts-from {spec}: {groups} prompt groups do not make whole steps of "
+                                  f"rollout.prompts_per_step={prompts_per_step} ({fits}); set rollout.prompts_per_step to a "
+                                  f"divisor of {groups}, e.g. --set rollout.prompts_per_step={_divisor(groups, prompts_per_step)}")
+        if steps is not None and self.num_steps < steps:
+            raise ConfigError(f"--rollouts-from {spec}: {self.num_steps} batch{'es' * (self.num_steps != 1)} of "
+                              f"{prompts_per_step} prompts, fewer than train.steps={steps}; add --set train.steps={self.num_steps} "
+                              "(or store more rollouts)")
 
     @property
     def num_steps(self) -> int:
@@ -107,3 +130,8 @@ def _group(samples):
     for s in samples:
         groups.setdefault(s.group, []).append(s)
     return list(groups.values())
+
+
+def _divisor(n: int, near: int) -> int:
+    """The divisor of ``n`` closest to ``near`` (ties: the smaller)."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - near), d))
