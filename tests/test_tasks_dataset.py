@@ -94,7 +94,8 @@ def test_hub_id_from_the_local_cache_only(tmp_path, datasets_cache):  # noqa: F8
     with pytest.raises(DataError) as info:
         load_rows("acme/not-cached", "train")
     msg = str(info.value)
-    assert "'acme/not-cached' is not in the local datasets cache" in msg and "nothing is downloaded" in msg
+    assert "'acme/not-cached': no such file or folder, and as a dataset id it is not in the local datasets cache" in msg
+    assert "nothing is downloaded" in msg
     assert str(datasets_cache) in msg and "\n" not in msg
 
 
@@ -162,3 +163,20 @@ def test_task_config_keys():
         load_config(None, ["task.name=arithmetic", "task.reward=exact-match"])
     with pytest.raises(ConfigError, match="task.max_prompt_tokens must be > 0"):
         load_config(None, ["task.name=gsm8k", "task.max_prompt_tokens=0"])
+
+
+def test_messages_a_new_user_meets(tmp_path, datasets_cache, monkeypatch):  # noqa: F811
+    """The raw template names no reward, and says so; a template field missing from rows whose prompt
+    is under `prompt` lists that name once; `data/x` that exists neither as a folder nor in the cache
+    says "no such file or folder"."""
+    write_jsonl(tmp_path / "my.jsonl", [{"prompt": f"{i}+{i}", "answer": str(2 * i)} for i in range(4)])
+    with pytest.raises(ConfigError) as info:
+        get_task("dataset", source=str(tmp_path / "my.jsonl")).close()
+    assert "task.reward is required with task.template=raw" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        get_task("dataset", source=str(tmp_path / "my.jsonl"), reward="exact-match", template="{prompt} {level}").close()
+    assert str(info.value).endswith("available fields of the first row: prompt, answer")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as info:
+        load_rows("data/dapo")
+    assert "task.source 'data/dapo': no such file or folder, and as a dataset id it is not in the local datasets cache" in str(info.value)

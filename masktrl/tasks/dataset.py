@@ -166,6 +166,10 @@ def load_rows(source: str, split: str = "train", subset: str | None = None) -> l
         if "split" in msg.lower() and "should be one of" in msg.lower():
             raise DataError(f"task.source {source!r}: {msg}") from None
         cache = getattr(getattr(datasets, "config", None), "HF_DATASETS_CACHE", "the datasets cache")
+        if not path.exists():  # `data/dapo` reads as a hub id `org/name` as well as a relative folder
+            raise DataError(f"task.source {source!r}: no such file or folder, and as a dataset id it is not in the local datasets "
+                            f"cache ({cache}); nothing is downloaded: pass a local file or folder (./{source} for a "
+                            "relative path), or load the dataset once where there is network") from None
         raise DataError(
             f"task.source {source!r}{f' (subset {subset})' if subset else ''} is not in the local datasets cache ({cache}; "
             f"{msg}); nothing is downloaded: load it once where there is network, or pass a local file or folder"
@@ -297,7 +301,8 @@ class DatasetTask:
         except KeyError as missing:
             key = missing.args[0] if missing.args else "?"
             if first:
-                raise ConfigError(f"task.template names field {key!r}, which the examples lack; {fields_hint(fields)}, and prompt") from None
+                names = fields if "prompt" in fields else {**fields, "prompt": ""}  # {prompt}: the task.prompt_key value
+                raise ConfigError(f"task.template names field {key!r}, which the examples lack; {fields_hint(names)}") from None
             raise DataError(f"{e.meta.get('source', self.name)}, row {e.meta.get('row', '?')}: no field {key!r} for task.template") from None
         return replace(e, prompt=prompt, meta={**e.meta, "problem": problem})
 
@@ -371,8 +376,9 @@ def resolve_reward(reward: str | Reward | None, template: PromptTemplate, defaul
         return reward
     spec = reward or template.reward or default
     if spec is None:
-        raise ConfigError("task.reward is required: a registered reward (e.g. exact-match, math-verify), "
-                          "module:function or path/to/file.py:function")
+        raise ConfigError(f"task.reward is required with task.template={template.name or 'a custom string'} (it asks for no answer format, so it "
+                          "names no reward): a registered reward (e.g. exact-match, math-verify), module:function or "
+                          "path/to/file.py:function")
     return make_reward(spec, timeout_s=timeout_s, workers=workers, require_boxed=require_boxed)
 
 
