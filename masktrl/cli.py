@@ -14,6 +14,7 @@ import os
 import sys
 
 import typer
+from typer.core import Abort, _click
 
 from masktrl.commands import config as config_cmd
 from masktrl.commands import eval as eval_cmd
@@ -51,7 +52,18 @@ app.command(cls=Command)(runs_cmd.runs)
 
 def main() -> None:
     try:
-        app()
+        code = app(standalone_mode=False)
+    except _click.exceptions.NoArgsIsHelpError as exc:  # `masktrl` alone: the help, as before
+        exc.show()
+        sys.exit(exc.exit_code)
+    except _click.exceptions.UsageError as exc:  # an unknown flag, a missing argument: one line too
+        where = exc.ctx.command_path if exc.ctx else "masktrl"
+        _fail(exc, f"{exc.format_message()} (see `{where} --help`)")
+    except _click.exceptions.ClickException as exc:
+        _fail(exc, exc.format_message())
+    except Abort:
+        err_console.print("[yellow]aborted[/]")
+        sys.exit(1)
     except MasktrlError as exc:
         _fail(exc, str(exc))
     except OSError as exc:  # the machine, not masktrl: name the file and the reason
@@ -59,6 +71,7 @@ def main() -> None:
     except KeyboardInterrupt as exc:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(128 + getattr(exc, "signum", 2))
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def _fail(exc: BaseException, line: str) -> None:

@@ -54,3 +54,11 @@ def test_missing_models_are_one_line_and_never_downloaded(tmp_path, model, needl
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], r.stderr
     assert "https://" not in r.stderr.replace(lines[0], "")  # no download attempt was logged
+
+
+def test_usage_errors_are_one_line_like_every_other_error(cli_error):
+    """An unknown flag, a missing option or an unknown command: one red line and exit code 2
+    (typer alone draws a multi-line box)."""
+    assert "No such option: --bogus" in cli_error("train", "--bogus") and "train --help" in cli_error("train", "--bogus")
+    assert "Missing option '--model'" in cli_error("rollout", "--data", "synthetic")
+    assert "No such command 'nosuch'" in cli_error("nosuch")
