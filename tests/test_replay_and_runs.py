@@ -106,3 +106,23 @@ def test_a_replay_that_is_not_the_configured_run_is_refused_before_training(sour
     line = cli_error("train", "--config", cfg, "--out", out, "--run", "x", "--rollouts-from", src, "--set", "rollout.prompts_per_step=3")
     assert "its batches have 6 prompts each" in line and "--set rollout.prompts_per_step=6" in line
     assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_runs_table_folds_long_names_at_80_columns(monkeypatch, tmp_path):
+    """Runs named <method>-<timestamp> differ in their last digits: at 80 columns the names are
+    folded onto two lines, never cut to `dppo-20261…`."""
+    import masktrl.runs.listing as listing
+    from masktrl.commands import ui
+
+    names = [f"dppo[divergence=binary-tv]-seed{s}-20261201-10{s}512" for s in range(3)]
+    rows = [dict(name=n, method="dppo[divergence=binary-tv]", seed=s, steps_done=800, steps_planned=800, last_reward=0.5,
+                 last_eval=0.7, status="complete") for s, n in enumerate(names)]
+    monkeypatch.setattr(listing, "list_runs", lambda folder: rows)
+    monkeypatch.setattr(ui.console, "width", 80)  # the width a terminal reports, for this test only
+    with ui.console.capture() as cap:
+        from masktrl.commands.runs import runs
+        runs(out=tmp_path)
+    first_column = "".join(line.split("│")[1].strip() for line in cap.get().splitlines() if line.startswith("│"))
+    for n in names:
+        assert n in first_column, cap.get()
+    assert "…" not in cap.get()

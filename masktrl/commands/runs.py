@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from masktrl.commands.ui import console, err_console
 from masktrl.commands.options import DEFAULT_OUT, OutOpt
@@ -31,11 +32,13 @@ def runs(
     rows = list_runs(folder)
     table = Table(title=f"runs in {folder}")
     for col in ("run", "method", "seed", "steps", "last reward", "last eval", "status"):
-        table.add_column(col, justify="right" if col in ("seed", "steps", "last reward", "last eval") else "left")
+        # a narrow terminal folds a run's name instead of cutting it: runs differ in their last characters
+        table.add_column(col, justify="right" if col in ("seed", "steps", "last reward", "last eval") else "left",
+                         overflow="fold" if col in ("run", "method") else "ellipsis")
     for r in rows:
         style = STATUS_STYLE.get(r["status"], "white")
         table.add_row(
-            r["name"], str(r["method"] or "-"), str(r["seed"] if r["seed"] is not None else "-"),
+            Text(r["name"]), Text(str(r["method"] or "-")), str(r["seed"] if r["seed"] is not None else "-"),
             f"{r['steps_done']} / {r['steps_planned'] or '?'}",
             _fmt(r["last_reward"]), _fmt(r["last_eval"]), f"[{style}]{r['status']}[/]",
         )
