@@ -63,6 +63,7 @@ def test_two_processes_match_one_process_on_the_same_rollouts(reference, sets):
     name = "two-" + "-".join(s.replace("=", "-").replace(".", "-") for s in sets if not s.startswith("--"))
     r = launch(CPU_DDP, "--config", str(cfg), "--out", str(base / "out"), "--run", name, "--rollouts-from", str(base / "out" / "ref"), *sets)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.count(f"masktrl train run {name}") == 1, r.stdout[-2000:]  # the header once, not once per process
     two = base / "out" / name
 
     a = load_file(ref / "checkpoints" / "000002" / "model.safetensors")

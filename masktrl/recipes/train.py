@@ -195,7 +195,7 @@ def train(cfg: Config, store: RunStore, progress: Progress | None = None, *, res
                 plan = confirm(plan, store, checked.vocab_size) if dist.is_main else plan
                 resume, restart, forced_changes = plan.start.mode == "resume", plan.start.mode == "restart", plan.forced_changes
             resume, restart = dist.broadcast((resume, restart))  # the main process decided what to do with the folder
-            if on_start is not None and plan is not None:
+            if on_start is not None and plan is not None and dist.is_main:  # the header once, not once per process
                 on_start(plan)
             s = setup(cfg, store, checked, progress, resume=resume, restart=restart, rollouts_from=rollouts_from, dist=dist,
                       forced_changes=forced_changes)
