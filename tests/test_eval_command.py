@@ -80,6 +80,7 @@ def test_synthetic_on_a_run_writes_report_and_manifest(run_dir):
     report = json.loads(path.read_text())
     check_report(report, k=4, n=12)
     assert report["benchmark"] == "synthetic" and report["step"] == 2 and report["run"] == "r"
+    assert report["generation"]["template"] == "builtin:arithmetic"  # the task writes its own prompts (was null)
     assert report["generation"]["max_new_tokens"] == 4  # the run's rollout.max_new_tokens
     assert {p["id"] for p in report["problems"]} == {f"test/{p['id'].split('/')[1]}" for p in report["problems"]}
     store = RunStore(run_dir)

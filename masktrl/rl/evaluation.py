@@ -104,10 +104,11 @@ def build_task(bench: str, cfg: Config, tokenizer=None):
     return make_eval_task(cfg.task, cfg.model, tokenizer)
 
 
-def template_label(task) -> str | None:
-    """How reports name the prompt template: base, chat, instruct, raw, dapo, custom (+chat)."""
-    template = getattr(task, "template", None)
-    return getattr(template, "label", None)
+def template_label(task) -> str:
+    """How reports name the prompt template: base, chat, instruct, raw, dapo, custom (+chat), or
+    ``builtin:<task>`` for a built-in task that writes its own prompts (synthetic arithmetic, residues)."""
+    label = getattr(getattr(task, "template", None), "label", None)
+    return label or f"builtin:{getattr(task, 'name', 'task')}"
 
 
 def reward_name(task) -> str:
