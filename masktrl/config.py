@@ -36,7 +36,8 @@ import yaml
 from masktrl.errors import ConfigError
 from masktrl.io import atomic_write_text
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+PRESETS = Path(__file__).resolve().parent.parent / "configs"  # the presets shipped with the source tree
+DEFAULT_CONFIG = PRESETS / "tiny.yaml"
 MAX_INT = 2**31 - 1
 """The largest integer any config key accepts (sizes, counts, steps)."""
 MAX_SEED = 2**32 - 1
@@ -400,7 +401,7 @@ def load_config(paths: str | Path | list | tuple | None = None, overrides: list[
     if not paths and DEFAULT_CONFIG.exists():
         paths = [DEFAULT_CONFIG]
     for path in paths:
-        raw = merge_config(raw, _read_yaml(Path(path)))
+        raw = merge_config(raw, _read_yaml(config_path(path)))
     for key, value in direct.items():
         if value is None:
             continue
@@ -417,7 +418,7 @@ def read_overrides(path: str | Path | list | tuple | None = None, overrides: lis
     yet validated (``from_dict`` does that)."""
     raw = dict(raw or {})
     for p in [] if path is None else [path] if isinstance(path, (str, Path)) else path:
-        raw = merge_config(raw, _read_yaml(Path(p)))
+        raw = merge_config(raw, _read_yaml(config_path(p)))
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
@@ -542,9 +543,26 @@ def _type_name(tp: Any) -> str:
 # --------------------------------------------------------------------------- helpers
 
 
+def config_path(spec: str | Path) -> Path:
+    """A ``--config`` argument as a file: the path as given, or else the name of a preset shipped in
+    configs/ (``lab``, ``tiny``, ``qwen3-4b``, ``methods/pdm-agg``), so presets work from any folder."""
+    path = Path(spec)
+    if path.is_file() or path.suffix in (".yaml", ".yml"):
+        return path
+    preset = PRESETS / f"{spec}.yaml"
+    return preset if preset.is_file() else path
+
+
+def presets() -> list[str]:
+    """The names ``--config`` takes for the shipped presets."""
+    return sorted(p.relative_to(PRESETS).with_suffix("").as_posix() for p in PRESETS.rglob("*.yaml")
+                  if p.parent.name != "accelerate")
+
+
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        names = ", ".join(presets())
+        raise ConfigError(f"config file not found: {path}" + (f" (shipped presets, by name from any folder: {names})" if names else ""))
     try:
         data = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:

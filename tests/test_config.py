@@ -188,3 +188,17 @@ def test_eval_and_rollout_task_files_compose_the_same_way(tmp_path):
     b.write_text("task: {template: raw}\n")
     assert read_overrides([a, b], ["task.source=y.jsonl"]) == {"task": {"name": "dataset", "source": "y.jsonl", "template": "raw"}}
     assert read_overrides(a) == read_overrides([a])
+
+
+def test_shipped_presets_by_name_from_any_folder(tmp_path, monkeypatch):
+    """--config lab reads configs/lab.yaml wherever the command runs; a path that does not exist
+    names the presets one can type instead."""
+    from masktrl.config import PRESETS, load_config, presets
+
+    monkeypatch.chdir(tmp_path)
+    assert load_config("lab").to_dict() == load_config(PRESETS / "lab.yaml").to_dict()
+    assert load_config(["qwen3-4b", "methods/pdm-agg"]).method_name == "pdm"
+    assert {"lab", "tiny", "methods/pdm-agg"} <= set(presets()) and not any(p.startswith("accelerate") for p in presets())
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/lab.yaml")  # relative to the repository root, not to this folder
+    assert "config file not found: configs/lab.yaml (shipped presets, by name from any folder: lab," in str(info.value)

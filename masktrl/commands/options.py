@@ -52,8 +52,9 @@ ConfigOpt = Annotated[
     Optional[list[Path]],
     typer.Option(
         "--config", "-c", metavar="FILE", show_default=False,
-        help="YAML preset (default: configs/tiny.yaml). Repeatable: a later file overrides an earlier one key by key, "
-             "e.g. --config configs/qwen3-4b.yaml --config configs/methods/pdm-agg.yaml.",
+        help="YAML file, or a shipped preset by name from any folder (lab, qwen3-4b, methods/pdm-agg; default: tiny). "
+             "Repeatable: a later file overrides an earlier one key by key, "
+             "e.g. --config qwen3-4b --config methods/pdm-agg.",
     ),
 ]
 RunOpt = Annotated[
