@@ -21,10 +21,12 @@ from masktrl.methods.aggregation import (
 from masktrl.methods.batch import TokenBatch, support, truncate_topk
 from masktrl.methods.divergence import (
     ddot_kl_bracket,
+    ddot_topk_exact,
     divergence,
     divergence_full,
     divergence_rate,
     divergence_rate_full,
+    square_mass,
 )
 from masktrl.methods.objectives import token_losses
 from masktrl.methods.params import (
@@ -75,10 +77,12 @@ __all__ = [
     "aggregate_denominator",
     "aggregate_denominator_from_counts",
     "ddot_kl_bracket",
+    "ddot_topk_exact",
     "divergence",
     "divergence_full",
     "divergence_rate",
     "divergence_rate_full",
+    "square_mass",
     "get_method",
     "group_advantages",
     "kl_estimate",

@@ -5,7 +5,9 @@
 * ``divergence_rate(batch, kind, tail)``: Ddot = dD(mu||softmax(z))/dz · v along the
   policy-gradient direction v = e_k - pi, from top-K lists ("atoms with multiplicity", §4.2;
   predictive divergence mask, arXiv 2607.10848). Unnormalised.
-* ``ddot_kl_bracket(batch)``: the certified interval of §4.4 for the exact Ddot_KL.
+* ``ddot_kl_bracket(batch)``: the certified interval of §4.4 for the exact full-vocabulary Ddot_KL.
+* ``ddot_topk_exact(batch, pi_sq_sum)``: the exact derivative of the mask's own top-K KL along v,
+  from the lists plus one number per token from the full training distribution, sum_V pi_j^2 (§4.7).
 * ``divergence_full`` / ``divergence_rate_full``: the exact full-vocabulary D and Ddot from
   [N, V] log-probabilities (§4.1, §4.5), the reference the top-K estimators approximate.
 
@@ -143,6 +145,56 @@ def bracket_on_support(s: Support) -> tuple[Tensor, Tensor]:
         quad = torch.where(m > 0, pi_t * pi_t / m.clamp_min(1.0), torch.zeros_like(pi_t))
     hi = base - quad + pi_t * torch.minimum(s.mu_cap, s.mu_tail)
     return lo, hi
+
+
+# --------------------------------------------------------------------------- exact derivative of the top-K KL (§4.7)
+
+
+def ddot_topk_exact(batch: TokenBatch, pi_sq_sum: Tensor) -> Tensor:
+    """[N] the exact directional derivative of the top-K KL D_K(mu || softmax(z)) (§3, union
+    support) along v = e_k - pi, §4.7.
+
+    ``pi_sq_sum`` [N]: sum over the whole vocabulary of pi_j^2 (the training distribution; see
+    ``square_mass`` for computing it from log-probabilities). With Q = sum_{j not in S} pi_j^2 =
+    pi_sq_sum - sum_S pi_i^2 and vbar = pi_k - pi_sq_sum:
+
+        Ddot_K = -mu_k + sum_S mu_i pi_i + vbar (mu(S) + mu_T) + mu_T Q / pi_T
+               = base - (Q / pi_T) (pi_T - mu_T)           (when mu(S) + mu_T = 1, no clamp)
+
+    base = (pi_k - mu_k) - sum_S pi_i (pi_i - mu_i). Q / pi_T lies in [pi_T / m, pi_T], so the
+    value lies between the uniform-tail (Q = pi_T^2 / m) and aggregated-tail (Q = pi_T^2)
+    estimates of §4.2, which are this formula with Q replaced by its two extremes. Q is clamped to
+    that interval (rounding of the subtraction). The tail derivative uses the unfloored pi_T
+    (pi_T = 0 gives Q = 0 and no tail term). m = 0 (the list covers V): equals §4.1.
+    """
+    if not isinstance(pi_sq_sum, Tensor) or pi_sq_sum.shape != (batch.n,):
+        raise ValueError(f"pi_sq_sum must be a tensor of shape [N] = [{batch.n}], got {getattr(pi_sq_sum, 'shape', type(pi_sq_sum).__name__)}")
+    s = support(batch, "union")
+    return rate_topk_exact_on_support(s, pi_sq_sum.detach().to(device=s.pi_tail.device, dtype=s.pi_tail.dtype))
+
+
+def rate_topk_exact_on_support(s: Support, pi_sq_sum: Tensor) -> Tensor:
+    """[N] ``ddot_topk_exact`` from an already computed union support."""
+    mu, pi = s.mu_lp.exp(), s.pi_lp.exp()  # [N, K+1]
+    pi_k, mu_k = (pi * s.is_k).sum(dim=1), (mu * s.is_k).sum(dim=1)  # [N]
+    pi_t, mu_t = s.pi_tail, s.mu_tail  # [N]
+    q_hi = pi_t * pi_t
+    if s.m is None:
+        q_lo = torch.zeros_like(pi_t)
+    else:
+        m = s.m.to(pi_t.dtype)
+        q_lo = torch.where(m > 0, q_hi / m.clamp_min(1.0), torch.zeros_like(pi_t))
+    q = torch.minimum(torch.maximum(pi_sq_sum - (pi * pi).sum(dim=1), q_lo), q_hi)  # [N] sum of pi_j^2 off S
+    ratio = torch.where(pi_t > 0, q / pi_t.clamp_min(torch.finfo(pi_t.dtype).tiny), torch.zeros_like(pi_t))  # Q / pi_T
+    vbar = pi_k - pi_sq_sum  # [N] sum_j pi_j v_j
+    mu_s = mu.sum(dim=1)  # [N]
+    return -mu_k + (mu * pi).sum(dim=1) + vbar * (mu_s + mu_t) + mu_t * ratio
+
+
+def square_mass(logp: Tensor) -> Tensor:
+    """[N] sum_j p_j^2 from [N, V] normalised log-probabilities (the ``pi_sq_sum`` of
+    ``ddot_topk_exact``), in their dtype."""
+    return torch.logsumexp(2.0 * logp.detach(), dim=-1).exp()
 
 
 # --------------------------------------------------------------------------- exact, from full log-probabilities
