@@ -179,6 +179,9 @@ def replay_all(refs: list[BatchRef], *, update: str, partitions: int, minibatche
             cols = record_tokens(replay, replay.cfg.seed + j, m, behaviour=behaviour, ks=ks)
             n = len(cols["sample"])
             if exact:
+                mass = cols.pop("mu_list_mass_diff")
+                row["mu_recompute_max_list_mass_diff"] = max(row.get("mu_recompute_max_list_mass_diff", 0.0),
+                                                             float(np.nanmax(mass)) if mass.size else 0.0)
                 mu = cols.pop("mu_logp_recomputed")
                 stored = np.array([x for s in replay.samples for x in s.gen.logp])
                 ok = np.isfinite(stored)

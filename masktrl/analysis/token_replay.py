@@ -9,13 +9,18 @@ minibatch trains on (the policy the method sees):
     bracket_lo, bracket_hi (§4.4)                    from the stored behaviour lists, as the method sees them
     d_full, ddot_exact (§4.5)                         with ``exact``: from the full log-probabilities (float64)
                                                       of pi and of the behaviour policy (its checkpoint)
+    ddot_topk_exact (§4.7)                            the exact Ḋ of the top-K KL the mask uses (stored list,
+                                                      float64 pi and sum_V pi^2)
+    mu_list_mass_diff                                 sum_S |mu stored - mu recomputed| over the union support
     keep_<criterion>                                  the direction rules (``keep_decisions``)
     d_one                                             D just after the token's own minibatch update
     d_all                                             D after all the step's minibatch updates
 
 With ``ks``, also the tail estimators and the bracket at other list sizes K (``estimates_at_k``),
 all in float64 from the full log-probabilities: ``ddot_agg_k{K}``, ``ddot_uniform_k{K}``,
-``bracket_lo_k{K}``, ``bracket_hi_k{K}``, ``pi_tail_k{K}`` (1 - pi(list)). A K up to the stored
+``ddot_topk_exact_k{K}``, ``bracket_lo_k{K}``, ``bracket_hi_k{K}``, the same bracket from the
+recomputed mu at the list's ids (``bracket_lo_same_mu_k{K}``, ``bracket_hi_same_mu_k{K}``), the
+containment tolerance ``contain_tol_k{K}`` (``estimates_at_k``), ``pi_tail_k{K}`` (1 - pi(list)). A K up to the stored
 list size re-cuts the stored list (``truncate_topk``, §1.1); a larger K takes the behaviour's
 top-K of the recomputed distribution (``source_k{K}`` says which).
 
@@ -30,14 +35,26 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from masktrl.methods import TokenBatch, ddot_kl_bracket, divergence, divergence_full, divergence_rate, divergence_rate_full, truncate_topk
+from masktrl.methods import (
+    TokenBatch,
+    ddot_kl_bracket,
+    ddot_topk_exact,
+    divergence,
+    divergence_full,
+    divergence_rate,
+    divergence_rate_full,
+    square_mass,
+    support,
+    truncate_topk,
+)
 from masktrl.methods.batch import log_ratio
 from masktrl.methods.diagnostics import keep_decisions  # noqa: F401  (the direction rules; imported from here too)
 from masktrl.rl.policy import full_logprobs, lm_head_weight, response_hidden
 
 CRITERIA = ("ratio", "ddot_agg", "ddot_uniform")  # the paper's three direction rules
-EXACT_CRITERIA = ("ddot_exact",)  # needs the full vocabulary
+EXACT_CRITERIA = ("ddot_exact", "ddot_topk_exact")  # need the full vocabulary: full-KL Ḋ, the top-K KL's own Ḋ
 BRACKET_CRITERIA = ("bracket_keep", "bracket_mask")  # pdm tail=bracket, uncertain=keep | mask (§4.6)
+CONTAIN_FLOOR = 1e-12  # float64 rounding of the bracket and the exact value
 FULL_ROW_BUDGET = 1 << 24  # float64 entries of one [rows, V] chunk of full log-probabilities (128 MiB)
 
 
@@ -73,17 +90,50 @@ def list_batch(batch: TokenBatch, pi_full: Tensor, mu_full: Tensor | None = None
     )
 
 
+def same_mu(b: TokenBatch, mu_full: Tensor) -> TokenBatch:
+    """``b`` with its behaviour values (list and sampled token) replaced by the recomputed
+    distribution ``mu_full`` [N, V] at the same ids: the list the bracket would have seen had the
+    engine's numerics been the trainer's."""
+    ids = b.topk_ids
+    return replace(
+        b,
+        behavior_logp=mu_full.gather(1, b.sampled_ids[:, None])[:, 0],
+        topk_behavior_logp=mu_full.gather(1, ids.clamp_min(0)).masked_fill(ids < 0, float("-inf")),
+    )
+
+
+def list_mass_diff(b: TokenBatch, b_re: TokenBatch) -> Tensor:
+    """[N] sum over the union support S of |mu_i stored - mu_i recomputed| (probabilities)."""
+    s, r = support(b, "union"), support(b_re, "union")
+    diff = (s.mu_lp.exp() - r.mu_lp.exp()).abs()  # [N, K+1]; -inf on both off S
+    return torch.where(s.member, diff, torch.zeros_like(diff)).sum(dim=1)
+
+
 def estimates_at_k(batch64: TokenBatch, pi_full: Tensor, mu_full: Tensor, k: int, stored_k: int) -> dict[str, Tensor]:
-    """The tail estimators, the bracket and 1 - pi(list) for a behaviour list of size ``k``."""
+    """The tail estimators, the exact top-K Ḋ, the bracket (from the list as stored and with the
+    recomputed mu at the same ids), its containment tolerance and 1 - pi(list) for a behaviour
+    list of size ``k``.
+
+    ``contain_tol_k{K}`` = 2 sum_S |mu_stored - mu_recomputed| + 1e-12: lo and hi are affine in the
+    list's mu (base through mu_k and sum_S pi_i mu_i, hi's tail term through min(mu_cap, mu_T)),
+    each moved by at most that sum, so a bracket from the stored list contains the exact value of
+    the recomputed mu within this tolerance whenever the bracket itself is right.
+    """
     b = truncate_topk(batch64, k) if k <= stored_k else list_batch(batch64, pi_full, mu_full, k)
+    b_re = same_mu(b, mu_full)
     lo, hi = ddot_kl_bracket(b)
+    lo_re, hi_re = ddot_kl_bracket(b_re)
     genuine = b.topk_ids >= 0
     pi_list = torch.where(genuine, b.topk_logp, torch.full_like(b.topk_logp, float("-inf"))).logsumexp(dim=1)
     return {
         f"ddot_agg_k{k}": divergence_rate(b, "kl", "agg"),
         f"ddot_uniform_k{k}": divergence_rate(b, "kl", "uniform"),
+        f"ddot_topk_exact_k{k}": ddot_topk_exact(b, square_mass(pi_full)),
         f"bracket_lo_k{k}": lo,
         f"bracket_hi_k{k}": hi,
+        f"bracket_lo_same_mu_k{k}": lo_re,
+        f"bracket_hi_same_mu_k{k}": hi_re,
+        f"contain_tol_k{k}": 2.0 * list_mass_diff(b, b_re) + CONTAIN_FLOOR,
         f"pi_tail_k{k}": (-torch.expm1(pi_list)).clamp_min(0.0),
     }
 
@@ -130,10 +180,13 @@ def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, 
         put("ddot_uniform", tok, uni)
         put("bracket_lo", tok, lo)
         put("bracket_hi", tok, hi)
-        exact = None
+        exact = topk_exact = None
         if behaviour is not None:
-            exact = _exact_columns(replay, behaviour, idx, tok, b, ks, temperature, put)
-        for c, keep in keep_decisions(adv, lr, agg, uni, lo, hi, exact).items():
+            exact, topk_exact = _exact_columns(replay, behaviour, idx, tok, b, ks, temperature, put)
+        keeps = keep_decisions(adv, lr, agg, uni, lo, hi, exact)
+        if topk_exact is not None:
+            keeps["ddot_topk_exact"] = ~(torch.sign(adv.to(topk_exact.dtype) * topk_exact) > 0)
+        for c, keep in keeps.items():
             put(f"keep_{c}", tok, keep)
 
     d_one: dict[int, Tensor] = {}
@@ -170,20 +223,22 @@ def _exact_columns(replay, behaviour, idx, tok: np.ndarray, b: TokenBatch, ks, t
         mu_full = full_logprobs(h_mu[s:e], behaviour.weight, temperature)
         rows = _rows(b, s, e)
         sampled = rows.sampled_ids
+        b64 = list_batch(rows, pi_full)
         piece = {
             "d_full": divergence_full(mu_full, pi_full, "kl"),
             "ddot_exact": divergence_rate_full(mu_full, pi_full, sampled, "kl"),
+            "ddot_topk_exact": ddot_topk_exact(b64, square_mass(pi_full)),
             "mu_logp_recomputed": mu_full.gather(1, sampled[:, None])[:, 0],
+            "mu_list_mass_diff": list_mass_diff(b64, same_mu(b64, mu_full)),
         }
         if ks:
-            b64 = list_batch(rows, pi_full)
             for k in ks:
                 piece.update(estimates_at_k(b64, pi_full, mu_full, k, stored_k))
         pieces.append(piece)
     out = {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
     for k, v in out.items():
         put(k, tok, v)
-    return out["ddot_exact"]
+    return out["ddot_exact"], out["ddot_topk_exact"]
 
 
 def _rows(b: TokenBatch, s: int, e: int) -> TokenBatch:
