@@ -100,7 +100,7 @@ def test_bracket_equals_exact_pdm_when_the_list_is_the_vocabulary():
         ({"tail": "bracket", "divergence": "tv"}, "method.tail=bracket requires method.divergence=kl"),
         ({"tail": "agg", "uncertain": "keep"}, "method.uncertain applies only with method.tail=bracket"),
         ({"tail": "bracket", "uncertain": "maybe"}, "method.uncertain must be one of keep, mask"),
-        ({"tail": "exact"}, "method.tail must be one of agg, uniform, bracket"),
+        ({"tail": "exactly"}, "method.tail must be one of agg, uniform, bracket, exact"),
     ],
 )
 def test_bracket_params_are_validated(kw, key):

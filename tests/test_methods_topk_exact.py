@@ -137,3 +137,34 @@ def test_divergence_unchanged_and_float32_close():
     assert got32.dtype == torch.float32
     assert torch.allclose(got32.double(), got, atol=2e-6)
     assert torch.isfinite(divergence(b, "topk-kl")).all()
+
+
+def test_chunked_square_mass_equals_the_dense_one():
+    from masktrl.models.logprobs import token_square_mass
+
+    g = torch.Generator().manual_seed(0)
+    h, w, bias = torch.randn(13, 6, generator=g), torch.randn(40, 6, generator=g), torch.randn(40, generator=g)
+    got = token_square_mass(h, w, temperature=0.7, chunk_size=4, bias=bias)
+    want = square_mass(torch.log_softmax((h.double() @ w.double().t() + bias.double()) / 0.7, -1))
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), want, rtol=1e-5)
+
+
+def test_pdm_tail_exact_masks_on_the_topk_rate_and_refuses_without_full_pi():
+    from masktrl.methods import make_params, token_losses
+
+    rows = random_rows(9, 60, 20, 4)
+    b, rate = exact_rate(rows, 20)
+    with pytest.raises(ValueError, match="tail=exact needs"):
+        token_losses("pdm", b, torch.ones(60, dtype=F64), tail="exact")
+    from dataclasses import replace
+
+    bb = replace(b, pi_sq_sum=square_mass(torch.stack([r.pi_lp for r in rows])))
+    adv = torch.where(torch.arange(60) % 2 == 0, 1.0, -1.0).to(F64)
+    out = token_losses("pdm", bb, adv, tail="exact", delta_pos=0.0, delta_neg=0.0)
+    d = divergence(bb, "topk-kl")
+    want = (d > 0) & (torch.sign(adv * rate) > 0)
+    assert torch.equal(out.mask, want) and torch.allclose(out.ddot, rate)
+    assert bool(want.any()) and not bool(want.all())
+    assert make_params("pdm", tail="exact").uses_full_pi and not make_params("pdm").uses_full_pi
+    with pytest.raises(ValueError, match="tail=exact requires method.divergence=kl"):
+        make_params("pdm", tail="exact", divergence="tv")

@@ -40,6 +40,7 @@ class TokenBatch:
     topk_logp: Tensor  # [N, K] log pi at topk_ids (stop-gradient is applied inside)
     seq_ids: Tensor  # [N] which response each token belongs to (long)
     vocab_size: int | None = None
+    pi_sq_sum: Tensor | None = None  # [N] sum_V pi_j^2 of the training distribution (pdm tail=exact, §4.7); detached
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -110,6 +111,12 @@ def _validate(b: TokenBatch) -> None:
     valid = b.behavior_logp > float("-inf")
     if bool((valid & (b.sampled_ids < 0)).any()):
         raise ValueError("TokenBatch.sampled_ids must be >= 0 on valid tokens (behavior_logp > -inf)")
+    if b.pi_sq_sum is not None:
+        t = b.pi_sq_sum
+        if not isinstance(t, Tensor) or t.shape != (n,) or not t.is_floating_point():
+            raise ValueError(f"TokenBatch.pi_sq_sum must be a floating tensor of shape [N] = [{n}] or None, got {getattr(t, 'shape', type(t).__name__)}")
+        if bool((torch.isnan(t) | (t < 0) | (t > 1 + 1e-5)).any()):
+            raise ValueError("TokenBatch.pi_sq_sum must hold sums of squared probabilities, in [0, 1]")
     if b.vocab_size is not None:
         if isinstance(b.vocab_size, bool) or not isinstance(b.vocab_size, int) or b.vocab_size < 1:
             raise ValueError(f"TokenBatch.vocab_size must be a positive int or None, got {b.vocab_size!r}")
@@ -250,7 +257,7 @@ def truncate_topk(batch: TokenBatch, k: int) -> TokenBatch:
     ids = batch.topk_ids.gather(1, order).masked_fill(~keep, -1)  # [N, k]
     mu = batch.topk_behavior_logp.gather(1, order).masked_fill(~keep, float("-inf"))  # [N, k]
     pi = batch.topk_logp.gather(1, order).masked_fill(~keep, float("-inf"))  # [N, k]
-    return TokenBatch(batch.logp, batch.behavior_logp, batch.sampled_ids, ids, mu, pi, batch.seq_ids, batch.vocab_size)
+    return TokenBatch(batch.logp, batch.behavior_logp, batch.sampled_ids, ids, mu, pi, batch.seq_ids, batch.vocab_size, batch.pi_sq_sum)
 
 
 # --------------------------------------------------------------------------- live log-ratios

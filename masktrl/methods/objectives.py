@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from masktrl.methods.batch import TokenBatch, log_ratio, log_ratio_live, seq_index, support, unit_ratio_log
-from masktrl.methods.divergence import bracket_on_support, divergence, rate_on_support, topk_kl, topk_tv
+from masktrl.methods.divergence import bracket_on_support, divergence, rate_on_support, rate_topk_exact_on_support, topk_kl, topk_tv
 from masktrl.methods.masks import bracket_mask, dppo_mask, masked_pg_loss, pdm_mask, ppo_clip_loss
 from masktrl.methods.params import DAPOParams, DPPOParams, GRPOParams, GSPOParams, PDMParams, SISParams
 from masktrl.methods.registry import Method, TokenLosses, get_method, register_method
@@ -87,7 +87,13 @@ def pdm(batch: TokenBatch, adv: Tensor, p: PDMParams, u: Tensor | None) -> Token
         mask = bracket_mask(d, lo, hi, adv, *p.deltas, p.uncertain_rule) | ~batch.valid
         loss = masked_pg_loss(unit_ratio_log(batch), lw, adv, mask, p.ratio_cap)
         return TokenLosses(loss, mask, d, None, None, lw, lo, hi)
-    ddot = rate_on_support(s, p.divergence, p.tail)
+    if p.tail == "exact":
+        if batch.pi_sq_sum is None:
+            raise ValueError("method.tail=exact needs the training distribution's sum_V pi^2 (TokenBatch.pi_sq_sum), "
+                             "which only a trainer with the full pi can give")
+        ddot = rate_topk_exact_on_support(s, batch.pi_sq_sum.detach().to(s.pi_tail.dtype))
+    else:
+        ddot = rate_on_support(s, p.divergence, p.tail)
     mask = pdm_mask(d, ddot, adv, *p.deltas) | ~batch.valid
     loss = masked_pg_loss(unit_ratio_log(batch), lw, adv, mask, p.ratio_cap)
     return TokenLosses(loss, mask, d, ddot, None, lw)

@@ -18,7 +18,7 @@ from masktrl.methods.divergence import DIVERGENCE_KINDS, RATE_KINDS, TAILS
 from masktrl.methods.regularizers import RegularizerParams, check_regularizers
 
 SIS_BASES = ("grpo", "dapo", "gspo")
-PDM_TAILS = TAILS + ("bracket",)  # bracket: the certified-sign mask (§4.6), kl only
+PDM_TAILS = TAILS + ("bracket", "exact")  # bracket: the certified-sign mask (§4.6); exact: the top-K KL's own Ḋ (§4.7); kl only
 UNCERTAIN = ("keep", "mask")
 DELTA_TV = 0.15  # TV divergences (public DPPO example)
 DELTA_KL = 0.15  # top-K KL and PDM-KL: the predictive-mask paper's main value (0.05 was its sensitivity study)
@@ -103,6 +103,11 @@ class _Protocol(RegularizerParams):
 
     @property
     def uses_u(self) -> bool:
+        return False
+
+    @property
+    def uses_full_pi(self) -> bool:
+        """Whether the kernel needs TokenBatch.pi_sq_sum from the trainer's full pi (pdm tail=exact)."""
         return False
 
     @property
@@ -235,7 +240,9 @@ class PDMParams(_Protocol):
     """kl | tv: the top-K divergence (union support) and its Ddot."""
     tail: str = "agg"
     """Tail of Ddot: agg (one bucket, no vocab size needed) | uniform (spread over |V|-|S| tokens) |
-    bracket (kl only: mask only where the certified bracket of Ddot_KL fixes the sign, §4.6)."""
+    bracket (kl only: mask only where the certified bracket of the full-vocabulary Ddot_KL fixes the
+    sign, §4.6) | exact (kl only: the exact Ddot of the top-K KL the mask uses, from the trainer's
+    full pi, §4.7)."""
     uncertain: str | None = None
     """tail=bracket only: keep | mask a token (D > delta) whose bracket straddles 0; null = keep."""
     delta_pos: float | None = None
@@ -256,12 +263,18 @@ class PDMParams(_Protocol):
         _choice("tail", self.tail, PDM_TAILS)
         if self.tail == "bracket" and self.divergence != "kl":
             raise ValueError(f"method.tail=bracket requires method.divergence=kl (the bracket bounds Ddot_KL), got {self.divergence}")
+        if self.tail == "exact" and self.divergence != "kl":
+            raise ValueError(f"method.tail=exact requires method.divergence=kl (the exact Ddot of the top-K KL), got {self.divergence}")
         if self.uncertain is not None:
             _choice("uncertain", self.uncertain, UNCERTAIN)
             if self.tail != "bracket":
                 raise ValueError(f"method.uncertain applies only with method.tail=bracket, got tail={self.tail}")
         _deltas(self)
         _common(self)
+
+    @property
+    def uses_full_pi(self) -> bool:
+        return self.tail == "exact"
 
     @property
     def uncertain_rule(self) -> str:

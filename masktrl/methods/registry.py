@@ -135,6 +135,12 @@ class Method:
         self._check(params)
         return params.uses_dynamic_sampling
 
+    def needs_full_pi(self, params) -> bool:
+        """Whether ``token_losses`` needs ``TokenBatch.pi_sq_sum`` (sum_V pi^2 of the training
+        distribution; pdm tail=exact): the trainer computes it in its forward pass."""
+        self._check(params)
+        return params.uses_full_pi
+
     def needs_u(self, params) -> bool:
         """Whether ``token_losses`` needs per-token uniforms ``u`` (SIS)."""
         self._check(params)

@@ -189,3 +189,27 @@ def token_entropy(hidden: Tensor, weight: Tensor, *, temperature: float = 1.0, c
     b = None if bias is None else bias.to(dt)
     _, _, ent = _forward(h2, weight.to(dt), b, ids, 1.0 / float(temperature), chunk_size, True)
     return ent.reshape(hidden.shape[:-1])
+
+
+@torch.no_grad()
+def token_square_mass(hidden: Tensor, weight: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024,
+                      bias: Tensor | None = None) -> Tensor:
+    """[...] sum_j p_j^2 of p = softmax((hidden @ weight^T + bias) / T) per token, chunked, no
+    gradient (the ``pi_sq_sum`` of ``masktrl.methods.ddot_topk_exact``): sum_j e^{2(x_j - max)} /
+    (sum_j e^{x_j - max})^2 over one [chunk, V] buffer at a time."""
+    _check(hidden, weight, None, temperature, chunk_size, bias)
+    dt = _compute_dtype(hidden, weight, bias)
+    h2 = hidden.reshape(-1, hidden.shape[-1]).to(dt)
+    w = weight.to(dt)
+    b = None if bias is None else bias.to(dt)
+    n = h2.shape[0]
+    out = torch.empty(n, dtype=dt, device=h2.device)
+    buf = torch.empty(min(chunk_size, max(n, 1)), w.shape[0], dtype=dt, device=h2.device)
+    inv_t = 1.0 / float(temperature)
+    for s in range(0, n, chunk_size):
+        e = min(s + chunk_size, n)
+        x = _chunk_logits(h2[s:e], w, b, inv_t, buf)  # [c, V]
+        x.sub_(x.amax(dim=1, keepdim=True)).exp_()
+        tot = x.sum(dim=1)  # [c]
+        out[s:e] = x.square_().sum(dim=1) / (tot * tot)
+    return out.reshape(hidden.shape[:-1])
