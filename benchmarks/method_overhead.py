@@ -30,7 +30,7 @@ import time
 import torch
 
 from masktrl.methods import TokenBatch, get_method, make_params
-from masktrl.models.logprobs import token_logprobs
+from masktrl.models.logprobs import token_logprobs, token_square_mass
 
 VARIANTS: list[tuple[str, str, dict]] = [
     ("grpo", "grpo", {}),
@@ -41,6 +41,7 @@ VARIANTS: list[tuple[str, str, dict]] = [
     *[(f"pdm-{d}-{t}", "pdm", {"divergence": d, "tail": t}) for d in ("kl", "tv") for t in ("agg", "uniform")],
     ("pdm-kl-bracket", "pdm", {"divergence": "kl", "tail": "bracket"}),
     ("pdm-kl-bracket-mask", "pdm", {"divergence": "kl", "tail": "bracket", "uncertain": "mask"}),
+    ("pdm-kl-exact", "pdm", {"divergence": "kl", "tail": "exact"}),  # + one chunked no-grad pass for sum_V pi^2
     *[(f"sis-{b}", "sis", {"base": b}) for b in ("grpo", "dapo", "gspo")],
 ]
 
@@ -82,6 +83,7 @@ def synthetic_batch(model, seqs: int, tokens: int, k: int, seed: int, noise: flo
         "seq_ids": torch.arange(seqs).repeat_interleave(tokens),
         "advantages": adv,
         "u": torch.rand(seqs * tokens, generator=gen),
+        "pi_sq_sum": mu_lp.reshape(-1, v).exp().square().sum(-1),  # for the method-only timing
     }
 
 
@@ -97,8 +99,9 @@ def train_step(model, data: dict, method, params, sampled_only: bool, chunk: int
         ids = torch.cat([data["sampled"][:, None], data["topk_ids"]], dim=1)  # [N, 1+K]
         lp = token_logprobs(h, weight, ids, chunk_size=chunk)
         topk_logp = lp[:, 1:]
+    pi_sq = token_square_mass(h.detach(), weight.detach(), chunk_size=chunk) if method.needs_full_pi(params) else None
     batch = TokenBatch(lp[:, 0], data["behavior_logp"], data["sampled"], data["topk_ids"], data["topk_behavior_logp"],
-                       topk_logp, data["seq_ids"], weight.shape[0])
+                       topk_logp, data["seq_ids"], weight.shape[0], pi_sq)
     out = method.token_losses(batch, data["advantages"], params, u=data["u"] if method.needs_u(params) else None)
     loss = method.aggregate(params, out.loss, batch, horizon=data["input_ids"].shape[1])
     loss.backward()
@@ -117,7 +120,7 @@ def method_part(data: dict, method, params, sampled_only: bool, repeats: int, vo
         logp = lp_k.clone().requires_grad_(True)
         c0 = time.process_time()
         batch = TokenBatch(logp, data["behavior_logp"], data["sampled"], data["topk_ids"], data["topk_behavior_logp"],
-                           topk, data["seq_ids"], vocab)
+                           topk, data["seq_ids"], vocab, data["pi_sq_sum"] if method.needs_full_pi(params) else None)
         out = method.token_losses(batch, data["advantages"], params, u=data["u"] if method.needs_u(params) else None)
         method.aggregate(params, out.loss, batch, horizon=data["input_ids"].shape[1]).backward()
         ts.append(time.process_time() - c0)
