@@ -7,6 +7,8 @@ run's method, parameters and optimizer, calling hooks before and after each upda
 analysis can look at exactly what the method saw. With P = S-1, the run's seed and the run's
 number of minibatches, the replay reproduces the stored checkpoint S (tested).
 
+Which optimizer runs it is a ``first_order.ReplayOptimizer`` (the run's own by default; plain
+SGD or fresh AdamW at a chosen learning rate; the Adam state cleared before every minibatch).
 Which update is replayed is an ``UpdateChoice``: the run's own method (what training did), a
 named method with its defaults, or ``unmasked``: importance-weighted policy gradient with no
 trust-region mask (see ``update_choice``). The behaviour policy that sampled step S is the
@@ -95,6 +97,8 @@ class Replay:
     scheduler: object
     update: UpdateChoice | None = None
     reference: Reference | None = None  # the run's starting policy, when the replayed update has a reference KL
+    replay_optimizer: object = None  # first_order.ReplayOptimizer
+    lr_used: float | None = None
     _saved: tuple | None = None
 
     @property
@@ -125,9 +129,13 @@ class Replay:
         self.scheduler.load_state_dict(copy.deepcopy(sched))
 
 
-def load_replay(root: Path, step: int, policy_step: int | None = None, update_name: str = RUN_METHOD) -> Replay:
+def load_replay(root: Path, step: int, policy_step: int | None = None, update_name: str = RUN_METHOD, optimizer=None) -> Replay:
     """Checkpoint ``policy_step`` (default step-1) with its optimizer, and the rollouts of ``step``;
-    the update is ``update_choice(update_name)`` (default: the run's own method)."""
+    the update is ``update_choice(update_name)`` (default: the run's own method); ``optimizer``: a
+    ``first_order.ReplayOptimizer`` (default: the run's own, with its moments and schedule)."""
+    from masktrl.analysis.first_order import ReplayOptimizer, build_optimizer
+
+    choice_opt = optimizer or ReplayOptimizer()
     store = RunStore(root)
     cfg = store.config()
     choice = update_choice(update_name, cfg)
@@ -144,6 +152,7 @@ def load_replay(root: Path, step: int, policy_step: int | None = None, update_na
     optimizer, scheduler = update.make_optimizer(model, cfg.train)
     if policy_step > 0:
         load_optimizer_state(Path(path), optimizer, scheduler)
+    optimizer, scheduler, lr_used = build_optimizer(model, cfg.train, choice_opt, optimizer, scheduler)
     method = get_method(choice.method)
     reference = None
     if method.needs_reference(choice.params):  # the starting policy, as the run's (docs/METHODS.md §13.7)
@@ -153,7 +162,7 @@ def load_replay(root: Path, step: int, policy_step: int | None = None, update_na
             micro = micro_batch_size(len(samples), cfg.train.minibatches, cfg.train.grad_accum)
             penalise_kl(samples, reference_logprobs(reference, samples, micro), method, choice.params)
     replay = Replay(Path(root), cfg, method, choice.params, samples, step, policy_step, model, tokenizer,
-                    optimizer, scheduler, choice, reference)
+                    optimizer, scheduler, choice, reference, choice_opt, lr_used)
     replay.save_state()
     return replay
 
@@ -211,5 +220,14 @@ def replay_step(replay: Replay, seed: int, minibatches: int, before: Hook | None
     (``stream_seed(seed, "sis", S, mb)``); nothing else in an update is random.
     """
     settings = replace(update.UpdateSettings.from_config(replay.cfg), minibatches=minibatches)
+    if replay.replay_optimizer is not None and replay.replay_optimizer.reset_moments:
+        inner, seen = before, set()
+
+        def before(mb, idx, out, losses, u):  # fresh Adam state for every minibatch update
+            if mb not in seen:
+                seen.add(mb)
+                replay.optimizer.state.clear()
+            if inner is not None:
+                inner(mb, idx, out, losses, u)
     update.policy_update(replay.model, replay.optimizer, replay.scheduler, replay.samples, replay.method, replay.params,
                          settings, seed, replay.step, before=before, after=after, reference=replay.reference)

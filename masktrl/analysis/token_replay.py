@@ -47,6 +47,7 @@ from masktrl.methods import (
     support,
     truncate_topk,
 )
+from masktrl.errors import MasktrlError
 from masktrl.methods.batch import log_ratio
 from masktrl.methods.diagnostics import keep_decisions  # noqa: F401  (the direction rules; imported from here too)
 from masktrl.rl.policy import full_logprobs, lm_head_weight, response_hidden
@@ -142,16 +143,23 @@ def _np(t: Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, ks: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
+def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, ks: tuple[int, ...] = (),
+                  decompose_delta: float | None = None, own_tokens: int = 0) -> dict[str, np.ndarray]:
     """Replay the step once from checkpoint P; the columns described in the module docstring.
 
     ``behaviour``: a ``step_replay.Behaviour`` (the full behaviour distribution) turns on the
-    exact columns; ``ks`` needs it.
+    exact columns; ``ks`` needs it. ``decompose_delta``: also the first-order parts of every
+    token's ΔD (``first_order.decompose_minibatch``: ``fo_*`` columns), the own term on up to
+    ``own_tokens`` tokens per minibatch, those with D > decompose_delta and A != 0 first.
     """
+    from masktrl.analysis import first_order as fo
     from masktrl.analysis.step_replay import policy_outputs, replay_step, token_index
 
     if ks and behaviour is None:
         raise ValueError("estimates at other K need the behaviour distribution")
+    if decompose_delta is not None and replay.cfg.train.grad_accum != 1:
+        raise MasktrlError("the first-order decomposition needs train.grad_accum = 1 (one micro-batch per minibatch)")
+    pending: dict[int, tuple] = {}
     replay.restore()
     n = replay.n_tokens
     cols: dict[str, np.ndarray] = {}
@@ -188,13 +196,25 @@ def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, 
             keeps["ddot_topk_exact"] = ~(torch.sign(adv.to(topk_exact.dtype) * topk_exact) > 0)
         for c, keep in keeps.items():
             put(f"keep_{c}", tok, keep)
+        if decompose_delta is not None:
+            total = replay.method.aggregate(replay.params, losses.loss, b, horizon=replay.cfg.rollout.max_new_tokens)
+            (coef,) = torch.autograd.grad(total, b.logp, retain_graph=True, allow_unused=True)
+            coef = torch.zeros_like(b.logp) if coef is None else coef.detach()
+            d_now = divergence(b, "topk-kl").detach()
+            over = (b.valid & torch.isfinite(d_now) & (d_now > decompose_delta) & (adv != 0)).cpu().numpy()
+            pending[mb] = (fo.snapshot(replay.optimizer), coef, fo.choose_own(over, own_tokens, seed_value * 1000 + mb))
 
     d_one: dict[int, Tensor] = {}
 
     def after(mb, idx):
         order.append(idx)
         d_one[mb] = divergence(policy_outputs(replay, idx).batch, "topk-kl")
-        put("d_one", _np(token_index(replay, idx)), d_one[mb])
+        tok = _np(token_index(replay, idx))
+        put("d_one", tok, d_one[mb])
+        if decompose_delta is not None:
+            snap, coef, own = pending.pop(mb)
+            for name, values in fo.decompose_minibatch(replay, idx, snap, coef, own).items():
+                put(name, tok, torch.from_numpy(values))
 
     replay_step(replay, seed_value, minibatches, before, after)
     for idx in order:
