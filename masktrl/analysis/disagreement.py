@@ -206,8 +206,16 @@ def run_study(
     pairs=PAIRS,
     test: str = "wilcoxon",
     progress=None,
+    optimizer=None,
+    decompose: bool = False,
+    own_tokens: int = 32,
 ) -> tuple[dict, dict]:
-    """The whole study on the run folders ``runs``: (JSON-ready result, token table)."""
+    """The whole study on the run folders ``runs``: (JSON-ready result, token table).
+
+    ``optimizer``: a ``first_order.ReplayOptimizer`` (default: the run's own); ``decompose``: the
+    first-order parts of every token's ΔD (``first_order``), summarised under ``first_order``."""
+    from masktrl.analysis import first_order as fo
+
     from masktrl.analysis.replicates import prepare, replay_all
     from masktrl.runs.store import RunStore
 
@@ -215,9 +223,11 @@ def run_study(
         raise MasktrlError(f"--test must be one of {', '.join(TESTS)}, got {test!r}")
     if any(c in EXACT_CRITERIA for p in pairs for c in p) and not exact:
         raise MasktrlError("a pair with ddot_exact needs the exact values (drop --no-exact)")
+    optimizer = optimizer or fo.ReplayOptimizer()
     refs = prepare(runs, steps, delta=delta, update=update, partitions=partitions, policy_step=policy_step, minibatches=minibatches,
-                   exact=exact)
-    table, info = replay_all(refs, update=update, partitions=partitions, minibatches=minibatches, exact=exact, unit=unit, progress=progress)
+                   exact=exact, optimizer=optimizer, own_tokens=own_tokens)
+    table, info = replay_all(refs, update=update, partitions=partitions, minibatches=minibatches, exact=exact, unit=unit, progress=progress,
+                             optimizer=optimizer, decompose_delta=delta if decompose else None, own_tokens=own_tokens)
     reps = replicate_counts(table, delta, pairs)
     n_over = [r["n_over_delta"] for r in reps]
     result = {
@@ -229,6 +239,7 @@ def run_study(
         "delta": delta,
         "divergence": "topk-kl",
         "update": info[0]["update"],
+        "replay_optimizer": info[0]["replay_optimizer"],
         "minibatches": sorted({row["minibatches"] for row in info}),
         "partitions": partitions,
         "replicate_unit": unit,
@@ -245,6 +256,9 @@ def run_study(
         "batches": info,
         "replicates": reps,
     }
+    if decompose:
+        crit = tuple(k[len("keep_"):] for k in table if k.startswith("keep_"))
+        result["first_order"] = {"own_tokens": own_tokens, **fo.summarize_parts(table, delta, crit)}
     return result, table
 
 
@@ -257,7 +271,16 @@ def stem(result: dict) -> str:
         part += f"-policy{batches[0]['policy_step']}"
     runs = "" if len(result["runs"]) == 1 else f"-runs{len(result['runs'])}"
     mb = "-".join(map(str, result["minibatches"]))
-    return f"disagreement-{part}{runs}-mb{mb}-delta{result['delta']:g}-{result['update']['name']}"
+    return f"disagreement-{part}{runs}-mb{mb}-delta{result['delta']:g}-{result['update']['name']}{optimizer_suffix(result)}"
+
+
+def optimizer_suffix(result: dict) -> str:
+    """'' for the run's own optimizer as training ran it; else -opt-{name}[-lr{lr}][-reset]."""
+    opt = result.get("replay_optimizer") or {}
+    if opt.get("name", "run") == "run" and opt.get("lr") is None and not opt.get("reset_moments"):
+        return ""
+    lr = f"-lr{opt['lr']:g}" if opt.get("lr") is not None else ""
+    return f"-opt-{opt['name']}{lr}{'-reset' if opt.get('reset_moments') else ''}"
 
 
 def output_dir(runs: list[Path], result: dict) -> Path:
@@ -281,6 +304,7 @@ def save(result: dict, table: dict, out: Path) -> list[Path]:
         save_figure(plots.pair_bars(result, SCOPES), out / f"{name}-bars.png"),
         save_figure(plots.pair_ecdf(result, ecdf, SCOPES), out / f"{name}-ecdf.png"),
         save_figure(plots.pair_contracted(result, SCOPES), out / f"{name}-contracted.png"),
+        *([save_figure(plots.first_order_bars(result), out / f"{name}-first-order.png")] if "first_order" in result else []),
     ]
 
 

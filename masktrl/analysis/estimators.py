@@ -165,13 +165,18 @@ def run_estimators(
     policy_step: int | None = None,
     minibatches: int | None = None,
     progress=None,
+    optimizer=None,
 ) -> tuple[dict, dict]:
-    """(JSON-ready result, token table) of the estimator study on the run folders ``runs``."""
+    """(JSON-ready result, token table) of the estimator study on the run folders ``runs``;
+    ``optimizer``: a ``first_order.ReplayOptimizer`` (default: the run's own)."""
+    from masktrl.analysis.first_order import ReplayOptimizer
     from masktrl.analysis.replicates import prepare, replay_all
 
+    optimizer = optimizer or ReplayOptimizer()
     refs = prepare(runs, steps, delta=delta, update=update, partitions=partitions, policy_step=policy_step, minibatches=minibatches,
-                   exact=True)
-    table, info = replay_all(refs, update=update, partitions=partitions, minibatches=minibatches, exact=True, ks=ks, progress=progress)
+                   exact=True, optimizer=optimizer)
+    table, info = replay_all(refs, update=update, partitions=partitions, minibatches=minibatches, exact=True, ks=ks, progress=progress,
+                             optimizer=optimizer)
     stored_k = min(row["stored_k"] for row in info)
     result = {
         "analysis": "estimators",
@@ -183,6 +188,7 @@ def run_estimators(
         "vocab_size": info[0]["vocab_size"],
         "delta": delta,
         "update": info[0]["update"],
+        "replay_optimizer": info[0]["replay_optimizer"],
         "minibatches": sorted({row["minibatches"] for row in info}),
         "partitions": partitions,
         "n_batches": len(refs),
@@ -201,7 +207,9 @@ def stem(result: dict) -> str:
     steps = result["steps"]
     part = f"step{steps[0]}" if len(steps) == 1 else f"steps{steps[0]}-{steps[-1]}n{len(steps)}"
     runs = "" if len(result["runs"]) == 1 else f"-runs{len(result['runs'])}"
-    return f"estimators-{part}{runs}-{result['update']['name']}"
+    from masktrl.analysis.disagreement import optimizer_suffix
+
+    return f"estimators-{part}{runs}-{result['update']['name']}{optimizer_suffix(result)}"
 
 
 def save(result: dict, table: dict, out: Path) -> list[Path]:

@@ -113,6 +113,34 @@ def pair_contracted(result: dict, scopes) -> Figure:
     return fig
 
 
+def first_order_bars(result: dict) -> Figure:
+    """Per direction rule: its measured unsafe-keep rate (one step, every D > δ token it keeps)
+    beside the rate each first-order part of the step would give (paired bars), and the sign
+    agreement of each part with the measured ΔD."""
+    fo = result["first_order"]
+    rules = list(fo["unsafe_keep"])
+    parts = ["measured", "total", "gradient", "momentum", "decay", "own", "rest"]
+    fig, axes = _grid(2, 6.5, 3.4, cols=2)
+    width = 0.8 / len(parts)
+    for j, part in enumerate(parts):
+        vals = [_nan(fo["unsafe_keep"][r].get(part)) for r in rules]
+        axes[0].bar(np.arange(len(rules)) + (j - len(parts) / 2 + 0.5) * width, vals, width, color=COLORS[j % len(COLORS)], label=part)
+    axes[0].set_xticks(range(len(rules)), rules, fontsize=7, rotation=20)
+    axes[0].set_ylim(0, 1.05)
+    axes[0].set_ylabel("kept D > δ updates with ΔD > 0", fontsize=8)
+    axes[0].set_title("unsafe keep: measured, and as each part predicts", fontsize=8)
+    axes[0].legend(fontsize=6, ncol=2)
+    names = [p for p in parts[1:] if p in fo["sign_agree"]]
+    axes[1].bar(range(len(names)), [_nan(fo["sign_agree"][p]) for p in names], 0.6, color=[COLORS[(parts.index(p)) % len(COLORS)] for p in names])
+    axes[1].set_xticks(range(len(names)), names, fontsize=7)
+    axes[1].set_ylim(0, 1.05)
+    axes[1].set_title(f"sign(part) = sign(measured ΔD), n = {fo['n_tokens']} (own, rest: n = {fo['n_own']})", fontsize=8)
+    opt = result.get("replay_optimizer") or {}
+    fig.suptitle(_study_title(result, f"first-order parts of ΔD, optimizer {opt.get('name')} lr {opt.get('lr_used')}"
+                              f"{' reset moments' if opt.get('reset_moments') else ''}"), fontsize=9)
+    return fig
+
+
 def estimator_panels(result: dict) -> Figure:
     """Sign agreement, relative error and bracket certification of the tail estimators vs K."""
     fig, axes = _grid(4, 4.2, 3.4, cols=4)

@@ -119,10 +119,13 @@ def plan(roots: list[Path], steps: list[int] | None, policy_step: int | None = N
 
 
 def prepare(runs: list[Path], steps: list[int] | None, *, delta: float, update: str, partitions: int, policy_step: int | None,
-            minibatches: int | None, exact: bool) -> list[BatchRef]:
-    """Check a study's options and artifacts (``MasktrlError`` before any replay), then ``plan``."""
+            minibatches: int | None, exact: bool, optimizer=None, own_tokens: int | None = None) -> list[BatchRef]:
+    """Check a study's options and artifacts (``MasktrlError`` before any replay), then ``plan``.
+    ``optimizer``: a ``first_order.ReplayOptimizer`` (checked when it was built)."""
     from masktrl.analysis.step_replay import update_choice
 
+    if own_tokens is not None and own_tokens < 0:
+        raise MasktrlError(f"--own-tokens must be >= 0, got {own_tokens}")
     if partitions < 1:
         raise MasktrlError(f"--partitions must be >= 1, got {partitions}")
     if not delta >= 0:
@@ -151,7 +154,8 @@ def _span(steps: set[int]) -> str:
 
 
 def replay_all(refs: list[BatchRef], *, update: str, partitions: int, minibatches: int | None, exact: bool,
-               ks: tuple[int, ...] = (), unit: str = "batch", progress=None) -> tuple[dict[str, np.ndarray], list[dict]]:
+               ks: tuple[int, ...] = (), unit: str = "batch", progress=None, optimizer=None,
+               decompose_delta: float | None = None, own_tokens: int = 0) -> tuple[dict[str, np.ndarray], list[dict]]:
     """Replay every batch ``partitions`` times; returns the token table of all of them (columns
     of ``token_replay.record_tokens`` plus run, step, partition, replicate) and one info row
     per batch (run, step, policy_step, behaviour_step, method, minibatches, n_tokens, ...)."""
@@ -166,7 +170,7 @@ def replay_all(refs: list[BatchRef], *, update: str, partitions: int, minibatche
     bar = progress.add_task("replays", total=len(refs) * partitions, info="") if progress else None
     replicate = 0
     for bi, ref in enumerate(refs):
-        replay = load_replay(ref.root, ref.step, ref.policy_step, update)
+        replay = load_replay(ref.root, ref.step, ref.policy_step, update, optimizer)
         m = study_minibatches(replay.cfg.train.minibatches, minibatches, ref.policy_step - ref.behaviour_step)
         behaviour = load_behaviour(replay, ref.behaviour_step) if exact else None
         row = {"batch": bi, "run": ref.run, "step": ref.step, "policy_step": ref.policy_step, "behaviour_step": ref.behaviour_step,
@@ -174,9 +178,11 @@ def replay_all(refs: list[BatchRef], *, update: str, partitions: int, minibatche
                "minibatches": m, "minibatches_run": replay.cfg.train.minibatches, "n_tokens": replay.n_tokens,
                "stored_k": max((len(row) for s in replay.samples for row in s.gen.topk_ids), default=0),
                "vocab_size": int(lm_head_weight(replay.model).shape[0]),
-               "update": replay.update.describe()}
+               "update": replay.update.describe(),
+               "replay_optimizer": replay.replay_optimizer.describe(replay.lr_used)}
         for j in range(partitions):
-            cols = record_tokens(replay, replay.cfg.seed + j, m, behaviour=behaviour, ks=ks)
+            cols = record_tokens(replay, replay.cfg.seed + j, m, behaviour=behaviour, ks=ks, decompose_delta=decompose_delta,
+                                 own_tokens=own_tokens)
             n = len(cols["sample"])
             if exact:
                 mass = cols.pop("mu_list_mass_diff")
