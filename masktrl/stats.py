@@ -247,3 +247,45 @@ def paired_tests(a, b) -> dict:
             res = sps.wilcoxon(x, y, zero_method="wilcox")
             out["w"], out["p_wilcoxon"] = float(res.statistic), float(res.pvalue)
     return out
+
+
+# --------------------------------------------------------------------------- replicates nested in runs
+
+
+def run_blocked_test(diff, runs, n_perm: int = 10000, seed: int = 0) -> dict:
+    """Paired comparison when replicates (batches) are nested in runs: the run is the unit.
+
+    ``diff`` [n]: per-replicate differences a - b; ``runs`` [n]: the run of each replicate. The
+    statistic is T = mean over runs of the run's mean difference; under the null of no difference
+    between a and b the labels a/b can be swapped for a whole run at once (a run's batches share
+    its trajectory, so they cannot be swapped one by one), i.e. the sign of each run's mean flips
+    independently. p = P(|T*| >= |T|) over the 2^R sign vectors (exact when 2^R <= n_perm, else
+    Monte Carlo with (1 + hits) / (1 + n_perm)); ties count as extreme. Hence p = 1 for one run,
+    p = 1 when every run's mean difference is 0, and p >= 2^(1-R) whatever the batches say.
+    Returns {unit: "run", n_runs, n_replicates, diff_mean: T, diff_se (over run means), p, exact}.
+    """
+    d = np.asarray(diff, dtype=np.float64).reshape(-1)
+    r = np.asarray(runs).reshape(-1)
+    if d.shape != r.shape:
+        raise ValueError(f"run_blocked_test needs one run per difference, got {d.size} and {r.size}")
+    ok = np.isfinite(d)
+    d, r = d[ok], r[ok]
+    labels = list(dict.fromkeys(r.tolist()))
+    means = np.array([d[r == x].mean() for x in labels])
+    out = {"unit": "run", "n_runs": len(labels), "n_replicates": int(d.size),
+           "diff_mean": float(means.mean()) if means.size else float("nan"),
+           "diff_se": mean_se(means)[1] if means.size > 1 else float("nan"), "p": float("nan"), "exact": True}
+    if not means.size:
+        return out
+    t = abs(means.mean())
+    tol = 1e-12 * max(1.0, float(np.abs(means).max()))
+    n_runs = means.size
+    if 2**n_runs <= n_perm:
+        signs = ((np.arange(2**n_runs)[:, None] >> np.arange(n_runs)) & 1) * 2 - 1  # [2^R, R] every sign vector
+        out["p"] = float(np.mean(np.abs(signs @ means / n_runs) >= t - tol))
+    else:
+        rng = np.random.default_rng(seed)
+        signs = rng.choice((-1.0, 1.0), size=(n_perm, n_runs))
+        hits = int(np.sum(np.abs(signs @ means / n_runs) >= t - tol))
+        out["p"], out["exact"] = (1 + hits) / (1 + n_perm), False
+    return out

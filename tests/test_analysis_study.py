@@ -85,7 +85,9 @@ def test_pairwise_sets_rebuilt_from_the_token_parquet_equal_the_json(analysis_ru
                 assert block[scope][c]["n_kept_total"] == int(kept.sum())
                 if kept.any():
                     assert block[scope][c]["unsafe_keep_pooled"] == pytest.approx(float(((t[col] - t["d"])[kept] > 0).mean()))
-            assert block[scope]["paired"]["p"] == block[scope]["paired"]["unsafe_keep"]["p_ttest"]
+            # two runs pooled: the run is the unit (run-blocked sign flip), not the batch
+            assert block[scope]["paired"]["p_unit"] == "run" and block[scope]["paired"]["p"] == block[scope]["paired"]["unsafe_keep"]["p"]
+            assert "p_ttest" not in block[scope]["paired"]["unsafe_keep"]
     assert total > 0  # the check above was not vacuous
     for suffix in ("bars", "ecdf", "contracted"):
         assert (folder / path.name.replace(".json", f"-{suffix}.png")).stat().st_size > 1000

@@ -37,7 +37,7 @@ import numpy as np
 
 from masktrl.analysis.token_replay import BRACKET_CRITERIA, CRITERIA, EXACT_CRITERIA
 from masktrl.errors import MasktrlError
-from masktrl.stats import mean_se, paired_tests
+from masktrl.stats import mean_se, paired_tests, run_blocked_test
 
 PAIRS = (("ratio", "ddot_agg"), ("ratio", "ddot_uniform"), ("ddot_agg", "ddot_uniform"))
 SCOPES = ("one_step", "all_minibatches")
@@ -151,14 +151,35 @@ def criterion_stats(rows: list[dict], kept_dd: np.ndarray) -> dict:
     }
 
 
-def paired(rows_a: list[dict], rows_b: list[dict]) -> dict:
-    """Paired tests a vs b over the replicates where both kept a token."""
-    both = [(x, y) for x, y in zip(rows_a, rows_b) if x["n_kept"] and y["n_kept"]]
-    return {key: paired_tests([x[key] for x, _ in both], [y[key] for _, y in both]) for key in ("unsafe_keep", "contract_frac")}
+def paired(rows_a: list[dict], rows_b: list[dict], runs: list[str] | None = None, unit: str = "batch") -> dict:
+    """Paired tests a vs b over the replicates where both kept a token.
+
+    One run: Wilcoxon and paired t over its replicates (``unit`` "batch" or "partition": they
+    share the run's trajectory, so the p-values speak for that run only). Several runs
+    (``runs``: the run of each replicate): the run is the unit, a run-blocked sign-flip test
+    (``masktrl.stats.run_blocked_test``); no per-replicate test is reported."""
+    keep = [i for i, (x, y) in enumerate(zip(rows_a, rows_b)) if x["n_kept"] and y["n_kept"]]
+    several = runs is not None and len({runs[i] for i in range(len(runs))}) > 1
+    if several:
+        out = {"unit": "run"}
+        for key in ("unsafe_keep", "contract_frac"):
+            out[key] = run_blocked_test([rows_a[i][key] - rows_b[i][key] for i in keep], [runs[i] for i in keep])
+        return out
+    out = {"unit": unit}
+    for key in ("unsafe_keep", "contract_frac"):
+        out[key] = paired_tests([rows_a[i][key] for i in keep], [rows_b[i][key] for i in keep])
+    return out
 
 
-def summarize(t: dict, reps: list[dict], delta: float, pairs=PAIRS, test: str = "wilcoxon") -> dict:
-    """The per-pair summary (see docs/ANALYSIS.md for every field)."""
+def replicate_runs(reps: list[dict]) -> list[str]:
+    """The run of each replicate (a replicate is one batch or partition of one run)."""
+    return ["+".join(r["runs"]) for r in reps]
+
+
+def summarize(t: dict, reps: list[dict], delta: float, pairs=PAIRS, test: str = "wilcoxon", unit: str = "batch") -> dict:
+    """The per-pair summary (see docs/ANALYSIS.md for every field). With several runs the paired
+    p-value is the run-blocked test's (``paired``), whatever ``test`` says; ``p_unit`` names the unit."""
+    runs = replicate_runs(reps)
     out = {}
     for a, b in pairs:
         name = pair_name(a, b)
@@ -171,8 +192,13 @@ def summarize(t: dict, reps: list[dict], delta: float, pairs=PAIRS, test: str = 
             dd = delta_d(t, scope)
             rows = {c: [r["pairs"][name][scope][c] for r in reps] for c in (a, b)}
             sb = {c: criterion_stats(rows[c], dd[s & t[f"keep_{c}"]]) for c in (a, b)}
-            sb["paired"] = paired(rows[a], rows[b])
-            sb["paired"]["p"] = sb["paired"]["unsafe_keep"]["p_wilcoxon" if test == "wilcoxon" else "p_ttest"]
+            sb["paired"] = paired(rows[a], rows[b], runs, unit)
+            if sb["paired"]["unit"] == "run":
+                sb["paired"]["p"], sb["paired"]["test"] = sb["paired"]["unsafe_keep"]["p"], "run-blocked sign flip"
+            else:
+                sb["paired"]["p"] = sb["paired"]["unsafe_keep"]["p_wilcoxon" if test == "wilcoxon" else "p_ttest"]
+                sb["paired"]["test"] = test
+            sb["paired"]["p_unit"] = sb["paired"]["unit"]
             block[scope] = sb
         out[name] = block
     return out
@@ -251,7 +277,8 @@ def run_study(
         "n_tokens_total": int(len(table["d"])),
         "n_over_delta_mean": float(np.mean(n_over)),
         "n_over_delta_total": int(sum(n_over)),
-        "pairs": summarize(table, reps, delta, pairs, test),
+        "pairs": summarize(table, reps, delta, pairs, test, unit),
+        "p_unit": "run" if len({ref.run for ref in refs}) > 1 else unit,
         "over_delta": summarize_over_delta(table, reps, delta),
         "batches": info,
         "replicates": reps,
