@@ -1,10 +1,15 @@
-"""Methods side by side over seeds: final and best eval accuracy with mean, std, bootstrap 95%
-CI and a two-sample test against a baseline method.
+"""Methods side by side over seeds: final eval accuracy with mean, std, bootstrap 95% CI and,
+against a baseline group, the difference with its 95% CI, a two-sample test, Holm and
+Benjamini-Hochberg adjustments across the table and the smallest difference the seeds could
+detect at 80% power; the best-of-evaluations value, labelled as biased.
 
 Per run: *final* = ``eval_after`` of summary.json (held-out accuracy; for another metric, its
 last logged value); *best* = the maximum over the run's eval rows in metrics.jsonl and the
-final value. Runs are grouped by their config without the seed (``io.group_runs``); the
-seeds are the unit of replication.
+final value, a maximum over several noisy evaluations and therefore biased upward: reported
+(``best.biased``), never tested. Runs are grouped by their config without the seed
+(``io.group_runs``); the run (one seed) is the unit of replication; every group has a handle
+(``#1``, ``#2``, ... in table order) that ``baseline`` accepts, as does any member run's folder.
+Runs of different tasks are refused.
 """
 
 from __future__ import annotations
@@ -14,8 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from masktrl.analysis.io import RunInfo, group_runs
-from masktrl.stats import bootstrap_ci, paired_tests, permutation_test, welch_t_test
+from masktrl.config import flatten
 from masktrl.errors import MasktrlError
+from masktrl.stats import bootstrap_ci, paired_tests, permutation_test, welch_t_test
+
+POWER = 0.8
+ALPHA = 0.05
+P_UNIT = "run (one seed)"
 
 HELDOUT = "eval/heldout/accuracy"
 MIN_SEEDS = 3
@@ -59,8 +69,15 @@ def test_against(values: list[float], base: list[float], n_perm: int, seed: int 
     shared = sorted(set(seeds or []) & set(base_seeds or []))
     pick = lambda vals, ss: [vals[ss.index(s)] for s in shared]  # noqa: E731
     paired = paired_tests(pick(values, seeds), pick(base, base_seeds))
+    lo, hi = welch_diff_ci(values, base)
+    plo, phi = paired_diff_ci(pick(values, seeds), pick(base, base_seeds))
     return {
         "diff_vs_baseline": float(np.mean(values) - np.mean(base)),
+        "diff_ci_low": lo,
+        "diff_ci_high": hi,
+        "diff_ci_paired_low": plo,
+        "diff_ci_paired_high": phi,
+        "mdd_80": min_detectable_difference(values, base),
         "t_welch": t,
         "p_welch": p,
         "p_permutation": permutation_test(values, base, n_perm=n_perm, seed=seed),
@@ -70,17 +87,112 @@ def test_against(values: list[float], base: list[float], n_perm: int, seed: int 
     }
 
 
-def find_baseline(labels: list[tuple[str, str]], baseline: str) -> str:
-    """The group label matching ``baseline`` (a label, or a method name with one group)."""
+def welch_diff_ci(a, b, level: float = 0.95) -> tuple[float, float]:
+    """The Welch (unequal-variance) t interval of mean(a) - mean(b), df by Welch-Satterthwaite;
+    nan with fewer than 2 values in a group or no spread at all."""
+    from scipy import stats as sps
+
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if min(x.size, y.size) < 2:
+        return float("nan"), float("nan")
+    va, vb = x.var(ddof=1) / x.size, y.var(ddof=1) / y.size
+    se = float(np.sqrt(va + vb))
+    d = float(x.mean() - y.mean())
+    if se == 0:
+        return d, d
+    df = (va + vb) ** 2 / (va**2 / (x.size - 1) + vb**2 / (y.size - 1))
+    h = float(sps.t.ppf(0.5 + level / 2, df)) * se
+    return d - h, d + h
+
+
+def paired_diff_ci(a, b, level: float = 0.95) -> tuple[float, float]:
+    """The paired t interval of mean(a - b) over matched seeds; nan with fewer than 2 pairs."""
+    from scipy import stats as sps
+
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    if d.size < 2:
+        return float("nan"), float("nan")
+    se = float(d.std(ddof=1) / np.sqrt(d.size))
+    h = float(sps.t.ppf(0.5 + level / 2, d.size - 1)) * se
+    return float(d.mean()) - h, float(d.mean()) + h
+
+
+def min_detectable_difference(a, b, power: float = POWER, alpha: float = ALPHA) -> float:
+    """The smallest |mean(a) - mean(b)| a two-sided two-sample t-test at ``alpha`` detects with
+    probability ``power`` given these seed counts and spreads: (t_{1-alpha/2} + t_{power}) · s ·
+    sqrt(1/n_a + 1/n_b), s the pooled standard deviation, df = n_a + n_b - 2 (the usual
+    normal-shift approximation with t quantiles). nan when df < 1."""
+    from scipy import stats as sps
+
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    df = x.size + y.size - 2
+    if df < 1:
+        return float("nan")
+    ss = (x.var(ddof=1) * (x.size - 1) if x.size > 1 else 0.0) + (y.var(ddof=1) * (y.size - 1) if y.size > 1 else 0.0)
+    s = float(np.sqrt(ss / df))
+    return float((sps.t.ppf(1 - alpha / 2, df) + sps.t.ppf(power, df)) * s * np.sqrt(1 / x.size + 1 / y.size))
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (nan stays nan and is not counted)."""
+    p = np.asarray(pvalues, dtype=float)
+    ok = np.flatnonzero(np.isfinite(p))
+    out = np.full(p.size, np.nan)
+    order = ok[np.argsort(p[ok], kind="stable")]
+    m, running = len(order), 0.0
+    for i, j in enumerate(order):
+        running = max(running, min(1.0, (m - i) * p[j]))
+        out[j] = running
+    return [float(x) for x in out]
+
+
+def benjamini_hochberg(pvalues: list[float]) -> list[float]:
+    """Benjamini-Hochberg adjusted p-values (q-values; nan stays nan and is not counted)."""
+    p = np.asarray(pvalues, dtype=float)
+    ok = np.flatnonzero(np.isfinite(p))
+    out = np.full(p.size, np.nan)
+    order = ok[np.argsort(p[ok], kind="stable")]
+    m, running = len(order), 1.0
+    for i in range(m - 1, -1, -1):
+        j = order[i]
+        running = min(running, p[j] * m / (i + 1))
+        out[j] = min(1.0, running)
+    return [float(x) for x in out]
+
+
+def find_baseline(labels: list[tuple[str, str]], baseline: str, members: list[list[RunInfo]] | None = None) -> str:
+    """The group label matching ``baseline``: a label, a handle (``#2`` or ``2``: the group's
+    1-based position in the table), a member run's folder (name or path), or a method name with
+    one group."""
     names = [label for label, _ in labels]
     if baseline in names:
         return baseline
-    by_method = [label for label, method in labels if method == baseline]
+    handle = baseline[1:] if baseline.startswith("#") else baseline
+    if handle.isdigit() and 1 <= int(handle) <= len(names):
+        return names[int(handle) - 1]
+    for label, runs in zip(names, members or []):
+        if any(baseline in (r.name, str(r.root)) or Path(baseline).resolve() == Path(r.root).resolve() for r in runs):
+            return label
+    by_method = [i for i, (_, method) in enumerate(labels) if method == baseline]
     if len(by_method) == 1:
-        return by_method[0]
+        return names[by_method[0]]
     if by_method:
-        raise MasktrlError(f"baseline {baseline!r} is ambiguous ({', '.join(by_method)}): pass one of these labels")
-    raise MasktrlError(f"baseline method {baseline!r} is not among the runs (methods: {', '.join(names)})")
+        options = ", ".join(f"#{i + 1} {names[i]}" for i in by_method)
+        raise MasktrlError(f"baseline {baseline!r} is ambiguous: pass a handle or a run folder ({options})")
+    raise MasktrlError(f"baseline {baseline!r} is not among the runs (groups: {', '.join(f'#{i + 1} {n}' for i, n in enumerate(names))})")
+
+
+def check_one_task(runs: list[RunInfo]) -> None:
+    """``MasktrlError`` naming two runs and the first task key they differ in, when the runs do not
+    share one task (their accuracies are not comparable)."""
+    first = flatten(runs[0].cfg.to_dict().get("task", {}))
+    for r in runs[1:]:
+        other = flatten(r.cfg.to_dict().get("task", {}))
+        diff = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
+        if diff:
+            k = diff[0]
+            raise MasktrlError(f"runs of different tasks cannot be compared: {runs[0].name} has task.{k}={first.get(k)}, "
+                               f"{r.name} has task.{k}={other.get(k)}")
 
 
 def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, test: str = "welch",
@@ -92,27 +204,61 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
     skipped = [str(r.root) for r in runs if not r.complete]
     if not complete:
         raise MasktrlError("no complete run to compare (a run is complete once summary.json is written)")
+    check_one_task(complete)
     groups = group_runs(complete)
-    base_label = find_baseline([(label, m[0].cfg.method_name) for label, m in groups], baseline)
+    base_label = find_baseline([(label, m[0].cfg.method_name) for label, m in groups], baseline, [m for _, m in groups])
     scores = {label: [run_scores(r, metric) for r in members] for label, members in groups}
     base_seeds = [r.cfg.seed for r in dict(groups)[base_label]]
     rows, warnings = [], []
-    for label, members in groups:
-        row = {"label": label, "method": members[0].cfg.method_name, "runs": [str(r.root) for r in members],
+    for gi, (label, members) in enumerate(groups):
+        row = {"handle": f"#{gi + 1}", "label": label, "method": members[0].cfg.method_name, "runs": [str(r.root) for r in members],
                "seeds": [r.cfg.seed for r in members], "is_baseline": label == base_label}
-        for i, key in enumerate(("final", "best")):
-            vals = [s[i] for s in scores[label]]
-            base = [s[i] for s in scores[base_label]]
-            row[key] = describe(vals, n_boot)
-            tests = (test_against(vals, base, n_perm, seeds=row["seeds"], base_seeds=base_seeds) if label != base_label else
-                     {"diff_vs_baseline": 0.0, "t_welch": float("nan"), "p_welch": float("nan"), "p_permutation": float("nan"),
-                      "n_paired": 0, "t_paired": float("nan"), "p_paired": float("nan")})
-            row[key].update(tests, p=tests[f"p_{test}"])
+        vals = [s[0] for s in scores[label]]
+        base = [s[0] for s in scores[base_label]]
+        row["final"] = describe(vals, n_boot)
+        tests = test_against(vals, base, n_perm, seeds=row["seeds"], base_seeds=base_seeds) if label != base_label else _no_test()
+        row["final"].update(tests, p=tests[f"p_{test}"], p_unit=P_UNIT)
+        row["best"] = describe([s[1] for s in scores[label]], n_boot)
+        row["best"].update(biased=True, n_evals=[len(_evals(r, metric)) + 1 for r in members], p=float("nan"),
+                           note="max over the run's evaluations and its final value: biased upward, not tested")
         if len(members) < MIN_SEEDS:
             warnings.append(f"{label}: only {len(members)} seed{'s' if len(members) != 1 else ''} (< {MIN_SEEDS}); its CI and p-value mean little")
         rows.append(row)
-    return {"metric": metric, "baseline": base_label, "test": test, "n_boot": n_boot, "n_perm": n_perm,
+    others = [r for r in rows if not r["is_baseline"]]
+    for adj, fn in (("p_holm", holm), ("q_bh", benjamini_hochberg)):
+        for r, v in zip(others, fn([r["final"]["p"] for r in others])):
+            r["final"][adj] = v
+    for r in rows:
+        if r["is_baseline"]:
+            r["final"]["p_holm"] = r["final"]["q_bh"] = float("nan")
+    return {"metric": metric, "metric_kind": metric_kind(metric, complete), "baseline": base_label,
+            "baseline_handle": next(r["handle"] for r in rows if r["is_baseline"]), "test": test, "p_unit": P_UNIT,
+            "adjustment": "Holm (p_holm) and Benjamini-Hochberg (q_bh) over the non-baseline rows' final p",
+            "power": POWER, "alpha": ALPHA, "n_boot": n_boot, "n_perm": n_perm,
             "methods": rows, "warnings": warnings, "skipped": skipped}
+
+
+def _no_test() -> dict:
+    nan = float("nan")
+    return {"diff_vs_baseline": 0.0, "diff_ci_low": nan, "diff_ci_high": nan, "diff_ci_paired_low": nan, "diff_ci_paired_high": nan,
+            "mdd_80": nan, "t_welch": nan, "p_welch": nan, "p_permutation": nan, "n_paired": 0, "t_paired": nan, "p_paired": nan}
+
+
+def _evals(run: RunInfo, metric: str) -> list[float]:
+    return [float(r[metric]) for r in run.metrics if isinstance(r.get(metric), (int, float))]
+
+
+def metric_kind(metric: str, runs: list[RunInfo]) -> str:
+    """What one value of ``metric`` is: avg@k over k samples per prompt, or one sample per prompt."""
+    if metric.endswith("/avg_at_k"):
+        ks = sorted({int(r[metric.rsplit("/", 1)[0] + "/k"]) for run in runs for r in run.metrics
+                     if isinstance(r.get(metric.rsplit("/", 1)[0] + "/k"), (int, float))})
+        return f"avg@k: mean accuracy over k samples per prompt (k = {', '.join(map(str, ks)) or 'as logged'})"
+    if metric == HELDOUT:
+        greedy = {bool(run.cfg.to_dict().get("eval", {}).get("greedy", True)) for run in runs}
+        return "one " + ("greedy answer" if greedy == {True} else "sampled answer" if greedy == {False} else "answer") + \
+            " per held-out prompt (pass --metric eval/<bench>/avg_at_k for avg@k over several samples)"
+    return "the metric's last logged value"
 
 
 def save(table: dict, out_dir: Path) -> list[Path]:

@@ -105,8 +105,9 @@ def strip_seed(name: str) -> str:
 def group_runs(runs: list[RunInfo]) -> list[tuple[str, list[RunInfo]]]:
     """Runs grouped by config-minus-seed, in first-seen order, with readable unique labels.
 
-    The label is the method name; groups that share it are told apart by the method
-    parameters, then the other config keys, in which they differ.
+    The label is the method name; groups that share it are told apart by the fewest config keys
+    that separate them (``distinguishing_keys``: method parameters first, then other keys),
+    shown as ``method[key=value,...]`` (a method key without its ``method.`` prefix).
     """
     groups: dict[str, list[RunInfo]] = {}
     for r in runs:
@@ -120,15 +121,31 @@ def group_runs(runs: list[RunInfo]) -> list[tuple[str, list[RunInfo]]]:
             labels[keys[0]] = method
             continue
         flat = {k: flatten(json.loads(k)) for k in keys}
-        differing = sorted({f for k in keys for f in flat[k] if len({json.dumps(flat[o].get(f)) for o in keys}) > 1})
-        method_keys = [f for f in differing if f.startswith("method.")]
-        shown = method_keys or differing
+        shown = distinguishing_keys([flat[k] for k in keys])
         for k in keys:
             parts = [f"{f.split('.', 1)[1] if f.startswith('method.') else f}={flat[k].get(f)}" for f in shown]
             labels[k] = f"{method}[{','.join(parts)}]"
     return [(labels[k], sorted(m, key=lambda r: r.cfg.seed)) for k, m in groups.items()]
 
 
+def distinguishing_keys(configs: list[dict]) -> list[str]:
+    """The fewest keys (greedy) whose values tell the flat ``configs`` apart: at each round the
+    differing key that separates the most groups, method parameters before other keys, then by
+    name. Keys no two configs differ in are never shown."""
+    differing = sorted({f for c in configs for f in c if len({json.dumps(o.get(f), default=str) for o in configs}) > 1},
+                       key=lambda f: (not f.startswith("method."), f))
+    chosen: list[str] = []
+
+    def n_distinct(keys):
+        return len({tuple(json.dumps(c.get(f), default=str) for f in keys) for c in configs})
+
+    while differing and n_distinct(chosen) < len(configs):
+        best = max(differing, key=lambda f: (n_distinct(chosen + [f]), f.startswith("method."), -differing.index(f)))
+        if n_distinct(chosen + [best]) == n_distinct(chosen):
+            break
+        chosen.append(best)
+        differing.remove(best)
+    return sorted(chosen, key=lambda f: (not f.startswith("method."), f))
 
 
 # --------------------------------------------------------------------------- outputs

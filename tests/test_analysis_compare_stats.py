@@ -1,0 +1,95 @@
+"""analyze compare as a referee reads it: the difference's CI, Holm / BH across the table, the
+smallest detectable difference at 80% power, the biased best-of-evaluations labelled, short
+labels with handles that --baseline accepts, and runs of different tasks refused."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from masktrl.analysis import compare as cmp
+from masktrl.analysis.io import RunInfo
+from masktrl.config import from_dict
+from masktrl.errors import MasktrlError
+
+
+def _run(method, seed, final, evals=(), name=None, **over):
+    cfg = from_dict({"seed": seed, "method": {"name": method}, **over})
+    metrics = [{"step": i + 1, "eval/heldout/accuracy": v} for i, v in enumerate(evals)]
+    return RunInfo(Path(f"/nowhere/{name or method + '-seed' + str(seed)}"), cfg, metrics, {"eval_after": final}, "complete")
+
+
+def test_difference_ci_matches_welch_by_hand():
+    a, b = [1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]
+    lo, hi = cmp.welch_diff_ci(a, b)
+    va, vb = 1 / 3, np.var(b, ddof=1) / 4
+    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 3)
+    h = sps.t.ppf(0.975, df) * math.sqrt(va + vb)
+    assert (lo, hi) == pytest.approx((-3.5 - h, -3.5 + h))
+    plo, phi = cmp.paired_diff_ci([1.0, 2.0, 4.0], [0.0, 0.5, 1.0])
+    d = np.array([1.0, 1.5, 3.0])
+    assert (plo + phi) / 2 == pytest.approx(d.mean()) and phi - plo == pytest.approx(2 * sps.t.ppf(0.975, 2) * d.std(ddof=1) / math.sqrt(3))
+
+
+def test_holm_and_bh_by_hand():
+    assert cmp.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert cmp.benjamini_hochberg([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.04, 0.04])
+    h = cmp.holm([0.2, float("nan"), 0.01])
+    assert h[0] == pytest.approx(0.2) and math.isnan(h[1]) and h[2] == pytest.approx(0.02)
+
+
+def test_min_detectable_difference_has_80_percent_power():
+    a, b = [0.0, 1.0, 2.0, 0.5, 1.5], [1.0, 0.0, 2.0, 1.5, 0.5]
+    mdd = cmp.min_detectable_difference(a, b)
+    s = math.sqrt((np.var(a, ddof=1) + np.var(b, ddof=1)) / 2)
+    assert mdd == pytest.approx((sps.t.ppf(0.975, 8) + sps.t.ppf(0.8, 8)) * s * math.sqrt(2 / 5))
+    rng = np.random.default_rng(0)  # simulated power of Welch's test at that shift, same n and sigma
+    hits = 0
+    for _ in range(3000):
+        x, y = rng.normal(mdd, s, 5), rng.normal(0.0, s, 5)
+        hits += sps.ttest_ind(x, y, equal_var=True).pvalue < 0.05
+    assert 0.75 <= hits / 3000 <= 0.85
+
+
+def test_table_has_ci_adjusted_p_mdd_and_labels_best_as_biased():
+    runs = [_run("grpo", s, v) for s, v in enumerate([0.40, 0.42, 0.41])]
+    runs += [_run("dppo", s, v, evals=[v + 0.05]) for s, v in enumerate([0.50, 0.47, 0.52])]
+    runs += [_run("sis", s, v) for s, v in enumerate([0.41, 0.40, 0.44])]
+    t = cmp.compare(runs, baseline="grpo", n_boot=200)
+    rows = {r["label"]: r for r in t["methods"]}
+    d = rows["dppo"]["final"]
+    assert d["diff_ci_low"] < d["diff_vs_baseline"] < d["diff_ci_high"] and d["diff_ci_low"] > 0
+    sis = rows["sis"]["final"]
+    assert [d["p_holm"], sis["p_holm"]] == pytest.approx(cmp.holm([d["p"], sis["p"]]))
+    assert [d["q_bh"], sis["q_bh"]] == pytest.approx(cmp.benjamini_hochberg([d["p"], sis["p"]]))
+    assert math.isnan(rows["grpo"]["final"]["p_holm"])
+    assert d["p_holm"] >= d["p"] and d["q_bh"] >= d["p"] and d["mdd_80"] > 0 and d["p_unit"] == "run (one seed)"
+    assert rows["dppo"]["best"]["biased"] and math.isnan(rows["dppo"]["best"]["p"]) and rows["dppo"]["best"]["n_evals"] == [2, 2, 2]
+    assert t["p_unit"] == "run (one seed)" and "one greedy answer" in t["metric_kind"]
+    assert [r["handle"] for r in t["methods"]] == ["#1", "#2", "#3"]
+
+
+def test_labels_name_only_what_separates_the_groups_and_handles_pick_the_baseline():
+    # two grpo groups that differ in three keys at once; one of them is enough to tell them apart
+    a = [_run("grpo", s, 0.4 + 0.01 * s, name=f"a{s}", eval={"greedy": True}, train={"lr": 1e-3, "steps": 10}) for s in range(3)]
+    b = [_run("grpo", s, 0.5 + 0.01 * s, name=f"b{s}", eval={"greedy": False}, train={"lr": 2e-3, "steps": 20}) for s in range(3)]
+    t = cmp.compare(a + b, baseline="#2", n_boot=200)
+    labels = [r["label"] for r in t["methods"]]
+    assert labels == ["grpo[eval.greedy=True]", "grpo[eval.greedy=False]"]
+    assert t["baseline"] == "grpo[eval.greedy=False]" and t["baseline_handle"] == "#2"
+    assert cmp.compare(a + b, baseline="1", n_boot=200)["baseline"] == labels[0]
+    assert cmp.compare(a + b, baseline="b1", n_boot=200)["baseline"] == labels[1]  # a member run's folder name
+    with pytest.raises(MasktrlError, match=r"ambiguous: pass a handle or a run folder \(#1 grpo\[eval.greedy=True\], #2"):
+        cmp.compare(a + b, baseline="grpo", n_boot=200)
+    with pytest.raises(MasktrlError, match="not among the runs"):
+        cmp.compare(a + b, baseline="#3", n_boot=200)
+
+
+def test_runs_of_different_tasks_are_refused():
+    runs = [_run("grpo", s, 0.4) for s in range(2)] + [_run("dppo", 0, 0.5, task={"name": "arithmetic", "digits": 4})]
+    with pytest.raises(MasktrlError, match="runs of different tasks cannot be compared: grpo-seed0 has task.digits=3, dppo-seed0 has task.digits=4"):
+        cmp.compare(runs, n_boot=200)
