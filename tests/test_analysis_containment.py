@@ -88,3 +88,21 @@ def test_replay_topk_exact_equals_autograd_of_the_topk_kl(analysis_runs, tokens)
         assert t["ddot_topk_exact"][i] == pytest.approx(float(g), rel=1e-5, abs=1e-7)
         checked += 1
     assert checked >= 5
+
+
+def test_missing_behaviour_checkpoint_names_the_steps_that_work(analysis_runs, tmp_path):
+    import shutil
+
+    from masktrl.analysis.replicates import prepare
+    from masktrl.errors import ArtifactError
+
+    root = tmp_path / "no-checkpoint"
+    shutil.copytree(analysis_runs / "grpo-seed0", root)
+    shutil.rmtree(root / "checkpoints" / "000001")
+    kw = dict(delta=0.15, update="unmasked", partitions=1, policy_step=3, minibatches=None, exact=True)
+    with pytest.raises(ArtifactError) as est_err:
+        prepare([root], [2], no_exact=False, **kw)  # estimators: it has no --no-exact
+    msg = str(est_err.value)
+    assert "behaviour policy, checkpoint 1" in msg and "steps with both checkpoints: 1, 3" in msg and "--no-exact" not in msg
+    with pytest.raises(ArtifactError, match=r"steps with both checkpoints: 1, 3 \(or --no-exact\)"):
+        prepare([root], [2], **kw)  # disagreement

@@ -117,6 +117,8 @@ def bracket_stats(lo: np.ndarray, hi: np.ndarray, exact: np.ndarray, *, tol=CONT
     }
     if np.ndim(tol):
         out.update(_q(np.asarray(tol), "contain_tol"))
+        clear = certified & (np.abs(exact) > tol)  # the sign is beyond what the list's numerics can move
+        out["certified_correct_beyond_tol"] = float(right[clear].mean()) if clear.any() else float("nan")
         out["contains_frac_tol_1e-6"] = _frac(_contains(lo, hi, exact, CONTAIN_TOL))
     if lo_same is not None:
         out["contains_frac_same_mu"] = _frac(_contains(lo_same, hi_same, exact, SAME_MU_TOL))
@@ -174,7 +176,7 @@ def run_estimators(
 
     optimizer = optimizer or ReplayOptimizer()
     refs = prepare(runs, steps, delta=delta, update=update, partitions=partitions, policy_step=policy_step, minibatches=minibatches,
-                   exact=True, optimizer=optimizer)
+                   exact=True, optimizer=optimizer, no_exact=False)
     table, info = replay_all(refs, update=update, partitions=partitions, minibatches=minibatches, exact=True, ks=ks, progress=progress,
                              optimizer=optimizer)
     stored_k = min(row["stored_k"] for row in info)

@@ -69,8 +69,11 @@ def task_key(cfg) -> str:
     return json.dumps(cfg.to_dict().get("task", {}), sort_keys=True, default=str)
 
 
-def plan(roots: list[Path], steps: list[int] | None, policy_step: int | None = None, exact: bool = True) -> list[BatchRef]:
-    """The batches to replay, after checking every artifact they need (``MasktrlError`` otherwise)."""
+def plan(roots: list[Path], steps: list[int] | None, policy_step: int | None = None, exact: bool = True,
+         no_exact: bool = True) -> list[BatchRef]:
+    """The batches to replay, after checking every artifact they need (``MasktrlError`` otherwise).
+    ``no_exact``: whether the command has ``--no-exact`` to suggest (``estimators`` has not)."""
+    skip = " (use --no-exact)" if no_exact else ""
     from masktrl.analysis.io import default_replay_step
     from masktrl.analysis.step_replay import behaviour_step
 
@@ -94,10 +97,10 @@ def plan(roots: list[Path], steps: list[int] | None, policy_step: int | None = N
         stored = set(store.rollout_steps())
         policies = set(store.policy_steps())
         if exact:
-            _check_behaviour_known(store)
+            _check_behaviour_known(store, skip)
             if cfg.rollout.top_p < 1.0:
                 raise MasktrlError(f"run {store.name} sampled with rollout.top_p = {cfg.rollout.top_p}: its behaviour distribution is "
-                                   "truncated, and the exact values need the full one (use --no-exact)")
+                                   f"truncated, and the exact values need the full one{skip}")
         for s in run_steps:
             if s not in stored:
                 have = sorted(stored)
@@ -111,15 +114,18 @@ def plan(roots: list[Path], steps: list[int] | None, policy_step: int | None = N
                 raise ArtifactError(f"run {store.name}, step {s}: the update starts from checkpoint {p}, which is not stored "
                                     f"(checkpoints: {_span(policies)}; train with train.checkpoint_every=1 around the steps studied)")
             if exact and b not in policies:
+                good = replayable_steps(cfg, stored, policies, policy_step)
+                hint = f"steps with both checkpoints: {_span(set(good))}" if good else "no stored step has both checkpoints"
                 raise ArtifactError(f"run {store.name}, step {s}: the exact values need the behaviour policy, checkpoint {b} "
                                     f"(step - 1 - rollout.staleness), which is not stored (checkpoints: {_span(policies)}); "
-                                    "choose steps whose behaviour checkpoint exists, or --no-exact")
+                                    f"{hint}{' (or --no-exact)' if no_exact else ''}")
             refs.append(BatchRef(store.root, store.name, s, p, b))
     return refs
 
 
 def prepare(runs: list[Path], steps: list[int] | None, *, delta: float, update: str, partitions: int, policy_step: int | None,
-            minibatches: int | None, exact: bool, optimizer=None, own_tokens: int | None = None) -> list[BatchRef]:
+            minibatches: int | None, exact: bool, optimizer=None, own_tokens: int | None = None,
+            no_exact: bool = True) -> list[BatchRef]:
     """Check a study's options and artifacts (``MasktrlError`` before any replay), then ``plan``.
     ``optimizer``: a ``first_order.ReplayOptimizer`` (checked when it was built)."""
     from masktrl.analysis.step_replay import update_choice
@@ -134,14 +140,22 @@ def prepare(runs: list[Path], steps: list[int] | None, *, delta: float, update: 
         raise MasktrlError(f"--minibatches must be >= 1, got {minibatches}")
     for r in runs:
         update_choice(update, RunStore(r).config())  # an unknown --update-method
-    return plan(runs, steps, policy_step, exact)
+    return plan(runs, steps, policy_step, exact, no_exact)
 
 
-def _check_behaviour_known(store: RunStore) -> None:
+def replayable_steps(cfg, stored: set[int], policies: set[int], policy_step: int | None = None) -> list[int]:
+    """The stored steps whose update checkpoint (S-1, or ``policy_step``) and behaviour
+    checkpoint (S-1-staleness) both exist: the steps a study with exact values can replay."""
+    from masktrl.analysis.step_replay import behaviour_step
+
+    return sorted(s for s in stored if (s - 1 if policy_step is None else policy_step) in policies and behaviour_step(cfg, s) in policies)
+
+
+def _check_behaviour_known(store: RunStore, skip: str = " (use --no-exact)") -> None:
     summary = store.summary() or {}
     if summary.get("rollouts_from"):
         raise MasktrlError(f"run {store.name} trained on rollouts from {summary['rollouts_from']}: its behaviour policy is "
-                           "not one of its checkpoints, so the exact values cannot be computed (use --no-exact)")
+                           f"not one of its checkpoints, so the exact values cannot be computed{skip}")
 
 
 def _span(steps: set[int]) -> str:
