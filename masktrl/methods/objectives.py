@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from masktrl.methods.batch import TokenBatch, log_ratio, log_ratio_live, seq_index, support, unit_ratio_log
+from masktrl.methods.batch import TokenBatch, log_ratio, log_ratio_live, seq_index, support, truncate_topk, unit_ratio_log
 from masktrl.methods.divergence import bracket_on_support, divergence, rate_on_support, rate_topk_exact_on_support, topk_kl, topk_tv
 from masktrl.methods.masks import bracket_mask, dppo_mask, masked_pg_loss, pdm_mask, ppo_clip_loss
 from masktrl.methods.params import DAPOParams, DPPOParams, GRPOParams, GSPOParams, PDMParams, SISParams
@@ -101,8 +101,9 @@ def pdm(batch: TokenBatch, adv: Tensor, p: PDMParams, u: Tensor | None) -> Token
 
 @register_method("sis", SISParams, "selective importance sampling on grpo|dapo|gspo (needs u)")
 def sis(batch: TokenBatch, adv: Tensor, p: SISParams, u: Tensor | None) -> TokenLosses:
-    """SIS (§6): accepted tokens get w = pi_k/sg(pi_k) (value 1), others the base's r."""
-    dec = sis_accept(batch, u)
+    """SIS (§6): accepted tokens get w = pi_k/sg(pi_k) (value 1), others the base's r. With
+    ``k``: the envelope and the test use the lists re-cut to k entries (§6.2)."""
+    dec = sis_accept(truncate_topk(batch, p.k) if p.k is not None else batch, u)
     base = p.base_params
     if isinstance(base, GSPOParams):
         loss, mask = gspo_loss(batch, adv, dec.log_w, base.eps_low, base.eps_high)

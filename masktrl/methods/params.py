@@ -316,9 +316,14 @@ class SISParams(_Protocol):
     """DAPO overlong penalty (null = the base's; only with base dapo)."""
     adv_norm: str | None = None
     """Advantages (§11, §13.4): group-std | none | rloo | batch-std | reinforce++ | reinforce++-baseline (null = the base's: group-std)."""
+    k: int | None = None
+    """Envelope list size: re-cut the stored behaviour lists to their first k entries for the
+    envelope and the acceptance test (§6.2); null = the stored K. At most rollout.logprobs_k."""
 
     def __post_init__(self) -> None:
         _choice("base", self.base, SIS_BASES)
+        if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1):
+            raise ValueError(f"method.k must be an integer >= 1 or null, got {self.k!r}")
         if self.base != "dapo":
             for name in ("overlong_buffer", "overlong_penalty"):
                 if getattr(self, name) is not None:
