@@ -282,3 +282,25 @@ def sis_panels(rep: dict) -> Figure:
         ax.set_yticks(range(len(top))[::-1], [repr(t["token"]) for t in top], fontsize=7)
         ax.set_title(f"most frequent {key} tokens (step {rep['step']})", fontsize=9)
     return fig
+
+
+def sis_bias_panels(result: dict) -> Figure:
+    """Cosine and relative norm of the top-K SIS gradient against the exact-envelope SIS gradient
+    and the on-policy gradient, against the residual mass ξ_K."""
+    fig, axes = _grid(2, 4.6, 3.4, cols=2)
+    xi = [r["xi_mean"] for r in result["ks"]]
+    for j, (ref, label) in enumerate((("vs_exact", "top-K vs exact-envelope SIS"), ("vs_on_policy", "top-K SIS vs on-policy"))):
+        axes[0].plot(xi, [r[ref]["cos"] for r in result["ks"]], marker="o", color=COLORS[j], label=label)
+        axes[1].plot(xi, [r[ref]["rel_norm"] for r in result["ks"]], marker="o", color=COLORS[j], label=label)
+    e = result["exact"]["vs_on_policy"]
+    axes[0].scatter([0.0], [e["cos"]], marker="*", s=60, color=COLORS[2], label="exact-envelope SIS vs on-policy", zorder=3)
+    axes[1].scatter([0.0], [e["rel_norm"]], marker="*", s=60, color=COLORS[2], label="exact-envelope SIS vs on-policy", zorder=3)
+    for r in result["ks"]:
+        axes[0].annotate(f"K={r['k']}", (r["xi_mean"], r["vs_exact"]["cos"]), fontsize=7)
+    for ax, title in zip(axes, ("cosine of the gradients", "‖g − g_ref‖ / ‖g_ref‖")):
+        ax.set_xlabel("residual mass ξ_K = 1 − π(top-K), mean over tokens", fontsize=8)
+        ax.set_title(title, fontsize=8)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"SIS gradient bias on one batch: {result['run']}, step {result['step']}, |V| = {result['vocab_size']}"
+                 f"{' (hypothetical: not a SIS run)' if result['hypothetical'] else ''}", fontsize=9)
+    return fig
