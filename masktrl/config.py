@@ -439,6 +439,10 @@ def from_dict(raw: dict) -> Config:
     if "name" not in cfg.method:
         raise ConfigError("method.name is required")
     cfg.method_params  # noqa: B018  built once, here: a bad parameter fails the load
+    sis_k = getattr(cfg.method_params, "k", None) if cfg.method_name == "sis" else None
+    if sis_k is not None and sis_k > cfg.rollout.logprobs_k:
+        raise ConfigError(f"method.k={sis_k} is above rollout.logprobs_k={cfg.rollout.logprobs_k}: SIS re-cuts the stored behaviour "
+                          "lists and cannot make them longer (record more with rollout.logprobs_k)")
     if cfg.model.tokenizer == "numbers" and cfg.task.name != "residues":
         raise ConfigError(f"model.tokenizer=numbers cannot encode task {cfg.task.name!r} (it serves task residues)")
     if "synthetic" in cfg.train.eval_benchmarks and cfg.task.name != "arithmetic":

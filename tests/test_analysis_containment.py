@@ -13,7 +13,7 @@ from masktrl.analysis import estimators as est
 from masktrl.analysis.step_replay import load_behaviour, load_replay
 from masktrl.analysis.token_replay import record_tokens
 from masktrl.models.loading import load_model_and_tokenizer
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs.store import RunStore
 
 KS = (1, 2, 3, 5, 20)
 

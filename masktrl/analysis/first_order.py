@@ -222,7 +222,7 @@ def decompose_minibatch(replay, idx: list[int], snap: Snapshot, coef: Tensor, ow
     ``snap``: the optimizer snapshot from before the update; ``coef`` [n]: ∂L/∂log π_t of the
     minibatch's aggregated loss; ``own``: the tokens (indices into the minibatch) whose own term
     is computed. The weights are put back to θ_before for the forward and restored after."""
-    from masktrl.pipeline.policy import lm_head_weight, policy_token_batch, response_hidden
+    from masktrl.rl.policy import lm_head_weight, policy_token_batch, response_hidden
 
     model, optimizer = replay.model, replay.optimizer
     params = [p for g in optimizer.param_groups for p in g["params"]]

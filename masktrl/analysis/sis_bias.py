@@ -49,7 +49,7 @@ def sis_bias(root: Path, step: int, ks: tuple[int, ...] = KS) -> dict:
     from masktrl.methods import get_method, make_params, sis_accept, token_losses, truncate_topk
     from masktrl.methods.batch import log_ratio, log_ratio_live, residual_mass, unit_ratio_log
     from masktrl.methods.masks import ppo_clip_loss
-    from masktrl.pipeline.policy import full_logprobs, lm_head_weight, policy_token_batch, response_hidden
+    from masktrl.rl.policy import full_logprobs, lm_head_weight, policy_token_batch, response_hidden
 
     plan([Path(root)], [step], None, exact=True, no_exact=False)  # checkpoints S-1 and the behaviour's, full sampling
     replay = load_replay(Path(root), step, update_name="run")
@@ -59,7 +59,7 @@ def sis_bias(root: Path, step: int, ks: tuple[int, ...] = KS) -> dict:
         raise MasktrlError(f"--k {bad[0]} is above the stored list size K = {stored_k} (rollout.logprobs_k): lists can only be re-cut")
     behaviour = load_behaviour(replay)
     cfg = replay.cfg
-    sis = make_params("sis", **cfg.method_params) if cfg.method_name == "sis" else make_params("sis")
+    sis = cfg.method_params if cfg.method_name == "sis" else make_params("sis")
     base = sis.base_params
     method = get_method("sis")
     model = replay.model

@@ -15,7 +15,7 @@ import torch
 from masktrl.methods import TokenBatch
 from masktrl.models import checkpointing
 from masktrl.models.kvcache import cache_kwarg, new_cache
-from masktrl.models.logprobs import token_logprobs_and_entropy
+from masktrl.models.logprobs import token_logprobs_and_entropy, token_square_mass
 from masktrl.rollout.base import Sample
 
 
@@ -40,16 +40,18 @@ class PolicyForward(torch.nn.Module):
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]  # read before ZeRO-3 partitions it
 
     def forward(self, input_ids, attention, rows, cols, ids, temperature: float, chunk: int,
-                prompt_ids=None, prompt_attention=None, group=None, entropy_grad: bool = False):
+                prompt_ids=None, prompt_attention=None, group=None, entropy_grad: bool = False, square_mass: bool = False):
         """Without ``prompt_ids``: ``input_ids`` [B, L] is prompt+response, right-padded. With them:
         ``input_ids`` [B, R] holds the responses only (see ``shared_prompt_hidden``).
-        ``entropy_grad``: the entropy keeps its gradient (an entropy bonus, docs/METHODS.md §13.3)."""
+        ``entropy_grad``: the entropy keeps its gradient (an entropy bonus, docs/METHODS.md §13.3).
+        ``square_mass``: also [N] sum_V pi^2 (no grad; pdm tail=exact, §4.7), else None."""
         h = self.hidden(input_ids, attention, rows, cols, prompt_ids, prompt_attention, group)  # [N, H]
         weight = self.lm.get_output_embeddings().weight  # [V, H]
         # [N, 1+K] log pi at the sampled and top-K ids, and [N] entropy, in one pass over V
         lp, entropy = token_logprobs_and_entropy(h, weight, ids, temperature=temperature, chunk_size=chunk,
                                                  entropy_grad=entropy_grad)
-        return lp, entropy
+        sq = token_square_mass(h.detach(), weight.detach(), temperature=temperature, chunk_size=chunk) if square_mass else None
+        return lp, entropy, sq
 
     def hidden(self, input_ids, attention, rows, cols, prompt_ids=None, prompt_attention=None, group=None):
         """[N, H] final hidden states at the response positions (the rows the lm_head reads)."""
@@ -61,8 +63,12 @@ class PolicyForward(torch.nn.Module):
 
 
 def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: int, *, share: bool | None = None,
-                       entropy_grad: bool = False, drop_truncated: bool = False) -> PolicyOutputs:
+                       entropy_grad: bool = False, drop_truncated: bool = False, full_pi: bool = False) -> PolicyOutputs:
     """Run the policy on prompt+response and gather log pi at the sampled and top-K ids.
+
+    ``full_pi``: also ``TokenBatch.pi_sq_sum`` = sum_V pi^2 per token, from the whole training
+    distribution (one more chunked pass over the vocabulary, no grad): what pdm ``tail=exact``
+    needs (``Method.needs_full_pi``).
 
     ``model``: a causal LM, or a ``PolicyForward`` (possibly wrapped by DDP/DeepSpeed). Never
     materialises the [B, T, V] logits: ``token_logprobs`` works on response positions only,
@@ -88,8 +94,10 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
     ids = torch.cat([sampled[:, None], topk_ids], dim=1)  # [N, 1+K]
     if entropy_grad:
         inputs["entropy_grad"] = True
-    lp, entropy = policy(inputs.pop("input_ids"), inputs.pop("attention"), inputs.pop("rows"), inputs.pop("cols"),
-                         ids, temperature, chunk, **inputs)  # [N, 1+K], [N]
+    if full_pi:
+        inputs["square_mass"] = True
+    lp, entropy, sq = policy(inputs.pop("input_ids"), inputs.pop("attention"), inputs.pop("rows"), inputs.pop("cols"),
+                             ids, temperature, chunk, **inputs)  # [N, 1+K], [N], [N] or None
     dt = lp.dtype  # float32 at least (float64 for a float64 model)
     behavior_topk = torch.tensor([row for s in samples for row in s.gen.topk_logp], dtype=dt, device=device)  # [N, K]
     behavior_logp = torch.tensor([x for s in samples for x in behaviour_logp(s, drop_truncated)], dtype=dt, device=device)  # [N]
@@ -104,6 +112,7 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
         topk_logp=lp[:, 1:],
         seq_ids=seq_ids,
         vocab_size=vocab_size,
+        pi_sq_sum=None if sq is None else sq.to(dt).clamp(0.0, 1.0),
     )
     return PolicyOutputs(batch, advantages, entropy, shared_prompt=share)
 

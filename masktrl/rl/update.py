@@ -124,7 +124,8 @@ def minibatch_update(model, optimizer, scheduler, samples: list[Sample], idx: to
             micro_samples = [mb_samples[i] for i in micro]
             share_prompts = _agreed_share(micro_samples, dist)
             out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk, share=share_prompts,
-                                     entropy_grad=entropy_grad, drop_truncated=settings.mask_truncated)
+                                     entropy_grad=entropy_grad, drop_truncated=settings.mask_truncated,
+                                     full_pi=method.needs_full_pi(params))
             u_micro = None if u is None else torch.cat([u[i] for i in micro]).to(out.batch.logp.dtype)
             losses = method.token_losses(out.batch, out.advantages, params, u=u_micro)
             if before is not None:

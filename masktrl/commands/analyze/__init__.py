@@ -77,6 +77,32 @@ StudyOutputOpt = Annotated[
                  "or the first run's parent analysis/ when runs are pooled).", show_default=False),
 ]
 DeltaOpt = Annotated[float, typer.Option("--delta", metavar="D", help="Trust-region threshold δ on the top-K KL D (the paper's main value).")]
+ReplayOptimizerOpt = Annotated[
+    str,
+    typer.Option("--replay-optimizer", metavar="run|sgd|adamw", help="The optimizer of the replayed update: run (the run's AdamW with its "
+                 "stored moments and schedule: what training did), adamw (fresh moments, constant lr), sgd (plain, constant lr)."),
+]
+ReplayLrOpt = Annotated[
+    Optional[float],
+    typer.Option("--replay-lr", metavar="LR", help="Constant learning rate of the replayed update (default: the run's rate at the "
+                 "checkpoint; with run it replaces the schedule).", show_default=False),
+]
+ResetMomentsOpt = Annotated[
+    bool, typer.Option("--reset-moments", help="Clear the Adam state before every minibatch update (each update a first Adam step).")
+]
+
+
+def replay_optimizer(name: str, lr: float | None, reset: bool):
+    """The checked ``first_order.ReplayOptimizer`` (one-line error for a bad choice)."""
+    from masktrl.analysis.first_order import check_replay_optimizer
+
+    return check_replay_optimizer(name, lr, reset)
+
+
+def optimizer_text(result: dict) -> str:
+    opt = result.get("replay_optimizer") or {}
+    lr = opt.get("lr_used")
+    return f"optimizer {opt.get('name', 'run')}{f' lr {lr:g}' if lr is not None else ''}{' (moments reset per minibatch)' if opt.get('reset_moments') else ''}"
 
 
 def steps_text(steps: list[int]) -> str:

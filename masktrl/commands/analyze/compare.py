@@ -16,12 +16,13 @@ def compare(
     runs: RunsArg,
     out: OutOpt = DEFAULT_OUT,
     output: ResultOpt = None,
-    baseline: Annotated[str, typer.Option("--baseline", metavar="LABEL", help="Method (or group label) the others are tested against.")] = "grpo",
+    baseline: Annotated[str, typer.Option("--baseline", metavar="LABEL", help="The group the others are tested against: a method name "
+                                          "with one group, a label, a handle (#2) or a run folder of the group.")] = "grpo",
     metric: Annotated[str, typer.Option("--metric", metavar="KEY", help="Metric: eval/heldout/accuracy or eval/<bench>/avg_at_k.")] = "eval/heldout/accuracy",
     test: Annotated[str, typer.Option("--test", metavar="welch|permutation|paired", help="welch | permutation | paired (a paired t-test over the seeds shared with the baseline: a seed's runs share its warm start). All three are in the JSON.")] = "welch",
     n_boot: Annotated[int, typer.Option("--n-boot", metavar="N", help="Bootstrap resamples for the 95% CI.")] = 10000,
 ) -> None:
-    """Methods by final and best eval accuracy over seeds: mean, std, bootstrap 95% CI, p-value vs baseline."""
+    """Methods over seeds (the run is the unit): final accuracy with mean, std, bootstrap 95% CI; vs the baseline the difference with its CI, p (Holm and BH across the table) and the 80%-power detectable difference; best of the evaluations, biased upward, untested."""
     from masktrl.analysis import compare as cmp
     from masktrl.analysis.io import expand_runs, load_run, multi_run_dir
 
@@ -35,19 +36,18 @@ def compare(
 def print_compare(table: dict) -> None:
     from rich.table import Table
 
-    t = Table(title=f"{table['metric']}: mean ± std over seeds, bootstrap 95% CI, {table['test']} p vs {escape(table['baseline'])}")
-    t.add_column("method")
-    t.add_column("n", justify="right")
-    for key in ("final", "best"):
-        t.add_column(f"{key}", justify="right")
-        t.add_column("95% CI", justify="right")
-        t.add_column("p", justify="right")
+    t = Table(title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap 95% CI; vs "
+                    f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}): difference [Welch 95% CI], {table['test']} p, "
+                    f"Holm p, smallest difference detectable at 80% power; unit: {table.get('p_unit', 'run')}")
+    for col in ("#", "method", "n", "final", "95% CI", "diff [95% CI]", "p", "Holm p", "MDD 80%", "best of evals (biased)"):
+        t.add_column(col, justify="right" if col not in ("method",) else "left")
     for row in table["methods"]:
-        cells = []
-        for key in ("final", "best"):
-            s = row[key]
-            cells += [pm(s["mean"], s["std"]), f"[{fmt(s['ci_low'])}, {fmt(s['ci_high'])}]", "base" if row["is_baseline"] else fmt(s["p"])]
-        t.add_row(escape(row["label"]), str(row["final"]["n"]), *cells)
+        s, b = row["final"], row["best"]
+        base = row["is_baseline"]
+        diff = "base" if base else f"{fmt(s['diff_vs_baseline'])} [{fmt(s.get('diff_ci_low'))}, {fmt(s.get('diff_ci_high'))}]"
+        t.add_row(row.get("handle", ""), escape(row["label"]), str(s["n"]), pm(s["mean"], s["std"]), f"[{fmt(s['ci_low'])}, {fmt(s['ci_high'])}]",
+                  diff, "" if base else fmt(s["p"]), "" if base else fmt(s.get("p_holm")), "" if base else fmt(s.get("mdd_80")),
+                  pm(b["mean"], b["std"]))
     console.print(t)
     for w in table["warnings"]:
         console.print(f"[yellow]warning:[/] {w}", highlight=False)

@@ -6,7 +6,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from masktrl.commands.analyze import DEFAULT_OUT, Command, DeltaOpt, MinibatchesOpt, OutOpt, PartitionsOpt, PolicyStepOpt, StepsOpt, StudyOutputOpt, StudyRunsOpt, UpdateOpt, app, fmt, pm, steps_text, written
+from masktrl.commands.analyze import (DEFAULT_OUT, Command, DeltaOpt, MinibatchesOpt, OutOpt, PartitionsOpt, PolicyStepOpt, ReplayLrOpt,
+                                      ReplayOptimizerOpt, ResetMomentsOpt, StepsOpt, StudyOutputOpt, StudyRunsOpt, UpdateOpt, app, fmt,
+                                      optimizer_text, pm, replay_optimizer, steps_text, written)
 from masktrl.commands.ui import console, progress_bar
 
 
@@ -26,21 +28,57 @@ def disagreement(
     pairs: Annotated[
         Optional[str], typer.Option("--pairs", metavar="A:B,...", help="Pairs a:b of criteria (default: ratio:ddot_agg,ratio:ddot_uniform,ddot_agg:ddot_uniform).", show_default=False)
     ] = None,
-    test: Annotated[str, typer.Option("--test", metavar="wilcoxon|ttest", help="Paired test shown in the table: wilcoxon | ttest (both are in the JSON).")] = "wilcoxon",
+    test: Annotated[str, typer.Option("--test", metavar="wilcoxon|ttest", help="Paired test over the batches of one run: wilcoxon | ttest "
+                                      "(both in the JSON); with several runs the run is the unit (run-blocked sign flip).")] = "wilcoxon",
+    optimizer: ReplayOptimizerOpt = "run",
+    replay_lr: ReplayLrOpt = None,
+    reset_moments: ResetMomentsOpt = False,
+    decompose: Annotated[bool, typer.Option("--decompose", help="First-order parts of every token's ΔD: own gradient term, rest of the "
+                                            "minibatch, Adam momentum, weight decay (slower: double backward per part).")] = False,
+    own_tokens: Annotated[int, typer.Option("--own-tokens", metavar="N", help="With --decompose: tokens per minibatch whose own term is "
+                                            "computed (two gradients each; D > δ and A != 0 first).")] = 32,
 ) -> None:
     """Token study (the predictive-mask paper's Figs. 3-4): where two direction rules disagree outside the trust region, which kept tokens whose D grew?"""
     from masktrl.analysis import disagreement as study
     from masktrl.analysis.replicates import parse_steps, run_roots
 
+    choice = replay_optimizer(optimizer, replay_lr, reset_moments)
     roots = run_roots(run, out)
     chosen = study.parse_pairs(pairs, exact)
     with progress_bar() as progress:
         result, table = study.run_study(roots, parse_steps(steps), delta, update=update_method, partitions=partitions, unit=replicate,
                                         policy_step=policy_step, minibatches=minibatches, exact=exact, pairs=chosen, test=test,
-                                        progress=progress)
+                                        progress=progress, optimizer=choice, decompose=decompose, own_tokens=own_tokens)
     paths = study.save(result, table, output or study.output_dir(roots, result))
     print_disagreement(result)
     written(paths)
+
+
+def _p_text(result: dict) -> str:
+    if result.get("p_unit") == "run":
+        return f"run-blocked sign flip over {len(result['runs'])} runs (the run is the unit)"
+    return f"paired {result['test']} over the {result['n_replicates']} replicates of one run (unit: {result.get('p_unit', 'batch')})"
+
+
+def print_first_order(result: dict) -> None:
+    from rich.table import Table
+
+    fo = result["first_order"]
+    sa = fo["sign_agree"]
+    console.print(
+        f"first-order parts of ΔD ({fo['n_tokens']} tokens with D > δ; own term on {fo['n_own']}): sign agreement with the measured ΔD "
+        + ", ".join(f"{k} {fmt(v)}" for k, v in sa.items() if v is not None and v == v)
+        + f"; momentum outweighs gradient on {fmt(fo['momentum_outweighs_gradient_frac'])}; median |own| / |rest| {fmt(fo['own_over_rest_median'])}",
+        highlight=False,
+    )
+    parts = ["measured", "total", "gradient", "momentum", "decay", "own", "rest"]
+    t = Table(title="unsafe keep over every kept D > δ token (pooled): measured, and as each first-order part alone predicts")
+    t.add_column("criterion")
+    for p in parts:
+        t.add_column(p, justify="right")
+    for c, row in fo["unsafe_keep"].items():
+        t.add_row(c, *[fmt(row.get(p)) for p in parts])
+    console.print(t)
 
 
 def print_disagreement(result: dict) -> None:
@@ -54,12 +92,12 @@ def print_disagreement(result: dict) -> None:
         f"{len(result['runs'])} run(s) ({', '.join(sorted(set(result['methods'].values())))}), steps "
         f"{steps_text(result['steps'])}: {result['n_batches']} batches x {result['partitions']} partition(s) = "
         f"{result['n_replicates']} replicates ({result['replicate_unit']}); update {result['update']['name']} "
-        f"({result['update']['method']}), M = {'/'.join(map(str, result['minibatches']))}, staleness {'/'.join(map(str, stale))}, "
+        f"({result['update']['method']}), {optimizer_text(result)}, M = {'/'.join(map(str, result['minibatches']))}, staleness {'/'.join(map(str, stale))}, "
         f"δ = {result['delta']:g}; {result['n_over_delta_mean']:.1f} tokens with D > δ per replicate",
         highlight=False,
     )
     table = Table(title=f"unsafe keep = P(ΔD > 0 | kept disagreement token): mean ± SE over replicates; contracted = pooled "
-                        f"P(ΔD < 0); p = paired {result['test']} on unsafe keep")
+                        f"P(ΔD < 0); p on unsafe keep: {_p_text(result)}")
     table.add_column("pair")
     table.add_column("criterion")
     table.add_column("disagree\ntotal (/rep)", justify="right")
@@ -90,6 +128,8 @@ def print_disagreement(result: dict) -> None:
             cells += [pm(x["unsafe_keep_mean"], x["unsafe_keep_se"]), str(x["n_kept_total"])]
         over.add_row(c, *cells)
     console.print(over)
+    if "first_order" in result:
+        print_first_order(result)
     if all(block["n_disagree_total"] == 0 for block in result["pairs"].values()):
         console.print(
             "[yellow]no disagreement token: try a smaller --delta, more --minibatches, or stale rollouts "

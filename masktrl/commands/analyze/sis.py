@@ -26,12 +26,22 @@ def sis(
     out: OutOpt = DEFAULT_OUT,
     step: StepOpt = None,
     top: Annotated[int, typer.Option("--top", metavar="N", help="How many accepted / rejected tokens to list.")] = 10,
+    bias: Annotated[bool, typer.Option("--bias", help="Also the gradient bias on the step's batch: top-K SIS vs exact-envelope SIS, the base "
+                                       "objective and the on-policy gradient, against the residual mass (needs the behaviour checkpoint).")] = False,
+    k: Annotated[str, typer.Option("--k", metavar="K,...", help="With --bias: envelope list sizes, re-cut from the stored lists (at most their K).")] = "5,10,20",
 ) -> None:
-    """SIS: accept rate over training, residual top-K mass, tokens outside the top-K, accepted vs rejected tokens."""
+    """SIS: accept rate over training, residual top-K mass, tokens outside the top-K, accepted vs rejected tokens; --bias: the top-K envelope's gradient bias."""
     from masktrl.analysis import sis_report
     from masktrl.analysis.io import load_run
 
     info = load_run(run, out)
+    if bias:
+        from masktrl.analysis import sis_bias
+        from masktrl.analysis.io import analysis_dir, default_replay_step
+
+        ks = sis_bias.parse_ks(k)
+        bias_step = step if step is not None else default_replay_step(info.root)
+        bias_result = sis_bias.sis_bias(info.root, bias_step, ks)  # checked and computed before anything is written
     rep = sis_report.sis_report(info, step, top)
     paths = sis_report.save(rep, info.root)
     r = rep["replay"]
@@ -67,4 +77,24 @@ def sis(
             *(repr(b["token"]), str(b["count"]), fmt(b["share_of_this_token"], 2)) if b else ("", "", ""),
         )
     console.print(t)
+    if bias:
+        print_bias(bias_result)
+        paths += sis_bias.save(bias_result, analysis_dir(info.root))
     written(paths)
+
+
+def print_bias(res: dict) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"SIS gradient bias at step {res['step']} ({res['n_valid']} valid tokens"
+                    f"{', hypothetical: not a SIS run' if res['hypothetical'] else ''}): cosine / relative norm ‖g − g_ref‖ / ‖g_ref‖; "
+                    f"base (no SIS) vs on-policy: {fmt(res['base_vs_on_policy']['cos'])} / {fmt(res['base_vs_on_policy']['rel_norm'])}")
+    for col in ("K", "ξ_K", "accept rate", "vs exact-envelope SIS", "vs base", "vs on-policy"):
+        t.add_column(col, justify="right")
+    for r in res["ks"]:
+        t.add_row(str(r["k"]), fmt(r["xi_mean"]), fmt(r["accept_rate"]), f"{fmt(r['vs_exact']['cos'])} / {fmt(r['vs_exact']['rel_norm'])}",
+                  f"{fmt(r['vs_base']['cos'])} / {fmt(r['vs_base']['rel_norm'])}", f"{fmt(r['vs_on_policy']['cos'])} / {fmt(r['vs_on_policy']['rel_norm'])}")
+    e = res["exact"]
+    t.add_row("exact", "0", fmt(e["accept_rate"]), "1 / 0", f"{fmt(e['vs_base']['cos'])} / {fmt(e['vs_base']['rel_norm'])}",
+              f"{fmt(e['vs_on_policy']['cos'])} / {fmt(e['vs_on_policy']['rel_norm'])}")
+    console.print(t)
