@@ -73,7 +73,7 @@ def dppo(batch: TokenBatch, adv: Tensor, p: DPPOParams, u: Tensor | None) -> Tok
 
 
 @register_method("pdm", PDMParams, "predictive divergence mask D > delta and sign(A Ddot) > 0 (top-K KL/TV; "
-                 "tail=bracket: certified sign)")
+                 "tail=bracket: the full-KL Ddot's sign certified from the list; tail=exact: the top-K KL's exact Ddot)")
 def pdm(batch: TokenBatch, adv: Tensor, p: PDMParams, u: Tensor | None) -> TokenLosses:
     """Predictive divergence mask (§4) on the union support; DPPO's loss form. tail=bracket: the
     certified-sign mask of §4.6 (kl only)."""

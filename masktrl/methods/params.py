@@ -240,9 +240,10 @@ class PDMParams(_Protocol):
     """kl | tv: the top-K divergence (union support) and its Ddot."""
     tail: str = "agg"
     """Tail of Ddot: agg (one bucket, no vocab size needed) | uniform (spread over |V|-|S| tokens) |
-    bracket (kl only: mask only where the certified bracket of the full-vocabulary Ddot_KL fixes the
-    sign, §4.6) | exact (kl only: the exact Ddot of the top-K KL the mask uses, from the trainer's
-    full pi, §4.7)."""
+    bracket (kl only: mask only where the bracket of §4.4 fixes the sign of the full-vocabulary
+    Ddot_KL, computed from the list's own mu values; it does not bound the top-K KL's Ddot, and with
+    lists recorded by another engine it holds beyond that engine's error in mu, §4.6) | exact (kl
+    only: the exact Ddot of the top-K KL the mask uses, from the trainer's full pi, §4.7)."""
     uncertain: str | None = None
     """tail=bracket only: keep | mask a token (D > delta) whose bracket straddles 0; null = keep."""
     delta_pos: float | None = None
