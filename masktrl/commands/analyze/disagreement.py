@@ -60,27 +60,6 @@ def _p_text(result: dict) -> str:
     return f"paired {result['test']} over the {result['n_replicates']} replicates of one run (unit: {result.get('p_unit', 'batch')})"
 
 
-def print_first_order(result: dict) -> None:
-    from rich.table import Table
-
-    fo = result["first_order"]
-    sa = fo["sign_agree"]
-    console.print(
-        f"first-order parts of ΔD ({fo['n_tokens']} tokens with D > δ; own term on {fo['n_own']}): sign agreement with the measured ΔD "
-        + ", ".join(f"{k} {fmt(v)}" for k, v in sa.items() if v is not None and v == v)
-        + f"; momentum outweighs gradient on {fmt(fo['momentum_outweighs_gradient_frac'])}; median |own| / |rest| {fmt(fo['own_over_rest_median'])}",
-        highlight=False,
-    )
-    parts = ["measured", "total", "gradient", "momentum", "decay", "own", "rest"]
-    t = Table(title="unsafe keep over every kept D > δ token (pooled): measured, and as each first-order part alone predicts")
-    t.add_column("criterion")
-    for p in parts:
-        t.add_column(p, justify="right")
-    for c, row in fo["unsafe_keep"].items():
-        t.add_row(c, *[fmt(row.get(p)) for p in parts])
-    console.print(t)
-
-
 def print_disagreement(result: dict) -> None:
     from rich.table import Table
 
@@ -129,6 +108,8 @@ def print_disagreement(result: dict) -> None:
         over.add_row(c, *cells)
     console.print(over)
     if "first_order" in result:
+        from masktrl.commands.analyze.tables import print_first_order
+
         print_first_order(result)
     if all(block["n_disagree_total"] == 0 for block in result["pairs"].values()):
         console.print(
