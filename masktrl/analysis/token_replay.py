@@ -159,6 +159,9 @@ def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, 
         raise ValueError("estimates at other K need the behaviour distribution")
     if decompose_delta is not None and replay.cfg.train.grad_accum != 1:
         raise MasktrlError("the first-order decomposition needs train.grad_accum = 1 (one micro-batch per minibatch)")
+    if decompose_delta is not None and (getattr(replay.params, "kl_in_loss", False) or getattr(replay.params, "entropy_coef", 0.0)):
+        raise MasktrlError("the first-order decomposition covers the policy-gradient loss only: replay an update without the "
+                           "in-loss reference KL and entropy bonus (--update-method unmasked)")
     pending: dict[int, tuple] = {}
     replay.restore()
     n = replay.n_tokens
