@@ -94,3 +94,18 @@ def test_pdm_tail_exact_trains_and_masks_on_the_exact_topk_rate(warm_out):
     rows = [json.loads(x) for x in (warm_out / "off-pdm-exact" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(0 <= r["mask_frac"] <= 1 for r in rows)
     assert train_recorded  # the recorder helper stays importable for the other method tests
+
+
+def test_k_sweep_at_the_stored_k_equals_the_main_study(analysis_runs, tmp_path, cli_error):
+    cli("analyze", "disagreement", "--run", analysis_runs / "grpo-seed0", "--steps", "2", "--policy-step", "3", "--delta", "0.001",
+        "--k", "2,5", "--output", tmp_path)
+    (path,) = tmp_path.glob("disagreement-step2-policy3-*.json")
+    res = json.loads(path.read_text())
+    at5 = res["k_sweep"]["5"]["over_delta"]
+    for c in ("ratio", "ddot_agg", "ddot_uniform"):
+        assert at5[c]["unsafe_keep_mean"] == pytest.approx(res["over_delta"]["one_step"][c]["unsafe_keep_mean"])
+    assert res["k_sweep"]["2"]["n_over_delta_mean"] <= res["k_sweep"]["5"]["n_over_delta_mean"]  # merging atoms: D_2 <= D_5
+    before = _files(analysis_runs)
+    assert "--k 6 is above the stored list size K = 5" in cli_error("analyze", "disagreement", "--run", analysis_runs / "grpo-seed0",
+                                                                     "--k", "5,6")
+    assert _files(analysis_runs) == before

@@ -235,6 +235,7 @@ def run_study(
     optimizer=None,
     decompose: bool = False,
     own_tokens: int = 32,
+    ks: tuple[int, ...] = (),
 ) -> tuple[dict, dict]:
     """The whole study on the run folders ``runs``: (JSON-ready result, token table).
 
@@ -252,8 +253,11 @@ def run_study(
     optimizer = optimizer or fo.ReplayOptimizer()
     refs = prepare(runs, steps, delta=delta, update=update, partitions=partitions, policy_step=policy_step, minibatches=minibatches,
                    exact=exact, optimizer=optimizer, own_tokens=own_tokens)
+    if ks:
+        _check_recut(refs, ks)
     table, info = replay_all(refs, update=update, partitions=partitions, minibatches=minibatches, exact=exact, unit=unit, progress=progress,
-                             optimizer=optimizer, decompose_delta=delta if decompose else None, own_tokens=own_tokens)
+                             optimizer=optimizer, decompose_delta=delta if decompose else None, own_tokens=own_tokens, recut_ks=ks)
+
     reps = replicate_counts(table, delta, pairs)
     n_over = [r["n_over_delta"] for r in reps]
     result = {
@@ -283,10 +287,58 @@ def run_study(
         "batches": info,
         "replicates": reps,
     }
+    if ks:
+        result["k_sweep"] = k_sweep(table, reps, delta, ks)
     if decompose:
-        crit = tuple(k[len("keep_"):] for k in table if k.startswith("keep_"))
+        crit = tuple(k[len("keep_"):] for k in table if k.startswith("keep_") and "_k" not in k[len("keep_"):])
         result["first_order"] = {"own_tokens": own_tokens, **fo.summarize_parts(table, delta, crit)}
     return result, table
+
+
+def parse_ks(spec: str | None) -> tuple[int, ...]:
+    """``--k 5,10,20`` -> (5, 10, 20); None -> () (no re-cut study)."""
+    from masktrl.analysis.estimators import parse_ks as parse
+
+    return () if spec is None else parse(spec)
+
+
+def _check_recut(refs, ks: tuple[int, ...]) -> None:
+    from masktrl.runs.store import RunStore
+
+    if min(ks) < 1:
+        raise MasktrlError(f"--k needs list sizes >= 1, got {min(ks)}")
+    for ref in refs:
+        samples, _ = RunStore(ref.root).read_rollouts(ref.step)
+        stored = max((len(row) for s in samples for row in s.gen.topk_ids), default=0)
+        if max(ks) > stored:
+            raise MasktrlError(f"--k {max(ks)} is above the stored list size K = {stored} of run {ref.run}, step {ref.step}: "
+                               "the study re-cuts the stored lists (record longer ones with rollout.logprobs_k)")
+
+
+def k_sweep(t: dict, reps: list[dict], delta: float, ks: tuple[int, ...]) -> dict:
+    """Per re-cut list size K: over the tokens with D_K > δ (A != 0, valid), each rule's one-step
+    unsafe keep (ΔD_K > 0), mean ± SE over replicates, and the ratio-vs-Ḋ pairs' disagreement
+    rates with the paired test of ``paired`` (the run is the unit when runs are pooled)."""
+    runs = replicate_runs(reps)
+    out = {}
+    for k in ks:
+        sub = {**t, "d": t[f"d_k{k}"], "d_one": t[f"d_one_k{k}"], "d_all": t[f"d_one_k{k}"],
+               "keep_ddot_agg": t[f"keep_ddot_agg_k{k}"], "keep_ddot_uniform": t[f"keep_ddot_uniform_k{k}"]}
+        sub = {c: v for c, v in sub.items() if not (c.startswith("keep_") and c not in ("keep_ratio", "keep_ddot_agg", "keep_ddot_uniform"))}
+        rk = replicate_counts(sub, delta, PAIRS, ("ratio", "ddot_agg", "ddot_uniform"))
+        over = {c: criterion_stats([r["over_delta"]["one_step"][c] for r in rk], np.array([])) for c in ("ratio", "ddot_agg", "ddot_uniform")}
+        block = {"n_over_delta_mean": float(np.mean([r["n_over_delta"] for r in rk])),
+                 "over_delta": {c: {"unsafe_keep_mean": v["unsafe_keep_mean"], "unsafe_keep_se": v["unsafe_keep_se"]} for c, v in over.items()},
+                 "pairs": {}}
+        for a, b in PAIRS:
+            name = pair_name(a, b)
+            rows = {c: [r["pairs"][name]["one_step"][c] for r in rk] for c in (a, b)}
+            test = paired(rows[a], rows[b], runs, "batch")
+            p = test["unsafe_keep"]["p"] if test["unit"] == "run" else test["unsafe_keep"]["p_wilcoxon"]
+            block["pairs"][name] = {c: _mse([r["unsafe_keep"] for r in rows[c]])[0] for c in (a, b)}
+            block["pairs"][name].update(p=p, p_unit=test["unit"])
+        out[str(k)] = block
+    return out
 
 
 def stem(result: dict) -> str:

@@ -169,7 +169,7 @@ def _span(steps: set[int]) -> str:
 
 def replay_all(refs: list[BatchRef], *, update: str, partitions: int, minibatches: int | None, exact: bool,
                ks: tuple[int, ...] = (), unit: str = "batch", progress=None, optimizer=None,
-               decompose_delta: float | None = None, own_tokens: int = 0) -> tuple[dict[str, np.ndarray], list[dict]]:
+               decompose_delta: float | None = None, own_tokens: int = 0, recut_ks: tuple[int, ...] = ()) -> tuple[dict[str, np.ndarray], list[dict]]:
     """Replay every batch ``partitions`` times; returns the token table of all of them (columns
     of ``token_replay.record_tokens`` plus run, step, partition, replicate) and one info row
     per batch (run, step, policy_step, behaviour_step, method, minibatches, n_tokens, ...)."""
@@ -196,7 +196,7 @@ def replay_all(refs: list[BatchRef], *, update: str, partitions: int, minibatche
                "replay_optimizer": replay.replay_optimizer.describe(replay.lr_used)}
         for j in range(partitions):
             cols = record_tokens(replay, replay.cfg.seed + j, m, behaviour=behaviour, ks=ks, decompose_delta=decompose_delta,
-                                 own_tokens=own_tokens)
+                                 own_tokens=own_tokens, recut_ks=recut_ks)
             n = len(cols["sample"])
             if exact:
                 mass = cols.pop("mu_list_mass_diff")

@@ -144,13 +144,16 @@ def _np(t: Tensor) -> np.ndarray:
 
 
 def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, ks: tuple[int, ...] = (),
-                  decompose_delta: float | None = None, own_tokens: int = 0) -> dict[str, np.ndarray]:
+                  decompose_delta: float | None = None, own_tokens: int = 0, recut_ks: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
     """Replay the step once from checkpoint P; the columns described in the module docstring.
 
     ``behaviour``: a ``step_replay.Behaviour`` (the full behaviour distribution) turns on the
     exact columns; ``ks`` needs it. ``decompose_delta``: also the first-order parts of every
     token's ΔD (``first_order.decompose_minibatch``: ``fo_*`` columns), the own term on up to
     ``own_tokens`` tokens per minibatch, those with D > decompose_delta and A != 0 first.
+    ``recut_ks``: the study at other list sizes K <= the stored K, from the lists re-cut
+    (``truncate_topk``): ``d_k{K}``, ``d_one_k{K}`` (the top-K KL at that K before and after the
+    token's own minibatch update) and ``keep_ddot_agg_k{K}``, ``keep_ddot_uniform_k{K}``.
     """
     from masktrl.analysis import first_order as fo
     from masktrl.analysis.step_replay import policy_outputs, replay_step, token_index
@@ -199,6 +202,11 @@ def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, 
             keeps["ddot_topk_exact"] = ~(torch.sign(adv.to(topk_exact.dtype) * topk_exact) > 0)
         for c, keep in keeps.items():
             put(f"keep_{c}", tok, keep)
+        for k in recut_ks:
+            bk = truncate_topk(b, k)
+            put(f"d_k{k}", tok, divergence(bk, "topk-kl").detach())
+            for tail in ("agg", "uniform"):
+                put(f"keep_ddot_{tail}_k{k}", tok, ~(torch.sign(adv * divergence_rate(bk, "kl", tail).detach()) > 0))
         if decompose_delta is not None:
             total = replay.method.aggregate(replay.params, losses.loss, b, horizon=replay.cfg.rollout.max_new_tokens)
             (coef,) = torch.autograd.grad(total, b.logp, retain_graph=True, allow_unused=True)
@@ -214,6 +222,10 @@ def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, 
         d_one[mb] = divergence(policy_outputs(replay, idx).batch, "topk-kl")
         tok = _np(token_index(replay, idx))
         put("d_one", tok, d_one[mb])
+        if recut_ks:
+            after_batch = policy_outputs(replay, idx).batch
+            for k in recut_ks:
+                put(f"d_one_k{k}", tok, divergence(truncate_topk(after_batch, k), "topk-kl"))
         if decompose_delta is not None:
             snap, coef, own = pending.pop(mb)
             for name, values in fo.decompose_minibatch(replay, idx, snap, coef, own).items():

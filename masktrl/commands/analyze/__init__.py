@@ -87,6 +87,8 @@ ReplayLrOpt = Annotated[
     typer.Option("--replay-lr", metavar="LR", help="Constant learning rate of the replayed update (default: the run's rate at the "
                  "checkpoint; with run it replaces the schedule).", show_default=False),
 ]
+RecutKsOpt = Annotated[Optional[str], typer.Option("--k", metavar="K,...", help="Also the study at these list sizes (the stored lists "
+                                                  "re-cut, at most their K): D, Ḋ and ΔD of the top-K KL at each K.", show_default=False)]
 ResetMomentsOpt = Annotated[
     bool, typer.Option("--reset-moments", help="Clear the Adam state before every minibatch update (each update a first Adam step).")
 ]

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from masktrl.commands.analyze import (DEFAULT_OUT, Command, DeltaOpt, MinibatchesOpt, OutOpt, PartitionsOpt, PolicyStepOpt, ReplayLrOpt,
+from masktrl.commands.analyze import (DEFAULT_OUT, Command, DeltaOpt, MinibatchesOpt, OutOpt, PartitionsOpt, PolicyStepOpt, RecutKsOpt, ReplayLrOpt,
                                       ReplayOptimizerOpt, ResetMomentsOpt, StepsOpt, StudyOutputOpt, StudyRunsOpt, UpdateOpt, app, fmt,
                                       optimizer_text, pm, replay_optimizer, steps_text, written)
 from masktrl.commands.ui import console, progress_bar
@@ -37,31 +37,29 @@ def disagreement(
                                             "minibatch, Adam momentum, weight decay (slower: double backward per part).")] = False,
     own_tokens: Annotated[int, typer.Option("--own-tokens", metavar="N", help="With --decompose: tokens per minibatch whose own term is "
                                             "computed (two gradients each; D > δ and A != 0 first).")] = 32,
+    k: RecutKsOpt = None,
 ) -> None:
     """Token study (the predictive-mask paper's Figs. 3-4): where two direction rules disagree outside the trust region, which kept tokens whose D grew?"""
     from masktrl.analysis import disagreement as study
     from masktrl.analysis.replicates import parse_steps, run_roots
 
     choice = replay_optimizer(optimizer, replay_lr, reset_moments)
+    ks = study.parse_ks(k)
     roots = run_roots(run, out)
     chosen = study.parse_pairs(pairs, exact)
     with progress_bar() as progress:
         result, table = study.run_study(roots, parse_steps(steps), delta, update=update_method, partitions=partitions, unit=replicate,
                                         policy_step=policy_step, minibatches=minibatches, exact=exact, pairs=chosen, test=test,
-                                        progress=progress, optimizer=choice, decompose=decompose, own_tokens=own_tokens)
+                                        progress=progress, optimizer=choice, decompose=decompose, own_tokens=own_tokens, ks=ks)
     paths = study.save(result, table, output or study.output_dir(roots, result))
     print_disagreement(result)
     written(paths)
 
 
-def _p_text(result: dict) -> str:
-    if result.get("p_unit") == "run":
-        return f"run-blocked sign flip over {len(result['runs'])} runs (the run is the unit)"
-    return f"paired {result['test']} over the {result['n_replicates']} replicates of one run (unit: {result.get('p_unit', 'batch')})"
-
-
 def print_disagreement(result: dict) -> None:
     from rich.table import Table
+
+    from masktrl.commands.analyze.tables import p_text
 
     from masktrl.analysis.disagreement import SCOPES
 
@@ -76,7 +74,7 @@ def print_disagreement(result: dict) -> None:
         highlight=False,
     )
     table = Table(title=f"unsafe keep = P(ΔD > 0 | kept disagreement token): mean ± SE over replicates; contracted = pooled "
-                        f"P(ΔD < 0); p on unsafe keep: {_p_text(result)}")
+                        f"P(ΔD < 0); p on unsafe keep: {p_text(result)}")
     table.add_column("pair")
     table.add_column("criterion")
     table.add_column("disagree\ntotal (/rep)", justify="right")
@@ -107,10 +105,12 @@ def print_disagreement(result: dict) -> None:
             cells += [pm(x["unsafe_keep_mean"], x["unsafe_keep_se"]), str(x["n_kept_total"])]
         over.add_row(c, *cells)
     console.print(over)
-    if "first_order" in result:
-        from masktrl.commands.analyze.tables import print_first_order
+    from masktrl.commands.analyze.tables import print_first_order, print_k_sweep
 
+    if "first_order" in result:
         print_first_order(result)
+    if "k_sweep" in result:
+        print_k_sweep(result)
     if all(block["n_disagree_total"] == 0 for block in result["pairs"].values()):
         console.print(
             "[yellow]no disagreement token: try a smaller --delta, more --minibatches, or stale rollouts "

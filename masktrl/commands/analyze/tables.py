@@ -6,6 +6,12 @@ from masktrl.commands.analyze import fmt
 from masktrl.commands.ui import console
 
 
+def p_text(result: dict) -> str:
+    if result.get("p_unit") == "run":
+        return f"run-blocked sign flip over {len(result['runs'])} runs (the run is the unit)"
+    return f"paired {result['test']} over the {result['n_replicates']} replicates of one run (unit: {result.get('p_unit', 'batch')})"
+
+
 def print_first_order(result: dict) -> None:
     from rich.table import Table
 
@@ -24,4 +30,21 @@ def print_first_order(result: dict) -> None:
         t.add_column(p, justify="right")
     for c, row in fo["unsafe_keep"].items():
         t.add_row(c, *[fmt(row.get(p)) for p in parts])
+    console.print(t)
+
+
+def print_k_sweep(result: dict) -> None:
+    from rich.table import Table
+
+    t = Table(title="the study at other list sizes K (lists re-cut): unsafe keep over every kept D_K > δ token, mean over replicates; "
+                    "ratio vs Ḋ on their disagreement sets, with p (its unit)")
+    for col in ("K", "D_K > δ /rep", "ratio", "Ḋ_agg", "Ḋ_uniform", "ratio vs Ḋ_agg", "ratio vs Ḋ_uniform"):
+        t.add_column(col, justify="right")
+    for k, b in result["k_sweep"].items():
+        o = b["over_delta"]
+        pa, pu = b["pairs"]["ratio_vs_ddot_agg"], b["pairs"]["ratio_vs_ddot_uniform"]
+        t.add_row(k, f"{b['n_over_delta_mean']:.0f}", fmt(o["ratio"]["unsafe_keep_mean"]), fmt(o["ddot_agg"]["unsafe_keep_mean"]),
+                  fmt(o["ddot_uniform"]["unsafe_keep_mean"]),
+                  f"{fmt(pa['ratio'])} vs {fmt(pa['ddot_agg'])} (p {fmt(pa['p'], 2)}, {pa['p_unit']})",
+                  f"{fmt(pu['ratio'])} vs {fmt(pu['ddot_uniform'])} (p {fmt(pu['p'], 2)}, {pu['p_unit']})")
     console.print(t)
