@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -105,24 +106,56 @@ def atomic_dir(dest: Path):
 
 @contextlib.contextmanager
 def disk_errors(dest: Path):
-    """Writers outside masktrl report a full or read-only disk in their own words (safetensors:
-    ``SafetensorError``; ``torch.save``: ``RuntimeError: unexpected pos``). When the block fails
-    that way and the file system under ``dest`` is read-only or full (under 1 MiB free), the
-    failure is raised as the ``OSError`` it is (EROFS, ENOSPC), naming ``dest``."""
+    """Writers outside masktrl report a full or read-only disk in their own words: raised as
+    the ``OSError`` they are, naming ``dest``, whatever the size of the file.
+
+    * safetensors: ``SafetensorError('Error while serializing: I/O error: No space left on
+      device (os error 28)')``: the OS error's number is in the message (and the partial file
+      is already gone, so the disk no longer looks full);
+    * ``torch.save``: ``RuntimeError('[enforce fail at inline_container.cc:…] . unexpected pos
+      576 vs 534')`` or ``file write failed``: no number; ENOSPC or EROFS when the file system
+      under ``dest`` is full (under 1 MiB free) or read-only, else EIO quoting the writer;
+    * any other exception, when the file system under ``dest`` is read-only or full."""
     try:
         yield
     except OSError:
         raise
-    except Exception:
-        problem = disk_problem(dest)
+    except Exception as exc:
+        problem = writer_os_error(exc, dest)
         if problem is None:
             raise
         raise problem  # noqa: B904  (the writer's own exception stays attached as the context)
 
 
+_OS_ERROR_NUMBER = re.compile(r"\(os error (\d+)\)")
+_TORCH_WRITE_FAILED = ("unexpected pos", "file write failed", "PytorchStreamWriter failed")
+
+
+def writer_os_error(exc: BaseException, dest: Path) -> OSError | None:
+    """The ``OSError`` behind a writer's own exception (see ``disk_errors``), or None."""
+    text = str(exc)
+    found = _OS_ERROR_NUMBER.search(text)
+    if found and "safetensor" in type(exc).__name__.lower():
+        number = int(found.group(1))
+        return OSError(number, os.strerror(number), str(dest))
+    problem = disk_problem(dest)
+    if problem is None and isinstance(exc, RuntimeError) and any(s in text for s in _TORCH_WRITE_FAILED):
+        first = (text.strip().splitlines() or [type(exc).__name__])[0][:200]
+        return OSError(errno.EIO, f"the write failed ({first})", str(dest))
+    return problem
+
+
+PSEUDO_FILE_SYSTEMS = frozenset({
+    "proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "pstore", "bpf",
+    "configfs", "fusectl", "mqueue", "binfmt_misc", "autofs", "efivarfs", "rpc_pipefs", "nsfs",
+})
+"""File systems of the kernel's own (no storage): ``statvfs`` reports 0 bytes free on them."""
+
+
 def disk_problem(path: Path, min_free: int = 1 << 20) -> OSError | None:
-    """An OSError describing why nothing can be written under ``path`` (a read-only file system,
-    or one with less than ``min_free`` bytes free), or None."""
+    """An OSError describing why nothing can be written under ``path`` (a virtual file system
+    such as ``/proc``, a read-only file system, or one with less than ``min_free`` bytes free),
+    or None."""
     for folder in [Path(path), *Path(path).parents]:
         if folder.exists():
             break
@@ -130,10 +163,48 @@ def disk_problem(path: Path, min_free: int = 1 << 20) -> OSError | None:
         st = os.statvfs(folder)
     except OSError:
         return None
+    if st.f_blocks == 0:  # no storage at all: the kernel's own file systems report 0 free
+        kind = file_system_type(folder)
+        if kind in PSEUDO_FILE_SYSTEMS:
+            return OSError(errno.EPERM, f"not a writable folder (a {kind} file system, the kernel's own)", str(path))
+        return None  # a file system that reports no sizes (some FUSE mounts) is not "full"
     if st.f_flag & os.ST_RDONLY:
         return OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
     if st.f_bavail * st.f_frsize < min_free:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return None
+
+
+def file_system_type(path: Path) -> str | None:
+    """The type of the file system holding ``path`` (from ``/proc/self/mountinfo``), or None."""
+    try:
+        where = os.path.realpath(path)
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    best, kind = "", None
+    for fields in mounts:
+        if "-" not in fields or len(fields) < 5:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = where == point or where.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[fields.index("-") + 1]
+    return kind
+
+
+def memory_error_line(exc: BaseException) -> str | None:
+    """One line for running out of memory (a ``MemoryError``, torch's ``OutOfMemoryError``, the
+    CPU allocator's ``can't allocate memory``), or None for any other exception."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    hint = "the model or a batch does not fit: use a smaller model, or lower rollout.batch_size or raise train.grad_accum"
+    if isinstance(exc, MemoryError):
+        return f"out of memory ({type(exc).__name__}{': ' + text[:200] if text else ''}): {hint}"
+    if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text.lower() or "can't allocate memory" in text:
+        detail = re.sub(r"^\[enforce fail at [^\]]*\]\W*(err == 0\.\s*)?", "", text)
+        detail = detail.split(" Including non-PyTorch memory")[0].split(" Of the allocated memory")[0]
+        return f"out of memory ({detail[:240].rstrip('. ')}): {hint}"
     return None
 
 
