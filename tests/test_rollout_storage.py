@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from masktrl.errors import ArtifactError
+from masktrl.errors import ArtifactError, DataError
 from masktrl.rollout import storage
 from masktrl.rollout.base import Generation, Sample
 from masktrl.rollout.storage import logp_from_steps, logp_steps, read_rollouts, write_rollouts
@@ -194,7 +194,10 @@ def test_nan_is_refused(tmp_path, where):
     else:
         setattr(samples[2], where, math.nan)
     path = tmp_path / "nan.parquet"
-    write_rollouts(path, samples, {})
+    with pytest.raises(DataError, match="the batch is not written"):
+        write_rollouts(path, samples, {})
+    assert not path.exists()
+    write_rollouts(path, samples, {}, check=False)  # a file masktrl would not write: the reader refuses it too
     refused(path, r"row 2" + (", token 0" if where in ("behaviour", "topk") else f": {where} is nan"))
 
 

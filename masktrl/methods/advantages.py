@@ -16,10 +16,19 @@ whiten_batch(x)_i = (x_i - m) / sqrt(v + 1e-8), m and v the mean and unbiased va
 batch's response tokens (each response weighted by its token count ``lengths``, or 1 without
 it), as verl's ``masked_whiten``. Everything is float64; the group statistics are computed one
 group at a time with the same tensor ops, so they do not depend on how the groups are laid out.
+
+Any finite rewards give finite advantages, or a ValueError: rewards beyond 2^256 in magnitude
+(whose squares, sums or spread would overflow float64, e.g. ±1e308) are divided by a power of
+two s >= max|R| first (exactly), with the epsilons divided by s (by s^2 under the square root):
+the same formulas, scale-free for group-std, batch-std and the whitened ones; none and rloo are
+multiplied back by s, and an advantage no float can hold (rewards more than ~1.8e308 apart) is
+refused. Ordinary rewards never take that path, so their advantages are bit for bit the plain
+formulas'.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -31,6 +40,8 @@ GROUP_NORMS = ("group-std", "none")
 ADV_NORMS = GROUP_NORMS + ("rloo", "batch-std", "reinforce++", "reinforce++-baseline")
 ADV_EPS = 1e-6  # added to the group std (GRPO) and the batch std
 WHITEN_EPS = 1e-8  # added to the batch variance before its square root (REINFORCE++, verl's masked_whiten)
+SCALE_ABOVE = 2.0**256  # rewards beyond this magnitude are scaled first (their squares and sums could overflow)
+LINEAR_NORMS = ("none", "rloo")  # advantages proportional to the rewards' scale; the others are scale-free
 
 
 def group_advantages(rewards: Sequence[float] | Tensor, groups: Sequence[int] | Tensor, *, norm: str = "group-std",
@@ -58,13 +69,27 @@ def group_advantages(rewards: Sequence[float] | Tensor, groups: Sequence[int] | 
     if not bool(torch.isfinite(r).all()):
         raise ValueError("rewards must be finite (found NaN or inf)")
     weights = _weights(lengths, r.shape[0])
+    big = float(r.abs().max()) if r.numel() else 0.0
+    if big <= SCALE_ABOVE:
+        return _advantages(r, g, norm, eps, weights, WHITEN_EPS)
+    scale = 2.0 ** min(math.ceil(math.log2(big)), 1023)  # a power of two: r / scale is exact, |r / scale| <= 2
+    out = _advantages(r / scale, g, norm, eps / scale, weights, WHITEN_EPS / scale / scale)
+    if norm in LINEAR_NORMS:
+        out = out * scale
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(f"advantages are not finite: rewards from {r.min().item():.3g} to {r.max().item():.3g} are further "
+                         f"apart than the largest float (adv_norm={norm}); keep rewards within a sane range")
+    return out
+
+
+def _advantages(r: Tensor, g: Tensor, norm: str, eps: float, weights: Tensor, whiten_eps: float) -> Tensor:
     if norm == "reinforce++":
-        return _whiten(r, weights)
+        return _whiten(r, weights, whiten_eps)
     if norm == "batch-std":
         std = r.std() if r.shape[0] > 1 else torch.tensor(0.0, dtype=torch.float64)
         return _per_group(r, g, "none", eps) / (std + eps)
     if norm == "reinforce++-baseline":
-        return _whiten(_per_group(r, g, "none", eps), weights)
+        return _whiten(_per_group(r, g, "none", eps), weights, whiten_eps)
     return _per_group(r, g, norm, eps)
 
 
@@ -95,7 +120,7 @@ def _weights(lengths, b: int) -> Tensor:
     return w.to(torch.float64)
 
 
-def _whiten(x: Tensor, w: Tensor) -> Tensor:
+def _whiten(x: Tensor, w: Tensor, whiten_eps: float = WHITEN_EPS) -> Tensor:
     """(x - m) / sqrt(v + 1e-8) with the w-weighted mean m and unbiased variance
     v = sum w (x - m)^2 / (sum w - 1) (0 when sum w <= 1): verl's masked_whiten over tokens."""
     total = w.sum()
@@ -104,4 +129,4 @@ def _whiten(x: Tensor, w: Tensor) -> Tensor:
     m = (w * x).sum() / total
     c = x - m
     v = (w * c * c).sum() / (total - 1) if total > 1 else torch.tensor(0.0, dtype=torch.float64)
-    return c / torch.sqrt(v + WHITEN_EPS)
+    return c / torch.sqrt(v + whiten_eps)

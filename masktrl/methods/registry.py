@@ -192,7 +192,7 @@ def method_names() -> list[str]:
 
 def get_method(name: str) -> Method:
     """The registered method; ValueError listing the valid names otherwise."""
-    if name not in _METHODS:
+    if not isinstance(name, str) or name not in _METHODS:
         raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(method_names())}")
     return _METHODS[name]
 

@@ -9,10 +9,13 @@ so the trainer, the store and the analyses never know which engine ran.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from masktrl.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,20 @@ class SamplingSettings:
     top_p: float = 1.0  # 1.0 = no nucleus truncation: recorded logprobs are the full softmax(z/T)
     logprobs_k: int = 20  # K of the recorded behaviour top-K lists
     greedy: bool = False  # argmax decoding (evaluation); temperature and top_p are then ignored
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_p)  # the engines' last guard: the commands check their flags first
+
+
+def check_sampling(temperature: float, top_p: float, names: tuple[str, str] = ("temperature", "top_p")) -> None:
+    """ConfigError (naming ``names``) unless ``temperature`` is a finite number > 0 and ``top_p``
+    lies in (0, 1]: an infinite temperature samples uniformly and records nothing an engine
+    can reproduce, a NaN one samples nothing."""
+    t_name, p_name = names
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (math.isfinite(temperature) and temperature > 0):
+        raise ConfigError(f"{t_name} must be a finite number > 0, got {temperature}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ConfigError(f"{p_name} must be in (0, 1], got {top_p}")
 
 
 @dataclass

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from masktrl.errors import ArtifactError
+from masktrl.errors import ArtifactError, DataError
 from masktrl.io import atomic_write_bytes
 from masktrl.rollout.base import Generation, Sample
 
@@ -95,8 +95,13 @@ class TokenArrays:
 # --------------------------------------------------------------------------- writing
 
 
-def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression_level: int | None = None, fmt: int = FORMAT, layout: str | None = None) -> None:
+def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression_level: int | None = None, fmt: int = FORMAT, layout: str | None = None,
+                   check: bool = True) -> None:
     """Write ``samples`` with ``meta`` (JSON, key ``masktrl``) atomically to ``path``.
+
+    A batch holding a reward or an advantage that is not finite, or a NaN log-probability, is
+    refused before anything is written (``check_finite``); ``check=False`` writes it anyway (to
+    test the readers on such files).
 
     ``compression_level``: zstd level of the two top-K columns (the bulk of the file; the small
     columns get level 1); default 6 from 4,096 tokens a batch, else 3, because zstd's start-up
@@ -107,6 +112,8 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression
     rows = {name: [getattr(s, name) for s in samples] for name in ("example_id", "prompt", "answer", "group", "prompt_ids", "text", "reward", "advantage")}
     rows["finished"] = [s.gen.finished for s in samples]
     arrays = token_arrays(samples) if fmt == 2 else None
+    if check:
+        check_finite(path, rows, arrays)  # a batch is stored only if every number in it is what it claims
     if arrays is None:
         table, codec, opts = _encode_v1(samples, rows), None, {"compression": "none"}
     else:
@@ -130,6 +137,22 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression
             writer.write_table(table)
             writer.add_key_value_metadata(meta_kv)
     atomic_write_bytes(path, buf.getvalue())
+
+
+def check_finite(path: Path, rows: dict, arrays: TokenArrays | None) -> None:
+    """Refuse to write a batch holding a reward or advantage that is not finite, or a behaviour
+    log-probability that is NaN (``DataError`` naming the file and the first such row): what a
+    reader would refuse (``validate``) is never written."""
+    for name in ("reward", "advantage"):
+        values = np.asarray(rows[name], dtype=np.float64)
+        bad = np.flatnonzero(~np.isfinite(values))
+        if len(bad):
+            raise DataError(f"{path}: row {int(bad[0])}: {name} is {values[bad[0]]}; the batch is not written")
+    if arrays is not None:
+        for what, values in (("behaviour log-prob", arrays.behavior_logp), ("top-K log-prob", arrays.topk_logp)):
+            bad = np.flatnonzero(np.isnan(values).reshape(len(values), -1).any(axis=1)) if values.size else []
+            if len(bad):
+                raise DataError(f"{path}: {_where(arrays.offsets, int(bad[0]))}: a {what} is NaN; the batch is not written")
 
 
 def _leaf(column: str) -> str:

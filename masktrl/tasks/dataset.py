@@ -97,24 +97,43 @@ def _read_files(datasets, files: list[Path], where: str) -> list[dict]:
     rows: list[dict] = []
     for builder in dict.fromkeys(BUILDERS[p.suffix.lower()] for p in files):  # one load per format
         group = [str(p) for p in files if BUILDERS[p.suffix.lower()] == builder]
-        if builder == "json":
+        if builder in ("json", "csv"):
             for path in group:
-                _check_nesting(Path(path))
+                _check_text(Path(path), builder)
         try:
             ds = datasets.load_dataset(builder, data_files={"train": group}, split="train")
         except Exception as e:
             raise DataError(f"{where}: cannot read {', '.join(Path(g).name for g in group)} ({_first_line(e)})") from None
-        rows.extend(ds.to_list() if hasattr(ds, "to_list") else [dict(r) for r in ds])
+        try:
+            rows.extend(ds.to_list() if hasattr(ds, "to_list") else [dict(r) for r in ds])
+        except UnicodeDecodeError as e:  # a parquet string column holding bytes that are not UTF-8
+            raise DataError(f"{where}: a text field is not UTF-8 (byte 0x{e.object[e.start]:02x}: {e.reason})") from None
     return rows
 
 
-def _check_nesting(path: Path) -> None:
-    """DataError for JSON nested deeper than Python's parser goes (about 1,000 levels): the
-    ``datasets`` JSON reader crashes the process on such input instead of raising."""
+def _check_text(path: Path, builder: str) -> None:
+    """DataError, naming the file (and the line), for a JSON or CSV file that is not UTF-8 text,
+    holds no rows, or (JSON) nests deeper than Python's parser goes (about 1,000 levels): the
+    ``datasets`` readers stop with ``StopIteration``, a decoding traceback or (deep JSON) a
+    crash of the process on such input."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}, line {line}: not UTF-8 text (byte 0x{data[e.start]:02x})") from None
+    if not text.strip() or (builder == "csv" and len(text.strip().splitlines()) < 2):
+        raise DataError(f"{path}: empty file (no rows)" if not text.strip() else f"{path}: a header and no rows")
+    if builder == "json":
+        _check_nesting(path, data)
+
+
+def _check_nesting(path: Path, data: bytes) -> None:
+    """DataError for JSON nested deeper than Python's parser goes (about 1,000 levels): the
+    ``datasets`` JSON reader crashes the process on such input instead of raising."""
     pieces = [data]
     try:
         json.loads(data)

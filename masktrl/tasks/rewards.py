@@ -25,7 +25,9 @@ Where it runs: a user function runs in worker processes (the grader's :class:`Wo
 completion per call, under the same hard wall-clock timeout as math grading
 (``task.reward_timeout_s``). An exception, a timeout, a crashed worker, ``None``, a non-finite
 value or a wrong number of values scores that completion 0 and is counted (``reward_errors`` in
-``metrics.jsonl``); it never ends the run. Before a run starts, the function is imported and
+``metrics.jsonl``). A step where the reward failed on more than 10% of the completions prints a
+warning, and one where it failed on more than ``task.max_reward_error_frac`` (default 0.5) stops
+the run with one line (``check_reward_errors``). Before a run starts, the function is imported and
 called once on the first example (:meth:`PooledReward.check`): an unimportable path, a signature
 that cannot take these arguments or a wrong number of values is a ConfigError then. Built-ins
 run in the training process (math-verify isolates itself in its own grading pool).
@@ -150,6 +152,28 @@ def _location_of(entry: RewardEntry) -> dict:
             )
         return {"file": os.path.abspath(path), "attr": qualname}
     return {"module": module, "attr": qualname}
+
+
+# --------------------------------------------------------------------------- failures
+REWARD_ERROR_WARN_FRAC = 0.1
+"""A step whose reward failed on more than this fraction of its completions prints a warning."""
+
+
+def check_reward_errors(step: int, errors: int, scored: int, max_frac: float, last_error: str | None = None) -> str | None:
+    """The verdict on one step's reward failures (completions scored 0 because the reward raised,
+    timed out or returned no finite number): None when at most ``REWARD_ERROR_WARN_FRAC`` of the
+    ``scored`` completions failed, a warning line above that, and ConfigError (the run stops)
+    when more than ``max_frac`` (``task.max_reward_error_frac``) did."""
+    if scored <= 0 or errors <= 0:
+        return None
+    frac = errors / scored
+    last = f"; last: {last_error}" if last_error else ""
+    what = f"step {step}: the reward failed on {errors} of {scored} completions ({frac:.0%}{last})"
+    if frac > max_frac:
+        raise ConfigError(f"{what}; the run stops (task.max_reward_error_frac={max_frac:g}): fix task.reward")
+    if frac > REWARD_ERROR_WARN_FRAC:
+        return f"{what}; they score 0 (the run stops above task.max_reward_error_frac={max_frac:g})"
+    return None
 
 
 # --------------------------------------------------------------------------- scoring
