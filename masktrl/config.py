@@ -35,6 +35,7 @@ import yaml
 
 from masktrl.errors import ConfigError
 from masktrl.io import atomic_write_text
+from masktrl.readers import read_yaml, yaml_value
 
 PRESETS = Path(__file__).resolve().parent.parent / "configs"  # the presets shipped with the source tree
 DEFAULT_CONFIG = PRESETS / "tiny.yaml"
@@ -141,6 +142,10 @@ class TaskConfig:
     """Hard wall-clock limit per completion for the reward (custom rewards and math-verify)."""
     reward_workers: int = 2
     """Processes running the reward (custom rewards and math-verify)."""
+    max_reward_error_frac: float = 0.5
+    """Stop the run when, in one step, the reward failed (raised, timed out, returned no finite
+    number) on more than this fraction of the completions; above 10% each such step warns.
+    1.0: never stop."""
     max_prompt_tokens: int | None = None
     """Drop examples whose rendered prompt has more tokens than this."""
     options: dict = field(default_factory=dict)
@@ -156,6 +161,8 @@ class TaskConfig:
         _positive("task.n_test", self.n_test)
         _positive("task.reward_timeout_s", self.reward_timeout_s)
         _positive("task.reward_workers", self.reward_workers)
+        if not 0.0 < self.max_reward_error_frac <= 1.0:
+            raise ConfigError(f"task.max_reward_error_frac must be in (0, 1], got {self.max_reward_error_frac}")
         if self.max_prompt_tokens is not None:
             _positive("task.max_prompt_tokens", self.max_prompt_tokens)
         if self.name == "arithmetic":
@@ -423,7 +430,7 @@ def read_overrides(path: str | Path | list | tuple | None = None, overrides: lis
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        value = _parse_scalar(text)
+        value = _parse_scalar(text, key.strip())
         if isinstance(value, (dict, list, bool)) and _is_text_key(key.strip()):
             value = text  # a text key keeps its text: --set task.template={prompt} is not a YAML mapping
         _set_dotted(raw, key.strip(), value)
@@ -564,13 +571,12 @@ def presets() -> list[str]:
 
 
 def _read_yaml(path: Path) -> dict:
+    """A config file, read with the bounded loader (``masktrl/readers.py``: a duplicate key,
+    nesting deeper than 64 levels, a recursive alias or an alias bomb is one ConfigError line)."""
     if not path.is_file():
         names = ", ".join(presets())
         raise ConfigError(f"config file not found: {path}" + (f" (shipped presets, by name from any folder: {names})" if names else ""))
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot parse {path}: {str(exc).splitlines()[0]}") from None
+    data = read_yaml(path, error=ConfigError)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -591,11 +597,8 @@ def _is_text_key(key: str) -> bool:
     return cls is str or set(typing.get_args(cls)) == {str, type(None)}
 
 
-def _parse_scalar(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
+def _parse_scalar(text: str, key: str = "") -> Any:
+    return yaml_value(text, f"--set {key}" if key else "--set", error=ConfigError)
 
 
 def _set_dotted(raw: dict, key: str, value: Any) -> None:

@@ -120,10 +120,8 @@ class BoundedLoader(yaml.SafeLoader):
 def load_yaml(text: str | bytes, source: str | Path, *, error: type[MasktrlError] = ConfigError) -> Any:
     """The one YAML document of ``text`` (None when empty), read with ``BoundedLoader``;
     ``error`` (one line, starting with ``source``) for anything it refuses or cannot parse."""
-    text = decode_text(text, source, error)
-    loader = BoundedLoader(text)
     try:
-        return loader.get_single_data()
+        return _load(decode_text(text, source, error))
     except _Refused as exc:
         raise error(f"{source}: {exc}") from None
     except yaml.MarkedYAMLError as exc:
@@ -132,8 +130,25 @@ def load_yaml(text: str | bytes, source: str | Path, *, error: type[MasktrlError
         raise error(f"cannot parse {source}: {exc.problem or exc.context}{where}") from None
     except yaml.YAMLError as exc:
         raise error(f"cannot parse {source}: {(str(exc).splitlines() or [type(exc).__name__])[0]}") from None
-    except RecursionError:  # a limit above should always come first; never a traceback
-        raise error(f"{source}: nested too deeply") from None
+
+
+def yaml_value(text: str, source: str, *, error: type[MasktrlError] = ConfigError) -> Any:
+    """A command-line value read as YAML (``--set key=VALUE``): the value, or ``text`` itself
+    when it is not YAML (``{prompt}: x``); ``error`` for what ``BoundedLoader`` refuses."""
+    try:
+        return _load(text)
+    except _Refused as exc:
+        raise error(f"{source}: {exc}") from None
+    except yaml.YAMLError:
+        return text
+
+
+def _load(text: str) -> Any:
+    loader = BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    except RecursionError:  # a limit of the loader always comes first; never a traceback
+        raise _Refused("nested too deeply") from None
     finally:
         loader.dispose()
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from masktrl.pipeline.runstore import RunStore
+from masktrl.runs.store import RunStore
 from masktrl.rollout.storage import read_rollouts
 from tests.conftest import cli, masktrl_env, tiny_yaml, write_tiny_config
 from tests.test_readers import alias_bomb

@@ -18,7 +18,6 @@ that still need it. Without ``squeue`` on the PATH a recorded job is taken as st
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.io import atomic_write_json, atomic_write_text
+from masktrl.readers import read_json
 from masktrl.config import split_method
 
 JOBS_FILE = "jobs.json"
@@ -123,8 +123,8 @@ def recorded_jobs(out: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
     try:
-        return {str(k): str(v) for k, v in json.loads(path.read_text()).items()}
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return {str(k): str(v) for k, v in read_json(path, error=MasktrlError).items()}  # bounded: depth, non-finite numbers
+    except (MasktrlError, AttributeError):
         raise MasktrlError(f"{path}: unreadable (corrupted); delete it once no job of this sweep is queued or running") from None
 
 

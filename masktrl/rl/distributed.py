@@ -26,13 +26,13 @@ or setting, raised before anything is written.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
+from masktrl.readers import read_json
 
 DS_CONFIG_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
 ENGINE_STATE_TAG = "zero"  # the sub-folder DeepSpeed writes its shards into, inside a checkpoint's deepspeed/
@@ -264,9 +264,9 @@ def _check_deepspeed_json(path: str | None) -> None:
     if not p.is_file():
         raise ConfigError(f"{p}: DeepSpeed config file not found")
     try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{p}: invalid DeepSpeed config ({_first_line(exc)})") from None
+        data = read_json(p, error=ConfigError)  # bounded: depth, non-finite numbers
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: invalid DeepSpeed config ({str(exc).split(': ', 1)[-1]})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: invalid DeepSpeed config (top level must be an object)")
     stage = data.get("zero_optimization", {}).get("stage", 0) if isinstance(data.get("zero_optimization", {}), dict) else None

@@ -22,6 +22,7 @@ import torch
 
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.io import atomic_dir, atomic_write_json
+from masktrl.readers import read_json
 from masktrl.models.loading import load_model_and_tokenizer
 from masktrl.rl.distributed import Dist
 from masktrl.runs.faults import maybe_crash
@@ -107,8 +108,8 @@ def check_resumable(path: Path, dist: Dist) -> None:
     """Refuse, before anything changes, a checkpoint whose DeepSpeed state does not fit this
     launch (written with or without DeepSpeed, another ZeRO stage, another process count)."""
     try:
-        info = json.loads((Path(path) / "trainer_state.json").read_text()).get("deepspeed")
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        info = read_json(Path(path) / "trainer_state.json", error=ArtifactError, finite=False).get("deepspeed")
+    except (OSError, AttributeError) as exc:
         raise ArtifactError(f"{path}/trainer_state.json: unreadable checkpoint ({str(exc).splitlines()[0]})") from None
     if info is not None and not (Path(path) / ENGINE_STATE_DIR).is_dir():
         raise ArtifactError(f"{path}/{ENGINE_STATE_DIR}: missing (the checkpoint's DeepSpeed state)")
@@ -127,8 +128,8 @@ def load_trainer_state(path: Path, optimizer, scheduler) -> dict:
     load_optimizer_state(path, optimizer, scheduler)
     try:
         _set_rng_state(torch.load(path / "rng_state.pt", weights_only=True))
-        return json.loads((path / "trainer_state.json").read_text())
-    except (OSError, RuntimeError, KeyError, json.JSONDecodeError) as exc:
+        return read_json(path / "trainer_state.json", error=ArtifactError, finite=False)
+    except (OSError, RuntimeError, KeyError) as exc:
         raise ArtifactError(f"{path}: unreadable checkpoint ({str(exc).splitlines()[0]})") from None
 
 

@@ -21,7 +21,6 @@ tokenizer and, with ``model.embedding_init: numbers``, structured number-token e
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
@@ -30,10 +29,12 @@ from pathlib import Path
 import torch
 
 from masktrl.config import Config
+from masktrl.errors import ArtifactError
 from masktrl.models.loading import load_model_and_tokenizer, quiet_transformers
 from masktrl.models.numbers import init_number_embeddings
 from masktrl.models.tiny import TinyModelConfig, build_tiny_model, tiny_tokenizer
 from masktrl.io import atomic_dir, atomic_write_json, sha256_file
+from masktrl.readers import read_json
 from masktrl.rl.evaluation import heldout_accuracy
 from masktrl.rl.schedule import lr_factor
 from masktrl.rollout.base import SamplingSettings
@@ -66,7 +67,7 @@ def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):
             problem = cache_problem(cache)
             if problem is None:
                 model, tokenizer = load_model_and_tokenizer(cache, cfg.model.dtype)
-                info = json.loads((cache / "warmstart.json").read_text())
+                info = read_json(cache / "warmstart.json", error=ArtifactError, finite=False)  # verified just above
                 return model, tokenizer, {**info, "cached": True, "path": str(cache)}
             print(f"warm-start cache {cache}: {problem}; building it again", file=sys.stderr, flush=True)
         return _train_entry(cfg, task, cache, progress)
@@ -187,8 +188,10 @@ def _save_atomically(model, tokenizer, info: dict, dest: Path) -> dict:
 def cache_problem(entry: Path) -> str | None:
     """Why the cache entry cannot be used (a file changed or missing), or None if it verifies."""
     try:
-        files = json.loads((entry / "warmstart.json").read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
+        files = read_json(entry / "warmstart.json", error=ArtifactError, finite=False).get("files")  # bounded: a deep file is unreadable
+    except ArtifactError as exc:
+        return f"warmstart.json: {str(exc).split(': ', 1)[-1]}"
+    except (OSError, AttributeError):
         return "warmstart.json is unreadable"
     if not isinstance(files, dict) or not files:
         return "no file hashes recorded (an entry from an older masktrl)"

@@ -26,11 +26,10 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from masktrl.config import Config, from_dict, save_config
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.io import atomic_write_json, atomic_write_text, json_default, naming, sha256_file
+from masktrl.readers import MAX_DEPTH, json_depth, read_json, read_yaml
 from masktrl.runs import locks
 from masktrl.rollout.storage import read_rollouts, write_rollouts
 
@@ -46,6 +45,8 @@ def check_run_name(name: str) -> str:
     bad = None
     if not name or not name.strip():
         bad = "it is empty"
+    elif not _is_utf8(name):
+        bad = "it holds bytes that are not UTF-8"
     elif "/" in name or "\\" in name or (os.altsep and os.altsep in name):
         bad = "it holds a path separator; a run is one folder under --out (use --out to choose where)"
     elif name.startswith("."):
@@ -59,6 +60,16 @@ def check_run_name(name: str) -> str:
     if bad:
         raise ConfigError(f"invalid run name {name!r}: {bad}")
     return name
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` is valid text (a command-line argument with bytes that are not UTF-8
+    holds lone surrogates: Python's ``surrogateescape``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def is_fresh_folder(path: str | Path) -> bool:
@@ -343,8 +354,8 @@ class RunStore:
         """The resolved config the run was started with (run.yaml)."""
         path = self.root / "run.yaml"
         try:
-            return from_dict(yaml.safe_load(path.read_text()) or {})
-        except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
+            return from_dict(read_yaml(path, error=ArtifactError) or {})  # bounded: depth, aliases, duplicate keys
+        except OSError as exc:
             raise ArtifactError(f"{path}: unreadable run config ({str(exc).splitlines()[0]})") from None
         except ConfigError as exc:
             raise ArtifactError(f"{path}: invalid run config ({exc})") from None
@@ -361,10 +372,10 @@ class RunStore:
         path = self.root / "summary.json"
         if not path.is_file():
             return None
-        try:
-            return json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ArtifactError(f"{path}: unreadable (corrupted)") from None
+        summary = read_json(path, error=ArtifactError, finite=False)  # one line for broken or too deep JSON
+        if not isinstance(summary, dict):
+            raise ArtifactError(f"{path}: not a run summary (a JSON {type(summary).__name__}, not an object)")
+        return summary
 
     def status(self) -> str:
         """running | interrupted | failed | complete | unknown; a run whose trainer died without a
@@ -587,7 +598,9 @@ def _read_manifest(path: Path) -> dict:
     except OSError as exc:
         raise ArtifactError(f"{path}: cannot read the manifest ({exc.strerror or exc})") from None
     problem = None
-    if not isinstance(manifest, dict):
+    if json_depth(manifest) > MAX_DEPTH:
+        problem = f"JSON nested deeper than {MAX_DEPTH} levels"
+    elif not isinstance(manifest, dict):
         problem = f"a JSON {type(manifest).__name__}, not an object"
     elif not isinstance(manifest.get("stages"), dict):
         problem = "no 'stages' object"
