@@ -4,7 +4,7 @@ that load a config, call a stage (``masktrl/recipes/``) and print a rich summary
 One error boundary: a ``MasktrlError`` (bad config, missing file, unknown method, corrupted
 artifact...) becomes one red line on stderr and exit code 2, and so does an ``OSError`` the
 machine raises (permission denied, no space left, read-only file system, a file where a folder
-belongs), named by its file. ``MASKTRL_DEBUG=1`` shows the traceback instead. A run stopped by
+belongs), named by its file, and running out of memory (``io.memory_error_line``). ``MASKTRL_DEBUG=1`` shows the traceback instead. A run stopped by
 Ctrl-C or SIGTERM exits with 128 + the signal number (130, 143).
 """
 
@@ -25,6 +25,7 @@ from masktrl.commands import analyze as analyze_cmd, sweep as sweep_cmd
 from masktrl.commands.options import Command, Group
 from masktrl.commands.ui import err_console
 from masktrl.errors import MasktrlError
+from masktrl.io import memory_error_line
 
 app = typer.Typer(
     cls=Group,
@@ -68,6 +69,11 @@ def main() -> None:
         _fail(exc, str(exc))
     except OSError as exc:  # the machine, not masktrl: name the file and the reason
         _fail(exc, os_error_line(exc))
+    except Exception as exc:  # out of memory (MemoryError, torch's OutOfMemoryError, the CPU allocator): one line too
+        line = memory_error_line(exc)
+        if line is None:
+            raise
+        _fail(exc, line)
     except KeyboardInterrupt as exc:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(128 + getattr(exc, "signum", 2))
@@ -79,6 +85,7 @@ def _fail(exc: BaseException, line: str) -> None:
         raise exc
     from rich.markup import escape
 
+    line = line.encode("utf-8", "backslashreplace").decode("utf-8")  # a name with bytes that are not UTF-8 prints as \udcff
     err_console.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)  # the line is text: "dppo[x]" stays
     sys.exit(2)
 

@@ -51,6 +51,7 @@ def sweep(
     stage.check_launcher(launcher, accelerate_config, print_commands)
     method_list = stage.parse_methods(methods)
     seed_list = stage.parse_seeds(seeds)
+    stage.check_flags(method_list, set_ or [], baseline, launcher, no_submit=no_submit, resubmit=resubmit)
     items = stage.plan(Path(out), method_list, seed_list, config, set_ or [], busy_ok=print_commands or launcher == "slurm")
     for item in items:  # every run's trackers are importable, before anything starts
         check_trackers(item.cfg.train.report_to)

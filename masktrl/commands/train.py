@@ -49,6 +49,8 @@ def train(
                           "`masktrl train --resume` (or the same command) continues it", highlight=False, soft_wrap=True)
         raise typer.Exit(128 + exc.signum) from None
     if result.is_main:
+        if result.note:
+            console.print(result.note, highlight=False, markup=False, soft_wrap=True)
         print_summary(result.summary, result.store.root)
 
 

@@ -9,6 +9,7 @@ file's sha256. An existing result is never replaced unless ``force`` is set.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -46,8 +47,8 @@ class EvalOptions:
         check_benchmark(bench)
         if self.k < 1:
             raise ConfigError(f"--k must be >= 1, got {self.k}")
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan and inf are not temperatures
+            raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature}")
         if self.temperature == 0 and self.k != 1:
             raise ConfigError("--temperature 0 is greedy decoding: all k samples would be identical; use --k 1")
         if not 0 < self.top_p <= 1:

@@ -20,7 +20,7 @@ from masktrl.runs.resolve import resolve_model
 from masktrl.tasks import make_eval_task
 from masktrl.rl.collect import generate_groups, score_groups, set_advantages
 from masktrl.seeding import stream_seed
-from masktrl.rollout.base import SamplingSettings
+from masktrl.rollout.base import check_sampling, SamplingSettings
 from masktrl.rollout.storage import write_rollouts
 from masktrl.tasks.math_data import BENCHMARKS
 
@@ -45,8 +45,7 @@ class RolloutOptions:
                 raise MasktrlError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.n < 2:
             raise MasktrlError("--n must be >= 2: group advantages need at least two samples per prompt")
-        if not self.temperature > 0 or not 0 < self.top_p <= 1:
-            raise MasktrlError("--temperature must be > 0 and --top-p in (0, 1]")
+        check_sampling(self.temperature, self.top_p, names=("--temperature", "--top-p"))  # finite, > 0; top-p in (0, 1]
 
 
 def run(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: int | None = None, force: bool = False,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager
 
-from masktrl.config import Config, diff_configs, load_config, split_method
+from masktrl.config import MAX_SEED, Config, diff_configs, load_config, split_method
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.runs import locks
 from masktrl.runs.store import RunStore, is_fresh_folder
@@ -66,18 +66,47 @@ def run_stem(spec: str) -> str:
     return spec.replace(":", "-").replace("=", "-")
 
 
+MAX_SWEEP_SEEDS = 1000
+"""The most seeds one sweep takes (a count beyond it is a typo, and would be planned run by run)."""
+
+
 def parse_seeds(text: str) -> list[int]:
-    """``3`` -> seeds 0, 1, 2; ``0,4,7`` -> exactly those seeds."""
+    """``3`` -> seeds 0, 1, 2; ``0,4,7`` -> exactly those seeds. At most ``MAX_SWEEP_SEEDS``
+    seeds, each in [0, MAX_SEED]: ConfigError otherwise, before anything is planned."""
     try:
         if "," in text:
             seeds = [int(s) for s in text.split(",") if s.strip()]
         else:
-            seeds = list(range(int(text)))
+            count = int(text)
+            if count > MAX_SWEEP_SEEDS:
+                raise ConfigError(f"--seeds {text.strip()[:40]}: at most {MAX_SWEEP_SEEDS} seeds")
+            seeds = list(range(count))
     except ValueError:
-        raise ConfigError(f"--seeds must be a count (3) or a list (0,4,7), got {text!r}") from None
+        raise ConfigError(f"--seeds must be a count (3) or a list (0,4,7), got {text[:60]!r}") from None
     if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
-        raise ConfigError(f"--seeds must give distinct non-negative seeds, got {text!r}")
+        raise ConfigError(f"--seeds must give distinct non-negative seeds, got {text[:60]!r}")
+    if len(seeds) > MAX_SWEEP_SEEDS:
+        raise ConfigError(f"--seeds: {len(seeds)} seeds, at most {MAX_SWEEP_SEEDS}")
+    high = [s for s in seeds if s > MAX_SEED]
+    if high:
+        raise ConfigError(f"--seeds: seed {high[0]} is out of range [0, {MAX_SEED}]")
     return seeds
+
+
+def check_flags(methods: list[str], overrides: list[str], baseline: str | None, launcher: str, *, no_submit: bool,
+                resubmit: bool) -> None:
+    """ConfigError, before the first run, for flags that cannot mean what they say: a seed set
+    with ``--set`` (every run takes its seed from ``--seeds``), a ``--baseline`` that is not
+    swept, slurm's ``--no-submit`` / ``--resubmit`` with another launcher."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "seed":
+            raise ConfigError(f"--set {item} conflicts with --seeds (every run of a sweep takes its seed from --seeds): drop one")
+    if baseline is not None and baseline not in methods and baseline not in {split_method(m)[0] for m in methods}:
+        raise ConfigError(f"--baseline {baseline} is not among the swept methods ({', '.join(methods)})")
+    for flag, given in (("--no-submit", no_submit), ("--resubmit", resubmit)):
+        if given and launcher != "slurm":
+            raise ConfigError(f"{flag} goes with --launcher slurm (the local launcher submits nothing)")
 
 
 def run_state(root: Path) -> str:

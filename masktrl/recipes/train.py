@@ -56,7 +56,7 @@ from masktrl.models import checkpointing
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.rl import checks
 from masktrl.rl import train_state as ckpt
-from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts
+from masktrl.rl.collect import Batch, CollectSettings, batch_changes, collect_rollouts, reward_failures
 from masktrl.rl.distributed import Dist, launch_rank, launched
 from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
@@ -72,7 +72,7 @@ from masktrl.rollout.base import RolloutEngine, Sample
 from masktrl.runs import retention
 from masktrl.runs.faults import maybe_crash
 from masktrl.runs.plan import Plan, RunRequest, plan_run, plan_start
-from masktrl.runs.store import RunStore, rollout_key, update_key
+from masktrl.runs.store import RunStore, done_steps, rollout_key, update_key
 from masktrl.tasks import Example, Task
 from masktrl.tasks.prompts import wraps_chat
 
@@ -86,6 +86,7 @@ class TrainResult:
     summary: dict
     store: RunStore
     is_main: bool = True  # False on the other processes of a multi-process run (they print nothing)
+    note: str | None = None  # what the command says before the summary (a complete run resumed: nothing was done)
 
 
 @dataclass
@@ -166,6 +167,9 @@ def run(request: RunRequest, progress: Progress | None = None, on_start: Callabl
     sees the plan confirmed under the run's lock, before the first write. An ``Interrupted``
     leaving here carries ``run`` (its name) and ``checkpoints`` (its complete checkpoints)."""
     plan = plan_run(request, main=launch_rank() == 0)
+    done = _complete(plan)
+    if done is not None:
+        return done
     checked = checks.check(plan.cfg, rollouts_from=plan.rollouts_from, out=Path(request.out))
     store = RunStore(plan.root)
     try:
@@ -173,6 +177,20 @@ def run(request: RunRequest, progress: Progress | None = None, on_start: Callabl
     except Interrupted as exc:
         exc.run, exc.checkpoints = plan.root.name, store.checkpoints() if store.exists() else []
         raise
+
+
+def _complete(plan: Plan) -> TrainResult | None:
+    """``--resume`` of a complete run with its own config: nothing to do, nothing written (its
+    summary is returned as it is); None for anything else."""
+    if not plan.explicit_resume or plan.forced_changes:
+        return None
+    store = RunStore(plan.root, writable=False)
+    if store.status() != "complete" or store.summary() is None:
+        return None
+    summary = store.summary()
+    note = (f"run {plan.root.name} is complete ({summary.get('steps')} of {plan.cfg.train.steps} steps): nothing to do "
+            "(--resume NAME --force --set train.steps=N extends it)")
+    return TrainResult(summary, store, launch_rank() == 0, note)
 
 
 def train(cfg: Config, store: RunStore, progress: Progress | None = None, *, resume: bool = False, restart: bool = False,
@@ -257,7 +275,11 @@ def setup(cfg: Config, store: RunStore, checked: checks.Checked, progress: Progr
     start = store.resume_step(checked.vocab_size) if resume else 0  # checks every stored artifact it reads, before any write
     if start:
         ckpt.check_resumable(store.checkpoint_dir(start), dist)  # its DeepSpeed state fits this launch, before anything is written
+    if resume and forced_changes:
+        _drop_stale_batches(store, start, forced_changes, progress, dist)
     dist.barrier()
+    if resume and forced_changes and not store.writable:
+        store.reload()  # the main process may have dropped stored batches
     if store.writable and not resume:
         if restart:
             store.restart()
@@ -272,6 +294,20 @@ def setup(cfg: Config, store: RunStore, checked: checks.Checked, progress: Progr
     count = Counters(start=start, steps=cfg.train.steps, t_start=t_start, wall_before=wall_before)
     with store.recording_failure(lambda: {"wall_time_s": count.wall_time()}):
         return build_state(cfg, store, checked, progress, count, resumed=resume, rollouts_from=rollouts_from, dist=dist)
+
+
+def _drop_stale_batches(store: RunStore, start: int, changed: list[str], progress: Progress | None, dist: Dist) -> None:
+    """``--resume --force`` with keys that made the batches stored after the checkpoint (the
+    sampling, the reward, the seed...: ``collect.batch_changes``): those batches are deleted and
+    sampled again with the new settings, and the command says which."""
+    keys = batch_changes(changed)
+    later = [s for s in done_steps(store.manifest["stages"], "rollout") if s > start] if keys else []
+    if not later:
+        return
+    store.drop_rollouts_after(start)
+    what = f"batch of step {later[0]} was" if len(later) == 1 else f"batches of steps {later[0]}-{later[-1]} were"
+    them = "it" if len(later) == 1 else "them"
+    _note(progress, dist, f"the stored rollout {what} sampled with other settings ({', '.join(keys)}): sampling {them} again")
 
 
 def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress: Progress | None, count: Counters, *,
@@ -474,6 +510,9 @@ def rollout_batch(s: State, step: int) -> Batch:
         batch = r.source.batch(step)
     else:
         batch = collect_rollouts(p.engine, p.tokenizer, r.task, p.method, s.cfg.method_params, r.collect, step, r.dist)
+        warning = reward_failures(r.task, batch, step, s.cfg.rollout.n, s.cfg.task.max_reward_error_frac)  # past it: stops
+        if warning:
+            _note(r.progress, r.dist, f"warning: {warning}")
     maybe_crash("rollout-write", step)
     s.store.write_rollouts(step, batch.samples, {**r.rollout_meta, "stats": batch.stats})
     return batch

@@ -11,6 +11,7 @@ raises a ``MasktrlError`` naming the file or key.
 
 from __future__ import annotations
 
+import random
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
                                  context - cfg.rollout.max_new_tokens, what=f"task {task.name}: held-out prompts",
                                  room=f"{context} positions less rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
         source = None
+        if not rollouts_from:  # a task with nothing to train on (a one-row dataset held out whole): one line now, not a failed run
+            task.train_examples(1, random.Random(0))
         if rollouts_from:
             from masktrl.rl.rollout_source import RolloutSource
 

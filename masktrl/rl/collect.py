@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from masktrl.config import Config, RolloutConfig
+from masktrl.errors import MasktrlError
 from masktrl.methods import group_advantages
 from masktrl.rl.distributed import Dist
 from masktrl.rl.reference import response_lengths
 from masktrl.rl.sampling import grade, sample
 from masktrl.rollout.base import Sample, SamplingSettings
 from masktrl.seeding import stream_seed
+from masktrl.tasks.rewards import check_reward_errors
 
 MAX_REFILLS = 4  # dynamic sampling: rollout attempts per step before training on what was kept
 
@@ -131,9 +133,33 @@ def set_advantages(groups: list[list[Sample]], method=None, params=None) -> None
         return
     rewards, ids = [s.reward for s in flat], [s.group for s in flat]
     lengths = response_lengths(flat)  # the batch weights of reinforce++ (docs/METHODS.md §13.4)
-    adv = method.advantages(params, rewards, ids, lengths) if method else group_advantages(rewards, ids)  # [B]
+    try:
+        adv = method.advantages(params, rewards, ids, lengths) if method else group_advantages(rewards, ids)  # [B]
+    except ValueError as exc:  # advantages no float can hold (rewards ~1e308 apart): the step stops, nothing stored
+        raise MasktrlError(str(exc)) from None
     for s, a in zip(flat, adv.tolist()):
         s.advantage = a
+
+
+NOT_IN_BATCHES = ("rollout.store", "rollout.batch_size", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
+                  "rollout.sleep_mode", "task.reward_workers", "task.max_reward_error_frac")
+"""Keys of the sections below that change how a batch is made, not what it holds."""
+
+
+def batch_changes(changed: list[str]) -> list[str]:
+    """The keys among ``changed`` (dotted) that change what a stored rollout batch holds: the
+    seed, the model, the task and its reward, the method (reward shaping, advantages), the
+    sampling (``rollout.*``, but how the engine is run)."""
+    return [k for k in changed if (k == "seed" or k.startswith(("model.", "task.", "method.", "rollout."))) and k not in NOT_IN_BATCHES]
+
+
+def reward_failures(task, batch: Batch, step: int, n: int, max_frac: float) -> str | None:
+    """``tasks.rewards.check_reward_errors`` on a collected batch: None, a warning line (more than
+    10% of the step's completions failed their reward), or ConfigError past ``max_frac``
+    (``task.max_reward_error_frac``), before the batch is stored."""
+    scored = batch.stats["groups_generated"] * n
+    last = getattr(getattr(task, "reward", None), "last_error", None)
+    return check_reward_errors(step, batch.stats.get("reward_errors", 0), scored, max_frac, last)
 
 
 def rollout_stats(groups: list[list[Sample]], kept: int) -> dict:

@@ -18,6 +18,7 @@ from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.rl.collect import Batch, numbered, rollout_stats
 from masktrl.runs.store import RunStore, done_steps, is_run_folder, rollout_key
+from masktrl.rollout.base import check_sampling
 from masktrl.rollout.storage import read_rollouts
 
 
@@ -92,6 +93,10 @@ class RolloutSource:
 
     @staticmethod
     def _check(meta: dict, tokenizer, path: Path) -> None:
+        try:  # a file written before temperatures were checked: T = inf samples uniformly, nothing to train on
+            check_sampling(meta.get("temperature", 1.0), meta.get("top_p", 1.0))
+        except ConfigError as exc:
+            raise ArtifactError(f"{path}: its recorded sampling cannot be trained on ({exc})") from None
         want = meta.get("tokenizer")
         have = tokenizer_fingerprint(tokenizer)
         if want is None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from masktrl.config import Config, from_dict, save_config
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
-from masktrl.io import atomic_write_json, atomic_write_text, json_default, naming, sha256_file
+from masktrl.io import atomic_write_json, atomic_write_text, json_default, memory_error_line, naming, sha256_file
 from masktrl.readers import MAX_DEPTH, json_depth, read_json, read_yaml
 from masktrl.runs import locks
 from masktrl.rollout.storage import read_rollouts, write_rollouts
@@ -565,6 +565,20 @@ class RunStore:
         self._resume_from = step
         return step
 
+    def drop_rollouts_after(self, step: int) -> list[int]:
+        """Delete the stored rollout batches of the steps after ``step`` (their stages first, then
+        their files: a kill in between leaves a file no stage names, which nothing reads); the
+        steps dropped. For ``--resume --force`` with settings the batches were not made with."""
+        later = [s for s in done_steps(self.manifest["stages"], "rollout") if s > step]
+        if not later or not self.writable:
+            return later
+        with self.updating() as manifest:
+            for s in later:
+                manifest["stages"].pop(rollout_key(s), None)
+        for s in later:
+            self.rollout_path(s).unlink(missing_ok=True)
+        return later
+
     def rewind(self, step: int) -> None:
         """Forget what happened after ``step``'s checkpoint: the update records (lost with the
         process) and the metrics rows (the steps are redone and write them again)."""
@@ -585,6 +599,9 @@ def failure_reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if isinstance(exc, MasktrlError) and text:
         return text
+    memory = memory_error_line(exc) if isinstance(exc, Exception) else None
+    if memory is not None:
+        return memory
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
