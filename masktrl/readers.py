@@ -112,7 +112,8 @@ class BoundedLoader(yaml.SafeLoader):
                 key = self.construct_object(key_node)
                 line = key_node.start_mark.line + 1
                 if key in seen:
-                    raise _Refused(f"duplicate key {key!r} (lines {seen[key]} and {line}): give each key once")
+                    where = f"lines {seen[key]} and {line}" if seen[key] != line else f"twice on line {line}"
+                    raise _Refused(f"duplicate key {key!r} ({where}): give each key once")
                 seen[key] = line
         return super().construct_mapping(node, deep=deep)
 

@@ -193,14 +193,31 @@ def score(prompts, completions, answers, **fields):
 """
 
 
-def reward_run_args(tmp_path, *extra):
+HUGE_REWARD_FILE = """
+def score(prompts, completions, answers, **fields):
+    return [1e308 if len(c) % 2 else -1e308 for c in completions]
+"""
+
+
+def reward_run_args(tmp_path, *extra, reward_file=REWARD_FILE):
     data = tmp_path / "sums.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a in range(5) for b in range(5)))
     reward = tmp_path / "bad_reward.py"
-    reward.write_text(REWARD_FILE)
+    reward.write_text(reward_file)
     config = write_tiny_config(tmp_path / "tiny.yaml", {"warmstart": {"steps": 0}})
     return ["train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--set", "task.name=dataset",
             "--set", f"task.source={data}", "--set", f"task.reward={reward}:score", "--set", "task.n_test=5", *extra]
+
+
+def test_rewards_of_plus_minus_1e308_train_on_finite_advantages(tmp_path):
+    cli(*reward_run_args(tmp_path, reward_file=HUGE_REWARD_FILE))
+    store = RunStore(tmp_path / "out" / "x")
+    assert store.status() == "complete"
+    for step in (1, 2):
+        samples, _ = store.read_rollouts(step, verify=True)
+        advantages = [s.advantage for s in samples]
+        assert {s.reward for s in samples} <= {1e308, -1e308}
+        assert all(abs(a) < 10 for a in advantages) and any(a != 0 for a in advantages)  # group-std of ±1e308: ±0.87, ±1.5
 
 
 def test_reward_failing_on_every_completion_stops_the_run(tmp_path, cli_error):

@@ -167,9 +167,6 @@ def run(request: RunRequest, progress: Progress | None = None, on_start: Callabl
     sees the plan confirmed under the run's lock, before the first write. An ``Interrupted``
     leaving here carries ``run`` (its name) and ``checkpoints`` (its complete checkpoints)."""
     plan = plan_run(request, main=launch_rank() == 0)
-    done = _complete(plan)
-    if done is not None:
-        return done
     checked = checks.check(plan.cfg, rollouts_from=plan.rollouts_from, out=Path(request.out))
     store = RunStore(plan.root)
     try:
@@ -211,6 +208,9 @@ def train(cfg: Config, store: RunStore, progress: Progress | None = None, *, res
         with store.writing(), graceful_stop(graceful=False) as stop:  # one writer per run; SIGTERM = Ctrl-C
             if plan is not None:
                 plan = confirm(plan, store, checked.vocab_size) if dist.is_main else plan
+                done = _complete(plan)  # checked like any resume (the lock, every artifact), then left as it is
+                if done is not None:
+                    return done
                 resume, restart, forced_changes = plan.start.mode == "resume", plan.start.mode == "restart", plan.forced_changes
             resume, restart = dist.broadcast((resume, restart))  # the main process decided what to do with the folder
             if on_start is not None and plan is not None and dist.is_main:  # the header once, not once per process
