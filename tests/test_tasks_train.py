@@ -66,8 +66,9 @@ DATASET = ["task.name=dataset", "task.prompt_key=item.word", "task.answer_key=so
 
 def test_folder_with_nested_fields_trains_with_a_file_reward_that_fails_on_some_completions(tmp_path, data, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the reward path is relative to the current directory
-    result = train(tmp_path, *DATASET, f"task.source={data}", "task.reward=my_reward.py:score")
+    result = train(tmp_path, *DATASET, f"task.source={data}", "task.reward=my_reward.py:score", "task.max_reward_error_frac=0.8")
     assert result.exit_code == 0, (result.output, result.exception)
+    assert "warning: step 1: the reward failed on 16 of 24 completions (67%; last: my_reward.py:score" in " ".join(result.output.split())
     root = tmp_path / "out" / "r"
     rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
