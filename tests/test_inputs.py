@@ -138,3 +138,20 @@ def test_reward_failures_warn_then_stop_past_the_threshold():
     assert str(e.value) == ("step 3: the reward failed on 24 of 24 completions (100%; last: r.py:score raised); "
                             "the run stops (task.max_reward_error_frac=0.5): fix task.reward")
     assert check_reward_errors(3, 24, 24, 1.0) is not None  # 1.0: never stops, still warns
+
+
+def test_rollout_file_with_deep_metadata_is_one_line(tmp_path):
+    import pyarrow.parquet as pq
+
+    from masktrl.errors import ArtifactError
+    from masktrl.rollout.storage import read_rollouts, write_rollouts
+    from tests.test_rollout_storage import make_samples
+
+    path = tmp_path / "r.parquet"
+    write_rollouts(path, make_samples(), {"temperature": 1.0}, fmt=1)
+    table = pq.read_table(path)
+    deep = ('{"a": ' * 5000 + "1" + "}" * 5000).encode()
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, b"masktrl": deep}), path)
+    with pytest.raises(ArtifactError) as e:
+        read_rollouts(path)
+    assert str(e.value) == f"{path}: rollout file metadata is not valid JSON (JSON nested deeper than 64 levels)"

@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 
 from masktrl.errors import ArtifactError, DataError
 from masktrl.io import atomic_write_bytes
+from masktrl.readers import load_json
 from masktrl.rollout.base import Generation, Sample
 
 FORMAT = 2
@@ -322,11 +323,11 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
     except (OSError, ValueError, pa.ArrowException) as exc:  # ValueError: e.g. a damaged footer's column names
         raise ArtifactError(f"{path}: unreadable rollout parquet ({str(exc).splitlines()[0]})") from None
     kv = table.schema.metadata or {}
-    try:
-        meta = json.loads(kv.get(b"masktrl", b"{}"))
-        codec = json.loads(kv[CODEC_KEY]) if CODEC_KEY in kv else {"format": 1}
-    except (ValueError, UnicodeDecodeError):
-        raise ArtifactError(f"{path}: rollout file metadata is not valid JSON") from None
+    try:  # bounded: a deep one recursed until Python's limit
+        meta = load_json(kv.get(b"masktrl", b"{}"), f"{path}: metadata", error=ArtifactError, finite=False)
+        codec = load_json(kv[CODEC_KEY], f"{path}: codec", error=ArtifactError, finite=False) if CODEC_KEY in kv else {"format": 1}
+    except ArtifactError as exc:
+        raise ArtifactError(f"{path}: rollout file metadata is not valid JSON ({str(exc).split(': ', 2)[-1]})") from None
     if not isinstance(meta, dict) or not isinstance(codec, dict) or codec.get("format") not in SCHEMAS:
         raise ArtifactError(f"{path}: unknown rollout file format {codec.get('format') if isinstance(codec, dict) else codec!r} (this masktrl reads {sorted(SCHEMAS)})")
     try:
