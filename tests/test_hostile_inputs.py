@@ -187,6 +187,18 @@ def test_rollout_refuses_non_finite_sampling(finished, tmp_path, cli_error, flag
     assert not dest.exists()
 
 
+def test_rollout_file_recording_an_infinite_temperature_is_refused(finished, tmp_path, cli_error):
+    from masktrl.rollout.storage import write_rollouts
+
+    config, _, root = finished
+    samples, meta = read_rollouts(root / "steps" / "000001" / "rollouts.parquet")
+    path = tmp_path / "old.parquet"
+    write_rollouts(path, samples, {**meta, "temperature": float("inf")})  # what `masktrl rollout --temperature inf` wrote
+    line = cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", path)
+    assert line == f"error: {path}: its recorded sampling cannot be trained on (temperature must be a finite number > 0, got inf)"
+    assert nothing_written(tmp_path)
+
+
 REWARD_FILE = """
 def score(prompts, completions, answers, **fields):
     raise RuntimeError("grader offline")
