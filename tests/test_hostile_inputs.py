@@ -253,6 +253,19 @@ def test_model_too_large_for_memory_is_one_line(tmp_path, cli_error):
     assert line.startswith("error: out of memory (") and "rollout.batch_size" in line, line
 
 
+def test_a_model_larger_than_the_free_space_is_a_full_disk(tmp_path, cli_error):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:  # a 4 MB model on a 2 MiB disk: safetensors fails and removes its partial file, so the disk looks free again
+        line = cli_error("train", "--out", disk / "out", "--run", "x", "--set", "model.hidden_size=256", "--set",
+                         "model.intermediate_size=1024", "--set", "model.num_layers=1", "--set", "warmstart.steps=1")
+        assert line.startswith(f"error: {disk / 'out' / '.cache' / 'warmstart'}/") and line.endswith(".tmp: No space left on device"), line
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 def test_proc_is_not_a_writable_folder(tmp_path, cli_error):
     line = cli_error("train", "--out", "/proc/masktrl-out", "--run", "x")
     assert line == ("error: /proc: not a writable folder (a proc file system, the kernel's own) "
