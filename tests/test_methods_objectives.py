@@ -38,6 +38,8 @@ VARIANTS = [
     ("pdm", {"tail": "bracket", "uncertain": "mask", "delta_pos": 0.05, "delta_neg": 0.3}),
     *[("sis", {"base": b}) for b in ("grpo", "dapo", "gspo")],
     ("sis", {"base": "gspo", "eps_low": 0.1, "eps_high": 0.1}),
+    ("cispo", {}),
+    ("cispo", {"eps_low": 0.2, "eps_high": 0.28}),
 ]
 
 
@@ -93,6 +95,8 @@ def reference(name: str, kw: dict, rows, adv, u, k_slots: int):
     out = []
     if name in ("grpo", "dapo"):
         return [ppo_ref(math.exp(lr), a, p.eps_low, p.eps_high) for lr, a in zip(log_r, adv)]
+    if name == "cispo":  # l = -A sg(clip(r)) log pi: value -A clip(r), nothing blocked (§14)
+        return [(-a * min(max(math.exp(lr), 1 - p.eps_low), 1 + p.eps_high),) * 2 + (False,) for lr, a in zip(log_r, adv)]
     if name in ("dppo", "pdm"):
         dpos, dneg = p.deltas
         for i, r in enumerate(rows):
@@ -161,7 +165,7 @@ def test_token_gradient_is_grad_coef_times_ek_minus_pi(name, kw):
         else:
             assert float(vals[i]) == 0.0 and not bool(out.mask[i])
     live = adv != 0
-    assert 0 < int(out.mask[live].sum()) < int(live.sum()) or name in ("sis",), "variant should mask some tokens"
+    assert 0 < int(out.mask[live].sum()) < int(live.sum()) or name in ("sis", "cispo"), "variant should mask some tokens"
 
 
 def test_gspo_token_form_gradient_equals_sequence_objective():
@@ -337,7 +341,7 @@ def test_invalid_tokens_are_masked_zero_and_excluded(name, kw):
 def test_zero_training_probability_gives_zero_ratio_without_nan():
     b, lp = tiny_batch([NEG_INF, NEG_INF], [math.log(0.3)] * 2, [0, 1])
     adv = torch.tensor([1.0, -1.0], dtype=F64)
-    for name in ("grpo", "gspo", "dppo", "pdm", "sis"):
+    for name in ("grpo", "gspo", "dppo", "pdm", "sis", "cispo"):
         out = token_losses(name, b, adv, u=torch.zeros(2, dtype=F64))
         (g,) = torch.autograd.grad(out.loss.sum(), lp)
         assert torch.isfinite(out.loss).all() and torch.equal(g, torch.zeros(2, dtype=F64)), name

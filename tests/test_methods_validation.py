@@ -134,9 +134,9 @@ def test_functions_name_bad_arguments():
 def test_unknown_method_lists_valid_names():
     with pytest.raises(ValueError) as exc:
         get_method("ppo2")
-    for name in ("grpo", "dapo", "gspo", "dppo", "pdm", "sis"):
+    for name in ("grpo", "dapo", "gspo", "dppo", "pdm", "sis", "cispo"):
         assert name in str(exc.value)
-    assert set(method_names()) == {"grpo", "dapo", "gspo", "dppo", "pdm", "sis"}
+    assert set(method_names()) == {"grpo", "dapo", "gspo", "dppo", "pdm", "sis", "cispo"}
     with pytest.raises(ValueError, match="unknown method"):
         token_losses("ppo2", good(), torch.ones(4, dtype=F64))
 

@@ -29,7 +29,9 @@ from masktrl.methods.divergence import (
     square_mass,
 )
 from masktrl.methods.objectives import token_losses
+from masktrl.methods.corrections import CorrectionParams, corrected_token_losses, correction_weights, make_correction
 from masktrl.methods.params import (
+    CISPOParams,
     DAPOParams,
     DPPOParams,
     GRPOParams,
@@ -58,6 +60,11 @@ from masktrl.methods.registry import (
 from masktrl.methods.sis import SISDecision, sis_accept
 
 __all__ = [
+    "CISPOParams",
+    "CorrectionParams",
+    "corrected_token_losses",
+    "correction_weights",
+    "make_correction",
     "ADV_NORMS",
     "AGG_MODES",
     "KL_ESTIMATORS",

@@ -14,7 +14,7 @@ from torch import Tensor
 from masktrl.methods.batch import TokenBatch, log_ratio, log_ratio_live, seq_index, support, truncate_topk, unit_ratio_log
 from masktrl.methods.divergence import bracket_on_support, divergence, rate_on_support, rate_topk_exact_on_support, topk_kl, topk_tv
 from masktrl.methods.masks import bracket_mask, dppo_mask, masked_pg_loss, pdm_mask, ppo_clip_loss
-from masktrl.methods.params import DAPOParams, DPPOParams, GRPOParams, GSPOParams, PDMParams, SISParams
+from masktrl.methods.params import CISPOParams, DAPOParams, DPPOParams, GRPOParams, GSPOParams, PDMParams, SISParams
 from masktrl.methods.registry import Method, TokenLosses, get_method, register_method
 from masktrl.methods.sis import sis_accept
 
@@ -111,6 +111,16 @@ def sis(batch: TokenBatch, adv: Tensor, p: SISParams, u: Tensor | None) -> Token
         live = torch.where(dec.accepted, unit_ratio_log(batch), log_ratio_live(batch))  # [N]
         loss, mask = ppo_clip_loss(live, adv, base.eps_low, base.eps_high)
     return TokenLosses(loss, mask, None, None, dec.accepted, dec.log_w)
+
+
+@register_method("cispo", CISPOParams, "clipped IS weight sg(clip(r, 1-eps_low, 1+eps_high)) A log pi on every token "
+                 "(MiniMax-M1)")
+def cispo(batch: TokenBatch, adv: Tensor, p: CISPOParams, u: Tensor | None) -> TokenLosses:
+    """CISPO (§14): l = -A sg(clip(r, 1-eps_low, 1+eps_high)) pi_k/sg(pi_k); no token is blocked."""
+    lw = log_ratio(batch)  # [N] detached; +inf on invalid tokens (zeroed by finalize)
+    w = lw.exp().clamp(1 - p.eps_low, 1 + p.eps_high)  # [N] the clipped IS weight
+    coef = torch.where(adv == 0, torch.zeros_like(w), -adv * w)  # [N] = grad_coef
+    return TokenLosses(coef * unit_ratio_log(batch).exp(), ~batch.valid, None, None, None, lw)
 
 
 # --------------------------------------------------------------------------- public entry points

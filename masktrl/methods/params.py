@@ -362,3 +362,26 @@ class SISParams(_Protocol):
     @property
     def overlong(self) -> tuple[int, float]:
         return self.base_params.overlong
+
+
+# --------------------------------------------------------------------------- CISPO (MiniMax-M1)
+
+
+@dataclass(frozen=True)
+class CISPOParams(_Protocol):
+    """CISPO: l = -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi on every token (§14)."""
+
+    eps_low: float = 1.0
+    """Lower clip of the IS weight at 1 - eps_low; 1.0 = no lower bound (MiniMax-M1 sets it large)."""
+    eps_high: float = 4.0
+    """Upper clip of the IS weight at 1 + eps_high; 4.0 = a cap of 5 (TRL's recommended epsilon_high for cispo)."""
+    loss_agg: str = "token-mean"
+    """Batch aggregation (§8); MiniMax-M1 normalises by the batch's token count."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
+    adv_norm: str = "group-std"
+    """Group advantages (§11): group-std (GRPO, (R - mean) / (std + 1e-6)) | none (Dr.GRPO, R - mean)."""
+
+    def __post_init__(self) -> None:
+        _eps(self)
+        _common(self)
