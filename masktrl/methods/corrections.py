@@ -268,11 +268,8 @@ def _rs_keep(stat: str, lo: float | None, hi: float, log_rho: Tensor, valid: Ten
         s = _seq_sum(k, inv, g)[inv]
     elif stat.startswith("seq_mean"):
         s = (_seq_sum(k, inv, g) / _seq_sum(valid.to(dt), inv, g).clamp_min(1.0))[inv]
-    else:  # seq_max (k2, k3 >= 0, so 0 on padding never wins over a real token; an empty sequence gives 0)
-        neg = torch.full_like(k, float("-inf"))
-        m = torch.full((g,), float("-inf"), dtype=dt, device=k.device).index_reduce_(
-            0, inv, torch.where(valid, k, neg), "amax")
-        s = torch.where(m == float("-inf"), torch.zeros_like(m), m)[inv]
+    else:  # seq_max of k2 or k3 (both >= 0, so the 0 start and the 0 on invalid tokens never win; verl: 0 when empty)
+        s = torch.zeros(g, dtype=dt, device=k.device).scatter_reduce_(0, inv, k, "amax")[inv]
     if stat.endswith("k1"):
         log_lo = math.log(lo) if lo > 0 else float("-inf")
         return (s >= log_lo) & (s <= math.log(hi))
