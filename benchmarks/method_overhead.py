@@ -14,6 +14,12 @@ spin-waits should count. Wall-time ratios are reported too, with the load averag
     python benchmarks/method_overhead.py                # tiny (~0.4M) and ~30M configs
     python benchmarks/method_overhead.py --quick --json out.json
     python benchmarks/method_overhead.py --configs tiny --variants pdm-kl-agg,pdm-kl-bracket
+    python benchmarks/method_overhead.py --corrections-only     # grpo + each correction, decoupled forward
+
+Off-policy corrections (``method.correction``, docs/METHODS.md §13) are variants too: grpo with
+each kind at its defaults in bypass mode, and grpo + token-tis in decoupled mode, whose step
+excludes the extra no-grad forward that computes pi_old; that forward is timed on its own and
+reported as a ratio to grpo's step ("decoupled forward (pi_old)").
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import time
 
 import torch
 
-from masktrl.methods import TokenBatch, get_method, make_params
+from masktrl.methods import TokenBatch, corrected_token_losses, get_method, make_correction, make_params
 from masktrl.models.logprobs import token_logprobs, token_square_mass
 
 VARIANTS: list[tuple[str, str, dict]] = [
@@ -43,7 +49,17 @@ VARIANTS: list[tuple[str, str, dict]] = [
     ("pdm-kl-bracket-mask", "pdm", {"divergence": "kl", "tail": "bracket", "uncertain": "mask"}),
     ("pdm-kl-exact", "pdm", {"divergence": "kl", "tail": "exact"}),  # + one chunked no-grad pass for sum_V pi^2
     *[(f"sis-{b}", "sis", {"base": b}) for b in ("grpo", "dapo", "gspo")],
+    ("cispo", "cispo", {}),
 ]
+
+# grpo with each off-policy correction (docs/METHODS.md §13) at its defaults; label -> correction block
+CORRECTIONS: dict[str, dict] = {
+    **{f"grpo+{kind}": {"kind": kind} for kind in ("token-tis", "seq-tis", "token-mis", "seq-mis", "icepop", "opsm")},
+    "grpo+seq-mis-geometric": {"kind": "seq-mis", "stat": "geometric"},
+    **{f"grpo+rs-{stat}": {"kind": "rs", "stat": stat} for stat in ("token_k1", "seq_sum_k2", "seq_mean_k3", "seq_max_k3")},
+    "grpo+token-tis (decoupled)": {"kind": "token-tis", "mode": "decoupled"},
+}
+DECOUPLED_FORWARD = "decoupled forward (pi_old)"
 
 CONFIGS = {
     "tiny": dict(vocab_size=32, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -87,7 +103,26 @@ def synthetic_batch(model, seqs: int, tokens: int, k: int, seed: int, noise: flo
     }
 
 
-def train_step(model, data: dict, method, params, sampled_only: bool, chunk: int) -> tuple[float, float]:
+def policy_logprobs(model, data: dict, chunk: int, sampled_only: bool = False) -> torch.Tensor:
+    """[N, 1+K] log pi at the sampled and behaviour top-K ids ([N, 1] with ``sampled_only``)."""
+    hidden = model.model(input_ids=data["input_ids"]).last_hidden_state  # [B, T, H]
+    h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    weight = model.get_output_embeddings().weight  # [V, H]
+    ids = data["sampled"][:, None] if sampled_only else torch.cat([data["sampled"][:, None], data["topk_ids"]], dim=1)
+    return token_logprobs(h, weight, ids, chunk_size=chunk)
+
+
+def old_forward(model, data: dict, chunk: int) -> tuple[torch.Tensor, float, float]:
+    """The decoupled mode's extra forward: pi_old at the sampled and list ids, no gradient;
+    returns it with its wall and CPU seconds."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    with torch.no_grad():
+        old = policy_logprobs(model, data, chunk)
+    return old, time.perf_counter() - t0, time.process_time() - c0
+
+
+def train_step(model, data: dict, method, params, sampled_only: bool, chunk: int, correction=None,
+               old: torch.Tensor | None = None) -> tuple[float, float]:
     t0, c0 = time.perf_counter(), time.process_time()
     hidden = model.model(input_ids=data["input_ids"]).last_hidden_state  # [B, T, H]
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
@@ -102,14 +137,24 @@ def train_step(model, data: dict, method, params, sampled_only: bool, chunk: int
     pi_sq = token_square_mass(h.detach(), weight.detach(), chunk_size=chunk) if method.needs_full_pi(params) else None
     batch = TokenBatch(lp[:, 0], data["behavior_logp"], data["sampled"], data["topk_ids"], data["topk_behavior_logp"],
                        topk_logp, data["seq_ids"], weight.shape[0], pi_sq)
-    out = method.token_losses(batch, data["advantages"], params, u=data["u"] if method.needs_u(params) else None)
+    out = losses(method, params, batch, data, correction, old)
     loss = method.aggregate(params, out.loss, batch, horizon=data["input_ids"].shape[1])
     loss.backward()
     model.zero_grad(set_to_none=True)
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def method_part(data: dict, method, params, sampled_only: bool, repeats: int, vocab: int) -> float:
+def losses(method, params, batch: TokenBatch, data: dict, correction, old: torch.Tensor | None):
+    """The method's token losses, with ``correction`` applied when given (pi_old from ``old``)."""
+    u = data["u"] if method.needs_u(params) else None
+    if correction is None:
+        return method.token_losses(batch, data["advantages"], params, u=u)
+    kw = {} if old is None else {"old_logp": old[:, 0], "old_topk_logp": old[:, 1:]}
+    return corrected_token_losses(method, batch, data["advantages"], params, correction, u=u, **kw)[0]
+
+
+def method_part(data: dict, method, params, sampled_only: bool, repeats: int, vocab: int, correction=None,
+                old: torch.Tensor | None = None) -> float:
     """Median CPU seconds of the method's own work: TokenBatch -> token_losses -> aggregate -> backward
     to log pi (no model), on log-probabilities near the behaviour's."""
     gen = torch.Generator().manual_seed(2)
@@ -121,31 +166,41 @@ def method_part(data: dict, method, params, sampled_only: bool, repeats: int, vo
         c0 = time.process_time()
         batch = TokenBatch(logp, data["behavior_logp"], data["sampled"], data["topk_ids"], data["topk_behavior_logp"],
                            topk, data["seq_ids"], vocab, data["pi_sq_sum"] if method.needs_full_pi(params) else None)
-        out = method.token_losses(batch, data["advantages"], params, u=data["u"] if method.needs_u(params) else None)
+        out = losses(method, params, batch, data, correction, old)
         method.aggregate(params, out.loss, batch, horizon=data["input_ids"].shape[1]).backward()
         ts.append(time.process_time() - c0)
     return statistics.median(ts)
 
 
 def bench_config(name: str, cfg: dict, seqs: int, tokens: int, k: int, repeats: int, warmup: int, chunk: int,
-                 variants: list[tuple[str, str, dict]] = VARIANTS) -> dict:
+                 variants: list[tuple[str, str, dict]] = VARIANTS, corrections: dict[str, dict] | None = None) -> dict:
     model = build_model(cfg, seed=0)
     n_params = sum(p.numel() for p in model.parameters())
     data = synthetic_batch(model, seqs, tokens, k, seed=1, noise=0.05)
-    entries = [(label, get_method(m), make_params(m, **kw), False) for label, m, kw in variants]
-    entries.append(("grpo (sampled id only)", get_method("grpo"), make_params("grpo"), True))
+    entries = [(label, get_method(m), make_params(m, **kw), False, None) for label, m, kw in variants]
+    entries.append(("grpo (sampled id only)", get_method("grpo"), make_params("grpo"), True, None))
+    corrections = CORRECTIONS if corrections is None else corrections
+    entries += [(label, get_method("grpo"), make_params("grpo"), False, make_correction(block)) for label, block in corrections.items()]
     times: dict[str, list[tuple[float, float]]] = {e[0]: [] for e in entries}
+    old_times: list[tuple[float, float]] = []
+    old_all = None
     rng = random.Random(0)
     for rep in range(warmup + repeats):
         order = entries[:]
         rng.shuffle(order)
-        for label, method, params, sampled_only in order:
-            t = train_step(model, data, method, params, sampled_only, chunk)
+        for label, method, params, sampled_only, corr in order:
+            old = None
+            if corr is not None and corr.decoupled:  # the extra forward, timed apart from the step
+                old, wall, cpu = old_forward(model, data, chunk)
+                old_all = old
+                if rep >= warmup:
+                    old_times.append((wall, cpu))
+            t = train_step(model, data, method, params, sampled_only, chunk, corr, old)
             if rep >= warmup:
                 times[label].append(t)
     base = times["grpo"]
     step_grpo = statistics.median(b[1] for b in base)
-    part = {e[0]: method_part(data, e[1], e[2], e[3], 50, cfg["vocab_size"]) for e in entries}
+    part = {e[0]: method_part(data, e[1], e[2], e[3], 50, cfg["vocab_size"], e[4], old_all) for e in entries}
     rows = {}
     for label, ts in times.items():
         rows[label] = {
@@ -156,7 +211,15 @@ def bench_config(name: str, cfg: dict, seqs: int, tokens: int, k: int, repeats: 
             "method_part_cpu_s": part[label],
             "ratio_from_method_part": 1.0 + (part[label] - part["grpo"]) / step_grpo,
         }
-    return {"config": name, "params": n_params, "tokens": seqs * tokens, "k": k, "repeats": repeats, "methods": rows,
+    extra = {}
+    if old_times:  # the decoupled forward on its own, as a fraction of grpo's whole step (paired by order only)
+        extra[DECOUPLED_FORWARD] = {
+            "median_cpu_s": statistics.median(t[1] for t in old_times),
+            "ratio": statistics.median(t[1] for t in old_times) / step_grpo,
+            "median_wall_s": statistics.median(t[0] for t in old_times),
+            "ratio_wall": statistics.median(t[0] for t in old_times) / statistics.median(b[0] for b in base),
+        }
+    return {"extra": extra, "config": name, "params": n_params, "tokens": seqs * tokens, "k": k, "repeats": repeats, "methods": rows,
             "loadavg": os.getloadavg()}
 
 
@@ -169,9 +232,12 @@ def main() -> None:
     p.add_argument("--configs", type=str, default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
     p.add_argument("--variants", type=str, default=None,
                    help="comma-separated variant labels to time (grpo, the baseline, is always included); default all")
+    p.add_argument("--corrections-only", action="store_true",
+                   help="time grpo with each off-policy correction (and the decoupled forward) only")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    variants = select_variants(args.variants)
+    variants = select_variants("grpo" if args.corrections_only else args.variants)
+    corrections = CORRECTIONS if (args.corrections_only or args.variants is None) else {}
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not configs or any(c not in CONFIGS for c in configs):
         p.error(f"--configs must name some of {', '.join(CONFIGS)}, got {args.configs!r}")
@@ -183,12 +249,13 @@ def main() -> None:
     for name, seqs, tokens, k, reps, warm in plans:
         if name not in configs:
             continue
-        res = bench_config(name, CONFIGS[name], seqs, tokens, k, reps, warm, args.chunk, variants)
+        res = bench_config(name, CONFIGS[name], seqs, tokens, k, reps, warm, args.chunk, variants, corrections)
         results.append(res)
         _print(res, args.threads)
-    core = [r["methods"][label]["ratio"] for r in results for label, _, _ in variants]
-    core_part = [r["methods"][label]["ratio_from_method_part"] for r in results for label, _, _ in variants]
-    core_wall = [r["methods"][label]["ratio_wall"] for r in results for label, _, _ in variants]
+    labels = [label for label, _, _ in variants] + list(corrections)
+    core = [r["methods"][label]["ratio"] for r in results for label in labels]
+    core_part = [r["methods"][label]["ratio_from_method_part"] for r in results for label in labels]
+    core_wall = [r["methods"][label]["ratio_wall"] for r in results for label in labels]
     summary = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
                     "threads": args.threads, "loadavg_start": load0, "loadavg_end": os.getloadavg()},
@@ -199,6 +266,7 @@ def main() -> None:
         "per_method_ratio": {f"{r['config']}/{label}": row["ratio"] for r in results for label, row in r["methods"].items()},
         "per_method_ratio_wall": {f"{r['config']}/{label}": row["ratio_wall"] for r in results for label, row in r["methods"].items()},
         "goal_all_le_1.05": max(core) <= 1.05,
+        "decoupled_forward_ratio": {r["config"]: r["extra"][DECOUPLED_FORWARD]["ratio"] for r in results if r["extra"]},
     }
     print(f"max overhead ratio over all methods and configs: cpu {max(core):.3f} (wall {max(core_wall):.3f}, "
           f"from the method part alone {max(core_part):.3f}); "
@@ -233,12 +301,17 @@ def _print(res: dict, threads: int) -> None:
         for label, row in res["methods"].items():
             t.add_row(label, f"{row['median_cpu_s']:.4f}", f"{row['ratio']:.3f}", f"{row['median_wall_s']:.4f}",
                       f"{row['ratio_wall']:.3f}", f"{1000 * row['method_part_cpu_s']:.2f}", f"{row['ratio_from_method_part']:.3f}")
+        for label, row in res.get("extra", {}).items():
+            t.add_row(label, f"{row['median_cpu_s']:.4f}", f"{row['ratio']:.3f}", f"{row['median_wall_s']:.4f}",
+                      f"{row['ratio_wall']:.3f}", "-", "-")
         Console(width=160).print(t)
     except ImportError:
         print(title)
         for label, row in res["methods"].items():
             print(f"{label:>28} {row['median_cpu_s']:10.4f} {row['ratio']:8.3f} {row['median_wall_s']:10.4f} "
                   f"{row['ratio_wall']:8.3f} {1000 * row['method_part_cpu_s']:8.2f} {row['ratio_from_method_part']:8.3f}")
+        for label, row in res.get("extra", {}).items():
+            print(f"{label:>28} {row['median_cpu_s']:10.4f} {row['ratio']:8.3f} {row['median_wall_s']:10.4f} {row['ratio_wall']:8.3f}")
 
 
 if __name__ == "__main__":
