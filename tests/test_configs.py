@@ -16,6 +16,7 @@ METHODS = {  # overlay -> the method block it must give
     "pdm-agg": {"name": "pdm", "divergence": "kl", "tail": "agg", "delta_pos": 0.15, "delta_neg": 0.15},
     "pdm-uniform": {"name": "pdm", "divergence": "kl", "tail": "uniform", "delta_pos": 0.15, "delta_neg": 0.15},
     "sis-dapo": {"name": "sis", "base": "dapo"},
+    "cispo": {"name": "cispo"},
 }
 
 
