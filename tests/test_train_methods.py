@@ -21,7 +21,7 @@ from masktrl.runs.store import RunStore
 from tests.conftest import cli, write_tiny_config
 
 OFF_POLICY = {"train": {"lr": 1.0e-2, "minibatches": 2, "checkpoint_every": 2}}
-METHODS = ["grpo", "dapo", "gspo", "dppo", "pdm", "sis"]
+METHODS = ["grpo", "dapo", "gspo", "dppo", "pdm", "sis", "cispo"]
 
 
 def _rows(root):
@@ -138,6 +138,15 @@ def test_sis_accepts_some_tokens_and_shrinks_the_log_deviation(offpolicy):
         assert r["log_w_dev"] < r["log_r_dev"]
     accepted = _cat(calls, "accepted")
     assert accepted.any() and not accepted.all()
+
+
+def test_cispo_blocks_nothing_and_weights_by_the_clipped_ratio(offpolicy):
+    root, calls = offpolicy["cispo"]
+    p = make_params("cispo")
+    assert all(r["mask_frac"] == 0.0 for r in _rows(root))
+    for c in calls:
+        w = c["log_r"].exp().clamp(1 - p.eps_low, 1 + p.eps_high)
+        assert not c["mask"].any() and torch.allclose(c["loss"], -c["adv"] * w, rtol=1e-5, atol=1e-7)
 
 
 def test_seq_mean_token_sum_norm_divides_by_the_horizon(warm_out):
