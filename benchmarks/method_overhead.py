@@ -14,7 +14,7 @@ spin-waits should count. Wall-time ratios are reported too, with the load averag
     python benchmarks/method_overhead.py                # tiny (~0.4M) and ~30M configs
     python benchmarks/method_overhead.py --quick --json out.json
     python benchmarks/method_overhead.py --configs tiny --variants pdm-kl-agg,pdm-kl-bracket
-    python benchmarks/method_overhead.py --corrections-only     # grpo + each correction, decoupled forward
+    python benchmarks/method_overhead.py --corrections-only --variants cispo   # grpo + each correction, cispo
 
 Off-policy corrections (``method.correction``, docs/METHODS.md §13) are variants too: grpo with
 each kind at its defaults in bypass mode, and grpo + token-tis in decoupled mode, whose step
@@ -233,10 +233,10 @@ def main() -> None:
     p.add_argument("--variants", type=str, default=None,
                    help="comma-separated variant labels to time (grpo, the baseline, is always included); default all")
     p.add_argument("--corrections-only", action="store_true",
-                   help="time grpo with each off-policy correction (and the decoupled forward) only")
+                   help="time grpo with each off-policy correction (and the decoupled forward), plus --variants if given")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    variants = select_variants("grpo" if args.corrections_only else args.variants)
+    variants = select_variants((args.variants or "grpo") if args.corrections_only else args.variants)
     corrections = CORRECTIONS if (args.corrections_only or args.variants is None) else {}
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not configs or any(c not in CONFIGS for c in configs):
