@@ -518,3 +518,33 @@ def test_cispo_with_a_correction_in_decoupled_mode():
     assert torch.allclose(out.loss, torch.tensor([-1.6, -0.75 * 2 / 3], dtype=F64))
     (g,) = torch.autograd.grad(aggregate(out.loss, b, "token-mean"), logp)
     assert torch.allclose(g, torch.tensor([-0.8, -0.25], dtype=F64))
+
+
+@pytest.mark.parametrize("name,kw", [("grpo", {}), ("dapo", {}), ("gspo", {"eps_low": 0.1, "eps_high": 0.1}),
+                                     ("dppo", {"divergence": "topk-kl"}), ("pdm", {"tail": "uniform"}), ("sis", {}),
+                                     ("cispo", {})])
+@pytest.mark.parametrize("mode", ["bypass", "decoupled"])
+def test_scaling_the_gradient_at_log_pi_is_scaling_the_loss(name, kw, mode):
+    """The factor is applied where the gradient enters log pi_t; for every method that equals
+    multiplying each token's loss by c_t (each token's loss depends on log pi only through its
+    own token), checked against autograd of sum_t c_t l_t."""
+    rows, adv, seq = logits_case(21)
+    gen = torch.Generator().manual_seed(5)
+    z = torch.stack([r.z for r in rows]).clone().requires_grad_(True)
+    batch = batch_from_logits(rows, z, V, seq)
+    u = torch.rand(batch.n, generator=gen, dtype=F64)
+    old_lp = (batch.logp.detach() + 0.2 * torch.randn(batch.n, generator=gen, dtype=F64)).clamp_max(0.0)
+    old_top = (batch.topk_logp.detach() + 0.1).clamp_max(0.0)
+    m, p = get_method(name), make_params(name, **kw)
+    corr = make_correction({"kind": "token-tis", "cap": 1.1, "floor": 0.9, "mode": mode})
+    out, c, kb = corrected_token_losses(m, batch, adv, p, corr, old_logp=old_lp, old_topk_logp=old_top, u=u)
+    (g,) = torch.autograd.grad(out.loss.sum(), z)
+    z2 = z.detach().clone().requires_grad_(True)
+    b2 = batch_from_logits(rows, z2, V, seq)
+    if mode == "decoupled":
+        b2 = decoupled_batch(b2, old_lp, old_top)
+    plain = m.token_losses(b2, adv, p, u=u)
+    (g2,) = torch.autograd.grad((plain.loss * c.factor).sum(), z2)
+    assert torch.allclose(out.loss.detach(), plain.loss.detach() * c.factor, rtol=1e-14, atol=0)
+    assert torch.allclose(g, g2, rtol=1e-12, atol=1e-15)
+    assert (c.factor != 1).any()
