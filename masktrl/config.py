@@ -377,16 +377,31 @@ class Config:
         and validated once, when the config is loaded (``from_dict``); everything reads it here."""
         from masktrl.methods import make_params
 
-        given = {k: v for k, v in self.method.items() if k != "name"}
+        given = {k: v for k, v in self.method.items() if k not in ("name", "correction")}
         try:
             return make_params(self.method_name, **given)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 
+    @functools.cached_property
+    def correction(self) -> Any:
+        """The off-policy correction every method composes with (``method.correction``,
+        docs/METHODS.md §13): a frozen ``CorrectionParams``, built and validated once at load."""
+        from masktrl.methods import make_correction
+
+        try:
+            return make_correction(self.method.get("correction"))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
     def resolved_method(self) -> dict:
         """``method`` with every parameter at its value, defaults included: ``dppo`` and
-        ``dppo`` with ``divergence: topk-kl`` (its default) resolve alike."""
-        return {"name": self.method_name, **self.method_params.__dict__}
+        ``dppo`` with ``divergence: topk-kl`` (its default) resolve alike. An active correction
+        (anything but kind none in bypass mode) is part of it, resolved the same way."""
+        out = {"name": self.method_name, **self.method_params.__dict__}
+        if self.correction.active:
+            out["correction"] = {"kind": self.correction.kind, "mode": self.correction.mode, **self.correction.resolved}
+        return out
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -446,6 +461,7 @@ def from_dict(raw: dict) -> Config:
     if "name" not in cfg.method:
         raise ConfigError("method.name is required")
     cfg.method_params  # noqa: B018  built once, here: a bad parameter fails the load
+    cfg.correction  # noqa: B018  likewise the method.correction block
     sis_k = getattr(cfg.method_params, "k", None) if cfg.method_name == "sis" else None
     if sis_k is not None and sis_k > cfg.rollout.logprobs_k:
         raise ConfigError(f"method.k={sis_k} is above rollout.logprobs_k={cfg.rollout.logprobs_k}: SIS re-cuts the stored behaviour "
@@ -515,6 +531,9 @@ def config_keys(method: str | None = None) -> list[KeyDoc]:
     get_method(name)  # an unknown name: the registry's error lists the valid ones
     keys.append(KeyDoc("method.name", "str", Config().method_name, f"The method: {' | '.join(method_names())}."))
     keys += _class_keys(get_method(name).params_cls, "method")
+    from masktrl.methods import CorrectionParams
+
+    keys += _class_keys(CorrectionParams, "method.correction")  # every method takes the correction block (§13)
     return keys
 
 

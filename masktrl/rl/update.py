@@ -11,6 +11,7 @@ are the method's (``masktrl.methods``).
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import torch
 
 from masktrl.config import Config, TrainConfig
 from masktrl.errors import MasktrlError
+from masktrl.methods.corrections import CorrectionParams, corrected_token_losses, correction_diagnostics
 from masktrl.methods.diagnostics import token_diagnostics
 from masktrl.methods.regularizers import mean_over_valid
 from masktrl.rl.distributed import Dist
@@ -41,12 +43,13 @@ class UpdateSettings:
     horizon: int  # rollout.max_new_tokens: the longest possible response
     gradient_checkpointing: bool = False  # train.gradient_checkpointing: report which forward ran (shared_prompt_frac)
     mask_truncated: bool = False  # rollout.mask_truncated: responses cut at the length limit get no gradient
+    correction: CorrectionParams = CorrectionParams()  # method.correction (docs/METHODS.md §13)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "UpdateSettings":
         t = cfg.train
         return cls(t.minibatches, t.grad_accum, t.grad_clip, t.logprob_chunk, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
-                   t.gradient_checkpointing, cfg.rollout.mask_truncated)
+                   t.gradient_checkpointing, cfg.rollout.mask_truncated, cfg.correction)
 
 
 def make_optimizer(model, train_cfg: TrainConfig):
@@ -84,15 +87,22 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     once per micro-batch without gradient (each sample is in one minibatch, so once per sample and
     step); the entropy bonus makes the policy forward keep the entropy's gradient. With both
     coefficients 0 nothing of this runs.
+
+    With ``method.correction.mode: decoupled`` (docs/METHODS.md §13.3) pi_old is computed first,
+    without gradient, in the very micro-batches the updates then use (``old_logprobs``), and
+    its time is reported as ``old_forward_s``.
     """
     dist = dist or Dist()
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(stream_seed(seed, "order", step)))
     parts = [p for p in order.chunk(settings.minibatches) if len(p)]
     rows, trained, skipped = [], 0, 0
     model.train()
+    t0 = time.perf_counter()
+    olds = old_logprobs(model, samples, parts, settings, dist) if settings.correction.decoupled else [None] * len(parts)
+    old_forward_s = time.perf_counter() - t0
     for mb, idx in enumerate(parts):
         diag, n, applied = minibatch_update(model, optimizer, scheduler, samples, idx, mb, method, params, settings, seed, step, dist,
-                                            before=before, reference=reference)
+                                            before=before, reference=reference, old=olds[mb])
         trained, skipped = trained + n, skipped + (not applied)
         if after is not None:
             after(mb, idx.tolist())
@@ -100,17 +110,40 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     model.eval()
     stats = _mean_rows(rows)
     stats["skipped_updates"] = skipped
+    if settings.correction.decoupled:
+        stats["old_forward_s"] = old_forward_s
     if dist.world > 1:  # shows the sharding: sequences each process trained on, in rank order
         stats["sequences_per_process"] = dist.gather_objects(trained)
     return stats
 
 
+def old_logprobs(model, samples: list[Sample], parts: list[torch.Tensor], settings: UpdateSettings, dist: Dist) -> list:
+    """The decoupled mode's extra forward (docs/METHODS.md §13.3): for each minibatch, for each of
+    this process's micro-batches, (log pi_old [N], log pi_old at the behaviour's top-K ids [N, K])
+    of the policy before any update of the step, without gradient. It runs the training forward
+    itself on the same micro-batches, so with one minibatch pi_old is the policy bit for bit."""
+    olds = []
+    with torch.no_grad():
+        for idx in parts:
+            mb_samples = [samples[i] for i in idx.tolist()]
+            mb_old = []
+            for micro in micro_batches(len(mb_samples), dist.rank, dist.world, settings.grad_accum):
+                micro_samples = [mb_samples[i] for i in micro]
+                out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk,
+                                         share=_agreed_share(micro_samples, dist), drop_truncated=settings.mask_truncated)
+                mb_old.append((out.batch.logp.detach(), out.batch.topk_logp.detach()))
+            olds.append(mb_old)
+    return olds
+
+
 def minibatch_update(model, optimizer, scheduler, samples: list[Sample], idx: torch.Tensor, mb: int, method, params,
                      settings: UpdateSettings, seed: int, step: int, dist: Dist, *, before=None,
-                     reference: Reference | None = None) -> tuple[dict, int, bool]:
+                     reference: Reference | None = None, old: list | None = None) -> tuple[dict, int, bool]:
     """One optimizer update on minibatch ``mb`` (``idx``: its indices into ``samples``), this
     process's micro-batches of it accumulated; (its diagnostics, the sequences this process
-    trained on, whether the update was applied)."""
+    trained on, whether the update was applied). The method's token losses carry the run's
+    off-policy correction (``settings.correction``; ``old``: pi_old per micro-batch in decoupled
+    mode, from ``old_logprobs``)."""
     mb_samples = [samples[i] for i in idx.tolist()]
     u = _sis_uniforms(mb_samples, seed, step, mb) if method.needs_u(params) else None
     total = method.denominator(params, valid_counts(mb_samples, settings.mask_truncated))  # of the whole minibatch
@@ -119,7 +152,7 @@ def minibatch_update(model, optimizer, scheduler, samples: list[Sample], idx: to
         raise MasktrlError("method.kl_coef > 0 with method.kl_in=loss needs the reference policy's log-probabilities")
     optimizer.zero_grad(set_to_none=True)
     micro_rows, loss_value, trained = [], 0.0, 0
-    for micro in micro_batches(len(mb_samples), dist.rank, dist.world, settings.grad_accum):
+    for j, micro in enumerate(micro_batches(len(mb_samples), dist.rank, dist.world, settings.grad_accum)):
         with dist.accumulate(model):
             micro_samples = [mb_samples[i] for i in micro]
             share_prompts = _agreed_share(micro_samples, dist)
@@ -127,7 +160,9 @@ def minibatch_update(model, optimizer, scheduler, samples: list[Sample], idx: to
                                      entropy_grad=entropy_grad, drop_truncated=settings.mask_truncated,
                                      full_pi=method.needs_full_pi(params))
             u_micro = None if u is None else torch.cat([u[i] for i in micro]).to(out.batch.logp.dtype)
-            losses = method.token_losses(out.batch, out.advantages, params, u=u_micro)
+            old_lp, old_top = (None, None) if old is None else old[j]
+            losses, corr, seen = corrected_token_losses(method, out.batch, out.advantages, params, settings.correction,
+                                                        old_logp=old_lp, old_topk_logp=old_top, u=u_micro)
             if before is not None:
                 before(mb, [idx[i].item() for i in micro], out, losses, u_micro)
             ref_lp = reference(micro_samples, share=share_prompts).to(out.batch.logp.device) if kl_in_loss else None
@@ -137,8 +172,8 @@ def minibatch_update(model, optimizer, scheduler, samples: list[Sample], idx: to
             dist.backward(loss if share == 1.0 and dist.world == 1 else loss * (share * dist.world))
         loss_value += loss.item() * share
         trained += len(micro)
-        micro_rows.append({**token_diagnostics(out.batch, losses, out.advantages, params), "entropy": out.entropy.mean().item(),
-                           **regularizer_diagnostics(out.batch, reg, params)})
+        micro_rows.append({**token_diagnostics(seen, losses, out.advantages, params), **correction_diagnostics(corr, out.batch),
+                           "entropy": out.entropy.mean().item(), **regularizer_diagnostics(out.batch, reg, params)})
         if settings.gradient_checkpointing:
             micro_rows[-1]["shared_prompt_frac"] = float(out.shared_prompt)
     grad_norm = dist.clip_grad_norm(model, settings.grad_clip)

@@ -1,0 +1,92 @@
+"""Off-policy corrections through the trainer (docs/METHODS.md §13): the decoupled mode's extra
+forward, decoupled = bypass bit for bit with float32 rollouts and one minibatch, the per-step
+metrics, corrections off-policy, and bad correction blocks from the command line."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import cli, masktrl, write_tiny_config
+
+
+def _rows(root):
+    return [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run(warm_out, name, overlay, *sets):
+    config = write_tiny_config(warm_out.parent / f"{name}.yaml", {"train": {"steps": 2, "checkpoint_every": 2}, **overlay})
+    cli("train", "--config", config, "--out", warm_out, "--run", name, *[a for s in sets for a in ("--set", s)])
+    return warm_out / name
+
+
+def _weights(root):
+    return load_file(root / "checkpoints" / "000002" / "model.safetensors")
+
+
+@pytest.mark.parametrize("kind", ["token-tis", pytest.param("icepop", marks=pytest.mark.slow)])
+def test_decoupled_with_one_minibatch_is_bypass_bit_for_bit(warm_out, kind):
+    """float32 rollouts, one minibatch: pi_old is the policy itself, so the three-policy update is
+    the two-policy one to the bit (weights, losses, gradient norms, correction metrics)."""
+    a = _run(warm_out, f"bypass-{kind}", {}, f"method.correction.kind={kind}")
+    b = _run(warm_out, f"decoupled-{kind}", {}, f"method.correction.kind={kind}", "method.correction.mode=decoupled")
+    wa, wb = _weights(a), _weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    ra, rb = _rows(a), _rows(b)
+    for x, y in zip(ra, rb, strict=True):
+        for k in ("loss", "grad_norm", "corr_keep_frac", "corr_weight_mean", "reward_mean", "mask_frac"):
+            assert x[k] == y[k], (k, x[k], y[k])
+        assert y["ratio_max"] == 1.0 and y["ppo_kl"] == 0.0  # the trust region is against pi_old = pi
+        assert x["ratio_max"] != 1.0  # ... while mu differs from pi in the last bits
+        assert y["old_forward_s"] > 0.0 and "old_forward_s" not in x
+    plain = _run(warm_out, f"plain-{kind}", {})
+    wp = _weights(plain)
+    assert all(torch.equal(wa[k], wp[k]) for k in wa)  # nothing truncated or rejected at float32: plain grpo
+
+
+def test_corrections_off_policy_report_their_kept_fraction_and_weight(warm_out):
+    """Two minibatches at a high learning rate: the second update sees pi != mu; a tight IcePop
+    range rejects tokens there and token-TIS truncates."""
+    off = {"train": {"steps": 2, "checkpoint_every": 2, "lr": 1.0e-2, "minibatches": 2}}
+    ice = _run(warm_out, "off-icepop", off, "method.correction.kind=icepop", "method.correction.lo=0.98",
+               "method.correction.hi=1.02")
+    rows = _rows(ice)
+    assert all(0.0 < r["corr_keep_frac"] < 1.0 for r in rows[1:]) and all(r["corr_keep_frac"] <= 1.0 for r in rows)
+    tis = _run(warm_out, "off-tis", off, "method.correction.kind=token-tis", "method.correction.cap=1.0",
+               "method.correction.mode=decoupled")
+    rows = _rows(tis)
+    assert all(r["corr_keep_frac"] == 1.0 and r["corr_weight_mean"] <= 1.0 for r in rows)
+    run_yaml = (tis / "run.yaml").read_text()
+    assert "correction" in run_yaml and "decoupled" in run_yaml
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("method.correction.kind=tis", "method.correction.kind"),
+    ("method.correction.cap=0", "method.correction.cap"),
+    ("method.correction.cap=-1", "method.correction.cap"),
+])
+def test_bad_correction_values_are_one_line_and_write_nothing(tmp_path, value, needle):
+    sets = ["--set", "method.correction.kind=token-tis"] if "kind=" not in value else []
+    r = masktrl("train", *sets, "--set", value, "--out", str(tmp_path), cwd=tmp_path)
+    _one_line(r, needle, tmp_path)
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["method.correction.kind=icepop", "method.correction.lo=5", "method.correction.hi=0.5"], "method.correction.lo"),
+    (["method.correction.kind=icepop", "method.correction.cap=2"], "does not apply to kind=icepop"),
+    (["method.correction.kind=token-tis", "method.correction.delta=0.1"], "method.correction.delta"),
+    (["method.correction.mode=coupled"], "method.correction.mode"),
+    (["method.correction.nosuch=1"], "method.correction.nosuch"),
+])
+def test_bad_correction_blocks_are_one_line_and_write_nothing(tmp_path, sets, needle):
+    r = masktrl("train", *[a for s in sets for a in ("--set", s)], "--out", str(tmp_path), cwd=tmp_path)
+    _one_line(r, needle, tmp_path)
+
+
+def _one_line(r, needle, tmp_path):
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert not any(tmp_path.iterdir()) or not any(tmp_path.glob("*/run.yaml"))
