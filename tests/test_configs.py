@@ -17,6 +17,7 @@ METHODS = {  # overlay -> the method block it must give
     "pdm-uniform": {"name": "pdm", "divergence": "kl", "tail": "uniform", "delta_pos": 0.15, "delta_neg": 0.15},
     "sis-dapo": {"name": "sis", "base": "dapo"},
     "cispo": {"name": "cispo"},
+    "grpo-tis-decoupled": {"name": "grpo", "correction": {"kind": "token-tis", "cap": 2.0, "mode": "decoupled"}},
 }
 
 

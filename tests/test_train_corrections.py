@@ -90,3 +90,17 @@ def _one_line(r, needle, tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], r.stderr
     assert not any(tmp_path.iterdir()) or not any(tmp_path.glob("*/run.yaml"))
+
+
+def test_a_sweep_spec_carries_a_correction():
+    from masktrl.config import load_config, split_method
+    from masktrl.recipes.sweep import parse_methods, run_stem
+
+    spec = "grpo:correction.kind=token-tis:correction.mode=decoupled"
+    assert parse_methods(f"grpo,{spec}") == ["grpo", spec]
+    name, sets = split_method(spec)
+    assert (name, sets) == ("grpo", ["method.correction.kind=token-tis", "method.correction.mode=decoupled"])
+    assert run_stem(spec) == "grpo-correction-kind-token-tis-correction-mode-decoupled"
+    cfg = load_config(None, sets, method=name)
+    assert cfg.resolved_method()["correction"] == {"kind": "token-tis", "mode": "decoupled", "cap": 2.0, "floor": None}
+    assert "correction" not in load_config(None, [], method="grpo").resolved_method()

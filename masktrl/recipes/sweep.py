@@ -62,8 +62,9 @@ def parse_methods(text: str) -> list[str]:
 
 
 def run_stem(spec: str) -> str:
-    """The run-name stem of a method spec: ``pdm:tail=uniform`` -> ``pdm-tail-uniform``."""
-    return spec.replace(":", "-").replace("=", "-")
+    """The run-name stem of a method spec: ``pdm:tail=uniform`` -> ``pdm-tail-uniform``,
+    ``grpo:correction.kind=icepop`` -> ``grpo-correction-kind-icepop``."""
+    return spec.replace(":", "-").replace("=", "-").replace(".", "-")
 
 
 MAX_SWEEP_SEEDS = 1000
