@@ -64,7 +64,9 @@ def parse_methods(text: str) -> list[str]:
 def run_stem(spec: str) -> str:
     """The run-name stem of a method spec: ``pdm:tail=uniform`` -> ``pdm-tail-uniform``,
     ``grpo:correction.kind=icepop`` -> ``grpo-correction-kind-icepop``."""
-    return spec.replace(":", "-").replace("=", "-").replace(".", "-")
+    name, *pairs = spec.split(":")
+    keys = [f"{key.replace('.', '-')}-{value}" for key, _, value in (pair.partition("=") for pair in pairs)]
+    return "-".join([name, *keys])
 
 
 MAX_SWEEP_SEEDS = 1000
