@@ -16,7 +16,7 @@ spin-waits should count. Wall-time ratios are reported too, with the load averag
     python benchmarks/method_overhead.py --configs tiny --variants pdm-kl-agg,pdm-kl-bracket
     python benchmarks/method_overhead.py --corrections-only --variants cispo   # grpo + each correction, cispo
 
-Off-policy corrections (``method.correction``, docs/METHODS.md §13) are variants too: grpo with
+Off-policy corrections (``method.correction``, docs/METHODS.md §14) are variants too: grpo with
 each kind at its defaults in bypass mode, and grpo + token-tis in decoupled mode, whose step
 excludes the extra no-grad forward that computes pi_old; that forward is timed on its own and
 reported as a ratio to grpo's step ("decoupled forward (pi_old)").
@@ -52,7 +52,7 @@ VARIANTS: list[tuple[str, str, dict]] = [
     ("cispo", "cispo", {}),
 ]
 
-# grpo with each off-policy correction (docs/METHODS.md §13) at its defaults; label -> correction block
+# grpo with each off-policy correction (docs/METHODS.md §14) at its defaults; label -> correction block
 CORRECTIONS: dict[str, dict] = {
     **{f"grpo+{kind}": {"kind": kind} for kind in ("token-tis", "seq-tis", "token-mis", "seq-mis", "icepop", "opsm")},
     "grpo+seq-mis-geometric": {"kind": "seq-mis", "stat": "geometric"},

@@ -386,7 +386,7 @@ class Config:
     @functools.cached_property
     def correction(self) -> Any:
         """The off-policy correction every method composes with (``method.correction``,
-        docs/METHODS.md §13): a frozen ``CorrectionParams``, built and validated once at load."""
+        docs/METHODS.md §14): a frozen ``CorrectionParams``, built and validated once at load."""
         from masktrl.methods import make_correction
 
         try:
@@ -533,7 +533,7 @@ def config_keys(method: str | None = None) -> list[KeyDoc]:
     keys += _class_keys(get_method(name).params_cls, "method")
     from masktrl.methods import CorrectionParams
 
-    keys += _class_keys(CorrectionParams, "method.correction")  # every method takes the correction block (§13)
+    keys += _class_keys(CorrectionParams, "method.correction")  # every method takes the correction block (§14)
     return keys
 
 

@@ -1,4 +1,4 @@
-"""Off-policy corrections (docs/METHODS.md §13) and CISPO (§14): a float64 loop reference for every
+"""Off-policy corrections (docs/METHODS.md §14) and CISPO (§15): a float64 loop reference for every
 kind in both modes, hand-computed values, the limit cases (plain GRPO bit for bit), decoupled =
 bypass when pi_old = pi, the anchors' own formulas (verl, TRL, OpenRLHF) and bad parameters."""
 
@@ -49,7 +49,7 @@ KINDS = [
 
 
 def ref_correction(kind: str, kw: dict, mode: str, mu, ref, cur, seq, adv):
-    """Per-token (factor, keep, weight) of §13.2-13.3, one token and one sequence at a time."""
+    """Per-token (factor, keep, weight) of §14.2-13.3, one token and one sequence at a time."""
     r = make_correction({"kind": kind, **kw}).resolved
     n = len(mu)
     valid = [m > NEG_INF for m in mu]
@@ -482,7 +482,7 @@ def test_params_are_frozen_defaults_and_limits_allowed():
         make_correction("token-tis")
 
 
-# --------------------------------------------------------------------------- CISPO (§14)
+# --------------------------------------------------------------------------- CISPO (§15)
 
 
 def test_cispo_hand_computed_loss_and_gradient():

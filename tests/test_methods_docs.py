@@ -23,7 +23,7 @@ def test_numbered_sections_keep_their_meaning():
             "4.1": "Full vocabulary", "4.2": "Top-K estimators", "4.4": "Certified bracket", "5": "GSPO",
             "6": "Selective importance sampling", "7": "Validity", "8": "Aggregation", "9": "Provenance",
             "10": "Public API", "11": "Group advantages", "12": "Per-step diagnostics",
-            "13": "Off-policy corrections", "13.1": "Kinds and keys", "13.3": "Bypass and decoupled", "14": "CISPO"}
+            "14": "Off-policy corrections", "14.1": "Kinds and keys", "14.3": "Bypass and decoupled", "15": "CISPO"}
     for num, title in want.items():
         assert num in s and s[num].startswith(title), (num, s.get(num))
 
@@ -50,8 +50,8 @@ def test_every_method_and_correction_kind_is_documented():
     text = DOC.read_text()
     for name in method_names():  # a row of the §10 parameter table
         assert re.search(rf"^\| `{name}` \|", text, flags=re.M), name
-    section = text.split("## 13. Off-policy corrections")[1].split("## 14.")[0]
-    for kind in CORRECTION_KINDS:  # a row of the §13.1 table
+    section = text.split("## 14. Off-policy corrections")[1].split("## 15.")[0]
+    for kind in CORRECTION_KINDS:  # a row of the §14.1 table
         assert re.search(rf"^\| `{kind}`", section, flags=re.M), kind
     for stat in {s.split("_k")[0] + "_k*" for s in RS_STATS}:  # verl's four families of rs statistics
         assert stat in section, stat

@@ -1,4 +1,4 @@
-"""Off-policy corrections through the trainer (docs/METHODS.md §13): the decoupled mode's extra
+"""Off-policy corrections through the trainer (docs/METHODS.md §14): the decoupled mode's extra
 forward, decoupled = bypass bit for bit with float32 rollouts and one minibatch, the per-step
 metrics, corrections off-policy, and bad correction blocks from the command line."""
 

@@ -1,4 +1,4 @@
-"""Off-policy corrections against the behaviour policy mu, composable with any method (docs/METHODS.md §13).
+"""Off-policy corrections against the behaviour policy mu, composable with any method (docs/METHODS.md §14).
 
 A correction turns the per-token ratio rho = pi_ref / mu into a weight f (relative to mu) and a
 keep mask; it multiplies the method's per-token loss by a stop-gradient factor c:
@@ -9,7 +9,7 @@ keep mask; it multiplies the method's per-token loss by a stop-gradient factor c
                      already carries rho, c = (f / rho) * keep
 
 so that in both modes the token's total weight relative to mu is f, and only the anchor of the
-trust region differs (§13.3). Everything is pure torch and stop-gradient; log-ratios are formed
+trust region differs (§14.3). Everything is pure torch and stop-gradient; log-ratios are formed
 in log space and sequence products are sums of logs.
 
 * ``CorrectionParams``: the frozen, validated ``method.correction`` block.
@@ -37,7 +37,7 @@ RS_STATS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq
             "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")  # verl's rollout_rs options
 RS_LOG_BOUND = 20.0  # verl's SAFETY_BOUND: log rho is clamped to [-20, 20] before the k-statistics
 
-# the keys each kind reads (besides ``kind`` and ``mode``), with their defaults (§13.1)
+# the keys each kind reads (besides ``kind`` and ``mode``), with their defaults (§14.1)
 _KEYS: dict[str, dict[str, object]] = {
     "none": {},
     "token-tis": {"cap": 2.0, "floor": None},
@@ -67,7 +67,7 @@ def _num(key: str, value, *, lo: float = 0.0, strict: bool = False, inf_ok: bool
 
 @dataclass(frozen=True)
 class CorrectionParams:
-    """The ``method.correction`` block (docs/METHODS.md §13.1). Keys left null take the kind's
+    """The ``method.correction`` block (docs/METHODS.md §14.1). Keys left null take the kind's
     default; a key the kind does not read is an error naming it."""
 
     kind: str = "none"
@@ -189,7 +189,7 @@ def _seq_sum(x: Tensor, inv: Tensor, g: int) -> Tensor:
 
 def correction_weights(p: CorrectionParams, behavior_logp: Tensor, ref_logp: Tensor, seq_ids: Tensor, adv: Tensor, *,
                        current_logp: Tensor | None = None) -> Correction:
-    """The correction of §13.2 for N tokens.
+    """The correction of §14.1 and §14.3 for N tokens.
 
     behavior_logp [N]: log mu (-inf = invalid token); ref_logp [N]: log pi_ref (pi_old in decoupled
     mode, the current policy in bypass mode); seq_ids [N]; adv [N] (opsm reads its sign);
@@ -315,7 +315,7 @@ def corrected_token_losses(method, batch: TokenBatch, advantages: Tensor, params
                            old_logp: Tensor | None = None, old_topk_logp: Tensor | None = None,
                            u: Tensor | None = None):
     """(TokenLosses, Correction | None, the batch the method saw): ``method``'s token losses with
-    ``correction`` applied (§13.3).
+    ``correction`` applied (§14.3).
 
     ``batch`` carries mu as its behaviour; decoupled mode needs ``old_logp`` [N] and
     ``old_topk_logp`` [N, K] (pi_old at the sampled and list ids) and runs the method on
@@ -345,7 +345,7 @@ def corrected_token_losses(method, batch: TokenBatch, advantages: Tensor, params
 
 
 def correction_diagnostics(corr: Correction | None, batch: TokenBatch) -> dict:
-    """Per-step metrics (§13.4) over the valid tokens: ``corr_keep_frac`` (kept / valid) and
+    """Per-step metrics (§14.4) over the valid tokens: ``corr_keep_frac`` (kept / valid) and
     ``corr_weight_mean`` (mean weight relative to mu, 0 on rejected tokens); {} without a correction."""
     if corr is None:
         return {}

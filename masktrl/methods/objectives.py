@@ -116,7 +116,7 @@ def sis(batch: TokenBatch, adv: Tensor, p: SISParams, u: Tensor | None) -> Token
 @register_method("cispo", CISPOParams, "clipped IS weight sg(clip(r, 1-eps_low, 1+eps_high)) A log pi on every token "
                  "(MiniMax-M1)")
 def cispo(batch: TokenBatch, adv: Tensor, p: CISPOParams, u: Tensor | None) -> TokenLosses:
-    """CISPO (§14): l = -A sg(clip(r, 1-eps_low, 1+eps_high)) pi_k/sg(pi_k); no token is blocked."""
+    """CISPO (§15): l = -A sg(clip(r, 1-eps_low, 1+eps_high)) pi_k/sg(pi_k); no token is blocked."""
     lw = log_ratio(batch)  # [N] detached; +inf on invalid tokens (zeroed by finalize)
     w = lw.exp().clamp(1 - p.eps_low, 1 + p.eps_high)  # [N] the clipped IS weight
     coef = torch.where(adv == 0, torch.zeros_like(w), -adv * w)  # [N] = grad_coef

@@ -369,7 +369,7 @@ class SISParams(_Protocol):
 
 @dataclass(frozen=True)
 class CISPOParams(_Protocol):
-    """CISPO: l = -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi on every token (§14)."""
+    """CISPO: l = -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi on every token (§15)."""
 
     eps_low: float = 1.0
     """Lower clip of the IS weight at 1 - eps_low; 1.0 = no lower bound (MiniMax-M1 sets it large)."""
@@ -380,7 +380,7 @@ class CISPOParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Group advantages (§11): group-std (GRPO, (R - mean) / (std + 1e-6)) | none (Dr.GRPO, R - mean)."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
 
     def __post_init__(self) -> None:
         _eps(self)

@@ -43,7 +43,7 @@ class UpdateSettings:
     horizon: int  # rollout.max_new_tokens: the longest possible response
     gradient_checkpointing: bool = False  # train.gradient_checkpointing: report which forward ran (shared_prompt_frac)
     mask_truncated: bool = False  # rollout.mask_truncated: responses cut at the length limit get no gradient
-    correction: CorrectionParams = CorrectionParams()  # method.correction (docs/METHODS.md §13)
+    correction: CorrectionParams = CorrectionParams()  # method.correction (docs/METHODS.md §14)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "UpdateSettings":
@@ -88,7 +88,7 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     step); the entropy bonus makes the policy forward keep the entropy's gradient. With both
     coefficients 0 nothing of this runs.
 
-    With ``method.correction.mode: decoupled`` (docs/METHODS.md §13.3) pi_old is computed first,
+    With ``method.correction.mode: decoupled`` (docs/METHODS.md §14.3) pi_old is computed first,
     without gradient, in the very micro-batches the updates then use (``old_logprobs``), and
     its time is reported as ``old_forward_s``.
     """
@@ -118,7 +118,7 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
 
 
 def old_logprobs(model, samples: list[Sample], parts: list[torch.Tensor], settings: UpdateSettings, dist: Dist) -> list:
-    """The decoupled mode's extra forward (docs/METHODS.md §13.3): for each minibatch, for each of
+    """The decoupled mode's extra forward (docs/METHODS.md §14.3): for each minibatch, for each of
     this process's micro-batches, (log pi_old [N], log pi_old at the behaviour's top-K ids [N, K])
     of the policy before any update of the step, without gradient. It runs the training forward
     itself on the same micro-batches, so with one minibatch pi_old is the policy bit for bit."""
