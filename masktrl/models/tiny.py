@@ -1,5 +1,5 @@
-"""The embedded default model: a tiny Qwen3-architecture causal LM and a character tokenizer
-(the lab's number tokenizer is in ``numbers.py``).
+"""The embedded default model: a tiny Qwen3-architecture causal LM (or another architecture,
+``architectures.py``) and a character tokenizer (the lab's number tokenizer is in ``numbers.py``).
 
 Both are built locally (no hub) and saved with ``save_pretrained`` so every later stage,
 and vLLM, loads them exactly like a real checkpoint.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, UNK)
@@ -64,18 +64,24 @@ def wrap_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig, seed: int) -> Qwen3ForCausalLM:
-    """A randomly initialised Qwen3 with untied embeddings (tied tiny models degenerate in engines)."""
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig, seed: int, architecture: str = "qwen3"):
+    """A randomly initialised causal LM of ``architecture`` (``architectures.ARCHITECTURES``;
+    default Qwen3) with untied embeddings (tied tiny models degenerate in engines)."""
     import torch
 
-    config = Qwen3Config(
+    from masktrl.models.architectures import get_architecture, model_classes
+
+    arch = get_architecture(architecture)
+    config_class, model_class = model_classes(arch)
+    head_dim = {"head_dim": cfg.hidden_size // cfg.num_heads} if arch.head_dim else {}
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.hidden_size // cfg.num_heads,
+        **arch.extra(cfg),
+        **head_dim,
         max_position_embeddings=cfg.max_positions,
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
@@ -84,7 +90,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig, s
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model = model_class(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = None

@@ -1,0 +1,198 @@
+"""LoRA adapters on the policy through ``peft`` (``model.lora``; the optional extra
+``pip install 'masktrl[lora]'``).
+
+``apply_lora`` injects the adapters *in place* (``peft.inject_adapter_in_model``): the model
+stays the transformers causal LM every other part of masktrl handles (the shared-prompt
+forward, gradient checkpointing, the chunked log-probabilities, DDP/DeepSpeed wrapping), only
+its targeted linear layers gain ``lora_A``/``lora_B`` and compute
+
+    y = W x + (alpha / r) B A dropout(x)
+
+and only the adapter matrices train (every other parameter has ``requires_grad=False``). B
+starts at zero (peft's default initialisation; A is drawn from the run's seed in a forked RNG,
+so the caller's random streams are untouched), so before the first update the model is the
+base model bit for bit: the adapter path adds exact zeros.
+
+* ``reference_policy(model)``: the base model, i.e. the same module with every adapter off, for
+  the reference-KL term (no second copy of the weights).
+* ``adapter_state_dict`` / ``load_adapter_state_dict``: the adapter weights only, what a
+  checkpoint keeps.
+* ``merged_state_dict``: the base weights with each adapter merged (W + (alpha/r) B A), under
+  the base model's own key names: what an engine with its own copy of the weights (vLLM) loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from masktrl.errors import MasktrlError
+
+ADAPTER = "default"  # peft's adapter name; masktrl uses one adapter
+ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer except the output head
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = ALL_LINEAR  # module names (suffixes) or "all-linear"
+
+    def check(self) -> None:
+        """MasktrlError naming the key for a value peft would reject or misuse."""
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:
+            raise MasktrlError(f"model.lora.rank must be a positive integer, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise MasktrlError(f"model.lora.alpha must be > 0, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise MasktrlError(f"model.lora.dropout must be in [0, 1), got {self.dropout!r}")
+        targets = self.target_modules
+        if isinstance(targets, str):
+            targets = (targets,)
+        if not targets or not all(isinstance(t, str) and t for t in targets):
+            raise MasktrlError(f"model.lora.target_modules must be module names or {ALL_LINEAR!r}, got {self.target_modules!r}")
+
+
+def import_peft():
+    try:
+        import peft
+    except ImportError:
+        raise MasktrlError("model.lora needs the peft package: pip install 'masktrl[lora]'") from None
+    return peft
+
+
+def _linear_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last names of the model's linear layers (what ``target_modules`` matches)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name})
+
+
+def _peft_targets(settings: LoraSettings):
+    t = settings.target_modules
+    if isinstance(t, str):
+        return t if t == ALL_LINEAR else [t]
+    return list(t)
+
+
+def check_targets(model: torch.nn.Module, settings: LoraSettings) -> None:
+    """MasktrlError unless every entry of ``target_modules`` names some linear layer of ``model``
+    (peft would skip a name that matches nothing as long as another one matches)."""
+    if _peft_targets(settings) == ALL_LINEAR:
+        return
+    names = _linear_names(model)
+    missing = [t for t in _peft_targets(settings) if t not in names]
+    if missing:
+        raise MasktrlError(
+            f"model.lora.target_modules {missing} match no linear layer of {type(model).__name__}; "
+            f"its linear layers: {', '.join(names)} (or {ALL_LINEAR!r})"
+        )
+
+
+def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int) -> torch.nn.Module:
+    """Inject LoRA adapters into ``model`` in place (and return it); freeze everything else."""
+    settings.check()
+    peft = import_peft()
+    check_targets(model, settings)
+    config = peft.LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=_peft_targets(settings),
+        bias="none",
+        init_lora_weights=True,  # B = 0: the adapted model starts as the base model
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        except ValueError as exc:  # peft's NoMatchingPeftModuleError is a ValueError
+            raise MasktrlError(f"model.lora: {str(exc).splitlines()[0]}") from None
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    return model
+
+
+def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every peft LoRA layer in ``model`` (empty without adapters)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return []
+    inner = getattr(model, "module", model)  # DDP / DeepSpeed wrappers
+    return [(n, m) for n, m in inner.named_modules() if isinstance(m, LoraLayer)]
+
+
+def has_lora(model: torch.nn.Module) -> bool:
+    return bool(lora_layers(model))
+
+
+@contextlib.contextmanager
+def reference_policy(model: torch.nn.Module):
+    """Inside the block ``model`` is its base model (every adapter off): the reference policy of
+    a LoRA run, with no second copy of the weights. Which parameters require gradients is
+    restored on exit (peft's switch changes it). ValueError for a model without adapters (its
+    reference policy needs a frozen copy instead)."""
+    layers = [m for _, m in lora_layers(model)]
+    if not layers:
+        raise ValueError("reference_policy needs a model with LoRA adapters")
+    grads = {p: p.requires_grad for m in layers for p in m.parameters()}
+    was_disabled = [m.disable_adapters for m in layers]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for m, off in zip(layers, was_disabled):
+            m.enable_adapters(not off)
+        for p, flag in grads.items():
+            p.requires_grad_(flag)
+
+
+def adapter_state_dict(model: torch.nn.Module, state: dict | None = None) -> dict[str, torch.Tensor]:
+    """The adapter weights only (``lora_A``/``lora_B``), under ``model``'s key names; from
+    ``state`` (a full state dict of the adapted model, e.g. gathered from shards) if given."""
+    state = state if state is not None else getattr(model, "module", model).state_dict()
+    return {k: v for k, v in state.items() if ".lora_" in k}
+
+
+def load_adapter_state_dict(model: torch.nn.Module, adapters: dict[str, torch.Tensor]) -> None:
+    """Copy saved adapter weights into ``model``'s adapters; ValueError when the keys differ."""
+    inner = getattr(model, "module", model)
+    own = adapter_state_dict(inner)
+    if set(own) != set(adapters):
+        extra, missing = sorted(set(adapters) - set(own)), sorted(set(own) - set(adapters))
+        raise ValueError(f"the adapter weights do not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    inner.load_state_dict(adapters, strict=False)
+
+
+@torch.no_grad()
+def merged_state_dict(model: torch.nn.Module, state: dict | None = None) -> dict[str, torch.Tensor]:
+    """The base model's state dict (its own key names, no ``lora_`` entries) with every adapter
+    merged into its layer's weight: W + (alpha / r) B A, computed in float32 and stored in W's
+    dtype. ``state``: the adapted model's full state dict to merge from (default: ``model``'s).
+    A model without adapters gets its state dict back unchanged."""
+    inner = getattr(model, "module", model)
+    state = state if state is not None else inner.state_dict()
+    layers = dict(lora_layers(inner))
+    if not layers:
+        return dict(state)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        prefix, sep, leaf = key.rpartition(".base_layer.")
+        if not sep:
+            out[key] = value
+            continue
+        if leaf == "weight" and prefix in layers:
+            layer = layers[prefix]
+            a = state[f"{prefix}.lora_A.{ADAPTER}.weight"].float()  # [r, in]
+            b = state[f"{prefix}.lora_B.{ADAPTER}.weight"].float()  # [out, r]
+            delta = (b @ a) * layer.scaling[ADAPTER]  # [out, in]
+            if getattr(layer, "fan_in_fan_out", False):
+                delta = delta.t()
+            value = (value.float() + delta.to(value.device)).to(value.dtype)
+        out[f"{prefix}.{leaf}"] = value
+    return out
