@@ -65,41 +65,43 @@ def import_peft():
 
 
 def _linear_names(model: torch.nn.Module) -> list[str]:
-    """The distinct last names of the model's linear layers (what ``target_modules`` matches)."""
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name})
+    """The distinct last names of the model's ``nn.Linear`` layers other than the output head
+    (what ``target_modules`` matches)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and name and m is not head})
 
 
-def _peft_targets(settings: LoraSettings):
+def resolve_targets(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
+    """The module names the adapters go on: ``all-linear`` is every ``nn.Linear`` but the output
+    head (attention and dense MLP projections; a mixture-of-experts model's fused expert
+    tensors and routers are not ``nn.Linear`` and stay frozen). MasktrlError when a listed
+    name matches no linear layer (peft would skip it silently as long as another one matches)."""
     t = settings.target_modules
-    if isinstance(t, str):
-        return t if t == ALL_LINEAR else [t]
-    return list(t)
-
-
-def check_targets(model: torch.nn.Module, settings: LoraSettings) -> None:
-    """MasktrlError unless every entry of ``target_modules`` names some linear layer of ``model``
-    (peft would skip a name that matches nothing as long as another one matches)."""
-    if _peft_targets(settings) == ALL_LINEAR:
-        return
     names = _linear_names(model)
-    missing = [t for t in _peft_targets(settings) if t not in names]
+    if t == ALL_LINEAR:
+        if not names:
+            raise MasktrlError(f"model.lora.target_modules {ALL_LINEAR!r}: {type(model).__name__} has no linear layer besides its head")
+        return names
+    wanted = [t] if isinstance(t, str) else list(t)
+    missing = [x for x in wanted if x not in names]
     if missing:
         raise MasktrlError(
             f"model.lora.target_modules {missing} match no linear layer of {type(model).__name__}; "
             f"its linear layers: {', '.join(names)} (or {ALL_LINEAR!r})"
         )
+    return wanted
 
 
 def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int) -> torch.nn.Module:
     """Inject LoRA adapters into ``model`` in place (and return it); freeze everything else."""
     settings.check()
     peft = import_peft()
-    check_targets(model, settings)
     config = peft.LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=_peft_targets(settings),
+        target_modules=resolve_targets(model, settings),
         bias="none",
         init_lora_weights=True,  # B = 0: the adapted model starts as the base model
     )

@@ -65,10 +65,10 @@ def routing_flip_rate(model_a: torch.nn.Module, model_b: torch.nn.Module, input_
     n = differs.shape[1]
     if n == 0:
         return RoutingFlips(0.0, 0.0, [0.0] * differs.shape[0], 0)
-    per_layer = differs.float().mean(dim=1)  # [layers]
+    per_layer = differs.double().mean(dim=1)  # [layers]
     return RoutingFlips(
-        rate=float(differs.float().mean()),
-        any_layer=float(differs.any(dim=0).float().mean()),
+        rate=float(differs.double().mean()),
+        any_layer=float(differs.any(dim=0).double().mean()),
         per_layer=[float(x) for x in per_layer],
         tokens=n,
     )
