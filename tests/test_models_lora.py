@@ -169,3 +169,29 @@ def test_reference_policy_needs_adapters(tok):
     with pytest.raises(ValueError, match="LoRA adapters"):
         with reference_policy(build_tiny_model(tok, SHAPE, seed=0)):
             pass
+
+
+def test_vllm_sync_of_a_lora_model_sends_merged_weights_under_the_base_names(tok):
+    """``VLLMEngine.sync_weights`` with a recording stand-in for ``vllm.LLM`` (no vLLM needed):
+    the tensors pushed are the merged ones, named as the base model's."""
+    from masktrl.rollout.vllm import VLLMEngine
+
+    class Recorder:
+        def collective_rpc(self, method, kwargs):
+            self.pushed = dict(kwargs["weights_iterator"])
+
+        def reset_prefix_cache(self):
+            self.reset = True
+
+    base = build_tiny_model(tok, SHAPE, seed=0)
+    names = set(base.state_dict())
+    model = apply_lora(base, LoraSettings(rank=4), seed=0)
+    _perturb_adapters(model)
+    engine = object.__new__(VLLMEngine)
+    engine.llm, engine._asleep, engine.enable_sleep_mode = Recorder(), False, False
+    engine.sync_weights(model)
+    merged = merged_state_dict(model)
+    assert set(engine.llm.pushed) == names and engine.llm.reset
+    assert all(torch.equal(engine.llm.pushed[k], merged[k]) for k in names)
+    q = "model.layers.0.self_attn.q_proj"
+    assert not torch.equal(engine.llm.pushed[f"{q}.weight"], model.get_submodule(q).base_layer.weight)

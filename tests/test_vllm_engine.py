@@ -156,6 +156,26 @@ def test_sync_weights_after_optimizer_step(engine, tiny):
     assert max_error(old, prompts, gens, SETTINGS.temperature) < TOL
 
 
+def test_sync_weights_of_a_lora_model_pushes_the_merged_weights(engine, tiny):
+    pytest.importorskip("peft")
+    from masktrl.models.lora import LoraSettings, apply_lora
+
+    adapted = apply_lora(copy.deepcopy(tiny.model), LoraSettings(rank=4, alpha=8), seed=0)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    adapted.eval()
+    try:
+        engine.sync_weights(adapted)
+        gens = engine.generate(tiny.prompts, SETTINGS, seed=3)
+        assert max_error(adapted, tiny.prompts, gens, SETTINGS.temperature) < TOL
+        assert max_error(tiny.model, tiny.prompts, gens, SETTINGS.temperature) > 1e-3
+    finally:
+        engine.sync_weights(tiny.model)
+
+
 def test_output_schema_matches_hf_engine(engine, tiny):
     settings = SamplingSettings(n=3, max_new_tokens=10, temperature=1.0, logprobs_k=6)
     eos = tiny.tok.eos_token_id

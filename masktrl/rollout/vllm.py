@@ -176,8 +176,14 @@ class VLLMEngine:
         own (possibly fused, sharded or quantised) parameters. ``lm_head.weight`` is always
         included: with tied embeddings vLLM's loader needs it. The engine stays awake
         afterwards; the next ``generate`` puts it back to sleep.
+
+        A model with LoRA adapters (``model.lora``) is pushed as merged weights (W + (alpha/r) B A
+        under the base model's key names, ``models.lora.merged_state_dict``): the engine serves
+        a plain model and knows nothing of the adapters.
         """
-        weights = dict(model.state_dict())
+        from masktrl.models.lora import merged_state_dict
+
+        weights = merged_state_dict(model)  # the state dict itself when there are no adapters
         lm_head = getattr(model, "lm_head", None)
         if "lm_head.weight" not in weights and lm_head is not None:
             weights["lm_head.weight"] = lm_head.weight
