@@ -16,9 +16,13 @@ from masktrl.models.lora import (
     adapter_state_dict,
     apply_lora,
     has_lora,
+    is_adapter_folder,
     load_adapter_state_dict,
+    merge_and_unload,
     merged_state_dict,
+    read_adapter,
     reference_policy,
+    save_adapter,
 )
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from masktrl.pipeline import policy
@@ -195,3 +199,43 @@ def test_vllm_sync_of_a_lora_model_sends_merged_weights_under_the_base_names(tok
     assert all(torch.equal(engine.llm.pushed[k], merged[k]) for k in names)
     q = "model.layers.0.self_attn.q_proj"
     assert not torch.equal(engine.llm.pushed[f"{q}.weight"], model.get_submodule(q).base_layer.weight)
+
+
+def test_merge_and_unload_leaves_a_plain_model_with_the_adapted_outputs(tok):
+    model = apply_lora(build_tiny_model(tok, SHAPE, seed=0), LoraSettings(rank=4), seed=0)
+    _perturb_adapters(model)
+    ids = torch.tensor([[4, 5, 6, 7]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        merge_and_unload(model)
+        assert not has_lora(model) and all(p.requires_grad for p in model.parameters())
+        assert set(model.state_dict()) == set(build_tiny_model(tok, SHAPE, seed=0).state_dict())
+        torch.testing.assert_close(model(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_an_adapter_checkpoint_loads_as_the_merged_model_and_reads_in_peft(tok, tmp_path):
+    from peft import PeftModel
+
+    from masktrl.models.loading import load_model_and_tokenizer, load_model_config
+
+    base = build_tiny_model(tok, SHAPE, seed=0)
+    base.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    model = apply_lora(copy.deepcopy(base), LoraSettings(rank=4, alpha=8, target_modules=("q_proj", "down_proj")), seed=0)
+    _perturb_adapters(model)
+    ckpt = tmp_path / "run" / "ckpt"
+    ckpt.mkdir(parents=True)
+    save_adapter(ckpt, model, LoraSettings(rank=4, alpha=8, target_modules=("q_proj", "down_proj")), base="../../base")
+    tok.save_pretrained(ckpt)
+    assert is_adapter_folder(ckpt) and sorted(p.name for p in ckpt.glob("adapter_*")) == ["adapter_config.json", "adapter_model.safetensors"]
+    settings, where, weights = read_adapter(ckpt)
+    assert settings.rank == 4 and settings.alpha == 8 and where == str((tmp_path / "base").resolve())
+    assert set(weights) == set(adapter_state_dict(model))
+    ids = torch.tensor([[4, 5, 6, 7]])
+    loaded, _ = load_model_and_tokenizer(ckpt)
+    assert not has_lora(loaded) and load_model_config(ckpt).hidden_size == SHAPE.hidden_size
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
+        peft_model = PeftModel.from_pretrained(copy.deepcopy(base), str(ckpt))  # peft's own reader
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, want, atol=1e-6, rtol=1e-6)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from masktrl.errors import MasktrlError
+from masktrl.models.lora import is_adapter_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,14 +25,34 @@ def load_model_and_tokenizer(path: str | Path, dtype: str = "float32"):
     """``path``: a folder with config.json (a checkpoint or a run's step) or a hub id.
 
     Hub ids resolve from the local cache only unless HF_HUB_OFFLINE=0 is set explicitly:
-    masktrl itself never downloads.
+    masktrl itself never downloads. An adapter checkpoint of a LoRA run (``models/lora.py``:
+    adapter_config.json naming its base, no config.json) loads as its base model with the
+    adapters merged: a plain model with the adapted outputs.
     """
     from transformers import AutoModelForCausalLM
 
     tokenizer = load_tokenizer(path)
+    if is_adapter_folder(path):
+        return _load_adapted(path, dtype), tokenizer
     with _load_errors(path, "model"):
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], local_files_only=hub_offline())
     return model, tokenizer
+
+
+def _load_adapted(path: str | Path, dtype: str):
+    from masktrl.models.lora import apply_lora, load_adapter_state_dict, merge_and_unload, read_adapter
+
+    try:
+        settings, base, weights = read_adapter(path)
+    except ValueError as exc:
+        raise MasktrlError(str(exc)) from None
+    model, _ = load_model_and_tokenizer(base, dtype)
+    apply_lora(model, settings, seed=0)
+    try:
+        load_adapter_state_dict(model, {k: v.to(DTYPES[dtype]) for k, v in weights.items()})
+    except ValueError as exc:
+        raise MasktrlError(f"{path}: {exc} (base {base})") from None
+    return merge_and_unload(model)
 
 
 def load_tokenizer(path: str | Path):
@@ -42,7 +63,7 @@ def load_tokenizer(path: str | Path):
     local = Path(path)
     if not local.exists() and str(path).startswith(("/", "./", "../", "~")):
         raise MasktrlError(f"no such model folder: {path}")
-    if local.exists() and not (local / "config.json").is_file() and not (local / "tokenizer_config.json").is_file():
+    if local.exists() and not (local / "config.json").is_file() and not (local / "tokenizer_config.json").is_file() and not is_adapter_folder(local):
         raise MasktrlError(f"{local}: not a model folder (no config.json)")
     with _load_errors(path, "model"):
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=hub_offline())
@@ -57,6 +78,13 @@ def load_model_config(path: str | Path):
     from transformers import AutoConfig
 
     quiet_transformers()
+    if is_adapter_folder(path):  # a LoRA checkpoint: its base model's config
+        from masktrl.models.lora import read_adapter
+
+        try:
+            return load_model_config(read_adapter(path)[1])
+        except ValueError as exc:
+            raise MasktrlError(str(exc)) from None
     with _load_errors(path, "model"):
         return AutoConfig.from_pretrained(str(path), local_files_only=hub_offline())
 

@@ -198,3 +198,85 @@ def merged_state_dict(model: torch.nn.Module, state: dict | None = None) -> dict
             value = (value.float() + delta.to(value.device)).to(value.dtype)
         out[f"{prefix}.{leaf}"] = value
     return out
+
+
+@torch.no_grad()
+def merge_and_unload(model: torch.nn.Module) -> torch.nn.Module:
+    """Merge every adapter into its layer and put the plain layers back (in place; returned):
+    a model without peft modules whose outputs are the adapted model's, every parameter
+    trainable again."""
+    merged = merged_state_dict(model)
+    for name, layer in lora_layers(model):
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer.get_base_layer())
+    model.load_state_dict(merged)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+# ------------------------------------------------------------------ adapter checkpoints
+# An adapter checkpoint holds the adapters only, in peft's own layout (``PeftModel.from_pretrained``
+# reads it): adapter_model.safetensors (keys ``base_model.model.<module>.lora_A.weight``) and
+# adapter_config.json, whose ``base_model_name_or_path`` names the base weights: a hub id, an
+# absolute folder, or a folder relative to the checkpoint itself.
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_PEFT_PREFIX = "base_model.model."
+
+
+def is_adapter_folder(path) -> bool:
+    from pathlib import Path
+
+    p = Path(path)
+    return (p / ADAPTER_CONFIG).is_file() and not (p / "config.json").is_file()
+
+
+def save_adapter(dest, model: torch.nn.Module, settings: LoraSettings, base: str, state: dict | None = None) -> None:
+    """Write ``model``'s adapter weights (from ``state`` if given) and their config into ``dest``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    inner = getattr(model, "module", model)
+    adapters = adapter_state_dict(inner, state)
+    tensors = {_PEFT_PREFIX + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous().cpu() for k, v in adapters.items()}
+    save_file(tensors, str(Path(dest) / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    targets = sorted({name.rsplit(".", 1)[-1] for name, _ in lora_layers(inner)})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": settings.rank,
+        "lora_alpha": settings.alpha, "lora_dropout": settings.dropout, "target_modules": targets, "bias": "none",
+        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+    }
+    (Path(dest) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_adapter(path) -> tuple[LoraSettings, str, dict[str, torch.Tensor]]:
+    """(settings, the base model's location, the adapter weights under masktrl's key names) of
+    an adapter checkpoint; a relative base is resolved against the checkpoint folder. ValueError
+    for an unreadable one."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        config = json.loads((path / ADAPTER_CONFIG).read_text())
+        tensors = load_file(str(path / ADAPTER_WEIGHTS))
+        settings = LoraSettings(rank=int(config["r"]), alpha=float(config["lora_alpha"]), dropout=float(config.get("lora_dropout", 0.0)),
+                                target_modules=tuple(config["target_modules"]))
+        base = str(config["base_model_name_or_path"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: unreadable adapter checkpoint ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    if not Path(base).is_absolute() and (path / base).exists():
+        base = str((path / base).resolve())
+    weights = {}
+    for key, value in tensors.items():
+        name = key.removeprefix(_PEFT_PREFIX)
+        for part in ("lora_A", "lora_B"):
+            name = name.replace(f".{part}.weight", f".{part}.{ADAPTER}.weight")
+        weights[name] = value
+    return settings, base, weights
