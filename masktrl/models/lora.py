@@ -78,6 +78,8 @@ def resolve_targets(model: torch.nn.Module, settings: LoraSettings) -> list[str]
     tensors and routers are not ``nn.Linear`` and stay frozen). MasktrlError when a listed
     name matches no linear layer (peft would skip it silently as long as another one matches)."""
     t = settings.target_modules
+    if isinstance(t, (tuple, list)) and tuple(t) == (ALL_LINEAR,):
+        t = ALL_LINEAR
     names = _linear_names(model)
     if t == ALL_LINEAR:
         if not names:
