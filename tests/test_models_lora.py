@@ -239,3 +239,34 @@ def test_an_adapter_checkpoint_loads_as_the_merged_model_and_reads_in_peft(tok, 
         torch.testing.assert_close(loaded(input_ids=ids).logits, want, atol=1e-5, rtol=1e-5)
         peft_model = PeftModel.from_pretrained(copy.deepcopy(base), str(ckpt))  # peft's own reader
         torch.testing.assert_close(peft_model(input_ids=ids).logits, want, atol=1e-6, rtol=1e-6)
+
+
+def test_a_vllm_engine_for_an_adapter_checkpoint_starts_from_the_base_and_gets_merged_weights(tok, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import masktrl.rollout.vllm as vllm_module
+    from masktrl.rollout import make_engine
+
+    built = {}
+
+    class FakeEngine:
+        def __init__(self, path, tokenizer, **kwargs):
+            built["path"] = path
+
+        def sync_weights(self, model):
+            built["synced"] = model
+
+    monkeypatch.setattr(vllm_module, "VLLMEngine", FakeEngine)
+    base = build_tiny_model(tok, SHAPE, seed=0)
+    base.save_pretrained(tmp_path / "base")
+    model = apply_lora(copy.deepcopy(base), LoraSettings(rank=2), seed=0)
+    ckpt = tmp_path / "run" / "ckpt"
+    ckpt.mkdir(parents=True)
+    save_adapter(ckpt, model, LoraSettings(rank=2), base="../../base")
+    cfg = SimpleNamespace(engine="vllm", gpu_memory_utilization=0.5, quantization=None, enforce_eager=True, sleep_mode=False, logprobs_k=5,
+                          batch_size=8)
+    make_engine(cfg, model, tok, str(ckpt), dtype="float32", seed=0)
+    assert built["path"] == str((tmp_path / "base").resolve()) and built["synced"] is model
+    built.clear()
+    make_engine(cfg, base, tok, str(tmp_path / "base"), dtype="float32", seed=0)  # a plain folder: no extra sync
+    assert built == {"path": str(tmp_path / "base")}

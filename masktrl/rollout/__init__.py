@@ -12,14 +12,20 @@ DEFAULT_MAX_LOGPROBS = 20  # vLLM's own default for max_logprobs
 
 def make_engine(rollout_cfg, model, tokenizer, model_dir: str | None, *, dtype: str, seed: int) -> RolloutEngine:
     """The engine named by ``rollout_cfg.engine`` (a ``RolloutConfig``); ``model_dir`` holds the
-    weights vLLM starts from, in ``dtype``; ``seed`` is vLLM's engine seed."""
+    weights vLLM starts from, in ``dtype``; ``seed`` is vLLM's engine seed. A LoRA adapter
+    checkpoint (``models/lora.py``) is no folder vLLM loads: the engine starts from its base
+    model and then receives ``model``'s weights (merged)."""
     if rollout_cfg.engine == "hf":
         from masktrl.rollout.hf import HFEngine
 
         return HFEngine(model, tokenizer, batch_size=rollout_cfg.batch_size)
+    from masktrl.models.lora import is_adapter_folder, read_adapter
     from masktrl.rollout.vllm import VLLMEngine
 
-    return VLLMEngine(
+    adapter = model_dir is not None and is_adapter_folder(model_dir)
+    if adapter:
+        model_dir = read_adapter(model_dir)[1]
+    engine = VLLMEngine(
         str(model_dir),
         tokenizer,
         dtype=dtype,
@@ -30,3 +36,6 @@ def make_engine(rollout_cfg, model, tokenizer, model_dir: str | None, *, dtype: 
         enable_sleep_mode=rollout_cfg.sleep_mode,
         max_logprobs=max(rollout_cfg.logprobs_k, DEFAULT_MAX_LOGPROBS),  # K = 30/50 need vLLM's limit raised
     )
+    if adapter:
+        engine.sync_weights(model)
+    return engine
