@@ -24,6 +24,7 @@ Architecture-specific choices for the tiny shapes:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -85,7 +86,17 @@ def model_classes(arch: Architecture):
     return getattr(transformers, arch.config_class), getattr(transformers, arch.model_class)
 
 
+_SHARE_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[bool, str]]" = weakref.WeakKeyDictionary()
+
+
 def shared_prompt_cache_ok(base: torch.nn.Module) -> tuple[bool, str]:
+    """``_shared_prompt_cache_ok``, computed once per model (the policy asks at every forward)."""
+    if base not in _SHARE_CHECKED:
+        _SHARE_CHECKED[base] = _shared_prompt_cache_ok(base)
+    return _SHARE_CHECKED[base]
+
+
+def _shared_prompt_cache_ok(base: torch.nn.Module) -> tuple[bool, str]:
     """Whether the shared-prompt forward (``pipeline/policy.py``: each distinct prompt run once,
     its KV cache continued by every response of its group) is exact for ``base`` (a decoder,
     ``lm.base_model``), and if not, why.
