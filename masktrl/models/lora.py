@@ -95,8 +95,10 @@ def resolve_targets(model: torch.nn.Module, settings: LoraSettings) -> list[str]
     return wanted
 
 
-def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int) -> torch.nn.Module:
-    """Inject LoRA adapters into ``model`` in place (and return it); freeze everything else."""
+def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int, base: str | None = None) -> torch.nn.Module:
+    """Inject LoRA adapters into ``model`` in place (and return it); freeze everything else.
+    ``base``: where the base weights are (what an adapter checkpoint names,
+    ``save_adapter``); remembered on the model with the settings as ``model.masktrl_lora``."""
     settings.check()
     peft = import_peft()
     config = peft.LoraConfig(
@@ -115,6 +117,7 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int) -> tor
             raise MasktrlError(f"model.lora: {str(exc).splitlines()[0]}") from None
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
+    model.masktrl_lora = (settings, base)
     return model
 
 
@@ -214,6 +217,7 @@ def merge_and_unload(model: torch.nn.Module) -> torch.nn.Module:
     model.load_state_dict(merged)
     for p in model.parameters():
         p.requires_grad_(True)
+    model.__dict__.pop("masktrl_lora", None)
     return model
 
 
@@ -235,14 +239,21 @@ def is_adapter_folder(path) -> bool:
     return (p / ADAPTER_CONFIG).is_file() and not (p / "config.json").is_file()
 
 
-def save_adapter(dest, model: torch.nn.Module, settings: LoraSettings, base: str, state: dict | None = None) -> None:
-    """Write ``model``'s adapter weights (from ``state`` if given) and their config into ``dest``."""
+def save_adapter(dest, model: torch.nn.Module, settings: LoraSettings | None = None, base: str | None = None,
+                 state: dict | None = None) -> None:
+    """Write ``model``'s adapter weights (from ``state`` if given) and their config into ``dest``;
+    ``settings`` and ``base`` default to those ``apply_lora`` remembered."""
     import json
     from pathlib import Path
 
     from safetensors.torch import save_file
 
     inner = getattr(model, "module", model)
+    remembered = getattr(inner, "masktrl_lora", (None, None))
+    settings = settings or remembered[0]
+    base = base if base is not None else remembered[1]
+    if settings is None or base is None:
+        raise ValueError("save_adapter needs the LoRA settings and the base model's location")
     adapters = adapter_state_dict(inner, state)
     tensors = {_PEFT_PREFIX + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous().cpu() for k, v in adapters.items()}
     save_file(tensors, str(Path(dest) / ADAPTER_WEIGHTS), metadata={"format": "pt"})
