@@ -50,6 +50,31 @@ TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 """train.report_to: accelerate's trackers masktrl logs to (besides metrics.jsonl, the source of truth)."""
 ROLLOUT_STORE = ("all", "resume")
 TINY_TOKENIZERS = ("char", "numbers")
+TINY_ARCHITECTURES = ("qwen3", "llama", "qwen2", "qwen3-moe", "mistral", "gemma2", "gemma3", "phi3", "olmo2", "gpt-neox")
+"""model.architecture: the names of ``masktrl.models.architectures.ARCHITECTURES`` (a test keeps them equal)."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int | None = None
+    """LoRA adapters on the policy (needs peft: pip install 'masktrl[lora]'): the adapter rank r;
+    null = off (the whole model trains). docs/MODELS.md."""
+    alpha: float = 16.0
+    """LoRA: the update is (alpha / rank) B A."""
+    dropout: float = 0.0
+    """LoRA: dropout on the adapters' input, in [0, 1)."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """LoRA: the module names to adapt (last part of the name, e.g. q_proj,v_proj), or all-linear:
+    every linear layer but the output head."""
+
+    def validate(self) -> None:
+        if self.rank is not None and self.rank <= 0:
+            raise ConfigError(f"model.lora.rank must be a positive integer (or null: no LoRA), got {self.rank}")
+        _positive("model.lora.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules or not all(self.target_modules):
+            raise ConfigError(f"model.lora.target_modules must name modules (or all-linear), got {list(self.target_modules)}")
 
 
 @dataclass(frozen=True)
@@ -77,9 +102,17 @@ class ModelConfig:
     """Tiny model only: 'random', or 'numbers' (the number tokens' input and output embeddings start
     with features of their value: residues mod 2..9, a band per hundred, low frequencies; needs
     model.tokenizer=numbers; docs/LAB.md)."""
+    architecture: str = "qwen3"
+    """Tiny model only: the transformers architecture it is built as: qwen3 | llama | qwen2 |
+    qwen3-moe | mistral | gemma2 | gemma3 | phi3 | olmo2 | gpt-neox (docs/MODELS.md)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> None:
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _choice("model.architecture", self.architecture, TINY_ARCHITECTURES)
+        if self.path != "tiny" and self.architecture != "qwen3":
+            raise ConfigError("model.architecture is an option of the tiny model (model.path=tiny); a checkpoint has its own")
+        self.lora.validate()
         _choice("model.tokenizer", self.tokenizer, TINY_TOKENIZERS)
         _choice("model.embedding_init", self.embedding_init, ("random", "numbers"))
         if self.embedding_init == "numbers" and self.tokenizer != "numbers":
@@ -406,9 +439,13 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def hash(self, *sections: str) -> str:
-        """sha256 of the whole config, or of the named sections only (e.g. the warm start's inputs)."""
+    def hash(self, *sections: str, exclude: tuple[str, ...] = ()) -> str:
+        """sha256 of the whole config, or of the named sections only (e.g. the warm start's inputs),
+        without the dotted keys of ``exclude``."""
         d = self.to_dict()
+        for key in exclude:
+            section, name = key.split(".")
+            d[section].pop(name, None)
         if sections:
             d = {s: d[s] for s in sections}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -558,8 +595,13 @@ def _class_keys(cls: type, prefix: str) -> list[KeyDoc]:
         if "__dataclass_fields__" in vars(base):
             docs.update(field_docs(base))
     hints, defaults = typing.get_type_hints(cls), cls()
-    return [KeyDoc(f"{prefix}.{f.name}", _type_name(hints[f.name]), getattr(defaults, f.name), docs.get(f.name, ""))
-            for f in dataclasses.fields(cls)]
+    keys = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):  # a nested section (model.lora)
+            keys += _class_keys(hints[f.name], f"{prefix}.{f.name}")
+        else:
+            keys.append(KeyDoc(f"{prefix}.{f.name}", _type_name(hints[f.name]), getattr(defaults, f.name), docs.get(f.name, "")))
+    return keys
 
 
 def _type_name(tp: Any) -> str:

@@ -51,9 +51,12 @@ import torch
 
 from masktrl.config import Config
 from masktrl.errors import MasktrlError
+from masktrl.io import atomic_dir
 from masktrl.methods import Method, get_method
 from masktrl.models import checkpointing
+from masktrl.models.architectures import check_lm_head, shared_prompt_cache_ok
 from masktrl.models.loading import tokenizer_fingerprint
+from masktrl.models.lora import apply_lora
 from masktrl.rl import checks
 from masktrl.rl import train_state as ckpt
 from masktrl.rl.collect import Batch, CollectSettings, batch_changes, collect_rollouts, reward_failures
@@ -72,7 +75,7 @@ from masktrl.rollout.base import RolloutEngine, Sample
 from masktrl.runs import retention
 from masktrl.runs.faults import maybe_crash
 from masktrl.runs.plan import Plan, RunRequest, plan_run, plan_start
-from masktrl.runs.store import RunStore, done_steps, rollout_key, update_key
+from masktrl.runs.store import LORA_BASE_KEY, RunStore, done_steps, rollout_key, update_key
 from masktrl.tasks import Example, Task
 from masktrl.tasks.prompts import wraps_chat
 
@@ -321,7 +324,8 @@ def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress:
     if method.needs_reference(cfg.method_params):
         reference = FrozenReference(model, cfg.rollout.temperature, cfg.train.logprob_chunk)
     optimizer, scheduler = make_optimizer(model, cfg.train)
-    projection = retention.project(cfg, retention.count_parameters(model), deepspeed_stage=dist.zero_stage)
+    n_params = retention.count_parameters(model, trainable_only=cfg.model.lora.rank is not None)  # LoRA: the adapters are checkpointed
+    projection = retention.project(cfg, n_params, deepspeed_stage=dist.zero_stage)
     if resumed:
         restore(store, count, model, optimizer, scheduler, dist)
     vocab_size = model.get_output_embeddings().weight.shape[0]  # lab_stats; read before ZeRO-3 partitions it
@@ -352,11 +356,19 @@ def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress:
 
 def load_policy(cfg: Config, store: RunStore, task: Task, progress: Progress | None, dist: Dist):
     """(model, tokenizer, info): the warm-started tiny model or the configured one, recorded as
-    stage ``warmstart``; gradient checkpointing switched on when asked."""
+    stage ``warmstart``, its head checked, LoRA adapters on it when ``model.lora`` asks;
+    gradient checkpointing switched on when asked."""
     with dist.loading():  # the main process first: it fills the warm-start cache, the others read it
         model, tokenizer, ws_info = prepare_policy(cfg, task, store.root.parent, progress)
     if not store.is_done("warmstart"):
         store.mark_done("warmstart", [], config_hash=cfg.hash("model", "task", "warmstart"), info=ws_info)
+    check_lm_head(model)  # the chunked log-probs assume logits = h W^T: a soft-capped or scaled head is refused
+    if cfg.model.lora.rank is not None:
+        apply_lora(model, checks.lora_settings(cfg), seed=cfg.seed, base=lora_base(cfg, store, model, tokenizer, dist))
+    shareable, why = shared_prompt_cache_ok(model.base_model)
+    if not shareable:
+        _note(progress, dist, f"warning: the shared-prompt forward is off for this model ({why}): every response runs with its "
+              "own prompt (metrics column shared_prompt_frac = 0)")
     if cfg.train.gradient_checkpointing:
         checkpointing.enable(model)
         if not checkpointing.shared_prompt_supported(model.base_model):
@@ -364,6 +376,23 @@ def load_policy(cfg: Config, store: RunStore, task: Task, progress: Progress | N
                   "checkpointed layers, so the policy forward runs every response with its own prompt (no prompt sharing; "
                   "metrics column shared_prompt_frac = 0)")
     return model, tokenizer, ws_info
+
+
+def lora_base(cfg: Config, store: RunStore, model, tokenizer, dist: Dist) -> str:
+    """Where a LoRA run's adapter checkpoints find their base weights: ``model.path`` for a real
+    model; for the tiny model its warm-started weights, saved once in the run (``<run>/base/``,
+    named relative to a checkpoint folder, so the run folder can move)."""
+    if cfg.model.path != "tiny":
+        local = Path(cfg.model.path)
+        return str(local.resolve()) if local.exists() else cfg.model.path
+    dest = store.lora_base_dir
+    if store.writable and not store.is_done(LORA_BASE_KEY):
+        with atomic_dir(dest) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        store.mark_done(LORA_BASE_KEY, [dest])
+    dist.barrier()
+    return os.path.relpath(dest, store.checkpoint_dir(0))  # ../../base: the run folder can move
 
 
 def restore(store: RunStore, count: Counters, model, optimizer, scheduler, dist: Dist) -> None:

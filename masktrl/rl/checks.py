@@ -55,6 +55,8 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
         tokenizer, vocab_size, context = policy_tokenizer(cfg, task)
         report.append(("task", f"{task.name}: {len(task.test_examples())} held-out problems"))
         report.append(("model", f"{cfg.model.path} (vocabulary {vocab_size}, context {context or 'unknown'})"))
+        if cfg.model.lora.rank is not None:
+            report.append(("lora", check_lora(cfg, tokenizer)))
         if cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k > vocab_size:  # transformers records min(K, vocabulary)
             raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary ({vocab_size}): "
                               "the vllm engine cannot record that many entries per token")
@@ -145,26 +147,56 @@ def model_context(weights: str) -> int | None:
     return getattr(load_model_config(weights), "max_position_embeddings", None)
 
 
-def projected_disk(cfg: Config, checked: Checked) -> str:
-    """The disk a run of ``cfg`` will use at most (``retention.project``), for ``--dry-run``:
-    the policy's parameters are counted on a model built on the meta device (no weights)."""
+def meta_model(cfg: Config, tokenizer):
+    """The policy built on the meta device (its modules and shapes, no weights)."""
     import torch
-
-    from masktrl.runs import retention
 
     with torch.device("meta"):
         if cfg.model.path == "tiny":
             from masktrl.rl.warmstart import new_tiny_model
 
-            model = new_tiny_model(cfg, checked.tokenizer)
-        else:
-            from transformers import AutoModelForCausalLM
+            return new_tiny_model(cfg, tokenizer)
+        from transformers import AutoModelForCausalLM
 
-            from masktrl.models.loading import load_model_config
+        from masktrl.models.loading import load_model_config
 
-            model = AutoModelForCausalLM.from_config(load_model_config(cfg.model.path))
+        return AutoModelForCausalLM.from_config(load_model_config(cfg.model.path))
+
+
+def check_lora(cfg: Config, tokenizer) -> str:
+    """``model.lora``: peft is installed and every target module exists in the policy (one line
+    otherwise, before anything is written); returns the report line."""
+    from masktrl.models.lora import import_peft, resolve_targets
+
+    settings = lora_settings(cfg)
+    settings.check()
+    import_peft()
+    targets = resolve_targets(meta_model(cfg, tokenizer), settings)
+    return f"rank {settings.rank}, alpha {settings.alpha:g} on {', '.join(targets)}"
+
+
+def lora_settings(cfg: Config):
+    """``model.lora`` as ``models.lora.LoraSettings``."""
+    from masktrl.models.lora import LoraSettings
+
+    lora = cfg.model.lora
+    return LoraSettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
+
+
+def projected_disk(cfg: Config, checked: Checked) -> str:
+    """The disk a run of ``cfg`` will use at most (``retention.project``), for ``--dry-run``:
+    the policy's parameters are counted on a model built on the meta device (no weights); a LoRA
+    run's checkpoints hold its adapters only."""
+    from masktrl.runs import retention
+
+    model = meta_model(cfg, checked.tokenizer)
+    if cfg.model.lora.rank is not None:
+        from masktrl.models.lora import apply_lora
+
+        apply_lora(model, lora_settings(cfg), seed=cfg.seed)
     stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "") if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" else ""
-    projection = retention.project(cfg, retention.count_parameters(model), deepspeed_stage=int(stage) if stage.isdigit() else None)
+    n_params = retention.count_parameters(model, trainable_only=cfg.model.lora.rank is not None)
+    projection = retention.project(cfg, n_params, deepspeed_stage=int(stage) if stage.isdigit() else None)
     return projection.summary().removeprefix("projected disk: ")
 
 

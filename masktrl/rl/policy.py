@@ -14,6 +14,7 @@ import torch
 
 from masktrl.methods import TokenBatch
 from masktrl.models import checkpointing
+from masktrl.models.architectures import shared_prompt_cache_ok
 from masktrl.models.kvcache import cache_kwarg, new_cache
 from masktrl.models.logprobs import token_logprobs_and_entropy, token_square_mass
 from masktrl.rollout.base import Sample
@@ -161,6 +162,8 @@ def _policy_inputs(model, samples: list[Sample], share: bool | None = None):
     if share is None:
         share = can_share_prompts(samples)
     if share and checkpointing.is_enabled(inner.lm) and not checkpointing.shared_prompt_supported(inner.lm.base_model):
+        share = False
+    if share and not shared_prompt_cache_ok(inner.lm.base_model)[0]:  # e.g. sliding-window caches
         share = False
     if share:
         inputs = _shared_prompt_inputs(samples, prompts, group)

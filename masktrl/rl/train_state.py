@@ -24,6 +24,7 @@ from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.io import atomic_dir, atomic_write_json
 from masktrl.readers import read_json
 from masktrl.models.loading import load_model_and_tokenizer
+from masktrl.models.lora import ADAPTER_WEIGHTS, has_lora, is_adapter_folder, load_adapter_state_dict, read_adapter, save_adapter
 from masktrl.rl.distributed import Dist
 from masktrl.runs.faults import maybe_crash
 from masktrl.runs.store import RunStore, checkpoint_key
@@ -38,7 +39,10 @@ def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, extra: d
     ``engine_state``: a folder of DeepSpeed shards moved into the checkpoint as ``deepspeed/``."""
     dest = Path(dest)
     with atomic_dir(dest) as tmp:
-        model.save_pretrained(tmp, state_dict=state_dict)
+        if has_lora(model):  # a LoRA run: the adapters only, naming their base (models/lora.py)
+            save_adapter(tmp, model, state=state_dict)
+        else:
+            model.save_pretrained(tmp, state_dict=state_dict)
         maybe_crash("checkpoint-write", step)  # crash tests: die with a half-written checkpoint
         tokenizer.save_pretrained(tmp)
         trainer = {"optimizer": optimizer.state_dict()} if optimizer is not None else {}
@@ -95,9 +99,17 @@ def restore(path: Path, model, optimizer, scheduler) -> None:
     """Load a checkpoint into ``model`` (weights, in its dtype), ``optimizer``, ``scheduler`` and
     the global RNGs: what ``--resume`` continues from. A DeepSpeed checkpoint has no optimizer
     state here: ``restore_engine_state`` loads it after ``prepare``."""
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    dtype = next(model.parameters()).dtype
+    if is_adapter_folder(path):  # a LoRA run: the base is the run's own; only the adapters load
+        try:
+            _, _, adapters = read_adapter(path)
+            load_adapter_state_dict(model, {k: v.to(dtype) for k, v in adapters.items()})
+        except ValueError as exc:
+            raise ArtifactError(f"{path}/{ADAPTER_WEIGHTS}: {exc}") from None
+        load_trainer_state(path, optimizer, scheduler)
+        return
     try:
-        loaded, _ = load_model_and_tokenizer(path, dtype)
+        loaded, _ = load_model_and_tokenizer(path, str(dtype).removeprefix("torch."))
     except MasktrlError as exc:
         raise ArtifactError(f"{path}/model.safetensors: unreadable checkpoint ({exc})") from None
     model.load_state_dict(loaded.state_dict())

@@ -56,7 +56,8 @@ def make_optimizer(model, train_cfg: TrainConfig):
     """AdamW and its learning-rate schedule (``rl/schedule.py``: warm-up, then constant,
     linear or cosine over ``train.steps x train.minibatches`` updates; stepped once per update)."""
     t = train_cfg
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999))
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999))
     return optimizer, make_scheduler(optimizer, t, total_updates=t.steps * t.minibatches)
 
 

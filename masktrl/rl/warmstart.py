@@ -52,7 +52,7 @@ def warmstart_key(cfg: Config) -> str:
     1, the thread count (it changes the reduction order, hence the weights: measured, a different
     held-out accuracy), so a run never starts from another thread count's warm start."""
     threads = "" if cfg.train.threads == 1 else f"-threads{cfg.train.threads}"
-    return f"v{WARMSTART_VERSION}-{cfg.hash('model', 'task', 'warmstart')}-seed{cfg.seed}{threads}"
+    return f"v{WARMSTART_VERSION}-{cfg.hash('model', 'task', 'warmstart', exclude=('model.lora',))}-seed{cfg.seed}{threads}"  # LoRA starts after it
 
 
 def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):
@@ -102,7 +102,7 @@ def new_tiny_model(cfg: Config, tokenizer):
     (on the meta device too: the disk projection counts its parameters)."""
     m = cfg.model
     return build_tiny_model(tokenizer, TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size),
-                            seed=cfg.seed)
+                            seed=cfg.seed, architecture=m.architecture)
 
 
 def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None, checks: list | None = None) -> list[float]:

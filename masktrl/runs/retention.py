@@ -184,10 +184,13 @@ def project(cfg, n_params: int, *, deepspeed_stage: int | None = None, bytes_per
     )
 
 
-def count_parameters(model) -> int:
-    """Parameters of a loaded model (each shared tensor once)."""
+def count_parameters(model, trainable_only: bool = False) -> int:
+    """Parameters of a loaded model (each shared tensor once); ``trainable_only``: those that
+    train, what a LoRA run's checkpoints hold (the adapters and their optimizer state)."""
     seen, total = set(), 0
     for p in model.parameters():
+        if trainable_only and not p.requires_grad:
+            continue
         if id(p) not in seen:
             seen.add(id(p))
             total += getattr(p, "ds_numel", None) or p.numel()  # ZeRO-3 partitions: the full size

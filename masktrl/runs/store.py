@@ -129,6 +129,10 @@ def checkpoint_key(step: int) -> str:
     return f"checkpoint/{step_name(step)}"
 
 
+LORA_BASE_KEY = "lora-base"
+"""The stage of a LoRA run's base weights (``RunStore.lora_base_dir``), saved once."""
+
+
 def eval_key(bench: str, step: int) -> str:
     """The stage of a benchmark eval of the policy after ``step`` updates: ``eval/math500/000012``."""
     return f"eval/{bench}/{step_name(step)}"
@@ -182,6 +186,12 @@ class RunStore:
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.root / "checkpoints" / step_name(step)
+
+    @property
+    def lora_base_dir(self) -> Path:
+        """``<run>/base/``: the tiny model's base weights of a LoRA run, which its adapter
+        checkpoints name as ``../../base``."""
+        return self.root / "base"
 
     @property
     def metrics_path(self) -> Path:
