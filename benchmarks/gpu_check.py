@@ -176,7 +176,7 @@ def logp_gap(weights: Path, rollouts: Path, dtype: str, device: str, temperature
     import torch
 
     from masktrl.models.loading import load_model_and_tokenizer
-    from masktrl.pipeline.policy import policy_token_batch
+    from masktrl.rl.policy import policy_token_batch
     from masktrl.rollout.storage import read_rollouts
 
     samples, _ = read_rollouts(rollouts)

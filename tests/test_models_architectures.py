@@ -12,7 +12,7 @@ from masktrl.errors import MasktrlError
 from masktrl.models import checkpointing
 from masktrl.models.architectures import ARCHITECTURES, check_lm_head, get_architecture, shared_prompt_cache_ok
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from masktrl.pipeline import policy
+from masktrl.rl import policy
 from masktrl.rollout.base import Sample, SamplingSettings
 from masktrl.rollout.hf import HFEngine
 

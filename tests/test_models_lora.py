@@ -25,7 +25,7 @@ from masktrl.models.lora import (
     save_adapter,
 )
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from masktrl.pipeline import policy
+from masktrl.rl import policy
 from masktrl.rollout.base import Sample, SamplingSettings
 from masktrl.rollout.hf import HFEngine
 

@@ -97,7 +97,7 @@ def shared_prompt_cache_ok(base: torch.nn.Module) -> tuple[bool, str]:
 
 
 def _shared_prompt_cache_ok(base: torch.nn.Module) -> tuple[bool, str]:
-    """Whether the shared-prompt forward (``pipeline/policy.py``: each distinct prompt run once,
+    """Whether the shared-prompt forward (``rl/policy.py``: each distinct prompt run once,
     its KV cache continued by every response of its group) is exact for ``base`` (a decoder,
     ``lm.base_model``), and if not, why.
 
