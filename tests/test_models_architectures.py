@@ -56,7 +56,7 @@ def test_unknown_architecture_is_one_line_naming_the_choices(tok):
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_architecture_log_probs_and_shared_prompt(tok, name):
+def test_architecture_log_probs_and_shared_prompt(tok, name, monkeypatch):
     model = build_tiny_model(tok, SHAPE, seed=0, architecture=name)
     check_lm_head(model)
     ok, why = shared_prompt_cache_ok(model.base_model)
@@ -76,12 +76,14 @@ def test_architecture_log_probs_and_shared_prompt(tok, name):
     # and equal the rollout engine's behaviour log-probs at the same weights (T = 1)
     torch.testing.assert_close(whole.batch.logp.double(), whole.batch.behavior_logp.double(), atol=1e-5, rtol=0)
     shared = policy.policy_token_batch(model, samples, temperature=1.0, chunk=7, share=True)
+    assert shared.shared_prompt == ok  # the policy falls back where the cache cannot be shared
     gap = (shared.batch.logp - whole.batch.logp).abs().max().item()
-    if ok:
-        assert gap < 1e-5
-        torch.testing.assert_close(shared.batch.topk_logp, whole.batch.topk_logp, atol=1e-5, rtol=0)
-    else:  # why the policy falls back for these: the shared cache would be silently wrong
-        assert gap > 1e-3
+    assert gap < 1e-5
+    torch.testing.assert_close(shared.batch.topk_logp, whole.batch.topk_logp, atol=1e-5, rtol=0)
+    if not ok:  # why: forced through the shared cache, log pi would be silently wrong
+        monkeypatch.setattr(policy, "shared_prompt_cache_ok", lambda base: (True, ""))
+        forced = policy.policy_token_batch(model, samples, temperature=1.0, chunk=7, share=True)
+        assert forced.shared_prompt and (forced.batch.logp - whole.batch.logp).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize("name", sorted(set(ARCHITECTURES) - SLIDING))
