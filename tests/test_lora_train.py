@@ -108,3 +108,19 @@ def test_missing_peft_is_one_line_and_writes_nothing(tmp_path):
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "needs the peft package" in lines[0], r.stderr[-2000:]
     assert not (tmp_path / "out" / "bad").exists()
+
+
+def test_step_replay_holds_the_adapters_and_their_optimizer_state(reference):
+    """The analyses that replay an update (analyze disagreement, estimators) load a LoRA
+    checkpoint as training held it: base + adapters, unmerged, with the adapters' Adam state."""
+    from masktrl.analysis.step_replay import load_replay
+    from masktrl.models.lora import adapter_state_dict, has_lora
+
+    _, _, root = reference
+    replay = load_replay(root, step=3)
+    assert has_lora(replay.model)
+    saved = load_file(root / "checkpoints" / "000002" / "adapter_model.safetensors")
+    assert len(adapter_state_dict(replay.model)) == len(saved)
+    assert len(replay.optimizer.state) == len(saved)  # one Adam state per adapter matrix
+    start = load_replay(root, step=1)  # step 0: the base with fresh zero adapters
+    assert has_lora(start.model) and not start.optimizer.state

@@ -32,7 +32,8 @@ import torch
 from masktrl.config import Config
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.methods import Method, get_method, make_params, method_names
-from masktrl.models.loading import load_model_and_tokenizer
+from masktrl.models.loading import load_model_and_tokenizer, load_trainable_policy
+from masktrl.models.lora import LoraSettings
 from masktrl.rl import update
 from masktrl.rl.train_state import load_optimizer_state
 from masktrl.rl.policy import PolicyOutputs, lm_head_weight, policy_token_batch, response_hidden
@@ -147,7 +148,8 @@ def load_replay(root: Path, step: int, policy_step: int | None = None, update_na
         raise ArtifactError(f"{store.rollout_path(step)}: empty rollout batch")
     path = store.policy_path(policy_step)
     torch.set_num_threads(cfg.train.threads)
-    model, tokenizer = load_model_and_tokenizer(path, cfg.model.dtype)
+    lora = LoraSettings.from_config(cfg.model.lora) if cfg.model.lora.rank is not None else None
+    model, tokenizer = load_trainable_policy(path, cfg.model.dtype, lora, seed=cfg.seed)  # LoRA: the adapters, unmerged
     model.eval()
     optimizer, scheduler = update.make_optimizer(model, cfg.train)
     if policy_step > 0:

@@ -39,6 +39,31 @@ def load_model_and_tokenizer(path: str | Path, dtype: str = "float32"):
     return model, tokenizer
 
 
+def load_trainable_policy(path: str | Path, dtype: str, lora=None, seed: int = 0):
+    """The policy as training holds it, for replaying an update: a LoRA run's checkpoint as its
+    base with the adapters injected and loaded (not merged: its optimizer state is the
+    adapters'); a plain checkpoint as it is, with fresh zero-initialised adapters when ``lora``
+    (a ``LoraSettings``) is given (a LoRA run's step 0, its base). Returns (model, tokenizer)."""
+    from masktrl.models.lora import apply_lora, load_adapter_state_dict, read_adapter
+
+    if not is_adapter_folder(path):
+        model, tokenizer = load_model_and_tokenizer(path, dtype)
+        if lora is not None:
+            apply_lora(model, lora, seed=seed)
+        return model, tokenizer
+    try:
+        settings, base, weights = read_adapter(path)
+    except ValueError as exc:
+        raise MasktrlError(str(exc)) from None
+    model, _ = load_model_and_tokenizer(base, dtype)
+    apply_lora(model, settings, seed=seed, base=base)
+    try:
+        load_adapter_state_dict(model, {k: v.to(DTYPES[dtype]) for k, v in weights.items()})
+    except ValueError as exc:
+        raise MasktrlError(f"{path}: {exc} (base {base})") from None
+    return model, load_tokenizer(path)
+
+
 def _load_adapted(path: str | Path, dtype: str):
     from masktrl.models.lora import apply_lora, load_adapter_state_dict, merge_and_unload, read_adapter
 

@@ -41,6 +41,11 @@ class LoraSettings:
     dropout: float = 0.0
     target_modules: tuple[str, ...] | str = ALL_LINEAR  # module names (suffixes) or "all-linear"
 
+    @classmethod
+    def from_config(cls, lora) -> "LoraSettings":
+        """From ``model.lora`` (``config.LoraConfig``)."""
+        return cls(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=tuple(lora.target_modules))
+
     def check(self) -> None:
         """MasktrlError naming the key for a value peft would reject or misuse."""
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank <= 0:

@@ -179,8 +179,7 @@ def lora_settings(cfg: Config):
     """``model.lora`` as ``models.lora.LoraSettings``."""
     from masktrl.models.lora import LoraSettings
 
-    lora = cfg.model.lora
-    return LoraSettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules)
+    return LoraSettings.from_config(cfg.model.lora)
 
 
 def projected_disk(cfg: Config, checked: Checked) -> str:
