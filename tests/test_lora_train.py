@@ -124,3 +124,44 @@ def test_step_replay_holds_the_adapters_and_their_optimizer_state(reference):
     assert len(replay.optimizer.state) == len(saved)  # one Adam state per adapter matrix
     start = load_replay(root, step=1)  # step 0: the base with fresh zero adapters
     assert has_lora(start.model) and not start.optimizer.state
+
+
+def test_the_reference_of_a_lora_policy_is_the_base_without_a_copy(tmp_path):
+    from masktrl.models.lora import LoraSettings, apply_lora
+    from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+    from masktrl.rl.policy import policy_token_batch
+    from masktrl.rl.reference import AdapterReference, make_reference
+    from masktrl.rollout.base import Sample, SamplingSettings
+    from masktrl.rollout.hf import HFEngine
+
+    tok = build_char_tokenizer("0123456789+=")
+    shape = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    base = build_tiny_model(tok, shape, seed=0)
+    model = apply_lora(build_tiny_model(tok, shape, seed=0), LoraSettings(rank=4), seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.add_(0.1)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ["1+2=", "3+4="]]
+    gens = HFEngine(model, tok).generate(prompts, SamplingSettings(n=2, max_new_tokens=4, logprobs_k=3), seed=0)
+    samples = [Sample("e", "", "", p, g, gen) for g, (p, grp) in enumerate(zip(prompts, gens)) for gen in grp]
+    reference = make_reference(model, 1.0, 8)
+    assert isinstance(reference, AdapterReference) and reference.model is model  # no copy
+    model.train()
+    got = reference(samples)
+    assert model.training and all(p.requires_grad == (".lora_" in n) for n, p in model.named_parameters())
+    with torch.no_grad():
+        want = policy_token_batch(base.eval(), samples, 1.0, 8).batch.logp
+        adapted = policy_token_batch(model.eval(), samples, 1.0, 8).batch.logp
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert (adapted - want).abs().max() > 1e-3
+
+
+def test_lora_with_a_reference_kl_reports_kl_ref(tmp_path):
+    cfg = write_tiny_config(tmp_path / "c.yaml", LORA)
+    r = masktrl("train", "--config", str(cfg), "--out", str(tmp_path / "out"), "--run", "kl", "--set", "method.kl_coef=0.01",
+                "--set", "train.steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics(tmp_path / "out" / "kl")
+    assert len(rows) == 2 and all("kl_ref" in row for row in rows)
+    assert abs(rows[0]["kl_ref"]) < 1e-5  # step 1: the adapters are still zero, the policy is its reference

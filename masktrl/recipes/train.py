@@ -64,7 +64,7 @@ from masktrl.rl.distributed import Dist, launch_rank, launched
 from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
 from masktrl.rl.policy import PolicyForward
-from masktrl.rl.reference import FrozenReference, Reference, micro_batch_size, penalise_kl, reference_logprobs
+from masktrl.rl.reference import Reference, make_reference, micro_batch_size, penalise_kl, reference_logprobs
 from masktrl.rl.rollout_source import RolloutSource
 from masktrl.rl.signals import GracefulStop, Interrupted, graceful_stop
 from masktrl.rl.tracking import Trackers, open_trackers
@@ -320,9 +320,9 @@ def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress:
     task = checked.task
     model, tokenizer, ws_info = load_policy(cfg, store, task, progress, dist)
     method = get_method(cfg.method_name)
-    reference = None  # the starting policy, frozen before a resumed run loads its checkpoint
+    reference = None  # the starting policy, frozen before a resumed run loads its checkpoint (LoRA: adapters off)
     if method.needs_reference(cfg.method_params):
-        reference = FrozenReference(model, cfg.rollout.temperature, cfg.train.logprob_chunk)
+        reference = make_reference(model, cfg.rollout.temperature, cfg.train.logprob_chunk)
     optimizer, scheduler = make_optimizer(model, cfg.train)
     n_params = retention.count_parameters(model, trainable_only=cfg.model.lora.rank is not None)  # LoRA: the adapters are checkpointed
     projection = retention.project(cfg, n_params, deepspeed_stage=dist.zero_stage)

@@ -4,9 +4,9 @@ pi_ref assigns to each sampled response token.
 ``Reference`` is the hook the update calls: any callable ``(samples, share=None) -> Tensor [N]``
 (log pi_ref of the samples' response tokens, in order, without gradient). ``FrozenReference``
 is the one masktrl builds: a frozen copy of the starting policy, taken before a resumed run
-loads its checkpoint, so the reference stays the run's starting point. A policy trained through
-adapters can pass its own hook instead (the same model with its adapters switched off), with
-no second copy of the weights.
+loads its checkpoint, so the reference stays the run's starting point. A LoRA policy
+(``model.lora``) gets ``AdapterReference`` instead: the same model with its adapters switched
+off, with no second copy of the weights (``make_reference`` chooses).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from masktrl.methods import kl_reward_penalty
+from masktrl.models.lora import has_lora, reference_policy
 from masktrl.rl.policy import policy_token_batch
 from masktrl.rollout.base import Sample
 
@@ -40,6 +41,35 @@ class FrozenReference:
     def __call__(self, samples: list[Sample], share: bool | None = None) -> torch.Tensor:
         out = policy_token_batch(self.model, samples, self.temperature, self.chunk, share=share)
         return out.batch.logp.detach()
+
+
+class AdapterReference:
+    """The reference of a LoRA policy: the same model with its adapters switched off
+    (``models.lora.reference_policy``), i.e. the base weights, which never train: the run's
+    starting policy, with no second copy of the weights. Runs in eval mode, like
+    ``FrozenReference``."""
+
+    def __init__(self, model: torch.nn.Module, temperature: float, chunk: int):
+        self.model = model
+        self.temperature, self.chunk = temperature, chunk
+
+    @torch.no_grad()
+    def __call__(self, samples: list[Sample], share: bool | None = None) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with reference_policy(self.model):
+                out = policy_token_batch(self.model, samples, self.temperature, self.chunk, share=share)
+        finally:
+            self.model.train(was_training)
+        return out.batch.logp.detach()
+
+
+def make_reference(model: torch.nn.Module, temperature: float, chunk: int) -> Reference:
+    """``AdapterReference`` for a model with LoRA adapters, else ``FrozenReference``."""
+    if has_lora(model):
+        return AdapterReference(model, temperature, chunk)
+    return FrozenReference(model, temperature, chunk)
 
 
 def micro_batch_size(n: int, minibatches: int, grad_accum: int) -> int:
