@@ -12,4 +12,4 @@ if ! "$venv/bin/python" -c "import vllm, masktrl" 2>/dev/null; then
 fi
 cd "$repo"
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 TORCH_COMPILE_DISABLE=1 VLLM_CPU_KVCACHE_SPACE=1
-"$venv/bin/python" -m pytest -m vllm tests/test_vllm_engine.py tests/test_vllm_train.py -q -p no:cacheprovider
+"$venv/bin/python" -m pytest -m vllm tests/test_vllm_engine.py tests/test_vllm_train.py tests/test_vllm_architectures.py -q -p no:cacheprovider
