@@ -27,12 +27,14 @@ What it does, in order (one JSON of results at the end, ``--json``):
    (buckets 0, 1, 2-3, 4-7, ...), for both; ``sync_ok`` when the engine's log-probabilities are
    closer to the synced weights than to the starting ones.
 5. **ZeRO-2 kill and resume** (``--no-zero2`` skips it): ``accelerate launch`` with DeepSpeed
-   ZeRO-2 (``--accelerate-config``, one process), an uninterrupted 3-step run and one SIGKILLed
+   ZeRO-2 (``--accelerate-config``, one process; the transformers engine and a quarter of the
+   rollout batch: this checks the resume, not speed), an uninterrupted 3-step run and one SIGKILLed
    during step 2's update (``MASKTRL_CRASH_AT=update:2``) then ``--resume``d; reported: the
    largest weight difference between the two final checkpoints, whether the metrics (timings
    aside) are identical, and the resume's wall time.
 
-Everything runs offline (``HF_HUB_OFFLINE=1``). Nothing here needs a GPU except vLLM and the
+The JSON is rewritten after every phase (``complete``: false until the end), so a check cut short
+by its timeout still leaves what it measured. Everything runs offline (``HF_HUB_OFFLINE=1``). Nothing here needs a GPU except vLLM and the
 GPU shape's memory: ``tests/test_gpu_check.py`` runs the same driver on CPU with the tiny shape
 and the transformers engine.
 """
@@ -243,7 +245,9 @@ def zero2_resume(args, work: Path, model_dir: Path, data: Path, reward: Path) ->
     from safetensors.torch import load_file
 
     steps = 3
-    extra = {"train": {"checkpoint_every": 1, "keep_steps": []}}
+    prompts, n, _, new_tokens = SIZES[args.shape]
+    extra = {"train": {"checkpoint_every": 1, "keep_steps": []},  # the check is the resume, not the throughput: a smaller batch
+             "rollout": {"prompts_per_step": max(2, prompts // 4), "n": max(2, n // 2), "max_new_tokens": max(4, new_tokens // 4)}}
     cfg = _write_yaml(work / "zero2.yaml", run_config(args, model_dir, data, reward, "grpo", steps, "hf", extra))
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(args.accelerate_config), "--num_processes", "1",
                 "--main_process_port", str(args.port)]
@@ -334,17 +338,24 @@ def main(argv=None) -> int:
     results["model"] = build_model(args.shape, model_dir, args.dtype, args.device)
     data, reward = write_task(args.work, args.shape)
     results["runs"] = {}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(done: bool) -> None:  # after every phase: a check cut short by its timeout still leaves its results
+        results["wall_s"] = round(time.time() - t0, 1)
+        results["complete"] = done
+        runs_ok = all(r.get("ok") and r.get("weight_sync", {}).get("sync_ok", True) for r in results["runs"].values())
+        results["ok"] = done and runs_ok and results.get("zero2_resume", {"ok": True})["ok"]
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+    save(False)
     for method in [m for m in args.methods.split(",") if m]:
         results["runs"][method] = method_run(args, args.work, model_dir, data, reward, method)
         print(f"{method}: {json.dumps(results['runs'][method])[:400]}", flush=True)
+        save(False)
     if args.zero2:
         results["zero2_resume"] = zero2_resume(args, args.work, model_dir, data, reward)
         print(f"zero2: {json.dumps(results['zero2_resume'])[:400]}", flush=True)
-    results["wall_s"] = round(time.time() - t0, 1)
-    runs_ok = all(r.get("ok") and r.get("weight_sync", {}).get("sync_ok", True) for r in results["runs"].values())
-    results["ok"] = runs_ok and results.get("zero2_resume", {"ok": True})["ok"]
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2) + "\n")
+    save(True)
     print(f"wrote {args.json} (ok={results['ok']}, {results['wall_s']} s)")
     return 0 if results["ok"] else 1
 

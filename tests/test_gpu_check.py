@@ -48,7 +48,7 @@ def test_one_method_with_the_weight_sync_check(gpu_check, tmp_path):
     rc = gpu_check.main(["--shape", "tiny", "--engine", "hf", "--steps", "2", "--methods", "grpo", "--no-zero2",
                          "--work", str(tmp_path / "w"), "--json", str(out)])
     r = json.loads(out.read_text())
-    assert rc == 0 and r["ok"], r
+    assert rc == 0 and r["ok"] and r["complete"], r
     run = r["runs"]["grpo"]
     assert run["ok"] and run["steps"] == 2 and run["generation_tokens_per_s"] > 0
     sync = run["weight_sync"]
