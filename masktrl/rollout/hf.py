@@ -21,6 +21,8 @@ import torch
 
 from masktrl.errors import MasktrlError
 from masktrl.models.kvcache import cache_kwarg, new_cache
+from masktrl.models.loading import DTYPES
+from masktrl.models.lowprec import LowPrecisionCopy
 from masktrl.rollout.base import Generation, SamplingSettings
 
 
@@ -85,17 +87,38 @@ def check_context(model, prompts: list[list[int]]) -> None:
 
 
 class HFEngine:
-    """Generation with the training model itself (no copy: weights are always in sync)."""
+    """Generation with the training model itself (no copy: weights are always in sync), or, with
+    ``dtype`` other than the model's or ``quantization``, with a low-precision copy of it
+    (``models/lowprec.py``) re-made from the model's weights at every ``sync_weights``; the
+    recorded log mu and top-K lists are then the copy's, as with a real engine."""
 
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, tokenizer, *, batch_size: int = 512):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, tokenizer, *, batch_size: int = 512, dtype: str | None = None,
+                 quantization: str | None = None):
         self.tokenizer = tokenizer
         self.batch_size = batch_size  # prompts x n generated together
+        self.dtype, self.quantization = dtype, quantization
+        self.copy: LowPrecisionCopy | None = None
+        self.sync_weights(model)
+
+    def needs_copy(self, model: torch.nn.Module) -> bool:
+        """Whether the engine samples from a copy: another dtype than ``model``'s, or FP8."""
+        own = next(model.parameters()).dtype
+        return self.quantization is not None or (self.dtype is not None and DTYPES[self.dtype] != own)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        self.model = model
+        """Sample from ``model``'s current weights: itself, or its low-precision copy re-made now."""
+        self.policy = model  # the trainer's model (mismatch measurements compare against it)
+        if not self.needs_copy(model):
+            self.model = model
+            return
+        if self.copy is None:
+            own = next(model.parameters()).dtype
+            self.copy = LowPrecisionCopy(model, DTYPES[self.dtype] if self.dtype else own, self.quantization)
+        else:
+            self.copy.refresh(model)
+        self.model = self.copy.model
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], settings: SamplingSettings, seed: int) -> list[list[Generation]]:
