@@ -199,3 +199,12 @@ def test_engine_sync_remakes_the_copy(tiny):
     assert eng.policy is other
     for (n, p), q in zip(eng.model.named_parameters(), other.parameters()):
         assert torch.equal(p, q.detach().to(torch.bfloat16)), n
+
+
+def test_fp8_full_quantises_the_output_layer_too(tiny):
+    model, _ = tiny
+    full = LowPrecisionCopy(model, torch.float32, "fp8-full")
+    assert full.quantized == set(quantized_weights(model)) | {"lm_head.weight"}
+    head = dict(full.model.named_parameters())["lm_head.weight"]
+    assert torch.equal(head, fp8_roundtrip(model.lm_head.weight.detach()))
+    assert len(full._hooks) == len(full.quantized)  # every quantised layer's input too

@@ -120,3 +120,37 @@ def test_config_builds_the_task_with_its_options_and_fixed_heldout_seed():
             make_task(load_config(None, ["task.name=residues", f"task.options={options}"]).task, cfg.model)
     with pytest.raises(ConfigError, match="task.options"):
         make_task(load_config(None, ["task.options={answers: 3}"]).task, cfg.model)  # arithmetic has task.* keys
+
+
+def test_count_range_and_ascending_order():
+    lo, hi, m, r = 2, 30, 2, 1  # odd numbers in [2, 30)
+    ok = lambda c: is_correct(lo, hi, m, r, c, 3, True, max_answers=5, ascending=True)  # noqa: E731
+    assert ok("3 5 7") and ok("3 5 7 9 11")
+    assert not ok("3 5") and not ok("3 5 7 9 11 13")  # fewer than answers, more than max_answers
+    assert not ok("3 7 5") and not ok("3 3 5")  # not strictly increasing
+    assert is_correct(lo, hi, m, r, "7 5 3", 3, True)  # the default: any order, exactly answers
+    assert not is_correct(lo, hi, m, r, "3 5 7 9", 3, True)
+
+
+def test_long_targets_are_correct_ascending_and_use_the_count_range():
+    task = ResidueTask(answers=47, max_answers=63, ascending=True, distinct=True, min_solutions=64, max_solutions=200,
+                       n_test=20, seed=1)
+    lengths = set()
+    for ex in task.train_examples(200, random.Random(0)) + task.test_examples():
+        xs = [int(w) for w in task.format_target(ex).split()]
+        assert xs == sorted(set(xs)) and 47 <= len(xs) <= 63
+        assert task.score(ex, task.format_target(ex)) == 1.0
+        lengths.add(len(xs))
+    assert len(lengths) > 10
+    with pytest.raises(ConfigError, match="max_answers"):
+        ResidueTask(answers=5, max_answers=4)
+    with pytest.raises(ConfigError, match="ascending"):
+        ResidueTask(ascending="yes")
+    with pytest.raises(ConfigError, match="min_solutions"):
+        ResidueTask(answers=47, max_answers=63, ascending=True, min_solutions=50)  # fewer solutions than a target needs
+
+
+def test_default_targets_unchanged_by_the_new_options():
+    a = ResidueTask(distinct=True, n_test=10).train_examples(20, random.Random(3))
+    b = ResidueTask(distinct=True, n_test=10, max_answers=4, ascending=False).train_examples(20, random.Random(3))
+    assert [e.answer for e in a] == [e.answer for e in b]

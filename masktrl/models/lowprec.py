@@ -15,7 +15,11 @@ gets scale 1 (it stays zero). Which weights: as vLLM's ``Fp8Config.get_quant_met
 projections and the MoE experts; never the embeddings, the output layer (``lm_head``), the
 norms or a MoE router (vLLM builds ``Qwen3MoeSparseMoeBlock.gate`` with ``quant_config=None``).
 ``fp8-act`` also quantises the input of every quantised linear layer, one scale per token (as
-vLLM's W8A8 path does on GPUs with FP8 support, ``use_per_token_if_dynamic``).
+vLLM's W8A8 path does on GPUs with FP8 support, ``use_per_token_if_dynamic``). ``fp8-full``
+quantises the output layer too, weights and input: an "FP8 end-to-end"-like engine, the
+strongest mismatch (no vLLM option does this; on a tiny model the output layer dominates the
+error). In a MoE block the activation quantisation applies to the experts' input; the
+activation between an expert's two projections stays in the compute dtype.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import torch
 from torch import Tensor
 
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-QUANTIZATIONS = ("fp8", "fp8-act")
+QUANTIZATIONS = ("fp8", "fp8-act", "fp8-full")
+ACT_QUANTIZED = ("fp8-act", "fp8-full")  # ... also quantise the inputs of the quantised layers
 ROUTER_NAMES = ("gate", "router")  # a MoE router's module name (a dense MLP's is gate_proj): kept at full precision
 
 
@@ -48,13 +53,14 @@ def fp8_roundtrip(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return (q.float() * scale).to(dtype or x.dtype)
 
 
-def quantized_weights(model: torch.nn.Module) -> list[str]:
+def quantized_weights(model: torch.nn.Module, *, output_layer: bool = False) -> list[str]:
     """Names of the parameters an FP8 engine quantises: the weights of the linear layers (other
-    than the output layer and MoE routers) and the 3-D expert weights of a MoE block."""
+    than MoE routers and, unless ``output_layer``, the output layer) and the 3-D expert weights
+    of a MoE block."""
     out_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = []
     for mod_name, module in model.named_modules():
-        if module is out_layer:
+        if module is out_layer and not output_layer:
             continue
         last = mod_name.rsplit(".", 1)[-1]
         if isinstance(module, torch.nn.Linear):
@@ -82,9 +88,9 @@ class LowPrecisionCopy:
         self.dtype, self.quantization = dtype, quantization
         self.model = copy.deepcopy(model)
         self.model.requires_grad_(False)
-        self.quantized = set(quantized_weights(self.model)) if quantization else set()
+        self.quantized = set(quantized_weights(self.model, output_layer=quantization == "fp8-full")) if quantization else set()
         self._hooks = []
-        if quantization == "fp8-act":
+        if quantization in ACT_QUANTIZED:
             targets = {n.rsplit(".", 1)[0] for n in self.quantized}
             for name, module in self.model.named_modules():
                 if name in targets:

@@ -37,13 +37,18 @@ def parse_prompt(prompt: str) -> tuple[int, int, int, int]:
     return lo, hi, m, r
 
 
-def is_correct(lo: int, hi: int, m: int, r: int, completion: str, answers: int, distinct: bool) -> bool:
-    """Whether ``completion`` is ``answers`` whitespace-separated integers in [lo, hi), each = r mod m."""
+def is_correct(lo: int, hi: int, m: int, r: int, completion: str, answers: int, distinct: bool,
+               max_answers: int | None = None, ascending: bool = False) -> bool:
+    """Whether ``completion`` is ``answers`` (to ``max_answers``, when given) whitespace-separated
+    integers in [lo, hi), each = r mod m (pairwise different with ``distinct``, strictly
+    increasing with ``ascending``)."""
     words = completion.split() if isinstance(completion, str) else []
-    if len(words) != answers or not all(w.isdecimal() and w.isascii() for w in words):
+    if not answers <= len(words) <= (max_answers or answers) or not all(w.isdecimal() and w.isascii() for w in words):
         return False
     xs = [int(w) for w in words]
     if distinct and len(set(xs)) != len(xs):
+        return False
+    if ascending and any(a >= b for a, b in zip(xs, xs[1:])):
         return False
     return all(lo <= x < hi and x % m == r for x in xs)
 
@@ -55,6 +60,10 @@ class ResidueTask(SyntheticTask):
     Args:
         answers: integers per completion. Default 4.
         distinct: the integers must be pairwise different. Default False.
+        max_answers: with it, a completion may hold from ``answers`` to ``max_answers`` integers
+            (a training target's count is uniform in that range). Default: exactly ``answers``.
+        ascending: the integers must be strictly increasing (the long-response lab,
+            configs/lab-long.yaml: each number is then a step above the previous one). Default False.
         max_value: every number is < max_value (the number tokenizer has 2,000). Default 2000.
         moduli: the moduli to draw ``m`` from (integers >= 2). Default 2..9.
         min_solutions, max_solutions: range of the number of correct integers per prompt.
@@ -69,6 +78,8 @@ class ResidueTask(SyntheticTask):
         self,
         answers: int = 4,
         distinct: bool = False,
+        max_answers: int | None = None,
+        ascending: bool = False,
         max_value: int = 2000,
         moduli: Iterable[int] = tuple(range(2, 10)),
         min_solutions: int = 11,
@@ -80,11 +91,15 @@ class ResidueTask(SyntheticTask):
         if not isinstance(distinct, bool):
             raise ConfigError(f"residues: distinct must be true or false, got {distinct!r}")
         self.distinct = distinct
+        self.max_answers = self.answers if max_answers is None else _int_option("max_answers", max_answers, self.answers, 64)
+        if not isinstance(ascending, bool):
+            raise ConfigError(f"residues: ascending must be true or false, got {ascending!r}")
+        self.ascending = ascending
         self.max_value = _int_option("max_value", max_value, 2, 10**9)
         self.moduli = tuple(sorted({_int_option("moduli", m, 2, self.max_value) for m in moduli}))
         if not self.moduli:
             raise ConfigError("residues: moduli must not be empty")
-        lo_sol = max(answers if distinct else 1, 1)
+        lo_sol = max(self.max_answers if distinct or ascending else 1, 1)
         self.min_solutions = _int_option("min_solutions", min_solutions, lo_sol, self.max_value)
         self.max_solutions = _int_option("max_solutions", max_solutions, self.min_solutions, self.max_value)
         if self.max_solutions * max(self.moduli) > self.max_value:
@@ -97,7 +112,8 @@ class ResidueTask(SyntheticTask):
 
     # ----------------------------------------------------------------- Task protocol (and SyntheticTask's)
     def score(self, example: Example, completion: str) -> float:
-        return float(is_correct(*parse_prompt(example.prompt), completion, self.answers, self.distinct))
+        return float(is_correct(*parse_prompt(example.prompt), completion, self.answers, self.distinct, self.max_answers,
+                                self.ascending))
 
     def score_many(self, examples: list[Example], completions: list[str]) -> list[float]:
         return [self.score(e, c) for e, c in zip(examples, completions, strict=True)]
@@ -124,5 +140,8 @@ class ResidueTask(SyntheticTask):
     def _example_of(self, split: str, key: tuple[int, int, int, int], rng: random.Random) -> Example:
         lo, hi, m, r = key
         sols = self.solutions(lo, hi, m, r)
-        xs = rng.sample(sols, self.answers) if self.distinct else [rng.choice(sols) for _ in range(self.answers)]
+        count = self.answers if self.max_answers == self.answers else rng.randint(self.answers, self.max_answers)
+        xs = rng.sample(sols, count) if self.distinct or self.ascending else [rng.choice(sols) for _ in range(count)]
+        if self.ascending:
+            xs.sort()
         return Example(id=f"{split}/{lo}-{hi}-{m}-{r}", prompt=f"{lo} {hi} {m} {r} =", answer=" ".join(map(str, xs)))
