@@ -45,3 +45,16 @@ def test_k3_estimates_the_kl_and_is_never_negative():
     assert st["mismatch/kl_k3"] == pytest.approx(kl, rel=0.03)
     d = torch.linspace(-5, 5, 101, dtype=torch.float64)
     assert (torch.expm1(-d) + d >= 0).all()
+
+
+def test_dynamics_plots_the_mismatch_when_logged():
+    from types import SimpleNamespace
+
+    from masktrl.analysis.dynamics import METRICS, metric_list
+
+    plain = SimpleNamespace(metrics=[{"step": 1, "reward_mean": 0.5}])
+    measured = SimpleNamespace(metrics=[{"step": 1, "mismatch/logp_abs_mean": 0.1, "mismatch/kl_k3": 0.01}])
+    assert metric_list([plain]) == METRICS
+    keys = [k for k, _ in metric_list([plain, measured])]
+    assert keys[: len(METRICS)] == [k for k, _ in METRICS]
+    assert keys[len(METRICS):] == ["mismatch/logp_abs_mean", "mismatch/kl_k3"]

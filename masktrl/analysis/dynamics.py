@@ -22,6 +22,12 @@ METRICS = [
     ("sis_accept_rate", "SIS accept rate"),
     (HELDOUT, "held-out accuracy"),
 ]
+MISMATCH = [  # the engine-trainer gap of each batch (rollout/mismatch.py), plotted when a run logged it
+    ("mismatch/logp_abs_mean", "mean |log μ − log π_old| of the sampled tokens"),
+    ("mismatch/kl_k3", "KL(μ||π_old), k3 estimate"),
+    ("mismatch/frac_gt_0.5", "tokens with |log μ − log π_old| > 0.5"),
+    ("mismatch/routing_flip_rate", "MoE routing flips (engine copy vs trainer)"),
+]
 
 
 def run_series(run: RunInfo, key: str) -> dict[int, float]:
@@ -85,9 +91,11 @@ def group_curve(runs: list[RunInfo], key: str, window: int = 1) -> dict:
 
 
 def metric_list(runs: list[RunInfo]) -> list[tuple[str, str]]:
-    """The standard metrics plus any other ``eval/...`` key a run logged (benchmarks)."""
-    extra = sorted({k for r in runs for row in r.metrics for k in row if k.startswith("eval/") and k != HELDOUT})
-    return METRICS + [(k, k) for k in extra]
+    """The standard metrics, the ``mismatch/*`` ones any run logged, plus any other ``eval/...``
+    key a run logged (benchmarks)."""
+    logged = {k for r in runs for row in r.metrics for k in row}
+    extra = sorted(k for k in logged if k.startswith("eval/") and k != HELDOUT)
+    return METRICS + [(k, label) for k, label in MISMATCH if k in logged] + [(k, k) for k in extra]
 
 
 def dynamics(runs: list[RunInfo], window: int = 1) -> dict:
@@ -114,7 +122,7 @@ def save(result: dict, out_dir: Path) -> list[Path]:
     from masktrl.analysis import plots
     from masktrl.analysis.io import save_figure, write_json
 
-    labels = dict(metric_list([]))
+    labels = dict(METRICS + MISMATCH)
     metrics = [(k, labels.get(k, k)) for k in result["metrics"]]
     return [
         write_json(Path(out_dir) / "dynamics.json", result),
