@@ -49,6 +49,9 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 """train.report_to: accelerate's trackers masktrl logs to (besides metrics.jsonl, the source of truth)."""
 ROLLOUT_STORE = ("all", "resume")
+HF_QUANTIZATIONS = ("fp8", "fp8-act", "fp8-full")
+"""rollout.quantization with the hf engine: FP8 faked on its low-precision copy (models/lowprec.py)."""
+HF_ONLY_QUANTIZATIONS = ("fp8-act", "fp8-full")
 TINY_TOKENIZERS = ("char", "numbers")
 TINY_ARCHITECTURES = ("qwen3", "llama", "qwen2", "qwen3-moe", "mistral", "gemma2", "gemma3", "phi3", "olmo2", "gpt-neox")
 """model.architecture: the names of ``masktrl.models.architectures.ARCHITECTURES`` (a test keeps them equal)."""
@@ -254,8 +257,14 @@ class RolloutConfig:
     """Sequences generated together by the hf engine (rollouts and evaluations)."""
     gpu_memory_utilization: float = 0.5
     """vllm only: the fraction of GPU memory vLLM may take (weights and KV cache)."""
+    dtype: str | None = None
+    """The precision the engine samples in: null (model.dtype: the engine samples from the model
+    itself) | float32 | bfloat16 | float16. hf: a copy of the policy in this dtype, re-made at every
+    weight sync, while training stays in model.dtype; vllm: its dtype (docs/ROLLOUTS.md)."""
     quantization: str | None = None
-    """vllm only: e.g. 'fp8'."""
+    """null | fp8 (weight-only e4m3, per output channel) | fp8-act (also the layers' inputs, per
+    token) | fp8-full (also the output layer): hf fakes it on its copy of the policy; vllm takes
+    its own methods (fp8, ...) as they are (docs/ROLLOUTS.md)."""
     enforce_eager: bool = False
     """vllm only: no CUDA graphs / compilation (slower; quicker start, needed by some CPU builds)."""
     sleep_mode: bool = False
@@ -271,6 +280,14 @@ class RolloutConfig:
     def validate(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
         _choice("rollout.store", self.store, ROLLOUT_STORE)
+        if self.dtype is not None:
+            _choice("rollout.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.quantization is not None:
+            if self.engine == "hf":
+                _choice("rollout.quantization", self.quantization, HF_QUANTIZATIONS)
+            elif self.quantization in HF_ONLY_QUANTIZATIONS:
+                raise ConfigError(f"rollout.quantization={self.quantization} is an option of the hf engine only; "
+                                  "vLLM's own fp8 already quantises activations on GPUs with FP8 support (use fp8)")
         if self.sleep_mode and self.engine != "vllm":
             raise ConfigError(f"rollout.sleep_mode needs rollout.engine=vllm, got {self.engine!r}")
         for name in ("prompts_per_step", "n", "max_new_tokens", "logprobs_k", "batch_size"):

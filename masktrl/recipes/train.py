@@ -63,6 +63,7 @@ from masktrl.rl.collect import Batch, CollectSettings, batch_changes, collect_ro
 from masktrl.rl.distributed import Dist, launch_rank, launched
 from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
+from masktrl.rl.mismatch import measure_mismatch
 from masktrl.rl.policy import PolicyForward
 from masktrl.rl.reference import Reference, make_reference, micro_batch_size, penalise_kl, reference_logprobs
 from masktrl.rl.rollout_source import RolloutSource
@@ -542,6 +543,9 @@ def rollout_batch(s: State, step: int) -> Batch:
         warning = reward_failures(r.task, batch, step, s.cfg.rollout.n, s.cfg.task.max_reward_error_frac)  # past it: stops
         if warning:
             _note(r.progress, r.dist, f"warning: {warning}")
+        u = r.update  # the engine's gap to the trainer, at the weights that sampled the batch (rl/mismatch.py)
+        batch.stats.update(measure_mismatch(p.policy, p.model, p.engine, batch.samples, u.temperature, u.logprob_chunk,
+                                            u.minibatches * u.grad_accum))
     maybe_crash("rollout-write", step)
     s.store.write_rollouts(step, batch.samples, {**r.rollout_meta, "stats": batch.stats})
     return batch

@@ -48,6 +48,8 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
     from masktrl.tasks.prompts import wraps_chat
 
     report: list[tuple[str, str]] = []
+    if cfg.rollout.top_p < 1.0:
+        raise ConfigError(top_p_refusal(f"rollout.top_p={cfg.rollout.top_p}"))
     tracking.check_available(cfg.train.report_to)  # a tracker's missing package: one line
     check_launch_settings()
     task = make_task(cfg.task, cfg.model)
@@ -75,6 +77,8 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
 
             source = RolloutSource(rollouts_from, cfg.rollout.prompts_per_step, tokenizer, vocab_size=vocab_size,
                                    steps=cfg.train.steps)
+            if float(source.meta.get("top_p", 1.0)) < 1.0:
+                raise ConfigError(top_p_refusal(f"--rollouts-from {rollouts_from} was sampled with top_p={source.meta['top_p']}"))
             report.append(("--rollouts-from", f"{rollouts_from}: {source.num_steps} batches, verified"))
     except BaseException:
         task.close()
@@ -82,6 +86,12 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
     if out is not None:
         report.append(("free disk under --out", _free(out)))
     return Checked(task, tokenizer, vocab_size, context, source, report)
+
+
+def top_p_refusal(what: str) -> str:
+    """The one line that refuses training on nucleus-sampled rollouts (docs/ROLLOUTS.md)."""
+    return (f"{what}: training needs top_p = 1 (the behaviour mu is then the renormalised nucleus while the trained pi "
+            "is the full softmax, so every ratio pi/mu is biased)")
 
 
 def policy_tokenizer(cfg: Config, task) -> tuple[object, int, int | None]:

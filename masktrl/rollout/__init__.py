@@ -12,13 +12,15 @@ DEFAULT_MAX_LOGPROBS = 20  # vLLM's own default for max_logprobs
 
 def make_engine(rollout_cfg, model, tokenizer, model_dir: str | None, *, dtype: str, seed: int) -> RolloutEngine:
     """The engine named by ``rollout_cfg.engine`` (a ``RolloutConfig``); ``model_dir`` holds the
-    weights vLLM starts from, in ``dtype``; ``seed`` is vLLM's engine seed. A LoRA adapter
-    checkpoint (``models/lora.py``) is no folder vLLM loads: the engine starts from its base
-    model and then receives ``model``'s weights (merged)."""
+    weights vLLM starts from, in ``dtype`` (the training dtype; ``rollout.dtype`` when set is the
+    engine's); ``seed`` is vLLM's engine seed. A LoRA adapter checkpoint (``models/lora.py``) is
+    no folder vLLM loads: the engine starts from its base model and then receives ``model``'s
+    weights (merged)."""
     if rollout_cfg.engine == "hf":
         from masktrl.rollout.hf import HFEngine
 
-        return HFEngine(model, tokenizer, batch_size=rollout_cfg.batch_size)
+        return HFEngine(model, tokenizer, batch_size=rollout_cfg.batch_size, dtype=rollout_cfg.dtype,
+                        quantization=rollout_cfg.quantization)
     from masktrl.models.lora import is_adapter_folder, read_adapter
     from masktrl.rollout.vllm import VLLMEngine
 
@@ -28,7 +30,7 @@ def make_engine(rollout_cfg, model, tokenizer, model_dir: str | None, *, dtype: 
     engine = VLLMEngine(
         str(model_dir),
         tokenizer,
-        dtype=dtype,
+        dtype=rollout_cfg.dtype or dtype,
         gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
         quantization=rollout_cfg.quantization,
         enforce_eager=rollout_cfg.enforce_eager,
