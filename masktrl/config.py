@@ -788,13 +788,14 @@ def _non_negative(key: str, value: float) -> None:
 
 
 def split_method(spec: str) -> tuple[str, list[str]]:
-    """``pdm:tail=uniform`` -> ("pdm", ["method.tail=uniform"]); a key may be dotted, e.g.
-    ``grpo:correction.kind=token-tis`` (the method's correction block)."""
+    """``pdm:tail=uniform`` -> ("pdm", ["method.tail=uniform"]); a key may be dotted, for a block
+    of the method section: ``grpo:correction.kind=token-tis`` -> ["method.correction.kind=token-tis"]."""
     name, *pairs = spec.split(":")
     overrides = []
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key.strip() or not value.strip() or not key.strip().replace("_", "").replace(".", "").isalnum():
+        if not sep or not key.strip() or not value.strip() or not key.strip().replace("_", "").replace(".", "").isalnum() \
+                or ".." in key or key.strip().startswith(".") or key.strip().endswith("."):
             raise ConfigError(f"--methods: {spec!r}: parameters go as NAME:KEY=VALUE (e.g. pdm:tail=uniform)")
         overrides.append(f"method.{key.strip()}={value.strip()}")
     return name.strip(), overrides

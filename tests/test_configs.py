@@ -22,7 +22,8 @@ METHODS = {  # overlay -> the method block it must give
 
 
 def test_the_shipped_files_are_the_bases_the_overlays_the_tiny_presets_and_the_lab():
-    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(BASES + ["tiny.yaml", "tiny-offpolicy.yaml", "lab.yaml"])
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(BASES + ["tiny.yaml", "tiny-offpolicy.yaml", "lab.yaml",
+                                                                             "lab-long.yaml", "lab-moe.yaml"])
     assert sorted(p.stem for p in (CONFIGS / "methods").glob("*.yaml")) == sorted(METHODS)
 
 
@@ -92,3 +93,19 @@ def test_accelerate_configs_parse(path):
     if path.stem.startswith("zero"):
         assert conf.distributed_type.value == "DEEPSPEED" and str(conf.mixed_precision) == "bf16"
         assert conf.deepspeed_config["zero_stage"] == int(path.stem[-1])
+
+
+def test_the_lab_overlays_long_responses_and_moe():
+    from masktrl.config import ModelConfig
+    from masktrl.tasks import make_task
+
+    lab = load_config(CONFIGS / "lab.yaml")
+    long = load_config([CONFIGS / "lab.yaml", CONFIGS / "lab-long.yaml"])
+    task = make_task(long.task, long.model)
+    assert (task.answers, task.max_answers, task.ascending) == (47, 63, True)
+    assert long.rollout.max_new_tokens == task.max_answers + 1  # 48 to 64 tokens with EOS
+    assert long.model == lab.model and long.rollout.staleness == lab.rollout.staleness
+    if "architecture" not in ModelConfig.__dataclass_fields__:
+        pytest.skip("model.architecture (the tiny MoE model) is not in this build")
+    moe = load_config([CONFIGS / "lab.yaml", CONFIGS / "lab-moe.yaml"])
+    assert moe.model.architecture == "qwen3-moe" and moe.task == lab.task and moe.rollout == lab.rollout

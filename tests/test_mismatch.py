@@ -58,3 +58,14 @@ def test_dynamics_plots_the_mismatch_when_logged():
     keys = [k for k, _ in metric_list([plain, measured])]
     assert keys[: len(METRICS)] == [k for k, _ in METRICS]
     assert keys[len(METRICS):] == ["mismatch/logp_abs_mean", "mismatch/kl_k3"]
+
+
+def test_sweep_method_specs_take_dotted_block_keys():
+    from masktrl.config import split_method
+    from masktrl.errors import ConfigError
+
+    assert split_method("grpo:correction.kind=token-tis:correction.mode=decoupled") == (
+        "grpo", ["method.correction.kind=token-tis", "method.correction.mode=decoupled"])
+    for bad in ("grpo:correction..kind=x", "grpo:.kind=x", "grpo:kind.=x", "grpo:a/b=1"):
+        with pytest.raises(ConfigError, match="NAME:KEY=VALUE"):
+            split_method(bad)
