@@ -56,3 +56,28 @@ def test_low_precision_copy_flips_some_routes():
     fp8 = routing(LowPrecisionCopy(model, torch.bfloat16, "fp8-act").model, ids)
     rate = routing_flip_rate(full, fp8)
     assert 0.0 < rate < 0.5
+
+
+def test_a_batch_of_a_moe_policy_reports_routing_flips():
+    from masktrl.rl.mismatch import measure_mismatch
+    from masktrl.rollout.base import Sample, SamplingSettings
+    from masktrl.rollout.hf import HFEngine
+
+    tok = build_char_tokenizer("0123456789+=")
+    model = tiny_moe()
+    model.resize_token_embeddings(len(tok))
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = tok.pad_token_id, tok.eos_token_id
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("12+3=", "7+8=", "9+9=")]
+    s = SamplingSettings(n=4, max_new_tokens=6, logprobs_k=5)
+
+    def batch(engine):
+        gens = engine.generate(prompts, s, seed=0)
+        return [Sample(str(i), "", "", p, i, g) for i, (p, group) in enumerate(zip(prompts, gens)) for g in group]
+
+    fp8 = HFEngine(model, tok, dtype="bfloat16", quantization="fp8-act")
+    stats = measure_mismatch(model, model, fp8, batch(fp8), 1.0, 1024, pieces=2)
+    assert stats["mismatch/tokens"] > 0 and stats["mismatch/logp_abs_mean"] > 0
+    assert 0.0 < stats["mismatch/routing_flip_rate"] < 0.5
+    plain = HFEngine(model, tok)
+    stats = measure_mismatch(model, model, plain, batch(plain), 1.0, 1024)
+    assert "mismatch/routing_flip_rate" not in stats and stats["mismatch/logp_abs_mean"] < 1e-4
