@@ -341,7 +341,8 @@ def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress:
         sync_weights(engine, model, dist)
     source = checked.source
     collect = replace(CollectSettings.from_config(cfg), chat_template=wraps_chat(task, cfg.model.chat_template))
-    meta = source.meta if source else {"engine": engine.name, "tokenizer": tokenizer_fingerprint(tokenizer), **collect.sampling.__dict__}
+    meta = source.meta if source else {"engine": engine.name, "tokenizer": tokenizer_fingerprint(tokenizer), **collect.sampling.__dict__,
+                                       "rollout_dtype": cfg.rollout.dtype, "quantization": cfg.rollout.quantization}
     if source:
         count.steps = min(cfg.train.steps, source.num_steps)
     parts = ModelParts(model, tokenizer, policy, optimizer, scheduler, engine, method, reference)
