@@ -105,7 +105,7 @@ class LowPrecisionCopy:
         for name, p in self.model.named_parameters():
             w = src[name].detach()
             value = fp8_roundtrip(w, self.dtype) if name in self.quantized else w.to(self.dtype)
-            if p.dtype != self.dtype or p.device != value.device:
+            if p.dtype != self.dtype or p.device != value.device or p.shape != value.shape:  # shape: a copy made from ZeRO-3 shards
                 p.data = value.to(p.device)
             else:
                 p.copy_(value)

@@ -337,7 +337,7 @@ def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress:
                                     "per_run": projection.per_run, "bytes_per_token": projection.bytes_per_token})
     _note(progress, dist, projection.summary())
     engine = make_engine(cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
-    if count.start:
+    if count.start or getattr(engine, "copy", None) is not None:  # a low-precision copy is made from whole weights (ZeRO-3)
         sync_weights(engine, model, dist)
     source = checked.source
     collect = replace(CollectSettings.from_config(cfg), chat_template=wraps_chat(task, cfg.model.chat_template))
