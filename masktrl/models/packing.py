@@ -1,0 +1,364 @@
+"""Padding-free training forward: the sequences of a micro-batch packed into one row.
+
+The padded forward lays a micro-batch out as [B, L_max] and spends every layer's work on the
+padding: with ragged responses (a long tail of lengths) most of a padded micro-batch is padding.
+Packing concatenates the sequences into one row [1, T] (T = the sum of their lengths) with
+positions that restart at every segment, and runs attention segment by segment
+(``segment_attention``, the ``cu_seqlens`` layout of varlen attention kernels: each segment
+attends causally to itself only). The per-token layers (embeddings, projections, MLP, norms)
+then run on exactly T tokens, and attention costs sum_i L_i^2 instead of B L_max^2. No FLOP
+goes to padding, and none to the masked-out blocks a block-diagonal [T, T] mask would still
+compute.
+
+Two layouts, matching the two padded forwards of the policy:
+
+* **whole sequences** (``pack_whole``): segment i is prompt_i + response_i without its last token;
+  position p_i - 1 + t predicts response token t.
+* **shared prompt** (``pack_shared``): each distinct prompt once in a packed prompt pass, which
+  writes the KV cache; then every response (without its last token) in a packed response pass at
+  its true positions, attending to its own prompt's cached keys and to its own earlier tokens
+  (lower-right causal). Column 0 of a response is its prompt's last hidden state.
+
+Causal attention makes both the same computation as the padded forwards; only the summation
+order of a few reductions changes (``tests/test_packing.py`` checks log pi, losses and
+gradients in float64 for every method).
+
+``segment_attention`` is a transformers attention function (``AttentionInterface``): it is
+switched in for the packed forward only (``segments_attention``), so generation and every other
+forward keep the model's own attention implementation. Models whose attention layers do not
+dispatch through that interface, or that have sliding-window or linear/recurrent layers (whose
+state would flow across segments), cannot be packed: ``packing_unsupported`` says why.
+
+``token_budget_batches`` forms micro-batches by a token budget instead of a fixed count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "masktrl_segments"
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Where each segment's queries and keys lie in a packed row.
+
+    ``queries[i]`` = (start, end) on the query axis; ``keys[i]``: the (start, end) ranges of the
+    key axis segment i attends to, concatenated in order. Its queries are the last ones of those
+    keys (lower-right causal): query j of a segment with q queries and k keys sees keys 0..k-q+j.
+    """
+
+    queries: tuple[tuple[int, int], ...]
+    keys: tuple[tuple[tuple[int, int], ...], ...]
+
+    @classmethod
+    def self_attending(cls, lengths: list[int]) -> "Segments":
+        """Segments of ``lengths`` back to back, each attending causally to itself."""
+        bounds = _bounds(lengths)
+        return cls(tuple(bounds), tuple((b,) for b in bounds))
+
+
+def _bounds(lengths: list[int], offset: int = 0) -> list[tuple[int, int]]:
+    out, s = [], offset
+    for n in lengths:
+        out.append((s, s + n))
+        s += n
+    return out
+
+
+def segment_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                      packed_segments: Segments | None = None, **kwargs):
+    """Attention over packed segments (``packed_segments``), one ``scaled_dot_product_attention``
+    per segment. query [1, Hq, T, D], key/value [1, Hkv, S, D] (S = T, or the cached prompt keys
+    plus T). Returns ([1, T, Hq, D], None) like transformers' attention functions.
+
+    Without ``packed_segments`` (any other forward while this implementation is switched in) it
+    is plain causal sdpa over the whole row."""
+    if attention_mask is not None:
+        raise ValueError("segment_attention takes its layout from packed_segments, not an attention mask")
+    gqa = query.shape[1] != key.shape[1]
+    if packed_segments is None:
+        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,
+                                             is_causal=query.shape[2] > 1, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
+    parts = []
+    for (qs, qe), ranges in zip(packed_segments.queries, packed_segments.keys):
+        nq = qe - qs
+        if nq == 0:
+            continue
+        q = query[:, :, qs:qe]  # [1, Hq, nq, D]
+        if len(ranges) == 1:
+            k, v = key[:, :, ranges[0][0]:ranges[0][1]], value[:, :, ranges[0][0]:ranges[0][1]]
+        else:
+            k = torch.cat([key[:, :, a:b] for a, b in ranges], dim=2)  # [1, Hkv, nk, D]
+            v = torch.cat([value[:, :, a:b] for a, b in ranges], dim=2)
+        nk = k.shape[2]
+        if nk == nq:
+            mask, causal = None, nq > 1
+        else:  # lower-right causal: the queries are the last nq of the nk keys
+            mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)  # [nq, nk]
+            causal = False
+        parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                                    is_causal=causal, enable_gqa=gqa))  # [1, Hq, nq, D]
+    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # [1, Hq, T, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+def register() -> None:
+    """Register ``segment_attention`` (and a mask function that builds nothing) with transformers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, segment_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+
+
+@contextlib.contextmanager
+def segments_attention(base: torch.nn.Module):
+    """``segment_attention`` as ``base``'s attention implementation for the duration (the model's
+    own one is restored afterwards, also on error); nested uses are no-ops.
+
+    Under activation checkpointing the backward pass replays each layer's forward, which must
+    dispatch to the same attention: the caller then keeps this context around forward *and*
+    backward (``packed_hidden`` refuses to run otherwise)."""
+    register()
+    config = base.config
+    saved = config._attn_implementation
+    if saved == ATTENTION_NAME:
+        yield
+        return
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
+
+
+def segments_attention_active(base: torch.nn.Module) -> bool:
+    return base.config._attn_implementation == ATTENTION_NAME
+
+
+def packing_unsupported(model: torch.nn.Module) -> str | None:
+    """Why ``model`` (a causal LM or its base model) cannot run the packed forward, or None.
+
+    Packing replaces the attention function of every layer, so every attention layer must
+    dispatch through transformers' attention interface (``_supports_attention_backend``), and
+    every layer must attend fully and causally: a sliding window or a linear/recurrent layer
+    would need the segment boundaries too."""
+    config = model.config
+    name = type(model).__name__
+    if not getattr(type(model), "_supports_attention_backend", False):
+        return f"{name}'s attention layers do not use transformers' attention interface, so they cannot mask packed segments"
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"{name} has {', '.join(sorted(kinds - {'full_attention'}))} layers, which cannot mask packed segments"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return f"{name} uses sliding-window attention, which cannot mask packed segments"
+    return None
+
+
+# --------------------------------------------------------------------------- packed inputs
+
+
+@dataclass
+class Packed:
+    """A packed micro-batch: the tensors of one or two base-model calls, and where the hidden
+    state predicting each response token lies in their concatenated output.
+
+    ``gather`` [N] indexes ``cat([prompt pass output, response pass output])`` along tokens
+    (whole sequences: one pass, ``prompt_*`` None)."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    segments: Segments
+    gather: torch.Tensor  # [N]
+    prompt_ids: torch.Tensor | None = None  # [1, W] distinct prompts, packed
+    prompt_position_ids: torch.Tensor | None = None
+    prompt_segments: Segments | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the base model runs (both passes)."""
+        return self.input_ids.shape[1] + (0 if self.prompt_ids is None else self.prompt_ids.shape[1])
+
+    def to(self, device) -> "Packed":
+        move = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return Packed(**move)
+
+
+def _row(xs: list[int]) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.long)[None]
+
+
+def pack_whole(prompts: list[list[int]], responses: list[list[int]]) -> Packed:
+    """Each prompt + response (without its last token) as one segment."""
+    seqs = [p + r[:-1] for p, r in zip(prompts, responses)]
+    lengths = [len(s) for s in seqs]
+    bounds = _bounds(lengths)
+    gather = [s + len(p) - 1 + t for (s, _), p, r in zip(bounds, prompts, responses) for t in range(len(r))]
+    return Packed(
+        input_ids=_row([t for s in seqs for t in s]),
+        position_ids=_row([i for n in lengths for i in range(n)]),
+        segments=Segments.self_attending(lengths),
+        gather=torch.tensor(gather, dtype=torch.long),
+    )
+
+
+def pack_shared(prompts: list[list[int]], group: list[int], responses: list[list[int]]) -> Packed:
+    """The distinct ``prompts`` once (prompt pass) and each response without its last token
+    (response pass); ``group[b]`` is the index of response b's prompt."""
+    p_len = [len(p) for p in prompts]
+    p_bounds = _bounds(p_len)
+    width = sum(p_len)
+    heads = [r[:-1] for r in responses]
+    r_len = [len(h) for h in heads]
+    r_bounds = _bounds(r_len)
+    keys = tuple((p_bounds[g], (width + s, width + e)) for g, (s, e) in zip(group, r_bounds))
+    gather = []
+    for g, (s, _), r in zip(group, r_bounds, responses):
+        gather.append(p_bounds[g][1] - 1)  # the prompt's last hidden state predicts response token 0
+        gather += [width + s + t for t in range(len(r) - 1)]
+    return Packed(
+        input_ids=_row([t for h in heads for t in h]),
+        position_ids=_row([p_len[g] + t for g, n in zip(group, r_len) for t in range(n)]),
+        segments=Segments(tuple(r_bounds), keys),
+        gather=torch.tensor(gather, dtype=torch.long),
+        prompt_ids=_row([t for p in prompts for t in p]),
+        prompt_position_ids=_row([i for n in p_len for i in range(n)]),
+        prompt_segments=Segments.self_attending(p_len),
+    )
+
+
+# --------------------------------------------------------------------------- packed forward
+
+
+def packed_hidden(base: torch.nn.Module, packed: Packed) -> torch.Tensor:
+    """[N, H] the final hidden states predicting each response token of ``packed``, from
+    ``base`` (the transformer without its lm_head) run on the packed rows."""
+    from masktrl.models import checkpointing
+    from masktrl.models.kvcache import cache_kwarg, new_cache
+
+    if checkpointing.is_enabled(base) and not segments_attention_active(base):
+        raise RuntimeError("under activation checkpointing, run the packed forward and its backward inside segments_attention(base)")
+    masks = {"full_attention": None}  # a prepared mask mapping: transformers builds no mask
+    with segments_attention(base):
+        if packed.prompt_ids is None:
+            out = base(input_ids=packed.input_ids, attention_mask=masks, position_ids=packed.position_ids,
+                       use_cache=False, packed_segments=packed.segments).last_hidden_state  # [1, T, H]
+            return out[0, packed.gather]
+        cache = new_cache(base.config)
+        key = cache_kwarg(base)
+        with checkpointing.prompt_pass(base):  # the prompt pass writes the cache: never checkpointed
+            prompt_out = base(input_ids=packed.prompt_ids, attention_mask=masks, position_ids=packed.prompt_position_ids,
+                              use_cache=True, packed_segments=packed.prompt_segments, **{key: cache}).last_hidden_state  # [1, W, H]
+        if packed.input_ids.shape[1] == 0:  # every response is a single token
+            return prompt_out[0, packed.gather]
+        checkpointed = checkpointing.is_enabled(base)
+        if checkpointed:  # the response pass only reads the prompt's cache, so its layers may be replayed
+            checkpointing.read_only(cache)
+        with checkpointing.response_pass(base):
+            rest = base(input_ids=packed.input_ids, attention_mask=masks, position_ids=packed.position_ids,
+                        use_cache=not checkpointed, packed_segments=packed.segments, **{key: cache}).last_hidden_state  # [1, T, H]
+        return torch.cat([prompt_out[0], rest[0]], dim=0)[packed.gather]
+
+
+# --------------------------------------------------------------------------- token-budget micro-batches
+
+
+@dataclass(frozen=True)
+class Budgeted:
+    """Micro-batches (indices into the samples, ascending within each) and the indices of the
+    sequences that exceed the budget on their own (each trained alone)."""
+
+    batches: list[list[int]]
+    oversized: list[int]
+
+
+def sequence_tokens(prompt_len: int, response_len: int) -> int:
+    """Tokens a packed forward runs for one sequence: prompt + response without its last token."""
+    return prompt_len + max(response_len - 1, 0)
+
+
+def token_budget_batches(prompt_lens: list[int], response_lens: list[int], budget: int,
+                         prompt_keys: list | None = None) -> Budgeted:
+    """Micro-batches of at most ``budget`` packed tokens each, covering every sequence once.
+
+    Cost of a micro-batch: the tokens its packed forward runs. With ``prompt_keys`` (a hashable
+    per sequence; equal keys = the same prompt, run once by the shared-prompt forward) a prompt is
+    counted once per micro-batch; without, every sequence counts its own prompt. (With all
+    prompts of a micro-batch distinct both counts agree, so the count is exact whichever forward
+    runs.)
+
+    Length-aware grouping: sequences are taken longest first and each goes into the first
+    micro-batch that already holds its prompt and has room, else the first with room, else a
+    new one (first-fit decreasing), so similar lengths share micro-batches and few are half
+    empty. A sequence longer than the budget on its own is a micro-batch by itself (listed in
+    ``oversized``). Deterministic: ties keep the samples' order.
+    """
+    if not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"the token budget must be a positive int, got {budget!r}")
+    n = len(prompt_lens)
+    keys = prompt_keys if prompt_keys is not None else list(range(n))
+    cost = [sequence_tokens(p, r) for p, r in zip(prompt_lens, response_lens)]
+    tail = [max(r - 1, 0) for r in response_lens]
+    order = sorted(range(n), key=lambda i: (-cost[i], i))
+    bins: list[list[int]] = []
+    used: list[int] = []
+    held: list[set] = []
+    oversized = []
+    for i in order:
+        if cost[i] > budget:
+            oversized.append(i)
+            bins.append([i])
+            used.append(budget + 1)  # closed
+            held.append(set())
+            continue
+        shared = [b for b in range(len(bins)) if keys[i] in held[b] and used[b] + tail[i] <= budget]
+        if shared:
+            b = shared[0]
+            used[b] += tail[i]
+        else:
+            b = next((b for b in range(len(bins)) if used[b] + cost[i] <= budget), None)
+            if b is None:
+                bins.append([])
+                used.append(0)
+                held.append(set())
+                b = len(bins) - 1
+            used[b] += cost[i]
+            held[b].add(keys[i])
+        bins[b].append(i)
+    return Budgeted([sorted(b) for b in bins], sorted(oversized))
+
+
+def batch_tokens(prompt_lens: list[int], response_lens: list[int], batch: list[int], prompt_keys: list | None = None) -> int:
+    """The packed tokens of micro-batch ``batch`` as ``token_budget_batches`` counts them."""
+    keys = prompt_keys if prompt_keys is not None else list(range(len(prompt_lens)))
+    first = {}
+    for i in batch:
+        first.setdefault(keys[i], i)
+    return sum(prompt_lens[i] for i in first.values()) + sum(max(response_lens[i] - 1, 0) for i in batch)
+
+
+def balance(batches: list[list[int]], count: int) -> list[list[int]]:
+    """``batches`` split (the largest first, in halves) until there are ``count`` of them: every
+    process of a multi-process update must run the same number of micro-batches. Splitting keeps
+    each under its budget. Raises ValueError when there are fewer sequences than ``count``."""
+    out = [list(b) for b in batches]
+    if sum(len(b) for b in out) < count:
+        raise ValueError(f"{sum(len(b) for b in out)} sequences cannot fill {count} micro-batches")
+    while len(out) < count:
+        j = max(range(len(out)), key=lambda k: (len(out[k]), -k))
+        b = out.pop(j)
+        out[j:j] = [b[: len(b) // 2], b[len(b) // 2:]]
+    return out
