@@ -35,10 +35,19 @@ updates of ``train.train``; for TRL, between two ``on_step_begin`` callbacks (ge
 reward, loss, backward, optimizer, logging and fetching the next batch).
 
     .venv-bench/bin/python benchmarks/vs_trl.py --json outputs/bench/vs_trl.json
+
+``--shape long`` runs the same comparison on the long shape (benchmarks/long_shape.py): the
+``longtail`` task (prompts of 64-256 tokens, responses of 32-512 with a log-normal length), an
+11 M-parameter model, 2 prompts x 8 samples per step, ``max_new_tokens`` 512; masktrl trains
+with the packed forward (``train.packing``, ``train.micro_batch_tokens``). ``--ablate`` adds
+masktrl with packing off, with prompt sharing off, and with both off.
+
+    .venv-bench/bin/python benchmarks/vs_trl.py --shape long --ablate --json outputs/bench/vs_trl_long.json
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 import tempfile
@@ -70,22 +79,47 @@ from common import (  # noqa: E402
 )
 
 GOAL = 1.5
+LONG_MICRO_BATCH_TOKENS = 8192  # the long shape's packed micro-batch budget: a step's batch in one pass, as TRL does
+
+# masktrl sides: name -> (prompt sharing, packing)
+SIDES = {
+    "masktrl": (True, True),
+    "masktrl-unpacked": (True, False),
+    "masktrl-unshared": (False, True),
+    "masktrl-neither": (False, False),
+}
+LABELS = {
+    "masktrl": "masktrl",
+    "masktrl-unpacked": "masktrl, no packing",
+    "masktrl-unshared": "masktrl, no prompt sharing",
+    "masktrl-neither": "masktrl, neither",
+    "trl": "TRL",
+}
 
 
 def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=4, help="blocks per side, alternating (ABBA order)")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per block")
-    p.add_argument("--prompts", type=int, default=32, help="prompts per step (rollout.prompts_per_step)")
+    p.add_argument("--shape", choices=("default", "long"), default="default",
+                   help="default: the tiny preset's arithmetic; long: long prompts and heavy-tailed responses (long_shape.py)")
+    p.add_argument("--reps", type=int, default=None, help="blocks per side, alternating (ABBA order); default 4 (long: 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per block; default 6 (long: 1)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (rollout.prompts_per_step); default 32 (long: 2)")
     p.add_argument("--group", type=int, default=8, help="samples per prompt (rollout.n, TRL num_generations)")
-    p.add_argument("--max-new-tokens", type=int, default=6, help="completion length limit")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="completion length limit; default 6 (long: 512)")
     p.add_argument("--k", type=int, default=20, help="masktrl's recorded top-K (rollout.logprobs_k)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--no-phases", action="store_true", help="do not time the stages inside each step")
     p.add_argument("--ablate-sharing", action="store_true",
-                   help="add a third side: masktrl with its per-group prompt sharing (generation prefill and "
+                   help="add a side: masktrl with its per-group prompt sharing (generation prefill and "
                         "training forward) switched off, i.e. every sequence runs its prompt, as TRL does")
+    p.add_argument("--ablate", action="store_true",
+                   help="add masktrl with packing off, with prompt sharing off, and with both off (packing: --shape long only)")
     args = p.parse_args(argv)
+    long = args.shape == "long"
+    defaults = {"reps": (4, 2), "steps": (6, 1), "prompts": (32, 2), "max_new_tokens": (6, 512)}
+    for key, (short_value, long_value) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, long_value if long else short_value)
     quiet()
     try:
         import trl  # noqa: F401
@@ -93,10 +127,7 @@ def main(argv=None) -> dict:
         die("vs_trl needs TRL: pip install -e '.[bench]' (see docs/BENCHMARKS_perf.md)")
 
     n_steps = args.steps + 2
-    base = bench_config(f"train.threads={args.threads}")
-    model_dir = warm_model(base)  # the tiny preset's warm start, cached under outputs/.cache
-    cfg = bench_config(
-        f"model.path={model_dir}",
+    common = [
         "method.name=dapo",
         "method.dynamic_sampling=false",
         f"rollout.prompts_per_step={args.prompts}",
@@ -108,8 +139,18 @@ def main(argv=None) -> dict:
         "train.minibatches=1",
         f"train.lr={args.lr}",
         f"train.threads={args.threads}",
-        "task.n_test=32",  # eval before/after is outside the timed steps; keep it short
-    )
+    ]
+    if long:
+        from long_shape import follow_target_lengths, long_config, long_model, param_count
+
+        model_dir = long_model()
+        cfg = long_config(model_dir, *common, "train.packing=true", f"train.micro_batch_tokens={LONG_MICRO_BATCH_TOKENS}")
+        cfg_unpacked = long_config(model_dir, *common)  # today's forward: one padded micro-batch (train.grad_accum=1)
+    else:
+        base = bench_config(f"train.threads={args.threads}")
+        model_dir = warm_model(base)  # the tiny preset's warm start, cached under outputs/.cache
+        cfg = bench_config(f"model.path={model_dir}", *common, "task.n_test=32")  # eval before/after is not timed; keep it short
+        cfg_unpacked = cfg
     dataset_rows = masktrl_prompts(cfg, n_steps)
 
     timer = PhaseTimer()
@@ -119,31 +160,42 @@ def main(argv=None) -> dict:
         wrap_common_phases(timer)
         wrap_masktrl_phases(timer, common=False)
         wrap_trl_phases(timer, GRPOTrainer, common=False)
-    sides = {"masktrl": [], "trl": []}
-    if args.ablate_sharing:
-        sides["masktrl-unshared"] = []
+    names = ["masktrl", "trl"]
+    if args.ablate:
+        names[1:1] = ["masktrl-unpacked", "masktrl-unshared", "masktrl-neither"]
+    elif args.ablate_sharing:
+        names.insert(1, "masktrl-unshared")
+    sides = {name: [] for name in names}
+    stack = contextlib.ExitStack()
+    if long:
+        from transformers import AutoTokenizer
+
+        stack.enter_context(follow_target_lengths(AutoTokenizer.from_pretrained(model_dir)))
     try:
-        for rep in range(args.reps):
-            order = tuple(sides) if rep % 2 == 0 else tuple(reversed(sides))
-            for side in order:
-                t0 = time.time()
-                if side == "trl":
-                    block = run_trl_block(cfg, model_dir, dataset_rows, args, timer)
-                else:
-                    with prompt_sharing(side == "masktrl"):
-                        block = run_masktrl_block(cfg, timer)
-                sides[side].append(block)
-                print(
-                    f"rep {rep + 1}/{args.reps} {side:7s}: median step {1000 * median(block['step_s']):.0f} ms, "
-                    f"{median(block['tokens']):.0f} tokens/step ({time.time() - t0:.0f} s with set-up)",
-                    flush=True,
-                )
+        with stack:
+            for rep in range(args.reps):
+                order = tuple(sides) if rep % 2 == 0 else tuple(reversed(sides))
+                for side in order:
+                    t0 = time.time()
+                    if side == "trl":
+                        block = run_trl_block(cfg, model_dir, dataset_rows, args, timer)
+                    else:
+                        share, packed = SIDES[side]
+                        with prompt_sharing(share):
+                            block = run_masktrl_block(cfg if packed else cfg_unpacked, timer)
+                    sides[side].append(block)
+                    print(
+                        f"rep {rep + 1}/{args.reps} {side:7s}: median step {1000 * median(block['step_s']):.0f} ms, "
+                        f"{median(block['tokens']):.0f} tokens/step ({time.time() - t0:.0f} s with set-up)",
+                        flush=True,
+                    )
     finally:
         timer.restore()
 
     result = summarise(sides, args)
     result["machine"] = machine()
     result["settings"] = {
+        "shape": args.shape,
         "prompts_per_step": args.prompts,
         "group_size": args.group,
         "max_new_tokens": args.max_new_tokens,
@@ -154,6 +206,9 @@ def main(argv=None) -> dict:
         "model": str(model_dir),
         "loss": "dapo (token-mean), eps_low 0.2, eps_high 0.28, beta 0, num_iterations 1",
     }
+    if long:
+        result["settings"].update(parameters=param_count(model_dir), micro_batch_tokens=LONG_MICRO_BATCH_TOKENS,
+                                  response_tokens_per_step=median([n for b in sides["masktrl"] for n in b["tokens"]]))
     report(result)
     write_json(args.json, result)
     return result
@@ -365,18 +420,23 @@ def summarise(sides: dict, args) -> dict:
         "goal": GOAL,
         "goal_met": speedup >= GOAL,
     }
-    if "masktrl-unshared" in sides:
-        u = side_stats(sides["masktrl-unshared"])
-        out["masktrl_unshared"] = u
-        out["unshared_speedup_vs_trl"] = median([tb / ub for ub, tb in zip(u["block_step_ms"], t["block_step_ms"])])
-        out["prompt_sharing_speedup"] = median([ub / mb for mb, ub in zip(m["block_step_ms"], u["block_step_ms"])])
+    for side in ("masktrl-unpacked", "masktrl-unshared", "masktrl-neither"):
+        if side in sides:
+            u = side_stats(sides[side])
+            key = side.replace("-", "_")
+            out[key] = u
+            out[f"{key.split('_')[1]}_speedup_vs_trl"] = median([tb / ub for ub, tb in zip(u["block_step_ms"], t["block_step_ms"])])
+            out[f"{key.split('_')[1]}_vs_masktrl"] = median([ub / mb for mb, ub in zip(m["block_step_ms"], u["block_step_ms"])])
+    if "masktrl-unshared" in sides:  # the names of earlier runs' JSON
+        out["prompt_sharing_speedup"] = out["unshared_vs_masktrl"]
     return out
 
 
 def report(r: dict) -> None:
-    cols = [("masktrl", r["masktrl"]), ("TRL", r["trl"])]
-    if "masktrl_unshared" in r:
-        cols.insert(1, ("masktrl, no prompt sharing", r["masktrl_unshared"]))
+    cols = [("masktrl", r["masktrl"])]
+    cols += [(LABELS[side], r[side.replace("-", "_")]) for side in ("masktrl-unpacked", "masktrl-unshared", "masktrl-neither")
+             if side.replace("-", "_") in r]
+    cols.append(("TRL", r["trl"]))
     m, t = r["masktrl"], r["trl"]
     lines = [
         ("steps/s", "steps_per_s", m["steps_per_s"] / t["steps_per_s"]),
@@ -394,8 +454,9 @@ def report(r: dict) -> None:
     per_rep = ", ".join(f"{x:.2f}" for x in r["speedup_per_rep"])
     verdict = "met" if r["goal_met"] else "MISSED"
     print(f"speedup_vs_trl = {r['speedup_vs_trl']:.2f}x (median of paired blocks: {per_rep}); goal >= {r['goal']}x: {verdict}")
-    if "prompt_sharing_speedup" in r:
-        print(f"without prompt sharing: {r['unshared_speedup_vs_trl']:.2f}x TRL; prompt sharing alone: {r['prompt_sharing_speedup']:.2f}x")
+    for side in ("unpacked", "unshared", "neither"):
+        if f"{side}_speedup_vs_trl" in r:
+            print(f"{LABELS['masktrl-' + side]}: {r[side + '_speedup_vs_trl']:.2f}x TRL; masktrl is {r[side + '_vs_masktrl']:.2f}x faster")
 
 
 if __name__ == "__main__":

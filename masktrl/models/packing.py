@@ -58,6 +58,44 @@ class Segments:
     queries: tuple[tuple[int, int], ...]
     keys: tuple[tuple[tuple[int, int], ...], ...]
 
+    def __post_init__(self):
+        object.__setattr__(self, "_cache", {})
+
+    def _plan(self):
+        """Segments grouped by (queries, keys) shape: [(query positions, key positions, count, nq, nk)]
+        as lists, and the permutation from group order back to the packed order."""
+        if "plan" not in self._cache:
+            by_shape: dict[tuple[int, int], list[int]] = {}
+            for i, ((qs, qe), ranges) in enumerate(zip(self.queries, self.keys)):
+                if qe > qs:
+                    by_shape.setdefault((qe - qs, sum(b - a for a, b in ranges)), []).append(i)
+            plan, order = [], []
+            for (nq, nk), members in by_shape.items():
+                q_pos = [p for i in members for p in range(*self.queries[i])]
+                k_pos = [p for i in members for a, b in self.keys[i] for p in range(a, b)]
+                plan.append((q_pos, k_pos, len(members), nq, nk))
+                order += q_pos
+            inverse = [0] * len(order)
+            for j, p in enumerate(order):
+                inverse[p] = j
+            self._cache["plan"] = (plan, inverse)
+        return self._cache["plan"]
+
+    def groups(self, device):
+        """``_plan``'s groups with index tensors on ``device`` (built once per device)."""
+        key = ("groups", str(device))
+        if key not in self._cache:
+            plan, _ = self._plan()
+            self._cache[key] = [(torch.tensor(q, device=device), torch.tensor(k, device=device), g, nq, nk) for q, k, g, nq, nk in plan]
+        return self._cache[key]
+
+    def inverse(self, device):
+        """[T] positions in group order of each packed query (``segment_attention``'s output order)."""
+        key = ("inverse", str(device))
+        if key not in self._cache:
+            self._cache[key] = torch.tensor(self._plan()[1], device=device)
+        return self._cache[key]
+
     @classmethod
     def self_attending(cls, lengths: list[int]) -> "Segments":
         """Segments of ``lengths`` back to back, each attending causally to itself."""
@@ -75,12 +113,15 @@ def _bounds(lengths: list[int], offset: int = 0) -> list[tuple[int, int]]:
 
 def segment_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                       packed_segments: Segments | None = None, **kwargs):
-    """Attention over packed segments (``packed_segments``), one ``scaled_dot_product_attention``
-    per segment. query [1, Hq, T, D], key/value [1, Hkv, S, D] (S = T, or the cached prompt keys
-    plus T). Returns ([1, T, Hq, D], None) like transformers' attention functions.
+    """Attention over packed segments (``packed_segments``). query [1, Hq, T, D], key/value
+    [1, Hkv, S, D] (S = T, or the cached prompt keys plus T). Returns ([1, T, Hq, D], None) like
+    transformers' attention functions.
 
-    Without ``packed_segments`` (any other forward while this implementation is switched in) it
-    is plain causal sdpa over the whole row."""
+    Segments of the same shape (queries, keys) are gathered into one batch and run through one
+    ``scaled_dot_product_attention`` call (causal, lower-right aligned when a segment has more
+    keys than queries); so a micro-batch of many short sequences costs a few calls, not one per
+    sequence. Without ``packed_segments`` (any other forward while this implementation is
+    switched in) it is plain causal sdpa over the whole row."""
     if attention_mask is not None:
         raise ValueError("segment_attention takes its layout from packed_segments, not an attention mask")
     gqa = query.shape[1] != key.shape[1]
@@ -89,26 +130,21 @@ def segment_attention(module, query, key, value, attention_mask, dropout: float 
                                              is_causal=query.shape[2] > 1, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
     parts = []
-    for (qs, qe), ranges in zip(packed_segments.queries, packed_segments.keys):
-        nq = qe - qs
-        if nq == 0:
-            continue
-        q = query[:, :, qs:qe]  # [1, Hq, nq, D]
-        if len(ranges) == 1:
-            k, v = key[:, :, ranges[0][0]:ranges[0][1]], value[:, :, ranges[0][0]:ranges[0][1]]
-        else:
-            k = torch.cat([key[:, :, a:b] for a, b in ranges], dim=2)  # [1, Hkv, nk, D]
-            v = torch.cat([value[:, :, a:b] for a, b in ranges], dim=2)
-        nk = k.shape[2]
+    for q_idx, k_idx, g, nq, nk in packed_segments.groups(query.device):
+        q = query[0].index_select(1, q_idx).unflatten(1, (g, nq)).transpose(0, 1)  # [g, Hq, nq, D]
+        k = key[0].index_select(1, k_idx).unflatten(1, (g, nk)).transpose(0, 1)  # [g, Hkv, nk, D]
+        v = value[0].index_select(1, k_idx).unflatten(1, (g, nk)).transpose(0, 1)
         if nk == nq:
             mask, causal = None, nq > 1
         else:  # lower-right causal: the queries are the last nq of the nk keys
             mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)  # [nq, nk]
             causal = False
-        parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                                    is_causal=causal, enable_gqa=gqa))  # [1, Hq, nq, D]
-    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # [1, Hq, T, D]
-    return out.transpose(1, 2).contiguous(), None
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                           is_causal=causal, enable_gqa=gqa)  # [g, Hq, nq, D]
+        parts.append(o.transpose(0, 1).flatten(1, 2))  # [Hq, g*nq, D]
+    out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [Hq, T, D] in group order
+    out = out.index_select(1, packed_segments.inverse(query.device))  # back to the packed order
+    return out.transpose(0, 1)[None].contiguous(), None
 
 
 def _no_mask(*args, **kwargs):

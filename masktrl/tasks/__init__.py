@@ -12,6 +12,7 @@ from masktrl.tasks.base import Example, Task, get_task, register_task, task_name
 from masktrl.tasks import arithmetic as _arithmetic  # noqa: F401  (registers "arithmetic")
 from masktrl.tasks import math_data as _math_data  # noqa: F401  (registers "math" and the benchmarks)
 from masktrl.tasks import residues as _residues  # noqa: F401  (registers "residues", the lab task)
+from masktrl.tasks import longtail as _longtail  # noqa: F401  (registers "longtail", the long-response benchmark task)
 from masktrl.tasks.dataset import DatasetTask
 from masktrl.tasks.factory import make_eval_task, make_task
 from masktrl.tasks.prompts import encode_prompt
