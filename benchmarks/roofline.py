@@ -1,0 +1,417 @@
+"""How close each stage of a masktrl step is to what the machine can do.
+
+Measures the machine: the matmul peak (FLOP/s of a large float32 GEMM at ``--threads``) and the
+memory bandwidth (a float32 triad a = b + s c over arrays far larger than the caches). Then, for
+the default shape (configs/tiny.yaml), the lab (configs/lab.yaml) and the long shape
+(benchmarks/long_shape.py), with a randomly initialised model of the shape's dimensions:
+
+* **training forward + backward** of one micro-batch (policy forward, DAPO loss, backward),
+  padded (today's forward) and packed (masktrl/models/packing.py), each with and without prompt
+  sharing. Model FLOPs of the tokens a variant runs (padding not counted):
+  6 N per token (N = parameters outside the embeddings) + 6 V H per response token (the
+  lm_head, at response positions only) + causal attention 6 n_layers d_q L^2 / ... per
+  sequence (QK^T and AV over the L(L+1)/2 causal pairs, x3 for forward + backward); MFU =
+  those FLOPs / time / the measured peak. Memory: the bytes autograd saves for the backward
+  (activations; distinct storages), and on a GPU the peak allocated memory.
+* **generation** with the HF engine (shared prefill, K = 20 lists): generated tokens/s against
+  the bound of reading the weights and the KV cache once per decode step at the measured
+  bandwidth (generation is memory-bound), and against the compute bound (2 N per token).
+
+Runs on the GPU when there is one (``--device auto``), else on the CPU.
+
+    python benchmarks/roofline.py --json outputs/bench/roofline.json
+    python benchmarks/roofline.py --shapes long --reps 3
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from common import machine, median, parser, print_table, quiet, write_json  # noqa: E402
+
+TEMPERATURE, CHUNK, K = 1.0, 1024, 20
+
+
+# --------------------------------------------------------------------------- the machine
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_peak(device, n: int, reps: int = 5) -> float:
+    """FLOP/s of an n x n x n float32 GEMM, best of ``reps`` (TF32 off: plain float32)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    c = torch.empty(n, n, device=device)
+    torch.matmul(a, b, out=c)
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        torch.matmul(a, b, out=c)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def bandwidth(device, mib: int, reps: int = 5) -> float:
+    """Bytes/s of a float32 triad a = b + 0.5 c (two arrays read, one written), best of ``reps``."""
+    n = mib * 2**20 // 4
+    b = torch.rand(n, device=device)
+    c = torch.rand(n, device=device)
+    a = torch.empty(n, device=device)
+    torch.add(b, c, alpha=0.5, out=a)
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        torch.add(b, c, alpha=0.5, out=a)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 3 * n * 4 / best
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def shapes(names: list[str]) -> dict:
+    """name -> (model dims, tokenizer kind, task overrides, sequences per micro-batch, response length sampler)."""
+    out = {}
+    if "default" in names:  # configs/tiny.yaml: 64 prompts x 8, one micro-batch; answers of 3-4 digits + EOS
+        out["default"] = dict(config=[], micro=512, group=8, response=lambda rng, ex: rng.choice((4, 5)))
+    if "lab" in names:  # configs/lab.yaml: 64 x 8 in 8 minibatches; 4 numbers + EOS
+        out["lab"] = dict(config=[str(Path(__file__).resolve().parents[1] / "configs" / "lab.yaml")], micro=64, group=8, response=lambda rng, ex: 5)
+    if "long" in names:  # benchmarks/long_shape.py: 2 prompts x 8, responses of the prompt's target length
+        from masktrl.tasks.longtail import target_length
+
+        out["long"] = dict(config=None, micro=16, group=8, response=lambda rng, ex: target_length(ex.prompt))
+    return out
+
+
+def build(name: str, spec: dict, device, dtype, seed: int = 0):
+    """(model, samples) of a shape: the shape's model dims (random weights), real task prompts,
+    random response tokens of the shape's lengths, random behaviour log-probs and top-K lists."""
+    from masktrl.config import load_config
+    from masktrl.models.tiny import TinyModelConfig, build_tiny_model, tiny_tokenizer
+    from masktrl.rollout.base import Generation, Sample
+    from masktrl.tasks import make_task
+
+    if name == "long":
+        from long_shape import LONG_MODEL, long_config, long_model
+
+        cfg = long_config(long_model())
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(cfg.model.path)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=dtype)
+        dims = LONG_MODEL
+    else:
+        cfg = load_config(spec["config"] or None)
+        m = cfg.model
+        task = make_task(cfg.task, cfg.model)
+        tok = tiny_tokenizer(m.tokenizer, task.alphabet())
+        model = build_tiny_model(tok, TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size), seed).to(dtype)
+        dims = dict(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads)
+    task = make_task(cfg.task, cfg.model)
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    samples = []
+    for g, ex in enumerate(task.train_examples(spec["micro"] // spec["group"], rng)):
+        prompt = tok(ex.prompt, add_special_tokens=False)["input_ids"]
+        for _ in range(spec["group"]):
+            n = spec["response"](rng, ex)
+            ids = [rng.randrange(3, vocab) for _ in range(n)]
+            topk = [rng.sample(range(vocab), min(K, vocab)) for _ in range(n)]
+            gen = Generation(ids, [-rng.uniform(0.5, 3) for _ in range(n)], topk,
+                             [sorted((-rng.uniform(0.1, 5) for _ in range(len(topk[0]))), reverse=True) for _ in range(n)], True)
+            samples.append(Sample(ex.id, ex.prompt, ex.answer, prompt, g, gen, advantage=rng.uniform(-1, 1)))
+    rng.shuffle(samples)
+    return model.to(device), tok, samples, dims, cfg
+
+
+def param_counts(model) -> tuple[int, int, int]:
+    """(all parameters, parameters outside the input and output embeddings, V*H of the lm_head)."""
+    total = sum(p.numel() for p in model.parameters())
+    emb_in = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
+    return total, total - emb_in - head, head
+
+
+def train_flops(model, dims: dict, lengths: list[int], response_tokens: int) -> float:
+    """Model FLOPs of forward + backward over packed sequences of ``lengths`` (tokens run):
+    6 N per token, 6 V H per response token, causal attention 6 n_layers d_q L(L+1)/2 x 2 per
+    sequence (QK^T and AV, 2 FLOP per multiply-add)."""
+    _, n, head = param_counts(model)
+    d_q = model.config.num_attention_heads * getattr(model.config, "head_dim", dims["hidden_size"] // dims["num_heads"])
+    layers = model.config.num_hidden_layers
+    attn = sum(3 * 2 * 2 * layers * d_q * L * (L + 1) / 2 for L in lengths)
+    return 6 * n * sum(lengths) + 6 * head * response_tokens + attn
+
+
+# --------------------------------------------------------------------------- training
+
+
+def variants(samples) -> dict:
+    """name -> (packed, share)."""
+    from masktrl.pipeline.policy import can_share_prompts
+
+    out = {"padded": (False, False), "packed": (True, False)}
+    if can_share_prompts(samples):
+        out = {"padded, shared prompt": (False, True), "packed, shared prompt": (True, True), **out}
+    return out
+
+
+def work(samples, packed: bool, share: bool):
+    """(segment lengths the forward runs, real tokens, padded tokens it computes)."""
+    from masktrl.pipeline.policy import _distinct_prompts
+
+    if share:
+        prompts, group = _distinct_prompts(samples)
+        heads = [len(s.gen.response_ids) - 1 for s in samples]
+        # a shared-prompt response attends to its prompt too: count its attention against prompt + response
+        lengths = [len(p) for p in prompts]
+        real = sum(lengths) + sum(heads)
+        padded = len(prompts) * max(lengths) + len(samples) * max(heads)
+        attn_lengths = lengths + heads  # approximation for the FLOP count below: see train_flops_shared
+        return attn_lengths, real, padded
+    lengths = [len(s.prompt_ids) + len(s.gen.response_ids) - (1 if packed else 0) for s in samples]
+    return lengths, sum(lengths), len(samples) * max(lengths)
+
+
+def shared_attention_flops(model, dims, samples) -> float:
+    """Causal attention FLOPs (forward + backward) of the shared-prompt layout: each distinct
+    prompt once, each response attending to its prompt and its own earlier tokens."""
+    from masktrl.pipeline.policy import _distinct_prompts
+
+    prompts, group = _distinct_prompts(samples)
+    d_q = model.config.num_attention_heads * getattr(model.config, "head_dim", dims["hidden_size"] // dims["num_heads"])
+    layers = model.config.num_hidden_layers
+    pairs = sum(len(p) * (len(p) + 1) / 2 for p in prompts)
+    for s, g in zip(samples, group):
+        r, p = len(s.gen.response_ids) - 1, len(prompts[g])
+        pairs += r * p + r * (r + 1) / 2
+    return 3 * 2 * 2 * layers * d_q * pairs
+
+
+def step_fn(model, samples, packed: bool, share: bool):
+    """One forward + DAPO loss + backward of ``samples`` (gradients dropped after)."""
+    import dataclasses
+
+    import masktrl.methods  # noqa: F401
+    from masktrl.methods.registry import get_method
+    from masktrl.models import packing
+    from masktrl.models.logprobs import token_logprobs_and_entropy
+    from masktrl.pipeline import policy
+
+    method = get_method("dapo")
+    params = method.make_params()
+    with torch.no_grad():  # the padded outputs' non-differentiable fields (behaviour, ids)
+        ref = policy.policy_token_batch(model, samples, TEMPERATURE, CHUNK, share=share)
+    device = next(model.parameters()).device
+    if share:
+        prompts, group = policy._distinct_prompts(samples)
+        layout = packing.pack_shared(prompts, group, [s.gen.response_ids for s in samples]).to(device)
+    else:
+        layout = packing.pack_whole([s.prompt_ids for s in samples], [s.gen.response_ids for s in samples]).to(device)
+    ids = torch.cat([ref.batch.sampled_ids[:, None], ref.batch.topk_ids], dim=1)
+
+    def run():
+        if packed:
+            h = packing.packed_hidden(model.base_model, layout)
+            lp, _ = token_logprobs_and_entropy(h, model.get_output_embeddings().weight, ids, temperature=TEMPERATURE, chunk_size=CHUNK)
+            batch = dataclasses.replace(ref.batch, logp=lp[:, 0], topk_logp=lp[:, 1:])
+        else:
+            batch = policy.policy_token_batch(model, samples, TEMPERATURE, CHUNK, share=share).batch
+        losses = method.token_losses(batch, ref.advantages, params)
+        loss = method.aggregate(params, losses.loss, batch, horizon=512)
+        return loss
+
+    return run
+
+
+def saved_bytes(run) -> tuple[int, float]:
+    """(bytes autograd saves for the backward of ``run()``'s loss, distinct storages; the
+    backward's duration is not measured here)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        try:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run()
+    loss.backward()
+    return sum(seen.values())
+
+
+def measure_training(name, model, dims, samples, device, reps: int, peak: float) -> list[dict]:
+    model.train()
+    vs = variants(samples)
+    runs = {v: step_fn(model, samples, packed, share) for v, (packed, share) in vs.items()}
+    times = {v: [] for v in vs}
+    for r in range(reps + 1):  # the first round is a warm-up
+        order = list(vs) if r % 2 == 0 else list(reversed(vs))
+        for v in order:
+            model.zero_grad(set_to_none=True)
+            sync(device)
+            t0 = time.perf_counter()
+            runs[v]().backward()
+            sync(device)
+            if r:
+                times[v].append(time.perf_counter() - t0)
+    rows = []
+    response_tokens = sum(len(s.gen.response_ids) for s in samples)
+    for v, (packed, share) in vs.items():
+        lengths, real, padded = work(samples, packed, share)
+        if share:
+            _, n, head = param_counts(model)
+            flops = 6 * n * real + 6 * head * response_tokens + shared_attention_flops(model, dims, samples)
+        else:
+            flops = train_flops(model, dims, lengths, response_tokens)
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        act = saved_bytes(runs[v])
+        peak_mem = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
+        t = median(times[v])
+        rows.append({
+            "shape": name, "variant": v, "time_ms": 1000 * t, "tokens_run": real, "tokens_computed": real if packed else padded,
+            "padding_share": 0.0 if packed else 1 - real / padded, "model_gflop": flops / 1e9, "tflops": flops / t / 1e12,
+            "mfu": flops / t / peak, "saved_activation_mib": act / 2**20,
+            "peak_mib": None if peak_mem is None else peak_mem / 2**20,
+        })
+    model.zero_grad(set_to_none=True)
+    return rows
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def measure_generation(name, model, tok, samples, cfg, device, bw: float, peak: float, reps: int) -> dict:
+    """HF engine tokens/s at the shape, against the bandwidth and compute bounds."""
+    import contextlib
+
+    from masktrl.rollout.base import SamplingSettings
+    from masktrl.rollout.hf import HFEngine
+
+    model.eval()
+    prompts, seen = [], set()
+    for s in samples:
+        if tuple(s.prompt_ids) not in seen:
+            seen.add(tuple(s.prompt_ids))
+            prompts.append(s.prompt_ids)
+    n = len(samples) // len(prompts)
+    horizon = cfg.rollout.max_new_tokens
+    stack = contextlib.ExitStack()
+    if name == "long":
+        from long_shape import follow_target_lengths
+
+        stack.enter_context(follow_target_lengths(tok))
+    settings = SamplingSettings(n=n, max_new_tokens=horizon, temperature=1.0, logprobs_k=K)
+    engine = HFEngine(model, tok)
+    times, tokens, steps = [], 0, 0
+    with stack:
+        for r in range(reps + 1):
+            sync(device)
+            t0 = time.perf_counter()
+            gens = engine.generate(prompts, settings, seed=r)
+            sync(device)
+            if r:
+                times.append(time.perf_counter() - t0)
+            tokens = sum(len(g.response_ids) for grp in gens for g in grp)
+            steps = max(len(g.response_ids) for grp in gens for g in grp)
+    t = median(times)
+    total, n_params, head = param_counts(model)
+    cfgm = model.config
+    kv_dim = cfgm.num_key_value_heads * getattr(cfgm, "head_dim", cfgm.hidden_size // cfgm.num_attention_heads)
+    rows = len(prompts) * n
+    width = max(len(p) for p in prompts)
+    weight_bytes = total * model.dtype.itemsize
+    # each decode step reads every weight and the whole KV cache of its batch (rows x context)
+    kv_bytes = sum(rows * (width + s) * 2 * cfgm.num_hidden_layers * kv_dim * model.dtype.itemsize for s in range(steps))
+    bw_time = (steps * weight_bytes + kv_bytes) / bw
+    compute_time = 2 * (n_params + head) * rows * steps / peak  # every row runs every step
+    return {
+        "shape": name, "time_ms": 1000 * t, "generated_tokens": tokens, "decode_steps": steps, "rows": rows,
+        "tokens_per_s": tokens / t, "bandwidth_bound_tokens_per_s": tokens / bw_time,
+        "bandwidth_utilisation": bw_time / t, "compute_bound_tokens_per_s": tokens / compute_time,
+        "weights_mib": weight_bytes / 2**20, "weights_fit_in_cache": weight_bytes < 32 * 2**20,
+        "row_steps_wasted": 1 - tokens / (rows * steps),
+    }
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> dict:
+    p = parser(__doc__.split("\n")[0])
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--shapes", default="default,lab,long", help="comma-separated: default, lab, long")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per variant (after one warm-up)")
+    p.add_argument("--gen-reps", type=int, default=1, help="timed generation batches per shape (after one warm-up)")
+    p.add_argument("--no-generation", action="store_true")
+    p.add_argument("--gemm", type=int, default=None, help="GEMM size (default 4096 on CPU, 8192 on GPU)")
+    p.add_argument("--triad-mib", type=int, default=512, help="size of each triad array (MiB)")
+    args = p.parse_args(argv)
+    quiet()
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
+    torch.set_num_threads(args.threads)
+    peak = matmul_peak(device, args.gemm or (8192 if device.type == "cuda" else 4096))
+    bw = bandwidth(device, args.triad_mib)
+    print(f"{device}: float32 GEMM peak {peak / 1e9:,.1f} GFLOP/s, triad bandwidth {bw / 1e9:,.1f} GB/s ({args.threads} thread(s))", flush=True)
+    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    train_rows, gen_rows, info = [], [], {}
+    for name, spec in shapes(names).items():
+        model, tok, samples, dims, cfg = build(name, spec, device, torch.float32)
+        total, n, head = param_counts(model)
+        info[name] = {"parameters": total, "non_embedding": n, "sequences": len(samples),
+                      "prompt_tokens_mean": sum(len(s.prompt_ids) for s in samples) / len(samples),
+                      "response_tokens_mean": sum(len(s.gen.response_ids) for s in samples) / len(samples)}
+        train_rows += measure_training(name, model, dims, samples, device, args.reps, peak)
+        for r in train_rows:
+            if r["shape"] == name:
+                print(f"  {name:8s} {r['variant']:22s} {r['time_ms']:9.1f} ms  MFU {100 * r['mfu']:5.1f} %", flush=True)
+        if not args.no_generation:
+            gen_rows.append(measure_generation(name, model, tok, samples, cfg, device, bw, peak, args.gen_reps))
+            g = gen_rows[-1]
+            print(f"  {name:8s} generation {g['tokens_per_s']:,.0f} tokens/s, {100 * g['bandwidth_utilisation']:.1f} % of the bandwidth bound", flush=True)
+        del model
+    result = {"device": str(device), "matmul_peak_flops": peak, "bandwidth_bytes_per_s": bw, "threads": args.threads,
+              "shapes": info, "training": train_rows, "generation": gen_rows, "machine": machine()}
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+    report(result)
+    write_json(args.json, result)
+    return result
+
+
+def report(r: dict) -> None:
+    print_table(f"training forward + backward, one micro-batch ({r['device']}; peak {r['matmul_peak_flops'] / 1e9:,.0f} GFLOP/s)",
+                ["shape", "variant", "ms", "tokens run", "padding %", "GFLOP", "MFU %", "saved activations MiB"],
+                [[t["shape"], t["variant"], t["time_ms"], t["tokens_run"], 100 * t["padding_share"], t["model_gflop"], 100 * t["mfu"],
+                  t["saved_activation_mib"]] for t in r["training"]])
+    if r["generation"]:
+        print_table(f"generation, HF engine (bandwidth {r['bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s)",
+                    ["shape", "tokens/s", "bandwidth bound tokens/s", "% of bound", "compute bound tokens/s", "row-steps wasted %", "weights MiB"],
+                    [[g["shape"], g["tokens_per_s"], g["bandwidth_bound_tokens_per_s"], 100 * g["bandwidth_utilisation"],
+                      g["compute_bound_tokens_per_s"], 100 * g["row_steps_wasted"], g["weights_mib"]] for g in r["generation"]])
+
+
+if __name__ == "__main__":
+    main()
