@@ -1,0 +1,90 @@
+"""The long-response benchmark task, the long shape's length processor and the roofline's FLOP count."""
+
+import importlib
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from masktrl.config import load_config
+from masktrl.errors import ConfigError
+from masktrl.tasks import make_task
+from masktrl.tasks.longtail import LongTailTask, expected_completion, target_length
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_longtail_shapes_and_scoring():
+    task = make_task(load_config(None, ["task.name=longtail", "task.n_test=8"]).task, load_config(None, []).model)
+    ex = task.train_examples(3000, random.Random(0))
+    lengths = [target_length(e.prompt) for e in ex]
+    prompts = [len(e.prompt) for e in ex]
+    assert min(prompts) >= 64 and max(prompts) <= 256
+    assert min(lengths) == 32 and max(lengths) == 512  # clipped at both ends
+    assert 110 < sorted(lengths)[len(lengths) // 2] < 150  # median ~128
+    assert sorted(lengths)[int(0.9 * len(lengths))] > 2 * 128  # heavy tail: p90 > 2 x median
+    e = ex[0]
+    assert len(e.answer) == target_length(e.prompt) - 1 and e.answer == expected_completion(e.prompt)
+    assert task.score(e, e.answer) == 1.0 and task.score(e, e.answer[:-1]) == 0.0 and task.score(e, None) == 0.0
+    test_ids = {x.prompt for x in task.test_examples()}
+    assert len(test_ids) == 8 and not test_ids & {x.prompt for x in ex}
+    assert set("".join(x.prompt for x in ex[:50])) <= set(task.alphabet())
+    assert [x.id for x in task.test_examples()] == [x.id for x in LongTailTask(n_test=8).test_examples()]  # stable ids
+
+
+@pytest.mark.parametrize("bad", [{"prompt_min": 2}, {"response_max": 1}, {"length_sigma": -1}, {"length_median": 0}])
+def test_longtail_bad_options(bad):
+    with pytest.raises(ConfigError, match="longtail"):
+        LongTailTask(**bad)
+
+
+@pytest.fixture
+def bench(tmp_path, monkeypatch):
+    monkeypatch.setenv("MASKTRL_BENCH_OUT", str(tmp_path))
+    monkeypatch.syspath_prepend(str(BENCH))
+    for name in ("common", "long_shape", "roofline"):
+        sys.modules.pop(name, None)
+    return importlib.import_module("long_shape"), importlib.import_module("roofline")
+
+
+def test_target_length_processor_makes_every_response_its_target(bench):
+    long_shape, _ = bench
+    from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+    from masktrl.rollout.base import SamplingSettings
+    from masktrl.rollout.hf import HFEngine
+    from masktrl.tasks.longtail import ALPHABET
+
+    tok = build_char_tokenizer(ALPHABET)
+    model = build_tiny_model(tok, TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32), 0).eval()
+    prompts = ["abcdefgh|5=", "xyz|2=", "qwertyuiopasdf|9="]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    with long_shape.follow_target_lengths(tok):
+        gens = HFEngine(model, tok).generate(ids, SamplingSettings(n=2, max_new_tokens=12, logprobs_k=3), seed=0)
+    for p, group in zip(prompts, gens):
+        for g in group:
+            assert len(g.response_ids) == target_length(p) and g.finished
+            assert g.response_ids[-1] == tok.eos_token_id and tok.eos_token_id not in g.response_ids[:-1]
+    plain = HFEngine(model, tok).generate(ids, SamplingSettings(n=2, max_new_tokens=12, logprobs_k=3), seed=0)
+    assert any(len(g.response_ids) != target_length(p) for p, grp in zip(prompts, plain) for g in grp)  # restored
+
+
+def test_roofline_flops_by_hand(bench):
+    _, roofline = bench
+    from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer("ab")
+    model = build_tiny_model(tok, TinyModelConfig(hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=16), 0)
+    total, n, head = roofline.param_counts(model)
+    v, h = model.config.vocab_size, 8
+    assert head == v * h and total - n == 2 * v * h
+    per_layer = 8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16 + 2 * 8 + 2 * 4  # q, k+v, o, mlp, 2 norms, q/k norms
+    assert n == 2 * per_layer + 8  # + the final norm
+    dims = {"hidden_size": 8, "num_heads": 2}
+    # two sequences of 3 and 1 tokens, 2 response tokens: 6N per token, 6VH per response token,
+    # attention 2 layers x d_q 8 x (6 + 1 causal pairs) x 2 matmuls x 2 FLOP x 3 (fwd + bwd)
+    want = 6 * n * 4 + 6 * v * h * 2 + 2 * 8 * 7 * 2 * 2 * 3
+    assert math.isclose(roofline.train_flops(model, dims, [3, 1], 2), want)
+    assert roofline.matmul_peak(torch.device("cpu"), 64, reps=1) > 0 and roofline.bandwidth(torch.device("cpu"), 1, reps=1) > 0
