@@ -186,15 +186,20 @@ def segments_attention_active(base: torch.nn.Module) -> bool:
 
 
 def packing_unsupported(model: torch.nn.Module) -> str | None:
-    """Why ``model`` (a causal LM or its base model) cannot run the packed forward, or None.
+    """Why ``model`` (a causal LM or its base model) cannot run the packed forward, or None."""
+    return unsupported_reason(type(model), model.config)
+
+
+def unsupported_reason(model_class: type, config) -> str | None:
+    """Why a model of ``model_class`` with ``config`` cannot run the packed forward, or None
+    (checked from the class and config alone, before any weight is loaded).
 
     Packing replaces the attention function of every layer, so every attention layer must
     dispatch through transformers' attention interface (``_supports_attention_backend``), and
     every layer must attend fully and causally: a sliding window or a linear/recurrent layer
     would need the segment boundaries too."""
-    config = model.config
-    name = type(model).__name__
-    if not getattr(type(model), "_supports_attention_backend", False):
+    name = model_class.__name__
+    if not getattr(model_class, "_supports_attention_backend", False):
         return f"{name}'s attention layers do not use transformers' attention interface, so they cannot mask packed segments"
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
