@@ -336,6 +336,17 @@ class TrainConfig:
     """linear / cosine: the final learning rate as a fraction of train.lr."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of storing them."""
+    packing: bool = False
+    """Padding-free training forward: the sequences of a micro-batch packed into one row, attention
+    per sequence (models/packing.py); no compute on padding. Same log pi, losses and gradients as
+    the padded forward up to summation order. Pays off with ragged, long responses; on very short
+    ones the padded forward is as fast."""
+    micro_batch_tokens: int | None = None
+    """Form each process's micro-batches by a token budget instead of train.grad_accum's fixed
+    count: at most this many tokens per forward (prompt + response less its last token; a prompt
+    shared by a group counts once), longest sequences first, so similar lengths share a
+    micro-batch. A sequence longer than the budget is trained alone (one warning line). The update
+    is unchanged: the loss is normalised by the whole minibatch."""
     keep_checkpoints: int | None = None
     """Keep the newest N complete checkpoints (plus train.keep_steps); None keeps all."""
     keep_steps: tuple[int, ...] = ()
@@ -358,6 +369,11 @@ class TrainConfig:
         for name in ("steps", "minibatches", "grad_accum", "checkpoint_every", "logprob_chunk", "threads", "max_nonfinite_steps"):
             _positive(f"train.{name}", getattr(self, name))
         _choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if self.micro_batch_tokens is not None:
+            if isinstance(self.micro_batch_tokens, bool) or not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens < 1:
+                raise ConfigError(f"train.micro_batch_tokens must be a positive number of tokens (or unset), got {self.micro_batch_tokens!r}")
+            if self.grad_accum != 1:
+                raise ConfigError("train.micro_batch_tokens and train.grad_accum both set the micro-batches: set one of them")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:

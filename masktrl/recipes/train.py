@@ -57,6 +57,7 @@ from masktrl.models import checkpointing
 from masktrl.models.architectures import check_lm_head, shared_prompt_cache_ok
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.models.lora import apply_lora
+from masktrl.models.packing import packing_unsupported
 from masktrl.rl import checks
 from masktrl.rl import train_state as ckpt
 from masktrl.rl.collect import Batch, CollectSettings, batch_changes, collect_rollouts, reward_failures
@@ -364,6 +365,8 @@ def load_policy(cfg: Config, store: RunStore, task: Task, progress: Progress | N
         model, tokenizer, ws_info = prepare_policy(cfg, task, store.root.parent, progress)
     if not store.is_done("warmstart"):
         store.mark_done("warmstart", [], config_hash=cfg.hash("model", "task", "warmstart"), info=ws_info)
+    if cfg.train.packing and (reason := packing_unsupported(model)):
+        raise MasktrlError(f"train.packing: {reason}; set train.packing=false")
     check_lm_head(model)  # the chunked log-probs assume logits = h W^T: a soft-capped or scaled head is refused
     if cfg.model.lora.rank is not None:
         apply_lora(model, checks.lora_settings(cfg), seed=cfg.seed, base=lora_base(cfg, store, model, tokenizer, dist))

@@ -62,6 +62,9 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
         if cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k > vocab_size:  # transformers records min(K, vocabulary)
             raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary ({vocab_size}): "
                               "the vllm engine cannot record that many entries per token")
+        if cfg.train.packing:
+            check_packing(cfg)
+            report.append(("train.packing", "the model's attention can mask packed sequences"))
         if context is not None and cfg.rollout.max_new_tokens >= context:
             raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the model's context "
                               f"({context} positions)")
@@ -92,6 +95,30 @@ def top_p_refusal(what: str) -> str:
     """The one line that refuses training on nucleus-sampled rollouts (docs/ROLLOUTS.md)."""
     return (f"{what}: training needs top_p = 1 (the behaviour mu is then the renormalised nucleus while the trained pi "
             "is the full softmax, so every ratio pi/mu is biased)")
+
+
+def check_packing(cfg: Config) -> None:
+    """ConfigError when ``train.packing`` is on and the policy's architecture cannot mask packed
+    sequences (models/packing.py), read from its config without the weights. An architecture
+    whose class is not known here is checked once loaded (``packing_unsupported``)."""
+    from masktrl.models.packing import unsupported_reason
+
+    if cfg.model.path == "tiny":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model_class, config = Qwen3ForCausalLM, Qwen3Config()
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from masktrl.models.loading import load_model_config
+
+        config = load_model_config(cfg.model.path)
+        model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+        if model_class is None:
+            return
+    reason = unsupported_reason(model_class, config)
+    if reason:
+        raise ConfigError(f"train.packing: {reason}; set train.packing=false")
 
 
 def policy_tokenizer(cfg: Config, task) -> tuple[object, int, int | None]:

@@ -17,6 +17,7 @@ from masktrl.models import checkpointing
 from masktrl.models.architectures import shared_prompt_cache_ok
 from masktrl.models.kvcache import cache_kwarg, new_cache
 from masktrl.models.logprobs import token_logprobs_and_entropy, token_square_mass
+from masktrl.models.packing import Packed, pack_shared, pack_whole, packed_hidden
 from masktrl.rollout.base import Sample
 
 
@@ -41,12 +42,14 @@ class PolicyForward(torch.nn.Module):
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]  # read before ZeRO-3 partitions it
 
     def forward(self, input_ids, attention, rows, cols, ids, temperature: float, chunk: int,
-                prompt_ids=None, prompt_attention=None, group=None, entropy_grad: bool = False, square_mass: bool = False):
+                prompt_ids=None, prompt_attention=None, group=None, entropy_grad: bool = False, square_mass: bool = False,
+                packed: Packed | None = None):
         """Without ``prompt_ids``: ``input_ids`` [B, L] is prompt+response, right-padded. With them:
         ``input_ids`` [B, R] holds the responses only (see ``shared_prompt_hidden``).
         ``entropy_grad``: the entropy keeps its gradient (an entropy bonus, docs/METHODS.md §13.3).
-        ``square_mass``: also [N] sum_V pi^2 (no grad; pdm tail=exact, §4.7), else None."""
-        h = self.hidden(input_ids, attention, rows, cols, prompt_ids, prompt_attention, group)  # [N, H]
+        ``square_mass``: also [N] sum_V pi^2 (no grad; pdm tail=exact, §4.7), else None. With
+        ``packed`` (the padding-free layout, models/packing.py) the other inputs are None."""
+        h = self.hidden(input_ids, attention, rows, cols, prompt_ids, prompt_attention, group, packed)  # [N, H]
         weight = self.lm.get_output_embeddings().weight  # [V, H]
         # [N, 1+K] log pi at the sampled and top-K ids, and [N] entropy, in one pass over V
         lp, entropy = token_logprobs_and_entropy(h, weight, ids, temperature=temperature, chunk_size=chunk,
@@ -54,8 +57,10 @@ class PolicyForward(torch.nn.Module):
         sq = token_square_mass(h.detach(), weight.detach(), temperature=temperature, chunk_size=chunk) if square_mass else None
         return lp, entropy, sq
 
-    def hidden(self, input_ids, attention, rows, cols, prompt_ids=None, prompt_attention=None, group=None):
+    def hidden(self, input_ids, attention, rows, cols, prompt_ids=None, prompt_attention=None, group=None, packed=None):
         """[N, H] final hidden states at the response positions (the rows the lm_head reads)."""
+        if packed is not None:
+            return packed_hidden(self.lm.base_model, packed)
         if prompt_ids is None:
             hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state  # [B, L, H]
         else:
@@ -64,7 +69,7 @@ class PolicyForward(torch.nn.Module):
 
 
 def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: int, *, share: bool | None = None,
-                       entropy_grad: bool = False, drop_truncated: bool = False, full_pi: bool = False) -> PolicyOutputs:
+                       entropy_grad: bool = False, drop_truncated: bool = False, full_pi: bool = False, packed: bool = False) -> PolicyOutputs:
     """Run the policy on prompt+response and gather log pi at the sampled and top-K ids.
 
     ``full_pi``: also ``TokenBatch.pi_sq_sum`` = sum_V pi^2 per token, from the whole training
@@ -85,8 +90,11 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
     ``drop_truncated`` (``rollout.mask_truncated``): the tokens of a response cut at the length
     limit get behaviour log-probability -inf, so every method treats them as invalid: no loss,
     no gradient, left out of every aggregation denominator (docs/METHODS.md §13.5).
+    ``packed``: the padding-free forward (``train.packing``; models/packing.py), in the same two
+    layouts (shared prompt or whole sequences). Under activation checkpointing the caller keeps
+    ``packing.segments_attention`` around the forward and its backward (``policy_update`` does).
     """
-    policy, inner, inputs, share = _policy_inputs(model, samples, share)
+    policy, inner, inputs, share = _policy_inputs(model, samples, share, packed)
     vocab_size = inner.vocab_size
     device = next(policy.parameters()).device
 
@@ -152,9 +160,16 @@ def full_logprobs(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
     return torch.log_softmax((hidden.to(dtype) @ weight.to(dtype).t()) / temperature, dim=-1)
 
 
-def _policy_inputs(model, samples: list[Sample], share: bool | None = None):
+def base_model(model) -> torch.nn.Module:
+    """The transformer without its lm_head, under any wrapping (``PolicyForward``, DDP, DeepSpeed)."""
+    inner = getattr(model, "module", model)
+    lm = inner.lm if isinstance(inner, PolicyForward) else inner
+    return lm.base_model
+
+
+def _policy_inputs(model, samples: list[Sample], share: bool | None = None, packed: bool = False):
     """(the PolicyForward to call, its unwrapped module, its inputs on the model's device, whether
-    they are the shared-prompt forward's). ``share``: see ``policy_token_batch``."""
+    they are the shared-prompt forward's). ``share``, ``packed``: see ``policy_token_batch``."""
     policy = model if isinstance(getattr(model, "module", model), PolicyForward) else PolicyForward(model)
     inner = getattr(policy, "module", policy)
     device = next(policy.parameters()).device
@@ -165,6 +180,10 @@ def _policy_inputs(model, samples: list[Sample], share: bool | None = None):
         share = False
     if share and not shared_prompt_cache_ok(inner.lm.base_model)[0]:  # e.g. sliding-window caches
         share = False
+    if packed:
+        responses = [s.gen.response_ids for s in samples]
+        layout = pack_shared(prompts, group, responses) if share else pack_whole([s.prompt_ids for s in samples], responses)
+        return policy, inner, {"input_ids": None, "attention": None, "rows": None, "cols": None, "packed": layout.to(device)}, share
     if share:
         inputs = _shared_prompt_inputs(samples, prompts, group)
     else:

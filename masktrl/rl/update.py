@@ -10,7 +10,9 @@ are the method's (``masktrl.methods``).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -22,8 +24,9 @@ from masktrl.errors import MasktrlError
 from masktrl.methods.corrections import CorrectionParams, corrected_token_losses, correction_diagnostics
 from masktrl.methods.diagnostics import token_diagnostics
 from masktrl.methods.regularizers import mean_over_valid
+from masktrl.models import packing
 from masktrl.rl.distributed import Dist
-from masktrl.rl.policy import behaviour_logp, can_share_prompts, policy_token_batch, shared_forward_calls
+from masktrl.rl.policy import _distinct_prompts, base_model, behaviour_logp, can_share_prompts, policy_token_batch, shared_forward_calls
 from masktrl.rl.reference import Reference
 from masktrl.rl.schedule import make_scheduler
 from masktrl.rollout.base import Sample
@@ -44,12 +47,15 @@ class UpdateSettings:
     gradient_checkpointing: bool = False  # train.gradient_checkpointing: report which forward ran (shared_prompt_frac)
     mask_truncated: bool = False  # rollout.mask_truncated: responses cut at the length limit get no gradient
     correction: CorrectionParams = CorrectionParams()  # method.correction (docs/METHODS.md §14)
+    packing: bool = False  # train.packing: the padding-free forward
+    micro_batch_tokens: int | None = None  # train.micro_batch_tokens: micro-batches by a token budget (None: grad_accum of them)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "UpdateSettings":
         t = cfg.train
         return cls(t.minibatches, t.grad_accum, t.grad_clip, t.logprob_chunk, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
-                   t.gradient_checkpointing, cfg.rollout.mask_truncated, cfg.correction)
+                   t.gradient_checkpointing, cfg.rollout.mask_truncated, cfg.correction, t.packing,
+                   t.micro_batch_tokens)
 
 
 def make_optimizer(model, train_cfg: TrainConfig):
@@ -153,13 +159,14 @@ def minibatch_update(model, optimizer, scheduler, samples: list[Sample], idx: to
         raise MasktrlError("method.kl_coef > 0 with method.kl_in=loss needs the reference policy's log-probabilities")
     optimizer.zero_grad(set_to_none=True)
     micro_rows, loss_value, trained = [], 0.0, 0
-    for j, micro in enumerate(micro_batches(len(mb_samples), dist.rank, dist.world, settings.grad_accum)):
-        with dist.accumulate(model):
+    for j, micro in enumerate(_micro_batches(mb_samples, dist, settings)):
+        # the packed forward's attention stays switched in through the backward (activation checkpointing replays the layers there)
+        with dist.accumulate(model), (packing.segments_attention(base_model(model)) if settings.packing else contextlib.nullcontext()):
             micro_samples = [mb_samples[i] for i in micro]
             share_prompts = _agreed_share(micro_samples, dist)
             out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk, share=share_prompts,
                                      entropy_grad=entropy_grad, drop_truncated=settings.mask_truncated,
-                                     full_pi=method.needs_full_pi(params))
+                                     full_pi=method.needs_full_pi(params), packed=settings.packing)
             u_micro = None if u is None else torch.cat([u[i] for i in micro]).to(out.batch.logp.dtype)
             old_lp, old_top = (None, None) if old is None else old[j]
             losses, corr, seen = corrected_token_losses(method, out.batch, out.advantages, params, settings.correction,
@@ -201,6 +208,38 @@ def _agreed_share(samples: list[Sample], dist: Dist) -> bool | None:
     mine = (can_share_prompts(samples), shared_forward_calls(samples))
     views = dist.gather_objects(mine)
     return all(ok for ok, _ in views) and len({calls for _, calls in views}) == 1
+
+
+_WARNED_BUDGETS: set[int] = set()
+
+
+def _micro_batches(samples: list[Sample], dist: Dist, settings: UpdateSettings) -> list[list[int]]:
+    """This process's micro-batches of a minibatch: ``train.grad_accum`` contiguous ones, or by
+    the token budget ``train.micro_batch_tokens`` (``packing.token_budget_batches`` over its
+    share, every world-th sequence from its rank; then split until every process has as many as
+    the one with most, since each micro-batch runs the same collectives). A sequence over the
+    budget is trained alone; the first time that happens in a process, one warning line."""
+    budget = settings.micro_batch_tokens
+    if budget is None:
+        return micro_batches(len(samples), dist.rank, dist.world, settings.grad_accum)
+    mine = list(range(dist.rank, len(samples), dist.world))
+    part = [samples[i] for i in mine]
+    res = packing.token_budget_batches([len(s.prompt_ids) for s in part], [len(s.gen.response_ids) for s in part], budget,
+                                       _distinct_prompts(part)[1])
+    if res.oversized and budget not in _WARNED_BUDGETS:
+        _WARNED_BUDGETS.add(budget)
+        longest = max(packing.sequence_tokens(len(part[i].prompt_ids), len(part[i].gen.response_ids)) for i in res.oversized)
+        print(f"warning: train.micro_batch_tokens={budget}: {len(res.oversized)} sequence(s) are longer (up to {longest} tokens); "
+              "each is trained alone in a micro-batch of its own", file=sys.stderr, flush=True)
+    batches = [[mine[j] for j in b] for b in res.batches]
+    if dist.world > 1:
+        count = max(dist.gather_objects(len(batches)))
+        if count > len(batches):
+            if len(mine) < count:
+                raise MasktrlError(f"train.micro_batch_tokens={budget}: a process holds {len(mine)} sequences of a minibatch but "
+                                   f"another needs {count} micro-batches; raise train.micro_batch_tokens or lower train.minibatches")
+            batches = packing.balance(batches, count)
+    return batches
 
 
 def micro_batches(n: int, rank: int, world: int, grad_accum: int) -> list[list[int]]:
