@@ -2,17 +2,18 @@
 
 Shared by ``vs_trl.py --shape long`` and ``roofline.py``. The workload is the ``longtail`` task
 (masktrl/tasks/longtail.py): prompts of 64-256 tokens, each asking for a response of ``L``
-tokens with ``L`` log-normal (median 128) clipped to 32..512.
+tokens with ``L`` log-normal (median 128) clipped to 32..512; each response's own length is ``L``
+times a log-normal factor (``row_length``), so the samples of a group differ in length too.
 
 The model is a randomly initialised Qwen3 of the tiny family, made larger (hidden 384, 7
-layers, 6 heads / 2 KV heads, MLP 1024: 11.3 M parameters, 11.2 M outside the embeddings),
+layers, 6 heads / 2 KV heads, MLP 1024: 11.05 M parameters, 11.02 M outside the embeddings),
 with the task's character tokenizer (41 tokens), built once and cached under
 ``outputs/.cache/bench-long/``. A random model does not follow the length target, so while a
 benchmark runs, ``follow_target_lengths`` adds a logits processor to every transformers
 ``generate`` call in the process (both trainers' generation goes through it): EOS is suppressed
-before token ``L`` of the response and forced at it. The tokens themselves are sampled from the
-model; every response has exactly its prompt's target length, on both sides, so both do the
-same, heavy-tailed work.
+before the response's length and forced at it. The tokens themselves are sampled from the
+model; the length follows from the prompt and the first two sampled tokens by the same rule on
+both sides, so both do the same, heavy-tailed work.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
+import statistics
 from pathlib import Path
 
 import torch
 
 from common import OUT, bench_config
 
+SPREAD = 0.5  # log-scale spread of a response's length around its prompt's target (within a group)
 LONG_MODEL = dict(hidden_size=384, num_layers=7, num_heads=6, num_kv_heads=2, intermediate_size=1024, max_positions=1024)
 MAX_NEW_TOKENS = 512
 
@@ -69,11 +73,22 @@ def param_count(model_dir: Path) -> dict:
     return {"total": total, "non_embedding": total - emb}
 
 
+def row_length(target: int, first: int, second: int, low: int = 32, high: int = MAX_NEW_TOKENS) -> int:
+    """A response's length: its prompt's target ``L`` times a log-normal factor (``SPREAD``)
+    drawn from a hash of the response's first two tokens, clipped to [low, high]. So the
+    samples of one group differ in length as a policy's do, by a rule that is the same in both
+    trainers (it depends only on the sampled tokens)."""
+    u = ((first * 1_000_003 + second) * 2_654_435_761 % 2**32 + 0.5) / 2**32
+    z = statistics.NormalDist().inv_cdf(u)
+    return min(high, max(low, round(target * math.exp(SPREAD * z))))
+
+
 class TargetLength:
-    """Logits processor: EOS suppressed before a row's target length, forced at it.
+    """Logits processor: EOS suppressed before a row's length (``row_length``), forced at it.
 
     The target of a row is read from its prompt (``...|<L>=``, left-padded or not); the first
-    call of a ``generate`` fixes where the response starts."""
+    call of a ``generate`` fixes where the response starts, the third (two tokens sampled)
+    fixes each row's length."""
 
     def __init__(self, tokenizer):
         self.eos = tokenizer.eos_token_id
@@ -96,6 +111,14 @@ class TargetLength:
             self.start = input_ids.shape[1]
             self.targets = self._targets(input_ids).to(scores.device)
         t = input_ids.shape[1] - self.start  # response tokens so far; this call picks token t (0-based)
+        if t == 2:
+            firsts = input_ids[:, self.start:self.start + 2].tolist()
+            self.targets = torch.tensor([row_length(int(L), a, b) for L, (a, b) in zip(self.targets.tolist(), firsts)],
+                                        device=scores.device)
+        if t < 2:
+            scores = scores.clone()
+            scores[:, self.eos] = float("-inf")
+            return scores
         before = t < self.targets - 1  # [B]
         at = t == self.targets - 1
         scores = scores.clone()

@@ -92,10 +92,13 @@ def shapes(names: list[str]) -> dict:
         out["default"] = dict(config=[], micro=512, group=8, response=lambda rng, ex: rng.choice((4, 5)))
     if "lab" in names:  # configs/lab.yaml: 64 x 8 in 8 minibatches; 4 numbers + EOS
         out["lab"] = dict(config=[str(Path(__file__).resolve().parents[1] / "configs" / "lab.yaml")], micro=64, group=8, response=lambda rng, ex: 5)
-    if "long" in names:  # benchmarks/long_shape.py: 2 prompts x 8, responses of the prompt's target length
+    if "long" in names:  # benchmarks/long_shape.py: 2 prompts x 8, responses around the prompt's target length
+        from long_shape import row_length
+
         from masktrl.tasks.longtail import target_length
 
-        out["long"] = dict(config=None, micro=16, group=8, response=lambda rng, ex: target_length(ex.prompt))
+        out["long"] = dict(config=None, micro=16, group=8,
+                           response=lambda rng, ex: row_length(target_length(ex.prompt), rng.randrange(64), rng.randrange(64)))
     return out
 
 

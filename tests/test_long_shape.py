@@ -50,7 +50,7 @@ def bench(tmp_path, monkeypatch):
     return importlib.import_module("long_shape"), importlib.import_module("roofline")
 
 
-def test_target_length_processor_makes_every_response_its_target(bench):
+def test_target_length_processor_makes_every_response_its_length(bench, monkeypatch):
     long_shape, _ = bench
     from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
     from masktrl.rollout.base import SamplingSettings
@@ -59,16 +59,24 @@ def test_target_length_processor_makes_every_response_its_target(bench):
 
     tok = build_char_tokenizer(ALPHABET)
     model = build_tiny_model(tok, TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32), 0).eval()
-    prompts = ["abcdefgh|5=", "xyz|2=", "qwertyuiopasdf|9="]
+    prompts = ["abcdefgh|8=", "xyz|6=", "qwertyuiopasdf|12="]
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    monkeypatch.setattr(long_shape, "MAX_NEW_TOKENS", 20)
+    row_length = long_shape.row_length
+    monkeypatch.setattr(long_shape, "row_length", lambda L, a, b: row_length(L, a, b, low=3, high=20))
     with long_shape.follow_target_lengths(tok):
-        gens = HFEngine(model, tok).generate(ids, SamplingSettings(n=2, max_new_tokens=12, logprobs_k=3), seed=0)
+        gens = HFEngine(model, tok).generate(ids, SamplingSettings(n=4, max_new_tokens=20, logprobs_k=3), seed=0)
+    lengths = []
     for p, group in zip(prompts, gens):
         for g in group:
-            assert len(g.response_ids) == target_length(p) and g.finished
+            want = row_length(target_length(p), g.response_ids[0], g.response_ids[1], low=3, high=20)
+            assert len(g.response_ids) == want and g.finished
             assert g.response_ids[-1] == tok.eos_token_id and tok.eos_token_id not in g.response_ids[:-1]
-    plain = HFEngine(model, tok).generate(ids, SamplingSettings(n=2, max_new_tokens=12, logprobs_k=3), seed=0)
-    assert any(len(g.response_ids) != target_length(p) for p, grp in zip(prompts, plain) for g in grp)  # restored
+            lengths.append(len(g.response_ids))
+    assert len(set(lengths)) > 3  # ragged, also within groups
+    plain = HFEngine(model, tok).generate(ids, SamplingSettings(n=4, max_new_tokens=20, logprobs_k=3), seed=0)
+    assert any(g.response_ids[-1] != tok.eos_token_id or len(g.response_ids) < 3 for grp in plain for g in grp) or \
+        [len(g.response_ids) for grp in plain for g in grp] != lengths  # restored
 
 
 def test_roofline_flops_by_hand(bench):
@@ -87,4 +95,6 @@ def test_roofline_flops_by_hand(bench):
     # attention 2 layers x d_q 8 x (6 + 1 causal pairs) x 2 matmuls x 2 FLOP x 3 (fwd + bwd)
     want = 6 * n * 4 + 6 * v * h * 2 + 2 * 8 * 7 * 2 * 2 * 3
     assert math.isclose(roofline.train_flops(model, dims, [3, 1], 2), want)
+    spread = [bench[0].row_length(128, a, b) for a in range(41) for b in range(41)]
+    assert min(spread) == 32 and 100 < sorted(spread)[len(spread) // 2] < 160 and max(spread) > 300
     assert roofline.matmul_peak(torch.device("cpu"), 64, reps=1) > 0 and roofline.bandwidth(torch.device("cpu"), 1, reps=1) > 0
