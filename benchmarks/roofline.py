@@ -20,7 +20,7 @@ the default shape (configs/tiny.yaml), the lab (configs/lab.yaml) and the long s
 Runs on the GPU when there is one (``--device auto``), else on the CPU.
 
     python benchmarks/roofline.py --json outputs/bench/roofline.json
-    python benchmarks/roofline.py --shapes long --reps 3
+    python benchmarks/roofline.py --shapes long --reps 3 --cache-variants
 """
 
 from __future__ import annotations
@@ -359,6 +359,43 @@ def measure_generation(name, model, tok, samples, cfg, device, bw: float, peak: 
     }
 
 
+def generation_cache_variants(name, model, tok, samples, cfg, device, reps: int) -> list[dict]:
+    """transformers ``generate`` (no log-prob recording, ``num_return_sequences``) with its
+    dynamic KV cache and with a static one (``cache_implementation="static"``, no compile):
+    tokens/s of each, alternating, same prompts and seeds."""
+    import contextlib
+
+    model.eval()
+    prompts = list(dict.fromkeys(tuple(s.prompt_ids) for s in samples))
+    n = len(samples) // len(prompts)
+    width = max(map(len, prompts))
+    pad = tok.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+    att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    stack = contextlib.ExitStack()
+    if name == "long":
+        from long_shape import follow_target_lengths
+
+        stack.enter_context(follow_target_lengths(tok))
+    out = {"dynamic cache": [], "static cache": []}
+    toks = {}
+    with stack, torch.no_grad():
+        for r in range(reps + 1):
+            for variant in (out if r % 2 == 0 else reversed(list(out))):
+                extra = {"cache_implementation": "static"} if variant == "static cache" else {}
+                torch.manual_seed(r)
+                sync(device)
+                t0 = time.perf_counter()
+                g = model.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                   max_new_tokens=cfg.rollout.max_new_tokens, num_return_sequences=n, pad_token_id=pad, **extra)
+                sync(device)
+                if r:
+                    out[variant].append(time.perf_counter() - t0)
+                resp = g[:, width:]
+                toks[variant] = int(((resp != pad) | (resp == tok.eos_token_id)).sum())
+    return [{"shape": name, "variant": v, "time_ms": 1000 * median(t), "tokens_per_s": toks[v] / median(t)} for v, t in out.items()]
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -369,6 +406,7 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per variant (after one warm-up)")
     p.add_argument("--gen-reps", type=int, default=1, help="timed generation batches per shape (after one warm-up)")
     p.add_argument("--no-generation", action="store_true")
+    p.add_argument("--cache-variants", action="store_true", help="also time generate with a dynamic vs a static KV cache")
     p.add_argument("--gemm", type=int, default=None, help="GEMM size (default 4096 on CPU, 8192 on GPU)")
     p.add_argument("--triad-mib", type=int, default=512, help="size of each triad array (MiB)")
     args = p.parse_args(argv)
@@ -379,7 +417,7 @@ def main(argv=None) -> dict:
     bw = bandwidth(device, args.triad_mib)
     print(f"{device}: float32 GEMM peak {peak / 1e9:,.1f} GFLOP/s, triad bandwidth {bw / 1e9:,.1f} GB/s ({args.threads} thread(s))", flush=True)
     names = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    train_rows, gen_rows, info = [], [], {}
+    train_rows, gen_rows, cache_rows, info = [], [], [], {}
     for name, spec in shapes(names).items():
         model, tok, samples, dims, cfg = build(name, spec, device, torch.float32)
         total, n, head = param_counts(model)
@@ -394,9 +432,13 @@ def main(argv=None) -> dict:
             gen_rows.append(measure_generation(name, model, tok, samples, cfg, device, bw, peak, args.gen_reps))
             g = gen_rows[-1]
             print(f"  {name:8s} generation {g['tokens_per_s']:,.0f} tokens/s, {100 * g['bandwidth_utilisation']:.1f} % of the bandwidth bound", flush=True)
+            if args.cache_variants:
+                cache_rows += generation_cache_variants(name, model, tok, samples, cfg, device, args.gen_reps)
+                for c in cache_rows[-2:]:
+                    print(f"  {name:8s} generate, {c['variant']}: {c['tokens_per_s']:,.0f} tokens/s", flush=True)
         del model
     result = {"device": str(device), "matmul_peak_flops": peak, "bandwidth_bytes_per_s": bw, "threads": args.threads,
-              "shapes": info, "training": train_rows, "generation": gen_rows, "machine": machine()}
+              "shapes": info, "training": train_rows, "generation": gen_rows, "generate_cache": cache_rows, "machine": machine()}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
     report(result)
@@ -414,6 +456,9 @@ def report(r: dict) -> None:
                     ["shape", "tokens/s", "bandwidth bound tokens/s", "% of bound", "compute bound tokens/s", "row-steps wasted %", "weights MiB"],
                     [[g["shape"], g["tokens_per_s"], g["bandwidth_bound_tokens_per_s"], 100 * g["bandwidth_utilisation"],
                       g["compute_bound_tokens_per_s"], 100 * g["row_steps_wasted"], g["weights_mib"]] for g in r["generation"]])
+    if r.get("generate_cache"):
+        print_table("transformers generate, KV cache kind (no log-prob recording)", ["shape", "cache", "ms", "tokens/s"],
+                    [[c["shape"], c["variant"], c["time_ms"], c["tokens_per_s"]] for c in r["generate_cache"]])
 
 
 if __name__ == "__main__":
