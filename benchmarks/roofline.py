@@ -9,9 +9,12 @@ the default shape (configs/tiny.yaml), the lab (configs/lab.yaml) and the long s
   padded (today's forward) and packed (masktrl/models/packing.py), each with and without prompt
   sharing. Model FLOPs of the tokens a variant runs (padding not counted):
   6 N per token (N = parameters outside the embeddings) + 6 V H per response token (the
-  lm_head, at response positions only) + causal attention 6 n_layers d_q L^2 / ... per
-  sequence (QK^T and AV over the L(L+1)/2 causal pairs, x3 for forward + backward); MFU =
-  those FLOPs / time / the measured peak. Memory: the bytes autograd saves for the backward
+  lm_head, at response positions only) + causal attention 12 n_layers d_q per attended
+  (query, key) pair (QK^T and AV, 2 FLOP per multiply-add, x3 for forward + backward; a
+  sequence of L tokens has L(L+1)/2 pairs, a shared-prompt response of r tokens r p + r(r+1)/2
+  against its p-token prompt); MFU =
+  those FLOPs / time / the measured peak; on a CPU also per second of process CPU time
+  against the GEMM's FLOP per CPU-second (what waiting for a shared CPU does not inflate). Memory: the bytes autograd saves for the backward
   (activations; distinct storages), and on a GPU the peak allocated memory.
 * **generation** with the HF engine (shared prefill, K = 20 lists): generated tokens/s against
   the bound of reading the weights and the KV cache once per decode step at the measured
@@ -48,9 +51,12 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def matmul_peak(device, n: int, reps: int = 5) -> float:
-    """FLOP/s of an n x n x n float32 GEMM, best of ``reps`` (TF32 off: plain float32)."""
+def matmul_peak(device, n: int, reps: int = 5, cpu_time: bool = False) -> float:
+    """FLOP/s of an n x n x n float32 GEMM, best of ``reps`` (TF32 off: plain float32). With
+    ``cpu_time``: per second of process CPU time (all threads), which a CPU shared with other
+    processes does not inflate."""
     torch.backends.cuda.matmul.allow_tf32 = False
+    clock = time.process_time if cpu_time else time.perf_counter
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
     c = torch.empty(n, n, device=device)
@@ -58,10 +64,10 @@ def matmul_peak(device, n: int, reps: int = 5) -> float:
     best = float("inf")
     for _ in range(reps):
         sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         torch.matmul(a, b, out=c)
         sync(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return 2 * n**3 / best
 
 
@@ -262,21 +268,23 @@ def saved_bytes(run) -> tuple[int, float]:
     return sum(seen.values())
 
 
-def measure_training(name, model, dims, samples, device, reps: int, peak: float) -> list[dict]:
+def measure_training(name, model, dims, samples, device, reps: int, peak: float, cpu_peak: float | None) -> list[dict]:
     model.train()
     vs = variants(samples)
     runs = {v: step_fn(model, samples, packed, share) for v, (packed, share) in vs.items()}
     times = {v: [] for v in vs}
+    cpu = {v: [] for v in vs}
     for r in range(reps + 1):  # the first round is a warm-up
         order = list(vs) if r % 2 == 0 else list(reversed(vs))
         for v in order:
             model.zero_grad(set_to_none=True)
             sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             runs[v]().backward()
             sync(device)
             if r:
                 times[v].append(time.perf_counter() - t0)
+                cpu[v].append(time.process_time() - c0)
     rows = []
     response_tokens = sum(len(s.gen.response_ids) for s in samples)
     for v, (packed, share) in vs.items():
@@ -292,11 +300,13 @@ def measure_training(name, model, dims, samples, device, reps: int, peak: float)
             base = torch.cuda.memory_allocated()
         act = saved_bytes(runs[v])
         peak_mem = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
-        t = median(times[v])
+        t, c = median(times[v]), median(cpu[v])
         rows.append({
-            "shape": name, "variant": v, "time_ms": 1000 * t, "tokens_run": real, "tokens_computed": real if packed else padded,
+            "shape": name, "variant": v, "time_ms": 1000 * t, "cpu_ms": 1000 * c, "tokens_run": real,
+            "tokens_computed": real if packed else padded,
             "padding_share": 0.0 if packed else 1 - real / padded, "model_gflop": flops / 1e9, "tflops": flops / t / 1e12,
-            "mfu": flops / t / peak, "saved_activation_mib": act / 2**20,
+            "mfu": flops / t / peak, "mfu_cpu_time": None if cpu_peak is None else flops / c / cpu_peak,
+            "saved_activation_mib": act / 2**20,
             "peak_mib": None if peak_mem is None else peak_mem / 2**20,
         })
     model.zero_grad(set_to_none=True)
@@ -413,9 +423,12 @@ def main(argv=None) -> dict:
     quiet()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
     torch.set_num_threads(args.threads)
-    peak = matmul_peak(device, args.gemm or (8192 if device.type == "cuda" else 4096))
+    gemm = args.gemm or (8192 if device.type == "cuda" else 4096)
+    peak = matmul_peak(device, gemm)
+    cpu_peak = matmul_peak(device, gemm, cpu_time=True) if device.type == "cpu" else None
     bw = bandwidth(device, args.triad_mib)
-    print(f"{device}: float32 GEMM peak {peak / 1e9:,.1f} GFLOP/s, triad bandwidth {bw / 1e9:,.1f} GB/s ({args.threads} thread(s))", flush=True)
+    print(f"{device}: float32 GEMM peak {peak / 1e9:,.1f} GFLOP/s" + (f" ({cpu_peak / 1e9:,.1f} per CPU-second)" if cpu_peak else "")
+          + f", triad bandwidth {bw / 1e9:,.1f} GB/s ({args.threads} thread(s))", flush=True)
     names = [s.strip() for s in args.shapes.split(",") if s.strip()]
     train_rows, gen_rows, cache_rows, info = [], [], [], {}
     for name, spec in shapes(names).items():
@@ -424,10 +437,11 @@ def main(argv=None) -> dict:
         info[name] = {"parameters": total, "non_embedding": n, "sequences": len(samples),
                       "prompt_tokens_mean": sum(len(s.prompt_ids) for s in samples) / len(samples),
                       "response_tokens_mean": sum(len(s.gen.response_ids) for s in samples) / len(samples)}
-        train_rows += measure_training(name, model, dims, samples, device, args.reps, peak)
+        train_rows += measure_training(name, model, dims, samples, device, args.reps, peak, cpu_peak)
         for r in train_rows:
             if r["shape"] == name:
-                print(f"  {name:8s} {r['variant']:22s} {r['time_ms']:9.1f} ms  MFU {100 * r['mfu']:5.1f} %", flush=True)
+                extra = f", per CPU-second {100 * r['mfu_cpu_time']:5.1f} %" if r["mfu_cpu_time"] is not None else ""
+                print(f"  {name:8s} {r['variant']:22s} {r['time_ms']:9.1f} ms  MFU {100 * r['mfu']:5.1f} %{extra}", flush=True)
         if not args.no_generation:
             gen_rows.append(measure_generation(name, model, tok, samples, cfg, device, bw, peak, args.gen_reps))
             g = gen_rows[-1]
@@ -437,7 +451,7 @@ def main(argv=None) -> dict:
                 for c in cache_rows[-2:]:
                     print(f"  {name:8s} generate, {c['variant']}: {c['tokens_per_s']:,.0f} tokens/s", flush=True)
         del model
-    result = {"device": str(device), "matmul_peak_flops": peak, "bandwidth_bytes_per_s": bw, "threads": args.threads,
+    result = {"device": str(device), "matmul_peak_flops": peak, "matmul_peak_flops_per_cpu_s": cpu_peak, "bandwidth_bytes_per_s": bw, "threads": args.threads,
               "shapes": info, "training": train_rows, "generation": gen_rows, "generate_cache": cache_rows, "machine": machine()}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
@@ -448,8 +462,9 @@ def main(argv=None) -> dict:
 
 def report(r: dict) -> None:
     print_table(f"training forward + backward, one micro-batch ({r['device']}; peak {r['matmul_peak_flops'] / 1e9:,.0f} GFLOP/s)",
-                ["shape", "variant", "ms", "tokens run", "padding %", "GFLOP", "MFU %", "saved activations MiB"],
-                [[t["shape"], t["variant"], t["time_ms"], t["tokens_run"], 100 * t["padding_share"], t["model_gflop"], 100 * t["mfu"],
+                ["shape", "variant", "ms", "CPU ms", "tokens run", "padding %", "GFLOP", "MFU %", "MFU % (CPU time)", "saved activations MiB"],
+                [[t["shape"], t["variant"], t["time_ms"], t["cpu_ms"], t["tokens_run"], 100 * t["padding_share"], t["model_gflop"],
+                  100 * t["mfu"], float("nan") if t["mfu_cpu_time"] is None else 100 * t["mfu_cpu_time"],
                   t["saved_activation_mib"]] for t in r["training"]])
     if r["generation"]:
         print_table(f"generation, HF engine (bandwidth {r['bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s)",
