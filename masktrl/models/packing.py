@@ -82,18 +82,26 @@ class Segments:
         return self._cache["plan"]
 
     def groups(self, device):
-        """``_plan``'s groups with index tensors on ``device`` (built once per device)."""
+        """(query positions, key positions, [(count, nq, nk)] per group) on ``device``, built
+        once per device: the positions in group order (None where that is the packed order
+        itself, so no gather is needed)."""
         key = ("groups", str(device))
         if key not in self._cache:
             plan, _ = self._plan()
-            self._cache[key] = [(torch.tensor(q, device=device), torch.tensor(k, device=device), g, nq, nk) for q, k, g, nq, nk in plan]
+            q = [p for g in plan for p in g[0]]
+            k = [p for g in plan for p in g[1]]
+            q_idx = None if q == list(range(len(q))) else torch.tensor(q, device=device)
+            k_idx = None if k == list(range(len(k))) else torch.tensor(k, device=device)
+            self._cache[key] = (q_idx, k_idx, [(g, nq, nk) for _, _, g, nq, nk in plan])
         return self._cache[key]
 
     def inverse(self, device):
-        """[T] positions in group order of each packed query (``segment_attention``'s output order)."""
+        """[T] positions in group order of each packed query (``segment_attention``'s output
+        order), or None where group order is the packed order."""
         key = ("inverse", str(device))
         if key not in self._cache:
-            self._cache[key] = torch.tensor(self._plan()[1], device=device)
+            inv = self._plan()[1]
+            self._cache[key] = None if inv == list(range(len(inv))) else torch.tensor(inv, device=device)
         return self._cache[key]
 
     @classmethod
@@ -129,11 +137,19 @@ def segment_attention(module, query, key, value, attention_mask, dropout: float 
         out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,
                                              is_causal=query.shape[2] > 1, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
+    # one gather per tensor into group order (its backward is one scatter), then views per group
+    q_idx, k_idx, shapes = packed_segments.groups(query.device)
+    qa = query[0] if q_idx is None else query[0].index_select(1, q_idx)  # [Hq, Tq, D]
+    ka = key[0] if k_idx is None else key[0].index_select(1, k_idx)  # [Hkv, Tk, D] (a shared prompt's keys repeat)
+    va = value[0] if k_idx is None else value[0].index_select(1, k_idx)
+    q_parts = qa.split([g * nq for g, nq, _ in shapes], dim=1)
+    k_parts = ka.split([g * nk for g, _, nk in shapes], dim=1)
+    v_parts = va.split([g * nk for g, _, nk in shapes], dim=1)
     parts = []
-    for q_idx, k_idx, g, nq, nk in packed_segments.groups(query.device):
-        q = query[0].index_select(1, q_idx).unflatten(1, (g, nq)).transpose(0, 1)  # [g, Hq, nq, D]
-        k = key[0].index_select(1, k_idx).unflatten(1, (g, nk)).transpose(0, 1)  # [g, Hkv, nk, D]
-        v = value[0].index_select(1, k_idx).unflatten(1, (g, nk)).transpose(0, 1)
+    for (g, nq, nk), qp, kp, vp in zip(shapes, q_parts, k_parts, v_parts):
+        q = qp.unflatten(1, (g, nq)).transpose(0, 1)  # [g, Hq, nq, D]
+        k = kp.unflatten(1, (g, nk)).transpose(0, 1)  # [g, Hkv, nk, D]
+        v = vp.unflatten(1, (g, nk)).transpose(0, 1)
         if nk == nq:
             mask, causal = None, nq > 1
         else:  # lower-right causal: the queries are the last nq of the nk keys
@@ -143,7 +159,9 @@ def segment_attention(module, query, key, value, attention_mask, dropout: float 
                                            is_causal=causal, enable_gqa=gqa)  # [g, Hq, nq, D]
         parts.append(o.transpose(0, 1).flatten(1, 2))  # [Hq, g*nq, D]
     out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [Hq, T, D] in group order
-    out = out.index_select(1, packed_segments.inverse(query.device))  # back to the packed order
+    inverse = packed_segments.inverse(query.device)
+    if inverse is not None:
+        out = out.index_select(1, inverse)  # back to the packed order
     return out.transpose(0, 1)[None].contiguous(), None
 
 
