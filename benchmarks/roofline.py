@@ -173,7 +173,7 @@ def train_flops(model, dims: dict, lengths: list[int], response_tokens: int) -> 
 
 def variants(samples) -> dict:
     """name -> (packed, share)."""
-    from masktrl.pipeline.policy import can_share_prompts
+    from masktrl.rl.policy import can_share_prompts
 
     out = {"padded": (False, False), "packed": (True, False)}
     if can_share_prompts(samples):
@@ -183,7 +183,7 @@ def variants(samples) -> dict:
 
 def work(samples, packed: bool, share: bool):
     """(segment lengths the forward runs, real tokens, padded tokens it computes)."""
-    from masktrl.pipeline.policy import _distinct_prompts
+    from masktrl.rl.policy import _distinct_prompts
 
     if share:
         prompts, group = _distinct_prompts(samples)
@@ -201,7 +201,7 @@ def work(samples, packed: bool, share: bool):
 def shared_attention_flops(model, dims, samples) -> float:
     """Causal attention FLOPs (forward + backward) of the shared-prompt layout: each distinct
     prompt once, each response attending to its prompt and its own earlier tokens."""
-    from masktrl.pipeline.policy import _distinct_prompts
+    from masktrl.rl.policy import _distinct_prompts
 
     prompts, group = _distinct_prompts(samples)
     d_q = model.config.num_attention_heads * getattr(model.config, "head_dim", dims["hidden_size"] // dims["num_heads"])
@@ -221,7 +221,7 @@ def step_fn(model, samples, packed: bool, share: bool):
     from masktrl.methods.registry import get_method
     from masktrl.models import packing
     from masktrl.models.logprobs import token_logprobs_and_entropy
-    from masktrl.pipeline import policy
+    from masktrl.rl import policy
 
     method = get_method("dapo")
     params = method.make_params()

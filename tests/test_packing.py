@@ -16,7 +16,7 @@ from masktrl.methods.registry import get_method, method_names
 from masktrl.models import packing
 from masktrl.models.logprobs import token_logprobs_and_entropy
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from masktrl.pipeline import policy
+from masktrl.rl import policy
 from masktrl.rollout.base import Generation, Sample
 
 TEMPERATURE, CHUNK, K = 0.9, 7, 4

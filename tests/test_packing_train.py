@@ -11,8 +11,8 @@ import torch
 
 import masktrl.methods  # noqa: F401
 from masktrl.methods.registry import get_method
-from masktrl.pipeline import update
-from masktrl.pipeline.update import UpdateSettings, make_optimizer, policy_update
+from masktrl.rl import update
+from masktrl.rl.update import UpdateSettings, make_optimizer, policy_update
 from masktrl.config import load_config
 from tests.conftest import TIMING, masktrl, write_tiny_config
 from tests.test_packing import make_samples
