@@ -52,8 +52,9 @@ def reference(tmp_path_factory):
     return base, cfg, base / "out" / "ref"
 
 
-@pytest.mark.parametrize("sets", [["--set", "train.grad_accum=2"], ["--method", "grpo", "--set", "train.minibatches=1"]],
-                         ids=["sis-dapo-token-mean-2-minibatches-grad-accum-2", "grpo-seq-mean-1-minibatch"])
+@pytest.mark.parametrize("sets", [["--set", "train.grad_accum=2"], ["--method", "grpo", "--set", "train.minibatches=1"],
+                                  ["--set", "train.packing=true", "--set", "train.micro_batch_tokens=40"]],
+                         ids=["sis-dapo-token-mean-2-minibatches-grad-accum-2", "grpo-seq-mean-1-minibatch", "sis-dapo-packed-token-budget"])
 def test_two_processes_match_one_process_on_the_same_rollouts(reference, sets):
     base, cfg, ref = reference
     if "grpo" in sets:  # the reference trained SIS: replay its rollouts with GRPO in one process too
