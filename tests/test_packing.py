@@ -246,3 +246,25 @@ def test_balance_splits_to_the_count():
     assert len(out) == 4 and sorted(i for b in out for i in b) == [0, 1, 2, 3, 4] and all(out)
     with pytest.raises(ValueError):
         packing.balance([[0], [1]], 3)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "phi3", "olmo2", "gpt-neox"])  # qwen3-moe: its expert kernel has no float64
+def test_packed_equals_padded_for_the_other_full_attention_architectures(architecture):
+    tok = build_char_tokenizer("0123456789+=")
+    m = build_tiny_model(tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), 0,
+                         architecture=architecture).double().eval()
+    assert packing.packing_unsupported(m) is None
+    samples = make_samples(m.config.vocab_size, seed=11)
+    for share in (False, True):
+        got = packed_outputs(m, samples, share)
+        want = policy.policy_token_batch(m, samples, TEMPERATURE, CHUNK, share=share)
+        torch.testing.assert_close(got.batch.logp, want.batch.logp, atol=1e-11, rtol=0)
+        torch.testing.assert_close(got.batch.topk_logp, want.batch.topk_logp, atol=1e-11, rtol=0)
+
+
+@pytest.mark.parametrize("architecture", ["mistral", "gemma2", "gemma3"])
+def test_sliding_window_architectures_are_refused(architecture):
+    tok = build_char_tokenizer("0123456789+=")
+    m = build_tiny_model(tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), 0,
+                         architecture=architecture)
+    assert "sliding" in packing.packing_unsupported(m)

@@ -222,7 +222,7 @@ def unsupported_reason(model_class: type, config) -> str | None:
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
         return f"{name} has {', '.join(sorted(kinds - {'full_attention'}))} layers, which cannot mask packed segments"
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
         return f"{name} uses sliding-window attention, which cannot mask packed segments"
     return None
 
@@ -310,7 +310,7 @@ def packed_hidden(base: torch.nn.Module, packed: Packed) -> torch.Tensor:
 
     if checkpointing.is_enabled(base) and not segments_attention_active(base):
         raise RuntimeError("under activation checkpointing, run the packed forward and its backward inside segments_attention(base)")
-    masks = {"full_attention": None}  # a prepared mask mapping: transformers builds no mask
+    masks = None  # the registered mask function of segment_attention builds no mask
     with segments_attention(base):
         if packed.prompt_ids is None:
             out = base(input_ids=packed.input_ids, attention_mask=masks, position_ids=packed.position_ids,

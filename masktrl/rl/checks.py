@@ -104,9 +104,15 @@ def check_packing(cfg: Config) -> None:
     from masktrl.models.packing import unsupported_reason
 
     if cfg.model.path == "tiny":
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+        from masktrl.models.architectures import get_architecture, model_classes
+        from masktrl.models.tiny import TinyModelConfig
 
-        model_class, config = Qwen3ForCausalLM, Qwen3Config()
+        m = cfg.model
+        arch = get_architecture(m.architecture)
+        config_class, model_class = model_classes(arch)
+        tiny = TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size)
+        config = config_class(hidden_size=m.hidden_size, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                              intermediate_size=m.intermediate_size, **arch.extra(tiny))
     else:
         from transformers import AutoModelForCausalLM
 
