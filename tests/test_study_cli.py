@@ -52,6 +52,7 @@ def test_replay_optimizer_and_first_order_recorded(analysis_runs, tmp_path):
     assert (tmp_path / path.name.replace(".json", "-first-order.png")).stat().st_size > 1000
     est = cli("analyze", "estimators", "--run", analysis_runs / "grpo-seed0", "--steps", "2", "--policy-step", "3", "--k", "2,5",
               "--replay-optimizer", "adamw", "--reset-moments", "--output", tmp_path).output
+    est = " ".join(est.split())  # rich wraps at the console's width
     assert "optimizer adamw" in est and "moments reset" in est
     (epath,) = tmp_path.glob("estimators-step2-unmasked-opt-adamw-reset.json")
     e = json.loads(epath.read_text())
