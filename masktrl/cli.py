@@ -52,6 +52,9 @@ app.command(cls=Command)(runs_cmd.runs)
 
 
 def main() -> None:
+    from masktrl.caches import contain
+
+    contain(sys.argv[1:])  # library caches under --out, set before those libraries are imported
     try:
         code = app(standalone_mode=False)
     except _click.exceptions.NoArgsIsHelpError as exc:  # `masktrl` alone: the help, as before

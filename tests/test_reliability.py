@@ -64,7 +64,8 @@ def snapshot(root):
 
 HOLD_LOCK = """
 import fcntl, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+os.makedirs(sys.argv[1], exist_ok=True)
+fd = os.open(sys.argv[1], os.O_RDONLY)  # the run folder: its writer lock
 fcntl.flock(fd, fcntl.LOCK_EX)
 print("locked", flush=True)
 time.sleep(120)
@@ -73,12 +74,12 @@ time.sleep(120)
 
 def test_second_writer_gets_one_line_naming_the_holder(finished, tmp_path, cli_error):
     _, out, root = copy_run(finished, tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(root / ".lock")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(root)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         before = snapshot(root)
         line = one_line(cli_error("train", "--resume", "r", "--out", out), f"pid {holder.pid}")
-        assert "being written" in line and snapshot(root) == before  # nothing changed, not even the lock file
+        assert "being written" in line and snapshot(root) == before  # nothing changed
         r = cli("runs", out)
         assert "complete" in r.output  # a reader is never refused
     finally:

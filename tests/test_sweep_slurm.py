@@ -145,7 +145,7 @@ def test_slurm_leaves_a_run_that_is_training_alone(grid, fake_slurm):
 
     config, out = grid
     env, log, _ = fake_slurm
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out / "dppo-seed0" / ".lock")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out / "dppo-seed0")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         r = sweep(config, out, "--launcher", "slurm", env=env)

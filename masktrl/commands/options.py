@@ -94,7 +94,7 @@ MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", metavar="NAM
 
 # ``masktrl train``'s own options
 ResumeOpt = Annotated[
-    Optional[str], typer.Option("--resume", metavar="RUN", help="Continue RUN (a name under --out, or a folder) from its last checkpoint.", show_default=False)
+    Optional[str], typer.Option("--resume", metavar="RUN", help="Continue RUN (a name: looked up under --out only; a run elsewhere as a path, ./NAME) from its last checkpoint.", show_default=False)
 ]
 ForceOpt = Annotated[bool, typer.Option("--force", help="With --resume: accept a config that differs from run.yaml.")]
 RolloutsFromOpt = Annotated[

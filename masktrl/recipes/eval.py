@@ -131,7 +131,7 @@ def output_path(ref: ModelRef, bench: str, out: Path | None) -> Path:
     """``<run>/eval/<bench>-step<S>.json``; for a model folder ``eval/`` beside it; for a hub id
     ``<out>/eval/`` (``out``: the folder of runs, ``outputs`` by default)."""
     if ref.store is not None:
-        return ref.store.root / "eval" / f"{bench}-step{ref.step}.json"
+        return ref.store.eval_path(bench, ref.step)
     p = Path(ref.weights)
     folder = p.parent / "eval" if p.exists() else Path(out if out is not None else "outputs") / "eval"
     return folder / f"{bench}-{p.resolve().name if p.exists() else ref.weights.replace('/', '__')}.json"

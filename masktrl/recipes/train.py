@@ -211,6 +211,8 @@ def train(cfg: Config, store: RunStore, progress: Progress | None = None, *, res
     s = None
     try:
         with store.writing(), graceful_stop(graceful=False) as stop:  # one writer per run; SIGTERM = Ctrl-C
+            if dist.is_main:
+                store.settle()  # what a crash cut short (a run.yaml rename, a restart's deletions) is finished first
             if plan is not None:
                 plan = confirm(plan, store, checked.vocab_size) if dist.is_main else plan
                 done = _complete(plan)  # checked like any resume (the lock, every artifact), then left as it is
@@ -285,17 +287,22 @@ def setup(cfg: Config, store: RunStore, checked: checks.Checked, progress: Progr
     dist.barrier()
     if resume and forced_changes and not store.writable:
         store.reload()  # the main process may have dropped stored batches
+    wall_before = store.recorded_wall_time() if resume else 0.0
+    # The run's entries go in the same manifest write as the config record: no kill window
+    # between them (docs/RELIABILITY.md, Fault injection).
+    running = dict(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid(),
+                   processes=dist.world, reason=None)
     if store.writable and not resume:
         if restart:
-            store.restart()
+            store.restart(cfg, run=running)
         elif store.exists():
             raise MasktrlError(f"run folder {store.root} was started by another process meanwhile; choose another --run (nothing was changed)")
-        store.record_config(cfg)
+        else:
+            store.record_config(cfg, run=running)
     elif store.writable and forced_changes:
-        store.record_config(cfg, forced_changes=forced_changes)  # --resume --force with another config
-    wall_before = store.recorded_wall_time() if resume else 0.0
-    store.set_info(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid(),
-                   processes=dist.world, reason=None)
+        store.record_config(cfg, run=running, forced_changes=forced_changes)  # --resume --force with another config
+    else:
+        store.set_info(**running)
     count = Counters(start=start, steps=cfg.train.steps, t_start=t_start, wall_before=wall_before)
     with store.recording_failure(lambda: {"wall_time_s": count.wall_time()}):
         return build_state(cfg, store, checked, progress, count, resumed=resume, rollouts_from=rollouts_from, dist=dist)
@@ -538,7 +545,7 @@ def rollout_batch(s: State, step: int) -> Batch:
     if step in s.count.ahead:
         return s.count.ahead.pop(step)
     if s.store.is_done(rollout_key(step)):
-        samples, meta = s.store.read_rollouts(step, verify=True, vocab_size=p.model.config.vocab_size)
+        samples, meta = s.store.read_rollouts(step, vocab_size=p.model.config.vocab_size)
         return Batch(samples, meta["stats"])
     if r.source:
         batch = r.source.batch(step)

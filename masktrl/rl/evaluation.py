@@ -256,7 +256,7 @@ def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, la
         report.update(model=str(store.root), weights=None, run=store.name, step=step, data=describe_data(bench, bench_cfg),
                       reward=reward_name(task), time_s=time.time() - t0, generation=generation_block(settings, engine.name, template, chat, cfg.seed, cfg))
         if write:
-            save(report, store.root / "eval" / f"{bench}-step{step}.json", store, bench, step)
+            save(report, store.eval_path(bench, step), store, bench, step)
         row[f"eval/{bench}/avg_at_k"] = report["avg_at_k"]
         row[f"eval/{bench}/pass_at_k"] = report["pass_at_k"]
     return row

@@ -83,7 +83,7 @@ def save_step(store: RunStore, step: int, model, tokenizer, optimizer, scheduler
         path = save(dest, model, tokenizer, None if dist.deepspeed else optimizer, scheduler, step, extra=extra, state_dict=state,
                     engine_state=shards)
         store.sync_metrics()  # the metrics rows of the checkpoint's steps are durable before it is recorded
-        store.mark_done(checkpoint_key(step), [path])
+        store.mark_done(checkpoint_key(step), [path], metrics=store.metrics_digest())  # every file, and the rows up to it
     dist.barrier()
 
 

@@ -8,7 +8,8 @@ seed, so a second run (another method, the same seed) starts from the identical 
 
 ``warmstart.json`` (written last: it marks the entry complete) records the sha256 of every
 file of the entry; an entry is verified each time it is reused, and one that fails (a file
-changed, missing, or an entry from before hashes were recorded) is rebuilt, never trained on.
+changed, missing or added, or an entry from before hashes were recorded) is rebuilt, never
+trained on.
 Building, verifying and loading an entry happen under a lock (``<out>/.cache/locks/``), so
 runs started together never write one entry twice or read it half replaced.
 
@@ -40,7 +41,7 @@ from masktrl.rl.schedule import lr_factor
 from masktrl.rollout.base import SamplingSettings
 from masktrl.rollout.hf import HFEngine
 from masktrl.runs import locks
-from masktrl.runs.store import warmstart_cache
+from masktrl.runs.store import folder_files, folder_problem, warmstart_cache
 
 
 WARMSTART_VERSION = 3  # bump when the warm-start procedure changes: old cache entries are then ignored
@@ -180,28 +181,24 @@ def _save_atomically(model, tokenizer, info: dict, dest: Path) -> dict:
     with atomic_dir(dest) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = {name: sha256_file(tmp / name) for name in folder_files(tmp)}
         atomic_write_json(tmp / "warmstart.json", {**info, "files": files})  # written last: marks the cache entry complete
     return files
 
 
 def cache_problem(entry: Path) -> str | None:
-    """Why the cache entry cannot be used (a file changed or missing), or None if it verifies."""
+    """Why the cache entry cannot be used (a file added, changed or missing: every file of the
+    entry but warmstart.json is recorded, so a tokenizer file dropped in changes nothing
+    unnoticed), or None if it verifies."""
     try:
         files = read_json(entry / "warmstart.json", error=ArtifactError, finite=False).get("files")  # bounded: a deep file is unreadable
     except ArtifactError as exc:
         return f"warmstart.json: {str(exc).split(': ', 1)[-1]}"
     except (OSError, AttributeError):
         return "warmstart.json is unreadable"
-    if not isinstance(files, dict) or not files:
+    if not isinstance(files, dict) or not files or not all(isinstance(v, str) for v in files.values()):
         return "no file hashes recorded (an entry from an older masktrl)"
-    for name, digest in files.items():
-        path = entry / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if sha256_file(path) != digest:
-            return f"{name} fails its sha256 check (changed since it was written)"
-    return None
+    return folder_problem(entry, files, ignore=("warmstart.json",))
 
 
 def _entry_lock(entry: Path):

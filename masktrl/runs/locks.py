@@ -1,12 +1,13 @@
-"""One writer per run: an exclusive OS lock on ``<run>/.lock``, held by the process that trains
-the run (``masktrl train``, ``--resume``, each run of ``masktrl sweep``) for as long as it works
-on it.
+"""One writer per run: an exclusive OS lock on the run folder itself (``fcntl.flock`` on the
+directory, opened read-only), held by the process that trains the run (``masktrl train``,
+``--resume``, each run of ``masktrl sweep``) for as long as it works on it.
 
-The lock is ``fcntl.flock`` on an open file: the kernel drops it when the process ends, however
-it ends (SIGKILL and a machine reboot included), so a lock file left behind by a dead process
-is simply taken over by the next writer. The file stays empty: the holder's pid, which the
-message a second writer gets names, is read from the kernel's lock table (``/proc/locks``), so
-a refused command changes no byte of the run. A process takes a run's lock once (``train`` does,
+The lock lives on the folder, not on a file inside it, so deleting any file of the run while it
+trains does not release it: a second writer is still refused. The kernel drops it when the
+process ends, however it ends (SIGKILL and a machine reboot included), so a dead process leaves
+nothing to clean up. Nothing is written for it: the holder's pid, which the message a second
+writer gets names, is read from the kernel's lock table (``/proc/locks``), so a refused command
+changes no byte of the run. A process takes a run's lock once (``train`` does,
 for the whole run); taking it again while holding it is a bug, refused.
 
 ``holder`` asks, without waiting, whether some process holds a run's lock: ``masktrl runs`` and
@@ -16,7 +17,7 @@ a second before it reports a run busy.
 
 Commands that write *into* a run without training it do not take this lock: ``masktrl eval``
 writes ``eval/<bench>-step<S>.json`` atomically and records it in the manifest, whose
-read-modify-write is serialised by a second, short lock on the run folder itself
+read-modify-write is serialised by a second, short lock on ``<run>/.manifest.lock``
 (``manifest_lock``), so evaluating a running run is safe; the analyses write only their own files under ``analysis/``, atomically.
 
 ``exclusive`` is the one wait-for-it flock of masktrl: the manifest lock and the warm-start
@@ -38,7 +39,8 @@ from pathlib import Path
 from masktrl.errors import MasktrlError
 from masktrl.io import file_mode
 
-LOCK_NAME = ".lock"
+LOCK_NAME = ".lock"  # the writer lock's file of older versions (a fresh folder may still hold one)
+MANIFEST_LOCK_NAME = ".manifest.lock"
 WAIT_S = 1.0  # how long ``acquire`` retries: longer than any ``holder`` probe holds its shared lock
 
 _held: dict[Path, int] = {}  # resolved run folder -> the open lock file's descriptor
@@ -54,12 +56,14 @@ def acquire(root: Path, *, wait_s: float = WAIT_S) -> None:
     key = _key(root)
     if key in _held:
         raise MasktrlError(f"{root}: this process holds the run's lock already")
-    path = root / LOCK_NAME
+    path = root
     try:
         root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, file_mode())
+        if root.is_symlink():
+            raise MasktrlError(f"{root}: the run folder is a symbolic link; refused (not followed)")
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        raise MasktrlError(f"{path}: cannot create the run's lock file ({exc.strerror or exc})") from None
+        raise MasktrlError(f"{path}: cannot open the run folder to lock it ({exc.strerror or exc})") from None
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -73,8 +77,8 @@ def acquire(root: Path, *, wait_s: float = WAIT_S) -> None:
                     raise MasktrlError(f"{path}: cannot lock the run ({exc.strerror or exc})") from None
                 who = f"pid {pid}" if pid else "another process"
                 raise RunBusyError(
-                    f"{root}: this run is being written by {who} (it holds {path}); wait for it to finish or stop it "
-                    "(nothing was changed)"
+                    f"{root}: this run is being written by {who} (it holds the run folder's lock); wait for it to finish "
+                    "or stop it (nothing was changed)"
                 ) from None
             time.sleep(0.05)
     _held[key] = fd
@@ -108,7 +112,7 @@ def holder(root: Path) -> int | None:
     if holds(root):
         return os.getpid()
     try:
-        fd = os.open(root / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -124,11 +128,12 @@ def holder(root: Path) -> int | None:
 
 @contextlib.contextmanager
 def manifest_lock(root: Path):
-    """A short exclusive lock (flock on the run folder) around one read-modify-write of the
-    manifest, taken by the trainer and by any other process recording a stage in the same run
-    (``masktrl eval``)."""
+    """A short exclusive lock (flock on ``<run>/.manifest.lock``) around one read-modify-write of
+    the manifest, taken by the trainer and by any other process recording a stage in the same run
+    (``masktrl eval``). Not the writer lock: that one is held for the whole run on the folder."""
+    path = Path(root) / MANIFEST_LOCK_NAME
     try:
-        fd = os.open(Path(root), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode())
     except OSError:  # no folder yet (the write creates it) or no access (the write will say so)
         yield
         return

@@ -15,7 +15,7 @@ from masktrl.config import Config, diff_configs, load_config
 from masktrl.errors import MasktrlError
 from masktrl.io import disk_problem
 from masktrl.runs import locks
-from masktrl.runs.store import RunStore, check_run_name, is_fresh_folder, is_run_folder, resolve_run
+from masktrl.runs.store import RunStore, check_run_name, is_fresh_folder, is_path_like, is_run_folder, resolve_run
 
 
 @dataclass
@@ -75,8 +75,12 @@ def plan_run(request: RunRequest, *, main: bool = True) -> Plan:
         root = Path(r.out) / name
         start = plan_start(root, cfg) if main else Start(root, "new")
     rollouts_from = r.rollouts_from
-    if rollouts_from and not Path(rollouts_from).exists() and is_run_folder(Path(r.out) / rollouts_from):
-        rollouts_from = str(Path(r.out) / rollouts_from)  # a run given by name
+    if rollouts_from and not is_path_like(rollouts_from):  # a run given by name: under --out only
+        if is_run_folder(Path(r.out) / rollouts_from):
+            rollouts_from = str(Path(r.out) / rollouts_from)
+        elif is_run_folder(Path(rollouts_from)):
+            raise MasktrlError(f"--rollouts-from {rollouts_from}: no run {rollouts_from} under {r.out}; "
+                               f"a run or file elsewhere is given as a path (./{rollouts_from})")
     changed: list[str] = []
     if start.mode == "resume":
         store = RunStore(start.root)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from masktrl.config import Config
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
-from masktrl.runs.store import RunStore, is_run_folder
+from masktrl.runs.store import RunStore, is_path_like, is_run_folder
 
 
 @dataclass
@@ -28,8 +28,11 @@ def resolve_model(model: str, step: int | None, out: Path | None = None) -> Mode
     complete one; step 0 is the warm-start policy), a checkpoint folder inside a run, a model
     folder, or a hub id."""
     p = Path(model)
-    if not p.exists() and out is not None and is_run_folder(Path(out) / model):
-        p = Path(out) / model
+    if not is_path_like(model):  # a name: a run under --out only (a run elsewhere is given as a path)
+        if out is not None and is_run_folder(Path(out) / model):
+            p = Path(out) / model
+        elif is_run_folder(p):
+            raise ConfigError(f"--model {model}: no run {model} under {out}; a run elsewhere is given as a path (./{model})")
     if p.parent.name == "checkpoints" and is_run_folder(p.parent.parent) and p.name.isdigit():
         if step is not None and step != int(p.name):
             raise ConfigError(f"--step {step} contradicts the checkpoint folder {model} (step {int(p.name)})")

@@ -10,7 +10,15 @@ Layout::
     <out>/<run>/run.yaml  manifest.json  metrics.jsonl  summary.json
                 steps/<step>/rollouts.parquet  checkpoints/<step>/  eval/  analysis/
 
-Every command reads runs through this module: ``resolve_run`` (a name under ``--out`` or a
+A checkpoint's stage also lists its folder (``dirs``), so a file added to it fails ``verify``
+like a changed or missing one; each checkpoint and the summary record a digest of the metrics
+lines up to them (``metrics_digest``), which every ``read_metrics`` checks. Every path read from
+the manifest goes through ``RunStore.path`` (``inside``): no absolute path, no ``..``, no
+symbolic link on the way. Each write operation is ordered so that a SIGKILL between any two of
+its writes leaves a state the same command continues (``record_config``, ``restart``,
+``write_summary``, ``rewind``; docs/RELIABILITY.md).
+
+Every command reads runs through this module: ``resolve_run`` (a name under ``--out`` only, or a
 path), ``RunStore.config`` (run.yaml), ``status`` (with the trainer's pid checked),
 ``checkpoints`` (complete ones), ``starting_policy`` (step 0), ``policy_path``,
 ``rollout_steps`` / ``read_rollouts``, and resume's ``resume_step`` / ``rewind``.
@@ -19,11 +27,12 @@ path), ``RunStore.config`` (run.yaml), ``status`` (with the trainer's pid checke
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import time
 import unicodedata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from masktrl.config import Config, from_dict, save_config
@@ -31,11 +40,76 @@ from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.io import atomic_write_json, atomic_write_text, json_default, memory_error_line, naming, sha256_file
 from masktrl.readers import MAX_DEPTH, json_depth, read_json, read_yaml
 from masktrl.runs import locks
+from masktrl.runs.faults import maybe_crash_nth
 from masktrl.rollout.storage import read_rollouts, write_rollouts
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1  # the manifest layout this masktrl writes and reads
 MAX_NAME_BYTES = 200
+PENDING_CONFIG = "run.yaml.new"  # a new run.yaml the manifest already records, not yet renamed into place
+
+
+def relative_problem(rel: str) -> str | None:
+    """Why a path read from a file (a manifest entry, a cache record) cannot name a file inside
+    its folder: absolute, empty, or holding ``..`` or a backslash. None if it can."""
+    if not isinstance(rel, str) or not rel or rel.startswith(("/", "\\")) or "\\" in rel or "\x00" in rel:
+        return "not a relative path"
+    parts = PurePosixPath(rel).parts
+    if not parts or PurePosixPath(rel).is_absolute() or any(p in ("..", ".") for p in parts) or rel != "/".join(parts):
+        return "it leaves the folder (absolute, '..' or not a plain relative path)"
+    return None
+
+
+def inside(root: Path, rel: str, *, what: str) -> Path:
+    """``root / rel`` for a path ``rel`` read from a file, refused (ArtifactError naming ``what``)
+    when it leaves ``root``: lexically (``..``, absolute) or through a symbolic link on the way
+    (a symlinked ``eval/`` or ``checkpoints/`` is refused, never followed)."""
+    problem = relative_problem(rel)
+    if problem:
+        raise ArtifactError(f"{what}: path {rel!r} refused: {problem}")
+    path = Path(root)
+    for part in PurePosixPath(rel).parts:
+        path = path / part
+        if path.is_symlink():
+            raise ArtifactError(f"{path}: a symbolic link inside {root}; refused (not followed)")
+    return path
+
+
+def folder_files(folder: Path) -> list[str]:
+    """Every file under ``folder`` as a relative POSIX path, sorted; ArtifactError on a symbolic
+    link (a folder whose files are hashed holds plain files only)."""
+    folder = Path(folder)
+    names = []
+    for p in sorted(folder.rglob("*")):
+        if p.is_symlink():
+            raise ArtifactError(f"{p}: a symbolic link inside {folder}; refused (not followed)")
+        if p.is_file():
+            names.append(p.relative_to(folder).as_posix())
+    return names
+
+
+def folder_problem(folder: Path, recorded: dict, ignore: tuple[str, ...] = ()) -> str | None:
+    """Why ``folder`` is not exactly the files ``recorded`` (relative path -> sha256): a file
+    added, missing or changed (named); None if it matches."""
+    if not isinstance(recorded, dict) or not recorded:
+        return "no file hashes recorded"
+    for rel in recorded:
+        if relative_problem(rel):
+            return f"recorded path {rel!r} leaves the folder"
+    try:
+        present = [n for n in folder_files(folder) if n not in ignore]
+    except ArtifactError as exc:
+        return str(exc)
+    for name in present:
+        if name not in recorded:
+            return f"{name} was added (not among the files recorded)"
+    for name, digest in recorded.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if sha256_file(path) != digest:
+            return f"{name} fails its sha256 check (changed since it was written)"
+    return None
 
 
 def check_run_name(name: str) -> str:
@@ -80,7 +154,7 @@ def is_fresh_folder(path: str | Path) -> bool:
         return True
     if not path.is_dir():
         return False
-    return all(p.name in (locks.LOCK_NAME, "run.yaml") or (p.name.startswith(".") and p.name.endswith(".tmp")) for p in path.iterdir())
+    return all(p.name in (locks.LOCK_NAME, locks.MANIFEST_LOCK_NAME, "run.yaml") or (p.name.startswith(".") and p.name.endswith(".tmp")) for p in path.iterdir())
 
 
 def is_run_folder(path: str | Path) -> bool:
@@ -88,18 +162,26 @@ def is_run_folder(path: str | Path) -> bool:
     return (Path(path) / "run.yaml").is_file()
 
 
+def is_path_like(run: str | Path) -> bool:
+    """Whether ``run`` was given as a path (holds a separator, or starts with ``.`` or ``~``)
+    rather than as a run's name: a name resolves under ``--out`` only, never in the current folder."""
+    text = str(run)
+    return isinstance(run, Path) or "/" in text or (os.altsep is not None and os.altsep in text) or text.startswith((".", "~"))
+
+
 def resolve_run(run: str | Path, out: Path | None = None) -> Path:
-    """A run folder from a path, or from a name under ``out``; ArtifactError if neither exists."""
-    candidates = [Path(run)]
-    if out is not None:
-        candidates.append(Path(out) / str(run))
-    for path in candidates:
-        if is_run_folder(path):
-            return path
-    for path in candidates:
-        if path.is_dir():
-            raise ArtifactError(f"{path}: not a masktrl run folder (no run.yaml)")
-    where = f" (looked in . and {out})" if out is not None else ""
+    """A run folder from a path (``./NAME``, ``out/NAME``, an absolute path), or from a name under
+    ``out`` (only there: ``--resume r0`` never picks ``./r0``); ArtifactError if it is not a run."""
+    if is_path_like(run) or out is None:
+        path = Path(run).expanduser()
+        where = ""
+    else:
+        path = Path(out) / str(run)
+        where = f" under {out} (a run elsewhere is given as a path: ./{run})"
+    if is_run_folder(path):
+        return path
+    if path.is_dir():
+        raise ArtifactError(f"{path}: not a masktrl run folder (no run.yaml)")
     raise ArtifactError(f"unknown run {run}: no such folder{where}")
 
 
@@ -181,11 +263,20 @@ class RunStore:
     def name(self) -> str:
         return self.root.name
 
+    def path(self, rel: str) -> Path:
+        """``root / rel`` for a path read from the manifest (or a layout path), refused when it
+        leaves the run folder (``..``, absolute, or a symbolic link on the way)."""
+        return inside(self.root, rel, what=str(self.root / MANIFEST))
+
     def step_dir(self, step: int) -> Path:
-        return self.root / "steps" / step_name(step)
+        return self.path(f"steps/{step_name(step)}")
 
     def checkpoint_dir(self, step: int) -> Path:
-        return self.root / "checkpoints" / step_name(step)
+        return self.path(f"checkpoints/{step_name(step)}")
+
+    def eval_path(self, bench: str, step: int) -> Path:
+        """``eval/<bench>-step<S>.json``: where an eval of the policy after ``step`` updates is stored."""
+        return self.path(f"eval/{bench}-step{step}.json")
 
     @property
     def lora_base_dir(self) -> Path:
@@ -226,13 +317,18 @@ class RunStore:
         the next checkpoint anyway (resume drops update records after the last checkpoint)."""
         if not self.writable:
             return
-        hashes = {}
+        hashes, dirs = {}, []
         for f in files:
             f = Path(f)
-            for p in sorted(f.rglob("*")) if f.is_dir() else [f]:
-                if p.is_file():
-                    hashes[str(p.relative_to(self.root))] = sha256_file(p)
+            if f.is_dir():
+                dirs.append(f.relative_to(self.root).as_posix())
+                for name in folder_files(f):
+                    hashes[f"{dirs[-1]}/{name}"] = sha256_file(f / name)
+            elif f.is_file():
+                hashes[f.relative_to(self.root).as_posix()] = sha256_file(f)
         entry = {"status": "done", "time": time.time(), "config_hash": config_hash, "files": hashes}
+        if dirs:
+            entry["dirs"] = dirs  # a folder's stage: a file added to it fails verify too
         entry.update(info)
         if defer:
             self.reload()
@@ -278,6 +374,7 @@ class RunStore:
         # indented form was ~4x slower to encode (benchmarks/profile_step.py, io_share).
         text = json.dumps(self.manifest, separators=(",", ":"), sort_keys=True, default=json_default)
         path = self.root / MANIFEST
+        maybe_crash_nth("manifest-write")
         atomic_write_text(path, text)
         st = path.stat()
         self._written = (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -289,11 +386,18 @@ class RunStore:
         if entry is None or entry.get("status") != "done":
             raise ArtifactError(f"{self.root}: stage {stage} is not complete")
         for rel, digest in entry["files"].items():
-            path = self.root / rel
+            path = self.path(rel)
+            if stage == "config" and rel == "run.yaml":
+                path = self._config_file(digest)
             if not path.is_file():
                 raise ArtifactError(f"{path}: missing (stage {stage})")
             if sha256_file(path) != digest:
                 raise ArtifactError(f"{path}: content hash mismatch, file is corrupted (stage {stage})")
+        for folder in entry.get("dirs", []):
+            for name in folder_files(self.path(folder)):
+                if f"{folder}/{name}" not in entry["files"]:
+                    raise ArtifactError(f"{self.root / folder / name}: not a file of stage {stage} (added after it was recorded); "
+                                        "remove it or restore the folder")
 
     # -- metrics
     def append_metrics(self, row: dict) -> None:
@@ -320,15 +424,58 @@ class RunStore:
         finally:
             os.close(fd)
 
-    def read_metrics(self) -> list[dict]:
-        """The rows of metrics.jsonl. A torn last line (a crash in the middle of an append: no
-        newline after it) is left out; any other line that is not a JSON object with an integer
-        ``step`` raises ArtifactError naming its line number."""
+    def _metrics_lines(self) -> list[bytes]:
+        """metrics.jsonl's lines, each with its newline (a torn last line without one)."""
         try:
             data = self.metrics_path.read_bytes()
         except FileNotFoundError:
             return []
-        lines = data.split(b"\n")  # data ending with a newline leaves an empty last piece
+        parts = data.split(b"\n")
+        return [p + b"\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+
+    def metrics_digest(self) -> dict:
+        """``{"lines": n, "sha256": h}`` of metrics.jsonl as it is now (its complete lines):
+        recorded with each checkpoint and the summary, checked by every reader."""
+        lines = [line for line in self._metrics_lines() if line.endswith(b"\n")]
+        return {"lines": len(lines), "sha256": hashlib.sha256(b"".join(lines)).hexdigest()}
+
+    def _metrics_record(self) -> tuple[str, dict] | None:
+        """(stage, digest) of the newest metrics digest the manifest records: the summary's, else
+        the newest checkpoint's (pruned checkpoints keep theirs)."""
+        stages = self.manifest["stages"]
+        summary = stages.get("summary") or {}
+        if summary.get("status") == "done" and isinstance(summary.get("metrics"), dict):
+            return "summary", summary["metrics"]
+        for step in reversed(done_steps(stages, "checkpoint", status=None)):
+            entry = stages[checkpoint_key(step)]
+            if entry.get("status") in ("done", "pruned") and isinstance(entry.get("metrics"), dict):
+                return checkpoint_key(step), entry["metrics"]
+        return None
+
+    def _check_metrics_digest(self, lines: list[bytes], record: tuple[str, dict] | None) -> int:
+        """Raise ArtifactError unless the first lines of ``lines`` are exactly those ``record``
+        hashed; returns how many lines it covers."""
+        if record is None:
+            return 0
+        stage, digest = record
+        n = digest.get("lines")
+        if not isinstance(n, int) or n < 0 or len(lines) < n or hashlib.sha256(b"".join(lines[:n])).hexdigest() != digest.get("sha256"):
+            raise ArtifactError(f"{self.metrics_path}: the rows up to {stage} fail their sha256 check (recorded in the manifest); "
+                                "the file was damaged or edited, restore it")
+        return n
+
+    def read_metrics(self, *, verify: bool = True) -> list[dict]:
+        """The rows of metrics.jsonl, checked against the newest digest the manifest records
+        (``verify``) and, after it, one row per step in order (rows of steps after the last
+        checkpoint that no digest covers yet). A torn last line (a crash in the middle of an
+        append: no newline after it) is left out; any other line that is not a JSON object with
+        an integer ``step`` raises ArtifactError naming its line number."""
+        raw = self._metrics_lines()
+        if not raw:
+            return []
+        lines = [line[:-1] if line.endswith(b"\n") else line for line in raw]
+        if raw[-1].endswith(b"\n"):
+            lines.append(b"")
         rows = []
         for number, line in enumerate(lines, 1):
             last = number == len(lines)
@@ -343,14 +490,21 @@ class RunStore:
             if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
                 raise ArtifactError(f"{self.metrics_path}: line {number} is not a metrics row (a JSON object with an integer step)")
             rows.append(row)
+        if verify and self.exists():
+            covered = self._check_metrics_digest(raw, self._metrics_record())
+            for number in range(max(covered, 1), len(rows)):
+                if rows[number]["step"] != rows[number - 1]["step"] + 1:
+                    raise ArtifactError(f"{self.metrics_path}: line {number + 1} is step {rows[number]['step']} after step "
+                                        f"{rows[number - 1]['step']} (one row per step, in order); the file was damaged or edited, restore it")
         return rows
 
     def check_metrics(self, step: int) -> None:
         """Raise ArtifactError unless metrics.jsonl holds exactly one row for each step 1..``step``,
-        in order (what resume keeps: a checkpoint's steps cannot be recomputed)."""
-        have = [r["step"] for r in self.read_metrics() if r["step"] <= step]
-        if have == list(range(1, step + 1)):
-            return
+        in order, whose lines are those checkpoint ``step`` hashed, and after them at most one row
+        per later step, in order (what resume keeps: a checkpoint's steps cannot be recomputed;
+        rows appended twice are damage, not progress)."""
+        rows = self.read_metrics(verify=False)  # a damaged line is named first
+        have = [r["step"] for r in rows if r["step"] <= step]
         for expected, got in zip(range(1, step + 1), have + [None]):
             if got != expected:
                 what = f"step {got} where step {expected} belongs" if got is not None else f"no row for step {expected}"
@@ -358,11 +512,50 @@ class RunStore:
                     f"{self.metrics_path}: {what} (the rows of steps 1..{step} must precede checkpoint {step}); "
                     "the file was damaged or edited, restore it to resume"
                 )
+        for a, b in zip(rows, rows[1:]):
+            if b["step"] != a["step"] + 1:
+                raise ArtifactError(f"{self.metrics_path}: a row of step {b['step']} follows step {a['step']} "
+                                    "(one row per step, in order); the file was damaged or edited, restore it to resume")
+        entry = self.stage(checkpoint_key(step)) or {} if step else {}
+        if isinstance(entry.get("metrics"), dict):
+            self._check_metrics_digest(self._metrics_lines(), (checkpoint_key(step), entry["metrics"]))
 
     # -- config, summary, status
-    def config(self) -> Config:
-        """The resolved config the run was started with (run.yaml)."""
+    def _config_file(self, digest: str | None = None) -> Path:
+        """The file holding the run's config: run.yaml or, when a write was cut between recording
+        a new run.yaml and renaming it into place, run.yaml.new if that is the one the manifest's
+        hash names."""
         path = self.root / "run.yaml"
+        pending = self.root / PENDING_CONFIG
+        if digest is None:
+            digest = ((self.stage("config") or {}).get("files") or {}).get("run.yaml") if self.exists() else None
+        if digest and pending.is_file() and not pending.is_symlink() and sha256_file(pending) == digest:
+            if not path.is_file() or sha256_file(path) != digest:
+                return pending
+        return path
+
+    def settle(self) -> None:
+        """The writer, under the run's lock, before anything else: finish what a crash cut short
+        (a run.yaml rename the manifest already records, the deletion of a restart's stale
+        files), or drop a run.yaml.new the manifest never recorded."""
+        if not self.writable or not self.exists():
+            return
+        self._delete_stale()
+        pending = self.root / PENDING_CONFIG
+        if not pending.exists():
+            return
+        if self._config_file() == pending:
+            os.replace(pending, self.root / "run.yaml")
+        else:
+            pending.unlink(missing_ok=True)
+
+    def config(self) -> Config:
+        """The resolved config the run was started with (run.yaml), checked against the hash the
+        manifest records (when it records one)."""
+        path = self._config_file()
+        digest = ((self.stage("config") or {}).get("files") or {}).get("run.yaml") if self.exists() else None
+        if digest and path.is_file() and sha256_file(path) != digest:
+            raise ArtifactError(f"{path}: content hash mismatch, file is corrupted (stage config)")
         try:
             return from_dict(read_yaml(path, error=ArtifactError) or {})  # bounded: depth, aliases, duplicate keys
         except OSError as exc:
@@ -370,18 +563,35 @@ class RunStore:
         except ConfigError as exc:
             raise ArtifactError(f"{path}: invalid run config ({exc})") from None
 
-    def record_config(self, cfg: Config, **info: Any) -> None:
-        """Write run.yaml and record it as stage ``config`` with the config's hash."""
+    def record_config(self, cfg: Config, *, run: dict | None = None, **info: Any) -> None:
+        """Write run.yaml and record it as stage ``config`` with the config's hash, together with
+        the run's entries ``run`` (status, pid...) in the same manifest write.
+
+        A run that has a manifest already (``--resume --force``) gets its new config as
+        run.yaml.new first, then the manifest records it, then it is renamed into place: a crash
+        between any two leaves either the old config recorded (run.yaml.new is dropped) or the
+        new one (the rename is finished by the next writer; readers read run.yaml.new meanwhile)."""
         if not self.writable:
             return
-        save_config(cfg, self.root / "run.yaml")
-        self.mark_done("config", [self.root / "run.yaml"], config_hash=cfg.hash(), **info)
+        pending = self.exists()
+        path = self.root / (PENDING_CONFIG if pending else "run.yaml")
+        save_config(cfg, path)
+        maybe_crash_nth("config-write")
+        entry = {"status": "done", "time": time.time(), "config_hash": cfg.hash(), "files": {"run.yaml": sha256_file(path)}, **info}
+        with self.updating() as manifest:
+            manifest["stages"]["config"] = entry
+            manifest.update(run or {})
+        if pending:
+            maybe_crash_nth("config-rename")
+            os.replace(path, self.root / "run.yaml")
 
     def summary(self) -> dict | None:
-        """summary.json, written when the run completed (None before)."""
+        """summary.json, written when the run completed (None before, and while the manifest does
+        not record it), checked against the sha256 the manifest records."""
         path = self.root / "summary.json"
-        if not path.is_file():
+        if not path.is_file() or not self.is_done("summary"):
             return None
+        self.verify("summary")
         summary = read_json(path, error=ArtifactError, finite=False)  # one line for broken or too deep JSON
         if not isinstance(summary, dict):
             raise ArtifactError(f"{path}: not a run summary (a JSON {type(summary).__name__}, not an object)")
@@ -443,31 +653,63 @@ class RunStore:
         """Write summary.json (after making the metrics rows durable), record it as stage
         ``summary`` at ``step`` and mark the run complete."""
         path = self.root / "summary.json"
-        if self.writable:
-            self.sync_metrics()
-            atomic_write_json(path, summary)
-        self.mark_done("summary", [path], step=step)
-        self.set_info(status="complete", wall_time_s=summary["wall_time_s"])
+        if not self.writable:
+            return
+        self.sync_metrics()
+        atomic_write_json(path, summary)
+        maybe_crash_nth("summary-write")
+        entry = {"status": "done", "time": time.time(), "config_hash": "", "files": {"summary.json": sha256_file(path)},
+                 "step": step, "metrics": self.metrics_digest()}
+        with self.updating() as manifest:  # one write: the summary recorded and the run complete
+            manifest["stages"]["summary"] = entry
+            manifest.update(status="complete", wall_time_s=summary["wall_time_s"])
 
-    def restart(self) -> None:
-        """Start this folder's run again from scratch: a failed or interrupted run without a
-        completed checkpoint, re-run with another config (``runs/plan.py``). The files
+    def restart(self, cfg: Config, *, run: dict | None = None) -> None:
+        """Start this folder's run again from scratch with ``cfg``: a failed or interrupted run
+        without a completed checkpoint, re-run with another config (``runs/plan.py``). The files
         its stages recorded (stored rollouts, evals) and its metrics are deleted, as nothing of
-        them can be reused; the manifest keeps how each earlier attempt ended."""
+        them can be reused; the manifest keeps how each earlier attempt ended.
+
+        The order leaves a way back at every point, and never a stage recorded without its
+        files: every path is checked first; the new config goes to run.yaml.new (a crash here
+        leaves the old run, which the same command restarts again); one manifest write resets
+        the stages, records the new config with the run's entries ``run`` and lists the old
+        files as ``stale`` (a crash after it leaves a run of the new config with nothing done,
+        which the same command continues: ``settle`` deletes the stale files first); the files
+        are deleted; run.yaml.new is renamed into place."""
         if not self.writable:
             return
         old = self.manifest
-        for name, entry in old["stages"].items():
-            if name != "config":
-                for rel in entry.get("files", {}):
-                    (self.root / rel).unlink(missing_ok=True)
-        for path in (self.metrics_path, self.root / "summary.json"):
-            path.unlink(missing_ok=True)
+        stale = [rel for name, entry in old["stages"].items() if name != "config" for rel in entry.get("files", {})]
+        stale += [rel for rel in ("metrics.jsonl", "summary.json") if rel not in stale]
+        for rel in stale:
+            self.path(rel)  # every path checked before anything is written or deleted
+        pending = self.root / PENDING_CONFIG
+        save_config(cfg, pending)
+        maybe_crash_nth("config-write")
         attempts = [*old.get("attempts", []), {"status": old.get("status"), "reason": old.get("reason"), "restarted": time.time()}]
-        self._manifest = {"version": MANIFEST_VERSION, "stages": {}, "attempts": attempts}
+        config = {"status": "done", "time": time.time(), "config_hash": cfg.hash(), "files": {"run.yaml": sha256_file(pending)}}
+        self._manifest = {"version": MANIFEST_VERSION, "stages": {"config": config}, "attempts": attempts,
+                          "status": old.get("status"), "reason": old.get("reason"), "stale": stale, **(run or {})}
         self._pending.clear()
         with locks.manifest_lock(self.root):
             self.write_manifest()
+        maybe_crash_nth("restart-delete")
+        self._delete_stale()
+        maybe_crash_nth("config-rename")
+        os.replace(pending, self.root / "run.yaml")
+
+    def _delete_stale(self) -> None:
+        """Delete the files a restart left as ``stale`` (none of them is recorded by a stage any
+        more); the list goes with the next manifest write."""
+        stale = self.manifest.get("stale")
+        if not isinstance(stale, list):
+            return
+        recorded = {rel for entry in self.manifest["stages"].values() for rel in entry.get("files", {})}
+        for rel in stale:
+            if isinstance(rel, str) and rel not in recorded:
+                self.path(rel).unlink(missing_ok=True)
+        self.manifest.pop("stale", None)
 
     def is_complete(self) -> bool:
         return (self.root / "summary.json").is_file() and self.exists() and self.manifest.get("status") == "complete"
@@ -482,27 +724,31 @@ class RunStore:
 
     # -- policies: step 0 (where RL started) and the checkpoints
     def checkpoints(self) -> list[int]:
-        """Steps with a complete checkpoint: recorded done in the manifest and the folder present."""
+        """Steps with a complete checkpoint: recorded done in the manifest and the folder present
+        (a symlinked ``checkpoints/`` is refused)."""
         return [s for s in self._recorded_checkpoints() if self.checkpoint_dir(s).is_dir()]
 
     def _recorded_checkpoints(self) -> list[int]:
         return done_steps(self.manifest["stages"], "checkpoint")
 
     def starting_policy(self) -> str:
-        """Where the run's RL started (step 0): its warm-start cache entry (also found beside the
-        run if the outputs folder moved), or the model folder / hub id it loaded."""
+        """Where the run's RL started (step 0): its warm-start cache entry, read from the run's
+        own outputs folder (``<out>/.cache/warmstart/<key>``, also when the outputs folder moved;
+        never from wherever the manifest's path points), or the model folder / hub id it loaded."""
         info = (self.stage("warmstart") or {}).get("info") or {}
         path = info.get("path") or info.get("source")
         if not path or path == "tiny":
             raise ArtifactError(f"{self.root}: the warm start is not recorded in the manifest; no starting policy (step 0)")
         if info.get("path"):
-            for candidate in (Path(path), warmstart_cache(self.root.parent) / Path(path).name):
-                if (candidate / "config.json").is_file():
-                    for name, digest in (info.get("files") or {}).items():  # as the run recorded it
-                        if not (candidate / name).is_file() or sha256_file(candidate / name) != digest:
-                            raise ArtifactError(f"{candidate / name}: the run's warm-start model changed or is gone (fails its sha256 check)")
-                    return str(candidate)
-            raise ArtifactError(f"{path}: the run's warm-start model is gone (was the .cache folder removed?)")
+            entry = inside(warmstart_cache(self.root.parent), Path(str(path)).name, what=str(self.root / MANIFEST))
+            if entry.is_symlink():
+                raise ArtifactError(f"{entry}: a symbolic link in the warm-start cache; refused (not followed)")
+            if not (entry / "config.json").is_file():
+                raise ArtifactError(f"{entry}: the run's warm-start model is gone (was the .cache folder removed?)")
+            problem = folder_problem(entry, info.get("files") or {}, ignore=("warmstart.json",))  # as the run recorded it
+            if problem:
+                raise ArtifactError(f"{entry}: the run's warm-start model changed or is gone ({problem}; fails its sha256 check)")
+            return str(entry)
         if Path(path).exists() and not (Path(path) / "config.json").is_file():
             raise ArtifactError(f"{path}: the run's starting model is gone")
         return str(path)
@@ -531,21 +777,19 @@ class RunStore:
         return self.step_dir(step) / "rollouts.parquet"
 
     def rollout_steps(self) -> list[int]:
-        steps_dir = self.root / "steps"
-        if not steps_dir.is_dir():
-            return []
-        return sorted(int(p.name) for p in steps_dir.iterdir() if p.name.isdigit() and (p / "rollouts.parquet").is_file())
+        """The steps whose rollout batch the manifest records as stored (and whose file is there)."""
+        return [s for s in done_steps(self.manifest["stages"], "rollout") if self.rollout_path(s).is_file()]
 
-    def read_rollouts(self, step: int, *, verify: bool = False, vocab_size: int | None = None):
-        """(samples, metadata) of step ``step``'s rollout batch, validated row by row (token ids
-        below ``vocab_size`` when it is given); ``verify``: check its hash first."""
+    def read_rollouts(self, step: int, *, verify: bool = True, vocab_size: int | None = None):
+        """(samples, metadata) of step ``step``'s rollout batch, checked against the sha256 the
+        manifest records (every reader: a batch the manifest does not record is not read) and
+        validated row by row (token ids below ``vocab_size`` when it is given)."""
         path = self.rollout_path(step)
-        if verify:
-            self.verify(rollout_key(step))
-        elif not path.is_file():
+        if not self.is_done(rollout_key(step)) or not path.is_file():
             have = self.rollout_steps()
             span = f"{have[0]}..{have[-1]}" if have else "none"
-            raise ArtifactError(f"{self.root}: no rollouts for step {step} (stored steps: {span})")
+            raise ArtifactError(f"{self.root}: no rollouts recorded for step {step} (stored steps: {span})")
+        self.verify(rollout_key(step))
         return read_rollouts(path, vocab_size=vocab_size)
 
     def write_rollouts(self, step: int, samples, meta: dict) -> None:
@@ -568,7 +812,7 @@ class RunStore:
         for later in done_steps(self.manifest["stages"], "rollout"):
             if later > step:
                 self.verify(rollout_key(later))
-                read_rollouts(self.root / next(iter(self.stage(rollout_key(later))["files"])), vocab_size=vocab_size)
+                read_rollouts(self.path(next(iter(self.stage(rollout_key(later))["files"]))), vocab_size=vocab_size)
         if step:
             self.verify(checkpoint_key(step))
         self.check_metrics(step)
@@ -599,9 +843,10 @@ class RunStore:
             for later in done_steps(manifest["stages"], "train", status=None):
                 if later > step:
                     del manifest["stages"][update_key(later)]
-        if self.writable:
-            rows = [r for r in self.read_metrics() if r["step"] <= step]
-            atomic_write_text(self.metrics_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+        maybe_crash_nth("rewind-metrics")
+        lines = self._metrics_lines()
+        keep = len([r for r in self.read_metrics(verify=False) if r["step"] <= step])  # they lead the file (check_metrics)
+        atomic_write_text(self.metrics_path, b"".join(lines[:keep]).decode())  # the lines as written: their digest holds
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -639,6 +884,11 @@ def _read_manifest(path: Path) -> dict:
                 problem = f"stage {name!r} has no valid file list"
             elif _kind(name) is not None and not name.split("/")[1].isdigit():
                 problem = f"stage {name!r} names no step"
+            elif not isinstance(entry.get("dirs", []), list):
+                problem = f"stage {name!r} has no valid folder list"
+            elif any(relative_problem(rel) for rel in [*entry.get("files", {}), *entry.get("dirs", [])]):
+                bad = next(rel for rel in [*entry.get("files", {}), *entry.get("dirs", [])] if relative_problem(rel))
+                problem = f"stage {name!r} lists the path {bad!r}, which leaves the run folder"
             if problem:
                 break
     if problem:

@@ -33,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+from masktrl.caches import datasets_dir
 from masktrl.errors import ConfigError, DataError
 from masktrl.tasks.base import Example, register_task
 from masktrl.tasks.fields import fields_hint, get_path, has_path
@@ -101,7 +102,7 @@ def _read_files(datasets, files: list[Path], where: str) -> list[dict]:
             for path in group:
                 _check_text(Path(path), builder)
         try:
-            ds = datasets.load_dataset(builder, data_files={"train": group}, split="train")
+            ds = datasets.load_dataset(builder, data_files={"train": group}, split="train", cache_dir=datasets_dir())
         except Exception as e:
             raise DataError(f"{where}: cannot read {', '.join(Path(g).name for g in group)} ({_first_line(e)})") from None
         try:
