@@ -150,3 +150,4 @@ def test_random_kills_then_resume_equal_an_uninterrupted_run(tmp_path):
             same_as(out / "ref-fixed", root, STEPS, trial)
         else:
             same_as(ref, root, STEPS, trial)
+        print(f"trial {trial} ({kind=}): resumed bit-identically", flush=True)
