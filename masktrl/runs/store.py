@@ -591,8 +591,8 @@ class RunStore:
         path = self.root / "summary.json"
         if not path.is_file() or not self.is_done("summary"):
             return None
-        self.verify("summary")
         summary = read_json(path, error=ArtifactError, finite=False)  # one line for broken or too deep JSON
+        self.verify("summary")
         if not isinstance(summary, dict):
             raise ArtifactError(f"{path}: not a run summary (a JSON {type(summary).__name__}, not an object)")
         return summary

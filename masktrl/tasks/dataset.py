@@ -29,11 +29,11 @@ import json
 import os
 import random
 import re
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from masktrl.caches import datasets_dir
 from masktrl.errors import ConfigError, DataError
 from masktrl.tasks.base import Example, register_task
 from masktrl.tasks.fields import fields_hint, get_path, has_path
@@ -101,14 +101,17 @@ def _read_files(datasets, files: list[Path], where: str) -> list[dict]:
         if builder in ("json", "csv"):
             for path in group:
                 _check_text(Path(path), builder)
-        try:
-            ds = datasets.load_dataset(builder, data_files={"train": group}, split="train", cache_dir=datasets_dir())
-        except Exception as e:
-            raise DataError(f"{where}: cannot read {', '.join(Path(g).name for g in group)} ({_first_line(e)})") from None
-        try:
-            rows.extend(ds.to_list() if hasattr(ds, "to_list") else [dict(r) for r in ds])
-        except UnicodeDecodeError as e:  # a parquet string column holding bytes that are not UTF-8
-            raise DataError(f"{where}: a text field is not UTF-8 (byte 0x{e.object[e.start]:02x}: {e.reason})") from None
+        # The arrow cache of a local file is built in a temporary folder that is gone once the rows
+        # are read: nothing is written in $HOME (the library's default) nor left anywhere.
+        with tempfile.TemporaryDirectory(prefix="masktrl-datasets-") as cache:
+            try:
+                ds = datasets.load_dataset(builder, data_files={"train": group}, split="train", cache_dir=cache, keep_in_memory=True)
+            except Exception as e:
+                raise DataError(f"{where}: cannot read {', '.join(Path(g).name for g in group)} ({_first_line(e)})") from None
+            try:
+                rows.extend(ds.to_list() if hasattr(ds, "to_list") else [dict(r) for r in ds])
+            except UnicodeDecodeError as e:  # a parquet string column holding bytes that are not UTF-8
+                raise DataError(f"{where}: a text field is not UTF-8 (byte 0x{e.object[e.start]:02x}: {e.reason})") from None
     return rows
 
 
