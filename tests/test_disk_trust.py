@@ -192,14 +192,14 @@ def test_the_whole_cli_writes_nothing_outside_out_with_a_read_only_home(tmp_path
     config = work / "tiny.yaml"
     config.write_text(tiny_yaml())
     data = work / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(16)))
     out = tmp_path / "out"
     env = {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "XDG_CONFIG_HOME": str(home / ".config"),
            "XDG_DATA_HOME": str(home / ".local" / "share")}
     for p in [home, *home.rglob("*")]:
         p.chmod(0o555)
     before_home, before_work = _tree(home), _tree(work)
-    dataset = ["--set", "task.name=dataset", "--set", f"task.source={data}", "--set", "task.reward=exact-match"]
+    dataset = ["--set", "task.name=dataset", "--set", f"task.source={data}", "--set", "task.reward=exact-match", "--set", "task.n_test=4"]
     commands = [
         ["train", "--config", config, "--out", out, "--run", "r"],
         ["train", "--config", config, "--out", out, "--run", "d", "--dry-run", *dataset],
