@@ -98,6 +98,7 @@ def test_missing_behaviour_checkpoint_names_the_steps_that_work(analysis_runs, t
 
     root = tmp_path / "no-checkpoint"
     shutil.copytree(analysis_runs / "grpo-seed0", root)
+    shutil.copytree(analysis_runs / ".cache", tmp_path / ".cache")  # step 0 is read from the run's own outputs folder
     shutil.rmtree(root / "checkpoints" / "000001")
     kw = dict(delta=0.15, update="unmasked", partitions=1, policy_step=3, minibatches=None, exact=True)
     with pytest.raises(ArtifactError) as est_err:

@@ -129,7 +129,7 @@ def test_cli_analyses_write_json_and_png(runs, tmp_path):
     "args, needle",
     [
         (["analyze", "disagreement", "--run", "nosuch", "--out", "{runs}"], "unknown run nosuch"),
-        (["analyze", "sis", "--run", "grpo-seed0", "--out", "{runs}", "--step", "9"], "no rollouts for step 9"),
+        (["analyze", "sis", "--run", "grpo-seed0", "--out", "{runs}", "--step", "9"], "no rollouts recorded for step 9"),
         (["analyze", "disagreement", "--run", "grpo-seed0", "--out", "{runs}", "--policy-step", "7"], "checkpoint 7"),
         (["analyze", "compare", "{runs}/grpo-seed0", "--baseline", "pdm"], "baseline 'pdm' is not among the runs"),
         (["analyze", "dynamics", "{runs}/nosuch"], "unknown run"),

@@ -197,9 +197,12 @@ def _copy_run(src, dest, edit=None):
 
 
 def _other_task(root):
+    from masktrl.config import from_dict
+    from masktrl.runs.store import RunStore
+
     cfg = yaml.safe_load((root / "run.yaml").read_text())
     cfg["task"]["digits"] = 2
-    (root / "run.yaml").write_text(yaml.safe_dump(cfg))
+    RunStore(root).record_config(from_dict(cfg))  # recorded with its hash, as a run of that task would have it
 
 
 def _files(*folders):

@@ -263,8 +263,8 @@ def test_a_vllm_engine_for_an_adapter_checkpoint_starts_from_the_base_and_gets_m
     ckpt = tmp_path / "run" / "ckpt"
     ckpt.mkdir(parents=True)
     save_adapter(ckpt, model, LoraSettings(rank=2), base="../../base")
-    cfg = SimpleNamespace(engine="vllm", gpu_memory_utilization=0.5, quantization=None, enforce_eager=True, sleep_mode=False, logprobs_k=5,
-                          batch_size=8)
+    cfg = SimpleNamespace(engine="vllm", gpu_memory_utilization=0.5, quantization=None, dtype=None, enforce_eager=True, sleep_mode=False,
+                          logprobs_k=5, batch_size=8)
     make_engine(cfg, model, tok, str(ckpt), dtype="float32", seed=0)
     assert built["path"] == str((tmp_path / "base").resolve()) and built["synced"] is model
     built.clear()
