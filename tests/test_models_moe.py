@@ -1,4 +1,4 @@
-"""``routing_flip_rate``: the fraction of tokens two copies of an MoE model route to different
+"""``compare_routing``: the fraction of tokens two copies of an MoE model route to different
 top-k expert sets, checked against sets computed by hand from the routers' logits."""
 
 import copy
@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from masktrl.models.moe import routing_flip_rate, top_k_experts
+from masktrl.models.moe import compare_routing, top_k_experts
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
 SHAPE = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
@@ -48,7 +48,7 @@ def test_top_k_experts_are_the_routers_top_sets(moe):
 
 def test_identical_copies_never_flip(moe):
     model, ids, mask = moe
-    flips = routing_flip_rate(model, copy.deepcopy(model), ids, mask)
+    flips = compare_routing(model, copy.deepcopy(model), ids, mask)
     assert flips.rate == 0.0 and flips.any_layer == 0.0 and flips.per_layer == [0.0, 0.0] and flips.tokens == int(mask.sum())
 
 
@@ -62,7 +62,7 @@ def test_swapping_two_experts_of_the_last_router_flips_exactly_the_tokens_with_o
     has0, has1 = (sets == 0).any(-1), (sets == 1).any(-1)
     expected = (has0 ^ has1).double().mean().item()  # a set holding both, or neither, is unchanged
     assert 0 < expected < 1
-    flips = routing_flip_rate(model, other, ids, mask)
+    flips = compare_routing(model, other, ids, mask)
     assert flips.per_layer[0] == 0.0  # layer 0's router and inputs are untouched
     assert flips.per_layer[1] == pytest.approx(expected, abs=1e-12)
     assert flips.rate == pytest.approx(expected / 2, abs=1e-12) and flips.any_layer == pytest.approx(expected, abs=1e-12)
@@ -71,7 +71,7 @@ def test_swapping_two_experts_of_the_last_router_flips_exactly_the_tokens_with_o
 def test_a_low_precision_copy_is_compared_in_its_own_dtype(moe):
     model, ids, mask = moe
     low = copy.deepcopy(model).to(torch.bfloat16)
-    flips = routing_flip_rate(model, low, ids, mask)
+    flips = compare_routing(model, low, ids, mask)
     assert 0.0 <= flips.rate <= flips.any_layer <= 1.0 and len(flips.per_layer) == 2
 
 
@@ -80,7 +80,7 @@ def test_padding_is_not_counted(moe):
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.model.layers[1].mlp.gate.weight.neg_()  # routes (nearly) everything elsewhere
-    full = routing_flip_rate(model, other, ids[:1], mask[:1])
+    full = compare_routing(model, other, ids[:1], mask[:1])
     assert full.tokens == 9 and full.per_layer[1] > 0.5
 
 
@@ -88,4 +88,4 @@ def test_a_dense_model_is_refused():
     tok = build_char_tokenizer("01")
     dense = build_tiny_model(tok, SHAPE, seed=0)
     with pytest.raises(ValueError, match="not a mixture-of-experts"):
-        routing_flip_rate(dense, dense, torch.tensor([[3, 4]]))
+        compare_routing(dense, dense, torch.tensor([[3, 4]]))

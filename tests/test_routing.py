@@ -1,4 +1,4 @@
-"""MoE routing decisions and the flip rate between a model and its low-precision copy (models/routing.py)."""
+"""MoE routing decisions and the flip rate between a model and its low-precision copy (models/moe.py)."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from masktrl.models.lowprec import LowPrecisionCopy
-from masktrl.models.routing import moe_routers, routing, routing_flip_rate
+from masktrl.models.moe import moe_routers, routing, routing_flip_rate
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
 

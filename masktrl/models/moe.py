@@ -1,17 +1,98 @@
-"""Mixture-of-experts routing: how often two copies of a model route a token differently.
+"""Mixture-of-experts routing: the experts a model picks for each token, and how often two copies
+of a model route a token differently.
 
 A low-precision rollout copy (bf16, FP8) of an MoE policy can pick other experts than the
 trainer's copy for the same token, which moves the behaviour policy away from the trained one
-by more than the precision of one expert's output would suggest. ``routing_flip_rate``
-measures it from the routers' logits: for every token and MoE layer, the set of the top-k
-experts (k = ``num_experts_per_tok``) under each copy, and whether the two sets differ.
+by more than the precision of one expert's output would suggest. A token's routing in one MoE
+layer is the set of its top-k experts (k = ``num_experts_per_tok``); two sets differ when any
+expert is in one and not the other (the order within the top-k and the weights do not count).
+
+Two ways to read it:
+
+* from the routers' hooks (what training measures, ``mismatch/routing_flip_rate``):
+  ``expert_choices`` records every MoE layer's choice during a forward pass (a forward hook on
+  each router: a module named ``gate`` or ``router`` whose weight has one row per expert, as
+  transformers' Qwen3-MoE ``Qwen3MoeTopKRouter`` and Mixtral-style linear routers); ``routing``
+  stacks them; ``routing_flip_rate`` is the fraction of (token, MoE layer) pairs whose sets differ;
+* from the routers' logits (``output_router_logits``): ``top_k_experts`` and
+  ``compare_routing``, which compares two copies of a model directly (``RoutingFlips``: the
+  rate, per layer and over any layer).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+
+ROUTER_NAMES = ("gate", "router")
+
+
+def moe_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, int]]:
+    """(name, router module, top_k) of every MoE layer of ``model`` (empty for a dense model)."""
+    config = getattr(model, "config", None)
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not num_experts or not top_k:
+        return []
+    found = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if name.rsplit(".", 1)[-1] in ROUTER_NAMES and isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[0] == num_experts:
+            found.append((name, module, int(getattr(module, "top_k", top_k))))
+    return found
+
+
+def _selected(output, k: int) -> Tensor:
+    """[T, k] expert ids a router chose: the third output of a (logits, weights, indices) router,
+    else the top-k of the logits it returns."""
+    if isinstance(output, tuple) and len(output) == 3 and not output[2].is_floating_point():
+        return output[2]
+    logits = output[0] if isinstance(output, tuple) else output
+    return logits.topk(k, dim=-1).indices
+
+
+@contextmanager
+def expert_choices(model: torch.nn.Module):
+    """Record, during the forward passes inside the block, every MoE layer's top-k expert ids per
+    token: yields a list that receives one [T, k] tensor per router call (layers in order)."""
+    routers = moe_routers(model)
+    calls: list[Tensor] = []
+    hooks = [module.register_forward_hook(lambda _m, _i, out, k=k: calls.append(_selected(out, k).reshape(-1, k)))
+             for _, module, k in routers]
+    try:
+        yield calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@torch.no_grad()
+def routing(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """[L, B, S, k] top-k expert ids of every token of ``input_ids`` [B, S] in each of the model's
+    L MoE layers (one forward pass)."""
+    b, s = input_ids.shape
+    with expert_choices(model) as calls:
+        model(input_ids=input_ids, attention_mask=attention_mask)
+    if not calls:
+        raise ValueError("the model has no MoE layers: routing flips are defined for MoE models only")
+    return torch.stack([c.reshape(b, s, -1) for c in calls])
+
+
+def routing_flip_rate(a: Tensor, b: Tensor, mask: Tensor | None = None) -> float:
+    """Fraction of tokens (rows of ``a`` and ``b`` [..., k], expert ids) whose top-k expert sets
+    differ, over the positions where ``mask`` [...] is true (all when None); NaN for none."""
+    if a.shape != b.shape:
+        raise ValueError(f"routing tensors must have the same shape, got {list(a.shape)} and {list(b.shape)}")
+    differ = (a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1)  # [...]
+    if mask is not None:
+        differ = differ[mask.expand_as(differ)]
+    return differ.float().mean().item() if differ.numel() else float("nan")
+
+
+# --------------------------------------------------------------------------- from the routers' logits
 
 
 @dataclass(frozen=True)
@@ -50,7 +131,7 @@ def top_k_experts(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
     return torch.stack(sets)  # [layers, N, k]
 
 
-def routing_flip_rate(model_a: torch.nn.Module, model_b: torch.nn.Module, input_ids: torch.Tensor,
+def compare_routing(model_a: torch.nn.Module, model_b: torch.nn.Module, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor | None = None, *, top_k: int | None = None) -> RoutingFlips:
     """How often ``model_a`` and ``model_b`` (two copies of one MoE model, e.g. the trainer's
     float32/bf16 weights and a low-precision rollout copy; each on its own device and dtype)

@@ -6,14 +6,14 @@ engine was last synced from, so one forward pass without gradients gives log pi_
 sampled token at the same weights, before any update; ``rollout/mismatch.py`` compares it with
 the recorded log mu. When the engine samples from a low-precision copy of a MoE policy, the
 routing-flip rate compares the copy's and the trainer's top-k experts on the response tokens
-(``models/routing.py``).
+(``models/moe.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from masktrl.models.routing import moe_routers, routing, routing_flip_rate
+from masktrl.models.moe import moe_routers, routing, routing_flip_rate
 from masktrl.rl.policy import policy_token_batch
 from masktrl.rollout.base import Sample
 from masktrl.rollout.mismatch import mismatch_stats
