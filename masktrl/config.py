@@ -54,6 +54,10 @@ HF_QUANTIZATIONS = ("fp8", "fp8-act", "fp8-full")
 HF_ONLY_QUANTIZATIONS = ("fp8-act", "fp8-full")
 TINY_TOKENIZERS = ("char", "numbers")
 TINY_ARCHITECTURES = ("qwen3", "llama", "qwen2", "qwen3-moe", "mistral", "gemma2", "gemma3", "phi3", "olmo2", "gpt-neox")
+MOE_ARCHITECTURES = ("qwen3-moe",)
+"""The tiny architectures with mixture-of-experts layers: the ones model.num_experts and model.experts_per_token apply to."""
+MOE_DEFAULTS = {"num_experts": 8, "experts_per_token": 2}
+"""The tiny MoE model's experts per layer and top-k when model.num_experts / experts_per_token are unset (configs/lab-moe.yaml)."""
 """model.architecture: the names of ``masktrl.models.architectures.ARCHITECTURES`` (a test keeps them equal)."""
 
 
@@ -108,6 +112,12 @@ class ModelConfig:
     architecture: str = "qwen3"
     """Tiny model only: the transformers architecture it is built as: qwen3 | llama | qwen2 |
     qwen3-moe | mistral | gemma2 | gemma3 | phi3 | olmo2 | gpt-neox (docs/MODELS.md)."""
+    num_experts: int | None = None
+    """Tiny mixture-of-experts model only (model.architecture=qwen3-moe): experts per MoE layer
+    (None: 8). Refused on a dense architecture."""
+    experts_per_token: int | None = None
+    """Tiny mixture-of-experts model only (model.architecture=qwen3-moe): the experts each token
+    is routed to, top-k (None: 2; at most model.num_experts). Refused on a dense architecture."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> None:
@@ -126,6 +136,25 @@ class ModelConfig:
             _positive(f"model.{name}", getattr(self, name))
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ConfigError("model.num_heads must divide model.hidden_size and be a multiple of model.num_kv_heads")
+        self._validate_experts()
+
+    def _validate_experts(self) -> None:
+        given = [k for k in MOE_DEFAULTS if getattr(self, k) is not None]
+        if given and self.path != "tiny":
+            raise ConfigError(f"model.{given[0]} is an option of the tiny model (model.path=tiny); a checkpoint has its own experts")
+        if given and self.architecture not in MOE_ARCHITECTURES:
+            raise ConfigError(f"model.{given[0]} is a mixture-of-experts option, but model.architecture={self.architecture} is dense "
+                              f"(MoE: {', '.join(MOE_ARCHITECTURES)})")
+        for k in given:
+            value = getattr(self, k)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"model.{k} must be an integer >= 1, got {value!r}")
+        if self.moe_shape()[1] > self.moe_shape()[0]:
+            raise ConfigError(f"model.experts_per_token={self.moe_shape()[1]} exceeds model.num_experts={self.moe_shape()[0]}")
+
+    def moe_shape(self) -> tuple[int, int]:
+        """(experts per MoE layer, experts per token) of the tiny MoE model, defaults filled in."""
+        return (self.num_experts or MOE_DEFAULTS["num_experts"], self.experts_per_token or MOE_DEFAULTS["experts_per_token"])
 
 
 DATASET_KEYS = ("source", "subset", "test_split", "prompt_key", "answer_key", "template", "system_prompt",
@@ -476,12 +505,20 @@ class Config:
         """sha256 of the whole config, or of the named sections only (e.g. the warm start's inputs),
         without the dotted keys of ``exclude``."""
         d = self.to_dict()
+        for key in HASH_UNLESS_SET:  # unset, they are absent: the hashes of configs from before they existed stay
+            section, name = key.split(".")
+            if d[section].get(name) is None:
+                d[section].pop(name, None)
         for key in exclude:
             section, name = key.split(".")
             d[section].pop(name, None)
         if sections:
             d = {s: d[s] for s in sections}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+HASH_UNLESS_SET = ("model.num_experts", "model.experts_per_token")
+"""Keys that count in ``Config.hash`` (the warm-start cache's key among others) only when set."""
 
 
 def load_config(paths: str | Path | list | tuple | None = None, overrides: list[str] = (), **direct: Any) -> Config:

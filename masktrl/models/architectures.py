@@ -8,8 +8,8 @@ model masktrl always built (same config, same random draws).
 
 Architecture-specific choices for the tiny shapes:
 
-* ``qwen3-moe``: 8 experts, top-2 routing, every layer sparse, expert width
-  ``intermediate_size // 4``.
+* ``qwen3-moe``: 8 experts, top-2 routing (``model.num_experts``, ``model.experts_per_token``),
+  every layer sparse, expert width ``intermediate_size // 4``.
 * ``mistral``, ``gemma2``, ``gemma3``: a sliding window of ``SLIDING_WINDOW`` tokens (shorter than
   the tiny runs' prompt + response), so the window really acts; their KV caches keep sliding
   layers, which the shared-prompt forward does not handle (``shared_prompt_cache_ok``): the
@@ -33,7 +33,6 @@ import torch
 from masktrl.errors import MasktrlError
 
 SLIDING_WINDOW = 8  # tokens; the tiny prompts + responses are longer, so the window is exercised
-MOE_EXPERTS, MOE_TOP_K = 8, 2
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3-moe": Architecture(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
-        lambda cfg: {**_gqa(cfg), "num_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K,
+        lambda cfg: {**_gqa(cfg), "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
                      "moe_intermediate_size": max(1, cfg.intermediate_size // 4), "norm_topk_prob": True},
     ),
     "mistral": Architecture("MistralConfig", "MistralForCausalLM", lambda cfg: {**_gqa(cfg), "sliding_window": SLIDING_WINDOW}),

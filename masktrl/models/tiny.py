@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from masktrl.config import MOE_DEFAULTS
+
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, UNK)
 
@@ -24,6 +26,15 @@ class TinyModelConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 512
     max_positions: int = 256
+    num_experts: int = MOE_DEFAULTS["num_experts"]  # MoE architectures only
+    experts_per_token: int = MOE_DEFAULTS["experts_per_token"]
+
+    @classmethod
+    def of(cls, m) -> "TinyModelConfig":
+        """The shape of the tiny model a ``ModelConfig`` describes."""
+        experts, top_k = m.moe_shape()
+        return cls(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size,
+                   num_experts=experts, experts_per_token=top_k)
 
 
 def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:

@@ -110,7 +110,7 @@ def check_packing(cfg: Config) -> None:
         m = cfg.model
         arch = get_architecture(m.architecture)
         config_class, model_class = model_classes(arch)
-        tiny = TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size)
+        tiny = TinyModelConfig.of(m)
         config = config_class(hidden_size=m.hidden_size, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
                               intermediate_size=m.intermediate_size, **arch.extra(tiny))
     else:

@@ -102,7 +102,7 @@ def new_tiny_model(cfg: Config, tokenizer):
     """The tiny model of ``cfg.model`` with ``tokenizer``'s vocabulary, initialised from ``cfg.seed``
     (on the meta device too: the disk projection counts its parameters)."""
     m = cfg.model
-    return build_tiny_model(tokenizer, TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size),
+    return build_tiny_model(tokenizer, TinyModelConfig.of(m),
                             seed=cfg.seed, architecture=m.architecture)
 
 
