@@ -10,6 +10,14 @@ final value, a maximum over several noisy evaluations and therefore biased upwar
 (``io.group_runs``); the run (one seed) is the unit of replication; every group has a handle
 (``#1``, ``#2``, ... in table order) that ``baseline`` accepts, as does any member run's folder.
 Runs of different tasks are refused.
+
+With ``eval_bench`` (``--eval BENCH``) *final* is instead the avg@k of each run's ``masktrl eval
+BENCH`` report on its final checkpoint (``<run>/eval/<BENCH>-step<S>.json``, checked against the
+manifest's hash) and *best* the maximum over its reports of that benchmark at every step; a run
+without the final report is an error naming the runs and the command that makes them.
+
+Every group also has a **collapse rate** (``analysis/collapse.py``): how many of its runs' training
+reward fell below half its starting value and stayed there.
 """
 
 from __future__ import annotations
@@ -18,9 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+from masktrl.analysis.collapse import DEFINITION as COLLAPSE_DEFINITION
+from masktrl.analysis.collapse import collapse_rate, run_collapse
 from masktrl.analysis.io import RunInfo, group_runs
 from masktrl.config import flatten
-from masktrl.errors import MasktrlError
+from masktrl.errors import ArtifactError, MasktrlError
+from masktrl.readers import read_json
+from masktrl.runs.store import eval_key
 from masktrl.stats import bootstrap_ci, paired_tests, permutation_test, welch_t_test
 
 POWER = 0.8
@@ -45,6 +57,57 @@ def run_scores(run: RunInfo, metric: str = HELDOUT) -> tuple[float, float]:
     else:
         raise MasktrlError(f"{run.root}: metric {metric} was never logged")
     return final, max(logged + [final])
+
+
+def final_step(run: RunInfo) -> int:
+    """The step of the run's final checkpoint (what ``masktrl eval --model RUN`` evaluates by default)."""
+    steps = run.store.checkpoints()
+    if not steps:
+        raise ArtifactError(f"{run.root}: no complete checkpoint to evaluate")
+    return steps[-1]
+
+
+def eval_report(run: RunInfo, bench: str, step: int) -> dict:
+    """The ``masktrl eval`` report of ``bench`` at ``step``, verified against the manifest's hash."""
+    store = run.store
+    store.verify(eval_key(bench, step))
+    report = read_json(store.eval_path(bench, step), error=ArtifactError, finite=False)
+    if not isinstance(report, dict) or not isinstance(report.get("avg_at_k"), (int, float)):
+        raise ArtifactError(f"{store.eval_path(bench, step)}: not an eval report (no avg_at_k)")
+    return report
+
+
+def eval_scores(runs: list[RunInfo], bench: str) -> tuple[dict[str, tuple[float, float, int]], dict]:
+    """Per run root: (final avg@k, best avg@k over the run's reports of ``bench``, number of
+    reports), and the generation settings the final reports share. ``MasktrlError`` naming the
+    runs without a final report (and the command to make them), or reports that differ in k,
+    problems or sampling."""
+    missing = [r for r in runs if not (r.store.stage(eval_key(bench, final_step(r))) or {}).get("status") == "done"]
+    if missing:
+        folders = sorted({str(r.root.parent) for r in missing})
+        names = ", ".join(r.name for r in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise MasktrlError(f"--eval {bench}: {len(missing)} of {len(runs)} runs have no eval report at their final checkpoint "
+                           f"({names}); make them with: " + "; ".join(f"masktrl eval {bench} --model {f}" for f in folders))
+    out, settings = {}, {}
+    for r in runs:
+        final = eval_report(r, bench, final_step(r))
+        g = final.get("generation") or {}
+        sig = {"k": final.get("k"), "n_problems": final.get("n_problems"), "temperature": g.get("temperature"),
+               "top_p": g.get("top_p"), "max_new_tokens": g.get("max_new_tokens")}
+        for key, value in sig.items():
+            if settings.setdefault(key, value) != value:
+                raise MasktrlError(f"--eval {bench}: the reports differ in {key} ({settings[key]} vs {value} in {r.name}); "
+                                   f"evaluate every run alike (masktrl eval {bench} --force ...)")
+        steps = [key_step_of(k) for k, v in r.store.manifest["stages"].items()
+                 if k.startswith(f"eval/{bench}/") and v.get("status") == "done"]
+        values = [float(eval_report(r, bench, s)["avg_at_k"]) for s in sorted(steps)]
+        out[str(r.root)] = (float(final["avg_at_k"]), max(values), len(values))
+    return out, settings
+
+
+def key_step_of(stage: str) -> int:
+    """The step of an ``eval/<bench>/<S>`` stage."""
+    return int(stage.rsplit("/", 1)[1])
 
 
 def describe(values: list[float], n_boot: int, seed: int = 0) -> dict:
@@ -196,10 +259,13 @@ def check_one_task(runs: list[RunInfo]) -> None:
 
 
 def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, test: str = "welch",
-            n_boot: int = 10000, n_perm: int = 10000) -> dict:
-    """The method table (JSON-ready, see docs/ANALYSIS.md). Incomplete runs are listed in ``skipped``."""
+            n_boot: int = 10000, n_perm: int = 10000, eval_bench: str | None = None) -> dict:
+    """The method table (JSON-ready, see docs/ANALYSIS.md). Incomplete runs are listed in
+    ``skipped``. ``eval_bench``: score each run by its ``masktrl eval`` report instead of ``metric``."""
     if test not in TESTS:
         raise MasktrlError(f"--test must be one of {', '.join(TESTS)}; got {test!r}")
+    if eval_bench is not None and metric != HELDOUT:
+        raise MasktrlError(f"--eval and --metric choose the score two ways; pass one (got --eval {eval_bench} --metric {metric})")
     complete = [r for r in runs if r.complete]
     skipped = [str(r.root) for r in runs if not r.complete]
     if not complete:
@@ -207,7 +273,14 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
     check_one_task(complete)
     groups = group_runs(complete)
     base_label = find_baseline([(label, m[0].cfg.method_name) for label, m in groups], baseline, [m for _, m in groups])
-    scores = {label: [run_scores(r, metric) for r in members] for label, members in groups}
+    if eval_bench is not None:
+        per_run, settings = eval_scores(complete, eval_bench)
+        scores = {label: [per_run[str(r.root)][:2] for r in members] for label, members in groups}
+        n_evals = {root: v[2] for root, v in per_run.items()}
+        metric = f"eval/{eval_bench}/avg_at_k (final checkpoint)"
+    else:
+        scores = {label: [run_scores(r, metric) for r in members] for label, members in groups}
+        n_evals, settings = {str(r.root): len(_evals(r, metric)) + 1 for r in complete}, None
     base_seeds = [r.cfg.seed for r in dict(groups)[base_label]]
     rows, warnings = [], []
     for gi, (label, members) in enumerate(groups):
@@ -219,8 +292,12 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
         tests = test_against(vals, base, n_perm, seeds=row["seeds"], base_seeds=base_seeds) if label != base_label else _no_test()
         row["final"].update(tests, p=tests[f"p_{test}"], p_unit=P_UNIT)
         row["best"] = describe([s[1] for s in scores[label]], n_boot)
-        row["best"].update(biased=True, n_evals=[len(_evals(r, metric)) + 1 for r in members], p=float("nan"),
+        row["best"].update(biased=True, n_evals=[n_evals[str(r.root)] for r in members], p=float("nan"),
                            note="max over the run's evaluations and its final value: biased upward, not tested")
+        per_run = [{"run": str(r.root), **run_collapse(r.metrics)} for r in members]
+        row["collapse"] = {**collapse_rate(per_run), "runs": per_run}
+        if row["collapse"]["too_short"]:
+            warnings.append(f"{label}: {row['collapse']['too_short']} run(s) too short to judge collapse")
         if len(members) < MIN_SEEDS:
             warnings.append(f"{label}: only {len(members)} seed{'s' if len(members) != 1 else ''} (< {MIN_SEEDS}); its CI and p-value mean little")
         rows.append(row)
@@ -231,7 +308,9 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
     for r in rows:
         if r["is_baseline"]:
             r["final"]["p_holm"] = r["final"]["q_bh"] = float("nan")
-    return {"metric": metric, "metric_kind": metric_kind(metric, complete), "baseline": base_label,
+    kind = eval_kind(eval_bench, settings) if eval_bench is not None else metric_kind(metric, complete)
+    return {"metric": metric, "metric_kind": kind, "eval": eval_bench, "eval_settings": settings,
+            "collapse_definition": COLLAPSE_DEFINITION, "baseline": base_label,
             "baseline_handle": next(r["handle"] for r in rows if r["is_baseline"]), "test": test, "p_unit": P_UNIT,
             "adjustment": "Holm (p_holm) and Benjamini-Hochberg (q_bh) over the non-baseline rows' final p",
             "power": POWER, "alpha": ALPHA, "n_boot": n_boot, "n_perm": n_perm,
@@ -259,6 +338,11 @@ def metric_kind(metric: str, runs: list[RunInfo]) -> str:
         return "one " + ("greedy answer" if greedy == {True} else "sampled answer" if greedy == {False} else "answer") + \
             " per held-out prompt (pass --metric eval/<bench>/avg_at_k for avg@k over several samples)"
     return "the metric's last logged value"
+
+
+def eval_kind(bench: str, settings: dict) -> str:
+    return (f"avg@k of masktrl eval {bench} on each run's final checkpoint: mean accuracy over k = {settings['k']} samples "
+            f"per prompt, {settings['n_problems']} prompts")
 
 
 def save(table: dict, out_dir: Path) -> list[Path]:

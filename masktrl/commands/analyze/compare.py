@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
@@ -19,15 +19,17 @@ def compare(
     baseline: Annotated[str, typer.Option("--baseline", metavar="LABEL", help="The group the others are tested against: a method name "
                                           "with one group, a label, a handle (#2) or a run folder of the group.")] = "grpo",
     metric: Annotated[str, typer.Option("--metric", metavar="KEY", help="Metric: eval/heldout/accuracy or eval/<bench>/avg_at_k.")] = "eval/heldout/accuracy",
+    eval_bench: Annotated[Optional[str], typer.Option("--eval", metavar="BENCH", show_default=False, help="Score each run by the avg@k of its "
+                          "`masktrl eval BENCH` report on its final checkpoint (e.g. task: the run's own held-out split, k samples per prompt) instead of --metric.")] = None,
     test: Annotated[str, typer.Option("--test", metavar="welch|permutation|paired", help="welch | permutation | paired (a paired t-test over the seeds shared with the baseline: a seed's runs share its warm start). All three are in the JSON.")] = "welch",
     n_boot: Annotated[int, typer.Option("--n-boot", metavar="N", help="Bootstrap resamples for the 95% CI.")] = 10000,
 ) -> None:
-    """Methods over seeds (the run is the unit): final accuracy with mean, std, bootstrap 95% CI; vs the baseline the difference with its CI, p (Holm and BH across the table) and the 80%-power detectable difference; best of the evaluations, biased upward, untested."""
+    """Methods over seeds (the run is the unit): final accuracy (or, with --eval, the avg@k of each run's eval report) with mean, std, bootstrap 95% CI; vs the baseline the difference with its CI, p (Holm and BH across the table) and the 80%-power detectable difference; best of the evaluations, biased upward, untested; the collapse rate (training reward below half its start, for good)."""
     from masktrl.analysis import compare as cmp
     from masktrl.analysis.io import expand_runs, load_run, multi_run_dir
 
     roots = expand_runs(runs, out)
-    table = cmp.compare([load_run(r) for r in roots], baseline, metric, test, n_boot)
+    table = cmp.compare([load_run(r) for r in roots], baseline, metric, test, n_boot, eval_bench=eval_bench)
     paths = cmp.save(table, multi_run_dir(roots, output))
     print_compare(table)
     written(paths)
@@ -39,7 +41,7 @@ def print_compare(table: dict) -> None:
     t = Table(title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap 95% CI; vs "
                     f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}): difference [Welch 95% CI], {table['test']} p, "
                     f"Holm p, smallest difference detectable at 80% power; unit: {table.get('p_unit', 'run')}")
-    for col in ("#", "method", "n", "final", "95% CI", "diff [95% CI]", "p", "Holm p", "MDD 80%", "best of evals (biased)"):
+    for col in ("#", "method", "n", "final", "95% CI", "diff [95% CI]", "p", "Holm p", "MDD 80%", "best of evals (biased)", "collapsed"):
         t.add_column(col, justify="right" if col not in ("method",) else "left")
     for row in table["methods"]:
         s, b = row["final"], row["best"]
@@ -47,9 +49,15 @@ def print_compare(table: dict) -> None:
         diff = "base" if base else f"{fmt(s['diff_vs_baseline'])} [{fmt(s.get('diff_ci_low'))}, {fmt(s.get('diff_ci_high'))}]"
         t.add_row(row.get("handle", ""), escape(row["label"]), str(s["n"]), pm(s["mean"], s["std"]), f"[{fmt(s['ci_low'])}, {fmt(s['ci_high'])}]",
                   diff, "" if base else fmt(s["p"]), "" if base else fmt(s.get("p_holm")), "" if base else fmt(s.get("mdd_80")),
-                  pm(b["mean"], b["std"]))
+                  pm(b["mean"], b["std"]), collapsed(row.get("collapse")))
     console.print(t)
+    if table.get("collapse_definition"):
+        console.print(table["collapse_definition"], highlight=False)
     for w in table["warnings"]:
         console.print(f"[yellow]warning:[/] {w}", highlight=False)
     for s in table["skipped"]:
         console.print(f"[yellow]skipped incomplete run[/] {s}", highlight=False)
+
+
+def collapsed(c: dict | None) -> str:
+    return "" if not c else f"{c['count']}/{c['total']}" + (f" (+{c['too_short']} short)" if c["too_short"] else "")
