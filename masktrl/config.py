@@ -43,8 +43,12 @@ MAX_INT = 2**31 - 1
 """The largest integer any config key accepts (sizes, counts, steps)."""
 MAX_SEED = 2**32 - 1
 """The largest seed: what every generator seeded from it (torch, numpy, python) accepts."""
-EVAL_BENCHMARKS = ("synthetic", "aime24", "aime25", "aime", "math500", "gsm8k")
-"""`masktrl eval` benchmarks: synthetic = the run's own arithmetic held-out split; aime = aime24 + aime25."""
+EVAL_BENCHMARKS = ("task", "synthetic", "aime24", "aime25", "aime", "math500", "gsm8k")
+"""`masktrl eval` benchmarks: task (alias synthetic) = the run's own held-out split of a synthetic task; aime = aime24 + aime25."""
+OWN_TASK_BENCHMARKS = ("task", "synthetic")
+"""The benchmark names of a run's own task: its fixed held-out split (synthetic is the older name, kept)."""
+SYNTHETIC_TASKS = ("arithmetic", "residues", "longtail")
+"""The built-in synthetic tasks: a held-out split drawn once with a fixed seed (masktrl/tasks/synthetic.py)."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 """train.report_to: accelerate's trackers masktrl logs to (besides metrics.jsonl, the source of truth)."""
@@ -575,8 +579,10 @@ def from_dict(raw: dict) -> Config:
                           "lists and cannot make them longer (record more with rollout.logprobs_k)")
     if cfg.model.tokenizer == "numbers" and cfg.task.name != "residues":
         raise ConfigError(f"model.tokenizer=numbers cannot encode task {cfg.task.name!r} (it serves task residues)")
-    if "synthetic" in cfg.train.eval_benchmarks and cfg.task.name != "arithmetic":
-        raise ConfigError(f"train.eval_benchmarks: synthetic is the arithmetic task, but task.name is {cfg.task.name!r}")
+    own = [b for b in cfg.train.eval_benchmarks if b in OWN_TASK_BENCHMARKS]
+    if own and cfg.task.name not in SYNTHETIC_TASKS:
+        raise ConfigError(f"train.eval_benchmarks: {own[0]} is the run's own synthetic task ({', '.join(SYNTHETIC_TASKS)}), "
+                          f"but task.name is {cfg.task.name!r}")
     return cfg
 
 

@@ -13,10 +13,10 @@ from masktrl.config import EVAL_BENCHMARKS
 
 
 def eval_command(
-    bench: Annotated[str, typer.Argument(metavar="BENCH", help=f"Benchmark: {' | '.join(EVAL_BENCHMARKS)} | dataset (with --set task.source=...).", show_default=False)],
+    bench: Annotated[str, typer.Argument(metavar="BENCH", help=f"Benchmark: {' | '.join(EVAL_BENCHMARKS)} | dataset (with --set task.source=...). task (alias synthetic): the run's own held-out split (arithmetic, residues, longtail).", show_default=False)],
     model: Annotated[
         str,
-        typer.Option("--model", metavar="RUN|MODEL", help="A run (folder, or name under --out), a model folder, or a hub id (local cache only).", show_default=False),
+        typer.Option("--model", metavar="RUN|MODEL|FOLDER", help="A run (folder, or name under --out), a folder of runs (a sweep's: each complete run, skipping reports that exist), a model folder, or a hub id (local cache only).", show_default=False),
     ],
     step: Annotated[
         Optional[int],
@@ -65,7 +65,9 @@ def eval_command(
     """Evaluate a checkpoint on a benchmark: k samples per problem, avg@k, pass@k, maj@k, 95% CI.
 
     Results: a table, and <run>/eval/<bench>-step<S>.json (recorded in the run's manifest) or,
-    for a model that is not a run, eval/<bench>-<model>.json.
+    for a model that is not a run, eval/<bench>-<model>.json. `masktrl eval task --model
+    outputs/sweep` evaluates every complete run of a sweep's folder (one line each; a rerun does
+    what is left); `analyze compare --eval task` then compares their avg@k.
 
     Datasets, rewards and templates take the keys of `masktrl train` (docs/TASKS.md): --config
     FILE (its task section) and --set task.KEY=VALUE, e.g. `masktrl eval dataset --model M --set
@@ -81,9 +83,21 @@ def eval_command(
     )
     opts.validate(bench)  # before any model is loaded
     console.print(f"[bold]masktrl eval[/] [cyan]{bench}[/] model [cyan]{model}[/]" + (f" step {step}" if step is not None else ""))
+    runs = recipe.folder_runs(model)
+    if runs is not None:  # a folder of runs
+        with progress_bar() as progress:
+            recipe.run_folder(bench, runs, step, opts, out=out, output=output, force=force, progress=progress, done=print_line)
+        return
     with progress_bar() as progress:
         result = recipe.run(bench, model, step, opts, out=out, output=output, force=force, progress=progress)
     print_report(result.report, result.path)
+
+
+def print_line(root: Path, result) -> None:
+    r = None if isinstance(result, str) else result.report
+    se = f" ± {r['avg_at_k_se']:.4f} (se)" if r and r.get("avg_at_k_se") is not None else ""
+    console.print(f"{root.name}: " + (f"[yellow]{result}[/]" if r is None else
+                  f"avg@{r['k']} {r['avg_at_k']:.4f}{se}, pass@{r['k']} {r['pass_at_k']:.4f} -> {result.path}"), highlight=False)
 
 
 def print_report(r: dict, path: Path) -> None:
@@ -95,7 +109,7 @@ def print_report(r: dict, path: Path) -> None:
         ("model", r["model"] + (f" (step {r['step']})" if r["step"] is not None else "")),
         ("problems", str(r["n_problems"])),
         ("samples per problem", f"{k} ({decoding}, {g['max_new_tokens']} new tokens, {g['engine']})"),
-        (f"avg@{k}", f"{r['avg_at_k']:.4f}  [95% CI {low:.4f}, {high:.4f}]"),
+        (f"avg@{k}", f"{r['avg_at_k']:.4f}  [95% CI {low:.4f}, {high:.4f}]" + (f"  se {r['avg_at_k_se']:.4f}" if r.get("avg_at_k_se") is not None else "")),
         *[(f"pass@{j}", f"{v:.4f}") for j, v in r["pass_at"].items() if j != "1"],
         (f"maj@{k}", f"{r['maj_at_k']:.4f}"),
         ("truncated samples", f"{r['truncated_frac']:.1%}"),

@@ -14,13 +14,14 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from masktrl.config import EVAL_BENCHMARKS, Config
+from masktrl.config import EVAL_BENCHMARKS, OWN_TASK_BENCHMARKS, Config
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.rl.checks import fit_context, model_context
 from masktrl.rl.evaluation import (bench_task_config, build_task, describe_data, eval_chat, generation_block, load_engine,
-                                   reward_name, sample_and_grade, save, summarize, template_label)
+                                   reward_name, sample_and_grade, save, seed_name, summarize, template_label)
 from masktrl.rollout.base import SamplingSettings
 from masktrl.runs.resolve import ModelRef, resolve_model
+from masktrl.runs.store import RunStore, is_run_folder
 
 MATH_MAX_NEW_TOKENS = 4096  # default response length on math benchmarks for a model that is not a math run
 
@@ -61,8 +62,8 @@ class EvalOptions:
             raise ConfigError(f"--engine must be hf or vllm, got {self.engine!r}")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if bench == "synthetic" and (self.data is not None or self.template is not None or self.config or self.overrides):
-            raise ConfigError("--data, --template, --config and --set apply to datasets; synthetic uses the run's own task")
+        if bench in OWN_TASK_BENCHMARKS and (self.data is not None or self.template is not None or self.config or self.overrides):
+            raise ConfigError(f"--data, --template, --config and --set apply to datasets; {bench} uses the run's own task")
         if self.template is not None:
             from masktrl.tasks.templates import PromptTemplate
 
@@ -90,8 +91,8 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
     its default place (``output_path``)."""
     opts.validate(bench)
     ref = resolve_model(model, step, out)
-    if bench == "synthetic" and ref.store is None:
-        raise ConfigError(f"benchmark synthetic needs a run (--model <run>): {model} is no run folder (no run.yaml)")
+    if bench in OWN_TASK_BENCHMARKS and ref.store is None:
+        raise ConfigError(f"benchmark {bench} needs a run (--model <run>): {model} is no run folder (no run.yaml)")
     if output is not None and ref.store is not None:
         raise ConfigError(f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is for models that are not runs")
     path = Path(output) if output is not None else output_path(ref, bench, out)
@@ -102,7 +103,7 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
         import torch
 
         torch.set_num_threads(cfg.train.threads)
-    if bench != "synthetic":
+    if bench not in OWN_TASK_BENCHMARKS:
         cfg = replace(cfg, model=replace(cfg.model, chat_template=eval_chat(cfg, opts)), task=bench_task_config(bench, cfg, **opts.task_args()))
     task = build_task(bench, cfg)
     try:  # the data loaded: now the weights
@@ -110,14 +111,14 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
         examples = task.test_examples()[: opts.n_problems]
         settings = SamplingSettings(n=opts.k, max_new_tokens=max_new_tokens(bench, ref, opts), temperature=opts.temperature or 1.0,
                                     top_p=opts.top_p, logprobs_k=1, greedy=opts.temperature == 0)
-        chat = cfg.model.chat_template if bench == "synthetic" else False
+        chat = cfg.model.chat_template if bench in OWN_TASK_BENCHMARKS else False
         examples, too_long = fit_context(examples, tokenizer, chat, model_context(ref.weights))  # before any generation
         t0 = time.time()
-        graded = sample_and_grade(engine, tokenizer, task, examples, settings, (opts.seed, "eval", bench), cfg.rollout.batch_size,
+        graded = sample_and_grade(engine, tokenizer, task, examples, settings, (opts.seed, "eval", seed_name(bench)), cfg.rollout.batch_size,
                                   chat, progress, label=f"eval {bench}")
     finally:
         task.close()
-    report = summarize(bench, examples, graded, seed=opts.seed)
+    report = summarize(bench, examples, graded, seed=opts.seed, task=cfg.task.name)
     report.update(
         model=ref.label, weights=ref.weights, run=ref.store.name if ref.store else None, step=ref.step,
         data=describe_data(bench, cfg), time_s=time.time() - t0, reward=reward_name(task),
@@ -125,6 +126,38 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
     )
     save(report, path, ref.store, bench, ref.step)
     return EvalResult(report, path)
+
+
+def folder_runs(model: str) -> list[Path] | None:
+    """The run folders in ``model`` when it is a folder of runs (a sweep's ``--out``: neither a run
+    nor a model folder, with run folders in it), in name order; else None."""
+    p = Path(model)
+    if not p.is_dir() or is_run_folder(p) or (p / "config.json").is_file():
+        return None
+    return sorted(c for c in p.iterdir() if is_run_folder(c)) or None
+
+
+def run_folder(bench: str, runs: list[Path], step: int | None, opts: EvalOptions, *, out: Path | None = None,
+               output: Path | None = None, force: bool = False, progress=None, done=None) -> list[tuple[Path, EvalResult | str]]:
+    """:func:`run` on every complete run of ``runs``; a run that is not complete, or whose report
+    exists (without ``force``), is skipped with the reason, so a rerun does what is left.
+    ``done(root, result)`` is called after each run."""
+    opts.validate(bench)
+    if output is not None:
+        raise ConfigError("--output: each run's evals are stored in the run; --output is for one model that is not a run")
+    results: list[tuple[Path, EvalResult | str]] = []
+    for root in runs:
+        status = RunStore(root, writable=False).status()
+        if status != "complete":
+            result: EvalResult | str = f"skipped: {status}, not complete"
+        elif (path := output_path(resolve_model(str(root), step, out), bench, out)).exists() and not force:
+            result = f"skipped: {path} exists"
+        else:
+            result = run(bench, str(root), step, opts, out=out, force=force, progress=progress)
+        results.append((root, result))
+        if done is not None:
+            done(root, result)
+    return results
 
 
 def output_path(ref: ModelRef, bench: str, out: Path | None) -> Path:
@@ -155,7 +188,7 @@ def _default_dtype() -> str:
 def max_new_tokens(bench: str, ref: ModelRef, opts: EvalOptions) -> int:
     if opts.max_new_tokens is not None:
         return opts.max_new_tokens
-    if bench == "synthetic" or (ref.cfg is not None and ref.cfg.task.name != "arithmetic"):
+    if bench in OWN_TASK_BENCHMARKS or (ref.cfg is not None and ref.cfg.task.name != "arithmetic"):
         return ref.cfg.rollout.max_new_tokens  # what the run trained with
     return MATH_MAX_NEW_TOKENS
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from masktrl.config import Config, TaskConfig, from_dict, read_overrides
+from masktrl.config import OWN_TASK_BENCHMARKS, SYNTHETIC_TASKS, Config, TaskConfig, from_dict, read_overrides
 from masktrl.errors import ConfigError
 from masktrl.io import atomic_write_json
 from masktrl.rl.sampling import grade, sample
@@ -27,7 +27,7 @@ from masktrl.models.loading import load_tokenizer
 from masktrl.rollout.base import SamplingSettings
 from masktrl.runs.store import RunStore, eval_key
 from masktrl.seeding import stream_seed
-from masktrl.stats import avg_at_k, bootstrap_ci, maj_at_k, pass_at_k_matrix
+from masktrl.stats import avg_at_k, bootstrap_ci, maj_at_k, mean_se, pass_at_k_matrix
 from masktrl.tasks import make_eval_task, make_task
 from masktrl.tasks.grader import extract_answer, normalize
 
@@ -94,14 +94,22 @@ def load_engine(cfg: Config, weights: str):
 
 
 def build_task(bench: str, cfg: Config, tokenizer=None):
-    """synthetic: the run's arithmetic task (its fixed held-out split); else the task of
-    ``cfg.task`` (see :func:`bench_task_config`) with every example of its split held out,
-    rendered once (with the policy's chat template when ``cfg.model.chat_template``)."""
-    if bench == "synthetic":
-        if cfg.task.name != "arithmetic":
-            raise ConfigError(f"benchmark synthetic is the run's arithmetic task, but it trains on {cfg.task.name!r}")
+    """task (alias synthetic): the run's own synthetic task, arithmetic, residues or longtail (its
+    fixed held-out split); else the task of ``cfg.task`` (see :func:`bench_task_config`) with
+    every example of its split held out, rendered once (with the policy's chat template when
+    ``cfg.model.chat_template``)."""
+    if bench in OWN_TASK_BENCHMARKS:
+        if cfg.task.name not in SYNTHETIC_TASKS:
+            raise ConfigError(f"benchmark {bench} is the run's own synthetic task ({', '.join(SYNTHETIC_TASKS)}), but it trains on "
+                              f"{cfg.task.name!r}: evaluate it with masktrl eval dataset (or a math benchmark)")
         return make_task(cfg.task, cfg.model)
     return make_eval_task(cfg.task, cfg.model, tokenizer)
+
+
+def seed_name(bench: str) -> str:
+    """The benchmark's name in its sampling seed: ``task`` samples as ``synthetic`` does (one
+    benchmark, two names: the same completions)."""
+    return "synthetic" if bench in OWN_TASK_BENCHMARKS else bench
 
 
 def template_label(task) -> str:
@@ -161,14 +169,17 @@ def _clip(answer: str | None) -> str | None:
     return answer if answer is None or len(answer) <= ANSWER_CHARS else answer[:ANSWER_CHARS] + "…"
 
 
-def summarize(bench: str, examples, graded: Graded, seed: int = 0) -> dict:
-    """The metrics block of a report: avg@k, pass@j (j = 1, 2, 4, ..., k), maj@k, CI, per problem."""
+def summarize(bench: str, examples, graded: Graded, seed: int = 0, task: str | None = None) -> dict:
+    """The metrics block of a report: avg@k, pass@j (j = 1, 2, 4, ..., k), maj@k, CI, per problem.
+    Benchmark ``task`` (the run's own task, named ``task``) adds ``task`` and the standard errors
+    over problems of avg@k and pass@k (``avg_at_k_se``, ``pass_at_k_se``: sample std / sqrt(P),
+    None for one problem); the other names keep the report they always had."""
     correct = np.array(graded.scores) > 0  # [P, k]
     k = correct.shape[1]
     per_problem = avg_at_k(correct, per_problem=True)  # [P]
     low, high = bootstrap_ci(per_problem, n_boot=10000, seed=seed)
     ks = sorted({*(2**i for i in range(k.bit_length()) if 2**i <= k), k})
-    return {
+    report = {
         "schema": SCHEMA_VERSION,
         "benchmark": bench,
         "k": k,
@@ -186,6 +197,10 @@ def summarize(bench: str, examples, graded: Graded, seed: int = 0) -> dict:
             for ex, row, answers in zip(examples, correct, graded.answers)
         ],
     }
+    if bench == "task":
+        se = lambda values: None if len(values) < 2 else mean_se(values)[1]  # noqa: E731
+        report.update(task=task, avg_at_k_se=se(per_problem), pass_at_k_se=se(pass_at_k_matrix(correct, k, per_problem=True)))
+    return report
 
 
 def generation_block(settings: SamplingSettings, engine: str, template, chat: bool, seed: int, cfg: Config) -> dict:
@@ -198,8 +213,11 @@ def generation_block(settings: SamplingSettings, engine: str, template, chat: bo
 
 def describe_data(bench: str, cfg: Config) -> str:
     t = cfg.task
-    if bench == "synthetic":
+    if bench in OWN_TASK_BENCHMARKS and t.name == "arithmetic":
         return f"arithmetic held-out split (ops={t.ops}, digits={t.digits}, answer_format={t.answer_format}, n_test={t.n_test})"
+    if bench in OWN_TASK_BENCHMARKS:
+        options = ", ".join(f"{k}={v}" for k, v in sorted(t.options.items()))
+        return f"{t.name} held-out split (n_test={t.n_test}" + (f", {options})" if options else ")")
     if t.source:
         return f"{t.source} ({t.test_split or t.split})"
     return str(t.data) if t.data else "local datasets cache"
@@ -241,18 +259,18 @@ def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, la
                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, logprobs_k=1)
     row = {}
     for bench in benches:
-        chat = cfg.model.chat_template if bench == "synthetic" else False
+        chat = cfg.model.chat_template if bench in OWN_TASK_BENCHMARKS else False
         t0 = time.time()
         bench_cfg = _bench_config(cfg, bench)
         task = build_task(bench, bench_cfg, tokenizer)
         template = template_label(task)
         try:
             examples = task.test_examples()[: e.n_problems]
-            graded = sample_and_grade(engine, tokenizer, task, examples, settings, (cfg.seed, "eval", bench, step),
+            graded = sample_and_grade(engine, tokenizer, task, examples, settings, (cfg.seed, "eval", seed_name(bench), step),
                                       cfg.rollout.batch_size, chat)
         finally:
             task.close()
-        report = summarize(bench, examples, graded, seed=cfg.seed)
+        report = summarize(bench, examples, graded, seed=cfg.seed, task=bench_cfg.task.name)
         report.update(model=str(store.root), weights=None, run=store.name, step=step, data=describe_data(bench, bench_cfg),
                       reward=reward_name(task), time_s=time.time() - t0, generation=generation_block(settings, engine.name, template, chat, cfg.seed, cfg))
         if write:
@@ -265,6 +283,6 @@ def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, la
 def _bench_config(cfg: Config, bench: str) -> Config:
     """The run's config evaluating ``bench`` (train.eval_benchmarks): its prompt settings, the
     benchmark's ``eval.data`` file."""
-    if bench == "synthetic":
+    if bench in OWN_TASK_BENCHMARKS:
         return cfg
     return replace(cfg, task=bench_task_config(bench, cfg, data=cfg.eval.data.get(bench)))
