@@ -296,8 +296,6 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
                            note="max over the run's evaluations and its final value: biased upward, not tested")
         per_run = [{"run": str(r.root), **run_collapse(r.metrics)} for r in members]
         row["collapse"] = {**collapse_rate(per_run), "runs": per_run}
-        if row["collapse"]["too_short"]:
-            warnings.append(f"{label}: {row['collapse']['too_short']} run(s) too short to judge collapse")
         if len(members) < MIN_SEEDS:
             warnings.append(f"{label}: only {len(members)} seed{'s' if len(members) != 1 else ''} (< {MIN_SEEDS}); its CI and p-value mean little")
         rows.append(row)
