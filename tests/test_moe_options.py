@@ -52,3 +52,8 @@ def test_unset_keys_leave_the_config_hash_and_the_warmstart_key_as_before():
     assert cfg.hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
     moe = load_config(None, ["model.architecture=qwen3-moe"])
     assert warmstart_key(moe) != warmstart_key(load_config(None, ["model.architecture=qwen3-moe", "model.num_experts=4"]))
+
+
+def test_a_sweep_refuses_it_too(cli_error, tmp_path):
+    line = cli_error("sweep", "--seeds", 1, "--methods", "grpo", "--set", "model.experts_per_token=2", "--out", tmp_path / "sw")
+    assert "model.architecture=qwen3 is dense" in line and not (tmp_path / "sw").exists()
