@@ -288,6 +288,10 @@ class RolloutConfig:
     """K of the recorded behaviour top-K lists."""
     batch_size: int = 512
     """Sequences generated together by the hf engine (rollouts and evaluations)."""
+    drop_finished: bool = False
+    """hf only: masktrl's own decode loop instead of transformers generate; a response that has
+    ended (EOS or max_new_tokens) leaves the batch and the KV cache at once, so later steps run
+    only the rows still generating (same records, docs/ROLLOUTS.md)."""
     gpu_memory_utilization: float = 0.5
     """vllm only: the fraction of GPU memory vLLM may take (weights and KV cache)."""
     dtype: str | None = None
@@ -321,6 +325,9 @@ class RolloutConfig:
             elif self.quantization in HF_ONLY_QUANTIZATIONS:
                 raise ConfigError(f"rollout.quantization={self.quantization} is an option of the hf engine only; "
                                   "vLLM's own fp8 already quantises activations on GPUs with FP8 support (use fp8)")
+        if self.drop_finished and self.engine != "hf":
+            raise ConfigError(f"rollout.drop_finished is an option of the hf engine, got rollout.engine={self.engine} "
+                              "(vLLM schedules finished sequences out of its batch itself)")
         if self.sleep_mode and self.engine != "vllm":
             raise ConfigError(f"rollout.sleep_mode needs rollout.engine=vllm, got {self.engine!r}")
         for name in ("prompts_per_step", "n", "max_new_tokens", "logprobs_k", "batch_size"):

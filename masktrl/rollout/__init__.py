@@ -20,7 +20,7 @@ def make_engine(rollout_cfg, model, tokenizer, model_dir: str | None, *, dtype: 
         from masktrl.rollout.hf import HFEngine
 
         return HFEngine(model, tokenizer, batch_size=rollout_cfg.batch_size, dtype=rollout_cfg.dtype,
-                        quantization=rollout_cfg.quantization)
+                        quantization=rollout_cfg.quantization, drop_finished=rollout_cfg.drop_finished)
     from masktrl.models.lora import is_adapter_folder, read_adapter
     from masktrl.rollout.vllm import VLLMEngine
 

@@ -10,6 +10,10 @@ The ``n`` samples of a prompt share one prefill: the prompt runs through the mod
 KV cache is copied to the ``n`` rows, instead of ``generate(num_return_sequences=n)`` running it
 ``n`` times. The logits and, for a given seed, the samples are those of the plain call (the rows
 and the sampling draws are in the same order); only the prompt compute is divided by ``n``.
+
+With ``drop_finished`` (``rollout.drop_finished``) the engine runs its own decode loop instead
+of ``generate`` after the same prefill: rows that have ended leave the batch and the KV cache
+(``rollout/decode.py``); the records are computed as here.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from contextlib import contextmanager
 import torch
 
 from masktrl.errors import MasktrlError
-from masktrl.models.kvcache import cache_kwarg, new_cache
+from masktrl.models.kvcache import cache_kwarg
 from masktrl.models.loading import DTYPES
 from masktrl.models.lowprec import LowPrecisionCopy
 from masktrl.rollout.base import Generation, SamplingSettings
+from masktrl.rollout.decode import decode_dropping_finished, prefill_cache
 
 
 def sampling_kwargs(s: SamplingSettings) -> dict:
@@ -40,12 +45,7 @@ def shared_prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention: t
     ``n`` times per row, so ``generate`` only runs the last prompt token (and the new ones) per
     sample. Same row order as ``num_return_sequences=n``.
     """
-    cache = new_cache(model.config)
-    base = model.base_model
-    positions = (attention.cumsum(1) - 1).clamp_min(0)  # what generate uses for left padding
-    base(input_ids=input_ids[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
-         use_cache=True, **{cache_kwarg(base): cache})
-    cache.batch_repeat_interleave(n)
+    cache = prefill_cache(model, input_ids, attention, n)
     return {
         "input_ids": input_ids.repeat_interleave(n, dim=0),  # [P*n, W]
         "attention_mask": attention.repeat_interleave(n, dim=0),
@@ -69,6 +69,18 @@ def gc_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+@contextmanager
+def finite_probabilities():
+    """A sampling draw from non-finite probabilities (``torch.multinomial``'s RuntimeError) as the
+    one-line MasktrlError of a diverged policy."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "probability tensor contains" not in str(exc):
+            raise
+        raise MasktrlError("the policy's next-token probabilities are not finite (NaN or inf): its weights have diverged") from None
 
 
 def check_context(model, prompts: list[list[int]]) -> None:
@@ -95,9 +107,10 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, model: torch.nn.Module, tokenizer, *, batch_size: int = 512, dtype: str | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, drop_finished: bool = False):
         self.tokenizer = tokenizer
         self.batch_size = batch_size  # prompts x n generated together
+        self.drop_finished = drop_finished  # masktrl's decode loop (rollout/decode.py) instead of generate
         self.dtype, self.quantization = dtype, quantization
         self.copy: LowPrecisionCopy | None = None
         self.sync_weights(model)
@@ -140,11 +153,18 @@ class HFEngine:
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         was_training = self.model.training
         self.model.eval()
+        if self.drop_finished:
+            kwargs = dict(sampling_kwargs(s), max_new_tokens=s.max_new_tokens, pad_token_id=pad, eos_token_id=tok.eos_token_id)
+            with finite_probabilities():
+                tensors = decode_dropping_finished(self.model, input_ids, attention, s.n, s.logprobs_k, kwargs)
+            self.model.train(was_training)
+            with gc_paused():
+                return self._records(*tensors, len(prompts), s.n)
         if s.n > 1 and width > 1:
             inputs = shared_prefill(self.model, input_ids, attention, s.n)
         else:
             inputs = {"input_ids": input_ids, "attention_mask": attention, "num_return_sequences": s.n}
-        try:
+        with finite_probabilities():
             out = self.model.generate(
                 **inputs,
                 **sampling_kwargs(s),
@@ -154,10 +174,6 @@ class HFEngine:
                 pad_token_id=pad,
                 eos_token_id=tok.eos_token_id,
             )
-        except RuntimeError as exc:
-            if "probability tensor contains" not in str(exc):
-                raise
-            raise MasktrlError("the policy's next-token probabilities are not finite (NaN or inf): its weights have diverged") from None
         self.model.train(was_training)
         new = out.sequences[:, width:]  # [P*n, T]
         k = s.logprobs_k
@@ -169,14 +185,16 @@ class HFEngine:
             ids_steps.append(top_ids)
             topk_steps.append(top_lp)
         with gc_paused():
-            return self._records(new, logp_steps, ids_steps, topk_steps, len(prompts), s.n)
+            return self._records(new, torch.stack(logp_steps, 1), torch.stack(ids_steps, 1), torch.stack(topk_steps, 1),
+                                 len(prompts), s.n)
 
-    def _records(self, new, logp_steps, ids_steps, topk_steps, n_prompts: int, n: int) -> list[list[Generation]]:
-        """The per-token tensors as ``Generation`` records (Python lists), cut after EOS."""
+    def _records(self, new, logp, top_ids, top_lp, n_prompts: int, n: int) -> list[list[Generation]]:
+        """The per-token tensors (ids and log mu [P*n, T], top-K ids and log mu [P*n, T, K]) as
+        ``Generation`` records (Python lists), cut after EOS."""
         tok = self.tokenizer
-        logp = torch.stack(logp_steps, 1).tolist()  # [P*n, T]
-        top_ids = torch.stack(ids_steps, 1).tolist()  # [P*n, T, K]
-        top_lp = torch.stack(topk_steps, 1).tolist()
+        logp = logp.tolist()  # [P*n, T]
+        top_ids = top_ids.tolist()  # [P*n, T, K]
+        top_lp = top_lp.tolist()
         rows = new.tolist()
         eos = tok.eos_token_id  # read once: a tokenizer attribute lookup costs ~1 us
         result: list[list[Generation]] = []
