@@ -106,6 +106,11 @@ class TargetLength:
             out.append(int("".join(map(str, digits))) if digits else MAX_NEW_TOKENS)
         return torch.tensor(out)
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (``rollout.drop_finished`` removes ended rows from the batch)."""
+        if self.targets is not None:
+            self.targets = self.targets[indices.to(self.targets.device)]
+
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.start is None:
             self.start = input_ids.shape[1]

@@ -16,9 +16,13 @@ the default shape (configs/tiny.yaml), the lab (configs/lab.yaml) and the long s
   those FLOPs / time / the measured peak; on a CPU also per second of process CPU time
   against the GEMM's FLOP per CPU-second (what waiting for a shared CPU does not inflate). Memory: the bytes autograd saves for the backward
   (activations; distinct storages), and on a GPU the peak allocated memory.
-* **generation** with the HF engine (shared prefill, K = 20 lists): generated tokens/s against
-  the bound of reading the weights and the KV cache once per decode step at the measured
-  bandwidth (generation is memory-bound), and against the compute bound (2 N per token).
+* **generation** with the HF engine (shared prefill, K = 20 lists), transformers ``generate``
+  and ``rollout.drop_finished`` (masktrl/rollout/decode.py) alternating on the same prompts and
+  seeds: generated tokens/s (wall and per CPU-second) against the bound of the bytes the
+  responses need (every weight once per decode step, each running row's KV cache once per
+  step, at the measured bandwidth: generation is memory-bound) and against the compute bound
+  (2 N per generated token); the share of row-steps spent on rows that had already ended,
+  counted at the model's forward.
 
 Runs on the GPU when there is one (``--device auto``), else on the CPU.
 
@@ -316,8 +320,40 @@ def measure_training(name, model, dims, samples, device, reps: int, peak: float,
 # --------------------------------------------------------------------------- generation
 
 
-def measure_generation(name, model, tok, samples, cfg, device, bw: float, peak: float, reps: int) -> dict:
-    """HF engine tokens/s at the shape, against the bandwidth and compute bounds."""
+GEN_VARIANTS = {"generate": False, "drop_finished": True}  # variant -> HFEngine(drop_finished=...)
+
+
+def count_row_steps(model):
+    """A forward pre-hook on ``model`` adding up the rows of every forward it runs (the engine's
+    prefill runs ``model.base_model``, so only the decode steps count); returns (handle, counter)."""
+    count = [0]
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        count[0] += ids.shape[0]
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True), count
+
+
+def generation_bounds(model, prompts, n: int, lengths: list[int], bw: float, peak: float) -> tuple[float, float]:
+    """(bandwidth-bound seconds, compute-bound seconds) of the work the responses of
+    ``lengths`` need (rows in ``num_return_sequences`` order): every decode step reads every
+    weight once, each running row reads its own KV cache (its prompt and its response so far);
+    2 N FLOP per generated token. Rows that have ended need nothing."""
+    total, n_params, head = param_counts(model)
+    c = model.config
+    kv_dim = c.num_key_value_heads * getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
+    kv_token = 2 * c.num_hidden_layers * kv_dim * model.dtype.itemsize  # K and V of one position
+    steps = max(lengths)
+    kv_reads = sum(len(prompts[i // n]) * L + L * (L - 1) // 2 for i, L in enumerate(lengths))  # positions read
+    bw_time = (steps * total * model.dtype.itemsize + kv_reads * kv_token) / bw
+    return bw_time, 2 * (n_params + head) * sum(lengths) / peak
+
+
+def measure_generation(name, model, tok, samples, cfg, device, bw: float, peak: float, reps: int) -> list[dict]:
+    """HF engine tokens/s at the shape, ``generate`` and ``rollout.drop_finished`` alternating
+    (same prompts, same seeds), against the bandwidth and compute bounds of the work each
+    variant's responses need; the row-steps spent on rows that had already ended, counted."""
     import contextlib
 
     from masktrl.rollout.base import SamplingSettings
@@ -330,43 +366,50 @@ def measure_generation(name, model, tok, samples, cfg, device, bw: float, peak: 
             seen.add(tuple(s.prompt_ids))
             prompts.append(s.prompt_ids)
     n = len(samples) // len(prompts)
-    horizon = cfg.rollout.max_new_tokens
     stack = contextlib.ExitStack()
     if name == "long":
         from long_shape import follow_target_lengths
 
         stack.enter_context(follow_target_lengths(tok))
-    settings = SamplingSettings(n=n, max_new_tokens=horizon, temperature=1.0, logprobs_k=K)
-    engine = HFEngine(model, tok)
-    times, tokens, steps = [], 0, 0
+    settings = SamplingSettings(n=n, max_new_tokens=cfg.rollout.max_new_tokens, temperature=1.0, logprobs_k=K)
+    engines = {v: HFEngine(model, tok, drop_finished=drop) for v, drop in GEN_VARIANTS.items()}
+    times = {v: [] for v in engines}
+    cpu = {v: [] for v in engines}
+    tokens = {v: [] for v in engines}
+    row_steps = {v: [] for v in engines}
+    bound = {v: [] for v in engines}
+    handle, count = count_row_steps(model)
     with stack:
-        for r in range(reps + 1):
-            sync(device)
-            t0 = time.perf_counter()
-            gens = engine.generate(prompts, settings, seed=r)
-            sync(device)
-            if r:
-                times.append(time.perf_counter() - t0)
-            tokens = sum(len(g.response_ids) for grp in gens for g in grp)
-            steps = max(len(g.response_ids) for grp in gens for g in grp)
-    t = median(times)
-    total, n_params, head = param_counts(model)
-    cfgm = model.config
-    kv_dim = cfgm.num_key_value_heads * getattr(cfgm, "head_dim", cfgm.hidden_size // cfgm.num_attention_heads)
-    rows = len(prompts) * n
-    width = max(len(p) for p in prompts)
-    weight_bytes = total * model.dtype.itemsize
-    # each decode step reads every weight and the whole KV cache of its batch (rows x context)
-    kv_bytes = sum(rows * (width + s) * 2 * cfgm.num_hidden_layers * kv_dim * model.dtype.itemsize for s in range(steps))
-    bw_time = (steps * weight_bytes + kv_bytes) / bw
-    compute_time = 2 * (n_params + head) * rows * steps / peak  # every row runs every step
-    return {
-        "shape": name, "time_ms": 1000 * t, "generated_tokens": tokens, "decode_steps": steps, "rows": rows,
-        "tokens_per_s": tokens / t, "bandwidth_bound_tokens_per_s": tokens / bw_time,
-        "bandwidth_utilisation": bw_time / t, "compute_bound_tokens_per_s": tokens / compute_time,
-        "weights_mib": weight_bytes / 2**20, "weights_fit_in_cache": weight_bytes < 32 * 2**20,
-        "row_steps_wasted": 1 - tokens / (rows * steps),
-    }
+        for r in range(reps + 1):  # the first round is a warm-up
+            for v in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+                count[0] = 0
+                sync(device)
+                t0, c0 = time.perf_counter(), time.process_time()
+                gens = engines[v].generate(prompts, settings, seed=r)
+                sync(device)
+                if not r:
+                    continue
+                times[v].append(time.perf_counter() - t0)
+                cpu[v].append(time.process_time() - c0)
+                lengths = [len(g.response_ids) for grp in gens for g in grp]
+                tokens[v].append(sum(lengths))
+                row_steps[v].append(count[0])
+                bound[v].append(generation_bounds(model, prompts, n, lengths, bw, peak))
+    handle.remove()
+    total = param_counts(model)[0]
+    rows = []
+    for v in engines:
+        t, c, toks = sum(times[v]), sum(cpu[v]), sum(tokens[v])
+        bw_time, compute_time = (sum(b[i] for b in bound[v]) for i in (0, 1))
+        rows.append({
+            "shape": name, "variant": v, "time_ms": 1000 * t / reps, "cpu_ms": 1000 * c / reps,
+            "generated_tokens": toks / reps, "rows": len(prompts) * n,
+            "tokens_per_s": toks / t, "tokens_per_cpu_s": toks / c, "bandwidth_bound_tokens_per_s": toks / bw_time,
+            "bandwidth_utilisation": bw_time / t, "compute_bound_tokens_per_s": toks / compute_time,
+            "weights_mib": total * model.dtype.itemsize / 2**20, "weights_fit_in_cache": total * model.dtype.itemsize < 32 * 2**20,
+            "row_steps_wasted": 1 - toks / sum(row_steps[v]),
+        })
+    return rows
 
 
 def generation_cache_variants(name, model, tok, samples, cfg, device, reps: int) -> list[dict]:
@@ -416,6 +459,7 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per variant (after one warm-up)")
     p.add_argument("--gen-reps", type=int, default=1, help="timed generation batches per shape (after one warm-up)")
     p.add_argument("--no-generation", action="store_true")
+    p.add_argument("--no-training", action="store_true", help="generation (and --cache-variants) only")
     p.add_argument("--cache-variants", action="store_true", help="also time generate with a dynamic vs a static KV cache")
     p.add_argument("--gemm", type=int, default=None, help="GEMM size (default 4096 on CPU, 8192 on GPU)")
     p.add_argument("--triad-mib", type=int, default=512, help="size of each triad array (MiB)")
@@ -437,15 +481,17 @@ def main(argv=None) -> dict:
         info[name] = {"parameters": total, "non_embedding": n, "sequences": len(samples),
                       "prompt_tokens_mean": sum(len(s.prompt_ids) for s in samples) / len(samples),
                       "response_tokens_mean": sum(len(s.gen.response_ids) for s in samples) / len(samples)}
-        train_rows += measure_training(name, model, dims, samples, device, args.reps, peak, cpu_peak)
+        if not args.no_training:
+            train_rows += measure_training(name, model, dims, samples, device, args.reps, peak, cpu_peak)
         for r in train_rows:
             if r["shape"] == name:
                 extra = f", per CPU-second {100 * r['mfu_cpu_time']:5.1f} %" if r["mfu_cpu_time"] is not None else ""
                 print(f"  {name:8s} {r['variant']:22s} {r['time_ms']:9.1f} ms  MFU {100 * r['mfu']:5.1f} %{extra}", flush=True)
         if not args.no_generation:
-            gen_rows.append(measure_generation(name, model, tok, samples, cfg, device, bw, peak, args.gen_reps))
-            g = gen_rows[-1]
-            print(f"  {name:8s} generation {g['tokens_per_s']:,.0f} tokens/s, {100 * g['bandwidth_utilisation']:.1f} % of the bandwidth bound", flush=True)
+            gen_rows += measure_generation(name, model, tok, samples, cfg, device, bw, peak, args.gen_reps)
+            for g in gen_rows[-len(GEN_VARIANTS):]:
+                print(f"  {name:8s} generation, {g['variant']:13s} {g['tokens_per_s']:,.0f} tokens/s, "
+                      f"{100 * g['bandwidth_utilisation']:.1f} % of the bandwidth bound", flush=True)
             if args.cache_variants:
                 cache_rows += generation_cache_variants(name, model, tok, samples, cfg, device, args.gen_reps)
                 for c in cache_rows[-2:]:
@@ -468,9 +514,11 @@ def report(r: dict) -> None:
                   t["saved_activation_mib"]] for t in r["training"]])
     if r["generation"]:
         print_table(f"generation, HF engine (bandwidth {r['bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s)",
-                    ["shape", "tokens/s", "bandwidth bound tokens/s", "% of bound", "compute bound tokens/s", "row-steps wasted %", "weights MiB"],
-                    [[g["shape"], g["tokens_per_s"], g["bandwidth_bound_tokens_per_s"], 100 * g["bandwidth_utilisation"],
-                      g["compute_bound_tokens_per_s"], 100 * g["row_steps_wasted"], g["weights_mib"]] for g in r["generation"]])
+                    ["shape", "variant", "ms", "CPU ms", "tokens", "tokens/s", "tokens per CPU-s", "bandwidth bound tokens/s", "% of bound",
+                     "compute bound tokens/s", "row-steps on finished rows %", "weights MiB"],
+                    [[g["shape"], g["variant"], g["time_ms"], g["cpu_ms"], g["generated_tokens"], g["tokens_per_s"], g["tokens_per_cpu_s"],
+                      g["bandwidth_bound_tokens_per_s"], 100 * g["bandwidth_utilisation"], g["compute_bound_tokens_per_s"],
+                      100 * g["row_steps_wasted"], g["weights_mib"]] for g in r["generation"]])
     if r.get("generate_cache"):
         print_table("transformers generate, KV cache kind (no log-prob recording)", ["shape", "cache", "ms", "tokens/s"],
                     [[c["shape"], c["variant"], c["time_ms"], c["tokens_per_s"]] for c in r["generate_cache"]])

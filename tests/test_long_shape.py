@@ -50,7 +50,8 @@ def bench(tmp_path, monkeypatch):
     return importlib.import_module("long_shape"), importlib.import_module("roofline")
 
 
-def test_target_length_processor_makes_every_response_its_length(bench, monkeypatch):
+@pytest.mark.parametrize("drop_finished", [False, True])
+def test_target_length_processor_makes_every_response_its_length(bench, monkeypatch, drop_finished):
     long_shape, _ = bench
     from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
     from masktrl.rollout.base import SamplingSettings
@@ -65,7 +66,7 @@ def test_target_length_processor_makes_every_response_its_length(bench, monkeypa
     row_length = long_shape.row_length
     monkeypatch.setattr(long_shape, "row_length", lambda L, a, b: row_length(L, a, b, low=3, high=20))
     with long_shape.follow_target_lengths(tok):
-        gens = HFEngine(model, tok).generate(ids, SamplingSettings(n=4, max_new_tokens=20, logprobs_k=3), seed=0)
+        gens = HFEngine(model, tok, drop_finished=drop_finished).generate(ids, SamplingSettings(n=4, max_new_tokens=20, logprobs_k=3), seed=0)
     lengths = []
     for p, group in zip(prompts, gens):
         for g in group:
