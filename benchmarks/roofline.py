@@ -378,6 +378,7 @@ def measure_generation(name, model, tok, samples, cfg, device, bw: float, peak: 
     tokens = {v: [] for v in engines}
     row_steps = {v: [] for v in engines}
     bound = {v: [] for v in engines}
+    batches = {v: [] for v in engines}  # each timed batch's seed and response lengths (vllm_long.py replays them)
     handle, count = count_row_steps(model)
     with stack:
         for r in range(reps + 1):  # the first round is a warm-up
@@ -395,6 +396,7 @@ def measure_generation(name, model, tok, samples, cfg, device, bw: float, peak: 
                 tokens[v].append(sum(lengths))
                 row_steps[v].append(count[0])
                 bound[v].append(generation_bounds(model, prompts, n, lengths, bw, peak))
+                batches[v].append({"seed": r, "lengths": lengths})
     handle.remove()
     total = param_counts(model)[0]
     rows = []
@@ -408,6 +410,7 @@ def measure_generation(name, model, tok, samples, cfg, device, bw: float, peak: 
             "bandwidth_utilisation": bw_time / t, "compute_bound_tokens_per_s": toks / compute_time,
             "weights_mib": total * model.dtype.itemsize / 2**20, "weights_fit_in_cache": total * model.dtype.itemsize < 32 * 2**20,
             "row_steps_wasted": 1 - toks / sum(row_steps[v]),
+            "prompts": prompts, "n": n, "batches": batches[v],
         })
     return rows
 
@@ -507,11 +510,12 @@ def main(argv=None) -> dict:
 
 
 def report(r: dict) -> None:
-    print_table(f"training forward + backward, one micro-batch ({r['device']}; peak {r['matmul_peak_flops'] / 1e9:,.0f} GFLOP/s)",
-                ["shape", "variant", "ms", "CPU ms", "tokens run", "padding %", "GFLOP", "MFU %", "MFU % (CPU time)", "saved activations MiB"],
-                [[t["shape"], t["variant"], t["time_ms"], t["cpu_ms"], t["tokens_run"], 100 * t["padding_share"], t["model_gflop"],
-                  100 * t["mfu"], float("nan") if t["mfu_cpu_time"] is None else 100 * t["mfu_cpu_time"],
-                  t["saved_activation_mib"]] for t in r["training"]])
+    if r["training"]:
+        print_table(f"training forward + backward, one micro-batch ({r['device']}; peak {r['matmul_peak_flops'] / 1e9:,.0f} GFLOP/s)",
+                    ["shape", "variant", "ms", "CPU ms", "tokens run", "padding %", "GFLOP", "MFU %", "MFU % (CPU time)", "saved activations MiB"],
+                    [[t["shape"], t["variant"], t["time_ms"], t["cpu_ms"], t["tokens_run"], 100 * t["padding_share"], t["model_gflop"],
+                      100 * t["mfu"], float("nan") if t["mfu_cpu_time"] is None else 100 * t["mfu_cpu_time"],
+                      t["saved_activation_mib"]] for t in r["training"]])
     if r["generation"]:
         print_table(f"generation, HF engine (bandwidth {r['bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s)",
                     ["shape", "variant", "ms", "CPU ms", "tokens", "tokens/s", "tokens per CPU-s", "bandwidth bound tokens/s", "% of bound",

@@ -8,7 +8,9 @@ distinct prompt, its KV cache repeated to the ``n`` samples), then one forward p
 the KV cache, and after each step removes the rows that emitted EOS or reached
 ``max_new_tokens`` from the batch: from the token history, the attention mask, the positions
 and every layer of the cache (``Cache.batch_select_indices``, an index on the batch dimension
-of each layer's keys and values).
+of each layer's keys and values). The cache's full-attention layers are kept in buffers with
+spare positions (``GrowingLayer``), so a step writes its keys and values in place instead of
+copying the whole cache as transformers' ``DynamicLayer`` does.
 
 It records what the ``generate`` path records, computed the same way: the scores are the
 float32 last-position logits passed through the logits processors ``generate`` itself builds
@@ -34,6 +36,7 @@ calls with the rows that stay, as it does for the cache.
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from masktrl.errors import MasktrlError
 from masktrl.models.kvcache import cache_kwarg, new_cache
@@ -60,6 +63,80 @@ def prefill_cache(model: torch.nn.Module, input_ids: torch.Tensor, attention: to
     base(input_ids=input_ids[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
          use_cache=True, **{cache_kwarg(base): cache})
     cache.batch_repeat_interleave(n)
+    return cache
+
+
+class GrowingLayer(DynamicLayer):
+    """Keys and values of one attention layer in buffers with spare positions along the sequence:
+    a decode step writes its position in place, where transformers' ``DynamicLayer`` copies the
+    whole layer cache (``torch.cat``) at every step; the capacity doubles when full. ``keys``
+    and ``values`` are views of the filled part, which is what attention reads."""
+
+    is_croppable = False
+
+    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None, spare: int):
+        super().__init__()
+        self.spare = spare
+        if keys is not None and keys.numel():
+            self._adopt(keys, values)
+
+    def _adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.device, self.dtype = keys.device, keys.dtype
+        self.length = keys.shape[-2]
+        shape = (*keys.shape[:-2], self.length + self.spare, keys.shape[-1])
+        self._k, self._v = keys.new_empty(shape), values.new_empty(shape)
+        self._k[..., : self.length, :] = keys
+        self._v[..., : self.length, :] = values
+        self.is_initialized = True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys, self.values = self._k[..., : self.length, :], self._v[..., : self.length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self._adopt(key_states, value_states)
+            return self.keys, self.values
+        end = self.length + key_states.shape[-2]
+        if end > self._k.shape[-2]:  # full: double the capacity
+            grown = (*self._k.shape[:-2], max(end, 2 * self._k.shape[-2]), self._k.shape[-1])
+            for name in ("_k", "_v"):
+                buf = getattr(self, name).new_empty(grown)
+                buf[..., : self.length, :] = getattr(self, name)[..., : self.length, :]
+                setattr(self, name, buf)
+        self._k[..., self.length : end, :] = key_states
+        self._v[..., self.length : end, :] = value_states
+        self.length = end
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._k, self._v = self._k[indices], self._v[indices]
+            self._views()
+
+
+def growing_cache(cache, spare: int):
+    """``cache`` with each of its plain ``DynamicLayer`` layers (full attention) replaced by a
+    ``GrowingLayer`` holding the same keys and values and ``spare`` free positions; other layer
+    kinds (sliding windows, recurrent states) stay as they are. MasktrlError if one of them cannot
+    drop rows."""
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            cache.layers[i] = GrowingLayer(layer.keys if layer.is_initialized else None,
+                                           layer.values if layer.is_initialized else None, spare)
+        elif not hasattr(layer, "batch_select_indices"):
+            raise MasktrlError(f"rollout.drop_finished cannot remove rows from the model's {type(layer).__name__} cache "
+                               "layers; set rollout.drop_finished=false")
     return cache
 
 
@@ -140,6 +217,7 @@ def decode_dropping_finished(model: torch.nn.Module, input_ids: torch.Tensor, at
     n_rows = history.shape[0]
     positions = (mask.cumsum(1) - 1).clamp_min(0)[:, -1:]  # [R, 1] of the last prompt token
     cache = prefill_cache(model, input_ids, attention, n) if width > 1 else new_cache(model.config)
+    cache = growing_cache(cache, spare=min(max_new, 64))
     config, processors = logits_processors(model, generate_kwargs, history, mask)
     selectors = row_selectors(processors)
     use_mask = not bool((attention == 1).all())  # generate drops an all-ones mask too
