@@ -40,9 +40,12 @@ reward, loss, backward, optimizer, logging and fetching the next batch).
 ``longtail`` task (prompts of 64-256 tokens, responses of 32-512 with a log-normal length), an
 11 M-parameter model, 2 prompts x 8 samples per step, ``max_new_tokens`` 512; masktrl trains
 with the packed forward (``train.packing``, ``train.micro_batch_tokens``). ``--ablate`` adds
-masktrl with packing off, with prompt sharing off, and with both off.
+masktrl with packing off, with prompt sharing off, and with both off; ``--drop-finished`` adds
+masktrl generating with ``rollout.drop_finished=true`` (its own decode loop, in which ended
+responses leave the batch).
 
     .venv-bench/bin/python benchmarks/vs_trl.py --shape long --ablate --json outputs/bench/vs_trl_long.json
+    .venv-bench/bin/python benchmarks/vs_trl.py --shape long --drop-finished --json outputs/bench/vs_trl_long_drop.json
 """
 
 from __future__ import annotations
@@ -87,12 +90,14 @@ SIDES = {
     "masktrl-unpacked": (True, False),
     "masktrl-unshared": (False, True),
     "masktrl-neither": (False, False),
+    "masktrl-dropfinished": (True, True),  # masktrl with rollout.drop_finished=true
 }
 LABELS = {
     "masktrl": "masktrl",
     "masktrl-unpacked": "masktrl, no packing",
     "masktrl-unshared": "masktrl, no prompt sharing",
     "masktrl-neither": "masktrl, neither",
+    "masktrl-dropfinished": "masktrl, drop_finished",
     "trl": "TRL",
 }
 
@@ -114,6 +119,8 @@ def main(argv=None) -> dict:
                         "training forward) switched off, i.e. every sequence runs its prompt, as TRL does")
     p.add_argument("--ablate", action="store_true",
                    help="add masktrl with packing off, with prompt sharing off, and with both off (packing: --shape long only)")
+    p.add_argument("--drop-finished", action="store_true",
+                   help="add masktrl with rollout.drop_finished=true (its own decode loop: ended responses leave the batch)")
     args = p.parse_args(argv)
     long = args.shape == "long"
     defaults = {"reps": (4, 2), "steps": (6, 1), "prompts": (32, 2), "max_new_tokens": (6, 512)}
@@ -146,11 +153,14 @@ def main(argv=None) -> dict:
         model_dir = long_model()
         cfg = long_config(model_dir, *common, "train.packing=true", f"train.micro_batch_tokens={LONG_MICRO_BATCH_TOKENS}")
         cfg_unpacked = long_config(model_dir, *common)  # today's forward: one padded micro-batch (train.grad_accum=1)
+        cfg_drop = long_config(model_dir, *common, "train.packing=true", f"train.micro_batch_tokens={LONG_MICRO_BATCH_TOKENS}",
+                               "rollout.drop_finished=true")
     else:
         base = bench_config(f"train.threads={args.threads}")
         model_dir = warm_model(base)  # the tiny preset's warm start, cached under outputs/.cache
         cfg = bench_config(f"model.path={model_dir}", *common, "task.n_test=32")  # eval before/after is not timed; keep it short
         cfg_unpacked = cfg
+        cfg_drop = bench_config(f"model.path={model_dir}", *common, "task.n_test=32", "rollout.drop_finished=true")
     dataset_rows = masktrl_prompts(cfg, n_steps)
 
     timer = PhaseTimer()
@@ -165,6 +175,8 @@ def main(argv=None) -> dict:
         names[1:1] = ["masktrl-unpacked", "masktrl-unshared", "masktrl-neither"]
     elif args.ablate_sharing:
         names.insert(1, "masktrl-unshared")
+    if args.drop_finished:
+        names.insert(1, "masktrl-dropfinished")
     sides = {name: [] for name in names}
     stack = contextlib.ExitStack()
     if long:
@@ -182,7 +194,7 @@ def main(argv=None) -> dict:
                     else:
                         share, packed = SIDES[side]
                         with prompt_sharing(share):
-                            block = run_masktrl_block(cfg if packed else cfg_unpacked, timer)
+                            block = run_masktrl_block(cfg_drop if side == "masktrl-dropfinished" else cfg if packed else cfg_unpacked, timer)
                     sides[side].append(block)
                     print(
                         f"rep {rep + 1}/{args.reps} {side:7s}: median step {1000 * median(block['step_s']):.0f} ms, "
@@ -420,7 +432,7 @@ def summarise(sides: dict, args) -> dict:
         "goal": GOAL,
         "goal_met": speedup >= GOAL,
     }
-    for side in ("masktrl-unpacked", "masktrl-unshared", "masktrl-neither"):
+    for side in ("masktrl-unpacked", "masktrl-unshared", "masktrl-neither", "masktrl-dropfinished"):
         if side in sides:
             u = side_stats(sides[side])
             key = side.replace("-", "_")
@@ -434,7 +446,7 @@ def summarise(sides: dict, args) -> dict:
 
 def report(r: dict) -> None:
     cols = [("masktrl", r["masktrl"])]
-    cols += [(LABELS[side], r[side.replace("-", "_")]) for side in ("masktrl-unpacked", "masktrl-unshared", "masktrl-neither")
+    cols += [(LABELS[side], r[side.replace("-", "_")]) for side in ("masktrl-unpacked", "masktrl-unshared", "masktrl-neither", "masktrl-dropfinished")
              if side.replace("-", "_") in r]
     cols.append(("TRL", r["trl"]))
     m, t = r["masktrl"], r["trl"]
@@ -454,7 +466,7 @@ def report(r: dict) -> None:
     per_rep = ", ".join(f"{x:.2f}" for x in r["speedup_per_rep"])
     verdict = "met" if r["goal_met"] else "MISSED"
     print(f"speedup_vs_trl = {r['speedup_vs_trl']:.2f}x (median of paired blocks: {per_rep}); goal >= {r['goal']}x: {verdict}")
-    for side in ("unpacked", "unshared", "neither"):
+    for side in ("unpacked", "unshared", "neither", "dropfinished"):
         if f"{side}_speedup_vs_trl" in r:
             print(f"{LABELS['masktrl-' + side]}: {r[side + '_speedup_vs_trl']:.2f}x TRL; masktrl is {r[side + '_vs_masktrl']:.2f}x faster")
 
