@@ -185,3 +185,21 @@ def test_drop_finished_is_an_hf_option():
 def test_drop_finished_with_vllm_exits_2_with_one_line_and_no_folder(tmp_path, cli_error):
     line = cli_error("train", "--set", "rollout.engine=vllm", "--set", "rollout.drop_finished=true", "--out", tmp_path, "--run", "x")
     assert "rollout.drop_finished is an option of the hf engine" in line and not (tmp_path / "x").exists()
+
+
+def test_a_training_run_with_drop_finished_records_what_the_trainer_computes(tmp_path, warm_out):
+    """A 2-step ``masktrl train --set rollout.drop_finished=true``: it runs, and the engine's log mu
+    of every sampled token matches the trainer's log pi_old at the same weights (``mismatch/*``:
+    float32 KV-cache decoding vs the training forward), as with ``generate``."""
+    import json
+
+    from tests.conftest import masktrl, write_tiny_config
+
+    cfg = write_tiny_config(tmp_path / "c.yaml")
+    r = masktrl("train", "--config", cfg, "--out", warm_out, "--run", "drop", "--set", "rollout.drop_finished=true",
+                "--set", "train.threads=1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in (warm_out / "drop" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2]
+    assert all(x["mismatch/tokens"] == x["tokens"] > 0 for x in rows)
+    assert max(x["mismatch/logp_abs_mean"] for x in rows) < 1e-5
