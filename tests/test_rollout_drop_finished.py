@@ -203,3 +203,44 @@ def test_a_training_run_with_drop_finished_records_what_the_trainer_computes(tmp
     assert [x["step"] for x in rows] == [1, 2]
     assert all(x["mismatch/tokens"] == x["tokens"] > 0 for x in rows)
     assert max(x["mismatch/logp_abs_mean"] for x in rows) < 1e-5
+
+
+def test_a_processor_whose_rows_the_loop_cannot_follow_is_refused_with_one_line(tok, prompts, monkeypatch):
+    """A logits processor with per-row state and no ``batch_select_indices`` (here: one appended
+    to what transformers builds, as a model's generation_config could) is refused before anything
+    is generated; one that defines it is told the rows that stay."""
+    import transformers.generation.utils as gen_utils
+
+    from masktrl.errors import MasktrlError
+
+    class Opaque:
+        def __call__(self, input_ids, scores):
+            return scores
+
+    class Following(Opaque):
+        seen = []
+
+        def batch_select_indices(self, indices):
+            self.seen.append(indices.tolist())
+
+    orig = gen_utils.GenerationMixin._get_logits_processor
+
+    def adding(extra):
+        def patched(self, *args, **kwargs):
+            procs = orig(self, *args, **kwargs)
+            procs.append(extra())
+            return procs
+        return patched
+
+    model = eos_prone_model(tok)
+    s = SamplingSettings(n=2, max_new_tokens=10, greedy=True, logprobs_k=5)
+    for extra in (Opaque, Following):
+        monkeypatch.setattr(gen_utils.GenerationMixin, "_get_logits_processor", adding(extra))
+        engine = HFEngine(model, tok, drop_finished=True)
+        if extra is Opaque:
+            with pytest.raises(MasktrlError, match="rollout.drop_finished cannot follow the rows of the logits processor Opaque"):
+                engine.generate(prompts, s, seed=0)
+        else:
+            out = flat(engine.generate(prompts, s, seed=0))
+    lengths = [len(g.response_ids) for g in out]
+    assert len(Following.seen) >= 3 and len(Following.seen[-1]) == sum(L == 10 for L in lengths)  # the rows left at the end
