@@ -152,6 +152,14 @@ def logits_processors(model: torch.nn.Module, generate_kwargs: dict, input_ids: 
     return config, processors
 
 
+def _attribute_selector(processor, attr: str):
+    def select(keep: torch.Tensor) -> None:
+        value = getattr(processor, attr)
+        setattr(processor, attr, value[keep.to(value.device)])
+
+    return select
+
+
 def row_selectors(processors) -> list:
     """For each processor with per-row state, a function of the indices of the rows that stay
     (``ROW_STATE``, or the processor's own ``batch_select_indices``); MasktrlError for one whose
@@ -164,7 +172,7 @@ def row_selectors(processors) -> list:
             selectors.append(p.batch_select_indices)
         elif attr is not None:
             if isinstance(getattr(p, attr), torch.Tensor):
-                selectors.append(lambda keep, p=p, attr=attr: setattr(p, attr, getattr(p, attr)[keep.to(getattr(p, attr).device)]))
+                selectors.append(_attribute_selector(p, attr))
         elif name not in ROW_FREE:
             raise MasktrlError(f"rollout.drop_finished cannot follow the rows of the logits processor {name} (from the "
                                "model's generation_config); set rollout.drop_finished=false to sample with generate")
