@@ -99,3 +99,33 @@ def test_roofline_flops_by_hand(bench):
     spread = [bench[0].row_length(128, a, b) for a in range(41) for b in range(41)]
     assert min(spread) == 32 and 100 < sorted(spread)[len(spread) // 2] < 160 and max(spread) > 300
     assert roofline.matmul_peak(torch.device("cpu"), 64, reps=1) > 0 and roofline.bandwidth(torch.device("cpu"), 1, reps=1) > 0
+
+
+def test_roofline_generation_rows_count_the_finished_rows_and_bound_by_hand(bench):
+    """The generation table's two variants on ragged responses: ``generate`` spends row-steps on
+    rows that have ended, ``rollout.drop_finished`` none; the bandwidth bound is the bytes the
+    responses need, by hand."""
+    from types import SimpleNamespace
+
+    from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+    from masktrl.rollout.base import Generation, Sample
+
+    _, roofline = bench
+    tok = build_char_tokenizer("0123456789+=")
+    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, intermediate_size=128), seed=2).eval()
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] *= 2.0  # some responses end after a few tokens
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ("12+3=", "345+67=")]
+    samples = [Sample("x", "", "", p, g, Generation([], [], [], [], True)) for g, p in enumerate(prompts) for _ in range(4)]
+    cfg = SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=12))
+    rows = roofline.measure_generation("tiny", model, tok, samples, cfg, torch.device("cpu"), bw=1e9, peak=1e10, reps=2)
+    gen, drop = rows
+    assert (gen["variant"], drop["variant"]) == ("generate", "drop_finished") and gen["rows"] == 8
+    assert gen["row_steps_wasted"] > 0.1 and drop["row_steps_wasted"] == 0.0
+    lengths = gen["batches"][0]["lengths"]
+    c = model.config
+    kv_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    total = sum(p.numel() for p in model.parameters())
+    positions = sum(len(prompts[i // 4]) * L + L * (L - 1) // 2 for i, L in enumerate(lengths))
+    bw_time, _ = roofline.generation_bounds(model, prompts, 4, lengths, 1e9, 1e10)
+    assert math.isclose(bw_time, (max(lengths) * total * 4 + positions * kv_token) / 1e9)
