@@ -313,6 +313,11 @@ class RolloutConfig:
     """Rollout batches are sampled this many steps ahead: step S trains on a batch sampled by the
     policy after step S-1-staleness (the starting policy for the first ones), so even its first
     minibatch update is off-policy. 0: on-policy. Not used with --rollouts-from."""
+    mismatch: str = "auto"
+    """The engine-trainer gap of every generated batch, mismatch/* (docs/ROLLOUTS.md): auto (measured;
+    log pi_old from the update's own forward when it runs at the sampling weights: one process,
+    staleness 0, train.minibatches 1; otherwise one extra forward without gradients) | always (that
+    extra forward for every batch; the same numbers) | off (not measured, no extra forward)."""
 
     def validate(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
@@ -334,6 +339,7 @@ class RolloutConfig:
             _positive(f"rollout.{name}", getattr(self, name))
         _positive("rollout.temperature", self.temperature)
         _non_negative("rollout.staleness", self.staleness)
+        _choice("rollout.mismatch", self.mismatch, ("auto", "always", "off"))
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.n < 2:

@@ -64,7 +64,7 @@ from masktrl.rl.collect import Batch, CollectSettings, batch_changes, collect_ro
 from masktrl.rl.distributed import Dist, launch_rank, launched
 from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
-from masktrl.rl.mismatch import measure_mismatch
+from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source
 from masktrl.rl.policy import PolicyForward
 from masktrl.rl.reference import Reference, make_reference, micro_batch_size, penalise_kl, reference_logprobs
 from masktrl.rl.rollout_source import RolloutSource
@@ -453,9 +453,12 @@ def update(s: State, samples: list[Sample], step: int) -> dict:
     if params.kl_in_reward and samples:  # docs/METHODS.md §13.2: the rewards, then the advantages, before the update
         micro = micro_batch_size(len(samples), r.update.minibatches, r.update.grad_accum)
         penalty = penalise_kl(samples, reference_logprobs(p.reference, samples, micro), p.method, params)
+    logp = UpdateLogp(then=r.lab) if samples and mismatch_from(s) == "update" else None  # mismatch/* at no extra forward
     stats = policy_update(p.policy, p.optimizer, p.scheduler, samples, p.method, params, r.update, s.cfg.seed, step,
-                          r.dist, before=r.lab, reference=p.reference) if samples else {}
+                          r.dist, before=logp or r.lab, reference=p.reference) if samples else {}
     stats.update(penalty)
+    if logp is not None:
+        stats.update(logp.stats(samples))
     sync_weights(p.engine, p.model, r.dist)
     s.store.mark_done(update_key(step), [], defer=True)  # written with the next manifest write
     return stats
@@ -554,12 +557,20 @@ def rollout_batch(s: State, step: int) -> Batch:
         warning = reward_failures(r.task, batch, step, s.cfg.rollout.n, s.cfg.task.max_reward_error_frac)  # past it: stops
         if warning:
             _note(r.progress, r.dist, f"warning: {warning}")
-        u = r.update  # the engine's gap to the trainer, at the weights that sampled the batch (rl/mismatch.py)
-        batch.stats.update(measure_mismatch(p.policy, p.model, p.engine, batch.samples, u.temperature, u.logprob_chunk,
-                                            u.minibatches * u.grad_accum))
+        u, how = r.update, mismatch_from(s)  # the engine's gap to the trainer, at the weights that sampled the batch (rl/mismatch.py)
+        if how is not None:  # "update": log pi_old comes from the update's own forward; only MoE routing flips here
+            batch.stats.update(measure_mismatch(p.policy, p.model, p.engine, batch.samples, u.temperature, u.logprob_chunk,
+                                                u.minibatches * u.grad_accum, routing_only=how == "update"))
     maybe_crash("rollout-write", step)
     s.store.write_rollouts(step, batch.samples, {**r.rollout_meta, "stats": batch.stats})
     return batch
+
+
+def mismatch_from(s: State) -> str | None:
+    """Where this run's ``mismatch/*`` come from (``rollout.mismatch``; rl/mismatch.py ``mismatch_source``)."""
+    r = s.run
+    return mismatch_source(s.cfg.rollout.mismatch, staleness=s.cfg.rollout.staleness, minibatches=r.update.minibatches,
+                           replay=r.source is not None, world=r.dist.world)
 
 
 def step_evals(s: State, step: int) -> dict:

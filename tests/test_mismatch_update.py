@@ -1,0 +1,123 @@
+"""rollout.mismatch: the mismatch statistics from the update's own forward (rl/mismatch.py
+``UpdateLogp``) equal the separate forward's (``measure_mismatch``), and where each is used."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import masktrl.methods  # noqa: F401
+from masktrl.config import load_config
+from masktrl.methods.registry import get_method
+from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source
+from masktrl.rl.policy import PolicyForward
+from masktrl.rl.update import UpdateSettings, make_optimizer, policy_update
+from masktrl.rollout.mismatch import KEYS
+from tests.conftest import TIMING, masktrl, write_tiny_config
+from tests.test_packing import make_samples
+
+
+@pytest.fixture(scope="module")
+def model():
+    from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer("0123456789+=")
+    return build_tiny_model(tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), 0)
+
+
+def _from_update(model, samples, grad_accum=1, name="grpo", **settings):
+    m = copy.deepcopy(model)
+    opt, sched = make_optimizer(m, load_config(None, ["train.lr=1e-2"]).train)
+    s = UpdateSettings(minibatches=1, grad_accum=grad_accum, grad_clip=1e9, logprob_chunk=7, temperature=0.9, horizon=20, **settings)
+    method = get_method(name)
+    seen = []
+    hook = UpdateLogp(then=lambda mb, idx, out, losses, u: seen.append(mb))
+    policy_update(PolicyForward(m), opt, sched, samples, method, method.make_params(), s, seed=0, step=1, before=hook)
+    assert seen and set(seen) == {0}  # the hook it wraps still runs, once per micro-batch
+    stats = hook.stats(samples)
+    assert not any(torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))  # it did update
+    return stats
+
+
+def _separate(model, samples, pieces=1):
+    return measure_mismatch(PolicyForward(model), model, None, samples, 0.9, 7, pieces)
+
+
+@pytest.mark.parametrize("name", ["grpo", "sis", "gspo"])
+def test_update_forward_gives_the_separate_forwards_numbers_bit_for_bit(model, name):
+    """One minibatch, one micro-batch (the default): the update forwards the whole batch in its
+    seeded order before its step; put back in the batch's order, log pi and every statistic are
+    the separate forward's exactly (the invalid tokens, log mu = -inf, are left out by both)."""
+    samples = make_samples(model.config.vocab_size, seed=3, groups=4, per_group=4)
+    ref = _separate(model, samples)
+    got = _from_update(model, samples, name=name)
+    assert set(got) == set(KEYS) and got["mismatch/tokens"] > 0 and got["mismatch/logp_abs_mean"] > 0
+    assert got == ref
+
+
+def test_truncated_responses_are_measured_under_mask_truncated(model):
+    """rollout.mask_truncated drops a cut response from the loss, not from the measurement."""
+    samples = make_samples(model.config.vocab_size, seed=4)
+    for s in samples[::2]:
+        s.gen.finished = False
+    assert _from_update(model, samples, mask_truncated=True) == _separate(model, samples)
+
+
+def test_several_micro_batches_agree_to_rounding(model):
+    """With train.grad_accum > 1 the update's micro-batches are other sets of sequences than the
+    separate forward's contiguous pieces (another padding width per forward): the same numbers
+    to float32 rounding."""
+    samples = make_samples(model.config.vocab_size, seed=5, groups=4, per_group=4)
+    ref, got = _separate(model, samples, pieces=2), _from_update(model, samples, grad_accum=2)
+    assert got["mismatch/tokens"] == ref["mismatch/tokens"]
+    for k in KEYS:
+        assert got[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-7), k
+
+
+def test_stats_need_every_sequence(model):
+    samples = make_samples(model.config.vocab_size, seed=6)
+    hook = UpdateLogp()
+    with pytest.raises(RuntimeError, match="before its first step"):
+        hook.stats(samples)
+    assert hook.stats([]) == {}
+
+
+def test_where_the_numbers_come_from():
+    kw = {"staleness": 0, "minibatches": 1, "replay": False, "world": 1}
+    assert mismatch_source("auto", **kw) == "update"
+    assert mismatch_source("always", **kw) == "forward"
+    assert mismatch_source("off", **kw) is None
+    for change in ({"staleness": 2}, {"minibatches": 8}, {"world": 2}):
+        assert mismatch_source("auto", **{**kw, **change}) == "forward"  # the update cannot give pi_old at the sampling weights
+    assert mismatch_source("auto", **{**kw, "replay": True}) is None  # --rollouts-from: this policy did not sample it
+    assert mismatch_source("always", **{**kw, "replay": True}) is None
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_runs_report_the_same_mismatch_either_way_and_none_when_off(tmp_path, warm_out):
+    """A default run (one minibatch, staleness 0) with rollout.mismatch auto (from the update)
+    and always (the separate forward): every metric equal; off: no mismatch/* and the same
+    training (the measurement draws from no random stream)."""
+    cfg = write_tiny_config(tmp_path / "c.yaml", {"train": {"steps": 2}})
+    rows = {}
+    for mode in ("auto", "always", "off"):
+        run = f"mm-{mode}-{tmp_path.name}"
+        r = masktrl("train", "--config", cfg, "--out", warm_out, "--run", run, "--set", f"rollout.mismatch={mode}", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        rows[mode] = [{k: v for k, v in row.items() if k not in TIMING and not k.endswith("_s")} for row in _rows(warm_out / run)]
+    assert rows["auto"] == rows["always"]
+    assert all(row["mismatch/tokens"] == row["tokens"] for row in rows["auto"])
+    assert rows["off"] == [{k: v for k, v in row.items() if not k.startswith("mismatch/")} for row in rows["auto"]]
+
+
+def test_bad_mode_is_one_line(cli_error, tmp_path):
+    line = cli_error("train", "--set", "rollout.mismatch=sometimes", "--out", str(tmp_path))
+    assert "rollout.mismatch must be one of auto, always, off" in line
+    assert not any(tmp_path.glob("*/run.yaml"))
