@@ -29,6 +29,7 @@ def model():
 
 
 def _from_update(model, samples, grad_accum=1, name="grpo", **settings):
+    """The update's mismatch/* (one minibatch), checking that it trained."""
     m = copy.deepcopy(model)
     opt, sched = make_optimizer(m, load_config(None, ["train.lr=1e-2"]).train)
     s = UpdateSettings(minibatches=1, grad_accum=grad_accum, grad_clip=1e9, logprob_chunk=7, temperature=0.9, horizon=20, **settings)
@@ -66,12 +67,13 @@ def test_truncated_responses_are_measured_under_mask_truncated(model):
     assert _from_update(model, samples, mask_truncated=True) == _separate(model, samples)
 
 
-def test_several_micro_batches_agree_to_rounding(model):
-    """With train.grad_accum > 1 the update's micro-batches are other sets of sequences than the
-    separate forward's contiguous pieces (another padding width per forward): the same numbers
-    to float32 rounding."""
+@pytest.mark.parametrize("settings", [{"grad_accum": 2}, {"packing": True}, {"packing": True, "micro_batch_tokens": 40}])
+def test_other_micro_batches_agree_to_rounding(model, settings):
+    """With train.grad_accum > 1 or a token budget the update's micro-batches are other sets of
+    sequences than the separate forward's contiguous pieces (another padding width per forward),
+    and train.packing runs the padding-free forward: the same numbers to float32 rounding."""
     samples = make_samples(model.config.vocab_size, seed=5, groups=4, per_group=4)
-    ref, got = _separate(model, samples, pieces=2), _from_update(model, samples, grad_accum=2)
+    ref, got = _separate(model, samples, pieces=settings.get("grad_accum", 1)), _from_update(model, samples, **settings)
     assert got["mismatch/tokens"] == ref["mismatch/tokens"]
     for k in KEYS:
         assert got[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-7), k
