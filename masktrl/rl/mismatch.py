@@ -89,23 +89,21 @@ def routing_flips(trainer, copy, samples: list[Sample], step: int) -> float:
 
 
 class UpdateLogp:
-    """The ``policy_update(before=...)`` hook that keeps each sample's log pi [T_i] (detached)
-    from the update's own micro-batch forwards of minibatch 0, then gives the batch's
-    ``mismatch/*`` (``stats``): with one minibatch every micro-batch runs before the first optimizer
-    step, so that is log pi_old at the weights that sampled the batch. The tokens are put back in
-    the batch's order (the update trains a seeded permutation), so the statistics reduce over
-    the same vector in the same order as ``measure_mismatch``'s. ``then``: a hook to call after
-    (the lab statistics)."""
+    """The ``policy_update(before=...)`` hook that keeps log pi (detached) of every token of
+    minibatch 0's micro-batch forwards, then gives the batch's ``mismatch/*`` (``stats``): with
+    one minibatch every micro-batch runs before the first optimizer step, so that is log pi_old at
+    the weights that sampled the batch. The tokens are put back in the batch's order (the update
+    trains a seeded permutation; an index placement, no arithmetic), so the statistics reduce
+    over the same vector in the same order as ``measure_mismatch``'s. ``then``: a hook to call
+    after (the lab statistics)."""
 
     def __init__(self, then=None):
         self.then = then
-        self._logp: dict[int, torch.Tensor] = {}
+        self._parts: list[tuple[list[int], torch.Tensor]] = []  # (sample indices, their tokens' log pi [T])
 
     def __call__(self, mb, idx, out, losses, u) -> None:
         if mb == 0:
-            counts = torch.bincount(out.batch.seq_ids, minlength=len(idx)).tolist()  # tokens per sequence
-            for i, logp in zip(idx, out.batch.logp.detach().clone().split(counts)):
-                self._logp[i] = logp
+            self._parts.append((list(idx), out.batch.logp.detach().clone()))
         if self.then is not None:
             self.then(mb, idx, out, losses, u)
 
@@ -113,9 +111,17 @@ class UpdateLogp:
         """``mismatch/*`` of ``samples`` (the batch the update trained on, every one seen); {} if none."""
         if not samples:
             return {}
-        if len(self._logp) != len(samples):
-            raise RuntimeError(f"the update forwarded {len(self._logp)} of {len(samples)} sequences before its first step")
-        pi = torch.cat([self._logp[i] for i in range(len(samples))])
+        parts, self._parts = self._parts, []
+        seen = sorted(i for idx, _ in parts for i in idx)
+        if seen != list(range(len(samples))):
+            raise RuntimeError(f"the update forwarded {len(seen)} of {len(samples)} sequences before its first step")
+        lengths = torch.tensor([len(s.gen.response_ids) for s in samples])  # [B]
+        starts = torch.cumsum(lengths, 0) - lengths  # [B] each sample's first token in the batch's order
+        pi = parts[0][1].new_empty(int(lengths.sum()))  # [N]
+        for idx, logp in parts:
+            n = lengths[idx]  # [b]
+            first = torch.repeat_interleave(starts[idx], n)  # [T]
+            within = torch.arange(len(logp)) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)  # [T] 0..n_i-1
+            pi[(first + within).to(pi.device)] = logp
         mu = torch.tensor([x for s in samples for x in s.gen.logp], dtype=pi.dtype, device=pi.device)
-        self._logp = {}
         return mismatch_stats(mu, pi)
