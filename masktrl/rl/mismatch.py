@@ -25,8 +25,6 @@ from masktrl.rl.policy import policy_token_batch
 from masktrl.rollout.base import Sample
 from masktrl.rollout.mismatch import mismatch_stats
 
-MODES = ("auto", "always", "off")  # rollout.mismatch
-
 
 def mismatch_source(mode: str, *, staleness: int, minibatches: int, replay: bool, world: int) -> str | None:
     """Where a generated batch's ``mismatch/*`` come from under ``rollout.mismatch`` = ``mode``:
