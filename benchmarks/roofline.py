@@ -15,7 +15,12 @@ the default shape (configs/tiny.yaml), the lab (configs/lab.yaml) and the long s
   against its p-token prompt); MFU =
   those FLOPs / time / the measured peak; on a CPU also per second of process CPU time
   against the GEMM's FLOP per CPU-second (what waiting for a shared CPU does not inflate). Memory: the bytes autograd saves for the backward
-  (activations; distinct storages), and on a GPU the peak allocated memory.
+  (activations; distinct storages), and on a GPU the peak allocated memory; with ``--rss`` (CPU,
+  Linux) also the process's peak resident memory during one step, each variant in a fresh
+  process (``VmHWM`` reset through ``/proc/self/clear_refs`` just before the step): the
+  process's peak, and how much of it the step added to the resident memory just before it
+  (the latter is smaller when the allocator kept memory freed before the step, so the table
+  shows the process's peak, the JSON both).
 * **generation** with the HF engine (shared prefill, K = 20 lists), transformers ``generate``
   and ``rollout.drop_finished`` (masktrl/rollout/decode.py) alternating on the same prompts and
   seeds: generated tokens/s (wall and per CPU-second) against the bound of the bytes the
@@ -28,10 +33,12 @@ Runs on the GPU when there is one (``--device auto``), else on the CPU.
 
     python benchmarks/roofline.py --json outputs/bench/roofline.json
     python benchmarks/roofline.py --shapes long --reps 3 --cache-variants
+    python benchmarks/roofline.py --rss --no-generation --reps 1
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import sys
@@ -317,6 +324,50 @@ def measure_training(name, model, dims, samples, device, reps: int, peak: float,
     return rows
 
 
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` memory field (VmRSS, VmHWM) in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def rss_child(name: str, variant: str, threads: int) -> None:
+    """In a fresh process: build the shape, run one forward + loss + backward of ``variant`` and
+    print the step's peak resident memory above the resident memory just before it (KiB)."""
+    import gc
+
+    torch.set_num_threads(threads)
+    spec = shapes([name])[name]
+    model, _, samples, _, _ = build(name, spec, torch.device("cpu"), torch.float32)
+    model.train()
+    packed, share = variants(samples)[variant]
+    run = step_fn(model, samples, packed, share)
+    gc.collect()
+    before = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+    run().backward()
+    print(f"RSS {_status_kib('VmHWM') - before} {before}", flush=True)
+
+
+def measure_rss(names: list[str], threads: int) -> dict:
+    """(shape, variant) -> (step's peak RSS above its start, RSS at its start), MiB; one child
+    process per variant so that no allocator cache of another variant hides the step's peak."""
+    import subprocess
+
+    out = {}
+    for name, spec in shapes(names).items():
+        _, _, samples, _, _ = build(name, spec, torch.device("cpu"), torch.float32)
+        for v in variants(samples):
+            res = subprocess.run([sys.executable, __file__, "--rss-child", name, v, "--threads", str(threads)],
+                                 capture_output=True, text=True, check=True)
+            line = [ln for ln in res.stdout.splitlines() if ln.startswith("RSS ")][-1]
+            peak, before = (int(x) / 1024 for x in line.split()[1:])
+            out[(name, v)] = (peak, before)
+            print(f"  {name:8s} {v:22s} step peak RSS +{peak:,.0f} MiB (process at {before:,.0f} MiB before it)", flush=True)
+    return out
+
+
 # --------------------------------------------------------------------------- generation
 
 
@@ -466,7 +517,12 @@ def main(argv=None) -> dict:
     p.add_argument("--cache-variants", action="store_true", help="also time generate with a dynamic vs a static KV cache")
     p.add_argument("--gemm", type=int, default=None, help="GEMM size (default 4096 on CPU, 8192 on GPU)")
     p.add_argument("--triad-mib", type=int, default=512, help="size of each triad array (MiB)")
+    p.add_argument("--rss", action="store_true", help="CPU: also each training variant's peak resident memory, one process per variant")
+    p.add_argument("--rss-child", nargs=2, metavar=("SHAPE", "VARIANT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.rss_child:
+        rss_child(*args.rss_child, args.threads)
+        return {}
     quiet()
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
     torch.set_num_threads(args.threads)
@@ -500,6 +556,12 @@ def main(argv=None) -> dict:
                 for c in cache_rows[-2:]:
                     print(f"  {name:8s} generate, {c['variant']}: {c['tokens_per_s']:,.0f} tokens/s", flush=True)
         del model
+    if args.rss and device.type == "cpu" and not args.no_training:
+        rss = measure_rss(names, args.threads)
+        for r in train_rows:
+            step, before = rss.get((r["shape"], r["variant"]), (None, None))
+            r["step_peak_rss_mib"], r["rss_before_mib"] = step, before
+            r["process_peak_rss_mib"] = None if step is None else step + before
     result = {"device": str(device), "matmul_peak_flops": peak, "matmul_peak_flops_per_cpu_s": cpu_peak, "bandwidth_bytes_per_s": bw, "threads": args.threads,
               "shapes": info, "training": train_rows, "generation": gen_rows, "generate_cache": cache_rows, "machine": machine()}
     if device.type == "cuda":
@@ -512,10 +574,12 @@ def main(argv=None) -> dict:
 def report(r: dict) -> None:
     if r["training"]:
         print_table(f"training forward + backward, one micro-batch ({r['device']}; peak {r['matmul_peak_flops'] / 1e9:,.0f} GFLOP/s)",
-                    ["shape", "variant", "ms", "CPU ms", "tokens run", "padding %", "GFLOP", "MFU %", "MFU % (CPU time)", "saved activations MiB"],
+                    ["shape", "variant", "ms", "CPU ms", "tokens run", "padding %", "GFLOP", "MFU %", "MFU % (CPU time)", "saved activations MiB",
+                     "process peak RSS MiB"],
                     [[t["shape"], t["variant"], t["time_ms"], t["cpu_ms"], t["tokens_run"], 100 * t["padding_share"], t["model_gflop"],
                       100 * t["mfu"], float("nan") if t["mfu_cpu_time"] is None else 100 * t["mfu_cpu_time"],
-                      t["saved_activation_mib"]] for t in r["training"]])
+                      t["saved_activation_mib"], float("nan") if t.get("process_peak_rss_mib") is None else t["process_peak_rss_mib"]]
+                     for t in r["training"]])
     if r["generation"]:
         print_table(f"generation, HF engine (bandwidth {r['bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s)",
                     ["shape", "variant", "ms", "CPU ms", "tokens", "tokens/s", "tokens per CPU-s", "bandwidth bound tokens/s", "% of bound",
