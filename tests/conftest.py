@@ -6,6 +6,7 @@ session, and a set of tiny finished runs the analyses read."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,14 @@ def analysis_runs(tmp_path_factory):
     sweep.run(sweep.plan(out, ["grpo"], [0, 1, 2], config))
     sweep.run(sweep.plan(out, ["sis"], [0, 1], config))
     return out
+
+
+def copy_run(finished, tmp_path):
+    """A copy of a module fixture's finished run ``(config, out, root)`` under ``tmp_path/out``,
+    to change without touching the shared one."""
+    config, out, root = finished
+    shutil.copytree(out, tmp_path / "out")
+    return config, tmp_path / "out", tmp_path / "out" / root.name
 
 
 def masktrl_env(extra: dict | None = None) -> dict:

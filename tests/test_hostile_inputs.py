@@ -3,7 +3,6 @@ that mean what they say"): each ends in one line and exit code 2 before anything
 in a run that stays true."""
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import pytest
 from masktrl.io import sha256_file
 from masktrl.runs.store import RunStore
 from masktrl.rollout.storage import read_rollouts
-from tests.conftest import cli, masktrl_env, tiny_yaml, write_tiny_config
+from tests.conftest import cli, copy_run, masktrl_env, tiny_yaml, write_tiny_config
 from tests.test_readers import alias_bomb
 
 
@@ -23,12 +22,6 @@ def finished(tmp_path_factory):
     config = write_tiny_config(base / "tiny.yaml")
     cli("train", "--config", config, "--out", base / "out", "--run", "r")
     return config, base / "out", base / "out" / "r"
-
-
-def copy_run(finished, tmp_path):
-    config, out, root = finished
-    shutil.copytree(out, tmp_path / "out")
-    return config, tmp_path / "out", tmp_path / "out" / root.name
 
 
 def snapshot(root):

@@ -22,7 +22,7 @@ from masktrl.io import atomic_write_json, file_mode
 from masktrl.runs import locks
 from masktrl.runs.store import RunStore, check_run_name
 from masktrl.rollout.storage import read_rollouts, write_rollouts
-from tests.conftest import TIMING, cli, masktrl_env, tiny_yaml
+from tests.conftest import TIMING, cli, copy_run, masktrl_env, tiny_yaml
 
 
 def one_line(line: str, needle: str) -> str:
@@ -39,12 +39,6 @@ def finished(tmp_path_factory):
     config.write_text(tiny_yaml())
     cli("train", "--config", config, "--out", base / "out", "--run", "r")
     return config, base / "out", base / "out" / "r"
-
-
-def copy_run(finished, tmp_path):
-    config, out, root = finished
-    shutil.copytree(out, tmp_path / "out")
-    return config, tmp_path / "out", tmp_path / "out" / root.name
 
 
 def manifest(root):
