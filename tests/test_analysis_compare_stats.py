@@ -17,8 +17,8 @@ from masktrl.config import from_dict
 from masktrl.errors import MasktrlError
 
 
-def _run(method, seed, final, evals=(), name=None, **over):
-    cfg = from_dict({"seed": seed, "method": {"name": method}, **over})
+def _run(method, seed, final, evals=(), name=None, correction=None, **over):
+    cfg = from_dict({"seed": seed, "method": {"name": method, **({"correction": correction} if correction else {})}, **over})
     metrics = [{"step": i + 1, "eval/heldout/accuracy": v} for i, v in enumerate(evals)]
     return RunInfo(Path(f"/nowhere/{name or method + '-seed' + str(seed)}"), cfg, metrics, {"eval_after": final}, "complete")
 
@@ -87,6 +87,18 @@ def test_labels_name_only_what_separates_the_groups_and_handles_pick_the_baselin
         cmp.compare(a + b, baseline="grpo", n_boot=200)
     with pytest.raises(MasktrlError, match="not among the runs"):
         cmp.compare(a + b, baseline="#3", n_boot=200)
+
+
+def test_plain_method_beside_its_corrected_variants_is_labelled_by_name_and_is_the_baseline():
+    # a sweep of grpo, grpo + token TIS and grpo + IcePop: plain grpo sets no correction key
+    plain = [_run("grpo", s, 0.40 + 0.01 * s) for s in range(3)]
+    tis = [_run("grpo", s, 0.45, name=f"tis{s}", correction={"kind": "token-tis"}) for s in range(3)]
+    ice = [_run("grpo", s, 0.42, name=f"ice{s}", correction={"kind": "icepop"}) for s in range(3)]
+    t = cmp.compare(plain + tis + ice, baseline="grpo", test="paired", n_boot=200)
+    labels = [r["label"] for r in t["methods"]]
+    assert labels == ["grpo", "grpo[correction.kind=token-tis]", "grpo[correction.kind=icepop]"]
+    assert t["baseline"] == "grpo" and t["methods"][0]["is_baseline"]
+    assert t["methods"][1]["final"]["diff_vs_baseline"] == pytest.approx(0.45 - 0.41)
 
 
 def test_runs_of_different_tasks_are_refused():

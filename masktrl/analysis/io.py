@@ -107,7 +107,9 @@ def group_runs(runs: list[RunInfo]) -> list[tuple[str, list[RunInfo]]]:
 
     The label is the method name; groups that share it are told apart by the fewest config keys
     that separate them (``distinguishing_keys``: method parameters first, then other keys),
-    shown as ``method[key=value,...]`` (a method key without its ``method.`` prefix).
+    shown as ``method[key=value,...]`` (a method key without its ``method.`` prefix). The group that
+    leaves every shown key unset (plain ``grpo`` beside ``grpo`` with a ``method.correction``) is
+    labelled by the method name alone, so ``--baseline grpo`` finds it.
     """
     groups: dict[str, list[RunInfo]] = {}
     for r in runs:
@@ -123,6 +125,9 @@ def group_runs(runs: list[RunInfo]) -> list[tuple[str, list[RunInfo]]]:
         flat = {k: flatten(json.loads(k)) for k in keys}
         shown = distinguishing_keys([flat[k] for k in keys])
         for k in keys:
+            if all(flat[k].get(f) is None for f in shown):
+                labels[k] = method  # the plain method: it leaves unset every key the others set
+                continue
             parts = [f"{f.split('.', 1)[1] if f.startswith('method.') else f}={flat[k].get(f)}" for f in shown]
             labels[k] = f"{method}[{','.join(parts)}]"
     return [(labels[k], sorted(m, key=lambda r: r.cfg.seed)) for k, m in groups.items()]

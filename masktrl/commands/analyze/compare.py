@@ -38,15 +38,17 @@ def compare(
 def print_compare(table: dict) -> None:
     from rich.table import Table
 
+    paired = table["test"] == "paired"  # the interval that goes with the test: paired over shared seeds, else Welch
+    ci_name, lo_key, hi_key = ("paired", "diff_ci_paired_low", "diff_ci_paired_high") if paired else ("Welch", "diff_ci_low", "diff_ci_high")
     t = Table(title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap 95% CI; vs "
-                    f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}): difference [Welch 95% CI], {table['test']} p, "
+                    f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}): difference \\[{ci_name} 95% CI], {table['test']} p, "
                     f"Holm p, smallest difference detectable at 80% power; unit: {table.get('p_unit', 'run')}")
     for col in ("#", "method", "n", "final", "95% CI", "diff [95% CI]", "p", "Holm p", "MDD 80%", "best of evals (biased)", "collapsed"):
         t.add_column(col, justify="right" if col not in ("method",) else "left")
     for row in table["methods"]:
         s, b = row["final"], row["best"]
         base = row["is_baseline"]
-        diff = "base" if base else f"{fmt(s['diff_vs_baseline'])} [{fmt(s.get('diff_ci_low'))}, {fmt(s.get('diff_ci_high'))}]"
+        diff = "base" if base else f"{fmt(s['diff_vs_baseline'])} [{fmt(s.get(lo_key))}, {fmt(s.get(hi_key))}]"
         t.add_row(row.get("handle", ""), escape(row["label"]), str(s["n"]), pm(s["mean"], s["std"]), f"[{fmt(s['ci_low'])}, {fmt(s['ci_high'])}]",
                   diff, "" if base else fmt(s["p"]), "" if base else fmt(s.get("p_holm")), "" if base else fmt(s.get("mdd_80")),
                   pm(b["mean"], b["std"]), collapsed(row.get("collapse")))
@@ -54,9 +56,9 @@ def print_compare(table: dict) -> None:
     if table.get("collapse_definition"):
         console.print(table["collapse_definition"], highlight=False)
     for w in table["warnings"]:
-        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
     for s in table["skipped"]:
-        console.print(f"[yellow]skipped incomplete run[/] {s}", highlight=False)
+        console.print(f"[yellow]skipped incomplete run[/] {escape(s)}", highlight=False)
 
 
 def collapsed(c: dict | None) -> str:
