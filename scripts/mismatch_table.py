@@ -1,0 +1,156 @@
+"""The behaviour-source table of docs/RESULTS.md §7: methods x sweep folders, in one markdown table.
+
+    python scripts/mismatch_table.py outputs/mismatch/float32 outputs/mismatch/bfloat16 outputs/mismatch/fp8 \\
+        --eval task --json outputs/mismatch/table.json
+
+For each folder it computes `masktrl analyze compare FOLDER --eval task --test paired` in-process
+(the same function, so the same numbers; baseline grpo) and adds, per group, what the metrics of
+its runs say about the behaviour and the trust region:
+
+* ``|Δlogp| 1 → end``: the mismatch ``mismatch/logp_abs_mean`` (mean |log mu - log pi_old| of the
+  sampled tokens at the sampling weights, docs/ROLLOUTS.md) at step 1 and over the last 50 steps,
+  averaged over the group's runs;
+* ``KL k3 end``: ``mismatch/kl_k3`` over the last 50 steps;
+* ``blocked``: ``mask_frac`` averaged over all steps, the fraction of response tokens whose update
+  the method's clip or mask (and the correction's mask) blocks (docs/METHODS.md).
+
+Without ``--eval`` the score is each run's one-sample ``eval_after`` (as in `analyze compare`).
+Incomplete runs are left out and counted under the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from masktrl.analysis import compare as cmp
+from masktrl.analysis.io import expand_runs, load_run
+from masktrl.errors import MasktrlError
+
+TAIL = 50  # steps averaged for the "end" of a run
+
+
+def run_means(metrics: list[dict], key: str, tail: int | None = None) -> float:
+    """Mean of ``key`` over the run's logged steps (the last ``tail`` of them if given); nan if absent."""
+    vals = [m[key] for m in metrics if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+    if tail is not None:
+        vals = vals[-tail:]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def first_value(metrics: list[dict], key: str) -> float:
+    return next((float(m[key]) for m in metrics if isinstance(m.get(key), (int, float))), float("nan"))
+
+
+def group_behaviour(runs) -> dict:
+    """The behaviour and trust-region columns of one group: means over its runs."""
+    def over(fn):
+        vals = [fn(r.metrics) for r in runs]
+        vals = [v for v in vals if math.isfinite(v)]
+        return float(np.mean(vals)) if vals else float("nan")
+    return {
+        "mismatch_start": over(lambda m: first_value(m, "mismatch/logp_abs_mean")),
+        "mismatch_end": over(lambda m: run_means(m, "mismatch/logp_abs_mean", TAIL)),
+        "kl_k3_end": over(lambda m: run_means(m, "mismatch/kl_k3", TAIL)),
+        "mask_frac": over(lambda m: run_means(m, "mask_frac")),
+    }
+
+
+def folder_table(folder: Path, eval_bench: str | None, n_boot: int) -> dict:
+    runs = [load_run(p) for p in expand_runs([folder])]
+    table = cmp.compare(runs, "grpo", test="paired", n_boot=n_boot, eval_bench=eval_bench)
+    by_root = {str(r.root): r for r in runs}
+    for row in table["methods"]:
+        row["behaviour"] = group_behaviour([by_root[p] for p in row["runs"]])
+        row["display"] = short_label(row["label"], by_root[row["runs"][0]].cfg.resolved_method())
+    return {"folder": str(folder), "source": folder.name, "table": table}
+
+
+def short_label(label: str, method: dict) -> str:
+    """A correction variant by its correction: ``grpo + token-tis (decoupled)`` for the group
+    ``analyze compare`` labels ``grpo[correction.kind=token-tis,...]`` (``method``: the group's
+    resolved method block). Other labels are kept."""
+    if "[" not in label:
+        return label
+    shown = [part.split("=", 1)[0] for part in label[:-1].split("[", 1)[1].split(",")]
+    if not all(k.startswith("correction.") for k in shown):
+        return label
+    corr = method.get("correction") or {}
+    kind = corr.get("kind")
+    out = method["name"] if kind in (None, "none") else f"{method['name']} + {kind}"
+    return out + (" (decoupled)" if corr.get("mode") == "decoupled" else "")
+
+
+def f3(x) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x:.3f}"
+
+
+def signed(x) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x:+.3f}"
+
+
+def small(x) -> str:
+    return "—" if x is None or not math.isfinite(x) else (f"{x:.1e}" if 0 < abs(x) < 1e-2 else f"{x:.3f}")
+
+
+def ordered(rows: list[dict]) -> list[dict]:
+    """The baseline first, then its own variants (grpo + a correction), then the other methods, by name."""
+    base = next((r for r in rows if r["is_baseline"]), None)
+    stem = base.get("display", base["label"]) if base else ""
+
+    def key(r):
+        name = r.get("display", r["label"])
+        return (not r["is_baseline"], not name.startswith(stem + " "), name)
+    return sorted(rows, key=key)
+
+
+def markdown(folders: list[dict]) -> str:
+    score = "avg@k" if folders and folders[0]["table"].get("eval") else "held-out accuracy (one sample)"
+    head = ["method", "source", "n", f"{score} mean ± sd", "Δ vs grpo [paired 95% CI]", "Holm p", "MDD 80%",
+            "collapsed", "|Δlogp| 1 → end", "KL k3 end", "blocked"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for f in folders:
+        for row in ordered(f["table"]["methods"]):
+            s, b, c = row["final"], row["behaviour"], row["collapse"]
+            sd = "" if not math.isfinite(s["std"]) else f" ± {s['std']:.3f}"
+            if row["is_baseline"]:
+                diff, holm, mdd = "base", "", ""
+            else:
+                diff = f"{signed(s['diff_vs_baseline'])} [{signed(s.get('diff_ci_paired_low'))}, {signed(s.get('diff_ci_paired_high'))}]"
+                holm, mdd = f3(s.get("p_holm")), f3(s.get("mdd_80"))
+            lines.append("| " + " | ".join([
+                row.get("display", row["label"]), f["source"], str(s["n"]), f"{f3(s['mean'])}{sd}", diff, holm, mdd, f"{c['count']}/{c['total']}",
+                f"{f3(b['mismatch_start'])} → {f3(b['mismatch_end'])}", small(b["kl_k3_end"]), f3(b["mask_frac"]),
+            ]) + " |")
+    skipped = sum(len(f["table"]["skipped"]) for f in folders)
+    if skipped:
+        lines.append(f"\n{skipped} incomplete run(s) left out.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folders", nargs="+", type=Path, help="sweep folders, one per behaviour source")
+    ap.add_argument("--eval", dest="eval_bench", default=None, help="score by this eval report's avg@k (e.g. task)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the tables as JSON here")
+    ap.add_argument("--n-boot", type=int, default=10000)
+    args = ap.parse_args(argv)
+    try:
+        folders = [folder_table(f, args.eval_bench, args.n_boot) for f in args.folders]
+    except MasktrlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown(folders))
+    if args.json:
+        from masktrl.io import atomic_write_json
+        atomic_write_json(args.json, folders)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

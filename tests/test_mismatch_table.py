@@ -1,0 +1,64 @@
+"""scripts/mismatch_table.py: the behaviour-source table of docs/RESULTS.md §7."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from masktrl.analysis import compare as cmp
+from masktrl.analysis.io import RunInfo
+from masktrl.config import from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("mismatch_table", ROOT / "scripts" / "mismatch_table.py")
+mt = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mt)
+
+
+def _run(seed, final, mismatch, mask, correction=None, name=None, steps=60):
+    cfg = from_dict({"seed": seed, "method": {"name": "grpo", **({"correction": correction} if correction else {})}})
+    # mismatch grows linearly from `mismatch` at step 1; mask_frac constant; kl_k3 = mismatch / 10
+    metrics = [{"step": t, "reward_mean": 0.4, "mismatch/logp_abs_mean": mismatch * (1 + 0.01 * (t - 1)),
+                "mismatch/kl_k3": mismatch / 10, "mask_frac": mask} for t in range(1, steps + 1)]
+    return RunInfo(Path(f"/nowhere/{name or 'grpo-seed' + str(seed)}"), cfg, metrics, {"eval_after": final}, "complete")
+
+
+def test_table_rows_carry_compare_numbers_and_run_means():
+    plain = [_run(s, 0.40 + 0.01 * s, 0.08, 0.18) for s in range(3)]
+    tis = [_run(s, 0.45 + 0.01 * s, 0.10, 0.10, correction={"kind": "token-tis", "mode": "decoupled"}, name=f"tis{s}") for s in range(3)]
+    table = cmp.compare(plain + tis, "grpo", test="paired", n_boot=200)
+    by_root = {str(r.root): r for r in plain + tis}
+    for row in table["methods"]:
+        row["behaviour"] = mt.group_behaviour([by_root[p] for p in row["runs"]])
+        row["display"] = mt.short_label(row["label"], by_root[row["runs"][0]].cfg.resolved_method())
+    tis_row = table["methods"][1]
+    b = tis_row["behaviour"]
+    assert b["mismatch_start"] == pytest.approx(0.10)
+    # the last 50 of 60 steps: t = 11..60, mean factor 1 + 0.01 * (mean(t) - 1) = 1 + 0.01 * 34.5
+    assert b["mismatch_end"] == pytest.approx(0.10 * 1.345)
+    assert b["kl_k3_end"] == pytest.approx(0.01) and b["mask_frac"] == pytest.approx(0.10)
+    text = mt.markdown([{"source": "fp8", "table": table}])
+    lines = text.splitlines()
+    assert lines[2].startswith("| grpo | fp8 | 3 | 0.410 ± 0.010 | base |")
+    assert lines[3].startswith("| grpo + token-tis (decoupled) | fp8 | 3 | 0.460 ± 0.010 | +0.050 [+0.050, +0.050] |")
+    assert "0.100 → 0.135" in lines[3] and lines[3].endswith("| 0.100 |")
+
+
+def test_short_labels_and_missing_values():
+    ice = {"name": "grpo", "correction": {"kind": "icepop", "mode": "bypass"}}
+    assert mt.short_label("grpo[correction.kind=icepop,correction.mode=bypass]", ice) == "grpo + icepop"
+    naive = {"name": "grpo", "correction": {"kind": "none", "mode": "decoupled"}}
+    assert mt.short_label("grpo[correction.mode=decoupled]", naive) == "grpo (decoupled)"
+    assert mt.short_label("grpo", {"name": "grpo"}) == "grpo"
+    assert mt.short_label("dppo[divergence=topk-tv]", {"name": "dppo"}) == "dppo[divergence=topk-tv]"
+    assert mt.run_means([{"step": 1}], "mismatch/kl_k3") != mt.run_means([{"step": 1}], "mismatch/kl_k3")  # nan
+    assert math.isnan(mt.first_value([{"step": 1}], "mismatch/logp_abs_mean"))
+    assert mt.small(7.6e-13) == "7.6e-13" and mt.small(0.0) == "0.000" and mt.f3(float("nan")) == "—"
+
+
+def test_a_folder_without_complete_runs_is_one_line_and_exit_2(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert mt.main([str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
