@@ -46,6 +46,16 @@ def test_sweep_trains_the_grid_and_prints_the_compare_table(swept):
     assert (out / "analysis" / "compare.json").is_file() and (out / "analysis" / "compare.png").stat().st_size > 0
 
 
+def test_a_sweep_of_one_method_spec_tables_it_as_its_own_baseline(swept, tmp_path):
+    # the default baseline is the first spec; the table's label is the method name, not the spec
+    config, out = _copy(swept, tmp_path)
+    result = runner.invoke(app, ["sweep", "--methods", "dppo:divergence=topk-tv", "--seeds", "1", "--config", str(config),
+                                 "--out", str(out / "spec")], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, (result.output, result.exception)
+    table = json.loads((out / "spec" / "analysis" / "compare.json").read_text())
+    assert table["baseline"] == "dppo" and table["methods"][0]["runs"] == [str(out / "spec" / "dppo-divergence-topk-tv-seed0")]
+
+
 def test_sweep_skips_complete_runs(swept, tmp_path):
     config, out = _copy(swept, tmp_path)
     before = {p: p.read_bytes() for p in out.glob("*/summary.json")}

@@ -65,6 +65,9 @@ def sweep(
     stage.run(items, progress_bar, lambda event, item: print_event(event, item, items))
     roots = [i.root for i in items]
     base = baseline or ("grpo" if "grpo" in method_list else method_list[0])
+    # a swept spec (grpo:correction.kind=icepop) is found by one of its runs' folders: compare's
+    # labels are method names with the keys that tell groups apart, not the spec
+    base = next((str(i.root) for i in items if i.method == base), base)
     table = cmp.compare([load_run(r) for r in roots], base)
     paths = cmp.save(table, multi_run_dir(roots, None))
     print_compare(table)
