@@ -99,6 +99,10 @@ def test_plain_method_beside_its_corrected_variants_is_labelled_by_name_and_is_t
     assert labels == ["grpo", "grpo[correction.kind=token-tis]", "grpo[correction.kind=icepop]"]
     assert t["baseline"] == "grpo" and t["methods"][0]["is_baseline"]
     assert t["methods"][1]["final"]["diff_vs_baseline"] == pytest.approx(0.45 - 0.41)
+    # grpo with the decoupled mode and no correction (kind resolves to "none"): the set key is shown
+    naive = [_run("grpo", s, 0.43, name=f"naive{s}", correction={"mode": "decoupled"}) for s in range(3)]
+    labels = [r["label"] for r in cmp.compare(plain + naive, n_boot=200)["methods"]]
+    assert labels == ["grpo", "grpo[correction.mode=decoupled]"]
 
 
 def test_runs_of_different_tasks_are_refused():

@@ -135,7 +135,9 @@ def group_runs(runs: list[RunInfo]) -> list[tuple[str, list[RunInfo]]]:
 
 def distinguishing_keys(configs: list[dict]) -> list[str]:
     """The fewest keys (greedy) whose values tell the flat ``configs`` apart: at each round the
-    differing key that separates the most groups, method parameters before other keys, then by
+    differing key that separates the most groups, method parameters before other keys, then the
+    key that fewer configs leave unset (None or "none": a set value tells more, so
+    ``correction.mode=decoupled`` is shown rather than ``correction.kind`` None vs none), then by
     name. Keys no two configs differ in are never shown."""
     differing = sorted({f for c in configs for f in c if len({json.dumps(o.get(f), default=str) for o in configs}) > 1},
                        key=lambda f: (not f.startswith("method."), f))
@@ -144,8 +146,11 @@ def distinguishing_keys(configs: list[dict]) -> list[str]:
     def n_distinct(keys):
         return len({tuple(json.dumps(c.get(f), default=str) for f in keys) for c in configs})
 
+    def n_unset(f):
+        return sum(c.get(f) in (None, "none") for c in configs)
+
     while differing and n_distinct(chosen) < len(configs):
-        best = max(differing, key=lambda f: (n_distinct(chosen + [f]), f.startswith("method."), -differing.index(f)))
+        best = max(differing, key=lambda f: (n_distinct(chosen + [f]), f.startswith("method."), -n_unset(f), -differing.index(f)))
         if n_distinct(chosen + [best]) == n_distinct(chosen):
             break
         chosen.append(best)
