@@ -31,6 +31,7 @@ import numpy as np
 from masktrl.analysis import compare as cmp
 from masktrl.analysis.io import expand_runs, load_run
 from masktrl.errors import MasktrlError
+from masktrl.methods.corrections import kind_defaults
 
 TAIL = 50  # steps averaged for the "end" of a run
 
@@ -72,17 +73,21 @@ def folder_table(folder: Path, eval_bench: str | None, n_boot: int) -> dict:
 
 
 def short_label(label: str, method: dict) -> str:
-    """A correction variant by its correction: ``grpo + token-tis (decoupled)`` for the group
-    ``analyze compare`` labels ``grpo[correction.kind=token-tis,...]`` (``method``: the group's
-    resolved method block). Other labels are kept."""
-    if "[" not in label:
-        return label
-    shown = [part.split("=", 1)[0] for part in label[:-1].split("[", 1)[1].split(",")]
-    if not all(k.startswith("correction.") for k in shown):
-        return label
-    corr = method.get("correction") or {}
-    kind = corr.get("kind")
-    out = method["name"] if kind in (None, "none") else f"{method['name']} + {kind}"
+    """A group by its correction, from its resolved method block: ``grpo + token-tis (decoupled)``,
+    ``grpo + token-tis cap=1,floor=1 (decoupled)`` (keys away from the kind's defaults shown),
+    ``grpo (decoupled)`` for kind none. A label that ``analyze compare`` built from other keys
+    (``dppo[divergence=topk-tv]``) is kept."""
+    if "[" in label:
+        shown = [part.split("=", 1)[0] for part in label[:-1].split("[", 1)[1].split(",")]
+        if not all(k.startswith("correction.") for k in shown):
+            return label
+    corr = method.get("correction")
+    if not corr:
+        return method["name"]
+    kind = corr.get("kind") or "none"
+    changed = {k: corr[k] for k, default in kind_defaults(kind).items() if k in corr and corr[k] != default}
+    extra = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in changed.items())
+    out = method["name"] if kind == "none" else f"{method['name']} + {kind}" + (f" {extra}" if extra else "")
     return out + (" (decoupled)" if corr.get("mode") == "decoupled" else "")
 
 

@@ -51,6 +51,9 @@ def test_short_labels_and_missing_values():
     naive = {"name": "grpo", "correction": {"kind": "none", "mode": "decoupled"}}
     assert mt.short_label("grpo[correction.mode=decoupled]", naive) == "grpo (decoupled)"
     assert mt.short_label("grpo", {"name": "grpo"}) == "grpo"
+    # a folder of one group: compare labels it "grpo", the correction still shows, with its non-default keys
+    ignore = {"name": "grpo", "correction": {"kind": "token-tis", "mode": "decoupled", "cap": 1.0, "floor": 1.0}}
+    assert mt.short_label("grpo", ignore) == "grpo + token-tis cap=1,floor=1 (decoupled)"
     assert mt.short_label("dppo[divergence=topk-tv]", {"name": "dppo"}) == "dppo[divergence=topk-tv]"
     assert mt.run_means([{"step": 1}], "mismatch/kl_k3") != mt.run_means([{"step": 1}], "mismatch/kl_k3")  # nan
     assert math.isnan(mt.first_value([{"step": 1}], "mismatch/logp_abs_mean"))

@@ -51,6 +51,11 @@ _KEYS: dict[str, dict[str, object]] = {
 _RS_HI = {"k1": 1.001, "k2": 0.01, "k3": 0.01}  # verl's presets: geo RS 0.999_1.001, k3 RS 0.01
 
 
+def kind_defaults(kind: str) -> dict[str, object]:
+    """The keys ``kind`` reads besides ``kind`` and ``mode``, with their defaults (§14.1)."""
+    return dict(_KEYS[kind])
+
+
 def _err(key: str, msg: str) -> ValueError:
     return ValueError(f"method.correction.{key} {msg}")
 
@@ -357,5 +362,5 @@ def correction_diagnostics(corr: Correction | None, batch: TokenBatch) -> dict:
             "corr_weight_mean": float(corr.weight[valid].to(torch.float64).mean())}
 
 
-__all__ = ["CORRECTION_KINDS", "CORRECTION_MODES", "Correction", "CorrectionParams", "RS_STATS", "correction_diagnostics",
+__all__ = ["CORRECTION_KINDS", "CORRECTION_MODES", "Correction", "CorrectionParams", "RS_STATS", "correction_diagnostics", "kind_defaults",
            "correction_weights", "corrected_token_losses", "decoupled_batch", "make_correction", "scale_loss"]
