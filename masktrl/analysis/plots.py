@@ -206,7 +206,9 @@ def curves(groups: list[dict], metrics: list[tuple[str, str]]) -> Figure:
         if not ax.get_legend_handles_labels()[0]:
             ax.text(0.5, 0.5, "not logged", ha="center", transform=ax.transAxes, fontsize=8, color="0.5")
     if legend:
-        fig.legend(list(legend.values()), list(legend), loc="outside lower center", ncols=min(4, len(legend)), fontsize=8)
+        widest = max(len(name) for name in legend)  # long labels get fewer columns, so the legend fits the figure
+        fig.legend(list(legend.values()), list(legend), loc="outside lower center",
+                   ncols=max(1, min(4, len(legend), 180 // widest)), fontsize=8)
     return fig
 
 
