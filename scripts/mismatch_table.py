@@ -117,7 +117,7 @@ def ordered(rows: list[dict]) -> list[dict]:
 def markdown(folders: list[dict]) -> str:
     score = "avg@k" if folders and folders[0]["table"].get("eval") else "held-out accuracy (one sample)"
     head = ["method", "source", "n", f"{score} mean ± sd", "Δ vs grpo [paired 95% CI]", "Holm p", "MDD 80%",
-            "collapsed", "|Δlogp| 1 → end", "KL k3 end", "blocked"]
+            "collapsed", "\\|Δlogp\\| 1 → end", "KL k3 end", "blocked"]  # the bars escaped: a markdown cell
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in folders:
         for row in ordered(f["table"]["methods"]):
