@@ -31,6 +31,7 @@ import numpy as np
 from masktrl.analysis import compare as cmp
 from masktrl.analysis.io import expand_runs, load_run
 from masktrl.errors import MasktrlError
+from masktrl.io import atomic_write_json
 from masktrl.methods.corrections import kind_defaults
 
 TAIL = 50  # steps averaged for the "end" of a run
@@ -147,13 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         folders = [folder_table(f, args.eval_bench, args.n_boot) for f in args.folders]
+        if args.json:
+            atomic_write_json(args.json, folders)
     except MasktrlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"error: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
+        return 2
     print(markdown(folders))
-    if args.json:
-        from masktrl.io import atomic_write_json
-        atomic_write_json(args.json, folders)
     return 0
 
 

@@ -65,3 +65,12 @@ def test_a_folder_without_complete_runs_is_one_line_and_exit_2(tmp_path, capsys)
     assert mt.main([str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ")
+
+
+def test_an_unwritable_json_path_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(mt, "folder_table", lambda folder, eval_bench, n_boot: {"source": "x", "table": {}})
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    assert mt.main([str(tmp_path), "--json", str(blocked / "table.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot write {blocked / 'table.json'}")
