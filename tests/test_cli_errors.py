@@ -13,6 +13,8 @@ from tests.conftest import masktrl
         (["train", "--method", "nosuch"], "nosuch"),
         (["train", "--set", "rollout.nosuch=1"], "rollout.nosuch"),
         (["train", "--set", "method.divergence=topk-tv"], "divergence"),  # grpo has no divergence
+        (["train", "--set", "method.dual_clip=0.9"], "method.dual_clip must be > 1"),
+        (["train", "--method", "gspo", "--set", "method.dual_clip=3"], "dual_clip"),  # gspo has none
     ],
 )
 def test_user_errors_exit_2_with_one_line(tmp_path, args, needle):

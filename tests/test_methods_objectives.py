@@ -27,7 +27,9 @@ V, K_LIST, SEQ_LEN = 8, 3, 6
 
 VARIANTS = [
     ("grpo", {}),
+    ("grpo", {"dual_clip": 1.2}),
     ("dapo", {}),
+    ("dapo", {"dual_clip": 1.5}),
     ("gspo", {}),
     ("gspo", {"eps_low": 0.1, "eps_high": 0.1}),
     *[("dppo", {"divergence": d}) for d in ("binary-tv", "binary-kl", "topk-tv", "topk-kl")],
@@ -38,6 +40,7 @@ VARIANTS = [
     ("pdm", {"tail": "bracket", "uncertain": "mask", "delta_pos": 0.05, "delta_neg": 0.3}),
     *[("sis", {"base": b}) for b in ("grpo", "dapo", "gspo")],
     ("sis", {"base": "gspo", "eps_low": 0.1, "eps_high": 0.1}),
+    ("sis", {"base": "grpo", "dual_clip": 1.2}),
     ("cispo", {}),
     ("cispo", {"eps_low": 0.2, "eps_high": 0.28}),
 ]
@@ -80,10 +83,14 @@ def ref_accept(r, u: float) -> bool:
     return u < math.exp(min(0.0, log_r - log_m))
 
 
-def ppo_ref(w: float, a: float, el: float, eh: float) -> tuple[float, float, bool]:
-    """(loss, grad_coef w.r.t. log w, mask) of §2 written per case."""
+def ppo_ref(w: float, a: float, el: float, eh: float, c: float | None = None) -> tuple[float, float, bool]:
+    """(loss, grad_coef w.r.t. log w, mask) of §2 written per case; c: the dual clip (verl's
+    min(max(-A w, -A clip(w)), -A c) for A < 0)."""
     mask = (a > 0 and w > 1 + eh) or (a < 0 and w < 1 - el)
     loss = -min(w * a, min(max(w, 1 - el), 1 + eh) * a)
+    if c is not None and a < 0:
+        mask = mask or w > c
+        loss = min(loss, -a * c)
     return loss, (0.0 if mask else -a * w), mask
 
 
@@ -94,7 +101,7 @@ def reference(name: str, kw: dict, rows, adv, u, k_slots: int):
     log_r = [float(r.pi_lp[r.k] - r.mu_lp[r.k]) for r in rows]
     out = []
     if name in ("grpo", "dapo"):
-        return [ppo_ref(math.exp(lr), a, p.eps_low, p.eps_high) for lr, a in zip(log_r, adv)]
+        return [ppo_ref(math.exp(lr), a, p.eps_low, p.eps_high, p.dual_clip) for lr, a in zip(log_r, adv)]
     if name == "cispo":  # l = -A sg(clip(r)) log pi: value -A clip(r), nothing blocked (§14)
         return [(-a * min(max(math.exp(lr), 1 - p.eps_low), 1 + p.eps_high),) * 2 + (False,) for lr, a in zip(log_r, adv)]
     if name in ("dppo", "pdm"):
@@ -123,7 +130,7 @@ def reference(name: str, kw: dict, rows, adv, u, k_slots: int):
             if acc[i]:
                 out.append((-adv[i], -adv[i], False))
             else:
-                out.append(ppo_ref(math.exp(log_w[i]), adv[i], base.eps_low, base.eps_high))
+                out.append(ppo_ref(math.exp(log_w[i]), adv[i], base.eps_low, base.eps_high, base.dual_clip))
         return out
     for i in range(n):  # gspo
         seq = i // SEQ_LEN
@@ -166,6 +173,9 @@ def test_token_gradient_is_grad_coef_times_ek_minus_pi(name, kw):
             assert float(vals[i]) == 0.0 and not bool(out.mask[i])
     live = adv != 0
     assert 0 < int(out.mask[live].sum()) < int(live.sum()) or name in ("sis", "cispo"), "variant should mask some tokens"
+    if kw.get("dual_clip") is not None:  # the dual clip decides some tokens here (A < 0, w > c)
+        w = [math.exp(float(r.pi_lp[r.k] - r.mu_lp[r.k])) for r in rows]
+        assert any(a < 0 and wi > kw["dual_clip"] and bool(m) for a, wi, m in zip(adv.tolist(), w, out.mask)), kw
 
 
 def test_gspo_token_form_gradient_equals_sequence_objective():
@@ -268,6 +278,23 @@ def test_grpo_hand_computed_loss_and_gradient():
     assert abs(aggregate(out.loss, b, "token-mean").item() - sum(want_loss) / 5) < 1e-12
     dr = aggregate(out.loss, b, "seq-mean-token-sum-norm", norm_len=4)
     assert abs(dr.item() - ((-1.28 - 0.5) / 4 + (0.8 + 1.5) / 4 + 0.0) / 3) < 1e-12
+
+
+def test_dual_clip_hand_computed_and_its_limit():
+    # r = 4.0, 2.0 (A = -1), 4.0 (A = +1), 0.5 (A = -1); c = 3
+    ln = math.log
+    b, lp = tiny_batch([ln(0.8), ln(0.4), ln(0.8), ln(0.1)], [ln(0.2)] * 4, [0, 0, 1, 1])
+    adv = torch.tensor([-1.0, -1.0, 1.0, -1.0], dtype=F64)
+    out = token_losses("grpo", b, adv, dual_clip=3.0)
+    assert torch.allclose(out.loss, torch.tensor([3.0, 2.0, -1.28, 0.8], dtype=F64), atol=1e-12)
+    assert out.mask.tolist() == [True, False, True, True]
+    (g,) = torch.autograd.grad(out.loss.sum(), lp)
+    assert torch.allclose(g, torch.tensor([0.0, 2.0, 0.0, 0.0], dtype=F64), atol=1e-12)
+    plain = token_losses("grpo", b, adv)
+    assert plain.mask.tolist() == [False, False, True, True] and float(plain.loss[0].detach()) == 4.0
+    for c in (math.inf, 1e9):  # c = inf (or beyond every ratio) is plain GRPO, bit for bit
+        lim = token_losses("grpo", b, adv, dual_clip=c)
+        assert torch.equal(lim.loss, plain.loss) and torch.equal(lim.mask, plain.mask)
 
 
 def test_aggregate_excludes_invalid_tokens_and_handles_noncontiguous_sequences():

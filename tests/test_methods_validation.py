@@ -170,6 +170,12 @@ def test_unknown_parameter_names_key_and_lists_valid_keys():
         ("sis", {"base": "dppo"}, "method.base"),
         ("sis", {"eps_low": -0.5}, "method.eps_low"),
         ("sis", {"base": "grpo", "overlong_buffer": 8}, "method.overlong_buffer"),
+        ("grpo", {"dual_clip": 1.0}, "method.dual_clip must be > 1"),
+        ("dapo", {"dual_clip": 0.5}, "method.dual_clip must be > 1"),
+        ("grpo", {"dual_clip": math.nan}, "method.dual_clip must be finite"),
+        ("grpo", {"dual_clip": "3"}, "method.dual_clip must be a number"),
+        ("sis", {"base": "grpo", "dual_clip": 1.0}, "method.dual_clip must be > 1"),
+        ("sis", {"base": "gspo", "dual_clip": 3.0}, "method.dual_clip applies only with method.base=grpo or dapo"),
     ],
 )
 def test_bad_param_values_name_the_field(name, kw, field):

@@ -90,7 +90,7 @@ def sis_bias(root: Path, step: int, ks: tuple[int, ...] = KS) -> dict:
         return _flat(torch.autograd.grad(total, params, retain_graph=True, allow_unused=True))
 
     live = torch.where(acc_exact, unit_ratio_log(b), log_ratio_live(b))
-    exact_loss, _ = ppo_clip_loss(live, adv, base.eps_low, base.eps_high)
+    exact_loss, _ = ppo_clip_loss(live, adv, base.eps_low, base.eps_high, getattr(base, "dual_clip", None))
     g_exact = grad_of(torch.where(valid, exact_loss, torch.zeros_like(exact_loss)))
     onp = token_losses("dppo", b, adv, delta_pos=math.inf, delta_neg=math.inf).loss
     g_on = grad_of(onp)
@@ -119,7 +119,7 @@ def sis_bias(root: Path, step: int, ks: tuple[int, ...] = KS) -> dict:
 def _base_kwargs(p) -> dict:
     from dataclasses import asdict
 
-    return {k: v for k, v in asdict(p).items() if k in ("eps_low", "eps_high", "loss_agg")}
+    return {k: v for k, v in asdict(p).items() if k in ("eps_low", "eps_high", "dual_clip", "loss_agg")}
 
 
 def _sis_kwargs(p) -> dict:

@@ -1,6 +1,7 @@
 """Token masks and the two loss forms they plug into (docs/METHODS.md §2-4).
 
-* ``ppo_clip_loss``: l = -min(w A, clip(w, 1-eps_low, 1+eps_high) A) with its mask (§2).
+* ``ppo_clip_loss``: l = -min(w A, clip(w, 1-eps_low, 1+eps_high) A) with its mask, optionally
+  dual-clipped at -A c for A < 0 (§2).
 * ``dppo_mask``: D > delta(A) and sign(A (r-1)) > 0 (DPPO, arXiv 2602.04879, §3).
 * ``pdm_mask``: D > delta(A) and sign(A Ddot) > 0 (predictive divergence mask, §4).
 * ``bracket_mask``: the same with the sign certified by the bracket of Ddot_KL (§4.6).
@@ -17,17 +18,24 @@ import torch
 from torch import Tensor
 
 
-def ppo_clip_loss(log_w: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
+def ppo_clip_loss(log_w: Tensor, adv: Tensor, eps_low: float, eps_high: float,
+                  dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
     """PPO clip with clip-higher; returns loss [N] and mask [N] (strict inequalities).
 
     log_w [N] carries the gradient. Unmasked: value -A w, d/dlogp = -A w (d log w/dlogp).
     Masked: value -A clip(w), gradient 0. A = 0: loss 0, gradient 0, mask False.
+    dual_clip c > 1: where A < 0 and w > c the loss is -A c (gradient 0, masked): the
+    min(max(-A w, -A clip(w)), -A c) of dual-clip PPO; c = None or inf is plain PPO.
     """
     w = log_w.detach().exp()  # [N]
     mask = ((adv > 0) & (w > 1 + eps_high)) | ((adv < 0) & (w < 1 - eps_low))  # [N]
+    clipped = w.clamp(1 - eps_low, 1 + eps_high)
+    if dual_clip is not None:
+        capped = (adv < 0) & (w > dual_clip)  # [N] (c > 1 >= 1 - eps_low: disjoint from the clip mask)
+        mask = mask | capped
+        clipped = torch.where(capped, torch.full_like(w, dual_clip), clipped)
     idle = mask | (adv == 0)
     live = torch.where(idle, torch.zeros_like(log_w), log_w)  # keeps exp finite where unused
-    clipped = w.clamp(1 - eps_low, 1 + eps_high)
     loss = torch.where(mask, -adv * clipped, -adv * live.exp())  # [N]
     return torch.where(adv == 0, torch.zeros_like(loss), loss), mask
 

@@ -48,9 +48,9 @@ def gspo_loss(batch: TokenBatch, adv: Tensor, log_w: Tensor, eps_low: float, eps
 @register_method("dapo", DAPOParams, "GRPO's token loss, token-mean, dynamic sampling, optional overlong shaping")
 @register_method("grpo", GRPOParams, "PPO clip with clip-higher (eps_low 0.2, eps_high 0.28), seq-mean-token-mean")
 def ppo_clip(batch: TokenBatch, adv: Tensor, p: GRPOParams | DAPOParams, u: Tensor | None) -> TokenLosses:
-    """GRPO and DAPO: l = -min(r A, clip(r, 1-eps_low, 1+eps_high) A) (§2). The two differ only in
+    """GRPO and DAPO: l = -min(r A, clip(r, 1-eps_low, 1+eps_high) A), optionally dual-clipped (§2). The two differ only in
     their params (aggregation, dynamic sampling, overlong shaping: §8), so one kernel serves both."""
-    loss, mask = ppo_clip_loss(log_ratio_live(batch), adv, p.eps_low, p.eps_high)
+    loss, mask = ppo_clip_loss(log_ratio_live(batch), adv, p.eps_low, p.eps_high, p.dual_clip)
     return TokenLosses(loss, mask, None, None, None, log_ratio(batch))
 
 
@@ -109,7 +109,7 @@ def sis(batch: TokenBatch, adv: Tensor, p: SISParams, u: Tensor | None) -> Token
         loss, mask = gspo_loss(batch, adv, dec.log_w, base.eps_low, base.eps_high)
     else:
         live = torch.where(dec.accepted, unit_ratio_log(batch), log_ratio_live(batch))  # [N]
-        loss, mask = ppo_clip_loss(live, adv, base.eps_low, base.eps_high)
+        loss, mask = ppo_clip_loss(live, adv, base.eps_low, base.eps_high, base.dual_clip)
     return TokenLosses(loss, mask, None, None, dec.accepted, dec.log_w)
 
 

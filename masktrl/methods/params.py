@@ -55,6 +55,13 @@ def _eps(p) -> None:
     _number("eps_high", p.eps_high, lo=0, inf_ok=True)
 
 
+def _dual_clip(p) -> None:
+    if p.dual_clip is not None:
+        _number("dual_clip", p.dual_clip, inf_ok=True)
+        if p.dual_clip <= 1:
+            raise ValueError(f"method.dual_clip must be > 1 (or null for none), got {p.dual_clip!r}")
+
+
 def _common(p) -> None:
     _choice("loss_agg", p.loss_agg, AGG_MODES)
     _flag("dynamic_sampling", p.dynamic_sampling)
@@ -132,6 +139,9 @@ class GRPOParams(_Protocol):
     """Ratios w < 1 - eps_low are clipped (masked) when A < 0."""
     eps_high: float = 0.28
     """Ratios w > 1 + eps_high are clipped (masked) when A > 0 (clip-higher)."""
+    dual_clip: float | None = None
+    """Dual-clip bound c > 1 for A < 0: the loss is capped at -A c, so tokens with w > c are blocked
+    (verl's clip_ratio_c, default 3.0 there; null = no dual clip, §2)."""
     loss_agg: str = "seq-mean-token-mean"
     """Batch aggregation (§8): seq-mean-token-mean | token-mean | seq-mean-token-sum-norm."""
     dynamic_sampling: bool = False
@@ -141,6 +151,7 @@ class GRPOParams(_Protocol):
 
     def __post_init__(self) -> None:
         _eps(self)
+        _dual_clip(self)
         _common(self)
 
 
@@ -152,6 +163,9 @@ class DAPOParams(_Protocol):
     """Ratios w < 1 - eps_low are clipped (masked) when A < 0."""
     eps_high: float = 0.28
     """Ratios w > 1 + eps_high are clipped (masked) when A > 0 (clip-higher)."""
+    dual_clip: float | None = None
+    """Dual-clip bound c > 1 for A < 0: the loss is capped at -A c, so tokens with w > c are blocked
+    (verl's clip_ratio_c, default 3.0 there; null = no dual clip, §2)."""
     loss_agg: str = "token-mean"
     """Batch aggregation (§8); DAPO's own is token-mean."""
     dynamic_sampling: bool = True
@@ -165,6 +179,7 @@ class DAPOParams(_Protocol):
 
     def __post_init__(self) -> None:
         _eps(self)
+        _dual_clip(self)
         _common(self)
         if isinstance(self.overlong_buffer, bool) or not isinstance(self.overlong_buffer, int) or self.overlong_buffer < 0:
             raise ValueError(f"method.overlong_buffer must be an int >= 0, got {self.overlong_buffer!r}")
@@ -307,6 +322,8 @@ class SISParams(_Protocol):
     """The base's eps_low (null = the base's default)."""
     eps_high: float | None = None
     """The base's eps_high (null = the base's default)."""
+    dual_clip: float | None = None
+    """The base's dual-clip bound (grpo or dapo only; null = none)."""
     loss_agg: str | None = None
     """Batch aggregation (null = the base's)."""
     dynamic_sampling: bool | None = None
@@ -325,6 +342,8 @@ class SISParams(_Protocol):
         _choice("base", self.base, SIS_BASES)
         if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1):
             raise ValueError(f"method.k must be an integer >= 1 or null, got {self.k!r}")
+        if self.base == "gspo" and self.dual_clip is not None:
+            raise ValueError("method.dual_clip applies only with method.base=grpo or dapo, got base=gspo")
         if self.base != "dapo":
             for name in ("overlong_buffer", "overlong_penalty"):
                 if getattr(self, name) is not None:
@@ -337,7 +356,7 @@ class SISParams(_Protocol):
         """The base method's params with this method's overrides applied (validated)."""
         overrides = {
             k: getattr(self, k)
-            for k in ("eps_low", "eps_high", "loss_agg", "dynamic_sampling", "overlong_buffer", "overlong_penalty",
+            for k in ("eps_low", "eps_high", "dual_clip", "loss_agg", "dynamic_sampling", "overlong_buffer", "overlong_penalty",
                       "adv_norm")
             if getattr(self, k) is not None
         }
