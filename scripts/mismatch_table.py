@@ -1,7 +1,7 @@
 """The behaviour-source table of docs/RESULTS.md §7: methods x sweep folders, in one markdown table.
 
     python scripts/mismatch_table.py outputs/mismatch/float32 outputs/mismatch/bfloat16 outputs/mismatch/fp8 \\
-        --eval task --json outputs/mismatch/table.json
+        --eval task --json outputs/mismatch/table.json --figure docs/results/mismatch/differences.png
 
 For each folder it computes `masktrl analyze compare FOLDER --eval task --test paired` in-process
 (the same function, so the same numbers; baseline grpo) and adds, per group, what the metrics of
@@ -15,7 +15,8 @@ its runs say about the behaviour and the trust region:
   the method's clip or mask (and the correction's mask) blocks (docs/METHODS.md).
 
 Without ``--eval`` the score is each run's one-sample ``eval_after`` (as in `analyze compare`).
-Incomplete runs are left out and counted under the table.
+Incomplete runs are left out and counted under the table. ``--figure`` draws the differences
+against grpo with their paired 95% intervals, one panel per folder (filled: Holm p < 0.05).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from masktrl.analysis import compare as cmp
-from masktrl.analysis.io import expand_runs, load_run
+from masktrl.analysis.io import expand_runs, load_run, save_figure
 from masktrl.errors import MasktrlError
 from masktrl.io import atomic_write_json
 from masktrl.methods.corrections import kind_defaults
@@ -139,22 +140,62 @@ def markdown(folders: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def figure(folders: list[dict]):
+    """One panel per folder: each method's Δ vs grpo with its paired 95% CI (filled marker: Holm p < 0.05)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    rows = [[r for r in ordered(f["table"]["methods"]) if not r["is_baseline"]] for f in folders]
+    n = max((len(r) for r in rows), default=1)
+    fig, axes = plt.subplots(1, len(folders), figsize=(3.2 * len(folders) + 2.4, 0.42 * n + 1.4), sharex=True, sharey=True, squeeze=False)
+    names = [r.get("display", r["label"]) for r in rows[0]] if rows else []
+    for ax, f, group in zip(axes[0], folders, rows):
+        for row in group:
+            name = row.get("display", row["label"])
+            if name not in names:
+                names.append(name)
+            y, s = names.index(name), row["final"]
+            lo, hi, d = s.get("diff_ci_paired_low"), s.get("diff_ci_paired_high"), s.get("diff_vs_baseline")
+            if d is None or not math.isfinite(d):
+                continue
+            sig = s.get("p_holm") is not None and math.isfinite(s["p_holm"]) and s["p_holm"] < 0.05
+            if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi):
+                ax.plot([lo, hi], [y, y], color="tab:blue", lw=1.6)
+            ax.plot([d], [y], "o", color="tab:blue", mfc="tab:blue" if sig else "white", ms=6)
+        ax.axvline(0.0, color="0.5", lw=0.8, ls="--")
+        ax.set_title(f"{f['source']} (n = {group[0]['final']['n'] if group else 0})", fontsize=10)
+        ax.set_xlabel("Δ vs grpo")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
+    axes[0][0].set_yticks(range(len(names)), names, fontsize=8)
+    axes[0][0].invert_yaxis()
+    fig.tight_layout()
+    return fig
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", nargs="+", type=Path, help="sweep folders, one per behaviour source")
     ap.add_argument("--eval", dest="eval_bench", default=None, help="score by this eval report's avg@k (e.g. task)")
     ap.add_argument("--json", type=Path, default=None, help="also write the tables as JSON here")
+    ap.add_argument("--figure", type=Path, default=None, help="also draw the differences (PNG) here")
     ap.add_argument("--n-boot", type=int, default=10000)
     args = ap.parse_args(argv)
     try:
         folders = [folder_table(f, args.eval_bench, args.n_boot) for f in args.folders]
+        out = args.json
         if args.json:
             atomic_write_json(args.json, folders)
+        out = args.figure
+        if args.figure:
+            save_figure(figure(folders), args.figure)
     except MasktrlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"error: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(markdown(folders))
     return 0

@@ -74,3 +74,27 @@ def test_an_unwritable_json_path_is_one_line_and_exit_2(tmp_path, capsys, monkey
     assert mt.main([str(tmp_path), "--json", str(blocked / "table.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: cannot write {blocked / 'table.json'}")
+
+
+def test_figure_draws_one_panel_per_folder_and_a_bad_path_is_exit_2(tmp_path, capsys, monkeypatch):
+    plain = [_run(s, 0.40 + 0.01 * s, 0.08, 0.18) for s in range(3)]
+    tis = [_run(s, 0.45 + 0.02 * s, 0.10, 0.10, correction={"kind": "token-tis"}, name=f"tis{s}") for s in range(3)]
+    folders = []
+    for source in ("float32", "fp8"):
+        table = cmp.compare(plain + tis, "grpo", test="paired", n_boot=200)
+        for row in table["methods"]:
+            row["behaviour"] = mt.group_behaviour(plain)
+        folders.append({"source": source, "table": table})
+    fig = mt.figure(folders)
+    assert len(fig.axes) == 2 and [a.get_title() for a in fig.axes] == ["float32 (n = 3)", "fp8 (n = 3)"]
+    (dot,) = [ln for ln in fig.axes[0].lines if ln.get_marker() == "o"]
+    assert dot.get_xdata()[0] == pytest.approx(0.06)  # the group's paired difference
+    monkeypatch.setattr(mt, "folder_table", lambda folder, eval_bench, n_boot: folders[0])
+    out = tmp_path / "fig.png"
+    assert mt.main([str(tmp_path), "--figure", str(out)]) == 0 and out.read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    assert mt.main([str(tmp_path), "--figure", str(blocked / "fig.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot write {blocked / 'fig.png'}")
