@@ -77,20 +77,21 @@ def folder_table(folder: Path, eval_bench: str | None, n_boot: int) -> dict:
 def short_label(label: str, method: dict) -> str:
     """A group by its correction, from its resolved method block: ``grpo + token-tis (decoupled)``,
     ``grpo + token-tis cap=1,floor=1 (decoupled)`` (keys away from the kind's defaults shown),
-    ``grpo (decoupled)`` for kind none. A label that ``analyze compare`` built from other keys
+    ``grpo (decoupled)`` for kind none; a dual clip is added (``..., dual_clip=3``). A label that ``analyze compare`` built from other keys
     (``dppo[divergence=topk-tv]``) is kept."""
     if "[" in label:
         shown = [part.split("=", 1)[0] for part in label[:-1].split("[", 1)[1].split(",")]
         if not all(k.startswith("correction.") for k in shown):
             return label
+    dual = f", dual_clip={method['dual_clip']:g}" if method.get("dual_clip") is not None else ""
     corr = method.get("correction")
     if not corr:
-        return method["name"]
+        return method["name"] + dual
     kind = corr.get("kind") or "none"
     changed = {k: corr[k] for k, default in kind_defaults(kind).items() if k in corr and corr[k] != default}
     extra = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in changed.items())
     out = method["name"] if kind == "none" else f"{method['name']} + {kind}" + (f" {extra}" if extra else "")
-    return out + (" (decoupled)" if corr.get("mode") == "decoupled" else "")
+    return out + (" (decoupled)" if corr.get("mode") == "decoupled" else "") + dual
 
 
 def f3(x) -> str:

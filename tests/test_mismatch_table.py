@@ -54,6 +54,8 @@ def test_short_labels_and_missing_values():
     # a folder of one group: compare labels it "grpo", the correction still shows, with its non-default keys
     ignore = {"name": "grpo", "correction": {"kind": "token-tis", "mode": "decoupled", "cap": 1.0, "floor": 1.0}}
     assert mt.short_label("grpo", ignore) == "grpo + token-tis cap=1,floor=1 (decoupled)"
+    assert mt.short_label("grpo", {**ignore, "dual_clip": 3.0}) == "grpo + token-tis cap=1,floor=1 (decoupled), dual_clip=3"
+    assert mt.short_label("grpo", {"name": "grpo", "dual_clip": 3.0}) == "grpo, dual_clip=3"
     assert mt.short_label("dppo[divergence=topk-tv]", {"name": "dppo"}) == "dppo[divergence=topk-tv]"
     assert mt.run_means([{"step": 1}], "mismatch/kl_k3") != mt.run_means([{"step": 1}], "mismatch/kl_k3")  # nan
     assert math.isnan(mt.first_value([{"step": 1}], "mismatch/logp_abs_mean"))
