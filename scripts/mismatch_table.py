@@ -1,7 +1,7 @@
 """The behaviour-source table of docs/RESULTS.md §7: methods x sweep folders, in one markdown table.
 
     python scripts/mismatch_table.py outputs/mismatch/float32 outputs/mismatch/bfloat16 outputs/mismatch/fp8 \\
-        --eval task --json outputs/mismatch/table.json --figure docs/results/mismatch/differences.png
+        --eval task --json outputs/mismatch/table.json --figure docs/results/mismatch/lab-differences.png
 
 For each folder it computes `masktrl analyze compare FOLDER --eval task --test paired` in-process
 (the same function, so the same numbers; baseline grpo) and adds, per group, what the metrics of
@@ -16,7 +16,8 @@ its runs say about the behaviour and the trust region:
 
 Without ``--eval`` the score is each run's one-sample ``eval_after`` (as in `analyze compare`).
 Incomplete runs are left out and counted under the table. ``--figure`` draws the differences
-against grpo with their paired 95% intervals, one panel per folder (filled: Holm p < 0.05).
+against grpo with their paired 95% intervals, one panel per folder that has more than its
+baseline (filled: Holm p < 0.05).
 """
 
 from __future__ import annotations
@@ -150,8 +151,11 @@ def figure(folders: list[dict]):
     import matplotlib.ticker
 
     rows = [[r for r in ordered(f["table"]["methods"]) if not r["is_baseline"]] for f in folders]
+    kept = [i for i, group in enumerate(rows) if group] or [0]  # a folder of its baseline alone has no panel
+    folders, rows = [folders[i] for i in kept], [rows[i] for i in kept]
     n = max((len(r) for r in rows), default=1)
-    fig, axes = plt.subplots(1, len(folders), figsize=(3.2 * len(folders) + 2.4, 0.42 * n + 1.4), sharex=True, sharey=True, squeeze=False)
+    # each panel has its own x range: the folders' seed counts (so their intervals) differ
+    fig, axes = plt.subplots(1, len(folders), figsize=(3.2 * len(folders) + 2.4, 0.42 * n + 1.4), sharey=True, squeeze=False)
     names = [r.get("display", r["label"]) for r in rows[0]] if rows else []
     for ax, f, group in zip(axes[0], folders, rows):
         for row in group:
@@ -167,7 +171,7 @@ def figure(folders: list[dict]):
                 ax.plot([lo, hi], [y, y], color="tab:blue", lw=1.6)
             ax.plot([d], [y], "o", color="tab:blue", mfc="tab:blue" if sig else "white", ms=6)
         ax.axvline(0.0, color="0.5", lw=0.8, ls="--")
-        ax.set_title(f"{f['source']} (n = {group[0]['final']['n'] if group else 0})", fontsize=10)
+        ax.set_title(f"{f['source']} (n = {max((r['final']['n'] for r in group), default=0)})", fontsize=10)
         ax.set_xlabel("Δ vs grpo")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
     axes[0][0].set_yticks(range(len(names)), names, fontsize=8)

@@ -87,7 +87,8 @@ def test_figure_draws_one_panel_per_folder_and_a_bad_path_is_exit_2(tmp_path, ca
         for row in table["methods"]:
             row["behaviour"] = mt.group_behaviour(plain)
         folders.append({"source": source, "table": table})
-    fig = mt.figure(folders)
+    alone = {"source": "verl", "table": cmp.compare(plain, "grpo", test="paired", n_boot=200)}
+    fig = mt.figure(folders + [alone])  # a folder of its baseline alone gets no panel
     assert len(fig.axes) == 2 and [a.get_title() for a in fig.axes] == ["float32 (n = 3)", "fp8 (n = 3)"]
     (dot,) = [ln for ln in fig.axes[0].lines if ln.get_marker() == "o"]
     assert dot.get_xdata()[0] == pytest.approx(0.06)  # the group's paired difference
