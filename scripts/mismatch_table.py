@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -195,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             atomic_write_json(args.json, folders)
         out = args.figure
         if args.figure:
-            save_figure(figure(folders), args.figure)
+            with tempfile.TemporaryDirectory() as mpl:  # matplotlib's config and font cache: never in $HOME
+                os.environ["MPLCONFIGDIR"] = mpl
+                save_figure(figure(folders), args.figure)
     except MasktrlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
