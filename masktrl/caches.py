@@ -11,6 +11,9 @@ where it lives (masktrl never downloads). So a read-only home changes nothing.
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -31,3 +34,19 @@ def contain(argv: list[str]) -> Path:
     root = Path(os.path.abspath(out_from_argv(argv))) / ".cache"
     os.environ["MPLCONFIGDIR"] = str(root / "matplotlib")
     return root
+
+
+@contextmanager
+def temporary_matplotlib_cache() -> Iterator[Path]:
+    """matplotlib's config and font cache in a temporary folder, deleted on exit, for a tool
+    without ``--out`` (``scripts/mismatch_table.py``); ``MPLCONFIGDIR`` is restored after."""
+    before = os.environ.get("MPLCONFIGDIR")
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ["MPLCONFIGDIR"] = folder
+        try:
+            yield Path(folder)
+        finally:
+            if before is None:
+                os.environ.pop("MPLCONFIGDIR", None)
+            else:
+                os.environ["MPLCONFIGDIR"] = before

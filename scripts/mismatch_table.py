@@ -25,15 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from masktrl.analysis import compare as cmp
 from masktrl.analysis.io import expand_runs, load_run, save_figure
+from masktrl.caches import temporary_matplotlib_cache
 from masktrl.errors import MasktrlError
 from masktrl.io import atomic_write_json
 from masktrl.methods.corrections import kind_defaults
@@ -197,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             atomic_write_json(args.json, folders)
         out = args.figure
         if args.figure:
-            with tempfile.TemporaryDirectory() as mpl:  # matplotlib's config and font cache: never in $HOME
-                os.environ["MPLCONFIGDIR"] = mpl
+            with temporary_matplotlib_cache():  # matplotlib's config and font cache: never in $HOME
                 save_figure(figure(folders), args.figure)
     except MasktrlError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 import importlib.util
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,16 @@ def test_figure_draws_one_panel_per_folder_and_a_bad_path_is_exit_2(tmp_path, ca
     assert mt.main([str(tmp_path), "--figure", str(blocked / "fig.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: cannot write {blocked / 'fig.png'}")
+
+
+def test_the_figure_cache_is_temporary_and_the_environment_restored(monkeypatch):
+    from masktrl.caches import temporary_matplotlib_cache
+
+    monkeypatch.setenv("MPLCONFIGDIR", "/somewhere")
+    with temporary_matplotlib_cache() as folder:
+        assert os.environ["MPLCONFIGDIR"] == str(folder) and folder.is_dir()
+    assert not folder.exists() and os.environ["MPLCONFIGDIR"] == "/somewhere"
+    monkeypatch.delenv("MPLCONFIGDIR")
+    with temporary_matplotlib_cache():
+        pass
+    assert "MPLCONFIGDIR" not in os.environ
