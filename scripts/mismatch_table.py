@@ -14,6 +14,12 @@ its runs say about the behaviour and the trust region:
 * ``blocked``: ``mask_frac`` averaged over all steps, the fraction of response tokens whose update
   the method's clip or mask (and the correction's mask) blocks (docs/METHODS.md).
 
+``--pooled`` adds a second table: each method's difference from grpo averaged over the folders,
+seed by seed (d_s = mean over the folders of score(method, s) - score(grpo, s)), for the seeds
+every folder has for both. The runs of one seed share its warm start and prompts across the
+folders, so the seed is the unit: the interval is the one-sample t interval of the d_s, the p
+its t-test against 0, Holm over the methods. Only methods present in every folder are pooled.
+
 Without ``--eval`` the score is each run's one-sample ``eval_after`` (as in `analyze compare`).
 Incomplete runs are left out and counted under the table. ``--figure`` draws the differences
 against grpo with their paired 95% intervals, one panel per folder that has more than its
@@ -23,7 +29,6 @@ baseline (filled: Holm p < 0.05).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -36,6 +41,7 @@ from masktrl.caches import temporary_matplotlib_cache
 from masktrl.errors import MasktrlError
 from masktrl.io import atomic_write_json
 from masktrl.methods.corrections import kind_defaults
+from masktrl.stats import paired_tests
 
 TAIL = 50  # steps averaged for the "end" of a run
 
@@ -143,6 +149,47 @@ def markdown(folders: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pooled(folders: list[dict]) -> list[dict]:
+    """Each method's difference from grpo, averaged over the folders seed by seed (the module
+    docstring): rows ``{display, seeds, diffs, mean, ci_low, ci_high, p, p_holm}``, in the order of
+    ``ordered`` on the first folder. A method missing from a folder, or with fewer than 2 shared
+    seeds, is left out."""
+    def scores(row):
+        return dict(zip(row["seeds"], row["final"]["values"]))
+
+    bases = [scores(next(r for r in f["table"]["methods"] if r["is_baseline"])) for f in folders]
+    out = []
+    for row in ordered(folders[0]["table"]["methods"]) if folders else []:
+        if row["is_baseline"]:
+            continue
+        name = row.get("display", row["label"])
+        mine = [next((scores(r) for r in f["table"]["methods"] if r.get("display", r["label"]) == name and not r["is_baseline"]), None)
+                for f in folders]
+        if any(m is None for m in mine):
+            continue
+        seeds = sorted(set.intersection(*(set(m) & set(b) for m, b in zip(mine, bases))))
+        if len(seeds) < 2:
+            continue
+        diffs = [float(np.mean([m[s] - b[s] for m, b in zip(mine, bases)])) for s in seeds]
+        lo, hi = cmp.paired_diff_ci(diffs, [0.0] * len(diffs))
+        out.append({"display": name, "seeds": seeds, "diffs": diffs, "mean": float(np.mean(diffs)),
+                    "ci_low": lo, "ci_high": hi, "p": paired_tests(diffs, [0.0] * len(diffs))["p_ttest"]})
+    for r, v in zip(out, cmp.holm([r["p"] for r in out])):
+        r["p_holm"] = v
+    return out
+
+
+def pooled_markdown(rows: list[dict], sources: list[str]) -> str:
+    head = ["method", "seeds", f"Δ vs grpo, mean over {', '.join(sources)} [95% CI over seeds]", "p", "Holm p", "per seed"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["display"], str(len(r["seeds"])), f"{signed(r['mean'])} [{signed(r['ci_low'])}, {signed(r['ci_high'])}]",
+            f3(r["p"]), f3(r["p_holm"]), ", ".join(signed(d) for d in r["diffs"]),
+        ]) + " |")
+    return "\n".join(lines)
+
+
 def figure(folders: list[dict]):
     """One panel per folder: each method's Δ vs grpo with its paired 95% CI (filled marker: Holm p < 0.05)."""
     import matplotlib
@@ -187,13 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval", dest="eval_bench", default=None, help="score by this eval report's avg@k (e.g. task)")
     ap.add_argument("--json", type=Path, default=None, help="also write the tables as JSON here")
     ap.add_argument("--figure", type=Path, default=None, help="also draw the differences (PNG) here")
+    ap.add_argument("--pooled", action="store_true", help="also the differences averaged over the folders, seed by seed")
     ap.add_argument("--n-boot", type=int, default=10000)
     args = ap.parse_args(argv)
     try:
         folders = [folder_table(f, args.eval_bench, args.n_boot) for f in args.folders]
         out = args.json
+        pool = pooled(folders) if args.pooled else None
         if args.json:
-            atomic_write_json(args.json, folders)
+            atomic_write_json(args.json, {"folders": folders, "pooled": pool})
         out = args.figure
         if args.figure:
             with temporary_matplotlib_cache():  # matplotlib's config and font cache: never in $HOME
@@ -205,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot write {out}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(markdown(folders))
+    if pool is not None:
+        print("\n" + pooled_markdown(pool, [f["source"] for f in folders]))
     return 0
 
 

@@ -115,3 +115,50 @@ def test_the_figure_cache_is_temporary_and_the_environment_restored(monkeypatch)
     with temporary_matplotlib_cache():
         pass
     assert "MPLCONFIGDIR" not in os.environ
+
+
+def _folder(source, base_scores, method_scores, name="tis"):
+    plain = [_run(s, v, 0.08, 0.18) for s, v in enumerate(base_scores)]
+    other = [_run(s, v, 0.10, 0.10, correction={"kind": "token-tis"}, name=f"{name}{s}") for s, v in enumerate(method_scores)]
+    table = cmp.compare(plain + other, "grpo", test="paired", n_boot=200)
+    by_root = {str(r.root): r for r in plain + other}
+    for row in table["methods"]:
+        row["behaviour"] = mt.group_behaviour([by_root[p] for p in row["runs"]])
+        row["display"] = mt.short_label(row["label"], by_root[row["runs"][0]].cfg.resolved_method())
+    return {"source": source, "table": table}
+
+
+def test_pooled_differences_are_seed_means_over_the_folders_against_a_reference():
+    from scipy import stats as sps
+
+    a = _folder("float32", [0.40, 0.42, 0.38, 0.41], [0.43, 0.44, 0.40, 0.40])
+    b = _folder("fp8", [0.37, 0.36, 0.39], [0.38, 0.40, 0.37])  # seed 3 missing: pooled over seeds 0-2
+    (row,) = mt.pooled([a, b])
+    want = [((0.43 - 0.40) + (0.38 - 0.37)) / 2, ((0.44 - 0.42) + (0.40 - 0.36)) / 2, ((0.40 - 0.38) + (0.37 - 0.39)) / 2]
+    assert row["display"] == "grpo + token-tis" and row["seeds"] == [0, 1, 2]
+    assert row["diffs"] == pytest.approx(want) and row["mean"] == pytest.approx(sum(want) / 3)
+    ref = sps.ttest_1samp(want, 0.0)
+    half = sps.t.ppf(0.975, 2) * sps.sem(want)
+    assert row["p"] == pytest.approx(ref.pvalue) and row["p_holm"] == pytest.approx(ref.pvalue)  # one method: Holm is p
+    assert (row["ci_low"], row["ci_high"]) == pytest.approx((sum(want) / 3 - half, sum(want) / 3 + half))
+    text = mt.pooled_markdown([row], ["float32", "fp8"])
+    assert "mean over float32, fp8" in text and text.splitlines()[2].startswith("| grpo + token-tis | 3 | +0.017 [")
+    # a method absent from one folder is not pooled; neither is one with a single shared seed
+    alone = _folder("bf16", [0.40], [0.41])
+    assert mt.pooled([a, alone]) == []
+    c = {"source": "x", "table": cmp.compare([_run(s, 0.4, 0.08, 0.18) for s in range(3)], "grpo", test="paired", n_boot=200)}
+    assert mt.pooled([a, c]) == []
+
+
+def test_pooled_json_holds_folders_and_pooled(tmp_path, capsys, monkeypatch):
+    import json
+
+    folders = {"f32": _folder("f32", [0.40, 0.42, 0.38], [0.43, 0.44, 0.40]), "fp8": _folder("fp8", [0.37, 0.36, 0.39], [0.38, 0.40, 0.37])}
+    monkeypatch.setattr(mt, "folder_table", lambda folder, eval_bench, n_boot: folders[folder.name])
+    out = tmp_path / "t.json"
+    assert mt.main([str(tmp_path / "f32"), str(tmp_path / "fp8"), "--pooled", "--json", str(out)]) == 0
+    assert "mean over f32, fp8" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert [f["source"] for f in data["folders"]] == ["f32", "fp8"] and data["pooled"][0]["seeds"] == [0, 1, 2]
+    assert mt.main([str(tmp_path / "f32"), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["pooled"] is None
