@@ -12,7 +12,9 @@ its runs say about the behaviour and the trust region:
   averaged over the group's runs;
 * ``KL k3 end``: ``mismatch/kl_k3`` over the last 50 steps;
 * ``blocked``: ``mask_frac`` averaged over all steps, the fraction of response tokens whose update
-  the method's clip or mask (and the correction's mask) blocks (docs/METHODS.md).
+  the method's clip or mask (and the correction's mask) blocks (docs/METHODS.md);
+* ``entropy end``: ``entropy`` (the mean next-token entropy, in nats, of the policy being trained
+  over the response tokens it updates) over the last 50 steps.
 
 ``--pooled`` adds a second table: each method's difference from grpo averaged over the folders,
 seed by seed (d_s = mean over the folders of score(method, s) - score(grpo, s)), for the seeds
@@ -69,6 +71,7 @@ def group_behaviour(runs) -> dict:
         "mismatch_end": over(lambda m: run_means(m, "mismatch/logp_abs_mean", TAIL)),
         "kl_k3_end": over(lambda m: run_means(m, "mismatch/kl_k3", TAIL)),
         "mask_frac": over(lambda m: run_means(m, "mask_frac")),
+        "entropy_end": over(lambda m: run_means(m, "entropy", TAIL)),
     }
 
 
@@ -128,7 +131,7 @@ def ordered(rows: list[dict]) -> list[dict]:
 def markdown(folders: list[dict]) -> str:
     score = "avg@k" if folders and folders[0]["table"].get("eval") else "held-out accuracy (one sample)"
     head = ["method", "source", "n", f"{score} mean ± sd", "Δ vs grpo [paired 95% CI]", "Holm p", "MDD 80%",
-            "collapsed", "\\|Δlogp\\| 1 → end", "KL k3 end", "blocked"]  # the bars escaped: a markdown cell
+            "collapsed", "\\|Δlogp\\| 1 → end", "KL k3 end", "blocked", "entropy end"]  # the bars escaped: a markdown cell
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in folders:
         for row in ordered(f["table"]["methods"]):
@@ -141,7 +144,7 @@ def markdown(folders: list[dict]) -> str:
                 holm, mdd = f3(s.get("p_holm")), f3(s.get("mdd_80"))
             lines.append("| " + " | ".join([
                 row.get("display", row["label"]), f["source"], str(s["n"]), f"{f3(s['mean'])}{sd}", diff, holm, mdd, f"{c['count']}/{c['total']}",
-                f"{f3(b['mismatch_start'])} → {f3(b['mismatch_end'])}", small(b["kl_k3_end"]), f3(b["mask_frac"]),
+                f"{f3(b['mismatch_start'])} → {f3(b['mismatch_end'])}", small(b["kl_k3_end"]), f3(b["mask_frac"]), f3(b.get("entropy_end")),
             ]) + " |")
     skipped = sum(len(f["table"]["skipped"]) for f in folders)
     if skipped:

@@ -39,11 +39,16 @@ def test_table_rows_carry_compare_numbers_and_run_means():
     # the last 50 of 60 steps: t = 11..60, mean factor 1 + 0.01 * (mean(t) - 1) = 1 + 0.01 * 34.5
     assert b["mismatch_end"] == pytest.approx(0.10 * 1.345)
     assert b["kl_k3_end"] == pytest.approx(0.01) and b["mask_frac"] == pytest.approx(0.10)
+    assert math.isnan(b["entropy_end"])
+    logged = _run(0, 0.4, 0.08, 0.18, steps=60)
+    for t, m in enumerate(logged.metrics):
+        m["entropy"] = 3.0 if t < 10 else 2.0  # the last 50 of 60 steps: 2.0
+    assert mt.group_behaviour([logged])["entropy_end"] == pytest.approx(2.0)
     text = mt.markdown([{"source": "fp8", "table": table}])
     lines = text.splitlines()
     assert lines[2].startswith("| grpo | fp8 | 3 | 0.410 ± 0.010 | base |")
     assert lines[3].startswith("| grpo + token-tis (decoupled) | fp8 | 3 | 0.460 ± 0.010 | +0.050 [+0.050, +0.050] |")
-    assert "0.100 → 0.135" in lines[3] and lines[3].endswith("| 0.100 |")
+    assert "0.100 → 0.135" in lines[3] and lines[3].endswith("| 0.100 | — |")  # no entropy logged: a dash
 
 
 def test_short_labels_and_missing_values():
