@@ -205,8 +205,8 @@ def figure(folders: list[dict]):
     kept = [i for i, group in enumerate(rows) if group] or [0]  # a folder of its baseline alone has no panel
     folders, rows = [folders[i] for i in kept], [rows[i] for i in kept]
     n = max((len(r) for r in rows), default=1)
-    # each panel has its own x range: the folders' seed counts (so their intervals) differ
-    fig, axes = plt.subplots(1, len(folders), figsize=(3.2 * len(folders) + 2.4, 0.42 * n + 1.4), sharey=True, squeeze=False)
+    # one x scale for every panel, so the sources' differences compare by eye
+    fig, axes = plt.subplots(1, len(folders), figsize=(3.2 * len(folders) + 2.4, 0.42 * n + 1.4), sharex=True, sharey=True, squeeze=False)
     names = [r.get("display", r["label"]) for r in rows[0]] if rows else []
     for ax, f, group in zip(axes[0], folders, rows):
         for row in group:
