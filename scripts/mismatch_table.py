@@ -144,7 +144,7 @@ def markdown(folders: list[dict]) -> str:
                 holm, mdd = f3(s.get("p_holm")), f3(s.get("mdd_80"))
             lines.append("| " + " | ".join([
                 row.get("display", row["label"]), f["source"], str(s["n"]), f"{f3(s['mean'])}{sd}", diff, holm, mdd, f"{c['count']}/{c['total']}",
-                f"{f3(b['mismatch_start'])} → {f3(b['mismatch_end'])}", small(b["kl_k3_end"]), f3(b["mask_frac"]), f3(b.get("entropy_end")),
+                f"{f3(b['mismatch_start'])} → {f3(b['mismatch_end'])}", small(b["kl_k3_end"]), f3(b["mask_frac"]), f3(b["entropy_end"]),
             ]) + " |")
     skipped = sum(len(f["table"]["skipped"]) for f in folders)
     if skipped:
