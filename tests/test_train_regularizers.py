@@ -224,7 +224,7 @@ def test_two_processes_match_one_process_with_kl_and_entropy(warm_out, kl_in):
     """Under DDP each process asks the reference for its own micro-batches (in the loss) or the
     whole batch (in the reward): the update is the one-process update."""
     from tests.conftest import masktrl
-    from tests.test_distributed import CPU_DDP, launch
+    from tests.test_distributed import CPU_DDP, assert_same_weights, launch, train_lr
 
     config = write_tiny_config(warm_out.parent / f"reg-ddp-{kl_in}.yaml",
                                {"train": {"minibatches": 2},
@@ -235,7 +235,6 @@ def test_two_processes_match_one_process_with_kl_and_entropy(warm_out, kl_in):
                  "--rollouts-from", str(warm_out / f"reg-ddp1-{kl_in}"))
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
     a, b = _weights(warm_out / f"reg-ddp1-{kl_in}"), _weights(warm_out / f"reg-ddp2-{kl_in}")
-    for k in a:
-        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-6), (k, (a[k] - b[k]).abs().max())
+    assert_same_weights(a, b, lr=train_lr(warm_out / f"reg-ddp1-{kl_in}"))
     for x, y in zip(_rows(warm_out / f"reg-ddp1-{kl_in}"), _rows(warm_out / f"reg-ddp2-{kl_in}")):
         assert abs(x["kl_ref"] - y["kl_ref"]) < 1e-6 and abs(x["loss"] - y["loss"]) < 1e-6
