@@ -5,7 +5,9 @@
 
 For each folder it computes `masktrl analyze compare FOLDER --eval task --test paired` in-process
 (the same function, so the same numbers; baseline grpo) and adds, per group, what the metrics of
-its runs say about the behaviour and the trust region:
+its runs say about the behaviour and the trust region. ``Δ vs grpo`` is the mean paired
+difference over the seeds the group shares with grpo, the centre of its paired interval (with
+other seed sets it is not the difference of the means, docs/ANALYSIS.md); then:
 
 * ``|Δlogp| 1 → end``: the mismatch ``mismatch/logp_abs_mean`` (mean |log mu - log pi_old| of the
   sampled tokens at the sampling weights, docs/ROLLOUTS.md) at step 1 and over the last 50 steps,
@@ -140,7 +142,7 @@ def markdown(folders: list[dict]) -> str:
             if row["is_baseline"]:
                 diff, holm, mdd = "base", "", ""
             else:
-                diff = f"{signed(s['diff_vs_baseline'])} [{signed(s.get('diff_ci_paired_low'))}, {signed(s.get('diff_ci_paired_high'))}]"
+                diff = f"{signed(s.get('diff_paired'))} [{signed(s.get('diff_ci_paired_low'))}, {signed(s.get('diff_ci_paired_high'))}]"
                 holm, mdd = f3(s.get("p_holm")), f3(s.get("mdd_80"))
             lines.append("| " + " | ".join([
                 row.get("display", row["label"]), f["source"], str(s["n"]), f"{f3(s['mean'])}{sd}", diff, holm, mdd, f"{c['count']}/{c['total']}",
@@ -214,7 +216,7 @@ def figure(folders: list[dict]):
             if name not in names:
                 names.append(name)
             y, s = names.index(name), row["final"]
-            lo, hi, d = s.get("diff_ci_paired_low"), s.get("diff_ci_paired_high"), s.get("diff_vs_baseline")
+            lo, hi, d = s.get("diff_ci_paired_low"), s.get("diff_ci_paired_high"), s.get("diff_paired")
             if d is None or not math.isfinite(d):
                 continue
             sig = s.get("p_holm") is not None and math.isfinite(s["p_holm"]) and s["p_holm"] < 0.05

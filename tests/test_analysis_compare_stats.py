@@ -35,6 +35,32 @@ def test_difference_ci_matches_welch_by_hand():
     assert (plo + phi) / 2 == pytest.approx(d.mean()) and phi - plo == pytest.approx(2 * sps.t.ppf(0.975, 2) * d.std(ddof=1) / math.sqrt(3))
 
 
+def test_the_paired_interval_is_shown_beside_its_own_centre_when_seed_sets_differ(capsys, monkeypatch):
+    """A method run on seeds 0-1 against a grpo run on seeds 0-2: the difference of means uses
+    grpo's seed 2, the paired interval does not; each is printed with its own centre."""
+    from rich.console import Console
+
+    from masktrl.commands.analyze.compare import print_compare
+
+    monkeypatch.setattr("masktrl.commands.analyze.compare.console", Console(width=250))  # a wide table, nothing cut
+    runs = [_run("grpo", s, v) for s, v in enumerate([0.40, 0.42, 0.20])]
+    runs += [_run("sis", s, v) for s, v in enumerate([0.45, 0.48])]
+    t = cmp.compare(runs, baseline="grpo", test="paired", n_boot=200)
+    d = t["methods"][1]["final"]
+    assert d["diff_vs_baseline"] == pytest.approx(0.465 - 0.34)  # outside the paired interval
+    assert d["diff_paired"] == pytest.approx(0.055) and d["n_paired"] == 2
+    assert d["diff_ci_paired_low"] < d["diff_paired"] < d["diff_ci_paired_high"] < d["diff_vs_baseline"]
+    assert d["diff_ci_low"] < d["diff_vs_baseline"] < d["diff_ci_high"]  # Welch's interval is centred on the means
+    print_compare(t)
+    assert "0.055 [" in capsys.readouterr().out
+    print_compare(cmp.compare(runs, baseline="grpo", test="welch", n_boot=200))
+    assert "0.125 [" in capsys.readouterr().out
+    same = [_run("grpo", s, v) for s, v in enumerate([0.40, 0.42, 0.20])] + [_run("sis", s, v) for s, v in enumerate([0.45, 0.48, 0.30])]
+    e = cmp.compare(same, baseline="grpo", test="paired", n_boot=200)["methods"][1]["final"]
+    assert e["diff_paired"] == pytest.approx(e["diff_vs_baseline"])  # the same seeds: one centre
+    assert math.isnan(cmp.compare(runs[:3] + [_run("sis", 5, 0.5)], n_boot=200)["methods"][1]["final"]["diff_paired"])
+
+
 def test_holm_and_bh_by_hand():
     assert cmp.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
     assert cmp.benjamini_hochberg([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.04, 0.04])

@@ -127,17 +127,23 @@ def describe(values: list[float], n_boot: int, seed: int = 0) -> dict:
 def test_against(values: list[float], base: list[float], n_perm: int, seed: int = 0,
                  seeds: list[int] | None = None, base_seeds: list[int] | None = None) -> dict:
     """Welch's t-test and the permutation test of mean(values) == mean(base), and the paired
-    t-test over the seeds both have (runs of one seed share the warm start; nan with < 2)."""
+    t-test over the seeds both have (runs of one seed share the warm start; nan with < 2).
+    ``diff_vs_baseline`` is the difference of the groups' means, the centre of Welch's interval;
+    ``diff_paired`` is the mean difference over the shared seeds, the centre of the paired
+    interval. They are equal when both groups have the same seeds."""
     t, p = welch_t_test(values, base)
     shared = sorted(set(seeds or []) & set(base_seeds or []))
     pick = lambda vals, ss: [vals[ss.index(s)] for s in shared]  # noqa: E731
     paired = paired_tests(pick(values, seeds), pick(base, base_seeds))
     lo, hi = welch_diff_ci(values, base)
-    plo, phi = paired_diff_ci(pick(values, seeds), pick(base, base_seeds))
+    a, b = pick(values, seeds), pick(base, base_seeds)
+    plo, phi = paired_diff_ci(a, b)
     return {
         "diff_vs_baseline": float(np.mean(values) - np.mean(base)),
         "diff_ci_low": lo,
         "diff_ci_high": hi,
+        # the paired interval's own centre: with other seed sets it is not the difference of means
+        "diff_paired": float(np.mean(np.subtract(a, b))) if shared else float("nan"),
         "diff_ci_paired_low": plo,
         "diff_ci_paired_high": phi,
         "mdd_80": min_detectable_difference(values, base),
@@ -317,7 +323,7 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
 
 def _no_test() -> dict:
     nan = float("nan")
-    return {"diff_vs_baseline": 0.0, "diff_ci_low": nan, "diff_ci_high": nan, "diff_ci_paired_low": nan, "diff_ci_paired_high": nan,
+    return {"diff_vs_baseline": 0.0, "diff_ci_low": nan, "diff_ci_high": nan, "diff_paired": 0.0, "diff_ci_paired_low": nan, "diff_ci_paired_high": nan,
             "mdd_80": nan, "t_welch": nan, "p_welch": nan, "p_permutation": nan, "n_paired": 0, "t_paired": nan, "p_paired": nan}
 
 

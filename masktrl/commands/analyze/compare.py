@@ -39,7 +39,9 @@ def print_compare(table: dict) -> None:
     from rich.table import Table
 
     paired = table["test"] == "paired"  # the interval that goes with the test: paired over shared seeds, else Welch
-    ci_name, lo_key, hi_key = ("paired", "diff_ci_paired_low", "diff_ci_paired_high") if paired else ("Welch", "diff_ci_low", "diff_ci_high")
+    # each interval beside its own centre: over other seed sets the paired mean difference is not the difference of means
+    ci_name, d_key, lo_key, hi_key = (("paired", "diff_paired", "diff_ci_paired_low", "diff_ci_paired_high") if paired
+                                      else ("Welch", "diff_vs_baseline", "diff_ci_low", "diff_ci_high"))
     t = Table(title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap 95% CI; vs "
                     f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}): difference \\[{ci_name} 95% CI], {table['test']} p, "
                     f"Holm p, smallest difference detectable at 80% power; unit: {table.get('p_unit', 'run')}")
@@ -48,7 +50,7 @@ def print_compare(table: dict) -> None:
     for row in table["methods"]:
         s, b = row["final"], row["best"]
         base = row["is_baseline"]
-        diff = "base" if base else f"{fmt(s['diff_vs_baseline'])} [{fmt(s.get(lo_key))}, {fmt(s.get(hi_key))}]"
+        diff = "base" if base else f"{fmt(s.get(d_key))} [{fmt(s.get(lo_key))}, {fmt(s.get(hi_key))}]"
         t.add_row(row.get("handle", ""), escape(row["label"]), str(s["n"]), pm(s["mean"], s["std"]), f"[{fmt(s['ci_low'])}, {fmt(s['ci_high'])}]",
                   diff, "" if base else fmt(s["p"]), "" if base else fmt(s.get("p_holm")), "" if base else fmt(s.get("mdd_80")),
                   pm(b["mean"], b["std"]), collapsed(row.get("collapse")))
