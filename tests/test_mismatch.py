@@ -69,3 +69,18 @@ def test_sweep_method_specs_take_dotted_block_keys():
     for bad in ("grpo:correction..kind=x", "grpo:.kind=x", "grpo:kind.=x", "grpo:a/b=1"):
         with pytest.raises(ConfigError, match="NAME:KEY=VALUE"):
             split_method(bad)
+
+
+def test_the_progress_bar_shows_the_gap_only_when_the_engine_samples_from_another_copy():
+    from masktrl.config import from_dict
+    from masktrl.recipes.train import progress_info
+
+    row = {"reward_mean": 0.25, "tokens_per_s": 5511.0, "mismatch/logp_abs_mean": 0.0159}
+    plain = "reward 0.250  5511 tok/s"
+    assert progress_info(row, from_dict({})) == plain  # the model itself: its gap is float rounding
+    assert progress_info(row, from_dict({"rollout": {"dtype": "float32"}})) == plain
+    assert progress_info(row, from_dict({"rollout": {"quantization": "fp8"}})) == plain + "  |Δlogp| 0.016"
+    assert progress_info(row, from_dict({"rollout": {"dtype": "bfloat16"}})) == plain + "  |Δlogp| 0.016"
+    assert progress_info({**row, "mismatch/logp_abs_mean": float("nan")}, from_dict({"rollout": {"dtype": "bfloat16"}})) == plain
+    assert progress_info({k: v for k, v in row.items() if not k.startswith("mismatch/")},
+                         from_dict({"rollout": {"quantization": "fp8"}})) == plain  # rollout.mismatch off: nothing measured

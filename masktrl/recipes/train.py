@@ -246,6 +246,19 @@ def confirm(plan: Plan, store: RunStore, vocab_size: int) -> Plan:
     return plan
 
 
+def progress_info(row: dict, cfg: Config) -> str:
+    """The RL bar's text: reward and throughput, and, when the engine samples from something other
+    than the model itself (another dtype, FP8, vLLM), the step's mean |log μ − log π_old| of the
+    sampled tokens (``mismatch/logp_abs_mean``, rl/mismatch.py)."""
+    info = f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s"
+    r = cfg.rollout
+    other = r.engine != "hf" or r.quantization is not None or r.dtype not in (None, cfg.model.dtype)
+    gap = row.get("mismatch/logp_abs_mean")
+    if other and isinstance(gap, float) and gap == gap:  # nan when no token was measured
+        info += f"  |Δlogp| {gap:.3f}"
+    return info
+
+
 def run_steps(s: State, stop: GracefulStop) -> None:
     """``rl_step`` for every step left: a checkpoint every ``train.checkpoint_every``, at each of
     ``train.keep_steps``, at the end, and when Ctrl-C or SIGTERM asks to stop (retention applied
@@ -262,7 +275,7 @@ def run_steps(s: State, stop: GracefulStop) -> None:
             s.store.set_info(wall_time_s=c.wall_time())
             apply_retention(s)
         if progress:
-            progress.update(bar, advance=1, info=f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s")
+            progress.update(bar, advance=1, info=progress_info(row, s.cfg))
         if stopping:
             raise Interrupted(stop.signum)
     stop.graceful = False
