@@ -134,9 +134,9 @@ def test_against(values: list[float], base: list[float], n_perm: int, seed: int 
     t, p = welch_t_test(values, base)
     shared = sorted(set(seeds or []) & set(base_seeds or []))
     pick = lambda vals, ss: [vals[ss.index(s)] for s in shared]  # noqa: E731
-    paired = paired_tests(pick(values, seeds), pick(base, base_seeds))
-    lo, hi = welch_diff_ci(values, base)
     a, b = pick(values, seeds), pick(base, base_seeds)
+    paired = paired_tests(a, b)
+    lo, hi = welch_diff_ci(values, base)
     plo, phi = paired_diff_ci(a, b)
     return {
         "diff_vs_baseline": float(np.mean(values) - np.mean(base)),
