@@ -58,6 +58,7 @@ from masktrl.methods.registry import (
     register_method,
 )
 from masktrl.methods.sis import SISDecision, sis_accept
+from masktrl.methods.sapo import SAPOParams  # the 2025-26 baselines register on import (docs/METHODS.md §16)
 
 __all__ = [
     "CISPOParams",
@@ -78,6 +79,7 @@ __all__ = [
     "RegularizerParams",
     "SISDecision",
     "SISParams",
+    "SAPOParams",
     "TokenBatch",
     "TokenLosses",
     "aggregate",
