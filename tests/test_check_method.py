@@ -24,6 +24,19 @@ def test_every_registered_method_conforms(name):
                                       "on-policy limit", "sequence order", "packed = padded", "params round-trip"]
 
 
+@pytest.mark.parametrize("name,params", [
+    ("pdm", {"tail": "exact"}), ("pdm", {"tail": "uniform", "divergence": "tv"}), ("pdm", {"tail": "bracket"}),
+    ("sis", {"base": "gspo"}), ("dppo", {"divergence": "binary-kl", "ratio_cap": 2.0}), ("grpo", {"dual_clip": 3.0}),
+    ("trm", {"divergence": "topk-kl", "delta": 0.05}), ("clip-cov", {"clip_cov_ratio": 0.3, "clip_cov_lb": -1e9}),
+    ("kl-cov", {"kl_cov_ratio": 0.3}), ("sapo", {"tau_pos": 0.01, "tau_neg": 50.0}), ("two-sided", {"delta": 1.5}),
+])
+def test_variants_conform(name, params):
+    from masktrl.methods import make_params
+
+    rows = check_method(name, make_params(name, **params))
+    assert passed(rows), [r for r in rows if r.ok is False]
+
+
 # --------------------------------------------------------------------------- broken rules
 
 
@@ -103,6 +116,7 @@ def test_command_exit_codes(broken):
     (["check-method", "nope"], "unknown method 'nope'"),
     (["check-method", "sapo", "--set", "method.tau_pos=-1"], "method.tau_pos must be > 0"),
     (["check-method", "grpo", "--set", "train.lr=1"], "takes method.KEY=VALUE"),
+    (["check-method", "grpo", "--set", "method.correction.kind=token-tis"], "checks the rule itself"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message, tmp_path):
     from tests.conftest import masktrl

@@ -60,5 +60,8 @@ def _params(name: str, overrides: list[str]) -> tuple[str, Any]:
     bad = [o for o in overrides if not o.startswith("method.") or o.startswith("method.name=")]
     if bad:
         raise ConfigError(f"check-method --set takes method.KEY=VALUE (not the name), got {bad[0]!r}")
+    if any(o.startswith("method.correction") for o in overrides):
+        raise ConfigError("check-method checks the rule itself; method.correction (docs/METHODS.md §14) composes with any "
+                          "rule and is checked by its own tests")
     cfg = load_config(None, list(overrides), method=name)
     return cfg.method_name, cfg.method_params

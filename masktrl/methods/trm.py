@@ -55,6 +55,11 @@ class TRMParams(_Protocol):
         _eps(self)
         _common(self)
 
+    @property
+    def diag_deltas(self) -> tuple[float, float]:
+        """The diagnostics' D > delta fraction uses the rule's own D and delta (§12)."""
+        return float(self.delta), float(self.delta)
+
 
 def token_divergence(batch: TokenBatch, kind: str) -> Tensor:
     """[N] D_t of ``kind`` (detached); values on invalid tokens are unspecified."""
