@@ -8,7 +8,7 @@ Both score each valid token of the batch by the centred covariance term
 * Clip-Cov: PPO clip (§2), and a random ``max(1, floor(ratio * n_valid))`` of the unclipped tokens
   with lb < cov_t < ub get loss 0 and no gradient (``mask``). verl draws them with ``torch.randperm``;
   masktrl draws them with the step's seeded uniforms ``u`` (the ones with the smallest u).
-* KL-Cov: l = -A r on every token (no clip), plus ``kl_coef |log r|`` on the
+* KL-Cov: l = -A r on every token (no clip), plus ``ppo_kl_coef |log r|`` on the
   ``max(1, floor(ratio * n_valid))`` tokens with the largest cov_t.
 
 Both read the whole batch the kernel sees (verl: the micro-batch).
@@ -95,11 +95,11 @@ def clip_cov(batch: TokenBatch, adv: Tensor, p: ClipCovParams, u: Tensor | None)
 
 @dataclass(frozen=True)
 class KLCovParams(_Protocol):
-    """KL-Cov: l = -A r, plus kl_coef |log r| on the top-covariance tokens (§16.4)."""
+    """KL-Cov: l = -A r, plus ppo_kl_coef |log r| on the top-covariance tokens (§16.4)."""
 
     kl_cov_ratio: float = 0.0002
     """Fraction of the valid tokens penalised (verl policy_loss.kl_cov_ratio); at least one."""
-    kl_coef: float = 0.1
+    ppo_kl_coef: float = 0.1
     """Coefficient of |log r| on them (verl policy_loss.ppo_kl_coef, default 0.1 in actor.yaml)."""
     loss_agg: str = "token-mean"
     """Batch aggregation (§8); verl's default token-mean."""
@@ -112,11 +112,11 @@ class KLCovParams(_Protocol):
         _number("kl_cov_ratio", self.kl_cov_ratio, lo=0, hi=1)
         if self.kl_cov_ratio <= 0:
             raise ValueError(f"method.kl_cov_ratio must be > 0, got {self.kl_cov_ratio!r}")
-        _number("kl_coef", self.kl_coef, lo=0)
+        _number("ppo_kl_coef", self.ppo_kl_coef, lo=0)
         _common(self)
 
 
-@register_method("kl-cov", KLCovParams, "-A r on every token, + kl_coef |log r| on the top-covariance tokens (verl kl_cov)")
+@register_method("kl-cov", KLCovParams, "-A r on every token, + ppo_kl_coef |log r| on the top-covariance tokens (verl kl_cov)")
 def kl_cov(batch: TokenBatch, adv: Tensor, p: KLCovParams, u: Tensor | None) -> TokenLosses:
     """KL-Cov (§16.4)."""
     live = log_ratio_live(batch)  # [N]
@@ -127,5 +127,5 @@ def kl_cov(batch: TokenBatch, adv: Tensor, p: KLCovParams, u: Tensor | None) -> 
     if n_valid:
         top[torch.topk(cov, _count(p.kl_cov_ratio, batch.valid)).indices] = True
         top &= batch.valid
-    loss = torch.where(top, loss + p.kl_coef * live.abs(), loss)
+    loss = torch.where(top, loss + p.ppo_kl_coef * live.abs(), loss)
     return TokenLosses(loss, ~batch.valid, None, None, None, log_ratio(batch))
