@@ -53,7 +53,7 @@ VARIANTS: list[tuple[str, str, dict]] = [
     ("cispo", "cispo", {}),
     # the 2025-26 baselines (docs/METHODS.md §16) at their defaults
     *[(name, name, {}) for name in ("sapo", "gmpo", "clip-cov", "kl-cov", "topr", "m2po", "prime-dppo", "prime-ipo",
-                                    "two-sided", "trm")],
+                                    "two-sided", "trm", "gpg")],
     ("trm-topk-kl", "trm", {"divergence": "topk-kl"}),
 ]
 

@@ -450,3 +450,25 @@ def test_trm_topk_kl_uses_the_lists():
         tok = (case.seq_ids == s) & case.valid
         if bool(tok.any()) and float(d[tok].max()) > 0.05:
             assert bool(mask[tok].all())
+
+
+# --------------------------------------------------------------------------- GPG (§16.11)
+
+
+def gpg_verl(log_prob, old_log_prob, advantages, response_mask):
+    """verl b178a3cd, verl/trainer/ppo/core_algos.py:1414-1448 (compute_policy_loss_gpg): pg_losses = -log_prob * advantages."""
+    return -log_prob * advantages
+
+
+def test_gpg_gradient_matches_verl_and_is_topr_on_positive_advantages():
+    for case in CASES:
+        _, mask, g, _ = run("gpg", case)
+        _, ref_g = anchor_grad(case, gpg_verl)
+        v = case.valid
+        torch.testing.assert_close(g[v], ref_g[v], rtol=0, atol=0)
+        assert torch.equal(mask, ~v)
+    case = CASES[0]
+    adv = case.adv.abs()
+    a = token_losses("gpg", build(case), adv).loss
+    b = token_losses("topr", build(case), adv).loss
+    assert torch.equal(a, b)

@@ -67,6 +67,7 @@ from masktrl.methods.m2po import M2POParams
 from masktrl.methods.prime import PrimeDPPOParams, PrimeIPOParams
 from masktrl.methods.two_sided import TwoSidedParams
 from masktrl.methods.trm import TRMParams
+from masktrl.methods.gpg import GPGParams
 
 __all__ = [
     "CISPOParams",
@@ -97,6 +98,7 @@ __all__ = [
     "PrimeIPOParams",
     "TwoSidedParams",
     "TRMParams",
+    "GPGParams",
     "TokenBatch",
     "TokenLosses",
     "aggregate",
