@@ -2,27 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from masktrl.commands.options import SetOpt
 from masktrl.commands.ui import console
 
+MethodSetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", metavar="KEY=VALUE", show_default=False,
+                 help="A parameter of the method, repeatable: --set method.tau_pos=2 (its keys: masktrl config keys method "
+                      "--method NAME)."),
+]
 RESULT = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "[cyan]info[/]"}
 
 
 def check_method(
     spec: Annotated[str, typer.Argument(metavar="METHOD", help="A registered method name (masktrl config keys method.name "
                                         "lists them); its parameters go as --set method.KEY=VALUE.", show_default=False)],
-    set_: SetOpt = None,
+    set_: MethodSetOpt = None,
 ) -> None:
     """Check a rule's contract on small random float64 batches, in seconds on CPU: its gradient
     against its value, stop-gradient lists, invalid tokens, finiteness at ratios 1e-30..1e30, the
     on-policy limit, sequence order, packed = padded, and its params through run.yaml. One row per
-    property; exit code 1 if any property fails."""
+    property; exit code 1 if any property fails, 2 on bad input. Writes nothing."""
     from masktrl.analysis.conformance import check_method as run_check, passed
 
     name, params = _params(_resolve(spec), set_ or [])
