@@ -75,7 +75,27 @@ def _invalid_tokens_count(batch, adv, p, u):
                        log_ratio(batch))
 
 
+def _list_gradient(batch, adv, p, u):
+    """-A r plus a term in the listed log pi: the logits get a gradient through the lists."""
+    lists = torch.where(batch.topk_ids >= 0, batch.topk_logp, torch.zeros_like(batch.topk_logp)).sum(1)
+    return TokenLosses(-adv * log_ratio_live(batch).exp() + 1e-3 * lists, ~batch.valid, None, None, None, log_ratio(batch))
+
+
+def _position_weight(batch, adv, p, u):
+    """-A r weighted by the token's position in the flattened batch: depends on the sequence order."""
+    w = torch.arange(batch.n, dtype=adv.dtype) / max(batch.n, 1)
+    return TokenLosses(-adv * w * log_ratio_live(batch).exp(), ~batch.valid, None, None, None, log_ratio(batch))
+
+
+def _per_batch_length(batch, adv, p, u):
+    """-A r divided by N, the number of tokens including invalid ones: padding changes it."""
+    return TokenLosses(-adv * log_ratio_live(batch).exp() / batch.n, ~batch.valid, None, None, None, log_ratio(batch))
+
+
 BROKEN = {
+    "broken-lists": (_list_gradient, "lists stop-gradient"),
+    "broken-order": (_position_weight, "sequence order"),
+    "broken-padding": (_per_batch_length, "packed = padded"),
     "broken-grad": (_detached_gradient, "gradient = value"),
     "broken-nan": (_nan_at_large_ratio, "finite"),
     "broken-invalid": (_invalid_tokens_count, "invalid tokens"),
