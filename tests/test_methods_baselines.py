@@ -254,7 +254,7 @@ def test_kl_cov_matches_verl(ratio):
 
 
 def topr_roll(log_prob, old_log_prob, advantages, response_mask, pos_w=1.0, neg_w=1.0):
-    """ROLL 8eb27cc2, roll/pipeline/agentic/agentic_actor_pg_worker.py:260-330 (_compute_topr_loss):
+    """ROLL 8eb27cc2, roll/pipeline/agentic/agentic_actor_pg_worker.py:260-349 (_compute_topr_loss):
     positive_loss = -A log pi (line 313), negative_loss = -sg(clamp(r, 0, 1)) A log pi (line 318).
     ROLL splits by the episode score > 0; here by A > 0 (the same split for {0,1} rewards)."""
     ratio = torch.exp(log_prob - old_log_prob)
@@ -289,7 +289,7 @@ def test_topr_on_non_negative_advantages_is_reinforce():
 
 
 def m2po_areal_mask(old_logp, prox_logp, loss_mask, m2_threshold):
-    """AReaL 4aef98d8, areal/trainer/ppo/actor.py:769-848 (_apply_m2po_masking, _get_m2po_loss_mask)."""
+    """AReaL 4aef98d8, areal/trainer/ppo/actor.py:769-851 (_apply_m2po_masking, _get_m2po_loss_mask)."""
     delta = old_logp - prox_logp
     m2 = delta * delta
     mask_flat = loss_mask.view(-1)
@@ -342,7 +342,7 @@ def prime_default(log_prob, old_log_prob, advantages, response_mask, low=0.2, hi
 
 
 def prime_ipo(log_prob, old_log_prob, advantages, response_mask, threshold=0.1, adv_tau=1.0, kl_tau=1e-3):
-    """prime-rl 559b4477, src/prime_rl/trainer/rl/loss.py:164-197 (ipo_loss_fn), per-token loss (line 185)."""
+    """prime-rl 559b4477, src/prime_rl/trainer/rl/loss.py:164-196 (ipo_loss_fn), per-token loss (line 185)."""
     log_importance_ratio = log_prob - old_log_prob
     importance_ratio = torch.exp(log_importance_ratio)
     keep_mask = response_mask.bool() & ~(torch.abs(torch.exp(log_prob) - torch.exp(old_log_prob)) > threshold)
@@ -415,7 +415,7 @@ def test_two_sided_with_infinite_delta_is_grpo():
 
 
 def trm_keep_verl(log_ratio, response_mask, threshold=0.01):
-    """verl b178a3cd, verl/trainer/ppo/rollout_corr_helper.py:156-380 (compute_rollout_rejection_mask,
+    """verl b178a3cd, verl/trainer/ppo/rollout_corr_helper.py:156-373 (compute_rollout_rejection_mask,
     option seq_max_k3, line 325): k3 of the clamped log ratio, the per-sequence max <= threshold keeps."""
     log_ratio_safe = torch.clamp(log_ratio, min=-20.0, max=20.0)
     token_k3 = torch.exp(log_ratio_safe) - 1.0 - log_ratio_safe
@@ -427,6 +427,9 @@ def trm_keep_verl(log_ratio, response_mask, threshold=0.01):
 
 @pytest.mark.parametrize("delta", [0.01, 0.5, math.inf])
 def test_trm_masks_the_sequences_verl_rejects(delta):
+    """TRM's paper (arXiv 2512.23075) was reachable only as its abstract, and no code of its own
+    was read: the anchor transcribed here is verl's per-sequence maximum of k3, the estimator
+    masktrl's trm uses by default (docs/METHODS.md §16.10)."""
     for case in CASES:
         loss, mask, g, batch = run("trm", case, delta=delta)
         v = case.valid
