@@ -70,7 +70,7 @@ CASES = [random_case(s) for s in range(4)] + [random_case(50 + s, extreme=True) 
 
 
 def sapo_verl(log_prob, old_log_prob, advantages, response_mask, tau_pos=1.0, tau_neg=1.05):
-    """verl b178a3cd, verl/trainer/ppo/core_algos.py:1329-1394 (compute_policy_loss_sapo):
+    """verl b178a3cd, verl/trainer/ppo/core_algos.py:1329-1411 (compute_policy_loss_sapo):
     gate_function = sigmoid(tau (x - 1)) * (4 / tau); log ratio clamped to [-20, 20];
     taus = where(advantages > 0, tau_pos, tau_neg); pg_losses = -gates * advantages."""
     tau_pos = torch.as_tensor(tau_pos, dtype=advantages.dtype)
@@ -157,7 +157,7 @@ def test_sapo_params_and_defaults():
 
 
 def gmpo_verl(log_prob, old_log_prob, advantages, response_mask, clip_low=0.4, clip_high=0.4):
-    """verl b178a3cd, verl/trainer/ppo/core_algos.py:1635-1720 (compute_policy_loss_geo_mean):
+    """verl b178a3cd, verl/trainer/ppo/core_algos.py:1635-1718 (compute_policy_loss_geo_mean):
     the clipped log ratio on the advantage's side (line 1686), ratio = exp(masked mean) and
     pg_losses = -advantage * ratio per sequence (line 1695), pg_loss = mean over sequences."""
     negative_approx_kl = log_prob - old_log_prob
@@ -202,7 +202,7 @@ def test_gmpo_limit_one_token_sequences_are_grpo_in_log_space():
 
 
 def test_clip_cov_is_ppo_with_the_chosen_tokens_zeroed():
-    """verl core_algos.py:1450-1553 (compute_policy_loss_clip_cov): candidates are unclipped
+    """verl core_algos.py:1450-1552 (compute_policy_loss_clip_cov): candidates are unclipped
     valid tokens with lb < cov < ub; corr = 0 on clip_num of them (line 1535); pg_losses =
     max(pg1, pg2) * corr. verl picks them with torch.randperm; masktrl with the smallest u."""
     for case in CASES[:4]:
@@ -220,7 +220,7 @@ def test_clip_cov_is_ppo_with_the_chosen_tokens_zeroed():
 
 
 def kl_cov_verl(log_prob, old_log_prob, advantages, response_mask, kl_cov_ratio=0.0002, ppo_kl_coef=0.1):
-    """verl core_algos.py:1555-1633 (compute_policy_loss_kl_cov): pg_losses = -A r; on the
+    """verl core_algos.py:1555-1632 (compute_policy_loss_kl_cov): pg_losses = -A r; on the
     top-k of (A - mean A)(log pi - mean log pi) over the valid tokens, -A r + coef |log r|."""
     negative_approx_kl = log_prob - old_log_prob
     abs_kl = negative_approx_kl.abs()
@@ -459,7 +459,7 @@ def test_trm_topk_kl_uses_the_lists():
 
 
 def gpg_verl(log_prob, old_log_prob, advantages, response_mask):
-    """verl b178a3cd, verl/trainer/ppo/core_algos.py:1414-1448 (compute_policy_loss_gpg): pg_losses = -log_prob * advantages."""
+    """verl b178a3cd, verl/trainer/ppo/core_algos.py:1414-1447 (compute_policy_loss_gpg): pg_losses = -log_prob * advantages."""
     return -log_prob * advantages
 
 
