@@ -201,22 +201,48 @@ def test_gmpo_limit_one_token_sequences_are_grpo_in_log_space():
 # --------------------------------------------------------------------------- Clip-Cov, KL-Cov (§16.3, §16.4)
 
 
-def test_clip_cov_is_ppo_with_the_chosen_tokens_zeroed():
-    """verl core_algos.py:1450-1552 (compute_policy_loss_clip_cov): candidates are unclipped
-    valid tokens with lb < cov < ub; corr = 0 on clip_num of them (line 1535); pg_losses =
-    max(pg1, pg2) * corr. verl picks them with torch.randperm; masktrl with the smallest u."""
+def clip_cov_verl_candidates(log_prob, old_log_prob, advantages, response_mask, eps=0.2, ratio=0.0002, lb=1.0, ub=5.0):
+    """verl b178a3cd, verl/trainer/ppo/core_algos.py:1450-1552 (compute_policy_loss_clip_cov), up to
+    the random draw: (max(pg_losses1, pg_losses2), the candidate tokens, clip_num). verl then zeroes
+    the loss of clip_num candidates drawn with an unseeded torch.randperm (line 1535)."""
+    ratio_t = torch.exp(log_prob - old_log_prob)
+    pg_losses1 = -advantages * ratio_t
+    pg_losses2 = -advantages * torch.clamp(ratio_t, 1 - eps, 1 + eps)
+    clip_by_origin = (pg_losses2 > pg_losses1) & (response_mask > 0)
+    mean_a = (advantages * response_mask).sum() / response_mask.sum()
+    mean_lp = (log_prob.detach() * response_mask).sum() / response_mask.sum()
+    cov_all = (advantages - mean_a) * (log_prob - mean_lp)
+    cov_all[response_mask == 0] = -torch.inf
+    cov_all[clip_by_origin] = -torch.inf
+    clip_num = max(int(ratio * response_mask.sum().item()), 1)
+    cand = (cov_all < ub) & (cov_all > lb) & (response_mask > 0)
+    return torch.maximum(pg_losses1, pg_losses2), cand, clip_num
+
+
+@pytest.mark.parametrize("ratio,lb", [(0.0002, 1.0), (0.2, 0.05), (0.5, -1e9)])
+def test_clip_cov_zeroes_clip_num_of_verls_candidates(ratio, lb):
+    """masktrl draws the clip_num tokens among verl's candidates with the smallest u (seeded)."""
+    drawn = 0
     for case in CASES[:4]:
-        loss, mask, g, batch = run("clip-cov", case, clip_cov_ratio=0.2, clip_cov_lb=-1e9, clip_cov_ub=1e9)
-        pl, pm, pg, _ = run("grpo", case, eps_low=0.2, eps_high=0.2)
+        loss, mask, g, batch = run("clip-cov", case, clip_cov_ratio=ratio, clip_cov_lb=lb)
+        with torch.no_grad():
+            ref, cand, clip_num = clip_cov_verl_candidates(
+                padded(case, batch.logp.detach()), padded(case, torch.where(case.valid, batch.behavior_logp, torch.zeros_like(g))),
+                padded(case, case.adv), padded(case, case.valid.to(F64)), ratio=ratio, lb=lb)
+        ref, cand = unpad(case, ref), unpad(case, cand.to(F64)).bool()
         v = case.valid
+        _, pm, _, _ = run("grpo", case, eps_low=0.2, eps_high=0.2)
         chosen = mask & ~pm & v
-        assert int(chosen.sum()) == min(max(int(0.2 * int(v.sum())), 1), int((v & ~pm).sum()))
+        assert int(chosen.sum()) == min(clip_num, int(cand.sum()))
+        assert bool((chosen <= cand).all())
+        want = cand.nonzero().flatten()
+        want = want[torch.argsort(case.u[want])[: int(chosen.sum())]]  # the smallest u among the candidates
+        assert set(chosen.nonzero().flatten().tolist()) == set(want.tolist())
         assert bool((loss[chosen] == 0).all()) and bool((g[chosen] == 0).all())
         keep = v & ~chosen
-        torch.testing.assert_close(loss[keep], pl[keep], rtol=0, atol=0)
-        free = (v & ~pm).nonzero().flatten()
-        want = free[torch.argsort(case.u[free])[: int(chosen.sum())]]  # the smallest u among the candidates
-        assert set(chosen.nonzero().flatten().tolist()) == set(want.tolist())
+        torch.testing.assert_close(loss[keep], ref[keep], rtol=1e-12, atol=1e-12)
+        drawn += int(chosen.sum())
+    assert drawn > 0 or lb >= 1.0  # the draw is exercised
 
 
 def kl_cov_verl(log_prob, old_log_prob, advantages, response_mask, kl_cov_ratio=0.0002, ppo_kl_coef=0.1):
