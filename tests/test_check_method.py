@@ -92,6 +92,17 @@ def _per_batch_length(batch, adv, p, u):
     return TokenLosses(-adv * log_ratio_live(batch).exp() / batch.n, ~batch.valid, None, None, None, log_ratio(batch))
 
 
+@dataclass(frozen=True)
+class ShadowingParams(_Protocol):
+    kl_coef: float = 0.1  # the rule's own coefficient under the name of the shared reference-KL key
+    loss_agg: str = "token-mean"
+    dynamic_sampling: bool = False
+    adv_norm: str = "group-std"
+
+    def __post_init__(self) -> None:
+        _common(self)
+
+
 BROKEN = {
     "broken-lists": (_list_gradient, "lists stop-gradient"),
     "broken-order": (_position_weight, "sequence order"),
@@ -99,13 +110,14 @@ BROKEN = {
     "broken-grad": (_detached_gradient, "gradient = value"),
     "broken-nan": (_nan_at_large_ratio, "finite"),
     "broken-invalid": (_invalid_tokens_count, "invalid tokens"),
+    "broken-shadow": (_per_batch_length, "params round-trip"),
 }
 
 
 @pytest.fixture
 def broken():
     for name, (kernel, _) in BROKEN.items():
-        register_method(name, BrokenParams)(kernel)
+        register_method(name, ShadowingParams if name == "broken-shadow" else BrokenParams)(kernel)
     yield
     for name in BROKEN:
         registry._METHODS.pop(name, None)

@@ -20,7 +20,8 @@ rule through ``Method.token_losses`` exactly as the trainer does and reports one
                               the aggregate as it was
     packed = padded           the batch padded per sequence with invalid tokens (a [B, T]
                               layout) gives the packed batch's loss, gradient and aggregate
-    params round-trip         the params dumped to run.yaml's method block load back equal
+    params round-trip         the params dumped to run.yaml's method block load back equal, and the
+                              class does not redeclare a key every method shares (kl_coef, ...)
 
 Pure computation (torch, the config module for the round trip); ``commands/check_method.py``
 prints the rows.
@@ -35,13 +36,14 @@ import torch
 import yaml
 
 from masktrl.config import Config, from_dict
-from masktrl.methods import TokenBatch, get_method
+from masktrl.methods import RegularizerParams, TokenBatch, get_method
 
 F64 = torch.float64
 SEEDS = (0, 1, 2)
 FD_STEP = 1e-6  # central difference step in log pi
 RTOL, ATOL = 1e-5, 1e-9
 EXTREME_LOG_RATIO = 69.0  # ratios of about 1e30 and 1e-30
+SHARED_KEYS = tuple(f.name for f in fields(RegularizerParams))  # every method's regularisers (§13)
 
 
 @dataclass(frozen=True)
@@ -349,7 +351,12 @@ def check_padded(rule: Rule, cases: list[Case], horizon: int) -> Row:
 
 
 def check_round_trip(rule: Rule) -> Row:
-    """The params, written as run.yaml's method block and loaded back, are equal."""
+    """The params, written as run.yaml's method block and loaded back, are equal; and the class
+    does not redeclare a key every method shares (the reference KL, the entropy bonus, §13)."""
+    shadowed = sorted(set(vars(rule.method.params_cls).get("__annotations__", {})) & set(SHARED_KEYS))
+    if shadowed:
+        return Row("params round-trip", False, f"{rule.method.params_cls.__name__} redeclares the shared key(s) "
+                   f"{', '.join('method.' + k for k in shadowed)} (docs/METHODS.md §13); give the rule's own a name of its own")
     given = {f.name: getattr(rule.params, f.name) for f in fields(rule.params)}
     cfg = Config(method={"name": rule.method.name, **given})
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
