@@ -15,6 +15,7 @@ spin-waits should count. Wall-time ratios are reported too, with the load averag
     python benchmarks/method_overhead.py --quick --json out.json
     python benchmarks/method_overhead.py --configs tiny --variants pdm-kl-agg,pdm-kl-bracket
     python benchmarks/method_overhead.py --corrections-only --variants cispo   # grpo + each correction, cispo
+    python benchmarks/method_overhead.py --configs tiny --variants sapo,gmpo,clip-cov,kl-cov,topr,m2po,prime-dppo,prime-ipo,two-sided,trm,trm-topk-kl
 
 Off-policy corrections (``method.correction``, docs/METHODS.md §14) are variants too: grpo with
 each kind at its defaults in bypass mode, and grpo + token-tis in decoupled mode, whose step
@@ -50,6 +51,10 @@ VARIANTS: list[tuple[str, str, dict]] = [
     ("pdm-kl-exact", "pdm", {"divergence": "kl", "tail": "exact"}),  # + one chunked no-grad pass for sum_V pi^2
     *[(f"sis-{b}", "sis", {"base": b}) for b in ("grpo", "dapo", "gspo")],
     ("cispo", "cispo", {}),
+    # the 2025-26 baselines (docs/METHODS.md §16) at their defaults
+    *[(name, name, {}) for name in ("sapo", "gmpo", "clip-cov", "kl-cov", "topr", "m2po", "prime-dppo", "prime-ipo",
+                                    "two-sided", "trm", "gpg")],
+    ("trm-topk-kl", "trm", {"divergence": "topk-kl"}),
 ]
 
 # grpo with each off-policy correction (docs/METHODS.md §14) at its defaults; label -> correction block

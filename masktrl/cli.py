@@ -22,6 +22,7 @@ from masktrl.commands import rollout as rollout_cmd
 from masktrl.commands import runs as runs_cmd
 from masktrl.commands import train as train_cmd
 from masktrl.commands import analyze as analyze_cmd, sweep as sweep_cmd
+from masktrl.commands import check_method as check_method_cmd
 from masktrl.commands.options import Command, Group
 from masktrl.commands.ui import err_console
 from masktrl.errors import MasktrlError
@@ -49,6 +50,7 @@ app.command(cls=Command)(sweep_cmd.sweep)
 app.command("eval", cls=Command)(eval_cmd.eval_command)
 app.command("evaluate", cls=Command, hidden=True)(eval_cmd.eval_command)
 app.command(cls=Command)(runs_cmd.runs)
+app.command("check-method", cls=Command)(check_method_cmd.check_method)
 
 
 def main() -> None:

@@ -21,7 +21,8 @@ from masktrl.runs.store import RunStore
 from tests.conftest import cli, write_tiny_config
 
 OFF_POLICY = {"train": {"lr": 1.0e-2, "minibatches": 2, "checkpoint_every": 2}}
-METHODS = ["grpo", "dapo", "gspo", "dppo", "pdm", "sis", "cispo"]
+BASELINES = ["sapo", "gmpo", "clip-cov", "kl-cov", "topr", "m2po", "prime-dppo", "prime-ipo", "two-sided", "trm", "gpg"]  # §16
+METHODS = ["grpo", "dapo", "gspo", "dppo", "pdm", "sis", "cispo", *BASELINES]
 
 
 def _rows(root):

@@ -58,6 +58,16 @@ from masktrl.methods.registry import (
     register_method,
 )
 from masktrl.methods.sis import SISDecision, sis_accept
+# the 2025-26 baselines register on import (docs/METHODS.md §16)
+from masktrl.methods.sapo import SAPOParams
+from masktrl.methods.gmpo import GMPOParams
+from masktrl.methods.cov import ClipCovParams, KLCovParams
+from masktrl.methods.topr import TOPRParams
+from masktrl.methods.m2po import M2POParams
+from masktrl.methods.prime import PrimeDPPOParams, PrimeIPOParams
+from masktrl.methods.two_sided import TwoSidedParams
+from masktrl.methods.trm import TRMParams
+from masktrl.methods.gpg import GPGParams
 
 __all__ = [
     "CISPOParams",
@@ -78,6 +88,17 @@ __all__ = [
     "RegularizerParams",
     "SISDecision",
     "SISParams",
+    "SAPOParams",
+    "GMPOParams",
+    "ClipCovParams",
+    "KLCovParams",
+    "TOPRParams",
+    "M2POParams",
+    "PrimeDPPOParams",
+    "PrimeIPOParams",
+    "TwoSidedParams",
+    "TRMParams",
+    "GPGParams",
     "TokenBatch",
     "TokenLosses",
     "aggregate",
