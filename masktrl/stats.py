@@ -330,7 +330,11 @@ def paired_mdd(d, alpha: float = 0.05, power: float = 0.8) -> float:
 
     def achieved(es: float) -> float:
         nc = es * math.sqrt(n)
-        return float(sps.nct.sf(crit, df, nc) + sps.nct.cdf(-crit, df, nc)) - power
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            upper, lower = float(sps.nct.sf(crit, df, nc)), float(sps.nct.cdf(-crit, df, nc))
+        # far in the tail scipy's noncentral t can return nan: the upper tail is then 1, the lower 0
+        return (upper if math.isfinite(upper) else 1.0) + (lower if math.isfinite(lower) else 0.0) - power
 
     hi = 1.0
     while achieved(hi) < 0:
