@@ -129,3 +129,14 @@ def test_kept_denominator_does_not_depend_on_the_micro_batches(warm_out):
     default = _run(warm_out, "kept-all", off, *sets[:-1])  # seq-mean-token-mean: kept tokens re-weight the sequences
     wd = _weights(default)
     assert not all(torch.equal(w1[k], wd[k]) for k in w1)
+
+
+def test_pi_old_uses_the_token_budget_micro_batches(warm_out):
+    """``train.micro_batch_tokens``: the pi_old forward runs on the micro-batches the update uses, so
+    decoupled mode (and a ratio on pi_old in bypass mode) pairs each token with its own pi_old."""
+    a = _run(warm_out, "budget-dec", {}, "method.correction.kind=token-tis", "method.correction.mode=decoupled",
+             "train.micro_batch_tokens=200")
+    b = _run(warm_out, "whole-dec", {}, "method.correction.kind=token-tis", "method.correction.mode=decoupled")
+    wa, wb = _weights(a), _weights(b)
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-7) for k in wa)
+    assert all(r["ppo_kl"] == 0.0 for r in _rows(a))  # one minibatch: pi_old is the policy, token by token

@@ -134,7 +134,7 @@ def old_logprobs(model, samples: list[Sample], parts: list[torch.Tensor], settin
         for idx in parts:
             mb_samples = [samples[i] for i in idx.tolist()]
             mb_old = []
-            for micro in micro_batches(len(mb_samples), dist.rank, dist.world, settings.grad_accum):
+            for micro in _micro_batches(mb_samples, dist, settings):  # the very micro-batches the update uses
                 micro_samples = [mb_samples[i] for i in micro]
                 out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk,
                                          share=_agreed_share(micro_samples, dist), drop_truncated=settings.mask_truncated)
