@@ -195,7 +195,7 @@ def bench_config(name: str, cfg: dict, seqs: int, tokens: int, k: int, repeats: 
         rng.shuffle(order)
         for label, method, params, sampled_only, corr in order:
             old = None
-            if corr is not None and corr.decoupled:  # the extra forward, timed apart from the step
+            if corr is not None and corr.needs_old:  # the extra forward (decoupled, or a ratio on pi_old), timed apart
                 old, wall, cpu = old_forward(model, data, chunk)
                 old_all = old
                 if rep >= warmup:

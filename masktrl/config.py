@@ -512,7 +512,7 @@ class Config:
         (anything but kind none in bypass mode) is part of it, resolved the same way."""
         out = {"name": self.method_name, **self.method_params.__dict__}
         if self.correction.active:
-            out["correction"] = {"kind": self.correction.kind, "mode": self.correction.mode, **self.correction.resolved}
+            out["correction"] = self.correction.describe()
         return out
 
     def to_dict(self) -> dict:

@@ -1,4 +1,5 @@
-"""Evaluation statistics: pass@k, avg@k, maj@k, bootstrap CIs, two-sample and paired tests.
+"""Evaluation statistics: pass@k, avg@k, maj@k, bootstrap CIs, two-sample and paired tests, the paired
+design's exact sign-flip p, post-hoc detectable difference, equivalence (TOST) and interaction tests.
 
 The tests and the bootstrap are scipy.stats': Welch's t-test is ``ttest_ind(equal_var=False)``,
 Student-t p-values and quantiles come from ``scipy.stats.t``, the permutation test is
@@ -288,4 +289,122 @@ def run_blocked_test(diff, runs, n_perm: int = 10000, seed: int = 0) -> dict:
         signs = rng.choice((-1.0, 1.0), size=(n_perm, n_runs))
         hits = int(np.sum(np.abs(signs @ means / n_runs) >= t - tol))
         out["p"], out["exact"] = (1 + hits) / (1 + n_perm), False
+    return out
+
+
+# --------------------------------------------------------------------------- paired design: power, equivalence, exact p
+
+
+def _diffs(d) -> np.ndarray:
+    v = np.asarray(d, dtype=np.float64).reshape(-1)
+    return v[np.isfinite(v)]
+
+
+def sign_flip_p(d, n_perm: int = 2**16, seed: int = 0) -> float:
+    """Two-sided exact sign-flip (paired permutation) p-value of mean(d) = 0: the share of the
+    2^n sign vectors whose |mean| is at least the observed one (ties count as extreme); Monte Carlo
+    with (1 + hits) / (1 + n_perm) when 2^n > n_perm. Its floor is 2^(1-n): 0.0625 at n = 5, so
+    with 5 pairs nothing is below 0.05. nan for no pair. Equals ``scipy.stats.permutation_test``
+    with ``permutation_type="samples"`` on one sample."""
+    v = _diffs(d)
+    if v.size == 0:
+        return float("nan")
+    return run_blocked_test(v, np.arange(v.size), n_perm=n_perm, seed=seed)["p"]
+
+
+def paired_mdd(d, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest true mean difference the two-sided paired t-test at ``alpha`` detects with
+    probability ``power``, from the observed SD of the differences ``d`` (so post hoc): delta with
+    P(|T| > t_{1-alpha/2, n-1}) = power for T noncentral t with df n-1 and noncentrality
+    delta sqrt(n) / s_d (both tails counted, as statsmodels' ``TTestPower``). nan with < 2 pairs;
+    0 when every difference is equal."""
+    v = _diffs(d)
+    n = v.size
+    if n < 2 or not 0 < alpha < 1 or not 0 < power < 1:
+        return float("nan")
+    if np.all(v == v[0]):
+        return 0.0
+    s = float(v.std(ddof=1))
+    df = n - 1
+    crit = float(sps.t.ppf(1 - alpha / 2, df))
+
+    def achieved(es: float) -> float:
+        nc = es * math.sqrt(n)
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            upper, lower = float(sps.nct.sf(crit, df, nc)), float(sps.nct.cdf(-crit, df, nc))
+        # far in the tail scipy's noncentral t can return nan: the upper tail is then 1, the lower 0
+        return (upper if math.isfinite(upper) else 1.0) + (lower if math.isfinite(lower) else 0.0) - power
+
+    hi = 1.0
+    while achieved(hi) < 0:
+        hi *= 2
+    from scipy.optimize import brentq
+
+    return float(brentq(achieved, 0.0, hi, xtol=1e-12, rtol=1e-12)) * s
+
+
+def tost_paired(d, margin: float) -> dict:
+    """Two one-sided paired t-tests of equivalence: H0 |mean(d)| >= margin against |mean(d)| <
+    margin. t_low = (mean + margin) / se (H0 mean <= -margin), t_high = (mean - margin) / se
+    (H0 mean >= margin), df n-1; p = max of the two one-sided p-values (statsmodels'
+    ``ttost_paired(x, y, -margin, margin)``). Equivalence at alpha is p < alpha, i.e. the
+    (1 - 2 alpha) interval inside (-margin, margin). nan with < 2 pairs; with no spread p is 0
+    inside the margin and 1 outside."""
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0 or math.isinf(margin):
+        raise ValueError(f"the equivalence margin must be a positive number, got {margin!r}")
+    v = _diffs(d)
+    out = {"margin": float(margin), "n": int(v.size), "t_low": float("nan"), "t_high": float("nan"), "p": float("nan")}
+    if v.size < 2:
+        return out
+    m, se = float(v.mean()), float(v.std(ddof=1) / math.sqrt(v.size))
+    if se == 0:
+        out["p"] = 0.0 if abs(m) < margin else 1.0
+        return out
+    df = v.size - 1
+    out["t_low"], out["t_high"] = (m + margin) / se, (m - margin) / se
+    out["p"] = float(max(sps.t.sf(out["t_low"], df), sps.t.cdf(out["t_high"], df)))
+    return out
+
+
+def interaction_test(d1, d2, *, paired: bool = False, margin: float | None = None) -> dict:
+    """Does an effect depend on the source? ``d1``, ``d2``: the effect (a - b, one value per seed)
+    under two sources. The interaction is mean(d1) - mean(d2): Welch's t-test of d1 vs d2
+    (``scipy.stats.ttest_ind(equal_var=False)``), or, with ``paired`` (the same seeds in both
+    sources, in order), the one-sample t-test of d1 - d2 (``ttest_rel``) and its exact sign-flip
+    p. With ``margin``, the TOST of the interaction (Welch df, or paired): "the effect does not
+    depend on the source" needs that p < alpha, not a large interaction p."""
+    x, y = _diffs(d1), _diffs(d2)
+    out = {"interaction": float(x.mean() - y.mean()) if x.size and y.size else float("nan"), "paired": paired,
+           "n1": int(x.size), "n2": int(y.size), "t": float("nan"), "p": float("nan")}
+    if paired:
+        if x.size != y.size:
+            raise ValueError(f"a paired interaction needs the same seeds under both sources, got {x.size} and {y.size}")
+        r = paired_tests(x, y)
+        out.update(t=r["t"], p=r["p_ttest"], p_sign_flip=sign_flip_p(x - y))
+        if margin is not None:
+            out["tost"] = tost_paired(x - y, margin)
+        return out
+    out["t"], out["p"] = welch_t_test(x, y)
+    if margin is not None:
+        out["tost"] = tost_welch(x, y, margin)
+    return out
+
+
+def tost_welch(a, b, margin: float) -> dict:
+    """TOST of mean(a) - mean(b) within (-margin, margin) with Welch's standard error and
+    Welch-Satterthwaite df (statsmodels' ``ttost_ind(usevar="unequal")``)."""
+    tost_paired([margin], margin)  # validates the margin
+    x, y = _diffs(a), _diffs(b)
+    out = {"margin": float(margin), "n": int(min(x.size, y.size)), "t_low": float("nan"), "t_high": float("nan"), "p": float("nan")}
+    if min(x.size, y.size) < 2:
+        return out
+    va, vb = x.var(ddof=1) / x.size, y.var(ddof=1) / y.size
+    m, se = float(x.mean() - y.mean()), math.sqrt(va + vb)
+    if se == 0:
+        out["p"] = 0.0 if abs(m) < margin else 1.0
+        return out
+    df = (va + vb) ** 2 / (va**2 / (x.size - 1) + vb**2 / (y.size - 1))
+    out["t_low"], out["t_high"] = (m + margin) / se, (m - margin) / se
+    out["p"] = float(max(sps.t.sf(out["t_low"], df), sps.t.cdf(out["t_high"], df)))
     return out

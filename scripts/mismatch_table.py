@@ -4,7 +4,8 @@
         --eval task --json outputs/mismatch/table.json --figure docs/results/mismatch/lab-differences.png
 
 For each folder it computes `masktrl analyze compare FOLDER --eval task --test paired` in-process
-(the same function, so the same numbers; baseline grpo) and adds, per group, what the metrics of
+(the same function, so the same numbers; baseline grpo: the paired t p and the exact sign-flip p,
+the larger deciding, Holm across the folder, and the paired MDD at alpha/m, post hoc) and adds, per group, what the metrics of
 its runs say about the behaviour and the trust region. ``Δ vs grpo`` is the mean paired
 difference over the seeds the group shares with grpo, the centre of its paired interval (with
 other seed sets it is not the difference of the means, docs/ANALYSIS.md); then:
@@ -21,8 +22,8 @@ other seed sets it is not the difference of the means, docs/ANALYSIS.md); then:
 ``--pooled`` adds a second table: each method's difference from grpo averaged over the folders,
 seed by seed (d_s = mean over the folders of score(method, s) - score(grpo, s)), for the seeds
 every folder has for both. The runs of one seed share its warm start and prompts across the
-folders, so the seed is the unit: the interval is the one-sample t interval of the d_s, the p
-its t-test against 0, Holm over the methods. Only methods present in every folder are pooled.
+folders, so the seed is the unit: the interval is the one-sample t interval of the d_s, the t p
+its t-test against 0 beside the exact sign-flip p, the larger deciding, Holm over the methods. Only methods present in every folder are pooled.
 
 Without ``--eval`` the score is each run's one-sample ``eval_after`` (as in `analyze compare`).
 Incomplete runs are left out and counted under the table. ``--figure`` draws the differences
@@ -45,7 +46,7 @@ from masktrl.caches import temporary_matplotlib_cache
 from masktrl.errors import MasktrlError
 from masktrl.io import atomic_write_json
 from masktrl.methods.corrections import kind_defaults
-from masktrl.stats import paired_tests
+from masktrl.stats import paired_tests, sign_flip_p
 
 TAIL = 50  # steps averaged for the "end" of a run
 
@@ -102,6 +103,8 @@ def short_label(label: str, method: dict) -> str:
         return method["name"] + dual
     kind = corr.get("kind") or "none"
     changed = {k: corr[k] for k, default in kind_defaults(kind).items() if k in corr and corr[k] != default}
+    if corr.get("ref") == "current":  # masktrl's own bypass variant (docs/METHODS.md §14.1)
+        changed["ref"] = "current"
     extra = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in changed.items())
     out = method["name"] if kind == "none" else f"{method['name']} + {kind}" + (f" {extra}" if extra else "")
     return out + (" (decoupled)" if corr.get("mode") == "decoupled" else "") + dual
@@ -132,7 +135,7 @@ def ordered(rows: list[dict]) -> list[dict]:
 
 def markdown(folders: list[dict]) -> str:
     score = "avg@k" if folders and folders[0]["table"].get("eval") else "held-out accuracy (one sample)"
-    head = ["method", "source", "n", f"{score} mean ± sd", "Δ vs grpo [paired 95% CI]", "Holm p", "MDD 80%",
+    head = ["method", "source", "n", f"{score} mean ± sd", "Δ vs grpo [paired 95% CI]", "t p", "sign-flip p", "Holm p", "paired MDD",
             "collapsed", "\\|Δlogp\\| 1 → end", "KL k3 end", "blocked", "entropy end"]  # the bars escaped: a markdown cell
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in folders:
@@ -140,12 +143,13 @@ def markdown(folders: list[dict]) -> str:
             s, b, c = row["final"], row["behaviour"], row["collapse"]
             sd = "" if not math.isfinite(s["std"]) else f" ± {s['std']:.3f}"
             if row["is_baseline"]:
-                diff, holm, mdd = "base", "", ""
+                diff, tp, sp, holm, mdd = "base", "", "", "", ""
             else:
                 diff = f"{signed(s.get('diff_paired'))} [{signed(s.get('diff_ci_paired_low'))}, {signed(s.get('diff_ci_paired_high'))}]"
-                holm, mdd = f3(s.get("p_holm")), f3(s.get("mdd_80"))
+                tp, sp, holm, mdd = f3(s.get("p_paired_t")), f3(s.get("p_sign_flip")), f3(s.get("p_holm")), f3(s.get("mdd_paired"))
             lines.append("| " + " | ".join([
-                row.get("display", row["label"]), f["source"], str(s["n"]), f"{f3(s['mean'])}{sd}", diff, holm, mdd, f"{c['count']}/{c['total']}",
+                row.get("display", row["label"]), f["source"], str(s["n"]), f"{f3(s['mean'])}{sd}", diff, tp, sp, holm, mdd,
+                f"{c['count']}/{c['total']}",
                 f"{f3(b['mismatch_start'])} → {f3(b['mismatch_end'])}", small(b["kl_k3_end"]), f3(b["mask_frac"]), f3(b["entropy_end"]),
             ]) + " |")
     skipped = sum(len(f["table"]["skipped"]) for f in folders)
@@ -177,20 +181,22 @@ def pooled(folders: list[dict]) -> list[dict]:
             continue
         diffs = [float(np.mean([m[s] - b[s] for m, b in zip(mine, bases)])) for s in seeds]
         lo, hi = cmp.paired_diff_ci(diffs, [0.0] * len(diffs))
-        out.append({"display": name, "seeds": seeds, "diffs": diffs, "mean": float(np.mean(diffs)),
-                    "ci_low": lo, "ci_high": hi, "p": paired_tests(diffs, [0.0] * len(diffs))["p_ttest"]})
+        p_t, p_flip = paired_tests(diffs, [0.0] * len(diffs))["p_ttest"], sign_flip_p(diffs)
+        out.append({"display": name, "seeds": seeds, "diffs": diffs, "mean": float(np.mean(diffs)), "ci_low": lo, "ci_high": hi,
+                    "p_t": p_t, "p_sign_flip": p_flip, "p": max(p_t, p_flip)})  # the paired rule: the larger decides
     for r, v in zip(out, cmp.holm([r["p"] for r in out])):
         r["p_holm"] = v
     return out
 
 
 def pooled_markdown(rows: list[dict], sources: list[str]) -> str:
-    head = ["method", "seeds", f"Δ vs grpo, mean over {', '.join(sources)} [95% CI over seeds]", "p", "Holm p", "per seed"]
+    head = ["method", "seeds", f"Δ vs grpo, mean over {', '.join(sources)} [95% CI over seeds]", "t p", "sign-flip p", "Holm p",
+            "per seed"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
             r["display"], str(len(r["seeds"])), f"{signed(r['mean'])} [{signed(r['ci_low'])}, {signed(r['ci_high'])}]",
-            f3(r["p"]), f3(r["p_holm"]), ", ".join(signed(d) for d in r["diffs"]),
+            f3(r["p_t"]), f3(r["p_sign_flip"]), f3(r["p_holm"]), ", ".join(signed(d) for d in r["diffs"]),
         ]) + " |")
     return "\n".join(lines)
 

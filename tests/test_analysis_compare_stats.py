@@ -135,3 +135,42 @@ def test_runs_of_different_tasks_are_refused():
     runs = [_run("grpo", s, 0.4) for s in range(2)] + [_run("dppo", 0, 0.5, task={"name": "arithmetic", "digits": 4})]
     with pytest.raises(MasktrlError, match="runs of different tasks cannot be compared: grpo-seed0 has task.digits=3, dppo-seed0 has task.digits=4"):
         cmp.compare(runs, n_boot=200)
+
+
+def test_paired_table_prints_sign_flip_mdd_tost_and_the_rule(capsys, monkeypatch):
+    """--test paired: the t p and the exact sign-flip p side by side, the larger decides (Holm);
+    the paired MDD at alpha/m from the paired SD (statsmodels' TTestPower when installed); TOST at
+    --margin on the rows without a difference; an interaction of two effects with its TOST."""
+    from rich.console import Console
+
+    from masktrl.commands.analyze.compare import print_compare
+    from masktrl.stats import paired_mdd, sign_flip_p, tost_paired
+
+    monkeypatch.setattr("masktrl.commands.analyze.compare.console", Console(width=300))
+    base = [0.40, 0.42, 0.38, 0.41, 0.39]
+    far = [0.50, 0.53, 0.47, 0.52, 0.50]  # +0.1 on every seed: t p tiny, sign-flip p at its floor 0.0625
+    near = [0.405, 0.418, 0.384, 0.409, 0.392]
+    runs = [_run("grpo", s, v) for s, v in enumerate(base)] + [_run("dppo", s, v) for s, v in enumerate(far)]
+    runs += [_run("sis", s, v) for s, v in enumerate(near)]
+    t = cmp.compare(runs, baseline="grpo", test="paired", n_boot=200, margin=0.02, interaction="#2-#1,#3-#1")
+    rows = {r["label"]: r["final"] for r in t["methods"]}
+    d, s = rows["dppo"], rows["sis"]
+    assert d["p_sign_flip"] == 0.0625 and d["p_paired_t"] < 0.001 and d["p"] == 0.0625  # the sign-flip floor decides
+    assert d["verdict"] == "not detected" and s["verdict"] == "equivalent"
+    diffs = np.subtract(near, base)
+    assert s["p_sign_flip"] == sign_flip_p(diffs) and s["tost_p"] == tost_paired(diffs, 0.02)["p"] < 0.05
+    assert s["mdd_paired"] == paired_mdd(diffs, alpha=0.05 / 2) and s["alpha_adjusted"] == 0.025
+    sm = pytest.importorskip("statsmodels.stats.power", reason="statsmodels (the dev extra) is the reference")
+    es = sm.TTestPower().solve_power(nobs=5, alpha=0.025, power=0.8)
+    assert s["mdd_paired"] == pytest.approx(es * diffs.std(ddof=1), rel=1e-6)
+    i = t["interaction"]
+    assert i["paired"] and i["interaction"] == pytest.approx(np.mean(np.subtract(far, base)) - np.mean(diffs))
+    assert i["p"] == pytest.approx(sps.ttest_rel(np.subtract(far, base), diffs).pvalue)
+    print_compare(t)
+    out = capsys.readouterr().out
+    assert "sign-flip p" in out and "0.062" in out and "equivalent" in out and "the larger" in out and "post hoc" in out
+    assert "interaction #2-#1 vs #3-#1" in out and "TOST p at ±0.020" in out
+    with pytest.raises(MasktrlError, match="--interaction"):
+        cmp.compare(runs, test="paired", n_boot=200, interaction="#2-#9,#3-#1")
+    with pytest.raises(MasktrlError, match="--margin"):
+        cmp.compare(runs, test="paired", n_boot=200, margin=0.0)

@@ -169,9 +169,10 @@ def test_compare_pairs_seeds_with_the_baseline():
     rows = {r["label"]: r for r in table["methods"]}
     d = rows["dapo"]["final"]
     assert d["n_paired"] == 3 and d["p"] == d["p_paired"]
-    assert d["p_paired"] == pytest.approx(sps.ttest_rel([0.39, 0.39, 0.48], [0.34, 0.40, 0.41]).pvalue)
+    assert d["p_paired_t"] == pytest.approx(sps.ttest_rel([0.39, 0.39, 0.48], [0.34, 0.40, 0.41]).pvalue)
     assert d["t_paired"] == pytest.approx(sps.ttest_rel([0.39, 0.39, 0.48], [0.34, 0.40, 0.41]).statistic)
-    assert rows["sis"]["final"]["p_paired"] == pytest.approx(sps.ttest_rel([0.43, 0.30, 0.32], [0.40, 0.34, 0.40]).pvalue)
+    assert d["p_paired"] == max(d["p_paired_t"], d["p_sign_flip"])  # the larger of the t and the sign-flip p decides
+    assert rows["sis"]["final"]["p_paired_t"] == pytest.approx(sps.ttest_rel([0.43, 0.30, 0.32], [0.40, 0.34, 0.40]).pvalue)
     assert rows["grpo"]["final"]["n_paired"] == 0 and math.isnan(rows["grpo"]["final"]["p_paired"])
     lone = cmp.compare([_run("grpo", 0, 0.4), _run("grpo", 1, 0.5), _run("sis", 5, 0.3), _run("sis", 6, 0.2)], n_boot=200)
     assert lone["methods"][1]["final"]["n_paired"] == 0 and math.isnan(lone["methods"][1]["final"]["p_paired"])

@@ -18,6 +18,14 @@ METHODS = {  # overlay -> the method block it must give
     "sis-dapo": {"name": "sis", "base": "dapo"},
     "cispo": {"name": "cispo"},
     "grpo-tis-decoupled": {"name": "grpo", "correction": {"kind": "token-tis", "cap": 2.0, "mode": "decoupled"}},
+    # the anchors' defaults (tests/test_presets_anchors.py checks them key by key)
+    "verl-grpo": {"name": "grpo", "eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0, "loss_agg": "token-mean", "adv_norm": "group-std",
+                  "kl_coef": 0.0, "entropy_coef": 0.0, "correction": {"kind": "none", "mode": "decoupled"}},
+    "verl-bypass": {"name": "grpo", "eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0, "loss_agg": "token-mean", "adv_norm": "group-std",
+                    "kl_coef": 0.0, "entropy_coef": 0.0},
+    "trl-grpo": {"name": "grpo", "eps_low": 0.2, "eps_high": 0.2, "loss_agg": "token-mean", "adv_norm": "group-std", "kl_coef": 0.0,
+                 "entropy_coef": 0.0, "correction": {"kind": "seq-mis", "mode": "decoupled", "stat": "product", "weight": "sequence",
+                                                     "lo": 0.0, "hi": 3.0}},
 }
 
 

@@ -204,7 +204,7 @@ def loss_and_grad(name, kw, rows, adv, seq, correction=None, old=None):
     if correction is None:
         out = m.token_losses(batch, adv, p)
     else:
-        old_lp, old_top = (None, None) if old is None else old(batch)
+        old_lp, old_top = (old or _pi_old_is_pi)(batch)  # one minibatch: pi_old is the policy's values
         out, _, _ = corrected_token_losses(m, batch, adv, p, make_correction(correction), old_logp=old_lp, old_topk_logp=old_top)
     loss = m.aggregate(p, out.loss, batch, horizon=SEQ_LEN)
     (g,) = torch.autograd.grad(loss, z)

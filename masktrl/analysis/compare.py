@@ -18,6 +18,14 @@ without the final report is an error naming the runs and the command that makes 
 
 Every group also has a **collapse rate** (``analysis/collapse.py``): how many of its runs' training
 reward fell below half its starting value and stayed there.
+
+The paired design (``test="paired"``, the seeds shared with the baseline) adds what a referee asks of
+it: the exact sign-flip p beside the paired t p, the rule that **the larger of the two decides**
+(``p``, then Holm across the table); the detectable difference from the paired SD at Holm's
+first-step alpha / m (``mdd_paired``, post hoc: the SD is the observed one); and for every row
+whose difference is not significant, the TOST of equivalence within ``margin`` (``tost_p``; no
+margin, no equivalence claim). ``interaction`` tests whether one effect (group a - group b) differs
+from another (c - d): "the effect does not depend on the source" needs the interaction's TOST.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from masktrl.config import flatten
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.readers import read_json
 from masktrl.runs.store import eval_key
-from masktrl.stats import bootstrap_ci, paired_tests, permutation_test, welch_t_test
+from masktrl.stats import bootstrap_ci, interaction_test, paired_mdd, paired_tests, permutation_test, sign_flip_p, tost_paired, tost_welch, welch_t_test
 
 POWER = 0.8
 ALPHA = 0.05
@@ -42,6 +50,8 @@ P_UNIT = "run (one seed)"
 HELDOUT = "eval/heldout/accuracy"
 MIN_SEEDS = 3
 TESTS = ("welch", "permutation", "paired")
+DECISION_RULE = ("paired: a difference is declared when max(paired t p, exact sign-flip p), Holm-adjusted across the table, "
+                 "is below alpha (the sign-flip floor is 2^(1-n): 0.0625 at 5 seeds)")
 
 
 def run_scores(run: RunInfo, metric: str = HELDOUT) -> tuple[float, float]:
@@ -152,7 +162,11 @@ def test_against(values: list[float], base: list[float], n_perm: int, seed: int 
         "p_permutation": permutation_test(values, base, n_perm=n_perm, seed=seed),
         "n_paired": len(shared),
         "t_paired": paired["t"],
-        "p_paired": paired["p_ttest"],
+        "p_paired_t": paired["p_ttest"],
+        "p_sign_flip": sign_flip_p(np.subtract(a, b)) if shared else float("nan"),
+        # the paired rule: the larger of the t and the exact sign-flip p decides
+        "p_paired": max(paired["p_ttest"], sign_flip_p(np.subtract(a, b))) if len(shared) >= 2 else float("nan"),
+        "diffs_paired": [float(x) for x in np.subtract(a, b)],
     }
 
 
@@ -265,11 +279,15 @@ def check_one_task(runs: list[RunInfo]) -> None:
 
 
 def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, test: str = "welch",
-            n_boot: int = 10000, n_perm: int = 10000, eval_bench: str | None = None) -> dict:
+            n_boot: int = 10000, n_perm: int = 10000, eval_bench: str | None = None, margin: float | None = None,
+            interaction: str | None = None) -> dict:
     """The method table (JSON-ready, see docs/ANALYSIS.md). Incomplete runs are listed in
-    ``skipped``. ``eval_bench``: score each run by its ``masktrl eval`` report instead of ``metric``."""
+    ``skipped``. ``eval_bench``: score each run by its ``masktrl eval`` report instead of ``metric``.
+    ``margin``: the equivalence margin of the TOSTs; ``interaction``: "A-B,C-D" (handles or labels)."""
     if test not in TESTS:
         raise MasktrlError(f"--test must be one of {', '.join(TESTS)}; got {test!r}")
+    if margin is not None and not (isinstance(margin, (int, float)) and 0 < margin < float("inf")):
+        raise MasktrlError(f"--margin must be a positive number, got {margin!r}")
     if eval_bench is not None and metric != HELDOUT:
         raise MasktrlError(f"--eval and --metric choose the score two ways; pass one (got --eval {eval_bench} --metric {metric})")
     complete = [r for r in runs if r.complete]
@@ -312,19 +330,72 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
     for r in rows:
         if r["is_baseline"]:
             r["final"]["p_holm"] = r["final"]["q_bh"] = float("nan")
+    verdicts(others, next(r for r in rows if r["is_baseline"]), test, margin)
+    inter = interaction_row(rows, interaction, margin) if interaction else None
     kind = eval_kind(eval_bench, settings) if eval_bench is not None else metric_kind(metric, complete)
     return {"metric": metric, "metric_kind": kind, "eval": eval_bench, "eval_settings": settings,
             "collapse_definition": COLLAPSE_DEFINITION, "baseline": base_label,
             "baseline_handle": next(r["handle"] for r in rows if r["is_baseline"]), "test": test, "p_unit": P_UNIT,
             "adjustment": "Holm (p_holm) and Benjamini-Hochberg (q_bh) over the non-baseline rows' final p",
-            "power": POWER, "alpha": ALPHA, "n_boot": n_boot, "n_perm": n_perm,
-            "methods": rows, "warnings": warnings, "skipped": skipped}
+            "power": POWER, "alpha": ALPHA, "n_boot": n_boot, "n_perm": n_perm, "margin": margin,
+            "decision_rule": DECISION_RULE if test == "paired" else f"{test}: Holm-adjusted p below alpha",
+            "mdd_note": f"mdd_paired: post hoc, from the observed paired SD, two-sided paired t at alpha / m "
+                        f"(m = {len(others)} rows, Holm's first step), {POWER:.0%} power",
+            "interaction": inter, "methods": rows, "warnings": warnings, "skipped": skipped}
+
+
+def verdicts(others: list[dict], base: dict, test: str, margin: float | None) -> None:
+    """Per non-baseline row: ``mdd_paired`` (the paired detectable difference at alpha / m, post hoc),
+    ``verdict`` (differs | equivalent | not detected) and, where the difference is not significant,
+    ``tost_p`` at ``margin`` (the paired TOST under the paired test, Welch's otherwise; nan without
+    a margin)."""
+    m = max(1, sum(1 for r in others if np.isfinite(r["final"]["p"])))
+    for r in others:
+        f = r["final"]
+        d = f.get("diffs_paired", [])
+        f["alpha_adjusted"] = ALPHA / m
+        f["mdd_paired"] = paired_mdd(d, alpha=ALPHA / m, power=POWER)
+        f["tost_p"] = float("nan")
+        if np.isfinite(f["p_holm"]) and f["p_holm"] < ALPHA:
+            f["verdict"] = "differs"
+            continue
+        if margin is not None:
+            f["tost_p"] = (tost_paired(d, margin) if test == "paired" else tost_welch(f["values"], base["final"]["values"], margin))["p"]
+        f["verdict"] = "equivalent" if f["tost_p"] < ALPHA else "not detected"
+
+
+def interaction_row(rows: list[dict], spec: str, margin: float | None) -> dict:
+    """The interaction test of ``spec`` = "A-B,C-D": the effect A - B (per shared seed) against C - D;
+    paired when the two effects have the same seeds."""
+    by = {}
+    for r in rows:
+        by[r["handle"]] = by[r["handle"][1:]] = by[r["label"]] = r
+    try:
+        effects = [[by[h.strip()] for h in part.split("-", 1)] for part in spec.split(",")]
+        assert len(effects) == 2 and all(len(e) == 2 for e in effects)
+    except (KeyError, AssertionError):
+        raise MasktrlError(f"--interaction takes two effects as 'A-B,C-D' with group handles or labels "
+                           f"({', '.join(r['handle'] for r in rows)}), got {spec!r}") from None
+
+    def effect(a: dict, b: dict) -> tuple[list[int], list[float]]:
+        shared = sorted(set(a["seeds"]) & set(b["seeds"]))
+        va = dict(zip(a["seeds"], a["final"]["values"]))
+        vb = dict(zip(b["seeds"], b["final"]["values"]))
+        return shared, [va[s] - vb[s] for s in shared]
+
+    (s1, d1), (s2, d2) = effect(*effects[0]), effect(*effects[1])
+    paired = s1 == s2
+    out = interaction_test(d1, d2, paired=paired, margin=margin)
+    out.update(spec=" vs ".join(f"{a['handle']}-{b['handle']}" for a, b in effects), seeds=[s1, s2],
+               effects=[float(np.mean(d1)) if d1 else float("nan"), float(np.mean(d2)) if d2 else float("nan")])
+    return out
 
 
 def _no_test() -> dict:
     nan = float("nan")
     return {"diff_vs_baseline": 0.0, "diff_ci_low": nan, "diff_ci_high": nan, "diff_paired": 0.0, "diff_ci_paired_low": nan, "diff_ci_paired_high": nan,
-            "mdd_80": nan, "t_welch": nan, "p_welch": nan, "p_permutation": nan, "n_paired": 0, "t_paired": nan, "p_paired": nan}
+            "mdd_80": nan, "t_welch": nan, "p_welch": nan, "p_permutation": nan, "n_paired": 0, "t_paired": nan, "p_paired": nan,
+            "p_paired_t": nan, "p_sign_flip": nan, "diffs_paired": []}
 
 
 def _evals(run: RunInfo, metric: str) -> list[float]:

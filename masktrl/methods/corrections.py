@@ -3,14 +3,16 @@
 A correction turns the per-token ratio rho = pi_ref / mu into a weight f (relative to mu) and a
 keep mask; it multiplies the method's per-token loss by a stop-gradient factor c:
 
-    decoupled mode:  pi_ref = pi_old (recomputed by the trainer), the method's ratio is pi/pi_old,
-                     c = f * keep
-    bypass mode:     pi_ref = sg(pi) (the current policy), the method's ratio is pi/mu and so
-                     already carries rho, c = (f / rho) * keep
+    decoupled mode:  the method's ratio is pi/pi_old, c = f * keep
+    bypass mode:     the method's ratio is pi/mu, c = (f / rho) * keep
 
-so that in both modes the token's total weight relative to mu is f, and only the anchor of the
-trust region differs (§14.3). Everything is pure torch and stop-gradient; log-ratios are formed
-in log space and sequence products are sums of logs.
+pi_ref is the training engine's pi_old (``ref: old``, recomputed by one extra forward) as in
+every published definition (IcePop, verl's and TRL's TIS and masks, OpenRLHF), or, in bypass
+mode only, the current policy sg(pi) (``ref: current``: masktrl's own variant for the ratio
+kinds, and verl's bypass-mode convention for ``rs``, core_algos.py ``compute_policy_loss_bypass_mode``).
+With ref old the token's weight relative to mu is f(pi_old/mu) * pi/pi_old in both modes and only
+the anchor of the trust region differs (§14.3). Everything is pure torch and stop-gradient;
+log-ratios are formed in log space and sequence products are sums of logs.
 
 * ``CorrectionParams``: the frozen, validated ``method.correction`` block.
 * ``correction_weights(params, ...)``: the per-token factor, mask and weight (``Correction``).
@@ -31,6 +33,9 @@ from masktrl.methods.batch import TokenBatch
 
 CORRECTION_KINDS = ("none", "token-tis", "seq-tis", "token-mis", "seq-mis", "icepop", "rs", "opsm")
 CORRECTION_MODES = ("bypass", "decoupled")
+CORRECTION_REFS = ("old", "current")  # the policy the ratio rho = pi_ref / mu is taken from
+CORRECTION_DENOMINATORS = ("all", "kept")  # kept: rejected tokens leave the aggregate's denominator (verl)
+RATIO_KINDS = ("token-tis", "seq-tis", "token-mis", "seq-mis", "icepop", "rs")  # the kinds whose rho reads pi_ref
 SEQ_STATS = ("product", "geometric")  # seq-mis: the sequence ratio R
 SEQ_WEIGHTS = ("token", "sequence")  # seq-mis: the weight on kept tokens (rho_t or R)
 RS_STATS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
@@ -93,15 +98,23 @@ class CorrectionParams:
     """seq-mis: token (rho_t on kept tokens) | sequence (the sequence ratio R, TRL's sequence_mask)."""
     delta: float | None = None
     """opsm: mask a sequence with A < 0 whose mean log(mu/pi) exceeds delta (>= 0; inf = off). Default 0.5."""
+    ref: str | None = None
+    """The ratio kinds: old (rho = pi_old/mu, the anchors' definition; in bypass mode one extra forward)
+    | current (bypass only: rho = sg(pi)/mu, masktrl's own variant; verl's bypass convention for rs).
+    Default old, except rs in bypass mode: current."""
+    denominator: str | None = None
+    """all (rejected tokens stay in the aggregate's denominator) | kept (they leave it, as verl's
+    ``modified_response_mask``). Default all."""
 
     def __post_init__(self) -> None:
         if self.kind not in CORRECTION_KINDS:
             raise _err("kind", f"must be one of {', '.join(CORRECTION_KINDS)}; got {self.kind!r}")
         if self.mode not in CORRECTION_MODES:
             raise _err("mode", f"must be one of {', '.join(CORRECTION_MODES)}; got {self.mode!r}")
+        _check_ref_and_denominator(self)
         keys = _KEYS[self.kind]
         for f in fields(self):
-            if f.name in ("kind", "mode") or getattr(self, f.name) is None or f.name in keys:
+            if f.name in ("kind", "mode", "ref", "denominator") or getattr(self, f.name) is None or f.name in keys:
                 continue
             valid = ", ".join(keys) or "none"
             raise _err(f.name, f"does not apply to kind={self.kind} (its keys: {valid})")
@@ -147,9 +160,52 @@ class CorrectionParams:
         return self.mode == "decoupled"
 
     @property
+    def ratio_ref(self) -> str | None:
+        """The policy rho is taken from: old | current; None for kinds without a ratio (none, opsm)."""
+        if self.kind not in RATIO_KINDS:
+            return None
+        if self.ref is not None:
+            return self.ref
+        return "current" if self.kind == "rs" and not self.decoupled else "old"
+
+    @property
+    def needs_old(self) -> bool:
+        """Whether the update needs pi_old from the extra forward (decoupled mode, or a ratio on pi_old)."""
+        return self.decoupled or self.ratio_ref == "old"
+
+    @property
+    def drops_rejected(self) -> bool:
+        """Whether rejected tokens leave the aggregate's denominator (``denominator: kept``)."""
+        return self.denominator == "kept"
+
+    def describe(self) -> dict:
+        """kind, mode, the ratio's policy (ratio kinds), the denominator (when kept) and the resolved keys."""
+        out: dict = {"kind": self.kind, "mode": self.mode}
+        if self.ratio_ref is not None:
+            out["ref"] = self.ratio_ref
+        if self.drops_rejected:
+            out["denominator"] = "kept"
+        return {**out, **self.resolved}
+
+    @property
     def active(self) -> bool:
         """False only for kind=none in bypass mode: then the correction is exactly the identity."""
         return self.kind != "none" or self.decoupled
+
+
+def _check_ref_and_denominator(p: CorrectionParams) -> None:
+    if p.ref is not None:
+        if p.ref not in CORRECTION_REFS:
+            raise _err("ref", f"must be one of {', '.join(CORRECTION_REFS)}; got {p.ref!r}")
+        if p.kind not in RATIO_KINDS:
+            raise _err("ref", f"does not apply to kind={p.kind} (it applies to {', '.join(RATIO_KINDS)})")
+        if p.ref == "current" and p.mode == "decoupled":
+            raise _err("ref", "current applies to mode=bypass only (decoupled mode takes the ratio against pi_old)")
+    if p.denominator is not None:
+        if p.denominator not in CORRECTION_DENOMINATORS:
+            raise _err("denominator", f"must be one of {', '.join(CORRECTION_DENOMINATORS)}; got {p.denominator!r}")
+        if p.denominator == "kept" and p.kind in ("none", "token-tis", "seq-tis"):
+            raise _err("denominator", f"kept applies to the kinds that reject tokens, not kind={p.kind}")
 
 
 def _range(lo, hi) -> None:
@@ -196,8 +252,8 @@ def correction_weights(p: CorrectionParams, behavior_logp: Tensor, ref_logp: Ten
                        current_logp: Tensor | None = None) -> Correction:
     """The correction of §14.1 and §14.3 for N tokens.
 
-    behavior_logp [N]: log mu (-inf = invalid token); ref_logp [N]: log pi_ref (pi_old in decoupled
-    mode, the current policy in bypass mode); seq_ids [N]; adv [N] (opsm reads its sign);
+    behavior_logp [N]: log mu (-inf = invalid token); ref_logp [N]: log pi_ref (pi_old, or the
+    current policy under ``ref: current``); seq_ids [N]; adv [N] (opsm reads its sign);
     current_logp [N]: log pi of the current policy, for opsm's KL estimate (default ref_logp).
     Everything is detached and computed in the promoted dtype of the log-probabilities.
     """
@@ -331,12 +387,11 @@ def corrected_token_losses(method, batch: TokenBatch, advantages: Tensor, params
     """
     if not correction.active:
         return method.token_losses(batch, advantages, params, u=u), None, batch
-    if correction.decoupled:
-        if old_logp is None or old_topk_logp is None:
-            raise ValueError("method.correction.mode=decoupled needs pi_old (old_logp, old_topk_logp) from the extra forward")
-        ref = old_logp
-    else:
-        ref = batch.logp.detach()
+    if correction.decoupled and (old_logp is None or old_topk_logp is None):
+        raise ValueError("method.correction.mode=decoupled needs pi_old (old_logp, old_topk_logp) from the extra forward")
+    if correction.needs_old and old_logp is None:
+        raise ValueError(f"method.correction.kind={correction.kind} with ref=old needs pi_old (old_logp) from the extra forward")
+    ref = old_logp if correction.needs_old else batch.logp.detach()
     corr = correction_weights(correction, batch.behavior_logp, ref, batch.seq_ids, advantages.detach(),
                               current_logp=batch.logp.detach())
     kb = decoupled_batch(batch, old_logp, old_topk_logp) if correction.decoupled else batch
@@ -347,6 +402,15 @@ def corrected_token_losses(method, batch: TokenBatch, advantages: Tensor, params
     out = method.token_losses(kb, advantages, params, u=u)
     loss = scale_loss(out.loss, corr.factor.to(out.loss.dtype))
     return out._replace(loss=loss, mask=out.mask | ~corr.keep), corr, kb
+
+
+def kept_batch(batch: TokenBatch, corr: Correction | None) -> TokenBatch:
+    """``batch`` with the rejected tokens made invalid (log mu = -inf), for the aggregation and its
+    denominator under ``denominator: kept`` (verl's ``modified_response_mask``); ``batch`` itself
+    without a correction."""
+    if corr is None:
+        return batch
+    return replace(batch, behavior_logp=torch.where(corr.keep, batch.behavior_logp, torch.full_like(batch.behavior_logp, float("-inf"))))
 
 
 def correction_diagnostics(corr: Correction | None, batch: TokenBatch) -> dict:
@@ -362,5 +426,5 @@ def correction_diagnostics(corr: Correction | None, batch: TokenBatch) -> dict:
             "corr_weight_mean": float(corr.weight[valid].to(torch.float64).mean())}
 
 
-__all__ = ["CORRECTION_KINDS", "CORRECTION_MODES", "Correction", "CorrectionParams", "RS_STATS", "correction_diagnostics", "kind_defaults",
+__all__ = ["CORRECTION_DENOMINATORS", "CORRECTION_KINDS", "CORRECTION_MODES", "CORRECTION_REFS", "RATIO_KINDS", "kept_batch", "Correction", "CorrectionParams", "RS_STATS", "correction_diagnostics", "kind_defaults",
            "correction_weights", "corrected_token_losses", "decoupled_batch", "make_correction", "scale_loss"]

@@ -74,7 +74,7 @@ from masktrl.rl.update import UpdateSettings, make_optimizer, policy_update
 from masktrl.rl.warmstart import prepare_policy
 from masktrl.rollout import make_engine
 from masktrl.rollout.base import RolloutEngine, Sample
-from masktrl.runs import retention
+from masktrl.runs import provenance, retention
 from masktrl.runs.faults import maybe_crash
 from masktrl.runs.plan import Plan, RunRequest, plan_run, plan_start
 from masktrl.runs.store import LORA_BASE_KEY, RunStore, done_steps, rollout_key, update_key
@@ -533,6 +533,7 @@ def finish(s: State) -> TrainResult:
         "warmstart": {k: s.warmstart.get(k) for k in ("source", "cached", "time_s", "final_loss", "steps_done")},
         "rollouts_from": s.rollouts_from,
         "wall_time_s": c.wall_time(),  # every session of the run (resumes included)
+        "machine": provenance.machine(cfg.train.threads),  # CPU model, threads, commit: "same machine" is checkable
     }
     if s.run.lab is not None:
         summary["lab_stats"] = s.run.lab.summary(s.store.read_metrics())

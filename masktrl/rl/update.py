@@ -21,7 +21,7 @@ import torch
 
 from masktrl.config import Config, TrainConfig
 from masktrl.errors import MasktrlError
-from masktrl.methods.corrections import CorrectionParams, corrected_token_losses, correction_diagnostics
+from masktrl.methods.corrections import CorrectionParams, corrected_token_losses, correction_diagnostics, kept_batch
 from masktrl.methods.diagnostics import token_diagnostics
 from masktrl.methods.regularizers import mean_over_valid
 from masktrl.models import packing
@@ -105,7 +105,7 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     rows, trained, skipped = [], 0, 0
     model.train()
     t0 = time.perf_counter()
-    olds = old_logprobs(model, samples, parts, settings, dist) if settings.correction.decoupled else [None] * len(parts)
+    olds = old_logprobs(model, samples, parts, settings, dist) if settings.correction.needs_old else [None] * len(parts)
     old_forward_s = time.perf_counter() - t0
     for mb, idx in enumerate(parts):
         diag, n, applied = minibatch_update(model, optimizer, scheduler, samples, idx, mb, method, params, settings, seed, step, dist,
@@ -117,7 +117,7 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     model.eval()
     stats = _mean_rows(rows)
     stats["skipped_updates"] = skipped
-    if settings.correction.decoupled:
+    if settings.correction.needs_old:
         stats["old_forward_s"] = old_forward_s
     if dist.world > 1:  # shows the sharding: sequences each process trained on, in rank order
         stats["sequences_per_process"] = dist.gather_objects(trained)
@@ -134,7 +134,7 @@ def old_logprobs(model, samples: list[Sample], parts: list[torch.Tensor], settin
         for idx in parts:
             mb_samples = [samples[i] for i in idx.tolist()]
             mb_old = []
-            for micro in micro_batches(len(mb_samples), dist.rank, dist.world, settings.grad_accum):
+            for micro in _micro_batches(mb_samples, dist, settings):  # the very micro-batches the update uses
                 micro_samples = [mb_samples[i] for i in micro]
                 out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk,
                                          share=_agreed_share(micro_samples, dist), drop_truncated=settings.mask_truncated)
@@ -158,7 +158,7 @@ def minibatch_update(model, optimizer, scheduler, samples: list[Sample], idx: to
     if kl_in_loss and reference is None:
         raise MasktrlError("method.kl_coef > 0 with method.kl_in=loss needs the reference policy's log-probabilities")
     optimizer.zero_grad(set_to_none=True)
-    micro_rows, loss_value, trained = [], 0.0, 0
+    micro_rows, loss_value, trained, kept_den = [], 0.0, 0, 0
     for j, micro in enumerate(_micro_batches(mb_samples, dist, settings)):
         # the packed forward's attention stays switched in through the backward (activation checkpointing replays the layers there)
         with dist.accumulate(model), (packing.segments_attention(base_model(model)) if settings.packing else contextlib.nullcontext()):
@@ -175,8 +175,10 @@ def minibatch_update(model, optimizer, scheduler, samples: list[Sample], idx: to
                 before(mb, [idx[i].item() for i in micro], out, losses, u_micro)
             ref_lp = reference(micro_samples, share=share_prompts).to(out.batch.logp.device) if kl_in_loss else None
             reg = method.regularize(params, losses.loss, out.batch, ref_logp=ref_lp, entropy=out.entropy)
-            loss = method.aggregate(params, reg.loss, out.batch, horizon=settings.horizon)
-            share = method.denominator(params, out.batch) / max(total, 1)  # 1.0 for one process, one micro-batch
+            agg_batch = kept_batch(out.batch, corr) if settings.correction.drops_rejected else out.batch
+            loss = method.aggregate(params, reg.loss, agg_batch, horizon=settings.horizon)
+            share = method.denominator(params, agg_batch) / max(total, 1)  # 1.0 for one process, one micro-batch
+            kept_den += method.denominator(params, agg_batch)
             dist.backward(loss if share == 1.0 and dist.world == 1 else loss * (share * dist.world))
         loss_value += loss.item() * share
         trained += len(micro)
@@ -184,6 +186,8 @@ def minibatch_update(model, optimizer, scheduler, samples: list[Sample], idx: to
                            "entropy": out.entropy.mean().item(), **regularizer_diagnostics(out.batch, reg, params)})
         if settings.gradient_checkpointing:
             micro_rows[-1]["shared_prompt_frac"] = float(out.shared_prompt)
+    if settings.correction.drops_rejected:
+        loss_value *= rescale_to_kept(model, total, dist.sum([kept_den])[0], dist)
     grad_norm = dist.clip_grad_norm(model, settings.grad_clip)
     loss_total = dist.sum([loss_value])[0]
     applied = math.isfinite(loss_total) and (math.isfinite(grad_norm) or dist.deepspeed)  # DeepSpeed: no norm; it stepped already
@@ -197,6 +201,22 @@ def minibatch_update(model, optimizer, scheduler, samples: list[Sample], idx: to
     diag = combine_rows([r for rank_rows in dist.gather_objects(micro_rows) for r in rank_rows])
     diag.update(loss=loss_total, grad_norm=grad_norm)
     return diag, trained, applied
+
+
+def rescale_to_kept(model, total: int, kept: float, dist: Dist) -> float:
+    """``method.correction.denominator: kept`` (verl's ``modified_response_mask``): the micro-batches
+    were scaled by their kept denominators over the minibatch's ``total`` of valid ones; the
+    gradients are multiplied by total / kept, which turns that into kept / kept (nothing when no
+    token is kept). Returns the factor."""
+    if dist.deepspeed:
+        raise MasktrlError("method.correction.denominator=kept is not supported under DeepSpeed (it steps inside backward)")
+    if kept <= 0:
+        return 1.0
+    factor = max(total, 1) / kept
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)
+    return factor
 
 
 def _agreed_share(samples: list[Sample], dist: Dist) -> bool | None:

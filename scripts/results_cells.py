@@ -1,0 +1,254 @@
+"""The data behind docs/RESULTS.md's tables: one small JSON per grid cell, and the tables from them.
+
+    python scripts/results_cells.py write outputs/mismatch/fp8 outputs/mismatch/bfloat16 --out docs/results/cells
+    python scripts/results_cells.py tables --cells docs/results/cells                 # print the tables
+    python scripts/results_cells.py tables --cells docs/results/cells --check docs/RESULTS.md
+    python scripts/results_cells.py tables --cells docs/results/cells --write docs/RESULTS.md
+
+``write``: for every sweep folder (one behaviour source, e.g. ``fp8``), the complete runs grouped
+as ``analyze compare`` groups them (config minus seed); each group is a **cell** written to
+``<out>/<source>/<label>.json``: the resolved method and the flattened config (without the seed),
+and per seed: the run, held-out accuracy before and after, avg@k of each ``masktrl eval`` report
+at the final checkpoint, the mismatch at step 1 and over the last 50 steps, the blocked fraction,
+the final entropy, the collapse record, and the machine (CPU model, threads, commit) from
+summary.json. Nothing time-dependent is stored, so rerunning a cell on the same machine rewrites
+its JSON byte for byte.
+
+``tables``: one markdown table per source from the cells, with the paired design of
+docs/ANALYSIS.md (``analyze compare --test paired``): per cell against the source's baseline
+(``grpo``), the mean paired difference over the shared seeds with its paired 95% interval, the
+paired t p and the exact sign-flip p (the larger decides), Holm across the source, the paired MDD
+at alpha / m (post hoc), the collapse count and the machines. ``--check FILE`` compares every
+``<!-- cells:SOURCE -->`` ... ``<!-- /cells:SOURCE -->`` block of FILE with what this prints
+(exit 1 naming the blocks that differ); ``--write FILE`` replaces them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from masktrl.analysis import compare as cmp
+from masktrl.analysis.collapse import run_collapse
+from masktrl.analysis.io import expand_runs, group_runs, load_run
+from masktrl.config import flatten
+from masktrl.errors import MasktrlError
+from masktrl.stats import paired_mdd, paired_tests, sign_flip_p
+
+TAIL = 50  # steps averaged for the "end" of a run, as scripts/mismatch_table.py
+SCORE = "eval_after"  # the score without an eval report: the run's held-out accuracy (one answer per prompt)
+
+
+def _mean(metrics: list[dict], key: str, tail: int | None = None) -> float | None:
+    vals = [float(m[key]) for m in metrics if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
+    vals = vals[-tail:] if tail else vals
+    return float(np.mean(vals)) if vals else None
+
+
+def _first(metrics: list[dict], key: str) -> float | None:
+    return next((float(m[key]) for m in metrics if isinstance(m.get(key), (int, float))), None)
+
+
+def eval_reports(run) -> dict:
+    """avg@k of every ``masktrl eval`` report at the run's final checkpoint: {bench: {avg_at_k, k, n_problems}}."""
+    out = {}
+    try:
+        step = cmp.final_step(run)
+    except MasktrlError:
+        return out
+    for key, entry in sorted(run.store.manifest.get("stages", {}).items()):
+        if key.startswith("eval/") and entry.get("status") == "done" and key.endswith(f"/{step:06d}"):
+            bench = key.split("/")[1]
+            rep = cmp.eval_report(run, bench, step)
+            out[bench] = {"avg_at_k": float(rep["avg_at_k"]), "k": rep.get("k"), "n_problems": rep.get("n_problems")}
+    return out
+
+
+def run_record(run) -> dict:
+    m, s = run.metrics, run.summary or {}
+    return {
+        "seed": run.cfg.seed,
+        "run": run.name,
+        "steps": s.get("steps"),
+        "eval_before": s.get("eval_before"),
+        "eval_after": s.get("eval_after"),
+        "eval": eval_reports(run),
+        "mismatch": {"logp_abs_step1": _first(m, "mismatch/logp_abs_mean"), "logp_abs_end": _mean(m, "mismatch/logp_abs_mean", TAIL),
+                     "kl_k3_end": _mean(m, "mismatch/kl_k3", TAIL)},
+        "mask_frac": _mean(m, "mask_frac"),
+        "entropy_end": _mean(m, "entropy", TAIL),
+        "collapse": run_collapse(m),
+        "machine": s.get("machine", {}),
+    }
+
+
+def slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.=+-]+", "_", label).strip("_") or "cell"
+
+
+def cells(folder: Path) -> list[dict]:
+    """The cells of one sweep folder (complete runs only; the others are counted in ``incomplete``)."""
+    runs = [load_run(p) for p in expand_runs([folder])]
+    complete = [r for r in runs if r.complete]
+    if not complete:
+        raise MasktrlError(f"{folder}: no complete run")
+    out = []
+    for label, members in group_runs(complete):
+        cfg = flatten(members[0].cfg.to_dict())
+        cfg.pop("seed", None)
+        out.append({"cell": f"{folder.name}/{label}", "source": folder.name, "label": label,
+                    "method": members[0].cfg.resolved_method(), "config": cfg,
+                    "runs": sorted((run_record(r) for r in members), key=lambda r: r["seed"]),
+                    "incomplete": sum(1 for r in runs if not r.complete and r.cfg.seed is not None
+                                      and cmp_key(r) == cmp_key(members[0]))})
+    return out
+
+
+def cmp_key(run) -> str:
+    from masktrl.analysis.io import config_key
+
+    return config_key(run.cfg)
+
+
+def write_cells(folders: list[Path], out: Path) -> list[Path]:
+    paths = []
+    for folder in folders:
+        for cell in cells(folder):
+            path = out / cell["source"] / f"{slug(cell['label'])}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(cell, indent=1, sort_keys=True, default=str) + "\n")
+            paths.append(path)
+    return paths
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def read_cells(root: Path) -> dict[str, list[dict]]:
+    """{source: [cell, ...]} from ``<root>/<source>/*.json``, in file-name order."""
+    out: dict[str, list[dict]] = {}
+    for path in sorted(root.glob("*/*.json")):
+        cell = json.loads(path.read_text())
+        out.setdefault(cell["source"], []).append(cell)
+    return out
+
+
+def score_of(cells_: list[dict]) -> tuple[str, str]:
+    """(key, name) of the score: avg@k of the eval benchmark every run has (``task`` first), else eval_after."""
+    benches = None
+    for c in cells_:
+        for r in c["runs"]:
+            benches = set(r["eval"]) if benches is None else benches & set(r["eval"])
+    if benches:
+        bench = "task" if "task" in benches else sorted(benches)[0]
+        return bench, f"avg@k ({bench})"
+    return SCORE, "held-out accuracy (one answer)"
+
+
+def value(run: dict, key: str) -> float:
+    return float(run["eval"][key]["avg_at_k"]) if key != SCORE else float(run[SCORE])
+
+
+def f3(x) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x:.3f}"
+
+
+def signed(x) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x:+.3f}"
+
+
+def table(source: str, cells_: list[dict], baseline: str = "grpo") -> str:
+    key, name = score_of(cells_)
+    base = next((c for c in cells_ if c["label"] == baseline), cells_[0])
+    bvals = {r["seed"]: value(r, key) for r in base["runs"]}
+    rows = []
+    for c in cells_:
+        vals = {r["seed"]: value(r, key) for r in c["runs"]}
+        row = {"cell": c, "vals": vals}
+        if c is not base:
+            shared = sorted(set(vals) & set(bvals))
+            d = [vals[s] - bvals[s] for s in shared]
+            t_p = paired_tests(d, [0.0] * len(d))["p_ttest"] if len(d) >= 2 else float("nan")
+            flip = sign_flip_p(d) if d else float("nan")
+            lo, hi = cmp.paired_diff_ci(d, [0.0] * len(d))
+            row.update(d=d, t_p=t_p, flip=flip, p=max(t_p, flip) if len(d) >= 2 else float("nan"), lo=lo, hi=hi)
+        rows.append(row)
+    tested = [r for r in rows if "p" in r]
+    m = max(1, sum(1 for r in tested if math.isfinite(r["p"])))
+    for r, adj in zip(tested, cmp.holm([r["p"] for r in tested])):
+        r["holm"], r["mdd"] = adj, paired_mdd(r["d"], alpha=0.05 / m)
+    head = ["cell", "n", f"{name} mean ± sd", f"Δ vs {base['label']} [paired 95% CI]", "t p", "sign-flip p", "Holm p",
+            "paired MDD (post hoc)", "collapsed", "per seed", "machine"]
+    lines = [f"<!-- cells:{source} -->", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        c, v = r["cell"], list(r["vals"].values())
+        sd = f" ± {np.std(v, ddof=1):.3f}" if len(v) > 1 else ""
+        collapsed = sum(1 for x in c["runs"] if x["collapse"].get("collapsed"))
+        judged = sum(1 for x in c["runs"] if not x["collapse"].get("too_short"))
+        machines = sorted({f"{x['machine'].get('cpu_model', '?')} x{x['machine'].get('threads', '?')}" for x in c["runs"]})
+        cells = ["base", "", "", "", ""] if "p" not in r else [
+            f"{signed(float(np.mean(r['d'])) if r['d'] else float('nan'))} [{signed(r['lo'])}, {signed(r['hi'])}]",
+            f3(r["t_p"]), f3(r["flip"]), f3(r["holm"]), f3(r["mdd"])]
+        lines.append("| " + " | ".join([c["label"], str(len(v)), f"{f3(float(np.mean(v)))}{sd}", *cells, f"{collapsed}/{judged}",
+                                        ", ".join(f"{s}: {f3(x)}" for s, x in sorted(r["vals"].items())), "; ".join(machines)]) + " |")
+    lines.append(f"<!-- /cells:{source} -->")
+    return "\n".join(lines)
+
+
+def tables(root: Path) -> dict[str, str]:
+    return {source: table(source, cs) for source, cs in read_cells(root).items()}
+
+
+BLOCK = re.compile(r"<!-- cells:(?P<src>[^ ]+) -->.*?<!-- /cells:(?P=src) -->", re.S)
+
+
+def check(doc: Path, made: dict[str, str]) -> list[str]:
+    """The sources whose block in ``doc`` differs from ``made`` (or that ``made`` lacks)."""
+    return [m["src"] for m in BLOCK.finditer(doc.read_text()) if made.get(m["src"]) != m.group(0)]
+
+
+def rewrite(doc: Path, made: dict[str, str]) -> None:
+    doc.write_text(BLOCK.sub(lambda m: made.get(m["src"], m.group(0)), doc.read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("write", help="one JSON per cell from sweep folders")
+    w.add_argument("folders", nargs="+", type=Path)
+    w.add_argument("--out", type=Path, default=Path("docs/results/cells"))
+    t = sub.add_parser("tables", help="the markdown tables from the cells")
+    t.add_argument("--cells", type=Path, default=Path("docs/results/cells"))
+    t.add_argument("--check", type=Path, default=None, help="compare FILE's <!-- cells:SOURCE --> blocks with the tables")
+    t.add_argument("--write", type=Path, default=None, help="replace FILE's <!-- cells:SOURCE --> blocks with the tables")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "write":
+            for p in write_cells(args.folders, args.out):
+                print(p)
+            return 0
+        made = tables(args.cells)
+    except MasktrlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        bad = check(args.check, made)
+        if bad:
+            print(f"{args.check}: the tables of {', '.join(bad)} differ from the cells (rerun with --write)", file=sys.stderr)
+            return 1
+        return 0
+    if args.write:
+        rewrite(args.write, made)
+        return 0
+    print("\n\n".join(made.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
