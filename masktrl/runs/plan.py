@@ -94,11 +94,15 @@ def _resume_config(store: RunStore, r: RunRequest) -> tuple[Config, list[str]]:
     """(run.yaml, or the given config/overrides if they agree with it or --force; the keys that differ)."""
     saved_path = store.root / "run.yaml"
     saved = store.config()
-    if not r.config and not r.overrides and r.method is None and r.seed is None:
+    rule = saved.method.file  # a rule from a file: its content now is compared with the one recorded
+    if not r.config and not r.overrides and r.method is None and r.seed is None and not (rule and rule.changed):
         return saved, []
     cfg = load_config(r.config or [saved_path], list(r.overrides), method=r.method, seed=r.seed)
     changed = diff_configs(saved, cfg)
     if changed and not r.force:
+        if rule and rule.changed and changed == ["method.sha256"]:
+            raise MasktrlError(f"the rule file {rule.path} changed since {saved_path} recorded it (sha256 {rule.recorded[:12]}... now "
+                               f"{rule.sha256[:12]}...); pass --force to resume with it anyway (the change is recorded)")
         raise MasktrlError(f"config differs from {saved_path} in {', '.join(changed)}; pass --force to resume with it anyway")
     return cfg, changed
 
