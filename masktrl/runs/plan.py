@@ -100,10 +100,9 @@ def _resume_config(store: RunStore, r: RunRequest) -> tuple[Config, list[str]]:
     cfg = load_config(r.config or [saved_path], list(r.overrides), method=r.method, seed=r.seed)
     changed = diff_configs(saved, cfg)
     if changed and not r.force:
-        if rule and rule.changed and changed == ["method.sha256"]:
-            raise MasktrlError(f"the rule file {rule.path} changed since {saved_path} recorded it (sha256 {rule.recorded[:12]}... now "
-                               f"{rule.sha256[:12]}...); pass --force to resume with it anyway (the change is recorded)")
-        raise MasktrlError(f"config differs from {saved_path} in {', '.join(changed)}; pass --force to resume with it anyway")
+        keys = ", ".join(f"{k} (the rule file {rule.path} changed since the run recorded it: sha256 {rule.recorded[:12]}... now "
+                         f"{rule.sha256[:12]}...)" if k == "method.sha256" and rule and rule.changed else k for k in changed)
+        raise MasktrlError(f"config differs from {saved_path} in {keys}; pass --force to resume with it anyway")
     return cfg, changed
 
 
