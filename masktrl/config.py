@@ -540,8 +540,10 @@ def load_config(paths: str | Path | list | tuple | None = None, overrides: list[
         else:
             _set_dotted(raw, key, value)
     raw = read_overrides(None, overrides, raw)
-    if isinstance(raw.get("method"), dict):
-        raw["method"].pop("sha256", None)  # what a run recorded of its rule file: a request describes the file as it is now
+    if isinstance(raw.get("method"), dict):  # what a run recorded of its rule files: a request describes the files as they are now
+        raw["method"].pop("sha256", None)
+        if isinstance(raw["method"].get("correction"), dict):
+            raw["method"]["correction"].pop("sha256", None)
     return from_dict(raw)
 
 
@@ -849,11 +851,15 @@ def split_method(spec: str) -> tuple[str, list[str]]:
     """``pdm:tail=uniform`` -> ("pdm", ["method.tail=uniform"]); a key may be dotted, for a block
     of the method section: ``grpo:correction.kind=token-tis`` -> ["method.correction.kind=token-tis"].
     A rule from a file: ``rules.py:soft:tau=2`` -> ("rules.py:soft", ["method.tau=2"])."""
-    name, *pairs = spec.split(":")
-    if is_rule_file(spec):  # path/to/rules.py:name[:KEY=VALUE...]
-        head, _, tail = spec.partition(".py:")
-        rule, *pairs = tail.split(":")
-        name = f"{head}.py:{rule}"
+    segments = []
+    for part in spec.split(":"):  # a value naming a file's rule (correction.kind=rules.py:name) keeps its colon
+        if segments and "=" not in part and segments[-1].endswith(".py") and (len(segments) > 1 or "=" in segments[-1]):
+            segments[-1] += f":{part}"
+        else:
+            segments.append(part)
+    name, *pairs = segments
+    if name.endswith(".py") and pairs:  # path/to/rules.py:name[:KEY=VALUE...]
+        name, pairs = f"{name}:{pairs[0]}", pairs[1:]
     overrides = []
     for pair in pairs:
         key, sep, value = pair.partition("=")

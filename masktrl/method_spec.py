@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.util
+import inspect
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 
 from masktrl.errors import ConfigError
 from masktrl.methods import BoundMethod, CorrectionParams, Method, get_method, make_correction
+from masktrl.methods.corrections import CustomCorrection, collecting_corrections, install_correction
 from masktrl.methods.registry import check_method, collecting
 
 RULE_SUFFIX = ".py:"
@@ -71,6 +73,8 @@ class MethodSpec:
     """The off-policy correction every rule composes with (``method.correction``, §14)."""
     file: RuleFile | None = None
     """For a rule from a file: the file and its sha256."""
+    correction_file: RuleFile | None = None
+    """For a correction from a file (``method.correction.kind: path/to/rules.py:name``): the file and its sha256."""
     method: Method | None = field(default=None, compare=False, repr=False)
     block: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -84,7 +88,15 @@ class MethodSpec:
         out = copy.deepcopy(self.block)
         if self.file is not None:
             out["sha256"] = self.file.recorded or self.file.sha256
+        if self.correction_file is not None:
+            out["correction"]["sha256"] = self.correction_file.recorded or self.correction_file.sha256
         return out
+
+    @property
+    def files(self) -> dict[str, RuleFile]:
+        """The files this method is read from, by the config key that records their sha256."""
+        pairs = (("method.sha256", self.file), ("method.correction.sha256", self.correction_file))
+        return {key: f for key, f in pairs if f is not None}
 
     def resolved(self) -> dict:
         """Every parameter at its value, defaults included; an active correction resolved the
@@ -94,6 +106,8 @@ class MethodSpec:
             out["sha256"] = self.file.recorded or self.file.sha256
         if self.correction.active:
             out["correction"] = {"kind": self.correction.kind, "mode": self.correction.mode, **self.correction.resolved}
+            if self.correction_file is not None:
+                out["correction"]["sha256"] = self.correction_file.recorded or self.correction_file.sha256
         return out
 
 
@@ -118,12 +132,29 @@ def method_from_block(block: Any) -> MethodSpec:
         except ValueError as exc:
             raise ConfigError(f"{exc}, or path/to/rules.py:name") from None
     given = {k: v for k, v in block.items() if k not in ("name", "correction", *FILE_KEYS)}
+    corr_block, corr_file = _correction_block(block.get("correction"))
     try:
         params = method.make_params(**given)
-        correction = make_correction(block.get("correction"))
+        correction = make_correction(corr_block)
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
-    return MethodSpec(rule, method.name, params, correction, rule_file, method, copy.deepcopy(block))
+    return MethodSpec(rule, method.name, params, correction, rule_file, corr_file, method, copy.deepcopy(block))
+
+
+def _correction_block(block: Any) -> tuple[Any, RuleFile | None]:
+    """The ``method.correction`` block without its recorded sha256, and the file of a correction
+    from a file (loaded, and installed as the kind its spec string names)."""
+    if not isinstance(block, dict):
+        return block, None
+    kind, recorded = block.get("kind"), block.get("sha256")
+    if not is_rule_file(kind):
+        if "sha256" in block:
+            raise ConfigError("method.correction.sha256 applies only to a correction from a file (kind: path/to/rules.py:name)")
+        return block, None
+    rule, found = load_correction(kind)
+    install_correction(kind, rule)
+    rest = {k: v for k, v in block.items() if k != "sha256"}
+    return rest, RuleFile(found.path, found.sha256, recorded if isinstance(recorded, str) else None)
 
 
 def resolve_method_spec(spec: str, correction: dict | None = None) -> BoundMethod:
@@ -140,7 +171,7 @@ def resolve_method_spec(spec: str, correction: dict | None = None) -> BoundMetho
 
 # --------------------------------------------------------------------------- rule files
 
-_LOADED: dict[tuple[str, str], dict[str, Method]] = {}  # (absolute path, sha256) -> the methods the file registers
+_LOADED: dict[tuple[str, str], tuple] = {}  # (absolute path, sha256) -> (the methods, the corrections) the file registers
 
 
 def load_rule(spec: str) -> tuple[Method, RuleFile]:
@@ -148,15 +179,8 @@ def load_rule(spec: str) -> tuple[Method, RuleFile]:
     file is missing or raises on import, the name is not registered in it, or the rule breaks
     the contract (params not a dataclass, a kernel with another signature)."""
     where, name = split_rule_file(spec)
-    path = Path(where)
-    if not path.is_file():
-        raise ConfigError(f"method {spec!r}: no such file {where}")
-    try:
-        content = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"method {spec!r}: cannot read {where} ({exc.strerror or exc})") from None
-    digest = hashlib.sha256(content).hexdigest()
-    found = _import_rules(path, digest, spec)
+    path, digest = _read(spec, "method")
+    found = _import_rules(path, digest, spec)[0]
     if name not in found:
         names = ", ".join(sorted(found)) or "none: it has no @register_method"
         raise ConfigError(f"method {spec!r}: {where} registers no rule {name!r} (it registers: {names})")
@@ -166,8 +190,39 @@ def load_rule(spec: str) -> tuple[Method, RuleFile]:
     return found[name], RuleFile(where, digest)
 
 
-def _import_rules(path: Path, digest: str, spec: str) -> dict[str, Method]:
-    """The methods a rule file registers, importing it once per (path, content)."""
+def load_correction(spec: str) -> tuple[CustomCorrection, RuleFile]:
+    """The correction ``path/to/rules.py:name`` names (``masktrl.methods.register_correction``),
+    and its file; ConfigError (one line) as ``load_rule``."""
+    where, name = split_rule_file(spec)
+    path, digest = _read(spec, "method.correction.kind")
+    found = _import_rules(path, digest, spec)[1]
+    if name not in found:
+        names = ", ".join(sorted(found)) or "none: it has no @register_correction"
+        raise ConfigError(f"method.correction.kind {spec!r}: {where} registers no correction {name!r} (it registers: {names})")
+    rule = found[name]
+    try:
+        inspect.signature(rule.fn).bind(None, None, None, None, None)
+    except (TypeError, ValueError):
+        raise ConfigError(f"method.correction.kind {spec!r}: its function {getattr(rule.fn, '__name__', '?')} must take "
+                          "(log_rho, valid, seq_ids, advantages, keys)") from None
+    return rule, RuleFile(where, digest)
+
+
+def _read(spec: str, key: str) -> tuple[Path, str]:
+    """The file a spec names and the sha256 of its content; ConfigError when it cannot be read."""
+    where, _ = split_rule_file(spec)
+    path = Path(where)
+    if not path.is_file():
+        raise ConfigError(f"{key} {spec!r}: no such file {where}")
+    try:
+        content = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{key} {spec!r}: cannot read {where} ({exc.strerror or exc})") from None
+    return path, hashlib.sha256(content).hexdigest()
+
+
+def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method], dict[str, CustomCorrection]]:
+    """The methods and the corrections a rule file registers, importing it once per (path, content)."""
     key = (str(path.resolve()), digest)
     if key in _LOADED:
         return _LOADED[key]
@@ -178,13 +233,13 @@ def _import_rules(path: Path, digest: str, spec: str) -> dict[str, Method]:
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module  # dataclasses and typing look their module up by name
     try:
-        with collecting() as found:
+        with collecting() as found, collecting_corrections() as corrections:
             loader_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # noqa: BLE001  a user's file: whatever it raises is reported in one line
         sys.modules.pop(module_name, None)
         text = str(exc).strip().splitlines()
         raise ConfigError(f"method {spec!r}: {path} raised {type(exc).__name__} on import" + (f": {text[0]}" if text else "")) from None
-    _LOADED[key] = dict(found)
+    _LOADED[key] = (dict(found), dict(corrections))
     return _LOADED[key]
 
 

@@ -53,6 +53,8 @@ def test_split_method_reads_a_file_spec_with_its_parameters():
     assert split_method("rules/x.py:soft:tau=2:correction.kind=icepop") == (
         "rules/x.py:soft", ["method.tau=2", "method.correction.kind=icepop"])
     assert split_method("pdm:tail=uniform") == ("pdm", ["method.tail=uniform"])
+    assert split_method("grpo:correction.kind=c.py:clamp:correction.cap=2") == (
+        "grpo", ["method.correction.kind=c.py:clamp", "method.correction.cap=2"])
 
 
 def test_run_stem_of_a_file_rule_is_its_name():
@@ -201,3 +203,59 @@ def test_example_trains_two_steps_and_resume_guards_the_file(warm_out, tmp_path,
     manifest = json.loads((root / "manifest.json").read_text())
     assert "method.sha256" in manifest["stages"]["config"]["forced_changes"]
     assert manifest["stages"]["config"]["rule_file"]["sha256"] == _sha(rule)
+
+
+# --------------------------------------------------------------------------- a correction of your own
+
+CORRECTION = '''import torch
+from masktrl.methods import register_correction
+
+
+@register_correction("clamp", keys={"cap": 2.0})
+def clamp(log_rho, valid, seq_ids, adv, keys):
+    """Token-level truncated IS, written outside masktrl: f = min(rho, cap)."""
+    rho = log_rho.exp()
+    return rho.clamp(max=keys["cap"]), torch.ones_like(valid)
+'''
+
+
+def test_a_correction_from_a_file_equals_the_shipped_one_it_transcribes(tmp_path):
+    from masktrl.methods import correction_weights
+
+    path = _write(tmp_path, CORRECTION, "corr.py")
+    mine = resolve_method_spec("grpo", {"kind": f"{path}:clamp", "cap": 1.5})
+    shipped = resolve_method_spec("grpo", {"kind": "token-tis", "cap": 1.5})
+    assert mine.correction.resolved == {"cap": 1.5}
+    gen = torch.Generator().manual_seed(1)
+    mu = torch.randn(30, generator=gen, dtype=torch.float64) - 1
+    mu[2] = float("-inf")
+    ref = mu + torch.randn(30, generator=gen, dtype=torch.float64)
+    seq, adv = torch.arange(30) // 6, torch.randn(30, generator=gen, dtype=torch.float64)
+    for mode in ("bypass", "decoupled"):
+        a = correction_weights(resolve_method_spec("grpo", {"kind": f"{path}:clamp", "cap": 1.5, "mode": mode}).correction,
+                               mu, ref, seq, adv)
+        b = correction_weights(resolve_method_spec("grpo", {"kind": "token-tis", "cap": 1.5, "mode": mode}).correction,
+                               mu, ref, seq, adv)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), mode
+    assert shipped.correction.kind == "token-tis"
+
+
+def test_a_correction_file_is_recorded_and_its_bad_input_is_one_line(tmp_path, cli_error):
+    path = _write(tmp_path, CORRECTION, "corr.py")
+    cfg = load_config(None, [f"method.correction.kind={path}:clamp"])
+    assert cfg.to_dict()["method"] == {"name": "grpo", "correction": {"kind": f"{path}:clamp", "sha256": _sha(path)}}
+    assert cfg.resolved_method()["correction"]["sha256"] == _sha(path)
+    assert set(cfg.method.files) == {"method.correction.sha256"}
+    out = tmp_path / "out"
+    for kind, what in ((f"{tmp_path}/none.py:clamp", "no such file"), (f"{path}:other", "registers no correction 'other'")):
+        line = cli_error("train", "--set", f"method.correction.kind={kind}", "--out", out)
+        assert what in line, line
+    line = cli_error("sweep", "--methods", f"grpo:correction.kind={path}:other", "--seeds", "1", "--out", out)
+    assert "registers no correction 'other'" in line, line
+    line = cli_error("train", "--set", f"method.correction.kind={path}:clamp", "--set", "method.correction.lo=0.5", "--out", out)
+    assert "method.correction.lo does not apply" in line, line
+    bad = _write(tmp_path, CORRECTION.replace("def clamp(log_rho, valid, seq_ids, adv, keys):", "def clamp(log_rho):"), "bad.py")
+    line = cli_error("train", "--set", f"method.correction.kind={bad}:clamp", "--out", out)
+    assert "must take (log_rho, valid, seq_ids, advantages, keys)" in line, line
+    assert not out.exists()

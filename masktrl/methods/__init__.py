@@ -32,7 +32,14 @@ from masktrl.methods.divergence import (
     square_mass,
 )
 from masktrl.methods.objectives import token_losses
-from masktrl.methods.corrections import CorrectionParams, corrected_token_losses, correction_weights, make_correction
+from masktrl.methods.corrections import (
+    CorrectionParams,
+    CustomCorrection,
+    corrected_token_losses,
+    correction_weights,
+    make_correction,
+    register_correction,
+)
 from masktrl.methods.params import (
     CISPOParams,
     DAPOParams,
@@ -68,6 +75,7 @@ from masktrl.methods.sis import SISDecision, sis_accept
 __all__ = [
     "CISPOParams",
     "CorrectionParams",
+    "CustomCorrection",
     "corrected_token_losses",
     "correction_weights",
     "make_correction",
@@ -109,6 +117,7 @@ __all__ = [
     "method_names",
     "overlong_penalty",
     "reference_kl",
+    "register_correction",
     "register_method",
     "regularize",
     "sis_accept",
