@@ -36,8 +36,11 @@ import yaml
 
 from masktrl.errors import ConfigError
 from masktrl.io import atomic_write_text
-from masktrl.method_spec import MethodSpec, is_rule_file, method_from_block, resolve_method_spec  # noqa: F401  resolve_method_spec: the public entry
+from masktrl.method_spec import MethodSpec, is_rule_file, method_from_block
 from masktrl.readers import read_yaml, yaml_value
+
+if typing.TYPE_CHECKING:
+    from masktrl.methods import BoundMethod
 
 PRESETS = Path(__file__).resolve().parent.parent / "configs"  # the presets shipped with the source tree
 DEFAULT_CONFIG = PRESETS / "tiny.yaml"
@@ -845,6 +848,16 @@ def _positive(key: str, value: float) -> None:
 def _non_negative(key: str, value: float) -> None:
     if not value >= 0:
         raise ConfigError(f"{key} must be >= 0, got {value}")
+
+
+def resolve_method_spec(spec: str, correction: dict | None = None) -> BoundMethod:
+    """A method spec string as ``--methods`` takes it (``grpo``, ``pdm:tail=uniform``,
+    ``path/to/rules.py:name``, ``path/to/rules.py:name:key=value``) as a bound method, its
+    params at their defaults but for the ``key=value`` pairs; ``correction``: a
+    ``method.correction`` block. One ``ConfigError`` line for anything wrong."""
+    name, overrides = split_method(spec)
+    raw = read_overrides(None, overrides, {"method": {"name": name, **({"correction": correction} if correction else {})}})
+    return method_from_block(raw["method"]).bind()
 
 
 def split_method(spec: str) -> tuple[str, list[str]]:

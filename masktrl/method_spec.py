@@ -9,8 +9,8 @@ A rule from a file is named ``path/to/rules.py:name`` (``--method``, ``method.na
 ``--methods`` entry of a sweep): the file is imported once per content, and the methods it
 registers with ``masktrl.methods.register_method`` are kept apart from the shipped ones
 (``registry.collecting``), so a file may be edited and loaded again in the same process.
-``resolve_method_spec`` turns any such spec string into a bound method; bad input is one
-``ConfigError`` line.
+``masktrl.config.resolve_method_spec`` turns any such spec string into a bound method; bad
+input is one ``ConfigError`` line.
 """
 
 from __future__ import annotations
@@ -155,18 +155,6 @@ def _correction_block(block: Any) -> tuple[Any, RuleFile | None]:
     install_correction(kind, rule)
     rest = {k: v for k, v in block.items() if k != "sha256"}
     return rest, RuleFile(found.path, found.sha256, recorded if isinstance(recorded, str) else None)
-
-
-def resolve_method_spec(spec: str, correction: dict | None = None) -> BoundMethod:
-    """A method spec string as ``--methods`` takes it (``grpo``, ``pdm:tail=uniform``,
-    ``path/to/rules.py:name``, ``path/to/rules.py:name:key=value``) as a bound method, its
-    params at their defaults but for the ``key=value`` pairs; ``correction``: a
-    ``method.correction`` block. One ``ConfigError`` line for anything wrong."""
-    from masktrl.config import read_overrides, split_method  # the config's own parsing of names and values
-
-    name, overrides = split_method(spec)
-    raw = read_overrides(None, overrides, {"method": {"name": name, **({"correction": correction} if correction else {})}})
-    return method_from_block(raw["method"]).bind()
 
 
 # --------------------------------------------------------------------------- rule files
