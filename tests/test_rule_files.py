@@ -259,3 +259,29 @@ def test_a_correction_file_is_recorded_and_its_bad_input_is_one_line(tmp_path, c
     line = cli_error("train", "--set", f"method.correction.kind={bad}:clamp", "--out", out)
     assert "must take (log_rho, valid, seq_ids, advantages, keys)" in line, line
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_sweep_compare_and_rollouts_from_take_a_file_rule(warm_out, tmp_path, cli_error):
+    """From file to sweep to compare (docs/METHODS.md "Writing your own rule"): the sweep trains the
+    rule beside grpo and prints the compare table; ``analyze compare`` reads its runs; another
+    run trains the rule on the sweep's stored batches; an edited file is refused by the sweep."""
+    config = write_tiny_config(tmp_path / "tiny.yaml", {"train": {"steps": 2}})
+    rule = tmp_path / "tanh_clip.py"
+    shutil.copy(EXAMPLE, rule)
+    out = tmp_path / "out"
+    shutil.copytree(warm_out, out)
+    spec = f"{rule}:tanh_clip"
+    result = cli("sweep", "--methods", f"grpo,{spec},{spec}:eps_high=0.5", "--seeds", "1", "--config", config, "--out", out)
+    assert "tanh_clip" in result.output and "grpo" in result.output
+    for name in ("tanh_clip-seed0", "tanh_clip-eps_high-0.5-seed0"):
+        assert json.loads((out / name / "summary.json").read_text())["method"] == "tanh_clip"
+    table = json.loads((out / "analysis" / "compare.json").read_text())
+    assert table["baseline"] == "grpo" and len(table["methods"]) == 3
+    result = cli("analyze", "compare", "grpo-seed0", "tanh_clip-seed0", "--out", out, "--output", tmp_path / "cmp")
+    assert "tanh_clip" in result.output
+    cli("train", "--config", config, "--out", out, "--method", spec, "--rollouts-from", "grpo-seed0", "--run", "replayed")
+    assert len((out / "replayed" / "metrics.jsonl").read_text().splitlines()) == 2
+    rule.write_text(rule.read_text() + "\n# edited\n")
+    line = cli_error("sweep", "--methods", f"grpo,{spec}", "--seeds", "1", "--config", config, "--out", out)
+    assert "method.sha256" in line, line

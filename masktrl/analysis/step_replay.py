@@ -29,9 +29,9 @@ from typing import Callable
 
 import torch
 
-from masktrl.config import Config
+from masktrl.config import Config, resolve_method_spec
 from masktrl.errors import ArtifactError, MasktrlError
-from masktrl.method_spec import is_rule_file, resolve_method_spec
+from masktrl.method_spec import is_rule_file
 from masktrl.methods import BoundMethod, get_method, make_params, method_names
 from masktrl.models.loading import load_model_and_tokenizer, load_trainable_policy
 from masktrl.models.lora import LoraSettings
