@@ -285,3 +285,13 @@ def test_sweep_compare_and_rollouts_from_take_a_file_rule(warm_out, tmp_path, cl
     rule.write_text(rule.read_text() + "\n# edited\n")
     line = cli_error("sweep", "--methods", f"grpo,{spec}", "--seeds", "1", "--config", config, "--out", out)
     assert "method.sha256" in line, line
+
+
+def test_the_replay_analyses_take_a_file_rule():
+    from masktrl.analysis.step_replay import update_choice
+
+    cfg = load_config(None, ["method.eps_high=0.4"], method=f"{EXAMPLE}:tanh_clip")
+    run = update_choice("run", cfg)
+    assert run.method == f"{EXAMPLE}:tanh_clip" and run.params.eps_high == 0.4
+    other = update_choice(f"{EXAMPLE}:tanh_clip", load_config(None))
+    assert other.params.eps_high == 0.28 and other.describe()["params"]["eps_low"] == 0.2
