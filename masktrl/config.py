@@ -18,6 +18,7 @@ its own range.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -35,7 +36,11 @@ import yaml
 
 from masktrl.errors import ConfigError
 from masktrl.io import atomic_write_text
+from masktrl.method_spec import MethodSpec, is_rule_file, method_from_block
 from masktrl.readers import read_yaml, yaml_value
+
+if typing.TYPE_CHECKING:
+    from masktrl.methods import BoundMethod
 
 PRESETS = Path(__file__).resolve().parent.parent / "configs"  # the presets shipped with the source tree
 DEFAULT_CONFIG = PRESETS / "tiny.yaml"
@@ -470,8 +475,9 @@ class EvalConfig:
 class Config:
     seed: int = 0
     """Names every random stream of the run: warm start, prompts, sampling, minibatch order, SIS uniforms."""
-    method: dict = field(default_factory=lambda: {"name": "grpo"})
-    """The method name and its parameters, e.g. {name: dppo, divergence: topk-tv}."""
+    method: MethodSpec = field(default_factory=lambda: method_from_block({"name": "grpo"}))
+    """The method: its name (a registered rule, or path/to/rules.py:name), its parameters and its
+    correction, e.g. {name: dppo, divergence: topk-tv} (``masktrl.method_spec``)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -481,42 +487,19 @@ class Config:
 
     @property
     def method_name(self) -> str:
-        return self.method["name"]
-
-    @functools.cached_property
-    def method_params(self) -> Any:
-        """The method's parameters: its frozen params object (``masktrl.methods.params``), built
-        and validated once, when the config is loaded (``from_dict``); everything reads it here."""
-        from masktrl.methods import make_params
-
-        given = {k: v for k, v in self.method.items() if k not in ("name", "correction")}
-        try:
-            return make_params(self.method_name, **given)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-
-    @functools.cached_property
-    def correction(self) -> Any:
-        """The off-policy correction every method composes with (``method.correction``,
-        docs/METHODS.md §14): a frozen ``CorrectionParams``, built and validated once at load."""
-        from masktrl.methods import make_correction
-
-        try:
-            return make_correction(self.method.get("correction"))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        """The rule's registered name (runs are named after it)."""
+        return self.method.name
 
     def resolved_method(self) -> dict:
         """``method`` with every parameter at its value, defaults included: ``dppo`` and
         ``dppo`` with ``divergence: topk-kl`` (its default) resolve alike. An active correction
         (anything but kind none in bypass mode) is part of it, resolved the same way."""
-        out = {"name": self.method_name, **self.method_params.__dict__}
-        if self.correction.active:
-            out["correction"] = self.correction.describe()
-        return out
+        return self.method.resolved()
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as run.yaml records it: the method block as written (``MethodSpec.to_dict``)."""
+        return {f.name: self.method.to_dict() if f.name == "method" else _as_dict(getattr(self, f.name))
+                for f in dataclasses.fields(self)}
 
     def hash(self, *sections: str, exclude: tuple[str, ...] = ()) -> str:
         """sha256 of the whole config, or of the named sections only (e.g. the warm start's inputs),
@@ -532,6 +515,10 @@ class Config:
         if sections:
             d = {s: d[s] for s in sections}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _as_dict(value: Any) -> Any:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
 
 
 HASH_UNLESS_SET = ("model.num_experts", "model.experts_per_token")
@@ -555,7 +542,12 @@ def load_config(paths: str | Path | list | tuple | None = None, overrides: list[
             raw = merge_config(raw, {"method": {"name": value}})
         else:
             _set_dotted(raw, key, value)
-    return from_dict(read_overrides(None, overrides, raw))
+    raw = read_overrides(None, overrides, raw)
+    if isinstance(raw.get("method"), dict):  # what a run recorded of its rule files: a request describes the files as they are now
+        raw["method"].pop("sha256", None)
+        if isinstance(raw["method"].get("correction"), dict):
+            raw["method"]["correction"].pop("sha256", None)
+    return from_dict(raw)
 
 
 def read_overrides(path: str | Path | list | tuple | None = None, overrides: list[str] = (), raw: dict | None = None) -> dict:
@@ -582,11 +574,7 @@ def from_dict(raw: dict) -> Config:
         raise ConfigError(f"seed must be in [0, {MAX_SEED}], got {cfg.seed}")
     for section in (cfg.model, cfg.task, cfg.warmstart, cfg.rollout, cfg.train, cfg.eval):
         section.validate()
-    if "name" not in cfg.method:
-        raise ConfigError("method.name is required")
-    cfg.method_params  # noqa: B018  built once, here: a bad parameter fails the load
-    cfg.correction  # noqa: B018  likewise the method.correction block
-    sis_k = getattr(cfg.method_params, "k", None) if cfg.method_name == "sis" else None
+    sis_k = getattr(cfg.method.params, "k", None) if cfg.method.rule == "sis" else None
     if sis_k is not None and sis_k > cfg.rollout.logprobs_k:
         raise ConfigError(f"method.k={sis_k} is above rollout.logprobs_k={cfg.rollout.logprobs_k}: SIS re-cuts the stored behaviour "
                           "lists and cannot make them longer (record more with rollout.logprobs_k)")
@@ -651,12 +639,13 @@ def config_keys(method: str | None = None) -> list[KeyDoc]:
     keys = [KeyDoc("seed", "int", Config.seed, field_docs(Config)["seed"])]
     for section in dataclasses.fields(Config):
         cls = typing.get_type_hints(Config)[section.name]
-        if dataclasses.is_dataclass(cls):
+        if dataclasses.is_dataclass(cls) and cls is not MethodSpec:
             keys += _class_keys(cls, section.name)
     name = method or Config().method_name
-    get_method(name)  # an unknown name: the registry's error lists the valid ones
-    keys.append(KeyDoc("method.name", "str", Config().method_name, f"The method: {' | '.join(method_names())}."))
-    keys += _class_keys(get_method(name).params_cls, "method")
+    params_cls = method_from_block({"name": name}).method.params_cls if is_rule_file(name) else get_method(name).params_cls
+    keys.append(KeyDoc("method.name", "str", Config().method_name,
+                       f"The method: {' | '.join(method_names())}, or path/to/rules.py:name (a rule of your own)."))
+    keys += _class_keys(params_cls, "method")
     from masktrl.methods import CorrectionParams
 
     keys += _class_keys(CorrectionParams, "method.correction")  # every method takes the correction block (§14)
@@ -777,6 +766,8 @@ def _section(cls: type, raw: Any, prefix: str) -> Any:
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
+    if tp is MethodSpec:
+        return method_from_block(value)  # the rule, its params and its correction, validated once
     if dataclasses.is_dataclass(tp):
         return _section(tp, value, key + ".")
     origin = typing.get_origin(tp)
@@ -859,10 +850,29 @@ def _non_negative(key: str, value: float) -> None:
         raise ConfigError(f"{key} must be >= 0, got {value}")
 
 
+def resolve_method_spec(spec: str, correction: dict | None = None) -> BoundMethod:
+    """A method spec string as ``--methods`` takes it (``grpo``, ``pdm:tail=uniform``,
+    ``path/to/rules.py:name``, ``path/to/rules.py:name:key=value``) as a bound method, its
+    params at their defaults but for the ``key=value`` pairs; ``correction``: a
+    ``method.correction`` block. One ``ConfigError`` line for anything wrong."""
+    name, overrides = split_method(spec)
+    raw = read_overrides(None, overrides, {"method": {"name": name, **({"correction": correction} if correction else {})}})
+    return method_from_block(raw["method"]).bind()
+
+
 def split_method(spec: str) -> tuple[str, list[str]]:
     """``pdm:tail=uniform`` -> ("pdm", ["method.tail=uniform"]); a key may be dotted, for a block
-    of the method section: ``grpo:correction.kind=token-tis`` -> ["method.correction.kind=token-tis"]."""
-    name, *pairs = spec.split(":")
+    of the method section: ``grpo:correction.kind=token-tis`` -> ["method.correction.kind=token-tis"].
+    A rule from a file: ``rules.py:soft:tau=2`` -> ("rules.py:soft", ["method.tau=2"])."""
+    segments = []
+    for part in spec.split(":"):  # a value naming a file's rule (correction.kind=rules.py:name) keeps its colon
+        if segments and "=" not in part and segments[-1].endswith(".py") and (len(segments) > 1 or "=" in segments[-1]):
+            segments[-1] += f":{part}"
+        else:
+            segments.append(part)
+    name, *pairs = segments
+    if name.endswith(".py") and pairs:  # path/to/rules.py:name[:KEY=VALUE...]
+        name, pairs = f"{name}:{pairs[0]}", pairs[1:]
     overrides = []
     for pair in pairs:
         key, sep, value = pair.partition("=")

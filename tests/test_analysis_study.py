@@ -137,7 +137,7 @@ def test_bracket_contains_the_exact_ddot_on_every_token(stale_tokens):
 
 def test_unmasked_update_gives_every_criterion_s_kept_tokens_a_gradient(analysis_runs):
     replay = load_replay(analysis_runs / "grpo-seed0", 2, policy_step=3, update_name="unmasked")
-    assert replay.update.method == "dppo" and replay.params.deltas == (float("inf"), float("inf"))
+    assert replay.update.method == "dppo" and replay.method.params.deltas == (float("inf"), float("inf"))
     n = replay.n_tokens
     grads, keeps, adv, valid = torch.zeros(n, dtype=torch.float64), {}, torch.zeros(n), torch.zeros(n, dtype=torch.bool)
 

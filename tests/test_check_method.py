@@ -157,3 +157,25 @@ def test_bad_input_is_one_line_exit_2(args, message, tmp_path):
     assert res.returncode == 2, res.stdout + res.stderr
     assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_rule_from_a_file_conforms_and_a_broken_file_fails(tmp_path):
+    """`masktrl check-method path/to/rules.py:name` checks a user's rule (examples/tanh_clip.py),
+    its --set parameters included; a file whose gradient does not match its value fails by name."""
+    from pathlib import Path
+
+    from tests.conftest import masktrl
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "tanh_clip.py"
+    res = masktrl("check-method", f"{example}:tanh_clip", "--set", "method.eps_high=0.5", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "conforms" in res.stdout and "params round-trip" in res.stdout
+    src = example.read_text()
+    broken = tmp_path / "broken_rule.py"
+    # the gradient coefficient doubled (log 4 -> log 8 in r sech^2), the value unchanged: they disagree
+    assert "math.log(4.0)" in src
+    broken.write_text(src.replace("math.log(4.0)", "math.log(8.0)", 1))
+    bad = masktrl("check-method", f"{broken}:tanh_clip", cwd=tmp_path)
+    assert bad.returncode == 1 and "gradient = value" in bad.stdout, bad.stdout + bad.stderr
+    missing = masktrl("check-method", f"{tmp_path}/nope.py:tanh_clip", cwd=tmp_path)
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1

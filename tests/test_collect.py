@@ -54,10 +54,10 @@ def test_streams_are_distinct_63_bit_seeds():
 
 def test_the_method_chooses_the_normalisation():
     g = _group([1.0, 0.0, 0.0, 1.0])
-    set_advantages([g], get_method("grpo"), make_params("grpo", adv_norm="none"))  # Dr. GRPO: centred only
+    set_advantages([g], get_method("grpo").bind(make_params("grpo", adv_norm="none")))  # Dr. GRPO: centred only
     assert [s.advantage for s in g] == [0.5, -0.5, -0.5, 0.5]
     h = _group([1.0, 0.0, 0.0, 1.0])
-    set_advantages([h], get_method("grpo"), make_params("grpo"))
+    set_advantages([h], get_method("grpo").bind())
     assert [s.advantage for s in h] == [s.advantage for s in _by_default([1.0, 0.0, 0.0, 1.0])]
 
 
@@ -108,7 +108,7 @@ def _collect(task, method="dapo", prompts=4):
     from masktrl.rollout.base import SamplingSettings
 
     settings = CollectSettings(SamplingSettings(3, 4, 1.0, 1.0, 1), prompts, 0, False)
-    return collect_rollouts(_Engine(), _Tokenizer(), task, get_method(method), make_params(method), settings, step=1)
+    return collect_rollouts(_Engine(), _Tokenizer(), task, get_method(method).bind(), settings, step=1)
 
 
 def test_dynamic_sampling_refills_the_batch_with_groups_that_carry_a_signal():

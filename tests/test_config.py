@@ -14,7 +14,7 @@ def test_the_default_preset_is_configs_tiny_yaml_as_documented():
     cfg = load_config()
     assert cfg == written
     # what the README says `masktrl train` runs
-    assert cfg.method == {"name": "grpo"} and cfg.seed == 0
+    assert cfg.method.to_dict() == {"name": "grpo"} and cfg.seed == 0
     assert (cfg.model.path, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.dtype) == ("tiny", 128, 3, "float32")
     assert (cfg.task.name, cfg.task.ops, cfg.task.digits, cfg.task.answer_format, cfg.task.n_test) == ("arithmetic", "+", 3, "plain", 500)
     assert (cfg.warmstart.steps, cfg.warmstart.target_accuracy, cfg.warmstart.lr) == (2000, 0.5, 3e-3)
@@ -45,7 +45,7 @@ def test_precedence_yaml_then_direct_then_overrides(tmp_path):
 
 def test_method_and_its_params():
     cfg = load_config(None, ["method.divergence=topk-tv"], method="dppo")
-    assert cfg.method == {"name": "dppo", "divergence": "topk-tv"}
+    assert cfg.method.to_dict() == {"name": "dppo", "divergence": "topk-tv"}
     with pytest.raises(ConfigError, match="divergence"):
         load_config(None, ["method.divergence=nosuch"], method="dppo")
     with pytest.raises(ConfigError, match="nosuch"):
@@ -158,7 +158,7 @@ def test_presets_compose_later_wins_key_by_key(tmp_path):
     assert cfg.seed == 1 and cfg.train.steps == 7 and cfg.train.lr == 0.02  # merged key by key, later wins
     assert cfg.train.eval_benchmarks == ("synthetic",)  # a list is replaced whole
     assert cfg.eval.data == {"gsm8k": "c.jsonl", "math500": "b.jsonl"}  # a mapping merges
-    assert cfg.method == {"name": "dppo", "divergence": "topk-tv"}
+    assert cfg.method.to_dict() == {"name": "dppo", "divergence": "topk-tv"}
     assert load_config([over, base]).train.lr == 0.01  # the order decides
 
 
@@ -167,10 +167,10 @@ def test_a_method_overlay_replaces_another_method_and_tunes_the_same_one(tmp_pat
     base.write_text("method: {name: dppo, divergence: topk-tv, delta_pos: 0.3}\n")
     other.write_text("method: {name: sis, base: dapo}\n")
     tune.write_text("method: {delta_neg: 0.1}\n")
-    assert load_config([base, other]).method == {"name": "sis", "base": "dapo"}  # dppo's parameters mean nothing to sis
-    assert load_config([base, tune]).method == {"name": "dppo", "divergence": "topk-tv", "delta_pos": 0.3, "delta_neg": 0.1}
-    assert load_config([base, tune], method="dppo").method["delta_neg"] == 0.1  # --method naming the same method keeps them
-    assert load_config([base, tune], method="grpo").method == {"name": "grpo"}
+    assert load_config([base, other]).method.to_dict() == {"name": "sis", "base": "dapo"}  # dppo's parameters mean nothing to sis
+    assert load_config([base, tune]).method.to_dict() == {"name": "dppo", "divergence": "topk-tv", "delta_pos": 0.3, "delta_neg": 0.1}
+    assert load_config([base, tune], method="dppo").method.params.delta_neg == 0.1  # --method naming the same method keeps them
+    assert load_config([base, tune], method="grpo").method.to_dict() == {"name": "grpo"}
 
 
 def test_the_command_line_takes_several_configs(tmp_path):

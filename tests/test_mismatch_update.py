@@ -14,7 +14,7 @@ from masktrl.config import load_config
 from masktrl.methods.registry import get_method
 from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source
 from masktrl.rl.policy import PolicyForward
-from masktrl.rl.update import UpdateSettings, make_optimizer, policy_update
+from masktrl.rl.update import Hooks, Learner, UpdateSettings, make_optimizer, policy_update
 from masktrl.rollout.mismatch import KEYS
 from tests.conftest import TIMING, masktrl, write_tiny_config
 from tests.test_packing import make_samples
@@ -32,11 +32,11 @@ def _from_update(model, samples, grad_accum=1, name="grpo", **settings):
     """The update's mismatch/* (one minibatch), checking that it trained."""
     m = copy.deepcopy(model)
     opt, sched = make_optimizer(m, load_config(None, ["train.lr=1e-2"]).train)
-    s = UpdateSettings(minibatches=1, grad_accum=grad_accum, grad_clip=1e9, logprob_chunk=7, temperature=0.9, horizon=20, **settings)
-    method = get_method(name)
+    s = UpdateSettings(minibatches=1, grad_accum=grad_accum, grad_clip=1e9, logprob_chunk=7, temperature=0.9, horizon=20,
+                       method=get_method(name).bind(), **settings)
     seen = []
     hook = UpdateLogp(then=lambda mb, idx, out, losses, u: seen.append(mb))
-    policy_update(PolicyForward(m), opt, sched, samples, method, method.make_params(), s, seed=0, step=1, before=hook)
+    policy_update(Learner(PolicyForward(m), opt, sched), samples, s, step=1, hooks=Hooks(before=hook))
     assert seen and set(seen) == {0}  # the hook it wraps still runs, once per micro-batch
     stats = hook.stats(samples)
     assert not any(torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))  # it did update

@@ -76,7 +76,7 @@ def test_packed_hidden_equals_padded(model, share):
         prompts, group = policy._distinct_prompts(samples)
         inputs = policy._shared_prompt_inputs(samples, prompts, group)
         with torch.no_grad():
-            want = inner.hidden(inputs.pop("input_ids"), inputs.pop("attention"), inputs.pop("rows"), inputs.pop("cols"), **inputs)
+            want = inner.hidden(policy.ForwardInputs(**inputs))
     with torch.no_grad():
         got = packing.packed_hidden(model.base_model, pack(samples, share))
     assert got.shape == want.shape == (sum(len(s.gen.response_ids) for s in samples), model.config.hidden_size)

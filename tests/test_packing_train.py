@@ -12,7 +12,7 @@ import torch
 import masktrl.methods  # noqa: F401
 from masktrl.methods.registry import get_method
 from masktrl.rl import update
-from masktrl.rl.update import UpdateSettings, make_optimizer, policy_update
+from masktrl.rl.update import Learner, UpdateSettings, make_optimizer, policy_update
 from masktrl.config import load_config
 from tests.conftest import TIMING, masktrl, write_tiny_config
 from tests.test_packing import make_samples
@@ -31,9 +31,8 @@ def _update(model, samples, name, **settings):
     cfg = load_config(None, ["train.lr=1e-2"])
     opt, sched = make_optimizer(m, cfg.train)
     s = UpdateSettings(minibatches=2, grad_accum=settings.pop("grad_accum", 1), grad_clip=1e9, logprob_chunk=7,
-                       temperature=0.9, horizon=20, **settings)
-    method = get_method(name)
-    stats = policy_update(m, opt, sched, samples, method, method.make_params(), s, seed=0, step=1)
+                       temperature=0.9, horizon=20, method=get_method(name).bind(), **settings)
+    stats = policy_update(Learner(m, opt, sched), samples, s, step=1)
     return m, stats
 
 
@@ -72,7 +71,7 @@ def test_micro_batches_balance_across_processes():
             return [x, x + 2]  # the other process needs two more micro-batches
 
     samples = make_samples(20, seed=10, groups=4, per_group=4)
-    out = update._micro_batches(samples, TwoRanks(), UpdateSettings(1, 1, 1.0, 8, 1.0, 20, micro_batch_tokens=10**6))
+    out = update._micro_batches(samples, TwoRanks(), UpdateSettings(1, 1, 1.0, 8, 1.0, 20, micro_batch_tokens=10**6, method=get_method("grpo").bind()))
     assert len(out) == 3 and sorted(i for b in out for i in b) == list(range(0, 16, 2))
 
 

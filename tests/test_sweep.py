@@ -119,7 +119,7 @@ def test_method_specs_with_parameters_are_their_own_runs(tmp_path):
     items = sweep.plan(tmp_path / "out", specs, [3], config)
     assert [i.name for i in items] == ["grpo-seed3", "pdm-tail-agg-seed3", "pdm-tail-uniform-seed3",
                                        "dppo-divergence-topk-kl-delta_pos-0.1-seed3"]
-    params = [(i.cfg.method_name, dict(i.cfg.method)) for i in items]
+    params = [(i.cfg.method_name, i.cfg.method.to_dict()) for i in items]
     assert params[1][0] == params[2][0] == "pdm"
     assert params[1][1]["tail"] == "agg" and params[2][1]["tail"] == "uniform"
     assert params[3][0] == "dppo" and params[3][1]["divergence"] == "topk-kl" and params[3][1]["delta_pos"] == 0.1

@@ -103,19 +103,13 @@ def test_kl_in_the_reward_penalises_the_rewards_before_the_advantages(warm_out):
     ref = FrozenReference(model, cfg.rollout.temperature, cfg.train.logprob_chunk)
     samples, _ = RunStore(root).read_rollouts(2)
     stored = [s.advantage for s in samples]
-    stats = penalise_kl(samples, reference_logprobs(ref, samples, len(samples)), _method(cfg), cfg.method_params)
+    stats = penalise_kl(samples, reference_logprobs(ref, samples, len(samples)), cfg.method.bind())
     assert stats["kl_penalty"] == pytest.approx(rows[1]["kl_penalty"], rel=1e-9)
     assert [s.advantage for s in samples] != stored  # the stored batch keeps the unpenalised values
     batch, _, adv = calls[1][:3]  # the update's [N] advantages (in the policy's float32)
     per_seq = [float(adv[batch.seq_ids == i][0]) for i in range(len(samples))]
     assert sorted(per_seq) == pytest.approx(sorted(s.advantage for s in samples), abs=1e-6)
     assert sorted(per_seq) != pytest.approx(sorted(stored), abs=1e-3)
-
-
-def _method(cfg):
-    from masktrl.methods import get_method
-
-    return get_method(cfg.method_name)
 
 
 def test_entropy_bonus_reports_and_changes_the_update(warm_out, plain):

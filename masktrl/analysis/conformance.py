@@ -142,9 +142,10 @@ def sampled_logp(case: Case) -> torch.Tensor:
 class Rule:
     """A method with its params: ``out(batch, adv, u)`` runs it as the trainer does."""
 
-    def __init__(self, name: str, params=None):
-        self.method = get_method(name)
+    def __init__(self, method, params=None, spec: str | None = None):
+        self.method = get_method(method) if isinstance(method, str) else method
         self.params = self.method.params_cls() if params is None else params
+        self.spec = spec or self.method.name  # as run.yaml's method.name writes it (a rule file: path.py:name)
 
     def out(self, batch: TokenBatch, adv: torch.Tensor, u: torch.Tensor):
         uu = u.to(batch.dtype) if self.method.needs_u(self.params) else None
@@ -358,11 +359,11 @@ def check_round_trip(rule: Rule) -> Row:
         return Row("params round-trip", False, f"{rule.method.params_cls.__name__} redeclares the shared key(s) "
                    f"{', '.join('method.' + k for k in shadowed)} (docs/METHODS.md §13); give the rule's own a name of its own")
     given = {f.name: getattr(rule.params, f.name) for f in fields(rule.params)}
-    cfg = Config(method={"name": rule.method.name, **given})
+    cfg = from_dict({"method": {"name": rule.spec, **given}})
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     back = from_dict(yaml.safe_load(text))
-    if back.method_params != rule.params:
-        return Row("params round-trip", False, f"run.yaml gives {back.method_params!r}, not {rule.params!r}")
+    if back.method.params != rule.params:
+        return Row("params round-trip", False, f"run.yaml gives {back.method.params!r}, not {rule.params!r}")
     return Row("params round-trip", True, f"{len(given)} fields through run.yaml")
 
 
@@ -377,10 +378,11 @@ def _guard(name: str, fn: Callable[[], Row]) -> Row:
         return Row(name, False, f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
 
 
-def check_method(name: str, params=None, *, seeds=SEEDS) -> list[Row]:
-    """Every property of the module docstring for the registered method ``name`` with ``params``
-    (None: its defaults). Returns one ``Row`` per property."""
-    rule = Rule(name, params)
+def check_method(method, params=None, *, seeds=SEEDS, spec: str | None = None) -> list[Row]:
+    """Every property of the module docstring for ``method`` (a registered name, or a ``Method``
+    such as a rule loaded from a file, ``spec`` naming it as run.yaml does) with ``params`` (None:
+    its defaults). Returns one ``Row`` per property."""
+    rule = Rule(method, params, spec)
     horizon = 8
     plain = [random_case(s) for s in seeds]
     extreme = [random_case(100 + s, extreme=True) for s in seeds]

@@ -59,7 +59,7 @@ def sis_bias(root: Path, step: int, ks: tuple[int, ...] = KS) -> dict:
         raise MasktrlError(f"--k {bad[0]} is above the stored list size K = {stored_k} (rollout.logprobs_k): lists can only be re-cut")
     behaviour = load_behaviour(replay)
     cfg = replay.cfg
-    sis = cfg.method_params if cfg.method_name == "sis" else make_params("sis")
+    sis = cfg.method.params if cfg.method.rule == "sis" else make_params("sis")
     base = sis.base_params
     method = get_method("sis")
     model = replay.model

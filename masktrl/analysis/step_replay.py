@@ -29,9 +29,10 @@ from typing import Callable
 
 import torch
 
-from masktrl.config import Config
+from masktrl.config import Config, resolve_method_spec
 from masktrl.errors import ArtifactError, MasktrlError
-from masktrl.methods import Method, get_method, make_params, method_names
+from masktrl.method_spec import is_rule_file
+from masktrl.methods import BoundMethod, get_method, make_params, method_names
 from masktrl.models.loading import load_model_and_tokenizer, load_trainable_policy
 from masktrl.models.lora import LoraSettings
 from masktrl.rl import update
@@ -66,12 +67,14 @@ def update_choice(name: str, cfg: Config) -> UpdateChoice:
     every token with A != 0 gets the gradient coefficient -A r (docs/ANALYSIS.md says why).
     ``run``: the run's method and parameters. A method name: that method, with the run's
     parameters if it is the run's method, else its defaults."""
-    run_params = cfg.method_params
+    run_params = cfg.method.params
     if name == UNMASKED:
         params = make_params("dppo", delta_pos=math.inf, delta_neg=math.inf, loss_agg=run_params.agg_mode)
         return UpdateChoice(UNMASKED, "dppo", params)
-    if name == RUN_METHOD or name == cfg.method_name:
-        return UpdateChoice(name, cfg.method_name, run_params)
+    if name == RUN_METHOD or name == cfg.method_name or name == cfg.method.rule:
+        return UpdateChoice(name, cfg.method.rule, run_params)
+    if is_rule_file(name):  # a rule of the user's own (path/to/rules.py:name), at its defaults
+        return UpdateChoice(name, name, resolve_method_spec(name).params)
     if name not in method_names():
         raise MasktrlError(f"unknown --update-method {name!r}: choose {UNMASKED}, {RUN_METHOD} or a method ({', '.join(method_names())})")
     return UpdateChoice(name, name, make_params(name))
@@ -87,8 +90,7 @@ def behaviour_step(cfg: Config, step: int) -> int:
 class Replay:
     root: Path
     cfg: Config
-    method: Method
-    params: object
+    method: BoundMethod  # the replayed update's method, its params and the run's correction
     samples: list[Sample]
     step: int  # S: the rollout batch
     policy_step: int  # P: the checkpoint the update starts from
@@ -155,15 +157,16 @@ def load_replay(root: Path, step: int, policy_step: int | None = None, update_na
     if policy_step > 0:
         load_optimizer_state(Path(path), optimizer, scheduler)
     optimizer, scheduler, lr_used = build_optimizer(model, cfg.train, choice_opt, optimizer, scheduler)
-    method = get_method(choice.method)
+    method = (cfg.method.method if choice.method == cfg.method.rule else resolve_method_spec(choice.method).method
+              if is_rule_file(choice.method) else get_method(choice.method)).bind(choice.params, cfg.method.correction)
     reference = None
-    if method.needs_reference(choice.params):  # the starting policy, as the run's (docs/METHODS.md §13.7)
+    if method.needs_reference:  # the starting policy, as the run's (docs/METHODS.md §13.7)
         start, _ = load_model_and_tokenizer(store.policy_path(0), cfg.model.dtype)
         reference = FrozenReference(start, cfg.rollout.temperature, cfg.train.logprob_chunk)
         if choice.params.kl_in_reward:  # the stored batch holds the unpenalised rewards and advantages
             micro = micro_batch_size(len(samples), cfg.train.minibatches, cfg.train.grad_accum)
-            penalise_kl(samples, reference_logprobs(reference, samples, micro), method, choice.params)
-    replay = Replay(Path(root), cfg, method, choice.params, samples, step, policy_step, model, tokenizer,
+            penalise_kl(samples, reference_logprobs(reference, samples, micro), method)
+    replay = Replay(Path(root), cfg, method, samples, step, policy_step, model, tokenizer,
                     optimizer, scheduler, choice, reference, choice_opt, lr_used)
     replay.save_state()
     return replay
@@ -221,7 +224,7 @@ def replay_step(replay: Replay, seed: int, minibatches: int, before: Hook | None
     chooses the minibatch partition (``stream_seed(seed, "order", S)``) and the SIS uniforms
     (``stream_seed(seed, "sis", S, mb)``); nothing else in an update is random.
     """
-    settings = replace(update.UpdateSettings.from_config(replay.cfg), minibatches=minibatches)
+    settings = replace(update.UpdateSettings.from_config(replay.cfg), minibatches=minibatches, method=replay.method, seed=seed)
     if replay.replay_optimizer is not None and replay.replay_optimizer.reset_moments:
         inner, seen = before, set()
 
@@ -231,5 +234,5 @@ def replay_step(replay: Replay, seed: int, minibatches: int, before: Hook | None
                 replay.optimizer.state.clear()
             if inner is not None:
                 inner(mb, idx, out, losses, u)
-    update.policy_update(replay.model, replay.optimizer, replay.scheduler, replay.samples, replay.method, replay.params,
-                         settings, seed, replay.step, before=before, after=after, reference=replay.reference)
+    update.policy_update(update.Learner(replay.model, replay.optimizer, replay.scheduler), replay.samples, settings, replay.step,
+                         hooks=update.Hooks(before, after), reference=replay.reference)

@@ -162,7 +162,7 @@ def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, 
         raise ValueError("estimates at other K need the behaviour distribution")
     if decompose_delta is not None and replay.cfg.train.grad_accum != 1:
         raise MasktrlError("the first-order decomposition needs train.grad_accum = 1 (one micro-batch per minibatch)")
-    if decompose_delta is not None and (getattr(replay.params, "kl_in_loss", False) or getattr(replay.params, "entropy_coef", 0.0)):
+    if decompose_delta is not None and (replay.method.kl_in_loss or replay.method.params.entropy_coef):
         raise MasktrlError("the first-order decomposition covers the policy-gradient loss only: replay an update without the "
                            "in-loss reference KL and entropy bonus (--update-method unmasked)")
     pending: dict[int, tuple] = {}
@@ -208,7 +208,7 @@ def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, 
             for tail in ("agg", "uniform"):
                 put(f"keep_ddot_{tail}_k{k}", tok, ~(torch.sign(adv * divergence_rate(bk, "kl", tail).detach()) > 0))
         if decompose_delta is not None:
-            total = replay.method.aggregate(replay.params, losses.loss, b, horizon=replay.cfg.rollout.max_new_tokens)
+            total = replay.method.aggregate(losses.loss, b, horizon=replay.cfg.rollout.max_new_tokens)
             (coef,) = torch.autograd.grad(total, b.logp, retain_graph=True, allow_unused=True)
             coef = torch.zeros_like(b.logp) if coef is None else coef.detach()
             d_now = divergence(b, "topk-kl").detach()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
@@ -21,7 +21,7 @@ RESULT = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "[cyan]info[/]"}
 
 def check_method(
     spec: Annotated[str, typer.Argument(metavar="METHOD", help="A registered method name (masktrl config keys method.name "
-                                        "lists them); its parameters go as --set method.KEY=VALUE.", show_default=False)],
+                                        "lists them) or path/to/rules.py:name; its parameters go as --set method.KEY=VALUE.", show_default=False)],
     set_: MethodSetOpt = None,
 ) -> None:
     """Check a rule's contract on small random float64 batches, in seconds on CPU: its gradient
@@ -30,8 +30,10 @@ def check_method(
     property; exit code 1 if any property fails, 2 on bad input. Writes nothing."""
     from masktrl.analysis.conformance import check_method as run_check, passed
 
-    name, params = _params(_resolve(spec), set_ or [])
-    rows = run_check(name, params)
+    method = _resolve(spec, set_ or [])
+    bound = method.bind()
+    name = method.rule
+    rows = run_check(bound.method, bound.params, spec=method.rule)
     table = Table(title=f"check-method {escape(spec)}")
     for col in ("property", "result", "detail"):
         table.add_column(col, overflow="fold")
@@ -45,21 +47,11 @@ def check_method(
     console.print(f"[green]{escape(name)} conforms[/]", highlight=False)
 
 
-def _resolve(spec: str) -> str:
-    """The registered method name that ``spec`` names (registered names now; a rule loaded from
-    ``file.py:name`` resolves here too once rules load from files). Unknown: ConfigError."""
-    from masktrl.config import ConfigError
-    from masktrl.methods import get_method
-
-    try:
-        return get_method(spec.strip()).name
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _params(name: str, overrides: list[str]) -> tuple[str, Any]:
-    """``name`` and its params validated from ``--set method.KEY=VALUE`` overrides, as a run's
-    config would build them; a bad key or value raises ConfigError (one line, exit 2)."""
+def _resolve(spec: str, overrides: list[str]):
+    """The bound method ``spec`` names (a registered name, or ``path/to/rules.py:name`` for a rule
+    of your own, docs/METHODS.md "Writing your own rule") with its params validated from ``--set
+    method.KEY=VALUE`` overrides, as a run's config builds them; anything wrong raises ConfigError
+    (one line, exit 2)."""
     from masktrl.config import ConfigError, load_config
 
     bad = [o for o in overrides if not o.startswith("method.") or o.startswith("method.name=")]
@@ -68,5 +60,7 @@ def _params(name: str, overrides: list[str]) -> tuple[str, Any]:
     if any(o.startswith("method.correction") for o in overrides):
         raise ConfigError("check-method checks the rule itself; method.correction (docs/METHODS.md §14) composes with any "
                           "rule and is checked by its own tests")
-    cfg = load_config(None, list(overrides), method=name)
-    return cfg.method_name, cfg.method_params
+    if ":" in spec and not spec.split(":")[0].endswith(".py"):
+        raise ConfigError(f"check-method takes a method name or path/to/rules.py:name, got {spec!r}; its parameters go as "
+                          "--set method.KEY=VALUE")
+    return load_config(None, list(overrides), method=spec.strip()).method

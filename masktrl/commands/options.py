@@ -86,10 +86,11 @@ def method_help() -> str:
     from masktrl.methods import get_method, method_names
 
     listed = "; ".join(f"{name}: {get_method(name).help}" for name in method_names())
-    return f"Method (default: the config's). {listed}. Parameters via --set method.X=..."
+    return (f"Method (default: the config's). {listed}. Or a rule of your own: path/to/rules.py:NAME (docs/METHODS.md, "
+            "\"Writing your own rule\"). Parameters via --set method.X=...")
 
 
-MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", metavar="NAME", help=method_help(), show_default=False)]
+MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", metavar="NAME|FILE.py:NAME", help=method_help(), show_default=False)]
 
 
 # ``masktrl train``'s own options

@@ -12,7 +12,7 @@ from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, OutOpt, SetOpt
 
 
 def sweep(
-    methods: Annotated[str, typer.Option("--methods", metavar="LIST", help="Comma-separated methods; NAME:KEY=VALUE gives one its parameters, so a sweep can hold variants: pdm:tail=agg,pdm:tail=uniform (run pdm-tail-uniform-seed<k>). Parameters for all via --set method.X=....")] = "grpo,dppo,pdm,sis",
+    methods: Annotated[str, typer.Option("--methods", metavar="LIST", help="Comma-separated methods; NAME:KEY=VALUE gives one its parameters, so a sweep can hold variants: pdm:tail=agg,pdm:tail=uniform (run pdm-tail-uniform-seed<k>); a rule of your own as path/to/rules.py:NAME[:KEY=VALUE] (run NAME-seed<k>). Parameters for all via --set method.X=....")] = "grpo,dppo,pdm,sis",
     seeds: Annotated[str, typer.Option("--seeds", metavar="N|LIST", help="A count (3: seeds 0,1,2) or a list (0,4,7).")] = "3",
     config: ConfigOpt = None,
     out: OutOpt = DEFAULT_OUT,

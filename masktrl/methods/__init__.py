@@ -4,11 +4,14 @@ No model, no I/O; imports only torch. Everything works per token on a flattened 
 response tokens (``TokenBatch``) and computes in the dtype of its inputs.
 
     from masktrl.methods import TokenBatch, get_method, make_params
-    method = get_method("dppo")
-    params = make_params("dppo", divergence="topk-tv")
-    adv = method.advantages(params, rewards, groups)          # [B] per response (§11)
-    out = method.token_losses(batch, adv_per_token, params)   # TokenLosses, [N] each
-    loss = method.aggregate(params, out.loss, batch, horizon=max_new_tokens)  # scalar (§8)
+    method = get_method("dppo").bind(make_params("dppo", divergence="topk-tv"))
+    adv = method.advantages(rewards, groups)          # [B] per response (§11)
+    out = method.token_losses(batch, adv_per_token)   # TokenLosses, [N] each
+    loss = method.aggregate(out.loss, batch, horizon=max_new_tokens)  # scalar (§8)
+
+A rule of your own: a frozen dataclass derived from ``MethodParams`` and a kernel
+``(batch, advantages, params, u) -> TokenLosses`` under ``@register_method`` (docs/METHODS.md
+"Writing your own rule"; ``--method path/to/file.py:name`` loads it).
 """
 
 from masktrl.methods.advantages import ADV_NORMS, group_advantages
@@ -18,7 +21,7 @@ from masktrl.methods.aggregation import (
     aggregate_denominator,
     aggregate_denominator_from_counts,
 )
-from masktrl.methods.batch import TokenBatch, support, truncate_topk
+from masktrl.methods.batch import TokenBatch, log_ratio, log_ratio_live, support, truncate_topk, unit_ratio_log
 from masktrl.methods.divergence import (
     ddot_kl_bracket,
     ddot_topk_exact,
@@ -29,15 +32,24 @@ from masktrl.methods.divergence import (
     square_mass,
 )
 from masktrl.methods.objectives import token_losses
-from masktrl.methods.corrections import CorrectionParams, corrected_token_losses, correction_weights, make_correction
+from masktrl.methods.corrections import (
+    CorrectionParams,
+    CustomCorrection,
+    corrected_token_losses,
+    correction_weights,
+    make_correction,
+    register_correction,
+)
 from masktrl.methods.params import (
     CISPOParams,
     DAPOParams,
     DPPOParams,
     GRPOParams,
     GSPOParams,
+    MethodParams,
     PDMParams,
     SISParams,
+    check_number,
 )
 from masktrl.methods.regularizers import (
     KL_ESTIMATORS,
@@ -49,6 +61,7 @@ from masktrl.methods.regularizers import (
     regularize,
 )
 from masktrl.methods.registry import (
+    BoundMethod,
     Method,
     TokenLosses,
     get_method,
@@ -72,6 +85,7 @@ from masktrl.methods.gpg import GPGParams
 __all__ = [
     "CISPOParams",
     "CorrectionParams",
+    "CustomCorrection",
     "corrected_token_losses",
     "correction_weights",
     "make_correction",
@@ -83,7 +97,9 @@ __all__ = [
     "DPPOParams",
     "GRPOParams",
     "GSPOParams",
+    "BoundMethod",
     "Method",
+    "MethodParams",
     "PDMParams",
     "RegularizerParams",
     "SISDecision",
@@ -104,6 +120,7 @@ __all__ = [
     "aggregate",
     "aggregate_denominator",
     "aggregate_denominator_from_counts",
+    "check_number",
     "ddot_kl_bracket",
     "ddot_topk_exact",
     "divergence",
@@ -114,15 +131,19 @@ __all__ = [
     "get_method",
     "group_advantages",
     "kl_estimate",
+    "log_ratio",
+    "log_ratio_live",
     "kl_reward_penalty",
     "make_params",
     "method_names",
     "overlong_penalty",
     "reference_kl",
+    "register_correction",
     "register_method",
     "regularize",
     "sis_accept",
     "support",
     "token_losses",
     "truncate_topk",
+    "unit_ratio_log",
 ]

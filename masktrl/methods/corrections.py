@@ -23,8 +23,9 @@ log-ratios are formed in log space and sequence products are sums of logs.
 from __future__ import annotations
 
 import math
+import contextlib
 from dataclasses import dataclass, fields, replace
-from typing import NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from torch import Tensor
@@ -58,7 +59,61 @@ _RS_HI = {"k1": 1.001, "k2": 0.01, "k3": 0.01}  # verl's presets: geo RS 0.999_1
 
 def kind_defaults(kind: str) -> dict[str, object]:
     """The keys ``kind`` reads besides ``kind`` and ``mode``, with their defaults (§14.1)."""
-    return dict(_KEYS[kind])
+    return dict(_KEYS[kind] if kind in _KEYS else _CUSTOM[kind].keys)
+
+
+# --------------------------------------------------------------------------- corrections of your own
+
+
+@dataclass(frozen=True)
+class CustomCorrection:
+    """A correction written outside masktrl (docs/METHODS.md "Writing your own rule"):
+    ``fn(log_rho, valid, seq_ids, adv, keys) -> (f, keep)``, each [N]: the token's weight
+    relative to mu (return ``rho`` itself where it is not changed) and whether it is kept; ``keys``
+    the correction keys it reads (a subset of the block's), with their defaults."""
+
+    name: str
+    fn: Callable
+    keys: dict
+
+
+_CUSTOM: dict[str, CustomCorrection] = {}  # by the kind that names it: a plain name, or path/to/rules.py:name
+_COLLECTING: list[dict[str, CustomCorrection]] = []
+
+
+def register_correction(name: str, keys: dict | None = None) -> Callable:
+    """Decorator: ``fn`` is the correction ``kind: name`` (or, in a file loaded with
+    ``--set method.correction.kind=path/to/rules.py:name``, that kind); ``keys``: the block keys
+    it reads (cap, floor, lo, hi, stat, weight, delta) with their defaults."""
+    keys = dict(keys or {})
+    unknown = [k for k in keys if k not in _KEY_FIELDS]
+    if unknown:
+        raise ValueError(f"correction {name!r}: {unknown[0]} is not a correction key; valid: {', '.join(_KEY_FIELDS)}")
+
+    def wrap(fn: Callable) -> Callable:
+        target = _COLLECTING[-1] if _COLLECTING else _CUSTOM
+        if name in target or (target is _CUSTOM and name in _KEYS):
+            raise ValueError(f"correction {name!r} is already registered")
+        target[name] = CustomCorrection(name, fn, keys)
+        return fn
+
+    return wrap
+
+
+@contextlib.contextmanager
+def collecting_corrections() -> Iterator[dict[str, CustomCorrection]]:
+    """The corrections ``register_correction`` registers inside the block, kept apart."""
+    scope: dict[str, CustomCorrection] = {}
+    _COLLECTING.append(scope)
+    try:
+        yield scope
+    finally:
+        _COLLECTING.pop()
+
+
+def install_correction(kind: str, rule: CustomCorrection) -> None:
+    """Make ``rule`` the correction ``kind`` names (a file's rule under its spec string)."""
+    _CUSTOM[kind] = rule
 
 
 def _err(key: str, msg: str) -> ValueError:
@@ -107,12 +162,12 @@ class CorrectionParams:
     ``modified_response_mask``). Default all."""
 
     def __post_init__(self) -> None:
-        if self.kind not in CORRECTION_KINDS:
-            raise _err("kind", f"must be one of {', '.join(CORRECTION_KINDS)}; got {self.kind!r}")
+        if self.kind not in CORRECTION_KINDS and self.kind not in _CUSTOM:
+            raise _err("kind", f"must be one of {', '.join(CORRECTION_KINDS)} (or path/to/rules.py:name); got {self.kind!r}")
         if self.mode not in CORRECTION_MODES:
             raise _err("mode", f"must be one of {', '.join(CORRECTION_MODES)}; got {self.mode!r}")
         _check_ref_and_denominator(self)
-        keys = _KEYS[self.kind]
+        keys = kind_defaults(self.kind)
         for f in fields(self):
             if f.name in ("kind", "mode", "ref", "denominator") or getattr(self, f.name) is None or f.name in keys:
                 continue
@@ -147,7 +202,7 @@ class CorrectionParams:
     @property
     def resolved(self) -> dict:
         """The kind's keys at their values, defaults filled in (rs: hi from the statistic, k1's lo = 1/hi)."""
-        out = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in _KEYS[self.kind].items()}
+        out = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in kind_defaults(self.kind).items()}
         if self.kind == "rs" and out["stat"] in RS_STATS:
             if out["hi"] is None:
                 out["hi"] = _RS_HI[out["stat"][-2:]]
@@ -206,6 +261,9 @@ def _check_ref_and_denominator(p: CorrectionParams) -> None:
             raise _err("denominator", f"must be one of {', '.join(CORRECTION_DENOMINATORS)}; got {p.denominator!r}")
         if p.denominator == "kept" and p.kind in ("none", "token-tis", "seq-tis"):
             raise _err("denominator", f"kept applies to the kinds that reject tokens, not kind={p.kind}")
+
+
+_KEY_FIELDS = ("cap", "floor", "lo", "hi", "stat", "weight", "delta")
 
 
 def _range(lo, hi) -> None:
@@ -286,6 +344,9 @@ def correction_weights(p: CorrectionParams, behavior_logp: Tensor, ref_logp: Ten
             f, seq_level = total.exp()[inv], True
     elif p.kind == "rs":
         keep = _rs_keep(r["stat"], r["lo"], r["hi"], log_rho, valid, inv, g)
+    elif p.kind in _CUSTOM:  # a correction of the user's own
+        f, keep = _CUSTOM[p.kind].fn(log_rho, valid, seq_ids, adv.detach(), r)
+        keep = keep.to(torch.bool)
     elif p.kind == "opsm":
         cur = ref if current_logp is None else current_logp.detach().to(dt)
         k1 = torch.where(valid, torch.where(valid, mu, zero) - cur, zero)  # log mu - log pi, 0 on invalid
@@ -426,5 +487,6 @@ def correction_diagnostics(corr: Correction | None, batch: TokenBatch) -> dict:
             "corr_weight_mean": float(corr.weight[valid].to(torch.float64).mean())}
 
 
-__all__ = ["CORRECTION_DENOMINATORS", "CORRECTION_KINDS", "CORRECTION_MODES", "CORRECTION_REFS", "RATIO_KINDS", "kept_batch", "Correction", "CorrectionParams", "RS_STATS", "correction_diagnostics", "kind_defaults",
+__all__ = ["CORRECTION_DENOMINATORS", "CORRECTION_KINDS", "CORRECTION_MODES", "CORRECTION_REFS", "RATIO_KINDS", "kept_batch", "Correction", "CorrectionParams", "CustomCorrection", "RS_STATS", "correction_diagnostics",
+           "kind_defaults", "register_correction",
            "correction_weights", "corrected_token_losses", "decoupled_batch", "make_correction", "scale_loss"]

@@ -128,6 +128,28 @@ class _Protocol(RegularizerParams):
         return DELTA_DIAG, DELTA_DIAG
 
 
+@dataclass(frozen=True, kw_only=True)
+class MethodParams(_Protocol):
+    """The base of a rule's params written outside masktrl (docs/METHODS.md "Writing your own
+    rule"): the fields every method shares, keyword-only after the rule's own. A subclass that
+    defines ``__post_init__`` calls ``super().__post_init__()`` so these are checked too."""
+
+    loss_agg: str = "token-mean"
+    """Batch aggregation (§8): seq-mean-token-mean | token-mean | seq-mean-token-sum-norm."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
+    adv_norm: str = "group-std"
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+
+    def __post_init__(self) -> None:
+        _common(self)
+
+
+def check_number(name: str, value, *, lo: float | None = None, hi: float | None = None, inf_ok: bool = False) -> None:
+    """ValueError "method.NAME must be ..." unless ``value`` is a number in [lo, hi] (finite unless ``inf_ok``)."""
+    _number(name, value, lo=lo, hi=hi, inf_ok=inf_ok)
+
+
 # --------------------------------------------------------------------------- methods
 
 

@@ -1,16 +1,22 @@
 """The method registry (verl-style): one decorator, one ``get_method`` whose error lists the names.
 
 A method is a kernel ``(batch, advantages, params, u) -> TokenLosses`` plus its params
-dataclass. The trainer asks the ``Method`` object everything method-specific (advantages,
-aggregation and its denominator, dynamic sampling, whether it needs ``u``, reward shaping), so
-no ``if method == ...`` chain and no aggregation mode is named outside this package.
-Formulas: docs/METHODS.md.
+dataclass. ``Method.bind(params, correction)`` gives a ``BoundMethod``: the method with its
+params and its off-policy correction (docs/METHODS.md §14), whose queries take no params. The
+trainer asks it everything method-specific (advantages, aggregation and its denominator, dynamic
+sampling, whether it needs ``u``, reward shaping), so no ``if method == ...`` chain and no
+aggregation mode is named outside this package. Formulas: docs/METHODS.md.
+
+A rule written in a user's file uses the same decorator; ``collecting()`` gathers the methods a
+file registers without adding them to the shipped names (``masktrl.method_spec`` loads files).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Callable, NamedTuple
+import contextlib
+import inspect
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,6 +30,7 @@ from masktrl.methods.aggregation import (
     check_horizon,
 )
 from masktrl.methods.batch import TokenBatch
+from masktrl.methods.corrections import Correction, CorrectionParams, corrected_token_losses
 from masktrl.methods.regularizers import Regularized, regularize
 
 
@@ -170,20 +177,160 @@ class Method:
             raise ValueError(f"u is required by method {self.name!r} (per-token uniforms in [0, 1), shape [N])")
         return finalize(batch, self.kernel(batch, adv, params, u))
 
+    def bind(self, params=None, correction: CorrectionParams | None = None) -> "BoundMethod":
+        """This method with its params (None = defaults) and its correction (None = kind none)."""
+        params = self.params_cls() if params is None else params
+        self._check(params)
+        return BoundMethod(self, params, CorrectionParams() if correction is None else correction)
+
+
+@dataclass(frozen=True)
+class BoundMethod:
+    """A method bound to its params and its off-policy correction: every query takes no params.
+
+    What the trainer, the rollout collector and the analyses hold (``Config.method.bind()``)."""
+
+    method: Method
+    params: Any
+    correction: CorrectionParams
+
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+    @property
+    def aggregation(self) -> str:
+        """The batch aggregation mode (§8)."""
+        return self.params.agg_mode
+
+    @property
+    def needs_u(self) -> bool:
+        """Whether the token losses need per-token uniforms ``u`` (SIS)."""
+        return self.params.uses_u
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the update needs the reference policy's log-probabilities (kl_coef > 0)."""
+        return self.params.uses_reference
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """Whether the reference KL joins the loss (kl_coef > 0 with kl_in=loss)."""
+        return self.params.kl_in_loss
+
+    @property
+    def needs_entropy_grad(self) -> bool:
+        """Whether the policy forward must keep the entropy's gradient (entropy_coef > 0)."""
+        return self.params.uses_entropy_grad
+
+    @property
+    def needs_full_pi(self) -> bool:
+        """Whether the token losses need ``TokenBatch.pi_sq_sum`` (pdm tail=exact)."""
+        return self.params.uses_full_pi
+
+    @property
+    def dynamic_sampling(self) -> bool:
+        """Whether the trainer drops all-equal-reward groups and refills (DAPO)."""
+        return self.params.uses_dynamic_sampling
+
+    @property
+    def overlong(self) -> tuple[int, float]:
+        """(buffer, penalty) of DAPO's overlong shaping; (0, 0.0) when off or not applicable."""
+        return self.params.overlong
+
+    @property
+    def diagnostic_thresholds(self) -> tuple[float, float]:
+        """(delta_pos, delta_neg) used by ``token_diagnostics``."""
+        return self.params.diag_deltas
+
+    def advantages(self, rewards, groups, lengths=None) -> Tensor:
+        """[B] float64 advantages (§11); see ``Method.advantages``."""
+        return self.method.advantages(self.params, rewards, groups, lengths)
+
+    def reward_delta(self, response_len, max_len: int):
+        """The reward shaping delta for a response length (0 for methods without shaping)."""
+        return self.method.reward_delta(self.params, response_len, max_len)
+
+    def aggregate(self, loss: Tensor, batch: TokenBatch, *, horizon: int | float) -> Tensor:
+        """The scalar batch loss with this method's aggregation (§8); see ``Method.aggregate``."""
+        return self.method.aggregate(self.params, loss, batch, horizon=horizon)
+
+    def denominator(self, valid_counts) -> int:
+        """What ``aggregate`` divides by (§8.1); see ``Method.denominator``."""
+        return self.method.denominator(self.params, valid_counts)
+
+    def regularize(self, loss: Tensor, batch: TokenBatch, *, ref_logp: Tensor | None = None,
+                   entropy: Tensor | None = None) -> Regularized:
+        """``loss`` [N] plus the in-loss KL and the entropy bonus (§13)."""
+        return self.method.regularize(self.params, loss, batch, ref_logp=ref_logp, entropy=entropy)
+
+    def token_losses(self, batch: TokenBatch, advantages: Tensor, *, u: Tensor | None = None) -> TokenLosses:
+        """Per-token losses without the correction (``Method.token_losses``)."""
+        return self.method.token_losses(batch, advantages, self.params, u=u)
+
+    def corrected_token_losses(self, batch: TokenBatch, advantages: Tensor, *, old: tuple | None = None,
+                               u: Tensor | None = None) -> tuple[TokenLosses, Correction | None, TokenBatch]:
+        """(token losses with the correction applied, the correction or None, the batch the method
+        saw): ``corrections.corrected_token_losses``; ``old``: (log pi_old [N], at the top-K ids
+        [N, K]) in decoupled mode."""
+        old_logp, old_topk = (None, None) if old is None else old
+        return corrected_token_losses(self.method, batch, advantages, self.params, self.correction,
+                                      old_logp=old_logp, old_topk_logp=old_topk, u=u)
+
 
 _METHODS: dict[str, Method] = {}
+_COLLECTING: list[dict[str, Method]] = []  # open ``collecting()`` scopes: where registrations go instead
 
 
 def register_method(name: str, params_cls: type, help: str = "") -> Callable[[Kernel], Kernel]:
-    """Decorator: register ``kernel`` under ``name`` with its params dataclass."""
+    """Decorator: register ``kernel`` under ``name`` with its params dataclass.
+
+    Inside ``collecting()`` (a user's rule file being loaded) the method goes to that scope only."""
 
     def wrap(kernel: Kernel) -> Kernel:
-        if name in _METHODS:
+        target = _COLLECTING[-1] if _COLLECTING else _METHODS
+        if name in target:
             raise ValueError(f"method {name!r} is already registered")
-        _METHODS[name] = Method(name, params_cls, kernel, help or (kernel.__doc__ or "").strip().split("\n")[0])
+        target[name] = Method(name, params_cls, kernel, help or (kernel.__doc__ or "").strip().split("\n")[0])
         return kernel
 
     return wrap
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[dict[str, Method]]:
+    """The methods ``register_method`` registers inside the block, by name, kept out of the
+    shipped registry (so a user's file may be loaded again, and may reuse a shipped name)."""
+    scope: dict[str, Method] = {}
+    _COLLECTING.append(scope)
+    try:
+        yield scope
+    finally:
+        _COLLECTING.pop()
+
+
+def check_method(method: Method) -> str | None:
+    """What is wrong with a method's contract, in one phrase, or None: the params class must be a
+    frozen dataclass built with no arguments that answers the registry's questions (a subclass of
+    ``MethodParams``), the kernel a callable taking (batch, advantages, params, u)."""
+    cls = method.params_cls
+    if not isinstance(cls, type) or not is_dataclass(cls):
+        return f"its params class {getattr(cls, '__name__', cls)!r} is not a dataclass"
+    try:
+        params = cls()
+    except Exception as exc:  # noqa: BLE001  a user's class: any error is the answer
+        return f"its params class {cls.__name__} cannot be built with its defaults ({type(exc).__name__}: {exc})"
+    missing = [a for a in ("agg_mode", "advantage_norm", "uses_dynamic_sampling", "uses_u", "uses_full_pi", "overlong",
+                           "diag_deltas", "uses_reference", "uses_entropy_grad", "kl_in_loss") if not hasattr(params, a)]
+    if missing:
+        return f"its params class {cls.__name__} lacks {', '.join(missing)} (derive it from masktrl.methods.MethodParams)"
+    if not callable(method.kernel):
+        return "its kernel is not callable"
+    try:
+        inspect.signature(method.kernel).bind(None, None, None, None)
+    except (TypeError, ValueError):
+        return f"its kernel {getattr(method.kernel, '__name__', '?')} must take (batch, advantages, params, u)"
+    return None
 
 
 def method_names() -> list[str]:

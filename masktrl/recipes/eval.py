@@ -17,7 +17,7 @@ from pathlib import Path
 from masktrl.config import EVAL_BENCHMARKS, OWN_TASK_BENCHMARKS, Config
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.rl.checks import fit_context, model_context
-from masktrl.rl.evaluation import (bench_task_config, build_task, describe_data, eval_chat, generation_block, load_engine,
+from masktrl.rl.evaluation import (EvalBatches, bench_task_config, build_task, describe_data, eval_chat, generation_block, load_engine,
                                    reward_name, sample_and_grade, save, seed_name, summarize, template_label)
 from masktrl.rollout.base import SamplingSettings
 from masktrl.runs.resolve import ModelRef, resolve_model
@@ -114,8 +114,8 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
         chat = cfg.model.chat_template if bench in OWN_TASK_BENCHMARKS else False
         examples, too_long = fit_context(examples, tokenizer, chat, model_context(ref.weights))  # before any generation
         t0 = time.time()
-        graded = sample_and_grade(engine, tokenizer, task, examples, settings, (opts.seed, "eval", seed_name(bench)), cfg.rollout.batch_size,
-                                  chat, progress, label=f"eval {bench}")
+        graded = sample_and_grade(engine, tokenizer, task, examples, settings,
+                                  EvalBatches((opts.seed, "eval", seed_name(bench)), cfg.rollout.batch_size, chat), progress, label=f"eval {bench}")
     finally:
         task.close()
     report = summarize(bench, examples, graded, seed=opts.seed, task=cfg.task.name)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, ContextManager
 
 from masktrl.config import MAX_SEED, Config, diff_configs, load_config, split_method
+from masktrl.method_spec import is_rule_file
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.runs import locks
 from masktrl.runs.store import RunStore, is_fresh_folder
@@ -47,6 +48,7 @@ def parse_methods(text: str) -> list[str]:
     """Comma-separated method specs: ``NAME`` or ``NAME:KEY=VALUE[:KEY=VALUE...]`` (a method with
     its parameters, e.g. ``pdm:tail=uniform``, ``dppo:divergence=binary-tv``), so one sweep can hold
     two variants of a method. Each spec's parameters are checked when its config is built."""
+    from masktrl.method_spec import is_rule_file, load_rule
     from masktrl.methods import method_names
 
     methods = [m.strip() for m in text.split(",") if m.strip()]
@@ -54,8 +56,10 @@ def parse_methods(text: str) -> list[str]:
         raise ConfigError("--methods is empty")
     for spec in methods:
         name, params = split_method(spec)
-        if name not in method_names():
-            raise ConfigError(f"unknown method {name!r}; valid methods: {', '.join(method_names())}")
+        if is_rule_file(name):
+            load_rule(name)  # a missing file, a name not in it, a broken rule: one line before anything is planned
+        elif name not in method_names():
+            raise ConfigError(f"unknown method {name!r}; valid methods: {', '.join(method_names())}, or path/to/rules.py:name")
     if len(set(methods)) != len(methods):
         raise ConfigError(f"--methods lists a method twice: {text}")
     return methods
@@ -63,9 +67,11 @@ def parse_methods(text: str) -> list[str]:
 
 def run_stem(spec: str) -> str:
     """The run-name stem of a method spec: ``pdm:tail=uniform`` -> ``pdm-tail-uniform``,
-    ``grpo:correction.kind=icepop`` -> ``grpo-correction-kind-icepop``."""
-    name, *pairs = spec.split(":")
-    keys = [f"{key.replace('.', '-')}-{value}" for key, _, value in (pair.partition("=") for pair in pairs)]
+    ``grpo:correction.kind=icepop`` -> ``grpo-correction-kind-icepop``, ``rules/soft.py:soft`` -> ``soft``."""
+    name, overrides = split_method(spec)
+    if is_rule_file(name):  # examples/soft_clip.py:soft_clip -> soft_clip
+        name = name.rpartition(":")[2]
+    keys = [f"{key.removeprefix('method.').replace('.', '-')}-{value}" for key, _, value in (o.partition("=") for o in overrides)]
     return "-".join([name, *keys])
 
 

@@ -52,7 +52,7 @@ import torch
 from masktrl.config import Config
 from masktrl.errors import MasktrlError
 from masktrl.io import atomic_dir
-from masktrl.methods import Method, get_method
+from masktrl.methods import BoundMethod
 from masktrl.models import checkpointing
 from masktrl.models.architectures import check_lm_head, shared_prompt_cache_ok
 from masktrl.models.loading import tokenizer_fingerprint
@@ -70,7 +70,7 @@ from masktrl.rl.reference import Reference, make_reference, micro_batch_size, pe
 from masktrl.rl.rollout_source import RolloutSource
 from masktrl.rl.signals import GracefulStop, Interrupted, graceful_stop
 from masktrl.rl.tracking import Trackers, open_trackers
-from masktrl.rl.update import UpdateSettings, make_optimizer, policy_update
+from masktrl.rl.update import Hooks, Learner, UpdateSettings, make_optimizer, policy_update
 from masktrl.rl.warmstart import prepare_policy
 from masktrl.rollout import make_engine
 from masktrl.rollout.base import RolloutEngine, Sample
@@ -104,7 +104,7 @@ class ModelParts:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     engine: RolloutEngine
-    method: Method  # its parameters: cfg.method_params
+    method: BoundMethod  # the run's method, bound to its params and correction (cfg.method.bind())
     reference: Reference | None = None  # the reference-KL term's policy (rl/reference.py); None without one
 
 
@@ -341,9 +341,9 @@ def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress:
     then held-out accuracy of the starting policy."""
     task = checked.task
     model, tokenizer, ws_info = load_policy(cfg, store, task, progress, dist)
-    method = get_method(cfg.method_name)
+    method = cfg.method.bind()
     reference = None  # the starting policy, frozen before a resumed run loads its checkpoint (LoRA: adapters off)
-    if method.needs_reference(cfg.method_params):
+    if method.needs_reference:
         reference = make_reference(model, cfg.rollout.temperature, cfg.train.logprob_chunk)
     optimizer, scheduler = make_optimizer(model, cfg.train)
     n_params = retention.count_parameters(model, trainable_only=cfg.model.lora.rank is not None)  # LoRA: the adapters are checkpointed
@@ -461,14 +461,13 @@ def update(s: State, samples: list[Sample], step: int) -> dict:
     """The policy update on the batch (nothing to train on: no update), the engine given the new
     weights, the step's update recorded."""
     p, r = s.parts, s.run
-    params = s.cfg.method_params
     penalty = {}
-    if params.kl_in_reward and samples:  # docs/METHODS.md §13.2: the rewards, then the advantages, before the update
+    if p.method.params.kl_in_reward and samples:  # docs/METHODS.md §13.2: the rewards, then the advantages, before the update
         micro = micro_batch_size(len(samples), r.update.minibatches, r.update.grad_accum)
-        penalty = penalise_kl(samples, reference_logprobs(p.reference, samples, micro), p.method, params)
+        penalty = penalise_kl(samples, reference_logprobs(p.reference, samples, micro), p.method)
     logp = UpdateLogp(then=r.lab) if samples and mismatch_from(s) == "update" else None  # mismatch/* at no extra forward
-    stats = policy_update(p.policy, p.optimizer, p.scheduler, samples, p.method, params, r.update, s.cfg.seed, step,
-                          r.dist, before=logp or r.lab, reference=p.reference) if samples else {}
+    stats = policy_update(Learner(p.policy, p.optimizer, p.scheduler), samples, r.update, step, r.dist,
+                          hooks=Hooks(before=logp or r.lab), reference=p.reference) if samples else {}
     stats.update(penalty)
     if logp is not None:
         stats.update(logp.stats(samples))
@@ -523,7 +522,7 @@ def finish(s: State) -> TrainResult:
     summary = {
         "run": s.store.name,
         "method": cfg.method_name,
-        "method_params": cfg.method_params.__dict__,
+        "method_params": cfg.method.params.__dict__,
         "seed": cfg.seed,
         "steps": c.steps,
         "eval_before": c.eval_before,
@@ -567,7 +566,7 @@ def rollout_batch(s: State, step: int) -> Batch:
     if r.source:
         batch = r.source.batch(step)
     else:
-        batch = collect_rollouts(p.engine, p.tokenizer, r.task, p.method, s.cfg.method_params, r.collect, step, r.dist)
+        batch = collect_rollouts(p.engine, p.tokenizer, r.task, p.method, r.collect, step, r.dist)
         warning = reward_failures(r.task, batch, step, s.cfg.rollout.n, s.cfg.task.max_reward_error_frac)  # past it: stops
         if warning:
             _note(r.progress, r.dist, f"warning: {warning}")

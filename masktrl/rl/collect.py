@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from masktrl.config import Config, RolloutConfig
 from masktrl.errors import MasktrlError
-from masktrl.methods import group_advantages
+from masktrl.methods import BoundMethod, group_advantages
 from masktrl.rl.distributed import Dist
 from masktrl.rl.reference import response_lengths
 from masktrl.rl.sampling import grade, sample
@@ -58,13 +58,14 @@ def sampling_settings(rollout_cfg: RolloutConfig) -> SamplingSettings:
     return SamplingSettings(r.n, r.max_new_tokens, r.temperature, r.top_p, r.logprobs_k)
 
 
-def collect_rollouts(engine, tokenizer, task, method, params, settings: CollectSettings, step: int,
+def collect_rollouts(engine, tokenizer, task, method: BoundMethod, settings: CollectSettings, step: int,
                      dist: Dist | None = None) -> Batch:
     """``prompts_per_step`` groups with rewards and advantages (samples numbered by group), and
-    the step's rollout statistics."""
+    the step's rollout statistics; ``method``: the run's method bound to its params (reward
+    shaping, dynamic sampling, advantages)."""
     dist = dist or Dist()
     want, max_len = settings.prompts_per_step, settings.sampling.max_new_tokens
-    dynamic = method.dynamic_sampling(params)
+    dynamic = method.dynamic_sampling
     kept, generated = [], []
     errors_before = getattr(task, "reward_errors", 0)
     for attempt in range(MAX_REFILLS if dynamic else 1):
@@ -73,8 +74,8 @@ def collect_rollouts(engine, tokenizer, task, method, params, settings: CollectS
         seed = stream_seed(settings.seed, "rollout", step, attempt, *dist.stream_key)
         groups = generate_groups(engine, tokenizer, examples, settings.sampling, seed, settings.chat_template) if examples else []
         score_groups(task, examples, groups)  # reward: the task's score, then the method's shaping
-        shape_rewards(groups, method, params, max_len)
-        set_advantages(groups, method, params)  # within each group, where it was generated
+        shape_rewards(groups, method, max_len)
+        set_advantages(groups, method)  # within each group, where it was generated
         groups = _interleave(dist.gather_objects(groups))
         generated.extend(groups)
         kept.extend(g for g in groups if not (dynamic and _uniform(g)))
@@ -105,15 +106,15 @@ def score_groups(task, examples, groups: list[list[Sample]]) -> None:
             s.extra["score"] = score
 
 
-def shape_rewards(groups: list[list[Sample]], method, params, max_len: int) -> None:
+def shape_rewards(groups: list[list[Sample]], method: BoundMethod, max_len: int) -> None:
     """The method's reward shaping (DAPO's overlong penalty: ``method.reward_delta``) added to
     each sample's reward; nothing for methods without it."""
-    buffer, _ = method.overlong(params)
+    buffer, _ = method.overlong
     if buffer <= 0:
         return
     for group in groups:
         for s in group:
-            s.reward = s.reward + method.reward_delta(params, len(s.gen.response_ids), max_len)
+            s.reward = s.reward + method.reward_delta(len(s.gen.response_ids), max_len)
 
 
 def numbered(groups: list[list[Sample]]) -> list[Sample]:
@@ -124,7 +125,7 @@ def numbered(groups: list[list[Sample]]) -> list[Sample]:
     return [s for group in groups for s in group]
 
 
-def set_advantages(groups: list[list[Sample]], method=None, params=None) -> None:
+def set_advantages(groups: list[list[Sample]], method: BoundMethod | None = None) -> None:
     """Each sample's advantage from the rewards of its group (samples carry their group's id):
     ``method.advantages`` (with the method's ``adv_norm``), or GRPO's group normalisation
     (``methods.group_advantages``) without a method."""
@@ -134,7 +135,7 @@ def set_advantages(groups: list[list[Sample]], method=None, params=None) -> None
     rewards, ids = [s.reward for s in flat], [s.group for s in flat]
     lengths = response_lengths(flat)  # the batch weights of reinforce++ (docs/METHODS.md §13.4)
     try:
-        adv = method.advantages(params, rewards, ids, lengths) if method else group_advantages(rewards, ids)  # [B]
+        adv = method.advantages(rewards, ids, lengths) if method else group_advantages(rewards, ids)  # [B]
     except ValueError as exc:  # advantages no float can hold (rewards ~1e308 apart): the step stops, nothing stored
         raise MasktrlError(str(exc)) from None
     for s, a in zip(flat, adv.tolist()):

@@ -16,6 +16,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -140,10 +141,20 @@ class Graded:
     finished: list[list[bool]]  # [P][k] ended with EOS
 
 
-def sample_and_grade(engine, tokenizer, task, examples, settings: SamplingSettings, seed_key, batch_size: int,
-                     chat_template: bool, progress=None, label: str = "eval") -> Graded:
-    """``settings.n`` completions per example, generated ``batch_size`` sequences at a time
-    (batch i uses the seed stream ``(*seed_key, i)``), scored with ``task.score_many``."""
+class EvalBatches(NamedTuple):
+    """How an evaluation's generation is cut and seeded: ``batch_size`` sequences at a time,
+    batch i from the seed stream ``(*seed_key, i)``, prompts in the chat template or not."""
+
+    seed_key: tuple
+    batch_size: int
+    chat_template: bool
+
+
+def sample_and_grade(engine, tokenizer, task, examples, settings: SamplingSettings, batches: EvalBatches, progress=None,
+                     label: str = "eval") -> Graded:
+    """``settings.n`` completions per example, generated as ``batches`` says, scored with
+    ``task.score_many``."""
+    seed_key, batch_size, chat_template = batches
     if not examples:
         raise ConfigError("no problems to evaluate")
     per_batch = max(1, batch_size // settings.n)
@@ -266,8 +277,8 @@ def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, la
         template = template_label(task)
         try:
             examples = task.test_examples()[: e.n_problems]
-            graded = sample_and_grade(engine, tokenizer, task, examples, settings, (cfg.seed, "eval", seed_name(bench), step),
-                                      cfg.rollout.batch_size, chat)
+            graded = sample_and_grade(engine, tokenizer, task, examples, settings,
+                                      EvalBatches((cfg.seed, "eval", seed_name(bench), step), cfg.rollout.batch_size, chat))
         finally:
             task.close()
         report = summarize(bench, examples, graded, seed=cfg.seed, task=bench_cfg.task.name)

@@ -9,10 +9,11 @@ GRPO group once (``shared_prompt_hidden``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from masktrl.methods import TokenBatch
+from masktrl.methods import BoundMethod, TokenBatch
 from masktrl.models import checkpointing
 from masktrl.models.architectures import shared_prompt_cache_ok
 from masktrl.models.kvcache import cache_kwarg, new_cache
@@ -29,6 +30,22 @@ class PolicyOutputs:
     shared_prompt: bool = False  # whether the shared-prompt forward ran
 
 
+class ForwardInputs(NamedTuple):
+    """The policy forward's layout. Without ``prompt_ids``: ``input_ids`` [B, L] is
+    prompt+response, right-padded. With them: ``input_ids`` [B, R] holds the responses only (see
+    ``shared_prompt_hidden``). ``rows``, ``cols`` [N]: the response positions. With ``packed``
+    (the padding-free layout, models/packing.py) the others are None."""
+
+    input_ids: torch.Tensor | None
+    attention: torch.Tensor | None
+    rows: torch.Tensor | None
+    cols: torch.Tensor | None
+    prompt_ids: torch.Tensor | None = None
+    prompt_attention: torch.Tensor | None = None
+    group: torch.Tensor | None = None
+    packed: Packed | None = None
+
+
 class PolicyForward(torch.nn.Module):
     """The policy's training forward as one module call, so DDP and DeepSpeed can wrap it: hidden
     states at the response positions, then log pi at the [sampled, top-K] ids and the entropy.
@@ -41,15 +58,12 @@ class PolicyForward(torch.nn.Module):
         self.lm = lm
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]  # read before ZeRO-3 partitions it
 
-    def forward(self, input_ids, attention, rows, cols, ids, temperature: float, chunk: int,
-                prompt_ids=None, prompt_attention=None, group=None, entropy_grad: bool = False, square_mass: bool = False,
-                packed: Packed | None = None):
-        """Without ``prompt_ids``: ``input_ids`` [B, L] is prompt+response, right-padded. With them:
-        ``input_ids`` [B, R] holds the responses only (see ``shared_prompt_hidden``).
+    def forward(self, inputs: ForwardInputs, ids, temperature: float, chunk: int, entropy_grad: bool = False,
+                square_mass: bool = False):
+        """``inputs``: the layout (``ForwardInputs``); ``ids`` [N, 1+K] the sampled and top-K ids.
         ``entropy_grad``: the entropy keeps its gradient (an entropy bonus, docs/METHODS.md §13.3).
-        ``square_mass``: also [N] sum_V pi^2 (no grad; pdm tail=exact, §4.7), else None. With
-        ``packed`` (the padding-free layout, models/packing.py) the other inputs are None."""
-        h = self.hidden(input_ids, attention, rows, cols, prompt_ids, prompt_attention, group, packed)  # [N, H]
+        ``square_mass``: also [N] sum_V pi^2 (no grad; pdm tail=exact, §4.7), else None."""
+        h = self.hidden(inputs)  # [N, H]
         weight = self.lm.get_output_embeddings().weight  # [V, H]
         # [N, 1+K] log pi at the sampled and top-K ids, and [N] entropy, in one pass over V
         lp, entropy = token_logprobs_and_entropy(h, weight, ids, temperature=temperature, chunk_size=chunk,
@@ -57,24 +71,26 @@ class PolicyForward(torch.nn.Module):
         sq = token_square_mass(h.detach(), weight.detach(), temperature=temperature, chunk_size=chunk) if square_mass else None
         return lp, entropy, sq
 
-    def hidden(self, input_ids, attention, rows, cols, prompt_ids=None, prompt_attention=None, group=None, packed=None):
+    def hidden(self, inputs: ForwardInputs):
         """[N, H] final hidden states at the response positions (the rows the lm_head reads)."""
-        if packed is not None:
-            return packed_hidden(self.lm.base_model, packed)
-        if prompt_ids is None:
-            hidden = self.lm.base_model(input_ids=input_ids, attention_mask=attention).last_hidden_state  # [B, L, H]
+        if inputs.packed is not None:
+            return packed_hidden(self.lm.base_model, inputs.packed)
+        if inputs.prompt_ids is None:
+            hidden = self.lm.base_model(input_ids=inputs.input_ids, attention_mask=inputs.attention).last_hidden_state  # [B, L, H]
         else:
-            hidden = shared_prompt_hidden(self.lm.base_model, prompt_ids, prompt_attention, input_ids, attention, group)
-        return hidden[rows, cols]
+            hidden = shared_prompt_hidden(self.lm.base_model, inputs.prompt_ids, inputs.prompt_attention, inputs.input_ids,
+                                          inputs.attention, inputs.group)
+        return hidden[inputs.rows, inputs.cols]
 
 
 def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: int, *, share: bool | None = None,
-                       entropy_grad: bool = False, drop_truncated: bool = False, full_pi: bool = False, packed: bool = False) -> PolicyOutputs:
+                       drop_truncated: bool = False, packed: bool = False, method: BoundMethod | None = None) -> PolicyOutputs:
     """Run the policy on prompt+response and gather log pi at the sampled and top-K ids.
 
-    ``full_pi``: also ``TokenBatch.pi_sq_sum`` = sum_V pi^2 per token, from the whole training
-    distribution (one more chunked pass over the vocabulary, no grad): what pdm ``tail=exact``
-    needs (``Method.needs_full_pi``).
+    ``method``: the bound method the outputs feed, which says what else the forward keeps: the
+    entropy's gradient (``needs_entropy_grad``: an entropy bonus) and ``TokenBatch.pi_sq_sum`` =
+    sum_V pi^2 per token, from the whole training distribution (``needs_full_pi``: one more
+    chunked pass over the vocabulary, no grad; pdm ``tail=exact``). None: neither.
 
     ``model``: a causal LM, or a ``PolicyForward`` (possibly wrapped by DDP/DeepSpeed). Never
     materialises the [B, T, V] logits: ``token_logprobs`` works on response positions only,
@@ -86,7 +102,6 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
     support for a read-only cache in checkpointed layers (``models/checkpointing.py``); without
     it every response runs with its prompt.
 
-    ``entropy_grad``: ``PolicyOutputs.entropy`` keeps its gradient (an entropy bonus).
     ``drop_truncated`` (``rollout.mask_truncated``): the tokens of a response cut at the length
     limit get behaviour log-probability -inf, so every method treats them as invalid: no loss,
     no gradient, left out of every aggregation denominator (docs/METHODS.md §13.5).
@@ -101,12 +116,12 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
     sampled = torch.tensor([t for s in samples for t in s.gen.response_ids], device=device)  # [N]
     topk_ids = torch.tensor([row for s in samples for row in s.gen.topk_ids], dtype=torch.long, device=device)  # [N, K]
     ids = torch.cat([sampled[:, None], topk_ids], dim=1)  # [N, 1+K]
-    if entropy_grad:
-        inputs["entropy_grad"] = True
-    if full_pi:
-        inputs["square_mass"] = True
-    lp, entropy, sq = policy(inputs.pop("input_ids"), inputs.pop("attention"), inputs.pop("rows"), inputs.pop("cols"),
-                             ids, temperature, chunk, **inputs)  # [N, 1+K], [N], [N] or None
+    wants = {}
+    if method is not None and method.needs_entropy_grad:
+        wants["entropy_grad"] = True
+    if method is not None and method.needs_full_pi:
+        wants["square_mass"] = True
+    lp, entropy, sq = policy(inputs, ids, temperature, chunk, **wants)  # [N, 1+K], [N], [N] or None
     dt = lp.dtype  # float32 at least (float64 for a float64 model)
     behavior_topk = torch.tensor([row for s in samples for row in s.gen.topk_logp], dtype=dt, device=device)  # [N, K]
     behavior_logp = torch.tensor([x for s in samples for x in behaviour_logp(s, drop_truncated)], dtype=dt, device=device)  # [N]
@@ -141,7 +156,7 @@ def response_hidden(model, samples: list[Sample]) -> torch.Tensor:
     ``full_logprobs`` it gives the whole next-token distribution, for analyses that need more
     than the listed ids (exact divergences, docs/METHODS.md §4.5)."""
     policy, inner, inputs, _ = _policy_inputs(model, samples)
-    return inner.hidden(inputs.pop("input_ids"), inputs.pop("attention"), inputs.pop("rows"), inputs.pop("cols"), **inputs)
+    return inner.hidden(inputs)
 
 
 def lm_head_weight(model) -> torch.Tensor:
@@ -183,12 +198,12 @@ def _policy_inputs(model, samples: list[Sample], share: bool | None = None, pack
     if packed:
         responses = [s.gen.response_ids for s in samples]
         layout = pack_shared(prompts, group, responses) if share else pack_whole([s.prompt_ids for s in samples], responses)
-        return policy, inner, {"input_ids": None, "attention": None, "rows": None, "cols": None, "packed": layout.to(device)}, share
+        return policy, inner, ForwardInputs(None, None, None, None, packed=layout.to(device)), share
     if share:
         inputs = _shared_prompt_inputs(samples, prompts, group)
     else:
         inputs = _whole_sequence_inputs(samples)
-    return policy, inner, {k: v.to(device) for k, v in inputs.items()}, share
+    return policy, inner, ForwardInputs(**{k: v.to(device) for k, v in inputs.items()}), share
 
 
 def _distinct_prompts(samples: list[Sample]) -> tuple[list[list[int]], list[int]]:

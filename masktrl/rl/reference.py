@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from masktrl.methods import kl_reward_penalty
+from masktrl.methods import BoundMethod, kl_reward_penalty
 from masktrl.models.lora import has_lora, reference_policy
 from masktrl.rl.policy import policy_token_batch
 from masktrl.rollout.base import Sample
@@ -93,7 +93,7 @@ def response_lengths(samples: list[Sample]) -> list[int]:
     return [len(s.gen.response_ids) for s in samples]
 
 
-def penalise_kl(samples: list[Sample], ref_logp: list[torch.Tensor], method, params) -> dict:
+def penalise_kl(samples: list[Sample], ref_logp: list[torch.Tensor], method: BoundMethod) -> dict:
     """``method.kl_in=reward`` (docs/METHODS.md §13.2): each reward minus kl_coef * sum_t kl_t,
     the estimator at the recorded log mu against ``ref_logp`` (one [len] tensor per sample), then
     every advantage again from the penalised rewards (``method.advantages``, as ``rl/collect.py``
@@ -104,12 +104,13 @@ def penalise_kl(samples: list[Sample], ref_logp: list[torch.Tensor], method, par
     mu = torch.tensor([x for s in samples for x in s.gen.logp], dtype=torch.float64)  # [N]
     ref = torch.cat([r.detach().to(torch.float64).cpu() for r in ref_logp])  # [N]
     seq = torch.tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids])  # [N], sorted
+    params = method.params
     per_token = kl_reward_penalty(mu, ref, torch.arange(mu.shape[0]), params.kl_estimator, 1.0)  # [N] (0 where invalid)
     penalty = params.kl_coef * torch.zeros(len(samples), dtype=torch.float64).index_add_(0, seq, per_token)  # [B]
     valid = mu > float("-inf")
     for s, p in zip(samples, penalty.tolist()):
         s.reward = s.reward - p
-    adv = method.advantages(params, [s.reward for s in samples], [s.group for s in samples], response_lengths(samples))
+    adv = method.advantages([s.reward for s in samples], [s.group for s in samples], response_lengths(samples))
     for s, a in zip(samples, adv.tolist()):
         s.advantage = a
     return {"kl_ref": float(per_token[valid].mean()) if bool(valid.any()) else float("nan"),

@@ -16,6 +16,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,12 +33,21 @@ from masktrl.runs.store import RunStore, checkpoint_key
 ENGINE_STATE_DIR = "deepspeed"  # DeepSpeed's own checkpoint format, inside checkpoints/<step>/
 
 
-def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, extra: dict | None = None, state_dict: dict | None = None,
-         engine_state: Path | None = None) -> Path:
-    """``state_dict``: the weights to write instead of ``model``'s own (gathered from DeepSpeed
-    shards). ``optimizer=None`` (DeepSpeed: its state is sharded) leaves the optimizer state out;
-    ``engine_state``: a folder of DeepSpeed shards moved into the checkpoint as ``deepspeed/``."""
+class Sharded(NamedTuple):
+    """A DeepSpeed run's part of a checkpoint: ``state_dict``, the weights to write instead of
+    the model's own (gathered from the shards); ``engine_state``, a folder of DeepSpeed shards
+    moved into the checkpoint as ``deepspeed/``; ``extra``, entries for trainer_state.json."""
+
+    state_dict: dict | None = None
+    engine_state: Path | None = None
+    extra: dict | None = None
+
+
+def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, sharded: Sharded = Sharded()) -> Path:
+    """Write checkpoint ``step`` into ``dest``. ``optimizer=None`` (DeepSpeed: its state is
+    sharded) leaves the optimizer state out; ``sharded``: see ``Sharded``."""
     dest = Path(dest)
+    state_dict, engine_state, extra = sharded
     with atomic_dir(dest) as tmp:
         if has_lora(model):  # a LoRA run: the adapters only, naming their base (models/lora.py)
             save_adapter(tmp, model, state=state_dict)
@@ -80,8 +90,7 @@ def save_step(store: RunStore, step: int, model, tokenizer, optimizer, scheduler
         dist.save_engine_state(policy, shards)  # every process, its own shard
     if store.writable:
         extra = {"deepspeed": dist.engine_state_info()} if dist.deepspeed else None
-        path = save(dest, model, tokenizer, None if dist.deepspeed else optimizer, scheduler, step, extra=extra, state_dict=state,
-                    engine_state=shards)
+        path = save(dest, model, tokenizer, None if dist.deepspeed else optimizer, scheduler, step, Sharded(state, shards, extra))
         store.sync_metrics()  # the metrics rows of the checkpoint's steps are durable before it is recorded
         store.mark_done(checkpoint_key(step), [path], metrics=store.metrics_digest())  # every file, and the rows up to it
     dist.barrier()

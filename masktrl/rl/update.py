@@ -15,13 +15,15 @@ import math
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from masktrl.config import Config, TrainConfig
 from masktrl.errors import MasktrlError
-from masktrl.methods.corrections import CorrectionParams, corrected_token_losses, correction_diagnostics, kept_batch
+from masktrl.methods import BoundMethod
+from masktrl.methods.corrections import correction_diagnostics, kept_batch
 from masktrl.methods.diagnostics import token_diagnostics
 from masktrl.methods.regularizers import mean_over_valid
 from masktrl.models import packing
@@ -35,8 +37,9 @@ from masktrl.seeding import stream_seed
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """What an update needs to know beyond the method: the ``train`` keys it reads, and the
-    rollout's temperature (pi is computed at the temperature mu sampled at) and horizon."""
+    """Everything an update reads besides the batch: the run's method bound to its params and
+    correction, the ``train`` keys, the rollout's temperature (pi is computed at the temperature
+    mu sampled at) and horizon, and the run's seed (minibatch order, SIS uniforms)."""
 
     minibatches: int
     grad_accum: int
@@ -46,16 +49,47 @@ class UpdateSettings:
     horizon: int  # rollout.max_new_tokens: the longest possible response
     gradient_checkpointing: bool = False  # train.gradient_checkpointing: report which forward ran (shared_prompt_frac)
     mask_truncated: bool = False  # rollout.mask_truncated: responses cut at the length limit get no gradient
-    correction: CorrectionParams = CorrectionParams()  # method.correction (docs/METHODS.md §14)
     packing: bool = False  # train.packing: the padding-free forward
     micro_batch_tokens: int | None = None  # train.micro_batch_tokens: micro-batches by a token budget (None: grad_accum of them)
+    method: BoundMethod = field(kw_only=True)  # the method, its params and its correction (docs/METHODS.md §14)
+    seed: int = field(default=0, kw_only=True)  # the run's seed
 
     @classmethod
     def from_config(cls, cfg: Config) -> "UpdateSettings":
         t = cfg.train
         return cls(t.minibatches, t.grad_accum, t.grad_clip, t.logprob_chunk, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
-                   t.gradient_checkpointing, cfg.rollout.mask_truncated, cfg.correction, t.packing,
-                   t.micro_batch_tokens)
+                   t.gradient_checkpointing, cfg.rollout.mask_truncated, t.packing, t.micro_batch_tokens,
+                   method=cfg.method.bind(), seed=cfg.seed)
+
+
+class Learner(NamedTuple):
+    """What an update changes: the policy (its training forward, wrapped for DDP / DeepSpeed when
+    launched), its optimizer and its learning-rate schedule."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
+class Hooks(NamedTuple):
+    """The analyses' view into an update (``policy_update``): ``before(mb, idx, out, losses, u)``
+    sees each micro-batch's policy outputs and token losses before its backward; ``after(mb, idx)``
+    runs after each optimizer step."""
+
+    before: Callable | None = None
+    after: Callable | None = None
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """What every minibatch update of one step shares: the batch, the step, the processes, the
+    hooks and the reference policy (None without a reference KL in the loss)."""
+
+    samples: list[Sample]
+    step: int
+    dist: Dist
+    hooks: Hooks = Hooks()
+    reference: Reference | None = None
 
 
 def make_optimizer(model, train_cfg: TrainConfig):
@@ -67,8 +101,8 @@ def make_optimizer(model, train_cfg: TrainConfig):
     return optimizer, make_scheduler(optimizer, t, total_updates=t.steps * t.minibatches)
 
 
-def policy_update(model, optimizer, scheduler, samples: list[Sample], method, params, settings: UpdateSettings, seed: int,
-                  step: int, dist: Dist | None = None, *, before=None, after=None, reference: Reference | None = None) -> dict:
+def policy_update(learner: Learner, samples: list[Sample], settings: UpdateSettings, step: int, dist: Dist | None = None, *,
+                  hooks: Hooks = Hooks(), reference: Reference | None = None) -> dict:
     """N minibatch updates on one rollout batch; returns the step's averaged diagnostics.
 
     Several processes (``dist``) all hold the whole batch and cut it into the same minibatches;
@@ -85,9 +119,8 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     only counted.
 
     The analyses replay a stored step through this same function (with their own
-    ``settings.minibatches``): ``before(mb, idx, out, losses, u)`` sees each micro-batch's policy
-    outputs and token losses (``idx``: indices into ``samples``) before its backward, and
-    ``after(mb, idx)`` runs after each optimizer step.
+    ``settings.minibatches``) and look in through ``hooks`` (``Hooks``: ``idx`` are indices into
+    ``samples``).
 
     The method's regularisers (docs/METHODS.md §13) join each micro-batch's per-token loss before
     its aggregation: the reference KL in the loss needs ``reference`` (``rl/reference.py``), called
@@ -99,28 +132,28 @@ def policy_update(model, optimizer, scheduler, samples: list[Sample], method, pa
     without gradient, in the very micro-batches the updates then use (``old_logprobs``), and
     its time is reported as ``old_forward_s``.
     """
-    dist = dist or Dist()
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(stream_seed(seed, "order", step)))
+    batch = StepBatch(samples, step, dist or Dist(), hooks, reference)
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(stream_seed(settings.seed, "order", step)))
     parts = [p for p in order.chunk(settings.minibatches) if len(p)]
     rows, trained, skipped = [], 0, 0
-    model.train()
+    learner.model.train()
     t0 = time.perf_counter()
-    olds = old_logprobs(model, samples, parts, settings, dist) if settings.correction.needs_old else [None] * len(parts)
+    needs_old = settings.method.correction.needs_old
+    olds = old_logprobs(learner.model, samples, parts, settings, batch.dist) if needs_old else [None] * len(parts)
     old_forward_s = time.perf_counter() - t0
     for mb, idx in enumerate(parts):
-        diag, n, applied = minibatch_update(model, optimizer, scheduler, samples, idx, mb, method, params, settings, seed, step, dist,
-                                            before=before, reference=reference, old=olds[mb])
+        diag, n, applied = minibatch_update(learner, settings, batch, mb, idx, old=olds[mb])
         trained, skipped = trained + n, skipped + (not applied)
-        if after is not None:
-            after(mb, idx.tolist())
+        if hooks.after is not None:
+            hooks.after(mb, idx.tolist())
         rows.append(diag)
-    model.eval()
+    learner.model.eval()
     stats = _mean_rows(rows)
     stats["skipped_updates"] = skipped
-    if settings.correction.needs_old:
+    if needs_old:
         stats["old_forward_s"] = old_forward_s
-    if dist.world > 1:  # shows the sharding: sequences each process trained on, in rank order
-        stats["sequences_per_process"] = dist.gather_objects(trained)
+    if batch.dist.world > 1:  # shows the sharding: sequences each process trained on, in rank order
+        stats["sequences_per_process"] = batch.dist.gather_objects(trained)
     return stats
 
 
@@ -143,61 +176,49 @@ def old_logprobs(model, samples: list[Sample], parts: list[torch.Tensor], settin
     return olds
 
 
-def minibatch_update(model, optimizer, scheduler, samples: list[Sample], idx: torch.Tensor, mb: int, method, params,
-                     settings: UpdateSettings, seed: int, step: int, dist: Dist, *, before=None,
-                     reference: Reference | None = None, old: list | None = None) -> tuple[dict, int, bool]:
-    """One optimizer update on minibatch ``mb`` (``idx``: its indices into ``samples``), this
+class _Micro(NamedTuple):
+    """One micro-batch's results: its diagnostics row and its share of the minibatch's loss."""
+
+    row: dict
+    loss: float
+    denominator: float  # its aggregate's denominator (the kept tokens' with correction.denominator=kept)
+
+
+def minibatch_update(learner: Learner, settings: UpdateSettings, batch: StepBatch, mb: int, idx: torch.Tensor,
+                     old: list | None = None) -> tuple[dict, int, bool]:
+    """One optimizer update on minibatch ``mb`` (``idx``: its indices into ``batch.samples``), this
     process's micro-batches of it accumulated; (its diagnostics, the sequences this process
     trained on, whether the update was applied). The method's token losses carry the run's
-    off-policy correction (``settings.correction``; ``old``: pi_old per micro-batch in decoupled
-    mode, from ``old_logprobs``)."""
-    mb_samples = [samples[i] for i in idx.tolist()]
-    u = _sis_uniforms(mb_samples, seed, step, mb) if method.needs_u(params) else None
-    total = method.denominator(params, valid_counts(mb_samples, settings.mask_truncated))  # of the whole minibatch
-    kl_in_loss, entropy_grad = params.kl_in_loss, method.needs_entropy_grad(params)
-    if kl_in_loss and reference is None:
+    off-policy correction (``settings.method.correction``; ``old``: pi_old per micro-batch in
+    decoupled mode, from ``old_logprobs``)."""
+    method, dist = settings.method, batch.dist
+    mb_samples = [batch.samples[i] for i in idx.tolist()]
+    u = _sis_uniforms(mb_samples, settings.seed, batch.step, mb) if method.needs_u else None
+    total = method.denominator(valid_counts(mb_samples, settings.mask_truncated))  # of the whole minibatch
+    if method.kl_in_loss and batch.reference is None:
         raise MasktrlError("method.kl_coef > 0 with method.kl_in=loss needs the reference policy's log-probabilities")
-    optimizer.zero_grad(set_to_none=True)
+    learner.optimizer.zero_grad(set_to_none=True)
     micro_rows, loss_value, trained, kept_den = [], 0.0, 0, 0
     for j, micro in enumerate(_micro_batches(mb_samples, dist, settings)):
-        # the packed forward's attention stays switched in through the backward (activation checkpointing replays the layers there)
-        with dist.accumulate(model), (packing.segments_attention(base_model(model)) if settings.packing else contextlib.nullcontext()):
-            micro_samples = [mb_samples[i] for i in micro]
-            share_prompts = _agreed_share(micro_samples, dist)
-            out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk, share=share_prompts,
-                                     entropy_grad=entropy_grad, drop_truncated=settings.mask_truncated,
-                                     full_pi=method.needs_full_pi(params), packed=settings.packing)
-            u_micro = None if u is None else torch.cat([u[i] for i in micro]).to(out.batch.logp.dtype)
-            old_lp, old_top = (None, None) if old is None else old[j]
-            losses, corr, seen = corrected_token_losses(method, out.batch, out.advantages, params, settings.correction,
-                                                        old_logp=old_lp, old_topk_logp=old_top, u=u_micro)
-            if before is not None:
-                before(mb, [idx[i].item() for i in micro], out, losses, u_micro)
-            ref_lp = reference(micro_samples, share=share_prompts).to(out.batch.logp.device) if kl_in_loss else None
-            reg = method.regularize(params, losses.loss, out.batch, ref_logp=ref_lp, entropy=out.entropy)
-            agg_batch = kept_batch(out.batch, corr) if settings.correction.drops_rejected else out.batch
-            loss = method.aggregate(params, reg.loss, agg_batch, horizon=settings.horizon)
-            share = method.denominator(params, agg_batch) / max(total, 1)  # 1.0 for one process, one micro-batch
-            kept_den += method.denominator(params, agg_batch)
-            dist.backward(loss if share == 1.0 and dist.world == 1 else loss * (share * dist.world))
-        loss_value += loss.item() * share
+        u_micro = None if u is None else torch.cat([u[i] for i in micro])
+        done = micro_update(learner.model, settings, batch, (mb, [mb_samples[i] for i in micro], [idx[i].item() for i in micro]),
+                            u_micro, None if old is None else old[j], total)
+        loss_value += done.loss
+        kept_den += done.denominator
         trained += len(micro)
-        micro_rows.append({**token_diagnostics(seen, losses, out.advantages, params), **correction_diagnostics(corr, out.batch),
-                           "entropy": out.entropy.mean().item(), **regularizer_diagnostics(out.batch, reg, params)})
-        if settings.gradient_checkpointing:
-            micro_rows[-1]["shared_prompt_frac"] = float(out.shared_prompt)
-    if settings.correction.drops_rejected:
-        loss_value *= rescale_to_kept(model, total, dist.sum([kept_den])[0], dist)
-    grad_norm = dist.clip_grad_norm(model, settings.grad_clip)
+        micro_rows.append(done.row)
+    if method.correction.drops_rejected:
+        loss_value *= rescale_to_kept(learner.model, total, dist.sum([kept_den])[0], dist)
+    grad_norm = dist.clip_grad_norm(learner.model, settings.grad_clip)
     loss_total = dist.sum([loss_value])[0]
     applied = math.isfinite(loss_total) and (math.isfinite(grad_norm) or dist.deepspeed)  # DeepSpeed: no norm; it stepped already
     if applied:
-        optimizer.step()
+        learner.optimizer.step()
     else:  # not applied: the weights and the optimizer state stay as they were
-        optimizer.zero_grad(set_to_none=True)
+        learner.optimizer.zero_grad(set_to_none=True)
     with warnings.catch_warnings():  # torch warns when the first update of a run is the skipped one
         warnings.simplefilter("ignore", UserWarning)
-        scheduler.step()  # the schedule follows the updates planned, applied or not
+        learner.scheduler.step()  # the schedule follows the updates planned, applied or not
     diag = combine_rows([r for rank_rows in dist.gather_objects(micro_rows) for r in rank_rows])
     diag.update(loss=loss_total, grad_norm=grad_norm)
     return diag, trained, applied
@@ -217,6 +238,37 @@ def rescale_to_kept(model, total: int, kept: float, dist: Dist) -> float:
         if p.grad is not None:
             p.grad.mul_(factor)
     return factor
+
+
+def micro_update(model, settings: UpdateSettings, batch: StepBatch, where: tuple, u: torch.Tensor | None, old: tuple | None,
+                 total: int) -> _Micro:
+    """The forward and backward of one micro-batch (``where``: the minibatch index, its samples,
+    their indices into ``batch.samples``): the policy's log-probabilities, the method's corrected
+    token losses, the regularisers, the aggregate scaled by the micro-batch's share of the
+    minibatch's denominator ``total``; its diagnostics row and its share of the loss."""
+    method, dist = settings.method, batch.dist
+    mb, micro_samples, micro_idx = where
+    # the packed forward's attention stays switched in through the backward (activation checkpointing replays the layers there)
+    with dist.accumulate(model), (packing.segments_attention(base_model(model)) if settings.packing else contextlib.nullcontext()):
+        share_prompts = _agreed_share(micro_samples, dist)
+        out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk, share=share_prompts,
+                                 drop_truncated=settings.mask_truncated, packed=settings.packing, method=method)
+        u = None if u is None else u.to(out.batch.logp.dtype)
+        losses, corr, seen = method.corrected_token_losses(out.batch, out.advantages, old=old, u=u)
+        if batch.hooks.before is not None:
+            batch.hooks.before(mb, micro_idx, out, losses, u)
+        ref_lp = batch.reference(micro_samples, share=share_prompts).to(out.batch.logp.device) if method.kl_in_loss else None
+        reg = method.regularize(losses.loss, out.batch, ref_logp=ref_lp, entropy=out.entropy)
+        agg_batch = kept_batch(out.batch, corr) if method.correction.drops_rejected else out.batch
+        loss = method.aggregate(reg.loss, agg_batch, horizon=settings.horizon)
+        denominator = method.denominator(agg_batch)
+        share = denominator / max(total, 1)  # 1.0 for one process, one micro-batch
+        dist.backward(loss if share == 1.0 and dist.world == 1 else loss * (share * dist.world))
+    row = {**token_diagnostics(seen, losses, out.advantages, method.params), **correction_diagnostics(corr, out.batch),
+           "entropy": out.entropy.mean().item(), **regularizer_diagnostics(out.batch, reg, method.params)}
+    if settings.gradient_checkpointing:
+        row["shared_prompt_frac"] = float(out.shared_prompt)
+    return _Micro(row, loss.item() * share, denominator)
 
 
 def _agreed_share(samples: list[Sample], dist: Dist) -> bool | None:

@@ -94,12 +94,15 @@ def _resume_config(store: RunStore, r: RunRequest) -> tuple[Config, list[str]]:
     """(run.yaml, or the given config/overrides if they agree with it or --force; the keys that differ)."""
     saved_path = store.root / "run.yaml"
     saved = store.config()
-    if not r.config and not r.overrides and r.method is None and r.seed is None:
+    edited = {key: f for key, f in saved.method.files.items() if f.changed}  # rule files whose content is not the one recorded
+    if not r.config and not r.overrides and r.method is None and r.seed is None and not edited:
         return saved, []
     cfg = load_config(r.config or [saved_path], list(r.overrides), method=r.method, seed=r.seed)
     changed = diff_configs(saved, cfg)
     if changed and not r.force:
-        raise MasktrlError(f"config differs from {saved_path} in {', '.join(changed)}; pass --force to resume with it anyway")
+        keys = ", ".join(f"{k} (the rule file {edited[k].path} changed since the run recorded it: sha256 {edited[k].recorded[:12]}... "
+                         f"now {edited[k].sha256[:12]}...)" if k in edited else k for k in changed)
+        raise MasktrlError(f"config differs from {saved_path} in {keys}; pass --force to resume with it anyway")
     return cfg, changed
 
 

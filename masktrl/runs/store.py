@@ -578,6 +578,8 @@ class RunStore:
         save_config(cfg, path)
         maybe_crash_nth("config-write")
         entry = {"status": "done", "time": time.time(), "config_hash": cfg.hash(), "files": {"run.yaml": sha256_file(path)}, **info}
+        for key, f in cfg.method.files.items():  # a rule from a file: the content it trains with (docs/METHODS.md "Writing your own rule")
+            entry["correction_file" if "correction" in key else "rule_file"] = {"path": f.path, "sha256": f.recorded or f.sha256}
         with self.updating() as manifest:
             manifest["stages"]["config"] = entry
             manifest.update(run or {})

@@ -60,7 +60,7 @@ StepsOpt = Annotated[
 UpdateOpt = Annotated[
     str,
     typer.Option("--update-method", metavar="NAME", help="The replayed update: unmasked (importance-weighted PG, no trust-region mask: "
-                 "favours no criterion), run (the run's own method) or a method name (its defaults)."),
+                 "favours no criterion), run (the run's own method) or a method name or path/to/rules.py:NAME (its defaults)."),
 ]
 PartitionsOpt = Annotated[int, typer.Option("--partitions", metavar="N", help="Replays of each batch with other minibatch partitions (seed values run seed + 0..N-1).")]
 PolicyStepOpt = Annotated[

@@ -1,0 +1,236 @@
+"""A run's method as its config names it: a shipped rule or one from a user's file, typed.
+
+``Config.method`` is a ``MethodSpec``: the rule's name, its frozen params dataclass, its
+off-policy correction (docs/METHODS.md §14) and, for a rule from a file, the file and its
+sha256. ``MethodSpec.bind()`` gives the ``BoundMethod`` whose queries take no params; run.yaml
+records the method block as written (``MethodSpec.to_dict``), with the file's sha256.
+
+A rule from a file is named ``path/to/rules.py:name`` (``--method``, ``method.name``, a
+``--methods`` entry of a sweep): the file is imported once per content, and the methods it
+registers with ``masktrl.methods.register_method`` are kept apart from the shipped ones
+(``registry.collecting``), so a file may be edited and loaded again in the same process.
+``masktrl.config.resolve_method_spec`` turns any such spec string into a bound method; bad
+input is one ``ConfigError`` line.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import inspect
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from masktrl.errors import ConfigError
+from masktrl.methods import BoundMethod, CorrectionParams, Method, get_method, make_correction
+from masktrl.methods.corrections import CustomCorrection, collecting_corrections, install_correction
+from masktrl.methods.registry import check_method, collecting
+
+RULE_SUFFIX = ".py:"
+FILE_KEYS = ("sha256",)  # keys of the method block that describe the file, not the rule's params
+
+
+def is_rule_file(name: Any) -> bool:
+    """Whether a method name names a rule in a file (``path/to/rules.py:name``)."""
+    return isinstance(name, str) and RULE_SUFFIX in name
+
+
+def split_rule_file(spec: str) -> tuple[str, str]:
+    """``path/to/rules.py:name`` -> ("path/to/rules.py", "name")."""
+    path, _, name = spec.rpartition(RULE_SUFFIX)
+    return path + ".py", name
+
+
+@dataclass(frozen=True)
+class RuleFile:
+    """The file a rule was loaded from: its path as written, and the sha256 of its content now."""
+
+    path: str
+    sha256: str
+    recorded: str | None = None
+    """The sha256 the run's config recorded (run.yaml), when read from one: the file changed
+    since if it differs from ``sha256``."""
+
+    @property
+    def changed(self) -> bool:
+        return self.recorded is not None and self.recorded != self.sha256
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """The config's ``method`` block, typed: which rule, its params and its correction."""
+
+    rule: str
+    """The method as written: a registered name (grpo) or path/to/rules.py:name."""
+    name: str
+    """The rule's registered name (its file's ``register_method`` name for a rule from a file)."""
+    params: Any
+    """The rule's frozen params dataclass (``masktrl.methods.params`` for the shipped rules)."""
+    correction: CorrectionParams
+    """The off-policy correction every rule composes with (``method.correction``, §14)."""
+    file: RuleFile | None = None
+    """For a rule from a file: the file and its sha256."""
+    correction_file: RuleFile | None = None
+    """For a correction from a file (``method.correction.kind: path/to/rules.py:name``): the file and its sha256."""
+    method: Method | None = field(default=None, compare=False, repr=False)
+    block: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def bind(self) -> BoundMethod:
+        """The rule bound to its params and its correction."""
+        return BoundMethod(self.method, self.params, self.correction)
+
+    def to_dict(self) -> dict:
+        """The block as written (what run.yaml records), with a file rule's sha256: the one its
+        run recorded when read from a run's config, else the file's now."""
+        out = copy.deepcopy(self.block)
+        if self.file is not None:
+            out["sha256"] = self.file.recorded or self.file.sha256
+        if self.correction_file is not None:
+            out["correction"]["sha256"] = self.correction_file.recorded or self.correction_file.sha256
+        return out
+
+    @property
+    def files(self) -> dict[str, RuleFile]:
+        """The files this method is read from, by the config key that records their sha256."""
+        pairs = (("method.sha256", self.file), ("method.correction.sha256", self.correction_file))
+        return {key: f for key, f in pairs if f is not None}
+
+    def resolved(self) -> dict:
+        """Every parameter at its value, defaults included; an active correction resolved the
+        same way; a file rule's sha256 (two runs of one rule agree on all of it)."""
+        out = {"name": self.rule if self.file else self.name, **self.params.__dict__}
+        if self.file is not None:
+            out["sha256"] = self.file.recorded or self.file.sha256
+        if self.correction.active:
+            out["correction"] = self.correction.describe()
+            if self.correction_file is not None:
+                out["correction"]["sha256"] = self.correction_file.recorded or self.correction_file.sha256
+        return out
+
+
+def method_from_block(block: Any) -> MethodSpec:
+    """The ``MethodSpec`` of a raw ``method`` block ({name: dppo, divergence: topk-tv, correction: {...}})."""
+    if not isinstance(block, dict):
+        raise ConfigError(f"method must be a mapping such as {{name: grpo}}, got {block!r}")
+    if "name" not in block:
+        raise ConfigError("method.name is required")
+    rule = block["name"]
+    if not isinstance(rule, str):
+        raise ConfigError(f"method.name must be a string, got {rule!r}")
+    rule_file, recorded = None, block.get("sha256")
+    if is_rule_file(rule):
+        method, rule_file = load_rule(rule)
+        rule_file = RuleFile(rule_file.path, rule_file.sha256, recorded if isinstance(recorded, str) else None)
+    else:
+        if "sha256" in block:
+            raise ConfigError("method.sha256 applies only to a rule from a file (method.name: path/to/rules.py:name)")
+        try:
+            method = get_method(rule)
+        except ValueError as exc:
+            raise ConfigError(f"{exc}, or path/to/rules.py:name") from None
+    given = {k: v for k, v in block.items() if k not in ("name", "correction", *FILE_KEYS)}
+    corr_block, corr_file = _correction_block(block.get("correction"))
+    try:
+        params = method.make_params(**given)
+        correction = make_correction(corr_block)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    return MethodSpec(rule, method.name, params, correction, rule_file, corr_file, method, copy.deepcopy(block))
+
+
+def _correction_block(block: Any) -> tuple[Any, RuleFile | None]:
+    """The ``method.correction`` block without its recorded sha256, and the file of a correction
+    from a file (loaded, and installed as the kind its spec string names)."""
+    if not isinstance(block, dict):
+        return block, None
+    kind, recorded = block.get("kind"), block.get("sha256")
+    if not is_rule_file(kind):
+        if "sha256" in block:
+            raise ConfigError("method.correction.sha256 applies only to a correction from a file (kind: path/to/rules.py:name)")
+        return block, None
+    rule, found = load_correction(kind)
+    install_correction(kind, rule)
+    rest = {k: v for k, v in block.items() if k != "sha256"}
+    return rest, RuleFile(found.path, found.sha256, recorded if isinstance(recorded, str) else None)
+
+
+# --------------------------------------------------------------------------- rule files
+
+_LOADED: dict[tuple[str, str], tuple] = {}  # (absolute path, sha256) -> (the methods, the corrections) the file registers
+
+
+def load_rule(spec: str) -> tuple[Method, RuleFile]:
+    """The method ``path/to/rules.py:name`` names, and its file; ConfigError (one line) when the
+    file is missing or raises on import, the name is not registered in it, or the rule breaks
+    the contract (params not a dataclass, a kernel with another signature)."""
+    where, name = split_rule_file(spec)
+    path, digest = _read(spec, "method")
+    found = _import_rules(path, digest, spec)[0]
+    if name not in found:
+        names = ", ".join(sorted(found)) or "none: it has no @register_method"
+        raise ConfigError(f"method {spec!r}: {where} registers no rule {name!r} (it registers: {names})")
+    problem = check_method(found[name])
+    if problem:
+        raise ConfigError(f"method {spec!r}: {problem}")
+    return found[name], RuleFile(where, digest)
+
+
+def load_correction(spec: str) -> tuple[CustomCorrection, RuleFile]:
+    """The correction ``path/to/rules.py:name`` names (``masktrl.methods.register_correction``),
+    and its file; ConfigError (one line) as ``load_rule``."""
+    where, name = split_rule_file(spec)
+    path, digest = _read(spec, "method.correction.kind")
+    found = _import_rules(path, digest, spec)[1]
+    if name not in found:
+        names = ", ".join(sorted(found)) or "none: it has no @register_correction"
+        raise ConfigError(f"method.correction.kind {spec!r}: {where} registers no correction {name!r} (it registers: {names})")
+    rule = found[name]
+    try:
+        inspect.signature(rule.fn).bind(None, None, None, None, None)
+    except (TypeError, ValueError):
+        raise ConfigError(f"method.correction.kind {spec!r}: its function {getattr(rule.fn, '__name__', '?')} must take "
+                          "(log_rho, valid, seq_ids, advantages, keys)") from None
+    return rule, RuleFile(where, digest)
+
+
+def _read(spec: str, key: str) -> tuple[Path, str]:
+    """The file a spec names and the sha256 of its content; ConfigError when it cannot be read."""
+    where, _ = split_rule_file(spec)
+    path = Path(where)
+    if not path.is_file():
+        raise ConfigError(f"{key} {spec!r}: no such file {where}")
+    try:
+        content = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{key} {spec!r}: cannot read {where} ({exc.strerror or exc})") from None
+    return path, hashlib.sha256(content).hexdigest()
+
+
+def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method], dict[str, CustomCorrection]]:
+    """The methods and the corrections a rule file registers, importing it once per (path, content)."""
+    key = (str(path.resolve()), digest)
+    if key in _LOADED:
+        return _LOADED[key]
+    module_name = f"masktrl_rules_{path.stem}_{digest[:12]}"
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise ConfigError(f"method {spec!r}: {path} cannot be imported as a Python file")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[module_name] = module  # dataclasses and typing look their module up by name
+    try:
+        with collecting() as found, collecting_corrections() as corrections:
+            loader_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001  a user's file: whatever it raises is reported in one line
+        sys.modules.pop(module_name, None)
+        text = str(exc).strip().splitlines()
+        raise ConfigError(f"method {spec!r}: {path} raised {type(exc).__name__} on import" + (f": {text[0]}" if text else "")) from None
+    _LOADED[key] = (dict(found), dict(corrections))
+    return _LOADED[key]
+
+
+def params_fields(spec: MethodSpec) -> list[str]:
+    """The names of the rule's parameters (``method.KEY``)."""
+    return [f.name for f in fields(spec.params)]
