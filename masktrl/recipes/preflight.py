@@ -28,7 +28,9 @@ def run(request: RunRequest) -> DryRun:
     checked = checks.check(plan.cfg, rollouts_from=plan.rollouts_from, out=Path(request.out))
     try:
         if plan.start.mode == "resume":
-            RunStore(plan.root).resume_step(checked.vocab_size)
+            start = RunStore(plan.root).resume_step(checked.vocab_size)
+            if start and plan.forced_changes:  # --resume --force: the checkpoint loads into the model the new config builds
+                checks.check_checkpoint(plan.cfg, checked.tokenizer, RunStore(plan.root).checkpoint_dir(start))
         start = plan.start
         rows = [("run folder", f"{start.root}: {WHAT[start.mode]}" + (f" ({start.note})" if start.note else ""))]
         rows += checked.report

@@ -60,8 +60,8 @@ from masktrl.models.lora import apply_lora
 from masktrl.models.packing import packing_unsupported
 from masktrl.rl import checks
 from masktrl.rl import train_state as ckpt
-from masktrl.rl.collect import Batch, CollectSettings, batch_changes, collect_rollouts, reward_failures
-from masktrl.rl.distributed import Dist, launch_rank, launched
+from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts, reward_failures
+from masktrl.rl.distributed import Dist, launched
 from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
 from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source
@@ -76,8 +76,9 @@ from masktrl.rollout import make_engine
 from masktrl.rollout.base import RolloutEngine, Sample
 from masktrl.runs import retention
 from masktrl.runs.faults import maybe_crash
-from masktrl.runs.plan import Plan, RunRequest, plan_run, plan_start
-from masktrl.runs.store import LORA_BASE_KEY, RunStore, done_steps, rollout_key, update_key
+from masktrl.runs.plan import Plan
+from masktrl.runs.session import Decision, Session
+from masktrl.runs.store import LORA_BASE_KEY, RunStore, rollout_key, update_key
 from masktrl.tasks import Example, Task
 from masktrl.tasks.prompts import wraps_chat
 
@@ -132,15 +133,10 @@ class Counters:
 
     start: int  # the last step already done (resume), 0 for a new run
     steps: int  # the last step to do
-    t_start: float
-    wall_before: float = 0.0  # wall time of the run's earlier sessions (resume)
     eval_before: float = float("nan")
     nonfinite_total: int = 0  # steps so far with an update skipped for a non-finite loss or gradient norm
     nonfinite_run: int = 0  # ... of them in a row, up to the last step
     ahead: dict[int, Batch] = field(default_factory=dict)  # rollout.staleness: batches sampled ahead, not yet trained on
-
-    def wall_time(self) -> float:
-        return self.wall_before + time.time() - self.t_start
 
 
 @dataclass
@@ -152,6 +148,7 @@ class State:
     count: Counters
     warmstart: dict  # where the starting policy came from (prepare_policy's info)
     rollouts_from: str | None
+    session: Session  # the run's lifecycle: wall time, checkpoints' retention, the summary (runs/session.py)
 
     @property
     def cfg(self) -> Config:
@@ -166,84 +163,49 @@ class NonFiniteError(MasktrlError):
     """Too many consecutive steps with a non-finite loss or gradient norm."""
 
 
-def run(request: RunRequest, progress: Progress | None = None, on_start: Callable[[Plan], None] | None = None) -> TrainResult:
-    """``masktrl train``: resolve the request (``plan_run``: the folder, the config, what to do
-    with the folder), run every check before anything is written, then ``train``. ``on_start``
-    sees the plan confirmed under the run's lock, before the first write. An ``Interrupted``
-    leaving here carries ``run`` (its name) and ``checkpoints`` (its complete checkpoints)."""
-    plan = plan_run(request, main=launch_rank() == 0)
-    checked = checks.check(plan.cfg, rollouts_from=plan.rollouts_from, out=Path(request.out))
-    store = RunStore(plan.root)
-    try:
-        return train(plan.cfg, store, progress, rollouts_from=plan.rollouts_from, checked=checked, plan=plan, on_start=on_start)
-    except Interrupted as exc:
-        exc.run, exc.checkpoints = plan.root.name, store.checkpoints() if store.exists() else []
-        raise
-
-
-def _complete(plan: Plan) -> TrainResult | None:
-    """``--resume`` of a complete run with its own config: nothing to do, nothing written (its
-    summary is returned as it is); None for anything else."""
-    if not plan.explicit_resume or plan.forced_changes:
-        return None
-    store = RunStore(plan.root, writable=False)
-    if store.status() != "complete" or store.summary() is None:
-        return None
-    summary = store.summary()
-    note = (f"run {plan.root.name} is complete ({summary.get('steps')} of {plan.cfg.train.steps} steps): nothing to do "
-            "(--resume NAME --force --set train.steps=N extends it)")
-    return TrainResult(summary, store, launch_rank() == 0, note)
-
-
-def train(cfg: Config, store: RunStore, progress: Progress | None = None, *, resume: bool = False, restart: bool = False,
-          rollouts_from: str | None = None, dist: Dist | None = None, checked: checks.Checked | None = None,
-          forced_changes: list[str] | None = None, plan: Plan | None = None,
-          on_start: Callable[[Plan], None] | None = None) -> TrainResult:
-    """The whole run under the run's lock: the checks (``checked``: already done by the caller),
-    the plan confirmed (``plan``; else ``resume`` / ``restart`` as given: ``restart`` starts a
-    failed or interrupted run with no checkpoint again from scratch), setup, the RL steps, then
-    ``finish``. ``forced_changes``: the keys ``--resume --force`` changed, recorded with the new
-    config once the checkpoint is known to fit this launch."""
-    dist = dist or (Dist.from_launch(cfg.train) if launched() else Dist())  # a bad launch config fails here, before any write
-    checked = checked or checks.check(cfg, rollouts_from=rollouts_from)  # before anything is written
-    if not dist.is_main:
-        store, progress = store.read_only(), None
+def train(plan: Plan, progress: Progress | None = None, *, on_start: Callable[[Plan], None] | None = None,
+          dist: Dist | None = None) -> TrainResult:
+    """The one way into training, for ``masktrl train`` (``runs/plan.py: plan_run``), a sweep's
+    run and the Python API (``plan_config``): every check before anything is written
+    (``rl/checks.py``), then the run's session (``runs/session.py``) opens it under the run's
+    lock (the plan confirmed, the checkpoint checked against the model and the launch, the run
+    recorded), and ``setup`` -> ``run_steps`` -> ``finish`` train it, the status recorded on any
+    way out. ``on_start`` sees the plan confirmed under the lock, before the first write. An
+    ``Interrupted`` leaving here carries ``run`` (its name) and ``checkpoints`` (its complete
+    checkpoints)."""
+    dist = dist or (Dist.from_launch(plan.cfg.train) if launched() else Dist())  # a bad launch config fails here, before any write
+    checked = checks.check(plan.cfg, rollouts_from=plan.rollouts_from)  # before anything is written
+    session = Session(RunStore(plan.root), plan, dist)
+    progress = progress if dist.is_main else None
     s = None
     try:
-        with store.writing(), graceful_stop(graceful=False) as stop:  # one writer per run; SIGTERM = Ctrl-C
-            if dist.is_main:
-                store.settle()  # what a crash cut short (a run.yaml rename, a restart's deletions) is finished first
-            if plan is not None:
-                plan = confirm(plan, store, checked.vocab_size) if dist.is_main else plan
-                done = _complete(plan)  # checked like any resume (the lock, every artifact), then left as it is
-                if done is not None:
-                    return done
-                resume, restart, forced_changes = plan.start.mode == "resume", plan.start.mode == "restart", plan.forced_changes
-            resume, restart = dist.broadcast((resume, restart))  # the main process decided what to do with the folder
-            if on_start is not None and plan is not None and dist.is_main:  # the header once, not once per process
-                on_start(plan)
-            s = setup(cfg, store, checked, progress, resume=resume, restart=restart, rollouts_from=rollouts_from, dist=dist,
-                      forced_changes=forced_changes)
-            with s.store.recording_failure(lambda: {"wall_time_s": s.count.wall_time()}):
+        with session.locked(), graceful_stop(graceful=False) as stop:  # one writer per run; SIGTERM = Ctrl-C
+            decision = session.open(checked.vocab_size, check=lambda start: check_start(session, checked, dist, start),
+                                    on_start=on_start, say=lambda text: _note(progress, dist, text))
+            if decision.mode == "complete":  # checked like any resume (the lock, every artifact), then left as it is
+                return TrainResult(decision.summary, session.store, dist.is_main, decision.note)
+            with session.recording():  # interrupted or failed, with the reason: never left running
+                s = setup(session, decision, checked, progress, dist)
                 run_steps(s, stop)
                 return finish(s)
+    except Interrupted as exc:
+        exc.run, exc.checkpoints = plan.root.name, session.store.checkpoints() if session.store.exists() else []
+        raise
     finally:
         checked.task.close()  # reward / grading processes
         if s is not None:
             s.run.trackers.close()  # flushed and closed however the run ends (finish closed them already when it completed)
 
 
-def confirm(plan: Plan, store: RunStore, vocab_size: int) -> Plan:
-    """The plan again under the run's lock (another process may have moved the run on since it
-    was made), and for a resume every artifact the resumed run reads checked, before any write."""
-    if plan.start.mode == "new":
-        return plan  # setup refuses a folder that another process created meanwhile
-    if not plan.explicit_resume:
-        plan = replace(plan, start=plan_start(plan.root, plan.cfg))
-    if plan.start.mode == "resume":
-        store.check_resumable()
-        store.resume_step(vocab_size)
-    return plan
+def check_start(session: Session, checked: checks.Checked, dist: Dist, start: int) -> None:
+    """Before anything is written: the checkpoint a resume continues from fits this launch (its
+    DeepSpeed state) and, with ``--resume --force``, the model the new config builds."""
+    if not start:
+        return
+    path = session.store.checkpoint_dir(start)
+    ckpt.check_resumable(path, dist)
+    if session.plan.forced_changes:
+        checks.check_checkpoint(session.cfg, checked.tokenizer, path)
 
 
 def progress_info(row: dict, cfg: Config) -> str:
@@ -272,8 +234,7 @@ def run_steps(s: State, stop: GracefulStop) -> None:
         stopping = s.run.dist.broadcast(stop.requested)  # every process stops after the same step
         if step % t.checkpoint_every == 0 or step == c.steps or step in t.keep_steps or stopping:
             ckpt.save_step(s.store, step, p.model, p.tokenizer, p.optimizer, p.scheduler, s.run.dist, p.policy)
-            s.store.set_info(wall_time_s=c.wall_time())
-            apply_retention(s)
+            s.session.checkpointed(step)  # the wall time, then retention
         if progress:
             progress.update(bar, advance=1, info=progress_info(row, s.cfg))
         if stopping:
@@ -281,66 +242,43 @@ def run_steps(s: State, stop: GracefulStop) -> None:
     stop.graceful = False
 
 
-def setup(cfg: Config, store: RunStore, checked: checks.Checked, progress: Progress | None = None, *, resume: bool = False,
-          restart: bool = False, rollouts_from: str | None = None, dist: Dist | None = None,
-          forced_changes: list[str] | None = None) -> State:
-    """Record the run, load (or warm-start) the policy, restore a checkpoint when resuming, start
-    the engine and evaluate the starting policy. A failure once the run is recorded leaves it
-    ``failed`` with the reason (or ``interrupted``), never ``running``."""
-    t_start = time.time()
-    dist = dist or Dist()
+def setup(session: Session, decision: Decision, checked: checks.Checked, progress: Progress | None, dist: Dist) -> State:
+    """Everything the steps share, built once on the recorded run (``build_state``)."""
+    cfg = session.cfg
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.seed)
-    store.manifest  # noqa: B018  every process reads the run's state before the main one changes it
-    start = store.resume_step(checked.vocab_size) if resume else 0  # checks every stored artifact it reads, before any write
-    if start:
-        ckpt.check_resumable(store.checkpoint_dir(start), dist)  # its DeepSpeed state fits this launch, before anything is written
-    if resume and forced_changes:
-        _drop_stale_batches(store, start, forced_changes, progress, dist)
-    dist.barrier()
-    if resume and forced_changes and not store.writable:
-        store.reload()  # the main process may have dropped stored batches
-    wall_before = store.recorded_wall_time() if resume else 0.0
-    # The run's entries go in the same manifest write as the config record: no kill window
-    # between them (docs/RELIABILITY.md, Fault injection).
-    running = dict(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid(),
-                   processes=dist.world, reason=None)
-    if store.writable and not resume:
-        if restart:
-            store.restart(cfg, run=running)
-        elif store.exists():
-            raise MasktrlError(f"run folder {store.root} was started by another process meanwhile; choose another --run (nothing was changed)")
-        else:
-            store.record_config(cfg, run=running)
-    elif store.writable and forced_changes:
-        store.record_config(cfg, run=running, forced_changes=forced_changes)  # --resume --force with another config
-    else:
-        store.set_info(**running)
-    count = Counters(start=start, steps=cfg.train.steps, t_start=t_start, wall_before=wall_before)
-    with store.recording_failure(lambda: {"wall_time_s": count.wall_time()}):
-        return build_state(cfg, store, checked, progress, count, resumed=resume, rollouts_from=rollouts_from, dist=dist)
+    count = Counters(start=decision.start, steps=cfg.train.steps)
+    return build_state(session, checked, progress, count, resumed=decision.mode == "resume", dist=dist)
 
 
-def _drop_stale_batches(store: RunStore, start: int, changed: list[str], progress: Progress | None, dist: Dist) -> None:
-    """``--resume --force`` with keys that made the batches stored after the checkpoint (the
-    sampling, the reward, the seed...: ``collect.batch_changes``): those batches are deleted and
-    sampled again with the new settings, and the command says which."""
-    keys = batch_changes(changed)
-    later = [s for s in done_steps(store.manifest["stages"], "rollout") if s > start] if keys else []
-    if not later:
-        return
-    store.drop_rollouts_after(start)
-    what = f"batch of step {later[0]} was" if len(later) == 1 else f"batches of steps {later[0]}-{later[-1]} were"
-    them = "it" if len(later) == 1 else "them"
-    _note(progress, dist, f"the stored rollout {what} sampled with other settings ({', '.join(keys)}): sampling {them} again")
+def build_state(session: Session, checked: checks.Checked, progress: Progress | None, count: Counters, *, resumed: bool,
+                dist: Dist) -> State:
+    """The model parts (``build_parts``), the run's services, the counters; then held-out
+    accuracy of the starting policy."""
+    cfg, store, task, source = session.cfg, session.store, checked.task, checked.source
+    parts, ws_info, vocab_size = build_parts(session, checked, progress, count, resumed=resumed, dist=dist)
+    collect = replace(CollectSettings.from_config(cfg), chat_template=wraps_chat(task, cfg.model.chat_template))
+    meta = source.meta if source else {"engine": parts.engine.name, "tokenizer": tokenizer_fingerprint(parts.tokenizer),
+                                       **collect.sampling.__dict__, "rollout_dtype": cfg.rollout.dtype,
+                                       "quantization": cfg.rollout.quantization}
+    if source:
+        count.steps = min(cfg.train.steps, source.num_steps)
+    services = RunServices(cfg, store, dist, task, collect, UpdateSettings.from_config(cfg), source, meta, task.test_examples(),
+                           LabStats(vocab_size, cfg.rollout.logprobs_k) if cfg.train.lab_stats else None,
+                           Trackers((), Path("."), ""), progress)
+    s = State(parts, services, count, ws_info, session.plan.rollouts_from, session)
+    count.eval_before = _heldout_once(s, "eval/before", 0)
+    services.trackers = open_trackers(cfg.train.report_to, store.root, store.name, cfg.to_dict(), dist.is_main)
+    services.trackers.log({"eval/heldout/accuracy": count.eval_before}, step=0)
+    return s
 
 
-def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress: Progress | None, count: Counters, *,
-                resumed: bool, rollouts_from: str | None, dist: Dist) -> State:
-    """The model parts (the policy warm-started or restored), the run's services, the counters;
-    then held-out accuracy of the starting policy."""
-    task = checked.task
-    model, tokenizer, ws_info = load_policy(cfg, store, task, progress, dist)
+def build_parts(session: Session, checked: checks.Checked, progress: Progress | None, count: Counters, *, resumed: bool,
+                dist: Dist) -> tuple[ModelParts, dict, int]:
+    """(the model parts, the warm start's info, the logits' width): the policy warm-started or
+    restored (``resumed``: from checkpoint ``count.start``), its optimizer, the engine."""
+    cfg, store = session.cfg, session.store
+    model, tokenizer, ws_info = load_policy(cfg, store, checked.task, progress, dist)
     method = get_method(cfg.method_name)
     reference = None  # the starting policy, frozen before a resumed run loads its checkpoint (LoRA: adapters off)
     if method.needs_reference(cfg.method_params):
@@ -360,21 +298,7 @@ def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress:
     engine = make_engine(cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
     if count.start or getattr(engine, "copy", None) is not None:  # a low-precision copy is made from whole weights (ZeRO-3)
         sync_weights(engine, model, dist)
-    source = checked.source
-    collect = replace(CollectSettings.from_config(cfg), chat_template=wraps_chat(task, cfg.model.chat_template))
-    meta = source.meta if source else {"engine": engine.name, "tokenizer": tokenizer_fingerprint(tokenizer), **collect.sampling.__dict__,
-                                       "rollout_dtype": cfg.rollout.dtype, "quantization": cfg.rollout.quantization}
-    if source:
-        count.steps = min(cfg.train.steps, source.num_steps)
-    parts = ModelParts(model, tokenizer, policy, optimizer, scheduler, engine, method, reference)
-    services = RunServices(cfg, store, dist, task, collect, UpdateSettings.from_config(cfg), source, meta, task.test_examples(),
-                           LabStats(vocab_size, cfg.rollout.logprobs_k) if cfg.train.lab_stats else None,
-                           Trackers((), Path("."), ""), progress)
-    s = State(parts, services, count, ws_info, rollouts_from)
-    count.eval_before = _heldout_once(s, "eval/before", 0)
-    services.trackers = open_trackers(cfg.train.report_to, store.root, store.name, cfg.to_dict(), dist.is_main)
-    services.trackers.log({"eval/heldout/accuracy": count.eval_before}, step=0)
-    return s
+    return ModelParts(model, tokenizer, policy, optimizer, scheduler, engine, method, reference), ws_info, vocab_size
 
 
 def load_policy(cfg: Config, store: RunStore, task: Task, progress: Progress | None, dist: Dist):
@@ -532,12 +456,11 @@ def finish(s: State) -> TrainResult:
         "eval_decoding": "greedy" if cfg.eval.greedy else f"sampled (T={cfg.rollout.temperature})",
         "warmstart": {k: s.warmstart.get(k) for k in ("source", "cached", "time_s", "final_loss", "steps_done")},
         "rollouts_from": s.rollouts_from,
-        "wall_time_s": c.wall_time(),  # every session of the run (resumes included)
+        "wall_time_s": s.session.wall_time(),  # every session of the run (resumes included)
     }
     if s.run.lab is not None:
         summary["lab_stats"] = s.run.lab.summary(s.store.read_metrics())
-    s.store.write_summary(summary, step=c.steps)
-    s.run.dist.barrier()
+    s.session.complete(summary, c.steps)
     return TrainResult(summary, s.store, s.run.dist.is_main)
 
 
@@ -594,14 +517,6 @@ def step_evals(s: State, step: int) -> dict:
         row["eval/heldout/accuracy"] = _heldout(s)
     row.update(periodic_eval(s.cfg, s.store, s.parts.engine, s.parts.tokenizer, step, s.count.steps, write=s.store.writable))
     return row
-
-
-def apply_retention(s: State) -> None:
-    """After a checkpoint is recorded: delete what ``train.keep_checkpoints`` / ``keep_steps`` and
-    ``rollout.store`` no longer keep (``runs/retention.py``). The defaults keep everything."""
-    t = s.cfg.train
-    if s.store.writable and (t.keep_checkpoints is not None or s.cfg.rollout.store != "all"):
-        retention.prune(s.store, t.keep_checkpoints, t.keep_steps, s.cfg.rollout.store)
 
 
 def _note(progress: Progress | None, dist: Dist, text: str) -> None:
