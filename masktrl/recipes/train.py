@@ -1,47 +1,30 @@
-"""``masktrl train`` as a recipe: ``run`` plans the run folder and checks everything once
-(``runs/plan.py``, ``rl/checks.py``); ``train`` takes the run's lock, confirms the plan under
-it, and runs ``setup`` (builds everything once), ``rl_step`` per step (rollout -> reward ->
-advantages -> update -> record) and ``finish`` (evaluates, writes the summary), with Ctrl-C and
-checkpoints around the steps.
+"""``masktrl train`` as a recipe: setup, the loop, the RL step and evaluation. ``train(plan)``
+is the one way in (a plan from ``runs/plan.py``): every check before anything is written
+(``rl/checks.py``), then the run's session (``runs/session.py``: the lock, the plan confirmed,
+the run recorded, the status on any way out, retention, the summary) around ``setup`` (builds
+everything once), ``rl_step`` per step (rollout -> reward -> advantages -> update -> record)
+and ``finish`` (evaluates, writes the summary), with Ctrl-C and checkpoints around the steps.
 
 Every random draw comes from a stream named by (seed, purpose, step) (``masktrl.seeding``), so a
-resumed run reproduces an uninterrupted one; every artifact is written atomically and recorded
-in the manifest only once complete (``runs/store.py``).
-
-Resume restarts from the newest complete checkpoint: the run store checks every artifact the
-resumed run will read (``RunStore.resume_step``), then weights, optimizer, scheduler and RNG
-states are restored, ``metrics.jsonl`` is cut back to that step, and the rollout batches already
-stored for later steps are reused instead of regenerated. Under DeepSpeed each process also
-reloads its shard of the optimizer state (``train_state.restore_engine_state``), after checking
-the shards fit this launch. On CPU with the same seed the final weights are bit-identical to an
-uninterrupted run, with one process, DDP, ZeRO-2 and ZeRO-3.
+resumed run reproduces an uninterrupted one: it restarts from the newest complete checkpoint
+(``rl/start.py: restore_run``; every artifact it reads checked first by the store), cuts
+``metrics.jsonl`` back to that step and reuses the rollout batches stored for later steps. On
+CPU with the same seed the final weights are bit-identical to an uninterrupted run, with one
+process, DDP, ZeRO-2 and ZeRO-3.
 
 With ``rollout.staleness`` = s the batches are sampled s steps ahead: step S first stores the
 batches of steps S+1..S+s not stored yet, sampled by the policy after step S-1, so step S trains
-on a batch sampled by the policy after step S-1-s (the starting policy for the first ones). With
-``train.lab_stats`` every metrics row also says whether the methods can differ on the run
-(``rl/lab_stats.py``, docs/LAB.md).
-
-After each checkpoint, ``apply_retention`` deletes what ``train.keep_checkpoints`` and
-``rollout.store`` no longer keep; every metrics row also goes to the ``train.report_to``
-trackers (``rl/tracking.py``).
-
-Under ``accelerate launch`` (``rl/distributed.py``, docs/CLUSTER.md) every process
-generates its share of the prompt groups, the groups are gathered so every process holds the
-whole batch, and ``policy_update`` trains each process on its part of every minibatch; only the
-main process writes, through the same store (the others get a read-only view).
-
-What can go wrong is handled here too (docs/RELIABILITY.md): everything checkable is checked
-before the run folder is written (``rl/checks.py``); the main process holds the run's
-lock for the whole run (``runs/locks.py``); SIGTERM is a Ctrl-C (``rl/signals.py``);
-a step whose loss or gradient norm is not finite is not applied, and ``train.max_nonfinite_steps``
-of them in a row stop the run; any way out of ``train`` records the status (``interrupted`` or
-``failed`` with the reason), never leaving ``running`` behind.
+on a batch sampled by the policy after step S-1-s (the starting policy for the first ones).
+``train.lab_stats`` adds whether the methods can differ to every row (``rl/lab_stats.py``).
+Under ``accelerate launch`` (``rl/distributed.py``, docs/CLUSTER.md) every process generates
+its share of the prompt groups, all hold the whole batch, and ``policy_update`` trains each on
+its part of every minibatch; only the main process writes. SIGTERM is a Ctrl-C
+(``rl/signals.py``); ``train.max_nonfinite_steps`` steps in a row whose update was not applied
+(a non-finite loss or gradient norm) stop the run (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,13 +34,8 @@ import torch
 
 from masktrl.config import Config
 from masktrl.errors import MasktrlError
-from masktrl.io import atomic_dir
 from masktrl.methods import Method, get_method
-from masktrl.models import checkpointing
-from masktrl.models.architectures import check_lm_head, shared_prompt_cache_ok
 from masktrl.models.loading import tokenizer_fingerprint
-from masktrl.models.lora import apply_lora
-from masktrl.models.packing import packing_unsupported
 from masktrl.rl import checks
 from masktrl.rl import train_state as ckpt
 from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts, reward_failures
@@ -69,16 +47,16 @@ from masktrl.rl.policy import PolicyForward
 from masktrl.rl.reference import Reference, make_reference, micro_batch_size, penalise_kl, reference_logprobs
 from masktrl.rl.rollout_source import RolloutSource
 from masktrl.rl.signals import GracefulStop, Interrupted, graceful_stop
+from masktrl.rl.start import load_policy, restore_run
 from masktrl.rl.tracking import Trackers, open_trackers
 from masktrl.rl.update import UpdateSettings, make_optimizer, policy_update
-from masktrl.rl.warmstart import prepare_policy
 from masktrl.rollout import make_engine
 from masktrl.rollout.base import RolloutEngine, Sample
 from masktrl.runs import retention
 from masktrl.runs.faults import maybe_crash
 from masktrl.runs.plan import Plan
 from masktrl.runs.session import Decision, Session
-from masktrl.runs.store import LORA_BASE_KEY, RunStore, rollout_key, update_key
+from masktrl.runs.store import EVAL_AFTER_KEY, EVAL_BEFORE_KEY, RunStore, rollout_key, update_key
 from masktrl.tasks import Example, Task
 from masktrl.tasks.prompts import wraps_chat
 
@@ -165,14 +143,10 @@ class NonFiniteError(MasktrlError):
 
 def train(plan: Plan, progress: Progress | None = None, *, on_start: Callable[[Plan], None] | None = None,
           dist: Dist | None = None) -> TrainResult:
-    """The one way into training, for ``masktrl train`` (``runs/plan.py: plan_run``), a sweep's
-    run and the Python API (``plan_config``): every check before anything is written
-    (``rl/checks.py``), then the run's session (``runs/session.py``) opens it under the run's
-    lock (the plan confirmed, the checkpoint checked against the model and the launch, the run
-    recorded), and ``setup`` -> ``run_steps`` -> ``finish`` train it, the status recorded on any
-    way out. ``on_start`` sees the plan confirmed under the lock, before the first write. An
-    ``Interrupted`` leaving here carries ``run`` (its name) and ``checkpoints`` (its complete
-    checkpoints)."""
+    """The one way into training (``masktrl train``, a sweep's run, the Python API: a plan of
+    ``runs/plan.py``): the checks, the session opened (``on_start`` sees the plan it confirmed,
+    before the first write), setup, the steps, finish. An ``Interrupted`` leaving here carries
+    ``run`` (its name) and ``checkpoints`` (its complete checkpoints)."""
     dist = dist or (Dist.from_launch(plan.cfg.train) if launched() else Dist())  # a bad launch config fails here, before any write
     checked = checks.check(plan.cfg, rollouts_from=plan.rollouts_from)  # before anything is written
     session = Session(RunStore(plan.root), plan, dist)
@@ -180,7 +154,7 @@ def train(plan: Plan, progress: Progress | None = None, *, on_start: Callable[[P
     s = None
     try:
         with session.locked(), graceful_stop(graceful=False) as stop:  # one writer per run; SIGTERM = Ctrl-C
-            decision = session.open(checked.vocab_size, check=lambda start: check_start(session, checked, dist, start),
+            decision = session.open(checked.vocab_size, check=lambda start: checks.check_start(plan, checked, dist, start),
                                     on_start=on_start, say=lambda text: _note(progress, dist, text))
             if decision.mode == "complete":  # checked like any resume (the lock, every artifact), then left as it is
                 return TrainResult(decision.summary, session.store, dist.is_main, decision.note)
@@ -195,17 +169,6 @@ def train(plan: Plan, progress: Progress | None = None, *, on_start: Callable[[P
         checked.task.close()  # reward / grading processes
         if s is not None:
             s.run.trackers.close()  # flushed and closed however the run ends (finish closed them already when it completed)
-
-
-def check_start(session: Session, checked: checks.Checked, dist: Dist, start: int) -> None:
-    """Before anything is written: the checkpoint a resume continues from fits this launch (its
-    DeepSpeed state) and, with ``--resume --force``, the model the new config builds."""
-    if not start:
-        return
-    path = session.store.checkpoint_dir(start)
-    ckpt.check_resumable(path, dist)
-    if session.plan.forced_changes:
-        checks.check_checkpoint(session.cfg, checked.tokenizer, path)
 
 
 def progress_info(row: dict, cfg: Config) -> str:
@@ -267,7 +230,7 @@ def build_state(session: Session, checked: checks.Checked, progress: Progress | 
                            LabStats(vocab_size, cfg.rollout.logprobs_k) if cfg.train.lab_stats else None,
                            Trackers((), Path("."), ""), progress)
     s = State(parts, services, count, ws_info, session.plan.rollouts_from, session)
-    count.eval_before = _heldout_once(s, "eval/before", 0)
+    count.eval_before = _heldout_once(s, EVAL_BEFORE_KEY, 0)
     services.trackers = open_trackers(cfg.train.report_to, store.root, store.name, cfg.to_dict(), dist.is_main)
     services.trackers.log({"eval/heldout/accuracy": count.eval_before}, step=0)
     return s
@@ -278,7 +241,7 @@ def build_parts(session: Session, checked: checks.Checked, progress: Progress | 
     """(the model parts, the warm start's info, the logits' width): the policy warm-started or
     restored (``resumed``: from checkpoint ``count.start``), its optimizer, the engine."""
     cfg, store = session.cfg, session.store
-    model, tokenizer, ws_info = load_policy(cfg, store, checked.task, progress, dist)
+    model, tokenizer, ws_info = load_policy(cfg, store, checked.task, progress, dist, say=lambda text: _note(progress, dist, text))
     method = get_method(cfg.method_name)
     reference = None  # the starting policy, frozen before a resumed run loads its checkpoint (LoRA: adapters off)
     if method.needs_reference(cfg.method_params):
@@ -286,8 +249,8 @@ def build_parts(session: Session, checked: checks.Checked, progress: Progress | 
     optimizer, scheduler = make_optimizer(model, cfg.train)
     n_params = retention.count_parameters(model, trainable_only=cfg.model.lora.rank is not None)  # LoRA: the adapters are checkpointed
     projection = retention.project(cfg, n_params, deepspeed_stage=dist.zero_stage)
-    if resumed:
-        restore(store, count, model, optimizer, scheduler, dist)
+    if resumed:  # the checkpoint loaded, what happened after it forgotten, the non-finite counters read back
+        count.nonfinite_total, count.nonfinite_run = restore_run(store, count.start, model, optimizer, scheduler, dist)
     vocab_size = model.get_output_embeddings().weight.shape[0]  # lab_stats; read before ZeRO-3 partitions it
     policy, optimizer = dist.prepare(PolicyForward(model), optimizer)  # model stays the (unwrapped) LM
     if count.start:
@@ -299,72 +262,6 @@ def build_parts(session: Session, checked: checks.Checked, progress: Progress | 
     if count.start or getattr(engine, "copy", None) is not None:  # a low-precision copy is made from whole weights (ZeRO-3)
         sync_weights(engine, model, dist)
     return ModelParts(model, tokenizer, policy, optimizer, scheduler, engine, method, reference), ws_info, vocab_size
-
-
-def load_policy(cfg: Config, store: RunStore, task: Task, progress: Progress | None, dist: Dist):
-    """(model, tokenizer, info): the warm-started tiny model or the configured one, recorded as
-    stage ``warmstart``, its head checked, LoRA adapters on it when ``model.lora`` asks;
-    gradient checkpointing switched on when asked."""
-    with dist.loading():  # the main process first: it fills the warm-start cache, the others read it
-        model, tokenizer, ws_info = prepare_policy(cfg, task, store.root.parent, progress)
-    if not store.is_done("warmstart"):
-        store.mark_done("warmstart", [], config_hash=cfg.hash("model", "task", "warmstart"), info=ws_info)
-    if cfg.train.packing and (reason := packing_unsupported(model)):
-        raise MasktrlError(f"train.packing: {reason}; set train.packing=false")
-    check_lm_head(model)  # the chunked log-probs assume logits = h W^T: a soft-capped or scaled head is refused
-    if cfg.model.lora.rank is not None:
-        apply_lora(model, checks.lora_settings(cfg), seed=cfg.seed, base=lora_base(cfg, store, model, tokenizer, dist))
-    shareable, why = shared_prompt_cache_ok(model.base_model)
-    if not shareable:
-        _note(progress, dist, f"warning: the shared-prompt forward is off for this model ({why}): every response runs with its "
-              "own prompt (metrics column shared_prompt_frac = 0)")
-    if cfg.train.gradient_checkpointing:
-        checkpointing.enable(model)
-        if not checkpointing.shared_prompt_supported(model.base_model):
-            _note(progress, dist, "warning: train.gradient_checkpointing: this transformers version drops the KV cache in "
-                  "checkpointed layers, so the policy forward runs every response with its own prompt (no prompt sharing; "
-                  "metrics column shared_prompt_frac = 0)")
-    return model, tokenizer, ws_info
-
-
-def lora_base(cfg: Config, store: RunStore, model, tokenizer, dist: Dist) -> str:
-    """Where a LoRA run's adapter checkpoints find their base weights: ``model.path`` for a real
-    model; for the tiny model its warm-started weights, saved once in the run (``<run>/base/``,
-    named relative to a checkpoint folder, so the run folder can move)."""
-    if cfg.model.path != "tiny":
-        local = Path(cfg.model.path)
-        return str(local.resolve()) if local.exists() else cfg.model.path
-    dest = store.lora_base_dir
-    if store.writable and not store.is_done(LORA_BASE_KEY):
-        with atomic_dir(dest) as tmp:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-        store.mark_done(LORA_BASE_KEY, [dest])
-    dist.barrier()
-    return os.path.relpath(dest, store.checkpoint_dir(0))  # ../../base: the run folder can move
-
-
-def restore(store: RunStore, count: Counters, model, optimizer, scheduler, dist: Dist) -> None:
-    """A resumed run: the checkpoint ``count.start`` loaded (none at step 0), what happened after
-    it forgotten, and the non-finite counters read back from the metrics rows."""
-    if count.start:
-        with dist.loading():  # ZeRO-3: the checkpoint loads whole (no zero.Init), prepare shards it
-            ckpt.restore(store.checkpoint_dir(count.start), model, optimizer, scheduler)
-    store.rewind(count.start)  # forget the updates and metrics after that checkpoint
-    dist.barrier()
-    if count.start:
-        count.nonfinite_total, count.nonfinite_run = nonfinite_counts(store.read_metrics())
-
-
-def nonfinite_counts(rows: list[dict]) -> tuple[int, int]:
-    """(steps with a skipped update, how many of the last rows in a row had one) from metrics rows."""
-    total = rows[-1].get("nonfinite_steps", 0) if rows else 0
-    run = 0
-    for row in reversed(rows):
-        if not row.get("skipped_updates"):
-            break
-        run += 1
-    return total, run
 
 
 def rl_step(s: State, step: int) -> dict:
@@ -441,7 +338,7 @@ def check_finite(s: State, step: int) -> None:
 def finish(s: State) -> TrainResult:
     """Evaluate the final policy, write summary.json and mark the run complete."""
     cfg, c = s.cfg, s.count
-    eval_after = _heldout_once(s, "eval/after", c.steps)
+    eval_after = _heldout_once(s, EVAL_AFTER_KEY, c.steps)
     s.run.trackers.log({"eval/heldout/accuracy": eval_after}, step=c.steps)
     s.run.trackers.close()
     summary = {
@@ -546,7 +443,7 @@ def _heldout_once(s: State, stage: str, step: int) -> float:
     step 0, eval/after: the last step) with its step; a resumed run reads it back if it measured
     the same step (a run extended with more steps measures its new last step)."""
     entry = s.store.stage(stage)
-    if entry is not None and entry.get("status") == "done" and entry.get("step", 0 if stage == "eval/before" else None) == step:
+    if entry is not None and entry.get("status") == "done" and entry.get("step", 0 if stage == EVAL_BEFORE_KEY else None) == step:
         return entry["accuracy"]
     accuracy = _heldout(s)
     s.store.mark_done(stage, [], accuracy=accuracy, step=step)

@@ -103,6 +103,21 @@ def check_engine(cfg: Config) -> None:
         raise ConfigError(f"rollout.engine=vllm: {NOT_INSTALLED}")
 
 
+def check_start(plan, checked: Checked, dist, start: int) -> None:
+    """Before a resumed run writes anything: checkpoint ``start`` of ``plan``'s run fits this
+    launch (its DeepSpeed state) and, with ``--resume --force``, the model the new config builds
+    (``check_checkpoint``). Nothing to check without a checkpoint."""
+    if not start:
+        return
+    from masktrl.rl.train_state import check_resumable
+    from masktrl.runs.store import RunStore
+
+    path = RunStore(plan.root, writable=False).checkpoint_dir(start)
+    check_resumable(path, dist)
+    if plan.forced_changes:
+        check_checkpoint(plan.cfg, checked.tokenizer, path)
+
+
 def check_checkpoint(cfg: Config, tokenizer, path: Path) -> None:
     """The checkpoint at ``path`` loads into the policy ``cfg`` builds (``--resume --force`` with a
     changed ``model.*`` or task): LoRA adapters on both sides or on neither, and every tensor of
