@@ -129,3 +129,66 @@ def test_the_stage_key_rule_catches_what_it_names(tmp_path):
     finally:
         bad.unlink()
     assert len(hits) == 3, hits
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """masktrl module -> the masktrl modules it imports, at the top or inside a function. A
+    package importing its own submodules (to register their commands) is left out."""
+    import ast
+
+    names = {}
+    for path in (REPO / "masktrl").rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for mod, path in names.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("masktrl"):
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("masktrl")}
+        graph[mod] = {d for d in deps if d in names and d != mod and not (path.name == "__init__.py" and d.startswith(mod + "."))}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    """No two modules import each other, not even through an import inside a function (which
+    only hides the circle): what both need lives in a module below them both."""
+    assert not _cycles(_module_graph()), _cycles(_module_graph())
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -307,7 +307,6 @@ def record(s: State, step: int, batch: Batch, stats: dict, *, t0: float, t_rollo
         "step": step,
         **batch.stats,
         **stats,
-        "clip_frac": stats.get("mask_frac"),
         "rollout_time_s": t_rollout,
         "step_time_s": time.time() - t0,
         "tokens_per_s": batch.stats["tokens"] / max(time.time() - t0, 1e-9),
