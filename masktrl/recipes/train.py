@@ -42,7 +42,7 @@ from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts, reward_
 from masktrl.rl.distributed import Dist, launched
 from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
-from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source
+from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source, progress_info
 from masktrl.rl.policy import PolicyForward
 from masktrl.rl.reference import Reference, make_reference, micro_batch_size, penalise_kl, reference_logprobs
 from masktrl.rl.rollout_source import RolloutSource
@@ -169,19 +169,6 @@ def train(plan: Plan, progress: Progress | None = None, *, on_start: Callable[[P
         checked.task.close()  # reward / grading processes
         if s is not None:
             s.run.trackers.close()  # flushed and closed however the run ends (finish closed them already when it completed)
-
-
-def progress_info(row: dict, cfg: Config) -> str:
-    """The RL bar's text: reward and throughput, and, when the engine samples from something other
-    than the model itself (another dtype, FP8, vLLM), the step's mean |log μ − log π_old| of the
-    sampled tokens (``mismatch/logp_abs_mean``, rl/mismatch.py)."""
-    info = f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s"
-    r = cfg.rollout
-    other = r.engine != "hf" or r.quantization is not None or r.dtype not in (None, cfg.model.dtype)
-    gap = row.get("mismatch/logp_abs_mean")
-    if other and isinstance(gap, float) and gap == gap:  # nan when no token was measured
-        info += f"  |Δlogp| {gap:.3f}"
-    return info
 
 
 def run_steps(s: State, stop: GracefulStop) -> None:
