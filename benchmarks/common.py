@@ -164,8 +164,8 @@ def run_masktrl(cfg, on_start=None, on_step=None) -> dict:
     Returns per-step wall times (``step_times``, one per step of the real loop), per-step
     process CPU times (``cpu_times``) and the metrics rows the run wrote.
     """
-    from masktrl.runs.store import RunStore
     from masktrl.recipes.train import train
+    from masktrl.runs.plan import plan_config
 
     BENCH_TMP.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="run-", dir=BENCH_TMP))
@@ -175,7 +175,7 @@ def run_masktrl(cfg, on_start=None, on_step=None) -> dict:
     if on_step:
         clock.on_step.append(on_step)
     try:
-        result = train(cfg, RunStore(root), progress=clock)
+        result = train(plan_config(cfg, root), progress=clock)
         rows = result.store.read_metrics()
     finally:
         shutil.rmtree(root, ignore_errors=True)

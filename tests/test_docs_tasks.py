@@ -29,7 +29,7 @@ def run_script(tmp_path, code, *args):
 
 
 def test_train_example_runs_two_steps_with_its_registered_reward(tmp_path):
-    train_example = next(b for b in python_blocks() if "register_reward" in b and "train(cfg" in b)
+    train_example = next(b for b in python_blocks() if "register_reward" in b and "train(plan_config(cfg" in b)
     out = tmp_path / "work"
     out.mkdir()
     before, after = map(float, run_script(tmp_path, train_example, str(out)).split()[-2:])

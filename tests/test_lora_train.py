@@ -78,7 +78,7 @@ def test_zero_adapters_give_the_full_model_runs_first_step(reference):
     r = masktrl("train", "--config", str(plain), "--out", str(base / "out"), "--run", "plain", "--set", "train.steps=1")
     assert r.returncode == 0, r.stderr[-3000:]
     first_lora, first_plain = metrics(ref)[0], metrics(base / "out" / "plain")[0]
-    for key in ("reward_mean", "response_len_mean", "ppo_kl", "entropy", "loss", "clip_frac"):
+    for key in ("reward_mean", "response_len_mean", "ppo_kl", "entropy", "loss", "mask_frac"):
         assert first_lora[key] == first_plain[key], key
     assert first_lora["grad_norm"] != first_plain["grad_norm"]  # only the adapters' gradient is clipped and applied
 

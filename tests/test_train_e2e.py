@@ -34,9 +34,9 @@ def test_two_step_run_writes_every_artifact_and_changes_weights(tmp_path, tiny_c
 
     rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ["reward_mean", "response_len_mean", "clip_frac", "ppo_kl", "entropy"]:
+    for key in ["reward_mean", "response_len_mean", "mask_frac", "ppo_kl", "entropy"]:
         assert all(isinstance(r[key], float) for r in rows), key
-    assert all(0.0 <= r["clip_frac"] <= 1.0 and r["entropy"] > 0 for r in rows)
+    assert all(0.0 <= r["mask_frac"] <= 1.0 and "clip_frac" not in r and r["entropy"] > 0 for r in rows)
     for r in rows:  # the timings describe the same step: rollout within it, tokens per second of it
         assert r["rollout_time_s"] < r["step_time_s"]
         assert r["tokens"] / r["tokens_per_s"] == pytest.approx(r["step_time_s"], rel=0.01)

@@ -74,7 +74,7 @@ def test_every_method_trains_off_policy(offpolicy, method):
     assert [r["step"] for r in rows] == [1, 2]
     assert len(calls) == 4  # 2 steps x 2 minibatch updates, one micro-batch each
     for r in rows:
-        assert 0.0 <= r["mask_frac"] <= 1.0 and r["clip_frac"] == r["mask_frac"]
+        assert 0.0 <= r["mask_frac"] <= 1.0 and "clip_frac" not in r
         assert all(key in r and r[key] == r[key] for key in ("loss", "grad_norm", "ppo_kl", "log_r_dev", "D_mean", "entropy"))
     # the first update of a batch is on-policy (pi = mu up to recomputation), the second is not
     assert calls[0]["log_r"].abs().max() < 1e-4
@@ -205,7 +205,7 @@ def test_a_step_where_dynamic_sampling_kept_no_group(warm_out, monkeypatch):
     root = warm_out / "no-group"
     [row] = _rows(root)
     assert row["groups_kept"] == 0 and row["groups_generated"] == collect.MAX_REFILLS * 6
-    assert "loss" not in row and row["clip_frac"] is None and row["reward_mean"] == 1.0
+    assert "loss" not in row and "mask_frac" not in row and row["reward_mean"] == 1.0
     assert RunStore(root).read_rollouts(1, verify=True)[0] == []
     start = load_file(next((warm_out / ".cache" / "warmstart").iterdir()) / "model.safetensors")
     end = load_file(root / "checkpoints" / "000001" / "model.safetensors")

@@ -40,7 +40,7 @@ from masktrl.analysis.io import RunInfo, group_runs
 from masktrl.config import flatten
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.readers import read_json
-from masktrl.runs.store import eval_key
+from masktrl.runs.store import eval_key, eval_steps
 from masktrl.stats import bootstrap_ci, interaction_test, paired_mdd, paired_tests, permutation_test, sign_flip_p, tost_paired, tost_welch, welch_t_test
 
 POWER = 0.8
@@ -108,16 +108,10 @@ def eval_scores(runs: list[RunInfo], bench: str) -> tuple[dict[str, tuple[float,
             if settings.setdefault(key, value) != value:
                 raise MasktrlError(f"--eval {bench}: the reports differ in {key} ({settings[key]} vs {value} in {r.name}); "
                                    f"evaluate every run alike (masktrl eval {bench} --force ...)")
-        steps = [key_step_of(k) for k, v in r.store.manifest["stages"].items()
-                 if k.startswith(f"eval/{bench}/") and v.get("status") == "done"]
-        values = [float(eval_report(r, bench, s)["avg_at_k"]) for s in sorted(steps)]
+        steps = eval_steps(r.store.manifest["stages"], bench)
+        values = [float(eval_report(r, bench, s)["avg_at_k"]) for s in steps]
         out[str(r.root)] = (float(final["avg_at_k"]), max(values), len(values))
     return out, settings
-
-
-def key_step_of(stage: str) -> int:
-    """The step of an ``eval/<bench>/<S>`` stage."""
-    return int(stage.rsplit("/", 1)[1])
 
 
 def describe(values: list[float], n_boot: int, seed: int = 0) -> dict:
@@ -405,8 +399,8 @@ def _evals(run: RunInfo, metric: str) -> list[float]:
 def metric_kind(metric: str, runs: list[RunInfo]) -> str:
     """What one value of ``metric`` is: avg@k over k samples per prompt, or one sample per prompt."""
     if metric.endswith("/avg_at_k"):
-        ks = sorted({int(r[metric.rsplit("/", 1)[0] + "/k"]) for run in runs for r in run.metrics
-                     if isinstance(r.get(metric.rsplit("/", 1)[0] + "/k"), (int, float))})
+        k_metric = metric.removesuffix("avg_at_k") + "k"  # eval/<bench>/avg_at_k -> eval/<bench>/k
+        ks = sorted({int(r[k_metric]) for run in runs for r in run.metrics if isinstance(r.get(k_metric), (int, float))})
         return f"avg@k: mean accuracy over k samples per prompt (k = {', '.join(map(str, ks)) or 'as logged'})"
     if metric == HELDOUT:
         greedy = {bool(run.cfg.to_dict().get("eval", {}).get("greedy", True)) for run in runs}

@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 import yaml
 
-from masktrl.config import Config, from_dict
+from masktrl.config import from_dict
 from masktrl.methods import RegularizerParams, TokenBatch, get_method
 
 F64 = torch.float64

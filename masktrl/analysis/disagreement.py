@@ -297,9 +297,18 @@ def run_study(
 
 def parse_ks(spec: str | None) -> tuple[int, ...]:
     """``--k 5,10,20`` -> (5, 10, 20); None -> () (no re-cut study)."""
-    from masktrl.analysis.estimators import parse_ks as parse
+    return () if spec is None else parse_list_sizes(spec)
 
-    return () if spec is None else parse(spec)
+
+def parse_list_sizes(spec: str) -> tuple[int, ...]:
+    """``5,10,20`` -> (5, 10, 20), sorted and distinct; MasktrlError for anything else."""
+    try:
+        ks = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise MasktrlError(f"--k must be a comma-separated list of list sizes, got {spec!r}") from None
+    if not ks or ks[0] < 1:
+        raise MasktrlError(f"--k needs list sizes >= 1, got {spec!r}")
+    return tuple(ks)
 
 
 def _check_recut(refs, ks: tuple[int, ...]) -> None:

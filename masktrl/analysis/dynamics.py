@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from masktrl.analysis.io import RunInfo, group_runs
+from masktrl.runs.store import EVAL_AFTER_KEY, EVAL_BEFORE_KEY
 from masktrl.stats import t_critical
 
 HELDOUT = "eval/heldout/accuracy"
@@ -55,7 +56,7 @@ def _evals(run: RunInfo) -> tuple[float | None, float | None]:
         return run.summary.get("eval_before"), run.summary.get("eval_after")
     store = run.store
     get = lambda stage: (store.stage(stage) or {}).get("accuracy") if store.exists() else None  # noqa: E731
-    return get("eval/before"), get("eval/after")
+    return get(EVAL_BEFORE_KEY), get(EVAL_AFTER_KEY)
 
 
 def smooth(series: dict[int, float], window: int) -> dict[int, float]:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from masktrl.errors import MasktrlError
+from masktrl.analysis.disagreement import optimizer_suffix, parse_list_sizes
 from masktrl.stats import mean_se
 
 KS = (5, 10, 20, 50)
@@ -48,15 +48,8 @@ SUBSETS = ("moved", "over_delta")
 
 
 def parse_ks(spec: str | None) -> tuple[int, ...]:
-    if spec is None:
-        return KS
-    try:
-        ks = sorted({int(x) for x in spec.split(",") if x.strip()})
-    except ValueError:
-        raise MasktrlError(f"--k must be a comma-separated list of list sizes, got {spec!r}") from None
-    if not ks or ks[0] < 1:
-        raise MasktrlError(f"--k needs list sizes >= 1, got {spec!r}")
-    return tuple(ks)
+    """``--k 5,10,20`` -> (5, 10, 20); None -> ``KS``."""
+    return KS if spec is None else parse_list_sizes(spec)
 
 
 def subset(t: dict, name: str, delta: float) -> np.ndarray:
@@ -209,8 +202,6 @@ def stem(result: dict) -> str:
     steps = result["steps"]
     part = f"step{steps[0]}" if len(steps) == 1 else f"steps{steps[0]}-{steps[-1]}n{len(steps)}"
     runs = "" if len(result["runs"]) == 1 else f"-runs{len(result['runs'])}"
-    from masktrl.analysis.disagreement import optimizer_suffix
-
     return f"estimators-{part}{runs}-{result['update']['name']}{optimizer_suffix(result)}"
 
 

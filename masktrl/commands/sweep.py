@@ -91,6 +91,6 @@ def launch_runs(items, out: Path, config, overrides: list[str], accelerate_confi
     """--print-commands (print each run's command) or --launcher slurm (one sbatch job per run)."""
     from masktrl.recipes import slurm
 
-    for line in slurm.launch(items, out, config, overrides, accelerate_config, print_only=print_only, options=options, submit=submit,
-                             resubmit=resubmit):
+    how = slurm.SlurmOptions(tuple(options), submit=submit, resubmit=resubmit)
+    for line in slurm.launch(items, out, config, overrides, accelerate_config, print_only=print_only, slurm=how):
         console.print(line, highlight=False, markup=False, soft_wrap=True)

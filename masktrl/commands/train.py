@@ -32,16 +32,18 @@ def train(
     checkpoint (docs/RELIABILITY.md).
     """
     from masktrl.recipes import preflight, train as recipe
+    from masktrl.rl.distributed import launch_rank
     from masktrl.rl.signals import Interrupted
-    from masktrl.runs.plan import RunRequest
+    from masktrl.runs.plan import RunRequest, plan_run
 
     request = RunRequest(tuple(config) if config else None, method, run, Path(out), seed, tuple(set_ or ()), resume, force, rollouts_from)
     if dry_run:
         print_dry_run(preflight.run(request))
         return
     try:
+        plan = plan_run(request, main=launch_rank() == 0)  # only the main process of a launch decides
         with progress_bar() as progress:
-            result = recipe.run(request, progress, on_start=print_start)
+            result = recipe.train(plan, progress, on_start=print_start)
     except Interrupted as exc:
         done = getattr(exc, "checkpoints", [])
         where = f"after checkpoint {done[-1]}" if done else "before its first checkpoint"

@@ -22,7 +22,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from masktrl.models.tiny import SPECIAL_TOKENS, UNK, wrap_tokenizer
+from masktrl.models.vocab import SPECIAL_TOKENS, UNK, wrap_tokenizer
 
 NUMBER_TOKENS = 2000
 SEPARATOR = "="

@@ -1,5 +1,5 @@
 """The embedded default model: a tiny Qwen3-architecture causal LM (or another architecture,
-``architectures.py``) and a character tokenizer (the lab's number tokenizer is in ``numbers.py``).
+``architectures.py``) and its tokenizer: characters (``vocab.py``) or numbers (the lab's, ``numbers.py``).
 
 Both are built locally (no hub) and saved with ``save_pretrained`` so every later stage,
 and vLLM, loads them exactly like a real checkpoint.
@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from masktrl.config import MOE_DEFAULTS
+from masktrl.models.numbers import build_number_tokenizer
+from masktrl.models.vocab import EOS, PAD, SPECIAL_TOKENS, UNK, build_char_tokenizer, wrap_tokenizer
 
-PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
-SPECIAL_TOKENS = (PAD, EOS, UNK)
+__all__ = ["EOS", "PAD", "SPECIAL_TOKENS", "UNK", "TinyModelConfig", "build_char_tokenizer", "build_tiny_model", "tiny_tokenizer",
+           "wrap_tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -37,42 +38,12 @@ class TinyModelConfig:
                    num_experts=experts, experts_per_token=top_k)
 
 
-def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
-    """A tokenizer with one token per character of ``alphabet`` plus pad/eos/unk.
-
-    Text round-trips exactly (spaces and newlines included) because every character is
-    its own pre-token and the decoder concatenates tokens without separators.
-    """
-    chars = sorted(set(alphabet))
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in chars:
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return wrap_tokenizer(tok)
-
-
 def tiny_tokenizer(kind: str, alphabet: str | None) -> PreTrainedTokenizerFast:
     """The tiny model's tokenizer of ``model.tokenizer`` = ``kind``: 'char' (one token per
     character of the task's ``alphabet``) or 'numbers' (one token per integer, ``numbers.py``)."""
     if kind == "numbers":
-        from masktrl.models.numbers import build_number_tokenizer  # it builds on this module
-
         return build_number_tokenizer()
     return build_char_tokenizer(alphabet)
-
-
-def wrap_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
-    """A ``tokenizers`` word-level tokenizer with the special tokens as a transformers tokenizer."""
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD,
-        eos_token=EOS,
-        unk_token=UNK,
-        clean_up_tokenization_spaces=False,
-        model_max_length=1 << 20,
-    )
 
 
 def build_tiny_model(tokenizer: PreTrainedTokenizerFast, cfg: TinyModelConfig, seed: int, architecture: str = "qwen3"):

@@ -24,6 +24,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from masktrl.errors import ConfigError, MasktrlError
@@ -151,8 +152,17 @@ def active_jobs(jobs: dict[str, str]) -> dict[str, str]:
     return {run: f"job {job} {states[job]}" for run, job in jobs.items() if states.get(job) in ACTIVE_STATES}
 
 
-def launch(items, out: Path, config, overrides: list[str], accelerate_config: Path | None, *, print_only: bool, options: list[str],
-           submit: bool, resubmit: bool):
+@dataclass(frozen=True)
+class SlurmOptions:
+    """The sweep's slurm flags."""
+
+    options: tuple[str, ...] = ()  # --slurm KEY=VALUE
+    submit: bool = True  # False: --no-submit (write the scripts only)
+    resubmit: bool = False  # --resubmit
+
+
+def launch(items, out: Path, config, overrides: list[str], accelerate_config: Path | None, *, print_only: bool,
+           slurm: SlurmOptions = SlurmOptions()):
     """``--print-commands`` (each run's train command) or ``--launcher slurm`` (one sbatch job per
     run still to do: skipped when complete, still queued or running, or trained right now);
     yields the lines to show."""
@@ -162,10 +172,10 @@ def launch(items, out: Path, config, overrides: list[str], accelerate_config: Pa
         for item in items:
             yield f"# {item.root.name}: complete" if item.state == "complete" else shlex.join(commands[item.root])
         return
-    sbatch_options = parse_options(options)
+    sbatch_options, submit = parse_options(list(slurm.options)), slurm.submit
     if submit and todo:
         check_sbatch()
-    active = {} if resubmit else active_jobs(recorded_jobs(out))
+    active = {} if slurm.resubmit else active_jobs(recorded_jobs(out))
     yield f"masktrl sweep --launcher slurm: {len(items) - len(todo)} complete, {len(todo)} to run, under {out}"
     for item in items:
         name = item.root.name

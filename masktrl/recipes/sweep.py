@@ -9,13 +9,15 @@ same cached warm start (``<out>/.cache/warmstart``). The sweep resumes at run gr
 * a complete run with a *different* config stops the sweep before anything runs (choose
   another ``--out``; nothing is overwritten);
 * an **incomplete** run (interrupted or failed: no summary, or status not ``complete``) with
-  the same config is reported and **resumed** in place (``recipes.train.train(resume=True)``:
-  from its last checkpoint, reusing its stored rollouts);
+  the same config is reported and **resumed** in place (from its last checkpoint, reusing its
+  stored rollouts);
 * an incomplete run that cannot be resumed (no manifest, run.yaml missing or changed) is
   reported and left as it is; the run starts again in a fresh folder
   ``<method>-seed<k>-retry<i>`` (stored artifacts are never deleted).
 
-Every config is built and validated before the first run starts.
+Every config is built and validated before the first run starts. The fates are decided by
+``runs/plan.py`` (``sweep_fate``), and each run enters training the way ``masktrl train`` does:
+its plan, carried out by ``recipes.train.train`` (``runs/session.py``).
 """
 
 from __future__ import annotations
@@ -26,10 +28,9 @@ from pathlib import Path
 from typing import Callable, ContextManager
 
 from masktrl.config import MAX_SEED, Config, diff_configs, load_config, split_method
+from masktrl.errors import ConfigError
 from masktrl.method_spec import is_rule_file
-from masktrl.errors import ConfigError, MasktrlError
-from masktrl.runs import locks
-from masktrl.runs.store import RunStore, is_fresh_folder
+from masktrl.runs.plan import plan_config, sweep_fate
 
 
 @dataclass
@@ -118,20 +119,11 @@ def check_flags(methods: list[str], overrides: list[str], baseline: str | None, 
             raise ConfigError(f"{flag} goes with --launcher slurm (the local launcher submits nothing)")
 
 
-def run_state(root: Path) -> str:
-    """'missing' | 'complete' | 'incomplete' for a run folder."""
-    if is_fresh_folder(root):
-        return "missing"
-    if RunStore(root).is_complete():
-        return "complete"
-    return "incomplete"
-
-
 def plan(out: Path, methods: list[str], seeds: list[int], config: Path | list[Path] | None = None,
          overrides: list[str] = (), *, busy_ok: bool = False) -> list[SweepRun]:
     """Every run of the grid with its config (``config``: one preset or several, composed as
-    ``load_config`` does) and what the sweep will do with it. A run that a process is training
-    right now (it holds the run's lock) stops the plan with one line, or, with ``busy_ok`` (the
+    ``load_config`` does) and its fate among its folders (``runs/plan.py: sweep_fate``). A run
+    that a process is training right now stops the plan with one line, or, with ``busy_ok`` (the
     slurm launcher: its job may be that process), is planned as a resume with ``writer`` set."""
     runs = []
     first: dict[str, Config] = {}  # method spec -> its config for the first seed
@@ -142,20 +134,8 @@ def plan(out: Path, methods: list[str], seeds: list[int], config: Path | list[Pa
             if seed == seeds[0]:
                 _check_distinct(method, cfg, first)
             name = f"{run_stem(method)}-seed{seed}"
-            attempts = [Path(out) / name] + sorted(Path(out).glob(f"{name}-retry*"), key=_retry_index)
-            states = {root: run_state(root) for root in attempts}
-            complete = [r for r in attempts if states[r] == "complete"]
-            incomplete = [r for r in attempts if states[r] == "incomplete"]
-            for root in complete:
-                _check_same_config(root, cfg)
-            if complete:
-                runs.append(SweepRun(method, seed, name, cfg, complete[-1], "complete", incomplete))
-            elif incomplete and _resumable(incomplete[-1], cfg, busy_ok):
-                runs.append(SweepRun(method, seed, name, cfg, incomplete[-1], "resume", incomplete, locks.holder(incomplete[-1])))
-            elif incomplete:
-                runs.append(SweepRun(method, seed, name, cfg, Path(out) / f"{name}-retry{_next_retry(attempts)}", "retry", incomplete))
-            else:
-                runs.append(SweepRun(method, seed, name, cfg, Path(out) / name, "new"))
+            fate = sweep_fate(Path(out), name, cfg, busy_ok=busy_ok)
+            runs.append(SweepRun(method, seed, name, cfg, fate.root, fate.state, fate.incomplete, fate.writer))
     return runs
 
 
@@ -169,40 +149,6 @@ def _check_distinct(method: str, cfg: Config, seen: dict[str, Config]) -> None:
     seen[method] = cfg
 
 
-def _check_same_config(root: Path, cfg: Config) -> None:
-    diff = diff_configs(RunStore(root).config(), cfg)
-    if diff:
-        raise MasktrlError(f"{root} holds a run with a different config ({', '.join(diff[:4])}); use another --out (nothing was changed)")
-
-
-def _resumable(root: Path, cfg: Config, busy_ok: bool = False) -> bool:
-    """An interrupted run of this config that ``train(resume=True)`` accepts.
-
-    Raises if the run is alive (a process holds its lock) unless ``busy_ok``: two sweeps must
-    not write into the same run.
-    """
-    store = RunStore(root)
-    try:
-        store.check_resumable()
-    except MasktrlError:
-        return False
-    pid = locks.holder(root)  # a process holds the run's lock (runs/locks.py)
-    if (pid is not None or store.status() == "running") and not busy_ok:
-        who = f"pid {pid}" if pid and pid > 0 else "a process"
-        raise MasktrlError(f"{root} is being trained right now ({who}); wait for it or stop it first")
-    _check_same_config(root, cfg)
-    return True
-
-
-def _retry_index(path: Path) -> int:
-    tail = path.name.rsplit("-retry", 1)[-1]
-    return int(tail) if tail.isdigit() else 0
-
-
-def _next_retry(attempts: list[Path]) -> int:
-    return 1 + max([_retry_index(p) for p in attempts if "-retry" in p.name] + [0])
-
-
 def check_launcher(launcher: str, accelerate_config: Path | None, print_commands: bool) -> None:
     """ConfigError for a launcher this sweep cannot use."""
     if launcher not in ("local", "slurm"):
@@ -214,11 +160,12 @@ def check_launcher(launcher: str, accelerate_config: Path | None, print_commands
 
 
 def run_one(item: SweepRun, progress=None) -> Path:
-    """Train one planned run into ``item.root`` (a complete run is returned as it is)."""
+    """Train one planned run into ``item.root`` (a complete run is returned as it is): its plan
+    (``runs/plan.py: plan_config``) through the one way into training (``recipes.train.train``)."""
     from masktrl.recipes.train import train
 
     if item.state != "complete":
-        train(item.cfg, RunStore(item.root), progress, resume=item.state == "resume")
+        train(plan_config(item.cfg, item.root, resume=item.state == "resume"), progress)
         item.state = "complete"
     return item.root
 

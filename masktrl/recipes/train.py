@@ -1,47 +1,30 @@
-"""``masktrl train`` as a recipe: ``run`` plans the run folder and checks everything once
-(``runs/plan.py``, ``rl/checks.py``); ``train`` takes the run's lock, confirms the plan under
-it, and runs ``setup`` (builds everything once), ``rl_step`` per step (rollout -> reward ->
-advantages -> update -> record) and ``finish`` (evaluates, writes the summary), with Ctrl-C and
-checkpoints around the steps.
+"""``masktrl train`` as a recipe: setup, the loop, the RL step and evaluation. ``train(plan)``
+is the one way in (a plan from ``runs/plan.py``): every check before anything is written
+(``rl/checks.py``), then the run's session (``runs/session.py``: the lock, the plan confirmed,
+the run recorded, the status on any way out, retention, the summary) around ``setup`` (builds
+everything once), ``rl_step`` per step (rollout -> reward -> advantages -> update -> record)
+and ``finish`` (evaluates, writes the summary), with Ctrl-C and checkpoints around the steps.
 
 Every random draw comes from a stream named by (seed, purpose, step) (``masktrl.seeding``), so a
-resumed run reproduces an uninterrupted one; every artifact is written atomically and recorded
-in the manifest only once complete (``runs/store.py``).
-
-Resume restarts from the newest complete checkpoint: the run store checks every artifact the
-resumed run will read (``RunStore.resume_step``), then weights, optimizer, scheduler and RNG
-states are restored, ``metrics.jsonl`` is cut back to that step, and the rollout batches already
-stored for later steps are reused instead of regenerated. Under DeepSpeed each process also
-reloads its shard of the optimizer state (``train_state.restore_engine_state``), after checking
-the shards fit this launch. On CPU with the same seed the final weights are bit-identical to an
-uninterrupted run, with one process, DDP, ZeRO-2 and ZeRO-3.
+resumed run reproduces an uninterrupted one: it restarts from the newest complete checkpoint
+(``rl/start.py: restore_run``; every artifact it reads checked first by the store), cuts
+``metrics.jsonl`` back to that step and reuses the rollout batches stored for later steps. On
+CPU with the same seed the final weights are bit-identical to an uninterrupted run, with one
+process, DDP, ZeRO-2 and ZeRO-3.
 
 With ``rollout.staleness`` = s the batches are sampled s steps ahead: step S first stores the
 batches of steps S+1..S+s not stored yet, sampled by the policy after step S-1, so step S trains
-on a batch sampled by the policy after step S-1-s (the starting policy for the first ones). With
-``train.lab_stats`` every metrics row also says whether the methods can differ on the run
-(``rl/lab_stats.py``, docs/LAB.md).
-
-After each checkpoint, ``apply_retention`` deletes what ``train.keep_checkpoints`` and
-``rollout.store`` no longer keep; every metrics row also goes to the ``train.report_to``
-trackers (``rl/tracking.py``).
-
-Under ``accelerate launch`` (``rl/distributed.py``, docs/CLUSTER.md) every process
-generates its share of the prompt groups, the groups are gathered so every process holds the
-whole batch, and ``policy_update`` trains each process on its part of every minibatch; only the
-main process writes, through the same store (the others get a read-only view).
-
-What can go wrong is handled here too (docs/RELIABILITY.md): everything checkable is checked
-before the run folder is written (``rl/checks.py``); the main process holds the run's
-lock for the whole run (``runs/locks.py``); SIGTERM is a Ctrl-C (``rl/signals.py``);
-a step whose loss or gradient norm is not finite is not applied, and ``train.max_nonfinite_steps``
-of them in a row stop the run; any way out of ``train`` records the status (``interrupted`` or
-``failed`` with the reason), never leaving ``running`` behind.
+on a batch sampled by the policy after step S-1-s (the starting policy for the first ones).
+``train.lab_stats`` adds whether the methods can differ to every row (``rl/lab_stats.py``).
+Under ``accelerate launch`` (``rl/distributed.py``, docs/CLUSTER.md) every process generates
+its share of the prompt groups, all hold the whole batch, and ``policy_update`` trains each on
+its part of every minibatch; only the main process writes. SIGTERM is a Ctrl-C
+(``rl/signals.py``); ``train.max_nonfinite_steps`` steps in a row whose update was not applied
+(a non-finite loss or gradient norm) stop the run (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,33 +34,29 @@ import torch
 
 from masktrl.config import Config
 from masktrl.errors import MasktrlError
-from masktrl.io import atomic_dir
 from masktrl.methods import BoundMethod
-from masktrl.models import checkpointing
-from masktrl.models.architectures import check_lm_head, shared_prompt_cache_ok
 from masktrl.models.loading import tokenizer_fingerprint
-from masktrl.models.lora import apply_lora
-from masktrl.models.packing import packing_unsupported
 from masktrl.rl import checks
 from masktrl.rl import train_state as ckpt
-from masktrl.rl.collect import Batch, CollectSettings, batch_changes, collect_rollouts, reward_failures
-from masktrl.rl.distributed import Dist, launch_rank, launched
+from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts, reward_failures
+from masktrl.rl.distributed import Dist, launched
 from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
-from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source
+from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source, progress_info
 from masktrl.rl.policy import PolicyForward
 from masktrl.rl.reference import Reference, make_reference, micro_batch_size, penalise_kl, reference_logprobs
 from masktrl.rl.rollout_source import RolloutSource
 from masktrl.rl.signals import GracefulStop, Interrupted, graceful_stop
+from masktrl.rl.start import load_policy, restore_run
 from masktrl.rl.tracking import Trackers, open_trackers
 from masktrl.rl.update import Hooks, Learner, UpdateSettings, make_optimizer, policy_update
-from masktrl.rl.warmstart import prepare_policy
 from masktrl.rollout import make_engine
 from masktrl.rollout.base import RolloutEngine, Sample
 from masktrl.runs import provenance, retention
 from masktrl.runs.faults import maybe_crash
-from masktrl.runs.plan import Plan, RunRequest, plan_run, plan_start
-from masktrl.runs.store import LORA_BASE_KEY, RunStore, done_steps, rollout_key, update_key
+from masktrl.runs.plan import Plan
+from masktrl.runs.session import Decision, Session
+from masktrl.runs.store import EVAL_AFTER_KEY, EVAL_BEFORE_KEY, RunStore, rollout_key, update_key
 from masktrl.tasks import Example, Task
 from masktrl.tasks.prompts import wraps_chat
 
@@ -132,15 +111,10 @@ class Counters:
 
     start: int  # the last step already done (resume), 0 for a new run
     steps: int  # the last step to do
-    t_start: float
-    wall_before: float = 0.0  # wall time of the run's earlier sessions (resume)
     eval_before: float = float("nan")
     nonfinite_total: int = 0  # steps so far with an update skipped for a non-finite loss or gradient norm
     nonfinite_run: int = 0  # ... of them in a row, up to the last step
     ahead: dict[int, Batch] = field(default_factory=dict)  # rollout.staleness: batches sampled ahead, not yet trained on
-
-    def wall_time(self) -> float:
-        return self.wall_before + time.time() - self.t_start
 
 
 @dataclass
@@ -152,6 +126,7 @@ class State:
     count: Counters
     warmstart: dict  # where the starting policy came from (prepare_policy's info)
     rollouts_from: str | None
+    session: Session  # the run's lifecycle: wall time, checkpoints' retention, the summary (runs/session.py)
 
     @property
     def cfg(self) -> Config:
@@ -166,97 +141,34 @@ class NonFiniteError(MasktrlError):
     """Too many consecutive steps with a non-finite loss or gradient norm."""
 
 
-def run(request: RunRequest, progress: Progress | None = None, on_start: Callable[[Plan], None] | None = None) -> TrainResult:
-    """``masktrl train``: resolve the request (``plan_run``: the folder, the config, what to do
-    with the folder), run every check before anything is written, then ``train``. ``on_start``
-    sees the plan confirmed under the run's lock, before the first write. An ``Interrupted``
-    leaving here carries ``run`` (its name) and ``checkpoints`` (its complete checkpoints)."""
-    plan = plan_run(request, main=launch_rank() == 0)
-    checked = checks.check(plan.cfg, rollouts_from=plan.rollouts_from, out=Path(request.out))
-    store = RunStore(plan.root)
-    try:
-        return train(plan.cfg, store, progress, rollouts_from=plan.rollouts_from, checked=checked, plan=plan, on_start=on_start)
-    except Interrupted as exc:
-        exc.run, exc.checkpoints = plan.root.name, store.checkpoints() if store.exists() else []
-        raise
-
-
-def _complete(plan: Plan) -> TrainResult | None:
-    """``--resume`` of a complete run with its own config: nothing to do, nothing written (its
-    summary is returned as it is); None for anything else."""
-    if not plan.explicit_resume or plan.forced_changes:
-        return None
-    store = RunStore(plan.root, writable=False)
-    if store.status() != "complete" or store.summary() is None:
-        return None
-    summary = store.summary()
-    note = (f"run {plan.root.name} is complete ({summary.get('steps')} of {plan.cfg.train.steps} steps): nothing to do "
-            "(--resume NAME --force --set train.steps=N extends it)")
-    return TrainResult(summary, store, launch_rank() == 0, note)
-
-
-def train(cfg: Config, store: RunStore, progress: Progress | None = None, *, resume: bool = False, restart: bool = False,
-          rollouts_from: str | None = None, dist: Dist | None = None, checked: checks.Checked | None = None,
-          forced_changes: list[str] | None = None, plan: Plan | None = None,
-          on_start: Callable[[Plan], None] | None = None) -> TrainResult:
-    """The whole run under the run's lock: the checks (``checked``: already done by the caller),
-    the plan confirmed (``plan``; else ``resume`` / ``restart`` as given: ``restart`` starts a
-    failed or interrupted run with no checkpoint again from scratch), setup, the RL steps, then
-    ``finish``. ``forced_changes``: the keys ``--resume --force`` changed, recorded with the new
-    config once the checkpoint is known to fit this launch."""
-    dist = dist or (Dist.from_launch(cfg.train) if launched() else Dist())  # a bad launch config fails here, before any write
-    checked = checked or checks.check(cfg, rollouts_from=rollouts_from)  # before anything is written
-    if not dist.is_main:
-        store, progress = store.read_only(), None
+def train(plan: Plan, progress: Progress | None = None, *, on_start: Callable[[Plan], None] | None = None,
+          dist: Dist | None = None) -> TrainResult:
+    """The one way into training (``masktrl train``, a sweep's run, the Python API: a plan of
+    ``runs/plan.py``): the checks, the session opened (``on_start`` sees the plan it confirmed,
+    before the first write), setup, the steps, finish. An ``Interrupted`` leaving here carries
+    ``run`` (its name) and ``checkpoints`` (its complete checkpoints)."""
+    dist = dist or (Dist.from_launch(plan.cfg.train) if launched() else Dist())  # a bad launch config fails here, before any write
+    checked = checks.check(plan.cfg, rollouts_from=plan.rollouts_from)  # before anything is written
+    session = Session(RunStore(plan.root), plan, dist)
+    progress = progress if dist.is_main else None
     s = None
     try:
-        with store.writing(), graceful_stop(graceful=False) as stop:  # one writer per run; SIGTERM = Ctrl-C
-            if dist.is_main:
-                store.settle()  # what a crash cut short (a run.yaml rename, a restart's deletions) is finished first
-            if plan is not None:
-                plan = confirm(plan, store, checked.vocab_size) if dist.is_main else plan
-                done = _complete(plan)  # checked like any resume (the lock, every artifact), then left as it is
-                if done is not None:
-                    return done
-                resume, restart, forced_changes = plan.start.mode == "resume", plan.start.mode == "restart", plan.forced_changes
-            resume, restart = dist.broadcast((resume, restart))  # the main process decided what to do with the folder
-            if on_start is not None and plan is not None and dist.is_main:  # the header once, not once per process
-                on_start(plan)
-            s = setup(cfg, store, checked, progress, resume=resume, restart=restart, rollouts_from=rollouts_from, dist=dist,
-                      forced_changes=forced_changes)
-            with s.store.recording_failure(lambda: {"wall_time_s": s.count.wall_time()}):
+        with session.locked(), graceful_stop(graceful=False) as stop:  # one writer per run; SIGTERM = Ctrl-C
+            decision = session.open(checked.vocab_size, check=lambda start: checks.check_start(plan, checked, dist, start),
+                                    on_start=on_start, say=lambda text: _note(progress, dist, text))
+            if decision.mode == "complete":  # checked like any resume (the lock, every artifact), then left as it is
+                return TrainResult(decision.summary, session.store, dist.is_main, decision.note)
+            with session.recording():  # interrupted or failed, with the reason: never left running
+                s = setup(session, decision, checked, progress, dist)
                 run_steps(s, stop)
                 return finish(s)
+    except Interrupted as exc:
+        exc.run, exc.checkpoints = plan.root.name, session.store.checkpoints() if session.store.exists() else []
+        raise
     finally:
         checked.task.close()  # reward / grading processes
         if s is not None:
             s.run.trackers.close()  # flushed and closed however the run ends (finish closed them already when it completed)
-
-
-def confirm(plan: Plan, store: RunStore, vocab_size: int) -> Plan:
-    """The plan again under the run's lock (another process may have moved the run on since it
-    was made), and for a resume every artifact the resumed run reads checked, before any write."""
-    if plan.start.mode == "new":
-        return plan  # setup refuses a folder that another process created meanwhile
-    if not plan.explicit_resume:
-        plan = replace(plan, start=plan_start(plan.root, plan.cfg))
-    if plan.start.mode == "resume":
-        store.check_resumable()
-        store.resume_step(vocab_size)
-    return plan
-
-
-def progress_info(row: dict, cfg: Config) -> str:
-    """The RL bar's text: reward and throughput, and, when the engine samples from something other
-    than the model itself (another dtype, FP8, vLLM), the step's mean |log μ − log π_old| of the
-    sampled tokens (``mismatch/logp_abs_mean``, rl/mismatch.py)."""
-    info = f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s"
-    r = cfg.rollout
-    other = r.engine != "hf" or r.quantization is not None or r.dtype not in (None, cfg.model.dtype)
-    gap = row.get("mismatch/logp_abs_mean")
-    if other and isinstance(gap, float) and gap == gap:  # nan when no token was measured
-        info += f"  |Δlogp| {gap:.3f}"
-    return info
 
 
 def run_steps(s: State, stop: GracefulStop) -> None:
@@ -272,8 +184,7 @@ def run_steps(s: State, stop: GracefulStop) -> None:
         stopping = s.run.dist.broadcast(stop.requested)  # every process stops after the same step
         if step % t.checkpoint_every == 0 or step == c.steps or step in t.keep_steps or stopping:
             ckpt.save_step(s.store, step, p.model, p.tokenizer, p.optimizer, p.scheduler, s.run.dist, p.policy)
-            s.store.set_info(wall_time_s=c.wall_time())
-            apply_retention(s)
+            s.session.checkpointed(step)  # the wall time, then retention
         if progress:
             progress.update(bar, advance=1, info=progress_info(row, s.cfg))
         if stopping:
@@ -281,66 +192,43 @@ def run_steps(s: State, stop: GracefulStop) -> None:
     stop.graceful = False
 
 
-def setup(cfg: Config, store: RunStore, checked: checks.Checked, progress: Progress | None = None, *, resume: bool = False,
-          restart: bool = False, rollouts_from: str | None = None, dist: Dist | None = None,
-          forced_changes: list[str] | None = None) -> State:
-    """Record the run, load (or warm-start) the policy, restore a checkpoint when resuming, start
-    the engine and evaluate the starting policy. A failure once the run is recorded leaves it
-    ``failed`` with the reason (or ``interrupted``), never ``running``."""
-    t_start = time.time()
-    dist = dist or Dist()
+def setup(session: Session, decision: Decision, checked: checks.Checked, progress: Progress | None, dist: Dist) -> State:
+    """Everything the steps share, built once on the recorded run (``build_state``)."""
+    cfg = session.cfg
     torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.seed)
-    store.manifest  # noqa: B018  every process reads the run's state before the main one changes it
-    start = store.resume_step(checked.vocab_size) if resume else 0  # checks every stored artifact it reads, before any write
-    if start:
-        ckpt.check_resumable(store.checkpoint_dir(start), dist)  # its DeepSpeed state fits this launch, before anything is written
-    if resume and forced_changes:
-        _drop_stale_batches(store, start, forced_changes, progress, dist)
-    dist.barrier()
-    if resume and forced_changes and not store.writable:
-        store.reload()  # the main process may have dropped stored batches
-    wall_before = store.recorded_wall_time() if resume else 0.0
-    # The run's entries go in the same manifest write as the config record: no kill window
-    # between them (docs/RELIABILITY.md, Fault injection).
-    running = dict(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid(),
-                   processes=dist.world, reason=None)
-    if store.writable and not resume:
-        if restart:
-            store.restart(cfg, run=running)
-        elif store.exists():
-            raise MasktrlError(f"run folder {store.root} was started by another process meanwhile; choose another --run (nothing was changed)")
-        else:
-            store.record_config(cfg, run=running)
-    elif store.writable and forced_changes:
-        store.record_config(cfg, run=running, forced_changes=forced_changes)  # --resume --force with another config
-    else:
-        store.set_info(**running)
-    count = Counters(start=start, steps=cfg.train.steps, t_start=t_start, wall_before=wall_before)
-    with store.recording_failure(lambda: {"wall_time_s": count.wall_time()}):
-        return build_state(cfg, store, checked, progress, count, resumed=resume, rollouts_from=rollouts_from, dist=dist)
+    count = Counters(start=decision.start, steps=cfg.train.steps)
+    return build_state(session, checked, progress, count, resumed=decision.mode == "resume", dist=dist)
 
 
-def _drop_stale_batches(store: RunStore, start: int, changed: list[str], progress: Progress | None, dist: Dist) -> None:
-    """``--resume --force`` with keys that made the batches stored after the checkpoint (the
-    sampling, the reward, the seed...: ``collect.batch_changes``): those batches are deleted and
-    sampled again with the new settings, and the command says which."""
-    keys = batch_changes(changed)
-    later = [s for s in done_steps(store.manifest["stages"], "rollout") if s > start] if keys else []
-    if not later:
-        return
-    store.drop_rollouts_after(start)
-    what = f"batch of step {later[0]} was" if len(later) == 1 else f"batches of steps {later[0]}-{later[-1]} were"
-    them = "it" if len(later) == 1 else "them"
-    _note(progress, dist, f"the stored rollout {what} sampled with other settings ({', '.join(keys)}): sampling {them} again")
+def build_state(session: Session, checked: checks.Checked, progress: Progress | None, count: Counters, *, resumed: bool,
+                dist: Dist) -> State:
+    """The model parts (``build_parts``), the run's services, the counters; then held-out
+    accuracy of the starting policy."""
+    cfg, store, task, source = session.cfg, session.store, checked.task, checked.source
+    parts, ws_info, vocab_size = build_parts(session, checked, progress, count, resumed=resumed, dist=dist)
+    collect = replace(CollectSettings.from_config(cfg), chat_template=wraps_chat(task, cfg.model.chat_template))
+    meta = source.meta if source else {"engine": parts.engine.name, "tokenizer": tokenizer_fingerprint(parts.tokenizer),
+                                       **collect.sampling.__dict__, "rollout_dtype": cfg.rollout.dtype,
+                                       "quantization": cfg.rollout.quantization}
+    if source:
+        count.steps = min(cfg.train.steps, source.num_steps)
+    services = RunServices(cfg, store, dist, task, collect, UpdateSettings.from_config(cfg), source, meta, task.test_examples(),
+                           LabStats(vocab_size, cfg.rollout.logprobs_k) if cfg.train.lab_stats else None,
+                           Trackers((), Path("."), ""), progress)
+    s = State(parts, services, count, ws_info, session.plan.rollouts_from, session)
+    count.eval_before = _heldout_once(s, EVAL_BEFORE_KEY, 0)
+    services.trackers = open_trackers(cfg.train.report_to, store.root, store.name, cfg.to_dict(), dist.is_main)
+    services.trackers.log({"eval/heldout/accuracy": count.eval_before}, step=0)
+    return s
 
 
-def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress: Progress | None, count: Counters, *,
-                resumed: bool, rollouts_from: str | None, dist: Dist) -> State:
-    """The model parts (the policy warm-started or restored), the run's services, the counters;
-    then held-out accuracy of the starting policy."""
-    task = checked.task
-    model, tokenizer, ws_info = load_policy(cfg, store, task, progress, dist)
+def build_parts(session: Session, checked: checks.Checked, progress: Progress | None, count: Counters, *, resumed: bool,
+                dist: Dist) -> tuple[ModelParts, dict, int]:
+    """(the model parts, the warm start's info, the logits' width): the policy warm-started or
+    restored (``resumed``: from checkpoint ``count.start``), its optimizer, the engine."""
+    cfg, store = session.cfg, session.store
+    model, tokenizer, ws_info = load_policy(cfg, store, checked.task, progress, dist, say=lambda text: _note(progress, dist, text))
     method = cfg.method.bind()
     reference = None  # the starting policy, frozen before a resumed run loads its checkpoint (LoRA: adapters off)
     if method.needs_reference:
@@ -348,8 +236,8 @@ def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress:
     optimizer, scheduler = make_optimizer(model, cfg.train)
     n_params = retention.count_parameters(model, trainable_only=cfg.model.lora.rank is not None)  # LoRA: the adapters are checkpointed
     projection = retention.project(cfg, n_params, deepspeed_stage=dist.zero_stage)
-    if resumed:
-        restore(store, count, model, optimizer, scheduler, dist)
+    if resumed:  # the checkpoint loaded, what happened after it forgotten, the non-finite counters read back
+        count.nonfinite_total, count.nonfinite_run = restore_run(store, count.start, model, optimizer, scheduler, dist)
     vocab_size = model.get_output_embeddings().weight.shape[0]  # lab_stats; read before ZeRO-3 partitions it
     policy, optimizer = dist.prepare(PolicyForward(model), optimizer)  # model stays the (unwrapped) LM
     if count.start:
@@ -360,87 +248,7 @@ def build_state(cfg: Config, store: RunStore, checked: checks.Checked, progress:
     engine = make_engine(cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
     if count.start or getattr(engine, "copy", None) is not None:  # a low-precision copy is made from whole weights (ZeRO-3)
         sync_weights(engine, model, dist)
-    source = checked.source
-    collect = replace(CollectSettings.from_config(cfg), chat_template=wraps_chat(task, cfg.model.chat_template))
-    meta = source.meta if source else {"engine": engine.name, "tokenizer": tokenizer_fingerprint(tokenizer), **collect.sampling.__dict__,
-                                       "rollout_dtype": cfg.rollout.dtype, "quantization": cfg.rollout.quantization}
-    if source:
-        count.steps = min(cfg.train.steps, source.num_steps)
-    parts = ModelParts(model, tokenizer, policy, optimizer, scheduler, engine, method, reference)
-    services = RunServices(cfg, store, dist, task, collect, UpdateSettings.from_config(cfg), source, meta, task.test_examples(),
-                           LabStats(vocab_size, cfg.rollout.logprobs_k) if cfg.train.lab_stats else None,
-                           Trackers((), Path("."), ""), progress)
-    s = State(parts, services, count, ws_info, rollouts_from)
-    count.eval_before = _heldout_once(s, "eval/before", 0)
-    services.trackers = open_trackers(cfg.train.report_to, store.root, store.name, cfg.to_dict(), dist.is_main)
-    services.trackers.log({"eval/heldout/accuracy": count.eval_before}, step=0)
-    return s
-
-
-def load_policy(cfg: Config, store: RunStore, task: Task, progress: Progress | None, dist: Dist):
-    """(model, tokenizer, info): the warm-started tiny model or the configured one, recorded as
-    stage ``warmstart``, its head checked, LoRA adapters on it when ``model.lora`` asks;
-    gradient checkpointing switched on when asked."""
-    with dist.loading():  # the main process first: it fills the warm-start cache, the others read it
-        model, tokenizer, ws_info = prepare_policy(cfg, task, store.root.parent, progress)
-    if not store.is_done("warmstart"):
-        store.mark_done("warmstart", [], config_hash=cfg.hash("model", "task", "warmstart"), info=ws_info)
-    if cfg.train.packing and (reason := packing_unsupported(model)):
-        raise MasktrlError(f"train.packing: {reason}; set train.packing=false")
-    check_lm_head(model)  # the chunked log-probs assume logits = h W^T: a soft-capped or scaled head is refused
-    if cfg.model.lora.rank is not None:
-        apply_lora(model, checks.lora_settings(cfg), seed=cfg.seed, base=lora_base(cfg, store, model, tokenizer, dist))
-    shareable, why = shared_prompt_cache_ok(model.base_model)
-    if not shareable:
-        _note(progress, dist, f"warning: the shared-prompt forward is off for this model ({why}): every response runs with its "
-              "own prompt (metrics column shared_prompt_frac = 0)")
-    if cfg.train.gradient_checkpointing:
-        checkpointing.enable(model)
-        if not checkpointing.shared_prompt_supported(model.base_model):
-            _note(progress, dist, "warning: train.gradient_checkpointing: this transformers version drops the KV cache in "
-                  "checkpointed layers, so the policy forward runs every response with its own prompt (no prompt sharing; "
-                  "metrics column shared_prompt_frac = 0)")
-    return model, tokenizer, ws_info
-
-
-def lora_base(cfg: Config, store: RunStore, model, tokenizer, dist: Dist) -> str:
-    """Where a LoRA run's adapter checkpoints find their base weights: ``model.path`` for a real
-    model; for the tiny model its warm-started weights, saved once in the run (``<run>/base/``,
-    named relative to a checkpoint folder, so the run folder can move)."""
-    if cfg.model.path != "tiny":
-        local = Path(cfg.model.path)
-        return str(local.resolve()) if local.exists() else cfg.model.path
-    dest = store.lora_base_dir
-    if store.writable and not store.is_done(LORA_BASE_KEY):
-        with atomic_dir(dest) as tmp:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-        store.mark_done(LORA_BASE_KEY, [dest])
-    dist.barrier()
-    return os.path.relpath(dest, store.checkpoint_dir(0))  # ../../base: the run folder can move
-
-
-def restore(store: RunStore, count: Counters, model, optimizer, scheduler, dist: Dist) -> None:
-    """A resumed run: the checkpoint ``count.start`` loaded (none at step 0), what happened after
-    it forgotten, and the non-finite counters read back from the metrics rows."""
-    if count.start:
-        with dist.loading():  # ZeRO-3: the checkpoint loads whole (no zero.Init), prepare shards it
-            ckpt.restore(store.checkpoint_dir(count.start), model, optimizer, scheduler)
-    store.rewind(count.start)  # forget the updates and metrics after that checkpoint
-    dist.barrier()
-    if count.start:
-        count.nonfinite_total, count.nonfinite_run = nonfinite_counts(store.read_metrics())
-
-
-def nonfinite_counts(rows: list[dict]) -> tuple[int, int]:
-    """(steps with a skipped update, how many of the last rows in a row had one) from metrics rows."""
-    total = rows[-1].get("nonfinite_steps", 0) if rows else 0
-    run = 0
-    for row in reversed(rows):
-        if not row.get("skipped_updates"):
-            break
-        run += 1
-    return total, run
+    return ModelParts(model, tokenizer, policy, optimizer, scheduler, engine, method, reference), ws_info, vocab_size
 
 
 def rl_step(s: State, step: int) -> dict:
@@ -485,7 +293,6 @@ def record(s: State, step: int, batch: Batch, stats: dict, *, t0: float, t_rollo
         "step": step,
         **batch.stats,
         **stats,
-        "clip_frac": stats.get("mask_frac"),
         "rollout_time_s": t_rollout,
         "step_time_s": time.time() - t0,
         "tokens_per_s": batch.stats["tokens"] / max(time.time() - t0, 1e-9),
@@ -516,7 +323,7 @@ def check_finite(s: State, step: int) -> None:
 def finish(s: State) -> TrainResult:
     """Evaluate the final policy, write summary.json and mark the run complete."""
     cfg, c = s.cfg, s.count
-    eval_after = _heldout_once(s, "eval/after", c.steps)
+    eval_after = _heldout_once(s, EVAL_AFTER_KEY, c.steps)
     s.run.trackers.log({"eval/heldout/accuracy": eval_after}, step=c.steps)
     s.run.trackers.close()
     summary = {
@@ -531,13 +338,12 @@ def finish(s: State) -> TrainResult:
         "eval_decoding": "greedy" if cfg.eval.greedy else f"sampled (T={cfg.rollout.temperature})",
         "warmstart": {k: s.warmstart.get(k) for k in ("source", "cached", "time_s", "final_loss", "steps_done")},
         "rollouts_from": s.rollouts_from,
-        "wall_time_s": c.wall_time(),  # every session of the run (resumes included)
+        "wall_time_s": s.session.wall_time(),  # every session of the run (resumes included)
         "machine": provenance.machine(cfg.train.threads),  # CPU model, threads, commit: "same machine" is checkable
     }
     if s.run.lab is not None:
         summary["lab_stats"] = s.run.lab.summary(s.store.read_metrics())
-    s.store.write_summary(summary, step=c.steps)
-    s.run.dist.barrier()
+    s.session.complete(summary, c.steps)
     return TrainResult(summary, s.store, s.run.dist.is_main)
 
 
@@ -596,14 +402,6 @@ def step_evals(s: State, step: int) -> dict:
     return row
 
 
-def apply_retention(s: State) -> None:
-    """After a checkpoint is recorded: delete what ``train.keep_checkpoints`` / ``keep_steps`` and
-    ``rollout.store`` no longer keep (``runs/retention.py``). The defaults keep everything."""
-    t = s.cfg.train
-    if s.store.writable and (t.keep_checkpoints is not None or s.cfg.rollout.store != "all"):
-        retention.prune(s.store, t.keep_checkpoints, t.keep_steps, s.cfg.rollout.store)
-
-
 def _note(progress: Progress | None, dist: Dist, text: str) -> None:
     """One line for the user, from the main process (above the progress bar when there is one)."""
     if not dist.is_main:
@@ -631,7 +429,7 @@ def _heldout_once(s: State, stage: str, step: int) -> float:
     step 0, eval/after: the last step) with its step; a resumed run reads it back if it measured
     the same step (a run extended with more steps measures its new last step)."""
     entry = s.store.stage(stage)
-    if entry is not None and entry.get("status") == "done" and entry.get("step", 0 if stage == "eval/before" else None) == step:
+    if entry is not None and entry.get("status") == "done" and entry.get("step", 0 if stage == EVAL_BEFORE_KEY else None) == step:
         return entry["accuracy"]
     accuracy = _heldout(s)
     s.store.mark_done(stage, [], accuracy=accuracy, step=step)

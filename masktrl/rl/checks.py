@@ -62,6 +62,7 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
         if cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k > vocab_size:  # transformers records min(K, vocabulary)
             raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary ({vocab_size}): "
                               "the vllm engine cannot record that many entries per token")
+        check_engine(cfg)
         if cfg.train.packing:
             check_packing(cfg)
             report.append(("train.packing", "the model's attention can mask packed sequences"))
@@ -89,6 +90,77 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
     if out is not None:
         report.append(("free disk under --out", _free(out)))
     return Checked(task, tokenizer, vocab_size, context, source, report)
+
+
+def check_engine(cfg: Config) -> None:
+    """``rollout.engine``'s package is installed on this machine (vLLM is imported only when its
+    engine is built, long after the run folder is written): one line otherwise."""
+    import importlib.util
+
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        from masktrl.rollout.vllm import NOT_INSTALLED
+
+        raise ConfigError(f"rollout.engine=vllm: {NOT_INSTALLED}")
+
+
+def check_start(plan, checked: Checked, dist, start: int) -> None:
+    """Before a resumed run writes anything: checkpoint ``start`` of ``plan``'s run fits this
+    launch (its DeepSpeed state) and, with ``--resume --force``, the model the new config builds
+    (``check_checkpoint``). Nothing to check without a checkpoint."""
+    if not start:
+        return
+    from masktrl.rl.train_state import check_resumable
+    from masktrl.runs.store import RunStore
+
+    path = RunStore(plan.root, writable=False).checkpoint_dir(start)
+    check_resumable(path, dist)
+    if plan.forced_changes:
+        check_checkpoint(plan.cfg, checked.tokenizer, path)
+
+
+def check_checkpoint(cfg: Config, tokenizer, path: Path) -> None:
+    """The checkpoint at ``path`` loads into the policy ``cfg`` builds (``--resume --force`` with a
+    changed ``model.*`` or task): LoRA adapters on both sides or on neither, and every tensor of
+    the same name and shape, compared on the meta device (no weights are read). ConfigError
+    naming the first difference otherwise, before anything is written."""
+    from masktrl.models.lora import apply_lora, is_adapter_folder, read_adapter
+
+    adapters = is_adapter_folder(path)
+    rank = cfg.model.lora.rank
+    if adapters != (rank is not None):
+        held = "LoRA adapters" if adapters else "the full weights (no LoRA adapters)"
+        raise ConfigError(f"model.lora.rank={rank if rank is not None else 'null'}: checkpoint {path.name} holds {held}, "
+                          "which this model cannot load; --resume it with its own model.lora (nothing was changed)")
+    model = meta_model(cfg, tokenizer)
+    if adapters:
+        apply_lora(model, lora_settings(cfg), seed=cfg.seed)
+        try:
+            stored = {k: tuple(v.shape) for k, v in read_adapter(path)[2].items()}
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        own = {k: tuple(v.shape) for k, v in model.state_dict().items() if ".lora_" in k}
+    else:
+        stored = {k: tuple(v.shape) for k, v in _meta_checkpoint(path).state_dict().items()}
+        own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    differ = sorted(k for k in own.keys() | stored.keys() if own.get(k) != stored.get(k))
+    if differ:
+        key = differ[0]
+        there, here = (list(d[key]) if key in d else "absent" for d in (stored, own))
+        raise ConfigError(f"checkpoint {path.name} does not fit the model this config builds: {key} is {there} there, {here} here "
+                          f"({len(differ)} tensors differ; a change of model.* or of the task's vocabulary cannot resume a "
+                          "checkpoint): --resume it with its own model and task (nothing was changed)")
+
+
+def _meta_checkpoint(path: Path):
+    """A full checkpoint's model built from its own config.json on the meta device (what
+    ``train_state.restore`` loads, without the weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from masktrl.models.loading import load_model_config
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(load_model_config(path))
 
 
 def top_p_refusal(what: str) -> str:

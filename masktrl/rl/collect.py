@@ -142,18 +142,6 @@ def set_advantages(groups: list[list[Sample]], method: BoundMethod | None = None
         s.advantage = a
 
 
-NOT_IN_BATCHES = ("rollout.store", "rollout.batch_size", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
-                  "rollout.sleep_mode", "task.reward_workers", "task.max_reward_error_frac")
-"""Keys of the sections below that change how a batch is made, not what it holds."""
-
-
-def batch_changes(changed: list[str]) -> list[str]:
-    """The keys among ``changed`` (dotted) that change what a stored rollout batch holds: the
-    seed, the model, the task and its reward, the method (reward shaping, advantages), the
-    sampling (``rollout.*``, but how the engine is run)."""
-    return [k for k in changed if (k == "seed" or k.startswith(("model.", "task.", "method.", "rollout."))) and k not in NOT_IN_BATCHES]
-
-
 def reward_failures(task, batch: Batch, step: int, n: int, max_frac: float) -> str | None:
     """``tasks.rewards.check_reward_errors`` on a collected batch: None, a warning line (more than
     10% of the step's completions failed their reward), or ConfigError past ``max_frac``

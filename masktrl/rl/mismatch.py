@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from masktrl.config import Config
 from masktrl.models.moe import moe_routers, routing, routing_flip_rate
 from masktrl.rl.policy import policy_token_batch
 from masktrl.rollout.base import Sample
@@ -123,3 +124,16 @@ class UpdateLogp:
             pi[(first + within).to(pi.device)] = logp
         mu = torch.tensor([x for s in samples for x in s.gen.logp], dtype=pi.dtype, device=pi.device)
         return mismatch_stats(mu, pi)
+
+
+def progress_info(row: dict, cfg: Config) -> str:
+    """The RL bar's text: reward and throughput, and, when the engine samples from something other
+    than the model itself (another dtype, FP8, vLLM), the step's mean |log μ − log π_old| of the
+    sampled tokens (``mismatch/logp_abs_mean``)."""
+    info = f"reward {row['reward_mean']:.3f}  {row['tokens_per_s']:.0f} tok/s"
+    r = cfg.rollout
+    other = r.engine != "hf" or r.quantization is not None or r.dtype not in (None, cfg.model.dtype)
+    gap = row.get("mismatch/logp_abs_mean")
+    if other and isinstance(gap, float) and gap == gap:  # nan when no token was measured
+        info += f"  |Δlogp| {gap:.3f}"
+    return info

@@ -1,8 +1,17 @@
-"""What a train command does with its run folder (``plan_run``, ``plan_start``): a new run, a
-resume, or a restart in place of a failed or interrupted run. Re-running the command of a run that failed
-or was interrupted continues it (same config: as ``--resume`` would) or, when the config
-changed and no checkpoint was completed yet, starts it again in the same folder; nothing has to
-be deleted by hand."""
+"""What a run does with its folder, decided before anything is written; ``runs/session.py``
+carries the decision out under the run's lock.
+
+* ``plan_run`` (``masktrl train``) and ``plan_config`` (the Python API, a sweep's run): a new
+  run, a resume, or a restart in place of a failed or interrupted run (``plan_start``).
+  Re-running the command of a run that failed or was interrupted continues it (same config: as
+  ``--resume`` would) or, when the config changed and no checkpoint was completed yet, starts it
+  again in the same folder; nothing has to be deleted by hand.
+* ``sweep_fate`` (``masktrl sweep``): the fate of one run of a grid among its folders
+  ``<name>``, ``<name>-retry<i>``: ``complete`` (skipped), ``resume`` (an incomplete run of the
+  same config, continued in place), ``retry`` (an incomplete run that cannot resume is left as
+  it is and the run starts again in a fresh ``-retry<i>`` folder) or ``new``.
+* ``stale_batch_keys``: the ``--resume --force`` changes that make the stored batches after
+  the checkpoint stale."""
 
 from __future__ import annotations
 
@@ -133,6 +142,96 @@ def plan_start(root: Path, cfg: Config, *, resume: bool = False) -> Start:
             "--resume it (--force to take the new config), or choose another --run (nothing was changed)"
         )
     return Start(root, "restart", f"the run {why}; no checkpoint yet and the config changed ({', '.join(changed[:4])}): starting it again in place")
+
+
+def plan_config(cfg: Config, root: Path, *, resume: bool = False) -> Plan:
+    """A run of ``cfg`` in ``root`` (the Python API, a sweep's run): a new run, or what
+    ``plan_start`` decides for a folder that holds one; ``resume``: continue the run there (its
+    own config: a sweep checked it)."""
+    root = Path(root)
+    return Plan(plan_start(root, cfg, resume=resume), cfg)
+
+
+NOT_IN_BATCHES = ("rollout.store", "rollout.batch_size", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
+                  "rollout.sleep_mode", "task.reward_workers", "task.max_reward_error_frac")
+"""Keys of the sections below that change how a batch is made, not what it holds."""
+
+
+def stale_batch_keys(changed: list[str]) -> list[str]:
+    """The keys among ``changed`` (dotted) that change what a stored rollout batch holds: the
+    seed, the model, the task and its reward, the method (reward shaping, advantages), the
+    sampling (``rollout.*``, but how the engine is run)."""
+    return [k for k in changed if (k == "seed" or k.startswith(("model.", "task.", "method.", "rollout."))) and k not in NOT_IN_BATCHES]
+
+
+@dataclass
+class Fate:
+    """What a sweep does with one run of its grid."""
+
+    root: Path  # the folder that holds (or will hold) the complete run
+    state: str  # "complete" (skip) | "new" | "resume" (incomplete, resumable) | "retry" (fresh folder)
+    incomplete: list[Path] = field(default_factory=list)  # the run's incomplete folders
+    writer: int | None = None  # busy_ok: the pid holding the run's lock (-1: not known), if a process trains it now
+
+
+def sweep_fate(out: Path, name: str, cfg: Config, *, busy_ok: bool = False) -> Fate:
+    """The fate of run ``name`` of ``cfg`` among its folders under ``out`` (``<name>``,
+    ``<name>-retry<i>``; module doc). A complete run of another config stops the sweep; so does
+    a run that a process is training right now (it holds the run's lock), unless ``busy_ok``
+    (the slurm launcher: its job may be that process): then it is a resume with ``writer`` set."""
+    attempts = [Path(out) / name] + sorted(Path(out).glob(f"{name}-retry*"), key=_retry_index)
+    states = {root: folder_state(root) for root in attempts}
+    complete = [r for r in attempts if states[r] == "complete"]
+    incomplete = [r for r in attempts if states[r] == "incomplete"]
+    for root in complete:
+        _check_same_config(root, cfg)
+    if complete:
+        return Fate(complete[-1], "complete", incomplete)
+    if incomplete and _resumable(incomplete[-1], cfg, busy_ok):
+        return Fate(incomplete[-1], "resume", incomplete, locks.holder(incomplete[-1]))
+    if incomplete:
+        return Fate(Path(out) / f"{name}-retry{_next_retry(attempts)}", "retry", incomplete)
+    return Fate(Path(out) / name, "new")
+
+
+def folder_state(root: Path) -> str:
+    """'missing' | 'complete' | 'incomplete' for a run folder."""
+    if is_fresh_folder(root):
+        return "missing"
+    if RunStore(root).is_complete():
+        return "complete"
+    return "incomplete"
+
+
+def _check_same_config(root: Path, cfg: Config) -> None:
+    diff = diff_configs(RunStore(root).config(), cfg)
+    if diff:
+        raise MasktrlError(f"{root} holds a run with a different config ({', '.join(diff[:4])}); use another --out (nothing was changed)")
+
+
+def _resumable(root: Path, cfg: Config, busy_ok: bool = False) -> bool:
+    """An interrupted run of this config that a resume accepts. Raises if the run is alive (a
+    process holds its lock) unless ``busy_ok``: two sweeps must not write into the same run."""
+    store = RunStore(root)
+    try:
+        store.check_resumable()
+    except MasktrlError:
+        return False
+    pid = locks.holder(root)  # a process holds the run's lock (runs/locks.py)
+    if (pid is not None or store.status() == "running") and not busy_ok:
+        who = f"pid {pid}" if pid and pid > 0 else "a process"
+        raise MasktrlError(f"{root} is being trained right now ({who}); wait for it or stop it first")
+    _check_same_config(root, cfg)
+    return True
+
+
+def _retry_index(path: Path) -> int:
+    tail = path.name.rsplit("-retry", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def _next_retry(attempts: list[Path]) -> int:
+    return 1 + max([_retry_index(p) for p in attempts if "-retry" in p.name] + [0])
 
 
 def _check_folder_for_writing(root: Path) -> None:

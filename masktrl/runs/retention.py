@@ -30,7 +30,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from masktrl.runs.store import checkpoint_key, done_steps, key_step, rollout_key
+from masktrl.runs.store import checkpoint_key, done_steps, key_step, rollout_key, stage_kind
 
 ROLLOUT_BYTES_PER_TOKEN = {"bfloat16": 38.7, "float16": 78.0, "float32": 78.0}
 """Bytes of a stored rollout batch per generated token at K = 20 with Qwen3's 151,936-token
@@ -84,7 +84,7 @@ def prune(store, keep: int | None, keep_steps: tuple[int, ...], rollout_store: s
         if entry.get("status") != "pruned":
             continue
         step = key_step(key)
-        if key.startswith("checkpoint/"):
+        if stage_kind(key) == "checkpoint":
             shutil.rmtree(store.checkpoint_dir(step), ignore_errors=True)
         else:
             for rel in entry.get("files", {}):

@@ -214,6 +214,12 @@ def checkpoint_key(step: int) -> str:
 LORA_BASE_KEY = "lora-base"
 """The stage of a LoRA run's base weights (``RunStore.lora_base_dir``), saved once."""
 
+WARMSTART_KEY = "warmstart"
+"""The stage of the run's starting policy (where it came from: ``prepare_policy``'s info)."""
+
+EVAL_BEFORE_KEY, EVAL_AFTER_KEY = "eval/before", "eval/after"
+"""The stages of held-out accuracy before the first update and after the last one."""
+
 
 def eval_key(bench: str, step: int) -> str:
     """The stage of a benchmark eval of the policy after ``step`` updates: ``eval/math500/000012``."""
@@ -225,7 +231,7 @@ def key_step(key: str) -> int:
     return int(key.split("/")[1])
 
 
-def _kind(key: str) -> str | None:
+def stage_kind(key: str) -> str | None:
     """``rollout``, ``train`` or ``checkpoint`` for the stages of a step; None for others."""
     if key.startswith("checkpoint/"):
         return "checkpoint"
@@ -236,7 +242,14 @@ def _kind(key: str) -> str | None:
 
 def done_steps(stages: dict, kind: str, status: str | None = "done") -> list[int]:
     """The steps whose ``kind`` stage (rollout | train | checkpoint) has ``status`` (None: any), sorted."""
-    return sorted(key_step(k) for k, v in stages.items() if _kind(k) == kind and status in (None, v.get("status")))
+    return sorted(key_step(k) for k, v in stages.items() if stage_kind(k) == kind and status in (None, v.get("status")))
+
+
+def eval_steps(stages: dict, bench: str) -> list[int]:
+    """The steps of the done ``eval/<bench>/<S>`` stages (a run's benchmark evals), sorted."""
+    prefix = f"eval/{bench}/"
+    return sorted(int(k.removeprefix(prefix)) for k, v in stages.items()
+                  if k.startswith(prefix) and k.removeprefix(prefix).isdigit() and v.get("status") == "done")
 
 
 class RunStore:
@@ -737,7 +750,7 @@ class RunStore:
         """Where the run's RL started (step 0): its warm-start cache entry, read from the run's
         own outputs folder (``<out>/.cache/warmstart/<key>``, also when the outputs folder moved;
         never from wherever the manifest's path points), or the model folder / hub id it loaded."""
-        info = (self.stage("warmstart") or {}).get("info") or {}
+        info = (self.stage(WARMSTART_KEY) or {}).get("info") or {}
         path = info.get("path") or info.get("source")
         if not path or path == "tiny":
             raise ArtifactError(f"{self.root}: the warm start is not recorded in the manifest; no starting policy (step 0)")
@@ -884,7 +897,7 @@ def _read_manifest(path: Path) -> dict:
                 problem = f"stage {name!r} is not an object with a status"
             elif not isinstance(entry.get("files", {}), dict) or not all(isinstance(v, str) for v in entry.get("files", {}).values()):
                 problem = f"stage {name!r} has no valid file list"
-            elif _kind(name) is not None and not name.split("/")[1].isdigit():
+            elif stage_kind(name) is not None and not name.split("/")[1].isdigit():
                 problem = f"stage {name!r} names no step"
             elif not isinstance(entry.get("dirs", []), list):
                 problem = f"stage {name!r} has no valid folder list"

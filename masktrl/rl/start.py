@@ -1,0 +1,90 @@
+"""The policy a run starts from, as the train recipe builds it: warm-started or loaded
+(``rl/warmstart.py``) and recorded as the run's stage ``warmstart``, its head checked, LoRA
+adapters on it (their base weights saved once in the run: ``lora_base``), gradient
+checkpointing on when asked (``load_policy``); and a resumed run's checkpoint loaded into it
+(``restore_run``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from masktrl.config import Config
+from masktrl.errors import MasktrlError
+from masktrl.io import atomic_dir
+from masktrl.models import checkpointing
+from masktrl.models.architectures import check_lm_head, shared_prompt_cache_ok
+from masktrl.models.lora import apply_lora
+from masktrl.models.packing import packing_unsupported
+from masktrl.rl.checks import lora_settings
+from masktrl.rl.distributed import Dist
+from masktrl.rl.train_state import restore
+from masktrl.rl.warmstart import prepare_policy
+from masktrl.runs.store import LORA_BASE_KEY, WARMSTART_KEY, RunStore
+from masktrl.tasks import Task
+
+
+def load_policy(cfg: Config, store: RunStore, task: Task, progress, dist: Dist, *, say: Callable[[str], None]):
+    """(model, tokenizer, info): the warm-started tiny model or the configured one, recorded as
+    stage ``warmstart``, its head checked, LoRA adapters on it when ``model.lora`` asks;
+    gradient checkpointing switched on when asked. ``say`` tells the user what is off."""
+    with dist.loading():  # the main process first: it fills the warm-start cache, the others read it
+        model, tokenizer, ws_info = prepare_policy(cfg, task, store.root.parent, progress)
+    if not store.is_done(WARMSTART_KEY):
+        store.mark_done(WARMSTART_KEY, [], config_hash=cfg.hash("model", "task", "warmstart"), info=ws_info)
+    if cfg.train.packing and (reason := packing_unsupported(model)):
+        raise MasktrlError(f"train.packing: {reason}; set train.packing=false")
+    check_lm_head(model)  # the chunked log-probs assume logits = h W^T: a soft-capped or scaled head is refused
+    if cfg.model.lora.rank is not None:
+        apply_lora(model, lora_settings(cfg), seed=cfg.seed, base=lora_base(cfg, store, model, tokenizer, dist))
+    shareable, why = shared_prompt_cache_ok(model.base_model)
+    if not shareable:
+        say(f"warning: the shared-prompt forward is off for this model ({why}): every response runs with its "
+              "own prompt (metrics column shared_prompt_frac = 0)")
+    if cfg.train.gradient_checkpointing:
+        checkpointing.enable(model)
+        if not checkpointing.shared_prompt_supported(model.base_model):
+            say("warning: train.gradient_checkpointing: this transformers version drops the KV cache in "
+                  "checkpointed layers, so the policy forward runs every response with its own prompt (no prompt sharing; "
+                  "metrics column shared_prompt_frac = 0)")
+    return model, tokenizer, ws_info
+
+
+def lora_base(cfg: Config, store: RunStore, model, tokenizer, dist: Dist) -> str:
+    """Where a LoRA run's adapter checkpoints find their base weights: ``model.path`` for a real
+    model; for the tiny model its warm-started weights, saved once in the run (``<run>/base/``,
+    named relative to a checkpoint folder, so the run folder can move)."""
+    if cfg.model.path != "tiny":
+        local = Path(cfg.model.path)
+        return str(local.resolve()) if local.exists() else cfg.model.path
+    dest = store.lora_base_dir
+    if store.writable and not store.is_done(LORA_BASE_KEY):
+        with atomic_dir(dest) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        store.mark_done(LORA_BASE_KEY, [dest])
+    dist.barrier()
+    return os.path.relpath(dest, store.checkpoint_dir(0))  # ../../base: the run folder can move
+
+
+def restore_run(store: RunStore, start: int, model, optimizer, scheduler, dist: Dist) -> tuple[int, int]:
+    """A resumed run: checkpoint ``start`` loaded (none at step 0), what happened after it
+    forgotten; returns the non-finite counters read back from the metrics rows (``nonfinite_counts``)."""
+    if start:
+        with dist.loading():  # ZeRO-3: the checkpoint loads whole (no zero.Init), prepare shards it
+            restore(store.checkpoint_dir(start), model, optimizer, scheduler)
+    store.rewind(start)  # forget the updates and metrics after that checkpoint
+    dist.barrier()
+    return nonfinite_counts(store.read_metrics()) if start else (0, 0)
+
+
+def nonfinite_counts(rows: list[dict]) -> tuple[int, int]:
+    """(steps with a skipped update, how many of the last rows in a row had one) from metrics rows."""
+    total = rows[-1].get("nonfinite_steps", 0) if rows else 0
+    run = 0
+    for row in reversed(rows):
+        if not row.get("skipped_updates"):
+            break
+        run += 1
+    return total, run
