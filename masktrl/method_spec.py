@@ -133,12 +133,18 @@ def method_from_block(block: Any) -> MethodSpec:
             raise ConfigError(f"{exc}, or path/to/rules.py:name") from None
     given = {k: v for k, v in block.items() if k not in ("name", "correction", *FILE_KEYS)}
     corr_block, corr_file = _correction_block(block.get("correction"))
+    written = copy.deepcopy(block)
     try:
         params = method.make_params(**given)
         correction = make_correction(corr_block)
+        if correction.ref is None and correction.ratio_ref is not None and not correction.decoupled and isinstance(corr_block, dict):
+            # bypass mode records the ratio's policy explicitly, so a run.yaml without it is one written before
+            # corrections took it from pi_old (runs/store.py: legacy_ratio_ref reads those as ref: current)
+            correction = make_correction({**corr_block, "ref": correction.ratio_ref})
+            written["correction"]["ref"] = correction.ref
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
-    return MethodSpec(rule, method.name, params, correction, rule_file, corr_file, method, copy.deepcopy(block))
+    return MethodSpec(rule, method.name, params, correction, rule_file, corr_file, method, written)
 
 
 def _correction_block(block: Any) -> tuple[Any, RuleFile | None]:

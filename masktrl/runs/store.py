@@ -36,6 +36,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from masktrl.config import Config, from_dict, save_config
+from masktrl.methods.corrections import RATIO_KINDS
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.io import atomic_write_json, atomic_write_text, json_default, memory_error_line, naming, sha256_file
 from masktrl.readers import MAX_DEPTH, json_depth, read_json, read_yaml
@@ -250,6 +251,18 @@ def eval_steps(stages: dict, bench: str) -> list[int]:
     prefix = f"eval/{bench}/"
     return sorted(int(k.removeprefix(prefix)) for k, v in stages.items()
                   if k.startswith(prefix) and k.removeprefix(prefix).isdigit() and v.get("status") == "done")
+
+
+def legacy_ratio_ref(raw: Any) -> Any:
+    """A run.yaml written before ``method.correction.ref`` existed (every config records it since,
+    for the ratio kinds): its bypass-mode ratio correction took rho against the current policy,
+    so it reads as ``ref: current`` (docs/METHODS.md §14), the rule it trained with. Decoupled mode
+    always took rho against pi_old, the default."""
+    corr = raw.get("method", {}).get("correction") if isinstance(raw, dict) and isinstance(raw.get("method"), dict) else None
+    if isinstance(corr, dict) and corr.get("kind") in RATIO_KINDS and "ref" not in corr \
+            and corr.get("mode", "bypass") == "bypass":
+        corr["ref"] = "current"
+    return raw
 
 
 class RunStore:
@@ -570,7 +583,7 @@ class RunStore:
         if digest and path.is_file() and sha256_file(path) != digest:
             raise ArtifactError(f"{path}: content hash mismatch, file is corrupted (stage config)")
         try:
-            return from_dict(read_yaml(path, error=ArtifactError) or {})  # bounded: depth, aliases, duplicate keys
+            return from_dict(legacy_ratio_ref(read_yaml(path, error=ArtifactError) or {}))  # bounded: depth, aliases, duplicate keys
         except OSError as exc:
             raise ArtifactError(f"{path}: unreadable run config ({str(exc).splitlines()[0]})") from None
         except ConfigError as exc:
