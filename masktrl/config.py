@@ -24,6 +24,7 @@ import hashlib
 import inspect
 import json
 import math
+import re
 import textwrap
 import types
 import typing
@@ -795,7 +796,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return dict(value)
+        return _exponent_numbers(value) if key == "method" else dict(value)
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false, got {value!r}")
@@ -826,6 +827,23 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be a string, got {value!r}")
         return str(value)
     raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+EXPONENT_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+"""A number in exponent form without a dot (``1e-3``, ``5e0``), which YAML 1.1 reads as text."""
+
+
+def _exponent_numbers(section: dict) -> dict:
+    """The ``method`` section with every ``1e-3``-style text read as the number it is, as the typed
+    sections' float fields read it (``train.lr=1e-4``); nested blocks (``correction``) too."""
+    def number(value):
+        if isinstance(value, dict):
+            return {k: number(v) for k, v in value.items()}
+        if isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value.strip()):
+            return float(value)
+        return value
+
+    return number(dict(section))
 
 
 def _digits(value: int) -> str:

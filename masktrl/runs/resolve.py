@@ -4,6 +4,7 @@ or a hub id."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,3 +52,23 @@ def resolve_model(model: str, step: int | None, out: Path | None = None) -> Mode
             raise ConfigError(f"run {model} has no complete checkpoint yet; pass --step 0 for its starting policy")
         step = store.checkpoints()[-1]
     return ModelRef(label=model, weights=store.policy_path(step), store=store, cfg=store.config(), step=step)
+
+
+def run_containing(path: Path) -> Path | None:
+    """The run folder ``path`` lies in (as written, or once its symbolic links are resolved), else None."""
+    path = Path(path)
+    for candidate in (Path(os.path.normpath(path)), Path(os.path.abspath(path)), path.resolve()):
+        for parent in candidate.parents:
+            if is_run_folder(parent):
+                return parent if str(parent) != "." else Path(os.getcwd())
+    return None
+
+
+def refuse_inside_run(path: Path, flag: str = "--output") -> None:
+    """ConfigError when ``path`` lies inside a run folder: a run's files are written by its own
+    commands only and recorded with their hashes; a file put there by another would replace one
+    of them, or be one no stage records."""
+    run = run_containing(path)
+    if run is not None:
+        raise ConfigError(f"{flag} {path} lies inside the run folder {run}; a run's files are written only by its own commands "
+                          f"(nothing was changed): choose a path outside it")
