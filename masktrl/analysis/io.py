@@ -196,6 +196,28 @@ def read_table(path: Path) -> dict:
     return {name: np.asarray(col.to_numpy(zero_copy_only=False)) for name, col in zip(table.column_names, table.columns)}
 
 
+class _Figures:
+    """``masktrl.analysis.plots``, imported at its first use (``figures``)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def __getattr__(self, name: str):
+        from masktrl.caches import settle_matplotlib
+
+        settle_matplotlib(self.folder)
+        from masktrl.analysis import plots
+
+        return getattr(plots, name)
+
+
+def figures(folder: Path) -> _Figures:
+    """The plotting functions for figures drawn into ``folder``: matplotlib is imported at the
+    first one, after the analysis wrote its JSON there, with its cache where
+    ``caches.settle_matplotlib`` puts it (never the current folder or /tmp)."""
+    return _Figures(folder)
+
+
 def save_figure(fig, path: Path) -> Path:
     """Render a ``matplotlib.figure.Figure`` to PNG in memory (Agg) and write it atomically."""
     buf = io.BytesIO()

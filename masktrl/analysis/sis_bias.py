@@ -131,8 +131,9 @@ def _sis_kwargs(p) -> dict:
 
 
 def save(result: dict, out: Path) -> list[Path]:
-    from masktrl.analysis import plots
-    from masktrl.analysis.io import save_figure, write_json
+    from masktrl.analysis.io import figures, save_figure, write_json
+
+    plots = figures(out)  # matplotlib once the JSON is written (its cache: caches.settle_matplotlib)
 
     name = f"sis-bias-step{result['step']}"
     return [write_json(Path(out) / f"{name}.json", result), save_figure(plots.sis_bias_panels(result), Path(out) / f"{name}.png")]

@@ -28,6 +28,8 @@ from masktrl.runs.resolve import ModelRef, refuse_inside_run, resolve_model
 from masktrl.runs.store import RunStore, eval_key, is_run_folder
 
 MATH_MAX_NEW_TOKENS = 4096  # default response length on math benchmarks for a model that is not a math run
+MAX_K = 65536  # samples per problem: the report holds each one's answer, length and score
+MEMORY_HINT = "lower --batch-size (sequences generated together), --k or --max-new-tokens"
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class EvalOptions:
         check_benchmark(bench)
         if self.k < 1:
             raise ConfigError(f"--k must be >= 1, got {self.k}")
+        if self.k > MAX_K:
+            raise ConfigError(f"--k {self.k} is above {MAX_K}: the report keeps every sample's answer, length and score (--k per "
+                              "problem); --batch-size bounds what is generated at once, not the report")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan and inf are not temperatures
             raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature}")
         if self.temperature == 0 and self.k != 1:
