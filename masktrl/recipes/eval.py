@@ -99,6 +99,8 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
     hub id) on ``bench``; the report goes to ``output`` (a model that is not a run only) or to
     its default place (``output_path``)."""
     opts.validate(bench)
+    if output is not None:
+        refuse_inside_run(output)
     ref = resolve_model(model, step, out)
     if bench in OWN_TASK_BENCHMARKS and ref.store is None:
         raise ConfigError(f"benchmark {bench} needs a run (--model <run>): {model} is no run folder (no run.yaml)")
@@ -106,8 +108,6 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
         raise ConfigError(f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is for models that are not runs")
     if ref.store is not None:
         refuse_symlink(ref.store.root)  # its report would be written outside --out
-    if output is not None:
-        refuse_inside_run(output)
     path = Path(output) if output is not None else output_path(ref, bench, out)
     if path.exists() and not force and recorded(ref, bench):
         raise MasktrlError(f"{path} already exists; pass --force to replace it (nothing was changed)")
