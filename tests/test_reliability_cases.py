@@ -86,7 +86,7 @@ def test_a_replay_at_the_batch_temperature_starts_on_policy(finished, tmp_path):
 # --------------------------------------------------------------------------- 4-5. no write through a symlink or into a run
 
 
-def test_eval_refuses_a_symlinked_run_folder(finished, tmp_path, cli_error):
+def test_eval_and_analyses_refuse_a_symlinked_run_folder(finished, tmp_path, cli_error):
     _, _, root = finished
     elsewhere = tmp_path / "elsewhere" / "r"
     elsewhere.parent.mkdir()
@@ -102,6 +102,8 @@ def test_eval_refuses_a_symlinked_run_folder(finished, tmp_path, cli_error):
     assert snapshot(elsewhere) == before
     r = cli("eval", "task", "--model", out, "--k", 1, "--temperature", 0)  # a folder of runs: skipped, said so
     assert "skipped: the run folder is a symbolic link (not followed)" in r.output and snapshot(elsewhere) == before
+    assert cli_error("analyze", "sis", "--run", "r", "--out", out) == line  # an analysis writing into the run: the same
+    assert snapshot(elsewhere) == before
 
 
 def test_rollout_and_eval_output_inside_a_run_are_refused(finished, tmp_path, cli_error):

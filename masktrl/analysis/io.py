@@ -162,6 +162,11 @@ def distinguishing_keys(configs: list[dict]) -> list[str]:
 
 
 def analysis_dir(root: Path) -> Path:
+    """``<run>/analysis``, where an analysis of one run writes; a run folder that is a symbolic
+    link is refused (``runs.locks.refuse_symlink``): its files would land outside ``--out``."""
+    from masktrl.runs.locks import refuse_symlink
+
+    refuse_symlink(root)
     return Path(root) / ANALYSIS_DIR
 
 
