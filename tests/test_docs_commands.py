@@ -133,7 +133,7 @@ RUN = [  # (the command as the docs write it, how it runs), in order: a later on
 NOT_RUN = [  # (pattern on "DOC: command", why it is not run), first match
     (r"(\b(RUN|BENCH|NAME|RUN_OR_FILE|M|S|T|DIR)\b|<|\.\.\.|…|\$|\[|\{)", "a template: placeholders stand for the reader's own values"),
     (r": (eval|evaluate|rollout|runs|train|sweep|analyze \w+)$", "the command's name in prose"),
-    (r": (eval|rollout|train) --(top-p|rollouts-from|model RUN|data dataset)$", "an option named in prose"),
+    (r": (eval|rollout|train) --(top-p|rollouts-from|model RUN|data dataset|output)$", "an option named in prose"),
     (r"^RELIABILITY\.md: ", "a probe of docs/RELIABILITY.md (most end in a refusal by design): run by the test its section names"),
     (r"^BENCHMARKS(_perf)?\.md: ", "a benchmark of full runs (minutes each)"),
     (r"configs/(lab|qwen3)", "the lab or Qwen3 presets: minutes to days per run (docs/LAB.md, docs/CLUSTER.md)"),
