@@ -9,9 +9,11 @@ in that folder's ``.cache/matplotlib`` just before matplotlib is imported; so an
 given by path never creates ``./outputs`` in the current folder. When the cache folder named by
 ``--out`` cannot be written (a read-only ``--out`` with a writable ``--output``) the figure's
 folder is used instead: matplotlib never falls back to a temporary folder with a warning. The
-``datasets`` arrow cache of a local data file is built in a temporary folder that is deleted once
-its rows are read (``tasks/dataset.py``); a dataset named by its hub id is read from the hub's own
-cache, where it lives (masktrl never downloads). So a read-only home changes nothing.
+``datasets`` arrow cache of a local data file is built in a temporary folder (``scratch``: under
+``<out>/.cache`` with ``--out``) that is deleted once its rows are read (``tasks/dataset.py``);
+a dataset named by its hub id is read from the hub's own cache, where it lives (masktrl never
+downloads). torch's inductor folder (made when a model generates) goes to
+``<out>/.cache/torchinductor``. So a read-only home changes nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+_scratch_root: Path | None = None  # <out>/.cache once contain() found --out
 _mode: str | None = None  # None: contain() did not run (a library caller); "out": --out holds the cache; "figure": no --out
 
 
@@ -41,15 +44,33 @@ def contain(argv: list[str]) -> Path | None:
     """Point the libraries' caches under the command's ``--out``; returns the cache folder
     (created by a library only when it writes there), or None when the command has no ``--out``
     (``settle_matplotlib`` decides at the figure)."""
-    global _mode
+    global _mode, _scratch_root
     out = out_from_argv(argv)
     if out is None:
-        _mode = "figure"
+        _mode, _scratch_root = "figure", None
         return None
     _mode = "out"
     root = Path(os.path.abspath(out)) / ".cache"
     os.environ["MPLCONFIGDIR"] = str(root / "matplotlib")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "torchinductor")  # torch makes it when it generates (else /tmp)
+    _scratch_root = root
     return root
+
+
+@contextmanager
+def scratch(prefix: str) -> Iterator[str]:
+    """A temporary folder, deleted on exit: under ``<out>/.cache`` when the command has ``--out``
+    (nothing in ``/tmp``), else the system's temporary folder (a library caller, or a command
+    without ``--out``)."""
+    parent = None
+    if _scratch_root is not None:
+        try:
+            _scratch_root.mkdir(parents=True, exist_ok=True)
+            parent = str(_scratch_root)
+        except OSError:  # a read-only --out: the command's own write will say so
+            parent = None
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=parent) as folder:
+        yield folder
 
 
 def settle_matplotlib(folder: Path) -> None:

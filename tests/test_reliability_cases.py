@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -313,3 +314,32 @@ def test_a_cache_folder_that_cannot_be_written_moves_beside_the_figure(tmp_path,
     monkeypatch.delitem(sys.modules, "matplotlib", raising=False)  # not imported yet, as under a fresh command
     caches.settle_matplotlib(tmp_path / "fig")
     assert os.environ["MPLCONFIGDIR"] == str(tmp_path / "fig" / ".cache" / "matplotlib")
+
+
+def test_scratch_folders_live_under_out(tmp_path, monkeypatch):
+    from masktrl import caches
+
+    monkeypatch.setattr(caches, "_mode", None)
+    monkeypatch.setattr(caches, "_scratch_root", None)
+    monkeypatch.delenv("MPLCONFIGDIR", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    caches.contain(["rollout", "--out", str(tmp_path / "out")])
+    with caches.scratch("masktrl-datasets-") as folder:
+        assert Path(folder).parent == tmp_path / "out" / ".cache"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "out" / ".cache" / "torchinductor")
+    caches.contain(["rollout"])  # no --out: the system's temporary folder, as before
+    with caches.scratch("x-") as folder:
+        assert Path(folder).parent != tmp_path / "out" / ".cache"
+
+
+@pytest.mark.slow  # a command in its own process
+def test_a_command_given_out_writes_nothing_in_tmp(finished, tmp_path):
+    _, out, root = copy_run(finished, tmp_path)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = masktrl("rollout", "--model", root, "--out", out, "--data", "dataset", "--set", f"task.source={data}",
+                "--set", "task.reward=exact-match", "--output", out / "gen.parquet", "--n", 2, "--prompts", 4, env={"TMPDIR": str(tmp)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert list(tmp.iterdir()) == []  # the datasets arrow cache and torch's inductor folder: under out/.cache
