@@ -107,7 +107,7 @@ def test_eval_and_analyses_refuse_a_symlinked_run_folder(finished, tmp_path, cli
     assert snapshot(elsewhere) == before
 
 
-def test_rollout_and_eval_output_inside_a_run_are_refused(finished, tmp_path, cli_error):
+def test_rollout_eval_and_analysis_output_inside_a_run_are_refused(finished, tmp_path, cli_error):
     _, out, root = copy_run(finished, tmp_path)
     before = snapshot(root)
     batch = root / "steps" / "000001" / "rollouts.parquet"
@@ -122,8 +122,11 @@ def test_rollout_and_eval_output_inside_a_run_are_refused(finished, tmp_path, cl
 
     shutil.copytree(model, tmp_path / "model")  # a model folder that is not a run
     assert "lies inside the run folder" in cli_error("eval", "task", "--model", tmp_path / "model", "--output", root / "eval" / "x.json")
+    line = cli_error("analyze", "dynamics", root, "--output", root / "steps" / "x")  # an analysis: its analysis/ folder only
+    assert line.endswith("choose a path outside it (or its analysis/ folder)"), line
     assert snapshot(root) == before
     assert RunStore(root, writable=False).status() == "complete"
+    cli("analyze", "dynamics", root, "--output", root / "analysis" / "curves")
 
 
 # --------------------------------------------------------------------------- 6. method numbers

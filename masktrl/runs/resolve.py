@@ -64,11 +64,18 @@ def run_containing(path: Path) -> Path | None:
     return None
 
 
-def refuse_inside_run(path: Path, flag: str = "--output") -> None:
+def refuse_inside_run(path: Path, flag: str = "--output", *, analysis_ok: bool = False) -> None:
     """ConfigError when ``path`` lies inside a run folder: a run's files are written by its own
     commands only and recorded with their hashes; a file put there by another would replace one
-    of them, or be one no stage records."""
+    of them, or be one no stage records. ``analysis_ok``: a run's ``analysis/`` folder, where the
+    analyses write by default, is allowed."""
     run = run_containing(path)
-    if run is not None:
-        raise ConfigError(f"{flag} {path} lies inside the run folder {run}; a run's files are written only by its own commands "
-                          f"(nothing was changed): choose a path outside it")
+    if run is None:
+        return
+    if analysis_ok:
+        for candidate in (Path(os.path.abspath(path)), Path(path).resolve()):
+            for root in (Path(os.path.abspath(run)), Path(run).resolve()):
+                if candidate.is_relative_to(root / "analysis"):
+                    return
+    raise ConfigError(f"{flag} {path} lies inside the run folder {run}; a run's files are written only by its own commands "
+                      f"(nothing was changed): choose a path outside it" + (" (or its analysis/ folder)" if analysis_ok else ""))
