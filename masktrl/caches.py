@@ -61,16 +61,25 @@ def contain(argv: list[str]) -> Path | None:
 def scratch(prefix: str) -> Iterator[str]:
     """A temporary folder, deleted on exit: under ``<out>/.cache`` when the command has ``--out``
     (nothing in ``/tmp``), else the system's temporary folder (a library caller, or a command
-    without ``--out``)."""
-    parent = None
+    without ``--out``). Folders it had to create on the way are removed again when empty, so a
+    command refused after reading its data leaves no ``--out`` behind."""
+    parent, made = None, []
     if _scratch_root is not None:
+        made = [d for d in (_scratch_root.parent, _scratch_root) if not d.exists()]
         try:
             _scratch_root.mkdir(parents=True, exist_ok=True)
             parent = str(_scratch_root)
         except OSError:  # a read-only --out: the command's own write will say so
             parent = None
-    with tempfile.TemporaryDirectory(prefix=prefix, dir=parent) as folder:
-        yield folder
+    try:
+        with tempfile.TemporaryDirectory(prefix=prefix, dir=parent) as folder:
+            yield folder
+    finally:
+        for d in reversed(made):
+            try:
+                d.rmdir()  # only if still empty: the run may have written there meanwhile
+            except OSError:
+                pass
 
 
 def settle_matplotlib(folder: Path) -> None:
