@@ -75,7 +75,7 @@ def main() -> None:
     except OSError as exc:  # the machine, not masktrl: name the file and the reason
         _fail(exc, os_error_line(exc))
     except Exception as exc:  # out of memory (MemoryError, torch's OutOfMemoryError, the CPU allocator): one line too
-        line = memory_error_line(exc)
+        line = memory_error_line(exc, _memory_options(sys.argv[1:]))
         if line is None:
             raise
         _fail(exc, line)
@@ -83,6 +83,16 @@ def main() -> None:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(128 + getattr(exc, "signum", 2))
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _memory_options(argv: list[str]) -> str | None:
+    """What to lower when a command runs out of memory, in its own options: ``eval`` has no
+    training keys (None: the training keys)."""
+    if argv and argv[0] in ("eval", "evaluate"):
+        from masktrl.recipes.eval import MEMORY_HINT
+
+        return MEMORY_HINT
+    return None
 
 
 def _fail(exc: BaseException, line: str) -> None:

@@ -25,6 +25,7 @@ import hashlib
 import inspect
 import json
 import math
+import re
 import textwrap
 import types
 import typing
@@ -767,7 +768,8 @@ def _section(cls: type, raw: Any, prefix: str) -> Any:
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     if tp is MethodSpec:
-        return method_from_block(value)  # the rule, its params and its correction, validated once
+        # the rule, its params and its correction, validated once; 1e-3-style numbers read as numbers
+        return method_from_block(_exponent_numbers(value) if isinstance(value, dict) else value)
     if dataclasses.is_dataclass(tp):
         return _section(tp, value, key + ".")
     origin = typing.get_origin(tp)
@@ -817,6 +819,23 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key} must be a string, got {value!r}")
         return str(value)
     raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+EXPONENT_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+"""A number in exponent form without a dot (``1e-3``, ``5e0``), which YAML 1.1 reads as text."""
+
+
+def _exponent_numbers(section: dict) -> dict:
+    """The ``method`` section with every ``1e-3``-style text read as the number it is, as the typed
+    sections' float fields read it (``train.lr=1e-4``); nested blocks (``correction``) too."""
+    def number(value):
+        if isinstance(value, dict):
+            return {k: number(v) for k, v in value.items()}
+        if isinstance(value, str) and EXPONENT_NUMBER.fullmatch(value.strip()):
+            return float(value)
+        return value
+
+    return number(dict(section))
 
 
 def _digits(value: int) -> str:

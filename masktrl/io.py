@@ -194,11 +194,12 @@ def file_system_type(path: Path) -> str | None:
     return kind
 
 
-def memory_error_line(exc: BaseException) -> str | None:
+def memory_error_line(exc: BaseException, options: str | None = None) -> str | None:
     """One line for running out of memory (a ``MemoryError``, torch's ``OutOfMemoryError``, the
-    CPU allocator's ``can't allocate memory``), or None for any other exception."""
+    CPU allocator's ``can't allocate memory``), or None for any other exception. ``options``:
+    what to lower, in the command's own terms (default: the training keys)."""
     text = (str(exc).strip().splitlines() or [""])[0]
-    hint = "the model or a batch does not fit: use a smaller model, or lower rollout.batch_size or raise train.grad_accum"
+    hint = f"the model or a batch does not fit: use a smaller model, or {options or 'lower rollout.batch_size or raise train.grad_accum'}"
     if isinstance(exc, MemoryError):
         return f"out of memory ({type(exc).__name__}{': ' + text[:200] if text else ''}): {hint}"
     if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text.lower() or "can't allocate memory" in text:

@@ -182,7 +182,7 @@ def _tree(path):
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in [path, *path.rglob("*")]}
 
 
-@pytest.mark.slow  # six commands in their own processes: about a minute
+@pytest.mark.slow  # eight commands in their own processes: about a minute
 def test_the_whole_cli_writes_nothing_outside_out_with_a_read_only_home(tmp_path):
     pytest.importorskip("datasets")
     pytest.importorskip("matplotlib")
@@ -207,18 +207,24 @@ def test_the_whole_cli_writes_nothing_outside_out_with_a_read_only_home(tmp_path
         ["rollout", "--model", "r", "--out", out, "--data", "dataset", *dataset, "--output", out / "gen.parquet", "--n", "2",
          "--prompts", "4"],
         ["analyze", "dynamics", "r", "--out", out, "--output", out / "dyn"],
+        ["analyze", "dynamics", out / "r", "--output", out / "dyn-path"],  # no --out: a run given by path
+        ["analyze", "dynamics", out / "r"],  # no --out, no --output: the run's folder's analysis/
         ["runs", out],
     ]
     try:
         for args in commands:
+            if args[:2] == ["analyze", "dynamics"] and "--out" not in args:
+                work.chmod(0o555)  # from a read-only current folder (root writes anyway: the tree check below holds)
             r = masktrl(*args, env=env, cwd=work)
-            assert r.returncode == 0, (args, r.stderr[-2000:])
+            assert r.returncode == 0 and "Matplotlib" not in r.stderr, (args, r.stderr[-2000:])
     finally:
+        work.chmod(0o755)
         for p in [home, *home.rglob("*")]:
             p.chmod(0o755)
     assert _tree(home) == before_home  # nothing in $HOME or the XDG folders
     assert _tree(work) == before_work  # nor in the current folder
     assert (out / ".cache" / "matplotlib").is_dir()  # matplotlib's cache: under --out
+    assert (out / "dyn-path" / ".cache" / "matplotlib").is_dir()  # without --out: beside the figure
 
 
 # --------------------------------------------------------------------------- the lock cannot be bypassed

@@ -415,8 +415,9 @@ def eval_kind(bench: str, settings: dict) -> str:
 
 
 def save(table: dict, out_dir: Path) -> list[Path]:
-    from masktrl.analysis import plots
-    from masktrl.analysis.io import save_figure, write_json
+    from masktrl.analysis.io import figures, save_figure, write_json
+
+    plots = figures(out_dir)  # matplotlib once the JSON is written (its cache: caches.settle_matplotlib)
 
     return [
         write_json(Path(out_dir) / "compare.json", table),

@@ -380,8 +380,9 @@ def output_dir(runs: list[Path], result: dict) -> Path:
 
 def save(result: dict, table: dict, out: Path) -> list[Path]:
     """JSON, the token parquet and three PNGs (Fig. 3a bars, Fig. 4a ECDF, Fig. 4b contracted)."""
-    from masktrl.analysis import plots
-    from masktrl.analysis.io import save_figure, write_json, write_table
+    from masktrl.analysis.io import figures, save_figure, write_json, write_table
+
+    plots = figures(out)  # matplotlib once the JSON is written (its cache: caches.settle_matplotlib)
 
     name = stem(result)
     result = {**result, "tokens_file": f"{name}-tokens.parquet"}

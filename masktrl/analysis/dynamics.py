@@ -120,8 +120,9 @@ def dynamics(runs: list[RunInfo], window: int = 1) -> dict:
 
 
 def save(result: dict, out_dir: Path) -> list[Path]:
-    from masktrl.analysis import plots
-    from masktrl.analysis.io import save_figure, write_json
+    from masktrl.analysis.io import figures, save_figure, write_json
+
+    plots = figures(out_dir)  # matplotlib once the JSON is written (its cache: caches.settle_matplotlib)
 
     labels = dict(METRICS + MISMATCH)
     metrics = [(k, labels.get(k, k)) for k in result["metrics"]]

@@ -206,8 +206,9 @@ def stem(result: dict) -> str:
 
 
 def save(result: dict, table: dict, out: Path) -> list[Path]:
-    from masktrl.analysis import plots
-    from masktrl.analysis.io import save_figure, write_json, write_table
+    from masktrl.analysis.io import figures, save_figure, write_json, write_table
+
+    plots = figures(out)  # matplotlib once the JSON is written (its cache: caches.settle_matplotlib)
 
     name = stem(result)
     result = {**result, "tokens_file": f"{name}-tokens.parquet"}

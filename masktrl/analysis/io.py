@@ -162,6 +162,11 @@ def distinguishing_keys(configs: list[dict]) -> list[str]:
 
 
 def analysis_dir(root: Path) -> Path:
+    """``<run>/analysis``, where an analysis of one run writes; a run folder that is a symbolic
+    link is refused (``runs.locks.refuse_symlink``): its files would land outside ``--out``."""
+    from masktrl.runs.locks import refuse_symlink
+
+    refuse_symlink(root)
     return Path(root) / ANALYSIS_DIR
 
 
@@ -194,6 +199,28 @@ def read_table(path: Path) -> dict:
 
     table = pq.read_table(path)
     return {name: np.asarray(col.to_numpy(zero_copy_only=False)) for name, col in zip(table.column_names, table.columns)}
+
+
+class _Figures:
+    """``masktrl.analysis.plots``, imported at its first use (``figures``)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def __getattr__(self, name: str):
+        from masktrl.caches import settle_matplotlib
+
+        settle_matplotlib(self.folder)
+        from masktrl.analysis import plots
+
+        return getattr(plots, name)
+
+
+def figures(folder: Path) -> _Figures:
+    """The plotting functions for figures drawn into ``folder``: matplotlib is imported at the
+    first one, after the analysis wrote its JSON there, with its cache where
+    ``caches.settle_matplotlib`` puts it (never the current folder or /tmp)."""
+    return _Figures(folder)
 
 
 def save_figure(fig, path: Path) -> Path:

@@ -42,8 +42,9 @@ def _pair(a: torch.Tensor, b: torch.Tensor) -> dict:
             "rel_norm": float((a - b).norm() / nb) if nb > 0 else float("nan")}
 
 
-def sis_bias(root: Path, step: int, ks: tuple[int, ...] = KS) -> dict:
-    """The measurement of the module docstring on run ``root`` at step ``step``."""
+def sis_bias(root: Path, step: int, ks: tuple[int, ...] | None = None) -> dict:
+    """The measurement of the module docstring on run ``root`` at step ``step``, at the list sizes
+    ``ks`` (each at most the stored K: one line otherwise); None: ``default_ks`` of the stored K."""
     from masktrl.analysis.replicates import plan
     from masktrl.analysis.step_replay import load_behaviour, load_replay, sis_uniforms
     from masktrl.methods import get_method, make_params, sis_accept, token_losses, truncate_topk
@@ -54,6 +55,7 @@ def sis_bias(root: Path, step: int, ks: tuple[int, ...] = KS) -> dict:
     plan([Path(root)], [step], None, exact=True, no_exact=False)  # checkpoints S-1 and the behaviour's, full sampling
     replay = load_replay(Path(root), step, update_name="run")
     stored_k = max((len(r) for s in replay.samples for r in s.gen.topk_ids), default=0)
+    ks, ks_note = (ks, None) if ks is not None else default_ks(stored_k)
     bad = [k for k in ks if k > stored_k]
     if bad:
         raise MasktrlError(f"--k {bad[0]} is above the stored list size K = {stored_k} (rollout.logprobs_k): lists can only be re-cut")
@@ -112,7 +114,7 @@ def sis_bias(root: Path, step: int, ks: tuple[int, ...] = KS) -> dict:
         "exact": {"accept_rate": float(acc_exact[valid].double().mean()), "vs_on_policy": _pair(g_exact, g_on),
                   "vs_base": _pair(g_exact, g_base)},
         "base_vs_on_policy": _pair(g_base, g_on),
-        "ks": rows_out,
+        "ks": rows_out, "ks_note": ks_note,
     }
 
 
@@ -129,16 +131,31 @@ def _sis_kwargs(p) -> dict:
 
 
 def save(result: dict, out: Path) -> list[Path]:
-    from masktrl.analysis import plots
-    from masktrl.analysis.io import save_figure, write_json
+    from masktrl.analysis.io import figures, save_figure, write_json
+
+    plots = figures(out)  # matplotlib once the JSON is written (its cache: caches.settle_matplotlib)
 
     name = f"sis-bias-step{result['step']}"
     return [write_json(Path(out) / f"{name}.json", result), save_figure(plots.sis_bias_panels(result), Path(out) / f"{name}.png")]
 
 
-def parse_ks(spec: str | None) -> tuple[int, ...]:
+def default_ks(stored_k: int) -> tuple[tuple[int, ...], str | None]:
+    """(the list sizes measured when ``--k`` is not given, a note or None): ``KS`` up to the stored
+    K, and K itself in place of those above it (the tiny default's 17-token vocabulary stores
+    K = 17: 5, 10, 17)."""
+    fit = tuple(k for k in KS if k <= stored_k)
+    if len(fit) == len(KS):
+        return KS, None
+    above = [k for k in KS if k > stored_k]
+    ks = tuple(sorted({*fit, stored_k}))
+    return ks, (f"--k {','.join(map(str, KS))} (the default): {', '.join(map(str, above))} above the stored list size "
+                f"K = {stored_k}; measured at {', '.join(map(str, ks))}")
+
+
+def parse_ks(spec: str | None) -> tuple[int, ...] | None:
+    """``--k``: the sorted list sizes; None (not given) lets ``sis_bias`` take ``default_ks``."""
     if spec is None:
-        return KS
+        return None
     try:
         ks = tuple(sorted({int(x) for x in spec.split(",") if x.strip()}))
     except ValueError:

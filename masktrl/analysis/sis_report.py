@@ -163,10 +163,10 @@ def sis_report(run: RunInfo, step: int | None = None, top: int = 10) -> dict:
 
 
 def save(rep: dict, root: Path) -> list[Path]:
-    from masktrl.analysis import plots
-    from masktrl.analysis.io import analysis_dir, save_figure, write_json
+    from masktrl.analysis.io import analysis_dir, figures, save_figure, write_json
 
     out = analysis_dir(root)
+    plots = figures(out)  # matplotlib once the JSON is written (its cache: caches.settle_matplotlib)
     return [
         write_json(out / f"sis-step{rep['step']}.json", rep),
         save_figure(plots.sis_panels(rep), out / f"sis-step{rep['step']}.png"),

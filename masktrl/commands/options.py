@@ -103,3 +103,12 @@ RolloutsFromOpt = Annotated[
     typer.Option("--rollouts-from", metavar="RUN|FILE", help="Train on stored rollouts: a run (folder, or name under --out) or a parquet file from `masktrl rollout`.", show_default=False),
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Run every check, print the resolved config and the projected disk use, write nothing.")]
+
+
+def outside_runs(value: Optional[Path]) -> Optional[Path]:
+    """An analysis's ``--output`` (a typer callback): never inside a run folder, but its analysis/."""
+    if value is not None:
+        from masktrl.runs.resolve import refuse_inside_run
+
+        refuse_inside_run(value, analysis_ok=True)
+    return value

@@ -15,7 +15,7 @@ def rollout(
     model: Annotated[str, typer.Option("--model", metavar="RUN|MODEL", help="A run (folder, or name under --out; its latest checkpoint, or --step), a model folder or a cached hub id.")],
     data: Annotated[str, typer.Option("--data", metavar="NAME|FILE", help="synthetic | aime24 | aime25 | aime | math500 | gsm8k | dapo-math | a .jsonl/.json/.parquet "
                                                      "math file | dataset (with --set task.source=...), or any file, folder or cached hub id with --set task.* keys.")],
-    output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE", help="The rollout parquet file to write.")],
+    output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE", help="The rollout parquet file to write (never inside a run folder: a run's batches are its own).")],
     n: Annotated[int, typer.Option("--n", metavar="N", help="Samples per prompt: the group size G (rollout.n).")] = 8,
     logprobs_k: Annotated[int, typer.Option("--logprobs-k", metavar="K", help="K of the recorded behaviour top-K lists (rollout.logprobs_k).")] = 20,
     topk: Annotated[Optional[int], typer.Option("--topk", metavar="K", hidden=True, help="Deprecated: --logprobs-k.")] = None,

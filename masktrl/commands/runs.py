@@ -22,7 +22,9 @@ def runs(
     ] = None,
 ) -> None:
     """List runs: name, method, seed, steps done / planned, last reward, last eval accuracy, status."""
-    from masktrl.runs.listing import list_runs
+    from rich.markup import escape
+
+    from masktrl.runs.listing import advice, list_runs
 
     if folder is not None:
         err_console.print(f"[yellow]deprecated:[/] masktrl runs DIR; use masktrl runs --out {folder}", highlight=False)
@@ -44,8 +46,11 @@ def runs(
         )
     console.print(table if rows else f"no runs in {folder}")
     for r in rows:
-        if r.get("problem"):
-            console.print(f"[red]damaged[/] {r['name']}: {r['problem']}", highlight=False, soft_wrap=True)
+        line = advice(r, folder)
+        if line:
+            word, rest = line.split(" ", 1)
+            console.print(f"[{STATUS_STYLE['damaged' if word == 'damaged' else 'interrupted']}]{word}[/] {escape(rest)}",
+                          highlight=False, soft_wrap=True)
 
 
 def _fmt(x) -> str:

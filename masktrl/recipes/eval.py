@@ -4,7 +4,10 @@ scorer, summarised as avg@k, pass@k and maj@k with a bootstrap CI over problems 
 
 Results are JSON (schema in docs/EVAL.md), written atomically. For a run: ``<run>/eval/
 <bench>-step<S>.json``, recorded in the manifest as stage ``eval/<bench>/<S:06d>`` with the
-file's sha256. An existing result is never replaced unless ``force`` is set.
+file's sha256. An existing result is never replaced unless ``force`` is set; a run's report
+that its manifest does not record (an eval killed between the two writes) is not a result, and
+the same command writes it again. A symbolic link as the run folder is refused (not followed),
+and ``--output`` never lies inside a run folder.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from masktrl.rl.checks import fit_context, model_context
 from masktrl.rl.evaluation import (EvalBatches, bench_task_config, build_task, describe_data, eval_chat, generation_block, load_engine,
                                    reward_name, sample_and_grade, save, seed_name, summarize, template_label)
 from masktrl.rollout.base import SamplingSettings
-from masktrl.runs.resolve import ModelRef, resolve_model
-from masktrl.runs.store import RunStore, is_run_folder
+from masktrl.runs.locks import refuse_symlink
+from masktrl.runs.resolve import ModelRef, refuse_inside_run, resolve_model
+from masktrl.runs.store import RunStore, eval_key, is_run_folder
 
 MATH_MAX_NEW_TOKENS = 4096  # default response length on math benchmarks for a model that is not a math run
+MAX_K = 65536  # samples per problem: the report holds each one's answer, length and score
+MEMORY_HINT = "lower --batch-size (sequences generated together), --k or --max-new-tokens"
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,9 @@ class EvalOptions:
         check_benchmark(bench)
         if self.k < 1:
             raise ConfigError(f"--k must be >= 1, got {self.k}")
+        if self.k > MAX_K:
+            raise ConfigError(f"--k {self.k} is above {MAX_K}: the report keeps every sample's answer, length and score (--k per "
+                              "problem); --batch-size bounds what is generated at once, not the report")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan and inf are not temperatures
             raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature}")
         if self.temperature == 0 and self.k != 1:
@@ -90,13 +99,17 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
     hub id) on ``bench``; the report goes to ``output`` (a model that is not a run only) or to
     its default place (``output_path``)."""
     opts.validate(bench)
+    if output is not None:
+        refuse_inside_run(output)
     ref = resolve_model(model, step, out)
     if bench in OWN_TASK_BENCHMARKS and ref.store is None:
         raise ConfigError(f"benchmark {bench} needs a run (--model <run>): {model} is no run folder (no run.yaml)")
     if output is not None and ref.store is not None:
         raise ConfigError(f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is for models that are not runs")
+    if ref.store is not None:
+        refuse_symlink(ref.store.root)  # its report would be written outside --out
     path = Path(output) if output is not None else output_path(ref, bench, out)
-    if path.exists() and not force:
+    if path.exists() and not force and recorded(ref, bench):
         raise MasktrlError(f"{path} already exists; pass --force to replace it (nothing was changed)")
     cfg = eval_config(ref, opts)
     if ref.store is not None:
@@ -148,9 +161,11 @@ def run_folder(bench: str, runs: list[Path], step: int | None, opts: EvalOptions
     results: list[tuple[Path, EvalResult | str]] = []
     for root in runs:
         status = RunStore(root, writable=False).status()
-        if status != "complete":
-            result: EvalResult | str = f"skipped: {status}, not complete"
-        elif (path := output_path(resolve_model(str(root), step, out), bench, out)).exists() and not force:
+        if root.is_symlink():
+            result: EvalResult | str = "skipped: the run folder is a symbolic link (not followed)"
+        elif status != "complete":
+            result = f"skipped: {status}, not complete"
+        elif (path := output_path(ref := resolve_model(str(root), step, out), bench, out)).exists() and not force and recorded(ref, bench):
             result = f"skipped: {path} exists"
         else:
             result = run(bench, str(root), step, opts, out=out, force=force, progress=progress)
@@ -158,6 +173,15 @@ def run_folder(bench: str, runs: list[Path], step: int | None, opts: EvalOptions
         if done is not None:
             done(root, result)
     return results
+
+
+def recorded(ref: ModelRef, bench: str) -> bool:
+    """Whether the report at ``output_path`` is a finished one: for a run, recorded in its manifest
+    (an eval killed between writing its report and recording it left an unfinished one, which the
+    same command replaces); for a model that is not a run, any file there."""
+    if ref.store is None:
+        return True
+    return (ref.store.stage(eval_key(bench, ref.step)) or {}).get("status") == "done"
 
 
 def output_path(ref: ModelRef, bench: str, out: Path | None) -> Path:

@@ -16,7 +16,7 @@ from masktrl.config import Config
 from masktrl.errors import MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.rl.evaluation import bench_task_config, build_task, eval_chat, load_engine
-from masktrl.runs.resolve import resolve_model
+from masktrl.runs.resolve import refuse_inside_run, resolve_model
 from masktrl.tasks import make_eval_task
 from masktrl.rl.collect import generate_groups, score_groups, set_advantages
 from masktrl.seeding import stream_seed
@@ -55,6 +55,7 @@ def run(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: in
     advantages to ``out_file``; returns a summary of what was written."""
     opts.validate()
     out_file = Path(out_file)
+    refuse_inside_run(out_file)  # a run's stored batch is recorded with its hash: never replaced from outside
     if out_file.exists() and not force:
         raise MasktrlError(f"{out_file} already exists; pass --force to replace it (nothing was changed)")
     ref = resolve_model(model, step, out)
@@ -74,6 +75,7 @@ def run(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: in
     set_advantages(groups)
     samples = [s for g in groups for s in g]
     meta = {"engine": engine.name, "tokenizer": tokenizer_fingerprint(tokenizer), **settings.__dict__,
+            "rollout_dtype": cfg.rollout.dtype, "quantization": cfg.rollout.quantization,
             "model": ref.weights, "data": data, "seed": opts.seed}
     write_rollouts(out_file, samples, meta)
     return {

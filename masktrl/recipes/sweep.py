@@ -105,13 +105,16 @@ def parse_seeds(text: str) -> list[int]:
 
 def check_flags(methods: list[str], overrides: list[str], baseline: str | None, launcher: str, *, no_submit: bool,
                 resubmit: bool) -> None:
-    """ConfigError, before the first run, for flags that cannot mean what they say: a seed set
-    with ``--set`` (every run takes its seed from ``--seeds``), a ``--baseline`` that is not
+    """ConfigError, before the first run, for flags that cannot mean what they say: a seed or a
+    method name set with ``--set`` (every run takes its seed from ``--seeds``, its method from
+    ``--methods``), a ``--baseline`` that is not
     swept, slurm's ``--no-submit`` / ``--resubmit`` with another launcher."""
     for item in overrides:
         key, _, value = item.partition("=")
         if key.strip() == "seed":
             raise ConfigError(f"--set {item} conflicts with --seeds (every run of a sweep takes its seed from --seeds): drop one")
+        if key.strip() in ("method", "method.name"):
+            raise ConfigError(f"--set {item} conflicts with --methods (every run of a sweep takes its method from --methods): drop one")
     if baseline is not None and baseline not in methods and baseline not in {split_method(m)[0] for m in methods}:
         raise ConfigError(f"--baseline {baseline} is not among the swept methods ({', '.join(methods)})")
     for flag, given in (("--no-submit", no_submit), ("--resubmit", resubmit)):

@@ -5,7 +5,8 @@
 hub cache) and its tokenizer without loading the weights, checks the ``train.report_to``
 trackers' packages, ``rollout.logprobs_k`` against the vocabulary (vLLM), the held-out prompts
 against the model's context, the launch settings (accelerate / DeepSpeed), and
-``--rollouts-from`` (its manifest hashes, its schema and rows, its tokenizer). A failure
+``--rollouts-from`` (its manifest hashes, its schema and rows, its tokenizer, and its recorded sampling:
+temperature, top-p, the engine's dtype and quantisation, against the config). A failure
 raises a ``MasktrlError`` naming the file or key.
 """
 
@@ -83,6 +84,7 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
                                    steps=cfg.train.steps)
             if float(source.meta.get("top_p", 1.0)) < 1.0:
                 raise ConfigError(top_p_refusal(f"--rollouts-from {rollouts_from} was sampled with top_p={source.meta['top_p']}"))
+            source.check_sampled_as(cfg, rollouts_from)  # pi at the temperature mu was sampled at
             report.append(("--rollouts-from", f"{rollouts_from}: {source.num_steps} batches, verified"))
     except BaseException:
         task.close()

@@ -153,27 +153,41 @@ class EvalBatches(NamedTuple):
 def sample_and_grade(engine, tokenizer, task, examples, settings: SamplingSettings, batches: EvalBatches, progress=None,
                      label: str = "eval") -> Graded:
     """``settings.n`` completions per example, generated as ``batches`` says, scored with
-    ``task.score_many``."""
+    ``task.score_many``. With ``n`` above ``batch_size`` each problem's samples come in parts of
+    at most ``batch_size`` sequences (part j of problem i: the stream ``(*seed_key, i, j)``), so
+    ``batch_size`` bounds what is generated at once whatever the ``n``."""
     seed_key, batch_size, chat_template = batches
     if not examples:
         raise ConfigError("no problems to evaluate")
-    per_batch = max(1, batch_size // settings.n)
     extract = answer_of(task)
     out = Graded([], [], [], [])
     bar = progress.add_task(label, total=len(examples), info="") if progress else None
-    for i, start in enumerate(range(0, len(examples), per_batch)):
-        chunk = examples[start : start + per_batch]
-        _, gens, texts = sample(engine, tokenizer, chunk, settings, stream_seed(*seed_key, i), chat_template)
+    for chunk, n, seed, part, last in _calls(examples, settings.n, batch_size, seed_key):
+        _, gens, texts = sample(engine, tokenizer, chunk, replace(settings, n=n), seed, chat_template)
         scores = grade(task, chunk, texts)
         for j, group in enumerate(texts):
-            out.scores.append(scores[j])
-            out.answers.append([_clip(extract(t)) for t in group])
-            out.lengths.append([len(g.response_ids) for g in gens[j]])
-            out.finished.append([g.finished for g in gens[j]])
-        if progress:
+            row = (scores[j], [_clip(extract(t)) for t in group], [len(g.response_ids) for g in gens[j]], [g.finished for g in gens[j]])
+            for column, values in zip((out.scores, out.answers, out.lengths, out.finished), row):
+                if part:
+                    column[-1].extend(values)  # the next part of the same problem's samples
+                else:
+                    column.append(list(values))
+        if progress and last:
             acc = float(np.mean([s > 0 for row in out.scores for s in row]))
             progress.update(bar, advance=len(chunk), info=f"avg@{settings.n} {acc:.3f}")
     return out
+
+
+def _calls(examples, n: int, batch_size: int, seed_key):
+    """(examples, samples each, seed, part, last part) of each generation call of ``sample_and_grade``."""
+    if n <= batch_size:
+        per_batch = batch_size // n
+        for i, start in enumerate(range(0, len(examples), per_batch)):
+            yield examples[start : start + per_batch], n, stream_seed(*seed_key, i), 0, True
+        return
+    for i, ex in enumerate(examples):
+        for part, first in enumerate(range(0, n, batch_size)):
+            yield [ex], min(batch_size, n - first), stream_seed(*seed_key, i, part), part, first + batch_size >= n
 
 
 def _clip(answer: str | None) -> str | None:

@@ -8,6 +8,12 @@ that kept only some batches (``rollout.store=resume``) is refused. Every file is
 by row when read (``rollout/storage.py``). The tokens, behaviour log-probabilities, rewards and
 advantages are used exactly as stored, so methods trained from the same source see identical
 data (reward shaping and dynamic sampling belong to the run that produced the rollouts).
+
+The sampling a batch records (its temperature, the engine's ``rollout.dtype`` and
+``rollout.quantization``) must be the config's: π is computed at the temperature μ was sampled
+at, and the run's config describes its data. A difference is refused with one line naming both
+values (``check_sampled_as``), rather than trained on silently or overridden behind the config's
+back.
 """
 
 from __future__ import annotations
@@ -20,6 +26,11 @@ from masktrl.rl.collect import Batch, numbered, rollout_stats
 from masktrl.runs.store import RunStore, done_steps, is_run_folder, rollout_key
 from masktrl.rollout.base import check_sampling
 from masktrl.rollout.storage import read_rollouts
+
+
+SAMPLED_AS = (("temperature", "rollout.temperature"), ("top_p", "rollout.top_p"), ("rollout_dtype", "rollout.dtype"),
+              ("quantization", "rollout.quantization"))
+"""(the rollout file's metadata field, the config key it must equal): what made mu, and what pi is computed with."""
 
 
 class RolloutSource:
@@ -75,6 +86,19 @@ class RolloutSource:
                               f"{prompts_per_step} prompts, fewer than train.steps={steps}; add --set train.steps={self.num_steps} "
                               "(or store more rollouts)")
 
+    def check_sampled_as(self, cfg, spec: str) -> None:
+        """ConfigError unless the batches were sampled as ``cfg`` says (``SAMPLED_AS``; a field the
+        file does not record is not compared): one line naming the recorded value, the config's,
+        and the ``--set`` that makes them agree."""
+        for field, key in SAMPLED_AS:
+            if field not in self.meta:
+                continue
+            recorded, configured = self.meta[field], _get(cfg, key)
+            if _differs(recorded, configured):
+                raise ConfigError(f"--rollouts-from {spec} was sampled with {key}={_show(recorded)}, this config has "
+                                  f"{key}={_show(configured)} (pi is computed as mu was sampled); "
+                                  f"add --set {key}={_show(recorded)}")
+
     @property
     def num_steps(self) -> int:
         return len(self._files) if self._files is not None else len(self._batches)
@@ -128,6 +152,21 @@ def _run_batches(root: Path, steps: int | None) -> tuple[RunStore, list[Path]]:
     for step in usable:
         store.verify(rollout_key(step))
     return store, [store.rollout_path(step) for step in usable]
+
+
+def _get(cfg, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _differs(recorded, configured) -> bool:
+    if isinstance(configured, float) and isinstance(recorded, (int, float)) and not isinstance(recorded, bool):
+        return float(recorded) != configured
+    return recorded != configured
+
+
+def _show(value) -> str:
+    return "null" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _group(samples):

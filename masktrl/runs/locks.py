@@ -59,8 +59,7 @@ def acquire(root: Path, *, wait_s: float = WAIT_S) -> None:
     path = root
     try:
         root.mkdir(parents=True, exist_ok=True)
-        if root.is_symlink():
-            raise MasktrlError(f"{root}: the run folder is a symbolic link; refused (not followed)")
+        refuse_symlink(root)
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise MasktrlError(f"{path}: cannot open the run folder to lock it ({exc.strerror or exc})") from None
@@ -82,6 +81,13 @@ def acquire(root: Path, *, wait_s: float = WAIT_S) -> None:
                 ) from None
             time.sleep(0.05)
     _held[key] = fd
+
+
+def refuse_symlink(root: Path) -> None:
+    """MasktrlError when the run folder ``root`` is a symbolic link: no command writes through one
+    (its files would land outside ``--out``); ``acquire`` and every other writer of a run call this."""
+    if Path(root).is_symlink():
+        raise MasktrlError(f"{root}: the run folder is a symbolic link; refused (not followed)")
 
 
 def release(root: Path) -> None:

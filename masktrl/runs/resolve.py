@@ -4,6 +4,7 @@ or a hub id."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,3 +52,30 @@ def resolve_model(model: str, step: int | None, out: Path | None = None) -> Mode
             raise ConfigError(f"run {model} has no complete checkpoint yet; pass --step 0 for its starting policy")
         step = store.checkpoints()[-1]
     return ModelRef(label=model, weights=store.policy_path(step), store=store, cfg=store.config(), step=step)
+
+
+def run_containing(path: Path) -> Path | None:
+    """The run folder ``path`` lies in (as written, or once its symbolic links are resolved), else None."""
+    path = Path(path)
+    for candidate in (Path(os.path.normpath(path)), Path(os.path.abspath(path)), path.resolve()):
+        for parent in candidate.parents:
+            if is_run_folder(parent):
+                return parent if str(parent) != "." else Path(os.getcwd())
+    return None
+
+
+def refuse_inside_run(path: Path, flag: str = "--output", *, analysis_ok: bool = False) -> None:
+    """ConfigError when ``path`` lies inside a run folder: a run's files are written by its own
+    commands only and recorded with their hashes; a file put there by another would replace one
+    of them, or be one no stage records. ``analysis_ok``: a run's ``analysis/`` folder, where the
+    analyses write by default, is allowed."""
+    run = run_containing(path)
+    if run is None:
+        return
+    if analysis_ok:
+        for candidate in (Path(os.path.abspath(path)), Path(path).resolve()):
+            for root in (Path(os.path.abspath(run)), Path(run).resolve()):
+                if candidate.is_relative_to(root / "analysis"):
+                    return
+    raise ConfigError(f"{flag} {path} lies inside the run folder {run}; a run's files are written only by its own commands "
+                      f"(nothing was changed): choose a path outside it" + (" (or its analysis/ folder)" if analysis_ok else ""))

@@ -29,11 +29,11 @@ import json
 import os
 import random
 import re
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+from masktrl.caches import scratch
 from masktrl.errors import ConfigError, DataError
 from masktrl.tasks.base import Example, register_task
 from masktrl.tasks.fields import fields_hint, get_path, has_path
@@ -103,7 +103,7 @@ def _read_files(datasets, files: list[Path], where: str) -> list[dict]:
                 _check_text(Path(path), builder)
         # The arrow cache of a local file is built in a temporary folder that is gone once the rows
         # are read: nothing is written in $HOME (the library's default) nor left anywhere.
-        with tempfile.TemporaryDirectory(prefix="masktrl-datasets-") as cache:
+        with scratch("masktrl-datasets-") as cache:  # under <out>/.cache with --out: nothing in /tmp
             try:
                 ds = datasets.load_dataset(builder, data_files={"train": group}, split="train", cache_dir=cache, keep_in_memory=True)
             except Exception as e:

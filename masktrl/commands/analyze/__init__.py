@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from masktrl.commands.ui import console
-from masktrl.commands.options import DEFAULT_OUT, Command, Group, OutOpt  # noqa: F401  (DEFAULT_OUT, Command, OutOpt: for the analyses)
+from masktrl.commands.options import DEFAULT_OUT, Command, Group, OutOpt, outside_runs  # noqa: F401  (DEFAULT_OUT, Command, OutOpt: for the analyses)
 
 app = typer.Typer(
     cls=Group,
@@ -26,7 +26,8 @@ RunArg = Annotated[str, typer.Option("--run", metavar="RUN", help="Run folder, o
 RunsArg = Annotated[list[str], typer.Argument(metavar="RUN", help="Run folders or names under --out, or folders of runs.", show_default=False)]
 ResultOpt = Annotated[
     Optional[Path],
-    typer.Option("--output", "-o", metavar="DIR", help="Where to write JSON + PNG (default: the first run's parent analysis/).", show_default=False),
+    typer.Option("--output", "-o", metavar="DIR", help="Where to write JSON + PNG (default: the first run's parent analysis/; "
+                 "never inside a run folder but its analysis/).", show_default=False, callback=outside_runs),
 ]
 StepOpt = Annotated[
     Optional[int], typer.Option("--step", metavar="S", help="Rollout step S (default: the latest S whose checkpoint S-1 exists).", show_default=False)
@@ -74,7 +75,7 @@ MinibatchesOpt = Annotated[
 StudyOutputOpt = Annotated[
     Optional[Path],
     typer.Option("--output", "-o", metavar="DIR", help="Where to write JSON, parquet and PNG (default: <run>/analysis/, "
-                 "or the first run's parent analysis/ when runs are pooled).", show_default=False),
+                 "or the first run's parent analysis/ when runs are pooled).", show_default=False, callback=outside_runs),
 ]
 DeltaOpt = Annotated[float, typer.Option("--delta", metavar="D", help="Trust-region threshold δ on the top-K KL D (the paper's main value).")]
 ReplayOptimizerOpt = Annotated[

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -28,7 +28,9 @@ def sis(
     top: Annotated[int, typer.Option("--top", metavar="N", help="How many accepted / rejected tokens to list.")] = 10,
     bias: Annotated[bool, typer.Option("--bias", help="Also the gradient bias on the step's batch: top-K SIS vs exact-envelope SIS, the base "
                                        "objective and the on-policy gradient, against the residual mass (needs the behaviour checkpoint).")] = False,
-    k: Annotated[str, typer.Option("--k", metavar="K,...", help="With --bias: envelope list sizes, re-cut from the stored lists (at most their K).")] = "5,10,20",
+    k: Annotated[Optional[str], typer.Option("--k", metavar="K,...", show_default=False,
+                                              help="With --bias: envelope list sizes, re-cut from the stored lists (at most their K; "
+                                                   "default 5,10,20, with the stored K in place of those above it).")] = None,
 ) -> None:
     """SIS: accept rate over training, residual top-K mass, tokens outside the top-K, accepted vs rejected tokens; --bias: the top-K envelope's gradient bias."""
     from masktrl.analysis import sis_report
@@ -78,6 +80,8 @@ def sis(
         )
     console.print(t)
     if bias:
+        if bias_result.get("ks_note"):
+            console.print(f"[yellow]note:[/] {bias_result['ks_note']}", highlight=False)
         print_bias(bias_result)
         paths += sis_bias.save(bias_result, analysis_dir(info.root))
     written(paths)
