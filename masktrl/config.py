@@ -403,6 +403,16 @@ class TrainConfig:
     """A step whose loss or gradient norm is not finite is skipped (no optimizer step) and counted
     (nonfinite_steps in metrics.jsonl); after this many consecutive skipped steps the run stops
     with status failed."""
+    quantization: str | None = None
+    """FP8 training (docs/MODELS.md, "FP8 training"): null (the trainer computes in model.dtype) |
+    fp8 | fp8-act | fp8-full, the schemes of rollout.quantization: the trainer's forward uses the
+    FP8 round trip of the same weights (and activations), with straight-through gradients into
+    the float32 master weights, so trainer and engine are both FP8. LoRA adapters stay in full
+    precision. See train.quantization_backend."""
+    quantization_backend: str = "auto"
+    """train.quantization's kernels: fake (the FP8 round trip computed in model.dtype, any device) |
+    torchao (torchao's float8 training, a CUDA GPU with FP8 support and torchao installed; refused
+    otherwise) | auto (torchao where both are there, else fake)."""
     lab_stats: bool = False
     """Record whether the methods can differ on this run: per step the behaviour's residual mass
     1 - mu(top-K) and unlisted sampled tokens, and at the update the tokens with D > 0.15 and where
@@ -415,6 +425,9 @@ class TrainConfig:
         for name in ("steps", "minibatches", "grad_accum", "checkpoint_every", "logprob_chunk", "threads", "max_nonfinite_steps"):
             _positive(f"train.{name}", getattr(self, name))
         _choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if self.quantization is not None:
+            _choice("train.quantization", self.quantization, HF_QUANTIZATIONS)
+        _choice("train.quantization_backend", self.quantization_backend, ("auto", "fake", "torchao"))
         if self.micro_batch_tokens is not None:
             if isinstance(self.micro_batch_tokens, bool) or not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens < 1:
                 raise ConfigError(f"train.micro_batch_tokens must be a positive number of tokens (or unset), got {self.micro_batch_tokens!r}")

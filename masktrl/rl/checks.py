@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from masktrl.config import Config
+from masktrl.config import MOE_ARCHITECTURES, Config
 from masktrl.errors import ConfigError
 from masktrl.rl import tracking
 from masktrl.tasks.base import Task
@@ -62,6 +62,8 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
         if cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k > vocab_size:  # transformers records min(K, vocabulary)
             raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary ({vocab_size}): "
                               "the vllm engine cannot record that many entries per token")
+        if cfg.train.quantization is not None:
+            report.append(("train.quantization", check_train_quantization(cfg)))
         if cfg.train.packing:
             check_packing(cfg)
             report.append(("train.packing", "the model's attention can mask packed sequences"))
@@ -89,6 +91,25 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
     if out is not None:
         report.append(("free disk under --out", _free(out)))
     return Checked(task, tokenizer, vocab_size, context, source, report)
+
+
+def check_train_quantization(cfg: Config) -> str:
+    """``train.quantization``: the kernels it runs with exist here (``training_backend``) and the
+    launch can carry it (not ZeRO-3, whose partitioned weights the FP8 hooks cannot read);
+    returns the report line."""
+    from masktrl.models.lowprec import training_backend
+
+    t = cfg.train
+    kind = training_backend(t.quantization, t.quantization_backend)
+    if kind == "torchao" and cfg.model.path == "tiny" and cfg.model.architecture in MOE_ARCHITECTURES:
+        raise ConfigError("train.quantization_backend=torchao: torchao's float8 training covers linear layers, not a MoE "
+                          "block's fused experts (use fake)")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        raise ConfigError("train.quantization under DeepSpeed ZeRO-3: the FP8 forward reads whole weights, which ZeRO-3 "
+                          "partitions (use ZeRO-2 or DDP)")
+    how = ("fake-quantised (FP8 round trip in model.dtype, straight-through gradients)" if kind == "fake"
+           else "torchao float8 training")
+    return f"{t.quantization}, {how}"
 
 
 def top_p_refusal(what: str) -> str:

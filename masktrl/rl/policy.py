@@ -17,6 +17,7 @@ from masktrl.models import checkpointing
 from masktrl.models.architectures import shared_prompt_cache_ok
 from masktrl.models.kvcache import cache_kwarg, new_cache
 from masktrl.models.logprobs import token_logprobs_and_entropy, token_square_mass
+from masktrl.models.lowprec import quantized_head
 from masktrl.models.packing import Packed, pack_shared, pack_whole, packed_hidden
 from masktrl.rollout.base import Sample
 
@@ -50,7 +51,7 @@ class PolicyForward(torch.nn.Module):
         ``square_mass``: also [N] sum_V pi^2 (no grad; pdm tail=exact, §4.7), else None. With
         ``packed`` (the padding-free layout, models/packing.py) the other inputs are None."""
         h = self.hidden(input_ids, attention, rows, cols, prompt_ids, prompt_attention, group, packed)  # [N, H]
-        weight = self.lm.get_output_embeddings().weight  # [V, H]
+        h, weight = quantized_head(self.lm, h, self.lm.get_output_embeddings().weight)  # [N, H], [V, H] (fp8-full training: FP8)
         # [N, 1+K] log pi at the sampled and top-K ids, and [N] entropy, in one pass over V
         lp, entropy = token_logprobs_and_entropy(h, weight, ids, temperature=temperature, chunk_size=chunk,
                                                  entropy_grad=entropy_grad)
