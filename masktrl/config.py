@@ -283,7 +283,13 @@ class RolloutConfig:
     """Sampling temperature T; the recorded behaviour log-probs and the trained pi are both
     log_softmax(logits / T)."""
     top_p: float = 1.0
-    """Nucleus sampling threshold (1: off); the recorded behaviour distribution is the truncated one."""
+    """Nucleus sampling threshold (1: off); the recorded behaviour distribution is the truncated one,
+    each token's kept set is recorded and training renormalises pi over it (docs/ROLLOUTS.md,
+    "Truncated sampling"). Training needs the kept set to fit the top-K list: rollout.top_k <=
+    rollout.logprobs_k, or a vocabulary of at most logprobs_k tokens."""
+    top_k: int = 0
+    """Sample among the top_k most likely tokens (0: off), before top_p; trained as top_p is
+    (the kept set recorded, pi renormalised over it); at most rollout.logprobs_k for training."""
     logprobs_k: int = 20
     """K of the recorded behaviour top-K lists."""
     batch_size: int = 512
@@ -338,6 +344,7 @@ class RolloutConfig:
         for name in ("prompts_per_step", "n", "max_new_tokens", "logprobs_k", "batch_size"):
             _positive(f"rollout.{name}", getattr(self, name))
         _positive("rollout.temperature", self.temperature)
+        _non_negative("rollout.top_k", self.top_k)
         _non_negative("rollout.staleness", self.staleness)
         _choice("rollout.mismatch", self.mismatch, ("auto", "always", "off"))
         if not 0.0 < self.top_p <= 1.0:

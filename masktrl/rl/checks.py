@@ -48,8 +48,6 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
     from masktrl.tasks.prompts import wraps_chat
 
     report: list[tuple[str, str]] = []
-    if cfg.rollout.top_p < 1.0:
-        raise ConfigError(top_p_refusal(f"rollout.top_p={cfg.rollout.top_p}"))
     tracking.check_available(cfg.train.report_to)  # a tracker's missing package: one line
     check_launch_settings()
     task = make_task(cfg.task, cfg.model)
@@ -59,6 +57,8 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
         report.append(("model", f"{cfg.model.path} (vocabulary {vocab_size}, context {context or 'unknown'})"))
         if cfg.model.lora.rank is not None:
             report.append(("lora", check_lora(cfg, tokenizer)))
+        if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0:
+            report.append(("truncated sampling", check_truncation(cfg, vocab_size)))
         if cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k > vocab_size:  # transformers records min(K, vocabulary)
             raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary ({vocab_size}): "
                               "the vllm engine cannot record that many entries per token")
@@ -82,7 +82,7 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
 
             source = RolloutSource(rollouts_from, cfg.rollout.prompts_per_step, tokenizer, vocab_size=vocab_size,
                                    steps=cfg.train.steps)
-            if float(source.meta.get("top_p", 1.0)) < 1.0:
+            if float(source.meta.get("top_p", 1.0)) < 1.0 and "top_k" not in source.meta:  # before kept sets were recorded
                 raise ConfigError(top_p_refusal(f"--rollouts-from {rollouts_from} was sampled with top_p={source.meta['top_p']}"))
             report.append(("--rollouts-from", f"{rollouts_from}: {source.num_steps} batches, verified"))
     except BaseException:
@@ -113,9 +113,28 @@ def check_train_quantization(cfg: Config) -> str:
 
 
 def top_p_refusal(what: str) -> str:
-    """The one line that refuses training on nucleus-sampled rollouts (docs/ROLLOUTS.md)."""
-    return (f"{what}: training needs top_p = 1 (the behaviour mu is then the renormalised nucleus while the trained pi "
-            "is the full softmax, so every ratio pi/mu is biased)")
+    """The one line that refuses training on nucleus-sampled rollouts that do not record their
+    kept sets (files written before they were recorded; docs/ROLLOUTS.md)."""
+    return (f"{what} without recording each token's kept set: training on it needs top_p = 1 (the behaviour mu is the "
+            "renormalised nucleus, and pi cannot be renormalised over a set that is not recorded)")
+
+
+def check_truncation(cfg: Config, vocab_size: int) -> str:
+    """Truncated sampling (``rollout.top_p`` < 1 or ``rollout.top_k``) can be trained on without
+    bias only if each token's kept set is a prefix of its recorded top-K list, i.e. holds at most
+    K = ``rollout.logprobs_k`` tokens: refused up front otherwise (a nucleus can hold any number of
+    tokens: bounded by top_k, or by the vocabulary). The vllm engine's kept sets are not read
+    back: refused. Returns the report line."""
+    r = cfg.rollout
+    what = ", ".join(f for f in (f"rollout.top_p={r.top_p}" if r.top_p < 1.0 else "", f"rollout.top_k={r.top_k}" if r.top_k else "") if f)
+    if r.engine != "hf":
+        raise ConfigError(f"{what}: training records each token's kept set with the hf engine only (rollout.engine={r.engine})")
+    bound = min(r.top_k, vocab_size) if r.top_k else vocab_size
+    k = min(r.logprobs_k, vocab_size)
+    if bound > k:
+        raise ConfigError(f"{what}: a kept set can hold {bound} tokens, more than the {k} of the recorded top-K list, which is "
+                          f"where training reads it from: set rollout.top_k <= rollout.logprobs_k={r.logprobs_k}")
+    return f"{what}: kept sets of at most {bound} tokens, recorded as top-K prefixes; pi renormalised over them in training"
 
 
 def check_packing(cfg: Config) -> None:

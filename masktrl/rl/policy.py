@@ -16,10 +16,10 @@ from masktrl.methods import TokenBatch
 from masktrl.models import checkpointing
 from masktrl.models.architectures import shared_prompt_cache_ok
 from masktrl.models.kvcache import cache_kwarg, new_cache
-from masktrl.models.logprobs import token_logprobs_and_entropy, token_square_mass
+from masktrl.models.logprobs import renormalise_over_kept, token_logprobs_and_entropy, token_square_mass
 from masktrl.models.lowprec import quantized_head
 from masktrl.models.packing import Packed, pack_shared, pack_whole, packed_hidden
-from masktrl.rollout.base import Sample
+from masktrl.rollout.base import Sample, kept_sizes
 
 
 @dataclass
@@ -108,6 +108,7 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
         inputs["square_mass"] = True
     lp, entropy, sq = policy(inputs.pop("input_ids"), inputs.pop("attention"), inputs.pop("rows"), inputs.pop("cols"),
                              ids, temperature, chunk, **inputs)  # [N, 1+K], [N], [N] or None
+    lp = renormalise_over_kept(lp, kept_sizes(samples, device))  # truncated sampling: pi over the kept set (else lp itself)
     dt = lp.dtype  # float32 at least (float64 for a float64 model)
     behavior_topk = torch.tensor([row for s in samples for row in s.gen.topk_logp], dtype=dt, device=device)  # [N, K]
     behavior_logp = torch.tensor([x for s in samples for x in behaviour_logp(s, drop_truncated)], dtype=dt, device=device)  # [N]

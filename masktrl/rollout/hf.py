@@ -35,7 +35,7 @@ def sampling_kwargs(s: SamplingSettings) -> dict:
     if s.greedy:
         return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     # generation_config defaults to top_k=50: switch it off so we sample the full softmax(z/T)
-    return {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": 0}
+    return {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
 
 
 def shared_prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor, n: int) -> dict:
@@ -159,7 +159,7 @@ class HFEngine:
                 tensors = decode_dropping_finished(self.model, input_ids, attention, s.n, s.logprobs_k, kwargs)
             self.model.train(was_training)
             with gc_paused():
-                return self._records(*tensors, len(prompts), s.n)
+                return self._records(*tensors, len(prompts), s.n, kept=s.truncated)
         if s.n > 1 and width > 1:
             inputs = shared_prefill(self.model, input_ids, attention, s.n)
         else:
@@ -186,12 +186,16 @@ class HFEngine:
             topk_steps.append(top_lp)
         with gc_paused():
             return self._records(new, torch.stack(logp_steps, 1), torch.stack(ids_steps, 1), torch.stack(topk_steps, 1),
-                                 len(prompts), s.n)
+                                 len(prompts), s.n, kept=s.truncated)
 
-    def _records(self, new, logp, top_ids, top_lp, n_prompts: int, n: int) -> list[list[Generation]]:
+    def _records(self, new, logp, top_ids, top_lp, n_prompts: int, n: int, kept: bool = False) -> list[list[Generation]]:
         """The per-token tensors (ids and log mu [P*n, T], top-K ids and log mu [P*n, T, K]) as
-        ``Generation`` records (Python lists), cut after EOS."""
+        ``Generation`` records (Python lists), cut after EOS. ``kept`` (truncated sampling): each
+        token's kept set, the entries of its top-K list with mu > 0 (the processed scores of the
+        tokens top-k / top-p dropped are -inf, so they sort after every kept token); the checks
+        guarantee the kept set fits the list (at most K tokens), so it is that list's prefix."""
         tok = self.tokenizer
+        sizes = torch.isfinite(top_lp).sum(-1).tolist() if kept else None  # [P*n, T]
         logp = logp.tolist()  # [P*n, T]
         top_ids = top_ids.tolist()  # [P*n, T, K]
         top_lp = top_lp.tolist()
@@ -210,6 +214,7 @@ class HFEngine:
                         topk_ids=top_ids[j][:length],
                         topk_logp=top_lp[j][:length],
                         finished=length < len(ids) or ids[length - 1] == eos,
+                        kept=sizes[j][:length] if sizes is not None else None,
                     )
                 )
             result.append(group)
