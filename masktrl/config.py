@@ -315,10 +315,14 @@ class RolloutConfig:
     store: str = "all"
     """Which rollout batches a run keeps: all | resume (only those after the newest checkpoint,
     which --resume needs; earlier ones are deleted once a newer checkpoint is recorded)."""
-    staleness: int = 0
+    staleness: int | dict = 0
     """Rollout batches are sampled this many steps ahead: step S trains on a batch sampled by the
     policy after step S-1-staleness (the starting policy for the first ones), so even its first
-    minibatch update is off-policy. 0: on-policy. Not used with --rollouts-from."""
+    minibatch update is off-policy. 0: on-policy. Or a seeded distribution of batch ages under a
+    cap, as asynchronous trainers produce: {dist: fixed | uniform | geometric, max: CAP, min: 0,
+    p: 0.5} (uniform: min..max; geometric: P(a) = p (1-p)^(a-min), cut at max; fixed: max),
+    drawn per step from the run's seed (docs/ROLLOUTS.md, "Batch ages"; metrics rollout_age).
+    Not used with --rollouts-from."""
     mismatch: str = "auto"
     """The engine-trainer gap of every generated batch, mismatch/* (docs/ROLLOUTS.md): auto (measured;
     log pi_old from the update's own forward when it runs at the sampling weights: one process,
@@ -345,7 +349,7 @@ class RolloutConfig:
             _positive(f"rollout.{name}", getattr(self, name))
         _positive("rollout.temperature", self.temperature)
         _non_negative("rollout.top_k", self.top_k)
-        _non_negative("rollout.staleness", self.staleness)
+        check_staleness(self.staleness)
         _choice("rollout.mismatch", self.mismatch, ("auto", "always", "off"))
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
@@ -353,6 +357,37 @@ class RolloutConfig:
             raise ConfigError("rollout.n must be >= 2: group-normalised advantages need a group")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+STALENESS_DISTS = ("fixed", "uniform", "geometric")
+"""rollout.staleness's distributions of batch ages (rl/schedule.py draws them)."""
+STALENESS_KEYS = ("dist", "max", "min", "p")
+
+
+def check_staleness(value: Any) -> None:
+    """ConfigError naming rollout.staleness unless it is an integer >= 0 or a mapping
+    {dist, max, min (default 0), p (geometric, default 0.5)} with 0 <= min <= max."""
+    key = "rollout.staleness"
+    if not isinstance(value, dict):
+        _non_negative(key, value)
+        return
+    unknown = sorted(set(value) - set(STALENESS_KEYS))
+    if unknown:
+        raise ConfigError(f"{key}: unknown key {unknown[0]!r} (accepted: {', '.join(STALENESS_KEYS)})")
+    if "dist" not in value or "max" not in value:
+        raise ConfigError(f"{key} as a mapping needs dist ({' | '.join(STALENESS_DISTS)}) and max (the cap on a batch's age)")
+    _choice(f"{key}.dist", value["dist"], STALENESS_DISTS)
+    for name in ("max", "min"):
+        v = value.get(name, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_INT:
+            raise ConfigError(f"{key}.{name} must be an integer >= 0, got {v!r}")
+    if value["max"] < value.get("min", 0):
+        raise ConfigError(f"{key}: the cap max={value['max']} is below the minimum age min={value['min']}")
+    p = value.get("p", 0.5)
+    if "p" in value and value["dist"] != "geometric":
+        raise ConfigError(f"{key}.p is the geometric distribution's parameter; dist is {value['dist']}")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        raise ConfigError(f"{key}.p must be in (0, 1], got {p!r}")
 
 
 @dataclass(frozen=True)
@@ -804,6 +839,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if isinstance(value, dict) and dict in args:  # e.g. rollout.staleness: an integer or a mapping
+            return dict(value)
         return _coerce(args[0], value, key)
     if origin is tuple:
         if isinstance(value, str):

@@ -35,6 +35,7 @@ from masktrl.methods import Method, get_method, make_params, method_names
 from masktrl.models.loading import load_model_and_tokenizer, load_trainable_policy
 from masktrl.models.lora import LoraSettings
 from masktrl.rl import update
+from masktrl.rl.schedule import sampled_at
 from masktrl.rl.train_state import load_optimizer_state
 from masktrl.rl.policy import PolicyOutputs, lm_head_weight, policy_token_batch, response_hidden
 from masktrl.rl.reference import FrozenReference, Reference, micro_batch_size, penalise_kl, reference_logprobs
@@ -78,9 +79,9 @@ def update_choice(name: str, cfg: Config) -> UpdateChoice:
 
 
 def behaviour_step(cfg: Config, step: int) -> int:
-    """The checkpoint whose policy sampled step ``step``'s batch: step-1-``rollout.staleness``,
-    0 (the starting policy) for the first batches."""
-    return max(0, step - 1 - cfg.rollout.staleness)
+    """The checkpoint whose policy sampled step ``step``'s batch: step-1-age (``rollout.staleness``,
+    its drawn age when a distribution), 0 (the starting policy) for the first batches."""
+    return sampled_at(cfg.rollout.staleness, cfg.seed, step) - 1  # max(0, S-1-age); rl/schedule.py
 
 
 @dataclass
