@@ -101,3 +101,18 @@ def test_geometric_run_records_ages_reruns_and_resumes_bit_identically(tmp_path,
     assert _rows(warm_out / "geo-c") == a
     assert (warm_out / "geo-c" / "checkpoints" / "000005" / "model.safetensors").read_bytes() == \
         (warm_out / "geo-a" / "checkpoints" / "000005" / "model.safetensors").read_bytes()
+
+
+def test_dynamics_counts_and_plots_the_ages(tmp_path):
+    from types import SimpleNamespace
+
+    from masktrl.analysis import plots
+    from masktrl.analysis.dynamics import AGE, age_counts, metric_list
+
+    runs = [SimpleNamespace(metrics=[{"step": 1, "rollout_age": 0}, {"step": 2, "rollout_age": 1}, {"step": 3, "rollout_age": 1}]),
+            SimpleNamespace(metrics=[{"step": 1, "rollout_age": 0}, {"step": 2, "rollout_age": 2}])]
+    assert age_counts(runs) == {"0": 2, "1": 2, "2": 1}
+    assert AGE in metric_list(runs) and AGE not in metric_list([SimpleNamespace(metrics=[{"step": 1}])])
+    fig = plots.age_histogram([{"label": "grpo", "runs": ["a", "b"], "ages": age_counts(runs)}])
+    heights = [p.get_height() for p in fig.axes[0].patches]
+    assert heights == pytest.approx([0.4, 0.4, 0.2])
