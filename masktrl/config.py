@@ -449,8 +449,8 @@ class TrainConfig:
     """FP8 training (docs/MODELS.md, "FP8 training"): null (the trainer computes in model.dtype) |
     fp8 | fp8-act | fp8-full, the schemes of rollout.quantization: the trainer's forward uses the
     FP8 round trip of the same weights (and activations), with straight-through gradients into
-    the float32 master weights, so trainer and engine are both FP8. LoRA adapters stay in full
-    precision. See train.quantization_backend."""
+    the float32 master weights, so trainer and engine are both FP8. See
+    train.quantization_backend."""
     quantization_backend: str = "auto"
     """train.quantization's kernels: fake (the FP8 round trip computed in model.dtype, any device) |
     torchao (torchao's float8 training, a CUDA GPU with FP8 support and torchao installed; refused

@@ -138,13 +138,21 @@ def test_moe_experts_quantised_router_not_and_gradients_flow():
     assert experts.grad is not None and experts.grad.abs().sum() > 0
 
 
-def test_lora_adapters_stay_in_full_precision():
+def test_lora_trainer_and_engine_quantise_the_same_layers():
     pytest.importorskip("peft")
     from masktrl.models.lora import LoraSettings, apply_lora
 
     model = apply_lora(_tiny(), LoraSettings(rank=4), seed=0)
+    with torch.no_grad():  # adapters that have moved (B starts at zero)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
     names = quantize_training(model, "fp8")
-    assert names and all(".lora_" not in n for n in names) and all(".base_layer." in n for n in names)
+    assert any(".base_layer." in n for n in names) and any(".lora_A." in n for n in names)
+    engine = LowPrecisionCopy(model, torch.float32, "fp8")
+    assert set(names) == engine.quantized
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, engine.model(IDS).logits)
     model(IDS).logits.sum().backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
 

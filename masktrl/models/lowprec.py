@@ -30,7 +30,8 @@ puts ``W`` back), so the optimizer, the checkpoints and the engine's copy only e
 reaching ``W`` is the float32 gradient of the loss evaluated at the quantised point
 ``W_hat = fp8_roundtrip(W)`` (the straight-through estimator of FP8 training recipes:
 Megatron-LM/Transformer Engine keep float32 master weights the same way). The same layers as
-the engine's scheme (``quantized_weights``; LoRA adapters stay in full precision), the same
+the engine's scheme (``quantized_weights``, LoRA adapters included, as the engine's copy has
+them), the same
 per-token activation round trip for ``fp8-act`` / ``fp8-full`` (straight-through too). The
 policy forward computes its logits from the output layer's weight directly, so
 ``quantized_head`` is how it sees ``fp8-full``'s quantised output layer.
@@ -135,13 +136,13 @@ def _train_post_hook(module, args, output):
 
 def quantize_training(model: torch.nn.Module, quantization: str) -> list[str]:
     """Make ``model``'s own forward FP8 (``train.quantization``, see the module doc): the
-    parameters ``quantized_weights`` names, other than LoRA adapters', enter every forward as
+    parameters ``quantized_weights`` names (the engine's copy's, LoRA adapters included) enter every forward as
     ``fp8_ste`` of themselves; returns their names. The output layer under ``fp8-full`` is
     quantised by the hook when the module is called (generation) and by ``quantized_head`` in the
     policy forward, which reads its weight directly."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    names = [n for n in quantized_weights(model, output_layer=quantization == "fp8-full") if ".lora_" not in n]
+    names = quantized_weights(model, output_layer=quantization == "fp8-full")
     modules = dict(model.named_modules())
     by_module: dict[str, list[str]] = {}
     for name in names:
@@ -247,7 +248,7 @@ def training_backend(quantization: str, backend: str) -> str:
 def apply_training_quantization(model: torch.nn.Module, quantization: str | None, backend: str = "auto") -> str | None:
     """``train.quantization`` on the trainer's ``model`` (after LoRA, before the optimizer sees it):
     ``quantize_training`` (the fake path) or torchao's ``convert_to_float8_training`` on the
-    linear layers the scheme names (not routers, not LoRA adapters, not the output layer). Returns
+    linear layers the scheme names (not routers, not the output layer). Returns
     the backend used (None: no quantisation). ConfigError for what cannot run (the MoE experts
     under torchao: they are not linear layers)."""
     if quantization is None:
@@ -262,6 +263,6 @@ def apply_training_quantization(model: torch.nn.Module, quantization: str | None
                          "block's fused experts (use fake)")
     from torchao.float8 import convert_to_float8_training
 
-    chosen = {n.rsplit(".", 1)[0] for n in names if ".lora_" not in n}
+    chosen = {n.rsplit(".", 1)[0] for n in names}
     convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn in chosen)
     return kind
