@@ -195,3 +195,9 @@ def test_fp8_end_to_end_run_trains_and_measures_the_two_copies(tmp_path, warm_ou
                 cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert all(row["mismatch/logp_abs_mean"] > 1e-3 for row in _rows(warm_out / "fp8-only-engine"))
+
+
+def test_train_quantization_counts_as_a_sampling_change_on_resume():
+    from masktrl.rl.collect import batch_changes
+
+    assert batch_changes(["train.quantization", "train.lr", "rollout.top_k"]) == ["train.quantization", "rollout.top_k"]

@@ -144,13 +144,17 @@ def set_advantages(groups: list[list[Sample]], method=None, params=None) -> None
 NOT_IN_BATCHES = ("rollout.store", "rollout.batch_size", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
                   "rollout.sleep_mode", "task.reward_workers", "task.max_reward_error_frac")
 """Keys of the sections below that change how a batch is made, not what it holds."""
+IN_BATCHES = ("train.quantization", "train.quantization_backend")
+"""Keys outside those sections that change what a batch holds (FP8 training: the model's own forward)."""
 
 
 def batch_changes(changed: list[str]) -> list[str]:
     """The keys among ``changed`` (dotted) that change what a stored rollout batch holds: the
     seed, the model, the task and its reward, the method (reward shaping, advantages), the
-    sampling (``rollout.*``, but how the engine is run)."""
-    return [k for k in changed if (k == "seed" or k.startswith(("model.", "task.", "method.", "rollout."))) and k not in NOT_IN_BATCHES]
+    sampling (``rollout.*``, but how the engine is run; ``train.quantization``: an engine that
+    samples from the model itself samples with its FP8 forward)."""
+    return [k for k in changed if (k in ("seed", *IN_BATCHES) or k.startswith(("model.", "task.", "method.", "rollout.")))
+            and k not in NOT_IN_BATCHES]
 
 
 def reward_failures(task, batch: Batch, step: int, n: int, max_frac: float) -> str | None:
