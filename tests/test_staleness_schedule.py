@@ -116,3 +116,10 @@ def test_dynamics_counts_and_plots_the_ages(tmp_path):
     fig = plots.age_histogram([{"label": "grpo", "runs": ["a", "b"], "ages": age_counts(runs)}])
     heights = [p.get_height() for p in fig.axes[0].patches]
     assert heights == pytest.approx([0.4, 0.4, 0.2])
+
+
+def test_dry_run_line():
+    from masktrl.rl.checks import staleness_line
+
+    assert staleness_line({"dist": "uniform", "max": 3}).startswith("uniform batch ages 0..3, drawn per step")
+    assert "p = 0.25" in staleness_line({"dist": "geometric", "max": 4, "p": 0.25})

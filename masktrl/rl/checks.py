@@ -64,6 +64,8 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
                               "the vllm engine cannot record that many entries per token")
         if cfg.train.quantization is not None:
             report.append(("train.quantization", check_train_quantization(cfg)))
+        if isinstance(cfg.rollout.staleness, dict):
+            report.append(("rollout.staleness", staleness_line(cfg.rollout.staleness)))
         if cfg.train.packing:
             check_packing(cfg)
             report.append(("train.packing", "the model's attention can mask packed sequences"))
@@ -110,6 +112,16 @@ def check_train_quantization(cfg: Config) -> str:
     how = ("fake-quantised (FP8 round trip in model.dtype, straight-through gradients)" if kind == "fake"
            else "torchao float8 training")
     return f"{t.quantization}, {how}"
+
+
+def staleness_line(value: dict) -> str:
+    """``--dry-run``'s line for rollout.staleness as a distribution."""
+    from masktrl.rl.schedule import staleness_spec
+
+    spec = staleness_spec(value)
+    shape = f", p = {spec['p']:g}" if spec["dist"] == "geometric" else ""
+    return (f"{spec['dist']} batch ages {spec['min']}..{spec['max']}{shape}, drawn per step from the seed "
+            "(metrics rollout_age)")
 
 
 def top_p_refusal(what: str) -> str:
