@@ -146,3 +146,28 @@ def test_top_p_run_trains_with_no_gap(tmp_path, warm_out):
     rows = [json.loads(line) for line in (warm_out / "topp" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     assert all(row["mismatch/logp_abs_mean"] < 1e-4 for row in rows)  # pi_old renormalised over the kept set == mu
+
+
+def test_a_kept_set_larger_than_the_list_is_marked_and_never_renormalised(tmp_path):
+    """Sampling outside training's checks (masktrl rollout --top-p) can keep more tokens than K:
+    such a token's size is recorded as K + 1 ("more than K"), stored, and refused by training."""
+    from masktrl.errors import ConfigError
+    from masktrl.rl.checks import kept_set_bound
+
+    tok = build_char_tokenizer("0123456789+=")
+    model = build_tiny_model(tok, TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1), seed=0)
+    prompts = [tok("12+3=", add_special_tokens=False)["input_ids"]]
+    gens = HFEngine(model, tok).generate(prompts, SamplingSettings(n=4, max_new_tokens=4, logprobs_k=3, top_p=0.999), seed=0)
+    samples = [Sample("0", "p", "a", prompts[0], 0, g) for g in gens[0]]
+    sizes = [k for s in samples for k in s.gen.kept]
+    assert 4 in sizes and all(1 <= k <= 4 for k in sizes)
+    write_rollouts(tmp_path / "b.parquet", samples, {})
+    back, _ = read_rollouts(tmp_path / "b.parquet")
+    assert [s.gen.kept for s in back] == [s.gen.kept for s in samples]
+    with pytest.raises(ValueError, match="more tokens than the top-K list"):
+        policy_token_batch(model, back, 1.0, 64)
+    with pytest.raises(ConfigError, match="more than the 3"):
+        kept_set_bound("--rollouts-from x was sampled with top_p=0.999, top_k=0", "hf", 0, 3, len(tok))
+    assert kept_set_bound("w", "hf", 3, 3, len(tok)) == 3
+    with pytest.raises(ConfigError, match="hf engine only"):
+        kept_set_bound("w", "vllm", 3, 5, len(tok))

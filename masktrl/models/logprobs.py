@@ -220,14 +220,16 @@ def renormalise_over_kept(lp: Tensor, kept: Tensor | None) -> Tensor:
 
     ``lp`` [N, 1+K]: log pi at the sampled id then the behaviour's top-K ids (the policy
     forward's output); ``kept`` [N]: the kept set is the first ``kept[i]`` entries of row i's
-    top-K list (0: the whole vocabulary, the row is returned as it is); None: nothing truncated,
-    ``lp`` itself is returned. With S_i = sum_{j < kept[i]} pi(topk_ij) (the policy's mass on
+    top-K list (0: the whole vocabulary, the row is returned as it is; more than K: ValueError,
+    a kept set the list does not hold); None: nothing truncated, ``lp`` itself is returned. With S_i = sum_{j < kept[i]} pi(topk_ij) (the policy's mass on
     the kept set), the result is log pi - log S for the sampled token and the kept entries, and
     -inf for the list entries outside the kept set (the renormalised pi~ puts no mass there, as
     mu does). The gradient flows through log S too: d log pi~ = d log pi - d log S."""
     if kept is None:
         return lp
     topk = lp[:, 1:]  # [N, K]
+    if bool((kept > topk.shape[1]).any()):
+        raise ValueError(f"a kept set holds more tokens than the top-K list (K = {topk.shape[1]}): pi cannot be renormalised over it")
     inside = torch.arange(topk.shape[1], device=lp.device)[None, :] < kept[:, None]  # [N, K]
     neg_inf = torch.tensor(float("-inf"), dtype=lp.dtype, device=lp.device)
     log_s = torch.logsumexp(torch.where(inside, topk, neg_inf), dim=1)  # [N] (-inf for kept = 0: replaced below)

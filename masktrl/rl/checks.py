@@ -84,8 +84,12 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
 
             source = RolloutSource(rollouts_from, cfg.rollout.prompts_per_step, tokenizer, vocab_size=vocab_size,
                                    steps=cfg.train.steps)
-            if float(source.meta.get("top_p", 1.0)) < 1.0 and "top_k" not in source.meta:  # before kept sets were recorded
-                raise ConfigError(top_p_refusal(f"--rollouts-from {rollouts_from} was sampled with top_p={source.meta['top_p']}"))
+            m = source.meta
+            if float(m.get("top_p", 1.0)) < 1.0 and "top_k" not in m:  # before kept sets were recorded
+                raise ConfigError(top_p_refusal(f"--rollouts-from {rollouts_from} was sampled with top_p={m['top_p']}"))
+            if float(m.get("top_p", 1.0)) < 1.0 or int(m.get("top_k", 0) or 0) > 0:
+                kept_set_bound(f"--rollouts-from {rollouts_from} was sampled with top_p={m.get('top_p')}, top_k={m.get('top_k')}",
+                               m.get("engine", "hf"), int(m.get("top_k", 0) or 0), int(m.get("logprobs_k", 0) or 0), vocab_size)
             report.append(("--rollouts-from", f"{rollouts_from}: {source.num_steps} batches, verified"))
     except BaseException:
         task.close()
@@ -139,14 +143,21 @@ def check_truncation(cfg: Config, vocab_size: int) -> str:
     back: refused. Returns the report line."""
     r = cfg.rollout
     what = ", ".join(f for f in (f"rollout.top_p={r.top_p}" if r.top_p < 1.0 else "", f"rollout.top_k={r.top_k}" if r.top_k else "") if f)
-    if r.engine != "hf":
-        raise ConfigError(f"{what}: training records each token's kept set with the hf engine only (rollout.engine={r.engine})")
-    bound = min(r.top_k, vocab_size) if r.top_k else vocab_size
-    k = min(r.logprobs_k, vocab_size)
+    bound = kept_set_bound(what, r.engine, r.top_k, r.logprobs_k, vocab_size)
+    return f"{what}: kept sets of at most {bound} tokens, recorded as top-K prefixes; pi renormalised over them in training"
+
+
+def kept_set_bound(what: str, engine: str, top_k: int, logprobs_k: int, vocab_size: int) -> int:
+    """The most tokens a kept set of this sampling can hold; ConfigError (starting with ``what``)
+    when that is more than the recorded top-K list holds, or the engine is not hf."""
+    if engine != "hf":
+        raise ConfigError(f"{what}: training records each token's kept set with the hf engine only (rollout.engine={engine})")
+    bound = min(top_k, vocab_size) if top_k else vocab_size
+    k = min(logprobs_k, vocab_size)
     if bound > k:
         raise ConfigError(f"{what}: a kept set can hold {bound} tokens, more than the {k} of the recorded top-K list, which is "
-                          f"where training reads it from: set rollout.top_k <= rollout.logprobs_k={r.logprobs_k}")
-    return f"{what}: kept sets of at most {bound} tokens, recorded as top-K prefixes; pi renormalised over them in training"
+                          f"where training reads it from: set rollout.top_k <= rollout.logprobs_k={logprobs_k}")
+    return bound
 
 
 def check_packing(cfg: Config) -> None:

@@ -364,7 +364,7 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
 def read_kept(path: Path, table: pa.Table, a: TokenArrays) -> list[int] | None:
     """The flat [N] kept-set sizes of the optional ``kept`` column (None without it: files of
     untruncated sampling, and every file written before the column existed), checked: one per
-    token, each in [1, K]."""
+    token, each in [1, K + 1] (K + 1: a kept set larger than the list, not trainable)."""
     if KEPT[0] not in table.column_names:
         return None
     col = table.column(KEPT[0]).combine_chunks()
@@ -374,9 +374,9 @@ def read_kept(path: Path, table: pa.Table, a: TokenArrays) -> list[int] | None:
     if not np.array_equal(offsets, a.offsets):
         raise ArtifactError(f"{path}: column kept does not hold one size per response token")
     k = a.topk_ids.shape[1]
-    bad = np.flatnonzero((values < 1) | (values > k))
+    bad = np.flatnonzero((values < 1) | (values > k + 1))  # K + 1: more than the list holds
     if len(bad):
-        raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: kept-set size {values[bad[0]]} outside [1, K={k}]")
+        raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: kept-set size {values[bad[0]]} outside [1, K+1={k + 1}]")
     return values.tolist()
 
 
