@@ -191,6 +191,15 @@ def test_fp8_end_to_end_run_trains_and_measures_the_two_copies(tmp_path, warm_ou
     # the same scheme on the same master weights: the engine's copy holds the trainer's quantised values,
     # so the gap is generation (KV cache) against the training forward, float32 rounding only
     assert all(row["mismatch/logp_abs_mean"] < 1e-4 for row in rows)
+    from safetensors.torch import load_file
+
+    from masktrl.analysis.step_replay import load_replay, replay_step
+
+    replay = load_replay(warm_out / "fp8-e2e", 2)  # the step replay runs the FP8 forward too: it reproduces the checkpoint
+    replay_step(replay, replay.cfg.seed, replay.cfg.train.minibatches)
+    stored = load_file(warm_out / "fp8-e2e" / "checkpoints" / "000002" / "model.safetensors")
+    now = replay.model.state_dict()
+    assert all(torch.equal(now[k], stored[k]) for k in stored)
     r = masktrl("train", "--config", cfg, "--out", warm_out, "--run", "fp8-only-engine", "--set", "train.quantization=null",
                 cwd=tmp_path)
     assert r.returncode == 0, r.stderr
