@@ -289,7 +289,13 @@ class RolloutConfig:
     """Sampling temperature T; the recorded behaviour log-probs and the trained pi are both
     log_softmax(logits / T)."""
     top_p: float = 1.0
-    """Nucleus sampling threshold (1: off); the recorded behaviour distribution is the truncated one."""
+    """Nucleus sampling threshold (1: off); the recorded behaviour distribution is the truncated one,
+    each token's kept set is recorded and training renormalises pi over it (docs/ROLLOUTS.md,
+    "Truncated sampling"). Training needs the kept set to fit the top-K list: rollout.top_k <=
+    rollout.logprobs_k, or a vocabulary of at most logprobs_k tokens."""
+    top_k: int = 0
+    """Sample among the top_k most likely tokens (0: off), before top_p; trained as top_p is
+    (the kept set recorded, pi renormalised over it); at most rollout.logprobs_k for training."""
     logprobs_k: int = 20
     """K of the recorded behaviour top-K lists."""
     batch_size: int = 512
@@ -315,10 +321,14 @@ class RolloutConfig:
     store: str = "all"
     """Which rollout batches a run keeps: all | resume (only those after the newest checkpoint,
     which --resume needs; earlier ones are deleted once a newer checkpoint is recorded)."""
-    staleness: int = 0
+    staleness: int | dict = 0
     """Rollout batches are sampled this many steps ahead: step S trains on a batch sampled by the
     policy after step S-1-staleness (the starting policy for the first ones), so even its first
-    minibatch update is off-policy. 0: on-policy. Not used with --rollouts-from."""
+    minibatch update is off-policy. 0: on-policy. Or a seeded distribution of batch ages under a
+    cap, as asynchronous trainers produce: {dist: fixed | uniform | geometric, max: CAP, min: 0,
+    p: 0.5} (uniform: min..max; geometric: P(a) = p (1-p)^(a-min), cut at max; fixed: max),
+    drawn per step from the run's seed (docs/ROLLOUTS.md, "Batch ages"; metrics rollout_age).
+    Not used with --rollouts-from."""
     mismatch: str = "auto"
     """The engine-trainer gap of every generated batch, mismatch/* (docs/ROLLOUTS.md): auto (measured;
     log pi_old from the update's own forward when it runs at the sampling weights: one process,
@@ -344,7 +354,8 @@ class RolloutConfig:
         for name in ("prompts_per_step", "n", "max_new_tokens", "logprobs_k", "batch_size"):
             _positive(f"rollout.{name}", getattr(self, name))
         _positive("rollout.temperature", self.temperature)
-        _non_negative("rollout.staleness", self.staleness)
+        _non_negative("rollout.top_k", self.top_k)
+        check_staleness(self.staleness)
         _choice("rollout.mismatch", self.mismatch, ("auto", "always", "off"))
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
@@ -352,6 +363,37 @@ class RolloutConfig:
             raise ConfigError("rollout.n must be >= 2: group-normalised advantages need a group")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+STALENESS_DISTS = ("fixed", "uniform", "geometric")
+"""rollout.staleness's distributions of batch ages (rl/schedule.py draws them)."""
+STALENESS_KEYS = ("dist", "max", "min", "p")
+
+
+def check_staleness(value: Any) -> None:
+    """ConfigError naming rollout.staleness unless it is an integer >= 0 or a mapping
+    {dist, max, min (default 0), p (geometric, default 0.5)} with 0 <= min <= max."""
+    key = "rollout.staleness"
+    if not isinstance(value, dict):
+        _non_negative(key, value)
+        return
+    unknown = sorted(set(value) - set(STALENESS_KEYS))
+    if unknown:
+        raise ConfigError(f"{key}: unknown key {unknown[0]!r} (accepted: {', '.join(STALENESS_KEYS)})")
+    if "dist" not in value or "max" not in value:
+        raise ConfigError(f"{key} as a mapping needs dist ({' | '.join(STALENESS_DISTS)}) and max (the cap on a batch's age)")
+    _choice(f"{key}.dist", value["dist"], STALENESS_DISTS)
+    for name in ("max", "min"):
+        v = value.get(name, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_INT:
+            raise ConfigError(f"{key}.{name} must be an integer >= 0, got {v!r}")
+    if value["max"] < value.get("min", 0):
+        raise ConfigError(f"{key}: the cap max={value['max']} is below the minimum age min={value['min']}")
+    p = value.get("p", 0.5)
+    if "p" in value and value["dist"] != "geometric":
+        raise ConfigError(f"{key}.p is the geometric distribution's parameter; dist is {value['dist']}")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        raise ConfigError(f"{key}.p must be in (0, 1], got {p!r}")
 
 
 @dataclass(frozen=True)
@@ -409,6 +451,16 @@ class TrainConfig:
     """A step whose loss or gradient norm is not finite is skipped (no optimizer step) and counted
     (nonfinite_steps in metrics.jsonl); after this many consecutive skipped steps the run stops
     with status failed."""
+    quantization: str | None = None
+    """FP8 training (docs/MODELS.md, "FP8 training"): null (the trainer computes in model.dtype) |
+    fp8 | fp8-act | fp8-full, the schemes of rollout.quantization: the trainer's forward uses the
+    FP8 round trip of the same weights (and activations), with straight-through gradients into
+    the float32 master weights, so trainer and engine are both FP8. See
+    train.quantization_backend."""
+    quantization_backend: str = "auto"
+    """train.quantization's kernels: fake (the FP8 round trip computed in model.dtype, any device) |
+    torchao (torchao's float8 training, a CUDA GPU with FP8 support and torchao installed; refused
+    otherwise) | auto (torchao where both are there, else fake)."""
     lab_stats: bool = False
     """Record whether the methods can differ on this run: per step the behaviour's residual mass
     1 - mu(top-K) and unlisted sampled tokens, and at the update the tokens with D > 0.15 and where
@@ -421,6 +473,9 @@ class TrainConfig:
         for name in ("steps", "minibatches", "grad_accum", "checkpoint_every", "logprob_chunk", "threads", "max_nonfinite_steps"):
             _positive(f"train.{name}", getattr(self, name))
         _choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if self.quantization is not None:
+            _choice("train.quantization", self.quantization, HF_QUANTIZATIONS)
+        _choice("train.quantization_backend", self.quantization_backend, ("auto", "fake", "torchao"))
         if self.micro_batch_tokens is not None:
             if isinstance(self.micro_batch_tokens, bool) or not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens < 1:
                 raise ConfigError(f"train.micro_batch_tokens must be a positive number of tokens (or unset), got {self.micro_batch_tokens!r}")
@@ -777,6 +832,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if isinstance(value, dict) and dict in args:  # e.g. rollout.staleness: an integer or a mapping
+            return dict(value)
         return _coerce(args[0], value, key)
     if origin is tuple:
         if isinstance(value, str):

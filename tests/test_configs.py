@@ -31,7 +31,7 @@ METHODS = {  # overlay -> the method block it must give
 
 def test_the_shipped_files_are_the_bases_the_overlays_the_tiny_presets_and_the_lab():
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(BASES + ["tiny.yaml", "tiny-offpolicy.yaml", "lab.yaml",
-                                                                             "lab-long.yaml", "lab-moe.yaml"])
+                                                                             "lab-long.yaml", "lab-moe.yaml", "lab-deep.yaml"])
     assert sorted(p.stem for p in (CONFIGS / "methods").glob("*.yaml")) == sorted(METHODS)
 
 
@@ -115,5 +115,8 @@ def test_the_lab_overlays_long_responses_and_moe():
     assert long.model == lab.model and long.rollout.staleness == lab.rollout.staleness
     if "architecture" not in ModelConfig.__dataclass_fields__:
         pytest.skip("model.architecture (the tiny MoE model) is not in this build")
+    deep = load_config([CONFIGS / "lab.yaml", CONFIGS / "lab-deep.yaml"])
+    assert deep.model.num_layers == 8 and deep.task == lab.task and deep.model.hidden_size == lab.model.hidden_size
+    assert (deep.rollout.dtype, deep.rollout.quantization) == ("bfloat16", "fp8-act")
     moe = load_config([CONFIGS / "lab.yaml", CONFIGS / "lab-moe.yaml"])
     assert moe.model.architecture == "qwen3-moe" and moe.task == lab.task and moe.rollout == lab.rollout

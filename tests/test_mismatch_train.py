@@ -13,7 +13,7 @@ from tests.conftest import masktrl, write_tiny_config
         (["--set", "rollout.dtype=float8"], "rollout.dtype"),
         (["--set", "rollout.quantization=int4"], "rollout.quantization"),  # the hf engine fakes fp8 only
         (["--set", "rollout.engine=vllm", "--set", "rollout.quantization=fp8-act"], "hf engine only"),
-        (["--set", "rollout.top_p=0.9"], "top_p = 1"),
+        (["--set", "rollout.top_p=0.9", "--set", "rollout.logprobs_k=5"], "rollout.top_k <="),  # a kept set larger than K
     ],
 )
 def test_bad_precision_settings_exit_2_with_one_line(tmp_path, args, needle):

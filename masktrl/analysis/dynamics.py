@@ -29,6 +29,7 @@ MISMATCH = [  # the engine-trainer gap of each batch (rollout/mismatch.py), plot
     ("mismatch/frac_gt_0.5", "tokens with |log μ − log π_old| > 0.5"),
     ("mismatch/routing_flip_rate", "MoE routing flips (engine copy vs trainer)"),
 ]
+AGE = ("rollout_age", "batch age (steps behind; rollout.staleness)")  # logged when rollout.staleness is a distribution
 
 
 def run_series(run: RunInfo, key: str) -> dict[int, float]:
@@ -96,7 +97,19 @@ def metric_list(runs: list[RunInfo]) -> list[tuple[str, str]]:
     key a run logged (benchmarks)."""
     logged = {k for r in runs for row in r.metrics for k in row}
     extra = sorted(k for k in logged if k.startswith("eval/") and k != HELDOUT)
-    return METRICS + [(k, label) for k, label in MISMATCH if k in logged] + [(k, k) for k in extra]
+    ages = [AGE] if AGE[0] in logged else []
+    return METRICS + [(k, label) for k, label in MISMATCH if k in logged] + ages + [(k, k) for k in extra]
+
+
+def age_counts(runs: list[RunInfo]) -> dict[str, int]:
+    """How many steps of ``runs`` trained on a batch of each age (``rollout_age``), by age."""
+    counts: dict[int, int] = {}
+    for r in runs:
+        for row in r.metrics:
+            age = row.get(AGE[0])
+            if isinstance(age, int) and not isinstance(age, bool):
+                counts[age] = counts.get(age, 0) + 1
+    return {str(a): counts[a] for a in sorted(counts)}
 
 
 def dynamics(runs: list[RunInfo], window: int = 1) -> dict:
@@ -114,6 +127,7 @@ def dynamics(runs: list[RunInfo], window: int = 1) -> dict:
                 "curves": curves,
                 "final": {k: (c["mean"][-1] if c["mean"] else None) for k, c in curves.items()},
                 "final_step": {k: (c["step"][-1] if c["step"] else None) for k, c in curves.items()},
+                **({"ages": age_counts(members)} if any(k == AGE[0] for k, _ in metrics) else {}),
             }
         )
     return {"runs": [str(r.root) for r in runs], "smooth": window, "metrics": [k for k, _ in metrics], "groups": groups}
@@ -124,9 +138,12 @@ def save(result: dict, out_dir: Path) -> list[Path]:
 
     plots = figures(out_dir)  # matplotlib once the JSON is written (its cache: caches.settle_matplotlib)
 
-    labels = dict(METRICS + MISMATCH)
+    labels = dict(METRICS + MISMATCH + [AGE])
     metrics = [(k, labels.get(k, k)) for k in result["metrics"]]
-    return [
+    paths = [
         write_json(Path(out_dir) / "dynamics.json", result),
         save_figure(plots.curves(result["groups"], metrics), Path(out_dir) / "dynamics.png"),
     ]
+    if any("ages" in g for g in result["groups"]):
+        paths.append(save_figure(plots.age_histogram(result["groups"]), Path(out_dir) / "ages.png"))
+    return paths

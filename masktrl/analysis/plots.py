@@ -212,6 +212,26 @@ def curves(groups: list[dict], metrics: list[tuple[str, str]]) -> Figure:
     return fig
 
 
+def age_histogram(groups: list[dict]) -> Figure:
+    """The distribution of batch ages (``rollout_age``): per group, the fraction of its steps
+    that trained on a batch of each age, bars side by side."""
+    fig, (ax,) = _grid(1, 5.0, 3.4)
+    shown = [g for g in groups if g.get("ages")]
+    width = 0.8 / max(1, len(shown))
+    for i, g in enumerate(shown):
+        ages = {int(a): n for a, n in g["ages"].items()}
+        total = sum(ages.values())
+        xs = np.array(sorted(ages), dtype=float)
+        ax.bar(xs + (i - (len(shown) - 1) / 2) * width, [ages[int(a)] / total for a in xs], width=width,
+               color=COLORS[i % len(COLORS)], label=f"{g['label']} (n={len(g['runs'])})")
+    ax.set_xlabel("batch age (steps behind the trained policy)")
+    ax.set_ylabel("fraction of steps")
+    ax.set_title("rollout.staleness: batch ages", fontsize=9)
+    if shown:
+        ax.legend(fontsize=8)
+    return fig
+
+
 # --------------------------------------------------------------------------- compare
 
 

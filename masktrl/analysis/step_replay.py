@@ -35,7 +35,9 @@ from masktrl.method_spec import is_rule_file
 from masktrl.methods import BoundMethod, get_method, make_params, method_names
 from masktrl.models.loading import load_model_and_tokenizer, load_trainable_policy
 from masktrl.models.lora import LoraSettings
+from masktrl.models.lowprec import apply_training_quantization
 from masktrl.rl import update
+from masktrl.rl.schedule import sampled_at
 from masktrl.rl.train_state import load_optimizer_state
 from masktrl.rl.policy import PolicyOutputs, lm_head_weight, policy_token_batch, response_hidden
 from masktrl.rl.reference import FrozenReference, Reference, micro_batch_size, penalise_kl, reference_logprobs
@@ -81,9 +83,9 @@ def update_choice(name: str, cfg: Config) -> UpdateChoice:
 
 
 def behaviour_step(cfg: Config, step: int) -> int:
-    """The checkpoint whose policy sampled step ``step``'s batch: step-1-``rollout.staleness``,
-    0 (the starting policy) for the first batches."""
-    return max(0, step - 1 - cfg.rollout.staleness)
+    """The checkpoint whose policy sampled step ``step``'s batch: step-1-age (``rollout.staleness``,
+    its drawn age when a distribution), 0 (the starting policy) for the first batches."""
+    return sampled_at(cfg.rollout.staleness, cfg.seed, step) - 1  # max(0, S-1-age); rl/schedule.py
 
 
 @dataclass
@@ -152,6 +154,7 @@ def load_replay(root: Path, step: int, policy_step: int | None = None, update_na
     torch.set_num_threads(cfg.train.threads)
     lora = LoraSettings.from_config(cfg.model.lora) if cfg.model.lora.rank is not None else None
     model, tokenizer = load_trainable_policy(path, cfg.model.dtype, lora, seed=cfg.seed)  # LoRA: the adapters, unmerged
+    apply_training_quantization(model, cfg.train.quantization, cfg.train.quantization_backend)  # FP8 training: the run's forward
     model.eval()
     optimizer, scheduler = update.make_optimizer(model, cfg.train)
     if policy_step > 0:
@@ -162,6 +165,7 @@ def load_replay(root: Path, step: int, policy_step: int | None = None, update_na
     reference = None
     if method.needs_reference:  # the starting policy, as the run's (docs/METHODS.md §13.7)
         start, _ = load_model_and_tokenizer(store.policy_path(0), cfg.model.dtype)
+        apply_training_quantization(start, cfg.train.quantization, cfg.train.quantization_backend)  # the run's reference was its FP8 copy
         reference = FrozenReference(start, cfg.rollout.temperature, cfg.train.logprob_chunk)
         if choice.params.kl_in_reward:  # the stored batch holds the unpenalised rewards and advantages
             micro = micro_batch_size(len(samples), cfg.train.minibatches, cfg.train.grad_accum)

@@ -213,3 +213,27 @@ def token_square_mass(hidden: Tensor, weight: Tensor, *, temperature: float = 1.
         tot = x.sum(dim=1)  # [c]
         out[s:e] = x.square_().sum(dim=1) / (tot * tot)
     return out.reshape(hidden.shape[:-1])
+
+
+def renormalise_over_kept(lp: Tensor, kept: Tensor | None) -> Tensor:
+    """log pi renormalised over each token's kept set (truncated sampling, docs/ROLLOUTS.md).
+
+    ``lp`` [N, 1+K]: log pi at the sampled id then the behaviour's top-K ids (the policy
+    forward's output); ``kept`` [N]: the kept set is the first ``kept[i]`` entries of row i's
+    top-K list (0: the whole vocabulary, the row is returned as it is; more than K: ValueError,
+    a kept set the list does not hold); None: nothing truncated, ``lp`` itself is returned. With S_i = sum_{j < kept[i]} pi(topk_ij) (the policy's mass on
+    the kept set), the result is log pi - log S for the sampled token and the kept entries, and
+    -inf for the list entries outside the kept set (the renormalised pi~ puts no mass there, as
+    mu does). The gradient flows through log S too: d log pi~ = d log pi - d log S."""
+    if kept is None:
+        return lp
+    topk = lp[:, 1:]  # [N, K]
+    if bool((kept > topk.shape[1]).any()):
+        raise ValueError(f"a kept set holds more tokens than the top-K list (K = {topk.shape[1]}): pi cannot be renormalised over it")
+    inside = torch.arange(topk.shape[1], device=lp.device)[None, :] < kept[:, None]  # [N, K]
+    neg_inf = torch.tensor(float("-inf"), dtype=lp.dtype, device=lp.device)
+    log_s = torch.logsumexp(torch.where(inside, topk, neg_inf), dim=1)  # [N] (-inf for kept = 0: replaced below)
+    truncated = kept > 0  # [N]
+    log_s = torch.where(truncated, log_s, torch.zeros_like(log_s))
+    out = lp - log_s[:, None]  # [N, 1+K]
+    return torch.cat([out[:, :1], torch.where(inside | ~truncated[:, None], out[:, 1:], neg_inf)], dim=1)

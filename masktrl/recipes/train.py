@@ -46,6 +46,7 @@ from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source, p
 from masktrl.rl.policy import PolicyForward
 from masktrl.rl.reference import Reference, make_reference, micro_batch_size, penalise_kl, reference_logprobs
 from masktrl.rl.rollout_source import RolloutSource
+from masktrl.rl.schedule import age_metrics, sample_now, staleness_cap
 from masktrl.rl.signals import GracefulStop, Interrupted, graceful_stop
 from masktrl.rl.start import load_policy, restore_run
 from masktrl.rl.tracking import Trackers, open_trackers
@@ -302,6 +303,7 @@ def record(s: State, step: int, batch: Batch, stats: dict, *, t0: float, t_rollo
     c.nonfinite_total += bool(skipped)
     c.nonfinite_run = c.nonfinite_run + 1 if skipped else 0
     row.update(skipped_updates=skipped, nonfinite_steps=c.nonfinite_total)
+    row.update(age_metrics(s.cfg.rollout.staleness, s.cfg.seed, step))  # rollout.staleness as a distribution: the batch's age
     if s.run.lab is not None:  # rl/lab_stats.py: can the methods differ here?
         row.update(s.run.lab.row(batch.samples, s.run.dist))
     row.update(step_evals(s, step))
@@ -354,7 +356,7 @@ def sample_ahead(s: State, step: int) -> None:
     and the manifest as read at setup (the other processes' view is not updated)."""
     if s.run.source:
         return  # --rollouts-from: the batches are used as stored
-    for ahead in range(step + 1, min(step + s.cfg.rollout.staleness, s.count.steps) + 1):
+    for ahead in sample_now(s.cfg.rollout.staleness, s.cfg.seed, step, s.count.steps):  # rl/schedule.py: the batch ages
         if ahead not in s.count.ahead and not s.store.is_done(rollout_key(ahead)):
             s.count.ahead[ahead] = rollout_batch(s, ahead)
 
@@ -388,7 +390,7 @@ def rollout_batch(s: State, step: int) -> Batch:
 def mismatch_from(s: State) -> str | None:
     """Where this run's ``mismatch/*`` come from (``rollout.mismatch``; rl/mismatch.py ``mismatch_source``)."""
     r = s.run
-    return mismatch_source(s.cfg.rollout.mismatch, staleness=s.cfg.rollout.staleness, minibatches=r.update.minibatches,
+    return mismatch_source(s.cfg.rollout.mismatch, staleness=staleness_cap(s.cfg.rollout.staleness), minibatches=r.update.minibatches,
                            replay=r.source is not None, world=r.dist.world)
 
 

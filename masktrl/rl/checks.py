@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from masktrl.config import Config
+from masktrl.config import MOE_ARCHITECTURES, Config
 from masktrl.errors import ConfigError
 from masktrl.rl import tracking
 from masktrl.tasks.base import Task
@@ -49,8 +49,6 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
     from masktrl.tasks.prompts import wraps_chat
 
     report: list[tuple[str, str]] = []
-    if cfg.rollout.top_p < 1.0:
-        raise ConfigError(top_p_refusal(f"rollout.top_p={cfg.rollout.top_p}"))
     tracking.check_available(cfg.train.report_to)  # a tracker's missing package: one line
     check_launch_settings()
     task = make_task(cfg.task, cfg.model)
@@ -60,10 +58,16 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
         report.append(("model", f"{cfg.model.path} (vocabulary {vocab_size}, context {context or 'unknown'})"))
         if cfg.model.lora.rank is not None:
             report.append(("lora", check_lora(cfg, tokenizer)))
+        if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0:
+            report.append(("truncated sampling", check_truncation(cfg, vocab_size)))
         if cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k > vocab_size:  # transformers records min(K, vocabulary)
             raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary ({vocab_size}): "
                               "the vllm engine cannot record that many entries per token")
         check_engine(cfg)
+        if cfg.train.quantization is not None:
+            report.append(("train.quantization", check_train_quantization(cfg)))
+        if isinstance(cfg.rollout.staleness, dict):
+            report.append(("rollout.staleness", staleness_line(cfg.rollout.staleness)))
         if cfg.train.packing:
             check_packing(cfg)
             report.append(("train.packing", "the model's attention can mask packed sequences"))
@@ -82,8 +86,12 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
 
             source = RolloutSource(rollouts_from, cfg.rollout.prompts_per_step, tokenizer, vocab_size=vocab_size,
                                    steps=cfg.train.steps)
-            if float(source.meta.get("top_p", 1.0)) < 1.0:
-                raise ConfigError(top_p_refusal(f"--rollouts-from {rollouts_from} was sampled with top_p={source.meta['top_p']}"))
+            m = source.meta
+            if float(m.get("top_p", 1.0)) < 1.0 and "top_k" not in m:  # before kept sets were recorded
+                raise ConfigError(top_p_refusal(f"--rollouts-from {rollouts_from} was sampled with top_p={m['top_p']}"))
+            if float(m.get("top_p", 1.0)) < 1.0 or int(m.get("top_k", 0) or 0) > 0:
+                kept_set_bound(f"--rollouts-from {rollouts_from} was sampled with top_p={m.get('top_p')}, top_k={m.get('top_k')}",
+                               m.get("engine", "hf"), int(m.get("top_k", 0) or 0), int(m.get("logprobs_k", 0) or 0), vocab_size)
             source.check_sampled_as(cfg, rollouts_from)  # pi at the temperature mu was sampled at
             report.append(("--rollouts-from", f"{rollouts_from}: {source.num_steps} batches, verified"))
     except BaseException:
@@ -165,10 +173,65 @@ def _meta_checkpoint(path: Path):
         return AutoModelForCausalLM.from_config(load_model_config(path))
 
 
+def check_train_quantization(cfg: Config) -> str:
+    """``train.quantization``: the kernels it runs with exist here (``training_backend``) and the
+    launch can carry it (not ZeRO-3, whose partitioned weights the FP8 hooks cannot read);
+    returns the report line."""
+    from masktrl.models.lowprec import training_backend
+
+    t = cfg.train
+    kind = training_backend(t.quantization, t.quantization_backend)
+    if kind == "torchao" and cfg.model.path == "tiny" and cfg.model.architecture in MOE_ARCHITECTURES:
+        raise ConfigError("train.quantization_backend=torchao: torchao's float8 training covers linear layers, not a MoE "
+                          "block's fused experts (use fake)")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        raise ConfigError("train.quantization under DeepSpeed ZeRO-3: the FP8 forward reads whole weights, which ZeRO-3 "
+                          "partitions (use ZeRO-2 or DDP)")
+    how = ("fake-quantised (FP8 round trip in model.dtype, straight-through gradients)" if kind == "fake"
+           else "torchao float8 training")
+    return f"{t.quantization}, {how}"
+
+
+def staleness_line(value: dict) -> str:
+    """``--dry-run``'s line for rollout.staleness as a distribution."""
+    from masktrl.rl.schedule import staleness_spec
+
+    spec = staleness_spec(value)
+    shape = f", p = {spec['p']:g}" if spec["dist"] == "geometric" else ""
+    return (f"{spec['dist']} batch ages {spec['min']}..{spec['max']}{shape}, drawn per step from the seed "
+            "(metrics rollout_age)")
+
+
 def top_p_refusal(what: str) -> str:
-    """The one line that refuses training on nucleus-sampled rollouts (docs/ROLLOUTS.md)."""
-    return (f"{what}: training needs top_p = 1 (the behaviour mu is then the renormalised nucleus while the trained pi "
-            "is the full softmax, so every ratio pi/mu is biased)")
+    """The one line that refuses training on nucleus-sampled rollouts that do not record their
+    kept sets (files written before they were recorded; docs/ROLLOUTS.md)."""
+    return (f"{what} without recording each token's kept set: training on it needs top_p = 1 (the behaviour mu is the "
+            "renormalised nucleus, and pi cannot be renormalised over a set that is not recorded)")
+
+
+def check_truncation(cfg: Config, vocab_size: int) -> str:
+    """Truncated sampling (``rollout.top_p`` < 1 or ``rollout.top_k``) can be trained on without
+    bias only if each token's kept set is a prefix of its recorded top-K list, i.e. holds at most
+    K = ``rollout.logprobs_k`` tokens: refused up front otherwise (a nucleus can hold any number of
+    tokens: bounded by top_k, or by the vocabulary). The vllm engine's kept sets are not read
+    back: refused. Returns the report line."""
+    r = cfg.rollout
+    what = ", ".join(f for f in (f"rollout.top_p={r.top_p}" if r.top_p < 1.0 else "", f"rollout.top_k={r.top_k}" if r.top_k else "") if f)
+    bound = kept_set_bound(what, r.engine, r.top_k, r.logprobs_k, vocab_size)
+    return f"{what}: kept sets of at most {bound} tokens, recorded as top-K prefixes; pi renormalised over them in training"
+
+
+def kept_set_bound(what: str, engine: str, top_k: int, logprobs_k: int, vocab_size: int) -> int:
+    """The most tokens a kept set of this sampling can hold; ConfigError (starting with ``what``)
+    when that is more than the recorded top-K list holds, or the engine is not hf."""
+    if engine != "hf":
+        raise ConfigError(f"{what}: training records each token's kept set with the hf engine only (rollout.engine={engine})")
+    bound = min(top_k, vocab_size) if top_k else vocab_size
+    k = min(logprobs_k, vocab_size)
+    if bound > k:
+        raise ConfigError(f"{what}: a kept set can hold {bound} tokens, more than the {k} of the recorded top-K list, which is "
+                          f"where training reads it from: set rollout.top_k <= rollout.logprobs_k={logprobs_k}")
+    return bound
 
 
 def check_packing(cfg: Config) -> None:

@@ -55,7 +55,7 @@ class CollectSettings:
 
 def sampling_settings(rollout_cfg: RolloutConfig) -> SamplingSettings:
     r = rollout_cfg
-    return SamplingSettings(r.n, r.max_new_tokens, r.temperature, r.top_p, r.logprobs_k)
+    return SamplingSettings(r.n, r.max_new_tokens, r.temperature, r.top_p, r.logprobs_k, top_k=r.top_k)
 
 
 def collect_rollouts(engine, tokenizer, task, method: BoundMethod, settings: CollectSettings, step: int,

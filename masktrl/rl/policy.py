@@ -17,9 +17,10 @@ from masktrl.methods import BoundMethod, TokenBatch
 from masktrl.models import checkpointing
 from masktrl.models.architectures import shared_prompt_cache_ok
 from masktrl.models.kvcache import cache_kwarg, new_cache
-from masktrl.models.logprobs import token_logprobs_and_entropy, token_square_mass
+from masktrl.models.logprobs import renormalise_over_kept, token_logprobs_and_entropy, token_square_mass
+from masktrl.models.lowprec import quantized_head
 from masktrl.models.packing import Packed, pack_shared, pack_whole, packed_hidden
-from masktrl.rollout.base import Sample
+from masktrl.rollout.base import Sample, kept_sizes
 
 
 @dataclass
@@ -64,7 +65,7 @@ class PolicyForward(torch.nn.Module):
         ``entropy_grad``: the entropy keeps its gradient (an entropy bonus, docs/METHODS.md §13.3).
         ``square_mass``: also [N] sum_V pi^2 (no grad; pdm tail=exact, §4.7), else None."""
         h = self.hidden(inputs)  # [N, H]
-        weight = self.lm.get_output_embeddings().weight  # [V, H]
+        h, weight = quantized_head(self.lm, h, self.lm.get_output_embeddings().weight)  # [N, H], [V, H] (fp8-full training: FP8)
         # [N, 1+K] log pi at the sampled and top-K ids, and [N] entropy, in one pass over V
         lp, entropy = token_logprobs_and_entropy(h, weight, ids, temperature=temperature, chunk_size=chunk,
                                                  entropy_grad=entropy_grad)
@@ -122,6 +123,7 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
     if method is not None and method.needs_full_pi:
         wants["square_mass"] = True
     lp, entropy, sq = policy(inputs, ids, temperature, chunk, **wants)  # [N, 1+K], [N], [N] or None
+    lp = renormalise_over_kept(lp, kept_sizes(samples, device))  # truncated sampling: pi over the kept set (else lp itself)
     dt = lp.dtype  # float32 at least (float64 for a float64 model)
     behavior_topk = torch.tensor([row for s in samples for row in s.gen.topk_logp], dtype=dt, device=device)  # [N, K]
     behavior_logp = torch.tensor([x for s in samples for x in behaviour_logp(s, drop_truncated)], dtype=dt, device=device)  # [N]

@@ -29,7 +29,7 @@ from masktrl.rollout.storage import read_rollouts
 
 
 SAMPLED_AS = (("temperature", "rollout.temperature"), ("top_p", "rollout.top_p"), ("rollout_dtype", "rollout.dtype"),
-              ("quantization", "rollout.quantization"))
+              ("quantization", "rollout.quantization"), ("top_k", "rollout.top_k"))
 """(the rollout file's metadata field, the config key it must equal): what made mu, and what pi is computed with."""
 
 

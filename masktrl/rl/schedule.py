@@ -1,4 +1,5 @@
-"""The learning-rate schedule: a linear warm-up, then constant, linear or cosine decay.
+"""The learning-rate schedule (a linear warm-up, then constant, linear or cosine decay) and the
+schedule of rollout batch ages (``rollout.staleness``, below).
 
 ``lr_factor`` gives the multiplier of ``train.lr`` for optimizer update ``u`` (0-based; the
 scheduler steps once per optimizer update, so a run makes ``train.steps x train.minibatches``
@@ -11,9 +12,12 @@ After the warm-up, ``linear`` and ``cosine`` decay from 1 at update ``warmup`` t
 from __future__ import annotations
 
 import math
+import random
 from typing import Callable
 
 import torch
+
+from masktrl.seeding import stream_seed
 
 
 def lr_factor(schedule: str, warmup: int, total: int, min_ratio: float = 0.0) -> Callable[[int], float]:
@@ -43,3 +47,64 @@ def make_scheduler(optimizer, train_cfg, total_updates: int):
     warmup = t.warmup_steps * t.minibatches
     fn = lr_factor(t.lr_schedule, warmup, total_updates, t.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+# --------------------------------------------------------------------------- batch ages (rollout.staleness)
+#
+# Step t trains on a batch of age a_t: sampled during step sigma(t) = max(1, t - a_t), right after
+# that step's own batch, by the policy after step sigma(t) - 1 (the starting policy for
+# sigma = 1). rollout.staleness = s (an integer) is a_t = s for every step: step 1 samples the
+# batches of steps 2..1+s, step S > 1 the batch of step S+s. A distribution draws a_t per step
+# from the stream (seed, "staleness", t): a pure function of the seed and the step, so a resumed
+# run continues the same sequence and the same seed gives the same run. The effective age
+# t - sigma(t) = min(a_t, t - 1) is what the metrics record (rollout_age).
+
+
+def staleness_spec(value) -> dict:
+    """rollout.staleness as {dist, min, max, p}: an integer s is {dist: fixed, max: s}."""
+    if not isinstance(value, dict):
+        return {"dist": "fixed", "min": int(value), "max": int(value), "p": 0.5}
+    return {"dist": value["dist"], "min": int(value.get("min", 0)), "max": int(value["max"]), "p": float(value.get("p", 0.5))}
+
+
+def staleness_cap(value) -> int:
+    """The largest age a batch can have under rollout.staleness = ``value`` (0: every batch on-policy)."""
+    return staleness_spec(value)["max"]
+
+
+def drawn_age(value, seed: int, step: int) -> int:
+    """a_t: the age drawn for step ``step``'s batch (before the cut at the steps that exist)."""
+    spec = staleness_spec(value)
+    lo, hi = spec["min"], spec["max"]
+    if spec["dist"] == "fixed" or lo == hi:
+        return hi
+    rng = random.Random(stream_seed(seed, "staleness", step))
+    if spec["dist"] == "uniform":
+        return rng.randint(lo, hi)
+    p, a = spec["p"], lo  # geometric: failures before the first success, from min, cut at max
+    while a < hi and rng.random() >= p:
+        a += 1
+    return a
+
+
+def sampled_at(value, seed: int, step: int) -> int:
+    """sigma(t): the step during which step ``step``'s batch is sampled (by the policy after sigma - 1)."""
+    return max(1, step - drawn_age(value, seed, step))
+
+
+def batch_age(value, seed: int, step: int) -> int:
+    """The effective age of step ``step``'s batch: how many updates its sampling policy is behind
+    the one trained at that step (t - sigma(t))."""
+    return step - sampled_at(value, seed, step)
+
+
+def sample_now(value, seed: int, step: int, last: int) -> list[int]:
+    """The later steps (up to ``last``) whose batches are sampled during step ``step``, in order."""
+    cap = staleness_cap(value)
+    return [t for t in range(step + 1, min(step + cap, last) + 1) if sampled_at(value, seed, t) == step]
+
+
+def age_metrics(value, seed: int, step: int) -> dict:
+    """The metrics row's ``rollout_age`` (the batch's effective age) when rollout.staleness is a
+    distribution; nothing for the integer form (its rows stay as they were)."""
+    return {"rollout_age": batch_age(value, seed, step)} if isinstance(value, dict) else {}

@@ -16,6 +16,7 @@ from masktrl.io import atomic_dir
 from masktrl.models import checkpointing
 from masktrl.models.architectures import check_lm_head, shared_prompt_cache_ok
 from masktrl.models.lora import apply_lora
+from masktrl.models.lowprec import apply_training_quantization
 from masktrl.models.packing import packing_unsupported
 from masktrl.rl.checks import lora_settings
 from masktrl.rl.distributed import Dist
@@ -42,6 +43,7 @@ def load_policy(cfg: Config, store: RunStore, task: Task, progress, dist: Dist, 
     if not shareable:
         say(f"warning: the shared-prompt forward is off for this model ({why}): every response runs with its "
               "own prompt (metrics column shared_prompt_frac = 0)")
+    apply_training_quantization(model, cfg.train.quantization, cfg.train.quantization_backend)  # FP8 training (models/lowprec.py)
     if cfg.train.gradient_checkpointing:
         checkpointing.enable(model)
         if not checkpointing.shared_prompt_supported(model.base_model):

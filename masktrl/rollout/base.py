@@ -26,6 +26,13 @@ class SamplingSettings:
     top_p: float = 1.0  # 1.0 = no nucleus truncation: recorded logprobs are the full softmax(z/T)
     logprobs_k: int = 20  # K of the recorded behaviour top-K lists
     greedy: bool = False  # argmax decoding (evaluation); temperature and top_p are then ignored
+    top_k: int = 0  # 0 = no top-k truncation; k: sample among the k most likely tokens (before top_p)
+
+    @property
+    def truncated(self) -> bool:
+        """Whether sampling keeps a subset of the vocabulary (top_p < 1 or top_k > 0): the
+        engines then record each token's kept set (``Generation.kept``)."""
+        return not self.greedy and (self.top_p < 1.0 or self.top_k > 0)
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_p)  # the engines' last guard: the commands check their flags first
@@ -51,6 +58,7 @@ class Generation:
     topk_ids: list[list[int]]  # [T][K] behaviour top-K ids, descending mu
     topk_logp: list[list[float]]  # [T][K] log mu at topk_ids
     finished: bool  # ended with EOS (False: cut at max_new_tokens)
+    kept: list[int] | None = None  # [T] truncated sampling: the kept set is the first kept[t] top-K entries; None: the whole vocabulary
 
 
 @dataclass
@@ -80,6 +88,16 @@ def behaviour_lists(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, 
     sampled = torch.tensor([t for g in gens for t in g.response_ids], dtype=torch.long)  # [N]
     n = len(ids)
     return sampled, torch.tensor(ids, dtype=torch.long).reshape(n, k), torch.tensor(lps, dtype=torch.float64).reshape(n, k)
+
+
+def kept_sizes(samples: list[Sample], device=None) -> torch.Tensor | None:
+    """[N] the kept-set size of every response token of ``samples`` (in order), or None when none
+    of them was sampled with truncation (``Generation.kept``); a row sampled without truncation
+    among truncated ones gets 0 (its whole vocabulary: nothing to renormalise)."""
+    if all(s.gen.kept is None for s in samples):
+        return None
+    return torch.tensor([k for s in samples for k in (s.gen.kept if s.gen.kept is not None else [0] * len(s.gen.response_ids))],
+                        dtype=torch.long, device=device)
 
 
 class RolloutEngine(Protocol):

@@ -35,7 +35,7 @@ def sampling_kwargs(s: SamplingSettings) -> dict:
     if s.greedy:
         return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     # generation_config defaults to top_k=50: switch it off so we sample the full softmax(z/T)
-    return {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": 0}
+    return {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
 
 
 def shared_prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor, n: int) -> dict:
@@ -159,7 +159,7 @@ class HFEngine:
                 tensors = decode_dropping_finished(self.model, input_ids, attention, s.n, s.logprobs_k, kwargs)
             self.model.train(was_training)
             with gc_paused():
-                return self._records(*tensors, len(prompts), s.n)
+                return self._records(*tensors, len(prompts), s.n, kept=self._kept_bound(s))
         if s.n > 1 and width > 1:
             inputs = shared_prefill(self.model, input_ids, attention, s.n)
         else:
@@ -186,12 +186,31 @@ class HFEngine:
             topk_steps.append(top_lp)
         with gc_paused():
             return self._records(new, torch.stack(logp_steps, 1), torch.stack(ids_steps, 1), torch.stack(topk_steps, 1),
-                                 len(prompts), s.n)
+                                 len(prompts), s.n, kept=self._kept_bound(s))
 
-    def _records(self, new, logp, top_ids, top_lp, n_prompts: int, n: int) -> list[list[Generation]]:
+    def _kept_bound(self, s: SamplingSettings) -> bool | None:
+        """None: untruncated sampling (no kept set recorded); else whether every kept set is known
+        to fit the top-K list (top_k <= K, or a vocabulary of at most K tokens)."""
+        if not s.truncated:
+            return None
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        return (0 < s.top_k <= s.logprobs_k) or vocab <= s.logprobs_k
+
+    def _records(self, new, logp, top_ids, top_lp, n_prompts: int, n: int, kept: bool | None = None) -> list[list[Generation]]:
         """The per-token tensors (ids and log mu [P*n, T], top-K ids and log mu [P*n, T, K]) as
-        ``Generation`` records (Python lists), cut after EOS."""
+        ``Generation`` records (Python lists), cut after EOS. ``kept`` (not None: truncated
+        sampling): each token's kept-set size, the entries of its top-K list with mu > 0 (the
+        processed scores of the tokens top-k / top-p dropped are -inf, so they sort after every
+        kept token): the kept set is that list's prefix. Unless ``kept`` is True (every kept set
+        is known to fit the list), a list with no -inf entry may have a larger kept set behind
+        it: its size is recorded as K + 1, "more than K", which training refuses."""
         tok = self.tokenizer
+        sizes = None
+        if kept is not None:
+            finite = torch.isfinite(top_lp).sum(-1)  # [P*n, T]
+            if not kept:
+                finite = torch.where(finite == top_lp.shape[-1], finite + 1, finite)
+            sizes = finite.tolist()
         logp = logp.tolist()  # [P*n, T]
         top_ids = top_ids.tolist()  # [P*n, T, K]
         top_lp = top_lp.tolist()
@@ -210,6 +229,7 @@ class HFEngine:
                         topk_ids=top_ids[j][:length],
                         topk_logp=top_lp[j][:length],
                         finished=length < len(ids) or ids[length - 1] == eos,
+                        kept=sizes[j][:length] if sizes is not None else None,
                     )
                 )
             result.append(group)

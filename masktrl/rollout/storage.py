@@ -79,6 +79,7 @@ SCHEMA = pa.schema(
     ]
 )
 SCHEMAS = {1: SCHEMA_V1, 2: SCHEMA}
+KEPT = ("kept", pa.list_(pa.int16()))  # optional, any format: [T] kept-set sizes of truncated sampling (Generation.kept)
 _TOKEN_FLOATS = ["behavior_logp_x", "topk_logp"]
 
 
@@ -112,6 +113,7 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression
     """
     rows = {name: [getattr(s, name) for s in samples] for name in ("example_id", "prompt", "answer", "group", "prompt_ids", "text", "reward", "advantage")}
     rows["finished"] = [s.gen.finished for s in samples]
+    kept = kept_column(samples)
     arrays = token_arrays(samples) if fmt == 2 else None
     if check:
         check_finite(path, rows, arrays)  # a batch is stored only if every number in it is what it claims
@@ -127,6 +129,10 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression
             "use_dictionary": False,  # zstd finds the repeats too, and sooner: dictionaries made the tiny batch slower and larger
             "column_encoding": {f"{c}.list.element": "BYTE_STREAM_SPLIT" for c in ("topk_ids", "topk_logp", "topk_vocab", "behavior_logp_x")},
         }
+    if kept is not None:  # truncated sampling: one more column, absent otherwise (the files of untruncated runs are unchanged)
+        table = table.append_column(pa.field(*KEPT), kept)
+        if arrays is not None:
+            opts["compression_level"]["kept"] = 1
     meta_kv = {b"masktrl": json.dumps(meta, sort_keys=True).encode()}
     if codec:
         meta_kv[CODEC_KEY] = json.dumps(codec, sort_keys=True).encode()
@@ -138,6 +144,17 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression
             writer.write_table(table)
             writer.add_key_value_metadata(meta_kv)
     atomic_write_bytes(path, buf.getvalue())
+
+
+def kept_column(samples: list[Sample]) -> pa.Array | None:
+    """The optional ``kept`` column: None when no sample records a kept set; ValueError when only
+    some do (a batch is sampled with one setting) or a length differs from the response's."""
+    kept = [s.gen.kept for s in samples]
+    if all(k is None for k in kept):
+        return None
+    if any(k is None or len(k) != len(s.gen.response_ids) for k, s in zip(kept, samples)):
+        raise ValueError("Generation.kept must be given for every sample of a batch, one size per response token")
+    return pa.array(kept, type=KEPT[1])
 
 
 def check_finite(path: Path, rows: dict, arrays: TokenArrays | None) -> None:
@@ -334,9 +351,33 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
         check_columns(path, table, SCHEMAS[codec["format"]])
         arrays = decode_v1(path, table) if codec["format"] == 1 else decode_v2(path, table, codec)
         validate(path, table, arrays, vocab_size)
-        return to_samples(table, arrays), meta
+        kept = read_kept(path, table, arrays)
+        samples = to_samples(table, arrays)
+        if kept is not None:
+            for sample, lo, hi in zip(samples, arrays.offsets[:-1].tolist(), arrays.offsets[1:].tolist()):
+                sample.gen.kept = kept[lo:hi]
+        return samples, meta
     except (ValueError, IndexError, KeyError, TypeError, pa.ArrowException) as exc:  # a damage no check above names
         raise ArtifactError(f"{path}: malformed rollout file ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def read_kept(path: Path, table: pa.Table, a: TokenArrays) -> list[int] | None:
+    """The flat [N] kept-set sizes of the optional ``kept`` column (None without it: files of
+    untruncated sampling, and every file written before the column existed), checked: one per
+    token, each in [1, K + 1] (K + 1: a kept set larger than the list, not trainable)."""
+    if KEPT[0] not in table.column_names:
+        return None
+    col = table.column(KEPT[0]).combine_chunks()
+    if col.type != KEPT[1] or col.null_count:
+        raise ArtifactError(f"{path}: column kept has type {_type_name(col.type)} or nulls, expected {_type_name(KEPT[1])}")
+    offsets, values = np.asarray(col.offsets), np.asarray(col.flatten()).astype(np.int64)
+    if not np.array_equal(offsets, a.offsets):
+        raise ArtifactError(f"{path}: column kept does not hold one size per response token")
+    k = a.topk_ids.shape[1]
+    bad = np.flatnonzero((values < 1) | (values > k + 1))  # K + 1: more than the list holds
+    if len(bad):
+        raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: kept-set size {values[bad[0]]} outside [1, K+1={k + 1}]")
+    return values.tolist()
 
 
 def check_columns(path: Path, table: pa.Table, schema: pa.Schema) -> None:

@@ -155,13 +155,17 @@ def plan_config(cfg: Config, root: Path, *, resume: bool = False) -> Plan:
 NOT_IN_BATCHES = ("rollout.store", "rollout.batch_size", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
                   "rollout.sleep_mode", "task.reward_workers", "task.max_reward_error_frac")
 """Keys of the sections below that change how a batch is made, not what it holds."""
+IN_BATCHES = ("train.quantization", "train.quantization_backend")
+"""Keys outside those sections that change what a batch holds (FP8 training: the model's own forward)."""
 
 
 def stale_batch_keys(changed: list[str]) -> list[str]:
     """The keys among ``changed`` (dotted) that change what a stored rollout batch holds: the
     seed, the model, the task and its reward, the method (reward shaping, advantages), the
-    sampling (``rollout.*``, but how the engine is run)."""
-    return [k for k in changed if (k == "seed" or k.startswith(("model.", "task.", "method.", "rollout."))) and k not in NOT_IN_BATCHES]
+    sampling (``rollout.*``, but how the engine is run; ``train.quantization``: an engine that
+    samples from the model itself samples with its FP8 forward)."""
+    return [k for k in changed if (k in ("seed", *IN_BATCHES) or k.startswith(("model.", "task.", "method.", "rollout.")))
+            and k not in NOT_IN_BATCHES]
 
 
 @dataclass
