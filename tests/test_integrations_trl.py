@@ -160,13 +160,17 @@ def test_short_trl_run_with_pdm_trains(tmp_path):
 
 
 def test_correction_and_file_rule(tmp_path):
-    """A correction that needs pi_old (one extra no-grad forward after generation) and a rule from a file run."""
+    """A correction that needs pi_old (one extra no-grad forward after generation) and a rule from a file run,
+    with TRL's gradient accumulation and two iterations per generation (TRL splits and reuses the batch, lists included)."""
     model, tok = tiny()
+    before = [p.detach().clone() for p in model.parameters()]
     trainer = MasktrlGRPOTrainer(method=str(ROOT / "examples" / "tanh_clip.py") + ":tanh_clip", correction={"kind": "icepop"},
                                  model=model, processing_class=tok, reward_funcs=reward,
-                                 args=config(tmp_path, max_steps=1), train_dataset=dataset(4), logprobs_k=3)
+                                 args=config(tmp_path, max_steps=2, gradient_accumulation_steps=2, num_iterations=2),
+                                 train_dataset=dataset(4), logprobs_k=3)
     trainer.train()
     assert trainer.masktrl_method.correction.kind == "icepop"
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
 
 
 def test_bad_input_is_one_config_error(tmp_path):

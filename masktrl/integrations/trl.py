@@ -137,6 +137,8 @@ class MasktrlGRPOTrainer(GRPOTrainer):
     recorded top-K lists (the rollout's ``logprobs_k``); every other argument is ``GRPOTrainer``'s."""
 
     def __init__(self, *args, method: Any = "grpo", correction: dict | None = None, logprobs_k: int = 20, **kwargs):
+        if not hasattr(GRPOTrainer, "_generate_single_turn"):
+            raise ConfigError("MasktrlGRPOTrainer needs TRL >= 1.16 (GRPOTrainer._generate_single_turn); pip install -e '.[trl]'")
         self.masktrl_method = bind(method, correction)
         if isinstance(logprobs_k, bool) or not isinstance(logprobs_k, int) or logprobs_k < 1:
             raise ConfigError(f"MasktrlGRPOTrainer: logprobs_k must be a positive integer, got {logprobs_k!r}")
@@ -156,7 +158,7 @@ class MasktrlGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ generation: record mu
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _generate_single_turn(self, *args, **kwargs):
         model = self.accelerator.unwrap_model(self.model_wrapped)  # what unwrap_model_for_generation yields
         original = model.generate
         recorded: dict[str, Tensor] = {}
@@ -171,8 +173,7 @@ class MasktrlGRPOTrainer(GRPOTrainer):
 
         model.generate = generate
         try:
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                                     has_tool_images)
+            completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
         finally:
             del model.generate
         self._recorded = recorded
