@@ -1,0 +1,157 @@
+"""masktrl's rules inside verl: a policy loss for verl's ``core_algos.py`` registry.
+
+    from masktrl.integrations.verl import register
+    register("masktrl_pdm", "pdm")   # then actor_rollout_ref.actor.policy_loss.loss_mode=masktrl_pdm
+
+``policy_loss(method, correction=None, anchor="mu")`` returns a function with the signature of
+verl's policy losses (verl 0.9.1, ``verl/trainer/ppo/core_algos.py``: ``PolicyLossFn`` lines
+37-48, ``compute_policy_loss_vanilla`` lines 1286-1294)::
+
+    fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+       config=None, rollout_is_weights=None) -> (loss: scalar tensor, metrics: dict[str, float])
+
+all tensors [B, T] (the response tokens), as verl's actor calls it (``verl/workers/utils/losses.py``
+lines 103-112: ``policy_loss_fn(old_log_prob=..., log_prob=..., advantages=..., response_mask=...,
+loss_agg_mode=..., config=..., rollout_is_weights=...)``). ``register(name, ...)`` puts it in
+verl's registry with verl's own ``register_policy_loss`` (lines 53-67), so ``get_policy_loss_fn``
+(lines 70-85) returns it.
+
+What the rule's anchor is (its ``behavior_logp``, the mu of docs/METHODS.md):
+
+* ``anchor="mu"``: ``old_log_prob`` must hold the rollout engine's log-probs (verl's
+  ``old_log_probs := rollout_log_probs`` substitution, ``rollout_corr_helper.py: apply_bypass_mode``
+  line 1138), the setting of masktrl's own runs; masktrl's ``method.correction`` (bypass mode) applies.
+* ``anchor="pi_old"``: ``old_log_prob`` is verl's recomputed pi_old; the rule's trust region is
+  around pi_old and the correction toward mu is verl's ``rollout_is_weights`` (multiplied into the
+  token losses as ``compute_policy_loss_vanilla`` does, line 1364); ``correction`` must be none.
+
+The aggregation is verl's ``loss_agg_mode`` (token-mean, seq-mean-token-mean,
+seq-mean-token-sum-norm) over the global batch verl describes in ``config.global_batch_info``
+(``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``; ``agg_loss``,
+lines 1140-1199): masktrl's ``aggregate`` of the local tokens times (local denominator / global
+denominator) times dp_size. With verl's ``loss_agg_mode`` set to the rule's own aggregation the loss
+is masktrl's.
+
+The top-K rules (pdm, dppo with a top-K divergence, sis, ...): verl's registry passes only the
+sampled token's log-probs, so a top-K rule called through it is refused (one ``ConfigError``). The
+contract that runs them (docs/ECOSYSTEM.md): vLLM sampling with ``logprobs=K``, the lists stored in
+the DataProto batch as ``rollout_topk_ids`` / ``rollout_topk_log_probs`` [B, T, K], the actor's
+forward gathering log pi at those ids as ``topk_log_prob`` [B, T, K], and these three and the
+sampled ids (verl's ``responses`` [B, T]) passed to this function as keyword arguments of the same names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from masktrl.errors import ConfigError
+from masktrl.integrations.tokens import bind, needs_topk, padded_token_batch, rule_loss, token_advantages
+from masktrl.methods import AGG_MODES, BoundMethod, aggregate, aggregate_denominator
+
+__all__ = ["ANCHORS", "policy_loss", "register"]
+
+ANCHORS = ("mu", "pi_old")
+
+
+def _info(config: Any) -> dict:
+    """verl's ``config.global_batch_info`` (``ActorConfig``, verl/workers/config/actor.py line 192) or {}."""
+    if config is None:
+        return {}
+    info = config.get("global_batch_info", None) if hasattr(config, "get") else getattr(config, "global_batch_info", None)
+    return dict(info or {})
+
+
+def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor: str = "mu") -> Callable:
+    """A verl policy-loss function running masktrl rule ``method`` (module docstring)."""
+    bound = bind(method, correction)
+    if anchor not in ANCHORS:
+        raise ConfigError(f"anchor must be one of {', '.join(ANCHORS)}, got {anchor!r}")
+    if anchor == "pi_old" and bound.correction.active:
+        raise ConfigError("anchor=pi_old: the correction toward mu is verl's rollout_is_weights; give no masktrl correction")
+    if bound.correction.needs_old:
+        raise ConfigError(f"method.correction.kind={bound.correction.kind} needs pi_old besides mu, which verl's policy-loss "
+                          "signature does not carry; use anchor=pi_old with verl's rollout correction instead")
+    if bound.kl_in_loss or bound.needs_entropy_grad:
+        raise ConfigError("the reference KL and the entropy bonus are verl's (actor.use_kl_loss, actor.entropy_coeff); "
+                          "give the rule kl_coef=0 and entropy_coef=0")
+    topk = needs_topk(bound)
+
+    def masktrl_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                            loss_agg_mode: str = "token-mean", config: Any = None, rollout_is_weights: Tensor | None = None,
+                            *, responses: Tensor | None = None, rollout_topk_ids: Tensor | None = None,
+                            rollout_topk_log_probs: Tensor | None = None, topk_log_prob: Tensor | None = None) -> tuple[Tensor, dict[str, Any]]:
+        if loss_agg_mode not in AGG_MODES:
+            raise ConfigError(f"loss_agg_mode {loss_agg_mode!r}: a masktrl rule aggregates with one of {', '.join(AGG_MODES)}")
+        lists = (responses, rollout_topk_ids, rollout_topk_log_probs, topk_log_prob)
+        if topk and any(x is None for x in lists):
+            raise ConfigError(f"method {bound.name!r} reads the behaviour's top-K lists: pass responses, rollout_topk_ids, "
+                              "rollout_topk_log_probs and topk_log_prob (docs/ECOSYSTEM.md, the verl contract)")
+        if anchor == "mu" and rollout_is_weights is not None:
+            raise ConfigError("anchor=mu: old_log_prob is mu itself; verl's rollout_is_weights apply with anchor=pi_old")
+        mask = response_mask.bool()
+        sampled = responses if responses is not None else torch.zeros_like(mask, dtype=torch.long)  # read only with the lists
+        batch = padded_token_batch(log_prob, old_log_prob, sampled, mask,
+                                   topk_ids=rollout_topk_ids if topk else None, topk_behavior_logp=rollout_topk_log_probs,
+                                   topk_logp=topk_log_prob)
+        info = _info(config)
+        horizon = info.get("loss_scale_factor") or mask.shape[-1]
+        method = bound if bound.aggregation == loss_agg_mode else _with_aggregation(bound, loss_agg_mode)
+        adv = token_advantages(advantages, mask)
+        out = rule_loss(method, batch, adv, horizon=horizon) if rollout_is_weights is None else \
+            _weighted(method, batch, adv, rollout_is_weights[mask].detach(), horizon)
+        loss = out.loss
+        dp = info.get("dp_size") or 1
+        global_den = info.get("batch_num_tokens") if loss_agg_mode == "token-mean" else info.get("global_batch_size")
+        if global_den is not None or dp > 1:
+            local = aggregate_denominator(out.batch, loss_agg_mode)
+            if global_den is None:
+                raise ConfigError("dp_size > 1 needs global_batch_info's batch_num_tokens (token-mean) or global_batch_size")
+            loss = loss * (local / float(global_den)) * dp
+        valid = batch.valid
+        masked = (out.losses.mask & valid).float().sum() / valid.float().sum().clamp_min(1)
+        kl = (old_log_prob - log_prob.detach())[mask].mean() if mask.any() else torch.zeros(())
+        return loss, {"actor/masktrl_masked_frac": masked.item(), "actor/ppo_kl": kl.item()}
+
+    masktrl_policy_loss.__doc__ = f"masktrl rule {bound.name!r} (anchor {anchor}) as a verl policy loss."
+    masktrl_policy_loss.masktrl_method = bound
+    return masktrl_policy_loss
+
+
+class _Aggregated(BoundMethod):
+    """A bound method aggregating with verl's ``loss_agg_mode`` instead of its own."""
+
+    mode: str = "token-mean"
+
+    @property
+    def aggregation(self) -> str:
+        return self.mode
+
+    def aggregate(self, loss, batch, *, horizon):
+        return aggregate(loss, batch, self.mode, norm_len=horizon)
+
+
+def _with_aggregation(bound: BoundMethod, mode: str) -> BoundMethod:
+    out = _Aggregated(bound.method, bound.params, bound.correction)
+    object.__setattr__(out, "mode", mode)
+    return out
+
+
+def _weighted(method, batch, adv, weights: Tensor, horizon):
+    """``rule_loss`` with verl's rollout_is_weights multiplying the token losses (vanilla, line 1364)."""
+    from masktrl.integrations.tokens import RuleLoss
+
+    losses = method.token_losses(batch, adv)
+    token_loss = losses.loss * weights.to(losses.loss.dtype)
+    return RuleLoss(method.aggregate(token_loss, batch, horizon=horizon), token_loss, losses, batch)
+
+
+def register(name: str, method: Any = "grpo", correction: dict | None = None, *, anchor: str = "mu") -> Callable:
+    """``policy_loss(...)`` registered in verl's policy-loss registry under ``name`` (needs verl)."""
+    try:
+        from verl.trainer.ppo.core_algos import register_policy_loss
+    except ImportError as exc:
+        raise ConfigError(f"masktrl.integrations.verl.register needs verl ({exc}); policy_loss() works without it") from None
+    return register_policy_loss(name)(policy_loss(method, correction, anchor=anchor))
