@@ -154,5 +154,3 @@ def test_search_corpus_from_a_subclass():
     kb = KB()
     kb.reset({})
     assert kb.step("<search>delta</search>") == ("gamma delta", False)
-
-
