@@ -158,3 +158,24 @@ def test_train_refuses_an_unusable_env_in_one_line(tmp_path, spec, message):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr[-2000:]
     assert not out.exists()  # nothing written
+
+
+def test_a_stored_multi_turn_batch_replays_into_sis_and_pdm(model, tok, tmp_path):
+    from masktrl.methods.registry import get_method
+    from masktrl.rollout.storage import read_rollouts, write_rollouts
+
+    prompts, gens, _ = run(model, tok)
+    samples = [Sample("e", "", "", prompts[i], i, g, advantage=(j % 3) - 1.0) for i, group in enumerate(gens) for j, g in enumerate(group)]
+    path = tmp_path / "mt.parquet"
+    write_rollouts(path, samples, {"step": 0})
+    back, _ = read_rollouts(path, vocab_size=model.config.vocab_size)
+    assert [s.gen.source for s in back] == [s.gen.source for s in samples]
+    out = policy_token_batch(model, back, 1.0, 7)
+    own = torch.tensor([s == POLICY for x in back for s in x.gen.source])
+    for name in ("sis", "pdm"):
+        bound = get_method(name).bind()
+        u = torch.rand(out.batch.n, generator=torch.Generator().manual_seed(0), dtype=torch.float64) if bound.needs_u else None
+        losses = bound.token_losses(out.batch, out.advantages, u=u)
+        loss = bound.aggregate(losses.loss, out.batch, horizon=20)
+        (g,) = torch.autograd.grad(loss, out.batch.logp, retain_graph=True)
+        assert float(g[~own].abs().sum()) == 0.0 and float(g[own].abs().sum()) > 0, name
