@@ -227,9 +227,25 @@ class TaskConfig:
     """residues and tasks added with register_task: further options of the task's factory, e.g.
     {answers: 4, distinct: true} for residues (docs/LAB.md; an unknown option is refused naming
     the accepted ones)."""
+    env: str | None = None
+    """Multi-turn, tool-using rollouts: the environment class, path/to/file.py:Class, module:Class
+    or a shipped tool (masktrl.tasks.tools:Calculator | masktrl.tasks.tools:Search); the hf
+    engine only. See docs/TASKS.md "Environments". null: single-turn."""
+    call_stop: str | None = None
+    """With task.env: the text that ends a tool call (a policy turn), e.g. </search>. Default: the
+    environment class's ``stop`` attribute (the shipped tools: </calc>, </search>)."""
+    max_turns: int | None = None
+    """With task.env: the most policy turns of an episode (default 4)."""
+    max_total_tokens: int | None = None
+    """With task.env: the most response tokens of an episode, policy and environment tokens
+    together (default max_turns * rollout.max_new_tokens); rollout.max_new_tokens bounds each turn."""
+    env_timeout_s: float | None = None
+    """With task.env: the wall-clock limit of one reset or step call (default 10); past it the
+    episode ends and counts in env_timeouts."""
 
     def validate(self) -> None:
         _choice("task.answer_format", self.answer_format, ("plain", "boxed"))
+        self._validate_env()
         if not self.ops or set(self.ops) - set("+-*"):
             raise ConfigError(f"task.ops must be a non-empty subset of '+-*', got {self.ops!r}")
         _positive("task.digits", self.digits)
@@ -246,6 +262,21 @@ class TaskConfig:
                 raise ConfigError(f"task.{given[0]} is an option of dataset tasks; task.name is arithmetic")
         if self.name == "dataset" and not self.source:
             raise ConfigError("task.name=dataset needs task.source: a hub id (local cache) or a local file or folder")
+
+    def _validate_env(self) -> None:
+        keys = ("call_stop", "max_turns", "max_total_tokens", "env_timeout_s")
+        if self.env is None:
+            given = [k for k in keys if getattr(self, k) is not None]
+            if given:
+                raise ConfigError(f"task.{given[0]} is an option of multi-turn tasks; set task.env")
+            return
+        if not isinstance(self.env, str) or ":" not in self.env:
+            raise ConfigError(f"task.env must be path/to/file.py:Class or module:Class, got {self.env!r}")
+        if self.call_stop is not None and (not isinstance(self.call_stop, str) or not self.call_stop):
+            raise ConfigError(f"task.call_stop must be a non-empty string, got {self.call_stop!r}")
+        for key in ("max_turns", "max_total_tokens", "env_timeout_s"):
+            if getattr(self, key) is not None:
+                _positive(f"task.{key}", getattr(self, key))
 
 
 @dataclass(frozen=True)
@@ -577,7 +608,8 @@ def _as_dict(value: Any) -> Any:
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
 
 
-HASH_UNLESS_SET = ("model.num_experts", "model.experts_per_token")
+HASH_UNLESS_SET = ("model.num_experts", "model.experts_per_token", "task.env", "task.call_stop", "task.max_turns",
+                   "task.max_total_tokens", "task.env_timeout_s")
 """Keys that count in ``Config.hash`` (the warm-start cache's key among others) only when set."""
 
 
@@ -636,6 +668,10 @@ def from_dict(raw: dict) -> Config:
                           "lists and cannot make them longer (record more with rollout.logprobs_k)")
     if cfg.model.tokenizer == "numbers" and cfg.task.name != "residues":
         raise ConfigError(f"model.tokenizer=numbers cannot encode task {cfg.task.name!r} (it serves task residues)")
+    if cfg.task.env is not None and cfg.rollout.engine != "hf":
+        raise ConfigError(f"task.env (multi-turn rollouts) needs rollout.engine=hf; the {cfg.rollout.engine} engine does not run them yet")
+    if cfg.task.env is not None and (cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0):
+        raise ConfigError("task.env (multi-turn rollouts) samples the whole vocabulary: set rollout.top_p=1 and rollout.top_k=0")
     own = [b for b in cfg.train.eval_benchmarks if b in OWN_TASK_BENCHMARKS]
     if own and cfg.task.name not in SYNTHETIC_TASKS:
         raise ConfigError(f"train.eval_benchmarks: {own[0]} is the run's own synthetic task ({', '.join(SYNTHETIC_TASKS)}), "

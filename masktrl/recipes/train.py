@@ -37,6 +37,7 @@ from masktrl.errors import MasktrlError
 from masktrl.methods import BoundMethod
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.rl import checks
+from masktrl.rl.agentic import with_environment
 from masktrl.rl import train_state as ckpt
 from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts, reward_failures
 from masktrl.rl.distributed import Dist, launched
@@ -247,6 +248,7 @@ def build_parts(session: Session, checked: checks.Checked, progress: Progress | 
                                     "per_run": projection.per_run, "bytes_per_token": projection.bytes_per_token})
     _note(progress, dist, projection.summary())
     engine = make_engine(cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
+    engine = with_environment(engine, tokenizer, cfg.task)  # task.env: multi-turn episodes
     if count.start or getattr(engine, "copy", None) is not None:  # a low-precision copy is made from whole weights (ZeRO-3)
         sync_weights(engine, model, dist)
     return ModelParts(model, tokenizer, policy, optimizer, scheduler, engine, method, reference), ws_info, vocab_size

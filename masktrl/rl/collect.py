@@ -84,7 +84,10 @@ def collect_rollouts(engine, tokenizer, task, method: BoundMethod, settings: Col
     kept = kept[:want]
     # completions the reward failed on (scored 0), summed over the processes: same number of attempts on each
     reward_errors = sum(dist.gather_objects(getattr(task, "reward_errors", 0) - errors_before))
-    return Batch(numbered(kept), {**rollout_stats(generated, len(kept)), "reward_errors": reward_errors})
+    stats = {**rollout_stats(generated, len(kept)), "reward_errors": reward_errors}
+    if hasattr(engine, "take_stats"):  # task.env: the environment's calls and failures (rl/agentic.py)
+        stats.update(engine.take_stats())
+    return Batch(numbered(kept), stats)
 
 
 def generate_groups(engine, tokenizer, examples, settings: SamplingSettings, seed: int, chat_template=False) -> list[list[Sample]]:

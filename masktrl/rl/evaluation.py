@@ -23,6 +23,7 @@ import numpy as np
 from masktrl.config import OWN_TASK_BENCHMARKS, SYNTHETIC_TASKS, Config, TaskConfig, from_dict, read_overrides
 from masktrl.errors import ConfigError
 from masktrl.io import atomic_write_json
+from masktrl.rl.agentic import with_environment
 from masktrl.rl.sampling import grade, sample
 from masktrl.models.loading import load_tokenizer
 from masktrl.rollout.base import SamplingSettings
@@ -91,7 +92,8 @@ def load_engine(cfg: Config, weights: str):
         model, tokenizer = load_model_and_tokenizer(weights, cfg.model.dtype)
     else:  # vLLM loads the weights itself
         model, tokenizer = None, load_tokenizer(weights)
-    return make_engine(cfg.rollout, model, tokenizer, weights, dtype=cfg.model.dtype, seed=cfg.seed), tokenizer
+    engine = make_engine(cfg.rollout, model, tokenizer, weights, dtype=cfg.model.dtype, seed=cfg.seed)
+    return with_environment(engine, tokenizer, cfg.task), tokenizer  # task.env: multi-turn episodes
 
 
 def build_task(bench: str, cfg: Config, tokenizer=None):

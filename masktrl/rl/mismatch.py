@@ -22,7 +22,7 @@ import torch
 
 from masktrl.config import Config
 from masktrl.models.moe import moe_routers, routing, routing_flip_rate
-from masktrl.rl.policy import policy_token_batch
+from masktrl.rl.policy import behaviour_logp, policy_token_batch
 from masktrl.rollout.base import Sample
 from masktrl.rollout.mismatch import mismatch_stats
 
@@ -122,7 +122,7 @@ class UpdateLogp:
             first = torch.repeat_interleave(starts[idx], n)  # [T]
             within = torch.arange(len(logp)) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)  # [T] 0..n_i-1
             pi[(first + within).to(pi.device)] = logp
-        mu = torch.tensor([x for s in samples for x in s.gen.logp], dtype=pi.dtype, device=pi.device)
+        mu = torch.tensor([x for s in samples for x in behaviour_logp(s)], dtype=pi.dtype, device=pi.device)  # environment tokens -inf: not counted
         return mismatch_stats(mu, pi)
 
 

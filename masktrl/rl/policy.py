@@ -20,7 +20,7 @@ from masktrl.models.kvcache import cache_kwarg, new_cache
 from masktrl.models.logprobs import renormalise_over_kept, token_logprobs_and_entropy, token_square_mass
 from masktrl.models.lowprec import quantized_head
 from masktrl.models.packing import Packed, pack_shared, pack_whole, packed_hidden
-from masktrl.rollout.base import Sample, kept_sizes
+from masktrl.rollout.base import Sample, kept_sizes, policy_tokens
 
 
 @dataclass
@@ -145,9 +145,13 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
 
 def behaviour_logp(sample: Sample, drop_truncated: bool = False) -> list[float]:
     """The recorded log mu of each response token; all -inf (invalid) for a response cut at the
-    length limit when ``drop_truncated`` (``rollout.mask_truncated``)."""
+    length limit when ``drop_truncated`` (``rollout.mask_truncated``). Environment tokens of a
+    multi-turn response (``policy_tokens``) are -inf whatever was recorded: invalid, so no rule
+    trains on them or counts them (docs/ROLLOUTS.md, "Multi-turn rollouts")."""
     if drop_truncated and not sample.gen.finished:
         return [float("-inf")] * len(sample.gen.logp)
+    if sample.gen.source is not None:
+        return [x if own else float("-inf") for x, own in zip(sample.gen.logp, policy_tokens(sample.gen))]
     return sample.gen.logp
 
 

@@ -18,7 +18,7 @@ import torch
 
 from masktrl.methods import BoundMethod, kl_reward_penalty
 from masktrl.models.lora import has_lora, reference_policy
-from masktrl.rl.policy import policy_token_batch
+from masktrl.rl.policy import behaviour_logp, policy_token_batch
 from masktrl.rollout.base import Sample
 
 
@@ -101,7 +101,7 @@ def penalise_kl(samples: list[Sample], ref_logp: list[torch.Tensor], method: Bou
     ``kl_penalty`` (the mean penalty per response)."""
     if not samples:
         return {}
-    mu = torch.tensor([x for s in samples for x in s.gen.logp], dtype=torch.float64)  # [N]
+    mu = torch.tensor([x for s in samples for x in behaviour_logp(s)], dtype=torch.float64)  # [N] (-inf: environment tokens, invalid)
     ref = torch.cat([r.detach().to(torch.float64).cpu() for r in ref_logp])  # [N]
     seq = torch.tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids])  # [N], sorted
     params = method.params

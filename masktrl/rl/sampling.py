@@ -13,7 +13,10 @@ def sample(engine: RolloutEngine, tokenizer, examples: list[Example], settings: 
            chat_template: bool = False) -> tuple[list[list[int]], list[list[Generation]], list[list[str]]]:
     """(prompt ids [P], generations [P][n], decoded responses [P][n]) for the P ``examples``."""
     prompt_ids = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in examples]
-    gens = engine.generate(prompt_ids, settings, seed)
+    if hasattr(engine, "generate_episodes"):  # task.env: multi-turn episodes (rl/agentic.py)
+        gens = engine.generate_episodes(prompt_ids, examples, settings, seed)
+    else:
+        gens = engine.generate(prompt_ids, settings, seed)
     texts = [[tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in group] for group in gens]
     return prompt_ids, gens, texts
 

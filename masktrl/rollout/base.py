@@ -59,6 +59,26 @@ class Generation:
     topk_logp: list[list[float]]  # [T][K] log mu at topk_ids
     finished: bool  # ended with EOS (False: cut at max_new_tokens)
     kept: list[int] | None = None  # [T] truncated sampling: the kept set is the first kept[t] top-K entries; None: the whole vocabulary
+    # Multi-turn rollouts (docs/ROLLOUTS.md, "Multi-turn rollouts"): None for a single-turn response
+    # (every token the policy's, turn 0). ``source[t]`` is POLICY (sampled from mu) or ENVIRONMENT
+    # (a tool's reply, appended as tokens: no behaviour log-probability, logp[t] = -inf, and no
+    # top-K list, its row all padding); ``turn[t]`` the turn the token belongs to (0, 1, ...).
+    source: list[int] | None = None
+    turn: list[int] | None = None
+
+
+POLICY, ENVIRONMENT = 0, 1  # Generation.source values
+
+
+def policy_tokens(gen: Generation) -> list[bool]:
+    """[T] True at the tokens the policy sampled, False at environment tokens (a tool's reply).
+
+    The one place the source is read: training makes every environment token invalid
+    (``rl.policy.behaviour_logp``: behaviour log-probability -inf), so no rule, correction,
+    aggregate, statistic or study counts it, and the batch statistics leave it out."""
+    if gen.source is None:
+        return [True] * len(gen.response_ids)
+    return [s == POLICY for s in gen.source]
 
 
 @dataclass
@@ -78,14 +98,15 @@ class Sample:
 
 
 def behaviour_lists(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The response tokens of ``samples`` in order, as tensors: sampled ids [N], behaviour top-K
-    ids [N, K] (padded with -1) and their log mu [N, K] float64 (padded with -inf); K is the
-    longest list."""
+    """The policy's response tokens of ``samples`` in order (environment tokens left out), as
+    tensors: sampled ids [N], behaviour top-K ids [N, K] (padded with -1) and their log mu
+    [N, K] float64 (padded with -inf); K is the longest list."""
     gens = [s.gen for s in samples]
+    own = [policy_tokens(g) for g in gens]
     k = max((len(row) for g in gens for row in g.topk_ids), default=0)
-    ids = [list(row) + [-1] * (k - len(row)) for g in gens for row in g.topk_ids]
-    lps = [list(row) + [float("-inf")] * (k - len(row)) for g in gens for row in g.topk_logp]
-    sampled = torch.tensor([t for g in gens for t in g.response_ids], dtype=torch.long)  # [N]
+    ids = [list(row) + [-1] * (k - len(row)) for g, m in zip(gens, own) for row, p in zip(g.topk_ids, m) if p]
+    lps = [list(row) + [float("-inf")] * (k - len(row)) for g, m in zip(gens, own) for row, p in zip(g.topk_logp, m) if p]
+    sampled = torch.tensor([t for g, m in zip(gens, own) for t, p in zip(g.response_ids, m) if p], dtype=torch.long)  # [N]
     n = len(ids)
     return sampled, torch.tensor(ids, dtype=torch.long).reshape(n, k), torch.tensor(lps, dtype=torch.float64).reshape(n, k)
 

@@ -80,6 +80,10 @@ SCHEMA = pa.schema(
 )
 SCHEMAS = {1: SCHEMA_V1, 2: SCHEMA}
 KEPT = ("kept", pa.list_(pa.int16()))  # optional, any format: [T] kept-set sizes of truncated sampling (Generation.kept)
+# optional, any format, written only for multi-turn batches (the files of single-turn runs are unchanged):
+# [T] each token's source (0 policy, 1 environment: Generation.source) and turn index (Generation.turn)
+SOURCE = ("source", pa.list_(pa.int8()))
+TURN = ("turn", pa.list_(pa.int16()))
 _TOKEN_FLOATS = ["behavior_logp_x", "topk_logp"]
 
 
@@ -133,6 +137,10 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression
         table = table.append_column(pa.field(*KEPT), kept)
         if arrays is not None:
             opts["compression_level"]["kept"] = 1
+    for spec, col in turn_columns(samples):  # multi-turn batches only
+        table = table.append_column(pa.field(*spec), col)
+        if arrays is not None:
+            opts["compression_level"][spec[0]] = 1
     meta_kv = {b"masktrl": json.dumps(meta, sort_keys=True).encode()}
     if codec:
         meta_kv[CODEC_KEY] = json.dumps(codec, sort_keys=True).encode()
@@ -155,6 +163,24 @@ def kept_column(samples: list[Sample]) -> pa.Array | None:
     if any(k is None or len(k) != len(s.gen.response_ids) for k, s in zip(kept, samples)):
         raise ValueError("Generation.kept must be given for every sample of a batch, one size per response token")
     return pa.array(kept, type=KEPT[1])
+
+
+def turn_columns(samples: list[Sample]) -> list[tuple[tuple, pa.Array]]:
+    """The optional ``source`` and ``turn`` columns: none when every sample is single-turn
+    (``Generation.source`` None); a single-turn sample of a multi-turn batch is stored as all
+    policy tokens of turn 0. ValueError when a list's length differs from the response's."""
+    if all(s.gen.source is None for s in samples):
+        return []
+    source, turn = [], []
+    for s in samples:
+        n = len(s.gen.response_ids)
+        src = s.gen.source if s.gen.source is not None else [0] * n
+        trn = s.gen.turn if s.gen.turn is not None else [0] * n
+        if len(src) != n or len(trn) != n:
+            raise ValueError("Generation.source and Generation.turn must hold one entry per response token")
+        source.append(src)
+        turn.append(trn)
+    return [(SOURCE, pa.array(source, type=SOURCE[1])), (TURN, pa.array(turn, type=TURN[1]))]
 
 
 def check_finite(path: Path, rows: dict, arrays: TokenArrays | None) -> None:
@@ -352,10 +378,14 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
         arrays = decode_v1(path, table) if codec["format"] == 1 else decode_v2(path, table, codec)
         validate(path, table, arrays, vocab_size)
         kept = read_kept(path, table, arrays)
+        turns = read_turns(path, table, arrays)
         samples = to_samples(table, arrays)
         if kept is not None:
             for sample, lo, hi in zip(samples, arrays.offsets[:-1].tolist(), arrays.offsets[1:].tolist()):
                 sample.gen.kept = kept[lo:hi]
+        if turns is not None:
+            for sample, lo, hi in zip(samples, arrays.offsets[:-1].tolist(), arrays.offsets[1:].tolist()):
+                sample.gen.source, sample.gen.turn = turns[0][lo:hi], turns[1][lo:hi]
         return samples, meta
     except (ValueError, IndexError, KeyError, TypeError, pa.ArrowException) as exc:  # a damage no check above names
         raise ArtifactError(f"{path}: malformed rollout file ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
@@ -378,6 +408,37 @@ def read_kept(path: Path, table: pa.Table, a: TokenArrays) -> list[int] | None:
     if len(bad):
         raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: kept-set size {values[bad[0]]} outside [1, K+1={k + 1}]")
     return values.tolist()
+
+
+def read_turns(path: Path, table: pa.Table, a: TokenArrays) -> tuple[list[int], list[int]] | None:
+    """The flat [N] sources and turn indices of the optional ``source``/``turn`` columns (None
+    without them: single-turn files, and every file written before they existed), checked: both
+    or neither, one entry per token, sources 0 or 1, turns >= 0, and no behaviour log-probability
+    (-inf) at an environment token."""
+    present = [c for c in (SOURCE[0], TURN[0]) if c in table.column_names]
+    if not present:
+        return None
+    if len(present) == 1:
+        raise ArtifactError(f"{path}: column {present[0]} without column {({SOURCE[0], TURN[0]} - set(present)).pop()}")
+    out = []
+    for name, typ in (SOURCE, TURN):
+        col = table.column(name).combine_chunks()
+        if col.type != typ or col.null_count:
+            raise ArtifactError(f"{path}: column {name} has type {_type_name(col.type)} or nulls, expected {_type_name(typ)}")
+        if not np.array_equal(np.asarray(col.offsets), a.offsets):
+            raise ArtifactError(f"{path}: column {name} does not hold one entry per response token")
+        out.append(np.asarray(col.flatten()).astype(np.int64))
+    source, turn = out
+    bad = np.flatnonzero((source < 0) | (source > 1))
+    if len(bad):
+        raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: source {source[bad[0]]} is neither 0 (policy) nor 1 (environment)")
+    bad = np.flatnonzero(turn < 0)
+    if len(bad):
+        raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: turn {turn[bad[0]]} is negative")
+    bad = np.flatnonzero((source == 1) & (a.behavior_logp != -np.inf))
+    if len(bad):
+        raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: an environment token has a behaviour log-prob ({a.behavior_logp[bad[0]]}); it must be -inf")
+    return source.tolist(), turn.tolist()
 
 
 def check_columns(path: Path, table: pa.Table, schema: pa.Schema) -> None:

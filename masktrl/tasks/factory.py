@@ -34,6 +34,10 @@ def make_task(task_cfg: TaskConfig, model_cfg: ModelConfig, tokenizer=None) -> T
     from masktrl.tasks.math_data import BENCHMARKS
 
     t = task_cfg
+    if t.env is not None:  # multi-turn: the environment class loads and has the protocol (tasks/envs.py)
+        from masktrl.tasks.envs import load_env
+
+        load_env(t.env)
     if t.options and (t.name in ("arithmetic", "dataset") or t.name in BENCHMARKS):
         raise ConfigError(f"task.options: the {t.name} task takes no options there; its keys are task.* (masktrl config keys)")
     if t.name == "arithmetic":

@@ -1,0 +1,181 @@
+"""Multi-turn rollouts with the transformers engine (masktrl/rollout/multiturn.py): the
+environment's reply is appended as tokens (never re-tokenising the transcript), the policy's
+tokens carry exactly the behaviour the model gives them in that transcript, the environment's
+carry none, and the limits hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from masktrl.errors import ConfigError
+from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+from masktrl.rl.policy import policy_token_batch
+from masktrl.rollout.base import ENVIRONMENT, POLICY, SamplingSettings, Sample
+from masktrl.rollout.hf import HFEngine
+from masktrl.rollout.multiturn import generate_multi_turn, stop_cut
+from masktrl.tasks.envs import EnvStats, Episode
+
+STOP = "+"  # a call ends with '+'; the reply is '7=' and the episode goes on
+
+
+class Adder:
+    def reset(self, example):
+        self.calls = 0
+        self.limit = example["limit"]
+
+    def step(self, call):
+        self.calls += 1
+        return "7=", self.calls >= self.limit
+
+
+class Broken:
+    def reset(self, example):
+        pass
+
+    def step(self, call):
+        raise RuntimeError("down")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer("0123456789+=")
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    model = build_tiny_model(tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
+                             seed=1).double().eval()
+    with torch.no_grad():  # make '+' likely, so episodes call the tool
+        model.lm_head.weight[tok.convert_tokens_to_ids("+")] *= 4.0
+    return model
+
+
+def run(model, tok, drop_finished=False, env=Adder, max_turns=3, max_tokens=24, n=4, limit=2, seed=0, k=5):
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ("12+3=", "4=", "99+")]
+    stats = EnvStats()
+    engine = HFEngine(model, tok, drop_finished=drop_finished)
+    settings = SamplingSettings(n=n, max_new_tokens=8, logprobs_k=k)
+    gens = generate_multi_turn(engine, tok, prompts, [{"limit": limit}] * 3, settings, seed, lambda: Episode(env, stats, timeout_s=5),
+                               stop=STOP, max_turns=max_turns, max_tokens=max_tokens)
+    return prompts, gens, stats
+
+
+@pytest.mark.parametrize("drop_finished", [False, True])
+def test_multi_turn_records(model, tok, drop_finished):
+    prompts, gens, stats = run(model, tok, drop_finished)
+    reply = tok.encode("7=", add_special_tokens=False)
+    samples, multi = [], 0
+    for i, group in enumerate(gens):
+        assert len(group) == 4
+        for g in group:
+            T = len(g.response_ids)
+            assert T <= 24 and len(g.source) == len(g.turn) == len(g.logp) == len(g.topk_ids) == T
+            assert max(g.turn) < 3 and g.turn == sorted(g.turn)
+            env = [t for t in range(T) if g.source[t] == ENVIRONMENT]
+            for t in env:
+                assert g.logp[t] == float("-inf") and set(g.topk_ids[t]) == {-1} and set(g.topk_logp[t]) == {float("-inf")}
+            # every environment span is the reply's own tokens (cut only by the token budget), right after a stop string
+            spans, t = [], 0
+            while t < T:
+                if g.source[t] == ENVIRONMENT:
+                    s = t
+                    while t < T and g.source[t] == ENVIRONMENT:
+                        t += 1
+                    spans.append((s, t))
+                else:
+                    t += 1
+            for s, e in spans:
+                assert g.response_ids[s:e] == reply[: e - s]
+                assert tok.decode(g.response_ids[:s], skip_special_tokens=True).endswith(STOP)
+            multi += bool(spans)
+            samples.append(Sample("e", "", "", prompts[i], i, g))
+    assert multi > 0 and stats.calls > 0  # not vacuous
+    # token-in, token-out: each policy token's recorded log mu is the model's, teacher-forced on the exact transcript
+    out = policy_token_batch(model, samples, 1.0, 7)
+    own = torch.tensor([s == POLICY for x in samples for s in x.gen.source])
+    mu = torch.tensor([v for x in samples for v in x.gen.logp], dtype=torch.float64)
+    torch.testing.assert_close(mu[own], out.batch.logp.detach()[own], atol=1e-5, rtol=0)
+    assert not bool(out.batch.valid[~own].any())
+
+
+def test_limits_and_a_failing_environment(model, tok):
+    _, gens, stats = run(model, tok, max_turns=1)
+    assert all(set(g.turn) <= {0} for group in gens for g in group)
+    _, gens, stats = run(model, tok, max_tokens=5)
+    assert all(len(g.response_ids) <= 5 for group in gens for g in group)
+    _, gens, stats = run(model, tok, env=Broken)
+    assert stats.errors > 0 and stats.calls == 0
+    for group in gens:
+        for g in group:
+            assert ENVIRONMENT not in g.source  # the failed episode ended with the call, nothing appended
+
+
+def test_lists_wider_than_the_vocabulary(model, tok):
+    _, gens, _ = run(model, tok, k=50)  # the engine returns min(K, V) entries: replies are padded to that width
+    widths = {len(row) for group in gens for g in group for row in g.topk_ids}
+    assert widths == {model.config.vocab_size}
+
+
+def test_same_seed_same_rollouts(model, tok):
+    a = run(model, tok, seed=3)[1]
+    b = run(model, tok, seed=3)[1]
+    assert [[g.response_ids for g in grp] for grp in a] == [[g.response_ids for g in grp] for grp in b]
+
+
+def test_stop_cut(tok):
+    ids = tok.encode("12+34+", add_special_tokens=False)
+    dec = lambda x: tok.decode(x, skip_special_tokens=True)  # noqa: E731
+    assert stop_cut(ids, dec, "+") == 3
+    assert stop_cut(ids, dec, "4+") == 6
+    assert stop_cut(ids, dec, "=") is None
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["task.env=noproto.py:E", "rollout.engine=vllm"], "needs rollout.engine=hf"),
+    (["task.max_turns=3"], "task.max_turns is an option of multi-turn tasks; set task.env"),
+    (["task.env=masktrl.tasks.tools:Calculator", "rollout.top_p=0.9"], "samples the whole vocabulary"),
+    (["task.env=Calculator"], "task.env must be path/to/file.py:Class or module:Class"),
+    (["task.env=masktrl.tasks.tools:Calculator", "task.max_turns=0"], "task.max_turns must be > 0"),
+])
+def test_env_config_errors(sets, message):
+    from masktrl.config import load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, sets)
+
+
+@pytest.mark.parametrize("spec, message", [("nope.py:Env", "error: task.env 'nope.py:Env': no such file nope.py"),
+                                           ("noproto.py:E", "class E has no step method")])
+def test_train_refuses_an_unusable_env_in_one_line(tmp_path, spec, message):
+    import subprocess
+    import sys
+
+    (tmp_path / "noproto.py").write_text("class E:\n    def reset(self, ex):\n        pass\n")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "masktrl.cli", "train", "--out", str(out), "--set", f"task.env={spec}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr[-2000:]
+    assert not out.exists()  # nothing written
+
+
+def test_a_stored_multi_turn_batch_replays_into_sis_and_pdm(model, tok, tmp_path):
+    from masktrl.methods.registry import get_method
+    from masktrl.rollout.storage import read_rollouts, write_rollouts
+
+    prompts, gens, _ = run(model, tok)
+    samples = [Sample("e", "", "", prompts[i], i, g, advantage=(j % 3) - 1.0) for i, group in enumerate(gens) for j, g in enumerate(group)]
+    path = tmp_path / "mt.parquet"
+    write_rollouts(path, samples, {"step": 0})
+    back, _ = read_rollouts(path, vocab_size=model.config.vocab_size)
+    assert [s.gen.source for s in back] == [s.gen.source for s in samples]
+    out = policy_token_batch(model, back, 1.0, 7)
+    own = torch.tensor([s == POLICY for x in back for s in x.gen.source])
+    for name in ("sis", "pdm"):
+        bound = get_method(name).bind()
+        u = torch.rand(out.batch.n, generator=torch.Generator().manual_seed(0), dtype=torch.float64) if bound.needs_u else None
+        losses = bound.token_losses(out.batch, out.advantages, u=u)
+        loss = bound.aggregate(losses.loss, out.batch, horizon=20)
+        (g,) = torch.autograd.grad(loss, out.batch.logp, retain_graph=True)
+        assert float(g[~own].abs().sum()) == 0.0 and float(g[own].abs().sum()) > 0, name
