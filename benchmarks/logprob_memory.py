@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-from common import peak_rss_mib, rss_mib, run_worker  # noqa: E402  (benchmarks/common.py)
+from common import peak_rss_mib, rss_mib, run_worker  # benchmarks/common.py
 
 
 def worker(args) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     PhaseTimer,
     bench_config,
     group_phases,
@@ -147,7 +147,7 @@ def io_probe(steps_now: int, steps_full: int, reps: int = 7) -> dict:
             out[f"mark_done_ms_at_step_{steps}"] = 1000 * median(times)
             out[f"manifest_kb_at_step_{steps}"] = (store.root / "manifest.json").stat().st_size / 1024
         times = []
-        for i in range(reps):
+        for _ in range(reps):
             t0 = time.perf_counter()
             atomic_write_bytes(root / "small.txt", b"x" * 100)
             times.append(time.perf_counter() - t0)

@@ -33,9 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from common import BENCH_TMP, bench_config, big_vocab_model, machine, median, parser, print_table, quiet, warm_model, write_json  # noqa: E402
+from common import BENCH_TMP, bench_config, big_vocab_model, machine, median, parser, print_table, quiet, warm_model, write_json
 
 GOAL = 0.10
 

@@ -47,9 +47,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from common import machine, median, parser, print_table, quiet, write_json  # noqa: E402
+from common import machine, median, parser, print_table, quiet, write_json
 
 TEMPERATURE, CHUNK, K = 1.0, 1024, 20
 

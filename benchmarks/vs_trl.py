@@ -60,9 +60,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from common import (  # noqa: E402
+from common import (
     BENCH_TMP,
     PhaseTimer,
     bench_config,

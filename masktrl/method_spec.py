@@ -229,7 +229,7 @@ def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method]
     try:
         with collecting() as found, collecting_corrections() as corrections:
             loader_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001  a user's file: whatever it raises is reported in one line
+    except (Exception, SystemExit) as exc:  # a user's file: whatever it raises is reported in one line
         sys.modules.pop(module_name, None)
         text = str(exc).strip().splitlines()
         raise ConfigError(f"method {spec!r}: {path} raised {type(exc).__name__} on import" + (f": {text[0]}" if text else "")) from None

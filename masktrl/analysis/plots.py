@@ -165,7 +165,7 @@ def estimator_panels(result: dict) -> Figure:
         ax.set_xscale("log")
         ax.minorticks_off()
         ax.set_xticks(ks, [str(k) for k in ks])
-        ax.set_xlabel("list size K (stored K = %d)" % result["stored_k"], fontsize=8)
+        ax.set_xlabel(f"list size K (stored K = {int(result['stored_k'])})", fontsize=8)
         ax.set_title(title, fontsize=8)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)

@@ -49,7 +49,7 @@ from masktrl.methods import (
 )
 from masktrl.errors import MasktrlError
 from masktrl.methods.batch import log_ratio
-from masktrl.methods.diagnostics import keep_decisions  # noqa: F401  (the direction rules; imported from here too)
+from masktrl.methods.diagnostics import keep_decisions  # (the direction rules; imported from here too)
 from masktrl.rl.policy import full_logprobs, lm_head_weight, response_hidden
 
 CRITERIA = ("ratio", "ddot_agg", "ddot_uniform")  # the paper's three direction rules

@@ -381,8 +381,8 @@ def _rs_keep(stat: str, lo: float | None, hi: float, log_rho: Tensor, valid: Ten
     a sequence. k1 statistics are kept iff log(lo) <= stat <= log(hi), the others iff stat <= hi.
     """
     dt = log_rho.dtype
-    l = log_rho.clamp(-RS_LOG_BOUND, RS_LOG_BOUND)
-    k = {"k1": -l, "k2": 0.5 * l * l, "k3": torch.expm1(l) - l}[stat[-2:]]  # [N]
+    lr = log_rho.clamp(-RS_LOG_BOUND, RS_LOG_BOUND)
+    k = {"k1": -lr, "k2": 0.5 * lr * lr, "k3": torch.expm1(lr) - lr}[stat[-2:]]  # [N]
     k = torch.where(valid, k, torch.zeros_like(k))
     if stat.startswith("token"):
         s = k

@@ -370,7 +370,7 @@ class SISParams(_Protocol):
             for name in ("overlong_buffer", "overlong_penalty"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"method.{name} applies only with method.base=dapo, got base={self.base}")
-        self.base_params  # validates every override through the base class
+        self.base_params  # noqa: B018  validates every override through the base class
         check_regularizers(self)  # the regularisers are the sis method's own, not its base's
 
     @property

@@ -318,7 +318,7 @@ def check_method(method: Method) -> str | None:
         return f"its params class {getattr(cls, '__name__', cls)!r} is not a dataclass"
     try:
         params = cls()
-    except Exception as exc:  # noqa: BLE001  a user's class: any error is the answer
+    except Exception as exc:  # a user's class: any error is the answer
         return f"its params class {cls.__name__} cannot be built with its defaults ({type(exc).__name__}: {exc})"
     missing = [a for a in ("agg_mode", "advantage_norm", "uses_dynamic_sampling", "uses_u", "uses_full_pi", "overlong",
                            "diag_deltas", "uses_reference", "uses_entropy_grad", "kl_in_loss") if not hasattr(params, a)]

@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ContextManager
+from contextlib import AbstractContextManager
+from typing import Callable
 
 from masktrl.config import MAX_SEED, Config, diff_configs, load_config, split_method
 from masktrl.errors import ConfigError
@@ -173,7 +174,7 @@ def run_one(item: SweepRun, progress=None) -> Path:
     return item.root
 
 
-def run(runs: list[SweepRun], progress_bar: Callable[[], ContextManager] | None = None,
+def run(runs: list[SweepRun], progress_bar: Callable[[], AbstractContextManager] | None = None,
               on_event: Callable[[str, SweepRun], None] | None = None) -> list[Path]:
     """Train every run that is not complete, in order, each under a fresh ``progress_bar()``;
     ``on_event`` hears ``skip`` or ``start`` before each run. Returns the folders of all runs."""

@@ -51,7 +51,7 @@ class Trackers:
                 tracker.start()
                 if config is not None:
                     tracker.store_init_configuration(hparams(config))
-            except Exception as exc:  # noqa: BLE001  (any library error: one line)
+            except Exception as exc:  # (any library error: one line)
                 raise MasktrlError(f"train.report_to={name}: the tracker did not start ({_first_line(exc)})") from None
             self.trackers.append(tracker)
 
@@ -68,7 +68,7 @@ class Trackers:
         for tracker in list(self.trackers):
             try:
                 tracker.log(values, step=step)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # any library error: one line
                 self.trackers.remove(tracker)
                 print(f"warning: tracker {tracker.name} failed ({_first_line(exc)}); it is dropped, metrics.jsonl continues", file=sys.stderr)
 
@@ -76,7 +76,7 @@ class Trackers:
         for tracker in self.trackers:
             try:
                 tracker.finish()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # any library error: one line
                 print(f"warning: tracker {tracker.name} did not close cleanly ({_first_line(exc)})", file=sys.stderr)
         self.trackers = []
 

@@ -669,7 +669,7 @@ class RunStore:
     def _record_end(self, extra, **info: Any) -> None:
         try:
             self.set_info(**info, **(extra() if extra else {}))
-        except Exception:  # noqa: BLE001  (see recording_failure)
+        except Exception:  # (see recording_failure)
             pass
 
     def recorded_wall_time(self) -> float:

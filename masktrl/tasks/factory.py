@@ -27,9 +27,9 @@ def make_task(task_cfg: TaskConfig, model_cfg: ModelConfig, tokenizer=None) -> T
 
     Everything is checked here (data, keys, template, reward), before a run writes anything.
     """
-    import masktrl.tasks.arithmetic  # noqa: F401  (registers the task)
-    import masktrl.tasks.longtail  # noqa: F401  (registers the long-response benchmark task)
-    import masktrl.tasks.math_data  # noqa: F401  (registers the math tasks)
+    import masktrl.tasks.arithmetic  # (registers the task)
+    import masktrl.tasks.longtail  # (registers the long-response benchmark task)
+    import masktrl.tasks.math_data  # (registers the math tasks)
     import masktrl.tasks.residues  # noqa: F401  (registers the lab task)
     from masktrl.tasks.math_data import BENCHMARKS
 

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 from masktrl.errors import ConfigError, DataError
 from masktrl.tasks.base import Example, register_task
 from masktrl.tasks.dataset import PRESET_OPTIONS, DatasetTask, NotCached, import_datasets, load_rows, resolve_reward, rows_to_examples
-from masktrl.tasks.dataset import split_heldout  # noqa: F401  (re-exported: it lived here)
+from masktrl.tasks.dataset import split_heldout  # (re-exported: it lived here)
 from masktrl.tasks.grader import last_boxed
 from masktrl.tasks.rewards import Reward
 from masktrl.tasks.templates import DAPO_PREFIX, DAPO_SUFFIX, PromptTemplate

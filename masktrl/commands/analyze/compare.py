@@ -67,7 +67,7 @@ def print_compare(table: dict) -> None:
         s, b = row["final"], row["best"]
         base = row["is_baseline"]
         diff = "base" if base else f"{fmt(s.get(d_key))} [{fmt(s.get(lo_key))}, {fmt(s.get(hi_key))}]"
-        cell = lambda key: "" if base else fmt(s.get(key))  # noqa: E731
+        cell = lambda key: "" if base else fmt(s.get(key))  # noqa: E731, B023  (called in this iteration only)
         tests = ([cell("p_paired_t"), cell("p_sign_flip"), cell("p_holm"), cell("mdd_paired"), cell("tost_p"), "" if base else s.get("verdict", "")]
                  if paired else [cell("p"), cell("p_holm"), cell("mdd_80")])
         t.add_row(row.get("handle", ""), escape(row["label"]), str(s["n"]), pm(s["mean"], s["std"]), f"[{fmt(s['ci_low'])}, {fmt(s['ci_high'])}]",
