@@ -98,26 +98,8 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
     """Evaluate ``model`` (a run folder or a run's name under ``out``, a model folder or a cached
     hub id) on ``bench``; the report goes to ``output`` (a model that is not a run only) or to
     its default place (``output_path``)."""
-    opts.validate(bench)
-    if output is not None:
-        refuse_inside_run(output)
-    ref = resolve_model(model, step, out)
-    if bench in OWN_TASK_BENCHMARKS and ref.store is None:
-        raise ConfigError(f"benchmark {bench} needs a run (--model <run>): {model} is no run folder (no run.yaml)")
-    if output is not None and ref.store is not None:
-        raise ConfigError(f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is for models that are not runs")
-    if ref.store is not None:
-        refuse_symlink(ref.store.root)  # its report would be written outside --out
-    path = Path(output) if output is not None else output_path(ref, bench, out)
-    if path.exists() and not force and recorded(ref, bench):
-        raise MasktrlError(f"{path} already exists; pass --force to replace it (nothing was changed)")
-    cfg = eval_config(ref, opts)
-    if ref.store is not None:
-        import torch
-
-        torch.set_num_threads(cfg.train.threads)
-    if bench not in OWN_TASK_BENCHMARKS:
-        cfg = replace(cfg, model=replace(cfg.model, chat_template=eval_chat(cfg, opts)), task=bench_task_config(bench, cfg, **opts.task_args()))
+    ref, path = _target(bench, model, step, opts, out=out, output=output, force=force)
+    cfg = _bench_config(bench, ref, opts)
     task = build_task(bench, cfg)
     try:  # the data loaded: now the weights
         engine, tokenizer = load_engine(cfg, ref.weights)
@@ -139,6 +121,38 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
     )
     save(report, path, ref.store, bench, ref.step)
     return EvalResult(report, path)
+
+
+def _target(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None, output: Path | None,
+            force: bool) -> tuple[ModelRef, Path]:
+    """(the model resolved, where its report goes), every refusal before anything is loaded."""
+    opts.validate(bench)
+    if output is not None:
+        refuse_inside_run(output)
+    ref = resolve_model(model, step, out)
+    if bench in OWN_TASK_BENCHMARKS and ref.store is None:
+        raise ConfigError(f"benchmark {bench} needs a run (--model <run>): {model} is no run folder (no run.yaml)")
+    if output is not None and ref.store is not None:
+        raise ConfigError(f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is for models that are not runs")
+    if ref.store is not None:
+        refuse_symlink(ref.store.root)  # its report would be written outside --out
+    path = Path(output) if output is not None else output_path(ref, bench, out)
+    if path.exists() and not force and recorded(ref, bench):
+        raise MasktrlError(f"{path} already exists; pass --force to replace it (nothing was changed)")
+    return ref, path
+
+
+def _bench_config(bench: str, ref: ModelRef, opts: EvalOptions) -> Config:
+    """The configuration the evaluation runs with: the run's (or a default one) with the options,
+    the benchmark's task unless it is the run's own; a run's ``train.threads`` set for torch."""
+    cfg = eval_config(ref, opts)
+    if ref.store is not None:
+        import torch
+
+        torch.set_num_threads(cfg.train.threads)
+    if bench not in OWN_TASK_BENCHMARKS:
+        cfg = replace(cfg, model=replace(cfg.model, chat_template=eval_chat(cfg, opts)), task=bench_task_config(bench, cfg, **opts.task_args()))
+    return cfg
 
 
 def folder_runs(model: str) -> list[Path] | None:

@@ -46,7 +46,6 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
     """Every check that needs no write (see the module doc); returns what the run reuses."""
     from masktrl.rl.distributed import check_launch_settings
     from masktrl.tasks import make_task
-    from masktrl.tasks.prompts import wraps_chat
 
     report: list[tuple[str, str]] = []
     tracking.check_available(cfg.train.report_to)  # a tracker's missing package: one line
@@ -56,43 +55,12 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
         tokenizer, vocab_size, context = policy_tokenizer(cfg, task)
         report.append(("task", f"{task.name}: {len(task.test_examples())} held-out problems"))
         report.append(("model", f"{cfg.model.path} (vocabulary {vocab_size}, context {context or 'unknown'})"))
-        if cfg.model.lora.rank is not None:
-            report.append(("lora", check_lora(cfg, tokenizer)))
-        if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0:
-            report.append(("truncated sampling", check_truncation(cfg, vocab_size)))
-        if cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k > vocab_size:  # transformers records min(K, vocabulary)
-            raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary ({vocab_size}): "
-                              "the vllm engine cannot record that many entries per token")
-        check_engine(cfg)
-        if cfg.train.quantization is not None:
-            report.append(("train.quantization", check_train_quantization(cfg)))
-        if isinstance(cfg.rollout.staleness, dict):
-            report.append(("rollout.staleness", staleness_line(cfg.rollout.staleness)))
-        if cfg.train.packing:
-            check_packing(cfg)
-            report.append(("train.packing", "the model's attention can mask packed sequences"))
-        if context is not None and cfg.rollout.max_new_tokens >= context:
-            raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the model's context "
-                              f"({context} positions)")
-        if context is not None:
-            check_prompt_lengths(task.test_examples(), tokenizer, wraps_chat(task, cfg.model.chat_template),
-                                 context - cfg.rollout.max_new_tokens, what=f"task {task.name}: held-out prompts",
-                                 room=f"{context} positions less rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+        report += _model_checks(cfg, task, tokenizer, vocab_size, context)
         source = None
         if not rollouts_from:  # a task with nothing to train on (a one-row dataset held out whole): one line now, not a failed run
             task.train_examples(1, random.Random(0))
         if rollouts_from:
-            from masktrl.rl.rollout_source import RolloutSource
-
-            source = RolloutSource(rollouts_from, cfg.rollout.prompts_per_step, tokenizer, vocab_size=vocab_size,
-                                   steps=cfg.train.steps)
-            m = source.meta
-            if float(m.get("top_p", 1.0)) < 1.0 and "top_k" not in m:  # before kept sets were recorded
-                raise ConfigError(top_p_refusal(f"--rollouts-from {rollouts_from} was sampled with top_p={m['top_p']}"))
-            if float(m.get("top_p", 1.0)) < 1.0 or int(m.get("top_k", 0) or 0) > 0:
-                kept_set_bound(f"--rollouts-from {rollouts_from} was sampled with top_p={m.get('top_p')}, top_k={m.get('top_k')}",
-                               m.get("engine", "hf"), int(m.get("top_k", 0) or 0), int(m.get("logprobs_k", 0) or 0), vocab_size)
-            source.check_sampled_as(cfg, rollouts_from)  # pi at the temperature mu was sampled at
+            source = _replay_source(cfg, rollouts_from, tokenizer, vocab_size)
             report.append(("--rollouts-from", f"{rollouts_from}: {source.num_steps} batches, verified"))
     except BaseException:
         task.close()
@@ -100,6 +68,53 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
     if out is not None:
         report.append(("free disk under --out", _free(out)))
     return Checked(task, tokenizer, vocab_size, context, source, report)
+
+
+def _model_checks(cfg: Config, task, tokenizer, vocab_size: int, context: int | None) -> list[tuple[str, str]]:
+    """The model's settings against the model, the engine and the task's held-out prompts: the
+    report's lines of what is used (LoRA, truncated sampling, quantization, staleness, packing)."""
+    from masktrl.tasks.prompts import wraps_chat
+
+    report: list[tuple[str, str]] = []
+    if cfg.model.lora.rank is not None:
+        report.append(("lora", check_lora(cfg, tokenizer)))
+    if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0:
+        report.append(("truncated sampling", check_truncation(cfg, vocab_size)))
+    if cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k > vocab_size:  # transformers records min(K, vocabulary)
+        raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary ({vocab_size}): "
+                          "the vllm engine cannot record that many entries per token")
+    check_engine(cfg)
+    if cfg.train.quantization is not None:
+        report.append(("train.quantization", check_train_quantization(cfg)))
+    if isinstance(cfg.rollout.staleness, dict):
+        report.append(("rollout.staleness", staleness_line(cfg.rollout.staleness)))
+    if cfg.train.packing:
+        check_packing(cfg)
+        report.append(("train.packing", "the model's attention can mask packed sequences"))
+    if context is not None and cfg.rollout.max_new_tokens >= context:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the model's context "
+                          f"({context} positions)")
+    if context is not None:
+        check_prompt_lengths(task.test_examples(), tokenizer, wraps_chat(task, cfg.model.chat_template),
+                             context - cfg.rollout.max_new_tokens, what=f"task {task.name}: held-out prompts",
+                             room=f"{context} positions less rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    return report
+
+
+def _replay_source(cfg: Config, rollouts_from: str, tokenizer, vocab_size: int):
+    """``--rollouts-from``: the stored batches, checked against the run's sampling settings."""
+    from masktrl.rl.rollout_source import RolloutSource
+
+    source = RolloutSource(rollouts_from, cfg.rollout.prompts_per_step, tokenizer, vocab_size=vocab_size,
+                           steps=cfg.train.steps)
+    m = source.meta
+    if float(m.get("top_p", 1.0)) < 1.0 and "top_k" not in m:  # before kept sets were recorded
+        raise ConfigError(top_p_refusal(f"--rollouts-from {rollouts_from} was sampled with top_p={m['top_p']}"))
+    if float(m.get("top_p", 1.0)) < 1.0 or int(m.get("top_k", 0) or 0) > 0:
+        kept_set_bound(f"--rollouts-from {rollouts_from} was sampled with top_p={m.get('top_p')}, top_k={m.get('top_k')}",
+                       m.get("engine", "hf"), int(m.get("top_k", 0) or 0), int(m.get("logprobs_k", 0) or 0), vocab_size)
+    source.check_sampled_as(cfg, rollouts_from)  # pi at the temperature mu was sampled at
+    return source
 
 
 def check_engine(cfg: Config) -> None:

@@ -284,25 +284,32 @@ def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, la
                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, logprobs_k=1)
     row = {}
     for bench in benches:
-        chat = cfg.model.chat_template if bench in OWN_TASK_BENCHMARKS else False
-        t0 = time.time()
-        bench_cfg = _bench_config(cfg, bench)
-        task = build_task(bench, bench_cfg, tokenizer)
-        template = template_label(task)
-        try:
-            examples = task.test_examples()[: e.n_problems]
-            graded = sample_and_grade(engine, tokenizer, task, examples, settings,
-                                      EvalBatches((cfg.seed, "eval", seed_name(bench), step), cfg.rollout.batch_size, chat))
-        finally:
-            task.close()
-        report = summarize(bench, examples, graded, seed=cfg.seed, task=bench_cfg.task.name)
-        report.update(model=str(store.root), weights=None, run=store.name, step=step, data=describe_data(bench, bench_cfg),
-                      reward=reward_name(task), time_s=time.time() - t0, generation=generation_block(settings, engine.name, template, chat, cfg.seed, cfg))
+        report = _bench_report(cfg, store, engine, tokenizer, bench, step, settings)
         if write:
             save(report, store.eval_path(bench, step), store, bench, step)
         row[f"eval/{bench}/avg_at_k"] = report["avg_at_k"]
         row[f"eval/{bench}/pass_at_k"] = report["pass_at_k"]
     return row
+
+
+def _bench_report(cfg: Config, store: RunStore, engine, tokenizer, bench: str, step: int,
+                  settings: SamplingSettings) -> dict:
+    """``bench``'s report on the policy after ``step`` (``periodic_eval``), not written."""
+    chat = cfg.model.chat_template if bench in OWN_TASK_BENCHMARKS else False
+    t0 = time.time()
+    bench_cfg = _bench_config(cfg, bench)
+    task = build_task(bench, bench_cfg, tokenizer)
+    template = template_label(task)
+    try:
+        examples = task.test_examples()[: cfg.eval.n_problems]
+        graded = sample_and_grade(engine, tokenizer, task, examples, settings,
+                                  EvalBatches((cfg.seed, "eval", seed_name(bench), step), cfg.rollout.batch_size, chat))
+    finally:
+        task.close()
+    report = summarize(bench, examples, graded, seed=cfg.seed, task=bench_cfg.task.name)
+    report.update(model=str(store.root), weights=None, run=store.name, step=step, data=describe_data(bench, bench_cfg),
+                  reward=reward_name(task), time_s=time.time() - t0, generation=generation_block(settings, engine.name, template, chat, cfg.seed, cfg))
+    return report
 
 
 def _bench_config(cfg: Config, bench: str) -> Config:

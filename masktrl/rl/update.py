@@ -133,8 +133,7 @@ def policy_update(learner: Learner, samples: list[Sample], settings: UpdateSetti
     its time is reported as ``old_forward_s``.
     """
     batch = StepBatch(samples, step, dist or Dist(), hooks, reference)
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(stream_seed(settings.seed, "order", step)))
-    parts = [p for p in order.chunk(settings.minibatches) if len(p)]
+    parts = _minibatches(len(samples), settings, step)
     rows, trained, skipped = [], 0, 0
     learner.model.train()
     t0 = time.perf_counter()
@@ -148,12 +147,25 @@ def policy_update(learner: Learner, samples: list[Sample], settings: UpdateSetti
             hooks.after(mb, idx.tolist())
         rows.append(diag)
     learner.model.eval()
+    return _step_stats(rows, skipped, old_forward_s if needs_old else None, batch.dist, trained)
+
+
+def _minibatches(n: int, settings: UpdateSettings, step: int) -> list[torch.Tensor]:
+    """The step's ``settings.minibatches`` minibatches of sample indices, in the step's own random order."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(stream_seed(settings.seed, "order", step)))
+    parts = [p for p in order.chunk(settings.minibatches) if len(p)]
+    return parts
+
+
+def _step_stats(rows: list[dict], skipped: int, old_forward_s: float | None, dist: Dist, trained: int) -> dict:
+    """The step's diagnostics: the minibatches' averaged, the skipped updates, pi_old's time
+    (decoupled corrections), the sequences each process trained on (several processes)."""
     stats = _mean_rows(rows)
     stats["skipped_updates"] = skipped
-    if needs_old:
+    if old_forward_s is not None:
         stats["old_forward_s"] = old_forward_s
-    if batch.dist.world > 1:  # shows the sharding: sequences each process trained on, in rank order
-        stats["sequences_per_process"] = batch.dist.gather_objects(trained)
+    if dist.world > 1:  # shows the sharding: sequences each process trained on, in rank order
+        stats["sequences_per_process"] = dist.gather_objects(trained)
     return stats
 
 
