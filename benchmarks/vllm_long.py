@@ -41,7 +41,7 @@ def long_rows(path: str) -> tuple[dict, dict]:
     result = json.loads(Path(path).read_text())
     rows = [g for g in result.get("generation", []) if g["shape"] == "long" and g.get("variant") == "generate" and g.get("batches")]
     if not rows:
-        die(f"{path} holds no long-shape generate batches: run roofline.py --shapes long --json {path} first")
+        die(f"{path} holds no long-shape generate batches: run roofline.py --shapes long --json " f"{path} first")
     return rows[0], result
 
 

@@ -379,7 +379,7 @@ def interaction_test(d1, d2, *, paired: bool = False, margin: float | None = Non
            "n1": int(x.size), "n2": int(y.size), "t": float("nan"), "p": float("nan")}
     if paired:
         if x.size != y.size:
-            raise ValueError(f"a paired interaction needs the same seeds under both sources, got {x.size} and {y.size}")
+            raise ValueError(f"a paired interaction needs the same seeds under both sources, got {x.size} and " f"{y.size}")
         r = paired_tests(x, y)
         out.update(t=r["t"], p=r["p_ttest"], p_sign_flip=sign_flip_p(x - y))
         if margin is not None:

@@ -145,7 +145,7 @@ def markdown(folders: list[dict]) -> str:
             if row["is_baseline"]:
                 diff, tp, sp, holm, mdd = "base", "", "", "", ""
             else:
-                diff = f"{signed(s.get('diff_paired'))} [{signed(s.get('diff_ci_paired_low'))}, {signed(s.get('diff_ci_paired_high'))}]"
+                diff = f"{signed(s.get('diff_paired'))} [{signed(s.get('diff_ci_paired_low'))}, " f"{signed(s.get('diff_ci_paired_high'))}]"
                 tp, sp, holm, mdd = f3(s.get("p_paired_t")), f3(s.get("p_sign_flip")), f3(s.get("p_holm")), f3(s.get("mdd_paired"))
             lines.append("| " + " | ".join([
                 row.get("display", row["label"]), f["source"], str(s["n"]), f"{f3(s['mean'])}{sd}", diff, tp, sp, holm, mdd,

@@ -254,7 +254,7 @@ def test_a_second_writer_is_refused_by_the_folder_lock(tmp_path):
     from masktrl.runs import locks
 
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY)\n"
-                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(60)", str(tmp_path)],
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', " "flush=True)\ntime.sleep(60)", str(tmp_path)],
                               stdout=subprocess.PIPE, text=True, env=masktrl_env())
     try:
         assert holder.stdout.readline().strip() == "locked"

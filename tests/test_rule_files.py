@@ -21,7 +21,7 @@ from tests.conftest import cli, write_tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tanh_clip.py"
-HEADER = "from dataclasses import dataclass\nfrom masktrl.methods import MethodParams, TokenLosses, register_method\n\n"
+HEADER = "from dataclasses import dataclass\nfrom masktrl.methods import MethodParams, TokenLosses, " "register_method\n\n"
 GOOD = HEADER + '''
 @dataclass(frozen=True)
 class P(MethodParams):

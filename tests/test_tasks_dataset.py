@@ -69,7 +69,7 @@ def test_bad_sources_keys_and_templates_are_one_line_errors(folder, tmp_path):
 
     msg = error(ConfigError, prompt_key="question.txt", answer_key="label.value")
     assert "task.prompt_key 'question.txt'" in msg
-    assert "available fields of the first row: question, question.text, question.level, label, label.value, split, tags" in msg
+    assert "available fields of the first row: question, question.text, question.level, label, label.value, " "split, tags" in msg
     msg = error(ConfigError, prompt_key="question.text", answer_key="answer")
     assert "task.answer_key 'answer'" in msg and "label.value" in msg
     msg = error(ConfigError, prompt_key="question.text", answer_key="label.value", template="{prompt} {difficulty}")
@@ -94,7 +94,7 @@ def test_hub_id_from_the_local_cache_only(tmp_path, datasets_cache):  # noqa: F8
     with pytest.raises(DataError) as info:
         load_rows("acme/not-cached", "train")
     msg = str(info.value)
-    assert "'acme/not-cached': no such file or folder, and as a dataset id it is not in the local datasets cache" in msg
+    assert "'acme/not-cached': no such file or folder, and as a dataset id it is not in the local datasets " "cache" in msg
     assert "nothing is downloaded" in msg
     assert str(datasets_cache) in msg and "\n" not in msg
 
@@ -179,4 +179,4 @@ def test_messages_a_new_user_meets(tmp_path, datasets_cache, monkeypatch):  # no
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError) as info:
         load_rows("data/dapo")
-    assert "task.source 'data/dapo': no such file or folder, and as a dataset id it is not in the local datasets cache" in str(info.value)
+    assert "task.source 'data/dapo': no such file or folder, and as a dataset id it is not in the local " "datasets cache" in str(info.value)

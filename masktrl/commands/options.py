@@ -52,7 +52,7 @@ ConfigOpt = Annotated[
     Optional[list[Path]],
     typer.Option(
         "--config", "-c", metavar="FILE", show_default=False,
-        help="YAML file, or a shipped preset by name from any folder (lab, qwen3-4b, methods/pdm-agg; default: tiny). "
+        help="YAML file, or a shipped preset by name from any folder (lab, qwen3-4b, " "methods/pdm-agg; default: tiny). "
              "Repeatable: a later file overrides an earlier one key by key, "
              "e.g. --config qwen3-4b --config methods/pdm-agg.",
     ),
@@ -65,19 +65,19 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", help="Run
 SetOpt = Annotated[
     Optional[list[str]],
     typer.Option("--set", metavar="KEY=VALUE", show_default=False,
-                 help="Dotted config override, repeatable: --set train.lr=1e-4 --set method.divergence=topk-tv "
+                 help="Dotted config override, repeatable: --set train.lr=1e-4 --set " "method.divergence=topk-tv "
                       "(every key: masktrl config keys)."),
 ]
 
 TaskConfigOpt = Annotated[
     Optional[list[Path]],
     typer.Option("--config", "-c", metavar="FILE", help="YAML file whose task section (and model.chat_template) sets the dataset, reward and "
-                 "template, as for train (docs/TASKS.md); repeatable, a later file overrides an earlier one.", show_default=False),
+                 "template, as for train (docs/TASKS.md); repeatable, a later file overrides " "an earlier one.", show_default=False),
 ]
 TaskSetOpt = Annotated[
     Optional[list[str]],
-    typer.Option("--set", metavar="KEY=VALUE", help="task.KEY=VALUE or model.chat_template=..., repeatable: the dataset, reward and template keys "
-                 "of train, e.g. --set task.source=data/x.jsonl --set task.reward=my_rewards.py:score."),
+    typer.Option("--set", metavar="KEY=VALUE", help="task.KEY=VALUE or model.chat_template=..., repeatable: the dataset, reward and template " "keys "
+                 "of train, e.g. --set task.source=data/x.jsonl --set " "task.reward=my_rewards.py:score."),
 ]
 
 
@@ -86,7 +86,7 @@ def method_help() -> str:
     from masktrl.methods import get_method, method_names
 
     listed = "; ".join(f"{name}: {get_method(name).help}" for name in method_names())
-    return (f"Method (default: the config's). {listed}. Or a rule of your own: path/to/rules.py:NAME (docs/METHODS.md, "
+    return (f"Method (default: the config's). {listed}. Or a rule of your own: path/to/rules.py:NAME " "(docs/METHODS.md, "
             "\"Writing your own rule\"). Parameters via --set method.X=...")
 
 
@@ -95,12 +95,12 @@ MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", metavar="NAM
 
 # ``masktrl train``'s own options
 ResumeOpt = Annotated[
-    Optional[str], typer.Option("--resume", metavar="RUN", help="Continue RUN (a name: looked up under --out only; a run elsewhere as a path, ./NAME) from its last checkpoint.", show_default=False)
+    Optional[str], typer.Option("--resume", metavar="RUN", help="Continue RUN (a name: looked up under --out only; a run elsewhere as a path, ./NAME) " "from its last checkpoint.", show_default=False)
 ]
 ForceOpt = Annotated[bool, typer.Option("--force", help="With --resume: accept a config that differs from run.yaml.")]
 RolloutsFromOpt = Annotated[
     Optional[str],
-    typer.Option("--rollouts-from", metavar="RUN|FILE", help="Train on stored rollouts: a run (folder, or name under --out) or a parquet file from `masktrl rollout`.", show_default=False),
+    typer.Option("--rollouts-from", metavar="RUN|FILE", help="Train on stored rollouts: a run (folder, or name under --out) or a parquet file from " "`masktrl rollout`.", show_default=False),
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Run every check, print the resolved config and the projected disk use, write nothing.")]
 

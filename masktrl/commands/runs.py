@@ -49,7 +49,7 @@ def runs(
         line = advice(r, folder)
         if line:
             word, rest = line.split(" ", 1)
-            console.print(f"[{STATUS_STYLE['damaged' if word == 'damaged' else 'interrupted']}]{word}[/] {escape(rest)}",
+            console.print(f"[{STATUS_STYLE['damaged' if word == 'damaged' else 'interrupted']}]{word}[/] " f"{escape(rest)}",
                           highlight=False, soft_wrap=True)
 
 

@@ -12,7 +12,7 @@ from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, OutOpt, SetOpt
 
 
 def sweep(
-    methods: Annotated[str, typer.Option("--methods", metavar="LIST", help="Comma-separated methods; NAME:KEY=VALUE gives one its parameters, so a sweep can hold variants: pdm:tail=agg,pdm:tail=uniform (run pdm-tail-uniform-seed<k>); a rule of your own as path/to/rules.py:NAME[:KEY=VALUE] (run NAME-seed<k>). Parameters for all via --set method.X=....")] = "grpo,dppo,pdm,sis",
+    methods: Annotated[str, typer.Option("--methods", metavar="LIST", help="Comma-separated methods; NAME:KEY=VALUE gives one its parameters, so a sweep can " "hold variants: pdm:tail=agg,pdm:tail=uniform (run pdm-tail-uniform-seed<k>); a rule " "of your own as path/to/rules.py:NAME[:KEY=VALUE] (run NAME-seed<k>). Parameters for " "all via --set method.X=....")] = "grpo,dppo,pdm,sis",
     seeds: Annotated[str, typer.Option("--seeds", metavar="N|LIST", help="A count (3: seeds 0,1,2) or a list (0,4,7).")] = "3",
     config: ConfigOpt = None,
     out: OutOpt = DEFAULT_OUT,
@@ -28,14 +28,14 @@ def sweep(
     ] = False,
     slurm_opts: Annotated[
         Optional[list[str]],
-        typer.Option("--slurm", metavar="KEY=VALUE", help="slurm: an #SBATCH option KEY=VALUE, repeatable: --slurm partition=gpu --slurm gres=gpu:8 --slurm time=72:00:00.",
+        typer.Option("--slurm", metavar="KEY=VALUE", help="slurm: an #SBATCH option KEY=VALUE, repeatable: --slurm partition=gpu --slurm " "gres=gpu:8 --slurm time=72:00:00.",
                      show_default=False),
     ] = None,
     accelerate_config: Annotated[
         Optional[Path], typer.Option("--accelerate-config", metavar="FILE", help="Run each training under accelerate launch --config_file FILE.", show_default=False)
     ] = None,
     no_submit: Annotated[bool, typer.Option("--no-submit", help="slurm: write the sbatch scripts, submit nothing.")] = False,
-    resubmit: Annotated[bool, typer.Option("--resubmit", help="slurm: submit runs whose earlier job squeue cannot rule out as still queued or running.")] = False,
+    resubmit: Annotated[bool, typer.Option("--resubmit", help="slurm: submit runs whose earlier job squeue cannot rule out as still queued or " "running.")] = False,
 ) -> None:
     """Train every method x seed (runs <method>-seed<k> under OUT, one after another), then print the compare table.
 
@@ -61,7 +61,7 @@ def sweep(
         if print_commands or not all(i.state == "complete" for i in items):
             return
     todo = sum(i.state != "complete" for i in items)
-    console.print(f"[bold]masktrl sweep[/] {len(method_list)} methods x {len(seed_list)} seeds: {len(items) - todo} complete, {todo} to run, under {out}")
+    console.print(f"[bold]masktrl sweep[/] {len(method_list)} methods x {len(seed_list)} seeds: " f"{len(items) - todo} complete, {todo} to run, under {out}")
     stage.run(items, progress_bar, lambda event, item: print_event(event, item, items))
     roots = [i.root for i in items]
     base = baseline or ("grpo" if "grpo" in method_list else method_list[0])

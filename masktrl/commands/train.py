@@ -47,7 +47,7 @@ def train(
     except Interrupted as exc:
         done = getattr(exc, "checkpoints", [])
         where = f"after checkpoint {done[-1]}" if done else "before its first checkpoint"
-        err_console.print(f"[yellow]interrupted[/] ({signal.Signals(exc.signum).name}): run {getattr(exc, 'run', '')} stopped {where}; "
+        err_console.print(f"[yellow]interrupted[/] ({signal.Signals(exc.signum).name}): run " f"{getattr(exc, 'run', '')} stopped {where}; "
                           "`masktrl train --resume` (or the same command) continues it", highlight=False, soft_wrap=True)
         raise typer.Exit(128 + exc.signum) from None
     if result.is_main:
@@ -58,7 +58,7 @@ def train(
 
 def print_start(plan) -> None:
     verb = {"resume": "resuming", "restart": "restarting"}.get(plan.start.mode, "run")
-    console.print(f"[bold]masktrl train[/] {verb} [cyan]{plan.root.name}[/] method [cyan]{plan.cfg.method_name}[/] seed {plan.cfg.seed}")
+    console.print(f"[bold]masktrl train[/] {verb} [cyan]{plan.root.name}[/] method " f"[cyan]{plan.cfg.method_name}[/] seed {plan.cfg.seed}")
     if plan.start.note and not plan.explicit_resume:
         console.print(plan.start.note, highlight=False)
 

@@ -73,7 +73,7 @@ def dppo(batch: TokenBatch, adv: Tensor, p: DPPOParams, u: Tensor | None) -> Tok
 
 
 @register_method("pdm", PDMParams, "predictive divergence mask D > delta and sign(A Ddot) > 0 (top-K KL/TV; "
-                 "tail=bracket: the full-KL Ddot's sign certified from the list; tail=exact: the top-K KL's exact Ddot)")
+                 "tail=bracket: the full-KL Ddot's sign certified from the list; tail=exact: the " "top-K KL's exact Ddot)")
 def pdm(batch: TokenBatch, adv: Tensor, p: PDMParams, u: Tensor | None) -> TokenLosses:
     """Predictive divergence mask (§4) on the union support; DPPO's loss form. tail=bracket: the
     certified-sign mask of §4.6 (kl only)."""
@@ -89,7 +89,7 @@ def pdm(batch: TokenBatch, adv: Tensor, p: PDMParams, u: Tensor | None) -> Token
         return TokenLosses(loss, mask, d, None, None, lw, lo, hi)
     if p.tail == "exact":
         if batch.pi_sq_sum is None:
-            raise ValueError("method.tail=exact needs the training distribution's sum_V pi^2 (TokenBatch.pi_sq_sum), "
+            raise ValueError("method.tail=exact needs the training distribution's sum_V pi^2 " "(TokenBatch.pi_sq_sum), "
                              "which only a trainer with the full pi can give")
         ddot = rate_topk_exact_on_support(s, batch.pi_sq_sum.detach().to(s.pi_tail.dtype))
     else:

@@ -52,7 +52,7 @@ class PrimeDPPOParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
 
     def __post_init__(self) -> None:
         for name in ("dppo_mask_low", "dppo_mask_high", "adv_tau", "kl_tau"):
@@ -75,7 +75,7 @@ class PrimeIPOParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
 
     def __post_init__(self) -> None:
         _number("ipo_threshold", self.ipo_threshold, lo=0, inf_ok=True)

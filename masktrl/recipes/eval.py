@@ -55,8 +55,8 @@ class EvalOptions:
         if self.k < 1:
             raise ConfigError(f"--k must be >= 1, got {self.k}")
         if self.k > MAX_K:
-            raise ConfigError(f"--k {self.k} is above {MAX_K}: the report keeps every sample's answer, length and score (--k per "
-                              "problem); --batch-size bounds what is generated at once, not the report")
+            raise ConfigError(f"--k {self.k} is above {MAX_K}: the report keeps every sample's answer, length and " "score (--k per "
+                              "problem); --batch-size bounds what is generated at once, not the " "report")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan and inf are not temperatures
             raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature}")
         if self.temperature == 0 and self.k != 1:
@@ -72,7 +72,7 @@ class EvalOptions:
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if bench in OWN_TASK_BENCHMARKS and (self.data is not None or self.template is not None or self.config or self.overrides):
-            raise ConfigError(f"--data, --template, --config and --set apply to datasets; {bench} uses the run's own task")
+            raise ConfigError(f"--data, --template, --config and --set apply to datasets; {bench} uses the run's " "own task")
         if self.template is not None:
             from masktrl.tasks.templates import PromptTemplate
 
@@ -133,7 +133,7 @@ def _target(bench: str, model: str, step: int | None, opts: EvalOptions, *, out:
     if bench in OWN_TASK_BENCHMARKS and ref.store is None:
         raise ConfigError(f"benchmark {bench} needs a run (--model <run>): {model} is no run folder (no run.yaml)")
     if output is not None and ref.store is not None:
-        raise ConfigError(f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is for models that are not runs")
+        raise ConfigError(f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is " "for models that are not runs")
     if ref.store is not None:
         refuse_symlink(ref.store.root)  # its report would be written outside --out
     path = Path(output) if output is not None else output_path(ref, bench, out)
@@ -171,7 +171,7 @@ def run_folder(bench: str, runs: list[Path], step: int | None, opts: EvalOptions
     ``done(root, result)`` is called after each run."""
     opts.validate(bench)
     if output is not None:
-        raise ConfigError("--output: each run's evals are stored in the run; --output is for one model that is not a run")
+        raise ConfigError("--output: each run's evals are stored in the run; --output is for one model that is not " "a run")
     results: list[tuple[Path, EvalResult | str]] = []
     for root in runs:
         status = RunStore(root, writable=False).status()

@@ -243,8 +243,8 @@ def check_finite(s: State, step: int) -> None:
     run, limit = s.count.nonfinite_run, s.cfg.train.max_nonfinite_steps
     if run >= limit:
         raise NonFiniteError(
-            f"steps {step - run + 1}-{step}: {run} steps in a row with a non-finite loss or gradient norm (not applied); "
-            f"the run stops (train.max_nonfinite_steps={limit}): lower train.lr or check the rollouts"
+            f"steps {step - run + 1}-{step}: {run} steps in a row with a non-finite loss or " "gradient norm (not applied); "
+            f"the run stops (train.max_nonfinite_steps={limit}): lower train.lr or check the " "rollouts"
         )
 
 

@@ -64,7 +64,7 @@ def bench_task_config(bench: str, cfg: Config, *, template: str | None = None, d
     for section, value in given.items():
         keys = list(value) if isinstance(value, dict) else [None]
         if section != "task" and (section, keys) != ("model", ["chat_template"]):
-            raise ConfigError(f"--config/--set of eval and rollout take task.* keys and model.chat_template, not {section}.{keys[0]}")
+            raise ConfigError("--config/--set of eval and rollout take task.* keys and model.chat_template, not " f"{section}.{keys[0]}")
     raw.update(given.get("task") or {})
     raw["name"] = bench
     chat = given.get("model", {}).get("chat_template", cfg.model.chat_template)
@@ -101,8 +101,8 @@ def build_task(bench: str, cfg: Config, tokenizer=None):
     ``cfg.model.chat_template``)."""
     if bench in OWN_TASK_BENCHMARKS:
         if cfg.task.name not in SYNTHETIC_TASKS:
-            raise ConfigError(f"benchmark {bench} is the run's own synthetic task ({', '.join(SYNTHETIC_TASKS)}), but it trains on "
-                              f"{cfg.task.name!r}: evaluate it with masktrl eval dataset (or a math benchmark)")
+            raise ConfigError(f"benchmark {bench} is the run's own synthetic task ({', '.join(SYNTHETIC_TASKS)}), " "but it trains on "
+                              f"{cfg.task.name!r}: evaluate it with masktrl eval dataset (or a " "math benchmark)")
         return make_task(cfg.task, cfg.model)
     return make_eval_task(cfg.task, cfg.model, tokenizer)
 
@@ -239,7 +239,7 @@ def generation_block(settings: SamplingSettings, engine: str, template, chat: bo
 def describe_data(bench: str, cfg: Config) -> str:
     t = cfg.task
     if bench in OWN_TASK_BENCHMARKS and t.name == "arithmetic":
-        return f"arithmetic held-out split (ops={t.ops}, digits={t.digits}, answer_format={t.answer_format}, n_test={t.n_test})"
+        return f"arithmetic held-out split (ops={t.ops}, digits={t.digits}, " f"answer_format={t.answer_format}, n_test={t.n_test})"
     if bench in OWN_TASK_BENCHMARKS:
         options = ", ".join(f"{k}={v}" for k, v in sorted(t.options.items()))
         return f"{t.name} held-out split (n_test={t.n_test}" + (f", {options})" if options else ")")

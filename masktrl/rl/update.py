@@ -242,7 +242,7 @@ def rescale_to_kept(model, total: int, kept: float, dist: Dist) -> float:
     gradients are multiplied by total / kept, which turns that into kept / kept (nothing when no
     token is kept). Returns the factor."""
     if dist.deepspeed:
-        raise MasktrlError("method.correction.denominator=kept is not supported under DeepSpeed (it steps inside backward)")
+        raise MasktrlError("method.correction.denominator=kept is not supported under DeepSpeed (it steps inside " "backward)")
     if kept <= 0:
         return 1.0
     factor = max(total, 1) / kept
@@ -313,15 +313,15 @@ def _micro_batches(samples: list[Sample], dist: Dist, settings: UpdateSettings) 
     if res.oversized and budget not in _WARNED_BUDGETS:
         _WARNED_BUDGETS.add(budget)
         longest = max(packing.sequence_tokens(len(part[i].prompt_ids), len(part[i].gen.response_ids)) for i in res.oversized)
-        print(f"warning: train.micro_batch_tokens={budget}: {len(res.oversized)} sequence(s) are longer (up to {longest} tokens); "
+        print(f"warning: train.micro_batch_tokens={budget}: {len(res.oversized)} sequence(s) are " f"longer (up to {longest} tokens); "
               "each is trained alone in a micro-batch of its own", file=sys.stderr, flush=True)
     batches = [[mine[j] for j in b] for b in res.batches]
     if dist.world > 1:
         count = max(dist.gather_objects(len(batches)))
         if count > len(batches):
             if len(mine) < count:
-                raise MasktrlError(f"train.micro_batch_tokens={budget}: a process holds {len(mine)} sequences of a minibatch but "
-                                   f"another needs {count} micro-batches; raise train.micro_batch_tokens or lower train.minibatches")
+                raise MasktrlError(f"train.micro_batch_tokens={budget}: a process holds {len(mine)} sequences of a " "minibatch but "
+                                   f"another needs {count} micro-batches; raise " "train.micro_batch_tokens or lower train.minibatches")
             batches = packing.balance(batches, count)
     return batches
 
@@ -332,7 +332,7 @@ def micro_batches(n: int, rank: int, world: int, grad_accum: int) -> list[list[i
     non-empty micro-batches (each runs the same collectives), hence the check."""
     if n // world < grad_accum:
         raise MasktrlError(
-            f"a minibatch of {n} sequences cannot be split over {world} process(es) x train.grad_accum={grad_accum}: "
+            f"a minibatch of {n} sequences cannot be split over {world} process(es) x " f"train.grad_accum={grad_accum}: "
             "lower train.minibatches or train.grad_accum, or raise rollout.prompts_per_step"
         )
     mine = list(range(rank, n, world))

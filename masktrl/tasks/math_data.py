@@ -399,8 +399,8 @@ def _benchmark_factory(bench: str):
     ) -> MathTask:
         unknown = sorted(set(options) - set(PRESET_OPTIONS))
         if unknown:
-            raise ConfigError(f"task {bench!r}: unknown option(s) {', '.join(unknown)}; accepted: data_file, n_test, seed, "
-                              f"test, test_file, template, tokenizer, timeout_s, require_boxed, grader_workers, {', '.join(PRESET_OPTIONS)}")
+            raise ConfigError(f"task {bench!r}: unknown option(s) {', '.join(unknown)}; accepted: data_file, " "n_test, seed, "
+                              "test, test_file, template, tokenizer, timeout_s, require_boxed, " f"grader_workers, {', '.join(PRESET_OPTIONS)}")
         o = {**dict.fromkeys(PRESET_OPTIONS), "split": "train", "chat": False, **options}
         source, split, test_split, subset = o["source"], o["split"], o["test_split"], o["subset"]
         prompt_key, answer_key = o["prompt_key"], o["answer_key"]

@@ -18,7 +18,7 @@ from masktrl.commands.options import DEFAULT_OUT, Command, Group, OutOpt, outsid
 
 app = typer.Typer(
     cls=Group,
-    help="Analyses of runs: disagreement (token study), estimators (top-K Ḋ vs exact), dynamics (curves), compare (seed statistics), sis.",
+    help="Analyses of runs: disagreement (token study), estimators (top-K Ḋ vs exact), dynamics " "(curves), compare (seed statistics), sis.",
     no_args_is_help=True,
 )
 
@@ -61,12 +61,12 @@ StepsOpt = Annotated[
 UpdateOpt = Annotated[
     str,
     typer.Option("--update-method", metavar="NAME", help="The replayed update: unmasked (importance-weighted PG, no trust-region mask: "
-                 "favours no criterion), run (the run's own method) or a method name or path/to/rules.py:NAME (its defaults)."),
+                 "favours no criterion), run (the run's own method) or a method name or " "path/to/rules.py:NAME (its defaults)."),
 ]
 PartitionsOpt = Annotated[int, typer.Option("--partitions", metavar="N", help="Replays of each batch with other minibatch partitions (seed values run seed + 0..N-1).")]
 PolicyStepOpt = Annotated[
     Optional[int],
-    typer.Option("--policy-step", metavar="P", help="Checkpoint the update starts from (one run, one step; default S-1; later = staler rollouts).", show_default=False),
+    typer.Option("--policy-step", metavar="P", help="Checkpoint the update starts from (one run, one step; default S-1; later = staler " "rollouts).", show_default=False),
 ]
 MinibatchesOpt = Annotated[
     Optional[int],
@@ -81,7 +81,7 @@ DeltaOpt = Annotated[float, typer.Option("--delta", metavar="D", help="Trust-reg
 ReplayOptimizerOpt = Annotated[
     str,
     typer.Option("--replay-optimizer", metavar="run|sgd|adamw", help="The optimizer of the replayed update: run (the run's AdamW with its "
-                 "stored moments and schedule: what training did), adamw (fresh moments, constant lr), sgd (plain, constant lr)."),
+                 "stored moments and schedule: what training did), adamw (fresh moments, " "constant lr), sgd (plain, constant lr)."),
 ]
 ReplayLrOpt = Annotated[
     Optional[float],
@@ -89,7 +89,7 @@ ReplayLrOpt = Annotated[
                  "checkpoint; with run it replaces the schedule).", show_default=False),
 ]
 RecutKsOpt = Annotated[Optional[str], typer.Option("--k", metavar="K,...", help="Also the study at these list sizes (the stored lists "
-                                                  "re-cut, at most their K): D, Ḋ and ΔD of the top-K KL at each K.", show_default=False)]
+                                                  "re-cut, at most their K): D, Ḋ and ΔD of " "the top-K KL at each K.", show_default=False)]
 ResetMomentsOpt = Annotated[
     bool, typer.Option("--reset-moments", help="Clear the Adam state before every minibatch update (each update a first Adam step).")
 ]
@@ -105,7 +105,7 @@ def replay_optimizer(name: str, lr: float | None, reset: bool):
 def optimizer_text(result: dict) -> str:
     opt = result.get("replay_optimizer") or {}
     lr = opt.get("lr_used")
-    return f"optimizer {opt.get('name', 'run')}{f' lr {lr:g}' if lr is not None else ''}{' (moments reset per minibatch)' if opt.get('reset_moments') else ''}"
+    return "optimizer " f"{opt.get('name', 'run')}{f' lr {lr:g}' if lr is not None else ''}{' (moments reset per minibatch)' if opt.get('reset_moments') else ''}"
 
 
 def steps_text(steps: list[int]) -> str:

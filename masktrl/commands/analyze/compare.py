@@ -17,18 +17,18 @@ def compare(
     out: OutOpt = DEFAULT_OUT,
     output: ResultOpt = None,
     baseline: Annotated[str, typer.Option("--baseline", metavar="LABEL", help="The group the others are tested against: a method name "
-                                          "with one group, a label, a handle (#2) or a run folder of the group.")] = "grpo",
+                                          "with one group, a label, a handle (#2) or a " "run folder of the group.")] = "grpo",
     metric: Annotated[str, typer.Option("--metric", metavar="KEY", help="Metric: eval/heldout/accuracy or eval/<bench>/avg_at_k.")] = "eval/heldout/accuracy",
     eval_bench: Annotated[Optional[str], typer.Option("--eval", metavar="BENCH", show_default=False, help="Score each run by the avg@k of its "
-                          "`masktrl eval BENCH` report on its final checkpoint (e.g. task: the run's own held-out split, k samples per prompt) instead of --metric.")] = None,
-    test: Annotated[str, typer.Option("--test", metavar="welch|permutation|paired", help="welch | permutation | paired (a paired t-test over the seeds shared with the baseline: a seed's runs share its warm start). All three are in the JSON.")] = "welch",
+                          "`masktrl eval BENCH` report on its final checkpoint (e.g. " "task: the run's own held-out split, k samples per prompt) " "instead of --metric.")] = None,
+    test: Annotated[str, typer.Option("--test", metavar="welch|permutation|paired", help="welch | permutation | paired (a paired t-test over the seeds shared with the " "baseline: a seed's runs share its warm start). All three are in the JSON.")] = "welch",
     n_boot: Annotated[int, typer.Option("--n-boot", metavar="N", help="Bootstrap resamples for the 95% CI.")] = 10000,
     margin: Annotated[Optional[float], typer.Option("--margin", metavar="X", show_default=False, help="Equivalence margin: every "
-                      "difference not found significant gets a TOST of |difference| < X (paired with --test paired, else Welch); "
+                      "difference not found significant gets a TOST of |difference| < X " "(paired with --test paired, else Welch); "
                       "without it no row is called equivalent.")] = None,
     interaction: Annotated[Optional[str], typer.Option("--interaction", metavar="A-B,C-D", show_default=False, help="Test whether the "
-                           "effect A-B differs from C-D (group handles or labels; paired by seed when both have the same seeds), "
-                           "with its TOST at --margin: e.g. #2-#1,#4-#3 for a method's effect under two sources.")] = None,
+                           "effect A-B differs from C-D (group handles or labels; paired " "by seed when both have the same seeds), "
+                           "with its TOST at --margin: e.g. #2-#1,#4-#3 for a method's " "effect under two sources.")] = None,
 ) -> None:
     """Methods over seeds (the run is the unit): final accuracy (or, with --eval, the avg@k of each run's eval report) with mean, std, bootstrap 95% CI; vs the baseline the difference with its CI, p (Holm and BH across the table) and the 80%-power detectable difference; best of the evaluations, biased upward, untested; the collapse rate (training reward below half its start, for good). With --test paired: the exact sign-flip p beside the paired t p (the larger decides), the paired MDD at alpha/m (post hoc) and, with --margin, a TOST for every difference not found; --interaction tests whether one effect differs from another."""
     from masktrl.analysis import compare as cmp
@@ -50,16 +50,16 @@ def print_compare(table: dict) -> None:
     ci_name, d_key, lo_key, hi_key = (("paired", "diff_paired", "diff_ci_paired_low", "diff_ci_paired_high") if paired
                                       else ("Welch", "diff_vs_baseline", "diff_ci_low", "diff_ci_high"))
     if paired:
-        t = Table(title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap 95% CI; vs "
-                        f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}) over the shared seeds: difference \\[paired 95% CI], "
-                        "paired t p, exact sign-flip p, Holm p of the larger, paired MDD at 80% power and alpha/m (post hoc), "
-                        f"TOST p at ±{fmt(table.get('margin'))} where no difference is found; unit: {table.get('p_unit', 'run')}")
+        t = Table(title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap " "95% CI; vs "
+                        f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}) over " "the shared seeds: difference \\[paired 95% CI], "
+                        "paired t p, exact sign-flip p, Holm p of the larger, paired MDD at 80% " "power and alpha/m (post hoc), "
+                        f"TOST p at ±{fmt(table.get('margin'))} where no difference is found; " f"unit: {table.get('p_unit', 'run')}")
         cols = ("#", "method", "n", "final", "95% CI", "diff [95% CI]", "t p", "sign-flip p", "Holm p", "MDD 80%", "TOST p", "verdict",
                 "best of evals (biased)", "collapsed")
     else:
-        t = Table(title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap 95% CI; vs "
-                        f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}): difference \\[{ci_name} 95% CI], {table['test']} p, "
-                        f"Holm p, smallest difference detectable at 80% power; unit: {table.get('p_unit', 'run')}")
+        t = Table(title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap " "95% CI; vs "
+                        f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}): " f"difference \\[{ci_name} 95% CI], {table['test']} p, "
+                        "Holm p, smallest difference detectable at 80% power; unit: " f"{table.get('p_unit', 'run')}")
         cols = ("#", "method", "n", "final", "95% CI", "diff [95% CI]", "p", "Holm p", "MDD 80%", "best of evals (biased)", "collapsed")
     for col in cols:
         t.add_column(col, justify="right" if col not in ("method", "verdict") else "left")
@@ -88,12 +88,12 @@ def print_compare(table: dict) -> None:
 def interaction_line(i: dict) -> str:
     """One line: the two effects, their difference, its t p (and sign-flip p when paired) and TOST p."""
     kind = "paired t" if i["paired"] else "Welch t"
-    line = (f"interaction {i['spec']}: effects {fmt(i['effects'][0])} and {fmt(i['effects'][1])}, difference {fmt(i['interaction'])}, "
+    line = (f"interaction {i['spec']}: effects {fmt(i['effects'][0])} and {fmt(i['effects'][1])}, " f"difference {fmt(i['interaction'])}, "
             f"{kind} p {fmt(i['p'])}")
     if i["paired"]:
         line += f", sign-flip p {fmt(i.get('p_sign_flip'))}"
     tost = i.get("tost")
-    line += (f", TOST p at ±{fmt(tost['margin'])} {fmt(tost['p'])} ({'the effect does not depend on the source' if tost['p'] < 0.05 else 'inconclusive'})"
+    line += (f", TOST p at ±{fmt(tost['margin'])} {fmt(tost['p'])} " f"({'the effect does not depend on the source' if tost['p'] < 0.05 else 'inconclusive'})"
              if tost else "; no --margin, so no claim that the effect does not depend on the source")
     return line
 

@@ -26,17 +26,17 @@ def disagreement(
     minibatches: MinibatchesOpt = None,
     exact: Annotated[bool, typer.Option("--exact/--no-exact", help="Exact full-vocabulary D and Ḋ per token (needs the behaviour checkpoint).")] = True,
     pairs: Annotated[
-        Optional[str], typer.Option("--pairs", metavar="A:B,...", help="Pairs a:b of criteria (default: ratio:ddot_agg,ratio:ddot_uniform,ddot_agg:ddot_uniform).", show_default=False)
+        Optional[str], typer.Option("--pairs", metavar="A:B,...", help="Pairs a:b of criteria (default: " "ratio:ddot_agg,ratio:ddot_uniform,ddot_agg:ddot_uniform).", show_default=False)
     ] = None,
     test: Annotated[str, typer.Option("--test", metavar="wilcoxon|ttest", help="Paired test over the batches of one run: wilcoxon | ttest "
-                                      "(both in the JSON); with several runs the run is the unit (run-blocked sign flip).")] = "wilcoxon",
+                                      "(both in the JSON); with several runs the run is " "the unit (run-blocked sign flip).")] = "wilcoxon",
     optimizer: ReplayOptimizerOpt = "run",
     replay_lr: ReplayLrOpt = None,
     reset_moments: ResetMomentsOpt = False,
     decompose: Annotated[bool, typer.Option("--decompose", help="First-order parts of every token's ΔD: own gradient term, rest of the "
-                                            "minibatch, Adam momentum, weight decay (slower: double backward per part).")] = False,
+                                            "minibatch, Adam momentum, weight decay " "(slower: double backward per part).")] = False,
     own_tokens: Annotated[int, typer.Option("--own-tokens", metavar="N", help="With --decompose: tokens per minibatch whose own term is "
-                                            "computed (two gradients each; D > δ and A != 0 first).")] = 32,
+                                            "computed (two gradients each; D > δ and A " "!= 0 first).")] = 32,
     k: RecutKsOpt = None,
 ) -> None:
     """Token study (the predictive-mask paper's Figs. 3-4): where two direction rules disagree outside the trust region, which kept tokens whose D grew?"""
@@ -66,14 +66,14 @@ def print_disagreement(result: dict) -> None:
     b = result["batches"]
     stale = sorted({x["staleness"] for x in b})
     console.print(
-        f"{len(result['runs'])} run(s) ({', '.join(sorted(set(result['methods'].values())))}), steps "
-        f"{steps_text(result['steps'])}: {result['n_batches']} batches x {result['partitions']} partition(s) = "
-        f"{result['n_replicates']} replicates ({result['replicate_unit']}); update {result['update']['name']} "
-        f"({result['update']['method']}), {optimizer_text(result)}, M = {'/'.join(map(str, result['minibatches']))}, staleness {'/'.join(map(str, stale))}, "
-        f"δ = {result['delta']:g}; {result['n_over_delta_mean']:.1f} tokens with D > δ per replicate",
+        f"{len(result['runs'])} run(s) ({', '.join(sorted(set(result['methods'].values())))}), " "steps "
+        f"{steps_text(result['steps'])}: {result['n_batches']} batches x {result['partitions']} " "partition(s) = "
+        f"{result['n_replicates']} replicates ({result['replicate_unit']}); update " f"{result['update']['name']} "
+        f"({result['update']['method']}), {optimizer_text(result)}, M = " f"{'/'.join(map(str, result['minibatches']))}, staleness {'/'.join(map(str, stale))}, "
+        f"δ = {result['delta']:g}; {result['n_over_delta_mean']:.1f} tokens with D > δ per " "replicate",
         highlight=False,
     )
-    table = Table(title=f"unsafe keep = P(ΔD > 0 | kept disagreement token): mean ± SE over replicates; contracted = pooled "
+    table = Table(title="unsafe keep = P(ΔD > 0 | kept disagreement token): mean ± SE over replicates; contracted = " "pooled "
                         f"P(ΔD < 0); p on unsafe keep: {p_text(result)}")
     table.add_column("pair")
     table.add_column("criterion")
@@ -93,7 +93,7 @@ def print_disagreement(result: dict) -> None:
                           (fmt(p) if i == 0 else "")]
             table.add_row(*cells, end_section=i == len(block["criteria"]) - 1)
     console.print(table)
-    over = Table(title=f"every token with D > δ a rule keeps ({result['n_over_delta_total']} tokens with D > δ): unsafe keep, mean ± SE over replicates")
+    over = Table(title=f"every token with D > δ a rule keeps ({result['n_over_delta_total']} tokens with D > δ): " "unsafe keep, mean ± SE over replicates")
     over.add_column("criterion")
     for scope in SCOPES:
         over.add_column(f"{scope}\nunsafe keep", justify="right")
@@ -113,6 +113,6 @@ def print_disagreement(result: dict) -> None:
         print_k_sweep(result)
     if all(block["n_disagree_total"] == 0 for block in result["pairs"].values()):
         console.print(
-            "[yellow]no disagreement token: try a smaller --delta, more --minibatches, or stale rollouts "
+            "[yellow]no disagreement token: try a smaller --delta, more --minibatches, or stale " "rollouts "
             "(rollout.staleness, or --policy-step later than S-1) so that π moves away from μ[/]"
         )
