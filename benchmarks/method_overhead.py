@@ -15,7 +15,8 @@ spin-waits should count. Wall-time ratios are reported too, with the load averag
     python benchmarks/method_overhead.py --quick --json out.json
     python benchmarks/method_overhead.py --configs tiny --variants pdm-kl-agg,pdm-kl-bracket
     python benchmarks/method_overhead.py --corrections-only --variants cispo   # grpo + each correction, cispo
-    python benchmarks/method_overhead.py --configs tiny --variants sapo,gmpo,clip-cov,kl-cov,topr,m2po,prime-dppo,prime-ipo,two-sided,trm,trm-topk-kl
+    python benchmarks/method_overhead.py --configs tiny \
+        --variants sapo,gmpo,clip-cov,kl-cov,topr,m2po,prime-dppo,prime-ipo,two-sided,trm,trm-topk-kl
 
 Off-policy corrections (``method.correction``, docs/METHODS.md §14) are variants too: grpo with
 each kind at its defaults in bypass mode, and grpo + token-tis in decoupled mode, whose step

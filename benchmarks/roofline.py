@@ -14,7 +14,8 @@ the default shape (configs/tiny.yaml), the lab (configs/lab.yaml) and the long s
   sequence of L tokens has L(L+1)/2 pairs, a shared-prompt response of r tokens r p + r(r+1)/2
   against its p-token prompt); MFU =
   those FLOPs / time / the measured peak; on a CPU also per second of process CPU time
-  against the GEMM's FLOP per CPU-second (what waiting for a shared CPU does not inflate). Memory: the bytes autograd saves for the backward
+  against the GEMM's FLOP per CPU-second (what waiting for a shared CPU does not inflate). Memory: the bytes autograd
+  saves for the backward
   (activations; distinct storages), and on a GPU the peak allocated memory; with ``--rss`` (CPU,
   Linux) also the process's peak resident memory during one step, each variant in a fresh
   process (``VmHWM`` reset through ``/proc/self/clear_refs`` just before the step): the

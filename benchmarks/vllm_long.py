@@ -16,7 +16,8 @@ sets (the script sets these defaults itself) and one OpenMP thread unless
 ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise:
 
     python benchmarks/roofline.py --shapes long --no-training --gen-reps 3 --json outputs/bench/roofline_gen.json
-    .venv-vllm/bin/python benchmarks/vllm_long.py --batches outputs/bench/roofline_gen.json --json outputs/bench/vllm_long.json
+    .venv-vllm/bin/python benchmarks/vllm_long.py --batches outputs/bench/roofline_gen.json \
+        --json outputs/bench/vllm_long.json
 """
 
 from __future__ import annotations

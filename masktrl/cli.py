@@ -4,7 +4,8 @@ that load a config, call a stage (``masktrl/recipes/``) and print a rich summary
 One error boundary: a ``MasktrlError`` (bad config, missing file, unknown method, corrupted
 artifact...) becomes one red line on stderr and exit code 2, and so does an ``OSError`` the
 machine raises (permission denied, no space left, read-only file system, a file where a folder
-belongs), named by its file, and running out of memory (``io.memory_error_line``). ``MASKTRL_DEBUG=1`` shows the traceback instead. A run stopped by
+belongs), named by its file, and running out of memory (``io.memory_error_line``). ``MASKTRL_DEBUG=1`` shows the
+traceback instead. A run stopped by
 Ctrl-C or SIGTERM exits with 128 + the signal number (130, 143).
 """
 

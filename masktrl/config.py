@@ -50,7 +50,8 @@ MAX_INT = 2**31 - 1
 MAX_SEED = 2**32 - 1
 """The largest seed: what every generator seeded from it (torch, numpy, python) accepts."""
 EVAL_BENCHMARKS = ("task", "synthetic", "aime24", "aime25", "aime", "math500", "gsm8k")
-"""`masktrl eval` benchmarks: task (alias synthetic) = the run's own held-out split of a synthetic task; aime = aime24 + aime25."""
+"""`masktrl eval` benchmarks: task (alias synthetic) = the run's own held-out
+split of a synthetic task; aime = aime24 + aime25."""
 OWN_TASK_BENCHMARKS = ("task", "synthetic")
 """The benchmark names of a run's own task: its fixed held-out split (synthetic is the older name, kept)."""
 SYNTHETIC_TASKS = ("arithmetic", "residues", "longtail")
@@ -65,9 +66,11 @@ HF_ONLY_QUANTIZATIONS = ("fp8-act", "fp8-full")
 TINY_TOKENIZERS = ("char", "numbers")
 TINY_ARCHITECTURES = ("qwen3", "llama", "qwen2", "qwen3-moe", "mistral", "gemma2", "gemma3", "phi3", "olmo2", "gpt-neox")
 MOE_ARCHITECTURES = ("qwen3-moe",)
-"""The tiny architectures with mixture-of-experts layers: the ones model.num_experts and model.experts_per_token apply to."""
+"""The tiny architectures with mixture-of-experts layers: the ones
+model.num_experts and model.experts_per_token apply to."""
 MOE_DEFAULTS = {"num_experts": 8, "experts_per_token": 2}
-"""The tiny MoE model's experts per layer and top-k when model.num_experts / experts_per_token are unset (configs/lab-moe.yaml)."""
+"""The tiny MoE model's experts per layer and top-k when model.num_experts /
+experts_per_token are unset (configs/lab-moe.yaml)."""
 """model.architecture: the names of ``masktrl.models.architectures.ARCHITECTURES`` (a test keeps them equal)."""
 
 
@@ -284,7 +287,8 @@ class RolloutConfig:
     max_new_tokens: int = 6
     """Response length limit in tokens (a longer response is cut and counts as truncated)."""
     mask_truncated: bool = False
-    """Responses cut at max_new_tokens get no gradient (their reward still enters the group baseline; TRL mask_truncated_completions)."""
+    """Responses cut at max_new_tokens get no gradient (their reward still enters
+    the group baseline; TRL mask_truncated_completions)."""
     temperature: float = 1.0
     """Sampling temperature T; the recorded behaviour log-probs and the trained pi are both
     log_softmax(logits / T)."""
@@ -807,7 +811,8 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
 
 
 def _section(cls: type, raw: Any, prefix: str) -> Any:
-    """The dataclass ``cls`` from the mapping ``raw`` (keys under ``prefix``), every value coerced to its field's type."""
+    """The dataclass ``cls`` from the mapping ``raw`` (keys under
+    ``prefix``), every value coerced to its field's type."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}

@@ -22,7 +22,7 @@ EVAL = ("eval", "synthetic", "--k", "1", "--temperature", "0")
 
 
 @pytest.mark.parametrize("name, content", [("special_tokens_map.json", '{"eos_token": "1"}'), ("added_tokens.json", '{"<x>": 17}')])
-def test_a_file_added_to_a_checkpoint_is_refused_by_eval(finished, tmp_path, cli_error, name, content):  # noqa: F811  (the fixture)
+def test_a_file_added_to_a_checkpoint_is_refused_by_eval(finished, tmp_path, cli_error, name, content):
     _, out, root = copy_run(finished, tmp_path)
     (root / "checkpoints" / "000002" / name).write_text(content)
     line = one_line(cli_error(*EVAL, "--model", root), f"checkpoints/000002/{name}: not a file of stage checkpoint/000002")
@@ -30,7 +30,7 @@ def test_a_file_added_to_a_checkpoint_is_refused_by_eval(finished, tmp_path, cli
     assert not (root / "eval").exists()
 
 
-def test_a_changed_or_missing_checkpoint_file_is_refused(finished, tmp_path, cli_error):  # noqa: F811  (the fixture)
+def test_a_changed_or_missing_checkpoint_file_is_refused(finished, tmp_path, cli_error):
     _, out, root = copy_run(finished, tmp_path)
     ckpt = root / "checkpoints" / "000002"
     (ckpt / "tokenizer_config.json").write_text((ckpt / "tokenizer_config.json").read_text().replace("}", ', "x": 1}', 1))
@@ -39,7 +39,7 @@ def test_a_changed_or_missing_checkpoint_file_is_refused(finished, tmp_path, cli
     one_line(cli_error(*EVAL, "--model", root), "tokenizer_config.json: missing (stage checkpoint/000002)")
 
 
-def test_a_file_added_to_the_warmstart_cache_rebuilds_the_entry(finished, tmp_path):  # noqa: F811  (the fixture)
+def test_a_file_added_to_the_warmstart_cache_rebuilds_the_entry(finished, tmp_path):
     config, out, root = copy_run(finished, tmp_path)
     [entry] = list((out / ".cache" / "warmstart").iterdir())
     (entry / "special_tokens_map.json").write_text('{"eos_token": "1"}')
@@ -50,7 +50,7 @@ def test_a_file_added_to_the_warmstart_cache_rebuilds_the_entry(finished, tmp_pa
     assert RunStore(out / "second").stage("eval/before")["accuracy"] == before  # trained from the true warm start
 
 
-def test_a_file_added_to_the_warmstart_cache_fails_the_runs_step0(finished, tmp_path, cli_error):  # noqa: F811  (the fixture)
+def test_a_file_added_to_the_warmstart_cache_fails_the_runs_step0(finished, tmp_path, cli_error):
     _, out, root = copy_run(finished, tmp_path)
     [entry] = list((out / ".cache" / "warmstart").iterdir())
     m = manifest(root)
@@ -60,7 +60,7 @@ def test_a_file_added_to_the_warmstart_cache_fails_the_runs_step0(finished, tmp_
     one_line(cli_error(*EVAL, "--model", root, "--step", "0", "--out", out), "added_tokens.json was added")
 
 
-def test_an_edited_summary_is_refused_by_every_reader(finished, tmp_path, cli_error):  # noqa: F811  (the fixture)
+def test_an_edited_summary_is_refused_by_every_reader(finished, tmp_path, cli_error):
     _, out, root = copy_run(finished, tmp_path)
     summary = json.loads((root / "summary.json").read_text())
     (root / "summary.json").write_text(json.dumps({**summary, "eval_after": 0.99}))
@@ -69,7 +69,7 @@ def test_an_edited_summary_is_refused_by_every_reader(finished, tmp_path, cli_er
     one_line(cli_error("analyze", "compare", root, "--out", out), "summary.json: content hash mismatch")
 
 
-def test_a_changed_rollout_file_is_refused_by_every_reader(finished, tmp_path):  # noqa: F811  (the fixture)
+def test_a_changed_rollout_file_is_refused_by_every_reader(finished, tmp_path):
     _, out, root = copy_run(finished, tmp_path)
     path = root / "steps" / "000001" / "rollouts.parquet"
     path.write_bytes(path.read_bytes() + b"\0")
@@ -84,7 +84,7 @@ def test_a_changed_rollout_file_is_refused_by_every_reader(finished, tmp_path): 
         store.read_rollouts(1)
 
 
-def test_an_edited_metrics_row_is_refused_by_every_reader(finished, tmp_path, cli_error):  # noqa: F811  (the fixture)
+def test_an_edited_metrics_row_is_refused_by_every_reader(finished, tmp_path, cli_error):
     _, out, root = copy_run(finished, tmp_path)
     lines = (root / "metrics.jsonl").read_text().splitlines()
     row = json.loads(lines[0])
@@ -95,7 +95,7 @@ def test_an_edited_metrics_row_is_refused_by_every_reader(finished, tmp_path, cl
     one_line(cli_error("analyze", "dynamics", root, "--out", out), "fail their sha256 check")
 
 
-def test_duplicate_rows_after_the_last_checkpoint_fail_the_resume_check(finished, tmp_path, cli_error):  # noqa: F811  (the fixture)
+def test_duplicate_rows_after_the_last_checkpoint_fail_the_resume_check(finished, tmp_path, cli_error):
     _, out, root = copy_run(finished, tmp_path)
     m = manifest(root)
     del m["stages"]["summary"]  # as if the run had stopped after its checkpoint 2
@@ -121,7 +121,7 @@ def _interrupted_without_checkpoints(root):
 
 
 @pytest.mark.parametrize("rel", ["../../victim.txt", "/VICTIM", "steps/../../../victim.txt"])
-def test_a_manifest_path_that_leaves_the_run_is_refused_and_deletes_nothing(finished, tmp_path, cli_error, rel):  # noqa: F811  (the fixture)
+def test_a_manifest_path_that_leaves_the_run_is_refused_and_deletes_nothing(finished, tmp_path, cli_error, rel):
     config, out, root = copy_run(finished, tmp_path)
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
@@ -133,7 +133,7 @@ def test_a_manifest_path_that_leaves_the_run_is_refused_and_deletes_nothing(fini
     assert victim.read_text() == "keep me"
 
 
-def test_a_symlink_inside_the_run_is_refused_not_followed(finished, tmp_path, cli_error):  # noqa: F811  (the fixture)
+def test_a_symlink_inside_the_run_is_refused_not_followed(finished, tmp_path, cli_error):
     config, out, root = copy_run(finished, tmp_path)
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -146,7 +146,7 @@ def test_a_symlink_inside_the_run_is_refused_not_followed(finished, tmp_path, cl
     assert (outside / "victim.txt").read_text() == "keep me"
 
 
-def test_a_symlinked_eval_or_checkpoints_folder_is_refused(finished, tmp_path, cli_error):  # noqa: F811  (the fixture)
+def test_a_symlinked_eval_or_checkpoints_folder_is_refused(finished, tmp_path, cli_error):
     _, out, root = copy_run(finished, tmp_path)
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -160,7 +160,7 @@ def test_a_symlinked_eval_or_checkpoints_folder_is_refused(finished, tmp_path, c
     one_line(cli_error("train", "--resume", root), f"{root}/checkpoints: a symbolic link inside")
 
 
-def test_run_names_resolve_under_out_only(finished, tmp_path, monkeypatch, cli_error):  # noqa: F811  (the fixture)
+def test_run_names_resolve_under_out_only(finished, tmp_path, monkeypatch, cli_error):
     _, out, root = copy_run(finished, tmp_path)
     here = tmp_path / "here"
     here.mkdir()

@@ -84,7 +84,7 @@ def test_a_replay_at_the_batch_temperature_starts_on_policy(finished, tmp_path):
     assert abs(row["ratio_max"] - 1) < 1e-4 and row["mask_frac"] == 0 and abs(row["ppo_kl"]) < 1e-6, row
 
 
-# --------------------------------------------------------------------------- 4-5. no write through a symlink or into a run
+# ---------------------------------------------------------- 4-5. no write through a symlink or into a run
 
 
 def test_eval_and_analyses_refuse_a_symlinked_run_folder(finished, tmp_path, cli_error):

@@ -136,7 +136,7 @@ def test_example_gradient_is_autograd_of_its_value_form_in_float64():
         torch.testing.assert_close(lp.grad[near], (-adv * r.detach())[near], atol=1e-4, rtol=1e-3)
 
 
-# --------------------------------------------------------------------------- bad input: one line, exit 2, nothing written
+# ---------------------------------------------------------- bad input: one line, exit 2, nothing written
 
 BROKEN = {
     "no such file": None,

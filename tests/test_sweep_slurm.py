@@ -27,7 +27,7 @@ def _interrupt(root):
 
 
 @pytest.fixture()
-def grid(swept, tmp_path):  # noqa: F811
+def grid(swept, tmp_path):
     """grpo-seed0 complete, dppo-seed0 interrupted (resumable), seed 1 of both not started."""
     config, out = _copy(swept, tmp_path)
     _interrupt(out / "dppo-seed0")

@@ -89,7 +89,7 @@ def test_module_path_and_signature_without_kwargs(reward_file, monkeypatch):
         ("{file}:bad name", "expected module:function"),
     ],
 )
-def test_broken_rewards_are_one_line_config_errors_before_training(tmp_path, datasets_cache, reward_file, spec, message):  # noqa: F811
+def test_broken_rewards_are_one_line_config_errors_before_training(tmp_path, datasets_cache, reward_file, spec, message):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "2+2=", "answer": "4", "hint": None, "level": 1}] * 3)
     spec = spec.format(file=reward_file, dir=tmp_path)
     with pytest.raises(ConfigError) as info:

@@ -44,7 +44,7 @@ def row(i, mode="ok"):
 
 
 @pytest.fixture
-def data(tmp_path, datasets_cache):  # noqa: F811
+def data(tmp_path, datasets_cache):
     root = tmp_path / "words"
     modes = ["raise", "nan", "ok", "ok", "raise", "nan"]
     write_parquet(root / "train.parquet", [row(i, m) for i, m in enumerate(modes)])

@@ -359,7 +359,8 @@ def stem(result: dict) -> str:
         part += f"-policy{batches[0]['policy_step']}"
     runs = "" if len(result["runs"]) == 1 else f"-runs{len(result['runs'])}"
     mb = "-".join(map(str, result["minibatches"]))
-    return f"disagreement-{part}{runs}-mb{mb}-delta{result['delta']:g}-{result['update']['name']}{optimizer_suffix(result)}"
+    update = result["update"]["name"]
+    return f"disagreement-{part}{runs}-mb{mb}-delta{result['delta']:g}-{update}{optimizer_suffix(result)}"
 
 
 def optimizer_suffix(result: dict) -> str:

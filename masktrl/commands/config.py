@@ -41,7 +41,8 @@ def keys(
 
 @app.command(cls=Command)
 def show(config: ConfigOpt = None, method: MethodOpt = None, seed: SeedOpt = None, set_: SetOpt = None) -> None:
-    """The resolved config as YAML (defaults < --config < --method/--seed < --set), as a run would save it in run.yaml."""
+    """The resolved config as YAML (defaults < --config < --method/--seed <
+    --set), as a run would save it in run.yaml."""
     from masktrl.config import load_config
 
     cfg = load_config(config, set_ or [], method=method, seed=seed)

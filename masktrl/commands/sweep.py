@@ -39,8 +39,11 @@ def sweep(
 ) -> None:
     """Train every method x seed (runs <method>-seed<k> under OUT, one after another), then print the compare table.
 
-    Resumable: complete runs are skipped, interrupted ones resume from their last checkpoint, one that cannot resume starts again as <method>-seed<k>-retry<i> (nothing stored is deleted).
-    With --launcher slurm each run still to do becomes one sbatch job (scripts in OUT/.sweep/slurm/); run the same command again later: finished runs are skipped, runs whose job is still queued or running are left alone, the rest are submitted again, and the compare table is printed once every run is complete.
+    Resumable: complete runs are skipped, interrupted ones resume from their last checkpoint, one that cannot resume
+    starts again as <method>-seed<k>-retry<i> (nothing stored is deleted).
+    With --launcher slurm each run still to do becomes one sbatch job (scripts in OUT/.sweep/slurm/); run the same
+    command again later: finished runs are skipped, runs whose job is still queued or running are left alone, the rest
+    are submitted again, and the compare table is printed once every run is complete.
     """
     from masktrl.analysis import compare as cmp
     from masktrl.analysis.io import load_run, multi_run_dir

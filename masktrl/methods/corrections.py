@@ -148,7 +148,8 @@ class CorrectionParams:
     hi: float | None = None
     """token-mis, seq-mis, icepop: upper end of the kept range (inf allowed); rs: the threshold."""
     stat: str | None = None
-    """seq-mis: product | geometric (the sequence ratio); rs: one of verl's token_k*, seq_sum_k*, seq_mean_k*, seq_max_k2/3."""
+    """seq-mis: product | geometric (the sequence ratio); rs: one of verl's
+    token_k*, seq_sum_k*, seq_mean_k*, seq_max_k2/3."""
     weight: str | None = None
     """seq-mis: token (rho_t on kept tokens) | sequence (the sequence ratio R, TRL's sequence_mask)."""
     delta: float | None = None

@@ -48,7 +48,8 @@ def gspo_loss(batch: TokenBatch, adv: Tensor, log_w: Tensor, eps_low: float, eps
 @register_method("dapo", DAPOParams, "GRPO's token loss, token-mean, dynamic sampling, optional overlong shaping")
 @register_method("grpo", GRPOParams, "PPO clip with clip-higher (eps_low 0.2, eps_high 0.28), seq-mean-token-mean")
 def ppo_clip(batch: TokenBatch, adv: Tensor, p: GRPOParams | DAPOParams, u: Tensor | None) -> TokenLosses:
-    """GRPO and DAPO: l = -min(r A, clip(r, 1-eps_low, 1+eps_high) A), optionally dual-clipped (§2). The two differ only in
+    """GRPO and DAPO: l = -min(r A, clip(r, 1-eps_low, 1+eps_high) A), optionally dual-clipped (§2). The two differ only
+    in
     their params (aggregation, dynamic sampling, overlong shaping: §8), so one kernel serves both."""
     loss, mask = ppo_clip_loss(log_ratio_live(batch), adv, p.eps_low, p.eps_high, p.dual_clip)
     return TokenLosses(loss, mask, None, None, None, log_ratio(batch))

@@ -3,7 +3,8 @@
     default (prime-dppo):  mask = (A > 0 and pi_k - mu_k > dppo_mask_high) or (A <= 0 and pi_k - mu_k < -dppo_mask_low)
                            (DPPO's binary-TV mask, arXiv 2602.04879)
     ipo (prime-ipo):       mask = |pi_k - mu_k| > ipo_threshold                  (symmetric)
-    both:                  l = -adv_tau A (1 - mask) r + kl_tau (log r)^2        (r live: gradient -adv_tau A r + 2 kl_tau log r)
+    both:                  l = -adv_tau A (1 - mask) r + kl_tau (log r)^2
+                           (r live: gradient -adv_tau A r + 2 kl_tau log r)
 
 The (log r)^2 term (Kimi K2.5's KL, arXiv 2602.02276) acts on every valid token, masked or not,
 A = 0 included. prime-rl sums the per-token loss and divides by the batch's loss-token count

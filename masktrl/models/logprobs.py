@@ -221,7 +221,8 @@ def renormalise_over_kept(lp: Tensor, kept: Tensor | None) -> Tensor:
     ``lp`` [N, 1+K]: log pi at the sampled id then the behaviour's top-K ids (the policy
     forward's output); ``kept`` [N]: the kept set is the first ``kept[i]`` entries of row i's
     top-K list (0: the whole vocabulary, the row is returned as it is; more than K: ValueError,
-    a kept set the list does not hold); None: nothing truncated, ``lp`` itself is returned. With S_i = sum_{j < kept[i]} pi(topk_ij) (the policy's mass on
+    a kept set the list does not hold); None: nothing truncated, ``lp`` itself is returned. With S_i = sum_{j < kept[i]}
+    pi(topk_ij) (the policy's mass on
     the kept set), the result is log pi - log S for the sampled token and the kept entries, and
     -inf for the list entries outside the kept set (the renormalised pi~ puts no mass there, as
     mu does). The gradient flows through log S too: d log pi~ = d log pi - d log S."""

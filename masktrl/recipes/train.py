@@ -89,7 +89,8 @@ def train(plan: Plan, progress: Progress | None = None, *, on_start: Callable[[P
     finally:
         checked.task.close()  # reward / grading processes
         if s is not None:
-            s.run.trackers.close()  # flushed and closed however the run ends (finish closed them already when it completed)
+            # flushed and closed however the run ends (finish closed them already when it completed)
+            s.run.trackers.close()
 
 
 def run_steps(s: State, stop: GracefulStop) -> None:
@@ -165,8 +166,7 @@ def build_parts(session: Session, checked: checks.Checked, progress: Progress | 
     if count.start:
         # DeepSpeed: optimizer shards, fp32 master weights
         ckpt.restore_engine_state(store.checkpoint_dir(count.start), dist, policy)
-    store.set_info(disk_projection={"per_step": projection.rollout_step, "per_checkpoint": projection.checkpoint_total,
-                                    "per_run": projection.per_run, "bytes_per_token": projection.bytes_per_token})
+    store.set_info(disk_projection=projection.info())
     _note(progress, dist, projection.summary())
     engine = make_engine(cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
     # a low-precision copy is made from whole weights (ZeRO-3)

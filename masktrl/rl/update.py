@@ -260,7 +260,8 @@ def micro_update(model, settings: UpdateSettings, batch: StepBatch, where: tuple
     minibatch's denominator ``total``; its diagnostics row and its share of the loss."""
     method, dist = settings.method, batch.dist
     mb, micro_samples, micro_idx = where
-    # the packed forward's attention stays switched in through the backward (activation checkpointing replays the layers there)
+    # the packed forward's attention stays switched in through the backward (activation checkpointing replays the layers
+    # there)
     with dist.accumulate(model), (packing.segments_attention(base_model(model)) if settings.packing else contextlib.nullcontext()):
         share_prompts = _agreed_share(micro_samples, dist)
         out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk, share=share_prompts,

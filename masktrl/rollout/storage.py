@@ -126,7 +126,8 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression
         opts = {
             "compression": "zstd",
             "compression_level": {_leaf(c): level if c in ("topk_ids", "topk_logp") else 1 for c in SCHEMA.names},
-            "use_dictionary": False,  # zstd finds the repeats too, and sooner: dictionaries made the tiny batch slower and larger
+            # zstd finds the repeats too, and sooner: dictionaries made the tiny batch slower and larger
+            "use_dictionary": False,
             "column_encoding": {f"{c}.list.element": "BYTE_STREAM_SPLIT" for c in ("topk_ids", "topk_logp", "topk_vocab", "behavior_logp_x")},
         }
     if kept is not None:  # truncated sampling: one more column, absent otherwise (the files of untruncated runs are unchanged)

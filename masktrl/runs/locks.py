@@ -18,7 +18,8 @@ a second before it reports a run busy.
 Commands that write *into* a run without training it do not take this lock: ``masktrl eval``
 writes ``eval/<bench>-step<S>.json`` atomically and records it in the manifest, whose
 read-modify-write is serialised by a second, short lock on ``<run>/.manifest.lock``
-(``manifest_lock``), so evaluating a running run is safe; the analyses write only their own files under ``analysis/``, atomically.
+(``manifest_lock``), so evaluating a running run is safe; the analyses write only their own files under ``analysis/``,
+atomically.
 
 ``exclusive`` is the one wait-for-it flock of masktrl: the manifest lock and the warm-start
 cache's entry locks (``<out>/.cache/locks/``) are both made of it.

@@ -148,6 +148,11 @@ class DiskProjection:
     def per_run(self) -> int:
         return self.rollouts + self.checkpoints
 
+    def info(self) -> dict:
+        """What the run's manifest records (``disk_projection``)."""
+        return {"per_step": self.rollout_step, "per_checkpoint": self.checkpoint_total, "per_run": self.per_run,
+                "bytes_per_token": self.bytes_per_token}
+
     def summary(self) -> str:
         """One line for the start of a run."""
         return (

@@ -105,7 +105,9 @@ def replay_optimizer(name: str, lr: float | None, reset: bool):
 def optimizer_text(result: dict) -> str:
     opt = result.get("replay_optimizer") or {}
     lr = opt.get("lr_used")
-    return "optimizer " f"{opt.get('name', 'run')}{f' lr {lr:g}' if lr is not None else ''}{' (moments reset per minibatch)' if opt.get('reset_moments') else ''}"
+    lr_text = f" lr {lr:g}" if lr is not None else ""
+    reset = " (moments reset per minibatch)" if opt.get("reset_moments") else ""
+    return f"optimizer {opt.get('name', 'run')}{lr_text}{reset}"
 
 
 def steps_text(steps: list[int]) -> str:

@@ -30,7 +30,12 @@ def compare(
                            "effect A-B differs from C-D (group handles or labels; paired " "by seed when both have the same seeds), "
                            "with its TOST at --margin: e.g. #2-#1,#4-#3 for a method's " "effect under two sources.")] = None,
 ) -> None:
-    """Methods over seeds (the run is the unit): final accuracy (or, with --eval, the avg@k of each run's eval report) with mean, std, bootstrap 95% CI; vs the baseline the difference with its CI, p (Holm and BH across the table) and the 80%-power detectable difference; best of the evaluations, biased upward, untested; the collapse rate (training reward below half its start, for good). With --test paired: the exact sign-flip p beside the paired t p (the larger decides), the paired MDD at alpha/m (post hoc) and, with --margin, a TOST for every difference not found; --interaction tests whether one effect differs from another."""
+    """Methods over seeds (the run is the unit): final accuracy (or, with --eval, the avg@k of each run's eval report)
+    with mean, std, bootstrap 95% CI; vs the baseline the difference with its CI, p (Holm and BH across the table) and
+    the 80%-power detectable difference; best of the evaluations, biased upward, untested; the collapse rate (training
+    reward below half its start, for good). With --test paired: the exact sign-flip p beside the paired t p (the larger
+    decides), the paired MDD at alpha/m (post hoc) and, with --margin, a TOST for every difference not found;
+    --interaction tests whether one effect differs from another."""
     from masktrl.analysis import compare as cmp
     from masktrl.analysis.io import expand_runs, load_run, multi_run_dir
 
@@ -46,7 +51,8 @@ def print_compare(table: dict) -> None:
     from rich.table import Table
 
     paired = table["test"] == "paired"  # the interval that goes with the test: paired over shared seeds, else Welch
-    # each interval beside its own centre: over other seed sets the paired mean difference is not the difference of means
+    # each interval beside its own centre: over other seed sets the paired mean difference is not
+    # the difference of means
     ci_name, d_key, lo_key, hi_key = (("paired", "diff_paired", "diff_ci_paired_low", "diff_ci_paired_high") if paired
                                       else ("Welch", "diff_vs_baseline", "diff_ci_low", "diff_ci_high"))
     if paired:

@@ -39,7 +39,8 @@ def disagreement(
                                             "computed (two gradients each; D > δ and A " "!= 0 first).")] = 32,
     k: RecutKsOpt = None,
 ) -> None:
-    """Token study (the predictive-mask paper's Figs. 3-4): where two direction rules disagree outside the trust region, which kept tokens whose D grew?"""
+    """Token study (the predictive-mask paper's Figs. 3-4): where two direction rules
+    disagree outside the trust region, which kept tokens whose D grew?"""
     from masktrl.analysis import disagreement as study
     from masktrl.analysis.replicates import parse_steps, run_roots
 

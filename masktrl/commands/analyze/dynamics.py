@@ -18,7 +18,8 @@ def dynamics(
     output: ResultOpt = None,
     smooth: Annotated[int, typer.Option("--smooth", metavar="W", help="Moving-average window over logged steps (1 = raw).")] = 1,
 ) -> None:
-    """Curves of reward, length, ppo_kl, mask fraction, SIS accept rate and eval accuracy; seeds averaged with a 95% band."""
+    """Curves of reward, length, ppo_kl, mask fraction, SIS accept rate and
+    eval accuracy; seeds averaged with a 95% band."""
     from masktrl.analysis import dynamics as dyn
     from masktrl.analysis.io import expand_runs, load_run, multi_run_dir
     from masktrl.errors import MasktrlError

@@ -28,7 +28,8 @@ def estimators(
     replay_lr: ReplayLrOpt = None,
     reset_moments: ResetMomentsOpt = False,
 ) -> None:
-    """Top-K estimators of Ḋ_KL against the exact Ḋ of the full KL and of the top-K KL: sign agreement, relative error, bracket certification and containment."""
+    """Top-K estimators of Ḋ_KL against the exact Ḋ of the full KL and of the top-K KL: sign
+    agreement, relative error, bracket certification and containment."""
     from masktrl.analysis import estimators as est
     from masktrl.analysis.disagreement import output_dir
     from masktrl.analysis.replicates import parse_steps, run_roots

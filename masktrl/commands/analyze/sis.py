@@ -32,7 +32,8 @@ def sis(
                                               help="With --bias: envelope list sizes, re-cut " "from the stored lists (at most their K; "
                                                    "default 5,10,20, with the stored K in " "place of those above it).")] = None,
 ) -> None:
-    """SIS: accept rate over training, residual top-K mass, tokens outside the top-K, accepted vs rejected tokens; --bias: the top-K envelope's gradient bias."""
+    """SIS: accept rate over training, residual top-K mass, tokens outside the top-K, accepted
+    vs rejected tokens; --bias: the top-K envelope's gradient bias."""
     from masktrl.analysis import sis_report
     from masktrl.analysis.io import load_run
 
