@@ -28,7 +28,8 @@ def check_method(
     against its value, stop-gradient lists, invalid tokens, finiteness at ratios 1e-30..1e30, the
     on-policy limit, sequence order, packed = padded, and its params through run.yaml. One row per
     property; exit code 1 if any property fails, 2 on bad input. Writes nothing."""
-    from masktrl.analysis.conformance import check_method as run_check, passed
+    from masktrl.analysis.conformance import check_method as run_check
+    from masktrl.analysis.conformance import passed
 
     method = _resolve(spec, set_ or [])
     bound = method.bind()

@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from masktrl.commands.ui import console, err_console
 from masktrl.commands.options import DEFAULT_OUT, OutOpt
+from masktrl.commands.ui import console, err_console
 
 STATUS_STYLE = {"complete": "green", "running": "cyan", "interrupted": "yellow", "failed": "red", "damaged": "red"}
 

@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+
 import typer
 
-from masktrl.commands.options import (DEFAULT_OUT, ConfigOpt, DryRunOpt, ForceOpt, MethodOpt, OutOpt, ResumeOpt, RolloutsFromOpt,
-                                      RunOpt, SeedOpt, SetOpt)
+from masktrl.commands.options import (
+    DEFAULT_OUT,
+    ConfigOpt,
+    DryRunOpt,
+    ForceOpt,
+    MethodOpt,
+    OutOpt,
+    ResumeOpt,
+    RolloutsFromOpt,
+    RunOpt,
+    SeedOpt,
+    SetOpt,
+)
 from masktrl.commands.ui import console, err_console, kv_table, progress_bar
 
 
@@ -31,7 +43,8 @@ def train(
     a failed run continues it, or starts it again in place if its config changed before any
     checkpoint (docs/RELIABILITY.md).
     """
-    from masktrl.recipes import preflight, train as recipe
+    from masktrl.recipes import preflight
+    from masktrl.recipes import train as recipe
     from masktrl.rl.distributed import launch_rank
     from masktrl.rl.signals import Interrupted
     from masktrl.runs.plan import RunRequest, plan_run

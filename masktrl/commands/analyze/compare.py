@@ -2,33 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
-
-import typer
 from rich.markup import escape
 
-from masktrl.commands.analyze import DEFAULT_OUT, Command, OutOpt, ResultOpt, RunsArg, app, fmt, pm, written
+from masktrl.commands.analyze import DEFAULT_OUT, Command, OutOpt, app, compare_options, fmt, options, pm, written
 from masktrl.commands.ui import console
 
 
 @app.command(cls=Command)
 def compare(
-    runs: RunsArg,
+    runs: options.RunsArg,
     out: OutOpt = DEFAULT_OUT,
-    output: ResultOpt = None,
-    baseline: Annotated[str, typer.Option("--baseline", metavar="LABEL", help="The group the others are tested against: a method name "
-                                          "with one group, a label, a handle (#2) or a " "run folder of the group.")] = "grpo",
-    metric: Annotated[str, typer.Option("--metric", metavar="KEY", help="Metric: eval/heldout/accuracy or eval/<bench>/avg_at_k.")] = "eval/heldout/accuracy",
-    eval_bench: Annotated[Optional[str], typer.Option("--eval", metavar="BENCH", show_default=False, help="Score each run by the avg@k of its "
-                          "`masktrl eval BENCH` report on its final checkpoint (e.g. " "task: the run's own held-out split, k samples per prompt) " "instead of --metric.")] = None,
-    test: Annotated[str, typer.Option("--test", metavar="welch|permutation|paired", help="welch | permutation | paired (a paired t-test over the seeds shared with the " "baseline: a seed's runs share its warm start). All three are in the JSON.")] = "welch",
-    n_boot: Annotated[int, typer.Option("--n-boot", metavar="N", help="Bootstrap resamples for the 95% CI.")] = 10000,
-    margin: Annotated[Optional[float], typer.Option("--margin", metavar="X", show_default=False, help="Equivalence margin: every "
-                      "difference not found significant gets a TOST of |difference| < X " "(paired with --test paired, else Welch); "
-                      "without it no row is called equivalent.")] = None,
-    interaction: Annotated[Optional[str], typer.Option("--interaction", metavar="A-B,C-D", show_default=False, help="Test whether the "
-                           "effect A-B differs from C-D (group handles or labels; paired " "by seed when both have the same seeds), "
-                           "with its TOST at --margin: e.g. #2-#1,#4-#3 for a method's " "effect under two sources.")] = None,
+    output: options.ResultOpt = None,
+    baseline: compare_options.BaselineOpt = "grpo",
+    metric: compare_options.MetricOpt = "eval/heldout/accuracy",
+    eval_bench: compare_options.EvalBenchOpt = None,
+    test: compare_options.TestOpt = "welch",
+    n_boot: compare_options.NBootOpt = 10000,
+    margin: compare_options.MarginOpt = None,
+    interaction: compare_options.InteractionOpt = None,
 ) -> None:
     """Methods over seeds (the run is the unit): final accuracy (or, with --eval, the avg@k of each run's eval report)
     with mean, std, bootstrap 95% CI; vs the baseline the difference with its CI, p (Holm and BH across the table) and

@@ -2,42 +2,44 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
-
-import typer
-
-from masktrl.commands.analyze import (DEFAULT_OUT, Command, DeltaOpt, MinibatchesOpt, OutOpt, PartitionsOpt, PolicyStepOpt, RecutKsOpt, ReplayLrOpt,
-                                      ReplayOptimizerOpt, ResetMomentsOpt, StepsOpt, StudyOutputOpt, StudyRunsOpt, UpdateOpt, app, fmt,
-                                      optimizer_text, pm, replay_optimizer, steps_text, written)
+from masktrl.commands.analyze import (
+    DEFAULT_OUT,
+    Command,
+    OutOpt,
+    app,
+    disagreement_options,
+    fmt,
+    optimizer_text,
+    options,
+    pm,
+    replay_optimizer,
+    steps_text,
+    written,
+)
 from masktrl.commands.ui import console, progress_bar
 
 
 @app.command(cls=Command)
 def disagreement(
-    run: StudyRunsOpt,
+    run: options.StudyRunsOpt,
     out: OutOpt = DEFAULT_OUT,
-    output: StudyOutputOpt = None,
-    steps: StepsOpt = None,
-    delta: DeltaOpt = 0.15,
-    update_method: UpdateOpt = "unmasked",
-    partitions: PartitionsOpt = 1,
-    replicate: Annotated[str, typer.Option("--replicate", metavar="batch|partition", help="The unit of replication: batch (run x step) or partition.")] = "batch",
-    policy_step: PolicyStepOpt = None,
-    minibatches: MinibatchesOpt = None,
-    exact: Annotated[bool, typer.Option("--exact/--no-exact", help="Exact full-vocabulary D and Ḋ per token (needs the behaviour checkpoint).")] = True,
-    pairs: Annotated[
-        Optional[str], typer.Option("--pairs", metavar="A:B,...", help="Pairs a:b of criteria (default: " "ratio:ddot_agg,ratio:ddot_uniform,ddot_agg:ddot_uniform).", show_default=False)
-    ] = None,
-    test: Annotated[str, typer.Option("--test", metavar="wilcoxon|ttest", help="Paired test over the batches of one run: wilcoxon | ttest "
-                                      "(both in the JSON); with several runs the run is " "the unit (run-blocked sign flip).")] = "wilcoxon",
-    optimizer: ReplayOptimizerOpt = "run",
-    replay_lr: ReplayLrOpt = None,
-    reset_moments: ResetMomentsOpt = False,
-    decompose: Annotated[bool, typer.Option("--decompose", help="First-order parts of every token's ΔD: own gradient term, rest of the "
-                                            "minibatch, Adam momentum, weight decay " "(slower: double backward per part).")] = False,
-    own_tokens: Annotated[int, typer.Option("--own-tokens", metavar="N", help="With --decompose: tokens per minibatch whose own term is "
-                                            "computed (two gradients each; D > δ and A " "!= 0 first).")] = 32,
-    k: RecutKsOpt = None,
+    output: options.StudyOutputOpt = None,
+    steps: options.StepsOpt = None,
+    delta: options.DeltaOpt = 0.15,
+    update_method: options.UpdateOpt = "unmasked",
+    partitions: options.PartitionsOpt = 1,
+    replicate: disagreement_options.ReplicateOpt = "batch",
+    policy_step: options.PolicyStepOpt = None,
+    minibatches: options.MinibatchesOpt = None,
+    exact: disagreement_options.ExactOpt = True,
+    pairs: disagreement_options.PairsOpt = None,
+    test: disagreement_options.TestOpt = "wilcoxon",
+    optimizer: options.ReplayOptimizerOpt = "run",
+    replay_lr: options.ReplayLrOpt = None,
+    reset_moments: options.ResetMomentsOpt = False,
+    decompose: disagreement_options.DecomposeOpt = False,
+    own_tokens: disagreement_options.OwnTokensOpt = 32,
+    k: options.RecutKsOpt = None,
 ) -> None:
     """Token study (the predictive-mask paper's Figs. 3-4): where two direction rules
     disagree outside the trust region, which kept tokens whose D grew?"""
@@ -60,9 +62,8 @@ def disagreement(
 def print_disagreement(result: dict) -> None:
     from rich.table import Table
 
-    from masktrl.commands.analyze.tables import p_text
-
     from masktrl.analysis.disagreement import SCOPES
+    from masktrl.commands.analyze.tables import p_text
 
     b = result["batches"]
     stale = sorted({x["staleness"] for x in b})

@@ -2,31 +2,38 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
-from masktrl.commands.analyze import (DEFAULT_OUT, Command, DeltaOpt, MinibatchesOpt, OutOpt, PartitionsOpt, PolicyStepOpt, ReplayLrOpt,
-                                      ReplayOptimizerOpt, ResetMomentsOpt, StepsOpt, StudyOutputOpt, StudyRunsOpt, UpdateOpt, app, fmt,
-                                      optimizer_text, pm, replay_optimizer, steps_text, written)
+from masktrl.commands.analyze import (
+    DEFAULT_OUT,
+    Command,
+    OutOpt,
+    app,
+    estimators_options,
+    fmt,
+    optimizer_text,
+    options,
+    pm,
+    replay_optimizer,
+    steps_text,
+    written,
+)
 from masktrl.commands.ui import console, progress_bar
 
 
 @app.command(cls=Command)
 def estimators(
-    run: StudyRunsOpt,
+    run: options.StudyRunsOpt,
     out: OutOpt = DEFAULT_OUT,
-    output: StudyOutputOpt = None,
-    steps: StepsOpt = None,
-    k: Annotated[str, typer.Option("--k", metavar="K,...", help="List sizes K (re-cut from the stored list up to its size, else from the recomputed " "μ).")] = "5,10,20,50",
-    delta: DeltaOpt = 0.15,
-    update_method: UpdateOpt = "unmasked",
-    partitions: PartitionsOpt = 1,
-    policy_step: PolicyStepOpt = None,
-    minibatches: MinibatchesOpt = None,
-    optimizer: ReplayOptimizerOpt = "run",
-    replay_lr: ReplayLrOpt = None,
-    reset_moments: ResetMomentsOpt = False,
+    output: options.StudyOutputOpt = None,
+    steps: options.StepsOpt = None,
+    k: estimators_options.KOpt = "5,10,20,50",
+    delta: options.DeltaOpt = 0.15,
+    update_method: options.UpdateOpt = "unmasked",
+    partitions: options.PartitionsOpt = 1,
+    policy_step: options.PolicyStepOpt = None,
+    minibatches: options.MinibatchesOpt = None,
+    optimizer: options.ReplayOptimizerOpt = "run",
+    replay_lr: options.ReplayLrOpt = None,
+    reset_moments: options.ResetMomentsOpt = False,
 ) -> None:
     """Top-K estimators of Ḋ_KL against the exact Ḋ of the full KL and of the top-K KL: sign
     agreement, relative error, bracket certification and containment."""
