@@ -17,14 +17,15 @@ import sys
 import typer
 from typer.core import Abort, _click
 
+from masktrl.commands import analyze as analyze_cmd
+from masktrl.commands import check_method as check_method_cmd
 from masktrl.commands import config as config_cmd
 from masktrl.commands import eval as eval_cmd
 from masktrl.commands import rollout as rollout_cmd
 from masktrl.commands import runs as runs_cmd
+from masktrl.commands import sweep as sweep_cmd
 from masktrl.commands import train as train_cmd
-from masktrl.commands import analyze as analyze_cmd, sweep as sweep_cmd
-from masktrl.commands import check_method as check_method_cmd
-from masktrl.commands.options import Command, Group
+from masktrl.commands.help_format import Command, Group
 from masktrl.commands.ui import err_console
 from masktrl.errors import MasktrlError
 from masktrl.io import memory_error_line

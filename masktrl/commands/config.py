@@ -9,7 +9,8 @@ import yaml
 from rich.markup import escape
 from rich.table import Table
 
-from masktrl.commands.options import Command, ConfigOpt, Group, MethodOpt, SeedOpt, SetOpt
+from masktrl.commands.help_format import Command, Group
+from masktrl.commands.options import ConfigOpt, MethodOpt, SeedOpt, SetOpt
 from masktrl.commands.ui import console
 
 app = typer.Typer(

@@ -7,19 +7,8 @@ from pathlib import Path
 
 import typer
 
-from masktrl.commands.options import (
-    DEFAULT_OUT,
-    ConfigOpt,
-    DryRunOpt,
-    ForceOpt,
-    MethodOpt,
-    OutOpt,
-    ResumeOpt,
-    RolloutsFromOpt,
-    RunOpt,
-    SeedOpt,
-    SetOpt,
-)
+from masktrl.commands import train_options
+from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, MethodOpt, OutOpt, RunOpt, SeedOpt, SetOpt
 from masktrl.commands.ui import console, err_console, kv_table, progress_bar
 
 
@@ -30,10 +19,10 @@ def train(
     out: OutOpt = DEFAULT_OUT,
     seed: SeedOpt = None,
     set_: SetOpt = None,
-    resume: ResumeOpt = None,
-    force: ForceOpt = False,
-    rollouts_from: RolloutsFromOpt = None,
-    dry_run: DryRunOpt = False,
+    resume: train_options.ResumeOpt = None,
+    force: train_options.ForceOpt = False,
+    rollouts_from: train_options.RolloutsFromOpt = None,
+    dry_run: train_options.DryRunOpt = False,
 ) -> None:
     """Run RL training (default: the embedded tiny model on synthetic arithmetic, GRPO).
 

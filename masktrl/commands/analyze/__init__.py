@@ -12,7 +12,8 @@ from pathlib import Path
 
 import typer
 
-from masktrl.commands.options import DEFAULT_OUT, Command, Group, OutOpt  # noqa: F401  (DEFAULT_OUT, Command, OutOpt: for the analyses)
+from masktrl.commands.help_format import Command, Group  # noqa: F401  (Command: for the analyses)
+from masktrl.commands.options import DEFAULT_OUT, OutOpt  # noqa: F401  (for the analyses)
 from masktrl.commands.ui import console
 
 app = typer.Typer(

@@ -14,6 +14,7 @@ from masktrl.commands.analyze import (
     pm,
     replay_optimizer,
     steps_text,
+    study_options,
     written,
 )
 from masktrl.commands.ui import console, progress_bar
@@ -21,19 +22,19 @@ from masktrl.commands.ui import console, progress_bar
 
 @app.command(cls=Command)
 def estimators(
-    run: options.StudyRunsOpt,
+    run: study_options.StudyRunsOpt,
     out: OutOpt = DEFAULT_OUT,
-    output: options.StudyOutputOpt = None,
-    steps: options.StepsOpt = None,
+    output: study_options.StudyOutputOpt = None,
+    steps: study_options.StepsOpt = None,
     k: estimators_options.KOpt = "5,10,20,50",
     delta: options.DeltaOpt = 0.15,
-    update_method: options.UpdateOpt = "unmasked",
-    partitions: options.PartitionsOpt = 1,
-    policy_step: options.PolicyStepOpt = None,
-    minibatches: options.MinibatchesOpt = None,
-    optimizer: options.ReplayOptimizerOpt = "run",
-    replay_lr: options.ReplayLrOpt = None,
-    reset_moments: options.ResetMomentsOpt = False,
+    update_method: study_options.UpdateOpt = "unmasked",
+    partitions: study_options.PartitionsOpt = 1,
+    policy_step: study_options.PolicyStepOpt = None,
+    minibatches: study_options.MinibatchesOpt = None,
+    optimizer: study_options.ReplayOptimizerOpt = "run",
+    replay_lr: study_options.ReplayLrOpt = None,
+    reset_moments: study_options.ResetMomentsOpt = False,
 ) -> None:
     """Top-K estimators of Ḋ_KL against the exact Ḋ of the full KL and of the top-K KL: sign
     agreement, relative error, bracket certification and containment."""
