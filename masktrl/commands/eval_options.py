@@ -9,10 +9,10 @@ import typer
 
 from masktrl.config import EVAL_BENCHMARKS
 
-BenchArg = Annotated[str, typer.Argument(metavar="BENCH", help=f"Benchmark: {' | '.join(EVAL_BENCHMARKS)} | dataset (with --set task.source=...). " "task (alias synthetic): the run's own held-out split (arithmetic, residues, " "longtail).", show_default=False)]
+BenchArg = Annotated[str, typer.Argument(metavar="BENCH", help=f"Benchmark: {' | '.join(EVAL_BENCHMARKS)} | dataset (with --set task.source=...). " "task (alias synthetic): the run's own held-out split (arithmetic, residues, longtail).", show_default=False)]
 ModelOpt = Annotated[
         str,
-        typer.Option("--model", metavar="RUN|MODEL|FOLDER", help="A run (folder, or name under --out), a folder of runs (a sweep's: each complete " "run, skipping reports that exist), a model folder, or a hub id (local cache " "only).", show_default=False),
+        typer.Option("--model", metavar="RUN|MODEL|FOLDER", help="A run (folder, or name under --out), a folder of runs (a sweep's: each complete run, skipping reports " "that exist), a model folder, or a hub id (local cache only).", show_default=False),
     ]
 StepOpt = Annotated[
         Optional[int],

@@ -61,4 +61,4 @@ def steps_text(steps: list[int]) -> str:
 
 # the analyses, one module each, registered on ``app`` in this order
 from masktrl.commands.analyze import disagreement, estimators, dynamics, compare, sis  # noqa: E402, F401, I001
-from masktrl.commands.analyze.compare import print_compare  # noqa: E402, F401
+from masktrl.commands.analyze.compare_table import print_compare  # noqa: E402, F401

@@ -48,3 +48,21 @@ def print_k_sweep(result: dict) -> None:
                   f"{fmt(pa['ratio'])} vs {fmt(pa['ddot_agg'])} (p {fmt(pa['p'], 2)}, " f"{pa['p_unit']})",
                   f"{fmt(pu['ratio'])} vs {fmt(pu['ddot_uniform'])} (p {fmt(pu['p'], 2)}, " f"{pu['p_unit']})")
     console.print(t)
+
+
+def interaction_line(i: dict) -> str:
+    """One line: the two effects, their difference, its t p (and sign-flip p when paired) and TOST p."""
+    kind = "paired t" if i["paired"] else "Welch t"
+    line = (f"interaction {i['spec']}: effects {fmt(i['effects'][0])} and {fmt(i['effects'][1])}, " f"difference {fmt(i['interaction'])}, "
+            f"{kind} p {fmt(i['p'])}")
+    if i["paired"]:
+        line += f", sign-flip p {fmt(i.get('p_sign_flip'))}"
+    tost = i.get("tost")
+    line += (f", TOST p at ±{fmt(tost['margin'])} {fmt(tost['p'])} " f"({'the effect does not depend on the source' if tost['p'] < 0.05 else 'inconclusive'})"
+             if tost else "; no --margin, so no claim that the effect does not depend on the source")
+    return line
+
+
+
+def collapsed(c: dict | None) -> str:
+    return "" if not c else f"{c['count']}/{c['total']}" + (f" (+{c['too_short']} short)" if c["too_short"] else "")
