@@ -156,6 +156,7 @@ class Dist:
         if info == here:
             return
         if here is None:
+            assert info is not None  # info != here
             raise MasktrlError(
                 f"{path}: written under DeepSpeed ZeRO-{info['zero_stage']} with " f"{info['processes']} processes; "
                 "resume it under the same accelerate launch"
