@@ -585,7 +585,7 @@ HASH_UNLESS_SET = ("model.num_experts", "model.experts_per_token")
 """Keys that count in ``Config.hash`` (the warm-start cache's key among others) only when set."""
 
 
-def load_config(paths: str | Path | list | tuple | None = None, overrides: list[str] = (), **direct: Any) -> Config:
+def load_config(paths: str | Path | list | tuple | None = None, overrides: list[str] | tuple[str, ...] = (), **direct: Any) -> Config:
     """Defaults < YAML files in order (none given: configs/tiny.yaml) < ``direct`` (e.g.
     method="sis", seed=3) < ``key=value`` overrides."""
     if paths is None or isinstance(paths, (str, Path)):
@@ -610,7 +610,7 @@ def load_config(paths: str | Path | list | tuple | None = None, overrides: list[
     return from_dict(raw)
 
 
-def read_overrides(path: str | Path | list | tuple | None = None, overrides: list[str] = (), raw: dict | None = None) -> dict:
+def read_overrides(path: str | Path | list | tuple | None = None, overrides: list[str] | tuple[str, ...] = (), raw: dict | None = None) -> dict:
     """``raw`` (default: empty) updated with the YAML file(s) ``path`` (several compose as in
     ``load_config``) and the ``key=value`` overrides: the raw mapping, without defaults and not
     yet validated (``from_dict`` does that)."""
@@ -945,7 +945,7 @@ def split_method(spec: str) -> tuple[str, list[str]]:
     """``pdm:tail=uniform`` -> ("pdm", ["method.tail=uniform"]); a key may be dotted, for a block
     of the method section: ``grpo:correction.kind=token-tis`` -> ["method.correction.kind=token-tis"].
     A rule from a file: ``rules.py:soft:tau=2`` -> ("rules.py:soft", ["method.tau=2"])."""
-    segments = []
+    segments: list[str] = []
     for part in spec.split(":"):  # a value naming a file's rule (correction.kind=rules.py:name) keeps its colon
         if segments and "=" not in part and segments[-1].endswith(".py") and (len(segments) > 1 or "=" in segments[-1]):
             segments[-1] += f":{part}"
