@@ -13,7 +13,8 @@ import pytest
 from masktrl.errors import ArtifactError
 from masktrl.runs.store import RunStore
 from tests.conftest import cli, masktrl, masktrl_env, tiny_yaml
-from tests.test_reliability import copy_run, finished, manifest, one_line, snapshot, start_training  # noqa: F401  (fixture)
+# finished: a module fixture of test_reliability.py
+from tests.test_reliability import copy_run, finished, manifest, one_line, snapshot, start_training  # noqa: F401
 
 EVAL = ("eval", "synthetic", "--k", "1", "--temperature", "0")
 
