@@ -91,11 +91,11 @@ def main() -> None:
         rows.append({"recipe": f"{base} + {method.stem}", "bytes_per_token": proj.bytes_per_token, "params": n_params, "zero_stage": stage, "rollout_step": proj.rollout_step,
                      "rollouts_kept": proj.rollouts_kept, "rollouts": proj.rollouts, "checkpoint": proj.checkpoint,
                      "checkpoints_kept": proj.checkpoints_kept, "checkpoints": proj.checkpoints, "per_run": proj.per_run})
-    print(f"{'recipe':28} {'params':>7} {'ZeRO':>4} {'B/token':>7} {'rollouts/step':>13} {'kept':>4} {'rollouts':>9} "
+    print(f"{'recipe':28} {'params':>7} {'ZeRO':>4} {'B/token':>7} {'rollouts/step':>13} {'kept':>4} " f"{'rollouts':>9} "
           f"{'ckpt':>8} {'kept':>4} {'ckpts':>9} {'run':>9}")
     for r in rows:
-        print(f"{r['recipe']:28} {r['params'] / 1e9:6.2f}B {r['zero_stage']:>4} {r['bytes_per_token']:7.1f} {human(r['rollout_step']):>13} {r['rollouts_kept']:>4} "
-              f"{human(r['rollouts']):>9} {human(sum(r['checkpoint'].values())):>8} {r['checkpoints_kept']:>4} "
+        print(f"{r['recipe']:28} {r['params'] / 1e9:6.2f}B {r['zero_stage']:>4} " f"{r['bytes_per_token']:7.1f} {human(r['rollout_step']):>13} {r['rollouts_kept']:>4} "
+              f"{human(r['rollouts']):>9} {human(sum(r['checkpoint'].values())):>8} " f"{r['checkpoints_kept']:>4} "
               f"{human(r['checkpoints']):>9} {human(r['per_run']):>9}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

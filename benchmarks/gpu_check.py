@@ -34,7 +34,8 @@ What it does, in order (one JSON of results at the end, ``--json``):
    aside) are identical, and the resume's wall time.
 
 The JSON is rewritten after every phase (``complete``: false until the end), so a check cut short
-by its timeout still leaves what it measured. Everything runs offline (``HF_HUB_OFFLINE=1``). Nothing here needs a GPU except vLLM and the
+by its timeout still leaves what it measured. Everything runs offline (``HF_HUB_OFFLINE=1``). Nothing here needs a GPU
+except vLLM and the
 GPU shape's memory: ``tests/test_gpu_check.py`` runs the same driver on CPU with the tiny shape
 and the transformers engine.
 """

@@ -118,7 +118,7 @@ def main() -> None:
     med = {v: {k: statistics.median(x[k] for x in rs) for k in ("peak_extra_mib", "time_s", "cpu_s")} for v, rs in runs.items()}
     params = runs[VARIANTS[0]][0]["params"]
     tokens = args.prompts * args.group * (args.prompt + args.response)
-    print(f"{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} responses x ({args.prompt} + {args.response}) tokens, "
+    print(f"{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} responses x " f"({args.prompt} + {args.response}) tokens, "
           f"{args.threads} thread(s), medians of {args.rounds} rounds")
     print(f"{'variant':22} {'peak extra MiB':>15} {'wall s':>8} {'cpu s':>8}")
     for v in VARIANTS:
@@ -127,7 +127,7 @@ def main() -> None:
     for path in ("shared", "whole"):
         plain, ckpt = med[f"plain-{path}"], med[f"checkpointed-{path}"]
         ratios[path] = {k: ckpt[m] / plain[m] for k, m in (("memory", "peak_extra_mib"), ("time", "time_s"), ("cpu", "cpu_s"))}
-        print(f"checkpointed / plain, {path:6}: memory {ratios[path]['memory']:.2f}x, wall time {ratios[path]['time']:.2f}x, "
+        print(f"checkpointed / plain, {path:6}: memory {ratios[path]['memory']:.2f}x, wall time " f"{ratios[path]['time']:.2f}x, "
               f"cpu time {ratios[path]['cpu']:.2f}x")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

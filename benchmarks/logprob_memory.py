@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-from common import peak_rss_mib, rss_mib, run_worker  # noqa: E402  (benchmarks/common.py)
+from common import peak_rss_mib, rss_mib, run_worker  # benchmarks/common.py
 
 
 def worker(args) -> dict:
@@ -120,7 +120,7 @@ def main() -> None:
 
 def _print_table(args, results, mem_ratio, time_ratio, cpu_ratio) -> None:
     title = (f"token_logprobs: V={args.vocab}, H={args.hidden}, {args.seqs}x{args.tokens} tokens, "
-             f"{1 + args.topk} ids/token, chunk {args.chunk}, {args.threads} threads, fwd+bwd float32, "
+             f"{1 + args.topk} ids/token, chunk {args.chunk}, {args.threads} threads, fwd+bwd " "float32, "
              f"load avg {os.getloadavg()[0]:.1f}")
     rows = [(v, f"{r['peak_extra_mib']:.0f}", f"{r['time_s']:.2f}", f"{r['cpu_s']:.2f}") for v, r in results.items()]
     rows.append(("chunked / naive", f"{mem_ratio:.3f}", f"{time_ratio:.3f}", f"{cpu_ratio:.3f}"))

@@ -15,7 +15,8 @@ spin-waits should count. Wall-time ratios are reported too, with the load averag
     python benchmarks/method_overhead.py --quick --json out.json
     python benchmarks/method_overhead.py --configs tiny --variants pdm-kl-agg,pdm-kl-bracket
     python benchmarks/method_overhead.py --corrections-only --variants cispo   # grpo + each correction, cispo
-    python benchmarks/method_overhead.py --configs tiny --variants sapo,gmpo,clip-cov,kl-cov,topr,m2po,prime-dppo,prime-ipo,two-sided,trm,trm-topk-kl
+    python benchmarks/method_overhead.py --configs tiny \
+        --variants sapo,gmpo,clip-cov,kl-cov,topr,m2po,prime-dppo,prime-ipo,two-sided,trm,trm-topk-kl
 
 Off-policy corrections (``method.correction``, docs/METHODS.md §14) are variants too: grpo with
 each kind at its defaults in bypass mode, and grpo + token-tis in decoupled mode, whose step
@@ -236,9 +237,9 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--configs", type=str, default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
     p.add_argument("--variants", type=str, default=None,
-                   help="comma-separated variant labels to time (grpo, the baseline, is always included); default all")
+                   help="comma-separated variant labels to time (grpo, the baseline, is always " "included); default all")
     p.add_argument("--corrections-only", action="store_true",
-                   help="time grpo with each off-policy correction (and the decoupled forward), plus --variants if given")
+                   help="time grpo with each off-policy correction (and the decoupled forward), plus " "--variants if given")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     variants = select_variants((args.variants or "grpo") if args.corrections_only else args.variants)
@@ -273,7 +274,7 @@ def main() -> None:
         "goal_all_le_1.05": max(core) <= 1.05,
         "decoupled_forward_ratio": {r["config"]: r["extra"][DECOUPLED_FORWARD]["ratio"] for r in results if r["extra"]},
     }
-    print(f"max overhead ratio over all methods and configs: cpu {max(core):.3f} (wall {max(core_wall):.3f}, "
+    print(f"max overhead ratio over all methods and configs: cpu {max(core):.3f} (wall " f"{max(core_wall):.3f}, "
           f"from the method part alone {max(core_part):.3f}); "
           f"load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if args.json:
@@ -294,7 +295,7 @@ def select_variants(spec: str | None) -> list[tuple[str, str, dict]]:
 
 
 def _print(res: dict, threads: int) -> None:
-    title = (f"{res['config']} Qwen3 ({res['params'] / 1e6:.1f}M params), {res['tokens']} tokens, K={res['k']}, "
+    title = (f"{res['config']} Qwen3 ({res['params'] / 1e6:.1f}M params), {res['tokens']} tokens, " f"K={res['k']}, "
              f"{threads} threads, median of {res['repeats']}, load avg {res['loadavg'][0]:.1f}")
     try:
         from rich.console import Console
@@ -313,10 +314,10 @@ def _print(res: dict, threads: int) -> None:
     except ImportError:
         print(title)
         for label, row in res["methods"].items():
-            print(f"{label:>28} {row['median_cpu_s']:10.4f} {row['ratio']:8.3f} {row['median_wall_s']:10.4f} "
-                  f"{row['ratio_wall']:8.3f} {1000 * row['method_part_cpu_s']:8.2f} {row['ratio_from_method_part']:8.3f}")
+            print(f"{label:>28} {row['median_cpu_s']:10.4f} {row['ratio']:8.3f} " f"{row['median_wall_s']:10.4f} "
+                  f"{row['ratio_wall']:8.3f} {1000 * row['method_part_cpu_s']:8.2f} " f"{row['ratio_from_method_part']:8.3f}")
         for label, row in res.get("extra", {}).items():
-            print(f"{label:>28} {row['median_cpu_s']:10.4f} {row['ratio']:8.3f} {row['median_wall_s']:10.4f} {row['ratio_wall']:8.3f}")
+            print(f"{label:>28} {row['median_cpu_s']:10.4f} {row['ratio']:8.3f} " f"{row['median_wall_s']:10.4f} {row['ratio_wall']:8.3f}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     PhaseTimer,
     bench_config,
     group_phases,
@@ -147,7 +147,7 @@ def io_probe(steps_now: int, steps_full: int, reps: int = 7) -> dict:
             out[f"mark_done_ms_at_step_{steps}"] = 1000 * median(times)
             out[f"manifest_kb_at_step_{steps}"] = (store.root / "manifest.json").stat().st_size / 1024
         times = []
-        for i in range(reps):
+        for _ in range(reps):
             t0 = time.perf_counter()
             atomic_write_bytes(root / "small.txt", b"x" * 100)
             times.append(time.perf_counter() - t0)
@@ -160,7 +160,7 @@ def io_probe(steps_now: int, steps_full: int, reps: int = 7) -> dict:
 def report(r: dict) -> None:
     rows = [[k, r["phases_ms"][k], 100 * r["phase_shares"][k]] for k in sorted(r["phases_ms"], key=lambda k: -r["phases_ms"][k])]
     print_table(
-        f"masktrl step on the tiny default ({r['config']['method']}): {r['step_ms_mean']:.0f} ms/step, "
+        f"masktrl step on the tiny default ({r['config']['method']}): {r['step_ms_mean']:.0f} " "ms/step, "
         f"{r['steps_counted']} steps",
         ["phase", "ms/step", "% of step"],
         rows,
@@ -169,7 +169,7 @@ def report(r: dict) -> None:
     print_table("shares by stage", ["stage", "% of step"], grows)
     verdict = "met" if r["io_goal_met"] else "MISSED"
     print(
-        f"io_share = {r['io_share']:.3f} (goal <= {r['io_goal']}: {verdict}); checkpoint {r['checkpoint_ms']:.0f} ms "
+        f"io_share = {r['io_share']:.3f} (goal <= {r['io_goal']}: {verdict}); checkpoint " f"{r['checkpoint_ms']:.0f} ms "
         f"every {r['checkpoint_every']} steps"
     )
     probe = r["io_probe"]

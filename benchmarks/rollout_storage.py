@@ -39,9 +39,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from common import machine, median, parser, print_table, write_json  # noqa: E402
+from common import machine, median, parser, print_table, write_json
 
 TARGET = 40.0  # bytes per generated token at K = 20
 
@@ -123,6 +123,7 @@ def synthetic_batches(rows: int, tokens: int, vocab: int, k: int, alpha: float, 
         top_ids, top_lp = (torch.cat(x).view(rows, tokens, k).tolist() for x in out[2:])
         rng = np.random.default_rng(seed)
         samples = []
+        prompt: list[int] = []  # set at r = 0
         for r in range(rows):
             prompt = rng.integers(0, vocab, 64).tolist() if r % 8 == 0 else prompt  # groups of 8 share a prompt
             gen = Generation(ids[r], logp[r], top_ids[r], top_lp[r], finished=bool(r % 3))

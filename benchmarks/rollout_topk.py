@@ -33,9 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from common import BENCH_TMP, bench_config, big_vocab_model, machine, median, parser, print_table, quiet, warm_model, write_json  # noqa: E402
+from common import BENCH_TMP, bench_config, big_vocab_model, machine, median, parser, print_table, quiet, warm_model, write_json
 
 GOAL = 0.10
 
@@ -72,7 +72,7 @@ def main(argv=None) -> dict:
     )
     for name in [k for k in result if k == "tiny" or k.startswith("vocab")]:
         report(name, result[name], len(tok) if name == "tiny" else args.vocab)
-    print(f"topk_overhead = {result['topk_overhead']:.3f} (goal <= {GOAL}: {'met' if result['goal_met'] else 'MISSED'})")
+    print(f"topk_overhead = {result['topk_overhead']:.3f} (goal <= {GOAL}: " f"{'met' if result['goal_met'] else 'MISSED'})")
     write_json(args.json, result)
     return result
 
@@ -157,7 +157,7 @@ def measure(model, tok, cfg, args, batch_sizes=(), ks=None) -> dict:
 def report(name: str, r: dict, vocab: int) -> None:
     rows = [[v, r["ms"][v], r["tokens_per_s"][v], r["vs_no_recording"][v]] for v in r["ms"]]
     print_table(
-        f"HF engine, {name} model (vocabulary {vocab}); {next(iter(r['tokens'].values()))} generated tokens per batch",
+        f"HF engine, {name} model (vocabulary {vocab}); {next(iter(r['tokens'].values()))} " "generated tokens per batch",
         ["variant", "ms/batch", "tokens/s", "time vs no recording"],
         rows,
     )

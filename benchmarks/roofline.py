@@ -14,7 +14,8 @@ the default shape (configs/tiny.yaml), the lab (configs/lab.yaml) and the long s
   sequence of L tokens has L(L+1)/2 pairs, a shared-prompt response of r tokens r p + r(r+1)/2
   against its p-token prompt); MFU =
   those FLOPs / time / the measured peak; on a CPU also per second of process CPU time
-  against the GEMM's FLOP per CPU-second (what waiting for a shared CPU does not inflate). Memory: the bytes autograd saves for the backward
+  against the GEMM's FLOP per CPU-second (what waiting for a shared CPU does not inflate). Memory: the bytes autograd
+  saves for the backward
   (activations; distinct storages), and on a GPU the peak allocated memory; with ``--rss`` (CPU,
   Linux) also the process's peak resident memory during one step, each variant in a fresh
   process (``VmHWM`` reset through ``/proc/self/clear_refs`` just before the step): the
@@ -47,9 +48,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from common import machine, median, parser, print_table, quiet, write_json  # noqa: E402
+from common import machine, median, parser, print_table, quiet, write_json
 
 TEMPERATURE, CHUNK, K = 1.0, 1024, 20
 
@@ -364,7 +365,7 @@ def measure_rss(names: list[str], threads: int) -> dict:
             line = [ln for ln in res.stdout.splitlines() if ln.startswith("RSS ")][-1]
             peak, before = (int(x) / 1024 for x in line.split()[1:])
             out[(name, v)] = (peak, before)
-            print(f"  {name:8s} {v:22s} step peak RSS +{peak:,.0f} MiB (process at {before:,.0f} MiB before it)", flush=True)
+            print(f"  {name:8s} {v:22s} step peak RSS +{peak:,.0f} MiB (process at {before:,.0f} MiB " "before it)", flush=True)
     return out
 
 
@@ -545,7 +546,7 @@ def main(argv=None) -> dict:
         for r in train_rows:
             if r["shape"] == name:
                 extra = f", per CPU-second {100 * r['mfu_cpu_time']:5.1f} %" if r["mfu_cpu_time"] is not None else ""
-                print(f"  {name:8s} {r['variant']:22s} {r['time_ms']:9.1f} ms  MFU {100 * r['mfu']:5.1f} %{extra}", flush=True)
+                print(f"  {name:8s} {r['variant']:22s} {r['time_ms']:9.1f} ms  MFU " f"{100 * r['mfu']:5.1f} %{extra}", flush=True)
         if not args.no_generation:
             gen_rows += measure_generation(name, model, tok, samples, cfg, device, bw, peak, args.gen_reps)
             for g in gen_rows[-len(GEN_VARIANTS):]:
@@ -573,7 +574,7 @@ def main(argv=None) -> dict:
 
 def report(r: dict) -> None:
     if r["training"]:
-        print_table(f"training forward + backward, one micro-batch ({r['device']}; peak {r['matmul_peak_flops'] / 1e9:,.0f} GFLOP/s)",
+        print_table(f"training forward + backward, one micro-batch ({r['device']}; peak " f"{r['matmul_peak_flops'] / 1e9:,.0f} GFLOP/s)",
                     ["shape", "variant", "ms", "CPU ms", "tokens run", "padding %", "GFLOP", "MFU %", "MFU % (CPU time)", "saved activations MiB",
                      "process peak RSS MiB"],
                     [[t["shape"], t["variant"], t["time_ms"], t["cpu_ms"], t["tokens_run"], 100 * t["padding_share"], t["model_gflop"],

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
+from common import (
     BENCH_TMP,
     PhaseTimer,
     bench_config,
@@ -78,10 +78,10 @@ def main(argv=None) -> dict:
                 for i in order:
                     sweep, value, overrides = points[i]
                     phases: list[dict] = []
-                    run = run_masktrl(bench_config(*overrides, *common), on_start=timer.take, on_step=lambda: phases.append(timer.take()))
+                    run = run_masktrl(bench_config(*overrides, *common), on_start=timer.take, on_step=lambda phases=phases: phases.append(timer.take()))
                     counted = slice(1, len(run["step_times"]) - 1)
                     runs[i].append({"step_s": run["step_times"][counted], "cpu_s": run["cpu_times"][counted], "tokens": [r["tokens"] for r in run["metrics"]][counted], "phases": phases[counted]})
-                    print(f"rep {rep + 1}/{args.reps} {sweep} = {value}: {1000 * median(runs[i][-1]['step_s']):.0f} ms/step", flush=True)
+                    print(f"rep {rep + 1}/{args.reps} {sweep} = {value}: " f"{1000 * median(runs[i][-1]['step_s']):.0f} ms/step", flush=True)
         finally:
             timer.restore()
 

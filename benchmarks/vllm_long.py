@@ -16,7 +16,8 @@ sets (the script sets these defaults itself) and one OpenMP thread unless
 ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise:
 
     python benchmarks/roofline.py --shapes long --no-training --gen-reps 3 --json outputs/bench/roofline_gen.json
-    .venv-vllm/bin/python benchmarks/vllm_long.py --batches outputs/bench/roofline_gen.json --json outputs/bench/vllm_long.json
+    .venv-vllm/bin/python benchmarks/vllm_long.py --batches outputs/bench/roofline_gen.json \
+        --json outputs/bench/vllm_long.json
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def long_rows(path: str) -> tuple[dict, dict]:
     result = json.loads(Path(path).read_text())
     rows = [g for g in result.get("generation", []) if g["shape"] == "long" and g.get("variant") == "generate" and g.get("batches")]
     if not rows:
-        die(f"{path} holds no long-shape generate batches: run roofline.py --shapes long --json {path} first")
+        die(f"{path} holds no long-shape generate batches: run roofline.py --shapes long --json " f"{path} first")
     return rows[0], result
 
 

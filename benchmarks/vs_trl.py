@@ -60,9 +60,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from common import (  # noqa: E402
+from common import (
     BENCH_TMP,
     PhaseTimer,
     bench_config,
@@ -105,7 +105,7 @@ LABELS = {
 def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--shape", choices=("default", "long"), default="default",
-                   help="default: the tiny preset's arithmetic; long: long prompts and heavy-tailed responses (long_shape.py)")
+                   help="default: the tiny preset's arithmetic; long: long prompts and heavy-tailed " "responses (long_shape.py)")
     p.add_argument("--reps", type=int, default=None, help="blocks per side, alternating (ABBA order); default 4 (long: 2)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per block; default 6 (long: 1)")
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (rollout.prompts_per_step); default 32 (long: 2)")
@@ -115,12 +115,12 @@ def main(argv=None) -> dict:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--no-phases", action="store_true", help="do not time the stages inside each step")
     p.add_argument("--ablate-sharing", action="store_true",
-                   help="add a side: masktrl with its per-group prompt sharing (generation prefill and "
-                        "training forward) switched off, i.e. every sequence runs its prompt, as TRL does")
+                   help="add a side: masktrl with its per-group prompt sharing (generation prefill " "and "
+                        "training forward) switched off, i.e. every sequence runs its prompt, as " "TRL does")
     p.add_argument("--ablate", action="store_true",
-                   help="add masktrl with packing off, with prompt sharing off, and with both off (packing: --shape long only)")
+                   help="add masktrl with packing off, with prompt sharing off, and with both off " "(packing: --shape long only)")
     p.add_argument("--drop-finished", action="store_true",
-                   help="add masktrl with rollout.drop_finished=true (its own decode loop: ended responses leave the batch)")
+                   help="add masktrl with rollout.drop_finished=true (its own decode loop: ended " "responses leave the batch)")
     args = p.parse_args(argv)
     long = args.shape == "long"
     defaults = {"reps": (4, 2), "steps": (6, 1), "prompts": (32, 2), "max_new_tokens": (6, 512)}
@@ -197,8 +197,8 @@ def main(argv=None) -> dict:
                             block = run_masktrl_block(cfg_drop if side == "masktrl-dropfinished" else cfg if packed else cfg_unpacked, timer)
                     sides[side].append(block)
                     print(
-                        f"rep {rep + 1}/{args.reps} {side:7s}: median step {1000 * median(block['step_s']):.0f} ms, "
-                        f"{median(block['tokens']):.0f} tokens/step ({time.time() - t0:.0f} s with set-up)",
+                        f"rep {rep + 1}/{args.reps} {side:7s}: median step " f"{1000 * median(block['step_s']):.0f} ms, "
+                        f"{median(block['tokens']):.0f} tokens/step ({time.time() - t0:.0f} s " "with set-up)",
                         flush=True,
                     )
     finally:
@@ -465,10 +465,10 @@ def report(r: dict) -> None:
     print_table("masktrl vs TRL GRPOTrainer (same model, prompts, batch, loss)", ["", *[n for n, _ in cols], "masktrl speed-up vs TRL"], rows)
     per_rep = ", ".join(f"{x:.2f}" for x in r["speedup_per_rep"])
     verdict = "met" if r["goal_met"] else "MISSED"
-    print(f"speedup_vs_trl = {r['speedup_vs_trl']:.2f}x (median of paired blocks: {per_rep}); goal >= {r['goal']}x: {verdict}")
+    print(f"speedup_vs_trl = {r['speedup_vs_trl']:.2f}x (median of paired blocks: {per_rep}); goal >= " f"{r['goal']}x: {verdict}")
     for side in ("unpacked", "unshared", "neither", "dropfinished"):
         if f"{side}_speedup_vs_trl" in r:
-            print(f"{LABELS['masktrl-' + side]}: {r[side + '_speedup_vs_trl']:.2f}x TRL; masktrl is {r[side + '_vs_masktrl']:.2f}x faster")
+            print(f"{LABELS['masktrl-' + side]}: {r[side + '_speedup_vs_trl']:.2f}x TRL; masktrl is " f"{r[side + '_vs_masktrl']:.2f}x faster")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ that load a config, call a stage (``masktrl/recipes/``) and print a rich summary
 One error boundary: a ``MasktrlError`` (bad config, missing file, unknown method, corrupted
 artifact...) becomes one red line on stderr and exit code 2, and so does an ``OSError`` the
 machine raises (permission denied, no space left, read-only file system, a file where a folder
-belongs), named by its file, and running out of memory (``io.memory_error_line``). ``MASKTRL_DEBUG=1`` shows the traceback instead. A run stopped by
+belongs), named by its file, and running out of memory (``io.memory_error_line``). ``MASKTRL_DEBUG=1`` shows the
+traceback instead. A run stopped by
 Ctrl-C or SIGTERM exits with 128 + the signal number (130, 143).
 """
 
@@ -16,14 +17,15 @@ import sys
 import typer
 from typer.core import Abort, _click
 
+from masktrl.commands import analyze as analyze_cmd
+from masktrl.commands import check_method as check_method_cmd
 from masktrl.commands import config as config_cmd
 from masktrl.commands import eval as eval_cmd
 from masktrl.commands import rollout as rollout_cmd
 from masktrl.commands import runs as runs_cmd
+from masktrl.commands import sweep as sweep_cmd
 from masktrl.commands import train as train_cmd
-from masktrl.commands import analyze as analyze_cmd, sweep as sweep_cmd
-from masktrl.commands import check_method as check_method_cmd
-from masktrl.commands.options import Command, Group
+from masktrl.commands.help_format import Command, Group
 from masktrl.commands.ui import err_console
 from masktrl.errors import MasktrlError
 from masktrl.io import memory_error_line

@@ -50,7 +50,8 @@ MAX_INT = 2**31 - 1
 MAX_SEED = 2**32 - 1
 """The largest seed: what every generator seeded from it (torch, numpy, python) accepts."""
 EVAL_BENCHMARKS = ("task", "synthetic", "aime24", "aime25", "aime", "math500", "gsm8k")
-"""`masktrl eval` benchmarks: task (alias synthetic) = the run's own held-out split of a synthetic task; aime = aime24 + aime25."""
+"""`masktrl eval` benchmarks: task (alias synthetic) = the run's own held-out
+split of a synthetic task; aime = aime24 + aime25."""
 OWN_TASK_BENCHMARKS = ("task", "synthetic")
 """The benchmark names of a run's own task: its fixed held-out split (synthetic is the older name, kept)."""
 SYNTHETIC_TASKS = ("arithmetic", "residues", "longtail")
@@ -65,9 +66,11 @@ HF_ONLY_QUANTIZATIONS = ("fp8-act", "fp8-full")
 TINY_TOKENIZERS = ("char", "numbers")
 TINY_ARCHITECTURES = ("qwen3", "llama", "qwen2", "qwen3-moe", "mistral", "gemma2", "gemma3", "phi3", "olmo2", "gpt-neox")
 MOE_ARCHITECTURES = ("qwen3-moe",)
-"""The tiny architectures with mixture-of-experts layers: the ones model.num_experts and model.experts_per_token apply to."""
+"""The tiny architectures with mixture-of-experts layers: the ones
+model.num_experts and model.experts_per_token apply to."""
 MOE_DEFAULTS = {"num_experts": 8, "experts_per_token": 2}
-"""The tiny MoE model's experts per layer and top-k when model.num_experts / experts_per_token are unset (configs/lab-moe.yaml)."""
+"""The tiny MoE model's experts per layer and top-k when model.num_experts /
+experts_per_token are unset (configs/lab-moe.yaml)."""
 """model.architecture: the names of ``masktrl.models.architectures.ARCHITECTURES`` (a test keeps them equal)."""
 
 
@@ -91,7 +94,7 @@ class LoraConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules or not all(self.target_modules):
-            raise ConfigError(f"model.lora.target_modules must name modules (or all-linear), got {list(self.target_modules)}")
+            raise ConfigError("model.lora.target_modules must name modules (or all-linear), got " f"{list(self.target_modules)}")
 
 
 @dataclass(frozen=True)
@@ -134,33 +137,33 @@ class ModelConfig:
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         _choice("model.architecture", self.architecture, TINY_ARCHITECTURES)
         if self.path != "tiny" and self.architecture != "qwen3":
-            raise ConfigError("model.architecture is an option of the tiny model (model.path=tiny); a checkpoint has its own")
+            raise ConfigError("model.architecture is an option of the tiny model (model.path=tiny); a checkpoint " "has its own")
         self.lora.validate()
         _choice("model.tokenizer", self.tokenizer, TINY_TOKENIZERS)
         _choice("model.embedding_init", self.embedding_init, ("random", "numbers"))
         if self.embedding_init == "numbers" and self.tokenizer != "numbers":
             raise ConfigError("model.embedding_init=numbers needs model.tokenizer=numbers")
         if self.path != "tiny" and (self.tokenizer, self.embedding_init) != ("char", "random"):
-            raise ConfigError("model.tokenizer and model.embedding_init are options of the tiny model (model.path=tiny)")
+            raise ConfigError("model.tokenizer and model.embedding_init are options of the tiny model " "(model.path=tiny)")
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             _positive(f"model.{name}", getattr(self, name))
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ConfigError("model.num_heads must divide model.hidden_size and be a multiple of model.num_kv_heads")
+            raise ConfigError("model.num_heads must divide model.hidden_size and be a multiple of " "model.num_kv_heads")
         self._validate_experts()
 
     def _validate_experts(self) -> None:
         given = [k for k in MOE_DEFAULTS if getattr(self, k) is not None]
         if given and self.path != "tiny":
-            raise ConfigError(f"model.{given[0]} is an option of the tiny model (model.path=tiny); a checkpoint has its own experts")
+            raise ConfigError(f"model.{given[0]} is an option of the tiny model (model.path=tiny); a checkpoint " "has its own experts")
         if given and self.architecture not in MOE_ARCHITECTURES:
-            raise ConfigError(f"model.{given[0]} is a mixture-of-experts option, but model.architecture={self.architecture} is dense "
+            raise ConfigError(f"model.{given[0]} is a mixture-of-experts option, but " f"model.architecture={self.architecture} is dense "
                               f"(MoE: {', '.join(MOE_ARCHITECTURES)})")
         for k in given:
             value = getattr(self, k)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"model.{k} must be an integer >= 1, got {value!r}")
         if self.moe_shape()[1] > self.moe_shape()[0]:
-            raise ConfigError(f"model.experts_per_token={self.moe_shape()[1]} exceeds model.num_experts={self.moe_shape()[0]}")
+            raise ConfigError(f"model.experts_per_token={self.moe_shape()[1]} exceeds " f"model.num_experts={self.moe_shape()[0]}")
 
     def moe_shape(self) -> tuple[int, int]:
         """(experts per MoE layer, experts per token) of the tiny MoE model, defaults filled in."""
@@ -261,7 +264,7 @@ class TaskConfig:
             if given:
                 raise ConfigError(f"task.{given[0]} is an option of dataset tasks; task.name is arithmetic")
         if self.name == "dataset" and not self.source:
-            raise ConfigError("task.name=dataset needs task.source: a hub id (local cache) or a local file or folder")
+            raise ConfigError("task.name=dataset needs task.source: a hub id (local cache) or a local file or " "folder")
 
     def _validate_env(self) -> None:
         keys = ("call_stop", "max_turns", "max_total_tokens", "env_timeout_s")
@@ -315,7 +318,8 @@ class RolloutConfig:
     max_new_tokens: int = 6
     """Response length limit in tokens (a longer response is cut and counts as truncated)."""
     mask_truncated: bool = False
-    """Responses cut at max_new_tokens get no gradient (their reward still enters the group baseline; TRL mask_truncated_completions)."""
+    """Responses cut at max_new_tokens get no gradient (their reward still enters
+    the group baseline; TRL mask_truncated_completions)."""
     temperature: float = 1.0
     """Sampling temperature T; the recorded behaviour log-probs and the trained pi are both
     log_softmax(logits / T)."""
@@ -376,9 +380,9 @@ class RolloutConfig:
                 _choice("rollout.quantization", self.quantization, HF_QUANTIZATIONS)
             elif self.quantization in HF_ONLY_QUANTIZATIONS:
                 raise ConfigError(f"rollout.quantization={self.quantization} is an option of the hf engine only; "
-                                  "vLLM's own fp8 already quantises activations on GPUs with FP8 support (use fp8)")
+                                  "vLLM's own fp8 already quantises activations on GPUs with FP8 " "support (use fp8)")
         if self.drop_finished and self.engine != "hf":
-            raise ConfigError(f"rollout.drop_finished is an option of the hf engine, got rollout.engine={self.engine} "
+            raise ConfigError("rollout.drop_finished is an option of the hf engine, got " f"rollout.engine={self.engine} "
                               "(vLLM schedules finished sequences out of its batch itself)")
         if self.sleep_mode and self.engine != "vllm":
             raise ConfigError(f"rollout.sleep_mode needs rollout.engine=vllm, got {self.engine!r}")
@@ -412,7 +416,7 @@ def check_staleness(value: Any) -> None:
     if unknown:
         raise ConfigError(f"{key}: unknown key {unknown[0]!r} (accepted: {', '.join(STALENESS_KEYS)})")
     if "dist" not in value or "max" not in value:
-        raise ConfigError(f"{key} as a mapping needs dist ({' | '.join(STALENESS_DISTS)}) and max (the cap on a batch's age)")
+        raise ConfigError(f"{key} as a mapping needs dist ({' | '.join(STALENESS_DISTS)}) and max (the cap on a " "batch's age)")
     _choice(f"{key}.dist", value["dist"], STALENESS_DISTS)
     for name in ("max", "min"):
         v = value.get(name, 0)
@@ -509,13 +513,13 @@ class TrainConfig:
         _choice("train.quantization_backend", self.quantization_backend, ("auto", "fake", "torchao"))
         if self.micro_batch_tokens is not None:
             if isinstance(self.micro_batch_tokens, bool) or not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens < 1:
-                raise ConfigError(f"train.micro_batch_tokens must be a positive number of tokens (or unset), got {self.micro_batch_tokens!r}")
+                raise ConfigError("train.micro_batch_tokens must be a positive number of tokens (or unset), got " f"{self.micro_batch_tokens!r}")
             if self.grad_accum != 1:
-                raise ConfigError("train.micro_batch_tokens and train.grad_accum both set the micro-batches: set one of them")
+                raise ConfigError("train.micro_batch_tokens and train.grad_accum both set the micro-batches: set " "one of them")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
-            raise ConfigError(f"train.keep_checkpoints must be >= 1 (or unset to keep all), got {self.keep_checkpoints}")
+            raise ConfigError("train.keep_checkpoints must be >= 1 (or unset to keep all), got " f"{self.keep_checkpoints}")
         for step in self.keep_steps:
             _positive("train.keep_steps", step)
         for tracker in self.report_to:
@@ -613,7 +617,7 @@ HASH_UNLESS_SET = ("model.num_experts", "model.experts_per_token", "task.env", "
 """Keys that count in ``Config.hash`` (the warm-start cache's key among others) only when set."""
 
 
-def load_config(paths: str | Path | list | tuple | None = None, overrides: list[str] = (), **direct: Any) -> Config:
+def load_config(paths: str | Path | list | tuple | None = None, overrides: list[str] | tuple[str, ...] = (), **direct: Any) -> Config:
     """Defaults < YAML files in order (none given: configs/tiny.yaml) < ``direct`` (e.g.
     method="sis", seed=3) < ``key=value`` overrides."""
     if paths is None or isinstance(paths, (str, Path)):
@@ -638,7 +642,7 @@ def load_config(paths: str | Path | list | tuple | None = None, overrides: list[
     return from_dict(raw)
 
 
-def read_overrides(path: str | Path | list | tuple | None = None, overrides: list[str] = (), raw: dict | None = None) -> dict:
+def read_overrides(path: str | Path | list | tuple | None = None, overrides: list[str] | tuple[str, ...] = (), raw: dict | None = None) -> dict:
     """``raw`` (default: empty) updated with the YAML file(s) ``path`` (several compose as in
     ``load_config``) and the ``key=value`` overrides: the raw mapping, without defaults and not
     yet validated (``from_dict`` does that)."""
@@ -664,8 +668,8 @@ def from_dict(raw: dict) -> Config:
         section.validate()
     sis_k = getattr(cfg.method.params, "k", None) if cfg.method.rule == "sis" else None
     if sis_k is not None and sis_k > cfg.rollout.logprobs_k:
-        raise ConfigError(f"method.k={sis_k} is above rollout.logprobs_k={cfg.rollout.logprobs_k}: SIS re-cuts the stored behaviour "
-                          "lists and cannot make them longer (record more with rollout.logprobs_k)")
+        raise ConfigError(f"method.k={sis_k} is above rollout.logprobs_k={cfg.rollout.logprobs_k}: SIS re-cuts the " "stored behaviour "
+                          "lists and cannot make them longer (record more with " "rollout.logprobs_k)")
     if cfg.model.tokenizer == "numbers" and cfg.task.name != "residues":
         raise ConfigError(f"model.tokenizer=numbers cannot encode task {cfg.task.name!r} (it serves task residues)")
     if cfg.task.env is not None and cfg.rollout.engine != "hf":
@@ -674,7 +678,7 @@ def from_dict(raw: dict) -> Config:
         raise ConfigError("task.env (multi-turn rollouts) samples the whole vocabulary: set rollout.top_p=1 and rollout.top_k=0")
     own = [b for b in cfg.train.eval_benchmarks if b in OWN_TASK_BENCHMARKS]
     if own and cfg.task.name not in SYNTHETIC_TASKS:
-        raise ConfigError(f"train.eval_benchmarks: {own[0]} is the run's own synthetic task ({', '.join(SYNTHETIC_TASKS)}), "
+        raise ConfigError(f"train.eval_benchmarks: {own[0]} is the run's own synthetic task " f"({', '.join(SYNTHETIC_TASKS)}), "
                           f"but task.name is {cfg.task.name!r}")
     return cfg
 
@@ -736,7 +740,7 @@ def config_keys(method: str | None = None) -> list[KeyDoc]:
     name = method or Config().method_name
     params_cls = method_from_block({"name": name}).method.params_cls if is_rule_file(name) else get_method(name).params_cls
     keys.append(KeyDoc("method.name", "str", Config().method_name,
-                       f"The method: {' | '.join(method_names())}, or path/to/rules.py:name (a rule of your own)."))
+                       f"The method: {' | '.join(method_names())}, or path/to/rules.py:name " "(a rule of your own)."))
     keys += _class_keys(params_cls, "method")
     from masktrl.methods import CorrectionParams
 
@@ -843,7 +847,8 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
 
 
 def _section(cls: type, raw: Any, prefix: str) -> Any:
-    """The dataclass ``cls`` from the mapping ``raw`` (keys under ``prefix``), every value coerced to its field's type."""
+    """The dataclass ``cls`` from the mapping ``raw`` (keys under
+    ``prefix``), every value coerced to its field's type."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -976,7 +981,7 @@ def split_method(spec: str) -> tuple[str, list[str]]:
     """``pdm:tail=uniform`` -> ("pdm", ["method.tail=uniform"]); a key may be dotted, for a block
     of the method section: ``grpo:correction.kind=token-tis`` -> ["method.correction.kind=token-tis"].
     A rule from a file: ``rules.py:soft:tau=2`` -> ("rules.py:soft", ["method.tau=2"])."""
-    segments = []
+    segments: list[str] = []
     for part in spec.split(":"):  # a value naming a file's rule (correction.kind=rules.py:name) keeps its colon
         if segments and "=" not in part and segments[-1].endswith(".py") and (len(segments) > 1 or "=" in segments[-1]):
             segments[-1] += f":{part}"

@@ -126,7 +126,7 @@ def method_from_block(block: Any) -> MethodSpec:
         rule_file = RuleFile(rule_file.path, rule_file.sha256, recorded if isinstance(recorded, str) else None)
     else:
         if "sha256" in block:
-            raise ConfigError("method.sha256 applies only to a rule from a file (method.name: path/to/rules.py:name)")
+            raise ConfigError("method.sha256 applies only to a rule from a file (method.name: " "path/to/rules.py:name)")
         try:
             method = get_method(rule)
         except ValueError as exc:
@@ -155,7 +155,7 @@ def _correction_block(block: Any) -> tuple[Any, RuleFile | None]:
     kind, recorded = block.get("kind"), block.get("sha256")
     if not is_rule_file(kind):
         if "sha256" in block:
-            raise ConfigError("method.correction.sha256 applies only to a correction from a file (kind: path/to/rules.py:name)")
+            raise ConfigError("method.correction.sha256 applies only to a correction from a file (kind: " "path/to/rules.py:name)")
         return block, None
     rule, found = load_correction(kind)
     install_correction(kind, rule)
@@ -192,12 +192,12 @@ def load_correction(spec: str) -> tuple[CustomCorrection, RuleFile]:
     found = _import_rules(path, digest, spec)[1]
     if name not in found:
         names = ", ".join(sorted(found)) or "none: it has no @register_correction"
-        raise ConfigError(f"method.correction.kind {spec!r}: {where} registers no correction {name!r} (it registers: {names})")
+        raise ConfigError(f"method.correction.kind {spec!r}: {where} registers no correction {name!r} (it " f"registers: {names})")
     rule = found[name]
     try:
         inspect.signature(rule.fn).bind(None, None, None, None, None)
     except (TypeError, ValueError):
-        raise ConfigError(f"method.correction.kind {spec!r}: its function {getattr(rule.fn, '__name__', '?')} must take "
+        raise ConfigError(f"method.correction.kind {spec!r}: its function {getattr(rule.fn, '__name__', '?')} must " "take "
                           "(log_rho, valid, seq_ids, advantages, keys)") from None
     return rule, RuleFile(where, digest)
 
@@ -229,7 +229,7 @@ def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method]
     try:
         with collecting() as found, collecting_corrections() as corrections:
             loader_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001  a user's file: whatever it raises is reported in one line
+    except (Exception, SystemExit) as exc:  # a user's file: whatever it raises is reported in one line
         sys.modules.pop(module_name, None)
         text = str(exc).strip().splitlines()
         raise ConfigError(f"method {spec!r}: {path} raised {type(exc).__name__} on import" + (f": {text[0]}" if text else "")) from None

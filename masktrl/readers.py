@@ -74,7 +74,7 @@ class BoundedLoader(yaml.SafeLoader):
             event = self.peek_event()
             target = self.anchors.get(event.anchor)
             if target is not None and id(target) not in self._size:
-                raise _Refused(f"recursive alias *{event.anchor} (line {event.start_mark.line + 1}): a value cannot contain itself")
+                raise _Refused(f"recursive alias *{event.anchor} (line {event.start_mark.line + 1}): a value " "cannot contain itself")
             node = super().compose_node(parent, index)
             self._check(node, self._size[id(node)], event.start_mark)
             return node
@@ -101,7 +101,7 @@ class BoundedLoader(yaml.SafeLoader):
             raise _Refused(f"its aliases expand to more than {self.max_nodes:,} values (line {mark.line + 1}): "
                            "an alias bomb, or a file that is not a config")
         if self._open + height > self.max_depth:
-            raise _Refused(f"nested deeper than {self.max_depth} levels once its aliases are expanded (line {mark.line + 1})")
+            raise _Refused(f"nested deeper than {self.max_depth} levels once its aliases are expanded (line " f"{mark.line + 1})")
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, MappingNode):

@@ -3,7 +3,8 @@ design's exact sign-flip p, post-hoc detectable difference, equivalence (TOST) a
 
 The tests and the bootstrap are scipy.stats': Welch's t-test is ``ttest_ind(equal_var=False)``,
 Student-t p-values and quantiles come from ``scipy.stats.t``, the permutation test is
-``permutation_test``, the paired tests are ``wilcoxon`` and ``ttest_rel`` and the CI is ``bootstrap(method="percentile")``, each drawing from
+``permutation_test``, the paired tests are ``wilcoxon`` and ``ttest_rel`` and the CI is
+``bootstrap(method="percentile")``, each drawing from
 ``np.random.default_rng(seed)`` in the batches the earlier hand-written versions used, so the
 numbers are theirs to float precision. scipy refuses samples of one value; for those the
 single-value CI and the few permutation relabelings are computed here. pass@k, avg@k and maj@k
@@ -379,7 +380,7 @@ def interaction_test(d1, d2, *, paired: bool = False, margin: float | None = Non
            "n1": int(x.size), "n2": int(y.size), "t": float("nan"), "p": float("nan")}
     if paired:
         if x.size != y.size:
-            raise ValueError(f"a paired interaction needs the same seeds under both sources, got {x.size} and {y.size}")
+            raise ValueError(f"a paired interaction needs the same seeds under both sources, got {x.size} and " f"{y.size}")
         r = paired_tests(x, y)
         out.update(t=r["t"], p=r["p_ttest"], p_sign_flip=sign_flip_p(x - y))
         if margin is not None:

@@ -5,7 +5,8 @@
 
 For each folder it computes `masktrl analyze compare FOLDER --eval task --test paired` in-process
 (the same function, so the same numbers; baseline grpo: the paired t p and the exact sign-flip p,
-the larger deciding, Holm across the folder, and the paired MDD at alpha/m, post hoc) and adds, per group, what the metrics of
+the larger deciding, Holm across the folder, and the paired MDD at alpha/m, post hoc) and adds, per group, what the
+metrics of
 its runs say about the behaviour and the trust region. ``Δ vs grpo`` is the mean paired
 difference over the seeds the group shares with grpo, the centre of its paired interval (with
 other seed sets it is not the difference of the means, docs/ANALYSIS.md); then:
@@ -23,7 +24,8 @@ other seed sets it is not the difference of the means, docs/ANALYSIS.md); then:
 seed by seed (d_s = mean over the folders of score(method, s) - score(grpo, s)), for the seeds
 every folder has for both. The runs of one seed share its warm start and prompts across the
 folders, so the seed is the unit: the interval is the one-sample t interval of the d_s, the t p
-its t-test against 0 beside the exact sign-flip p, the larger deciding, Holm over the methods. Only methods present in every folder are pooled.
+its t-test against 0 beside the exact sign-flip p, the larger deciding, Holm over the methods. Only methods present in
+every folder are pooled.
 
 Without ``--eval`` the score is each run's one-sample ``eval_after`` (as in `analyze compare`).
 Incomplete runs are left out and counted under the table. ``--figure`` draws the differences
@@ -91,7 +93,8 @@ def folder_table(folder: Path, eval_bench: str | None, n_boot: int) -> dict:
 def short_label(label: str, method: dict) -> str:
     """A group by its correction, from its resolved method block: ``grpo + token-tis (decoupled)``,
     ``grpo + token-tis cap=1,floor=1 (decoupled)`` (keys away from the kind's defaults shown),
-    ``grpo (decoupled)`` for kind none; a dual clip is added (``..., dual_clip=3``). A label that ``analyze compare`` built from other keys
+    ``grpo (decoupled)`` for kind none; a dual clip is added (``..., dual_clip=3``). A label that ``analyze compare``
+    built from other keys
     (``dppo[divergence=topk-tv]``) is kept."""
     if "[" in label:
         shown = [part.split("=", 1)[0] for part in label[:-1].split("[", 1)[1].split(",")]
@@ -145,7 +148,7 @@ def markdown(folders: list[dict]) -> str:
             if row["is_baseline"]:
                 diff, tp, sp, holm, mdd = "base", "", "", "", ""
             else:
-                diff = f"{signed(s.get('diff_paired'))} [{signed(s.get('diff_ci_paired_low'))}, {signed(s.get('diff_ci_paired_high'))}]"
+                diff = f"{signed(s.get('diff_paired'))} [{signed(s.get('diff_ci_paired_low'))}, " f"{signed(s.get('diff_ci_paired_high'))}]"
                 tp, sp, holm, mdd = f3(s.get("p_paired_t")), f3(s.get("p_sign_flip")), f3(s.get("p_holm")), f3(s.get("mdd_paired"))
             lines.append("| " + " | ".join([
                 row.get("display", row["label"]), f["source"], str(s["n"]), f"{f3(s['mean'])}{sd}", diff, tp, sp, holm, mdd,

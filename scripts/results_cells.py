@@ -193,7 +193,7 @@ def table(source: str, cells_: list[dict], baseline: str = "grpo") -> str:
         judged = sum(1 for x in c["runs"] if not x["collapse"].get("too_short"))
         machines = sorted({f"{x['machine'].get('cpu_model', '?')} x{x['machine'].get('threads', '?')}" for x in c["runs"]})
         cells = ["base", "", "", "", ""] if "p" not in r else [
-            f"{signed(float(np.mean(r['d'])) if r['d'] else float('nan'))} [{signed(r['lo'])}, {signed(r['hi'])}]",
+            f"{signed(float(np.mean(r['d'])) if r['d'] else float('nan'))} [{signed(r['lo'])}, " f"{signed(r['hi'])}]",
             f3(r["t_p"]), f3(r["flip"]), f3(r["holm"]), f3(r["mdd"])]
         lines.append("| " + " | ".join([c["label"], str(len(v)), f"{f3(float(np.mean(v)))}{sd}", *cells, f"{collapsed}/{judged}",
                                         ", ".join(f"{s}: {f3(x)}" for s, x in sorted(r["vals"].items())), "; ".join(machines)]) + " |")
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         bad = check(args.check, made)
         if bad:
-            print(f"{args.check}: the tables of {', '.join(bad)} differ from the cells (rerun with --write)", file=sys.stderr)
+            print(f"{args.check}: the tables of {', '.join(bad)} differ from the cells (rerun with " "--write)", file=sys.stderr)
             return 1
         return 0
     if args.write:

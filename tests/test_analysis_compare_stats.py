@@ -133,7 +133,7 @@ def test_plain_method_beside_its_corrected_variants_is_labelled_by_name_and_is_t
 
 def test_runs_of_different_tasks_are_refused():
     runs = [_run("grpo", s, 0.4) for s in range(2)] + [_run("dppo", 0, 0.5, task={"name": "arithmetic", "digits": 4})]
-    with pytest.raises(MasktrlError, match="runs of different tasks cannot be compared: grpo-seed0 has task.digits=3, dppo-seed0 has task.digits=4"):
+    with pytest.raises(MasktrlError, match="runs of different tasks cannot be compared: grpo-seed0 has task.digits=3, dppo-seed0 has " "task.digits=4"):
         cmp.compare(runs, n_boot=200)
 
 

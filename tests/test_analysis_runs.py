@@ -43,7 +43,7 @@ def test_disagreement_study_with_partitions_as_replicates_is_well_formed(runs, t
     assert res["n_over_delta_total"] > 0  # later minibatches leave the trust region
     for rep in res["replicates"]:
         assert rep["n_over_delta"] <= rep["n_nonzero_adv"] <= rep["n_tokens"]
-        for name, block in rep["pairs"].items():
+        for block in rep["pairs"].values():
             assert block["n_disagree"] <= rep["n_over_delta"]
             for scope in dis.SCOPES:
                 kept = [block[scope][c]["n_kept"] for c in block[scope]]

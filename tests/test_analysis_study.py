@@ -129,7 +129,8 @@ def test_bracket_contains_the_exact_ddot_on_every_token(stale_tokens):
     for k in (2, 5, 20):  # float64 from the full log-probabilities, re-cut (2, 5) or recomputed (20 >= |V| = 17)
         assert np.all(t[f"bracket_lo_k{k}"][v] - est.CONTAIN_TOL <= exact) and np.all(exact <= t[f"bracket_hi_k{k}"][v] + est.CONTAIN_TOL)
     assert np.mean(t["bracket_hi_k2"][v] - t["bracket_lo_k2"][v]) > np.mean(t["bracket_hi_k5"][v] - t["bracket_lo_k5"][v]) > 0
-    # K >= |V|: no tail, both estimators are the exact value; K = stored: the float64 re-computation of what the method saw
+    # K >= |V|: no tail, both estimators are the exact value; K = stored: the float64 re-computation of what the method
+    # saw
     for e in ("agg", "uniform"):
         np.testing.assert_allclose(t[f"ddot_{e}_k20"][v], exact, atol=1e-12)
         np.testing.assert_allclose(t[f"ddot_{e}_k5"][v], t[f"ddot_{e}"][v], atol=1e-5)

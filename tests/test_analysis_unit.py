@@ -34,7 +34,8 @@ def test_keep_decisions_follow_the_sign_rules():
     assert keeps["ddot_agg"].tolist() == [True, False, False, True, True, True] == keeps["ddot_exact"].tolist()
     # bracket, uncertain=keep: masks where it certifies A*Ddot > 0: token 1 (A>0, lo>0) only
     assert keeps["bracket_keep"].tolist() == [True, False, True, True, True, True]
-    # uncertain=mask: keeps where it certifies A*Ddot <= 0: token 0 (A>0, hi<0), A=0; A=2 with 0 in the bracket is masked
+    # uncertain=mask: keeps where it certifies A*Ddot <= 0: token 0 (A>0, hi<0), A=0; A=2 with 0 in the bracket is
+    # masked
     assert keeps["bracket_mask"].tolist() == [True, False, False, False, True, False]
 
 

@@ -35,7 +35,8 @@ def _functions(folder: str):
 
 MAX_LINES, MAX_PARAMS = 60, 8
 
-TOO_MANY_PARAMS = {  # known offenders, being retyped (a method bound to its params, issue #35.2): this list only shrinks
+# known offenders, being retyped (a method bound to its params, issue #35.2): this list only shrinks
+TOO_MANY_PARAMS = {
     "masktrl/rl/policy.py forward",
     "masktrl/rl/policy.py policy_token_batch",
     "masktrl/rl/update.py policy_update",

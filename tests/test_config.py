@@ -151,7 +151,7 @@ def test_config_command_lists_keys_and_shows_the_resolved_config():
 
 def test_presets_compose_later_wins_key_by_key(tmp_path):
     base, over = tmp_path / "base.yaml", tmp_path / "over.yaml"
-    base.write_text("seed: 1\nmethod: {name: dppo, divergence: topk-tv}\ntrain: {lr: 0.01, steps: 7, eval_benchmarks: [synthetic, gsm8k]}\n"
+    base.write_text("seed: 1\nmethod: {name: dppo, divergence: topk-tv}\ntrain: {lr: 0.01, steps: 7, " "eval_benchmarks: [synthetic, gsm8k]}\n"
                     "eval: {data: {gsm8k: a.jsonl, math500: b.jsonl}}\n")
     over.write_text("train: {lr: 0.02, eval_benchmarks: [synthetic]}\neval: {data: {gsm8k: c.jsonl}}\n")
     cfg = load_config([base, over])

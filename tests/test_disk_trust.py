@@ -13,7 +13,8 @@ import pytest
 from masktrl.errors import ArtifactError
 from masktrl.runs.store import RunStore
 from tests.conftest import cli, masktrl, masktrl_env, tiny_yaml
-from tests.test_reliability import copy_run, finished, manifest, one_line, snapshot, start_training  # noqa: F401  (fixture)
+# finished: a module fixture of test_reliability.py
+from tests.test_reliability import copy_run, finished, manifest, one_line, snapshot, start_training  # noqa: F401
 
 EVAL = ("eval", "synthetic", "--k", "1", "--temperature", "0")
 
@@ -254,7 +255,7 @@ def test_a_second_writer_is_refused_by_the_folder_lock(tmp_path):
     from masktrl.runs import locks
 
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY)\n"
-                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(60)", str(tmp_path)],
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', " "flush=True)\ntime.sleep(60)", str(tmp_path)],
                               stdout=subprocess.PIPE, text=True, env=masktrl_env())
     try:
         assert holder.stdout.readline().strip() == "locked"

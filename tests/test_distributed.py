@@ -192,7 +192,8 @@ def test_invalid_launch_setting_is_one_line(reference, tmp_path):
 DS_CPU = """\
 compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED
-deepspeed_config: {{zero_stage: {stage}, offload_optimizer_device: none, offload_param_device: none, zero3_init_flag: false, zero3_save_16bit_model: true}}
+deepspeed_config: {{zero_stage: {stage}, offload_optimizer_device: none, offload_param_device: none,
+  zero3_init_flag: false, zero3_save_16bit_model: true}}
 num_machines: 1
 machine_rank: 0
 num_processes: 2

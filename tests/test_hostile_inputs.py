@@ -113,7 +113,7 @@ def test_one_row_dataset_is_refused_before_the_run_folder(tmp_path, cli_error):
     path = tmp_path / "one.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     line = cli_error("train", "--out", tmp_path / "out", "--run", "x", *dataset_args(path, "--set", "task.n_test=1"))
-    assert line == "error: task 'one': no training set (all 1 examples are held out; lower task.n_test or set task.test_split)"
+    assert line == "error: task 'one': no training set (all 1 examples are held out; lower task.n_test or set " "task.test_split)"
     assert nothing_written(tmp_path)
 
 
@@ -189,7 +189,7 @@ def test_rollout_file_recording_an_infinite_temperature_is_refused(finished, tmp
     path = tmp_path / "old.parquet"
     write_rollouts(path, samples, {**meta, "temperature": float("inf")})  # what `masktrl rollout --temperature inf` wrote
     line = cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", path)
-    assert line == f"error: {path}: its recorded sampling cannot be trained on (temperature must be a finite number > 0, got inf)"
+    assert line == f"error: {path}: its recorded sampling cannot be trained on (temperature must be a finite number " "> 0, got inf)"
     assert nothing_written(tmp_path)
 
 
@@ -297,7 +297,7 @@ def test_resume_force_with_other_sampling_regenerates_the_stored_batches(tmp_pat
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--seeds", "2", "--set", "seed=5"], "--set seed=5 conflicts with --seeds (every run of a sweep takes its seed from --seeds): drop one"),
+    (["--seeds", "2", "--set", "seed=5"], "--set seed=5 conflicts with --seeds (every run of a sweep takes its seed from " "--seeds): drop one"),
     (["--seeds", "99999999999999999999"], "--seeds 99999999999999999999: at most 1000 seeds"),
     (["--seeds", "0,4294967296"], "--seeds: seed 4294967296 is out of range [0, 4294967295]"),
     (["--methods", "grpo,sis", "--baseline", "dppo"], "--baseline dppo is not among the swept methods (grpo, sis)"),

@@ -80,7 +80,7 @@ def test_memory_errors_are_one_line():
     assert line.startswith("out of memory (DefaultCPUAllocator: can't allocate memory: you tried to allocate")
     assert "\n" not in line and "enforce fail" not in line and "rollout.batch_size" in line
     cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
-                                  "of which 1.06 GiB is free. Including non-PyTorch memory, this process has 78.1 GiB in use.")
+                                  "of which 1.06 GiB is free. Including non-PyTorch memory, this " "process has 78.1 GiB in use.")
     assert memory_error_line(cuda).startswith("out of memory (CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
                                               "capacity of 79.19 GiB of which 1.06 GiB is free): ")
     assert memory_error_line(MemoryError()).startswith("out of memory (MemoryError): ")

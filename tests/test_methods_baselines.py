@@ -485,7 +485,8 @@ def test_trm_topk_kl_uses_the_lists():
 
 
 def gpg_verl(log_prob, old_log_prob, advantages, response_mask):
-    """verl b178a3cd, verl/trainer/ppo/core_algos.py:1414-1447 (compute_policy_loss_gpg): pg_losses = -log_prob * advantages."""
+    """verl b178a3cd, verl/trainer/ppo/core_algos.py:1414-1447
+    (compute_policy_loss_gpg): pg_losses = -log_prob * advantages."""
     return -log_prob * advantages
 
 

@@ -4,6 +4,7 @@ bypass when pi_old = pi, the anchors' own formulas (verl, TRL, OpenRLHF) and bad
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -79,8 +80,8 @@ def ref_correction(kind: str, kw: dict, mode: str, mu, ref, cur, seq, adv):
                 f = math.exp(s)
         elif kind == "rs":
             def kstat(j):
-                l = min(max(lr[j], -20.0), 20.0)
-                return {"k1": -l, "k2": 0.5 * l * l, "k3": math.exp(l) - 1 - l}[r["stat"][-2:]]
+                x = min(max(lr[j], -20.0), 20.0)
+                return {"k1": -x, "k2": 0.5 * x * x, "k3": math.exp(x) - 1 - x}[r["stat"][-2:]]
             vals = [kstat(j) for j in toks]
             st = r["stat"]
             s = kstat(i) if st.startswith("token") else sum(vals) if "sum" in st else sum(vals) / len(vals) if "mean" in st else max(vals)
@@ -357,8 +358,8 @@ def test_verl_rejection_options(stat):
     l = clamp(log_ratio, -20, 20); seq_sum / seq_mean (masked_mean) / seq_max over the response;
     k1 kept iff log(lower) <= stat <= log(upper) (lower = 1/upper by default), others iff stat <= upper."""
     mask, rollout, old, adv, flat, seq = padded(2)
-    l = (old - rollout).clamp(-20, 20)
-    k = {"k1": -l, "k2": 0.5 * l**2, "k3": torch.exp(l) - 1.0 - l}[stat[-2:]]
+    lr = (old - rollout).clamp(-20, 20)
+    k = {"k1": -lr, "k2": 0.5 * lr**2, "k3": torch.exp(lr) - 1.0 - lr}[stat[-2:]]
     if stat.startswith("token"):
         s = k
     elif stat.startswith("seq_sum"):
@@ -468,7 +469,7 @@ def test_bad_correction_blocks_name_the_key(block, field):
 
 def test_params_are_frozen_defaults_and_limits_allowed():
     p = make_correction({"kind": "token-tis"})
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         p.cap = 3.0  # type: ignore[misc]
     assert p.resolved == {"cap": 2.0, "floor": None} and not p.decoupled and p.active
     assert not make_correction(None).active and make_correction({"mode": "decoupled"}).active

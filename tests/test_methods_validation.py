@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -188,7 +189,7 @@ def test_bad_param_values_name_the_field(name, kw, field):
 def test_params_are_frozen_and_infinite_deltas_allowed():
     p = make_params("dppo", delta_pos=math.inf, delta_neg=math.inf)
     assert p.deltas == (math.inf, math.inf)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         p.delta_pos = 0.1  # frozen dataclass
     m = get_method("grpo")
     with pytest.raises(ValueError, match="GRPOParams"):

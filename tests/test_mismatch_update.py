@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-import masktrl.methods  # noqa: F401
+import masktrl.methods  # registers the methods
 from masktrl.config import load_config
 from masktrl.methods.registry import get_method
 from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source

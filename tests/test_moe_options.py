@@ -9,7 +9,7 @@ from masktrl.rl.warmstart import new_tiny_model, warmstart_key
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--set", "model.num_experts=4"], "model.num_experts is a mixture-of-experts option, but model.architecture=qwen3 is dense"),
+    (["--set", "model.num_experts=4"], "model.num_experts is a mixture-of-experts option, but model.architecture=qwen3 is " "dense"),
     (["--set", "model.architecture=llama", "--set", "model.experts_per_token=1"], "model.architecture=llama is dense"),
     (["--set", "model.architecture=qwen3-moe", "--set", "model.experts_per_token=3", "--set", "model.num_experts=2"],
      "model.experts_per_token=3 exceeds model.num_experts=2"),

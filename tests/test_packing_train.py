@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-import masktrl.methods  # noqa: F401
+import masktrl.methods  # registers the methods
 from masktrl.methods.registry import get_method
 from masktrl.rl import update
 from masktrl.rl.update import Learner, UpdateSettings, make_optimizer, policy_update

@@ -19,7 +19,7 @@ def refused(exc_info) -> str:
 
 
 def test_plain_yaml_reads_as_safe_load():
-    text = "seed: 3\ntrain:\n  lr: 1.0e-3\n  steps: 5\nmethod: {name: dppo, divergence: topk-tv}\nlist: [1, 2, 3]\n"
+    text = "seed: 3\ntrain:\n  lr: 1.0e-3\n  steps: 5\nmethod: {name: dppo, divergence: topk-tv}\nlist: [1, " "2, 3]\n"
     assert load_yaml(text, "c.yaml") == {"seed": 3, "train": {"lr": 1e-3, "steps": 5},
                                          "method": {"name": "dppo", "divergence": "topk-tv"}, "list": [1, 2, 3]}
     assert load_yaml("", "empty.yaml") is None

@@ -503,7 +503,7 @@ def test_a_manifest_of_another_version_is_refused_in_one_line(finished, tmp_path
 
 
 @pytest.mark.parametrize("content, problem", [("[]", "a JSON list, not an object"), ('{"stages": []}', "no 'stages' object"),
-                                              ('{"stages": {"checkpoint/x": {"status": "done"}}}', "names no step"),
+                                              ('{"stages": {"checkpoint/x": {"status": ' '"done"}}}', "names no step"),
                                               ('{"stages": {"config": 5}}', "not an object with a status")])
 def test_manifest_of_the_wrong_shape_is_one_line_and_runs_goes_on(finished, tmp_path, cli_error, content, problem):
     _, out, root = copy_run(finished, tmp_path)

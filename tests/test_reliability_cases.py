@@ -52,7 +52,7 @@ def test_a_replay_of_a_file_sampled_otherwise_is_refused_naming_both_values(fini
     config, _, root = finished
     path = _batch_file(root, tmp_path / "s.parquet", **{field: value})
     configured = {"rollout.temperature": "1", "rollout.quantization": "null", "rollout.dtype": "null"}[key]
-    want = (f"error: --rollouts-from {path} was sampled with {key}={shown}, this config has {key}={configured} "
+    want = (f"error: --rollouts-from {path} was sampled with {key}={shown}, this config has " f"{key}={configured} "
             f"(pi is computed as mu was sampled); add --set {key}={shown}")
     for extra in ((), ("--dry-run",)):
         assert cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", path,
@@ -64,7 +64,7 @@ def test_a_replay_of_a_run_folder_at_another_temperature_is_refused(finished, tm
     config, _, root = finished
     line = cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", root,
                      "--set", "rollout.temperature=0.5")
-    assert line == (f"error: --rollouts-from {root} was sampled with rollout.temperature=1, this config has rollout.temperature=0.5 "
+    assert line == (f"error: --rollouts-from {root} was sampled with rollout.temperature=1, this config has " "rollout.temperature=0.5 "
                     "(pi is computed as mu was sampled); add --set rollout.temperature=1")
     assert not (tmp_path / "out").exists()
 
@@ -84,7 +84,7 @@ def test_a_replay_at_the_batch_temperature_starts_on_policy(finished, tmp_path):
     assert abs(row["ratio_max"] - 1) < 1e-4 and row["mask_frac"] == 0 and abs(row["ppo_kl"]) < 1e-6, row
 
 
-# --------------------------------------------------------------------------- 4-5. no write through a symlink or into a run
+# ---------------------------------------------------------- 4-5. no write through a symlink or into a run
 
 
 def test_eval_and_analyses_refuse_a_symlinked_run_folder(finished, tmp_path, cli_error):
@@ -112,7 +112,7 @@ def test_rollout_eval_and_analysis_output_inside_a_run_are_refused(finished, tmp
     before = snapshot(root)
     batch = root / "steps" / "000001" / "rollouts.parquet"
     line = cli_error("rollout", "--model", root, "--data", "synthetic", "--output", batch, "--force")
-    assert line == (f"error: --output {batch} lies inside the run folder {root}; a run's files are written only by its own "
+    assert line == (f"error: --output {batch} lies inside the run folder {root}; a run's files are written only " "by its own "
                     "commands (nothing was changed): choose a path outside it")
     (tmp_path / "link").symlink_to(root / "steps")  # the same folder by another name
     assert "lies inside the run folder" in cli_error("rollout", "--model", root, "--data", "synthetic", "--output",
@@ -181,7 +181,7 @@ def test_analyze_sis_bias_default_k_fits_the_stored_lists(finished, tmp_path, cl
     result = json.loads((root / "analysis" / "sis-bias-step2.json").read_text())
     assert [row["k"] for row in result["ks"]] == [5]
     assert cli_error("analyze", "sis", "--run", root, "--bias", "--k", "5,10") == (
-        "error: --k 10 is above the stored list size K = 5 (rollout.logprobs_k): lists can only be re-cut")
+        "error: --k 10 is above the stored list size K = 5 (rollout.logprobs_k): lists can only " "be re-cut")
 
 
 def test_default_ks_put_the_stored_k_in_place_of_those_above_it():
@@ -251,7 +251,7 @@ def test_eval_out_of_memory_names_eval_options(monkeypatch, capsys):
 
 def test_sweep_reports_set_method_name_against_methods(tmp_path, cli_error):
     line = cli_error("sweep", "--methods", "grpo,sis", "--set", "method.name=dppo", "--out", tmp_path / "s")
-    assert line == ("error: --set method.name=dppo conflicts with --methods (every run of a sweep takes its method from "
+    assert line == ("error: --set method.name=dppo conflicts with --methods (every run of a sweep takes its " "method from "
                     "--methods): drop one")
     assert not (tmp_path / "s").exists()
 
@@ -268,7 +268,7 @@ def test_runs_lists_a_summary_written_but_not_recorded_as_incomplete(finished, t
     summary = json.loads((root / "summary.json").read_text())
     (root / "summary.json").write_text(json.dumps({**summary, "eval_after": 0.5}))
     listing = " ".join(cli("runs", "--out", out).output.split())
-    assert "damaged" not in listing and f"incomplete r: interrupted; run the same command again (masktrl train --resume r --out {out} continues it)" in listing
+    assert "damaged" not in listing and f"incomplete r: interrupted; run the same command again (masktrl train --resume r --out {out} " "continues it)" in listing
 
 
 @pytest.mark.slow  # a killed training and its resume, in their own processes

@@ -18,7 +18,7 @@ from masktrl.stats import paired_mdd, sign_flip_p
 from tests.conftest import cli, write_tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import results_cells as rc  # noqa: E402
+import results_cells as rc
 
 MACHINE = {"cpu_model": "Test CPU 9000", "threads": 2, "commit": "abc123"}
 

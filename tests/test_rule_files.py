@@ -21,7 +21,7 @@ from tests.conftest import cli, write_tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tanh_clip.py"
-HEADER = "from dataclasses import dataclass\nfrom masktrl.methods import MethodParams, TokenLosses, register_method\n\n"
+HEADER = "from dataclasses import dataclass\nfrom masktrl.methods import MethodParams, TokenLosses, " "register_method\n\n"
 GOOD = HEADER + '''
 @dataclass(frozen=True)
 class P(MethodParams):
@@ -136,7 +136,7 @@ def test_example_gradient_is_autograd_of_its_value_form_in_float64():
         torch.testing.assert_close(lp.grad[near], (-adv * r.detach())[near], atol=1e-4, rtol=1e-3)
 
 
-# --------------------------------------------------------------------------- bad input: one line, exit 2, nothing written
+# ---------------------------------------------------------- bad input: one line, exit 2, nothing written
 
 BROKEN = {
     "no such file": None,

@@ -27,7 +27,7 @@ def _interrupt(root):
 
 
 @pytest.fixture()
-def grid(swept, tmp_path):  # noqa: F811
+def grid(swept, tmp_path):
     """grpo-seed0 complete, dppo-seed0 interrupted (resumable), seed 1 of both not started."""
     config, out = _copy(swept, tmp_path)
     _interrupt(out / "dppo-seed0")
@@ -69,7 +69,7 @@ def test_print_commands_lists_each_run_still_to_do_and_starts_nothing(grid):
     lines = r.output.strip().splitlines()
     assert lines[0] == "# grpo-seed0: complete" and len(lines) == 4  # plan order: grpo seeds 0, 1, then dppo
     py = shlex.quote(sys.executable)
-    assert lines[1] == f"{py} -m masktrl.cli train --method grpo --seed 1 --config {config} --set train.lr=0.001 --out {out} --run grpo-seed1"
+    assert lines[1] == f"{py} -m masktrl.cli train --method grpo --seed 1 --config {config} --set train.lr=0.001 --out " f"{out} --run grpo-seed1"
     assert lines[2] == f"{py} -m masktrl.cli train --resume {out / 'dppo-seed0'} --out {out}"
     assert lines[3].endswith("--run dppo-seed1")
     assert sorted(p.name for p in out.iterdir()) == before  # nothing written

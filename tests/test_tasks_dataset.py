@@ -20,7 +20,7 @@ def nested(i, split="train"):
 
 
 @pytest.fixture
-def folder(tmp_path, datasets_cache):  # noqa: F811
+def folder(tmp_path, datasets_cache):
     root = tmp_path / "mydata"
     write_parquet(root / "train.parquet", [nested(i) for i in range(6)])
     write_jsonl(root / "test.jsonl", [nested(i, "test") for i in range(10, 13)])
@@ -44,7 +44,7 @@ def test_folder_of_parquet_and_jsonl_with_nested_keys(folder):
         assert task.alphabet() == " +01234568:=Q"
 
 
-def test_mixed_formats_in_one_split_and_single_files(tmp_path, datasets_cache):  # noqa: F811
+def test_mixed_formats_in_one_split_and_single_files(tmp_path, datasets_cache):
     root = tmp_path / "mixed"
     write_parquet(root / "data" / "train-00000-of-00002.parquet", [nested(1)])
     write_jsonl(root / "data" / "train-00001-of-00002.jsonl", [nested(2)])
@@ -69,7 +69,7 @@ def test_bad_sources_keys_and_templates_are_one_line_errors(folder, tmp_path):
 
     msg = error(ConfigError, prompt_key="question.txt", answer_key="label.value")
     assert "task.prompt_key 'question.txt'" in msg
-    assert "available fields of the first row: question, question.text, question.level, label, label.value, split, tags" in msg
+    assert "available fields of the first row: question, question.text, question.level, label, label.value, " "split, tags" in msg
     msg = error(ConfigError, prompt_key="question.text", answer_key="answer")
     assert "task.answer_key 'answer'" in msg and "label.value" in msg
     msg = error(ConfigError, prompt_key="question.text", answer_key="label.value", template="{prompt} {difficulty}")
@@ -85,7 +85,7 @@ def test_bad_sources_keys_and_templates_are_one_line_errors(folder, tmp_path):
         get_task("dataset")
 
 
-def test_hub_id_from_the_local_cache_only(tmp_path, datasets_cache):  # noqa: F811
+def test_hub_id_from_the_local_cache_only(tmp_path, datasets_cache):
     cache_hub_dataset(datasets_cache, "acme/toy-math", {"train": [nested(1), nested(2)], "test": [nested(3)]}, tmp_path)
     assert [r["label"]["value"] for r in load_rows("acme/toy-math", "test")] == ["6"]
     with get_task("dataset", source="acme/toy-math", prompt_key="question.text", answer_key="label.value",
@@ -94,12 +94,12 @@ def test_hub_id_from_the_local_cache_only(tmp_path, datasets_cache):  # noqa: F8
     with pytest.raises(DataError) as info:
         load_rows("acme/not-cached", "train")
     msg = str(info.value)
-    assert "'acme/not-cached': no such file or folder, and as a dataset id it is not in the local datasets cache" in msg
+    assert "'acme/not-cached': no such file or folder, and as a dataset id it is not in the local datasets " "cache" in msg
     assert "nothing is downloaded" in msg
     assert str(datasets_cache) in msg and "\n" not in msg
 
 
-def test_max_prompt_tokens_drops_long_prompts(tmp_path, datasets_cache):  # noqa: F811
+def test_max_prompt_tokens_drops_long_prompts(tmp_path, datasets_cache):
     write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * n, "answer": str(n)} for n in range(1, 11)])
     with get_task("dataset", source=str(tmp_path / "d.jsonl"), n_test=2, reward="exact-match",
                   max_prompt_tokens=5, count_tokens=len) as task:
@@ -109,7 +109,7 @@ def test_max_prompt_tokens_drops_long_prompts(tmp_path, datasets_cache):  # noqa
         get_task("dataset", source=str(tmp_path / "d.jsonl"), reward="exact-match", max_prompt_tokens=0, count_tokens=len)
 
 
-def test_presets_are_dataset_tasks_with_math_defaults(tmp_path, datasets_cache):  # noqa: F811
+def test_presets_are_dataset_tasks_with_math_defaults(tmp_path, datasets_cache):
     rows = [{"question": f"q{i}", "answer": f"work\n#### {i}", "meta": {"difficulty": i}} for i in range(8)]
     write_jsonl(tmp_path / "gsm" / "train.jsonl", rows)
     write_jsonl(tmp_path / "gsm" / "test.jsonl", rows[:2])
@@ -129,7 +129,7 @@ def dapo_row():
     return json.loads((FIXTURES / "dapo_math_17k_row.json").read_text())
 
 
-def test_dapo_template_reproduces_the_datasets_own_prompt(tmp_path, datasets_cache):  # noqa: F811
+def test_dapo_template_reproduces_the_datasets_own_prompt(tmp_path, datasets_cache):
     row = dapo_row()
     own_text = row["prompt"][0]["content"]
     path = write_parquet(tmp_path / "dapo" / "train-00000-of-00001.parquet", [row, {**row, "extra_info": {"index": "b"}}])
@@ -165,7 +165,7 @@ def test_task_config_keys():
         load_config(None, ["task.name=gsm8k", "task.max_prompt_tokens=0"])
 
 
-def test_messages_a_new_user_meets(tmp_path, datasets_cache, monkeypatch):  # noqa: F811
+def test_messages_a_new_user_meets(tmp_path, datasets_cache, monkeypatch):
     """The raw template names no reward, and says so; a template field missing from rows whose prompt
     is under `prompt` lists that name once; `data/x` that exists neither as a folder nor in the cache
     says "no such file or folder"."""
@@ -179,4 +179,4 @@ def test_messages_a_new_user_meets(tmp_path, datasets_cache, monkeypatch):  # no
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError) as info:
         load_rows("data/dapo")
-    assert "task.source 'data/dapo': no such file or folder, and as a dataset id it is not in the local datasets cache" in str(info.value)
+    assert "task.source 'data/dapo': no such file or folder, and as a dataset id it is not in the local " "datasets cache" in str(info.value)

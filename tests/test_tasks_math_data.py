@@ -50,8 +50,8 @@ def test_json_list_and_parquet_and_blank_lines(tmp_path):
 
 
 def test_dapo_schema_parquet(tmp_path):
-    content = ("Solve the following math problem step by step. The last line of your response should be of the form "
-               "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\nFind x if 2x=68.\n\n"
+    content = ("Solve the following math problem step by step. The last line of your response should be of " "the form "
+               "Answer: $Answer (without quotes) where $Answer is the answer to the " "problem.\n\nFind x if 2x=68.\n\n"
                'Remember to put your answer on its own line after "Answer:".')
     row = {"data_source": "math_dapo", "prompt": [{"content": content, "role": "user"}], "ability": "MATH",
            "reward_model": {"ground_truth": "34", "style": "rule-lean"}, "extra_info": {"index": "abc"}}

@@ -85,11 +85,11 @@ def test_module_path_and_signature_without_kwargs(reward_file, monkeypatch):
         ("{dir}/nope.py:f", "no such file"),
         ("{file}:too_many", "returned 3 values for 2 completions"),
         ("{file}:needs_missing", "cannot be called with prompts, completions, answers and the example's fields"),
-        ("not-registered", "unknown reward 'not-registered'; registered rewards: answer-line, boxed-match, exact-match, math-verify"),
+        ("not-registered", "unknown reward 'not-registered'; registered rewards: answer-line, boxed-match, " "exact-match, math-verify"),
         ("{file}:bad name", "expected module:function"),
     ],
 )
-def test_broken_rewards_are_one_line_config_errors_before_training(tmp_path, datasets_cache, reward_file, spec, message):  # noqa: F811
+def test_broken_rewards_are_one_line_config_errors_before_training(tmp_path, datasets_cache, reward_file, spec, message):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "2+2=", "answer": "4", "hint": None, "level": 1}] * 3)
     spec = spec.format(file=reward_file, dir=tmp_path)
     with pytest.raises(ConfigError) as info:
@@ -103,7 +103,7 @@ def test_registered_rewards(tmp_path, reward_file, monkeypatch):
     module = tmp_path / "registering.py"
     module.write_text("from masktrl.tasks import register_reward\n\n"
                       "@register_reward('test-length', target='{answer}!')\n"
-                      "def length(completions, **fields):\n    return [float(len(c)) for c in completions]\n")
+                      "def length(completions, **fields):\n    return [float(len(c)) for c in " "completions]\n")
     monkeypatch.delitem(_REWARDS, "test-length", raising=False)
     import importlib
 

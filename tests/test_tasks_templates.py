@@ -57,7 +57,7 @@ def test_system_prompt_and_chat_kwargs_need_a_chat_template():
         t.check(no_template)
 
 
-def test_template_with_system_prompt_gives_exactly_these_token_ids(tmp_path, datasets_cache):  # noqa: F811
+def test_template_with_system_prompt_gives_exactly_these_token_ids(tmp_path, datasets_cache):
     tok = char_tokenizer_with_chat_template()
     data = write_jsonl(tmp_path / "d.jsonl", [{"q": "1+1=", "a": "2"}, {"q": "11+1=", "a": "12"}])
     with get_task("dataset", source=str(data), prompt_key="q", answer_key="a", n_test=1, template="Q:{prompt}",

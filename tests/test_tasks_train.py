@@ -44,7 +44,7 @@ def row(i, mode="ok"):
 
 
 @pytest.fixture
-def data(tmp_path, datasets_cache):  # noqa: F811
+def data(tmp_path, datasets_cache):
     root = tmp_path / "words"
     modes = ["raise", "nan", "ok", "ok", "raise", "nan"]
     write_parquet(root / "train.parquet", [row(i, m) for i, m in enumerate(modes)])
@@ -111,7 +111,7 @@ def test_folder_with_nested_fields_trains_with_a_file_reward_that_fails_on_some_
         (["task.reward=no_such_pkg.rewards:score"], "No module named 'no_such_pkg'"),
         (["task.reward=my_reward.py:wrong_count"], "returned 1 values for 2 completions"),
         (["task.template={prompt} {difficulty}"], "task.template names field 'difficulty'"),
-        (["task.source=acme/not-cached-anywhere"], "'acme/not-cached-anywhere': no such file or folder, and as a dataset id it is not in the local datasets cache"),
+        (["task.source=acme/not-cached-anywhere"], "'acme/not-cached-anywhere': no such file or folder, and as a dataset id it is " "not in the local datasets cache"),
     ],
 )
 def test_bad_input_is_one_line_before_the_run_folder(tmp_path, data, monkeypatch, sets, message):

@@ -84,6 +84,6 @@ def collapse_rate(results: list[dict]) -> dict:
             "too_short": len(results) - len(judged)}
 
 
-DEFINITION = (f"collapsed: the {WINDOW}-step trailing mean of {REWARD} stays below {FRACTION:g} x the mean of the first "
-              f"{START_STEPS} steps from some step t to the end, with at least {MIN_STEPS} steps from t on; runs with fewer "
+DEFINITION = (f"collapsed: the {WINDOW}-step trailing mean of {REWARD} stays below {FRACTION:g} x the mean of " "the first "
+              f"{START_STEPS} steps from some step t to the end, with at least {MIN_STEPS} steps " "from t on; runs with fewer "
               f"than {START_STEPS + MIN_STEPS} steps are not judged")

@@ -50,7 +50,7 @@ P_UNIT = "run (one seed)"
 HELDOUT = "eval/heldout/accuracy"
 MIN_SEEDS = 3
 TESTS = ("welch", "permutation", "paired")
-DECISION_RULE = ("paired: a difference is declared when max(paired t p, exact sign-flip p), Holm-adjusted across the table, "
+DECISION_RULE = ("paired: a difference is declared when max(paired t p, exact sign-flip p), Holm-adjusted across " "the table, "
                  "is below alpha (the sign-flip floor is 2^(1-n): 0.0625 at 5 seeds)")
 
 
@@ -96,7 +96,7 @@ def eval_scores(runs: list[RunInfo], bench: str) -> tuple[dict[str, tuple[float,
     if missing:
         folders = sorted({str(r.root.parent) for r in missing})
         names = ", ".join(r.name for r in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise MasktrlError(f"--eval {bench}: {len(missing)} of {len(runs)} runs have no eval report at their final checkpoint "
+        raise MasktrlError(f"--eval {bench}: {len(missing)} of {len(runs)} runs have no eval report at their final " "checkpoint "
                            f"({names}); make them with: " + "; ".join(f"masktrl eval {bench} --model {f}" for f in folders))
     out, settings = {}, {}
     for r in runs:
@@ -106,7 +106,7 @@ def eval_scores(runs: list[RunInfo], bench: str) -> tuple[dict[str, tuple[float,
                "top_p": g.get("top_p"), "max_new_tokens": g.get("max_new_tokens")}
         for key, value in sig.items():
             if settings.setdefault(key, value) != value:
-                raise MasktrlError(f"--eval {bench}: the reports differ in {key} ({settings[key]} vs {value} in {r.name}); "
+                raise MasktrlError(f"--eval {bench}: the reports differ in {key} ({settings[key]} vs {value} in " f"{r.name}); "
                                    f"evaluate every run alike (masktrl eval {bench} --force ...)")
         steps = eval_steps(r.store.manifest["stages"], bench)
         values = [float(eval_report(r, bench, s)["avg_at_k"]) for s in steps]
@@ -256,7 +256,7 @@ def find_baseline(labels: list[tuple[str, str]], baseline: str, members: list[li
     if by_method:
         options = ", ".join(f"#{i + 1} {names[i]}" for i in by_method)
         raise MasktrlError(f"baseline {baseline!r} is ambiguous: pass a handle or a run folder ({options})")
-    raise MasktrlError(f"baseline {baseline!r} is not among the runs (groups: {', '.join(f'#{i + 1} {n}' for i, n in enumerate(names))})")
+    raise MasktrlError(f"baseline {baseline!r} is not among the runs (groups: " f"{', '.join(f'#{i + 1} {n}' for i, n in enumerate(names))})")
 
 
 def check_one_task(runs: list[RunInfo]) -> None:
@@ -268,7 +268,7 @@ def check_one_task(runs: list[RunInfo]) -> None:
         diff = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
         if diff:
             k = diff[0]
-            raise MasktrlError(f"runs of different tasks cannot be compared: {runs[0].name} has task.{k}={first.get(k)}, "
+            raise MasktrlError(f"runs of different tasks cannot be compared: {runs[0].name} has " f"task.{k}={first.get(k)}, "
                                f"{r.name} has task.{k}={other.get(k)}")
 
 
@@ -283,7 +283,7 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
     if margin is not None and not (isinstance(margin, (int, float)) and 0 < margin < float("inf")):
         raise MasktrlError(f"--margin must be a positive number, got {margin!r}")
     if eval_bench is not None and metric != HELDOUT:
-        raise MasktrlError(f"--eval and --metric choose the score two ways; pass one (got --eval {eval_bench} --metric {metric})")
+        raise MasktrlError(f"--eval and --metric choose the score two ways; pass one (got --eval {eval_bench} " f"--metric {metric})")
     complete = [r for r in runs if r.complete]
     skipped = [str(r.root) for r in runs if not r.complete]
     if not complete:
@@ -311,11 +311,11 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
         row["final"].update(tests, p=tests[f"p_{test}"], p_unit=P_UNIT)
         row["best"] = describe([s[1] for s in scores[label]], n_boot)
         row["best"].update(biased=True, n_evals=[n_evals[str(r.root)] for r in members], p=float("nan"),
-                           note="max over the run's evaluations and its final value: biased upward, not tested")
+                           note="max over the run's evaluations and its final value: biased upward, " "not tested")
         per_run = [{"run": str(r.root), **run_collapse(r.metrics)} for r in members]
         row["collapse"] = {**collapse_rate(per_run), "runs": per_run}
         if len(members) < MIN_SEEDS:
-            warnings.append(f"{label}: only {len(members)} seed{'s' if len(members) != 1 else ''} (< {MIN_SEEDS}); its CI and p-value mean little")
+            warnings.append(f"{label}: only {len(members)} seed{'s' if len(members) != 1 else ''} (< " f"{MIN_SEEDS}); its CI and p-value mean little")
         rows.append(row)
     others = [r for r in rows if not r["is_baseline"]]
     for adj, fn in (("p_holm", holm), ("q_bh", benjamini_hochberg)):
@@ -401,16 +401,16 @@ def metric_kind(metric: str, runs: list[RunInfo]) -> str:
     if metric.endswith("/avg_at_k"):
         k_metric = metric.removesuffix("avg_at_k") + "k"  # eval/<bench>/avg_at_k -> eval/<bench>/k
         ks = sorted({int(r[k_metric]) for run in runs for r in run.metrics if isinstance(r.get(k_metric), (int, float))})
-        return f"avg@k: mean accuracy over k samples per prompt (k = {', '.join(map(str, ks)) or 'as logged'})"
+        return "avg@k: mean accuracy over k samples per prompt (k = " f"{', '.join(map(str, ks)) or 'as logged'})"
     if metric == HELDOUT:
         greedy = {bool(run.cfg.to_dict().get("eval", {}).get("greedy", True)) for run in runs}
         return "one " + ("greedy answer" if greedy == {True} else "sampled answer" if greedy == {False} else "answer") + \
-            " per held-out prompt (pass --metric eval/<bench>/avg_at_k for avg@k over several samples)"
+            " per held-out prompt (pass --metric eval/<bench>/avg_at_k for avg@k over several " "samples)"
     return "the metric's last logged value"
 
 
 def eval_kind(bench: str, settings: dict) -> str:
-    return (f"avg@k of masktrl eval {bench} on each run's final checkpoint: mean accuracy over k = {settings['k']} samples "
+    return (f"avg@k of masktrl eval {bench} on each run's final checkpoint: mean accuracy over k = " f"{settings['k']} samples "
             f"per prompt, {settings['n_problems']} prompts")
 
 

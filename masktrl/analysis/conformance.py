@@ -357,7 +357,7 @@ def check_round_trip(rule: Rule) -> Row:
     shadowed = sorted(set(vars(rule.method.params_cls).get("__annotations__", {})) & set(SHARED_KEYS))
     if shadowed:
         return Row("params round-trip", False, f"{rule.method.params_cls.__name__} redeclares the shared key(s) "
-                   f"{', '.join('method.' + k for k in shadowed)} (docs/METHODS.md §13); give the rule's own a name of its own")
+                   f"{', '.join('method.' + k for k in shadowed)} (docs/METHODS.md §13); give " "the rule's own a name of its own")
     given = {f.name: getattr(rule.params, f.name) for f in fields(rule.params)}
     cfg = from_dict({"method": {"name": rule.spec, **given}})
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -320,8 +320,8 @@ def _check_recut(refs, ks: tuple[int, ...]) -> None:
         samples, _ = RunStore(ref.root).read_rollouts(ref.step)
         stored = max((len(row) for s in samples for row in s.gen.topk_ids), default=0)
         if max(ks) > stored:
-            raise MasktrlError(f"--k {max(ks)} is above the stored list size K = {stored} of run {ref.run}, step {ref.step}: "
-                               "the study re-cuts the stored lists (record longer ones with rollout.logprobs_k)")
+            raise MasktrlError(f"--k {max(ks)} is above the stored list size K = {stored} of run {ref.run}, step " f"{ref.step}: "
+                               "the study re-cuts the stored lists (record longer ones with " "rollout.logprobs_k)")
 
 
 def k_sweep(t: dict, reps: list[dict], delta: float, ks: tuple[int, ...]) -> dict:
@@ -359,7 +359,8 @@ def stem(result: dict) -> str:
         part += f"-policy{batches[0]['policy_step']}"
     runs = "" if len(result["runs"]) == 1 else f"-runs{len(result['runs'])}"
     mb = "-".join(map(str, result["minibatches"]))
-    return f"disagreement-{part}{runs}-mb{mb}-delta{result['delta']:g}-{result['update']['name']}{optimizer_suffix(result)}"
+    update = result["update"]["name"]
+    return f"disagreement-{part}{runs}-mb{mb}-delta{result['delta']:g}-{update}{optimizer_suffix(result)}"
 
 
 def optimizer_suffix(result: dict) -> str:

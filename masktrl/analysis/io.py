@@ -81,7 +81,7 @@ def default_replay_step(root: Path) -> int:
     policies = set(store.policy_steps())
     candidates = [s for s in store.rollout_steps() if s - 1 in policies]
     if not candidates:
-        raise ArtifactError(f"{root}: no step S with both rollouts S and checkpoint S-1 (run longer or checkpoint more often)")
+        raise ArtifactError(f"{root}: no step S with both rollouts S and checkpoint S-1 (run longer or checkpoint " "more often)")
     return candidates[-1]
 
 

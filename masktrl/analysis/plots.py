@@ -42,8 +42,8 @@ def _pair_grid(result: dict, scopes) -> tuple[Figure, list[tuple]]:
 def _study_title(result: dict, what: str) -> str:
     steps = result["steps"]
     span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]} ({len(steps)})"
-    return (f"{what}: {', '.join(result['runs'][:3])}{' ...' if len(result['runs']) > 3 else ''}, {span}, δ={result['delta']:g}, "
-            f"{result['n_replicates']} replicates ({result['replicate_unit']}), update {result['update']['name']}")
+    return (f"{what}: {', '.join(result['runs'][:3])}{' ...' if len(result['runs']) > 3 else ''}, " f"{span}, δ={result['delta']:g}, "
+            f"{result['n_replicates']} replicates ({result['replicate_unit']}), update " f"{result['update']['name']}")
 
 
 def pair_bars(result: dict, scopes) -> Figure:
@@ -165,7 +165,7 @@ def estimator_panels(result: dict) -> Figure:
         ax.set_xscale("log")
         ax.minorticks_off()
         ax.set_xticks(ks, [str(k) for k in ks])
-        ax.set_xlabel("list size K (stored K = %d)" % result["stored_k"], fontsize=8)
+        ax.set_xlabel(f"list size K (stored K = {int(result['stored_k'])})", fontsize=8)
         ax.set_title(title, fontsize=8)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
@@ -174,7 +174,7 @@ def estimator_panels(result: dict) -> Figure:
         ax.set_ylim(0, 1.05)
     steps = result["steps"]
     span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]} ({len(steps)})"
-    fig.suptitle(f"top-K estimators of Ḋ_KL vs the exact value: {', '.join(result['runs'][:3])}, {span}, |V| = {result['vocab_size']}, "
+    fig.suptitle(f"top-K estimators of Ḋ_KL vs the exact value: {', '.join(result['runs'][:3])}, {span}, |V| " f"= {result['vocab_size']}, "
                  f"update {result['update']['name']}", fontsize=9)
     return fig
 
@@ -323,6 +323,6 @@ def sis_bias_panels(result: dict) -> Figure:
         ax.set_xlabel("residual mass ξ_K = 1 − π(top-K), mean over tokens", fontsize=8)
         ax.set_title(title, fontsize=8)
         ax.legend(fontsize=6)
-    fig.suptitle(f"SIS gradient bias on one batch: {result['run']}, step {result['step']}, |V| = {result['vocab_size']}"
+    fig.suptitle(f"SIS gradient bias on one batch: {result['run']}, step {result['step']}, |V| = " f"{result['vocab_size']}"
                  f"{' (hypothetical: not a SIS run)' if result['hypothetical'] else ''}", fontsize=9)
     return fig

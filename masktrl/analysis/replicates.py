@@ -53,7 +53,7 @@ def parse_steps(spec: str | None) -> list[int] | None:
         b = int(m.group(2)) if m.group(2) is not None else a
         stride = int(m.group(3)) if m.group(3) is not None else 1
         if stride < 1 or b < a:
-            raise MasktrlError(f"--steps: range {part!r} must be start:end[:stride] with end >= start and stride >= 1")
+            raise MasktrlError(f"--steps: range {part!r} must be start:end[:stride] with end >= start and stride >= " "1")
         steps.update(range(a, b + 1, stride))
     return sorted(steps)
 
@@ -86,20 +86,20 @@ def plan(roots: list[Path], steps: list[int] | None, policy_step: int | None = N
         first = task_key(cfgs[0])
         other = next(i for i, c in enumerate(cfgs) if task_key(c) != first)
         raise MasktrlError(
-            f"runs of different tasks cannot be pooled: {stores[0].name} has task {first}, {stores[other].name} has {task_key(cfgs[other])}"
+            f"runs of different tasks cannot be pooled: {stores[0].name} has task {first}, " f"{stores[other].name} has {task_key(cfgs[other])}"
         )
     refs: list[BatchRef] = []
     for store, cfg in zip(stores, cfgs):
         run_steps = steps if steps is not None else [default_replay_step(store.root)]
         bad = [s for s in run_steps if not 1 <= s <= cfg.train.steps]
         if bad:
-            raise MasktrlError(f"--steps: step {bad[0]} is out of range for run {store.name} (train.steps = {cfg.train.steps}: steps 1..{cfg.train.steps})")
+            raise MasktrlError(f"--steps: step {bad[0]} is out of range for run {store.name} (train.steps = " f"{cfg.train.steps}: steps 1..{cfg.train.steps})")
         stored = set(store.rollout_steps())
         policies = set(store.policy_steps())
         if exact:
             _check_behaviour_known(store, skip)
             if cfg.rollout.top_p < 1.0:
-                raise MasktrlError(f"run {store.name} sampled with rollout.top_p = {cfg.rollout.top_p}: its behaviour distribution is "
+                raise MasktrlError(f"run {store.name} sampled with rollout.top_p = {cfg.rollout.top_p}: its " "behaviour distribution is "
                                    f"truncated, and the exact values need the full one{skip}")
         for s in run_steps:
             if s not in stored:
@@ -111,13 +111,13 @@ def plan(roots: list[Path], steps: list[int] | None, policy_step: int | None = N
                 raise MasktrlError(f"--policy-step must be >= 0, got {p}")
             b = behaviour_step(cfg, s)
             if p not in policies:
-                raise ArtifactError(f"run {store.name}, step {s}: the update starts from checkpoint {p}, which is not stored "
-                                    f"(checkpoints: {_span(policies)}; train with train.checkpoint_every=1 around the steps studied)")
+                raise ArtifactError(f"run {store.name}, step {s}: the update starts from checkpoint {p}, which is " "not stored "
+                                    f"(checkpoints: {_span(policies)}; train with " "train.checkpoint_every=1 around the steps studied)")
             if exact and b not in policies:
                 good = replayable_steps(cfg, stored, policies, policy_step)
                 hint = f"steps with both checkpoints: {_span(set(good))}" if good else "no stored step has both checkpoints"
-                raise ArtifactError(f"run {store.name}, step {s}: the exact values need the behaviour policy, checkpoint {b} "
-                                    f"(step - 1 - rollout.staleness), which is not stored (checkpoints: {_span(policies)}); "
+                raise ArtifactError(f"run {store.name}, step {s}: the exact values need the behaviour policy, " f"checkpoint {b} "
+                                    "(step - 1 - rollout.staleness), which is not stored " f"(checkpoints: {_span(policies)}); "
                                     f"{hint}{' (or --no-exact)' if no_exact else ''}")
             refs.append(BatchRef(store.root, store.name, s, p, b))
     return refs
@@ -154,8 +154,8 @@ def replayable_steps(cfg, stored: set[int], policies: set[int], policy_step: int
 def _check_behaviour_known(store: RunStore, skip: str = " (use --no-exact)") -> None:
     summary = store.summary() or {}
     if summary.get("rollouts_from"):
-        raise MasktrlError(f"run {store.name} trained on rollouts from {summary['rollouts_from']}: its behaviour policy is "
-                           f"not one of its checkpoints, so the exact values cannot be computed{skip}")
+        raise MasktrlError(f"run {store.name} trained on rollouts from {summary['rollouts_from']}: its behaviour " "policy is "
+                           "not one of its checkpoints, so the exact values cannot be " f"computed{skip}")
 
 
 def _span(steps: set[int]) -> str:

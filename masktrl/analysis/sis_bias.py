@@ -58,7 +58,7 @@ def sis_bias(root: Path, step: int, ks: tuple[int, ...] | None = None) -> dict:
     ks, ks_note = (ks, None) if ks is not None else default_ks(stored_k)
     bad = [k for k in ks if k > stored_k]
     if bad:
-        raise MasktrlError(f"--k {bad[0]} is above the stored list size K = {stored_k} (rollout.logprobs_k): lists can only be re-cut")
+        raise MasktrlError(f"--k {bad[0]} is above the stored list size K = {stored_k} (rollout.logprobs_k): lists " "can only be re-cut")
     behaviour = load_behaviour(replay)
     cfg = replay.cfg
     sis = cfg.method.params if cfg.method.rule == "sis" else make_params("sis")
@@ -148,7 +148,7 @@ def default_ks(stored_k: int) -> tuple[tuple[int, ...], str | None]:
         return KS, None
     above = [k for k in KS if k > stored_k]
     ks = tuple(sorted({*fit, stored_k}))
-    return ks, (f"--k {','.join(map(str, KS))} (the default): {', '.join(map(str, above))} above the stored list size "
+    return ks, (f"--k {','.join(map(str, KS))} (the default): {', '.join(map(str, above))} above the stored " "list size "
                 f"K = {stored_k}; measured at {', '.join(map(str, ks))}")
 
 

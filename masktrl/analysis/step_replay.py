@@ -78,7 +78,7 @@ def update_choice(name: str, cfg: Config) -> UpdateChoice:
     if is_rule_file(name):  # a rule of the user's own (path/to/rules.py:name), at its defaults
         return UpdateChoice(name, name, resolve_method_spec(name).params)
     if name not in method_names():
-        raise MasktrlError(f"unknown --update-method {name!r}: choose {UNMASKED}, {RUN_METHOD} or a method ({', '.join(method_names())})")
+        raise MasktrlError(f"unknown --update-method {name!r}: choose {UNMASKED}, {RUN_METHOD} or a method " f"({', '.join(method_names())})")
     return UpdateChoice(name, name, make_params(name))
 
 

@@ -49,7 +49,7 @@ from masktrl.methods import (
 )
 from masktrl.errors import MasktrlError
 from masktrl.methods.batch import log_ratio
-from masktrl.methods.diagnostics import keep_decisions  # noqa: F401  (the direction rules; imported from here too)
+from masktrl.methods.diagnostics import keep_decisions  # (the direction rules; imported from here too)
 from masktrl.rl.policy import full_logprobs, lm_head_weight, response_hidden
 
 CRITERIA = ("ratio", "ddot_agg", "ddot_uniform")  # the paper's three direction rules
@@ -163,7 +163,7 @@ def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, 
     if decompose_delta is not None and replay.cfg.train.grad_accum != 1:
         raise MasktrlError("the first-order decomposition needs train.grad_accum = 1 (one micro-batch per minibatch)")
     if decompose_delta is not None and (replay.method.kl_in_loss or replay.method.params.entropy_coef):
-        raise MasktrlError("the first-order decomposition covers the policy-gradient loss only: replay an update without the "
+        raise MasktrlError("the first-order decomposition covers the policy-gradient loss only: replay an update " "without the "
                            "in-loss reference KL and entropy bonus (--update-method unmasked)")
     pending: dict[int, tuple] = {}
     replay.restore()

@@ -9,7 +9,8 @@ import yaml
 from rich.markup import escape
 from rich.table import Table
 
-from masktrl.commands.options import Command, ConfigOpt, Group, MethodOpt, SeedOpt, SetOpt
+from masktrl.commands.help_format import Command, Group
+from masktrl.commands.options import ConfigOpt, MethodOpt, SeedOpt, SetOpt
 from masktrl.commands.ui import console
 
 app = typer.Typer(
@@ -41,7 +42,8 @@ def keys(
 
 @app.command(cls=Command)
 def show(config: ConfigOpt = None, method: MethodOpt = None, seed: SeedOpt = None, set_: SetOpt = None) -> None:
-    """The resolved config as YAML (defaults < --config < --method/--seed < --set), as a run would save it in run.yaml."""
+    """The resolved config as YAML (defaults < --config < --method/--seed <
+    --set), as a run would save it in run.yaml."""
     from masktrl.config import load_config
 
     cfg = load_config(config, set_ or [], method=method, seed=seed)

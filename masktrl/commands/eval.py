@@ -3,62 +3,30 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
 
-import typer
-
+from masktrl.commands import eval_options
 from masktrl.commands.options import DEFAULT_OUT, OutOpt, TaskConfigOpt, TaskSetOpt
 from masktrl.commands.ui import console, kv_table, progress_bar
-from masktrl.config import EVAL_BENCHMARKS
 
 
 def eval_command(
-    bench: Annotated[str, typer.Argument(metavar="BENCH", help=f"Benchmark: {' | '.join(EVAL_BENCHMARKS)} | dataset (with --set task.source=...). task (alias synthetic): the run's own held-out split (arithmetic, residues, longtail).", show_default=False)],
-    model: Annotated[
-        str,
-        typer.Option("--model", metavar="RUN|MODEL|FOLDER", help="A run (folder, or name under --out), a folder of runs (a sweep's: each complete run, skipping reports that exist), a model folder, or a hub id (local cache only).", show_default=False),
-    ],
-    step: Annotated[
-        Optional[int],
-        typer.Option("--step", metavar="N", help="Run only: the checkpoint step (default: the latest complete one; 0: the starting policy).", show_default=False),
-    ] = None,
-    k: Annotated[int, typer.Option("--k", metavar="K", help="Samples per problem.")] = 16,
-    temperature: Annotated[float, typer.Option("--temperature", metavar="T", help="Sampling temperature (0: greedy, needs --k 1).")] = 1.0,
-    top_p: Annotated[float, typer.Option("--top-p", metavar="P", help="Nucleus sampling threshold.")] = 1.0,
-    max_new_tokens: Annotated[
-        Optional[int],
-        typer.Option("--max-new-tokens", metavar="N", help="Response length (default: the run's rollout.max_new_tokens; 4096 on math for other models).", show_default=False),
-    ] = None,
-    data: Annotated[
-        Optional[Path],
-        typer.Option("--data", metavar="FILE", help="Math benchmarks: a local .jsonl/.json/.parquet file of problems (default: the local datasets cache); dataset: task.source.", show_default=False),
-    ] = None,
-    template: Annotated[
-        Optional[str],
-        typer.Option("--template", metavar="NAME", help="Prompt template: base | chat | instruct | raw | dapo | a format string with {prompt} (default: the run's, else base for math, raw for dataset; chat for a run with model.chat_template).", show_default=False),
-    ] = None,
-    engine: Annotated[
-        Optional[str], typer.Option("--engine", metavar="hf|vllm", help="hf | vllm (default: the run's rollout.engine, else hf).", show_default=False)
-    ] = None,
-    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Sampling seed.")] = 0,
-    n_problems: Annotated[
-        Optional[int], typer.Option("--n-problems", metavar="N", help="Evaluate only the first N problems.", show_default=False)
-    ] = None,
-    batch_size: Annotated[
-        Optional[int],
-        typer.Option("--batch-size", metavar="N", help="Sequences generated together (default: the run's rollout.batch_size, 512).", show_default=False),
-    ] = None,
-    dtype: Annotated[
-        Optional[str],
-        typer.Option("--dtype", metavar="DTYPE", help="float32 | bfloat16 | float16 (default: the run's model.dtype; bfloat16 on GPU, else float32).", show_default=False),
-    ] = None,
+    bench: eval_options.BenchArg,
+    model: eval_options.ModelOpt,
+    step: eval_options.StepOpt = None,
+    k: eval_options.KOpt = 16,
+    temperature: eval_options.TemperatureOpt = 1.0,
+    top_p: eval_options.TopPOpt = 1.0,
+    max_new_tokens: eval_options.MaxNewTokensOpt = None,
+    data: eval_options.DataOpt = None,
+    template: eval_options.TemplateOpt = None,
+    engine: eval_options.EngineOpt = None,
+    seed: eval_options.SeedOpt = 0,
+    n_problems: eval_options.NProblemsOpt = None,
+    batch_size: eval_options.BatchSizeOpt = None,
+    dtype: eval_options.DtypeOpt = None,
     out: OutOpt = DEFAULT_OUT,
-    output: Annotated[
-        Optional[Path],
-        typer.Option("--output", "-o", metavar="FILE", show_default=False,
-                     help="A model that is not a run: the JSON report to write (default: eval/ next to the model folder, OUT/eval/ for a hub id)."),
-    ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing result file for the same benchmark and step.")] = False,
+    output: eval_options.OutputOpt = None,
+    force: eval_options.ForceOpt = False,
     config: TaskConfigOpt = None,
     set_: TaskSetOpt = None,
 ) -> None:
@@ -97,7 +65,7 @@ def print_line(root: Path, result) -> None:
     r = None if isinstance(result, str) else result.report
     se = f" ± {r['avg_at_k_se']:.4f} (se)" if r and r.get("avg_at_k_se") is not None else ""
     console.print(f"{root.name}: " + (f"[yellow]{result}[/]" if r is None else
-                  f"avg@{r['k']} {r['avg_at_k']:.4f}{se}, pass@{r['k']} {r['pass_at_k']:.4f} -> {result.path}"), highlight=False)
+                  f"avg@{r['k']} {r['avg_at_k']:.4f}{se}, pass@{r['k']} {r['pass_at_k']:.4f} " f"-> {result.path}"), highlight=False)
 
 
 def print_report(r: dict, path: Path) -> None:

@@ -1,5 +1,5 @@
 """Option types shared by every subcommand, so --config, --run, --out, --seed and --set read
-the same everywhere, and the command classes that render their help.
+the same everywhere (the command classes that render their help: commands/help_format.py).
 
 Conventions: ``--out DIR`` is always the folder that holds runs (default ``outputs``; a run
 given by name is looked up there); a command that writes a file or a result folder of its
@@ -14,45 +14,15 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 DEFAULT_OUT = Path("outputs")
-
-
-def _hide_flag_types(params: list) -> list:
-    """Flags (``--force``, ``--help``) take no value: show no type for them (typer would print
-    <bool>); an argument shows its metavar, not its Python type as well (<str>, <list[str]>)."""
-    for p in params:
-        if getattr(p, "is_flag", False) and p.metavar is None:
-            p.metavar = ""
-        elif isinstance(p, TyperArgument) and p.metavar:
-            p.display_type_rich = _no_type
-    return params
-
-
-def _no_type(ctx) -> None:
-    return None
-
-
-class Command(TyperCommand):
-    """A subcommand whose help shows no value type for flags."""
-
-    def get_params(self, ctx):
-        return _hide_flag_types(super().get_params(ctx))
-
-
-class Group(TyperGroup):
-    """A command group whose help shows no value type for flags."""
-
-    def get_params(self, ctx):
-        return _hide_flag_types(super().get_params(ctx))
 
 
 ConfigOpt = Annotated[
     Optional[list[Path]],
     typer.Option(
         "--config", "-c", metavar="FILE", show_default=False,
-        help="YAML file, or a shipped preset by name from any folder (lab, qwen3-4b, methods/pdm-agg; default: tiny). "
+        help="YAML file, or a shipped preset by name from any folder (lab, qwen3-4b, " "methods/pdm-agg; default: tiny). "
              "Repeatable: a later file overrides an earlier one key by key, "
              "e.g. --config qwen3-4b --config methods/pdm-agg.",
     ),
@@ -65,19 +35,19 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", help="Run
 SetOpt = Annotated[
     Optional[list[str]],
     typer.Option("--set", metavar="KEY=VALUE", show_default=False,
-                 help="Dotted config override, repeatable: --set train.lr=1e-4 --set method.divergence=topk-tv "
+                 help="Dotted config override, repeatable: --set train.lr=1e-4 --set " "method.divergence=topk-tv "
                       "(every key: masktrl config keys)."),
 ]
 
 TaskConfigOpt = Annotated[
     Optional[list[Path]],
     typer.Option("--config", "-c", metavar="FILE", help="YAML file whose task section (and model.chat_template) sets the dataset, reward and "
-                 "template, as for train (docs/TASKS.md); repeatable, a later file overrides an earlier one.", show_default=False),
+                 "template, as for train (docs/TASKS.md); repeatable, a later file overrides " "an earlier one.", show_default=False),
 ]
 TaskSetOpt = Annotated[
     Optional[list[str]],
-    typer.Option("--set", metavar="KEY=VALUE", help="task.KEY=VALUE or model.chat_template=..., repeatable: the dataset, reward and template keys "
-                 "of train, e.g. --set task.source=data/x.jsonl --set task.reward=my_rewards.py:score."),
+    typer.Option("--set", metavar="KEY=VALUE", help="task.KEY=VALUE or model.chat_template=..., repeatable: the dataset, reward and template " "keys "
+                 "of train, e.g. --set task.source=data/x.jsonl --set " "task.reward=my_rewards.py:score."),
 ]
 
 
@@ -86,23 +56,11 @@ def method_help() -> str:
     from masktrl.methods import get_method, method_names
 
     listed = "; ".join(f"{name}: {get_method(name).help}" for name in method_names())
-    return (f"Method (default: the config's). {listed}. Or a rule of your own: path/to/rules.py:NAME (docs/METHODS.md, "
+    return (f"Method (default: the config's). {listed}. Or a rule of your own: path/to/rules.py:NAME " "(docs/METHODS.md, "
             "\"Writing your own rule\"). Parameters via --set method.X=...")
 
 
 MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", metavar="NAME|FILE.py:NAME", help=method_help(), show_default=False)]
-
-
-# ``masktrl train``'s own options
-ResumeOpt = Annotated[
-    Optional[str], typer.Option("--resume", metavar="RUN", help="Continue RUN (a name: looked up under --out only; a run elsewhere as a path, ./NAME) from its last checkpoint.", show_default=False)
-]
-ForceOpt = Annotated[bool, typer.Option("--force", help="With --resume: accept a config that differs from run.yaml.")]
-RolloutsFromOpt = Annotated[
-    Optional[str],
-    typer.Option("--rollouts-from", metavar="RUN|FILE", help="Train on stored rollouts: a run (folder, or name under --out) or a parquet file from `masktrl rollout`.", show_default=False),
-]
-DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Run every check, print the resolved config and the projected disk use, write nothing.")]
 
 
 def outside_runs(value: Optional[Path]) -> Optional[Path]:

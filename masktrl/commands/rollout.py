@@ -2,33 +2,28 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Optional
-
-import typer
-
+from masktrl.commands import rollout_options
 from masktrl.commands.options import DEFAULT_OUT, OutOpt, TaskConfigOpt, TaskSetOpt
 from masktrl.commands.ui import console, err_console, kv_table
 
 
 def rollout(
-    model: Annotated[str, typer.Option("--model", metavar="RUN|MODEL", help="A run (folder, or name under --out; its latest checkpoint, or --step), a model folder or a cached hub id.")],
-    data: Annotated[str, typer.Option("--data", metavar="NAME|FILE", help="synthetic | aime24 | aime25 | aime | math500 | gsm8k | dapo-math | a .jsonl/.json/.parquet "
-                                                     "math file | dataset (with --set task.source=...), or any file, folder or cached hub id with --set task.* keys.")],
-    output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE", help="The rollout parquet file to write (never inside a run folder: a run's batches are its own).")],
-    n: Annotated[int, typer.Option("--n", metavar="N", help="Samples per prompt: the group size G (rollout.n).")] = 8,
-    logprobs_k: Annotated[int, typer.Option("--logprobs-k", metavar="K", help="K of the recorded behaviour top-K lists (rollout.logprobs_k).")] = 20,
-    topk: Annotated[Optional[int], typer.Option("--topk", metavar="K", hidden=True, help="Deprecated: --logprobs-k.")] = None,
-    prompts: Annotated[Optional[int], typer.Option("--prompts", metavar="N", help="Number of prompts (default: 32 synthetic, or all problems).", show_default=False)] = None,
-    step: Annotated[Optional[int], typer.Option("--step", metavar="N", help="Checkpoint step of a run (0: its starting policy).", show_default=False)] = None,
-    temperature: Annotated[float, typer.Option("--temperature", metavar="T", help="Sampling temperature.")] = 1.0,
-    top_p: Annotated[float, typer.Option("--top-p", metavar="P", help="Nucleus sampling threshold.")] = 1.0,
-    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", metavar="N", help="Default: the run's, else 1024.", show_default=False)] = None,
-    seed: Annotated[int, typer.Option("--seed", metavar="N", help="Sampling seed.")] = 0,
-    engine: Annotated[Optional[str], typer.Option("--engine", metavar="hf|vllm", help="hf | vllm (default: the run's, else hf).", show_default=False)] = None,
-    template: Annotated[Optional[str], typer.Option("--template", metavar="NAME", help="Prompt template: base | chat | instruct | raw | dapo | a format string with {prompt} (task.template).", show_default=False)] = None,
+    model: rollout_options.ModelOpt,
+    data: rollout_options.DataOpt,
+    output: rollout_options.OutputOpt,
+    n: rollout_options.NOpt = 8,
+    logprobs_k: rollout_options.LogprobsKOpt = 20,
+    topk: rollout_options.TopkOpt = None,
+    prompts: rollout_options.PromptsOpt = None,
+    step: rollout_options.StepOpt = None,
+    temperature: rollout_options.TemperatureOpt = 1.0,
+    top_p: rollout_options.TopPOpt = 1.0,
+    max_new_tokens: rollout_options.MaxNewTokensOpt = None,
+    seed: rollout_options.SeedOpt = 0,
+    engine: rollout_options.EngineOpt = None,
+    template: rollout_options.TemplateOpt = None,
     out: OutOpt = DEFAULT_OUT,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing --output file.")] = False,
+    force: rollout_options.ForceOpt = False,
     config: TaskConfigOpt = None,
     set_: TaskSetOpt = None,
 ) -> None:
@@ -42,7 +37,7 @@ def rollout(
     from masktrl.recipes import rollout as recipe
 
     if topk is not None:
-        err_console.print(f"[yellow]deprecated:[/] --topk; use --logprobs-k {topk} (named as the config key rollout.logprobs_k)", highlight=False)
+        err_console.print(f"[yellow]deprecated:[/] --topk; use --logprobs-k {topk} (named as the config key " "rollout.logprobs_k)", highlight=False)
         logprobs_k = topk
     opts = recipe.RolloutOptions(n, logprobs_k, prompts, temperature, top_p, max_new_tokens, seed, engine, template,
                           tuple(map(str, config)) if config else None, tuple(set_ or ()))

@@ -9,8 +9,8 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from masktrl.commands.ui import console, err_console
 from masktrl.commands.options import DEFAULT_OUT, OutOpt
+from masktrl.commands.ui import console, err_console
 
 STATUS_STYLE = {"complete": "green", "running": "cyan", "interrupted": "yellow", "failed": "red", "damaged": "red"}
 
@@ -49,7 +49,7 @@ def runs(
         line = advice(r, folder)
         if line:
             word, rest = line.split(" ", 1)
-            console.print(f"[{STATUS_STYLE['damaged' if word == 'damaged' else 'interrupted']}]{word}[/] {escape(rest)}",
+            console.print(f"[{STATUS_STYLE['damaged' if word == 'damaged' else 'interrupted']}]{word}[/] " f"{escape(rest)}",
                           highlight=False, soft_wrap=True)
 
 

@@ -3,44 +3,33 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
 
-import typer
-
-from masktrl.commands.ui import console, progress_bar
+from masktrl.commands import sweep_options
 from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, OutOpt, SetOpt
+from masktrl.commands.ui import console, progress_bar
 
 
 def sweep(
-    methods: Annotated[str, typer.Option("--methods", metavar="LIST", help="Comma-separated methods; NAME:KEY=VALUE gives one its parameters, so a sweep can hold variants: pdm:tail=agg,pdm:tail=uniform (run pdm-tail-uniform-seed<k>); a rule of your own as path/to/rules.py:NAME[:KEY=VALUE] (run NAME-seed<k>). Parameters for all via --set method.X=....")] = "grpo,dppo,pdm,sis",
-    seeds: Annotated[str, typer.Option("--seeds", metavar="N|LIST", help="A count (3: seeds 0,1,2) or a list (0,4,7).")] = "3",
+    methods: sweep_options.MethodsOpt = "grpo,dppo,pdm,sis",
+    seeds: sweep_options.SeedsOpt = "3",
     config: ConfigOpt = None,
     out: OutOpt = DEFAULT_OUT,
     set_: SetOpt = None,
-    baseline: Annotated[
-        Optional[str], typer.Option("--baseline", metavar="METHOD", help="Method the compare table tests against (default: grpo if swept, else the first).", show_default=False)
-    ] = None,
-    launcher: Annotated[
-        str, typer.Option("--launcher", metavar="local|slurm", help="local: train the runs one after another here; slurm: one sbatch job per run.")
-    ] = "local",
-    print_commands: Annotated[
-        bool, typer.Option("--print-commands", help="Print the masktrl train command of every run still to do, and start nothing.")
-    ] = False,
-    slurm_opts: Annotated[
-        Optional[list[str]],
-        typer.Option("--slurm", metavar="KEY=VALUE", help="slurm: an #SBATCH option KEY=VALUE, repeatable: --slurm partition=gpu --slurm gres=gpu:8 --slurm time=72:00:00.",
-                     show_default=False),
-    ] = None,
-    accelerate_config: Annotated[
-        Optional[Path], typer.Option("--accelerate-config", metavar="FILE", help="Run each training under accelerate launch --config_file FILE.", show_default=False)
-    ] = None,
-    no_submit: Annotated[bool, typer.Option("--no-submit", help="slurm: write the sbatch scripts, submit nothing.")] = False,
-    resubmit: Annotated[bool, typer.Option("--resubmit", help="slurm: submit runs whose earlier job squeue cannot rule out as still queued or running.")] = False,
+    baseline: sweep_options.BaselineOpt = None,
+    launcher: sweep_options.LauncherOpt = "local",
+    print_commands: sweep_options.PrintCommandsOpt = False,
+    slurm_opts: sweep_options.SlurmOptsOpt = None,
+    accelerate_config: sweep_options.AccelerateConfigOpt = None,
+    no_submit: sweep_options.NoSubmitOpt = False,
+    resubmit: sweep_options.ResubmitOpt = False,
 ) -> None:
     """Train every method x seed (runs <method>-seed<k> under OUT, one after another), then print the compare table.
 
-    Resumable: complete runs are skipped, interrupted ones resume from their last checkpoint, one that cannot resume starts again as <method>-seed<k>-retry<i> (nothing stored is deleted).
-    With --launcher slurm each run still to do becomes one sbatch job (scripts in OUT/.sweep/slurm/); run the same command again later: finished runs are skipped, runs whose job is still queued or running are left alone, the rest are submitted again, and the compare table is printed once every run is complete.
+    Resumable: complete runs are skipped, interrupted ones resume from their last checkpoint, one that cannot resume
+    starts again as <method>-seed<k>-retry<i> (nothing stored is deleted).
+    With --launcher slurm each run still to do becomes one sbatch job (scripts in OUT/.sweep/slurm/); run the same
+    command again later: finished runs are skipped, runs whose job is still queued or running are left alone, the rest
+    are submitted again, and the compare table is printed once every run is complete.
     """
     from masktrl.analysis import compare as cmp
     from masktrl.analysis.io import load_run, multi_run_dir
@@ -61,7 +50,7 @@ def sweep(
         if print_commands or not all(i.state == "complete" for i in items):
             return
     todo = sum(i.state != "complete" for i in items)
-    console.print(f"[bold]masktrl sweep[/] {len(method_list)} methods x {len(seed_list)} seeds: {len(items) - todo} complete, {todo} to run, under {out}")
+    console.print(f"[bold]masktrl sweep[/] {len(method_list)} methods x {len(seed_list)} seeds: " f"{len(items) - todo} complete, {todo} to run, under {out}")
     stage.run(items, progress_bar, lambda event, item: print_event(event, item, items))
     roots = [i.root for i in items]
     base = baseline or ("grpo" if "grpo" in method_list else method_list[0])

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+
 import typer
 
-from masktrl.commands.options import (DEFAULT_OUT, ConfigOpt, DryRunOpt, ForceOpt, MethodOpt, OutOpt, ResumeOpt, RolloutsFromOpt,
-                                      RunOpt, SeedOpt, SetOpt)
+from masktrl.commands import train_options
+from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, MethodOpt, OutOpt, RunOpt, SeedOpt, SetOpt
 from masktrl.commands.ui import console, err_console, kv_table, progress_bar
 
 
@@ -18,10 +19,10 @@ def train(
     out: OutOpt = DEFAULT_OUT,
     seed: SeedOpt = None,
     set_: SetOpt = None,
-    resume: ResumeOpt = None,
-    force: ForceOpt = False,
-    rollouts_from: RolloutsFromOpt = None,
-    dry_run: DryRunOpt = False,
+    resume: train_options.ResumeOpt = None,
+    force: train_options.ForceOpt = False,
+    rollouts_from: train_options.RolloutsFromOpt = None,
+    dry_run: train_options.DryRunOpt = False,
 ) -> None:
     """Run RL training (default: the embedded tiny model on synthetic arithmetic, GRPO).
 
@@ -31,7 +32,8 @@ def train(
     a failed run continues it, or starts it again in place if its config changed before any
     checkpoint (docs/RELIABILITY.md).
     """
-    from masktrl.recipes import preflight, train as recipe
+    from masktrl.recipes import preflight
+    from masktrl.recipes import train as recipe
     from masktrl.rl.distributed import launch_rank
     from masktrl.rl.signals import Interrupted
     from masktrl.runs.plan import RunRequest, plan_run
@@ -47,7 +49,7 @@ def train(
     except Interrupted as exc:
         done = getattr(exc, "checkpoints", [])
         where = f"after checkpoint {done[-1]}" if done else "before its first checkpoint"
-        err_console.print(f"[yellow]interrupted[/] ({signal.Signals(exc.signum).name}): run {getattr(exc, 'run', '')} stopped {where}; "
+        err_console.print(f"[yellow]interrupted[/] ({signal.Signals(exc.signum).name}): run " f"{getattr(exc, 'run', '')} stopped {where}; "
                           "`masktrl train --resume` (or the same command) continues it", highlight=False, soft_wrap=True)
         raise typer.Exit(128 + exc.signum) from None
     if result.is_main:
@@ -58,7 +60,7 @@ def train(
 
 def print_start(plan) -> None:
     verb = {"resume": "resuming", "restart": "restarting"}.get(plan.start.mode, "run")
-    console.print(f"[bold]masktrl train[/] {verb} [cyan]{plan.root.name}[/] method [cyan]{plan.cfg.method_name}[/] seed {plan.cfg.seed}")
+    console.print(f"[bold]masktrl train[/] {verb} [cyan]{plan.root.name}[/] method " f"[cyan]{plan.cfg.method_name}[/] seed {plan.cfg.seed}")
     if plan.start.note and not plan.explicit_resume:
         console.print(plan.start.note, highlight=False)
 

@@ -77,8 +77,8 @@ def group_advantages(rewards: Sequence[float] | Tensor, groups: Sequence[int] | 
     if norm in LINEAR_NORMS:
         out = out * scale
     if not bool(torch.isfinite(out).all()):
-        raise ValueError(f"advantages are not finite: rewards from {r.min().item():.3g} to {r.max().item():.3g} are further "
-                         f"apart than the largest float (adv_norm={norm}); keep rewards within a sane range")
+        raise ValueError(f"advantages are not finite: rewards from {r.min().item():.3g} to {r.max().item():.3g} " "are further "
+                         f"apart than the largest float (adv_norm={norm}); keep rewards within a " "sane range")
     return out
 
 

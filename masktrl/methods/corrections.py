@@ -88,7 +88,7 @@ def register_correction(name: str, keys: dict | None = None) -> Callable:
     keys = dict(keys or {})
     unknown = [k for k in keys if k not in _KEY_FIELDS]
     if unknown:
-        raise ValueError(f"correction {name!r}: {unknown[0]} is not a correction key; valid: {', '.join(_KEY_FIELDS)}")
+        raise ValueError(f"correction {name!r}: {unknown[0]} is not a correction key; valid: " f"{', '.join(_KEY_FIELDS)}")
 
     def wrap(fn: Callable) -> Callable:
         target = _COLLECTING[-1] if _COLLECTING else _CUSTOM
@@ -148,7 +148,8 @@ class CorrectionParams:
     hi: float | None = None
     """token-mis, seq-mis, icepop: upper end of the kept range (inf allowed); rs: the threshold."""
     stat: str | None = None
-    """seq-mis: product | geometric (the sequence ratio); rs: one of verl's token_k*, seq_sum_k*, seq_mean_k*, seq_max_k2/3."""
+    """seq-mis: product | geometric (the sequence ratio); rs: one of verl's
+    token_k*, seq_sum_k*, seq_mean_k*, seq_max_k2/3."""
     weight: str | None = None
     """seq-mis: token (rho_t on kept tokens) | sequence (the sequence ratio R, TRL's sequence_mask)."""
     delta: float | None = None
@@ -163,7 +164,7 @@ class CorrectionParams:
 
     def __post_init__(self) -> None:
         if self.kind not in CORRECTION_KINDS and self.kind not in _CUSTOM:
-            raise _err("kind", f"must be one of {', '.join(CORRECTION_KINDS)} (or path/to/rules.py:name); got {self.kind!r}")
+            raise _err("kind", f"must be one of {', '.join(CORRECTION_KINDS)} (or path/to/rules.py:name); got " f"{self.kind!r}")
         if self.mode not in CORRECTION_MODES:
             raise _err("mode", f"must be one of {', '.join(CORRECTION_MODES)}; got {self.mode!r}")
         _check_ref_and_denominator(self)
@@ -281,7 +282,7 @@ def make_correction(block) -> CorrectionParams:
     if isinstance(block, CorrectionParams):
         return block
     if not isinstance(block, dict):
-        raise ValueError(f"method.correction must be a mapping such as {{kind: token-tis, cap: 2.0}}, got {block!r}")
+        raise ValueError("method.correction must be a mapping such as {kind: token-tis, cap: 2.0}, got " f"{block!r}")
     valid = [f.name for f in fields(CorrectionParams)]
     for key in block:
         if key not in valid:
@@ -381,8 +382,8 @@ def _rs_keep(stat: str, lo: float | None, hi: float, log_rho: Tensor, valid: Ten
     a sequence. k1 statistics are kept iff log(lo) <= stat <= log(hi), the others iff stat <= hi.
     """
     dt = log_rho.dtype
-    l = log_rho.clamp(-RS_LOG_BOUND, RS_LOG_BOUND)
-    k = {"k1": -l, "k2": 0.5 * l * l, "k3": torch.expm1(l) - l}[stat[-2:]]  # [N]
+    lr = log_rho.clamp(-RS_LOG_BOUND, RS_LOG_BOUND)
+    k = {"k1": -lr, "k2": 0.5 * lr * lr, "k3": torch.expm1(lr) - lr}[stat[-2:]]  # [N]
     k = torch.where(valid, k, torch.zeros_like(k))
     if stat.startswith("token"):
         s = k
@@ -407,7 +408,7 @@ def decoupled_batch(batch: TokenBatch, old_logp: Tensor, old_topk_logp: Tensor) 
     trainer's extra forward); the list ids stay mu's. Tokens invalid under mu stay invalid."""
     if old_logp.shape != batch.behavior_logp.shape or old_topk_logp.shape != batch.topk_behavior_logp.shape:
         raise ValueError(f"pi_old log-probabilities must have shapes [N] = {list(batch.behavior_logp.shape)} and "
-                         f"[N, K] = {list(batch.topk_behavior_logp.shape)}, got {list(old_logp.shape)}, {list(old_topk_logp.shape)}")
+                         f"[N, K] = {list(batch.topk_behavior_logp.shape)}, got " f"{list(old_logp.shape)}, {list(old_topk_logp.shape)}")
     valid = batch.valid
     old = torch.where(valid, old_logp.detach().to(batch.behavior_logp.dtype), batch.behavior_logp)
     return replace(batch, behavior_logp=old, topk_behavior_logp=old_topk_logp.detach().to(batch.topk_behavior_logp.dtype))
@@ -449,9 +450,9 @@ def corrected_token_losses(method, batch: TokenBatch, advantages: Tensor, params
     if not correction.active:
         return method.token_losses(batch, advantages, params, u=u), None, batch
     if correction.decoupled and (old_logp is None or old_topk_logp is None):
-        raise ValueError("method.correction.mode=decoupled needs pi_old (old_logp, old_topk_logp) from the extra forward")
+        raise ValueError("method.correction.mode=decoupled needs pi_old (old_logp, old_topk_logp) from the extra " "forward")
     if correction.needs_old and old_logp is None:
-        raise ValueError(f"method.correction.kind={correction.kind} with ref=old needs pi_old (old_logp) from the extra forward")
+        raise ValueError(f"method.correction.kind={correction.kind} with ref=old needs pi_old (old_logp) from the " "extra forward")
     ref = old_logp if correction.needs_old else batch.logp.detach()
     corr = correction_weights(correction, batch.behavior_logp, ref, batch.seq_ids, advantages.detach(),
                               current_logp=batch.logp.detach())

@@ -61,7 +61,7 @@ class ClipCovParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
 
     def __post_init__(self) -> None:
         _eps(self)
@@ -106,7 +106,7 @@ class KLCovParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
 
     def __post_init__(self) -> None:
         _number("kl_cov_ratio", self.kl_cov_ratio, lo=0, hi=1)

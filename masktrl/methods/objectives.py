@@ -48,7 +48,8 @@ def gspo_loss(batch: TokenBatch, adv: Tensor, log_w: Tensor, eps_low: float, eps
 @register_method("dapo", DAPOParams, "GRPO's token loss, token-mean, dynamic sampling, optional overlong shaping")
 @register_method("grpo", GRPOParams, "PPO clip with clip-higher (eps_low 0.2, eps_high 0.28), seq-mean-token-mean")
 def ppo_clip(batch: TokenBatch, adv: Tensor, p: GRPOParams | DAPOParams, u: Tensor | None) -> TokenLosses:
-    """GRPO and DAPO: l = -min(r A, clip(r, 1-eps_low, 1+eps_high) A), optionally dual-clipped (§2). The two differ only in
+    """GRPO and DAPO: l = -min(r A, clip(r, 1-eps_low, 1+eps_high) A), optionally dual-clipped (§2). The two differ only
+    in
     their params (aggregation, dynamic sampling, overlong shaping: §8), so one kernel serves both."""
     loss, mask = ppo_clip_loss(log_ratio_live(batch), adv, p.eps_low, p.eps_high, p.dual_clip)
     return TokenLosses(loss, mask, None, None, None, log_ratio(batch))
@@ -73,7 +74,7 @@ def dppo(batch: TokenBatch, adv: Tensor, p: DPPOParams, u: Tensor | None) -> Tok
 
 
 @register_method("pdm", PDMParams, "predictive divergence mask D > delta and sign(A Ddot) > 0 (top-K KL/TV; "
-                 "tail=bracket: the full-KL Ddot's sign certified from the list; tail=exact: the top-K KL's exact Ddot)")
+                 "tail=bracket: the full-KL Ddot's sign certified from the list; tail=exact: the " "top-K KL's exact Ddot)")
 def pdm(batch: TokenBatch, adv: Tensor, p: PDMParams, u: Tensor | None) -> TokenLosses:
     """Predictive divergence mask (§4) on the union support; DPPO's loss form. tail=bracket: the
     certified-sign mask of §4.6 (kl only)."""
@@ -89,7 +90,7 @@ def pdm(batch: TokenBatch, adv: Tensor, p: PDMParams, u: Tensor | None) -> Token
         return TokenLosses(loss, mask, d, None, None, lw, lo, hi)
     if p.tail == "exact":
         if batch.pi_sq_sum is None:
-            raise ValueError("method.tail=exact needs the training distribution's sum_V pi^2 (TokenBatch.pi_sq_sum), "
+            raise ValueError("method.tail=exact needs the training distribution's sum_V pi^2 " "(TokenBatch.pi_sq_sum), "
                              "which only a trainer with the full pi can give")
         ddot = rate_topk_exact_on_support(s, batch.pi_sq_sum.detach().to(s.pi_tail.dtype))
     else:

@@ -139,7 +139,7 @@ class MethodParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
 
     def __post_init__(self) -> None:
         _common(self)
@@ -169,7 +169,7 @@ class GRPOParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
 
     def __post_init__(self) -> None:
         _eps(self)
@@ -193,7 +193,7 @@ class DAPOParams(_Protocol):
     dynamic_sampling: bool = True
     """Drop groups whose rewards are all equal and refill the batch."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
     overlong_buffer: int = 0
     """Soft overlong punishment: length of the buffer before max_new_tokens, in tokens (0 = off)."""
     overlong_penalty: float = 1.0
@@ -225,7 +225,7 @@ class GSPOParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
 
     def __post_init__(self) -> None:
         _eps(self)
@@ -251,7 +251,7 @@ class DPPOParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
 
     def __post_init__(self) -> None:
         _choice("divergence", self.divergence, DIVERGENCE_KINDS)
@@ -294,15 +294,15 @@ class PDMParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
 
     def __post_init__(self) -> None:
         _choice("divergence", self.divergence, RATE_KINDS)
         _choice("tail", self.tail, PDM_TAILS)
         if self.tail == "bracket" and self.divergence != "kl":
-            raise ValueError(f"method.tail=bracket requires method.divergence=kl (the bracket bounds Ddot_KL), got {self.divergence}")
+            raise ValueError("method.tail=bracket requires method.divergence=kl (the bracket bounds Ddot_KL), " f"got {self.divergence}")
         if self.tail == "exact" and self.divergence != "kl":
-            raise ValueError(f"method.tail=exact requires method.divergence=kl (the exact Ddot of the top-K KL), got {self.divergence}")
+            raise ValueError("method.tail=exact requires method.divergence=kl (the exact Ddot of the top-K KL), " f"got {self.divergence}")
         if self.uncertain is not None:
             _choice("uncertain", self.uncertain, UNCERTAIN)
             if self.tail != "bracket":
@@ -355,7 +355,7 @@ class SISParams(_Protocol):
     overlong_penalty: float | None = None
     """DAPO overlong penalty (null = the base's; only with base dapo)."""
     adv_norm: str | None = None
-    """Advantages (§11, §13.4): group-std | none | rloo | batch-std | reinforce++ | reinforce++-baseline (null = the base's: group-std)."""
+    """Advantages (§11, §13.4): group-std | none | rloo | batch-std | reinforce++[-baseline]; null: the base's."""
     k: int | None = None
     """Envelope list size: re-cut the stored behaviour lists to their first k entries for the
     envelope and the acceptance test (§6.2); null = the stored K. At most rollout.logprobs_k."""
@@ -370,7 +370,7 @@ class SISParams(_Protocol):
             for name in ("overlong_buffer", "overlong_penalty"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"method.{name} applies only with method.base=dapo, got base={self.base}")
-        self.base_params  # validates every override through the base class
+        self.base_params  # noqa: B018  validates every override through the base class
         check_regularizers(self)  # the regularisers are the sis method's own, not its base's
 
     @property
@@ -421,7 +421,7 @@ class CISPOParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
 
     def __post_init__(self) -> None:
         _eps(self)

@@ -3,7 +3,8 @@
     default (prime-dppo):  mask = (A > 0 and pi_k - mu_k > dppo_mask_high) or (A <= 0 and pi_k - mu_k < -dppo_mask_low)
                            (DPPO's binary-TV mask, arXiv 2602.04879)
     ipo (prime-ipo):       mask = |pi_k - mu_k| > ipo_threshold                  (symmetric)
-    both:                  l = -adv_tau A (1 - mask) r + kl_tau (log r)^2        (r live: gradient -adv_tau A r + 2 kl_tau log r)
+    both:                  l = -adv_tau A (1 - mask) r + kl_tau (log r)^2
+                           (r live: gradient -adv_tau A r + 2 kl_tau log r)
 
 The (log r)^2 term (Kimi K2.5's KL, arXiv 2602.02276) acts on every valid token, masked or not,
 A = 0 included. prime-rl sums the per-token loss and divides by the batch's loss-token count
@@ -52,7 +53,7 @@ class PrimeDPPOParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
 
     def __post_init__(self) -> None:
         for name in ("dppo_mask_low", "dppo_mask_high", "adv_tau", "kl_tau"):
@@ -75,7 +76,7 @@ class PrimeIPOParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
 
     def __post_init__(self) -> None:
         _number("ipo_threshold", self.ipo_threshold, lo=0, inf_ok=True)

@@ -79,13 +79,13 @@ class Method:
         for key in kw:
             if key not in valid:
                 raise ValueError(
-                    f"unknown parameter method.{key} for method {self.name!r}; valid: {', '.join(valid)}"
+                    f"unknown parameter method.{key} for method {self.name!r}; valid: " f"{', '.join(valid)}"
                 )
         return self.params_cls(**kw)
 
     def _check(self, params) -> None:
         if not isinstance(params, self.params_cls):
-            raise ValueError(f"params for method {self.name!r} must be {self.params_cls.__name__}, got {type(params).__name__}")
+            raise ValueError(f"params for method {self.name!r} must be {self.params_cls.__name__}, got " f"{type(params).__name__}")
 
     def aggregation(self, params) -> str:
         """The batch aggregation mode (§8) for ``aggregate``."""
@@ -318,18 +318,18 @@ def check_method(method: Method) -> str | None:
         return f"its params class {getattr(cls, '__name__', cls)!r} is not a dataclass"
     try:
         params = cls()
-    except Exception as exc:  # noqa: BLE001  a user's class: any error is the answer
-        return f"its params class {cls.__name__} cannot be built with its defaults ({type(exc).__name__}: {exc})"
+    except Exception as exc:  # a user's class: any error is the answer
+        return f"its params class {cls.__name__} cannot be built with its defaults ({type(exc).__name__}: " f"{exc})"
     missing = [a for a in ("agg_mode", "advantage_norm", "uses_dynamic_sampling", "uses_u", "uses_full_pi", "overlong",
                            "diag_deltas", "uses_reference", "uses_entropy_grad", "kl_in_loss") if not hasattr(params, a)]
     if missing:
-        return f"its params class {cls.__name__} lacks {', '.join(missing)} (derive it from masktrl.methods.MethodParams)"
+        return f"its params class {cls.__name__} lacks {', '.join(missing)} (derive it from " "masktrl.methods.MethodParams)"
     if not callable(method.kernel):
         return "its kernel is not callable"
     try:
         inspect.signature(method.kernel).bind(None, None, None, None)
     except (TypeError, ValueError):
-        return f"its kernel {getattr(method.kernel, '__name__', '?')} must take (batch, advantages, params, u)"
+        return f"its kernel {getattr(method.kernel, '__name__', '?')} must take (batch, advantages, params, " "u)"
     return None
 
 

@@ -68,7 +68,7 @@ def check_regularizers(p) -> None:
     if not isinstance(p.kl_is_correction, bool):
         raise ValueError(f"method.kl_is_correction must be true or false, got {p.kl_is_correction!r}")
     if p.kl_is_correction and p.kl_in == "reward":
-        raise ValueError("method.kl_is_correction applies only with method.kl_in=loss (the reward penalty uses log mu)")
+        raise ValueError("method.kl_is_correction applies only with method.kl_in=loss (the reward penalty uses " "log mu)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,7 +186,7 @@ def kl_reward_penalty(behavior_logp: Tensor, ref_logp: Tensor, seq_ids: Tensor, 
     _coef("kl_coef", coef)
     for name, t in (("behavior_logp", behavior_logp), ("ref_logp", ref_logp), ("seq_ids", seq_ids)):
         if not isinstance(t, Tensor) or t.dim() != 1 or t.shape != behavior_logp.shape:
-            raise ValueError(f"{name} must have shape [N] = [{behavior_logp.shape[0]}], got {list(getattr(t, 'shape', []))}")
+            raise ValueError(f"{name} must have shape [N] = [{behavior_logp.shape[0]}], got " f"{list(getattr(t, 'shape', []))}")
     mu = behavior_logp.detach().to(torch.float64)
     ref = ref_logp.detach().to(torch.float64)
     valid = mu > float("-inf")
@@ -232,7 +232,7 @@ def regularize(loss: Tensor, batch: TokenBatch, params, *, ref_logp: Tensor | No
     if params.uses_entropy_grad:
         if not isinstance(entropy, Tensor) or entropy.shape != (batch.n,):
             raise ValueError(f"entropy must have shape [N] = [{batch.n}] when method.entropy_coef > 0, "
-                             f"got {list(getattr(entropy, 'shape', [])) if entropy is not None else None}")
+                             "got " f"{list(getattr(entropy, 'shape', [])) if entropy is not None else None}")
         ent = torch.where(valid, entropy.to(total.dtype), torch.zeros((), dtype=total.dtype, device=entropy.device))
         total = total - params.entropy_coef * ent
     if total is not loss:

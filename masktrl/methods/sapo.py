@@ -31,7 +31,8 @@ class SAPOParams(_Protocol):
     """SAPO: l = -A (4/tau) sigmoid(tau (r - 1)), tau = tau_pos if A > 0 else tau_neg (§16.1)."""
 
     tau_pos: float = 1.0
-    """Gate temperature for A > 0 (verl tau_pos, TRL sapo_temperature_pos, AReaL sapo_tau_pos); larger = a narrower soft trust region."""
+    """Gate temperature for A > 0 (verl tau_pos, TRL sapo_temperature_pos, AReaL
+    sapo_tau_pos); larger = a narrower soft trust region."""
     tau_neg: float = 1.05
     """Gate temperature for A <= 0 (verl tau_neg, TRL sapo_temperature_neg, AReaL sapo_tau_neg)."""
     loss_agg: str = "seq-mean-token-mean"
@@ -39,7 +40,7 @@ class SAPOParams(_Protocol):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and refill the batch (DAPO)."""
     adv_norm: str = "group-std"
-    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO, R - mean) | rloo | batch-std | reinforce++ | reinforce++-baseline."""
+    """Advantages (§11, §13.4): group-std (GRPO) | none (Dr.GRPO) | rloo | batch-std | reinforce++[-baseline]."""
 
     def __post_init__(self) -> None:
         for name in ("tau_pos", "tau_neg"):

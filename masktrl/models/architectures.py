@@ -130,7 +130,7 @@ def check_lm_head(model: torch.nn.Module) -> None:
     for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         value = getattr(cfg, key, None)
         if value not in (None, 1, 1.0):
-            raise MasktrlError(f"{type(model).__name__}: {key}={value} is not supported (masktrl's log-probabilities use the plain linear head)")
+            raise MasktrlError(f"{type(model).__name__}: {key}={value} is not supported (masktrl's " "log-probabilities use the plain linear head)")
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise MasktrlError(f"{type(model).__name__}: an output layer with a bias is not supported")
@@ -147,4 +147,4 @@ def check_lm_head(model: torch.nn.Module) -> None:
     tol = 1e-3 if head.weight.dtype == torch.float32 else 5e-2
     err = (mine - logits.float()).abs().max().item()
     if not err <= tol * max(1.0, logits.float().abs().max().item()):
-        raise MasktrlError(f"{type(model).__name__}: its logits are not the linear head of its last hidden state (max difference {err:.3g}); not supported")
+        raise MasktrlError(f"{type(model).__name__}: its logits are not the linear head of its last hidden state " f"(max difference {err:.3g}); not supported")

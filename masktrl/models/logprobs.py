@@ -32,7 +32,7 @@ def _compute_dtype(*ts: Tensor | None) -> torch.dtype:
 
 def _check(hidden: Tensor, weight: Tensor, ids: Tensor | None, temperature: float, chunk_size: int, bias) -> None:
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {list(weight.shape)}")
+        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got " f"{list(weight.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must have shape [V] = [{weight.shape[0]}], got {list(bias.shape)}")
     if not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
@@ -41,7 +41,7 @@ def _check(hidden: Tensor, weight: Tensor, ids: Tensor | None, temperature: floa
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if ids is not None:
         if ids.is_floating_point() or ids.shape[:-1] != hidden.shape[:-1] or ids.dim() != hidden.dim():
-            raise ValueError(f"ids must be an integer tensor [..., J] with leading dims {list(hidden.shape[:-1])}, got {ids.dtype} {list(ids.shape)}")
+            raise ValueError("ids must be an integer tensor [..., J] with leading dims " f"{list(hidden.shape[:-1])}, got {ids.dtype} {list(ids.shape)}")
         if ids.numel() and int(ids.max()) >= weight.shape[0]:
             raise ValueError(f"ids must be < V = {weight.shape[0]}")
 
@@ -221,7 +221,8 @@ def renormalise_over_kept(lp: Tensor, kept: Tensor | None) -> Tensor:
     ``lp`` [N, 1+K]: log pi at the sampled id then the behaviour's top-K ids (the policy
     forward's output); ``kept`` [N]: the kept set is the first ``kept[i]`` entries of row i's
     top-K list (0: the whole vocabulary, the row is returned as it is; more than K: ValueError,
-    a kept set the list does not hold); None: nothing truncated, ``lp`` itself is returned. With S_i = sum_{j < kept[i]} pi(topk_ij) (the policy's mass on
+    a kept set the list does not hold); None: nothing truncated, ``lp`` itself is returned. With S_i = sum_{j < kept[i]}
+    pi(topk_ij) (the policy's mass on
     the kept set), the result is log pi - log S for the sampled token and the kept entries, and
     -inf for the list entries outside the kept set (the renormalised pi~ puts no mass there, as
     mu does). The gradient flows through log S too: d log pi~ = d log pi - d log S."""
@@ -229,7 +230,7 @@ def renormalise_over_kept(lp: Tensor, kept: Tensor | None) -> Tensor:
         return lp
     topk = lp[:, 1:]  # [N, K]
     if bool((kept > topk.shape[1]).any()):
-        raise ValueError(f"a kept set holds more tokens than the top-K list (K = {topk.shape[1]}): pi cannot be renormalised over it")
+        raise ValueError(f"a kept set holds more tokens than the top-K list (K = {topk.shape[1]}): pi cannot be " "renormalised over it")
     inside = torch.arange(topk.shape[1], device=lp.device)[None, :] < kept[:, None]  # [N, K]
     neg_inf = torch.tensor(float("-inf"), dtype=lp.dtype, device=lp.device)
     log_s = torch.logsumexp(torch.where(inside, topk, neg_inf), dim=1)  # [N] (-inf for kept = 0: replaced below)

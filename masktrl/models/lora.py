@@ -58,7 +58,7 @@ class LoraSettings:
         if isinstance(targets, str):
             targets = (targets,)
         if not targets or not all(isinstance(t, str) and t for t in targets):
-            raise MasktrlError(f"model.lora.target_modules must be module names or {ALL_LINEAR!r}, got {self.target_modules!r}")
+            raise MasktrlError(f"model.lora.target_modules must be module names or {ALL_LINEAR!r}, got " f"{self.target_modules!r}")
 
 
 def import_peft():
@@ -88,13 +88,13 @@ def resolve_targets(model: torch.nn.Module, settings: LoraSettings) -> list[str]
     names = _linear_names(model)
     if t == ALL_LINEAR:
         if not names:
-            raise MasktrlError(f"model.lora.target_modules {ALL_LINEAR!r}: {type(model).__name__} has no linear layer besides its head")
+            raise MasktrlError(f"model.lora.target_modules {ALL_LINEAR!r}: {type(model).__name__} has no linear " "layer besides its head")
         return names
     wanted = [t] if isinstance(t, str) else list(t)
     missing = [x for x in wanted if x not in names]
     if missing:
         raise MasktrlError(
-            f"model.lora.target_modules {missing} match no linear layer of {type(model).__name__}; "
+            f"model.lora.target_modules {missing} match no linear layer of " f"{type(model).__name__}; "
             f"its linear layers: {', '.join(names)} (or {ALL_LINEAR!r})"
         )
     return wanted
@@ -288,7 +288,7 @@ def read_adapter(path) -> tuple[LoraSettings, str, dict[str, torch.Tensor]]:
                                 target_modules=tuple(config["target_modules"]))
         base = str(config["base_model_name_or_path"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: unreadable adapter checkpoint ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise ValueError(f"{path}: unreadable adapter checkpoint " f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
     if not Path(base).is_absolute() and (path / base).exists():
         base = str((path / base).resolve())
     weights = {}

@@ -227,7 +227,7 @@ def torchao_unavailable() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible"
     if torch.cuda.get_device_capability() < (8, 9):
-        return f"the GPU ({torch.cuda.get_device_name()}) has no FP8 tensor cores (compute capability 8.9 or newer)"
+        return f"the GPU ({torch.cuda.get_device_name()}) has no FP8 tensor cores (compute capability 8.9 " "or newer)"
     return None
 
 
@@ -259,7 +259,7 @@ def apply_training_quantization(model: torch.nn.Module, quantization: str | None
         return kind
     names = set(quantized_weights(model, output_layer=False))
     if any(not n.endswith(".weight") for n in names):  # 3-D expert tensors
-        raise ConfigError("train.quantization_backend=torchao: torchao's float8 training covers linear layers, not a MoE "
+        raise ConfigError("train.quantization_backend=torchao: torchao's float8 training covers linear layers, not " "a MoE "
                          "block's fused experts (use fake)")
     from torchao.float8 import convert_to_float8_training
 

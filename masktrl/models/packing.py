@@ -218,10 +218,10 @@ def unsupported_reason(model_class: type, config) -> str | None:
     would need the segment boundaries too."""
     name = model_class.__name__
     if not getattr(model_class, "_supports_attention_backend", False):
-        return f"{name}'s attention layers do not use transformers' attention interface, so they cannot mask packed segments"
+        return f"{name}'s attention layers do not use transformers' attention interface, so they cannot " "mask packed segments"
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
-        return f"{name} has {', '.join(sorted(kinds - {'full_attention'}))} layers, which cannot mask packed segments"
+        return f"{name} has {', '.join(sorted(kinds - {'full_attention'}))} layers, which cannot mask " "packed segments"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
         return f"{name} uses sliding-window attention, which cannot mask packed segments"
     return None
@@ -309,7 +309,7 @@ def packed_hidden(base: torch.nn.Module, packed: Packed) -> torch.Tensor:
     from masktrl.models.kvcache import cache_kwarg, new_cache
 
     if checkpointing.is_enabled(base) and not segments_attention_active(base):
-        raise RuntimeError("under activation checkpointing, run the packed forward and its backward inside segments_attention(base)")
+        raise RuntimeError("under activation checkpointing, run the packed forward and its backward inside " "segments_attention(base)")
     masks = None  # the registered mask function of segment_attention builds no mask
     with segments_attention(base):
         if packed.prompt_ids is None:

@@ -55,8 +55,8 @@ class EvalOptions:
         if self.k < 1:
             raise ConfigError(f"--k must be >= 1, got {self.k}")
         if self.k > MAX_K:
-            raise ConfigError(f"--k {self.k} is above {MAX_K}: the report keeps every sample's answer, length and score (--k per "
-                              "problem); --batch-size bounds what is generated at once, not the report")
+            raise ConfigError(f"--k {self.k} is above {MAX_K}: the report keeps every sample's answer, length and " "score (--k per "
+                              "problem); --batch-size bounds what is generated at once, not the " "report")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan and inf are not temperatures
             raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature}")
         if self.temperature == 0 and self.k != 1:
@@ -72,7 +72,7 @@ class EvalOptions:
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if bench in OWN_TASK_BENCHMARKS and (self.data is not None or self.template is not None or self.config or self.overrides):
-            raise ConfigError(f"--data, --template, --config and --set apply to datasets; {bench} uses the run's own task")
+            raise ConfigError(f"--data, --template, --config and --set apply to datasets; {bench} uses the run's " "own task")
         if self.template is not None:
             from masktrl.tasks.templates import PromptTemplate
 
@@ -98,26 +98,8 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
     """Evaluate ``model`` (a run folder or a run's name under ``out``, a model folder or a cached
     hub id) on ``bench``; the report goes to ``output`` (a model that is not a run only) or to
     its default place (``output_path``)."""
-    opts.validate(bench)
-    if output is not None:
-        refuse_inside_run(output)
-    ref = resolve_model(model, step, out)
-    if bench in OWN_TASK_BENCHMARKS and ref.store is None:
-        raise ConfigError(f"benchmark {bench} needs a run (--model <run>): {model} is no run folder (no run.yaml)")
-    if output is not None and ref.store is not None:
-        raise ConfigError(f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is for models that are not runs")
-    if ref.store is not None:
-        refuse_symlink(ref.store.root)  # its report would be written outside --out
-    path = Path(output) if output is not None else output_path(ref, bench, out)
-    if path.exists() and not force and recorded(ref, bench):
-        raise MasktrlError(f"{path} already exists; pass --force to replace it (nothing was changed)")
-    cfg = eval_config(ref, opts)
-    if ref.store is not None:
-        import torch
-
-        torch.set_num_threads(cfg.train.threads)
-    if bench not in OWN_TASK_BENCHMARKS:
-        cfg = replace(cfg, model=replace(cfg.model, chat_template=eval_chat(cfg, opts)), task=bench_task_config(bench, cfg, **opts.task_args()))
+    ref, path = _target(bench, model, step, opts, out=out, output=output, force=force)
+    cfg = _bench_config(bench, ref, opts)
     task = build_task(bench, cfg)
     try:  # the data loaded: now the weights
         engine, tokenizer = load_engine(cfg, ref.weights)
@@ -141,6 +123,38 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
     return EvalResult(report, path)
 
 
+def _target(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None, output: Path | None,
+            force: bool) -> tuple[ModelRef, Path]:
+    """(the model resolved, where its report goes), every refusal before anything is loaded."""
+    opts.validate(bench)
+    if output is not None:
+        refuse_inside_run(output)
+    ref = resolve_model(model, step, out)
+    if bench in OWN_TASK_BENCHMARKS and ref.store is None:
+        raise ConfigError(f"benchmark {bench} needs a run (--model <run>): {model} is no run folder (no run.yaml)")
+    if output is not None and ref.store is not None:
+        raise ConfigError(f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is " "for models that are not runs")
+    if ref.store is not None:
+        refuse_symlink(ref.store.root)  # its report would be written outside --out
+    path = Path(output) if output is not None else output_path(ref, bench, out)
+    if path.exists() and not force and recorded(ref, bench):
+        raise MasktrlError(f"{path} already exists; pass --force to replace it (nothing was changed)")
+    return ref, path
+
+
+def _bench_config(bench: str, ref: ModelRef, opts: EvalOptions) -> Config:
+    """The configuration the evaluation runs with: the run's (or a default one) with the options,
+    the benchmark's task unless it is the run's own; a run's ``train.threads`` set for torch."""
+    cfg = eval_config(ref, opts)
+    if ref.store is not None:
+        import torch
+
+        torch.set_num_threads(cfg.train.threads)
+    if bench not in OWN_TASK_BENCHMARKS:
+        cfg = replace(cfg, model=replace(cfg.model, chat_template=eval_chat(cfg, opts)), task=bench_task_config(bench, cfg, **opts.task_args()))
+    return cfg
+
+
 def folder_runs(model: str) -> list[Path] | None:
     """The run folders in ``model`` when it is a folder of runs (a sweep's ``--out``: neither a run
     nor a model folder, with run folders in it), in name order; else None."""
@@ -157,7 +171,7 @@ def run_folder(bench: str, runs: list[Path], step: int | None, opts: EvalOptions
     ``done(root, result)`` is called after each run."""
     opts.validate(bench)
     if output is not None:
-        raise ConfigError("--output: each run's evals are stored in the run; --output is for one model that is not a run")
+        raise ConfigError("--output: each run's evals are stored in the run; --output is for one model that is not " "a run")
     results: list[tuple[Path, EvalResult | str]] = []
     for root in runs:
         status = RunStore(root, writable=False).status()

@@ -35,7 +35,7 @@ def run(request: RunRequest) -> DryRun:
         start = plan.start
         rows = [("run folder", f"{start.root}: {WHAT[start.mode]}" + (f" ({start.note})" if start.note else ""))]
         if step and plan.forced_changes:
-            rows.append(("--force", f"{', '.join(plan.forced_changes)}: checkpoint {step} loads into the model this config builds"))
+            rows.append(("--force", f"{', '.join(plan.forced_changes)}: checkpoint {step} loads into the model this " "config builds"))
         rows += checked.report
         rows.append(("projected disk use", checks.projected_disk(plan.cfg, checked)))
     finally:

@@ -71,7 +71,7 @@ def parse_options(pairs: list[str]) -> list[str]:
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", key):
             raise ConfigError(f"--slurm {pair!r}: expected KEY=VALUE, e.g. --slurm partition=gpu --slurm gres=gpu:8")
         if key in ("output", "error", "job-name", "J", "o", "e"):
-            raise ConfigError(f"--slurm {key}: set by masktrl (job name masktrl-<run>, log <out>/.sweep/slurm/<run>-<jobid>.log)")
+            raise ConfigError(f"--slurm {key}: set by masktrl (job name masktrl-<run>, log " "<out>/.sweep/slurm/<run>-<jobid>.log)")
         out.append(f"--{key}={value}" if sep else f"--{key}")
     return out
 
@@ -103,7 +103,7 @@ def check_sbatch() -> str:
     """The sbatch executable, or a ``ConfigError`` before anything is written."""
     exe = shutil.which("sbatch")
     if exe is None:
-        raise ConfigError("--launcher slurm: sbatch is not on the PATH (run on a SLURM login node, or pass --no-submit to only write the scripts)")
+        raise ConfigError("--launcher slurm: sbatch is not on the PATH (run on a SLURM login node, or pass " "--no-submit to only write the scripts)")
     return exe
 
 
@@ -111,7 +111,7 @@ def submit_job(script: Path) -> str:
     """``sbatch --parsable SCRIPT``; returns the job id."""
     r = subprocess.run([check_sbatch(), "--parsable", str(script)], capture_output=True, text=True)
     if r.returncode != 0:
-        raise MasktrlError(f"sbatch {script} failed: {(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}")
+        raise MasktrlError(f"sbatch {script} failed: " f"{(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}")
     job = r.stdout.strip().split(";")[0]  # --parsable: "jobid" or "jobid;cluster"
     if not job:
         raise MasktrlError(f"sbatch {script}: no job id in its output")
@@ -126,7 +126,7 @@ def recorded_jobs(out: Path) -> dict[str, str]:
     try:
         return {str(k): str(v) for k, v in read_json(path, error=MasktrlError).items()}  # bounded: depth, non-finite numbers
     except (MasktrlError, AttributeError):
-        raise MasktrlError(f"{path}: unreadable (corrupted); delete it once no job of this sweep is queued or running") from None
+        raise MasktrlError(f"{path}: unreadable (corrupted); delete it once no job of this sweep is queued or " "running") from None
 
 
 def record_job(out: Path, run: str, job: str) -> None:
@@ -176,7 +176,7 @@ def launch(items, out: Path, config, overrides: list[str], accelerate_config: Pa
     if submit and todo:
         check_sbatch()
     active = {} if slurm.resubmit else active_jobs(recorded_jobs(out))
-    yield f"masktrl sweep --launcher slurm: {len(items) - len(todo)} complete, {len(todo)} to run, under {out}"
+    yield f"masktrl sweep --launcher slurm: {len(items) - len(todo)} complete, {len(todo)} to run, under " f"{out}"
     for item in items:
         name = item.root.name
         if item.state == "complete":
@@ -196,5 +196,5 @@ def launch(items, out: Path, config, overrides: list[str], accelerate_config: Pa
             note = {"resume": ", resuming", "retry": ", fresh restart"}.get(item.state, "")
             yield f"submitted {name} as job {job}{note} ({script})"
     if todo:
-        yield ("run this command again when the jobs are done: complete runs are skipped, and the compare table "
+        yield ("run this command again when the jobs are done: complete runs are skipped, and the " "compare table "
                "is printed once every run is complete")

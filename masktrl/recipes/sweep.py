@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ContextManager
+from contextlib import AbstractContextManager
+from typing import Callable
 
 from masktrl.config import MAX_SEED, Config, diff_configs, load_config, split_method
 from masktrl.errors import ConfigError
@@ -60,7 +61,7 @@ def parse_methods(text: str) -> list[str]:
         if is_rule_file(name):
             load_rule(name)  # a missing file, a name not in it, a broken rule: one line before anything is planned
         elif name not in method_names():
-            raise ConfigError(f"unknown method {name!r}; valid methods: {', '.join(method_names())}, or path/to/rules.py:name")
+            raise ConfigError(f"unknown method {name!r}; valid methods: {', '.join(method_names())}, or " "path/to/rules.py:name")
     if len(set(methods)) != len(methods):
         raise ConfigError(f"--methods lists a method twice: {text}")
     return methods
@@ -112,9 +113,9 @@ def check_flags(methods: list[str], overrides: list[str], baseline: str | None, 
     for item in overrides:
         key, _, value = item.partition("=")
         if key.strip() == "seed":
-            raise ConfigError(f"--set {item} conflicts with --seeds (every run of a sweep takes its seed from --seeds): drop one")
+            raise ConfigError(f"--set {item} conflicts with --seeds (every run of a sweep takes its seed from " "--seeds): drop one")
         if key.strip() in ("method", "method.name"):
-            raise ConfigError(f"--set {item} conflicts with --methods (every run of a sweep takes its method from --methods): drop one")
+            raise ConfigError(f"--set {item} conflicts with --methods (every run of a sweep takes its method from " "--methods): drop one")
     if baseline is not None and baseline not in methods and baseline not in {split_method(m)[0] for m in methods}:
         raise ConfigError(f"--baseline {baseline} is not among the swept methods ({', '.join(methods)})")
     for flag, given in (("--no-submit", no_submit), ("--resubmit", resubmit)):
@@ -148,7 +149,7 @@ def _check_distinct(method: str, cfg: Config, seen: dict[str, Config]) -> None:
     hold one method twice under two names."""
     for other, other_cfg in seen.items():
         if other_cfg.resolved_method() == cfg.resolved_method() and not diff_configs(other_cfg, cfg, ignore=("method.",)):
-            raise ConfigError(f"--methods: {method!r} trains the same config as {other!r} (its parameters are the defaults); drop one")
+            raise ConfigError(f"--methods: {method!r} trains the same config as {other!r} (its parameters are the " "defaults); drop one")
     seen[method] = cfg
 
 
@@ -159,7 +160,7 @@ def check_launcher(launcher: str, accelerate_config: Path | None, print_commands
     if accelerate_config is not None and not accelerate_config.is_file():
         raise ConfigError(f"--accelerate-config {accelerate_config}: no such file")
     if accelerate_config is not None and launcher == "local" and not print_commands:
-        raise ConfigError("--accelerate-config goes with --launcher slurm or --print-commands (the local launcher trains in this process)")
+        raise ConfigError("--accelerate-config goes with --launcher slurm or --print-commands (the local launcher " "trains in this process)")
 
 
 def run_one(item: SweepRun, progress=None) -> Path:
@@ -173,7 +174,7 @@ def run_one(item: SweepRun, progress=None) -> Path:
     return item.root
 
 
-def run(runs: list[SweepRun], progress_bar: Callable[[], ContextManager] | None = None,
+def run(runs: list[SweepRun], progress_bar: Callable[[], AbstractContextManager] | None = None,
               on_event: Callable[[str, SweepRun], None] | None = None) -> list[Path]:
     """Train every run that is not complete, in order, each under a fresh ``progress_bar()``;
     ``on_event`` hears ``skip`` or ``start`` before each run. Returns the folders of all runs."""

@@ -26,15 +26,12 @@ its part of every minibatch; only the main process writes. SIGTERM is a Ctrl-C
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from masktrl.config import Config
-from masktrl.errors import MasktrlError
-from masktrl.methods import BoundMethod
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.rl import checks
 from masktrl.rl.agentic import with_environment
@@ -45,8 +42,8 @@ from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
 from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source, progress_info
 from masktrl.rl.policy import PolicyForward
-from masktrl.rl.reference import Reference, make_reference, micro_batch_size, penalise_kl, reference_logprobs
-from masktrl.rl.rollout_source import RolloutSource
+from masktrl.rl.reference import make_reference, micro_batch_size, penalise_kl, reference_logprobs
+from masktrl.rl.run_state import Counters, ModelParts, NonFiniteError, RunServices, State, TrainResult
 from masktrl.rl.schedule import age_metrics, sample_now, staleness_cap
 from masktrl.rl.signals import GracefulStop, Interrupted, graceful_stop
 from masktrl.rl.start import load_policy, restore_run
@@ -59,88 +56,10 @@ from masktrl.runs.faults import maybe_crash
 from masktrl.runs.plan import Plan
 from masktrl.runs.session import Decision, Session
 from masktrl.runs.store import EVAL_AFTER_KEY, EVAL_BEFORE_KEY, RunStore, rollout_key, update_key
-from masktrl.tasks import Example, Task
 from masktrl.tasks.prompts import wraps_chat
 
 if TYPE_CHECKING:
     from rich.progress import Progress
-    from transformers import PreTrainedTokenizerBase
-
-
-@dataclass
-class TrainResult:
-    summary: dict
-    store: RunStore
-    is_main: bool = True  # False on the other processes of a multi-process run (they print nothing)
-    note: str | None = None  # what the command says before the summary (a complete run resumed: nothing was done)
-
-
-@dataclass
-class ModelParts:
-    """What a step computes with: the policy, its optimizer, the engine sampling from it, the method."""
-
-    model: torch.nn.Module  # the (unwrapped) language model
-    tokenizer: PreTrainedTokenizerBase
-    policy: torch.nn.Module  # its training forward, wrapped for DDP / DeepSpeed when launched
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    engine: RolloutEngine
-    method: BoundMethod  # the run's method, bound to its params and correction (cfg.method.bind())
-    reference: Reference | None = None  # the reference-KL term's policy (rl/reference.py); None without one
-
-
-@dataclass
-class RunServices:
-    """Where a step's inputs come from and its results go."""
-
-    cfg: Config
-    store: RunStore
-    dist: Dist
-    task: Task
-    collect: CollectSettings
-    update: UpdateSettings
-    source: RolloutSource | None  # --rollouts-from: stored batches instead of generation
-    rollout_meta: dict  # written with every rollout batch
-    test_set: list[Example]  # the task's held-out split (eval_before, eval_after, train.eval_every)
-    lab: LabStats | None  # train.lab_stats: the before-update hook and the rows' lab/* entries
-    trackers: Trackers  # train.report_to (main process)
-    progress: Progress | None
-
-
-@dataclass
-class Counters:
-    """Where the run stands."""
-
-    start: int  # the last step already done (resume), 0 for a new run
-    steps: int  # the last step to do
-    eval_before: float = float("nan")
-    nonfinite_total: int = 0  # steps so far with an update skipped for a non-finite loss or gradient norm
-    nonfinite_run: int = 0  # ... of them in a row, up to the last step
-    ahead: dict[int, Batch] = field(default_factory=dict)  # rollout.staleness: batches sampled ahead, not yet trained on
-
-
-@dataclass
-class State:
-    """Everything a run's steps share, built once by ``setup``."""
-
-    parts: ModelParts
-    run: RunServices
-    count: Counters
-    warmstart: dict  # where the starting policy came from (prepare_policy's info)
-    rollouts_from: str | None
-    session: Session  # the run's lifecycle: wall time, checkpoints' retention, the summary (runs/session.py)
-
-    @property
-    def cfg(self) -> Config:
-        return self.run.cfg
-
-    @property
-    def store(self) -> RunStore:
-        return self.run.store
-
-
-class NonFiniteError(MasktrlError):
-    """Too many consecutive steps with a non-finite loss or gradient norm."""
 
 
 def train(plan: Plan, progress: Progress | None = None, *, on_start: Callable[[Plan], None] | None = None,
@@ -149,7 +68,8 @@ def train(plan: Plan, progress: Progress | None = None, *, on_start: Callable[[P
     ``runs/plan.py``): the checks, the session opened (``on_start`` sees the plan it confirmed,
     before the first write), setup, the steps, finish. An ``Interrupted`` leaving here carries
     ``run`` (its name) and ``checkpoints`` (its complete checkpoints)."""
-    dist = dist or (Dist.from_launch(plan.cfg.train) if launched() else Dist())  # a bad launch config fails here, before any write
+    # a bad launch config fails here, before any write
+    dist = dist or (Dist.from_launch(plan.cfg.train) if launched() else Dist())
     checked = checks.check(plan.cfg, rollouts_from=plan.rollouts_from)  # before anything is written
     session = Session(RunStore(plan.root), plan, dist)
     progress = progress if dist.is_main else None
@@ -170,7 +90,8 @@ def train(plan: Plan, progress: Progress | None = None, *, on_start: Callable[[P
     finally:
         checked.task.close()  # reward / grading processes
         if s is not None:
-            s.run.trackers.close()  # flushed and closed however the run ends (finish closed them already when it completed)
+            # flushed and closed however the run ends (finish closed them already when it completed)
+            s.run.trackers.close()
 
 
 def run_steps(s: State, stop: GracefulStop) -> None:
@@ -236,20 +157,22 @@ def build_parts(session: Session, checked: checks.Checked, progress: Progress | 
     if method.needs_reference:
         reference = make_reference(model, cfg.rollout.temperature, cfg.train.logprob_chunk)
     optimizer, scheduler = make_optimizer(model, cfg.train)
-    n_params = retention.count_parameters(model, trainable_only=cfg.model.lora.rank is not None)  # LoRA: the adapters are checkpointed
+    # LoRA: the adapters are checkpointed
+    n_params = retention.count_parameters(model, trainable_only=cfg.model.lora.rank is not None)
     projection = retention.project(cfg, n_params, deepspeed_stage=dist.zero_stage)
     if resumed:  # the checkpoint loaded, what happened after it forgotten, the non-finite counters read back
         count.nonfinite_total, count.nonfinite_run = restore_run(store, count.start, model, optimizer, scheduler, dist)
     vocab_size = model.get_output_embeddings().weight.shape[0]  # lab_stats; read before ZeRO-3 partitions it
     policy, optimizer = dist.prepare(PolicyForward(model), optimizer)  # model stays the (unwrapped) LM
     if count.start:
-        ckpt.restore_engine_state(store.checkpoint_dir(count.start), dist, policy)  # DeepSpeed: optimizer shards, fp32 master weights
-    store.set_info(disk_projection={"per_step": projection.rollout_step, "per_checkpoint": projection.checkpoint_total,
-                                    "per_run": projection.per_run, "bytes_per_token": projection.bytes_per_token})
+        # DeepSpeed: optimizer shards, fp32 master weights
+        ckpt.restore_engine_state(store.checkpoint_dir(count.start), dist, policy)
+    store.set_info(disk_projection=projection.info())
     _note(progress, dist, projection.summary())
     engine = make_engine(cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
     engine = with_environment(engine, tokenizer, cfg.task)  # task.env: multi-turn episodes
-    if count.start or getattr(engine, "copy", None) is not None:  # a low-precision copy is made from whole weights (ZeRO-3)
+    # a low-precision copy is made from whole weights (ZeRO-3)
+    if count.start or getattr(engine, "copy", None) is not None:
         sync_weights(engine, model, dist)
     return ModelParts(model, tokenizer, policy, optimizer, scheduler, engine, method, reference), ws_info, vocab_size
 
@@ -273,10 +196,12 @@ def update(s: State, samples: list[Sample], step: int) -> dict:
     weights, the step's update recorded."""
     p, r = s.parts, s.run
     penalty = {}
-    if p.method.params.kl_in_reward and samples:  # docs/METHODS.md §13.2: the rewards, then the advantages, before the update
+    # docs/METHODS.md §13.2: the rewards, then the advantages, before the update
+    if p.method.params.kl_in_reward and samples:
         micro = micro_batch_size(len(samples), r.update.minibatches, r.update.grad_accum)
         penalty = penalise_kl(samples, reference_logprobs(p.reference, samples, micro), p.method)
-    logp = UpdateLogp(then=r.lab) if samples and mismatch_from(s) == "update" else None  # mismatch/* at no extra forward
+    # mismatch/* at no extra forward
+    logp = UpdateLogp(then=r.lab) if samples and mismatch_from(s) == "update" else None
     stats = policy_update(Learner(p.policy, p.optimizer, p.scheduler), samples, r.update, step, r.dist,
                           hooks=Hooks(before=logp or r.lab), reference=p.reference) if samples else {}
     stats.update(penalty)
@@ -305,7 +230,8 @@ def record(s: State, step: int, batch: Batch, stats: dict, *, t0: float, t_rollo
     c.nonfinite_total += bool(skipped)
     c.nonfinite_run = c.nonfinite_run + 1 if skipped else 0
     row.update(skipped_updates=skipped, nonfinite_steps=c.nonfinite_total)
-    row.update(age_metrics(s.cfg.rollout.staleness, s.cfg.seed, step))  # rollout.staleness as a distribution: the batch's age
+    # rollout.staleness as a distribution: the batch's age
+    row.update(age_metrics(s.cfg.rollout.staleness, s.cfg.seed, step))
     if s.run.lab is not None:  # rl/lab_stats.py: can the methods differ here?
         row.update(s.run.lab.row(batch.samples, s.run.dist))
     row.update(step_evals(s, step))
@@ -319,8 +245,8 @@ def check_finite(s: State, step: int) -> None:
     run, limit = s.count.nonfinite_run, s.cfg.train.max_nonfinite_steps
     if run >= limit:
         raise NonFiniteError(
-            f"steps {step - run + 1}-{step}: {run} steps in a row with a non-finite loss or gradient norm (not applied); "
-            f"the run stops (train.max_nonfinite_steps={limit}): lower train.lr or check the rollouts"
+            f"steps {step - run + 1}-{step}: {run} steps in a row with a non-finite loss or " "gradient norm (not applied); "
+            f"the run stops (train.max_nonfinite_steps={limit}): lower train.lr or check the " "rollouts"
         )
 
 
@@ -377,10 +303,12 @@ def rollout_batch(s: State, step: int) -> Batch:
         batch = r.source.batch(step)
     else:
         batch = collect_rollouts(p.engine, p.tokenizer, r.task, p.method, r.collect, step, r.dist)
-        warning = reward_failures(r.task, batch, step, s.cfg.rollout.n, s.cfg.task.max_reward_error_frac)  # past it: stops
+        # past the limit: stops
+        warning = reward_failures(r.task, batch, step, s.cfg.rollout.n, s.cfg.task.max_reward_error_frac)
         if warning:
             _note(r.progress, r.dist, f"warning: {warning}")
-        u, how = r.update, mismatch_from(s)  # the engine's gap to the trainer, at the weights that sampled the batch (rl/mismatch.py)
+        # the engine's gap to the trainer, at the weights that sampled the batch (rl/mismatch.py)
+        u, how = r.update, mismatch_from(s)
         if how is not None:  # "update": log pi_old comes from the update's own forward; only MoE routing flips here
             batch.stats.update(measure_mismatch(p.policy, p.model, p.engine, batch.samples, u.temperature, u.logprob_chunk,
                                                 u.minibatches * u.grad_accum, routing_only=how == "update"))

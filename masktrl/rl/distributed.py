@@ -156,18 +156,19 @@ class Dist:
         if info == here:
             return
         if here is None:
+            assert info is not None  # info != here
             raise MasktrlError(
-                f"{path}: written under DeepSpeed ZeRO-{info['zero_stage']} with {info['processes']} processes; "
+                f"{path}: written under DeepSpeed ZeRO-{info['zero_stage']} with " f"{info['processes']} processes; "
                 "resume it under the same accelerate launch"
             )
         if info is None:
             raise MasktrlError(
-                f"{path}: has no DeepSpeed optimizer state (written without DeepSpeed, or before masktrl saved it); resume it "
-                "the way it was trained, or start a new run from its weights (--set model.path=<checkpoint folder>)"
+                f"{path}: has no DeepSpeed optimizer state (written without DeepSpeed, or before " "masktrl saved it); resume it "
+                "the way it was trained, or start a new run from its weights (--set " "model.path=<checkpoint folder>)"
             )
         raise MasktrlError(
-            f"{path}: DeepSpeed state of ZeRO-{info['zero_stage']} with {info['processes']} processes, this launch is "
-            f"ZeRO-{here['zero_stage']} with {here['processes']}; resume with the same stage and process count"
+            f"{path}: DeepSpeed state of ZeRO-{info['zero_stage']} with {info['processes']} " "processes, this launch is "
+            f"ZeRO-{here['zero_stage']} with {here['processes']}; resume with the same stage and " "process count"
         )
 
     def gathered(self, module):

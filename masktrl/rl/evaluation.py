@@ -65,7 +65,7 @@ def bench_task_config(bench: str, cfg: Config, *, template: str | None = None, d
     for section, value in given.items():
         keys = list(value) if isinstance(value, dict) else [None]
         if section != "task" and (section, keys) != ("model", ["chat_template"]):
-            raise ConfigError(f"--config/--set of eval and rollout take task.* keys and model.chat_template, not {section}.{keys[0]}")
+            raise ConfigError("--config/--set of eval and rollout take task.* keys and model.chat_template, not " f"{section}.{keys[0]}")
     raw.update(given.get("task") or {})
     raw["name"] = bench
     chat = given.get("model", {}).get("chat_template", cfg.model.chat_template)
@@ -103,8 +103,8 @@ def build_task(bench: str, cfg: Config, tokenizer=None):
     ``cfg.model.chat_template``)."""
     if bench in OWN_TASK_BENCHMARKS:
         if cfg.task.name not in SYNTHETIC_TASKS:
-            raise ConfigError(f"benchmark {bench} is the run's own synthetic task ({', '.join(SYNTHETIC_TASKS)}), but it trains on "
-                              f"{cfg.task.name!r}: evaluate it with masktrl eval dataset (or a math benchmark)")
+            raise ConfigError(f"benchmark {bench} is the run's own synthetic task ({', '.join(SYNTHETIC_TASKS)}), " "but it trains on "
+                              f"{cfg.task.name!r}: evaluate it with masktrl eval dataset (or a " "math benchmark)")
         return make_task(cfg.task, cfg.model)
     return make_eval_task(cfg.task, cfg.model, tokenizer)
 
@@ -241,7 +241,7 @@ def generation_block(settings: SamplingSettings, engine: str, template, chat: bo
 def describe_data(bench: str, cfg: Config) -> str:
     t = cfg.task
     if bench in OWN_TASK_BENCHMARKS and t.name == "arithmetic":
-        return f"arithmetic held-out split (ops={t.ops}, digits={t.digits}, answer_format={t.answer_format}, n_test={t.n_test})"
+        return f"arithmetic held-out split (ops={t.ops}, digits={t.digits}, " f"answer_format={t.answer_format}, n_test={t.n_test})"
     if bench in OWN_TASK_BENCHMARKS:
         options = ", ".join(f"{k}={v}" for k, v in sorted(t.options.items()))
         return f"{t.name} held-out split (n_test={t.n_test}" + (f", {options})" if options else ")")
@@ -286,25 +286,32 @@ def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, la
                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, logprobs_k=1)
     row = {}
     for bench in benches:
-        chat = cfg.model.chat_template if bench in OWN_TASK_BENCHMARKS else False
-        t0 = time.time()
-        bench_cfg = _bench_config(cfg, bench)
-        task = build_task(bench, bench_cfg, tokenizer)
-        template = template_label(task)
-        try:
-            examples = task.test_examples()[: e.n_problems]
-            graded = sample_and_grade(engine, tokenizer, task, examples, settings,
-                                      EvalBatches((cfg.seed, "eval", seed_name(bench), step), cfg.rollout.batch_size, chat))
-        finally:
-            task.close()
-        report = summarize(bench, examples, graded, seed=cfg.seed, task=bench_cfg.task.name)
-        report.update(model=str(store.root), weights=None, run=store.name, step=step, data=describe_data(bench, bench_cfg),
-                      reward=reward_name(task), time_s=time.time() - t0, generation=generation_block(settings, engine.name, template, chat, cfg.seed, cfg))
+        report = _bench_report(cfg, store, engine, tokenizer, bench, step, settings)
         if write:
             save(report, store.eval_path(bench, step), store, bench, step)
         row[f"eval/{bench}/avg_at_k"] = report["avg_at_k"]
         row[f"eval/{bench}/pass_at_k"] = report["pass_at_k"]
     return row
+
+
+def _bench_report(cfg: Config, store: RunStore, engine, tokenizer, bench: str, step: int,
+                  settings: SamplingSettings) -> dict:
+    """``bench``'s report on the policy after ``step`` (``periodic_eval``), not written."""
+    chat = cfg.model.chat_template if bench in OWN_TASK_BENCHMARKS else False
+    t0 = time.time()
+    bench_cfg = _bench_config(cfg, bench)
+    task = build_task(bench, bench_cfg, tokenizer)
+    template = template_label(task)
+    try:
+        examples = task.test_examples()[: cfg.eval.n_problems]
+        graded = sample_and_grade(engine, tokenizer, task, examples, settings,
+                                  EvalBatches((cfg.seed, "eval", seed_name(bench), step), cfg.rollout.batch_size, chat))
+    finally:
+        task.close()
+    report = summarize(bench, examples, graded, seed=cfg.seed, task=bench_cfg.task.name)
+    report.update(model=str(store.root), weights=None, run=store.name, step=step, data=describe_data(bench, bench_cfg),
+                  reward=reward_name(task), time_s=time.time() - t0, generation=generation_block(settings, engine.name, template, chat, cfg.seed, cfg))
+    return report
 
 
 def _bench_config(cfg: Config, bench: str) -> Config:

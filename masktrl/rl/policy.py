@@ -117,18 +117,10 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
     sampled = torch.tensor([t for s in samples for t in s.gen.response_ids], device=device)  # [N]
     topk_ids = torch.tensor([row for s in samples for row in s.gen.topk_ids], dtype=torch.long, device=device)  # [N, K]
     ids = torch.cat([sampled[:, None], topk_ids], dim=1)  # [N, 1+K]
-    wants = {}
-    if method is not None and method.needs_entropy_grad:
-        wants["entropy_grad"] = True
-    if method is not None and method.needs_full_pi:
-        wants["square_mass"] = True
-    lp, entropy, sq = policy(inputs, ids, temperature, chunk, **wants)  # [N, 1+K], [N], [N] or None
+    lp, entropy, sq = policy(inputs, ids, temperature, chunk, **_forward_wants(method))  # [N, 1+K], [N], [N] or None
     lp = renormalise_over_kept(lp, kept_sizes(samples, device))  # truncated sampling: pi over the kept set (else lp itself)
     dt = lp.dtype  # float32 at least (float64 for a float64 model)
-    behavior_topk = torch.tensor([row for s in samples for row in s.gen.topk_logp], dtype=dt, device=device)  # [N, K]
-    behavior_logp = torch.tensor([x for s in samples for x in behaviour_logp(s, drop_truncated)], dtype=dt, device=device)  # [N]
-    seq_ids = torch.tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids], device=device)  # [N]
-    advantages = torch.tensor([s.advantage for s in samples for _ in s.gen.response_ids], dtype=dt, device=device)
+    behavior_topk, behavior_logp, seq_ids, advantages = _sample_tensors(samples, drop_truncated, dt, device)
     batch = TokenBatch(
         logp=lp[:, 0],
         behavior_logp=behavior_logp,
@@ -141,6 +133,26 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
         pi_sq_sum=None if sq is None else sq.to(dt).clamp(0.0, 1.0),
     )
     return PolicyOutputs(batch, advantages, entropy, shared_prompt=share)
+
+
+def _forward_wants(method: BoundMethod | None) -> dict:
+    """What else the policy forward keeps for ``method``: the entropy's gradient, sum_V pi^2."""
+    wants = {}
+    if method is not None and method.needs_entropy_grad:
+        wants["entropy_grad"] = True
+    if method is not None and method.needs_full_pi:
+        wants["square_mass"] = True
+    return wants
+
+
+def _sample_tensors(samples: list[Sample], drop_truncated: bool, dt: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+    """The samples' recorded log mu at the top-K ids [N, K] and at the sampled ids [N], each
+    token's sequence index [N] and advantage [N]."""
+    topk = torch.tensor([row for s in samples for row in s.gen.topk_logp], dtype=dt, device=device)  # [N, K]
+    sampled = torch.tensor([x for s in samples for x in behaviour_logp(s, drop_truncated)], dtype=dt, device=device)  # [N]
+    seq_ids = torch.tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids], device=device)  # [N]
+    advantages = torch.tensor([s.advantage for s in samples for _ in s.gen.response_ids], dtype=dt, device=device)
+    return topk, sampled, seq_ids, advantages
 
 
 def behaviour_logp(sample: Sample, drop_truncated: bool = False) -> list[float]:

@@ -72,18 +72,18 @@ class RolloutSource:
             theirs = self._store.config().rollout.prompts_per_step
             if theirs != prompts_per_step:
                 raise ConfigError(f"--rollouts-from {spec}: its batches have {theirs} prompts each, this config "
-                                  f"rollout.prompts_per_step={prompts_per_step}; add --set rollout.prompts_per_step={theirs}")
+                                  f"rollout.prompts_per_step={prompts_per_step}; add --set " f"rollout.prompts_per_step={theirs}")
         else:
             groups = sum(len(b) for b in self._batches)
             if groups % prompts_per_step:
                 whole = groups // prompts_per_step
-                fits = f"{whole} step{'s' * (whole != 1)} of {prompts_per_step} and {groups % prompts_per_step} left over"
+                fits = f"{whole} step{'s' * (whole != 1)} of {prompts_per_step} and " f"{groups % prompts_per_step} left over"
                 raise ConfigError(f"--rollouts-from {spec}: {groups} prompt groups do not make whole steps of "
-                                  f"rollout.prompts_per_step={prompts_per_step} ({fits}); set rollout.prompts_per_step to a "
-                                  f"divisor of {groups}, e.g. --set rollout.prompts_per_step={_divisor(groups, prompts_per_step)}")
+                                  f"rollout.prompts_per_step={prompts_per_step} ({fits}); set " "rollout.prompts_per_step to a "
+                                  f"divisor of {groups}, e.g. --set " f"rollout.prompts_per_step={_divisor(groups, prompts_per_step)}")
         if steps is not None and self.num_steps < steps:
             raise ConfigError(f"--rollouts-from {spec}: {self.num_steps} batch{'es' * (self.num_steps != 1)} of "
-                              f"{prompts_per_step} prompts, fewer than train.steps={steps}; add --set train.steps={self.num_steps} "
+                              f"{prompts_per_step} prompts, fewer than train.steps={steps}; add " f"--set train.steps={self.num_steps} "
                               "(or store more rollouts)")
 
     def check_sampled_as(self, cfg, spec: str) -> None:
@@ -95,8 +95,8 @@ class RolloutSource:
                 continue
             recorded, configured = self.meta[field], _get(cfg, key)
             if _differs(recorded, configured):
-                raise ConfigError(f"--rollouts-from {spec} was sampled with {key}={_show(recorded)}, this config has "
-                                  f"{key}={_show(configured)} (pi is computed as mu was sampled); "
+                raise ConfigError(f"--rollouts-from {spec} was sampled with {key}={_show(recorded)}, this config " "has "
+                                  f"{key}={_show(configured)} (pi is computed as mu was " "sampled); "
                                   f"add --set {key}={_show(recorded)}")
 
     @property
@@ -127,7 +127,7 @@ class RolloutSource:
             raise ArtifactError(f"{path}: rollouts carry no tokenizer fingerprint; cannot check compatibility")
         if want != have:
             raise MasktrlError(
-                f"{path}: rollouts were made with another tokenizer ({want}) than this model's ({have}); "
+                f"{path}: rollouts were made with another tokenizer ({want}) than this model's " f"({have}); "
                 "train a model with the same vocabulary"
             )
 
@@ -140,12 +140,12 @@ def _run_batches(root: Path, steps: int | None) -> tuple[RunStore, list[Path]]:
     store = RunStore(root, writable=False)
     recorded = done_steps(store.manifest["stages"], "rollout")
     if not recorded:
-        raise MasktrlError(f"{root}: no stored rollouts recorded in its manifest (a run with rollout.store=resume deletes "
+        raise MasktrlError(f"{root}: no stored rollouts recorded in its manifest (a run with rollout.store=resume " "deletes "
                            "each batch once a checkpoint covers it)")
     if recorded != list(range(1, len(recorded) + 1)):
         raise ArtifactError(
-            f"{root}: stored rollouts cover {len(recorded)} steps between {recorded[0]} and {recorded[-1]}, not every step from 1 "
-            "(a run with rollout.store=resume keeps only the batches after its newest checkpoint); "
+            f"{root}: stored rollouts cover {len(recorded)} steps between {recorded[0]} and " f"{recorded[-1]}, not every step from 1 "
+            "(a run with rollout.store=resume keeps only the batches after its newest " "checkpoint); "
             "--rollouts-from needs a run that kept them all (rollout.store=all)"
         )
     usable = recorded[: steps or None]

@@ -36,7 +36,7 @@ def check_available(report_to: tuple[str, ...]) -> None:
     for name in report_to:
         if not any(importlib.util.find_spec(m) is not None for m in PACKAGES[name]):
             package = PACKAGES[name][0]
-            raise ConfigError(f"train.report_to={name}: the {package} package is not installed (pip install {package}; "
+            raise ConfigError(f"train.report_to={name}: the {package} package is not installed (pip install " f"{package}; "
                               "pip install 'masktrl[track]' installs tensorboard)")
 
 
@@ -51,7 +51,7 @@ class Trackers:
                 tracker.start()
                 if config is not None:
                     tracker.store_init_configuration(hparams(config))
-            except Exception as exc:  # noqa: BLE001  (any library error: one line)
+            except Exception as exc:  # (any library error: one line)
                 raise MasktrlError(f"train.report_to={name}: the tracker did not start ({_first_line(exc)})") from None
             self.trackers.append(tracker)
 
@@ -68,15 +68,15 @@ class Trackers:
         for tracker in list(self.trackers):
             try:
                 tracker.log(values, step=step)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # any library error: one line
                 self.trackers.remove(tracker)
-                print(f"warning: tracker {tracker.name} failed ({_first_line(exc)}); it is dropped, metrics.jsonl continues", file=sys.stderr)
+                print(f"warning: tracker {tracker.name} failed ({_first_line(exc)}); it is dropped, " "metrics.jsonl continues", file=sys.stderr)
 
     def close(self) -> None:
         for tracker in self.trackers:
             try:
                 tracker.finish()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # any library error: one line
                 print(f"warning: tracker {tracker.name} did not close cleanly ({_first_line(exc)})", file=sys.stderr)
         self.trackers = []
 

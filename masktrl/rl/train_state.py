@@ -80,7 +80,7 @@ def save_step(store: RunStore, step: int, model, tokenizer, optimizer, scheduler
     weights = state if state is not None else (model.state_dict() if store.writable else None)
     bad = dist.broadcast(nonfinite_tensor(weights) if weights is not None else None)  # every process stops alike
     if bad is not None:
-        raise MasktrlError(f"step {step}: the weights are not finite ({bad} holds NaN or inf); checkpoint {step} was not written")
+        raise MasktrlError(f"step {step}: the weights are not finite ({bad} holds NaN or inf); checkpoint {step} " "was not written")
     dest = store.checkpoint_dir(step)
     shards = dest.with_name(dest.name + ".deepspeed.tmp") if dist.deepspeed else None
     if shards is not None:

@@ -133,8 +133,7 @@ def policy_update(learner: Learner, samples: list[Sample], settings: UpdateSetti
     its time is reported as ``old_forward_s``.
     """
     batch = StepBatch(samples, step, dist or Dist(), hooks, reference)
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(stream_seed(settings.seed, "order", step)))
-    parts = [p for p in order.chunk(settings.minibatches) if len(p)]
+    parts = _minibatches(len(samples), settings, step)
     rows, trained, skipped = [], 0, 0
     learner.model.train()
     t0 = time.perf_counter()
@@ -148,12 +147,25 @@ def policy_update(learner: Learner, samples: list[Sample], settings: UpdateSetti
             hooks.after(mb, idx.tolist())
         rows.append(diag)
     learner.model.eval()
+    return _step_stats(rows, skipped, old_forward_s if needs_old else None, batch.dist, trained)
+
+
+def _minibatches(n: int, settings: UpdateSettings, step: int) -> list[torch.Tensor]:
+    """The step's ``settings.minibatches`` minibatches of sample indices, in the step's own random order."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(stream_seed(settings.seed, "order", step)))
+    parts = [p for p in order.chunk(settings.minibatches) if len(p)]
+    return parts
+
+
+def _step_stats(rows: list[dict], skipped: int, old_forward_s: float | None, dist: Dist, trained: int) -> dict:
+    """The step's diagnostics: the minibatches' averaged, the skipped updates, pi_old's time
+    (decoupled corrections), the sequences each process trained on (several processes)."""
     stats = _mean_rows(rows)
     stats["skipped_updates"] = skipped
-    if needs_old:
+    if old_forward_s is not None:
         stats["old_forward_s"] = old_forward_s
-    if batch.dist.world > 1:  # shows the sharding: sequences each process trained on, in rank order
-        stats["sequences_per_process"] = batch.dist.gather_objects(trained)
+    if dist.world > 1:  # shows the sharding: sequences each process trained on, in rank order
+        stats["sequences_per_process"] = dist.gather_objects(trained)
     return stats
 
 
@@ -230,7 +242,7 @@ def rescale_to_kept(model, total: int, kept: float, dist: Dist) -> float:
     gradients are multiplied by total / kept, which turns that into kept / kept (nothing when no
     token is kept). Returns the factor."""
     if dist.deepspeed:
-        raise MasktrlError("method.correction.denominator=kept is not supported under DeepSpeed (it steps inside backward)")
+        raise MasktrlError("method.correction.denominator=kept is not supported under DeepSpeed (it steps inside " "backward)")
     if kept <= 0:
         return 1.0
     factor = max(total, 1) / kept
@@ -248,7 +260,8 @@ def micro_update(model, settings: UpdateSettings, batch: StepBatch, where: tuple
     minibatch's denominator ``total``; its diagnostics row and its share of the loss."""
     method, dist = settings.method, batch.dist
     mb, micro_samples, micro_idx = where
-    # the packed forward's attention stays switched in through the backward (activation checkpointing replays the layers there)
+    # the packed forward's attention stays switched in through the backward (activation checkpointing replays the layers
+    # there)
     with dist.accumulate(model), (packing.segments_attention(base_model(model)) if settings.packing else contextlib.nullcontext()):
         share_prompts = _agreed_share(micro_samples, dist)
         out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk, share=share_prompts,
@@ -301,15 +314,15 @@ def _micro_batches(samples: list[Sample], dist: Dist, settings: UpdateSettings) 
     if res.oversized and budget not in _WARNED_BUDGETS:
         _WARNED_BUDGETS.add(budget)
         longest = max(packing.sequence_tokens(len(part[i].prompt_ids), len(part[i].gen.response_ids)) for i in res.oversized)
-        print(f"warning: train.micro_batch_tokens={budget}: {len(res.oversized)} sequence(s) are longer (up to {longest} tokens); "
+        print(f"warning: train.micro_batch_tokens={budget}: {len(res.oversized)} sequence(s) are " f"longer (up to {longest} tokens); "
               "each is trained alone in a micro-batch of its own", file=sys.stderr, flush=True)
     batches = [[mine[j] for j in b] for b in res.batches]
     if dist.world > 1:
         count = max(dist.gather_objects(len(batches)))
         if count > len(batches):
             if len(mine) < count:
-                raise MasktrlError(f"train.micro_batch_tokens={budget}: a process holds {len(mine)} sequences of a minibatch but "
-                                   f"another needs {count} micro-batches; raise train.micro_batch_tokens or lower train.minibatches")
+                raise MasktrlError(f"train.micro_batch_tokens={budget}: a process holds {len(mine)} sequences of a " "minibatch but "
+                                   f"another needs {count} micro-batches; raise " "train.micro_batch_tokens or lower train.minibatches")
             batches = packing.balance(batches, count)
     return batches
 
@@ -320,7 +333,7 @@ def micro_batches(n: int, rank: int, world: int, grad_accum: int) -> list[list[i
     non-empty micro-batches (each runs the same collectives), hence the check."""
     if n // world < grad_accum:
         raise MasktrlError(
-            f"a minibatch of {n} sequences cannot be split over {world} process(es) x train.grad_accum={grad_accum}: "
+            f"a minibatch of {n} sequences cannot be split over {world} process(es) x " f"train.grad_accum={grad_accum}: "
             "lower train.minibatches or train.grad_accum, or raise rollout.prompts_per_step"
         )
     mine = list(range(rank, n, world))

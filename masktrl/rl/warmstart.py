@@ -53,7 +53,8 @@ def warmstart_key(cfg: Config) -> str:
     1, the thread count (it changes the reduction order, hence the weights: measured, a different
     held-out accuracy), so a run never starts from another thread count's warm start."""
     threads = "" if cfg.train.threads == 1 else f"-threads{cfg.train.threads}"
-    return f"v{WARMSTART_VERSION}-{cfg.hash('model', 'task', 'warmstart', exclude=('model.lora',))}-seed{cfg.seed}{threads}"  # LoRA starts after it
+    settings = cfg.hash("model", "task", "warmstart", exclude=("model.lora",))  # LoRA starts after it
+    return f"v{WARMSTART_VERSION}-{settings}-seed{cfg.seed}{threads}"
 
 
 def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):
@@ -75,7 +76,8 @@ def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):
 
 
 def _train_entry(cfg: Config, task, cache: Path, progress=None):
-    """Build the tiny model, warm-start it and store it as the cache entry ``cache``; (model, tokenizer, info) as reloaded."""
+    """Build the tiny model, warm-start it and store it as the cache entry
+    ``cache``; (model, tokenizer, info) as reloaded."""
     m = cfg.model
     tokenizer = tiny_tokenizer(m.tokenizer, task.alphabet())
     model = new_tiny_model(cfg, tokenizer)
@@ -202,5 +204,6 @@ def cache_problem(entry: Path) -> str | None:
 
 
 def _entry_lock(entry: Path):
-    """The cache entry's lock: ``<out>/.cache/locks/warmstart-<entry>.lock`` (the warm-start folder holds entries only)."""
+    """The cache entry's lock: ``<out>/.cache/locks/warmstart-<entry>.lock``
+    (the warm-start folder holds entries only)."""
     return locks.cache_lock(entry.parent.parent / "locks" / f"warmstart-{entry.name}.lock")

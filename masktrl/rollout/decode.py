@@ -135,7 +135,7 @@ def growing_cache(cache, spare: int):
             cache.layers[i] = GrowingLayer(layer.keys if layer.is_initialized else None,
                                            layer.values if layer.is_initialized else None, spare)
         elif not hasattr(layer, "batch_select_indices"):
-            raise MasktrlError(f"rollout.drop_finished cannot remove rows from the model's {type(layer).__name__} cache "
+            raise MasktrlError(f"rollout.drop_finished cannot remove rows from the model's {type(layer).__name__} " "cache "
                                "layers; set rollout.drop_finished=false")
     return cache
 
@@ -174,8 +174,8 @@ def row_selectors(processors) -> list:
             if isinstance(getattr(p, attr), torch.Tensor):
                 selectors.append(_attribute_selector(p, attr))
         elif name not in ROW_FREE:
-            raise MasktrlError(f"rollout.drop_finished cannot follow the rows of the logits processor {name} (from the "
-                               "model's generation_config); set rollout.drop_finished=false to sample with generate")
+            raise MasktrlError(f"rollout.drop_finished cannot follow the rows of the logits processor {name} (from " "the "
+                               "model's generation_config); set rollout.drop_finished=false to " "sample with generate")
     return selectors
 
 

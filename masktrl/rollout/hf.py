@@ -80,7 +80,7 @@ def finite_probabilities():
     except RuntimeError as exc:
         if "probability tensor contains" not in str(exc):
             raise
-        raise MasktrlError("the policy's next-token probabilities are not finite (NaN or inf): its weights have diverged") from None
+        raise MasktrlError("the policy's next-token probabilities are not finite (NaN or inf): its weights have " "diverged") from None
 
 
 def check_context(model, prompts: list[list[int]]) -> None:
@@ -93,7 +93,7 @@ def check_context(model, prompts: list[list[int]]) -> None:
     too_long = [len(p) for p in prompts if len(p) >= context]
     if too_long:
         raise MasktrlError(
-            f"{len(too_long)} of {len(prompts)} prompts do not fit the model's context ({context} positions); "
+            f"{len(too_long)} of {len(prompts)} prompts do not fit the model's context " f"({context} positions); "
             f"the longest has {max(too_long)} tokens"
         )
 

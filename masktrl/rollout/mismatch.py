@@ -31,7 +31,7 @@ def mismatch_stats(behavior_logp: Tensor, policy_logp: Tensor) -> dict[str, floa
     mu = behavior_logp.detach().double().reshape(-1)  # [N]
     pi = policy_logp.detach().double().reshape(-1)  # [N]
     if mu.shape != pi.shape:
-        raise ValueError(f"behavior_logp and policy_logp must have the same number of tokens, got {mu.numel()} and {pi.numel()}")
+        raise ValueError(f"behavior_logp and policy_logp must have the same number of tokens, got {mu.numel()} " f"and {pi.numel()}")
     ok = torch.isfinite(mu) & torch.isfinite(pi)
     d = (mu - pi)[ok]  # [M] log mu - log pi_old
     if d.numel() == 0:

@@ -130,7 +130,8 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression
         opts = {
             "compression": "zstd",
             "compression_level": {_leaf(c): level if c in ("topk_ids", "topk_logp") else 1 for c in SCHEMA.names},
-            "use_dictionary": False,  # zstd finds the repeats too, and sooner: dictionaries made the tiny batch slower and larger
+            # zstd finds the repeats too, and sooner: dictionaries made the tiny batch slower and larger
+            "use_dictionary": False,
             "column_encoding": {f"{c}.list.element": "BYTE_STREAM_SPLIT" for c in ("topk_ids", "topk_logp", "topk_vocab", "behavior_logp_x")},
         }
     if kept is not None:  # truncated sampling: one more column, absent otherwise (the files of untruncated runs are unchanged)
@@ -196,7 +197,7 @@ def check_finite(path: Path, rows: dict, arrays: TokenArrays | None) -> None:
         for what, values in (("behaviour log-prob", arrays.behavior_logp), ("top-K log-prob", arrays.topk_logp)):
             bad = np.flatnonzero(np.isnan(values).reshape(len(values), -1).any(axis=1)) if values.size else []
             if len(bad):
-                raise DataError(f"{path}: {_where(arrays.offsets, int(bad[0]))}: a {what} is NaN; the batch is not written")
+                raise DataError(f"{path}: {_where(arrays.offsets, int(bad[0]))}: a {what} is NaN; the batch is " "not written")
 
 
 def _leaf(column: str) -> str:
@@ -372,7 +373,7 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
     except ArtifactError as exc:
         raise ArtifactError(f"{path}: rollout file metadata is not valid JSON ({str(exc).split(': ', 2)[-1]})") from None
     if not isinstance(meta, dict) or not isinstance(codec, dict) or codec.get("format") not in SCHEMAS:
-        raise ArtifactError(f"{path}: unknown rollout file format {codec.get('format') if isinstance(codec, dict) else codec!r} (this masktrl reads {sorted(SCHEMAS)})")
+        raise ArtifactError(f"{path}: unknown rollout file format " f"{codec.get('format') if isinstance(codec, dict) else codec!r} (this masktrl reads " f"{sorted(SCHEMAS)})")
     try:
         check_columns(path, table, SCHEMAS[codec["format"]])
         arrays = decode_v1(path, table) if codec["format"] == 1 else decode_v2(path, table, codec)
@@ -388,7 +389,7 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
                 sample.gen.source, sample.gen.turn = turns[0][lo:hi], turns[1][lo:hi]
         return samples, meta
     except (ValueError, IndexError, KeyError, TypeError, pa.ArrowException) as exc:  # a damage no check above names
-        raise ArtifactError(f"{path}: malformed rollout file ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise ArtifactError(f"{path}: malformed rollout file ({type(exc).__name__}: " f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
 def read_kept(path: Path, table: pa.Table, a: TokenArrays) -> list[int] | None:
@@ -399,14 +400,14 @@ def read_kept(path: Path, table: pa.Table, a: TokenArrays) -> list[int] | None:
         return None
     col = table.column(KEPT[0]).combine_chunks()
     if col.type != KEPT[1] or col.null_count:
-        raise ArtifactError(f"{path}: column kept has type {_type_name(col.type)} or nulls, expected {_type_name(KEPT[1])}")
+        raise ArtifactError(f"{path}: column kept has type {_type_name(col.type)} or nulls, expected " f"{_type_name(KEPT[1])}")
     offsets, values = np.asarray(col.offsets), np.asarray(col.flatten()).astype(np.int64)
     if not np.array_equal(offsets, a.offsets):
         raise ArtifactError(f"{path}: column kept does not hold one size per response token")
     k = a.topk_ids.shape[1]
     bad = np.flatnonzero((values < 1) | (values > k + 1))  # K + 1: more than the list holds
     if len(bad):
-        raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: kept-set size {values[bad[0]]} outside [1, K+1={k + 1}]")
+        raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: kept-set size {values[bad[0]]} outside [1, " f"K+1={k + 1}]")
     return values.tolist()
 
 
@@ -448,7 +449,7 @@ def check_columns(path: Path, table: pa.Table, schema: pa.Schema) -> None:
     for field in schema:
         col = table.column(field.name)
         if col.type != field.type:
-            raise ArtifactError(f"{path}: column {field.name} has type {_type_name(col.type)}, expected {_type_name(field.type)}")
+            raise ArtifactError(f"{path}: column {field.name} has type {_type_name(col.type)}, expected " f"{_type_name(field.type)}")
         chunk = col.combine_chunks()
         level = 0
         while True:
@@ -486,7 +487,7 @@ def decode_v1(path: Path, table: pa.Table) -> TokenArrays:
         other, _ = _flat(table, name)
         if not np.array_equal(other, off):
             row = int(np.flatnonzero(np.diff(other) != np.diff(off))[0])
-            raise ArtifactError(f"{path}: row {row}: {name} has length {np.diff(other)[row]}, response_ids {np.diff(off)[row]}")
+            raise ArtifactError(f"{path}: row {row}: {name} has length {np.diff(other)[row]}, response_ids " f"{np.diff(off)[row]}")
     _, blp = _flat(table, "behavior_logp")
     inner = {}
     for name in ("topk_ids", "topk_logp"):
@@ -497,7 +498,7 @@ def decode_v1(path: Path, table: pa.Table) -> TokenArrays:
     k = int(widths[0]) if len(widths) else 0
     bad = np.flatnonzero(widths != k)
     if len(bad):
-        raise ArtifactError(f"{path}: {_where(off, bad[0])}: top-K list has {widths[bad[0]]} entries, the file's first has {k}")
+        raise ArtifactError(f"{path}: {_where(off, bad[0])}: top-K list has {widths[bad[0]]} entries, the file's " f"first has {k}")
     bad = np.flatnonzero(lp_widths != k)
     if len(bad):
         raise ArtifactError(f"{path}: {_where(off, bad[0])}: {lp_widths[bad[0]]} top-K log-probs for {k} top-K ids")
@@ -517,7 +518,7 @@ def decode_v2(path: Path, table: pa.Table, codec: dict) -> TokenArrays:
         bad = np.flatnonzero(other != off * k)
         if len(bad):
             row = int(bad[0]) - 1
-            raise ArtifactError(f"{path}: row {row}: {name} holds {np.diff(other)[row]} entries for {np.diff(off)[row]} tokens x K = {k}")
+            raise ArtifactError(f"{path}: row {row}: {name} holds {np.diff(other)[row]} entries for " f"{np.diff(off)[row]} tokens x K = {k}")
     bad = np.flatnonzero((rank < -1) | (rank >= k))
     if len(bad):
         raise ArtifactError(f"{path}: {_where(off, bad[0])}: sampled_rank {rank[bad[0]]} outside [-1, {k})")
@@ -528,13 +529,13 @@ def decode_v2(path: Path, table: pa.Table, codec: dict) -> TokenArrays:
         bad = np.flatnonzero(got != want)
         if len(bad):
             row = int(bad[0]) - 1
-            raise ArtifactError(f"{path}: row {row}: {name} holds {np.diff(got)[row]} entries for {np.diff(want)[row]} tokens outside the top-K lists")
+            raise ArtifactError(f"{path}: row {row}: {name} holds {np.diff(got)[row]} entries for " f"{np.diff(want)[row]} tokens outside the top-K lists")
     stored = flat["topk_ids"][1]
     if kind == "vocab":
         vocab = flat["topk_vocab"][1]
         bad = np.flatnonzero((stored < 0) | (stored >= len(vocab)))
         if len(bad):
-            raise ArtifactError(f"{path}: {_where(off, bad[0] // max(k, 1))}: top-K id rank {stored[bad[0]]} outside the file's id table ({len(vocab)} ids)")
+            raise ArtifactError(f"{path}: {_where(off, bad[0] // max(k, 1))}: top-K id rank {stored[bad[0]]} outside " f"the file's id table ({len(vocab)} ids)")
         stored = vocab[stored]
     slots = kt_slots(off, k) if layout == "kt" else None
     tid = (stored if slots is None else stored[slots]).reshape(n, k)
@@ -583,7 +584,7 @@ def validate(path: Path, table: pa.Table, a: TokenArrays, vocab_size: int | None
 
     blp, tlp, tid, rid = a.behavior_logp, a.topk_logp, a.topk_ids, a.response_ids
     first(np.isnan(blp) | (blp > LOGP_TOLERANCE), lambda t, _: f"behaviour log-prob {blp[t]} is not a log-probability (NaN, or > 0 beyond {LOGP_TOLERANCE})")
-    first(np.isnan(tlp) | (tlp > LOGP_TOLERANCE), lambda t, j: f"top-K log-prob {tlp[t, j]} (entry {j}) is not a log-probability (NaN, or > 0 beyond {LOGP_TOLERANCE})")
+    first(np.isnan(tlp) | (tlp > LOGP_TOLERANCE), lambda t, j: f"top-K log-prob {tlp[t, j]} (entry {j}) is not a log-probability (NaN, or > 0 beyond " f"{LOGP_TOLERANCE})")
     first(tlp[:, 1:] > tlp[:, :-1], lambda t, j: f"top-K log-probs are not in descending order (entry {j + 1}: {tlp[t, j + 1]} > {tlp[t, j]})")
     top = vocab_size if vocab_size is not None else np.iinfo(np.int64).max
     first((rid < 0) | (rid >= top), lambda t, _: f"response id {rid[t]} outside the vocabulary [0, {vocab_size})")
@@ -594,11 +595,11 @@ def validate(path: Path, table: pa.Table, a: TokenArrays, vocab_size: int | None
     hit = tid == rid[:, None]
     has, at = hit.any(axis=1), hit.argmax(axis=1) if k else np.zeros(n, np.int64)
     entry = tlp[tok, at] if k else blp
-    first(has & (entry != blp), lambda t, _: f"sampled token {rid[t]} has behaviour log-prob {blp[t]} but its top-K entry (entry {at[t]}) is {entry[t]}")
+    first(has & (entry != blp), lambda t, _: f"sampled token {rid[t]} has behaviour log-prob {blp[t]} but its top-K entry (entry {at[t]}) " f"is {entry[t]}")
     p_off, prompt_ids = _flat(table, "prompt_ids")
     bad = np.flatnonzero((prompt_ids < 0) | (prompt_ids >= top))
     if len(bad):
-        raise ArtifactError(f"{path}: row {int(np.searchsorted(p_off, bad[0], side='right')) - 1}: prompt id {prompt_ids[bad[0]]} outside the vocabulary [0, {vocab_size})")
+        raise ArtifactError(f"{path}: row {int(np.searchsorted(p_off, bad[0], side='right')) - 1}: prompt id " f"{prompt_ids[bad[0]]} outside the vocabulary [0, {vocab_size})")
     for name in ("reward", "advantage"):
         values = np.asarray(table.column(name).combine_chunks())
         bad = np.flatnonzero(~np.isfinite(values))

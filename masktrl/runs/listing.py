@@ -58,10 +58,10 @@ def advice(row: dict, out: Path) -> str | None:
     continues it) or damaged (restore the file)."""
     resume = f"masktrl train --resume {row['name']} --out {out}"
     if row["status"] == "damaged":
-        return f"damaged {row['name']}: {row['problem']}; restore it from a copy (nothing reads or resumes the run until then)"
+        return f"damaged {row['name']}: {row['problem']}; restore it from a copy (nothing reads or resumes " "the run until then)"
     if row["status"] == "interrupted":
         return f"incomplete {row['name']}: interrupted; run the same command again ({resume} continues it)"
     if row["status"] == "failed":
         why = f": {row['reason']}" if row.get("reason") else ""
-        return f"incomplete {row['name']}: failed{why}; once fixed, run the same command again ({resume} continues it)"
+        return f"incomplete {row['name']}: failed{why}; once fixed, run the same command again ({resume} " "continues it)"
     return None

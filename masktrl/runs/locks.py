@@ -18,7 +18,8 @@ a second before it reports a run busy.
 Commands that write *into* a run without training it do not take this lock: ``masktrl eval``
 writes ``eval/<bench>-step<S>.json`` atomically and records it in the manifest, whose
 read-modify-write is serialised by a second, short lock on ``<run>/.manifest.lock``
-(``manifest_lock``), so evaluating a running run is safe; the analyses write only their own files under ``analysis/``, atomically.
+(``manifest_lock``), so evaluating a running run is safe; the analyses write only their own files under ``analysis/``,
+atomically.
 
 ``exclusive`` is the one wait-for-it flock of masktrl: the manifest lock and the warm-start
 cache's entry locks (``<out>/.cache/locks/``) are both made of it.
@@ -76,7 +77,7 @@ def acquire(root: Path, *, wait_s: float = WAIT_S) -> None:
                     raise MasktrlError(f"{path}: cannot lock the run ({exc.strerror or exc})") from None
                 who = f"pid {pid}" if pid else "another process"
                 raise RunBusyError(
-                    f"{root}: this run is being written by {who} (it holds the run folder's lock); wait for it to finish "
+                    f"{root}: this run is being written by {who} (it holds the run folder's " "lock); wait for it to finish "
                     "or stop it (nothing was changed)"
                 ) from None
             time.sleep(0.05)

@@ -109,7 +109,7 @@ def _resume_config(store: RunStore, r: RunRequest) -> tuple[Config, list[str]]:
     cfg = load_config(r.config or [saved_path], list(r.overrides), method=r.method, seed=r.seed)
     changed = diff_configs(saved, cfg)
     if changed and not r.force:
-        keys = ", ".join(f"{k} (the rule file {edited[k].path} changed since the run recorded it: sha256 {edited[k].recorded[:12]}... "
+        keys = ", ".join(f"{k} (the rule file {edited[k].path} changed since the run recorded it: sha256 " f"{edited[k].recorded[:12]}... "
                          f"now {edited[k].sha256[:12]}...)" if k in edited else k for k in changed)
         raise MasktrlError(f"config differs from {saved_path} in {keys}; pass --force to resume with it anyway")
     return cfg, changed
@@ -124,13 +124,13 @@ def plan_start(root: Path, cfg: Config, *, resume: bool = False) -> Start:
     if is_fresh_folder(root):
         return Start(root, "new")
     if not is_run_folder(root) or not (root / "manifest.json").is_file():
-        raise MasktrlError(f"run folder {root} already exists: choose another --run, or --resume it (nothing was changed)")
+        raise MasktrlError(f"run folder {root} already exists: choose another --run, or --resume it (nothing was " "changed)")
     store = RunStore(root)
     status = store.status()
     if status not in ("failed", "interrupted"):
         what = {"complete": "a complete run", "running": f"a run that is training right now (pid {locks.holder(root)})"}.get(
             status, f"a run (status {status})")
-        raise MasktrlError(f"run folder {root} already exists and holds {what}: choose another --run, or --resume it (nothing was changed)")
+        raise MasktrlError(f"run folder {root} already exists and holds {what}: choose another --run, or --resume " "it (nothing was changed)")
     changed = diff_configs(store.config(), cfg)
     reason = store.manifest.get("reason")
     why = f"{status}" + (f": {reason}" if reason else "")
@@ -138,10 +138,10 @@ def plan_start(root: Path, cfg: Config, *, resume: bool = False) -> Start:
         return Start(root, "resume", f"the run {why}; continuing it from its last checkpoint (same config)")
     if store.checkpoints():
         raise MasktrlError(
-            f"run folder {root} holds a {status} run with checkpoints and a different config ({', '.join(changed[:4])}): "
-            "--resume it (--force to take the new config), or choose another --run (nothing was changed)"
+            f"run folder {root} holds a {status} run with checkpoints and a different config " f"({', '.join(changed[:4])}): "
+            "--resume it (--force to take the new config), or choose another --run (nothing was " "changed)"
         )
-    return Start(root, "restart", f"the run {why}; no checkpoint yet and the config changed ({', '.join(changed[:4])}): starting it again in place")
+    return Start(root, "restart", f"the run {why}; no checkpoint yet and the config changed ({', '.join(changed[:4])}): " "starting it again in place")
 
 
 def plan_config(cfg: Config, root: Path, *, resume: bool = False) -> Plan:
@@ -210,7 +210,7 @@ def folder_state(root: Path) -> str:
 def _check_same_config(root: Path, cfg: Config) -> None:
     diff = diff_configs(RunStore(root).config(), cfg)
     if diff:
-        raise MasktrlError(f"{root} holds a run with a different config ({', '.join(diff[:4])}); use another --out (nothing was changed)")
+        raise MasktrlError(f"{root} holds a run with a different config ({', '.join(diff[:4])}); use another --out " "(nothing was changed)")
 
 
 def _resumable(root: Path, cfg: Config, busy_ok: bool = False) -> bool:

@@ -148,13 +148,18 @@ class DiskProjection:
     def per_run(self) -> int:
         return self.rollouts + self.checkpoints
 
+    def info(self) -> dict:
+        """What the run's manifest records (``disk_projection``)."""
+        return {"per_step": self.rollout_step, "per_checkpoint": self.checkpoint_total, "per_run": self.per_run,
+                "bytes_per_token": self.bytes_per_token}
+
     def summary(self) -> str:
         """One line for the start of a run."""
         return (
-            f"projected disk: rollouts {human(self.rollout_step)}/step ({self.tokens_per_step:,} tokens at most x "
-            f"{self.bytes_per_token:.0f} B), {self.rollouts_kept} kept = {human(self.rollouts)}; checkpoints "
+            f"projected disk: rollouts {human(self.rollout_step)}/step ({self.tokens_per_step:,} " "tokens at most x "
+            f"{self.bytes_per_token:.0f} B), {self.rollouts_kept} kept = {human(self.rollouts)}; " "checkpoints "
             f"{human(self.checkpoint_total)} each ({human(self.checkpoint['weights'])} weights + "
-            f"{human(self.checkpoint['optimizer'])} optimizer), {self.checkpoints_kept} kept = {human(self.checkpoints)}; "
+            f"{human(self.checkpoint['optimizer'])} optimizer), {self.checkpoints_kept} kept = " f"{human(self.checkpoints)}; "
             f"run total <= {human(self.per_run)}"
         )
 

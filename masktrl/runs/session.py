@@ -93,7 +93,7 @@ def complete_run(plan: Plan, store: RunStore) -> Decision | None:
     if view.status() != "complete" or view.summary() is None:
         return None
     summary = view.summary()
-    note = (f"run {plan.root.name} is complete ({summary.get('steps')} of {plan.cfg.train.steps} steps): nothing to do "
+    note = (f"run {plan.root.name} is complete ({summary.get('steps')} of {plan.cfg.train.steps} steps): " "nothing to do "
             "(--resume NAME --force --set train.steps=N extends it)")
     return Decision(plan, "complete", summary=summary, note=note)
 
@@ -161,7 +161,7 @@ class Session:
         what = f"batch of step {later[0]} was" if len(later) == 1 else f"batches of steps {later[0]}-{later[-1]} were"
         them = "it" if len(later) == 1 else "them"
         if say is not None and self.processes.is_main:
-            say(f"the stored rollout {what} sampled with other settings ({', '.join(keys)}): sampling {them} again")
+            say(f"the stored rollout {what} sampled with other settings ({', '.join(keys)}): " f"sampling {them} again")
         return later
 
     def _record(self, mode: str) -> None:
@@ -175,7 +175,7 @@ class Session:
             if mode == "restart":
                 store.restart(cfg, run=running)
             elif store.exists():
-                raise MasktrlError(f"run folder {store.root} was started by another process meanwhile; choose another --run "
+                raise MasktrlError(f"run folder {store.root} was started by another process meanwhile; choose " "another --run "
                                    "(nothing was changed)")
             else:
                 store.record_config(cfg, run=running)

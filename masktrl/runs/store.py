@@ -422,7 +422,7 @@ class RunStore:
         for folder in entry.get("dirs", []):
             for name in folder_files(self.path(folder)):
                 if f"{folder}/{name}" not in entry["files"]:
-                    raise ArtifactError(f"{self.root / folder / name}: not a file of stage {stage} (added after it was recorded); "
+                    raise ArtifactError(f"{self.root / folder / name}: not a file of stage {stage} (added after it " "was recorded); "
                                         "remove it or restore the folder")
 
     # -- metrics
@@ -486,7 +486,7 @@ class RunStore:
         stage, digest = record
         n = digest.get("lines")
         if not isinstance(n, int) or n < 0 or len(lines) < n or hashlib.sha256(b"".join(lines[:n])).hexdigest() != digest.get("sha256"):
-            raise ArtifactError(f"{self.metrics_path}: the rows up to {stage} fail their sha256 check (recorded in the manifest); "
+            raise ArtifactError(f"{self.metrics_path}: the rows up to {stage} fail their sha256 check (recorded in " "the manifest); "
                                 "the file was damaged or edited, restore it")
         return n
 
@@ -514,14 +514,14 @@ class RunStore:
                     break  # torn by a crash; everything before it is intact
                 raise ArtifactError(f"{self.metrics_path}: line {number} is not valid JSON (the file is damaged)") from None
             if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
-                raise ArtifactError(f"{self.metrics_path}: line {number} is not a metrics row (a JSON object with an integer step)")
+                raise ArtifactError(f"{self.metrics_path}: line {number} is not a metrics row (a JSON object with an " "integer step)")
             rows.append(row)
         if verify and self.exists():
             covered = self._check_metrics_digest(raw, self._metrics_record())
             for number in range(max(covered, 1), len(rows)):
                 if rows[number]["step"] != rows[number - 1]["step"] + 1:
-                    raise ArtifactError(f"{self.metrics_path}: line {number + 1} is step {rows[number]['step']} after step "
-                                        f"{rows[number - 1]['step']} (one row per step, in order); the file was damaged or edited, restore it")
+                    raise ArtifactError(f"{self.metrics_path}: line {number + 1} is step {rows[number]['step']} " "after step "
+                                        f"{rows[number - 1]['step']} (one row per step, in " "order); the file was damaged or edited, restore it")
         return rows
 
     def check_metrics(self, step: int) -> None:
@@ -535,13 +535,13 @@ class RunStore:
             if got != expected:
                 what = f"step {got} where step {expected} belongs" if got is not None else f"no row for step {expected}"
                 raise ArtifactError(
-                    f"{self.metrics_path}: {what} (the rows of steps 1..{step} must precede checkpoint {step}); "
+                    f"{self.metrics_path}: {what} (the rows of steps 1..{step} must precede " f"checkpoint {step}); "
                     "the file was damaged or edited, restore it to resume"
                 )
         for a, b in zip(rows, rows[1:]):
             if b["step"] != a["step"] + 1:
                 raise ArtifactError(f"{self.metrics_path}: a row of step {b['step']} follows step {a['step']} "
-                                    "(one row per step, in order); the file was damaged or edited, restore it to resume")
+                                    "(one row per step, in order); the file was damaged or " "edited, restore it to resume")
         entry = self.stage(checkpoint_key(step)) or {} if step else {}
         if isinstance(entry.get("metrics"), dict):
             self._check_metrics_digest(self._metrics_lines(), (checkpoint_key(step), entry["metrics"]))
@@ -669,7 +669,7 @@ class RunStore:
     def _record_end(self, extra, **info: Any) -> None:
         try:
             self.set_info(**info, **(extra() if extra else {}))
-        except Exception:  # noqa: BLE001  (see recording_failure)
+        except Exception:  # (see recording_failure)
             pass
 
     def recorded_wall_time(self) -> float:
@@ -766,7 +766,7 @@ class RunStore:
         info = (self.stage(WARMSTART_KEY) or {}).get("info") or {}
         path = info.get("path") or info.get("source")
         if not path or path == "tiny":
-            raise ArtifactError(f"{self.root}: the warm start is not recorded in the manifest; no starting policy (step 0)")
+            raise ArtifactError(f"{self.root}: the warm start is not recorded in the manifest; no starting policy " "(step 0)")
         if info.get("path"):
             entry = inside(warmstart_cache(self.root.parent), Path(str(path)).name, what=str(self.root / MANIFEST))
             if entry.is_symlink():
@@ -775,7 +775,7 @@ class RunStore:
                 raise ArtifactError(f"{entry}: the run's warm-start model is gone (was the .cache folder removed?)")
             problem = folder_problem(entry, info.get("files") or {}, ignore=("warmstart.json",))  # as the run recorded it
             if problem:
-                raise ArtifactError(f"{entry}: the run's warm-start model changed or is gone ({problem}; fails its sha256 check)")
+                raise ArtifactError(f"{entry}: the run's warm-start model changed or is gone ({problem}; fails its " "sha256 check)")
             return str(entry)
         if Path(path).exists() and not (Path(path) / "config.json").is_file():
             raise ArtifactError(f"{path}: the run's starting model is gone")
@@ -796,7 +796,7 @@ class RunStore:
             return self.starting_policy()
         if step not in self.checkpoints():
             avail = ", ".join(["0 (starting policy)", *map(str, self.checkpoints())])
-            raise ConfigError(f"run {self.root} has no checkpoint {step} (none complete at that step); available steps: {avail}")
+            raise ConfigError(f"run {self.root} has no checkpoint {step} (none complete at that step); available " f"steps: {avail}")
         self.verify(checkpoint_key(step))
         return str(self.checkpoint_dir(step))
 
@@ -922,5 +922,5 @@ def _read_manifest(path: Path) -> dict:
     if problem:
         raise ArtifactError(f"{path}: not a masktrl manifest ({problem})")
     if manifest.get("version") != MANIFEST_VERSION:
-        raise ArtifactError(f"{path}: manifest version {manifest.get('version')!r}; this masktrl reads version {MANIFEST_VERSION}")
+        raise ArtifactError(f"{path}: manifest version {manifest.get('version')!r}; this masktrl reads version " f"{MANIFEST_VERSION}")
     return manifest

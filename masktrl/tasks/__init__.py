@@ -1,7 +1,8 @@
 """Tasks: what the model is asked, and how an answer is scored.
 
 ``make_task(cfg.task, cfg.model)`` builds a run's task from its config;
-``get_task("arithmetic", digits=3)``, ``get_task("residues", distinct=True)`` (the lab task) or ``get_task("math", test="aime24", test_file=...)``
+``get_task("arithmetic", digits=3)``, ``get_task("residues", distinct=True)`` (the lab task) or ``get_task("math",
+test="aime24", test_file=...)``
 returns an object following the :class:`Task` protocol; ``get_task("dataset", source=...,
 reward="my_rewards.py:score")`` is any dataset with any reward (see docs/TASKS.md). Rewards are
 registered with :func:`register_reward`, tasks with :func:`register_task`; ``encode_prompt``

@@ -69,7 +69,7 @@ class ArithmeticTask(SyntheticTask):
         self.digits = _int_option("digits", digits, 1, 9)
         if answer_format not in ANSWER_FORMATS:
             raise ConfigError(
-                f"arithmetic: answer_format must be one of {', '.join(ANSWER_FORMATS)}, got {answer_format!r}"
+                f"arithmetic: answer_format must be one of {', '.join(ANSWER_FORMATS)}, got " f"{answer_format!r}"
             )
         self.answer_format = answer_format
         n_problems = len(self.ops) * 10 ** (2 * self.digits)

@@ -107,7 +107,7 @@ def _read_files(datasets, files: list[Path], where: str) -> list[dict]:
             try:
                 ds = datasets.load_dataset(builder, data_files={"train": group}, split="train", cache_dir=cache, keep_in_memory=True)
             except Exception as e:
-                raise DataError(f"{where}: cannot read {', '.join(Path(g).name for g in group)} ({_first_line(e)})") from None
+                raise DataError(f"{where}: cannot read {', '.join(Path(g).name for g in group)} " f"({_first_line(e)})") from None
             try:
                 rows.extend(ds.to_list() if hasattr(ds, "to_list") else [dict(r) for r in ds])
             except UnicodeDecodeError as e:  # a parquet string column holding bytes that are not UTF-8
@@ -172,7 +172,7 @@ def load_rows(source: str, split: str = "train", subset: str | None = None) -> l
             raise DataError(f"task.source {source}: {e}") from None
         if path.is_file():
             if path.suffix.lower() not in BUILDERS:
-                raise DataError(f"task.source {source}: unsupported file type {path.suffix or '(none)'!r}; use {', '.join(BUILDERS)}")
+                raise DataError(f"task.source {source}: unsupported file type {path.suffix or '(none)'!r}; use " f"{', '.join(BUILDERS)}")
             return _read_files(datasets, [path], str(path))
         splits = folder_splits(path)
         if split not in splits:
@@ -190,12 +190,12 @@ def load_rows(source: str, split: str = "train", subset: str | None = None) -> l
             raise DataError(f"task.source {source!r}: {msg}") from None
         cache = getattr(getattr(datasets, "config", None), "HF_DATASETS_CACHE", "the datasets cache")
         if not path.exists():  # `data/dapo` reads as a hub id `org/name` as well as a relative folder
-            raise DataError(f"task.source {source!r}: no such file or folder, and as a dataset id it is not in the local datasets "
-                            f"cache ({cache}); nothing is downloaded: pass a local file or folder (./{source} for a "
+            raise DataError(f"task.source {source!r}: no such file or folder, and as a dataset id it is not in " "the local datasets "
+                            f"cache ({cache}); nothing is downloaded: pass a local file or " f"folder (./{source} for a "
                             "relative path), or load the dataset once where there is network") from None
         raise DataError(
-            f"task.source {source!r}{f' (subset {subset})' if subset else ''} is not in the local datasets cache ({cache}; "
-            f"{msg}); nothing is downloaded: load it once where there is network, or pass a local file or folder"
+            f"task.source {source!r}{f' (subset {subset})' if subset else ''} is not in the " f"local datasets cache ({cache}; "
+            f"{msg}); nothing is downloaded: load it once where there is network, or pass a " "local file or folder"
         ) from None
     return ds.to_list() if hasattr(ds, "to_list") else [dict(r) for r in ds]
 
@@ -325,8 +325,8 @@ class DatasetTask:
             key = missing.args[0] if missing.args else "?"
             if first:
                 names = fields if "prompt" in fields else {**fields, "prompt": ""}  # {prompt}: the task.prompt_key value
-                raise ConfigError(f"task.template names field {key!r}, which the examples lack; {fields_hint(names)}") from None
-            raise DataError(f"{e.meta.get('source', self.name)}, row {e.meta.get('row', '?')}: no field {key!r} for task.template") from None
+                raise ConfigError(f"task.template names field {key!r}, which the examples lack; " f"{fields_hint(names)}") from None
+            raise DataError(f"{e.meta.get('source', self.name)}, row {e.meta.get('row', '?')}: no field {key!r} " "for task.template") from None
         return replace(e, prompt=prompt, meta={**e.meta, "problem": problem})
 
     def _filter(self, max_tokens: int, count_tokens: Callable[[str], int] | None) -> None:
@@ -341,7 +341,7 @@ class DatasetTask:
         if self._train:
             self._train = [e for e in self._train if count_tokens(e.prompt) <= max_tokens] or None
         if not self._test and not self._train:
-            raise ConfigError(f"task.max_prompt_tokens={max_tokens} drops all {before} prompts (the shortest has {shortest} tokens)")
+            raise ConfigError(f"task.max_prompt_tokens={max_tokens} drops all {before} prompts (the shortest has " f"{shortest} tokens)")
         if not self._test:
             raise ConfigError(f"task.max_prompt_tokens={max_tokens} drops every held-out prompt")
 
@@ -399,8 +399,8 @@ def resolve_reward(reward: str | Reward | None, template: PromptTemplate, defaul
         return reward
     spec = reward or template.reward or default
     if spec is None:
-        raise ConfigError(f"task.reward is required with task.template={template.name or 'a custom string'} (it asks for no answer format, so it "
-                          "names no reward): a registered reward (e.g. exact-match, math-verify), module:function or "
+        raise ConfigError(f"task.reward is required with task.template={template.name or 'a custom string'} (it " "asks for no answer format, so it "
+                          "names no reward): a registered reward (e.g. exact-match, " "math-verify), module:function or "
                           "path/to/file.py:function")
     return make_reward(spec, timeout_s=timeout_s, workers=workers, require_boxed=require_boxed)
 

@@ -27,9 +27,9 @@ def make_task(task_cfg: TaskConfig, model_cfg: ModelConfig, tokenizer=None) -> T
 
     Everything is checked here (data, keys, template, reward), before a run writes anything.
     """
-    import masktrl.tasks.arithmetic  # noqa: F401  (registers the task)
-    import masktrl.tasks.longtail  # noqa: F401  (registers the long-response benchmark task)
-    import masktrl.tasks.math_data  # noqa: F401  (registers the math tasks)
+    import masktrl.tasks.arithmetic  # (registers the task)
+    import masktrl.tasks.longtail  # (registers the long-response benchmark task)
+    import masktrl.tasks.math_data  # (registers the math tasks)
     import masktrl.tasks.residues  # noqa: F401  (registers the lab task)
     from masktrl.tasks.math_data import BENCHMARKS
 
@@ -39,7 +39,7 @@ def make_task(task_cfg: TaskConfig, model_cfg: ModelConfig, tokenizer=None) -> T
 
         load_env(t.env)
     if t.options and (t.name in ("arithmetic", "dataset") or t.name in BENCHMARKS):
-        raise ConfigError(f"task.options: the {t.name} task takes no options there; its keys are task.* (masktrl config keys)")
+        raise ConfigError(f"task.options: the {t.name} task takes no options there; its keys are task.* (masktrl " "config keys)")
     if t.name == "arithmetic":
         return get_task(
             "arithmetic", ops=t.ops, digits=t.digits, answer_format=t.answer_format, n_test=t.n_test, seed=HELDOUT_SEED
@@ -47,7 +47,7 @@ def make_task(task_cfg: TaskConfig, model_cfg: ModelConfig, tokenizer=None) -> T
     if t.name == "residues":
         fixed = sorted({"n_test", "seed"} & set(t.options))
         if fixed:
-            raise ConfigError(f"task.options.{fixed[0]}: the held-out split is task.n_test problems drawn with a fixed seed")
+            raise ConfigError(f"task.options.{fixed[0]}: the held-out split is task.n_test problems drawn with a " "fixed seed")
         return get_task("residues", **t.options, n_test=t.n_test, seed=HELDOUT_SEED)
     if t.name == "dataset" or t.name in BENCHMARKS:
         return get_task(t.name, **_dataset_options(t, model_cfg, tokenizer))

@@ -60,7 +60,7 @@ class LongTailTask(SyntheticTask):
         self.response_min = opt("response_min", response_min, 2, 1 << 16)
         self.response_max = opt("response_max", response_max, self.response_min, 1 << 16)
         if not (isinstance(length_median, (int, float)) and length_median > 0 and isinstance(length_sigma, (int, float)) and length_sigma >= 0):
-            raise ConfigError(f"longtail: length_median must be > 0 and length_sigma >= 0, got {length_median!r}, {length_sigma!r}")
+            raise ConfigError(f"longtail: length_median must be > 0 and length_sigma >= 0, got {length_median!r}, " f"{length_sigma!r}")
         self.length_median, self.length_sigma = float(length_median), float(length_sigma)
         self.seed = seed
         self._draw_split(opt("n_test", n_test, 1, 1 << 20))

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 from masktrl.errors import ConfigError, DataError
 from masktrl.tasks.base import Example, register_task
 from masktrl.tasks.dataset import PRESET_OPTIONS, DatasetTask, NotCached, import_datasets, load_rows, resolve_reward, rows_to_examples
-from masktrl.tasks.dataset import split_heldout  # noqa: F401  (re-exported: it lived here)
+from masktrl.tasks.dataset import split_heldout  # (re-exported: it lived here)
 from masktrl.tasks.grader import last_boxed
 from masktrl.tasks.rewards import Reward
 from masktrl.tasks.templates import DAPO_PREFIX, DAPO_SUFFIX, PromptTemplate
@@ -399,8 +399,8 @@ def _benchmark_factory(bench: str):
     ) -> MathTask:
         unknown = sorted(set(options) - set(PRESET_OPTIONS))
         if unknown:
-            raise ConfigError(f"task {bench!r}: unknown option(s) {', '.join(unknown)}; accepted: data_file, n_test, seed, "
-                              f"test, test_file, template, tokenizer, timeout_s, require_boxed, grader_workers, {', '.join(PRESET_OPTIONS)}")
+            raise ConfigError(f"task {bench!r}: unknown option(s) {', '.join(unknown)}; accepted: data_file, " "n_test, seed, "
+                              "test, test_file, template, tokenizer, timeout_s, require_boxed, " f"grader_workers, {', '.join(PRESET_OPTIONS)}")
         o = {**dict.fromkeys(PRESET_OPTIONS), "split": "train", "chat": False, **options}
         source, split, test_split, subset = o["source"], o["split"], o["test_split"], o["subset"]
         prompt_key, answer_key = o["prompt_key"], o["answer_key"]

@@ -104,7 +104,7 @@ class ResidueTask(SyntheticTask):
         self.max_solutions = _int_option("max_solutions", max_solutions, self.min_solutions, self.max_value)
         if self.max_solutions * max(self.moduli) > self.max_value:
             raise ConfigError(
-                f"residues: max_solutions * max(moduli) = {self.max_solutions * max(self.moduli)} exceeds max_value {self.max_value}"
+                "residues: max_solutions * max(moduli) = " f"{self.max_solutions * max(self.moduli)} exceeds max_value {self.max_value}"
             )
         self.n_test = _int_option("n_test", n_test, 1, 100_000)
         self.seed = _int_option("seed", seed, -(2**63), 2**63 - 1)

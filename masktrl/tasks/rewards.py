@@ -140,14 +140,14 @@ def _location_of(entry: RewardEntry) -> dict:
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or not qualname or "<" in qualname:
         raise ConfigError(
-            f"reward {entry.name!r} is not defined at the top level of a module or file, so worker processes "
+            f"reward {entry.name!r} is not defined at the top level of a module or file, so " "worker processes "
             "cannot import it; move it there, or register it with isolated=False"
         )
     if module == "__main__":
         path = getattr(sys.modules.get("__main__"), "__file__", None)
         if not path:
             raise ConfigError(
-                f"reward {entry.name!r} was defined interactively, so worker processes cannot import it; "
+                f"reward {entry.name!r} was defined interactively, so worker processes cannot " "import it; "
                 "define it in a file, or register it with isolated=False"
             )
         return {"file": os.path.abspath(path), "attr": qualname}

@@ -42,7 +42,7 @@ class SyntheticTask:
 
     def train_examples(self, n: int, rng: random.Random) -> list[Example]:
         """``n`` fresh i.i.d. problems from ``rng``, never one of the test split."""
-        out = []
+        out: list[Example] = []
         while len(out) < n:
             key = self._draw(rng)
             if key not in self._test_keys:

@@ -103,7 +103,7 @@ class PromptTemplate:
             (text, strip, reward), name = NAMED_TEMPLATES[template], template
         else:
             raise ConfigError(
-                f"unknown prompt template {template!r}; valid templates: {', '.join([*NAMED_TEMPLATES, CHAT_ALIAS])}, "
+                f"unknown prompt template {template!r}; valid templates: " f"{', '.join([*NAMED_TEMPLATES, CHAT_ALIAS])}, "
                 "or a format string with {prompt}"
             )
         if system_prompt is not None and not chat:
@@ -148,7 +148,7 @@ class PromptTemplate:
             raise ConfigError(f"prompt template {self.label!r} needs a tokenizer with a chat template")
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
-                f"prompt template {self.label!r}: this tokenizer has no chat template (a base model?); "
+                f"prompt template {self.label!r}: this tokenizer has no chat template (a base " "model?); "
                 "set model.chat_template: false"
             )
 
@@ -157,7 +157,7 @@ def _check_format(text: str) -> None:
     try:
         parsed = list(string.Formatter().parse(text))
     except ValueError as e:
-        raise ConfigError(f"task.template {text!r} is not a valid format string ({e}); write literal braces as {{{{ }}}}") from None
+        raise ConfigError(f"task.template {text!r} is not a valid format string ({e}); write literal braces as " "{{ }}") from None
     names = [f for _, f, _, _ in parsed if f is not None]
     if any(not n or n.isdigit() for n in names):
         raise ConfigError(f"task.template {text!r}: every {{}} must name a field, e.g. {{prompt}}")

@@ -9,29 +9,19 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Optional
 
 import typer
 
+from masktrl.commands.help_format import Command, Group  # noqa: F401  (Command: for the analyses)
+from masktrl.commands.options import DEFAULT_OUT, OutOpt  # noqa: F401  (for the analyses)
 from masktrl.commands.ui import console
-from masktrl.commands.options import DEFAULT_OUT, Command, Group, OutOpt, outside_runs  # noqa: F401  (DEFAULT_OUT, Command, OutOpt: for the analyses)
 
 app = typer.Typer(
     cls=Group,
-    help="Analyses of runs: disagreement (token study), estimators (top-K Ḋ vs exact), dynamics (curves), compare (seed statistics), sis.",
+    help="Analyses of runs: disagreement (token study), estimators (top-K Ḋ vs exact), dynamics " "(curves), compare (seed statistics), sis.",
     no_args_is_help=True,
 )
 
-RunArg = Annotated[str, typer.Option("--run", metavar="RUN", help="Run folder, or a run name under --out.", show_default=False)]
-RunsArg = Annotated[list[str], typer.Argument(metavar="RUN", help="Run folders or names under --out, or folders of runs.", show_default=False)]
-ResultOpt = Annotated[
-    Optional[Path],
-    typer.Option("--output", "-o", metavar="DIR", help="Where to write JSON + PNG (default: the first run's parent analysis/; "
-                 "never inside a run folder but its analysis/).", show_default=False, callback=outside_runs),
-]
-StepOpt = Annotated[
-    Optional[int], typer.Option("--step", metavar="S", help="Rollout step S (default: the latest S whose checkpoint S-1 exists).", show_default=False)
-]
 
 
 def fmt(x, digits: int = 3) -> str:
@@ -48,51 +38,6 @@ def written(paths: list[Path]) -> None:
     console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
 
 
-StudyRunsOpt = Annotated[
-    list[str],
-    typer.Option("--run", metavar="RUN", help="Run folder, run name under --out, or a folder of runs (a sweep); repeat to pool runs.",
-                 show_default=False),
-]
-StepsOpt = Annotated[
-    Optional[str],
-    typer.Option("--steps", "--step", metavar="STEPS", help="Rollout steps S: 600 | 600,650,700 | 600:700:50 (inclusive) "
-                 "(default: each run's latest S whose checkpoint S-1 exists).", show_default=False),
-]
-UpdateOpt = Annotated[
-    str,
-    typer.Option("--update-method", metavar="NAME", help="The replayed update: unmasked (importance-weighted PG, no trust-region mask: "
-                 "favours no criterion), run (the run's own method) or a method name or path/to/rules.py:NAME (its defaults)."),
-]
-PartitionsOpt = Annotated[int, typer.Option("--partitions", metavar="N", help="Replays of each batch with other minibatch partitions (seed values run seed + 0..N-1).")]
-PolicyStepOpt = Annotated[
-    Optional[int],
-    typer.Option("--policy-step", metavar="P", help="Checkpoint the update starts from (one run, one step; default S-1; later = staler rollouts).", show_default=False),
-]
-MinibatchesOpt = Annotated[
-    Optional[int],
-    typer.Option("--minibatches", metavar="M", help="Minibatch updates in the step (default: the run's; 4 if it used 1 without staleness).", show_default=False),
-]
-StudyOutputOpt = Annotated[
-    Optional[Path],
-    typer.Option("--output", "-o", metavar="DIR", help="Where to write JSON, parquet and PNG (default: <run>/analysis/, "
-                 "or the first run's parent analysis/ when runs are pooled).", show_default=False, callback=outside_runs),
-]
-DeltaOpt = Annotated[float, typer.Option("--delta", metavar="D", help="Trust-region threshold δ on the top-K KL D (the paper's main value).")]
-ReplayOptimizerOpt = Annotated[
-    str,
-    typer.Option("--replay-optimizer", metavar="run|sgd|adamw", help="The optimizer of the replayed update: run (the run's AdamW with its "
-                 "stored moments and schedule: what training did), adamw (fresh moments, constant lr), sgd (plain, constant lr)."),
-]
-ReplayLrOpt = Annotated[
-    Optional[float],
-    typer.Option("--replay-lr", metavar="LR", help="Constant learning rate of the replayed update (default: the run's rate at the "
-                 "checkpoint; with run it replaces the schedule).", show_default=False),
-]
-RecutKsOpt = Annotated[Optional[str], typer.Option("--k", metavar="K,...", help="Also the study at these list sizes (the stored lists "
-                                                  "re-cut, at most their K): D, Ḋ and ΔD of the top-K KL at each K.", show_default=False)]
-ResetMomentsOpt = Annotated[
-    bool, typer.Option("--reset-moments", help="Clear the Adam state before every minibatch update (each update a first Adam step).")
-]
 
 
 def replay_optimizer(name: str, lr: float | None, reset: bool):
@@ -105,7 +50,9 @@ def replay_optimizer(name: str, lr: float | None, reset: bool):
 def optimizer_text(result: dict) -> str:
     opt = result.get("replay_optimizer") or {}
     lr = opt.get("lr_used")
-    return f"optimizer {opt.get('name', 'run')}{f' lr {lr:g}' if lr is not None else ''}{' (moments reset per minibatch)' if opt.get('reset_moments') else ''}"
+    lr_text = f" lr {lr:g}" if lr is not None else ""
+    reset = " (moments reset per minibatch)" if opt.get("reset_moments") else ""
+    return f"optimizer {opt.get('name', 'run')}{lr_text}{reset}"
 
 
 def steps_text(steps: list[int]) -> str:
@@ -114,4 +61,4 @@ def steps_text(steps: list[int]) -> str:
 
 # the analyses, one module each, registered on ``app`` in this order
 from masktrl.commands.analyze import disagreement, estimators, dynamics, compare, sis  # noqa: E402, F401, I001
-from masktrl.commands.analyze.compare import print_compare  # noqa: E402, F401
+from masktrl.commands.analyze.compare_table import print_compare  # noqa: E402, F401

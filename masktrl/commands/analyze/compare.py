@@ -2,35 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
-
-import typer
-from rich.markup import escape
-
-from masktrl.commands.analyze import DEFAULT_OUT, Command, OutOpt, ResultOpt, RunsArg, app, fmt, pm, written
-from masktrl.commands.ui import console
+from masktrl.commands.analyze import DEFAULT_OUT, Command, OutOpt, app, compare_options, options, written
+from masktrl.commands.analyze.compare_table import print_compare
 
 
 @app.command(cls=Command)
 def compare(
-    runs: RunsArg,
+    runs: options.RunsArg,
     out: OutOpt = DEFAULT_OUT,
-    output: ResultOpt = None,
-    baseline: Annotated[str, typer.Option("--baseline", metavar="LABEL", help="The group the others are tested against: a method name "
-                                          "with one group, a label, a handle (#2) or a run folder of the group.")] = "grpo",
-    metric: Annotated[str, typer.Option("--metric", metavar="KEY", help="Metric: eval/heldout/accuracy or eval/<bench>/avg_at_k.")] = "eval/heldout/accuracy",
-    eval_bench: Annotated[Optional[str], typer.Option("--eval", metavar="BENCH", show_default=False, help="Score each run by the avg@k of its "
-                          "`masktrl eval BENCH` report on its final checkpoint (e.g. task: the run's own held-out split, k samples per prompt) instead of --metric.")] = None,
-    test: Annotated[str, typer.Option("--test", metavar="welch|permutation|paired", help="welch | permutation | paired (a paired t-test over the seeds shared with the baseline: a seed's runs share its warm start). All three are in the JSON.")] = "welch",
-    n_boot: Annotated[int, typer.Option("--n-boot", metavar="N", help="Bootstrap resamples for the 95% CI.")] = 10000,
-    margin: Annotated[Optional[float], typer.Option("--margin", metavar="X", show_default=False, help="Equivalence margin: every "
-                      "difference not found significant gets a TOST of |difference| < X (paired with --test paired, else Welch); "
-                      "without it no row is called equivalent.")] = None,
-    interaction: Annotated[Optional[str], typer.Option("--interaction", metavar="A-B,C-D", show_default=False, help="Test whether the "
-                           "effect A-B differs from C-D (group handles or labels; paired by seed when both have the same seeds), "
-                           "with its TOST at --margin: e.g. #2-#1,#4-#3 for a method's effect under two sources.")] = None,
+    output: options.ResultOpt = None,
+    baseline: compare_options.BaselineOpt = "grpo",
+    metric: compare_options.MetricOpt = "eval/heldout/accuracy",
+    eval_bench: compare_options.EvalBenchOpt = None,
+    test: compare_options.TestOpt = "welch",
+    n_boot: compare_options.NBootOpt = 10000,
+    margin: compare_options.MarginOpt = None,
+    interaction: compare_options.InteractionOpt = None,
 ) -> None:
-    """Methods over seeds (the run is the unit): final accuracy (or, with --eval, the avg@k of each run's eval report) with mean, std, bootstrap 95% CI; vs the baseline the difference with its CI, p (Holm and BH across the table) and the 80%-power detectable difference; best of the evaluations, biased upward, untested; the collapse rate (training reward below half its start, for good). With --test paired: the exact sign-flip p beside the paired t p (the larger decides), the paired MDD at alpha/m (post hoc) and, with --margin, a TOST for every difference not found; --interaction tests whether one effect differs from another."""
+    """Methods over seeds (the run is the unit): final accuracy (or, with --eval, the avg@k of each run's eval report)
+    with mean, std, bootstrap 95% CI; vs the baseline the difference with its CI, p (Holm and BH across the table) and
+    the 80%-power detectable difference; best of the evaluations, biased upward, untested; the collapse rate (training
+    reward below half its start, for good). With --test paired: the exact sign-flip p beside the paired t p (the larger
+    decides), the paired MDD at alpha/m (post hoc) and, with --margin, a TOST for every difference not found;
+    --interaction tests whether one effect differs from another."""
     from masktrl.analysis import compare as cmp
     from masktrl.analysis.io import expand_runs, load_run, multi_run_dir
 
@@ -40,63 +34,3 @@ def compare(
     paths = cmp.save(table, multi_run_dir(roots, output))
     print_compare(table)
     written(paths)
-
-
-def print_compare(table: dict) -> None:
-    from rich.table import Table
-
-    paired = table["test"] == "paired"  # the interval that goes with the test: paired over shared seeds, else Welch
-    # each interval beside its own centre: over other seed sets the paired mean difference is not the difference of means
-    ci_name, d_key, lo_key, hi_key = (("paired", "diff_paired", "diff_ci_paired_low", "diff_ci_paired_high") if paired
-                                      else ("Welch", "diff_vs_baseline", "diff_ci_low", "diff_ci_high"))
-    if paired:
-        t = Table(title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap 95% CI; vs "
-                        f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}) over the shared seeds: difference \\[paired 95% CI], "
-                        "paired t p, exact sign-flip p, Holm p of the larger, paired MDD at 80% power and alpha/m (post hoc), "
-                        f"TOST p at ±{fmt(table.get('margin'))} where no difference is found; unit: {table.get('p_unit', 'run')}")
-        cols = ("#", "method", "n", "final", "95% CI", "diff [95% CI]", "t p", "sign-flip p", "Holm p", "MDD 80%", "TOST p", "verdict",
-                "best of evals (biased)", "collapsed")
-    else:
-        t = Table(title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap 95% CI; vs "
-                        f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}): difference \\[{ci_name} 95% CI], {table['test']} p, "
-                        f"Holm p, smallest difference detectable at 80% power; unit: {table.get('p_unit', 'run')}")
-        cols = ("#", "method", "n", "final", "95% CI", "diff [95% CI]", "p", "Holm p", "MDD 80%", "best of evals (biased)", "collapsed")
-    for col in cols:
-        t.add_column(col, justify="right" if col not in ("method", "verdict") else "left")
-    for row in table["methods"]:
-        s, b = row["final"], row["best"]
-        base = row["is_baseline"]
-        diff = "base" if base else f"{fmt(s.get(d_key))} [{fmt(s.get(lo_key))}, {fmt(s.get(hi_key))}]"
-        cell = lambda key: "" if base else fmt(s.get(key))  # noqa: E731
-        tests = ([cell("p_paired_t"), cell("p_sign_flip"), cell("p_holm"), cell("mdd_paired"), cell("tost_p"), "" if base else s.get("verdict", "")]
-                 if paired else [cell("p"), cell("p_holm"), cell("mdd_80")])
-        t.add_row(row.get("handle", ""), escape(row["label"]), str(s["n"]), pm(s["mean"], s["std"]), f"[{fmt(s['ci_low'])}, {fmt(s['ci_high'])}]",
-                  diff, *tests, pm(b["mean"], b["std"]), collapsed(row.get("collapse")))
-    console.print(t)
-    if paired:
-        console.print(f"decides: {table.get('decision_rule', '')}; {table.get('mdd_note', '')}", highlight=False)
-    if table.get("interaction"):
-        console.print(interaction_line(table["interaction"]), highlight=False)
-    if table.get("collapse_definition"):
-        console.print(table["collapse_definition"], highlight=False)
-    for w in table["warnings"]:
-        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
-    for s in table["skipped"]:
-        console.print(f"[yellow]skipped incomplete run[/] {escape(s)}", highlight=False)
-
-
-def interaction_line(i: dict) -> str:
-    """One line: the two effects, their difference, its t p (and sign-flip p when paired) and TOST p."""
-    kind = "paired t" if i["paired"] else "Welch t"
-    line = (f"interaction {i['spec']}: effects {fmt(i['effects'][0])} and {fmt(i['effects'][1])}, difference {fmt(i['interaction'])}, "
-            f"{kind} p {fmt(i['p'])}")
-    if i["paired"]:
-        line += f", sign-flip p {fmt(i.get('p_sign_flip'))}"
-    tost = i.get("tost")
-    line += (f", TOST p at ±{fmt(tost['margin'])} {fmt(tost['p'])} ({'the effect does not depend on the source' if tost['p'] < 0.05 else 'inconclusive'})"
-             if tost else "; no --margin, so no claim that the effect does not depend on the source")
-    return line
-
-
-def collapsed(c: dict | None) -> str:
-    return "" if not c else f"{c['count']}/{c['total']}" + (f" (+{c['too_short']} short)" if c["too_short"] else "")

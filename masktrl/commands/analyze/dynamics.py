@@ -7,18 +7,19 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from masktrl.commands.analyze import DEFAULT_OUT, Command, OutOpt, ResultOpt, RunsArg, app, fmt, written
+from masktrl.commands.analyze import DEFAULT_OUT, Command, OutOpt, app, fmt, options, written
 from masktrl.commands.ui import console
 
 
 @app.command(cls=Command)
 def dynamics(
-    runs: RunsArg,
+    runs: options.RunsArg,
     out: OutOpt = DEFAULT_OUT,
-    output: ResultOpt = None,
+    output: options.ResultOpt = None,
     smooth: Annotated[int, typer.Option("--smooth", metavar="W", help="Moving-average window over logged steps (1 = raw).")] = 1,
 ) -> None:
-    """Curves of reward, length, ppo_kl, mask fraction, SIS accept rate and eval accuracy; seeds averaged with a 95% band."""
+    """Curves of reward, length, ppo_kl, mask fraction, SIS accept rate and
+    eval accuracy; seeds averaged with a 95% band."""
     from masktrl.analysis import dynamics as dyn
     from masktrl.analysis.io import expand_runs, load_run, multi_run_dir
     from masktrl.errors import MasktrlError

@@ -2,33 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
-from masktrl.commands.analyze import (DEFAULT_OUT, Command, DeltaOpt, MinibatchesOpt, OutOpt, PartitionsOpt, PolicyStepOpt, ReplayLrOpt,
-                                      ReplayOptimizerOpt, ResetMomentsOpt, StepsOpt, StudyOutputOpt, StudyRunsOpt, UpdateOpt, app, fmt,
-                                      optimizer_text, pm, replay_optimizer, steps_text, written)
+from masktrl.commands.analyze import (
+    DEFAULT_OUT,
+    Command,
+    OutOpt,
+    app,
+    estimators_options,
+    fmt,
+    optimizer_text,
+    options,
+    pm,
+    replay_optimizer,
+    steps_text,
+    study_options,
+    written,
+)
 from masktrl.commands.ui import console, progress_bar
 
 
 @app.command(cls=Command)
 def estimators(
-    run: StudyRunsOpt,
+    run: study_options.StudyRunsOpt,
     out: OutOpt = DEFAULT_OUT,
-    output: StudyOutputOpt = None,
-    steps: StepsOpt = None,
-    k: Annotated[str, typer.Option("--k", metavar="K,...", help="List sizes K (re-cut from the stored list up to its size, else from the recomputed μ).")] = "5,10,20,50",
-    delta: DeltaOpt = 0.15,
-    update_method: UpdateOpt = "unmasked",
-    partitions: PartitionsOpt = 1,
-    policy_step: PolicyStepOpt = None,
-    minibatches: MinibatchesOpt = None,
-    optimizer: ReplayOptimizerOpt = "run",
-    replay_lr: ReplayLrOpt = None,
-    reset_moments: ResetMomentsOpt = False,
+    output: study_options.StudyOutputOpt = None,
+    steps: study_options.StepsOpt = None,
+    k: estimators_options.KOpt = "5,10,20,50",
+    delta: options.DeltaOpt = 0.15,
+    update_method: study_options.UpdateOpt = "unmasked",
+    partitions: study_options.PartitionsOpt = 1,
+    policy_step: study_options.PolicyStepOpt = None,
+    minibatches: study_options.MinibatchesOpt = None,
+    optimizer: study_options.ReplayOptimizerOpt = "run",
+    replay_lr: study_options.ReplayLrOpt = None,
+    reset_moments: study_options.ResetMomentsOpt = False,
 ) -> None:
-    """Top-K estimators of Ḋ_KL against the exact Ḋ of the full KL and of the top-K KL: sign agreement, relative error, bracket certification and containment."""
+    """Top-K estimators of Ḋ_KL against the exact Ḋ of the full KL and of the top-K KL: sign
+    agreement, relative error, bracket certification and containment."""
     from masktrl.analysis import estimators as est
     from masktrl.analysis.disagreement import output_dir
     from masktrl.analysis.replicates import parse_steps, run_roots
@@ -48,16 +57,16 @@ def print_estimators(result: dict) -> None:
     from rich.table import Table
 
     console.print(
-        f"{len(result['runs'])} run(s), steps {steps_text(result['steps'])}, {result['n_batches']} batches, |V| = {result['vocab_size']}, "
-        f"stored K = {result['stored_k']}, update {result['update']['name']}, {optimizer_text(result)}; behaviour μ recomputed from its "
-        f"checkpoint (max |Δ log μ_k| vs the stored value {result['mu_recompute_max_abs_logp_diff']:.2g}, max Σ_S |Δμ| on a list "
-        f"{result.get('mu_recompute_max_list_mass_diff', float('nan')):.2g}: the containment tolerance is 2 Σ_S |Δμ| per token)",
+        f"{len(result['runs'])} run(s), steps {steps_text(result['steps'])}, " f"{result['n_batches']} batches, |V| = {result['vocab_size']}, "
+        f"stored K = {result['stored_k']}, update {result['update']['name']}, " f"{optimizer_text(result)}; behaviour μ recomputed from its "
+        "checkpoint (max |Δ log μ_k| vs the stored value " f"{result['mu_recompute_max_abs_logp_diff']:.2g}, max Σ_S |Δμ| on a list "
+        f"{result.get('mu_recompute_max_list_mass_diff', float('nan')):.2g}: the containment " "tolerance is 2 Σ_S |Δμ| per token)",
         highlight=False,
     )
     for name, block in result["subsets"].items():
         what = "exact KL > 1e-6" if name == "moved" else f"exact KL > δ = {result['delta']:g}"
-        table = Table(title=f"{name}: {block['n_tokens']} tokens ({what}); sign agreement with the exact Ḋ of the full KL (mean ± SE over "
-                            "replicates), relative error p50 / p90; with the exact Ḋ of the top-K KL (pooled); the bracket")
+        table = Table(title=f"{name}: {block['n_tokens']} tokens ({what}); sign agreement with the exact Ḋ of the " "full KL (mean ± SE over "
+                            "replicates), relative error p50 / p90; with the exact Ḋ of the " "top-K KL (pooled); the bracket")
         for col in ("K", "list", "agg sign", "agg rel err", "uniform sign", "uniform rel err", "agg / uniform vs top-K Ḋ",
                     "bracket certifies", "certified right", "contains exact (τ)", "1 − π(list)"):
             table.add_column(col, justify="right")

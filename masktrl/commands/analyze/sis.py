@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
-
-import typer
-
-from masktrl.commands.analyze import DEFAULT_OUT, Command, OutOpt, RunArg, StepOpt, app, fmt, written
+from masktrl.commands.analyze import DEFAULT_OUT, Command, OutOpt, app, fmt, options, sis_options, written
 from masktrl.commands.ui import console, kv_table
 
 
@@ -22,17 +18,15 @@ def _dev_over_training(tr: dict) -> list[tuple[str, str]]:
 
 @app.command(cls=Command)
 def sis(
-    run: RunArg,
+    run: options.RunArg,
     out: OutOpt = DEFAULT_OUT,
-    step: StepOpt = None,
-    top: Annotated[int, typer.Option("--top", metavar="N", help="How many accepted / rejected tokens to list.")] = 10,
-    bias: Annotated[bool, typer.Option("--bias", help="Also the gradient bias on the step's batch: top-K SIS vs exact-envelope SIS, the base "
-                                       "objective and the on-policy gradient, against the residual mass (needs the behaviour checkpoint).")] = False,
-    k: Annotated[Optional[str], typer.Option("--k", metavar="K,...", show_default=False,
-                                              help="With --bias: envelope list sizes, re-cut from the stored lists (at most their K; "
-                                                   "default 5,10,20, with the stored K in place of those above it).")] = None,
+    step: options.StepOpt = None,
+    top: sis_options.TopOpt = 10,
+    bias: sis_options.BiasOpt = False,
+    k: sis_options.KOpt = None,
 ) -> None:
-    """SIS: accept rate over training, residual top-K mass, tokens outside the top-K, accepted vs rejected tokens; --bias: the top-K envelope's gradient bias."""
+    """SIS: accept rate over training, residual top-K mass, tokens outside the top-K, accepted
+    vs rejected tokens; --bias: the top-K envelope's gradient bias."""
     from masktrl.analysis import sis_report
     from masktrl.analysis.io import load_run
 
@@ -91,8 +85,8 @@ def print_bias(res: dict) -> None:
     from rich.table import Table
 
     t = Table(title=f"SIS gradient bias at step {res['step']} ({res['n_valid']} valid tokens"
-                    f"{', hypothetical: not a SIS run' if res['hypothetical'] else ''}): cosine / relative norm ‖g − g_ref‖ / ‖g_ref‖; "
-                    f"base (no SIS) vs on-policy: {fmt(res['base_vs_on_policy']['cos'])} / {fmt(res['base_vs_on_policy']['rel_norm'])}")
+                    f"{', hypothetical: not a SIS run' if res['hypothetical'] else ''}): cosine " "/ relative norm ‖g − g_ref‖ / ‖g_ref‖; "
+                    f"base (no SIS) vs on-policy: {fmt(res['base_vs_on_policy']['cos'])} / " f"{fmt(res['base_vs_on_policy']['rel_norm'])}")
     for col in ("K", "ξ_K", "accept rate", "vs exact-envelope SIS", "vs base", "vs on-policy"):
         t.add_column(col, justify="right")
     for r in res["ks"]:

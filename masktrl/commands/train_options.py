@@ -1,0 +1,17 @@
+"""``masktrl train``'s own options (commands/train.py); the shared ones are in commands/options.py."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+ResumeOpt = Annotated[
+    Optional[str], typer.Option("--resume", metavar="RUN", help="Continue RUN (a name: looked up under --out only; a run elsewhere as a path, ./NAME) " "from its last checkpoint.", show_default=False)
+]
+ForceOpt = Annotated[bool, typer.Option("--force", help="With --resume: accept a config that differs from run.yaml.")]
+RolloutsFromOpt = Annotated[
+    Optional[str],
+    typer.Option("--rollouts-from", metavar="RUN|FILE", help="Train on stored rollouts: a run (folder, or name under --out) or a parquet file from " "`masktrl rollout`.", show_default=False),
+]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Run every check, print the resolved config and the projected disk use, write nothing.")]
