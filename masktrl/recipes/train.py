@@ -43,7 +43,7 @@ from masktrl.rl.distributed import Dist, launched
 from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
 from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source, progress_info
-from masktrl.rl.policy import PolicyForward
+from masktrl.rl.policy import PolicyForward, enable_routing_replay
 from masktrl.rl.reference import Reference, make_reference, micro_batch_size, penalise_kl, reference_logprobs
 from masktrl.rl.rollout_source import RolloutSource
 from masktrl.rl.schedule import age_metrics, sample_now, staleness_cap
@@ -247,6 +247,8 @@ def build_parts(session: Session, checked: checks.Checked, progress: Progress | 
                                     "per_run": projection.per_run, "bytes_per_token": projection.bytes_per_token})
     _note(progress, dist, projection.summary())
     engine = make_engine(cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
+    if cfg.model.routing_replay is not None:  # R3: the engine records its experts, the training forward replays them
+        enable_routing_replay(model, engine)
     if count.start or getattr(engine, "copy", None) is not None:  # a low-precision copy is made from whole weights (ZeRO-3)
         sync_weights(engine, model, dist)
     return ModelParts(model, tokenizer, policy, optimizer, scheduler, engine, method, reference), ws_info, vocab_size

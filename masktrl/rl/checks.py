@@ -64,6 +64,8 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
             raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary ({vocab_size}): "
                               "the vllm engine cannot record that many entries per token")
         check_engine(cfg)
+        if cfg.model.routing_replay is not None:
+            report.append(("model.routing_replay", check_routing_replay(cfg, tokenizer)))
         if cfg.train.quantization is not None:
             report.append(("train.quantization", check_train_quantization(cfg)))
         if isinstance(cfg.rollout.staleness, dict):
@@ -93,6 +95,9 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
                 kept_set_bound(f"--rollouts-from {rollouts_from} was sampled with top_p={m.get('top_p')}, top_k={m.get('top_k')}",
                                m.get("engine", "hf"), int(m.get("top_k", 0) or 0), int(m.get("logprobs_k", 0) or 0), vocab_size)
             source.check_sampled_as(cfg, rollouts_from)  # pi at the temperature mu was sampled at
+            if cfg.model.routing_replay is not None and not source.has_routing():
+                raise ConfigError(f"model.routing_replay=rollout: --rollouts-from {rollouts_from} has no recorded routing "
+                                  "(its batches were sampled without model.routing_replay)")
             report.append(("--rollouts-from", f"{rollouts_from}: {source.num_steps} batches, verified"))
     except BaseException:
         task.close()
@@ -190,6 +195,30 @@ def check_train_quantization(cfg: Config) -> str:
     how = ("fake-quantised (FP8 round trip in model.dtype, straight-through gradients)" if kind == "fake"
            else "torchao float8 training")
     return f"{t.quantization}, {how}"
+
+
+def check_routing_replay(cfg: Config, tokenizer) -> str:
+    """``model.routing_replay``: the model has MoE layers whose routers can be replayed, the
+    engine records routing (hf; vLLM cannot report it), and the training forward's layout allows
+    it (no packing, no activation checkpointing); returns the report line."""
+    from masktrl.models.moe import NO_ROUTING, moe_routers
+
+    what = f"model.routing_replay={cfg.model.routing_replay}"
+    if cfg.model.path == "tiny" and cfg.model.architecture not in MOE_ARCHITECTURES:
+        raise ConfigError(f"{what}: model.architecture={cfg.model.architecture} is dense: routing replay needs a "
+                          f"mixture-of-experts model ({', '.join(MOE_ARCHITECTURES)})")
+    if cfg.rollout.engine != "hf":
+        raise ConfigError(f"{what}: rollout.engine={cfg.rollout.engine}: {NO_ROUTING}")
+    if cfg.train.packing:
+        raise ConfigError(f"{what}: the replayed forward runs whole prompt+response rows; set train.packing=false")
+    if cfg.train.gradient_checkpointing:
+        raise ConfigError(f"{what}: activation checkpointing re-runs the routers outside the replay; "
+                          "set train.gradient_checkpointing=false")
+    routers = moe_routers(meta_model(cfg, tokenizer))
+    if not routers:
+        raise ConfigError(f"{what}: {cfg.model.path} is dense (no MoE routers): routing replay needs a mixture-of-experts model")
+    k = routers[0][2]
+    return f"the hf engine records the top-{k} experts of {len(routers)} MoE layers; training replays them"
 
 
 def staleness_line(value: dict) -> str:

@@ -53,7 +53,7 @@ def warmstart_key(cfg: Config) -> str:
     1, the thread count (it changes the reduction order, hence the weights: measured, a different
     held-out accuracy), so a run never starts from another thread count's warm start."""
     threads = "" if cfg.train.threads == 1 else f"-threads{cfg.train.threads}"
-    return f"v{WARMSTART_VERSION}-{cfg.hash('model', 'task', 'warmstart', exclude=('model.lora',))}-seed{cfg.seed}{threads}"  # LoRA starts after it
+    return f"v{WARMSTART_VERSION}-{cfg.hash('model', 'task', 'warmstart', exclude=('model.lora', 'model.routing_replay'))}-seed{cfg.seed}{threads}"  # LoRA, routing replay: after it
 
 
 def prepare_policy(cfg: Config, task, out_dir: Path, progress=None):

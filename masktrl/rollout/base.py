@@ -59,6 +59,7 @@ class Generation:
     topk_logp: list[list[float]]  # [T][K] log mu at topk_ids
     finished: bool  # ended with EOS (False: cut at max_new_tokens)
     kept: list[int] | None = None  # [T] truncated sampling: the kept set is the first kept[t] top-K entries; None: the whole vocabulary
+    routing: list[list[int]] | None = None  # [P+T][L*k] routing replay: the engine's top-k experts of every prompt and response position in each MoE layer
 
 
 @dataclass

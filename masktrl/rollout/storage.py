@@ -80,6 +80,7 @@ SCHEMA = pa.schema(
 )
 SCHEMAS = {1: SCHEMA_V1, 2: SCHEMA}
 KEPT = ("kept", pa.list_(pa.int16()))  # optional, any format: [T] kept-set sizes of truncated sampling (Generation.kept)
+ROUTING = ("routing", pa.list_(pa.list_(pa.int16())))  # optional, any format: [P+T][L*k] the engine's experts (Generation.routing)
 _TOKEN_FLOATS = ["behavior_logp_x", "topk_logp"]
 
 
@@ -133,6 +134,11 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression
         table = table.append_column(pa.field(*KEPT), kept)
         if arrays is not None:
             opts["compression_level"]["kept"] = 1
+    routing = routing_column(samples)
+    if routing is not None:  # routing replay: one more column, absent otherwise (other files unchanged)
+        table = table.append_column(pa.field(*ROUTING), routing)
+        if arrays is not None:
+            opts["compression_level"]["routing"] = 3
     meta_kv = {b"masktrl": json.dumps(meta, sort_keys=True).encode()}
     if codec:
         meta_kv[CODEC_KEY] = json.dumps(codec, sort_keys=True).encode()
@@ -155,6 +161,40 @@ def kept_column(samples: list[Sample]) -> pa.Array | None:
     if any(k is None or len(k) != len(s.gen.response_ids) for k, s in zip(kept, samples)):
         raise ValueError("Generation.kept must be given for every sample of a batch, one size per response token")
     return pa.array(kept, type=KEPT[1])
+
+
+def routing_column(samples: list[Sample]) -> pa.Array | None:
+    """The optional ``routing`` column: None when no sample records its routing; ValueError when
+    only some do, or a sample's routing has not one row per prompt and response token."""
+    rec = [s.gen.routing for s in samples]
+    if all(r is None for r in rec):
+        return None
+    if any(r is None or len(r) != len(s.prompt_ids) + len(s.gen.response_ids) for r, s in zip(rec, samples)):
+        raise ValueError("Generation.routing must be given for every sample of a batch, one row per prompt and response token")
+    return pa.array(rec, type=ROUTING[1])
+
+
+def has_routing_column(path: Path) -> bool:
+    """Whether the rollout file at ``path`` has the ``routing`` column (its schema only)."""
+    try:
+        return ROUTING[0] in pq.ParquetFile(path).schema_arrow.names
+    except (OSError, ValueError, pa.ArrowException):
+        return False
+
+
+def read_routing(path: Path, table: pa.Table) -> list | None:
+    """Each row's [P+T][L*k] recorded experts (None without the column: files written without
+    routing replay, and every file written before it existed), checked: one row per prompt and
+    response token, one width, no negative id."""
+    if ROUTING[0] not in table.column_names:
+        return None
+    col = table.column(ROUTING[0]).combine_chunks()
+    if col.type != ROUTING[1] or col.null_count or col.flatten().null_count:
+        raise ArtifactError(f"{path}: column routing has type {_type_name(col.type)} or nulls, expected {_type_name(ROUTING[1])}")
+    rows = col.to_pylist()
+    if len({len(pos) for r in rows for pos in r}) > 1 or any(x < 0 for r in rows for pos in r for x in pos):
+        raise ArtifactError(f"{path}: column routing holds rows of unequal widths or negative expert ids")
+    return rows  # one row per prompt and response token: checked against the samples by read_rollouts
 
 
 def check_finite(path: Path, rows: dict, arrays: TokenArrays | None) -> None:
@@ -352,7 +392,13 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
         arrays = decode_v1(path, table) if codec["format"] == 1 else decode_v2(path, table, codec)
         validate(path, table, arrays, vocab_size)
         kept = read_kept(path, table, arrays)
+        routing = read_routing(path, table)
         samples = to_samples(table, arrays)
+        if routing is not None:
+            for i, (sample, rec) in enumerate(zip(samples, routing)):
+                if len(rec) != len(sample.prompt_ids) + len(sample.gen.response_ids):
+                    raise ArtifactError(f"{path}: row {i}: column routing does not hold one row per prompt and response token")
+                sample.gen.routing = rec
         if kept is not None:
             for sample, lo, hi in zip(samples, arrays.offsets[:-1].tolist(), arrays.offsets[1:].tolist()):
                 sample.gen.kept = kept[lo:hi]
