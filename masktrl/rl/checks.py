@@ -63,9 +63,9 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
         if cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k > vocab_size:  # transformers records min(K, vocabulary)
             raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary ({vocab_size}): "
                               "the vllm engine cannot record that many entries per token")
-        check_engine(cfg)
         if cfg.model.routing_replay is not None:
             report.append(("model.routing_replay", check_routing_replay(cfg, tokenizer)))
+        check_engine(cfg)
         if cfg.train.quantization is not None:
             report.append(("train.quantization", check_train_quantization(cfg)))
         if isinstance(cfg.rollout.staleness, dict):
