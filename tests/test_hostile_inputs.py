@@ -68,9 +68,9 @@ def test_alias_bomb_does_not_hang_config_show(tmp_path):
 
 def test_set_with_a_yaml_list_for_the_method_name_is_one_line(tmp_path, cli_error):
     assert cli_error("config", "show", "--set", "method.name=[1]") == \
-        "error: unknown method [1]; valid methods: cispo, clip-cov, dapo, dppo, gmpo, gpg, grpo, gspo, kl-cov, m2po, pdm, " \
-        "prime-dppo, prime-ipo, sapo, sis, topr, trm, two-sided"
-    assert "unknown method [1]" in cli_error("train", "--set", "method.name=[1]", "--out", tmp_path / "out")
+        "error: unknown method '[1]'; valid methods: cispo, clip-cov, dapo, dppo, gmpo, gpg, grpo, gspo, kl-cov, m2po, pdm, " \
+        "prime-dppo, prime-ipo, sapo, sis, topr, trm, two-sided, or path/to/rules.py:name"
+    assert "unknown method '[1]'" in cli_error("train", "--set", "method.name=[1]", "--out", tmp_path / "out")
     assert nothing_written(tmp_path)
 
 
