@@ -187,7 +187,7 @@ def test_a_short_moe_run_with_replay_under_fp8_logs_no_routing_flip(tmp_path, cl
     0 in training, while the trainer's own routers would have flipped; a file of such a run
     replays, one without routing is refused."""
     cfg = write_tiny_config(tmp_path / "c.yaml", {"model": {"architecture": "qwen3-moe", "hidden_size": 64, "num_layers": 2},
-                                                  "rollout": {"quantization": "fp8-act"}})
+                                                  "rollout": {"quantization": "fp8"}})
     out = tmp_path / "out"
     cli("train", "--config", cfg, "--out", out, "--run", "plain")
     cli("train", "--config", cfg, "--out", out, "--run", "r3", "--set", "model.routing_replay=rollout")
