@@ -131,10 +131,22 @@ class ModelConfig:
     experts_per_token: int | None = None
     """Tiny mixture-of-experts model only (model.architecture=qwen3-moe): the experts each token
     is routed to, top-k (None: 2; at most model.num_experts). Refused on a dense architecture."""
+    routing_replay: str | None = None
+    """Mixture-of-experts models only: 'rollout' replays the engine's routing in training (R3):
+    the hf engine records the top-k experts of every prompt and response token in each MoE layer
+    (a column of the rollout file) and the training forward sends each token to those experts,
+    with gate weights recomputed from the trainer's router logits over them (as verl's
+    router_replay and slime's --use-rollout-routing-replay); mismatch/routing_flip_rate is then 0
+    by construction and mismatch/routing_flip_rate_router the rate without replay. None: off
+    (the trainer routes by itself). Refused on a dense model, with rollout.engine=vllm (the
+    engine cannot report its routing), train.packing, train.gradient_checkpointing and
+    --rollouts-from files without recorded routing (docs/MODELS.md)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> None:
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.routing_replay is not None:
+            _choice("model.routing_replay", self.routing_replay, ("rollout",))
         _choice("model.architecture", self.architecture, TINY_ARCHITECTURES)
         if self.path != "tiny" and self.architecture != "qwen3":
             raise ConfigError("model.architecture is an option of the tiny model (model.path=tiny); a checkpoint " "has its own")
@@ -612,8 +624,8 @@ def _as_dict(value: Any) -> Any:
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
 
 
-HASH_UNLESS_SET = ("model.num_experts", "model.experts_per_token", "task.env", "task.call_stop", "task.max_turns",
-                   "task.max_total_tokens", "task.env_timeout_s")
+HASH_UNLESS_SET = ("model.num_experts", "model.experts_per_token", "model.routing_replay", "task.env", "task.call_stop",
+                   "task.max_turns", "task.max_total_tokens", "task.env_timeout_s")
 """Keys that count in ``Config.hash`` (the warm-start cache's key among others) only when set."""
 
 

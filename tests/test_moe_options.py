@@ -3,7 +3,7 @@ architecture, a checkpoint or out of range they are one line, exit 2, and nothin
 
 import pytest
 
-from masktrl.config import Config, load_config
+from masktrl.config import HASH_UNLESS_SET, Config, load_config
 from masktrl.models.tiny import TinyModelConfig
 from masktrl.rl.warmstart import new_tiny_model, warmstart_key
 
@@ -46,8 +46,9 @@ def test_unset_keys_leave_the_config_hash_and_the_warmstart_key_as_before():
 
     cfg = Config()
     d = cfg.to_dict()  # what run.yaml records (the method block as written)
-    for k in ("num_experts", "experts_per_token"):
-        del d["model"][k]
+    for key in HASH_UNLESS_SET:  # the MoE, routing-replay and environment keys, all unset by default
+        section, name = key.split(".")
+        del d[section][name]
     assert cfg.hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
     moe = load_config(None, ["model.architecture=qwen3-moe"])
     assert warmstart_key(moe) != warmstart_key(load_config(None, ["model.architecture=qwen3-moe", "model.num_experts=4"]))

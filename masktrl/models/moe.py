@@ -153,3 +153,77 @@ def compare_routing(model_a: torch.nn.Module, model_b: torch.nn.Module, input_id
         per_layer=[float(x) for x in per_layer],
         tokens=n,
     )
+
+
+# --------------------------------------------------------------------------- routing replay (R3)
+
+NO_ROUTING = "the engine cannot report its routing"
+
+
+def replayed_weights(logits: Tensor, experts: Tensor, norm_topk_prob: bool) -> Tensor:
+    """[T, k] gate weights of the replayed ``experts`` [T, k] from the router's own ``logits``
+    [T, E]: softmax over all E experts (float32), taken at the replayed ids, renormalised over
+    them when the router normalises its top-k (``norm_topk_prob``), in the logits' dtype. This is
+    what transformers' Qwen3-MoE router computes for its own top-k, with the ids given instead of
+    chosen; verl's and slime's replay do the same (``scores.gather(1, top_indices)``, docs/MODELS.md)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights = probs.gather(1, experts)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype)
+
+
+@contextmanager
+def replayed_routing(model: torch.nn.Module, experts: Tensor):
+    """Inside the block, every MoE layer of ``model`` sends each token to the experts of
+    ``experts`` [L, T, k] (layer l's [T, k] for the T tokens its router sees, in the forward's
+    row-major [B, S] order) instead of its own top-k; the gate weights are recomputed from the
+    router's logits over those experts (``replayed_weights``), so gradients reach the router and
+    the experts as in an ordinary forward at that expert choice. Routers must return
+    (logits, weights, indices), as transformers' Qwen3-MoE router does; ValueError otherwise."""
+    routers = moe_routers(model)
+    if len(routers) != experts.shape[0]:
+        raise ValueError(f"the routing to replay has {experts.shape[0]} MoE layers, the model {len(routers)}")
+
+    def replay(module, _inputs, output, layer: int):
+        if not (isinstance(output, tuple) and len(output) == 3 and not output[2].is_floating_point()):
+            raise ValueError(f"{type(module).__name__} does not return (logits, weights, indices): its routing cannot be replayed")
+        logits = output[0]
+        ids = experts[layer].to(logits.device)
+        if ids.shape != output[2].shape:
+            raise ValueError(f"the routing to replay has shape {list(ids.shape)} for a router that sees {list(output[2].shape)}")
+        weights = replayed_weights(logits, ids, bool(getattr(module, "norm_topk_prob", False)))
+        return logits, weights, ids.to(output[2].dtype)
+
+    hooks = [module.register_forward_hook(lambda m, i, o, layer=layer: replay(m, i, o, layer))
+             for layer, (_, module, _k) in enumerate(routers)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def routing_targets(records: list, width: int, layers: int, k: int) -> Tensor:
+    """[L, B*width, k] the experts to replay for B right-padded rows of ``width`` positions:
+    ``records[b]`` is row b's recorded routing, [positions][L*k] (``Generation.routing``: layer
+    l's k experts at l*k..(l+1)*k); padding positions get experts 0..k-1 (their outputs are
+    masked out of every real token)."""
+    out = torch.arange(k).expand(len(records), width, layers, k).clone()  # [B, width, L, k]
+    for b, rec in enumerate(records):
+        if rec:
+            out[b, : len(rec)] = torch.tensor(rec, dtype=torch.long).reshape(len(rec), layers, k)
+    return out.permute(2, 0, 1, 3).reshape(layers, len(records) * width, k)
+
+
+def routing_records(model: torch.nn.Module, rows: list[list[int]]) -> list[list[list[int]]]:
+    """Each of ``rows`` (prompt + response ids) routed by ``model`` teacher-forced in one
+    right-padded forward: per row, [positions][L*k] the top-k expert ids of each position at each
+    MoE layer (``Generation.routing``)."""
+    device = next(model.parameters()).device
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
+    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+    r = routing(model, ids, attention)  # [L, B, S, k]
+    flat = r.permute(1, 2, 0, 3).reshape(len(rows), width, -1).tolist()  # [B, S, L*k]
+    return [flat[b][: len(row)] for b, row in enumerate(rows)]

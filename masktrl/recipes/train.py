@@ -41,7 +41,7 @@ from masktrl.rl.distributed import Dist, launched
 from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
 from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source, progress_info
-from masktrl.rl.policy import PolicyForward
+from masktrl.rl.policy import PolicyForward, enable_routing_replay
 from masktrl.rl.reference import make_reference, micro_batch_size, penalise_kl, reference_logprobs
 from masktrl.rl.run_state import Counters, ModelParts, NonFiniteError, RunServices, State, TrainResult
 from masktrl.rl.schedule import age_metrics, sample_now, staleness_cap
@@ -171,6 +171,8 @@ def build_parts(session: Session, checked: checks.Checked, progress: Progress | 
     _note(progress, dist, projection.summary())
     engine = make_engine(cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
     engine = with_environment(engine, tokenizer, cfg.task)  # task.env: multi-turn episodes
+    if cfg.model.routing_replay is not None:  # R3: the engine records its experts, the training forward replays them
+        enable_routing_replay(model, engine)
     # a low-precision copy is made from whole weights (ZeRO-3)
     if count.start or getattr(engine, "copy", None) is not None:
         sync_weights(engine, model, dist)

@@ -83,6 +83,7 @@ def _model_checks(cfg: Config, task, tokenizer, vocab_size: int, context: int | 
     if cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k > vocab_size:  # transformers records min(K, vocabulary)
         raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary " f"({vocab_size}): "
                           "the vllm engine cannot record that many entries per token")
+    report.extend(check_routing_replay(cfg, tokenizer))
     check_engine(cfg)
     if cfg.train.quantization is not None:
         report.append(("train.quantization", check_train_quantization(cfg)))
@@ -114,6 +115,7 @@ def _replay_source(cfg: Config, rollouts_from: str, tokenizer, vocab_size: int):
         kept_set_bound(f"--rollouts-from {rollouts_from} was sampled with top_p={m.get('top_p')}, " f"top_k={m.get('top_k')}",
                        m.get("engine", "hf"), int(m.get("top_k", 0) or 0), int(m.get("logprobs_k", 0) or 0), vocab_size)
     source.check_sampled_as(cfg, rollouts_from)  # pi at the temperature mu was sampled at
+    check_replay_source(cfg, source, rollouts_from)
     return source
 
 
@@ -205,6 +207,39 @@ def check_train_quantization(cfg: Config) -> str:
     how = ("fake-quantised (FP8 round trip in model.dtype, straight-through gradients)" if kind == "fake"
            else "torchao float8 training")
     return f"{t.quantization}, {how}"
+
+
+def check_routing_replay(cfg: Config, tokenizer) -> list[tuple[str, str]]:
+    """``model.routing_replay``: the model has MoE layers whose routers can be replayed, the
+    engine records routing (hf; vLLM cannot report it), and the training forward's layout allows
+    it (no packing, no activation checkpointing); returns the report's line ([] when off)."""
+    from masktrl.models.moe import NO_ROUTING, moe_routers
+
+    if cfg.model.routing_replay is None:
+        return []
+    what = f"model.routing_replay={cfg.model.routing_replay}"
+    if cfg.model.path == "tiny" and cfg.model.architecture not in MOE_ARCHITECTURES:
+        raise ConfigError(f"{what}: model.architecture={cfg.model.architecture} is dense: routing replay needs a "
+                          f"mixture-of-experts model ({', '.join(MOE_ARCHITECTURES)})")
+    if cfg.rollout.engine != "hf":
+        raise ConfigError(f"{what}: rollout.engine={cfg.rollout.engine}: {NO_ROUTING}")
+    if cfg.train.packing:
+        raise ConfigError(f"{what}: the replayed forward runs whole prompt+response rows; set train.packing=false")
+    if cfg.train.gradient_checkpointing:
+        raise ConfigError(f"{what}: activation checkpointing re-runs the routers outside the replay; "
+                          "set train.gradient_checkpointing=false")
+    routers = moe_routers(meta_model(cfg, tokenizer))
+    if not routers:
+        raise ConfigError(f"{what}: {cfg.model.path} is dense (no MoE routers): routing replay needs a mixture-of-experts model")
+    k = routers[0][2]
+    return [("model.routing_replay", f"the hf engine records the top-{k} experts of {len(routers)} MoE layers; training replays them")]
+
+
+def check_replay_source(cfg: Config, source, spec: str) -> None:
+    """Routing replay trains only on ``--rollouts-from`` batches that record the engine's routing."""
+    if cfg.model.routing_replay is not None and not source.has_routing():
+        raise ConfigError(f"model.routing_replay=rollout: --rollouts-from {spec} has no recorded routing "
+                          "(its batches were sampled without model.routing_replay)")
 
 
 def staleness_line(value: dict) -> str:

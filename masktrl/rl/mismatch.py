@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from masktrl.config import Config
-from masktrl.models.moe import moe_routers, routing, routing_flip_rate
-from masktrl.rl.policy import behaviour_logp, policy_token_batch
+from masktrl.models.moe import moe_routers, replayed_routing, routing, routing_flip_rate
+from masktrl.rl.policy import behaviour_logp, policy_token_batch, replay_targets, replays_routing
 from masktrl.rollout.base import Sample
 from masktrl.rollout.mismatch import mismatch_stats
 
@@ -59,7 +59,9 @@ def measure_mismatch(policy, model, engine, samples: list[Sample], temperature: 
             pi.append(out.batch.logp)
         stats = mismatch_stats(torch.cat(mu), torch.cat(pi))
     copy = getattr(engine, "copy", None)
-    if copy is not None and moe_routers(model):
+    if copy is not None and moe_routers(model) and replays_routing(model):
+        stats.update(replayed_routing_flips(model, samples, step))
+    elif copy is not None and moe_routers(model):
         stats["mismatch/routing_flip_rate"] = routing_flips(model, copy.model, samples, step)
     return stats
 
@@ -85,6 +87,40 @@ def routing_flips(trainer, copy, samples: list[Sample], step: int) -> float:
             flips += routing_flip_rate(a, c, mask) * n
             total += n
     return flips / total if total else float("nan")
+
+
+def replayed_routing_flips(trainer, samples: list[Sample], step: int) -> dict:
+    """Routing replay (``model.routing_replay``): ``mismatch/routing_flip_rate``, the fraction of
+    (response token, MoE layer) pairs whose experts in the training forward (the routers' output
+    with the replay on, read by the same hooks as ``routing_flips``) differ from the engine's
+    recorded ones, and ``mismatch/routing_flip_rate_router``, the same against the trainer's
+    routers left alone (what the flip rate would be without the replay)."""
+    routers = moe_routers(trainer)
+    layers, k = len(routers), routers[0][2]
+    device = next(trainer.parameters()).device
+    sums = {"mismatch/routing_flip_rate": 0.0, "mismatch/routing_flip_rate_router": 0.0}
+    total = 0
+    for i in range(0, len(samples), step):
+        part = samples[i : i + step]
+        rows = [list(s.prompt_ids) + list(s.gen.response_ids) for s in part]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)
+        attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+        response = torch.zeros_like(attention, dtype=torch.bool)  # [B, S]
+        for b, s in enumerate(part):
+            response[b, len(s.prompt_ids) : len(rows[b])] = True
+        engine = replay_targets(trainer, part, width)  # [L, B*S, k]
+        with replayed_routing(trainer, engine):
+            replayed = routing(trainer, ids, attention)  # [L, B, S, k]
+        own = routing(trainer, ids, attention)
+        recorded = engine.to(device).reshape(layers, len(part), width, k)
+        mask = response.expand(layers, *response.shape)  # [L, B, S]
+        n = int(mask.sum())
+        if n:
+            sums["mismatch/routing_flip_rate"] += routing_flip_rate(replayed, recorded, mask) * n
+            sums["mismatch/routing_flip_rate_router"] += routing_flip_rate(own, recorded, mask) * n
+            total += n
+    return {key: v / total if total else float("nan") for key, v in sums.items()}
 
 
 class UpdateLogp:

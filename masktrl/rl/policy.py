@@ -13,12 +13,14 @@ from typing import NamedTuple
 
 import torch
 
+from masktrl.errors import MasktrlError
 from masktrl.methods import BoundMethod, TokenBatch
 from masktrl.models import checkpointing
 from masktrl.models.architectures import shared_prompt_cache_ok
 from masktrl.models.kvcache import cache_kwarg, new_cache
 from masktrl.models.logprobs import renormalise_over_kept, token_logprobs_and_entropy, token_square_mass
 from masktrl.models.lowprec import quantized_head
+from masktrl.models.moe import NO_ROUTING, moe_routers, replayed_routing, routing_targets
 from masktrl.models.packing import Packed, pack_shared, pack_whole, packed_hidden
 from masktrl.rollout.base import Sample, kept_sizes, policy_tokens
 
@@ -45,6 +47,7 @@ class ForwardInputs(NamedTuple):
     prompt_attention: torch.Tensor | None = None
     group: torch.Tensor | None = None
     packed: Packed | None = None
+    routing: torch.Tensor | None = None  # [L, B*L, k] routing replay: the experts every MoE layer uses (whole layout only)
 
 
 class PolicyForward(torch.nn.Module):
@@ -76,6 +79,10 @@ class PolicyForward(torch.nn.Module):
         """[N, H] final hidden states at the response positions (the rows the lm_head reads)."""
         if inputs.packed is not None:
             return packed_hidden(self.lm.base_model, inputs.packed)
+        if inputs.routing is not None:  # routing replay: the engine's experts (models/moe.py)
+            with replayed_routing(self.lm, inputs.routing):
+                hidden = self.lm.base_model(input_ids=inputs.input_ids, attention_mask=inputs.attention).last_hidden_state
+            return hidden[inputs.rows, inputs.cols]
         if inputs.prompt_ids is None:
             hidden = self.lm.base_model(input_ids=inputs.input_ids, attention_mask=inputs.attention).last_hidden_state  # [B, L, H]
         else:
@@ -206,6 +213,10 @@ def _policy_inputs(model, samples: list[Sample], share: bool | None = None, pack
     policy = model if isinstance(getattr(model, "module", model), PolicyForward) else PolicyForward(model)
     inner = getattr(policy, "module", policy)
     device = next(policy.parameters()).device
+    if replays_routing(inner.lm):  # the engine's experts, on whole right-padded sequences
+        inputs = _whole_sequence_inputs(samples)
+        inputs["routing"] = replay_targets(inner.lm, samples, inputs["input_ids"].shape[1])
+        return policy, inner, ForwardInputs(**{k: v.to(device) for k, v in inputs.items()}), False
     prompts, group = _distinct_prompts(samples)
     if share is None:
         share = can_share_prompts(samples)
@@ -222,6 +233,39 @@ def _policy_inputs(model, samples: list[Sample], share: bool | None = None, pack
     else:
         inputs = _whole_sequence_inputs(samples)
     return policy, inner, ForwardInputs(**{k: v.to(device) for k, v in inputs.items()}), share
+
+
+REPLAY_ATTR = "masktrl_routing_replay"
+
+
+def enable_routing_replay(model: torch.nn.Module, engine=None) -> None:
+    """``model.routing_replay: rollout``: ``engine`` records every sample's routing from now on
+    (``Generation.routing``; MasktrlError for an engine that cannot), and the training forward of
+    ``model`` (every ``policy_token_batch``: the update, the separate mismatch forward, decoupled
+    pi_old) sends each token to the experts the engine recorded for it, on whole prompt+response
+    rows (no shared-prompt or packed layout)."""
+    if engine is not None:
+        if not hasattr(engine, "record_routing"):
+            raise MasktrlError(f"model.routing_replay=rollout: rollout.engine={getattr(engine, 'name', '?')}: {NO_ROUTING}")
+        engine.record_routing = True
+    setattr(model, REPLAY_ATTR, True)
+
+
+def replays_routing(model: torch.nn.Module) -> bool:
+    """Whether ``enable_routing_replay`` was called on ``model``."""
+    return bool(getattr(model, REPLAY_ATTR, False))
+
+
+def replay_targets(lm: torch.nn.Module, samples: list[Sample], width: int) -> torch.Tensor:
+    """[L, B*width, k] the recorded experts of ``samples``' right-padded rows (``routing_targets``);
+    MasktrlError for a sample without recorded routing."""
+    routers = moe_routers(lm)
+    k = routers[0][2] if routers else 0
+    missing = sum(s.gen.routing is None for s in samples)
+    if missing or not routers:
+        raise MasktrlError(f"model.routing_replay=rollout: {missing} of {len(samples)} samples have no recorded routing"
+                           if routers else "model.routing_replay=rollout: the model has no MoE layers")
+    return routing_targets([s.gen.routing for s in samples], width, len(routers), k)
 
 
 def _distinct_prompts(samples: list[Sample]) -> tuple[list[list[int]], list[int]]:

@@ -25,7 +25,7 @@ from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.rl.collect import Batch, numbered, rollout_stats
 from masktrl.runs.store import RunStore, done_steps, is_run_folder, rollout_key
 from masktrl.rollout.base import check_sampling
-from masktrl.rollout.storage import read_rollouts
+from masktrl.rollout.storage import has_routing_column, read_rollouts
 
 
 SAMPLED_AS = (("temperature", "rollout.temperature"), ("top_p", "rollout.top_p"), ("rollout_dtype", "rollout.dtype"),
@@ -98,6 +98,12 @@ class RolloutSource:
                 raise ConfigError(f"--rollouts-from {spec} was sampled with {key}={_show(recorded)}, this config " "has "
                                   f"{key}={_show(configured)} (pi is computed as mu was " "sampled); "
                                   f"add --set {key}={_show(recorded)}")
+
+    def has_routing(self) -> bool:
+        """Whether every batch records the engine's routing (``Generation.routing``; model.routing_replay)."""
+        if self._files is not None:
+            return all(has_routing_column(p) for p in self._files)
+        return all(s.gen.routing is not None for groups in self._batches for g in groups for s in g)
 
     @property
     def num_steps(self) -> int:

@@ -53,7 +53,7 @@ def warmstart_key(cfg: Config) -> str:
     1, the thread count (it changes the reduction order, hence the weights: measured, a different
     held-out accuracy), so a run never starts from another thread count's warm start."""
     threads = "" if cfg.train.threads == 1 else f"-threads{cfg.train.threads}"
-    settings = cfg.hash("model", "task", "warmstart", exclude=("model.lora",))  # LoRA starts after it
+    settings = cfg.hash("model", "task", "warmstart", exclude=("model.lora", "model.routing_replay"))  # LoRA, routing replay: after it
     return f"v{WARMSTART_VERSION}-{settings}-seed{cfg.seed}{threads}"
 
 

@@ -65,6 +65,9 @@ class Generation:
     # top-K list, its row all padding); ``turn[t]`` the turn the token belongs to (0, 1, ...).
     source: list[int] | None = None
     turn: list[int] | None = None
+    # [P+T][L*k] routing replay (model.routing_replay): the engine's top-k experts of every prompt
+    # and response position in each MoE layer; None when not recorded
+    routing: list[list[int]] | None = None
 
 
 POLICY, ENVIRONMENT = 0, 1  # Generation.source values

@@ -27,6 +27,7 @@ from masktrl.errors import MasktrlError
 from masktrl.models.kvcache import cache_kwarg
 from masktrl.models.loading import DTYPES
 from masktrl.models.lowprec import LowPrecisionCopy
+from masktrl.models.moe import routing_records
 from masktrl.rollout.base import Generation, SamplingSettings
 from masktrl.rollout.decode import decode_dropping_finished, prefill_cache
 
@@ -113,6 +114,7 @@ class HFEngine:
         self.drop_finished = drop_finished  # masktrl's decode loop (rollout/decode.py) instead of generate
         self.dtype, self.quantization = dtype, quantization
         self.copy: LowPrecisionCopy | None = None
+        self.record_routing = False  # model.routing_replay: record each sample's routing (Generation.routing)
         self.sync_weights(model)
 
     def needs_copy(self, model: torch.nn.Module) -> bool:
@@ -142,7 +144,24 @@ class HFEngine:
             torch.manual_seed(seed)
             for start in range(0, len(prompts), per_call):
                 gens.extend(self._generate_chunk(prompts[start : start + per_call], settings))
+        if self.record_routing:
+            self._record_routing(prompts, gens, per_call * settings.n)
         return gens
+
+    def _record_routing(self, prompts: list[list[int]], gens: list[list[Generation]], rows_per_call: int) -> None:
+        """``Generation.routing`` of every sample: the top-k experts the engine's model (its
+        low-precision copy, if any) picks at each prompt and response position, teacher-forced on
+        prompt + response right after sampling, ``rows_per_call`` sequences a forward."""
+        flat = [(p, g) for p, group in zip(prompts, gens) for g in group]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for i in range(0, len(flat), rows_per_call):
+                part = flat[i : i + rows_per_call]
+                for (_, g), rec in zip(part, routing_records(self.model, [list(p) + list(g.response_ids) for p, g in part])):
+                    g.routing = rec
+        finally:
+            self.model.train(was_training)
 
     def _generate_chunk(self, prompts: list[list[int]], s: SamplingSettings) -> list[list[Generation]]:
         tok = self.tokenizer

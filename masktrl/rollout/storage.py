@@ -84,6 +84,7 @@ KEPT = ("kept", pa.list_(pa.int16()))  # optional, any format: [T] kept-set size
 # [T] each token's source (0 policy, 1 environment: Generation.source) and turn index (Generation.turn)
 SOURCE = ("source", pa.list_(pa.int8()))
 TURN = ("turn", pa.list_(pa.int16()))
+ROUTING = ("routing", pa.list_(pa.list_(pa.int16())))  # optional, any format: [P+T][L*k] the engine's experts (Generation.routing)
 _TOKEN_FLOATS = ["behavior_logp_x", "topk_logp"]
 
 
@@ -142,6 +143,11 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression
         table = table.append_column(pa.field(*spec), col)
         if arrays is not None:
             opts["compression_level"][spec[0]] = 1
+    routing = routing_column(samples)
+    if routing is not None:  # routing replay: one more column, absent otherwise (other files unchanged)
+        table = table.append_column(pa.field(*ROUTING), routing)
+        if arrays is not None:
+            opts["compression_level"]["routing"] = 3
     meta_kv = {b"masktrl": json.dumps(meta, sort_keys=True).encode()}
     if codec:
         meta_kv[CODEC_KEY] = json.dumps(codec, sort_keys=True).encode()
@@ -182,6 +188,40 @@ def turn_columns(samples: list[Sample]) -> list[tuple[tuple, pa.Array]]:
         source.append(src)
         turn.append(trn)
     return [(SOURCE, pa.array(source, type=SOURCE[1])), (TURN, pa.array(turn, type=TURN[1]))]
+
+
+def routing_column(samples: list[Sample]) -> pa.Array | None:
+    """The optional ``routing`` column: None when no sample records its routing; ValueError when
+    only some do, or a sample's routing has not one row per prompt and response token."""
+    rec = [s.gen.routing for s in samples]
+    if all(r is None for r in rec):
+        return None
+    if any(r is None or len(r) != len(s.prompt_ids) + len(s.gen.response_ids) for r, s in zip(rec, samples)):
+        raise ValueError("Generation.routing must be given for every sample of a batch, one row per prompt and response token")
+    return pa.array(rec, type=ROUTING[1])
+
+
+def has_routing_column(path: Path) -> bool:
+    """Whether the rollout file at ``path`` has the ``routing`` column (its schema only)."""
+    try:
+        return ROUTING[0] in pq.ParquetFile(path).schema_arrow.names
+    except (OSError, ValueError, pa.ArrowException):
+        return False
+
+
+def read_routing(path: Path, table: pa.Table) -> list | None:
+    """Each row's [P+T][L*k] recorded experts (None without the column: files written without
+    routing replay, and every file written before it existed), checked: one row per prompt and
+    response token, one width, no negative id."""
+    if ROUTING[0] not in table.column_names:
+        return None
+    col = table.column(ROUTING[0]).combine_chunks()
+    if col.type != ROUTING[1] or col.null_count or col.flatten().null_count:
+        raise ArtifactError(f"{path}: column routing has type {_type_name(col.type)} or nulls, expected {_type_name(ROUTING[1])}")
+    rows = col.to_pylist()
+    if len({len(pos) for r in rows for pos in r}) > 1 or any(x < 0 for r in rows for pos in r for x in pos):
+        raise ArtifactError(f"{path}: column routing holds rows of unequal widths or negative expert ids")
+    return rows  # one row per prompt and response token: checked against the samples by read_rollouts
 
 
 def check_finite(path: Path, rows: dict, arrays: TokenArrays | None) -> None:
@@ -380,7 +420,13 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
         validate(path, table, arrays, vocab_size)
         kept = read_kept(path, table, arrays)
         turns = read_turns(path, table, arrays)
+        routing = read_routing(path, table)
         samples = to_samples(table, arrays)
+        if routing is not None:
+            for i, (sample, rec) in enumerate(zip(samples, routing)):
+                if len(rec) != len(sample.prompt_ids) + len(sample.gen.response_ids):
+                    raise ArtifactError(f"{path}: row {i}: column routing does not hold one row per prompt and response token")
+                sample.gen.routing = rec
         if kept is not None:
             for sample, lo, hi in zip(samples, arrays.offsets[:-1].tolist(), arrays.offsets[1:].tolist()):
                 sample.gen.kept = kept[lo:hi]
