@@ -111,7 +111,9 @@ def big_vocab_model(dest: Path, vocab: int, cfg, seed: int = 0) -> Path:
     filler = "".join(chr(0x4E00 + i) for i in range(max(0, vocab - 3 - len(alphabet))))
     tok = build_char_tokenizer(alphabet + filler)
     m = cfg.model
-    model = build_tiny_model(tok, TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size), seed)
+    model = build_tiny_model(
+        tok, TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size), seed
+    )
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest)
     tok.save_pretrained(dest)
@@ -266,9 +268,9 @@ def wrap_masktrl_phases(timer: PhaseTimer, common: bool = True) -> None:
     from masktrl.recipes import train
     from masktrl.rl import policy, update
     from masktrl.rl import train_state as checkpoint
-    from masktrl.runs.store import RunStore
     from masktrl.rollout import hf
     from masktrl.rollout.hf import HFEngine
+    from masktrl.runs.store import RunStore
 
     if common:
         wrap_common_phases(timer)

@@ -57,12 +57,30 @@ TIMING = ("step_time_s", "rollout_time_s", "tokens_per_s")
 
 SHAPES = {
     # Qwen3-0.6B's config.json (hub id Qwen/Qwen3-0.6B), untied; built from these numbers only
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, rope_theta=1_000_000.0,
-                       rms_norm_eps=1e-6, numbers=151_932),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=32, max_position_embeddings=512, rope_theta=1_000_000.0,
-                 rms_norm_eps=1e-6, numbers=2000),
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        numbers=151_932,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        numbers=2000,
+    ),
 }
 # rollout sizes per shape: (prompts per step, samples per prompt, prompt tokens, response tokens)
 SIZES = {"qwen3-0.6b": (16, 8, 64, 128), "tiny": (4, 4, 8, 8)}
@@ -88,8 +106,15 @@ def build_model(shape: str, dest: Path, dtype: str, device: str) -> dict:
     spec = dict(SHAPES[shape])
     tok = build_number_tokenizer(spec.pop("numbers"))
     rope_theta = spec.pop("rope_theta")
-    config = Qwen3Config(vocab_size=len(tok), tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                         bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, **spec)
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        **spec,
+    )
     t0 = time.time()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -103,7 +128,13 @@ def build_model(shape: str, dest: Path, dtype: str, device: str) -> dict:
     tok.save_pretrained(dest)
     params = sum(p.numel() for p in model.parameters())
     del model
-    return {"shape": shape, "parameters": params, "vocab_size": len(tok), "build_s": round(time.time() - t0, 1), **SHAPES[shape]}
+    return {
+        "shape": shape,
+        "parameters": params,
+        "vocab_size": len(tok),
+        "build_s": round(time.time() - t0, 1),
+        **SHAPES[shape],
+    }
 
 
 def write_task(work: Path, shape: str, n_rows: int = 512) -> tuple[Path, Path]:
@@ -123,7 +154,9 @@ def write_task(work: Path, shape: str, n_rows: int = 512) -> tuple[Path, Path]:
     return data, reward
 
 
-def run_config(args, model_dir: Path, data: Path, reward: Path, method: str, steps: int, engine: str, extra: dict | None = None) -> dict:
+def run_config(
+    args, model_dir: Path, data: Path, reward: Path, method: str, steps: int, engine: str, extra: dict | None = None
+) -> dict:
     """The resolved-config overlay of one run (written as YAML by the caller)."""
     prompts, n, _, new_tokens = SIZES[args.shape]
     half = max(1, steps // 2)
@@ -133,12 +166,29 @@ def run_config(args, model_dir: Path, data: Path, reward: Path, method: str, ste
         "model": {"path": str(model_dir), "dtype": args.dtype},
         "task": {"name": "dataset", "source": str(data), "reward": f"{reward}:score", "n_test": 16, "template": "raw"},
         "warmstart": {"steps": 0},
-        "rollout": {"engine": engine, "prompts_per_step": prompts, "n": n, "max_new_tokens": new_tokens, "logprobs_k": 20},
-        "train": {"steps": steps, "lr": args.lr, "checkpoint_every": steps, "keep_steps": [half], "threads": args.threads},
+        "rollout": {
+            "engine": engine,
+            "prompts_per_step": prompts,
+            "n": n,
+            "max_new_tokens": new_tokens,
+            "logprobs_k": 20,
+        },
+        "train": {
+            "steps": steps,
+            "lr": args.lr,
+            "checkpoint_every": steps,
+            "keep_steps": [half],
+            "threads": args.threads,
+        },
     }
     if engine == "vllm":
-        cfg["rollout"].update({"gpu_memory_utilization": args.gpu_memory_utilization, "sleep_mode": args.sleep_mode,
-                               "enforce_eager": args.enforce_eager})
+        cfg["rollout"].update(
+            {
+                "gpu_memory_utilization": args.gpu_memory_utilization,
+                "sleep_mode": args.sleep_mode,
+                "enforce_eager": args.enforce_eager,
+            }
+        )
     for section, values in (extra or {}).items():
         cfg.setdefault(section, {}).update(values)
     return cfg
@@ -205,7 +255,9 @@ def logp_gap(weights: Path, rollouts: Path, dtype: str, device: str, temperature
 
 
 def method_run(args, work: Path, model_dir: Path, data: Path, reward: Path, method: str) -> dict:
-    cfg = _write_yaml(work / f"{method}.yaml", run_config(args, model_dir, data, reward, method, args.steps, args.engine))
+    cfg = _write_yaml(
+        work / f"{method}.yaml", run_config(args, model_dir, data, reward, method, args.steps, args.engine)
+    )
     t0 = time.time()
     r = masktrl("train", "--config", str(cfg), "--out", str(work / "out"), "--run", method)
     wall = time.time() - t0
@@ -242,16 +294,33 @@ def method_run(args, work: Path, model_dir: Path, data: Path, reward: Path, meth
 
 def zero2_resume(args, work: Path, model_dir: Path, data: Path, reward: Path) -> dict:
     """An uninterrupted ZeRO-2 run and one killed in step 2's update then resumed: same result?"""
-    import torch
     from safetensors.torch import load_file
 
     steps = 3
     prompts, n, _, new_tokens = SIZES[args.shape]
-    extra = {"train": {"checkpoint_every": 1, "keep_steps": []},  # the check is the resume, not the throughput: a smaller batch
-             "rollout": {"prompts_per_step": max(2, prompts // 4), "n": max(2, n // 2), "max_new_tokens": max(4, new_tokens // 4)}}
+    extra = {
+        "train": {
+            "checkpoint_every": 1,
+            "keep_steps": [],
+        },  # the check is the resume, not the throughput: a smaller batch
+        "rollout": {
+            "prompts_per_step": max(2, prompts // 4),
+            "n": max(2, n // 2),
+            "max_new_tokens": max(4, new_tokens // 4),
+        },
+    }
     cfg = _write_yaml(work / "zero2.yaml", run_config(args, model_dir, data, reward, "grpo", steps, "hf", extra))
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(args.accelerate_config), "--num_processes", "1",
-                "--main_process_port", str(args.port)]
+    launcher = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(args.accelerate_config),
+        "--num_processes",
+        "1",
+        "--main_process_port",
+        str(args.port),
+    ]
     out = work / "out"
     common = ["--config", str(cfg), "--out", str(out)]
     t0 = time.time()
@@ -259,7 +328,9 @@ def zero2_resume(args, work: Path, model_dir: Path, data: Path, reward: Path) ->
     t_full = time.time() - t0
     if full.returncode != 0:
         return {"ok": False, "error": "uninterrupted run: " + (full.stderr or full.stdout)[-3000:]}
-    crash = masktrl("train", *common, "--run", "zero2-crash", launcher=launcher, env={**_env(), "MASKTRL_CRASH_AT": "update:2"})
+    crash = masktrl(
+        "train", *common, "--run", "zero2-crash", launcher=launcher, env={**_env(), "MASKTRL_CRASH_AT": "update:2"}
+    )
     killed = crash.returncode != 0 and not (out / "zero2-crash" / "summary.json").exists()
     t1 = time.time()
     resumed = masktrl("train", "--resume", "zero2-crash", "--out", str(out), launcher=launcher)
@@ -302,7 +373,9 @@ def versions() -> dict:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--work", type=Path, required=True, help="scratch folder (model, data, runs); created")
     p.add_argument("--json", type=Path, required=True, help="where the results go")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
@@ -315,8 +388,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--sleep-mode", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="vLLM without CUDA graphs: a start-up of seconds instead of a minute")
+    p.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM without CUDA graphs: a start-up of seconds instead of a minute",
+    )
     p.add_argument("--zero2", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--accelerate-config", type=Path, default=REPO / "configs" / "accelerate" / "zero2.yaml")
     p.add_argument("--port", type=int, default=29517)

@@ -45,8 +45,14 @@ def worker(args) -> dict:
 
     torch.set_num_threads(args.threads)
     tok = build_char_tokenizer("0123456789+-*= abcdefghijklmnopqrstuvwxyz")
-    cfg = TinyModelConfig(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.heads // 2,
-                          intermediate_size=4 * args.hidden, max_positions=args.prompt + args.response + 8)
+    cfg = TinyModelConfig(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.heads // 2,
+        intermediate_size=4 * args.hidden,
+        max_positions=args.prompt + args.response + 8,
+    )
     model = build_tiny_model(tok, cfg, seed=0)
     n_params = sum(p.numel() for p in model.parameters())
     if args.variant.startswith("checkpointed"):
@@ -60,7 +66,13 @@ def worker(args) -> dict:
         for _ in range(args.group):
             ids = [rng.randrange(vocab) for _ in range(args.response)]
             topk = [[rng.randrange(vocab) for _ in range(args.topk)] for _ in ids]
-            gen = Generation(response_ids=ids, logp=[-1.0] * len(ids), topk_ids=topk, topk_logp=[[-1.0] * args.topk for _ in ids], finished=True)
+            gen = Generation(
+                response_ids=ids,
+                logp=[-1.0] * len(ids),
+                topk_ids=topk,
+                topk_logp=[[-1.0] * args.topk for _ in ids],
+                finished=True,
+            )
             samples.append(Sample(f"p{g}", "", "", prompt, g, gen, advantage=rng.uniform(-1, 1)))
 
     def step():
@@ -81,9 +93,15 @@ def worker(args) -> dict:
         step()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    return {"variant": args.variant, "params": n_params, "peak_extra_mib": peak - base_rss, "first_s": first,
-            "time_s": statistics.median(times) if times else first, "times_s": times,
-            "cpu_s": statistics.median(cpu) if cpu else first}
+    return {
+        "variant": args.variant,
+        "params": n_params,
+        "peak_extra_mib": peak - base_rss,
+        "first_s": first,
+        "time_s": statistics.median(times) if times else first,
+        "times_s": times,
+        "cpu_s": statistics.median(cpu) if cpu else first,
+    }
 
 
 def run_variant(args, variant: str) -> dict:
@@ -113,27 +131,49 @@ def main() -> None:
         return
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for r in range(args.rounds):
-        for v in VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]:
+        for v in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:
             runs[v].append(run_variant(args, v))
-    med = {v: {k: statistics.median(x[k] for x in rs) for k in ("peak_extra_mib", "time_s", "cpu_s")} for v, rs in runs.items()}
+    med = {
+        v: {k: statistics.median(x[k] for x in rs) for k in ("peak_extra_mib", "time_s", "cpu_s")}
+        for v, rs in runs.items()
+    }
     params = runs[VARIANTS[0]][0]["params"]
     tokens = args.prompts * args.group * (args.prompt + args.response)
-    print(f"{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} responses x " f"({args.prompt} + {args.response}) tokens, "
-          f"{args.threads} thread(s), medians of {args.rounds} rounds")
+    print(
+        f"{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} responses x "
+        f"({args.prompt} + {args.response}) tokens, "
+        f"{args.threads} thread(s), medians of {args.rounds} rounds"
+    )
     print(f"{'variant':22} {'peak extra MiB':>15} {'wall s':>8} {'cpu s':>8}")
     for v in VARIANTS:
         print(f"{v:22} {med[v]['peak_extra_mib']:15.0f} {med[v]['time_s']:8.2f} {med[v]['cpu_s']:8.2f}")
     ratios = {}
     for path in ("shared", "whole"):
         plain, ckpt = med[f"plain-{path}"], med[f"checkpointed-{path}"]
-        ratios[path] = {k: ckpt[m] / plain[m] for k, m in (("memory", "peak_extra_mib"), ("time", "time_s"), ("cpu", "cpu_s"))}
-        print(f"checkpointed / plain, {path:6}: memory {ratios[path]['memory']:.2f}x, wall time " f"{ratios[path]['time']:.2f}x, "
-              f"cpu time {ratios[path]['cpu']:.2f}x")
+        ratios[path] = {
+            k: ckpt[m] / plain[m] for k, m in (("memory", "peak_extra_mib"), ("time", "time_s"), ("cpu", "cpu_s"))
+        }
+        print(
+            f"checkpointed / plain, {path:6}: memory {ratios[path]['memory']:.2f}x, wall time "
+            f"{ratios[path]['time']:.2f}x, "
+            f"cpu time {ratios[path]['cpu']:.2f}x"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "worker"}, "params": params,
-                                               "tokens": tokens, "runs": runs, "medians": med, "ratios": ratios,
-                                               "loadavg": os.getloadavg()}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "config": {k: v for k, v in vars(args).items() if k != "worker"},
+                    "params": params,
+                    "tokens": tokens,
+                    "runs": runs,
+                    "medians": med,
+                    "ratios": ratios,
+                    "loadavg": os.getloadavg(),
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 
 from common import peak_rss_mib, rss_mib, run_worker  # benchmarks/common.py
@@ -99,15 +98,21 @@ def main() -> None:
     time_ratio = results["chunked"]["time_s"] / results["naive"]["time_s"]
     cpu_ratio = results["chunked"]["cpu_s"] / results["naive"]["cpu_s"]
     summary = {
-        "config": {k: getattr(args, k) for k in ("vocab", "hidden", "seqs", "tokens", "topk", "chunk", "threads", "repeats", "temperature")},
+        "config": {
+            k: getattr(args, k)
+            for k in ("vocab", "hidden", "seqs", "tokens", "topk", "chunk", "threads", "repeats", "temperature")
+        },
         "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
         "results": results,
         "peak_mem_ratio": mem_ratio,
         "time_ratio": time_ratio,
         "cpu_time_ratio": cpu_ratio,
         "loadavg": os.getloadavg(),
-        "goals": {"peak_mem_ratio<=0.25": mem_ratio <= 0.25, "time_ratio<=1.2": time_ratio <= 1.2,
-                  "cpu_time_ratio<=1.2": cpu_ratio <= 1.2},
+        "goals": {
+            "peak_mem_ratio<=0.25": mem_ratio <= 0.25,
+            "time_ratio<=1.2": time_ratio <= 1.2,
+            "cpu_time_ratio<=1.2": cpu_ratio <= 1.2,
+        },
     }
     import torch
 
@@ -119,9 +124,12 @@ def main() -> None:
 
 
 def _print_table(args, results, mem_ratio, time_ratio, cpu_ratio) -> None:
-    title = (f"token_logprobs: V={args.vocab}, H={args.hidden}, {args.seqs}x{args.tokens} tokens, "
-             f"{1 + args.topk} ids/token, chunk {args.chunk}, {args.threads} threads, fwd+bwd " "float32, "
-             f"load avg {os.getloadavg()[0]:.1f}")
+    title = (
+        f"token_logprobs: V={args.vocab}, H={args.hidden}, {args.seqs}x{args.tokens} tokens, "
+        f"{1 + args.topk} ids/token, chunk {args.chunk}, {args.threads} threads, fwd+bwd "
+        "float32, "
+        f"load avg {os.getloadavg()[0]:.1f}"
+    )
     rows = [(v, f"{r['peak_extra_mib']:.0f}", f"{r['time_s']:.2f}", f"{r['cpu_s']:.2f}") for v, r in results.items()]
     rows.append(("chunked / naive", f"{mem_ratio:.3f}", f"{time_ratio:.3f}", f"{cpu_ratio:.3f}"))
     try:

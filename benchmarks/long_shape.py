@@ -30,7 +30,9 @@ import torch
 from common import OUT, bench_config
 
 SPREAD = 0.5  # log-scale spread of a response's length around its prompt's target (within a group)
-LONG_MODEL = dict(hidden_size=384, num_layers=7, num_heads=6, num_kv_heads=2, intermediate_size=1024, max_positions=1024)
+LONG_MODEL = dict(
+    hidden_size=384, num_layers=7, num_heads=6, num_kv_heads=2, intermediate_size=1024, max_positions=1024
+)
 MAX_NEW_TOKENS = 512
 
 
@@ -102,7 +104,7 @@ class TargetLength:
         out = []
         for row in ids.tolist():
             cut = len(row) - 1 - row[::-1].index(self.bar)
-            digits = [self.digit[t] for t in row[cut + 1:] if t in self.digit]
+            digits = [self.digit[t] for t in row[cut + 1 :] if t in self.digit]
             out.append(int("".join(map(str, digits))) if digits else MAX_NEW_TOKENS)
         return torch.tensor(out)
 
@@ -117,9 +119,10 @@ class TargetLength:
             self.targets = self._targets(input_ids).to(scores.device)
         t = input_ids.shape[1] - self.start  # response tokens so far; this call picks token t (0-based)
         if t == 2:
-            firsts = input_ids[:, self.start:self.start + 2].tolist()
-            self.targets = torch.tensor([row_length(int(L), a, b) for L, (a, b) in zip(self.targets.tolist(), firsts)],
-                                        device=scores.device)
+            firsts = input_ids[:, self.start : self.start + 2].tolist()
+            self.targets = torch.tensor(
+                [row_length(int(L), a, b) for L, (a, b) in zip(self.targets.tolist(), firsts)], device=scores.device
+            )
         if t < 2:
             scores = scores.clone()
             scores[:, self.eos] = float("-inf")

@@ -53,8 +53,22 @@ VARIANTS: list[tuple[str, str, dict]] = [
     *[(f"sis-{b}", "sis", {"base": b}) for b in ("grpo", "dapo", "gspo")],
     ("cispo", "cispo", {}),
     # the 2025-26 baselines (docs/METHODS.md §16) at their defaults
-    *[(name, name, {}) for name in ("sapo", "gmpo", "clip-cov", "kl-cov", "topr", "m2po", "prime-dppo", "prime-ipo",
-                                    "two-sided", "trm", "gpg")],
+    *[
+        (name, name, {})
+        for name in (
+            "sapo",
+            "gmpo",
+            "clip-cov",
+            "kl-cov",
+            "topr",
+            "m2po",
+            "prime-dppo",
+            "prime-ipo",
+            "two-sided",
+            "trm",
+            "gpg",
+        )
+    ],
     ("trm-topk-kl", "trm", {"divergence": "topk-kl"}),
 ]
 
@@ -62,16 +76,33 @@ VARIANTS: list[tuple[str, str, dict]] = [
 CORRECTIONS: dict[str, dict] = {
     **{f"grpo+{kind}": {"kind": kind} for kind in ("token-tis", "seq-tis", "token-mis", "seq-mis", "icepop", "opsm")},
     "grpo+seq-mis-geometric": {"kind": "seq-mis", "stat": "geometric"},
-    **{f"grpo+rs-{stat}": {"kind": "rs", "stat": stat} for stat in ("token_k1", "seq_sum_k2", "seq_mean_k3", "seq_max_k3")},
+    **{
+        f"grpo+rs-{stat}": {"kind": "rs", "stat": stat}
+        for stat in ("token_k1", "seq_sum_k2", "seq_mean_k3", "seq_max_k3")
+    },
     "grpo+token-tis (decoupled)": {"kind": "token-tis", "mode": "decoupled"},
 }
 DECOUPLED_FORWARD = "decoupled forward (pi_old)"
 
 CONFIGS = {
-    "tiny": dict(vocab_size=32, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                 head_dim=32, intermediate_size=512),
-    "30M": dict(vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                head_dim=64, intermediate_size=1536),
+    "tiny": dict(
+        vocab_size=32,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        intermediate_size=512,
+    ),
+    "30M": dict(
+        vocab_size=8192,
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+    ),
 }
 
 
@@ -127,8 +158,9 @@ def old_forward(model, data: dict, chunk: int) -> tuple[torch.Tensor, float, flo
     return old, time.perf_counter() - t0, time.process_time() - c0
 
 
-def train_step(model, data: dict, method, params, sampled_only: bool, chunk: int, correction=None,
-               old: torch.Tensor | None = None) -> tuple[float, float]:
+def train_step(
+    model, data: dict, method, params, sampled_only: bool, chunk: int, correction=None, old: torch.Tensor | None = None
+) -> tuple[float, float]:
     t0, c0 = time.perf_counter(), time.process_time()
     hidden = model.model(input_ids=data["input_ids"]).last_hidden_state  # [B, T, H]
     h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
@@ -141,8 +173,17 @@ def train_step(model, data: dict, method, params, sampled_only: bool, chunk: int
         lp = token_logprobs(h, weight, ids, chunk_size=chunk)
         topk_logp = lp[:, 1:]
     pi_sq = token_square_mass(h.detach(), weight.detach(), chunk_size=chunk) if method.needs_full_pi(params) else None
-    batch = TokenBatch(lp[:, 0], data["behavior_logp"], data["sampled"], data["topk_ids"], data["topk_behavior_logp"],
-                       topk_logp, data["seq_ids"], weight.shape[0], pi_sq)
+    batch = TokenBatch(
+        lp[:, 0],
+        data["behavior_logp"],
+        data["sampled"],
+        data["topk_ids"],
+        data["topk_behavior_logp"],
+        topk_logp,
+        data["seq_ids"],
+        weight.shape[0],
+        pi_sq,
+    )
     out = losses(method, params, batch, data, correction, old)
     loss = method.aggregate(params, out.loss, batch, horizon=data["input_ids"].shape[1])
     loss.backward()
@@ -159,8 +200,16 @@ def losses(method, params, batch: TokenBatch, data: dict, correction, old: torch
     return corrected_token_losses(method, batch, data["advantages"], params, correction, u=u, **kw)[0]
 
 
-def method_part(data: dict, method, params, sampled_only: bool, repeats: int, vocab: int, correction=None,
-                old: torch.Tensor | None = None) -> float:
+def method_part(
+    data: dict,
+    method,
+    params,
+    sampled_only: bool,
+    repeats: int,
+    vocab: int,
+    correction=None,
+    old: torch.Tensor | None = None,
+) -> float:
     """Median CPU seconds of the method's own work: TokenBatch -> token_losses -> aggregate -> backward
     to log pi (no model), on log-probabilities near the behaviour's."""
     gen = torch.Generator().manual_seed(2)
@@ -170,23 +219,45 @@ def method_part(data: dict, method, params, sampled_only: bool, repeats: int, vo
     for _ in range(repeats):
         logp = lp_k.clone().requires_grad_(True)
         c0 = time.process_time()
-        batch = TokenBatch(logp, data["behavior_logp"], data["sampled"], data["topk_ids"], data["topk_behavior_logp"],
-                           topk, data["seq_ids"], vocab, data["pi_sq_sum"] if method.needs_full_pi(params) else None)
+        batch = TokenBatch(
+            logp,
+            data["behavior_logp"],
+            data["sampled"],
+            data["topk_ids"],
+            data["topk_behavior_logp"],
+            topk,
+            data["seq_ids"],
+            vocab,
+            data["pi_sq_sum"] if method.needs_full_pi(params) else None,
+        )
         out = losses(method, params, batch, data, correction, old)
         method.aggregate(params, out.loss, batch, horizon=data["input_ids"].shape[1]).backward()
         ts.append(time.process_time() - c0)
     return statistics.median(ts)
 
 
-def bench_config(name: str, cfg: dict, seqs: int, tokens: int, k: int, repeats: int, warmup: int, chunk: int,
-                 variants: list[tuple[str, str, dict]] = VARIANTS, corrections: dict[str, dict] | None = None) -> dict:
+def bench_config(
+    name: str,
+    cfg: dict,
+    seqs: int,
+    tokens: int,
+    k: int,
+    repeats: int,
+    warmup: int,
+    chunk: int,
+    variants: list[tuple[str, str, dict]] = VARIANTS,
+    corrections: dict[str, dict] | None = None,
+) -> dict:
     model = build_model(cfg, seed=0)
     n_params = sum(p.numel() for p in model.parameters())
     data = synthetic_batch(model, seqs, tokens, k, seed=1, noise=0.05)
     entries = [(label, get_method(m), make_params(m, **kw), False, None) for label, m, kw in variants]
     entries.append(("grpo (sampled id only)", get_method("grpo"), make_params("grpo"), True, None))
     corrections = CORRECTIONS if corrections is None else corrections
-    entries += [(label, get_method("grpo"), make_params("grpo"), False, make_correction(block)) for label, block in corrections.items()]
+    entries += [
+        (label, get_method("grpo"), make_params("grpo"), False, make_correction(block))
+        for label, block in corrections.items()
+    ]
     times: dict[str, list[tuple[float, float]]] = {e[0]: [] for e in entries}
     old_times: list[tuple[float, float]] = []
     old_all = None
@@ -225,21 +296,40 @@ def bench_config(name: str, cfg: dict, seqs: int, tokens: int, k: int, repeats: 
             "median_wall_s": statistics.median(t[0] for t in old_times),
             "ratio_wall": statistics.median(t[0] for t in old_times) / statistics.median(b[0] for b in base),
         }
-    return {"extra": extra, "config": name, "params": n_params, "tokens": seqs * tokens, "k": k, "repeats": repeats, "methods": rows,
-            "loadavg": os.getloadavg()}
+    return {
+        "extra": extra,
+        "config": name,
+        "params": n_params,
+        "tokens": seqs * tokens,
+        "k": k,
+        "repeats": repeats,
+        "methods": rows,
+        "loadavg": os.getloadavg(),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads (1: stable CPU-time ratios on a shared machine)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (1: stable CPU-time ratios on a shared machine)"
+    )
     p.add_argument("--quick", action="store_true", help="fewer repeats and a smaller 30M batch")
     p.add_argument("--json", type=str, default=None)
     p.add_argument("--chunk", type=int, default=1024)
-    p.add_argument("--configs", type=str, default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
-    p.add_argument("--variants", type=str, default=None,
-                   help="comma-separated variant labels to time (grpo, the baseline, is always " "included); default all")
-    p.add_argument("--corrections-only", action="store_true",
-                   help="time grpo with each off-policy correction (and the decoupled forward), plus " "--variants if given")
+    p.add_argument(
+        "--configs", type=str, default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}"
+    )
+    p.add_argument(
+        "--variants",
+        type=str,
+        default=None,
+        help="comma-separated variant labels to time (grpo, the baseline, is always included); default all",
+    )
+    p.add_argument(
+        "--corrections-only",
+        action="store_true",
+        help="time grpo with each off-policy correction (and the decoupled forward), plus --variants if given",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     variants = select_variants((args.variants or "grpo") if args.corrections_only else args.variants)
@@ -263,20 +353,33 @@ def main() -> None:
     core_part = [r["methods"][label]["ratio_from_method_part"] for r in results for label in labels]
     core_wall = [r["methods"][label]["ratio_wall"] for r in results for label in labels]
     summary = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
-                    "threads": args.threads, "loadavg_start": load0, "loadavg_end": os.getloadavg()},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads": args.threads,
+            "loadavg_start": load0,
+            "loadavg_end": os.getloadavg(),
+        },
         "configs": results,
         "max_overhead_ratio": max(core),
         "max_overhead_ratio_wall": max(core_wall),
         "max_overhead_ratio_from_method_part": max(core_part),
-        "per_method_ratio": {f"{r['config']}/{label}": row["ratio"] for r in results for label, row in r["methods"].items()},
-        "per_method_ratio_wall": {f"{r['config']}/{label}": row["ratio_wall"] for r in results for label, row in r["methods"].items()},
+        "per_method_ratio": {
+            f"{r['config']}/{label}": row["ratio"] for r in results for label, row in r["methods"].items()
+        },
+        "per_method_ratio_wall": {
+            f"{r['config']}/{label}": row["ratio_wall"] for r in results for label, row in r["methods"].items()
+        },
         "goal_all_le_1.05": max(core) <= 1.05,
         "decoupled_forward_ratio": {r["config"]: r["extra"][DECOUPLED_FORWARD]["ratio"] for r in results if r["extra"]},
     }
-    print(f"max overhead ratio over all methods and configs: cpu {max(core):.3f} (wall " f"{max(core_wall):.3f}, "
-          f"from the method part alone {max(core_part):.3f}); "
-          f"load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(
+        f"max overhead ratio over all methods and configs: cpu {max(core):.3f} (wall "
+        f"{max(core_wall):.3f}, "
+        f"from the method part alone {max(core_part):.3f}); "
+        f"load average {load0[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
@@ -295,8 +398,11 @@ def select_variants(spec: str | None) -> list[tuple[str, str, dict]]:
 
 
 def _print(res: dict, threads: int) -> None:
-    title = (f"{res['config']} Qwen3 ({res['params'] / 1e6:.1f}M params), {res['tokens']} tokens, " f"K={res['k']}, "
-             f"{threads} threads, median of {res['repeats']}, load avg {res['loadavg'][0]:.1f}")
+    title = (
+        f"{res['config']} Qwen3 ({res['params'] / 1e6:.1f}M params), {res['tokens']} tokens, "
+        f"K={res['k']}, "
+        f"{threads} threads, median of {res['repeats']}, load avg {res['loadavg'][0]:.1f}"
+    )
     try:
         from rich.console import Console
         from rich.table import Table
@@ -305,19 +411,40 @@ def _print(res: dict, threads: int) -> None:
         for c in ("method", "cpu s", "ratio (cpu)", "wall s", "ratio (wall)", "method part ms", "ratio from part"):
             t.add_column(c, justify="right")
         for label, row in res["methods"].items():
-            t.add_row(label, f"{row['median_cpu_s']:.4f}", f"{row['ratio']:.3f}", f"{row['median_wall_s']:.4f}",
-                      f"{row['ratio_wall']:.3f}", f"{1000 * row['method_part_cpu_s']:.2f}", f"{row['ratio_from_method_part']:.3f}")
+            t.add_row(
+                label,
+                f"{row['median_cpu_s']:.4f}",
+                f"{row['ratio']:.3f}",
+                f"{row['median_wall_s']:.4f}",
+                f"{row['ratio_wall']:.3f}",
+                f"{1000 * row['method_part_cpu_s']:.2f}",
+                f"{row['ratio_from_method_part']:.3f}",
+            )
         for label, row in res.get("extra", {}).items():
-            t.add_row(label, f"{row['median_cpu_s']:.4f}", f"{row['ratio']:.3f}", f"{row['median_wall_s']:.4f}",
-                      f"{row['ratio_wall']:.3f}", "-", "-")
+            t.add_row(
+                label,
+                f"{row['median_cpu_s']:.4f}",
+                f"{row['ratio']:.3f}",
+                f"{row['median_wall_s']:.4f}",
+                f"{row['ratio_wall']:.3f}",
+                "-",
+                "-",
+            )
         Console(width=160).print(t)
     except ImportError:
         print(title)
         for label, row in res["methods"].items():
-            print(f"{label:>28} {row['median_cpu_s']:10.4f} {row['ratio']:8.3f} " f"{row['median_wall_s']:10.4f} "
-                  f"{row['ratio_wall']:8.3f} {1000 * row['method_part_cpu_s']:8.2f} " f"{row['ratio_from_method_part']:8.3f}")
+            print(
+                f"{label:>28} {row['median_cpu_s']:10.4f} {row['ratio']:8.3f} "
+                f"{row['median_wall_s']:10.4f} "
+                f"{row['ratio_wall']:8.3f} {1000 * row['method_part_cpu_s']:8.2f} "
+                f"{row['ratio_from_method_part']:8.3f}"
+            )
         for label, row in res.get("extra", {}).items():
-            print(f"{label:>28} {row['median_cpu_s']:10.4f} {row['ratio']:8.3f} " f"{row['median_wall_s']:10.4f} {row['ratio_wall']:8.3f}")
+            print(
+                f"{label:>28} {row['median_cpu_s']:10.4f} {row['ratio']:8.3f} "
+                f"{row['median_wall_s']:10.4f} {row['ratio_wall']:8.3f}"
+            )
 
 
 if __name__ == "__main__":

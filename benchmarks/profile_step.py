@@ -43,7 +43,12 @@ def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=40, help="RL steps of the profiled run (the first is not counted)")
     p.add_argument("--method", default=None, help="method name (default: the preset's)")
-    p.add_argument("--full-run-steps", type=int, default=800, help="run length for the manifest-growth probe (the preset's train.steps)")
+    p.add_argument(
+        "--full-run-steps",
+        type=int,
+        default=800,
+        help="run length for the manifest-growth probe (the preset's train.steps)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
     args = p.parse_args(argv)
     quiet()
@@ -121,10 +126,9 @@ def io_probe(steps_now: int, steps_full: int, reps: int = 7) -> dict:
     import tempfile
     import time
 
+    from common import BENCH_TMP
     from masktrl.io import atomic_write_bytes
     from masktrl.runs.store import RunStore
-
-    from common import BENCH_TMP
 
     BENCH_TMP.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="io-", dir=BENCH_TMP))
@@ -135,8 +139,15 @@ def io_probe(steps_now: int, steps_full: int, reps: int = 7) -> dict:
         for steps in (steps_now, steps_full):
             store = RunStore(root / f"run{steps}")
             store.root.mkdir(parents=True)
-            fake = {"status": "done", "time": 0.0, "config_hash": "", "files": {"steps/000001/rollouts.parquet": "0" * 64}}
-            store.manifest["stages"].update({f"step/{i:06d}/{kind}": dict(fake) for i in range(1, steps + 1) for kind in ("rollout", "train")})
+            fake = {
+                "status": "done",
+                "time": 0.0,
+                "config_hash": "",
+                "files": {"steps/000001/rollouts.parquet": "0" * 64},
+            }
+            store.manifest["stages"].update(
+                {f"step/{i:06d}/{kind}": dict(fake) for i in range(1, steps + 1) for kind in ("rollout", "train")}
+            )
             store.write_manifest()
             times = []
             for i in range(reps):
@@ -158,9 +169,13 @@ def io_probe(steps_now: int, steps_full: int, reps: int = 7) -> dict:
 
 
 def report(r: dict) -> None:
-    rows = [[k, r["phases_ms"][k], 100 * r["phase_shares"][k]] for k in sorted(r["phases_ms"], key=lambda k: -r["phases_ms"][k])]
+    rows = [
+        [k, r["phases_ms"][k], 100 * r["phase_shares"][k]]
+        for k in sorted(r["phases_ms"], key=lambda k: -r["phases_ms"][k])
+    ]
     print_table(
-        f"masktrl step on the tiny default ({r['config']['method']}): {r['step_ms_mean']:.0f} " "ms/step, "
+        f"masktrl step on the tiny default ({r['config']['method']}): {r['step_ms_mean']:.0f} "
+        "ms/step, "
         f"{r['steps_counted']} steps",
         ["phase", "ms/step", "% of step"],
         rows,
@@ -169,7 +184,8 @@ def report(r: dict) -> None:
     print_table("shares by stage", ["stage", "% of step"], grows)
     verdict = "met" if r["io_goal_met"] else "MISSED"
     print(
-        f"io_share = {r['io_share']:.3f} (goal <= {r['io_goal']}: {verdict}); checkpoint " f"{r['checkpoint_ms']:.0f} ms "
+        f"io_share = {r['io_share']:.3f} (goal <= {r['io_goal']}: {verdict}); checkpoint "
+        f"{r['checkpoint_ms']:.0f} ms "
         f"every {r['checkpoint_every']} steps"
     )
     probe = r["io_probe"]

@@ -50,14 +50,18 @@ def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=7, help="timed write/read rounds per case")
     p.add_argument("--k", type=int, default=20)
-    p.add_argument("--run", help="measure this run folder's steps/*/rollouts.parquet as the tiny case (default: train one)")
+    p.add_argument(
+        "--run", help="measure this run folder's steps/*/rollouts.parquet as the tiny case (default: train one)"
+    )
     p.add_argument("--tiny-steps", type=int, default=3)
     p.add_argument("--vocab", type=int, default=151_936)
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--level", type=int, default=None, help="zstd level of format 2 (default: write_rollouts' own)")
     p.add_argument("--boosts", type=int, default=4)
-    p.add_argument("--cases", nargs="+", default=["tiny", "float32-zipf", "bf16-zipf", "float32-uniform-ids", "bf16-uniform-ids"])
+    p.add_argument(
+        "--cases", nargs="+", default=["tiny", "float32-zipf", "bf16-zipf", "float32-uniform-ids", "bf16-uniform-ids"]
+    )
     args = p.parse_args(argv)
 
     from masktrl.rollout.storage import read_rollouts
@@ -73,7 +77,9 @@ def main(argv=None) -> dict:
             else:
                 dtype, ids = case.split("-", 1)
                 if ids not in synthetic:  # one draw of logits serves the float32 and the bf16 case
-                    synthetic[ids] = synthetic_batches(args.rows, args.tokens, args.vocab, args.k, 1.2 if ids == "zipf" else 0.0, args.boosts, seed=0)
+                    synthetic[ids] = synthetic_batches(
+                        args.rows, args.tokens, args.vocab, args.k, 1.2 if ids == "zipf" else 0.0, args.boosts, seed=0
+                    )
                 batches = [(synthetic[ids][dtype], {"case": case})]
             results[case] = measure(batches, tmp, args.reps, level)
             results[case]["stats"] = batch_stats(batches)
@@ -88,13 +94,29 @@ def main(argv=None) -> dict:
 
 def tiny_run(tmp: Path, steps: int) -> Path:
     """A ``steps``-step tiny default run (50 warm-start steps), via the CLI."""
-    cmd = [sys.executable, "-c", "from masktrl.cli import main; main()", "train", "--out", str(tmp / "out"), "--run", "tiny",
-           "--set", "warmstart.steps=50", "--set", f"train.steps={steps}", "--set", "task.n_test=32"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from masktrl.cli import main; main()",
+        "train",
+        "--out",
+        str(tmp / "out"),
+        "--run",
+        "tiny",
+        "--set",
+        "warmstart.steps=50",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        "task.n_test=32",
+    ]
     subprocess.run(cmd, check=True, capture_output=True)
     return tmp / "out" / "tiny"
 
 
-def synthetic_batches(rows: int, tokens: int, vocab: int, k: int, alpha: float, boosts: int, seed: int) -> dict[str, list]:
+def synthetic_batches(
+    rows: int, tokens: int, vocab: int, k: int, alpha: float, boosts: int, seed: int
+) -> dict[str, list]:
     """{"float32": samples, "bf16": samples}: ``rows`` responses of ``tokens`` tokens each, from one
     draw of logits (see the module docstring), rounded to bfloat16 for the second batch."""
     import torch
@@ -109,7 +131,11 @@ def synthetic_batches(rows: int, tokens: int, vocab: int, k: int, alpha: float, 
     for start in range(0, n, 128):
         m = min(128, n - start)
         z = 20.0 + prior + torch.randn((m, vocab), generator=g)  # [m, V]
-        z.scatter_add_(1, torch.randint(0, vocab, (m, boosts), generator=g), 3.0 - 10.0 * torch.log(torch.rand((m, boosts), generator=g)))
+        z.scatter_add_(
+            1,
+            torch.randint(0, vocab, (m, boosts), generator=g),
+            3.0 - 10.0 * torch.log(torch.rand((m, boosts), generator=g)),
+        )
         for dtype, out in cols.items():
             lp = torch.log_softmax(z if dtype == "float32" else z.to(torch.bfloat16).float(), dim=-1)
             v, i = lp.topk(k, dim=-1)
@@ -127,8 +153,19 @@ def synthetic_batches(rows: int, tokens: int, vocab: int, k: int, alpha: float, 
         for r in range(rows):
             prompt = rng.integers(0, vocab, 64).tolist() if r % 8 == 0 else prompt  # groups of 8 share a prompt
             gen = Generation(ids[r], logp[r], top_ids[r], top_lp[r], finished=bool(r % 3))
-            samples.append(Sample(f"ex{r // 8}", "".join(words[i] for i in prompt), str(r), prompt, r // 8, gen,
-                                  text="".join(words[i] for i in ids[r]), reward=float(r % 2), advantage=float(rng.normal())))
+            samples.append(
+                Sample(
+                    f"ex{r // 8}",
+                    "".join(words[i] for i in prompt),
+                    str(r),
+                    prompt,
+                    r // 8,
+                    gen,
+                    text="".join(words[i] for i in ids[r]),
+                    reward=float(r % 2),
+                    advantage=float(rng.normal()),
+                )
+            )
         batches[dtype] = samples
     return batches
 
@@ -182,10 +219,14 @@ def measure(batches, tmp: Path, reps: int, level: dict) -> dict:
         for b, (samples, meta) in enumerate(batches):
             paths = {fmt: tmp / f"b{b}-v{fmt}.parquet" for fmt in order}
             for fmt in order:
-                times[f"write{fmt}"].append(timed(storage.write_rollouts, paths[fmt], samples, meta, fmt=fmt, **(level if fmt == 2 else {})))
+                times[f"write{fmt}"].append(
+                    timed(storage.write_rollouts, paths[fmt], samples, meta, fmt=fmt, **(level if fmt == 2 else {}))
+                )
             with no_disk(storage):
                 for fmt in order:
-                    times[f"encode{fmt}"].append(timed(storage.write_rollouts, paths[fmt], samples, meta, fmt=fmt, **(level if fmt == 2 else {})))
+                    times[f"encode{fmt}"].append(
+                        timed(storage.write_rollouts, paths[fmt], samples, meta, fmt=fmt, **(level if fmt == 2 else {}))
+                    )
             for fmt in order:
                 times[f"read{fmt}"].append(timed(legacy_read if fmt == 1 else storage.read_rollouts, paths[fmt]))
             times["validate"].append(validate_time(paths[2]))
@@ -207,7 +248,10 @@ def column_sizes(path: Path) -> dict[str, int]:
     import pyarrow.parquet as pq
 
     group = pq.ParquetFile(path).metadata.row_group(0)
-    sizes = {group.column(i).path_in_schema.split(".")[0]: group.column(i).total_compressed_size for i in range(group.num_columns)}
+    sizes = {
+        group.column(i).path_in_schema.split(".")[0]: group.column(i).total_compressed_size
+        for i in range(group.num_columns)
+    }
     return {**sizes, "other": path.stat().st_size - sum(sizes.values())}
 
 
@@ -241,8 +285,24 @@ def validate_time(path: Path) -> float:
 def fingerprint(samples) -> list:
     """Everything a sample holds, log-probabilities as float32 bit patterns."""
     bits = lambda xs: np.asarray(xs, dtype=np.float32).view(np.uint32).tolist()  # noqa: E731
-    return [(s.example_id, s.prompt, s.answer, s.prompt_ids, s.group, s.text, s.reward, s.advantage, s.gen.finished,
-             s.gen.response_ids, bits(s.gen.logp), s.gen.topk_ids, [bits(row) for row in s.gen.topk_logp]) for s in samples]
+    return [
+        (
+            s.example_id,
+            s.prompt,
+            s.answer,
+            s.prompt_ids,
+            s.group,
+            s.text,
+            s.reward,
+            s.advantage,
+            s.gen.finished,
+            s.gen.response_ids,
+            bits(s.gen.logp),
+            s.gen.topk_ids,
+            [bits(row) for row in s.gen.topk_logp],
+        )
+        for s in samples
+    ]
 
 
 def legacy_read(path: Path) -> list:
@@ -252,21 +312,77 @@ def legacy_read(path: Path) -> list:
     from masktrl.rollout.base import Generation, Sample
 
     d = pq.read_table(path).to_pydict()
-    return [Sample(d["example_id"][i], d["prompt"][i], d["answer"][i], d["prompt_ids"][i], d["group"][i],
-                   Generation(d["response_ids"][i], d["behavior_logp"][i], d["topk_ids"][i], d["topk_logp"][i], d["finished"][i]),
-                   text=d["text"][i], reward=d["reward"][i], advantage=d["advantage"][i]) for i in range(len(d["group"]))]
+    return [
+        Sample(
+            d["example_id"][i],
+            d["prompt"][i],
+            d["answer"][i],
+            d["prompt_ids"][i],
+            d["group"][i],
+            Generation(
+                d["response_ids"][i], d["behavior_logp"][i], d["topk_ids"][i], d["topk_logp"][i], d["finished"][i]
+            ),
+            text=d["text"][i],
+            reward=d["reward"][i],
+            advantage=d["advantage"][i],
+        )
+        for i in range(len(d["group"]))
+    ]
 
 
 def report(results: dict) -> None:
     rows = []
     for case, r in results.items():
-        rows.append([case, r["tokens_per_batch"], r["bytes_per_token_v1"], r["bytes_per_token_v2"], r["bytes_per_token_v1"] / r["bytes_per_token_v2"],
-                     r["write1_ms"], r["write2_ms"], r["write_ratio"], r["encode_ratio"], r["read1_ms"], r["read2_ms"], r["read_ratio"], r["validate_ms"]])
-    print_table(f"Rollout storage, format 1 -> 2 (target <= {TARGET:.0f} B/token at K = 20)",
-                ["case", "tokens/batch", "B/token v1", "B/token v2", "smaller", "write ms v1", "write ms v2", "ratio", "encode ratio",
-                 "read ms v1", "read ms v2", "ratio", "validate ms"], rows)
-    print_table("What shapes the sizes", ["case", "top-1 p", "top-K mass", "sampled in top-K", "top-K id entropy (bits)"],
-                [[c, r["stats"]["top1_prob_mean"], r["stats"]["topk_mass_mean"], r["stats"]["sampled_in_topk"], r["stats"]["topk_id_entropy_bits"]] for c, r in results.items()])
+        rows.append(
+            [
+                case,
+                r["tokens_per_batch"],
+                r["bytes_per_token_v1"],
+                r["bytes_per_token_v2"],
+                r["bytes_per_token_v1"] / r["bytes_per_token_v2"],
+                r["write1_ms"],
+                r["write2_ms"],
+                r["write_ratio"],
+                r["encode_ratio"],
+                r["read1_ms"],
+                r["read2_ms"],
+                r["read_ratio"],
+                r["validate_ms"],
+            ]
+        )
+    print_table(
+        f"Rollout storage, format 1 -> 2 (target <= {TARGET:.0f} B/token at K = 20)",
+        [
+            "case",
+            "tokens/batch",
+            "B/token v1",
+            "B/token v2",
+            "smaller",
+            "write ms v1",
+            "write ms v2",
+            "ratio",
+            "encode ratio",
+            "read ms v1",
+            "read ms v2",
+            "ratio",
+            "validate ms",
+        ],
+        rows,
+    )
+    print_table(
+        "What shapes the sizes",
+        ["case", "top-1 p", "top-K mass", "sampled in top-K", "top-K id entropy (bits)"],
+        [
+            [
+                c,
+                r["stats"]["top1_prob_mean"],
+                r["stats"]["topk_mass_mean"],
+                r["stats"]["sampled_in_topk"],
+                r["stats"]["topk_id_entropy_bits"],
+            ]
+            for c, r in results.items()
+        ],
+    )
 
 
 if __name__ == "__main__":

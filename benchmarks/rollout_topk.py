@@ -35,7 +35,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import BENCH_TMP, bench_config, big_vocab_model, machine, median, parser, print_table, quiet, warm_model, write_json
+from common import (
+    BENCH_TMP,
+    bench_config,
+    big_vocab_model,
+    machine,
+    median,
+    parser,
+    print_table,
+    quiet,
+    warm_model,
+    write_json,
+)
 
 GOAL = 0.10
 
@@ -67,12 +78,20 @@ def main(argv=None) -> dict:
         topk_overhead=result["tiny"]["topk_overhead"],
         goal=GOAL,
         goal_met=result["tiny"]["topk_overhead"] <= GOAL,
-        settings={"prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens, "reps": args.reps, "threads": args.threads},
+        settings={
+            "prompts": args.prompts,
+            "group": args.group,
+            "max_new_tokens": args.max_new_tokens,
+            "reps": args.reps,
+            "threads": args.threads,
+        },
         machine=machine(),
     )
     for name in [k for k in result if k == "tiny" or k.startswith("vocab")]:
         report(name, result[name], len(tok) if name == "tiny" else args.vocab)
-    print(f"topk_overhead = {result['topk_overhead']:.3f} (goal <= {GOAL}: " f"{'met' if result['goal_met'] else 'MISSED'})")
+    print(
+        f"topk_overhead = {result['topk_overhead']:.3f} (goal <= {GOAL}: {'met' if result['goal_met'] else 'MISSED'})"
+    )
     write_json(args.json, result)
     return result
 
@@ -83,9 +102,9 @@ def _tmp() -> Path:
 
 
 def measure(model, tok, cfg, args, batch_sizes=(), ks=None) -> dict:
-    from masktrl.tasks import make_task
     from masktrl.rollout.base import SamplingSettings
     from masktrl.rollout.hf import HFEngine, sampling_kwargs, shared_prefill
+    from masktrl.tasks import make_task
 
     model.eval()
     task = make_task(cfg.task, cfg.model)
@@ -93,13 +112,18 @@ def measure(model, tok, cfg, args, batch_sizes=(), ks=None) -> dict:
     prompts = [tok(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
     ks = ks or args.k
     k_ref = 20
-    settings = {k: SamplingSettings(n=args.group, max_new_tokens=args.max_new_tokens, logprobs_k=k) for k in sorted({*ks, k_ref})}
+    settings = {
+        k: SamplingSettings(n=args.group, max_new_tokens=args.max_new_tokens, logprobs_k=k)
+        for k in sorted({*ks, k_ref})
+    }
     s = settings[k_ref]
     width = max(len(p) for p in prompts)
     pad = tok.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [P, W] left-padded
     att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    gen_kw = dict(**sampling_kwargs(s), max_new_tokens=s.max_new_tokens, pad_token_id=pad, eos_token_id=tok.eos_token_id)
+    gen_kw = dict(
+        **sampling_kwargs(s), max_new_tokens=s.max_new_tokens, pad_token_id=pad, eos_token_id=tok.eos_token_id
+    )
     eos = tok.eos_token_id
 
     def count(seqs) -> int:  # generated tokens up to and including EOS, as the engine counts them
@@ -116,8 +140,11 @@ def measure(model, tok, cfg, args, batch_sizes=(), ks=None) -> dict:
         def run():
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.manual_seed(0)
-                out = model.generate(input_ids=ids, attention_mask=att, num_return_sequences=s.n, use_cache=use_cache, **gen_kw)
+                out = model.generate(
+                    input_ids=ids, attention_mask=att, num_return_sequences=s.n, use_cache=use_cache, **gen_kw
+                )
             return count(out)
+
         return run
 
     def prefilled():
@@ -157,7 +184,7 @@ def measure(model, tok, cfg, args, batch_sizes=(), ks=None) -> dict:
 def report(name: str, r: dict, vocab: int) -> None:
     rows = [[v, r["ms"][v], r["tokens_per_s"][v], r["vs_no_recording"][v]] for v in r["ms"]]
     print_table(
-        f"HF engine, {name} model (vocabulary {vocab}); {next(iter(r['tokens'].values()))} " "generated tokens per batch",
+        f"HF engine, {name} model (vocabulary {vocab}); {next(iter(r['tokens'].values()))} generated tokens per batch",
         ["variant", "ms/batch", "tokens/s", "time vs no recording"],
         rows,
     )

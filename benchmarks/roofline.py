@@ -40,7 +40,6 @@ Runs on the GPU when there is one (``--device auto``), else on the CPU.
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import sys
 import time
@@ -109,14 +108,22 @@ def shapes(names: list[str]) -> dict:
     if "default" in names:  # configs/tiny.yaml: 64 prompts x 8, one micro-batch; answers of 3-4 digits + EOS
         out["default"] = dict(config=[], micro=512, group=8, response=lambda rng, ex: rng.choice((4, 5)))
     if "lab" in names:  # configs/lab.yaml: 64 x 8 in 8 minibatches; 4 numbers + EOS
-        out["lab"] = dict(config=[str(Path(__file__).resolve().parents[1] / "configs" / "lab.yaml")], micro=64, group=8, response=lambda rng, ex: 5)
+        out["lab"] = dict(
+            config=[str(Path(__file__).resolve().parents[1] / "configs" / "lab.yaml")],
+            micro=64,
+            group=8,
+            response=lambda rng, ex: 5,
+        )
     if "long" in names:  # benchmarks/long_shape.py: 2 prompts x 8, responses around the prompt's target length
         from long_shape import row_length
-
         from masktrl.tasks.longtail import target_length
 
-        out["long"] = dict(config=None, micro=16, group=8,
-                           response=lambda rng, ex: row_length(target_length(ex.prompt), rng.randrange(64), rng.randrange(64)))
+        out["long"] = dict(
+            config=None,
+            micro=16,
+            group=8,
+            response=lambda rng, ex: row_length(target_length(ex.prompt), rng.randrange(64), rng.randrange(64)),
+        )
     return out
 
 
@@ -142,7 +149,9 @@ def build(name: str, spec: dict, device, dtype, seed: int = 0):
         m = cfg.model
         task = make_task(cfg.task, cfg.model)
         tok = tiny_tokenizer(m.tokenizer, task.alphabet())
-        model = build_tiny_model(tok, TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size), seed).to(dtype)
+        model = build_tiny_model(
+            tok, TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size), seed
+        ).to(dtype)
         dims = dict(hidden_size=m.hidden_size, num_layers=m.num_layers, num_heads=m.num_heads)
     task = make_task(cfg.task, cfg.model)
     rng = random.Random(seed)
@@ -154,8 +163,13 @@ def build(name: str, spec: dict, device, dtype, seed: int = 0):
             n = spec["response"](rng, ex)
             ids = [rng.randrange(3, vocab) for _ in range(n)]
             topk = [rng.sample(range(vocab), min(K, vocab)) for _ in range(n)]
-            gen = Generation(ids, [-rng.uniform(0.5, 3) for _ in range(n)], topk,
-                             [sorted((-rng.uniform(0.1, 5) for _ in range(len(topk[0]))), reverse=True) for _ in range(n)], True)
+            gen = Generation(
+                ids,
+                [-rng.uniform(0.5, 3) for _ in range(n)],
+                topk,
+                [sorted((-rng.uniform(0.1, 5) for _ in range(len(topk[0]))), reverse=True) for _ in range(n)],
+                True,
+            )
             samples.append(Sample(ex.id, ex.prompt, ex.answer, prompt, g, gen, advantage=rng.uniform(-1, 1)))
     rng.shuffle(samples)
     return model.to(device), tok, samples, dims, cfg
@@ -250,7 +264,9 @@ def step_fn(model, samples, packed: bool, share: bool):
     def run():
         if packed:
             h = packing.packed_hidden(model.base_model, layout)
-            lp, _ = token_logprobs_and_entropy(h, model.get_output_embeddings().weight, ids, temperature=TEMPERATURE, chunk_size=CHUNK)
+            lp, _ = token_logprobs_and_entropy(
+                h, model.get_output_embeddings().weight, ids, temperature=TEMPERATURE, chunk_size=CHUNK
+            )
             batch = dataclasses.replace(ref.batch, logp=lp[:, 0], topk_logp=lp[:, 1:])
         else:
             batch = policy.policy_token_batch(model, samples, TEMPERATURE, CHUNK, share=share).batch
@@ -313,14 +329,23 @@ def measure_training(name, model, dims, samples, device, reps: int, peak: float,
         act = saved_bytes(runs[v])
         peak_mem = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else None
         t, c = median(times[v]), median(cpu[v])
-        rows.append({
-            "shape": name, "variant": v, "time_ms": 1000 * t, "cpu_ms": 1000 * c, "tokens_run": real,
-            "tokens_computed": real if packed else padded,
-            "padding_share": 0.0 if packed else 1 - real / padded, "model_gflop": flops / 1e9, "tflops": flops / t / 1e12,
-            "mfu": flops / t / peak, "mfu_cpu_time": None if cpu_peak is None else flops / c / cpu_peak,
-            "saved_activation_mib": act / 2**20,
-            "peak_mib": None if peak_mem is None else peak_mem / 2**20,
-        })
+        rows.append(
+            {
+                "shape": name,
+                "variant": v,
+                "time_ms": 1000 * t,
+                "cpu_ms": 1000 * c,
+                "tokens_run": real,
+                "tokens_computed": real if packed else padded,
+                "padding_share": 0.0 if packed else 1 - real / padded,
+                "model_gflop": flops / 1e9,
+                "tflops": flops / t / 1e12,
+                "mfu": flops / t / peak,
+                "mfu_cpu_time": None if cpu_peak is None else flops / c / cpu_peak,
+                "saved_activation_mib": act / 2**20,
+                "peak_mib": None if peak_mem is None else peak_mem / 2**20,
+            }
+        )
     model.zero_grad(set_to_none=True)
     return rows
 
@@ -360,12 +385,19 @@ def measure_rss(names: list[str], threads: int) -> dict:
     for name, spec in shapes(names).items():
         _, _, samples, _, _ = build(name, spec, torch.device("cpu"), torch.float32)
         for v in variants(samples):
-            res = subprocess.run([sys.executable, __file__, "--rss-child", name, v, "--threads", str(threads)],
-                                 capture_output=True, text=True, check=True)
+            res = subprocess.run(
+                [sys.executable, __file__, "--rss-child", name, v, "--threads", str(threads)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             line = [ln for ln in res.stdout.splitlines() if ln.startswith("RSS ")][-1]
             peak, before = (int(x) / 1024 for x in line.split()[1:])
             out[(name, v)] = (peak, before)
-            print(f"  {name:8s} {v:22s} step peak RSS +{peak:,.0f} MiB (process at {before:,.0f} MiB " "before it)", flush=True)
+            print(
+                f"  {name:8s} {v:22s} step peak RSS +{peak:,.0f} MiB (process at {before:,.0f} MiB before it)",
+                flush=True,
+            )
     return out
 
 
@@ -434,7 +466,7 @@ def measure_generation(name, model, tok, samples, cfg, device, bw: float, peak: 
     handle, count = count_row_steps(model)
     with stack:
         for r in range(reps + 1):  # the first round is a warm-up
-            for v in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+            for v in list(engines) if r % 2 == 0 else list(reversed(engines)):
                 count[0] = 0
                 sync(device)
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -455,15 +487,27 @@ def measure_generation(name, model, tok, samples, cfg, device, bw: float, peak: 
     for v in engines:
         t, c, toks = sum(times[v]), sum(cpu[v]), sum(tokens[v])
         bw_time, compute_time = (sum(b[i] for b in bound[v]) for i in (0, 1))
-        rows.append({
-            "shape": name, "variant": v, "time_ms": 1000 * t / reps, "cpu_ms": 1000 * c / reps,
-            "generated_tokens": toks / reps, "rows": len(prompts) * n,
-            "tokens_per_s": toks / t, "tokens_per_cpu_s": toks / c, "bandwidth_bound_tokens_per_s": toks / bw_time,
-            "bandwidth_utilisation": bw_time / t, "compute_bound_tokens_per_s": toks / compute_time,
-            "weights_mib": total * model.dtype.itemsize / 2**20, "weights_fit_in_cache": total * model.dtype.itemsize < 32 * 2**20,
-            "row_steps_wasted": 1 - toks / sum(row_steps[v]),
-            "prompts": prompts, "n": n, "batches": batches[v],
-        })
+        rows.append(
+            {
+                "shape": name,
+                "variant": v,
+                "time_ms": 1000 * t / reps,
+                "cpu_ms": 1000 * c / reps,
+                "generated_tokens": toks / reps,
+                "rows": len(prompts) * n,
+                "tokens_per_s": toks / t,
+                "tokens_per_cpu_s": toks / c,
+                "bandwidth_bound_tokens_per_s": toks / bw_time,
+                "bandwidth_utilisation": bw_time / t,
+                "compute_bound_tokens_per_s": toks / compute_time,
+                "weights_mib": total * model.dtype.itemsize / 2**20,
+                "weights_fit_in_cache": total * model.dtype.itemsize < 32 * 2**20,
+                "row_steps_wasted": 1 - toks / sum(row_steps[v]),
+                "prompts": prompts,
+                "n": n,
+                "batches": batches[v],
+            }
+        )
     return rows
 
 
@@ -489,19 +533,32 @@ def generation_cache_variants(name, model, tok, samples, cfg, device, reps: int)
     toks = {}
     with stack, torch.no_grad():
         for r in range(reps + 1):
-            for variant in (out if r % 2 == 0 else reversed(list(out))):
+            for variant in out if r % 2 == 0 else reversed(list(out)):
                 extra = {"cache_implementation": "static"} if variant == "static cache" else {}
                 torch.manual_seed(r)
                 sync(device)
                 t0 = time.perf_counter()
-                g = model.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                                   max_new_tokens=cfg.rollout.max_new_tokens, num_return_sequences=n, pad_token_id=pad, **extra)
+                g = model.generate(
+                    input_ids=ids,
+                    attention_mask=att,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_p=1.0,
+                    top_k=0,
+                    max_new_tokens=cfg.rollout.max_new_tokens,
+                    num_return_sequences=n,
+                    pad_token_id=pad,
+                    **extra,
+                )
                 sync(device)
                 if r:
                     out[variant].append(time.perf_counter() - t0)
                 resp = g[:, width:]
                 toks[variant] = int(((resp != pad) | (resp == tok.eos_token_id)).sum())
-    return [{"shape": name, "variant": v, "time_ms": 1000 * median(t), "tokens_per_s": toks[v] / median(t)} for v, t in out.items()]
+    return [
+        {"shape": name, "variant": v, "time_ms": 1000 * median(t), "tokens_per_s": toks[v] / median(t)}
+        for v, t in out.items()
+    ]
 
 
 # --------------------------------------------------------------------------- main
@@ -515,43 +572,67 @@ def main(argv=None) -> dict:
     p.add_argument("--gen-reps", type=int, default=1, help="timed generation batches per shape (after one warm-up)")
     p.add_argument("--no-generation", action="store_true")
     p.add_argument("--no-training", action="store_true", help="generation (and --cache-variants) only")
-    p.add_argument("--cache-variants", action="store_true", help="also time generate with a dynamic vs a static KV cache")
+    p.add_argument(
+        "--cache-variants", action="store_true", help="also time generate with a dynamic vs a static KV cache"
+    )
     p.add_argument("--gemm", type=int, default=None, help="GEMM size (default 4096 on CPU, 8192 on GPU)")
     p.add_argument("--triad-mib", type=int, default=512, help="size of each triad array (MiB)")
-    p.add_argument("--rss", action="store_true", help="CPU: also each training variant's peak resident memory, one process per variant")
+    p.add_argument(
+        "--rss",
+        action="store_true",
+        help="CPU: also each training variant's peak resident memory, one process per variant",
+    )
     p.add_argument("--rss-child", nargs=2, metavar=("SHAPE", "VARIANT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rss_child:
         rss_child(*args.rss_child, args.threads)
         return {}
     quiet()
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     torch.set_num_threads(args.threads)
     gemm = args.gemm or (8192 if device.type == "cuda" else 4096)
     peak = matmul_peak(device, gemm)
     cpu_peak = matmul_peak(device, gemm, cpu_time=True) if device.type == "cpu" else None
     bw = bandwidth(device, args.triad_mib)
-    print(f"{device}: float32 GEMM peak {peak / 1e9:,.1f} GFLOP/s" + (f" ({cpu_peak / 1e9:,.1f} per CPU-second)" if cpu_peak else "")
-          + f", triad bandwidth {bw / 1e9:,.1f} GB/s ({args.threads} thread(s))", flush=True)
+    print(
+        f"{device}: float32 GEMM peak {peak / 1e9:,.1f} GFLOP/s"
+        + (f" ({cpu_peak / 1e9:,.1f} per CPU-second)" if cpu_peak else "")
+        + f", triad bandwidth {bw / 1e9:,.1f} GB/s ({args.threads} thread(s))",
+        flush=True,
+    )
     names = [s.strip() for s in args.shapes.split(",") if s.strip()]
     train_rows, gen_rows, cache_rows, info = [], [], [], {}
     for name, spec in shapes(names).items():
         model, tok, samples, dims, cfg = build(name, spec, device, torch.float32)
         total, n, head = param_counts(model)
-        info[name] = {"parameters": total, "non_embedding": n, "sequences": len(samples),
-                      "prompt_tokens_mean": sum(len(s.prompt_ids) for s in samples) / len(samples),
-                      "response_tokens_mean": sum(len(s.gen.response_ids) for s in samples) / len(samples)}
+        info[name] = {
+            "parameters": total,
+            "non_embedding": n,
+            "sequences": len(samples),
+            "prompt_tokens_mean": sum(len(s.prompt_ids) for s in samples) / len(samples),
+            "response_tokens_mean": sum(len(s.gen.response_ids) for s in samples) / len(samples),
+        }
         if not args.no_training:
             train_rows += measure_training(name, model, dims, samples, device, args.reps, peak, cpu_peak)
         for r in train_rows:
             if r["shape"] == name:
                 extra = f", per CPU-second {100 * r['mfu_cpu_time']:5.1f} %" if r["mfu_cpu_time"] is not None else ""
-                print(f"  {name:8s} {r['variant']:22s} {r['time_ms']:9.1f} ms  MFU " f"{100 * r['mfu']:5.1f} %{extra}", flush=True)
+                print(
+                    f"  {name:8s} {r['variant']:22s} {r['time_ms']:9.1f} ms  MFU {100 * r['mfu']:5.1f} %{extra}",
+                    flush=True,
+                )
         if not args.no_generation:
             gen_rows += measure_generation(name, model, tok, samples, cfg, device, bw, peak, args.gen_reps)
-            for g in gen_rows[-len(GEN_VARIANTS):]:
-                print(f"  {name:8s} generation, {g['variant']:13s} {g['tokens_per_s']:,.0f} tokens/s, "
-                      f"{100 * g['bandwidth_utilisation']:.1f} % of the bandwidth bound", flush=True)
+            for g in gen_rows[-len(GEN_VARIANTS) :]:
+                print(
+                    f"  {name:8s} generation, {g['variant']:13s} {g['tokens_per_s']:,.0f} tokens/s, "
+                    f"{100 * g['bandwidth_utilisation']:.1f} % of the bandwidth bound",
+                    flush=True,
+                )
             if args.cache_variants:
                 cache_rows += generation_cache_variants(name, model, tok, samples, cfg, device, args.gen_reps)
                 for c in cache_rows[-2:]:
@@ -563,8 +644,18 @@ def main(argv=None) -> dict:
             step, before = rss.get((r["shape"], r["variant"]), (None, None))
             r["step_peak_rss_mib"], r["rss_before_mib"] = step, before
             r["process_peak_rss_mib"] = None if step is None else step + before
-    result = {"device": str(device), "matmul_peak_flops": peak, "matmul_peak_flops_per_cpu_s": cpu_peak, "bandwidth_bytes_per_s": bw, "threads": args.threads,
-              "shapes": info, "training": train_rows, "generation": gen_rows, "generate_cache": cache_rows, "machine": machine()}
+    result = {
+        "device": str(device),
+        "matmul_peak_flops": peak,
+        "matmul_peak_flops_per_cpu_s": cpu_peak,
+        "bandwidth_bytes_per_s": bw,
+        "threads": args.threads,
+        "shapes": info,
+        "training": train_rows,
+        "generation": gen_rows,
+        "generate_cache": cache_rows,
+        "machine": machine(),
+    }
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
     report(result)
@@ -574,23 +665,80 @@ def main(argv=None) -> dict:
 
 def report(r: dict) -> None:
     if r["training"]:
-        print_table(f"training forward + backward, one micro-batch ({r['device']}; peak " f"{r['matmul_peak_flops'] / 1e9:,.0f} GFLOP/s)",
-                    ["shape", "variant", "ms", "CPU ms", "tokens run", "padding %", "GFLOP", "MFU %", "MFU % (CPU time)", "saved activations MiB",
-                     "process peak RSS MiB"],
-                    [[t["shape"], t["variant"], t["time_ms"], t["cpu_ms"], t["tokens_run"], 100 * t["padding_share"], t["model_gflop"],
-                      100 * t["mfu"], float("nan") if t["mfu_cpu_time"] is None else 100 * t["mfu_cpu_time"],
-                      t["saved_activation_mib"], float("nan") if t.get("process_peak_rss_mib") is None else t["process_peak_rss_mib"]]
-                     for t in r["training"]])
+        print_table(
+            f"training forward + backward, one micro-batch ({r['device']}; peak "
+            f"{r['matmul_peak_flops'] / 1e9:,.0f} GFLOP/s)",
+            [
+                "shape",
+                "variant",
+                "ms",
+                "CPU ms",
+                "tokens run",
+                "padding %",
+                "GFLOP",
+                "MFU %",
+                "MFU % (CPU time)",
+                "saved activations MiB",
+                "process peak RSS MiB",
+            ],
+            [
+                [
+                    t["shape"],
+                    t["variant"],
+                    t["time_ms"],
+                    t["cpu_ms"],
+                    t["tokens_run"],
+                    100 * t["padding_share"],
+                    t["model_gflop"],
+                    100 * t["mfu"],
+                    float("nan") if t["mfu_cpu_time"] is None else 100 * t["mfu_cpu_time"],
+                    t["saved_activation_mib"],
+                    float("nan") if t.get("process_peak_rss_mib") is None else t["process_peak_rss_mib"],
+                ]
+                for t in r["training"]
+            ],
+        )
     if r["generation"]:
-        print_table(f"generation, HF engine (bandwidth {r['bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s)",
-                    ["shape", "variant", "ms", "CPU ms", "tokens", "tokens/s", "tokens per CPU-s", "bandwidth bound tokens/s", "% of bound",
-                     "compute bound tokens/s", "row-steps on finished rows %", "weights MiB"],
-                    [[g["shape"], g["variant"], g["time_ms"], g["cpu_ms"], g["generated_tokens"], g["tokens_per_s"], g["tokens_per_cpu_s"],
-                      g["bandwidth_bound_tokens_per_s"], 100 * g["bandwidth_utilisation"], g["compute_bound_tokens_per_s"],
-                      100 * g["row_steps_wasted"], g["weights_mib"]] for g in r["generation"]])
+        print_table(
+            f"generation, HF engine (bandwidth {r['bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s)",
+            [
+                "shape",
+                "variant",
+                "ms",
+                "CPU ms",
+                "tokens",
+                "tokens/s",
+                "tokens per CPU-s",
+                "bandwidth bound tokens/s",
+                "% of bound",
+                "compute bound tokens/s",
+                "row-steps on finished rows %",
+                "weights MiB",
+            ],
+            [
+                [
+                    g["shape"],
+                    g["variant"],
+                    g["time_ms"],
+                    g["cpu_ms"],
+                    g["generated_tokens"],
+                    g["tokens_per_s"],
+                    g["tokens_per_cpu_s"],
+                    g["bandwidth_bound_tokens_per_s"],
+                    100 * g["bandwidth_utilisation"],
+                    g["compute_bound_tokens_per_s"],
+                    100 * g["row_steps_wasted"],
+                    g["weights_mib"],
+                ]
+                for g in r["generation"]
+            ],
+        )
     if r.get("generate_cache"):
-        print_table("transformers generate, KV cache kind (no log-prob recording)", ["shape", "cache", "ms", "tokens/s"],
-                    [[c["shape"], c["variant"], c["time_ms"], c["tokens_per_s"]] for c in r["generate_cache"]])
+        print_table(
+            "transformers generate, KV cache kind (no log-prob recording)",
+            ["shape", "cache", "ms", "tokens/s"],
+            [[c["shape"], c["variant"], c["time_ms"], c["tokens_per_s"]] for c in r["generate_cache"]],
+        )
 
 
 if __name__ == "__main__":

@@ -55,7 +55,12 @@ def main(argv=None) -> dict:
     quiet()
 
     n_steps = args.steps + 2
-    common = [f"train.steps={n_steps}", f"train.checkpoint_every={n_steps}", f"train.threads={args.threads}", "task.n_test=32"]
+    common = [
+        f"train.steps={n_steps}",
+        f"train.checkpoint_every={n_steps}",
+        f"train.threads={args.threads}",
+        "task.n_test=32",
+    ]
     warm = warm_model(bench_config())
     BENCH_TMP.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=BENCH_TMP) as d:
@@ -65,8 +70,14 @@ def main(argv=None) -> dict:
         copy_model(big, big, suppress_tokens=[_eos_id(big)])
         points = (
             [("group size", n, [f"model.path={warm}", f"rollout.n={n}"]) for n in args.groups]
-            + [("max_new_tokens, EOS off", t, [f"model.path={fixed_len}", f"rollout.max_new_tokens={t}"]) for t in args.lengths]
-            + [(f"top-K, V={args.vocab}, EOS off", k, [f"model.path={big}", f"rollout.logprobs_k={k}"]) for k in args.ks]
+            + [
+                ("max_new_tokens, EOS off", t, [f"model.path={fixed_len}", f"rollout.max_new_tokens={t}"])
+                for t in args.lengths
+            ]
+            + [
+                (f"top-K, V={args.vocab}, EOS off", k, [f"model.path={big}", f"rollout.logprobs_k={k}"])
+                for k in args.ks
+            ]
         )
         runs = {i: [] for i in range(len(points))}
         timer = PhaseTimer()
@@ -74,22 +85,42 @@ def main(argv=None) -> dict:
         try:
             for rep in range(args.reps):
                 order = list(range(len(points)))
-                order = order[rep % len(order):] + order[: rep % len(order)]  # rotate the start point
+                order = order[rep % len(order) :] + order[: rep % len(order)]  # rotate the start point
                 for i in order:
                     sweep, value, overrides = points[i]
                     phases: list[dict] = []
-                    run = run_masktrl(bench_config(*overrides, *common), on_start=timer.take, on_step=lambda phases=phases: phases.append(timer.take()))
+                    run = run_masktrl(
+                        bench_config(*overrides, *common),
+                        on_start=timer.take,
+                        on_step=lambda phases=phases: phases.append(timer.take()),
+                    )
                     counted = slice(1, len(run["step_times"]) - 1)
-                    runs[i].append({"step_s": run["step_times"][counted], "cpu_s": run["cpu_times"][counted], "tokens": [r["tokens"] for r in run["metrics"]][counted], "phases": phases[counted]})
-                    print(f"rep {rep + 1}/{args.reps} {sweep} = {value}: " f"{1000 * median(runs[i][-1]['step_s']):.0f} ms/step", flush=True)
+                    runs[i].append(
+                        {
+                            "step_s": run["step_times"][counted],
+                            "cpu_s": run["cpu_times"][counted],
+                            "tokens": [r["tokens"] for r in run["metrics"]][counted],
+                            "phases": phases[counted],
+                        }
+                    )
+                    print(
+                        f"rep {rep + 1}/{args.reps} {sweep} = {value}: "
+                        f"{1000 * median(runs[i][-1]['step_s']):.0f} ms/step",
+                        flush=True,
+                    )
         finally:
             timer.restore()
 
     rows = [point_stats(sweep, value, runs[i]) for i, (sweep, value, _) in enumerate(points)]
     result = {
         "points": rows,
-        "settings": {"steps": args.steps, "reps": args.reps, "threads": args.threads, "vocab_for_k": args.vocab,
-                     "base": "configs/tiny.yaml (grpo, 32 prompts/step, n=8, max_new_tokens=6, K=20)"},
+        "settings": {
+            "steps": args.steps,
+            "reps": args.reps,
+            "threads": args.threads,
+            "vocab_for_k": args.vocab,
+            "base": "configs/tiny.yaml (grpo, 32 prompts/step, n=8, max_new_tokens=6, K=20)",
+        },
         "machine": machine(),
     }
     report(rows)
@@ -131,11 +162,34 @@ def report(rows: list[dict]) -> None:
         first = pts[0]["step_ms"]
         for r in pts:
             s = r["stage_ms"]
-            table.append([sweep, r["value"], r["step_ms"], r["step_ms"] / first, r["cpu_ms"], r["tokens_per_step"], r["tokens_per_s"],
-                          s["rollout"], s["logprobs"] + s["loss"] + s["backward"], s["io"]])
+            table.append(
+                [
+                    sweep,
+                    r["value"],
+                    r["step_ms"],
+                    r["step_ms"] / first,
+                    r["cpu_ms"],
+                    r["tokens_per_step"],
+                    r["tokens_per_s"],
+                    s["rollout"],
+                    s["logprobs"] + s["loss"] + s["backward"],
+                    s["io"],
+                ]
+            )
     print_table(
         "masktrl step time vs group size, response length and K",
-        ["sweep", "value", "ms/step", "x first", "CPU ms/step", "tokens/step", "tokens/s", "rollout ms", "update ms", "io ms"],
+        [
+            "sweep",
+            "value",
+            "ms/step",
+            "x first",
+            "CPU ms/step",
+            "tokens/step",
+            "tokens/s",
+            "rollout ms",
+            "update ms",
+            "io ms",
+        ],
         table,
     )
 

@@ -28,8 +28,12 @@ import sys
 import time
 from pathlib import Path
 
-for _k, _v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_OMP_THREADS_BIND": "0"}.items():
+for _k, _v in {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TORCH_COMPILE_DISABLE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0",
+}.items():
     os.environ.setdefault(_k, _v)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,15 +44,21 @@ from common import die, machine, parser, print_table, quiet, write_json  # noqa:
 def long_rows(path: str) -> tuple[dict, dict]:
     """(roofline's long ``generate`` row, the whole result) from roofline.py's JSON."""
     result = json.loads(Path(path).read_text())
-    rows = [g for g in result.get("generation", []) if g["shape"] == "long" and g.get("variant") == "generate" and g.get("batches")]
+    rows = [
+        g
+        for g in result.get("generation", [])
+        if g["shape"] == "long" and g.get("variant") == "generate" and g.get("batches")
+    ]
     if not rows:
-        die(f"{path} holds no long-shape generate batches: run roofline.py --shapes long --json " f"{path} first")
+        die(f"{path} holds no long-shape generate batches: run roofline.py --shapes long --json {path} first")
     return rows[0], result
 
 
 def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("--batches", required=True, metavar="FILE", help="roofline.py's JSON (its long-shape generation rows)")
+    p.add_argument(
+        "--batches", required=True, metavar="FILE", help="roofline.py's JSON (its long-shape generation rows)"
+    )
     args = p.parse_args(argv)
     quiet()
     import torch
@@ -63,13 +73,33 @@ def main(argv=None) -> dict:
     model_dir = long_model()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.set_num_threads(args.threads)
-    llm = vllm.LLM(model=str(model_dir), dtype="float32", enforce_eager=True, seed=0, max_logprobs=20,
-                   logprobs_mode="processed_logprobs", max_model_len=hf.config.max_position_embeddings)
+    llm = vllm.LLM(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_logprobs=20,
+        logprobs_mode="processed_logprobs",
+        max_model_len=hf.config.max_position_embeddings,
+    )
 
     def run(lengths, seed):
         requests = [vllm.inputs.TokensPrompt(prompt_token_ids=list(prompts[i // n])) for i in range(len(lengths))]
-        params = [vllm.SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=L, min_tokens=L, ignore_eos=True,
-                                      logprobs=20, seed=seed * 1000 + i, detokenize=False) for i, L in enumerate(lengths)]
+        params = [
+            vllm.SamplingParams(
+                n=1,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_tokens=L,
+                min_tokens=L,
+                ignore_eos=True,
+                logprobs=20,
+                seed=seed * 1000 + i,
+                detokenize=False,
+            )
+            for i, L in enumerate(lengths)
+        ]
         t0, c0 = time.perf_counter(), time.process_time()
         out = llm.generate(requests, params, use_tqdm=False)
         t, c = time.perf_counter() - t0, time.process_time() - c0
@@ -86,22 +116,55 @@ def main(argv=None) -> dict:
         times.append(t)
         cpus.append(c)
         tokens += sum(b["lengths"])
-        bw_time += generation_bounds(hf, prompts, n, b["lengths"], roof["bandwidth_bytes_per_s"], roof["matmul_peak_flops"])[0]
+        bw_time += generation_bounds(
+            hf, prompts, n, b["lengths"], roof["bandwidth_bytes_per_s"], roof["matmul_peak_flops"]
+        )[0]
     result = {
-        "engine": f"vllm {vllm.__version__}", "batches": len(batches), "rows": len(prompts) * n, "generated_tokens": tokens / len(batches),
-        "time_ms": 1000 * sum(times) / len(batches), "cpu_ms": 1000 * sum(cpus) / len(batches),
-        "tokens_per_s": tokens / sum(times), "tokens_per_cpu_s": tokens / sum(cpus),
-        "bandwidth_bound_tokens_per_s": tokens / bw_time, "bandwidth_utilisation": bw_time / sum(times),
-        "omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"], "machine": machine(),
-        "hf_rows": {g["variant"]: {k: g[k] for k in ("tokens_per_s", "tokens_per_cpu_s", "bandwidth_utilisation")}
-                    for g in roof["generation"] if g["shape"] == "long"},
+        "engine": f"vllm {vllm.__version__}",
+        "batches": len(batches),
+        "rows": len(prompts) * n,
+        "generated_tokens": tokens / len(batches),
+        "time_ms": 1000 * sum(times) / len(batches),
+        "cpu_ms": 1000 * sum(cpus) / len(batches),
+        "tokens_per_s": tokens / sum(times),
+        "tokens_per_cpu_s": tokens / sum(cpus),
+        "bandwidth_bound_tokens_per_s": tokens / bw_time,
+        "bandwidth_utilisation": bw_time / sum(times),
+        "omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+        "machine": machine(),
+        "hf_rows": {
+            g["variant"]: {k: g[k] for k in ("tokens_per_s", "tokens_per_cpu_s", "bandwidth_utilisation")}
+            for g in roof["generation"]
+            if g["shape"] == "long"
+        },
     }
-    print_table("long shape generation: vLLM-cpu on roofline.py's batches (and roofline.py's HF rows)",
-                ["engine", "ms per batch", "CPU ms", "tokens", "tokens/s", "tokens per CPU-s", "% of bandwidth bound"],
-                [[result["engine"], result["time_ms"], result["cpu_ms"], result["generated_tokens"], result["tokens_per_s"],
-                  result["tokens_per_cpu_s"], 100 * result["bandwidth_utilisation"]]]
-                + [[f"hf {v}", float("nan"), float("nan"), float("nan"), h["tokens_per_s"], h["tokens_per_cpu_s"], 100 * h["bandwidth_utilisation"]]
-                   for v, h in result["hf_rows"].items()])
+    print_table(
+        "long shape generation: vLLM-cpu on roofline.py's batches (and roofline.py's HF rows)",
+        ["engine", "ms per batch", "CPU ms", "tokens", "tokens/s", "tokens per CPU-s", "% of bandwidth bound"],
+        [
+            [
+                result["engine"],
+                result["time_ms"],
+                result["cpu_ms"],
+                result["generated_tokens"],
+                result["tokens_per_s"],
+                result["tokens_per_cpu_s"],
+                100 * result["bandwidth_utilisation"],
+            ]
+        ]
+        + [
+            [
+                f"hf {v}",
+                float("nan"),
+                float("nan"),
+                float("nan"),
+                h["tokens_per_s"],
+                h["tokens_per_cpu_s"],
+                100 * h["bandwidth_utilisation"],
+            ]
+            for v, h in result["hf_rows"].items()
+        ],
+    )
     write_json(args.json, result)
     return result
 

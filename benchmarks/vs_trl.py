@@ -104,23 +104,42 @@ LABELS = {
 
 def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("--shape", choices=("default", "long"), default="default",
-                   help="default: the tiny preset's arithmetic; long: long prompts and heavy-tailed " "responses (long_shape.py)")
-    p.add_argument("--reps", type=int, default=None, help="blocks per side, alternating (ABBA order); default 4 (long: 2)")
+    p.add_argument(
+        "--shape",
+        choices=("default", "long"),
+        default="default",
+        help="default: the tiny preset's arithmetic; long: long prompts and heavy-tailed responses (long_shape.py)",
+    )
+    p.add_argument(
+        "--reps", type=int, default=None, help="blocks per side, alternating (ABBA order); default 4 (long: 2)"
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps per block; default 6 (long: 1)")
-    p.add_argument("--prompts", type=int, default=None, help="prompts per step (rollout.prompts_per_step); default 32 (long: 2)")
+    p.add_argument(
+        "--prompts", type=int, default=None, help="prompts per step (rollout.prompts_per_step); default 32 (long: 2)"
+    )
     p.add_argument("--group", type=int, default=8, help="samples per prompt (rollout.n, TRL num_generations)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="completion length limit; default 6 (long: 512)")
     p.add_argument("--k", type=int, default=20, help="masktrl's recorded top-K (rollout.logprobs_k)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--no-phases", action="store_true", help="do not time the stages inside each step")
-    p.add_argument("--ablate-sharing", action="store_true",
-                   help="add a side: masktrl with its per-group prompt sharing (generation prefill " "and "
-                        "training forward) switched off, i.e. every sequence runs its prompt, as " "TRL does")
-    p.add_argument("--ablate", action="store_true",
-                   help="add masktrl with packing off, with prompt sharing off, and with both off " "(packing: --shape long only)")
-    p.add_argument("--drop-finished", action="store_true",
-                   help="add masktrl with rollout.drop_finished=true (its own decode loop: ended " "responses leave the batch)")
+    p.add_argument(
+        "--ablate-sharing",
+        action="store_true",
+        help="add a side: masktrl with its per-group prompt sharing (generation prefill "
+        "and "
+        "training forward) switched off, i.e. every sequence runs its prompt, as "
+        "TRL does",
+    )
+    p.add_argument(
+        "--ablate",
+        action="store_true",
+        help="add masktrl with packing off, with prompt sharing off, and with both off (packing: --shape long only)",
+    )
+    p.add_argument(
+        "--drop-finished",
+        action="store_true",
+        help="add masktrl with rollout.drop_finished=true (its own decode loop: ended responses leave the batch)",
+    )
     args = p.parse_args(argv)
     long = args.shape == "long"
     defaults = {"reps": (4, 2), "steps": (6, 1), "prompts": (32, 2), "max_new_tokens": (6, 512)}
@@ -151,14 +170,23 @@ def main(argv=None) -> dict:
         from long_shape import follow_target_lengths, long_config, long_model, param_count
 
         model_dir = long_model()
-        cfg = long_config(model_dir, *common, "train.packing=true", f"train.micro_batch_tokens={LONG_MICRO_BATCH_TOKENS}")
+        cfg = long_config(
+            model_dir, *common, "train.packing=true", f"train.micro_batch_tokens={LONG_MICRO_BATCH_TOKENS}"
+        )
         cfg_unpacked = long_config(model_dir, *common)  # today's forward: one padded micro-batch (train.grad_accum=1)
-        cfg_drop = long_config(model_dir, *common, "train.packing=true", f"train.micro_batch_tokens={LONG_MICRO_BATCH_TOKENS}",
-                               "rollout.drop_finished=true")
+        cfg_drop = long_config(
+            model_dir,
+            *common,
+            "train.packing=true",
+            f"train.micro_batch_tokens={LONG_MICRO_BATCH_TOKENS}",
+            "rollout.drop_finished=true",
+        )
     else:
         base = bench_config(f"train.threads={args.threads}")
         model_dir = warm_model(base)  # the tiny preset's warm start, cached under outputs/.cache
-        cfg = bench_config(f"model.path={model_dir}", *common, "task.n_test=32")  # eval before/after is not timed; keep it short
+        cfg = bench_config(
+            f"model.path={model_dir}", *common, "task.n_test=32"
+        )  # eval before/after is not timed; keep it short
         cfg_unpacked = cfg
         cfg_drop = bench_config(f"model.path={model_dir}", *common, "task.n_test=32", "rollout.drop_finished=true")
     dataset_rows = masktrl_prompts(cfg, n_steps)
@@ -194,11 +222,15 @@ def main(argv=None) -> dict:
                     else:
                         share, packed = SIDES[side]
                         with prompt_sharing(share):
-                            block = run_masktrl_block(cfg_drop if side == "masktrl-dropfinished" else cfg if packed else cfg_unpacked, timer)
+                            block = run_masktrl_block(
+                                cfg_drop if side == "masktrl-dropfinished" else cfg if packed else cfg_unpacked, timer
+                            )
                     sides[side].append(block)
                     print(
-                        f"rep {rep + 1}/{args.reps} {side:7s}: median step " f"{1000 * median(block['step_s']):.0f} ms, "
-                        f"{median(block['tokens']):.0f} tokens/step ({time.time() - t0:.0f} s " "with set-up)",
+                        f"rep {rep + 1}/{args.reps} {side:7s}: median step "
+                        f"{1000 * median(block['step_s']):.0f} ms, "
+                        f"{median(block['tokens']):.0f} tokens/step ({time.time() - t0:.0f} s "
+                        "with set-up)",
                         flush=True,
                     )
     finally:
@@ -219,8 +251,11 @@ def main(argv=None) -> dict:
         "loss": "dapo (token-mean), eps_low 0.2, eps_high 0.28, beta 0, num_iterations 1",
     }
     if long:
-        result["settings"].update(parameters=param_count(model_dir), micro_batch_tokens=LONG_MICRO_BATCH_TOKENS,
-                                  response_tokens_per_step=median([n for b in sides["masktrl"] for n in b["tokens"]]))
+        result["settings"].update(
+            parameters=param_count(model_dir),
+            micro_batch_tokens=LONG_MICRO_BATCH_TOKENS,
+            response_tokens_per_step=median([n for b in sides["masktrl"] for n in b["tokens"]]),
+        )
     report(result)
     write_json(args.json, result)
     return result
@@ -237,7 +272,10 @@ def masktrl_prompts(cfg, n_steps: int) -> list[dict]:
     rows = []
     for step in range(1, n_steps + 1):
         rng = random.Random(stream_seed(cfg.seed, "prompts", step, 0))
-        rows += [{"prompt": ex.prompt, "answer": ex.answer, "id": ex.id} for ex in task.train_examples(cfg.rollout.prompts_per_step, rng)]
+        rows += [
+            {"prompt": ex.prompt, "answer": ex.answer, "id": ex.id}
+            for ex in task.train_examples(cfg.rollout.prompts_per_step, rng)
+        ]
     return rows
 
 
@@ -437,8 +475,12 @@ def summarise(sides: dict, args) -> dict:
             u = side_stats(sides[side])
             key = side.replace("-", "_")
             out[key] = u
-            out[f"{key.split('_')[1]}_speedup_vs_trl"] = median([tb / ub for ub, tb in zip(u["block_step_ms"], t["block_step_ms"])])
-            out[f"{key.split('_')[1]}_vs_masktrl"] = median([ub / mb for mb, ub in zip(m["block_step_ms"], u["block_step_ms"])])
+            out[f"{key.split('_')[1]}_speedup_vs_trl"] = median(
+                [tb / ub for ub, tb in zip(u["block_step_ms"], t["block_step_ms"])]
+            )
+            out[f"{key.split('_')[1]}_vs_masktrl"] = median(
+                [ub / mb for mb, ub in zip(m["block_step_ms"], u["block_step_ms"])]
+            )
     if "masktrl-unshared" in sides:  # the names of earlier runs' JSON
         out["prompt_sharing_speedup"] = out["unshared_vs_masktrl"]
     return out
@@ -446,8 +488,11 @@ def summarise(sides: dict, args) -> dict:
 
 def report(r: dict) -> None:
     cols = [("masktrl", r["masktrl"])]
-    cols += [(LABELS[side], r[side.replace("-", "_")]) for side in ("masktrl-unpacked", "masktrl-unshared", "masktrl-neither", "masktrl-dropfinished")
-             if side.replace("-", "_") in r]
+    cols += [
+        (LABELS[side], r[side.replace("-", "_")])
+        for side in ("masktrl-unpacked", "masktrl-unshared", "masktrl-neither", "masktrl-dropfinished")
+        if side.replace("-", "_") in r
+    ]
     cols.append(("TRL", r["trl"]))
     m, t = r["masktrl"], r["trl"]
     lines = [
@@ -462,13 +507,23 @@ def report(r: dict) -> None:
     rows = [[label, *[c[key] for _, c in cols], ratio] for label, key, ratio in lines]
     for stage in m["stage_ms"]:
         rows.append([f"  {stage} (ms/step)", *[c["stage_ms"].get(stage, 0.0) for _, c in cols], float("nan")])
-    print_table("masktrl vs TRL GRPOTrainer (same model, prompts, batch, loss)", ["", *[n for n, _ in cols], "masktrl speed-up vs TRL"], rows)
+    print_table(
+        "masktrl vs TRL GRPOTrainer (same model, prompts, batch, loss)",
+        ["", *[n for n, _ in cols], "masktrl speed-up vs TRL"],
+        rows,
+    )
     per_rep = ", ".join(f"{x:.2f}" for x in r["speedup_per_rep"])
     verdict = "met" if r["goal_met"] else "MISSED"
-    print(f"speedup_vs_trl = {r['speedup_vs_trl']:.2f}x (median of paired blocks: {per_rep}); goal >= " f"{r['goal']}x: {verdict}")
+    print(
+        f"speedup_vs_trl = {r['speedup_vs_trl']:.2f}x (median of paired blocks: {per_rep}); goal >= "
+        f"{r['goal']}x: {verdict}"
+    )
     for side in ("unpacked", "unshared", "neither", "dropfinished"):
         if f"{side}_speedup_vs_trl" in r:
-            print(f"{LABELS['masktrl-' + side]}: {r[side + '_speedup_vs_trl']:.2f}x TRL; masktrl is " f"{r[side + '_vs_masktrl']:.2f}x faster")
+            print(
+                f"{LABELS['masktrl-' + side]}: {r[side + '_speedup_vs_trl']:.2f}x TRL; masktrl is "
+                f"{r[side + '_vs_masktrl']:.2f}x faster"
+            )
 
 
 if __name__ == "__main__":

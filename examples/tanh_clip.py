@@ -28,7 +28,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from masktrl.methods import MethodParams, TokenBatch, TokenLosses, check_number, log_ratio, register_method, unit_ratio_log
+from masktrl.methods import (
+    MethodParams,
+    TokenBatch,
+    TokenLosses,
+    check_number,
+    log_ratio,
+    register_method,
+    unit_ratio_log,
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,9 @@ class TanhClipParams(MethodParams):
         super().__post_init__()  # checks the shared fields
 
 
-@register_method("tanh_clip", TanhClipParams, "tanh soft clip: l = -A (1 + e tanh((r - 1)/e)), e = eps_high | eps_low (example)")
+@register_method(
+    "tanh_clip", TanhClipParams, "tanh soft clip: l = -A (1 + e tanh((r - 1)/e)), e = eps_high | eps_low (example)"
+)
 def tanh_clip(batch: TokenBatch, adv: Tensor, p: TanhClipParams, u: Tensor | None) -> TokenLosses:
     """l = -A f(r), f(r) = 1 + e tanh((r - 1)/e); gradient -A r sech^2((r - 1)/e) through log pi."""
     valid = batch.valid  # [N] bool

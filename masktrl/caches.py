@@ -24,9 +24,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
 _scratch_root: Path | None = None  # <out>/.cache once contain() found --out
-_mode: str | None = None  # None: contain() did not run (a library caller); "out": --out holds the cache; "figure": no --out
+_mode: str | None = (
+    None  # None: contain() did not run (a library caller); "out": --out holds the cache; "figure": no --out
+)
 
 
 def out_from_argv(argv: list[str]) -> str | None:

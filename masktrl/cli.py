@@ -102,8 +102,12 @@ def _fail(exc: BaseException, line: str) -> None:
         raise exc
     from rich.markup import escape
 
-    line = line.encode("utf-8", "backslashreplace").decode("utf-8")  # a name with bytes that are not UTF-8 prints as \udcff
-    err_console.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)  # the line is text: "dppo[x]" stays
+    line = line.encode("utf-8", "backslashreplace").decode(
+        "utf-8"
+    )  # a name with bytes that are not UTF-8 prints as \udcff
+    err_console.print(
+        f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True
+    )  # the line is text: "dppo[x]" stays
     sys.exit(2)
 
 

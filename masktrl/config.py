@@ -64,7 +64,18 @@ HF_QUANTIZATIONS = ("fp8", "fp8-act", "fp8-full")
 """rollout.quantization with the hf engine: FP8 faked on its low-precision copy (models/lowprec.py)."""
 HF_ONLY_QUANTIZATIONS = ("fp8-act", "fp8-full")
 TINY_TOKENIZERS = ("char", "numbers")
-TINY_ARCHITECTURES = ("qwen3", "llama", "qwen2", "qwen3-moe", "mistral", "gemma2", "gemma3", "phi3", "olmo2", "gpt-neox")
+TINY_ARCHITECTURES = (
+    "qwen3",
+    "llama",
+    "qwen2",
+    "qwen3-moe",
+    "mistral",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "gpt-neox",
+)
 MOE_ARCHITECTURES = ("qwen3-moe",)
 """The tiny architectures with mixture-of-experts layers: the ones
 model.num_experts and model.experts_per_token apply to."""
@@ -94,7 +105,9 @@ class LoraConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules or not all(self.target_modules):
-            raise ConfigError("model.lora.target_modules must name modules (or all-linear), got " f"{list(self.target_modules)}")
+            raise ConfigError(
+                f"model.lora.target_modules must name modules (or all-linear), got {list(self.target_modules)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -149,41 +162,65 @@ class ModelConfig:
             _choice("model.routing_replay", self.routing_replay, ("rollout",))
         _choice("model.architecture", self.architecture, TINY_ARCHITECTURES)
         if self.path != "tiny" and self.architecture != "qwen3":
-            raise ConfigError("model.architecture is an option of the tiny model (model.path=tiny); a checkpoint " "has its own")
+            raise ConfigError(
+                "model.architecture is an option of the tiny model (model.path=tiny); a checkpoint has its own"
+            )
         self.lora.validate()
         _choice("model.tokenizer", self.tokenizer, TINY_TOKENIZERS)
         _choice("model.embedding_init", self.embedding_init, ("random", "numbers"))
         if self.embedding_init == "numbers" and self.tokenizer != "numbers":
             raise ConfigError("model.embedding_init=numbers needs model.tokenizer=numbers")
         if self.path != "tiny" and (self.tokenizer, self.embedding_init) != ("char", "random"):
-            raise ConfigError("model.tokenizer and model.embedding_init are options of the tiny model " "(model.path=tiny)")
+            raise ConfigError(
+                "model.tokenizer and model.embedding_init are options of the tiny model (model.path=tiny)"
+            )
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             _positive(f"model.{name}", getattr(self, name))
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ConfigError("model.num_heads must divide model.hidden_size and be a multiple of " "model.num_kv_heads")
+            raise ConfigError("model.num_heads must divide model.hidden_size and be a multiple of model.num_kv_heads")
         self._validate_experts()
 
     def _validate_experts(self) -> None:
         given = [k for k in MOE_DEFAULTS if getattr(self, k) is not None]
         if given and self.path != "tiny":
-            raise ConfigError(f"model.{given[0]} is an option of the tiny model (model.path=tiny); a checkpoint " "has its own experts")
+            raise ConfigError(
+                f"model.{given[0]} is an option of the tiny model (model.path=tiny); a checkpoint has its own experts"
+            )
         if given and self.architecture not in MOE_ARCHITECTURES:
-            raise ConfigError(f"model.{given[0]} is a mixture-of-experts option, but " f"model.architecture={self.architecture} is dense "
-                              f"(MoE: {', '.join(MOE_ARCHITECTURES)})")
+            raise ConfigError(
+                f"model.{given[0]} is a mixture-of-experts option, but "
+                f"model.architecture={self.architecture} is dense "
+                f"(MoE: {', '.join(MOE_ARCHITECTURES)})"
+            )
         for k in given:
             value = getattr(self, k)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"model.{k} must be an integer >= 1, got {value!r}")
         if self.moe_shape()[1] > self.moe_shape()[0]:
-            raise ConfigError(f"model.experts_per_token={self.moe_shape()[1]} exceeds " f"model.num_experts={self.moe_shape()[0]}")
+            raise ConfigError(
+                f"model.experts_per_token={self.moe_shape()[1]} exceeds model.num_experts={self.moe_shape()[0]}"
+            )
 
     def moe_shape(self) -> tuple[int, int]:
         """(experts per MoE layer, experts per token) of the tiny MoE model, defaults filled in."""
-        return (self.num_experts or MOE_DEFAULTS["num_experts"], self.experts_per_token or MOE_DEFAULTS["experts_per_token"])
+        return (
+            self.num_experts or MOE_DEFAULTS["num_experts"],
+            self.experts_per_token or MOE_DEFAULTS["experts_per_token"],
+        )
 
 
-DATASET_KEYS = ("source", "subset", "test_split", "prompt_key", "answer_key", "template", "system_prompt",
-                "chat_template_kwargs", "reward", "max_prompt_tokens")
+DATASET_KEYS = (
+    "source",
+    "subset",
+    "test_split",
+    "prompt_key",
+    "answer_key",
+    "template",
+    "system_prompt",
+    "chat_template_kwargs",
+    "reward",
+    "max_prompt_tokens",
+)
 """TaskConfig keys of dataset tasks (task.name dataset or a math preset); arithmetic takes none of them."""
 
 
@@ -276,7 +313,7 @@ class TaskConfig:
             if given:
                 raise ConfigError(f"task.{given[0]} is an option of dataset tasks; task.name is arithmetic")
         if self.name == "dataset" and not self.source:
-            raise ConfigError("task.name=dataset needs task.source: a hub id (local cache) or a local file or " "folder")
+            raise ConfigError("task.name=dataset needs task.source: a hub id (local cache) or a local file or folder")
 
     def _validate_env(self) -> None:
         keys = ("call_stop", "max_turns", "max_total_tokens", "env_timeout_s")
@@ -391,11 +428,18 @@ class RolloutConfig:
             if self.engine == "hf":
                 _choice("rollout.quantization", self.quantization, HF_QUANTIZATIONS)
             elif self.quantization in HF_ONLY_QUANTIZATIONS:
-                raise ConfigError(f"rollout.quantization={self.quantization} is an option of the hf engine only; "
-                                  "vLLM's own fp8 already quantises activations on GPUs with FP8 " "support (use fp8)")
+                raise ConfigError(
+                    f"rollout.quantization={self.quantization} is an option of the hf engine "
+                    "only; "
+                    "vLLM's own fp8 already quantises activations on GPUs with FP8 "
+                    "support (use fp8)"
+                )
         if self.drop_finished and self.engine != "hf":
-            raise ConfigError("rollout.drop_finished is an option of the hf engine, got " f"rollout.engine={self.engine} "
-                              "(vLLM schedules finished sequences out of its batch itself)")
+            raise ConfigError(
+                "rollout.drop_finished is an option of the hf engine, got "
+                f"rollout.engine={self.engine} "
+                "(vLLM schedules finished sequences out of its batch itself)"
+            )
         if self.sleep_mode and self.engine != "vllm":
             raise ConfigError(f"rollout.sleep_mode needs rollout.engine=vllm, got {self.engine!r}")
         for name in ("prompts_per_step", "n", "max_new_tokens", "logprobs_k", "batch_size"):
@@ -428,7 +472,9 @@ def check_staleness(value: Any) -> None:
     if unknown:
         raise ConfigError(f"{key}: unknown key {unknown[0]!r} (accepted: {', '.join(STALENESS_KEYS)})")
     if "dist" not in value or "max" not in value:
-        raise ConfigError(f"{key} as a mapping needs dist ({' | '.join(STALENESS_DISTS)}) and max (the cap on a " "batch's age)")
+        raise ConfigError(
+            f"{key} as a mapping needs dist ({' | '.join(STALENESS_DISTS)}) and max (the cap on a batch's age)"
+        )
     _choice(f"{key}.dist", value["dist"], STALENESS_DISTS)
     for name in ("max", "min"):
         v = value.get(name, 0)
@@ -517,21 +563,41 @@ class TrainConfig:
         object.__setattr__(self, "report_to", tuple(t for t in self.report_to if t != "none"))  # 'none' = no tracker
 
     def validate(self) -> None:
-        for name in ("steps", "minibatches", "grad_accum", "checkpoint_every", "logprob_chunk", "threads", "max_nonfinite_steps"):
+        for name in (
+            "steps",
+            "minibatches",
+            "grad_accum",
+            "checkpoint_every",
+            "logprob_chunk",
+            "threads",
+            "max_nonfinite_steps",
+        ):
             _positive(f"train.{name}", getattr(self, name))
         _choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if self.quantization is not None:
             _choice("train.quantization", self.quantization, HF_QUANTIZATIONS)
         _choice("train.quantization_backend", self.quantization_backend, ("auto", "fake", "torchao"))
         if self.micro_batch_tokens is not None:
-            if isinstance(self.micro_batch_tokens, bool) or not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens < 1:
-                raise ConfigError("train.micro_batch_tokens must be a positive number of tokens (or unset), got " f"{self.micro_batch_tokens!r}")
+            if (
+                isinstance(self.micro_batch_tokens, bool)
+                or not isinstance(self.micro_batch_tokens, int)
+                or self.micro_batch_tokens < 1
+            ):
+                raise ConfigError(
+                    "train.micro_batch_tokens must be a positive number of tokens (or unset), "
+                    "got "
+                    f"{self.micro_batch_tokens!r}"
+                )
             if self.grad_accum != 1:
-                raise ConfigError("train.micro_batch_tokens and train.grad_accum both set the micro-batches: set " "one of them")
+                raise ConfigError(
+                    "train.micro_batch_tokens and train.grad_accum both set the micro-batches: set one of them"
+                )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
-            raise ConfigError("train.keep_checkpoints must be >= 1 (or unset to keep all), got " f"{self.keep_checkpoints}")
+            raise ConfigError(
+                f"train.keep_checkpoints must be >= 1 (or unset to keep all), got {self.keep_checkpoints}"
+            )
         for step in self.keep_steps:
             _positive("train.keep_steps", step)
         for tracker in self.report_to:
@@ -601,8 +667,10 @@ class Config:
 
     def to_dict(self) -> dict:
         """The config as run.yaml records it: the method block as written (``MethodSpec.to_dict``)."""
-        return {f.name: self.method.to_dict() if f.name == "method" else _as_dict(getattr(self, f.name))
-                for f in dataclasses.fields(self)}
+        return {
+            f.name: self.method.to_dict() if f.name == "method" else _as_dict(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+        }
 
     def hash(self, *sections: str, exclude: tuple[str, ...] = ()) -> str:
         """sha256 of the whole config, or of the named sections only (e.g. the warm start's inputs),
@@ -624,12 +692,22 @@ def _as_dict(value: Any) -> Any:
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
 
 
-HASH_UNLESS_SET = ("model.num_experts", "model.experts_per_token", "model.routing_replay", "task.env", "task.call_stop",
-                   "task.max_turns", "task.max_total_tokens", "task.env_timeout_s")
+HASH_UNLESS_SET = (
+    "model.num_experts",
+    "model.experts_per_token",
+    "model.routing_replay",
+    "task.env",
+    "task.call_stop",
+    "task.max_turns",
+    "task.max_total_tokens",
+    "task.env_timeout_s",
+)
 """Keys that count in ``Config.hash`` (the warm-start cache's key among others) only when set."""
 
 
-def load_config(paths: str | Path | list | tuple | None = None, overrides: list[str] | tuple[str, ...] = (), **direct: Any) -> Config:
+def load_config(
+    paths: str | Path | list | tuple | None = None, overrides: list[str] | tuple[str, ...] = (), **direct: Any
+) -> Config:
     """Defaults < YAML files in order (none given: configs/tiny.yaml) < ``direct`` (e.g.
     method="sis", seed=3) < ``key=value`` overrides."""
     if paths is None or isinstance(paths, (str, Path)):
@@ -647,14 +725,18 @@ def load_config(paths: str | Path | list | tuple | None = None, overrides: list[
         else:
             _set_dotted(raw, key, value)
     raw = read_overrides(None, overrides, raw)
-    if isinstance(raw.get("method"), dict):  # what a run recorded of its rule files: a request describes the files as they are now
+    if isinstance(
+        raw.get("method"), dict
+    ):  # what a run recorded of its rule files: a request describes the files as they are now
         raw["method"].pop("sha256", None)
         if isinstance(raw["method"].get("correction"), dict):
             raw["method"]["correction"].pop("sha256", None)
     return from_dict(raw)
 
 
-def read_overrides(path: str | Path | list | tuple | None = None, overrides: list[str] | tuple[str, ...] = (), raw: dict | None = None) -> dict:
+def read_overrides(
+    path: str | Path | list | tuple | None = None, overrides: list[str] | tuple[str, ...] = (), raw: dict | None = None
+) -> dict:
     """``raw`` (default: empty) updated with the YAML file(s) ``path`` (several compose as in
     ``load_config``) and the ``key=value`` overrides: the raw mapping, without defaults and not
     yet validated (``from_dict`` does that)."""
@@ -680,18 +762,31 @@ def from_dict(raw: dict) -> Config:
         section.validate()
     sis_k = getattr(cfg.method.params, "k", None) if cfg.method.rule == "sis" else None
     if sis_k is not None and sis_k > cfg.rollout.logprobs_k:
-        raise ConfigError(f"method.k={sis_k} is above rollout.logprobs_k={cfg.rollout.logprobs_k}: SIS re-cuts the " "stored behaviour "
-                          "lists and cannot make them longer (record more with " "rollout.logprobs_k)")
+        raise ConfigError(
+            f"method.k={sis_k} is above rollout.logprobs_k={cfg.rollout.logprobs_k}: SIS re-cuts "
+            "the "
+            "stored behaviour "
+            "lists and cannot make them longer (record more with "
+            "rollout.logprobs_k)"
+        )
     if cfg.model.tokenizer == "numbers" and cfg.task.name != "residues":
         raise ConfigError(f"model.tokenizer=numbers cannot encode task {cfg.task.name!r} (it serves task residues)")
     if cfg.task.env is not None and cfg.rollout.engine != "hf":
-        raise ConfigError(f"task.env (multi-turn rollouts) needs rollout.engine=hf; the {cfg.rollout.engine} engine does not run them yet")
+        raise ConfigError(
+            f"task.env (multi-turn rollouts) needs rollout.engine=hf; the {cfg.rollout.engine} "
+            "engine does not run them yet"
+        )
     if cfg.task.env is not None and (cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0):
-        raise ConfigError("task.env (multi-turn rollouts) samples the whole vocabulary: set rollout.top_p=1 and rollout.top_k=0")
+        raise ConfigError(
+            "task.env (multi-turn rollouts) samples the whole vocabulary: set rollout.top_p=1 and rollout.top_k=0"
+        )
     own = [b for b in cfg.train.eval_benchmarks if b in OWN_TASK_BENCHMARKS]
     if own and cfg.task.name not in SYNTHETIC_TASKS:
-        raise ConfigError(f"train.eval_benchmarks: {own[0]} is the run's own synthetic task " f"({', '.join(SYNTHETIC_TASKS)}), "
-                          f"but task.name is {cfg.task.name!r}")
+        raise ConfigError(
+            f"train.eval_benchmarks: {own[0]} is the run's own synthetic task "
+            f"({', '.join(SYNTHETIC_TASKS)}), "
+            f"but task.name is {cfg.task.name!r}"
+        )
     return cfg
 
 
@@ -704,7 +799,12 @@ def merge_config(base: dict, overlay: dict) -> dict:
     out = dict(base)
     for key, value in overlay.items():
         old = out.get(key)
-        if key == "method" and isinstance(value, dict) and isinstance(old, dict) and value.get("name", old.get("name")) != old.get("name"):
+        if (
+            key == "method"
+            and isinstance(value, dict)
+            and isinstance(old, dict)
+            and value.get("name", old.get("name")) != old.get("name")
+        ):
             out[key] = dict(value)
         elif isinstance(value, dict) and isinstance(old, dict):
             out[key] = merge_config(old, value)
@@ -750,9 +850,17 @@ def config_keys(method: str | None = None) -> list[KeyDoc]:
         if dataclasses.is_dataclass(cls) and cls is not MethodSpec:
             keys += _class_keys(cls, section.name)
     name = method or Config().method_name
-    params_cls = method_from_block({"name": name}).method.params_cls if is_rule_file(name) else get_method(name).params_cls
-    keys.append(KeyDoc("method.name", "str", Config().method_name,
-                       f"The method: {' | '.join(method_names())}, or path/to/rules.py:name " "(a rule of your own)."))
+    params_cls = (
+        method_from_block({"name": name}).method.params_cls if is_rule_file(name) else get_method(name).params_cls
+    )
+    keys.append(
+        KeyDoc(
+            "method.name",
+            "str",
+            Config().method_name,
+            f"The method: {' | '.join(method_names())}, or path/to/rules.py:name (a rule of your own).",
+        )
+    )
     keys += _class_keys(params_cls, "method")
     from masktrl.methods import CorrectionParams
 
@@ -786,7 +894,9 @@ def _class_keys(cls: type, prefix: str) -> list[KeyDoc]:
         if dataclasses.is_dataclass(hints[f.name]):  # a nested section (model.lora)
             keys += _class_keys(hints[f.name], f"{prefix}.{f.name}")
         else:
-            keys.append(KeyDoc(f"{prefix}.{f.name}", _type_name(hints[f.name]), getattr(defaults, f.name), docs.get(f.name, "")))
+            keys.append(
+                KeyDoc(f"{prefix}.{f.name}", _type_name(hints[f.name]), getattr(defaults, f.name), docs.get(f.name, ""))
+            )
     return keys
 
 
@@ -813,8 +923,11 @@ def config_path(spec: str | Path) -> Path:
 
 def presets() -> list[str]:
     """The names ``--config`` takes for the shipped presets."""
-    return sorted(p.relative_to(PRESETS).with_suffix("").as_posix() for p in PRESETS.rglob("*.yaml")
-                  if p.parent.name != "accelerate")
+    return sorted(
+        p.relative_to(PRESETS).with_suffix("").as_posix()
+        for p in PRESETS.rglob("*.yaml")
+        if p.parent.name != "accelerate"
+    )
 
 
 def _read_yaml(path: Path) -> dict:
@@ -822,7 +935,10 @@ def _read_yaml(path: Path) -> dict:
     nesting deeper than 64 levels, a recursive alias or an alias bomb is one ConfigError line)."""
     if not path.is_file():
         names = ", ".join(presets())
-        raise ConfigError(f"config file not found: {path}" + (f" (shipped presets, by name from any folder: {names})" if names else ""))
+        raise ConfigError(
+            f"config file not found: {path}"
+            + (f" (shipped presets, by name from any folder: {names})" if names else "")
+        )
     data = read_yaml(path, error=ConfigError)
     if data is None:
         return {}
@@ -938,6 +1054,7 @@ EXPONENT_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 def _exponent_numbers(section: dict) -> dict:
     """The ``method`` section with every ``1e-3``-style text read as the number it is, as the typed
     sections' float fields read it (``train.lr=1e-4``); nested blocks (``correction``) too."""
+
     def number(value):
         if isinstance(value, dict):
             return {k: number(v) for k, v in value.items()}
@@ -985,7 +1102,9 @@ def resolve_method_spec(spec: str, correction: dict | None = None) -> BoundMetho
     params at their defaults but for the ``key=value`` pairs; ``correction``: a
     ``method.correction`` block. One ``ConfigError`` line for anything wrong."""
     name, overrides = split_method(spec)
-    raw = read_overrides(None, overrides, {"method": {"name": name, **({"correction": correction} if correction else {})}})
+    raw = read_overrides(
+        None, overrides, {"method": {"name": name, **({"correction": correction} if correction else {})}}
+    )
     return method_from_block(raw["method"]).bind()
 
 
@@ -1005,8 +1124,15 @@ def split_method(spec: str) -> tuple[str, list[str]]:
     overrides = []
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key.strip() or not value.strip() or not key.strip().replace("_", "").replace(".", "").isalnum() \
-                or ".." in key or key.strip().startswith(".") or key.strip().endswith("."):
+        if (
+            not sep
+            or not key.strip()
+            or not value.strip()
+            or not key.strip().replace("_", "").replace(".", "").isalnum()
+            or ".." in key
+            or key.strip().startswith(".")
+            or key.strip().endswith(".")
+        ):
             raise ConfigError(f"--methods: {spec!r}: parameters go as NAME:KEY=VALUE (e.g. pdm:tail=uniform)")
         overrides.append(f"method.{key.strip()}={value.strip()}")
     return name.strip(), overrides

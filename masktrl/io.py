@@ -145,10 +145,28 @@ def writer_os_error(exc: BaseException, dest: Path) -> OSError | None:
     return problem
 
 
-PSEUDO_FILE_SYSTEMS = frozenset({
-    "proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "pstore", "bpf",
-    "configfs", "fusectl", "mqueue", "binfmt_misc", "autofs", "efivarfs", "rpc_pipefs", "nsfs",
-})
+PSEUDO_FILE_SYSTEMS = frozenset(
+    {
+        "proc",
+        "sysfs",
+        "cgroup",
+        "cgroup2",
+        "devpts",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "pstore",
+        "bpf",
+        "configfs",
+        "fusectl",
+        "mqueue",
+        "binfmt_misc",
+        "autofs",
+        "efivarfs",
+        "rpc_pipefs",
+        "nsfs",
+    }
+)
 """File systems of the kernel's own (no storage): ``statvfs`` reports 0 bytes free on them."""
 
 
@@ -199,7 +217,10 @@ def memory_error_line(exc: BaseException, options: str | None = None) -> str | N
     CPU allocator's ``can't allocate memory``), or None for any other exception. ``options``:
     what to lower, in the command's own terms (default: the training keys)."""
     text = (str(exc).strip().splitlines() or [""])[0]
-    hint = "the model or a batch does not fit: use a smaller model, or " f"{options or 'lower rollout.batch_size or raise train.grad_accum'}"
+    hint = (
+        "the model or a batch does not fit: use a smaller model, or "
+        f"{options or 'lower rollout.batch_size or raise train.grad_accum'}"
+    )
     if isinstance(exc, MemoryError):
         return f"out of memory ({type(exc).__name__}{': ' + text[:200] if text else ''}): {hint}"
     if type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text.lower() or "can't allocate memory" in text:

@@ -126,7 +126,7 @@ def method_from_block(block: Any) -> MethodSpec:
         rule_file = RuleFile(rule_file.path, rule_file.sha256, recorded if isinstance(recorded, str) else None)
     else:
         if "sha256" in block:
-            raise ConfigError("method.sha256 applies only to a rule from a file (method.name: " "path/to/rules.py:name)")
+            raise ConfigError("method.sha256 applies only to a rule from a file (method.name: path/to/rules.py:name)")
         try:
             method = get_method(rule)
         except ValueError as exc:
@@ -137,7 +137,12 @@ def method_from_block(block: Any) -> MethodSpec:
     try:
         params = method.make_params(**given)
         correction = make_correction(corr_block)
-        if correction.ref is None and correction.ratio_ref is not None and not correction.decoupled and isinstance(corr_block, dict):
+        if (
+            correction.ref is None
+            and correction.ratio_ref is not None
+            and not correction.decoupled
+            and isinstance(corr_block, dict)
+        ):
             # bypass mode records the ratio's policy explicitly, so a run.yaml without it is one written before
             # corrections took it from pi_old (runs/store.py: legacy_ratio_ref reads those as ref: current)
             correction = make_correction({**corr_block, "ref": correction.ratio_ref})
@@ -155,7 +160,9 @@ def _correction_block(block: Any) -> tuple[Any, RuleFile | None]:
     kind, recorded = block.get("kind"), block.get("sha256")
     if not is_rule_file(kind):
         if "sha256" in block:
-            raise ConfigError("method.correction.sha256 applies only to a correction from a file (kind: " "path/to/rules.py:name)")
+            raise ConfigError(
+                "method.correction.sha256 applies only to a correction from a file (kind: path/to/rules.py:name)"
+            )
         return block, None
     rule, found = load_correction(kind)
     install_correction(kind, rule)
@@ -165,7 +172,9 @@ def _correction_block(block: Any) -> tuple[Any, RuleFile | None]:
 
 # --------------------------------------------------------------------------- rule files
 
-_LOADED: dict[tuple[str, str], tuple] = {}  # (absolute path, sha256) -> (the methods, the corrections) the file registers
+_LOADED: dict[
+    tuple[str, str], tuple
+] = {}  # (absolute path, sha256) -> (the methods, the corrections) the file registers
 
 
 def load_rule(spec: str) -> tuple[Method, RuleFile]:
@@ -192,13 +201,18 @@ def load_correction(spec: str) -> tuple[CustomCorrection, RuleFile]:
     found = _import_rules(path, digest, spec)[1]
     if name not in found:
         names = ", ".join(sorted(found)) or "none: it has no @register_correction"
-        raise ConfigError(f"method.correction.kind {spec!r}: {where} registers no correction {name!r} (it " f"registers: {names})")
+        raise ConfigError(
+            f"method.correction.kind {spec!r}: {where} registers no correction {name!r} (it registers: {names})"
+        )
     rule = found[name]
     try:
         inspect.signature(rule.fn).bind(None, None, None, None, None)
     except (TypeError, ValueError):
-        raise ConfigError(f"method.correction.kind {spec!r}: its function {getattr(rule.fn, '__name__', '?')} must " "take "
-                          "(log_rho, valid, seq_ids, advantages, keys)") from None
+        raise ConfigError(
+            f"method.correction.kind {spec!r}: its function {getattr(rule.fn, '__name__', '?')} must "
+            "take "
+            "(log_rho, valid, seq_ids, advantages, keys)"
+        ) from None
     return rule, RuleFile(where, digest)
 
 
@@ -232,7 +246,9 @@ def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method]
     except (Exception, SystemExit) as exc:  # a user's file: whatever it raises is reported in one line
         sys.modules.pop(module_name, None)
         text = str(exc).strip().splitlines()
-        raise ConfigError(f"method {spec!r}: {path} raised {type(exc).__name__} on import" + (f": {text[0]}" if text else "")) from None
+        raise ConfigError(
+            f"method {spec!r}: {path} raised {type(exc).__name__} on import" + (f": {text[0]}" if text else "")
+        ) from None
     _LOADED[key] = (dict(found), dict(corrections))
     return _LOADED[key]
 

@@ -74,7 +74,9 @@ class BoundedLoader(yaml.SafeLoader):
             event = self.peek_event()
             target = self.anchors.get(event.anchor)
             if target is not None and id(target) not in self._size:
-                raise _Refused(f"recursive alias *{event.anchor} (line {event.start_mark.line + 1}): a value " "cannot contain itself")
+                raise _Refused(
+                    f"recursive alias *{event.anchor} (line {event.start_mark.line + 1}): a value cannot contain itself"
+                )
             node = super().compose_node(parent, index)
             self._check(node, self._size[id(node)], event.start_mark)
             return node
@@ -98,10 +100,14 @@ class BoundedLoader(yaml.SafeLoader):
     def _check(self, node, size: tuple[int, int], mark) -> None:
         values, height = size
         if values > self.max_nodes:
-            raise _Refused(f"its aliases expand to more than {self.max_nodes:,} values (line {mark.line + 1}): "
-                           "an alias bomb, or a file that is not a config")
+            raise _Refused(
+                f"its aliases expand to more than {self.max_nodes:,} values (line {mark.line + 1}): "
+                "an alias bomb, or a file that is not a config"
+            )
         if self._open + height > self.max_depth:
-            raise _Refused(f"nested deeper than {self.max_depth} levels once its aliases are expanded (line " f"{mark.line + 1})")
+            raise _Refused(
+                f"nested deeper than {self.max_depth} levels once its aliases are expanded (line {mark.line + 1})"
+            )
 
     def construct_mapping(self, node, deep=False):
         if isinstance(node, MappingNode):
@@ -173,8 +179,14 @@ def _no_constant(name: str) -> float:
     raise _Refused(f"{name} is not a finite number")
 
 
-def load_json(text: str | bytes, source: str | Path, *, error: type[MasktrlError] = DataError,
-              finite: bool = True, max_depth: int = MAX_DEPTH) -> Any:
+def load_json(
+    text: str | bytes,
+    source: str | Path,
+    *,
+    error: type[MasktrlError] = DataError,
+    finite: bool = True,
+    max_depth: int = MAX_DEPTH,
+) -> Any:
     """The JSON value of ``text``; ``error`` (one line, starting with ``source``) for text that is
     not UTF-8 or not JSON, nesting deeper than ``max_depth``, and with ``finite`` a number that is
     not finite."""
@@ -195,8 +207,9 @@ def load_json(text: str | bytes, source: str | Path, *, error: type[MasktrlError
     return value
 
 
-def read_json(path: str | Path, *, error: type[MasktrlError] = DataError, finite: bool = True,
-              max_depth: int = MAX_DEPTH) -> Any:
+def read_json(
+    path: str | Path, *, error: type[MasktrlError] = DataError, finite: bool = True, max_depth: int = MAX_DEPTH
+) -> Any:
     """``load_json`` of the file at ``path`` (an OSError reading it is raised as it is)."""
     return load_json(Path(path).read_bytes(), path, error=error, finite=finite, max_depth=max_depth)
 

@@ -13,12 +13,13 @@ are written here too: no library provides them.
 Conventions: ``correct`` is a ``[P, k]`` boolean matrix (P problems, k samples each);
 per-problem values are what CIs resample (problems are the unit of replication).
 """
+
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Sequence
 from itertools import combinations
-from typing import Callable, Sequence
 
 import numpy as np
 from scipy import stats as sps
@@ -60,11 +61,7 @@ def avg_at_k(correct, per_problem: bool = False) -> float | np.ndarray:
 
 
 def maj_at_k(
-    answers: Sequence[Sequence[str | None]],
-    correct,
-    per_problem: bool = False,
-    *,
-    normalize_fn: Callable[[str], str],
+    answers: Sequence[Sequence[str | None]], correct, per_problem: bool = False, *, normalize_fn: Callable[[str], str]
 ) -> float | np.ndarray:
     """Majority-vote accuracy: the most frequent normalised answer of each problem's k samples.
 
@@ -110,11 +107,7 @@ def mean_se(values) -> tuple[float, float]:
 
 
 def bootstrap_ci(
-    values,
-    n_boot: int = 10000,
-    alpha: float = 0.05,
-    seed: int = 0,
-    stat: Callable = np.mean,
+    values, n_boot: int = 10000, alpha: float = 0.05, seed: int = 0, stat: Callable = np.mean
 ) -> tuple[float, float]:
     """Percentile bootstrap ``(low, high)`` of ``stat`` over resampled ``values`` (e.g. problems).
 
@@ -130,8 +123,16 @@ def bootstrap_ci(
         one = float(np.asarray(stat(v[None, :], axis=1)).reshape(-1)[0]) if _takes_axis(stat) else float(stat(v))
         return one, one
     batch = max(1, min(n_boot, 4_000_000 // v.size))
-    res = sps.bootstrap((v,), stat, n_resamples=n_boot, batch=batch, confidence_level=1 - alpha, method="percentile",
-                        vectorized=_takes_axis(stat), rng=np.random.default_rng(seed))
+    res = sps.bootstrap(
+        (v,),
+        stat,
+        n_resamples=n_boot,
+        batch=batch,
+        confidence_level=1 - alpha,
+        method="percentile",
+        vectorized=_takes_axis(stat),
+        rng=np.random.default_rng(seed),
+    )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
@@ -202,8 +203,16 @@ def permutation_test(a, b, n_perm: int = 10000, seed: int = 0) -> float:
     def abs_mean_diff(u, v, axis):
         return np.abs(np.mean(u, axis=axis) - np.mean(v, axis=axis))
 
-    res = sps.permutation_test((x, y), abs_mean_diff, permutation_type="independent", vectorized=True,
-                               n_resamples=n_perm, batch=batch, alternative="greater", rng=np.random.default_rng(seed))
+    res = sps.permutation_test(
+        (x, y),
+        abs_mean_diff,
+        permutation_type="independent",
+        vectorized=True,
+        n_resamples=n_perm,
+        batch=batch,
+        alternative="greater",
+        rng=np.random.default_rng(seed),
+    )
     return float(res.pvalue)
 
 
@@ -231,9 +240,15 @@ def paired_tests(a, b) -> dict:
     if x.shape != y.shape:
         raise ValueError(f"paired_tests needs samples of one length, got {x.size} and {y.size}")
     d = x - y
-    out = {"n": int(d.size), "diff_mean": float(d.mean()) if d.size else float("nan"),
-           "diff_se": mean_se(d)[1] if d.size else float("nan"),
-           "t": float("nan"), "p_ttest": float("nan"), "w": float("nan"), "p_wilcoxon": float("nan")}
+    out = {
+        "n": int(d.size),
+        "diff_mean": float(d.mean()) if d.size else float("nan"),
+        "diff_se": mean_se(d)[1] if d.size else float("nan"),
+        "t": float("nan"),
+        "p_ttest": float("nan"),
+        "w": float("nan"),
+        "p_wilcoxon": float("nan"),
+    }
     if d.size < 2:
         return out
     with warnings.catch_warnings():
@@ -274,9 +289,15 @@ def run_blocked_test(diff, runs, n_perm: int = 10000, seed: int = 0) -> dict:
     d, r = d[ok], r[ok]
     labels = list(dict.fromkeys(r.tolist()))
     means = np.array([d[r == x].mean() for x in labels])
-    out = {"unit": "run", "n_runs": len(labels), "n_replicates": int(d.size),
-           "diff_mean": float(means.mean()) if means.size else float("nan"),
-           "diff_se": mean_se(means)[1] if means.size > 1 else float("nan"), "p": float("nan"), "exact": True}
+    out = {
+        "unit": "run",
+        "n_runs": len(labels),
+        "n_replicates": int(d.size),
+        "diff_mean": float(means.mean()) if means.size else float("nan"),
+        "diff_se": mean_se(means)[1] if means.size > 1 else float("nan"),
+        "p": float("nan"),
+        "exact": True,
+    }
     if not means.size:
         return out
     t = abs(means.mean())
@@ -376,11 +397,17 @@ def interaction_test(d1, d2, *, paired: bool = False, margin: float | None = Non
     p. With ``margin``, the TOST of the interaction (Welch df, or paired): "the effect does not
     depend on the source" needs that p < alpha, not a large interaction p."""
     x, y = _diffs(d1), _diffs(d2)
-    out = {"interaction": float(x.mean() - y.mean()) if x.size and y.size else float("nan"), "paired": paired,
-           "n1": int(x.size), "n2": int(y.size), "t": float("nan"), "p": float("nan")}
+    out = {
+        "interaction": float(x.mean() - y.mean()) if x.size and y.size else float("nan"),
+        "paired": paired,
+        "n1": int(x.size),
+        "n2": int(y.size),
+        "t": float("nan"),
+        "p": float("nan"),
+    }
     if paired:
         if x.size != y.size:
-            raise ValueError(f"a paired interaction needs the same seeds under both sources, got {x.size} and " f"{y.size}")
+            raise ValueError(f"a paired interaction needs the same seeds under both sources, got {x.size} and {y.size}")
         r = paired_tests(x, y)
         out.update(t=r["t"], p=r["p_ttest"], p_sign_flip=sign_flip_p(x - y))
         if margin is not None:
@@ -397,7 +424,13 @@ def tost_welch(a, b, margin: float) -> dict:
     Welch-Satterthwaite df (statsmodels' ``ttost_ind(usevar="unequal")``)."""
     tost_paired([margin], margin)  # validates the margin
     x, y = _diffs(a), _diffs(b)
-    out = {"margin": float(margin), "n": int(min(x.size, y.size)), "t_low": float("nan"), "t_high": float("nan"), "p": float("nan")}
+    out = {
+        "margin": float(margin),
+        "n": int(min(x.size, y.size)),
+        "t_low": float("nan"),
+        "t_high": float("nan"),
+        "p": float("nan"),
+    }
     if min(x.size, y.size) < 2:
         return out
     va, vb = x.var(ddof=1) / x.size, y.var(ddof=1) / y.size

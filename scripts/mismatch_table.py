@@ -67,10 +67,12 @@ def first_value(metrics: list[dict], key: str) -> float:
 
 def group_behaviour(runs) -> dict:
     """The behaviour and trust-region columns of one group: means over its runs."""
+
     def over(fn):
         vals = [fn(r.metrics) for r in runs]
         vals = [v for v in vals if math.isfinite(v)]
         return float(np.mean(vals)) if vals else float("nan")
+
     return {
         "mismatch_start": over(lambda m: first_value(m, "mismatch/logp_abs_mean")),
         "mismatch_end": over(lambda m: run_means(m, "mismatch/logp_abs_mean", TAIL)),
@@ -133,13 +135,28 @@ def ordered(rows: list[dict]) -> list[dict]:
     def key(r):
         name = r.get("display", r["label"])
         return (not r["is_baseline"], not name.startswith(stem + " "), name)
+
     return sorted(rows, key=key)
 
 
 def markdown(folders: list[dict]) -> str:
     score = "avg@k" if folders and folders[0]["table"].get("eval") else "held-out accuracy (one sample)"
-    head = ["method", "source", "n", f"{score} mean ± sd", "Δ vs grpo [paired 95% CI]", "t p", "sign-flip p", "Holm p", "paired MDD",
-            "collapsed", "\\|Δlogp\\| 1 → end", "KL k3 end", "blocked", "entropy end"]  # the bars escaped: a markdown cell
+    head = [
+        "method",
+        "source",
+        "n",
+        f"{score} mean ± sd",
+        "Δ vs grpo [paired 95% CI]",
+        "t p",
+        "sign-flip p",
+        "Holm p",
+        "paired MDD",
+        "collapsed",
+        "\\|Δlogp\\| 1 → end",
+        "KL k3 end",
+        "blocked",
+        "entropy end",
+    ]  # the bars escaped: a markdown cell
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in folders:
         for row in ordered(f["table"]["methods"]):
@@ -148,13 +165,38 @@ def markdown(folders: list[dict]) -> str:
             if row["is_baseline"]:
                 diff, tp, sp, holm, mdd = "base", "", "", "", ""
             else:
-                diff = f"{signed(s.get('diff_paired'))} [{signed(s.get('diff_ci_paired_low'))}, " f"{signed(s.get('diff_ci_paired_high'))}]"
-                tp, sp, holm, mdd = f3(s.get("p_paired_t")), f3(s.get("p_sign_flip")), f3(s.get("p_holm")), f3(s.get("mdd_paired"))
-            lines.append("| " + " | ".join([
-                row.get("display", row["label"]), f["source"], str(s["n"]), f"{f3(s['mean'])}{sd}", diff, tp, sp, holm, mdd,
-                f"{c['count']}/{c['total']}",
-                f"{f3(b['mismatch_start'])} → {f3(b['mismatch_end'])}", small(b["kl_k3_end"]), f3(b["mask_frac"]), f3(b["entropy_end"]),
-            ]) + " |")
+                diff = (
+                    f"{signed(s.get('diff_paired'))} [{signed(s.get('diff_ci_paired_low'))}, "
+                    f"{signed(s.get('diff_ci_paired_high'))}]"
+                )
+                tp, sp, holm, mdd = (
+                    f3(s.get("p_paired_t")),
+                    f3(s.get("p_sign_flip")),
+                    f3(s.get("p_holm")),
+                    f3(s.get("mdd_paired")),
+                )
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        row.get("display", row["label"]),
+                        f["source"],
+                        str(s["n"]),
+                        f"{f3(s['mean'])}{sd}",
+                        diff,
+                        tp,
+                        sp,
+                        holm,
+                        mdd,
+                        f"{c['count']}/{c['total']}",
+                        f"{f3(b['mismatch_start'])} → {f3(b['mismatch_end'])}",
+                        small(b["kl_k3_end"]),
+                        f3(b["mask_frac"]),
+                        f3(b["entropy_end"]),
+                    ]
+                )
+                + " |"
+            )
     skipped = sum(len(f["table"]["skipped"]) for f in folders)
     if skipped:
         lines.append(f"\n{skipped} incomplete run(s) left out.")
@@ -166,6 +208,7 @@ def pooled(folders: list[dict]) -> list[dict]:
     docstring): rows ``{display, seeds, diffs, mean, ci_low, ci_high, p, p_holm}``, in the order of
     ``ordered`` on the first folder. A method missing from a folder, or with fewer than 2 shared
     seeds, is left out."""
+
     def scores(row):
         return dict(zip(row["seeds"], row["final"]["values"]))
 
@@ -175,8 +218,17 @@ def pooled(folders: list[dict]) -> list[dict]:
         if row["is_baseline"]:
             continue
         name = row.get("display", row["label"])
-        mine = [next((scores(r) for r in f["table"]["methods"] if r.get("display", r["label"]) == name and not r["is_baseline"]), None)
-                for f in folders]
+        mine = [
+            next(
+                (
+                    scores(r)
+                    for r in f["table"]["methods"]
+                    if r.get("display", r["label"]) == name and not r["is_baseline"]
+                ),
+                None,
+            )
+            for f in folders
+        ]
         if any(m is None for m in mine):
             continue
         seeds = sorted(set.intersection(*(set(m) & set(b) for m, b in zip(mine, bases))))
@@ -185,22 +237,51 @@ def pooled(folders: list[dict]) -> list[dict]:
         diffs = [float(np.mean([m[s] - b[s] for m, b in zip(mine, bases)])) for s in seeds]
         lo, hi = cmp.paired_diff_ci(diffs, [0.0] * len(diffs))
         p_t, p_flip = paired_tests(diffs, [0.0] * len(diffs))["p_ttest"], sign_flip_p(diffs)
-        out.append({"display": name, "seeds": seeds, "diffs": diffs, "mean": float(np.mean(diffs)), "ci_low": lo, "ci_high": hi,
-                    "p_t": p_t, "p_sign_flip": p_flip, "p": max(p_t, p_flip)})  # the paired rule: the larger decides
+        out.append(
+            {
+                "display": name,
+                "seeds": seeds,
+                "diffs": diffs,
+                "mean": float(np.mean(diffs)),
+                "ci_low": lo,
+                "ci_high": hi,
+                "p_t": p_t,
+                "p_sign_flip": p_flip,
+                "p": max(p_t, p_flip),
+            }
+        )  # the paired rule: the larger decides
     for r, v in zip(out, cmp.holm([r["p"] for r in out])):
         r["p_holm"] = v
     return out
 
 
 def pooled_markdown(rows: list[dict], sources: list[str]) -> str:
-    head = ["method", "seeds", f"Δ vs grpo, mean over {', '.join(sources)} [95% CI over seeds]", "t p", "sign-flip p", "Holm p",
-            "per seed"]
+    head = [
+        "method",
+        "seeds",
+        f"Δ vs grpo, mean over {', '.join(sources)} [95% CI over seeds]",
+        "t p",
+        "sign-flip p",
+        "Holm p",
+        "per seed",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append("| " + " | ".join([
-            r["display"], str(len(r["seeds"])), f"{signed(r['mean'])} [{signed(r['ci_low'])}, {signed(r['ci_high'])}]",
-            f3(r["p_t"]), f3(r["p_sign_flip"]), f3(r["p_holm"]), ", ".join(signed(d) for d in r["diffs"]),
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["display"],
+                    str(len(r["seeds"])),
+                    f"{signed(r['mean'])} [{signed(r['ci_low'])}, {signed(r['ci_high'])}]",
+                    f3(r["p_t"]),
+                    f3(r["p_sign_flip"]),
+                    f3(r["p_holm"]),
+                    ", ".join(signed(d) for d in r["diffs"]),
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -217,7 +298,9 @@ def figure(folders: list[dict]):
     folders, rows = [folders[i] for i in kept], [rows[i] for i in kept]
     n = max((len(r) for r in rows), default=1)
     # one x scale for every panel, so the sources' differences compare by eye
-    fig, axes = plt.subplots(1, len(folders), figsize=(3.2 * len(folders) + 2.4, 0.42 * n + 1.4), sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(folders), figsize=(3.2 * len(folders) + 2.4, 0.42 * n + 1.4), sharex=True, sharey=True, squeeze=False
+    )
     names = [r.get("display", r["label"]) for r in rows[0]] if rows else []
     for ax, f, group in zip(axes[0], folders, rows):
         for row in group:
@@ -248,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval", dest="eval_bench", default=None, help="score by this eval report's avg@k (e.g. task)")
     ap.add_argument("--json", type=Path, default=None, help="also write the tables as JSON here")
     ap.add_argument("--figure", type=Path, default=None, help="also draw the differences (PNG) here")
-    ap.add_argument("--pooled", action="store_true", help="also the differences averaged over the folders, seed by seed")
+    ap.add_argument(
+        "--pooled", action="store_true", help="also the differences averaged over the folders, seed by seed"
+    )
     ap.add_argument("--n-boot", type=int, default=10000)
     args = ap.parse_args(argv)
     try:

@@ -79,8 +79,11 @@ def run_record(run) -> dict:
         "eval_before": s.get("eval_before"),
         "eval_after": s.get("eval_after"),
         "eval": eval_reports(run),
-        "mismatch": {"logp_abs_step1": _first(m, "mismatch/logp_abs_mean"), "logp_abs_end": _mean(m, "mismatch/logp_abs_mean", TAIL),
-                     "kl_k3_end": _mean(m, "mismatch/kl_k3", TAIL)},
+        "mismatch": {
+            "logp_abs_step1": _first(m, "mismatch/logp_abs_mean"),
+            "logp_abs_end": _mean(m, "mismatch/logp_abs_mean", TAIL),
+            "kl_k3_end": _mean(m, "mismatch/kl_k3", TAIL),
+        },
         "mask_frac": _mean(m, "mask_frac"),
         "entropy_end": _mean(m, "entropy", TAIL),
         "collapse": run_collapse(m),
@@ -102,11 +105,19 @@ def cells(folder: Path) -> list[dict]:
     for label, members in group_runs(complete):
         cfg = flatten(members[0].cfg.to_dict())
         cfg.pop("seed", None)
-        out.append({"cell": f"{folder.name}/{label}", "source": folder.name, "label": label,
-                    "method": members[0].cfg.resolved_method(), "config": cfg,
-                    "runs": sorted((run_record(r) for r in members), key=lambda r: r["seed"]),
-                    "incomplete": sum(1 for r in runs if not r.complete and r.cfg.seed is not None
-                                      and cmp_key(r) == cmp_key(members[0]))})
+        out.append(
+            {
+                "cell": f"{folder.name}/{label}",
+                "source": folder.name,
+                "label": label,
+                "method": members[0].cfg.resolved_method(),
+                "config": cfg,
+                "runs": sorted((run_record(r) for r in members), key=lambda r: r["seed"]),
+                "incomplete": sum(
+                    1 for r in runs if not r.complete and r.cfg.seed is not None and cmp_key(r) == cmp_key(members[0])
+                ),
+            }
+        )
     return out
 
 
@@ -183,20 +194,54 @@ def table(source: str, cells_: list[dict], baseline: str = "grpo") -> str:
     m = max(1, sum(1 for r in tested if math.isfinite(r["p"])))
     for r, adj in zip(tested, cmp.holm([r["p"] for r in tested])):
         r["holm"], r["mdd"] = adj, paired_mdd(r["d"], alpha=0.05 / m)
-    head = ["cell", "n", f"{name} mean ± sd", f"Δ vs {base['label']} [paired 95% CI]", "t p", "sign-flip p", "Holm p",
-            "paired MDD (post hoc)", "collapsed", "per seed", "machine"]
+    head = [
+        "cell",
+        "n",
+        f"{name} mean ± sd",
+        f"Δ vs {base['label']} [paired 95% CI]",
+        "t p",
+        "sign-flip p",
+        "Holm p",
+        "paired MDD (post hoc)",
+        "collapsed",
+        "per seed",
+        "machine",
+    ]
     lines = [f"<!-- cells:{source} -->", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         c, v = r["cell"], list(r["vals"].values())
         sd = f" ± {np.std(v, ddof=1):.3f}" if len(v) > 1 else ""
         collapsed = sum(1 for x in c["runs"] if x["collapse"].get("collapsed"))
         judged = sum(1 for x in c["runs"] if not x["collapse"].get("too_short"))
-        machines = sorted({f"{x['machine'].get('cpu_model', '?')} x{x['machine'].get('threads', '?')}" for x in c["runs"]})
-        cells = ["base", "", "", "", ""] if "p" not in r else [
-            f"{signed(float(np.mean(r['d'])) if r['d'] else float('nan'))} [{signed(r['lo'])}, " f"{signed(r['hi'])}]",
-            f3(r["t_p"]), f3(r["flip"]), f3(r["holm"]), f3(r["mdd"])]
-        lines.append("| " + " | ".join([c["label"], str(len(v)), f"{f3(float(np.mean(v)))}{sd}", *cells, f"{collapsed}/{judged}",
-                                        ", ".join(f"{s}: {f3(x)}" for s, x in sorted(r["vals"].items())), "; ".join(machines)]) + " |")
+        machines = sorted(
+            {f"{x['machine'].get('cpu_model', '?')} x{x['machine'].get('threads', '?')}" for x in c["runs"]}
+        )
+        cells = (
+            ["base", "", "", "", ""]
+            if "p" not in r
+            else [
+                f"{signed(float(np.mean(r['d'])) if r['d'] else float('nan'))} [{signed(r['lo'])}, {signed(r['hi'])}]",
+                f3(r["t_p"]),
+                f3(r["flip"]),
+                f3(r["holm"]),
+                f3(r["mdd"]),
+            ]
+        )
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    c["label"],
+                    str(len(v)),
+                    f"{f3(float(np.mean(v)))}{sd}",
+                    *cells,
+                    f"{collapsed}/{judged}",
+                    ", ".join(f"{s}: {f3(x)}" for s, x in sorted(r["vals"].items())),
+                    "; ".join(machines),
+                ]
+            )
+            + " |"
+        )
     lines.append(f"<!-- /cells:{source} -->")
     return "\n".join(lines)
 
@@ -225,8 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--out", type=Path, default=Path("docs/results/cells"))
     t = sub.add_parser("tables", help="the markdown tables from the cells")
     t.add_argument("--cells", type=Path, default=Path("docs/results/cells"))
-    t.add_argument("--check", type=Path, default=None, help="compare FILE's <!-- cells:SOURCE --> blocks with the tables")
-    t.add_argument("--write", type=Path, default=None, help="replace FILE's <!-- cells:SOURCE --> blocks with the tables")
+    t.add_argument(
+        "--check", type=Path, default=None, help="compare FILE's <!-- cells:SOURCE --> blocks with the tables"
+    )
+    t.add_argument(
+        "--write", type=Path, default=None, help="replace FILE's <!-- cells:SOURCE --> blocks with the tables"
+    )
     args = ap.parse_args(argv)
     try:
         if args.cmd == "write":
@@ -240,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         bad = check(args.check, made)
         if bad:
-            print(f"{args.check}: the tables of {', '.join(bad)} differ from the cells (rerun with " "--write)", file=sys.stderr)
+            print(
+                f"{args.check}: the tables of {', '.join(bad)} differ from the cells (rerun with --write)",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if args.write:

@@ -55,8 +55,8 @@ def main() -> int:
     for e in sorted(new.elements()):
         print(f"new type error: {e}")
     if gone:
-        print(f"{sum(gone.values())} baseline errors are fixed: run `python scripts/typecheck.py " "--update`")
-    print(f"mypy: {sum(errors.values())} errors, {sum(known.values())} in the baseline, " f"{sum(new.values())} new")
+        print(f"{sum(gone.values())} baseline errors are fixed: run `python scripts/typecheck.py --update`")
+    print(f"mypy: {sum(errors.values())} errors, {sum(known.values())} in the baseline, {sum(new.values())} new")
     return 1 if new else 0
 
 

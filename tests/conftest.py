@@ -60,7 +60,8 @@ def warm_out(tmp_path_factory) -> Path:
 
 
 ANALYSED = {  # a longer warm start and off-policy minibatches: the analyses need something to find
-    "warmstart": {"steps": 150}, "rollout": {"prompts_per_step": 8},
+    "warmstart": {"steps": 150},
+    "rollout": {"prompts_per_step": 8},
     "train": {"steps": 3, "lr": 3.0e-3, "minibatches": 2, "eval_every": 2},
 }
 
@@ -91,8 +92,11 @@ def copy_run(finished, tmp_path):
 def masktrl_env(extra: dict | None = None) -> dict:
     """The environment for a child ``masktrl``: no debug / fault-injection / launcher variables
     leak in from the test's own environment; a wide terminal for rich."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("MASKTRL_", "ACCELERATE_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MASKTRL_", "ACCELERATE_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
     env["COLUMNS"] = "200"
     env.update(extra or {})
     return env
@@ -100,8 +104,14 @@ def masktrl_env(extra: dict | None = None) -> dict:
 
 def masktrl(*args, env: dict | None = None, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run the real entry point (``python -m masktrl.cli``) in a fresh process."""
-    return subprocess.run([sys.executable, "-m", "masktrl.cli", *map(str, args)], capture_output=True, text=True,
-                          env=masktrl_env(env), cwd=cwd, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "masktrl.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=masktrl_env(env),
+        cwd=cwd,
+        timeout=timeout,
+    )
 
 
 def cli(*args, ok: bool = True):

@@ -18,9 +18,13 @@ from masktrl.errors import MasktrlError
 
 
 def _run(method, seed, final, evals=(), name=None, correction=None, **over):
-    cfg = from_dict({"seed": seed, "method": {"name": method, **({"correction": correction} if correction else {})}, **over})
+    cfg = from_dict(
+        {"seed": seed, "method": {"name": method, **({"correction": correction} if correction else {})}, **over}
+    )
     metrics = [{"step": i + 1, "eval/heldout/accuracy": v} for i, v in enumerate(evals)]
-    return RunInfo(Path(f"/nowhere/{name or method + '-seed' + str(seed)}"), cfg, metrics, {"eval_after": final}, "complete")
+    return RunInfo(
+        Path(f"/nowhere/{name or method + '-seed' + str(seed)}"), cfg, metrics, {"eval_after": final}, "complete"
+    )
 
 
 def test_difference_ci_matches_welch_by_hand():
@@ -32,7 +36,9 @@ def test_difference_ci_matches_welch_by_hand():
     assert (lo, hi) == pytest.approx((-3.5 - h, -3.5 + h))
     plo, phi = cmp.paired_diff_ci([1.0, 2.0, 4.0], [0.0, 0.5, 1.0])
     d = np.array([1.0, 1.5, 3.0])
-    assert (plo + phi) / 2 == pytest.approx(d.mean()) and phi - plo == pytest.approx(2 * sps.t.ppf(0.975, 2) * d.std(ddof=1) / math.sqrt(3))
+    assert (plo + phi) / 2 == pytest.approx(d.mean()) and phi - plo == pytest.approx(
+        2 * sps.t.ppf(0.975, 2) * d.std(ddof=1) / math.sqrt(3)
+    )
 
 
 def test_the_paired_interval_is_shown_beside_its_own_centre_when_seed_sets_differ(capsys, monkeypatch):
@@ -55,7 +61,9 @@ def test_the_paired_interval_is_shown_beside_its_own_centre_when_seed_sets_diffe
     assert "0.055 [" in capsys.readouterr().out
     print_compare(cmp.compare(runs, baseline="grpo", test="welch", n_boot=200))
     assert "0.125 [" in capsys.readouterr().out
-    same = [_run("grpo", s, v) for s, v in enumerate([0.40, 0.42, 0.20])] + [_run("sis", s, v) for s, v in enumerate([0.45, 0.48, 0.30])]
+    same = [_run("grpo", s, v) for s, v in enumerate([0.40, 0.42, 0.20])] + [
+        _run("sis", s, v) for s, v in enumerate([0.45, 0.48, 0.30])
+    ]
     e = cmp.compare(same, baseline="grpo", test="paired", n_boot=200)["methods"][1]["final"]
     assert e["diff_paired"] == pytest.approx(e["diff_vs_baseline"])  # the same seeds: one centre
     assert math.isnan(cmp.compare(runs[:3] + [_run("sis", 5, 0.5)], n_boot=200)["methods"][1]["final"]["diff_paired"])
@@ -94,22 +102,34 @@ def test_table_has_ci_adjusted_p_mdd_and_labels_best_as_biased():
     assert [d["q_bh"], sis["q_bh"]] == pytest.approx(cmp.benjamini_hochberg([d["p"], sis["p"]]))
     assert math.isnan(rows["grpo"]["final"]["p_holm"])
     assert d["p_holm"] >= d["p"] and d["q_bh"] >= d["p"] and d["mdd_80"] > 0 and d["p_unit"] == "run (one seed)"
-    assert rows["dppo"]["best"]["biased"] and math.isnan(rows["dppo"]["best"]["p"]) and rows["dppo"]["best"]["n_evals"] == [2, 2, 2]
+    assert (
+        rows["dppo"]["best"]["biased"]
+        and math.isnan(rows["dppo"]["best"]["p"])
+        and rows["dppo"]["best"]["n_evals"] == [2, 2, 2]
+    )
     assert t["p_unit"] == "run (one seed)" and "one greedy answer" in t["metric_kind"]
     assert [r["handle"] for r in t["methods"]] == ["#1", "#2", "#3"]
 
 
 def test_labels_name_only_what_separates_the_groups_and_handles_pick_the_baseline():
     # two grpo groups that differ in three keys at once; one of them is enough to tell them apart
-    a = [_run("grpo", s, 0.4 + 0.01 * s, name=f"a{s}", eval={"greedy": True}, train={"lr": 1e-3, "steps": 10}) for s in range(3)]
-    b = [_run("grpo", s, 0.5 + 0.01 * s, name=f"b{s}", eval={"greedy": False}, train={"lr": 2e-3, "steps": 20}) for s in range(3)]
+    a = [
+        _run("grpo", s, 0.4 + 0.01 * s, name=f"a{s}", eval={"greedy": True}, train={"lr": 1e-3, "steps": 10})
+        for s in range(3)
+    ]
+    b = [
+        _run("grpo", s, 0.5 + 0.01 * s, name=f"b{s}", eval={"greedy": False}, train={"lr": 2e-3, "steps": 20})
+        for s in range(3)
+    ]
     t = cmp.compare(a + b, baseline="#2", n_boot=200)
     labels = [r["label"] for r in t["methods"]]
     assert labels == ["grpo[eval.greedy=True]", "grpo[eval.greedy=False]"]
     assert t["baseline"] == "grpo[eval.greedy=False]" and t["baseline_handle"] == "#2"
     assert cmp.compare(a + b, baseline="1", n_boot=200)["baseline"] == labels[0]
     assert cmp.compare(a + b, baseline="b1", n_boot=200)["baseline"] == labels[1]  # a member run's folder name
-    with pytest.raises(MasktrlError, match=r"ambiguous: pass a handle or a run folder \(#1 grpo\[eval.greedy=True\], #2"):
+    with pytest.raises(
+        MasktrlError, match=r"ambiguous: pass a handle or a run folder \(#1 grpo\[eval.greedy=True\], #2"
+    ):
         cmp.compare(a + b, baseline="grpo", n_boot=200)
     with pytest.raises(MasktrlError, match="not among the runs"):
         cmp.compare(a + b, baseline="#3", n_boot=200)
@@ -133,7 +153,10 @@ def test_plain_method_beside_its_corrected_variants_is_labelled_by_name_and_is_t
 
 def test_runs_of_different_tasks_are_refused():
     runs = [_run("grpo", s, 0.4) for s in range(2)] + [_run("dppo", 0, 0.5, task={"name": "arithmetic", "digits": 4})]
-    with pytest.raises(MasktrlError, match="runs of different tasks cannot be compared: grpo-seed0 has task.digits=3, dppo-seed0 has " "task.digits=4"):
+    with pytest.raises(
+        MasktrlError,
+        match="runs of different tasks cannot be compared: grpo-seed0 has task.digits=3, dppo-seed0 has task.digits=4",
+    ):
         cmp.compare(runs, n_boot=200)
 
 

@@ -104,6 +104,10 @@ def test_missing_behaviour_checkpoint_names_the_steps_that_work(analysis_runs, t
     with pytest.raises(ArtifactError) as est_err:
         prepare([root], [2], no_exact=False, **kw)  # estimators: it has no --no-exact
     msg = str(est_err.value)
-    assert "behaviour policy, checkpoint 1" in msg and "steps with both checkpoints: 1, 3" in msg and "--no-exact" not in msg
+    assert (
+        "behaviour policy, checkpoint 1" in msg
+        and "steps with both checkpoints: 1, 3" in msg
+        and "--no-exact" not in msg
+    )
     with pytest.raises(ArtifactError, match=r"steps with both checkpoints: 1, 3 \(or --no-exact\)"):
         prepare([root], [2], **kw)  # disagreement

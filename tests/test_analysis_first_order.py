@@ -66,13 +66,16 @@ def test_directional_derivatives_equal_finite_differences():
     assert torch.allclose(got, (up - down) / (2 * eps), atol=1e-8)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (("nesterov", None, False), "--replay-optimizer must be one of run, sgd, adamw"),
-    (("sgd", -1e-3, False), "--replay-lr must be a positive number"),
-    (("adamw", 0.0, False), "--replay-lr must be a positive number"),
-    (("adamw", math.inf, False), "--replay-lr must be a positive number"),
-    (("sgd", 1e-3, True), "--reset-moments needs an optimizer with moments"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("nesterov", None, False), "--replay-optimizer must be one of run, sgd, adamw"),
+        (("sgd", -1e-3, False), "--replay-lr must be a positive number"),
+        (("adamw", 0.0, False), "--replay-lr must be a positive number"),
+        (("adamw", math.inf, False), "--replay-lr must be a positive number"),
+        (("sgd", 1e-3, True), "--reset-moments needs an optimizer with moments"),
+    ],
+)
 def test_bad_choices_are_one_line_errors(args, needle):
     with pytest.raises(MasktrlError, match=needle.replace("(", r"\(")):
         fo.check_replay_optimizer(*args)
@@ -108,7 +111,9 @@ def test_adamw_parts_sum_to_the_total_and_own_plus_rest_to_the_gradient(analysis
     assert own.sum() == 12  # 6 per minibatch
     scale = np.abs(t["fo_total"][v]).max()
     np.testing.assert_allclose(parts[own], t["fo_total"][own], atol=2e-3 * scale)
-    np.testing.assert_allclose((t["fo_decay"] + t["fo_momentum"] + t["fo_gradient"])[v], t["fo_total"][v], atol=2e-3 * scale)
+    np.testing.assert_allclose(
+        (t["fo_decay"] + t["fo_momentum"] + t["fo_gradient"])[v], t["fo_total"][v], atol=2e-3 * scale
+    )
     assert np.abs(t["fo_momentum"][v]).max() > 0  # moments from checkpoint 3
     summary = fo.summarize_parts(t, 0.0, ("ratio", "ddot_agg"))
     assert summary["n_own"] <= 12 and 0 <= summary["momentum_outweighs_gradient_frac"] <= 1

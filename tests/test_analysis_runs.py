@@ -10,9 +10,10 @@ from safetensors.torch import load_file
 
 from masktrl.analysis import disagreement as dis
 from masktrl.analysis.io import load_run
-from masktrl.analysis.step_replay import load_replay, replay_step
 from masktrl.analysis.sis_report import sis_report
+from masktrl.analysis.step_replay import load_replay, replay_step
 from tests.conftest import cli
+
 
 @pytest.fixture(scope="module")
 def runs(analysis_runs):
@@ -71,7 +72,9 @@ def test_sis_report_recomputes_the_logged_accept_rate(runs):
     # the log-importance deviation D and D_SIS (docs/METHODS.md §6.1): recomputed = logged, D_SIS <= D
     assert r["log_r_dev"] == pytest.approx(r["log_r_dev_logged"], rel=1e-9)
     assert r["log_w_dev"] == pytest.approx(r["log_w_dev_logged"], rel=1e-9)
-    assert 0 <= r["log_w_dev"] <= r["log_r_dev"] and r["log_dev_ratio"] == pytest.approx(r["log_w_dev"] / r["log_r_dev"])
+    assert 0 <= r["log_w_dev"] <= r["log_r_dev"] and r["log_dev_ratio"] == pytest.approx(
+        r["log_w_dev"] / r["log_r_dev"]
+    )
     tr = rep["training"]
     assert len(tr["log_r_dev"]) == len(tr["log_w_dev"]) == len(tr["log_dev_ratio"]) == 3
     assert all(w <= d for d, w in zip(tr["log_r_dev"], tr["log_w_dev"]))
@@ -82,7 +85,9 @@ def test_sis_report_recomputes_the_logged_accept_rate(runs):
     assert 0 < n_acc <= r["n_valid"] and all(isinstance(t["token"], str) for t in rep["tokens"]["accepted"])
     grpo = sis_report(load_run(runs / "grpo-seed0"), step=2)
     assert grpo["hypothetical"] and grpo["replay"]["accept_rate_logged"] is None
-    assert grpo["training"]["log_r_dev"] and grpo["training"]["log_w_dev"] == []  # D is logged by every method, D_SIS by SIS
+    assert (
+        grpo["training"]["log_r_dev"] and grpo["training"]["log_w_dev"] == []
+    )  # D is logged by every method, D_SIS by SIS
 
 
 def test_cli_analyses_write_json_and_png(runs, tmp_path):
@@ -107,7 +112,9 @@ def test_cli_analyses_write_json_and_png(runs, tmp_path):
     for key in ("final", "best"):
         s = sis_row[key]
         assert s["n"] == 2 and s["ci_low"] <= s["mean"] <= s["ci_high"]
-    assert 0 <= sis_row["final"]["p"] <= 1 and sis_row["best"]["p"] is None and sis_row["best"]["biased"]  # best: not tested
+    assert (
+        0 <= sis_row["final"]["p"] <= 1 and sis_row["best"]["p"] is None and sis_row["best"]["biased"]
+    )  # best: not tested
     assert all(b >= f for b, f in zip(sis_row["best"]["values"], sis_row["final"]["values"]))
     assert_png(runs / "analysis" / "compare.png")
 
@@ -115,10 +122,25 @@ def test_cli_analyses_write_json_and_png(runs, tmp_path):
     assert json.loads((runs / "sis-seed1" / "analysis" / "sis-step3.json").read_text())["run"] == "sis-seed1"
     assert_png(runs / "sis-seed1" / "analysis" / "sis-step3.png")
 
-    out = cli("analyze", "disagreement", "--run", str(runs / "grpo-seed1"), "--partitions", "2", "--delta", "0.001",
-              "--step", "2", "--policy-step", "3", "--no-exact").output
+    out = cli(
+        "analyze",
+        "disagreement",
+        "--run",
+        str(runs / "grpo-seed1"),
+        "--partitions",
+        "2",
+        "--delta",
+        "0.001",
+        "--step",
+        "2",
+        "--policy-step",
+        "3",
+        "--no-exact",
+    ).output
     assert "ddot_uniform" in out and "staleness 2" in out and "ratio_vs_ddot_agg" in out
-    files = sorted(f for f in (runs / "grpo-seed1" / "analysis").iterdir() if f.name.startswith("disagreement-step2-policy3"))
+    files = sorted(
+        f for f in (runs / "grpo-seed1" / "analysis").iterdir() if f.name.startswith("disagreement-step2-policy3")
+    )
     assert sorted(f.suffix for f in files) == [".json", ".parquet", ".png", ".png", ".png"]
     for f in files:
         if f.suffix == ".png":
@@ -129,7 +151,10 @@ def test_cli_analyses_write_json_and_png(runs, tmp_path):
     "args, needle",
     [
         (["analyze", "disagreement", "--run", "nosuch", "--out", "{runs}"], "unknown run nosuch"),
-        (["analyze", "sis", "--run", "grpo-seed0", "--out", "{runs}", "--step", "9"], "no rollouts recorded for step 9"),
+        (
+            ["analyze", "sis", "--run", "grpo-seed0", "--out", "{runs}", "--step", "9"],
+            "no rollouts recorded for step 9",
+        ),
         (["analyze", "disagreement", "--run", "grpo-seed0", "--out", "{runs}", "--policy-step", "7"], "checkpoint 7"),
         (["analyze", "compare", "{runs}/grpo-seed0", "--baseline", "pdm"], "baseline 'pdm' is not among the runs"),
         (["analyze", "dynamics", "{runs}/nosuch"], "unknown run"),

@@ -52,8 +52,22 @@ def test_recording_every_token_leaves_the_update_as_training_did_it(analysis_run
 
 
 def test_pairwise_sets_rebuilt_from_the_token_parquet_equal_the_json(analysis_runs):
-    out = _cli("analyze", "disagreement", "--run", str(analysis_runs / "grpo-seed0"), "--run", str(analysis_runs / "grpo-seed1"),
-               "--steps", "2:3", "--delta", "0.001", "--minibatches", "4", "--test", "ttest")
+    out = _cli(
+        "analyze",
+        "disagreement",
+        "--run",
+        str(analysis_runs / "grpo-seed0"),
+        "--run",
+        str(analysis_runs / "grpo-seed1"),
+        "--steps",
+        "2:3",
+        "--delta",
+        "0.001",
+        "--minibatches",
+        "4",
+        "--test",
+        "ttest",
+    )
     assert "4 replicates (batch)" in out and "update unmasked" in out
     folder = analysis_runs / "analysis"
     (path,) = folder.glob("disagreement-steps2-3n2-runs2-mb4-delta0.001-unmasked.json")
@@ -78,15 +92,24 @@ def test_pairwise_sets_rebuilt_from_the_token_parquet_equal_the_json(analysis_ru
                 for c in (a, b):
                     kept = sel & t[f"keep_{c}"]
                     r = rep["pairs"][name][scope][c]
-                    assert (r["n_kept"], r["n_grew"], r["n_contracted"]) == (int(kept.sum()), int((dd[kept] > 0).sum()), int((dd[kept] < 0).sum()))
+                    assert (r["n_kept"], r["n_grew"], r["n_contracted"]) == (
+                        int(kept.sum()),
+                        int((dd[kept] > 0).sum()),
+                        int((dd[kept] < 0).sum()),
+                    )
         for scope, col in (("one_step", "d_one"), ("all_minibatches", "d_all")):
             for c in (a, b):
                 kept = dis_set & t[f"keep_{c}"]
                 assert block[scope][c]["n_kept_total"] == int(kept.sum())
                 if kept.any():
-                    assert block[scope][c]["unsafe_keep_pooled"] == pytest.approx(float(((t[col] - t["d"])[kept] > 0).mean()))
+                    assert block[scope][c]["unsafe_keep_pooled"] == pytest.approx(
+                        float(((t[col] - t["d"])[kept] > 0).mean())
+                    )
             # two runs pooled: the run is the unit (run-blocked sign flip), not the batch
-            assert block[scope]["paired"]["p_unit"] == "run" and block[scope]["paired"]["p"] == block[scope]["paired"]["unsafe_keep"]["p"]
+            assert (
+                block[scope]["paired"]["p_unit"] == "run"
+                and block[scope]["paired"]["p"] == block[scope]["paired"]["unsafe_keep"]["p"]
+            )
             assert "p_ttest" not in block[scope]["paired"]["unsafe_keep"]
     assert total > 0  # the check above was not vacuous
     for suffix in ("bars", "ecdf", "contracted"):
@@ -127,8 +150,14 @@ def test_bracket_contains_the_exact_ddot_on_every_token(stale_tokens):
     # the bracket the method sees (float32, the stored K = 5 lists)
     assert np.all(t["bracket_lo"][v] - 1e-5 <= exact) and np.all(exact <= t["bracket_hi"][v] + 1e-5)
     for k in (2, 5, 20):  # float64 from the full log-probabilities, re-cut (2, 5) or recomputed (20 >= |V| = 17)
-        assert np.all(t[f"bracket_lo_k{k}"][v] - est.CONTAIN_TOL <= exact) and np.all(exact <= t[f"bracket_hi_k{k}"][v] + est.CONTAIN_TOL)
-    assert np.mean(t["bracket_hi_k2"][v] - t["bracket_lo_k2"][v]) > np.mean(t["bracket_hi_k5"][v] - t["bracket_lo_k5"][v]) > 0
+        assert np.all(t[f"bracket_lo_k{k}"][v] - est.CONTAIN_TOL <= exact) and np.all(
+            exact <= t[f"bracket_hi_k{k}"][v] + est.CONTAIN_TOL
+        )
+    assert (
+        np.mean(t["bracket_hi_k2"][v] - t["bracket_lo_k2"][v])
+        > np.mean(t["bracket_hi_k5"][v] - t["bracket_lo_k5"][v])
+        > 0
+    )
     # K >= |V|: no tail, both estimators are the exact value; K = stored: the float64 re-computation of what the method
     # saw
     for e in ("agg", "uniform"):
@@ -147,7 +176,9 @@ def test_unmasked_update_gives_every_criterion_s_kept_tokens_a_gradient(analysis
         tok = token_index(replay, idx)
         adv[tok], valid[tok] = out.advantages.detach().float(), b.valid
         lo, hi = ddot_kl_bracket(b)
-        for c, k in keep_decisions(out.advantages, log_ratio(b), divergence_rate(b, "kl", "agg"), divergence_rate(b, "kl", "uniform"), lo, hi).items():
+        for c, k in keep_decisions(
+            out.advantages, log_ratio(b), divergence_rate(b, "kl", "agg"), divergence_rate(b, "kl", "uniform"), lo, hi
+        ).items():
             keeps.setdefault(c, torch.zeros(n, dtype=torch.bool))[tok] = k
 
         def hook(g, tok=tok):  # d loss / d log pi_k of each token
@@ -166,8 +197,22 @@ def test_unmasked_update_gives_every_criterion_s_kept_tokens_a_gradient(analysis
 
 def test_estimators_command_reports_every_k(analysis_runs, tmp_path):
     folder = tmp_path / "results"
-    out = _cli("analyze", "estimators", "--run", "grpo-seed2", "--out", str(analysis_runs), "--steps", "2", "--policy-step", "3",
-               "--k", "2,5,20", "--output", str(folder))
+    out = _cli(
+        "analyze",
+        "estimators",
+        "--run",
+        "grpo-seed2",
+        "--out",
+        str(analysis_runs),
+        "--steps",
+        "2",
+        "--policy-step",
+        "3",
+        "--k",
+        "2,5,20",
+        "--output",
+        str(folder),
+    )
     assert "stored" in out and "recomputed" in out and "bracket certifies" in out
     res = json.loads((folder / "estimators-step2-unmasked.json").read_text())
     assert res["ks"] == [2, 5, 20] and res["stored_k"] == 5 and res["vocab_size"] == 17
@@ -213,13 +258,25 @@ def _files(*folders):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["disagreement", "--run", "{runs}/grpo-seed0", "--run", "{tmp}/other-task"], "runs of different tasks cannot be pooled"),
+        (
+            ["disagreement", "--run", "{runs}/grpo-seed0", "--run", "{tmp}/other-task"],
+            "runs of different tasks cannot be pooled",
+        ),
         (["disagreement", "--run", "{tmp}/no-rollout", "--steps", "2"], "no stored rollouts for step 2"),
-        (["disagreement", "--run", "{tmp}/no-checkpoint", "--steps", "2"], "starts from checkpoint 1, which is not stored"),
-        (["estimators", "--run", "{tmp}/no-checkpoint", "--steps", "2", "--policy-step", "3"], "behaviour policy, checkpoint 1"),
+        (
+            ["disagreement", "--run", "{tmp}/no-checkpoint", "--steps", "2"],
+            "starts from checkpoint 1, which is not stored",
+        ),
+        (
+            ["estimators", "--run", "{tmp}/no-checkpoint", "--steps", "2", "--policy-step", "3"],
+            "behaviour policy, checkpoint 1",
+        ),
         (["disagreement", "--run", "{runs}/grpo-seed0", "--steps", "2:9"], "step 4 is out of range"),
         (["disagreement", "--run", "{runs}/grpo-seed0", "--steps", "2..3"], "--steps"),
-        (["disagreement", "--run", "{runs}/grpo-seed0", "--update-method", "nosuch"], "unknown --update-method 'nosuch'"),
+        (
+            ["disagreement", "--run", "{runs}/grpo-seed0", "--update-method", "nosuch"],
+            "unknown --update-method 'nosuch'",
+        ),
         (["estimators", "--run", "{runs}/grpo-seed0", "--k", "5,x"], "--k"),
         (["disagreement", "--run", "{runs}/grpo-seed0", "--pairs", "ratio:nosuch"], "--pairs"),
     ],

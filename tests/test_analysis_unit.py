@@ -8,15 +8,14 @@ import torch
 
 from masktrl.analysis import compare as cmp
 from masktrl.analysis import disagreement as dis
-from masktrl.analysis.replicates import STUDY_MINIBATCHES, parse_steps, study_minibatches
-from masktrl.analysis.token_replay import keep_decisions
 from masktrl.analysis import dynamics as dyn
 from masktrl.analysis.io import RunInfo, group_runs
-from masktrl.runs.store import resolve_run
-from masktrl.stats import bootstrap_ci
+from masktrl.analysis.replicates import STUDY_MINIBATCHES, parse_steps, study_minibatches
+from masktrl.analysis.token_replay import keep_decisions
 from masktrl.config import from_dict
 from masktrl.errors import ArtifactError, MasktrlError
-
+from masktrl.runs.store import resolve_run
+from masktrl.stats import bootstrap_ci
 
 # --------------------------------------------------------------------------- disagreement
 
@@ -41,8 +40,13 @@ def test_keep_decisions_follow_the_sign_rules():
 
 def _table(**cols):
     n = len(next(iter(cols.values())))
-    base = {"run": np.array(["r"] * n, dtype=object), "step": np.full(n, 1), "partition": np.zeros(n, dtype=int),
-            "replicate": np.zeros(n, dtype=int), "valid": np.ones(n, dtype=bool)}
+    base = {
+        "run": np.array(["r"] * n, dtype=object),
+        "step": np.full(n, 1),
+        "partition": np.zeros(n, dtype=int),
+        "replicate": np.zeros(n, dtype=int),
+        "valid": np.ones(n, dtype=bool),
+    }
     return {**base, **{k: np.asarray(v) for k, v in cols.items()}}
 
 
@@ -60,13 +64,28 @@ def test_pairwise_sets_and_unsafe_keep_on_a_hand_built_case():
     # token 5: every rule keeps; token 6: A = 0; token 7: D <= delta -> in no set
     assert dis.pair_set(t, "ratio", "ddot_agg", 0.1).tolist() == [True, True, True, True, True, False, False, False]
     # ratio vs uniform differ on 0, 2, 3, 4 (both keep token 1)
-    assert dis.pair_set(t, "ratio", "ddot_uniform", 0.1).tolist() == [True, False, True, True, True, False, False, False]
+    assert dis.pair_set(t, "ratio", "ddot_uniform", 0.1).tolist() == [
+        True,
+        False,
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
     # agg vs uniform differ on token 1 only
     assert dis.pair_set(t, "ddot_agg", "ddot_uniform", 0.1).tolist() == [False, True] + [False] * 6
     (rep,) = dis.replicate_counts(t, 0.1)
     ra = rep["pairs"]["ratio_vs_ddot_agg"]["one_step"]
     # ratio keeps 0, 1, 4 -> dD = +0.3, -0.1, +0.1: 2 of 3 grew, 1 contracted; agg keeps 2, 3 -> -0.2, +0.4
-    assert ra["ratio"] == {"n_kept": 3, "n_grew": 2, "n_contracted": 1, "unsafe_keep": pytest.approx(2 / 3), "contract_frac": pytest.approx(1 / 3)}
+    assert ra["ratio"] == {
+        "n_kept": 3,
+        "n_grew": 2,
+        "n_contracted": 1,
+        "unsafe_keep": pytest.approx(2 / 3),
+        "contract_frac": pytest.approx(1 / 3),
+    }
     assert ra["ddot_agg"]["unsafe_keep"] == pytest.approx(0.5) and ra["ddot_agg"]["n_kept"] == 2
     au = rep["pairs"]["ddot_agg_vs_ddot_uniform"]["one_step"]
     assert au["ddot_agg"]["n_kept"] == 0 and math.isnan(au["ddot_agg"]["unsafe_keep"])
@@ -75,8 +94,15 @@ def test_pairwise_sets_and_unsafe_keep_on_a_hand_built_case():
 
 
 def test_zero_change_is_neither_grew_nor_contracted():
-    t = _table(d=[0.5, 0.5], adv=[1.0, 1.0], keep_ratio=[True, False], keep_ddot_agg=[False, True], keep_ddot_uniform=[False, True],
-               d_one=[0.5, 0.7], d_all=[0.5, 0.7])
+    t = _table(
+        d=[0.5, 0.5],
+        adv=[1.0, 1.0],
+        keep_ratio=[True, False],
+        keep_ddot_agg=[False, True],
+        keep_ddot_uniform=[False, True],
+        d_one=[0.5, 0.7],
+        d_all=[0.5, 0.7],
+    )
     (rep,) = dis.replicate_counts(t, 0.1)
     r = rep["pairs"]["ratio_vs_ddot_agg"]["one_step"]["ratio"]
     assert r["n_kept"] == 1 and r["unsafe_keep"] == 0.0 and r["contract_frac"] == 0.0
@@ -88,8 +114,16 @@ def test_summary_is_over_replicates_with_pooled_rates_and_a_paired_test():
     grew_ratio = [True, True, True, False]
     grew_agg = [False, False, True, False]
     for r in range(4):
-        rows.append(dict(d=[0.5, 0.5], adv=[1.0, -1.0], keep_ratio=[True, False], keep_ddot_agg=[False, True],
-                         keep_ddot_uniform=[False, True], d_one=[0.6 if grew_ratio[r] else 0.4, 0.6 if grew_agg[r] else 0.4]))
+        rows.append(
+            dict(
+                d=[0.5, 0.5],
+                adv=[1.0, -1.0],
+                keep_ratio=[True, False],
+                keep_ddot_agg=[False, True],
+                keep_ddot_uniform=[False, True],
+                d_one=[0.6 if grew_ratio[r] else 0.4, 0.6 if grew_agg[r] else 0.4],
+            )
+        )
     cols = {k: np.concatenate([np.asarray(x[k]) for x in rows]) for k in rows[0]}
     t = _table(**cols)
     t["replicate"] = np.repeat(np.arange(4), 2)
@@ -100,7 +134,9 @@ def test_summary_is_over_replicates_with_pooled_rates_and_a_paired_test():
     one = out["one_step"]
     assert one["ratio"]["unsafe_keep_mean"] == pytest.approx(0.75)
     assert one["ratio"]["unsafe_keep_se"] == pytest.approx(np.std([1, 1, 1, 0], ddof=1) / 2)
-    assert one["ddot_agg"]["unsafe_keep_pooled"] == pytest.approx(0.25) and one["ddot_agg"]["contract_frac_pooled"] == pytest.approx(0.75)
+    assert one["ddot_agg"]["unsafe_keep_pooled"] == pytest.approx(0.25) and one["ddot_agg"][
+        "contract_frac_pooled"
+    ] == pytest.approx(0.75)
     paired = one["paired"]["unsafe_keep"]
     assert paired["n"] == 4 and paired["diff_mean"] == pytest.approx(0.5)
     from scipy import stats as sps
@@ -173,9 +209,13 @@ def test_compare_pairs_seeds_with_the_baseline():
     assert d["p_paired_t"] == pytest.approx(sps.ttest_rel([0.39, 0.39, 0.48], [0.34, 0.40, 0.41]).pvalue)
     assert d["t_paired"] == pytest.approx(sps.ttest_rel([0.39, 0.39, 0.48], [0.34, 0.40, 0.41]).statistic)
     assert d["p_paired"] == max(d["p_paired_t"], d["p_sign_flip"])  # the larger of the t and the sign-flip p decides
-    assert rows["sis"]["final"]["p_paired_t"] == pytest.approx(sps.ttest_rel([0.43, 0.30, 0.32], [0.40, 0.34, 0.40]).pvalue)
+    assert rows["sis"]["final"]["p_paired_t"] == pytest.approx(
+        sps.ttest_rel([0.43, 0.30, 0.32], [0.40, 0.34, 0.40]).pvalue
+    )
     assert rows["grpo"]["final"]["n_paired"] == 0 and math.isnan(rows["grpo"]["final"]["p_paired"])
-    lone = cmp.compare([_run("grpo", 0, 0.4), _run("grpo", 1, 0.5), _run("sis", 5, 0.3), _run("sis", 6, 0.2)], n_boot=200)
+    lone = cmp.compare(
+        [_run("grpo", 0, 0.4), _run("grpo", 1, 0.5), _run("sis", 5, 0.3), _run("sis", 6, 0.2)], n_boot=200
+    )
     assert lone["methods"][1]["final"]["n_paired"] == 0 and math.isnan(lone["methods"][1]["final"]["p_paired"])
 
 
@@ -222,10 +262,16 @@ def test_group_curve_averages_seeds_on_shared_steps():
 def test_groups_compare_resolved_method_parameters():
     """A parameter given at its default value is the same config: one group. Groups of one
     method are labelled by the resolved parameters in which they differ."""
-    runs = [_run("dppo", 0, 0.5), _run("dppo", 1, 0.6, divergence="topk-kl"), _run("dppo", 0, 0.1, divergence="binary-tv")]
+    runs = [
+        _run("dppo", 0, 0.5),
+        _run("dppo", 1, 0.6, divergence="topk-kl"),
+        _run("dppo", 0, 0.1, divergence="binary-tv"),
+    ]
     groups = group_runs(runs)
     assert [(label, [r.cfg.seed for r in members]) for label, members in groups] == [
-        ("dppo[divergence=topk-kl]", [0, 1]), ("dppo[divergence=binary-tv]", [0])]
+        ("dppo[divergence=topk-kl]", [0, 1]),
+        ("dppo[divergence=binary-tv]", [0]),
+    ]
 
 
 def test_unknown_run_is_an_artifact_error(tmp_path):

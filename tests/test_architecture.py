@@ -14,7 +14,9 @@ def test_imports_point_one_way():
     lint = Path(sys.executable).with_name("lint-imports")
     assert lint.is_file(), "lint-imports is missing: pip install -e '.[dev]' (import-linter)"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([str(lint), "--no-cache", "--no-logo"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [str(lint), "--no-cache", "--no-logo"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "0 broken" in r.stdout and "Contracts: 5 kept" in r.stdout, r.stdout[-2000:]
 
@@ -28,7 +30,9 @@ def _functions(folder: str):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args
-                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)] + [x.arg for x in (a.vararg, a.kwarg) if x]
+                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)] + [
+                    x.arg for x in (a.vararg, a.kwarg) if x
+                ]
                 params = len([n for n in names if n not in ("self", "cls")])
                 yield f"{path.relative_to(REPO).as_posix()} {node.name}", node.end_lineno - node.lineno + 1, params
 
@@ -49,7 +53,12 @@ TOO_MANY_PARAMS = {
 
 def test_functions_fit_on_a_screen():
     """No function in recipes/, runs/ or rl/ is longer than 60 lines (docs/DESIGN.md)."""
-    long = [f"{name} ({n} lines)" for folder in ("recipes", "runs", "rl") for name, n, _ in _functions(folder) if n > MAX_LINES]
+    long = [
+        f"{name} ({n} lines)"
+        for folder in ("recipes", "runs", "rl")
+        for name, n, _ in _functions(folder)
+        if n > MAX_LINES
+    ]
     assert not long, long
 
 
@@ -57,8 +66,12 @@ def test_functions_take_at_most_eight_parameters():
     """No function in recipes/, runs/ or rl/ takes more than 8 parameters: more travel together as
     one object (a settings dataclass, the run's ``State``, a bound method). ``TOO_MANY_PARAMS``
     names the ones left, and only shrinks."""
-    many = [f"{name} ({n} parameters)" for folder in ("recipes", "runs", "rl") for name, _, n in _functions(folder)
-            if n > MAX_PARAMS and name not in TOO_MANY_PARAMS]
+    many = [
+        f"{name} ({n} parameters)"
+        for folder in ("recipes", "runs", "rl")
+        for name, _, n in _functions(folder)
+        if n > MAX_PARAMS and name not in TOO_MANY_PARAMS
+    ]
     assert not many, many
 
 
@@ -82,8 +95,11 @@ def test_the_train_recipe_is_setup_the_loop_the_step_and_evaluation():
 
 def test_commands_are_thin():
     """No command module is longer than 120 lines: a command parses, calls one stage, prints."""
-    long = [f"{p.relative_to(REPO)} ({n} lines)" for p in sorted((REPO / "masktrl" / "commands").rglob("*.py"))
-            if (n := len(p.read_text().splitlines())) > 120]
+    long = [
+        f"{p.relative_to(REPO)} ({n} lines)"
+        for p in sorted((REPO / "masktrl" / "commands").rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > 120
+    ]
     assert not long, long
 
 
@@ -103,13 +119,20 @@ def _stage_key_uses(path: Path) -> list[str]:
             continue
         func, args = node.func, node.args
         name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-        literal = args[0].value if args and isinstance(args[0], ast.Constant) and isinstance(args[0].value, str) else None
+        literal = (
+            args[0].value if args and isinstance(args[0], ast.Constant) and isinstance(args[0].value, str) else None
+        )
         if name in ("split", "rsplit", "partition", "rpartition") and literal == "/":
-            hits.append(f"{path.relative_to(REPO)}:{node.lineno} {name}(\"/\")")
+            hits.append(f'{path.relative_to(REPO)}:{node.lineno} {name}("/")')
         elif name in STORE_CALLS and literal is not None:
             hits.append(f"{path.relative_to(REPO)}:{node.lineno} {name}({literal!r})")
         for arg in args:
-            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and "/" in arg.value and STAGE_LITERAL.match(arg.value):
+            if (
+                isinstance(arg, ast.Constant)
+                and isinstance(arg.value, str)
+                and "/" in arg.value
+                and STAGE_LITERAL.match(arg.value)
+            ):
                 hits.append(f"{path.relative_to(REPO)}:{node.lineno} {arg.value!r}")
     return hits
 
@@ -146,10 +169,14 @@ def _module_graph() -> dict[str, set[str]]:
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("masktrl"):
-                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module for a in node.names}
+                deps |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names else node.module for a in node.names
+                }
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name.startswith("masktrl")}
-        graph[mod] = {d for d in deps if d in names and d != mod and not (path.name == "__init__.py" and d.startswith(mod + "."))}
+        graph[mod] = {
+            d for d in deps if d in names and d != mod and not (path.name == "__init__.py" and d.startswith(mod + "."))
+        }
     return graph
 
 

@@ -27,10 +27,13 @@ def test_config_names_every_architecture():
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_train_rollout_eval(arch, tmp_path):
-    cfg = write_tiny_config(tmp_path / "c.yaml", {
-        "model": {"architecture": arch, "lora": {"rank": 4, "alpha": 8}},
-        "train": {"gradient_checkpointing": True, "lr": 3.0e-3},
-    })
+    cfg = write_tiny_config(
+        tmp_path / "c.yaml",
+        {
+            "model": {"architecture": arch, "lora": {"rank": 4, "alpha": 8}},
+            "train": {"gradient_checkpointing": True, "lr": 3.0e-3},
+        },
+    )
     out = tmp_path / "out"
     r = cli("train", "--config", cfg, "--out", out, "--run", "r")
     fallback = [line for line in r.output.splitlines() if "shared-prompt" in line and "sliding" in line]
@@ -47,7 +50,21 @@ def test_train_rollout_eval(arch, tmp_path):
     assert json.loads((root / "summary.json").read_text())["steps"] == 2
 
     batch = tmp_path / "r.parquet"
-    cli("rollout", "--model", root, "--data", "synthetic", "--n", 2, "--prompts", 3, "--logprobs-k", 3, "--output", batch)
+    cli(
+        "rollout",
+        "--model",
+        root,
+        "--data",
+        "synthetic",
+        "--n",
+        2,
+        "--prompts",
+        3,
+        "--logprobs-k",
+        3,
+        "--output",
+        batch,
+    )
     samples, meta = read_rollouts(batch)
     assert len(samples) == 6 and meta["model"].endswith("000002")
 

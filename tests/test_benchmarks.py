@@ -8,10 +8,28 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-TINY = ["--set", "model.hidden_size=32", "--set", "model.num_layers=1", "--set", "model.num_heads=2",
-        "--set", "model.num_kv_heads=1", "--set", "model.intermediate_size=64", "--set", "warmstart.steps=5",
-        "--set", "rollout.prompts_per_step=4", "--set", "rollout.n=3", "--set", "rollout.max_new_tokens=3",
-        "--set", "task.n_test=8"]
+TINY = [
+    "--set",
+    "model.hidden_size=32",
+    "--set",
+    "model.num_layers=1",
+    "--set",
+    "model.num_heads=2",
+    "--set",
+    "model.num_kv_heads=1",
+    "--set",
+    "model.intermediate_size=64",
+    "--set",
+    "warmstart.steps=5",
+    "--set",
+    "rollout.prompts_per_step=4",
+    "--set",
+    "rollout.n=3",
+    "--set",
+    "rollout.max_new_tokens=3",
+    "--set",
+    "task.n_test=8",
+]
 
 
 @pytest.fixture

@@ -10,8 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from masktrl.analysis.conformance import check_method, passed
-from masktrl.methods import TokenLosses, method_names, register_method
-from masktrl.methods import registry
+from masktrl.methods import TokenLosses, method_names, register_method, registry
 from masktrl.methods.batch import log_ratio, log_ratio_live, seq_index, unit_ratio_log
 from masktrl.methods.params import _common, _Protocol
 
@@ -20,16 +19,34 @@ from masktrl.methods.params import _common, _Protocol
 def test_every_registered_method_conforms(name):
     rows = check_method(name)
     assert passed(rows), [r for r in rows if r.ok is False]
-    assert [r.name for r in rows] == ["gradient = value", "lists stop-gradient", "invalid tokens", "finite",
-                                      "on-policy limit", "sequence order", "packed = padded", "params round-trip"]
+    assert [r.name for r in rows] == [
+        "gradient = value",
+        "lists stop-gradient",
+        "invalid tokens",
+        "finite",
+        "on-policy limit",
+        "sequence order",
+        "packed = padded",
+        "params round-trip",
+    ]
 
 
-@pytest.mark.parametrize("name,params", [
-    ("pdm", {"tail": "exact"}), ("pdm", {"tail": "uniform", "divergence": "tv"}), ("pdm", {"tail": "bracket"}),
-    ("sis", {"base": "gspo"}), ("dppo", {"divergence": "binary-kl", "ratio_cap": 2.0}), ("grpo", {"dual_clip": 3.0}),
-    ("trm", {"divergence": "topk-kl", "delta": 0.05}), ("clip-cov", {"clip_cov_ratio": 0.3, "clip_cov_lb": -1e9}),
-    ("kl-cov", {"kl_cov_ratio": 0.3}), ("sapo", {"tau_pos": 0.01, "tau_neg": 50.0}), ("two-sided", {"delta": 1.5}),
-])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("pdm", {"tail": "exact"}),
+        ("pdm", {"tail": "uniform", "divergence": "tv"}),
+        ("pdm", {"tail": "bracket"}),
+        ("sis", {"base": "gspo"}),
+        ("dppo", {"divergence": "binary-kl", "ratio_cap": 2.0}),
+        ("grpo", {"dual_clip": 3.0}),
+        ("trm", {"divergence": "topk-kl", "delta": 0.05}),
+        ("clip-cov", {"clip_cov_ratio": 0.3, "clip_cov_lb": -1e9}),
+        ("kl-cov", {"kl_cov_ratio": 0.3}),
+        ("sapo", {"tau_pos": 0.01, "tau_neg": 50.0}),
+        ("two-sided", {"delta": 1.5}),
+    ],
+)
 def test_variants_conform(name, params):
     from masktrl.methods import make_params
 
@@ -67,18 +84,26 @@ def _nan_at_large_ratio(batch, adv, p, u):
 def _invalid_tokens_count(batch, adv, p, u):
     """A nonzero loss on invalid tokens (junk), and a sequence mean that counts them, so the
     valid tokens' loss depends on the invalid tokens' content."""
-    junk = (batch.logp.detach() - batch.behavior_logp.clamp_min(-30.0))  # [N] finite junk on invalid tokens
+    junk = batch.logp.detach() - batch.behavior_logp.clamp_min(-30.0)  # [N] finite junk on invalid tokens
     inv, g = seq_index(batch)
     mean = torch.zeros(g, dtype=junk.dtype).index_add_(0, inv, junk) / torch.bincount(inv, minlength=g).to(junk.dtype)
     coef = -adv * mean[inv].exp()
-    return TokenLosses(coef * unit_ratio_log(batch).exp() + (~batch.valid).to(coef.dtype), ~batch.valid, None, None, None,
-                       log_ratio(batch))
+    return TokenLosses(
+        coef * unit_ratio_log(batch).exp() + (~batch.valid).to(coef.dtype),
+        ~batch.valid,
+        None,
+        None,
+        None,
+        log_ratio(batch),
+    )
 
 
 def _list_gradient(batch, adv, p, u):
     """-A r plus a term in the listed log pi: the logits get a gradient through the lists."""
     lists = torch.where(batch.topk_ids >= 0, batch.topk_logp, torch.zeros_like(batch.topk_logp)).sum(1)
-    return TokenLosses(-adv * log_ratio_live(batch).exp() + 1e-3 * lists, ~batch.valid, None, None, None, log_ratio(batch))
+    return TokenLosses(
+        -adv * log_ratio_live(batch).exp() + 1e-3 * lists, ~batch.valid, None, None, None, log_ratio(batch)
+    )
 
 
 def _position_weight(batch, adv, p, u):
@@ -144,12 +169,15 @@ def test_command_exit_codes(broken):
     assert with_set.exit_code == 0, with_set.output
 
 
-@pytest.mark.parametrize("args,message", [
-    (["check-method", "nope"], "unknown method 'nope'"),
-    (["check-method", "sapo", "--set", "method.tau_pos=-1"], "method.tau_pos must be > 0"),
-    (["check-method", "grpo", "--set", "train.lr=1"], "takes method.KEY=VALUE"),
-    (["check-method", "grpo", "--set", "method.correction.kind=token-tis"], "checks the rule itself"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["check-method", "nope"], "unknown method 'nope'"),
+        (["check-method", "sapo", "--set", "method.tau_pos=-1"], "method.tau_pos must be > 0"),
+        (["check-method", "grpo", "--set", "train.lr=1"], "takes method.KEY=VALUE"),
+        (["check-method", "grpo", "--set", "method.correction.kind=token-tis"], "checks the rule itself"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(args, message, tmp_path):
     from tests.conftest import masktrl
 

@@ -46,12 +46,20 @@ def test_help_lists_working_subcommands():
 
 
 @pytest.mark.parametrize(
-    "model, needle",
-    [("/nonexistent/model", "no such model folder"), ("nosuchorg/nosuchmodel", "local hub cache")],
+    "model, needle", [("/nonexistent/model", "no such model folder"), ("nosuchorg/nosuchmodel", "local hub cache")]
 )
 def test_missing_models_are_one_line_and_never_downloaded(tmp_path, model, needle):
-    r = masktrl("rollout", "--model", model, "--data", "synthetic", "--output", str(tmp_path / "r.parquet"), cwd=tmp_path,
-                env={"HF_HOME": str(tmp_path / "hf")})
+    r = masktrl(
+        "rollout",
+        "--model",
+        model,
+        "--data",
+        "synthetic",
+        "--output",
+        str(tmp_path / "r.parquet"),
+        cwd=tmp_path,
+        env={"HF_HOME": str(tmp_path / "hf")},
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], r.stderr
@@ -61,6 +69,8 @@ def test_missing_models_are_one_line_and_never_downloaded(tmp_path, model, needl
 def test_usage_errors_are_one_line_like_every_other_error(cli_error):
     """An unknown flag, a missing option or an unknown command: one red line and exit code 2
     (typer alone draws a multi-line box)."""
-    assert "No such option: --bogus" in cli_error("train", "--bogus") and "train --help" in cli_error("train", "--bogus")
+    assert "No such option: --bogus" in cli_error("train", "--bogus") and "train --help" in cli_error(
+        "train", "--bogus"
+    )
     assert "Missing option '--model'" in cli_error("rollout", "--data", "synthetic")
     assert "No such command 'nosuch'" in cli_error("nosuch")

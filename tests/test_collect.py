@@ -7,8 +7,8 @@ import sys
 
 from masktrl.methods import get_method, make_params
 from masktrl.rl.collect import set_advantages
-from masktrl.seeding import stream_seed
 from masktrl.rollout.base import Generation, Sample
+from masktrl.seeding import stream_seed
 
 
 def _group(rewards):
@@ -40,10 +40,15 @@ KNOWN_STREAMS = {  # resume, replays and the processes of a launch all rely on t
 
 def test_streams_are_fixed_values_in_every_process():
     assert {key: stream_seed(*key) for key in KNOWN_STREAMS} == KNOWN_STREAMS
-    code = "from masktrl.seeding import stream_seed; print([stream_seed(*k) for k in " f"{list(KNOWN_STREAMS)!r}])"
+    code = f"from masktrl.seeding import stream_seed; print([stream_seed(*k) for k in {list(KNOWN_STREAMS)!r}])"
     for hash_seed in ("0", "4242"):  # str hashing is salted per process unless fixed: the streams must not depend on it
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
+        )
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == str(list(KNOWN_STREAMS.values()))
 

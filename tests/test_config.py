@@ -16,9 +16,20 @@ def test_the_default_preset_is_configs_tiny_yaml_as_documented():
     # what the README says `masktrl train` runs
     assert cfg.method.to_dict() == {"name": "grpo"} and cfg.seed == 0
     assert (cfg.model.path, cfg.model.hidden_size, cfg.model.num_layers, cfg.model.dtype) == ("tiny", 128, 3, "float32")
-    assert (cfg.task.name, cfg.task.ops, cfg.task.digits, cfg.task.answer_format, cfg.task.n_test) == ("arithmetic", "+", 3, "plain", 500)
+    assert (cfg.task.name, cfg.task.ops, cfg.task.digits, cfg.task.answer_format, cfg.task.n_test) == (
+        "arithmetic",
+        "+",
+        3,
+        "plain",
+        500,
+    )
     assert (cfg.warmstart.steps, cfg.warmstart.target_accuracy, cfg.warmstart.lr) == (2000, 0.5, 3e-3)
-    assert (cfg.rollout.engine, cfg.rollout.prompts_per_step, cfg.rollout.n, cfg.rollout.logprobs_k) == ("hf", 64, 8, 20)
+    assert (cfg.rollout.engine, cfg.rollout.prompts_per_step, cfg.rollout.n, cfg.rollout.logprobs_k) == (
+        "hf",
+        64,
+        8,
+        20,
+    )
     assert (cfg.train.steps, cfg.train.lr, cfg.train.minibatches, cfg.train.threads) == (800, 3e-4, 1, 1)
     assert cfg.eval.greedy
     # tiny.yaml writes the defaults out, so an overlay used alone means the same as on tiny.yaml
@@ -116,7 +127,9 @@ def test_every_key_is_documented():
             value = getattr(obj, f.name)
             yield from keys(f"{prefix}{f.name}.", value) if dataclasses.is_dataclass(value) else [f"{prefix}{f.name}"]
 
-    sections = [(s.name, getattr(Config(), s.name)) for s in dataclasses.fields(Config) if s.name not in ("seed", "method")]
+    sections = [
+        (s.name, getattr(Config(), s.name)) for s in dataclasses.fields(Config) if s.name not in ("seed", "method")
+    ]
     every = {"seed"} | {k for name, sec in sections for k in keys(f"{name}.", sec)}
     assert {k.key for k in config_keys() if not k.key.startswith("method.")} == every
     for name in method_names():
@@ -151,8 +164,11 @@ def test_config_command_lists_keys_and_shows_the_resolved_config():
 
 def test_presets_compose_later_wins_key_by_key(tmp_path):
     base, over = tmp_path / "base.yaml", tmp_path / "over.yaml"
-    base.write_text("seed: 1\nmethod: {name: dppo, divergence: topk-tv}\ntrain: {lr: 0.01, steps: 7, " "eval_benchmarks: [synthetic, gsm8k]}\n"
-                    "eval: {data: {gsm8k: a.jsonl, math500: b.jsonl}}\n")
+    base.write_text(
+        "seed: 1\nmethod: {name: dppo, divergence: topk-tv}\ntrain: {lr: 0.01, steps: 7, "
+        "eval_benchmarks: [synthetic, gsm8k]}\n"
+        "eval: {data: {gsm8k: a.jsonl, math500: b.jsonl}}\n"
+    )
     over.write_text("train: {lr: 0.02, eval_benchmarks: [synthetic]}\neval: {data: {gsm8k: c.jsonl}}\n")
     cfg = load_config([base, over])
     assert cfg.seed == 1 and cfg.train.steps == 7 and cfg.train.lr == 0.02  # merged key by key, later wins
@@ -167,9 +183,19 @@ def test_a_method_overlay_replaces_another_method_and_tunes_the_same_one(tmp_pat
     base.write_text("method: {name: dppo, divergence: topk-tv, delta_pos: 0.3}\n")
     other.write_text("method: {name: sis, base: dapo}\n")
     tune.write_text("method: {delta_neg: 0.1}\n")
-    assert load_config([base, other]).method.to_dict() == {"name": "sis", "base": "dapo"}  # dppo's parameters mean nothing to sis
-    assert load_config([base, tune]).method.to_dict() == {"name": "dppo", "divergence": "topk-tv", "delta_pos": 0.3, "delta_neg": 0.1}
-    assert load_config([base, tune], method="dppo").method.params.delta_neg == 0.1  # --method naming the same method keeps them
+    assert load_config([base, other]).method.to_dict() == {
+        "name": "sis",
+        "base": "dapo",
+    }  # dppo's parameters mean nothing to sis
+    assert load_config([base, tune]).method.to_dict() == {
+        "name": "dppo",
+        "divergence": "topk-tv",
+        "delta_pos": 0.3,
+        "delta_neg": 0.1,
+    }
+    assert (
+        load_config([base, tune], method="dppo").method.params.delta_neg == 0.1
+    )  # --method naming the same method keeps them
     assert load_config([base, tune], method="grpo").method.to_dict() == {"name": "grpo"}
 
 
@@ -180,7 +206,19 @@ def test_the_command_line_takes_several_configs(tmp_path):
 
     over = tmp_path / "over.yaml"
     over.write_text("rollout: {n: 4}\n")
-    r = CliRunner().invoke(app, ["config", "show", "-c", str(DEFAULT_CONFIG.parent / "tiny-offpolicy.yaml"), "--config", str(over), "--set", "rollout.n=6"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "config",
+            "show",
+            "-c",
+            str(DEFAULT_CONFIG.parent / "tiny-offpolicy.yaml"),
+            "--config",
+            str(over),
+            "--set",
+            "rollout.n=6",
+        ],
+    )
     cfg = yaml.safe_load(r.output)
     assert cfg["train"]["minibatches"] == 4 and cfg["rollout"]["n"] == 6 and cfg["rollout"]["prompts_per_step"] == 64
 
@@ -191,7 +229,9 @@ def test_eval_and_rollout_task_files_compose_the_same_way(tmp_path):
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     a.write_text("task: {name: dataset, source: x.jsonl, template: dapo}\n")
     b.write_text("task: {template: raw}\n")
-    assert read_overrides([a, b], ["task.source=y.jsonl"]) == {"task": {"name": "dataset", "source": "y.jsonl", "template": "raw"}}
+    assert read_overrides([a, b], ["task.source=y.jsonl"]) == {
+        "task": {"name": "dataset", "source": "y.jsonl", "template": "raw"}
+    }
     assert read_overrides(a) == read_overrides([a])
 
 
@@ -203,7 +243,9 @@ def test_shipped_presets_by_name_from_any_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert load_config("lab").to_dict() == load_config(PRESETS / "lab.yaml").to_dict()
     assert load_config(["qwen3-4b", "methods/pdm-agg"]).method_name == "pdm"
-    assert {"lab", "tiny", "methods/pdm-agg"} <= set(presets()) and not any(p.startswith("accelerate") for p in presets())
+    assert {"lab", "tiny", "methods/pdm-agg"} <= set(presets()) and not any(
+        p.startswith("accelerate") for p in presets()
+    )
     with pytest.raises(ConfigError) as info:
         load_config("configs/lab.yaml")  # relative to the repository root, not to this folder
     assert "config file not found: configs/lab.yaml (shipped presets, by name from any folder: lab," in str(info.value)

@@ -19,19 +19,51 @@ METHODS = {  # overlay -> the method block it must give
     "cispo": {"name": "cispo"},
     "grpo-tis-decoupled": {"name": "grpo", "correction": {"kind": "token-tis", "cap": 2.0, "mode": "decoupled"}},
     # the anchors' defaults (tests/test_presets_anchors.py checks them key by key)
-    "verl-grpo": {"name": "grpo", "eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0, "loss_agg": "token-mean", "adv_norm": "group-std",
-                  "kl_coef": 0.0, "entropy_coef": 0.0, "correction": {"kind": "none", "mode": "decoupled"}},
-    "verl-bypass": {"name": "grpo", "eps_low": 0.2, "eps_high": 0.2, "dual_clip": 3.0, "loss_agg": "token-mean", "adv_norm": "group-std",
-                    "kl_coef": 0.0, "entropy_coef": 0.0},
-    "trl-grpo": {"name": "grpo", "eps_low": 0.2, "eps_high": 0.2, "loss_agg": "token-mean", "adv_norm": "group-std", "kl_coef": 0.0,
-                 "entropy_coef": 0.0, "correction": {"kind": "seq-mis", "mode": "decoupled", "stat": "product", "weight": "sequence",
-                                                     "lo": 0.0, "hi": 3.0}},
+    "verl-grpo": {
+        "name": "grpo",
+        "eps_low": 0.2,
+        "eps_high": 0.2,
+        "dual_clip": 3.0,
+        "loss_agg": "token-mean",
+        "adv_norm": "group-std",
+        "kl_coef": 0.0,
+        "entropy_coef": 0.0,
+        "correction": {"kind": "none", "mode": "decoupled"},
+    },
+    "verl-bypass": {
+        "name": "grpo",
+        "eps_low": 0.2,
+        "eps_high": 0.2,
+        "dual_clip": 3.0,
+        "loss_agg": "token-mean",
+        "adv_norm": "group-std",
+        "kl_coef": 0.0,
+        "entropy_coef": 0.0,
+    },
+    "trl-grpo": {
+        "name": "grpo",
+        "eps_low": 0.2,
+        "eps_high": 0.2,
+        "loss_agg": "token-mean",
+        "adv_norm": "group-std",
+        "kl_coef": 0.0,
+        "entropy_coef": 0.0,
+        "correction": {
+            "kind": "seq-mis",
+            "mode": "decoupled",
+            "stat": "product",
+            "weight": "sequence",
+            "lo": 0.0,
+            "hi": 3.0,
+        },
+    },
 }
 
 
 def test_the_shipped_files_are_the_bases_the_overlays_the_tiny_presets_and_the_lab():
-    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(BASES + ["tiny.yaml", "tiny-offpolicy.yaml", "lab.yaml",
-                                                                             "lab-long.yaml", "lab-moe.yaml", "lab-deep.yaml"])
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(
+        BASES + ["tiny.yaml", "tiny-offpolicy.yaml", "lab.yaml", "lab-long.yaml", "lab-moe.yaml", "lab-deep.yaml"]
+    )
     assert sorted(p.stem for p in (CONFIGS / "methods").glob("*.yaml")) == sorted(METHODS)
 
 
@@ -74,7 +106,9 @@ def test_the_lab_preset_is_the_lab_design_and_takes_every_method_overlay():
     assert lab.train.lab_stats and not lab.eval.greedy and lab.train.grad_clip == 1.0
     for method in sorted(METHODS):
         cfg = load_config([CONFIGS / "lab.yaml", CONFIGS / "methods" / f"{method}.yaml"])
-        assert cfg.method.to_dict() == METHODS[method] and cfg.to_dict() | {"method": None} == lab.to_dict() | {"method": None}
+        assert cfg.method.to_dict() == METHODS[method] and cfg.to_dict() | {"method": None} == lab.to_dict() | {
+            "method": None
+        }
 
 
 def test_every_config_the_docs_name_exists():

@@ -26,8 +26,13 @@ def _f32_batch(seed: int):
     f = lambda t: t.detach().float()  # noqa: E731
     lp = torch.log_softmax(z, -1)
     logp = lp.gather(1, b.sampled_ids[:, None]).squeeze(1)
-    batch = replace(b, logp=logp, behavior_logp=f(b.behavior_logp), topk_logp=f(b.topk_logp),
-                    topk_behavior_logp=f(b.topk_behavior_logp))
+    batch = replace(
+        b,
+        logp=logp,
+        behavior_logp=f(b.behavior_logp),
+        topk_logp=f(b.topk_logp),
+        topk_behavior_logp=f(b.topk_behavior_logp),
+    )
     return batch, adv.float(), z
 
 
@@ -40,15 +45,18 @@ def _run(batch, adv, z, correction=None, old=None):
         out, corr = m.token_losses(batch, adv, p), None
     else:
         old_lp, old_top = old
-        out, corr, _ = corrected_token_losses(m, batch, adv, p, make_correction(correction), old_logp=old_lp, old_topk_logp=old_top)
+        out, corr, _ = corrected_token_losses(
+            m, batch, adv, p, make_correction(correction), old_logp=old_lp, old_topk_logp=old_top
+        )
     loss = m.aggregate(p, out.loss, batch, horizon=SEQ_LEN)
     (g,) = torch.autograd.grad(loss, z)
     return out, corr, loss, g
 
 
 @pytest.mark.parametrize("mode", ["bypass", "decoupled"])
-@pytest.mark.parametrize("kind,kw", [("icepop", {}), ("icepop", {"lo": 0.8, "hi": 1.25}), ("token-tis", {}),
-                                     ("token-tis", {"cap": 1.1})])
+@pytest.mark.parametrize(
+    "kind,kw", [("icepop", {}), ("icepop", {"lo": 0.8, "hi": 1.25}), ("token-tis", {}), ("token-tis", {"cap": 1.1})]
+)
 def test_pi_old_equal_to_mu_is_plain_grpo_bit_for_bit(kind, kw, mode):
     """float32, one minibatch, pi_old = mu (the engine samples from the trainer's own copy): rho = 1
     on every token, so the correction is the identity, whatever pi is (pi != mu here)."""
@@ -121,13 +129,23 @@ def test_bypass_on_pi_old_carries_the_decoupled_weight():
     z = torch.stack([r.z for r in rows]).clone().requires_grad_(True)
     batch = batch_from_logits(rows, z, V, seq)
     gen = torch.Generator().manual_seed(6)
-    old_lp = torch.where(batch.valid, batch.logp.detach() + 1e-3 * torch.randn(batch.n, generator=gen, dtype=torch.float64),
-                         batch.behavior_logp).clamp_max(0.0)
+    old_lp = torch.where(
+        batch.valid,
+        batch.logp.detach() + 1e-3 * torch.randn(batch.n, generator=gen, dtype=torch.float64),
+        batch.behavior_logp,
+    ).clamp_max(0.0)
     m, p = get_method("grpo"), make_params("grpo", eps_low=1.0, eps_high=math.inf)  # no clip: only the weights count
     grads = {}
     for mode in ("bypass", "decoupled"):
-        out, _, _ = corrected_token_losses(m, batch, adv, p, make_correction({"kind": "token-tis", "cap": 1.1, "mode": mode}),
-                                           old_logp=old_lp, old_topk_logp=batch.topk_logp.detach())
+        out, _, _ = corrected_token_losses(
+            m,
+            batch,
+            adv,
+            p,
+            make_correction({"kind": "token-tis", "cap": 1.1, "mode": mode}),
+            old_logp=old_lp,
+            old_topk_logp=batch.topk_logp.detach(),
+        )
         (grads[mode],) = torch.autograd.grad(out.loss.sum(), z, retain_graph=True)
     assert torch.allclose(grads["bypass"], grads["decoupled"], rtol=1e-10, atol=1e-14)
 
@@ -145,13 +163,16 @@ def test_rs_in_bypass_mode_follows_verl_on_the_current_policy():
     assert make_correction({"kind": "none", "mode": "decoupled"}).needs_old
 
 
-@pytest.mark.parametrize("block,needle", [
-    ({"kind": "icepop", "ref": "engine"}, "ref must be one of"),
-    ({"kind": "icepop", "ref": "current", "mode": "decoupled"}, "bypass only"),
-    ({"kind": "opsm", "ref": "old"}, "does not apply to kind=opsm"),
-    ({"kind": "token-tis", "denominator": "kept"}, "reject tokens"),
-    ({"kind": "icepop", "denominator": "valid"}, "denominator must be one of"),
-])
+@pytest.mark.parametrize(
+    "block,needle",
+    [
+        ({"kind": "icepop", "ref": "engine"}, "ref must be one of"),
+        ({"kind": "icepop", "ref": "current", "mode": "decoupled"}, "bypass only"),
+        ({"kind": "opsm", "ref": "old"}, "does not apply to kind=opsm"),
+        ({"kind": "token-tis", "denominator": "kept"}, "reject tokens"),
+        ({"kind": "icepop", "denominator": "valid"}, "denominator must be one of"),
+    ],
+)
 def test_bad_ref_and_denominator_name_the_key(block, needle):
     with pytest.raises(ValueError, match=needle):
         make_correction(block)
@@ -163,12 +184,24 @@ def test_kept_denominator_is_verl_modified_response_mask(agg):
     mask agg_loss divides by (token-mean: sum(loss * mask) / sum(mask)); seq-mean-token-mean: the
     mean over sequences with a kept token of their kept-token means."""
     batch, adv, z = _f32_batch(25)
-    batch = replace(batch, logp=batch.logp.double(), behavior_logp=batch.behavior_logp.double(),
-                    topk_logp=batch.topk_logp.double(), topk_behavior_logp=batch.topk_behavior_logp.double())
+    batch = replace(
+        batch,
+        logp=batch.logp.double(),
+        behavior_logp=batch.behavior_logp.double(),
+        topk_logp=batch.topk_logp.double(),
+        topk_behavior_logp=batch.topk_behavior_logp.double(),
+    )
     old = _pi_old_far(batch, 7)
     m, p = get_method("grpo"), make_params("grpo", loss_agg=agg)
-    out, corr, _ = corrected_token_losses(m, batch, adv.double(), p, make_correction({"kind": "icepop", "lo": 0.8, "hi": 1.25}),
-                                          old_logp=old[0], old_topk_logp=old[1])
+    out, corr, _ = corrected_token_losses(
+        m,
+        batch,
+        adv.double(),
+        p,
+        make_correction({"kind": "icepop", "lo": 0.8, "hi": 1.25}),
+        old_logp=old[0],
+        old_topk_logp=old[1],
+    )
     got = aggregate(out.loss, kept_batch(batch, corr), agg)
     mask = (batch.valid & corr.keep).double()
     loss = torch.where(mask > 0, out.loss, torch.zeros_like(out.loss))

@@ -13,6 +13,7 @@ import pytest
 from masktrl.errors import ArtifactError
 from masktrl.runs.store import RunStore
 from tests.conftest import cli, masktrl, masktrl_env, tiny_yaml
+
 # finished: a module fixture of test_reliability.py
 from tests.test_reliability import copy_run, finished, manifest, one_line, snapshot, start_training  # noqa: F401
 
@@ -22,11 +23,15 @@ EVAL = ("eval", "synthetic", "--k", "1", "--temperature", "0")
 # --------------------------------------------------------------------------- everything read is hashed
 
 
-@pytest.mark.parametrize("name, content", [("special_tokens_map.json", '{"eos_token": "1"}'), ("added_tokens.json", '{"<x>": 17}')])
+@pytest.mark.parametrize(
+    "name, content", [("special_tokens_map.json", '{"eos_token": "1"}'), ("added_tokens.json", '{"<x>": 17}')]
+)
 def test_a_file_added_to_a_checkpoint_is_refused_by_eval(finished, tmp_path, cli_error, name, content):
     _, out, root = copy_run(finished, tmp_path)
     (root / "checkpoints" / "000002" / name).write_text(content)
-    line = one_line(cli_error(*EVAL, "--model", root), f"checkpoints/000002/{name}: not a file of stage checkpoint/000002")
+    line = one_line(
+        cli_error(*EVAL, "--model", root), f"checkpoints/000002/{name}: not a file of stage checkpoint/000002"
+    )
     assert "added after it was recorded" in line
     assert not (root / "eval").exists()
 
@@ -34,7 +39,9 @@ def test_a_file_added_to_a_checkpoint_is_refused_by_eval(finished, tmp_path, cli
 def test_a_changed_or_missing_checkpoint_file_is_refused(finished, tmp_path, cli_error):
     _, out, root = copy_run(finished, tmp_path)
     ckpt = root / "checkpoints" / "000002"
-    (ckpt / "tokenizer_config.json").write_text((ckpt / "tokenizer_config.json").read_text().replace("}", ', "x": 1}', 1))
+    (ckpt / "tokenizer_config.json").write_text(
+        (ckpt / "tokenizer_config.json").read_text().replace("}", ', "x": 1}', 1)
+    )
     one_line(cli_error(*EVAL, "--model", root), "tokenizer_config.json: content hash mismatch")
     (ckpt / "tokenizer_config.json").unlink()
     one_line(cli_error(*EVAL, "--model", root), "tokenizer_config.json: missing (stage checkpoint/000002)")
@@ -129,7 +136,10 @@ def test_a_manifest_path_that_leaves_the_run_is_refused_and_deletes_nothing(fini
     m = _interrupted_without_checkpoints(root)
     m["stages"]["evil"] = {"status": "done", "files": {rel.replace("/VICTIM", str(victim)): "0" * 64}}
     (root / "manifest.json").write_text(json.dumps(m))
-    line = one_line(cli_error("train", "--config", config, "--out", out, "--run", "r", "--set", "train.lr=2e-3"), "leaves the run folder")
+    line = one_line(
+        cli_error("train", "--config", config, "--out", out, "--run", "r", "--set", "train.lr=2e-3"),
+        "leaves the run folder",
+    )
     assert "manifest.json" in line
     assert victim.read_text() == "keep me"
 
@@ -143,7 +153,10 @@ def test_a_symlink_inside_the_run_is_refused_not_followed(finished, tmp_path, cl
     m["stages"]["eval/synthetic/000000"] = {"status": "done", "files": {"eval/victim.txt": "0" * 64}}
     (root / "manifest.json").write_text(json.dumps(m))
     (root / "eval").symlink_to(outside)
-    one_line(cli_error("train", "--config", config, "--out", out, "--run", "r", "--set", "train.lr=2e-3"), "a symbolic link inside")
+    one_line(
+        cli_error("train", "--config", config, "--out", out, "--run", "r", "--set", "train.lr=2e-3"),
+        "a symbolic link inside",
+    )
     assert (outside / "victim.txt").read_text() == "keep me"
 
 
@@ -170,7 +183,10 @@ def test_run_names_resolve_under_out_only(finished, tmp_path, monkeypatch, cli_e
     other.mkdir()
     monkeypatch.chdir(here)
     before = snapshot(here)
-    one_line(cli_error("train", "--resume", "r0", "--out", other), f"unknown run r0: no such folder under {other} (a run elsewhere is given as a path: ./r0)")
+    one_line(
+        cli_error("train", "--resume", "r0", "--out", other),
+        f"unknown run r0: no such folder under {other} (a run elsewhere is given as a path: ./r0)",
+    )
     one_line(cli_error(*EVAL, "--model", "r0", "--out", other), "a run elsewhere is given as a path (./r0)")
     one_line(cli_error("analyze", "dynamics", "r0", "--out", other), "unknown run r0")
     assert snapshot(here) == before and not (here / ".cache").exists() and list(other.iterdir()) == []
@@ -195,18 +211,45 @@ def test_the_whole_cli_writes_nothing_outside_out_with_a_read_only_home(tmp_path
     data = work / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(16)))
     out = tmp_path / "out"
-    env = {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "XDG_CONFIG_HOME": str(home / ".config"),
-           "XDG_DATA_HOME": str(home / ".local" / "share")}
+    env = {
+        "HOME": str(home),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
+    }
     for p in [home, *home.rglob("*")]:
         p.chmod(0o555)
     before_home, before_work = _tree(home), _tree(work)
-    dataset = ["--set", "task.name=dataset", "--set", f"task.source={data}", "--set", "task.reward=exact-match", "--set", "task.n_test=4"]
+    dataset = [
+        "--set",
+        "task.name=dataset",
+        "--set",
+        f"task.source={data}",
+        "--set",
+        "task.reward=exact-match",
+        "--set",
+        "task.n_test=4",
+    ]
     commands = [
         ["train", "--config", config, "--out", out, "--run", "r"],
         ["train", "--config", config, "--out", out, "--run", "d", "--dry-run", *dataset],
         [*EVAL, "--model", "r", "--out", out],
-        ["rollout", "--model", "r", "--out", out, "--data", "dataset", *dataset, "--output", out / "gen.parquet", "--n", "2",
-         "--prompts", "4"],
+        [
+            "rollout",
+            "--model",
+            "r",
+            "--out",
+            out,
+            "--data",
+            "dataset",
+            *dataset,
+            "--output",
+            out / "gen.parquet",
+            "--n",
+            "2",
+            "--prompts",
+            "4",
+        ],
         ["analyze", "dynamics", "r", "--out", out, "--output", out / "dyn"],
         ["analyze", "dynamics", out / "r", "--output", out / "dyn-path"],  # no --out: a run given by path
         ["analyze", "dynamics", out / "r"],  # no --out, no --output: the run's folder's analysis/
@@ -254,9 +297,19 @@ def test_deleting_every_file_the_run_does_not_need_does_not_release_the_lock(tmp
 def test_a_second_writer_is_refused_by_the_folder_lock(tmp_path):
     from masktrl.runs import locks
 
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY)\n"
-                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', " "flush=True)\ntime.sleep(60)", str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True, env=masktrl_env())
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDONLY)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', "
+            "flush=True)\ntime.sleep(60)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=masktrl_env(),
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(locks.RunBusyError, match=f"pid {holder.pid}"):

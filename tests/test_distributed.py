@@ -34,8 +34,21 @@ def _free_port() -> int:
 
 def launch(config_file, *args, processes=2, env=None):
     """``accelerate launch --config_file ... -m masktrl.cli train ...``."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file), "--num_processes", str(processes),
-           "--main_process_port", str(_free_port()), "-m", "masktrl.cli", "train", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config_file),
+        "--num_processes",
+        str(processes),
+        "--main_process_port",
+        str(_free_port()),
+        "-m",
+        "masktrl.cli",
+        "train",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env or _env(), timeout=600)
 
 
@@ -72,17 +85,45 @@ def reference(tmp_path_factory):
     return base, cfg, base / "out" / "ref"
 
 
-@pytest.mark.parametrize("sets", [["--set", "train.grad_accum=2"], ["--method", "grpo", "--set", "train.minibatches=1"],
-                                  ["--set", "train.packing=true", "--set", "train.micro_batch_tokens=40"]],
-                         ids=["sis-dapo-token-mean-2-minibatches-grad-accum-2", "grpo-seq-mean-1-minibatch", "sis-dapo-packed-token-budget"])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["--set", "train.grad_accum=2"],
+        ["--method", "grpo", "--set", "train.minibatches=1"],
+        ["--set", "train.packing=true", "--set", "train.micro_batch_tokens=40"],
+    ],
+    ids=["sis-dapo-token-mean-2-minibatches-grad-accum-2", "grpo-seq-mean-1-minibatch", "sis-dapo-packed-token-budget"],
+)
 def test_two_processes_match_one_process_on_the_same_rollouts(reference, sets):
     base, cfg, ref = reference
     if "grpo" in sets:  # the reference trained SIS: replay its rollouts with GRPO in one process too
-        r = masktrl("train", "--config", str(cfg), "--out", str(base / "out"), "--run", "ref-grpo", "--rollouts-from", str(ref), *sets)
+        r = masktrl(
+            "train",
+            "--config",
+            str(cfg),
+            "--out",
+            str(base / "out"),
+            "--run",
+            "ref-grpo",
+            "--rollouts-from",
+            str(ref),
+            *sets,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         ref = base / "out" / "ref-grpo"
     name = "two-" + "-".join(s.replace("=", "-").replace(".", "-") for s in sets if not s.startswith("--"))
-    r = launch(CPU_DDP, "--config", str(cfg), "--out", str(base / "out"), "--run", name, "--rollouts-from", str(base / "out" / "ref"), *sets)
+    r = launch(
+        CPU_DDP,
+        "--config",
+        str(cfg),
+        "--out",
+        str(base / "out"),
+        "--run",
+        name,
+        "--rollouts-from",
+        str(base / "out" / "ref"),
+        *sets,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.count(f"masktrl train run {name}") == 1, r.stdout[-2000:]  # the header once, not once per process
     two = base / "out" / name
@@ -90,7 +131,9 @@ def test_two_processes_match_one_process_on_the_same_rollouts(reference, sets):
     a = load_file(ref / "checkpoints" / "000002" / "model.safetensors")
     b = load_file(two / "checkpoints" / "000002" / "model.safetensors")
     assert_same_weights(a, b, lr=train_lr(ref))
-    assert any(not torch.equal(a[k], load_file(ref / "checkpoints" / "000001" / "model.safetensors")[k]) for k in a)  # it trained
+    assert any(
+        not torch.equal(a[k], load_file(ref / "checkpoints" / "000001" / "model.safetensors")[k]) for k in a
+    )  # it trained
     one_rows, two_rows = metrics(ref), metrics(two)
     assert [r["step"] for r in two_rows] == [1, 2]
     for x, y in zip(one_rows, two_rows):
@@ -108,8 +151,21 @@ def test_two_process_rollouts_are_sharded_by_group_and_written_once(reference):
     Here with stale batches (both sampled at step 1, every process deciding alike which batch to
     sample ahead) and the lab statistics (counts summed over the processes)."""
     base, cfg, _ = reference
-    r = launch(CPU_DDP, "--config", str(cfg), "--out", str(base / "out"), "--run", "gen2", "--method", "dapo",
-               "--set", "rollout.staleness=1", "--set", "train.lab_stats=true")
+    r = launch(
+        CPU_DDP,
+        "--config",
+        str(cfg),
+        "--out",
+        str(base / "out"),
+        "--run",
+        "gen2",
+        "--method",
+        "dapo",
+        "--set",
+        "rollout.staleness=1",
+        "--set",
+        "train.lab_stats=true",
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     root = base / "out" / "gen2"
     for step in (1, 2):
@@ -124,9 +180,13 @@ def test_two_process_rollouts_are_sharded_by_group_and_written_once(reference):
     rows = metrics(root)
     assert [row["step"] for row in rows] == [1, 2]  # one writer: no duplicated rows
     assert all(sum(row["sequences_per_process"]) == row["groups_kept"] * 4 for row in rows)
-    assert rows[0]["lab/over_delta_first_mb"] == 0 and all("lab/resid_p50" in row and "lab/disagree" in row for row in rows)
+    assert rows[0]["lab/over_delta_first_mb"] == 0 and all(
+        "lab/resid_p50" in row and "lab/disagree" in row for row in rows
+    )
     assert not list(root.rglob("*.tmp"))
-    assert (root / "summary.json").is_file() and json.loads((root / "manifest.json").read_text())["status"] == "complete"
+    assert (root / "summary.json").is_file() and json.loads((root / "manifest.json").read_text())[
+        "status"
+    ] == "complete"
 
 
 def test_two_process_run_killed_then_resumed_is_bit_identical(reference):
@@ -163,19 +223,30 @@ def _unchanged_after(root, run):
     return r
 
 
-@pytest.mark.parametrize("content, needle", [("{not json", "invalid DeepSpeed config"), ('{"zero_optimization": {"stage": 5}}', "stage must be 0-3"), (None, "not found")])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ("{not json", "invalid DeepSpeed config"),
+        ('{"zero_optimization": {"stage": 5}}', "stage must be 0-3"),
+        (None, "not found"),
+    ],
+)
 def test_invalid_deepspeed_config_is_one_line_naming_the_file(reference, tmp_path, content, needle):
     """As ``accelerate launch`` hands over a config's deepspeed_config_file; checked before any write."""
     base, cfg, ref = reference
     ds = tmp_path / "ds_config.json"
     if content is not None:
         ds.write_text(content)
-    env = _env(ACCELERATE_MIXED_PRECISION="no", ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=str(ds))
+    env = _env(
+        ACCELERATE_MIXED_PRECISION="no", ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=str(ds)
+    )
     if content is None:  # a new run: no folder is left behind
         r = masktrl("train", "--config", str(cfg), "--out", str(tmp_path / "out"), "--run", "x", env=env)
         assert not (tmp_path / "out" / "x").exists()
     else:  # resuming a stored run: nothing in it changes
-        r = _unchanged_after(base / "out", lambda: masktrl("train", "--resume", "ref", "--out", str(base / "out"), env=env))
+        r = _unchanged_after(
+            base / "out", lambda: masktrl("train", "--resume", "ref", "--out", str(base / "out"), env=env)
+        )
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and str(ds) in lines[0] and needle in lines[0], r.stderr[-2000:]
 
@@ -216,7 +287,9 @@ def test_deepspeed_two_cpu_processes_match_one_process(reference, tmp_path, stag
     acc.write_text(DS_CPU.format(stage=stage))
     env = _env(TORCH_EXTENSIONS_DIR=str(base / "torch_extensions"))  # compiled once for the module
     name = f"zero{stage}"
-    r = launch(acc, "--config", str(cfg), "--out", str(base / "out"), "--run", name, "--rollouts-from", str(ref), env=env)
+    r = launch(
+        acc, "--config", str(cfg), "--out", str(base / "out"), "--run", name, "--rollouts-from", str(ref), env=env
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     two = base / "out" / name
     a = load_file(ref / "checkpoints" / "000002" / "model.safetensors")
@@ -236,7 +309,11 @@ def _dist(stage, world):
     d = Dist()
     d.world, d.deepspeed = world, stage is not None
     d.zero3 = stage == 3
-    d.acc = None if stage is None else type("A", (), {"state": type("S", (), {"deepspeed_plugin": type("P", (), {"zero_stage": stage})})})()
+    d.acc = (
+        None
+        if stage is None
+        else type("A", (), {"state": type("S", (), {"deepspeed_plugin": type("P", (), {"zero_stage": stage})})})()
+    )
     return d
 
 
@@ -273,7 +350,9 @@ def test_deepspeed_run_killed_then_resumed_is_bit_identical(reference, stage):
     full, crash = f"z{stage}-full", f"z{stage}-crash"
     r = launch(acc, "--config", str(cfg), "--out", str(out), "--run", full, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    r = launch(acc, "--config", str(cfg), "--out", str(out), "--run", crash, env={**env, "MASKTRL_CRASH_AT": "update:2"})
+    r = launch(
+        acc, "--config", str(cfg), "--out", str(out), "--run", crash, env={**env, "MASKTRL_CRASH_AT": "update:2"}
+    )
     assert r.returncode != 0 and not (out / crash / "summary.json").exists()
     ckpt = out / crash / "checkpoints" / "000001"
     assert len(list((ckpt / "deepspeed").rglob("*optim_states.pt"))) == 2  # one optimizer partition per process

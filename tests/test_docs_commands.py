@@ -41,7 +41,7 @@ def _commands_in(text: str) -> list[str]:
             m = ENTRY.search(line)
             if m and not line.startswith("#"):
                 found.append(m.group(1) or m.group(2))
-    found += [m[len("masktrl "):] for m in INLINE.findall(text)]
+    found += [m[len("masktrl ") :] for m in INLINE.findall(text)]
     return found
 
 
@@ -101,7 +101,9 @@ def test_documented_command_uses_only_real_subcommands_and_options(cmd):
             name = word.split("=", 1)[0]
             if name.endswith("…") or name.endswith("..."):
                 continue
-            assert name in known, f"masktrl {cmd!r}: {name} is not an option of this command ({', '.join(sorted(known))})"
+            assert name in known, (
+                f"masktrl {cmd!r}: {name} is not an option of this command ({', '.join(sorted(known))})"
+            )
 
 
 # --------------------------------------------------------------------------- the commands run
@@ -113,19 +115,23 @@ RUN = [  # (the command as the docs write it, how it runs), in order: a later on
     ("train --run r1 --dry-run", None),
     ("train --method sis --seed 1", DRY),
     ("train --method dppo --set method.divergence=topk-tv --set train.lr=1e-4", DRY),
-    ("train --set method.kl_coef=0.01 --set method.entropy_coef=1e-3 --set " "method.adv_norm=rloo", DRY),
+    ("train --set method.kl_coef=0.01 --set method.entropy_coef=1e-3 --set method.adv_norm=rloo", DRY),
     ("train --set model.lora.rank=8", DRY),
-    ("train --set model.lora.rank=16 --set model.lora.alpha=32 --set " "model.lora.target_modules=q_proj,k_proj,v_proj,o_proj", DRY),
+    (
+        "train --set model.lora.rank=16 --set model.lora.alpha=32 --set "
+        "model.lora.target_modules=q_proj,k_proj,v_proj,o_proj",
+        DRY,
+    ),
     ("train --config configs/tiny.yaml --set train.steps=20", DRY),
     ("train --set warmstart.steps=50 --set train.steps=3", DRY),
     ("train --run def --set train.steps=6 --set train.checkpoint_every=1", DRY),
     ("runs --out outputs", None),
     ("eval task --model outputs/grpo-run --k 16", None),
     ("eval synthetic --model outputs/my-run --step 0 --k 4", None),
-    ("rollout --model grpo-run --data synthetic --n 8 --logprobs-k 20 --prompts 320 --output " "batch.parquet", None),
+    ("rollout --model grpo-run --data synthetic --n 8 --logprobs-k 20 --prompts 320 --output batch.parquet", None),
     ("train --method dppo --rollouts-from batch.parquet --set train.steps=5", DRY),
-    ("analyze dynamics outputs/grpo-seed0 outputs/grpo-seed1 outputs/sis-seed0 " "outputs/sis-seed1", None),
-    ("analyze compare outputs/grpo-seed0 outputs/grpo-seed1 outputs/sis-seed0 " "outputs/sis-seed1 --baseline grpo", None),
+    ("analyze dynamics outputs/grpo-seed0 outputs/grpo-seed1 outputs/sis-seed0 outputs/sis-seed1", None),
+    ("analyze compare outputs/grpo-seed0 outputs/grpo-seed1 outputs/sis-seed0 outputs/sis-seed1 --baseline grpo", None),
     ("analyze sis --run outputs/sis-seed0 --bias", None),
     ("eval task --model outputs/sweep1 --k 8", None),
     ("analyze compare outputs/sweep1 --eval task --test paired", None),
@@ -135,22 +141,42 @@ RUN = [  # (the command as the docs write it, how it runs), in order: a later on
     ("config keys --method examples/tanh_clip.py:tanh_clip", None),
 ]
 NOT_RUN = [  # (pattern on "DOC: command", why it is not run), first match
-    (r"(\b(RUN|BENCH|NAME|RUN_OR_FILE|M|S|T|DIR)\b|<|\.\.\.|…|\$|\[|\{)", "a template: placeholders stand for the reader's own values"),
+    (
+        r"(\b(RUN|BENCH|NAME|RUN_OR_FILE|M|S|T|DIR)\b|<|\.\.\.|…|\$|\[|\{)",
+        "a template: placeholders stand for the reader's own values",
+    ),
     (r": (eval|evaluate|rollout|runs|train|sweep|check-method|analyze \w+)$", "the command's name in prose"),
     (r": (eval|rollout|train) --(top-p|rollouts-from|model RUN|data dataset|output)$", "an option named in prose"),
-    (r"^RELIABILITY\.md: ", "a probe of docs/RELIABILITY.md (most end in a refusal by design): run by the test its " "section names"),
+    (
+        r"^RELIABILITY\.md: ",
+        "a probe of docs/RELIABILITY.md (most end in a refusal by design): run by the test its section names",
+    ),
     (r"^BENCHMARKS(_perf)?\.md: ", "a benchmark of full runs (minutes each)"),
     (r"configs/(lab|qwen3)", "the lab or Qwen3 presets: minutes to days per run (docs/LAB.md, docs/CLUSTER.md)"),
     (r": sweep ", "a sweep trains several full runs (minutes each)"),
     (r"tanh_clip-seed0", "compares the runs of the sweep before it in the docs (minutes each)"),
-    (r"--steps 101:|--run lab0|--run lab-k50|--run long0|outputs/mismatch/|outputs/lab-sweep", "reads the lab's runs (docs/LAB.md), not made here"),
-    (r"--data data/|task\.source=data/|--model (Qwen/|/ckpt/)|: eval " r"(aime|aime24|gsm8k|math500) ", "needs a dataset file or a model that is not shipped"),
+    (
+        r"--steps 101:|--run lab0|--run lab-k50|--run long0|outputs/mismatch/|outputs/lab-sweep",
+        "reads the lab's runs (docs/LAB.md), not made here",
+    ),
+    (
+        r"--data data/|task\.source=data/|--model (Qwen/|/ckpt/)|: eval " r"(aime|aime24|gsm8k|math500) ",
+        "needs a dataset file or a model that is not shipped",
+    ),
     (r": eval dataset ", "needs a run trained on a dataset"),
     (r"--resume grpo-20261130|outputs/grpo-20250101", "names a run of the example's own"),
-    (r": train --method pdm --rollouts-from grpo-run$", "replays the README's own grpo-run (64 prompts a step); the tiny runs here have 8"),
-    (r": analyze estimators --run (outputs/run1|def) .*--k 5,10,20,50",
-     "--k 50 re-cuts lists of K >= 50 (the lab's rollout.logprobs_k=50 run); the tiny runs " "store K = 5"),
-    (r": analyze estimators --run def|: analyze disagreement --run outputs/run1", "replays steps of a longer run (minutes on the tiny one)"),
+    (
+        r": train --method pdm --rollouts-from grpo-run$",
+        "replays the README's own grpo-run (64 prompts a step); the tiny runs here have 8",
+    ),
+    (
+        r": analyze estimators --run (outputs/run1|def) .*--k 5,10,20,50",
+        "--k 50 re-cuts lists of K >= 50 (the lab's rollout.logprobs_k=50 run); the tiny runs store K = 5",
+    ),
+    (
+        r": analyze estimators --run def|: analyze disagreement --run outputs/run1",
+        "replays steps of a longer run (minutes on the tiny one)",
+    ),
     (r": train( |$)", "trains the default's 800 steps (minutes); its options are checked above"),
 ]
 
@@ -180,12 +206,21 @@ def not_run() -> dict[str, list[str]]:
 def test_every_documented_command_is_run_or_has_a_reason():
     documented = {c.values[0] for c in CASES}
     assert {cmd for cmd, _ in RUN} <= documented, "a RUN entry the docs no longer hold"
-    unclassified = [c.id for c in CASES if reason_not_run(f"{c.id.split(': masktrl ')[0]}: masktrl {c.values[0]}") == "unclassified"]
+    unclassified = [
+        c.id for c in CASES if reason_not_run(f"{c.id.split(': masktrl ')[0]}: masktrl {c.values[0]}") == "unclassified"
+    ]
     assert not unclassified, unclassified
 
 
-DOCUMENTED_RUNS = {"grpo-seed0": "grpo-seed0", "grpo-seed1": "grpo-seed1", "sis-seed0": "sis-seed0", "sis-seed1": "sis-seed1",
-                   "grpo-run": "grpo-seed0", "run1": "grpo-seed0", "my-run": "grpo-seed0"}
+DOCUMENTED_RUNS = {
+    "grpo-seed0": "grpo-seed0",
+    "grpo-seed1": "grpo-seed1",
+    "sis-seed0": "sis-seed0",
+    "sis-seed1": "sis-seed1",
+    "grpo-run": "grpo-seed0",
+    "run1": "grpo-seed0",
+    "my-run": "grpo-seed0",
+}
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +232,12 @@ def docs_folder(analysis_runs, tmp_path_factory):
         shutil.copytree(analysis_runs / source, work / "outputs" / name)
     for name in ("grpo-seed0", "grpo-seed1", "sis-seed0", "sis-seed1"):
         shutil.copytree(analysis_runs / name, work / "outputs" / "sweep1" / name)
-    shutil.copytree(analysis_runs / ".cache" / "warmstart", work / "outputs" / ".cache" / "warmstart")  # step 0: the warm starts
-    shutil.copytree(ROOT / "configs", work / "configs")  # --config configs/...: the docs' commands run from the repository
+    shutil.copytree(
+        analysis_runs / ".cache" / "warmstart", work / "outputs" / ".cache" / "warmstart"
+    )  # step 0: the warm starts
+    shutil.copytree(
+        ROOT / "configs", work / "configs"
+    )  # --config configs/...: the docs' commands run from the repository
     shutil.copytree(ROOT / "examples", work / "examples")  # --method examples/...: a rule from a file
     return work
 

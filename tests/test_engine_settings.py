@@ -18,8 +18,15 @@ def test_vllm_engine_gets_the_config_settings(monkeypatch, k, expected):
     import masktrl.rollout.vllm as vllm_module
 
     monkeypatch.setattr(vllm_module, "VLLMEngine", Recorder)
-    cfg = load_config(None, ["rollout.engine=vllm", f"rollout.logprobs_k={k}", "rollout.sleep_mode=true",
-                             "rollout.gpu_memory_utilization=0.35"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=vllm",
+            f"rollout.logprobs_k={k}",
+            "rollout.sleep_mode=true",
+            "rollout.gpu_memory_utilization=0.35",
+        ],
+    )
     engine = make_engine(cfg.rollout, None, None, "ckpt", dtype="bfloat16", seed=7)
     assert engine.kwargs["max_logprobs"] == expected  # never below vLLM's default of 20
     assert engine.kwargs["enable_sleep_mode"] is True and engine.kwargs["gpu_memory_utilization"] == 0.35

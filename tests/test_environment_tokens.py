@@ -48,16 +48,33 @@ def _policy_token(rng: random.Random) -> dict:
     old = [x - s for x in old]
     k = rng.choices(range(V), weights=[math.exp(x) for x in mu])[0]
     top = sorted(range(V), key=lambda j: -mu[j])[:K]
-    return {"k": k, "mu": mu[k], "pi": pi[k], "old": old[k], "ids": top, "mu_top": [mu[j] for j in top],
-            "pi_top": [pi[j] for j in top], "old_top": [old[j] for j in top], "u": rng.random()}
+    return {
+        "k": k,
+        "mu": mu[k],
+        "pi": pi[k],
+        "old": old[k],
+        "ids": top,
+        "mu_top": [mu[j] for j in top],
+        "pi_top": [pi[j] for j in top],
+        "old_top": [old[j] for j in top],
+        "u": rng.random(),
+    }
 
 
 def _env_token(rng: random.Random) -> dict:
     """A tool's reply token: what the forward computes there is finite, what was recorded is
     padding (and a finite garbage log mu, which ``behaviour_logp`` must ignore)."""
-    return {"k": rng.randrange(V), "mu": -rng.uniform(0.1, 3), "pi": -rng.uniform(0.1, 3), "old": -rng.uniform(0.1, 3),
-            "ids": [-1] * K, "mu_top": [float("-inf")] * K, "pi_top": [-rng.uniform(0.1, 3) for _ in range(K)],
-            "old_top": [-rng.uniform(0.1, 3) for _ in range(K)], "u": rng.random()}
+    return {
+        "k": rng.randrange(V),
+        "mu": -rng.uniform(0.1, 3),
+        "pi": -rng.uniform(0.1, 3),
+        "old": -rng.uniform(0.1, 3),
+        "ids": [-1] * K,
+        "mu_top": [float("-inf")] * K,
+        "pi_top": [-rng.uniform(0.1, 3) for _ in range(K)],
+        "old_top": [-rng.uniform(0.1, 3) for _ in range(K)],
+        "u": rng.random(),
+    }
 
 
 def make_batches(seed: int, groups: int = 2, per_group: int = 3):
@@ -86,8 +103,15 @@ def make_batches(seed: int, groups: int = 2, per_group: int = 3):
             src += [POLICY] * (len(pol) - start)
             turn += [t] * (len(pol) - start)
             for out, tk, s, tr in ((plain, pol, None, None), (mixed, toks, src, turn)):
-                gen = Generation([x["k"] for x in tk], [x["mu"] for x in tk], [x["ids"] for x in tk], [x["mu_top"] for x in tk],
-                                 True, source=s, turn=tr)
+                gen = Generation(
+                    [x["k"] for x in tk],
+                    [x["mu"] for x in tk],
+                    [x["ids"] for x in tk],
+                    [x["mu_top"] for x in tk],
+                    True,
+                    source=s,
+                    turn=tr,
+                )
                 out.append((Sample(f"e{g}", "", "", [1, 2], g, gen, advantage=adv), tk))
     return plain, mixed
 
@@ -174,7 +198,9 @@ def test_policy_forward_gives_environment_tokens_no_gradient():
     from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer("0123456789+=")
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32), seed=0).double()
+    model = build_tiny_model(
+        tok, TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32), seed=0
+    ).double()
     vocab = model.config.vocab_size
     _, mixed = make_batches(seed=3)
     samples = []
@@ -190,7 +216,11 @@ def test_policy_forward_gives_environment_tokens_no_gradient():
         for name in method_names():
             method = get_method(name)
             bound = method.bind(method.make_params(**NON_VACUOUS.get(name, {})))
-            u = torch.rand(out.batch.n, generator=torch.Generator().manual_seed(1), dtype=torch.float64) if bound.needs_u else None
+            u = (
+                torch.rand(out.batch.n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+                if bound.needs_u
+                else None
+            )
             losses = bound.token_losses(out.batch, out.advantages, u=u)
             loss = bound.aggregate(losses.loss, out.batch, horizon=20)
             (g,) = torch.autograd.grad(loss, out.batch.logp, retain_graph=True)
@@ -242,7 +272,9 @@ def test_single_turn_rollouts_have_no_turn_columns(tmp_path):
     plain, _ = make_batches(seed=8)
     path = tmp_path / "st.parquet"
     write_rollouts(path, [s for s, _ in plain], {"step": 0})
-    assert not {"source", "turn"} & set(pq.read_schema(path).names)  # the file is what it was before the columns existed
+    assert not {"source", "turn"} & set(
+        pq.read_schema(path).names
+    )  # the file is what it was before the columns existed
     back, _ = read_rollouts(path, vocab_size=V)
     assert all(s.gen.source is None and s.gen.turn is None for s in back)
 

@@ -16,8 +16,11 @@ def _write(tmp_path, body: str, name: str = "envs.py"):
 
 
 def test_an_env_loads_by_path_and_by_module(tmp_path, monkeypatch):
-    path = _write(tmp_path, "class Echo:\n    def reset(self, example):\n        self.n = 0\n"
-                            "    def step(self, call):\n        return call.upper(), call == 'bye'\n")
+    path = _write(
+        tmp_path,
+        "class Echo:\n    def reset(self, example):\n        self.n = 0\n"
+        "    def step(self, call):\n        return call.upper(), call == 'bye'\n",
+    )
     monkeypatch.chdir(tmp_path)
     cls = load_env("envs.py:Echo")
     assert cls.__name__ == "Echo"
@@ -32,21 +35,28 @@ def test_an_env_loads_by_path_and_by_module(tmp_path, monkeypatch):
     assert path.exists()
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("nothing", "must be path/to/file.py:Class"),
-    ("missing.py:Env", "no such file missing.py"),
-    ("broken.py:Env", "cannot import broken.py (SyntaxError"),
-    ("ok.py:Nope", "has no attribute 'Nope'"),
-    ("ok.py:fn", "is a function, not a class"),
-    ("ok.py:NoStep", "has no step method"),
-    ("ok.py:NeedsArgs", "an environment is built without arguments"),
-    ("no_such_module_x:Env", "cannot import no_such_module_x (ModuleNotFoundError"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nothing", "must be path/to/file.py:Class"),
+        ("missing.py:Env", "no such file missing.py"),
+        ("broken.py:Env", "cannot import broken.py (SyntaxError"),
+        ("ok.py:Nope", "has no attribute 'Nope'"),
+        ("ok.py:fn", "is a function, not a class"),
+        ("ok.py:NoStep", "has no step method"),
+        ("ok.py:NeedsArgs", "an environment is built without arguments"),
+        ("no_such_module_x:Env", "cannot import no_such_module_x (ModuleNotFoundError"),
+    ],
+)
 def test_an_env_that_cannot_be_used_is_one_config_error(tmp_path, monkeypatch, spec, message):
     _write(tmp_path, "def broken(:\n", "broken.py")
-    _write(tmp_path, "def fn():\n    pass\nclass NoStep:\n    def reset(self, e):\n        pass\n"
-                     "class NeedsArgs:\n    def __init__(self, x):\n        pass\n    def reset(self, e):\n        pass\n"
-                     "    def step(self, c):\n        return '', True\n", "ok.py")
+    _write(
+        tmp_path,
+        "def fn():\n    pass\nclass NoStep:\n    def reset(self, e):\n        pass\n"
+        "class NeedsArgs:\n    def __init__(self, x):\n        pass\n    def reset(self, e):\n        pass\n"
+        "    def step(self, c):\n        return '', True\n",
+        "ok.py",
+    )
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as info:
         load_env(spec)
@@ -67,6 +77,7 @@ class Hangs:
 
     def step(self, call):
         import threading
+
         threading.Event().wait(30)  # longer than the test's timeout
 
 
@@ -86,8 +97,14 @@ class BadReset:
         return "x", False
 
 
-@pytest.mark.parametrize("cls, counter, text", [(Raises, "env_errors", "RuntimeError: boom"), (Hangs, "env_timeouts", "timed out"),
-                                                (NotText, "env_errors", "expected (reply: str, done: bool)")])
+@pytest.mark.parametrize(
+    "cls, counter, text",
+    [
+        (Raises, "env_errors", "RuntimeError: boom"),
+        (Hangs, "env_timeouts", "timed out"),
+        (NotText, "env_errors", "expected (reply: str, done: bool)"),
+    ],
+)
 def test_a_failing_env_ends_its_episode_and_is_counted(cls, counter, text):
     stats = EnvStats()
     ep = Episode(cls, stats, timeout_s=0.2)
@@ -108,14 +125,41 @@ def test_a_failing_reset_is_counted():
     assert stats.errors == 1
 
 
-@pytest.mark.parametrize("expr, value", [("1+2*3", 7), ("(1+2)*3", 9), ("7/2", 3.5), ("7//2", 3), ("-3**2", -9), ("2^10", 1024),
-                                         ("10 % 4", 2), ("1e3 + 0.5", 1000.5), ("+4 - -4", 8)])
+@pytest.mark.parametrize(
+    "expr, value",
+    [
+        ("1+2*3", 7),
+        ("(1+2)*3", 9),
+        ("7/2", 3.5),
+        ("7//2", 3),
+        ("-3**2", -9),
+        ("2^10", 1024),
+        ("10 % 4", 2),
+        ("1e3 + 0.5", 1000.5),
+        ("+4 - -4", 8),
+    ],
+)
 def test_calculator_evaluates_arithmetic(expr, value):
     assert calculate(expr) == value
 
 
-@pytest.mark.parametrize("expr", ["__import__('os')", "x + 1", "(1).real", "'a' * 3", "[1, 2]", "1 / 0", "9 ** 9 ** 9", "10 ** 40",
-                                  "True + 1", "lambda: 1", "", "1 +"])
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "__import__('os')",
+        "x + 1",
+        "(1).real",
+        "'a' * 3",
+        "[1, 2]",
+        "1 / 0",
+        "9 ** 9 ** 9",
+        "10 ** 40",
+        "True + 1",
+        "lambda: 1",
+        "",
+        "1 +",
+    ],
+)
 def test_calculator_refuses_everything_else(expr):
     with pytest.raises(CalcError):
         calculate(expr)
@@ -132,8 +176,11 @@ def test_calculator_tool_replies():
 
 def test_search_ranks_the_matching_document_first():
     pytest.importorskip("bm25s")
-    docs = ["Zorvex lives in Quillton and works as a baker.", "Mirabel lives in Dunmore and works as a pilot.",
-            "Quillton is a city on the river Ashe."]
+    docs = [
+        "Zorvex lives in Quillton and works as a baker.",
+        "Mirabel lives in Dunmore and works as a pilot.",
+        "Quillton is a city on the river Ashe.",
+    ]
     s = Search()
     s.reset({"documents": docs})
     reply, done = s.step("<search>where does Mirabel live</search>")
@@ -147,6 +194,7 @@ def test_search_ranks_the_matching_document_first():
 
 def test_search_corpus_from_a_subclass():
     pytest.importorskip("bm25s")
+
     class KB(Search):
         corpus = ("alpha beta", "gamma delta")
         top_n = 1

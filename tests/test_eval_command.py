@@ -10,8 +10,8 @@ import pytest
 import masktrl.recipes.eval as ev
 from masktrl.cli import main
 from masktrl.errors import MasktrlError
-from masktrl.runs.store import RunStore
 from masktrl.rollout.base import Generation
+from masktrl.runs.store import RunStore
 from tests.conftest import cli, write_tiny_config
 
 RUN = {"task": {"n_test": 12}, "warmstart": {"steps": 20}, "rollout": {"prompts_per_step": 4}}
@@ -53,12 +53,26 @@ def model_dir(tmp_path_factory):
     model.save_pretrained(root / "tiny-math")
     tokenizer.save_pretrained(root / "tiny-math")
     data = root / "mini.jsonl"
-    data.write_text("".join(json.dumps({"id": f"p{i}", "problem": p, "answer": a}) + "\n" for i, (p, a, _) in enumerate(PROBLEMS)))
+    data.write_text(
+        "".join(json.dumps({"id": f"p{i}", "problem": p, "answer": a}) + "\n" for i, (p, a, _) in enumerate(PROBLEMS))
+    )
     return root / "tiny-math", data
 
 
 def check_report(r: dict, k: int, n: int) -> None:
-    for key in ("benchmark", "model", "step", "k", "n_problems", "avg_at_k", "pass_at_k", "maj_at_k", "ci95", "problems", "generation"):
+    for key in (
+        "benchmark",
+        "model",
+        "step",
+        "k",
+        "n_problems",
+        "avg_at_k",
+        "pass_at_k",
+        "maj_at_k",
+        "ci95",
+        "problems",
+        "generation",
+    ):
         assert key in r, key
     assert r["k"] == k and r["n_problems"] == n == len(r["problems"])
     assert 0.0 <= r["avg_at_k"] <= 1.0 and 0.0 <= r["pass_at_k"] <= 1.0 and 0.0 <= r["maj_at_k"] <= 1.0
@@ -102,9 +116,23 @@ def test_evaluate_alias_step_choice_and_starting_policy(run_dir):
     r = json.loads((run_dir / "eval" / "synthetic-step1.json").read_text())
     check_report(r, k=1, n=5)
     assert r["generation"]["greedy"] is True and r["step"] == 1
-    cli("eval", "synthetic", "--model", run_dir / "checkpoints" / "000001", "--k", 2, "--n-problems", 3, "--seed", 1, "--force")
+    cli(
+        "eval",
+        "synthetic",
+        "--model",
+        run_dir / "checkpoints" / "000001",
+        "--k",
+        2,
+        "--n-problems",
+        3,
+        "--seed",
+        1,
+        "--force",
+    )
     assert json.loads((run_dir / "eval" / "synthetic-step1.json").read_text())["generation"]["seed"] == 1
-    cli("eval", "synthetic", "--model", run_dir.name, "--out", run_dir.parent, "--step", 0, "--k", 2, "--n-problems", 3)  # by name
+    cli(
+        "eval", "synthetic", "--model", run_dir.name, "--out", run_dir.parent, "--step", 0, "--k", 2, "--n-problems", 3
+    )  # by name
     r0 = json.loads((run_dir / "eval" / "synthetic-step0.json").read_text())
     assert r0["step"] == 0 and ".cache" in r0["weights"]  # the warm-start policy
 

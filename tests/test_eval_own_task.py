@@ -13,12 +13,36 @@ from masktrl.rl.evaluation import Graded, build_task, describe_data, summarize
 from masktrl.runs.store import RunStore
 from tests.conftest import cli, write_tiny_config
 
-RESIDUES = {"model": {"tokenizer": "numbers"}, "task": {"name": "residues", "n_test": 12, "options": {"answers": 2}},
-            "rollout": {"max_new_tokens": 3}}
+RESIDUES = {
+    "model": {"tokenizer": "numbers"},
+    "task": {"name": "residues", "n_test": 12, "options": {"answers": 2}},
+    "rollout": {"max_new_tokens": 3},
+}
 ARITH = {"task": {"n_test": 12}, "warmstart": {"steps": 20}}
-LEGACY_KEYS = ["schema", "benchmark", "k", "n_problems", "avg_at_k", "ci95", "pass_at_k", "pass_at", "maj_at_k", "response_len_mean",
-               "truncated_frac", "problems", "model", "weights", "run", "step", "data", "time_s", "reward", "generation",
-               "prompts_too_long", "created"]
+LEGACY_KEYS = [
+    "schema",
+    "benchmark",
+    "k",
+    "n_problems",
+    "avg_at_k",
+    "ci95",
+    "pass_at_k",
+    "pass_at",
+    "maj_at_k",
+    "response_len_mean",
+    "truncated_frac",
+    "problems",
+    "model",
+    "weights",
+    "run",
+    "step",
+    "data",
+    "time_s",
+    "reward",
+    "generation",
+    "prompts_too_long",
+    "created",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +52,19 @@ def sweep_dir(tmp_path_factory):
     write_tiny_config(root / "r.yaml", RESIDUES)
     write_tiny_config(root / "a.yaml", ARITH)
     for method, seed in (("grpo", 0), ("grpo", 1), ("sis", 0)):
-        cli("train", "--config", root / "r.yaml", "--out", root / "sw", "--run", f"{method}-seed{seed}", "--method", method, "--seed", seed)
+        cli(
+            "train",
+            "--config",
+            root / "r.yaml",
+            "--out",
+            root / "sw",
+            "--run",
+            f"{method}-seed{seed}",
+            "--method",
+            method,
+            "--seed",
+            seed,
+        )
     cli("train", "--config", root / "a.yaml", "--out", root / "other", "--run", "a")
     return root
 
@@ -49,7 +85,9 @@ def test_standard_errors_over_problems_by_hand():
     r = summarize("task", examples, graded, task="residues")
     per = np.array([0.5, 1.0, 0.0])
     assert r["avg_at_k"] == pytest.approx(0.5) and r["avg_at_k_se"] == pytest.approx(per.std(ddof=1) / np.sqrt(3))
-    assert r["pass_at_k"] == pytest.approx(2 / 3) and r["pass_at_k_se"] == pytest.approx(np.array([1, 1, 0]).std(ddof=1) / np.sqrt(3))
+    assert r["pass_at_k"] == pytest.approx(2 / 3) and r["pass_at_k_se"] == pytest.approx(
+        np.array([1, 1, 0]).std(ddof=1) / np.sqrt(3)
+    )
     assert r["task"] == "residues"
     one = summarize("task", examples[:1], Graded(rows[:1], [["x"] * 4], [[2] * 4], [[True] * 4]))
     assert one["avg_at_k_se"] is None and one["pass_at_k_se"] is None
@@ -63,7 +101,9 @@ def test_task_on_a_residues_run_is_hashed_in_the_run(sweep_dir):
     r = json.loads((run / "eval" / "task-step2.json").read_text())
     assert r["benchmark"] == "task" and r["task"] == "residues" and r["k"] == 3 and r["n_problems"] == 12
     per = np.array([p["correct"] / 3 for p in r["problems"]])
-    assert r["avg_at_k"] == pytest.approx(per.mean()) and r["avg_at_k_se"] == pytest.approx(per.std(ddof=1) / np.sqrt(12))
+    assert r["avg_at_k"] == pytest.approx(per.mean()) and r["avg_at_k_se"] == pytest.approx(
+        per.std(ddof=1) / np.sqrt(12)
+    )
     assert r["data"].startswith("residues held-out split") and r["generation"]["max_new_tokens"] == 3
     RunStore(run).verify("eval/task/000002")
 
@@ -90,18 +130,29 @@ def test_a_sweep_folder_in_one_command_then_compare(sweep_dir, cli_error):
             m["stages"] = {k: v for k, v in m["stages"].items() if not k.startswith("eval/")}
             (r / "manifest.json").write_text(json.dumps(m))
     line = cli_error("analyze", "compare", sw, "--eval", "task")
-    assert "3 of 3 runs have no eval report at their final checkpoint" in line and f"masktrl eval task --model {sw}" in line
+    assert (
+        "3 of 3 runs have no eval report at their final checkpoint" in line
+        and f"masktrl eval task --model {sw}" in line
+    )
     out = cli("eval", "task", "--model", sw, "--k", 2).output
     assert all(f"{n}: avg@2" in out for n in ("grpo-seed0", "grpo-seed1", "sis-seed0"))
     again = cli("eval", "task", "--model", sw, "--k", 2).output
     assert again.count("skipped:") == 3 and "exists" in again
     cli("analyze", "compare", sw, "--eval", "task", "--baseline", "grpo")
     table = json.loads((sw / "analysis" / "compare.json").read_text())
-    reports = {str(r): json.loads((r / "eval" / "task-step2.json").read_text())["avg_at_k"] for r in sw.iterdir() if (r / "run.yaml").is_file()}
+    reports = {
+        str(r): json.loads((r / "eval" / "task-step2.json").read_text())["avg_at_k"]
+        for r in sw.iterdir()
+        if (r / "run.yaml").is_file()
+    }
     for row in table["methods"]:
         assert row["final"]["values"] == [reports[r] for r in row["runs"]]
         assert row["collapse"]["too_short"] == len(row["runs"])  # 2-step runs cannot be judged
-    assert table["eval"] == "task" and table["eval_settings"]["k"] == 2 and "k = 2 samples per prompt" in table["metric_kind"]
+    assert (
+        table["eval"] == "task"
+        and table["eval_settings"]["k"] == 2
+        and "k = 2 samples per prompt" in table["metric_kind"]
+    )
     cli("eval", "task", "--model", sw / "sis-seed0", "--k", 3, "--force")
     assert "differ in k (2 vs 3 in sis-seed0)" in cli_error("analyze", "compare", sw, "--eval", "task")
     assert "--output" in cli_error("eval", "task", "--model", sw, "--output", sweep_dir / "x.json")
@@ -114,10 +165,15 @@ def test_a_run_that_is_not_complete_is_skipped(sweep_dir):
     m["status"] = "failed"
     (sw / "grpo-seed1" / "manifest.json").write_text(json.dumps(m))
     out = cli("eval", "task", "--model", sw, "--k", 2).output
-    assert "grpo-seed1: skipped: failed, not complete" in out and not (sw / "grpo-seed1" / "eval" / "task-step2.json").exists()
+    assert (
+        "grpo-seed1: skipped: failed, not complete" in out
+        and not (sw / "grpo-seed1" / "eval" / "task-step2.json").exists()
+    )
 
 
 def test_a_dataset_run_has_no_own_synthetic_task(cli_error, tmp_path):
     cfg = write_tiny_config(tmp_path / "c.yaml", {"train": {"eval_benchmarks": ["task"]}, "task": {"name": "gsm8k"}})
-    assert "task is the run's own synthetic task (arithmetic, residues, longtail)" in cli_error("train", "--config", cfg, "--out", tmp_path / "o")
+    assert "task is the run's own synthetic task (arithmetic, residues, longtail)" in cli_error(
+        "train", "--config", cfg, "--out", tmp_path / "o"
+    )
     assert not (tmp_path / "o").exists()

@@ -10,12 +10,11 @@ import pytest
 import masktrl.recipes.eval as ev
 from masktrl.config import load_config
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from masktrl.tasks import make_task
-from masktrl.tasks.prompts import encode_prompt, is_chat_rendered
 from masktrl.rollout.base import Generation
-from masktrl.tasks.math_data import MathTask
+from masktrl.tasks import make_task
 from masktrl.tasks.base import Example
-from masktrl.tasks.prompts import instruct_prompt
+from masktrl.tasks.math_data import MathTask
+from masktrl.tasks.prompts import encode_prompt, instruct_prompt, is_chat_rendered
 
 CHAT = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -35,7 +34,9 @@ def test_chat_rendered_prompt_is_not_wrapped_twice(chat_tokenizer):
     task = MathTask([Example("a/1", "What is 1+1?", "2", {"problem": "What is 1+1?"})], template="chat", tokenizer=tok)
     prompt = task.test_examples()[0].prompt
     assert prompt == f"<|user|>{instruct_prompt('What is 1+1?')}\n<|assistant|>" and is_chat_rendered(tok, prompt)
-    once = tok.apply_chat_template([{"role": "user", "content": instruct_prompt("What is 1+1?")}], add_generation_prompt=True, tokenize=True)
+    once = tok.apply_chat_template(
+        [{"role": "user", "content": instruct_prompt("What is 1+1?")}], add_generation_prompt=True, tokenize=True
+    )
     once = once["input_ids"] if hasattr(once, "keys") else once  # a BatchEncoding in transformers 5
     assert encode_prompt(tok, prompt, True) == list(once) == encode_prompt(tok, prompt, False)
     # the arithmetic path is unchanged: a raw prompt is wrapped when chat_template is on
@@ -66,7 +67,10 @@ def test_eval_with_chat_template_sends_the_rendered_text_once(chat_tokenizer, tm
     def fake_generate(self, prompts, settings, seed):
         seen.extend(self.tokenizer.decode(p) for p in prompts)
         resp = self.tokenizer("\\boxed{2}", add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        return [[Generation(resp, [0.0] * len(resp), [[t] for t in resp], [[0.0]] * len(resp), True)] * settings.n for _ in prompts]
+        return [
+            [Generation(resp, [0.0] * len(resp), [[t] for t in resp], [[0.0]] * len(resp), True)] * settings.n
+            for _ in prompts
+        ]
 
     monkeypatch.setattr("masktrl.rollout.hf.HFEngine.generate", fake_generate)
     result = ev.run("gsm8k", str(model_dir), None, ev.EvalOptions(k=2, data=str(data), template="chat"))

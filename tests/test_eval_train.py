@@ -15,8 +15,11 @@ from tests.conftest import write_tiny_config
 runner = CliRunner()
 
 SMALL = {  # smaller still: evaluation, not training, is under test
-    "task": {"n_test": 8}, "warmstart": {"steps": 5, "batch_size": 8},
-    "rollout": {"prompts_per_step": 3, "n": 2, "logprobs_k": 3}, "train": {"checkpoint_every": 2}, "eval": {"k": 2},
+    "task": {"n_test": 8},
+    "warmstart": {"steps": 5, "batch_size": 8},
+    "rollout": {"prompts_per_step": 3, "n": 2, "logprobs_k": 3},
+    "train": {"checkpoint_every": 2},
+    "eval": {"k": 2},
 }
 
 
@@ -88,7 +91,9 @@ def test_benchmark_evals_do_not_change_the_training(setup):
     tmp_path, data = setup
     args = ["train", "--config", str(tmp_path / "tiny.yaml"), "--out", str(tmp_path / "out")]
     plain = runner.invoke(app, [*args, "--run", "plain"])
-    evald = runner.invoke(app, [*args, "--run", "evald", "--set", "train.eval_every=1", "--set", "train.eval_benchmarks=synthetic"])
+    evald = runner.invoke(
+        app, [*args, "--run", "evald", "--set", "train.eval_every=1", "--set", "train.eval_benchmarks=synthetic"]
+    )
     assert plain.exit_code == 0 and evald.exit_code == 0, (plain.output, evald.output)
     a = load_file(tmp_path / "out" / "plain" / "checkpoints" / "000002" / "model.safetensors")
     b = load_file(tmp_path / "out" / "evald" / "checkpoints" / "000002" / "model.safetensors")

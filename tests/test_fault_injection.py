@@ -34,7 +34,8 @@ train: {steps: 5, checkpoint_every: 2, lr: 1.0e-3, minibatches: 2}
 """
 STEPS = 5
 CRASH_POINTS = [f"{point}:{step}" for point in ("rollout-write", "update") for step in range(1, STEPS + 1)] + [
-    f"checkpoint-write:{step}" for step in (2, 4, 5)  # the steps that checkpoint
+    f"checkpoint-write:{step}"
+    for step in (2, 4, 5)  # the steps that checkpoint
 ]
 STORE_POINTS = [f"manifest-write:{n}" for n in range(1, 31)] + ["config-write:1", "summary-write:1"]
 RESTART_POINTS = ["config-write:1", "restart-delete:1", "manifest-write:1", "manifest-write:2", "config-rename:1"]

@@ -31,8 +31,18 @@ def _tiny(seed=0):
 
 
 def _moe():
-    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2)
+    cfg = Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
     torch.manual_seed(0)
     return Qwen3MoeForCausalLM(cfg)
 
@@ -42,14 +52,18 @@ IDS = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 3, 4, 1, 2]])
 
 def test_ste_forward_is_the_float64_reference_and_backward_the_identity():
     g = torch.Generator().manual_seed(0)
-    w = (torch.randn(64, 48, generator=g) * torch.logspace(-4, 2, 48)).requires_grad_(True)  # [out, in], wide range per row
+    w = (torch.randn(64, 48, generator=g) * torch.logspace(-4, 2, 48)).requires_grad_(
+        True
+    )  # [out, in], wide range per row
     q = fp8_ste(w)
     assert torch.equal(q, fp8_roundtrip(w.detach()))  # the engine's round trip, value for value
     ref = fp8_ref(w.detach())  # float64, from the format's definition (tests/test_lowprec.py)
     same = (q.detach().double() - ref).abs() <= ref.abs() * 2.0**-22  # float32 rounding of s, x / s and q * s
     assert same.float().mean() > 0.999
     step = (ref.abs() / 8).clamp_min(w.detach().abs().amax(1, keepdim=True).double() / 448 * 2.0**-9)
-    assert ((q.detach().double() - ref).abs() <= step * 1.0001).all()  # elsewhere at most one e4m3 step (a boundary tie)
+    assert (
+        (q.detach().double() - ref).abs() <= step * 1.0001
+    ).all()  # elsewhere at most one e4m3 step (a boundary tie)
     up = torch.randn(64, 48, generator=g)
     q.backward(up)
     assert torch.equal(w.grad, up)  # straight through
@@ -130,7 +144,9 @@ def test_fp8_full_head_matches_the_engine():
 def test_moe_experts_quantised_router_not_and_gradients_flow():
     model = _moe()
     names = quantize_training(model, "fp8")
-    assert any(n.endswith("experts.gate_up_proj") for n in names) and not any(n.endswith("mlp.gate.weight") for n in names)
+    assert any(n.endswith("experts.gate_up_proj") for n in names) and not any(
+        n.endswith("mlp.gate.weight") for n in names
+    )
     engine = LowPrecisionCopy(model, torch.float32, "fp8")
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, engine.model(IDS).logits)
@@ -173,8 +189,10 @@ def _rows(run):
 
 
 def test_bad_train_quantization_exit_2_nothing_written(tmp_path):
-    for args, needle in ((["--set", "train.quantization=int4"], "train.quantization"),
-                         (["--set", "train.quantization=fp8", "--set", "train.quantization_backend=torchao"], "torchao")):
+    for args, needle in (
+        (["--set", "train.quantization=int4"], "train.quantization"),
+        (["--set", "train.quantization=fp8", "--set", "train.quantization_backend=torchao"], "torchao"),
+    ):
         r = masktrl("train", *args, "--out", str(tmp_path), "--dry-run", cwd=tmp_path)
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
@@ -183,8 +201,10 @@ def test_bad_train_quantization_exit_2_nothing_written(tmp_path):
 
 @pytest.mark.slow
 def test_fp8_end_to_end_run_trains_and_measures_the_two_copies(tmp_path, warm_out):
-    cfg = write_tiny_config(tmp_path / "c.yaml", {"train": {"steps": 2, "quantization": "fp8"},
-                                                  "rollout": {"quantization": "fp8", "mismatch": "always"}})
+    cfg = write_tiny_config(
+        tmp_path / "c.yaml",
+        {"train": {"steps": 2, "quantization": "fp8"}, "rollout": {"quantization": "fp8", "mismatch": "always"}},
+    )
     r = masktrl("train", "--config", cfg, "--out", warm_out, "--run", "fp8-e2e", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rows = _rows(warm_out / "fp8-e2e")
@@ -196,13 +216,25 @@ def test_fp8_end_to_end_run_trains_and_measures_the_two_copies(tmp_path, warm_ou
 
     from masktrl.analysis.step_replay import load_replay, replay_step
 
-    replay = load_replay(warm_out / "fp8-e2e", 2)  # the step replay runs the FP8 forward too: it reproduces the checkpoint
+    replay = load_replay(
+        warm_out / "fp8-e2e", 2
+    )  # the step replay runs the FP8 forward too: it reproduces the checkpoint
     replay_step(replay, replay.cfg.seed, replay.cfg.train.minibatches)
     stored = load_file(warm_out / "fp8-e2e" / "checkpoints" / "000002" / "model.safetensors")
     now = replay.model.state_dict()
     assert all(torch.equal(now[k], stored[k]) for k in stored)
-    r = masktrl("train", "--config", cfg, "--out", warm_out, "--run", "fp8-only-engine", "--set", "train.quantization=null",
-                cwd=tmp_path)
+    r = masktrl(
+        "train",
+        "--config",
+        cfg,
+        "--out",
+        warm_out,
+        "--run",
+        "fp8-only-engine",
+        "--set",
+        "train.quantization=null",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert all(row["mismatch/logp_abs_mean"] > 1e-3 for row in _rows(warm_out / "fp8-only-engine"))
 
@@ -210,4 +242,7 @@ def test_fp8_end_to_end_run_trains_and_measures_the_two_copies(tmp_path, warm_ou
 def test_train_quantization_counts_as_a_sampling_change_on_resume():
     from masktrl.runs.plan import stale_batch_keys
 
-    assert stale_batch_keys(["train.quantization", "train.lr", "rollout.top_k"]) == ["train.quantization", "rollout.top_k"]
+    assert stale_batch_keys(["train.quantization", "train.lr", "rollout.top_k"]) == [
+        "train.quantization",
+        "rollout.top_k",
+    ]

@@ -34,19 +34,51 @@ def gpu_check(monkeypatch):
 
 
 def test_position_buckets(gpu_check):
-    assert [gpu_check._bucket(t) for t in (0, 1, 2, 3, 4, 7, 8, 15, 16)] == ["0", "1", "2-3", "2-3", "4-7", "4-7", "8-15", "8-15", "16-31"]
+    assert [gpu_check._bucket(t) for t in (0, 1, 2, 3, 4, 7, 8, 15, 16)] == [
+        "0",
+        "1",
+        "2-3",
+        "2-3",
+        "4-7",
+        "4-7",
+        "8-15",
+        "8-15",
+        "16-31",
+    ]
 
 
 def test_qwen3_shape_is_the_0_6b_config(gpu_check):
     s = gpu_check.SHAPES["qwen3-0.6b"]
-    assert (s["hidden_size"], s["num_hidden_layers"], s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"],
-            s["intermediate_size"], s["numbers"] + 4) == (1024, 28, 16, 8, 128, 3072, 151_936)
+    assert (
+        s["hidden_size"],
+        s["num_hidden_layers"],
+        s["num_attention_heads"],
+        s["num_key_value_heads"],
+        s["head_dim"],
+        s["intermediate_size"],
+        s["numbers"] + 4,
+    ) == (1024, 28, 16, 8, 128, 3072, 151_936)
 
 
 def test_one_method_with_the_weight_sync_check(gpu_check, tmp_path):
     out = tmp_path / "r.json"
-    rc = gpu_check.main(["--shape", "tiny", "--engine", "hf", "--steps", "2", "--methods", "grpo", "--no-zero2",
-                         "--work", str(tmp_path / "w"), "--json", str(out)])
+    rc = gpu_check.main(
+        [
+            "--shape",
+            "tiny",
+            "--engine",
+            "hf",
+            "--steps",
+            "2",
+            "--methods",
+            "grpo",
+            "--no-zero2",
+            "--work",
+            str(tmp_path / "w"),
+            "--json",
+            str(out),
+        ]
+    )
     r = json.loads(out.read_text())
     assert rc == 0 and r["ok"] and r["complete"], r
     run = r["runs"]["grpo"]
@@ -57,7 +89,12 @@ def test_one_method_with_the_weight_sync_check(gpu_check, tmp_path):
     # the transformers engine samples with the trained model itself: in bf16 the trainer's
     # recomputation differs only by batch-shape rounding
     assert 0 < synced["tokens"] <= 4 * 4 * 8  # prompts x samples x max_new_tokens
-    assert 0 <= synced["mean_abs_dlogp"] < 5e-3 and set(synced["mean_abs_dlogp_by_position"]) <= {"0", "1", "2-3", "4-7"}
+    assert 0 <= synced["mean_abs_dlogp"] < 5e-3 and set(synced["mean_abs_dlogp_by_position"]) <= {
+        "0",
+        "1",
+        "2-3",
+        "4-7",
+    }
     assert sync["at_starting_weights"]["mean_abs_dlogp"] > synced["mean_abs_dlogp"]
     assert r["model"]["vocab_size"] == 2004 and r["versions"]["torch"]
 
@@ -65,8 +102,12 @@ def test_one_method_with_the_weight_sync_check(gpu_check, tmp_path):
 def test_the_script_refuses_without_a_gpu(tmp_path):
     if shutil.which("nvidia-smi"):
         pytest.skip("a GPU machine")
-    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "r.json")], capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip().startswith("error: no NVIDIA GPU") and not (tmp_path / "r.json").exists()
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "r.json")], capture_output=True, text=True
+    )
+    assert (
+        r.returncode == 2 and r.stderr.strip().startswith("error: no NVIDIA GPU") and not (tmp_path / "r.json").exists()
+    )
 
 
 @pytest.mark.slow
@@ -76,10 +117,28 @@ def test_the_whole_check_on_cpu_with_zero2_kill_and_resume(gpu_check, tmp_path):
     acc = tmp_path / "zero2_cpu.yaml"
     acc.write_text(DS_CPU)
     out = tmp_path / "r.json"
-    rc = gpu_check.main(["--shape", "tiny", "--engine", "hf", "--steps", "2", "--dtype", "float32", "--accelerate-config", str(acc),
-                         "--work", str(tmp_path / "w"), "--json", str(out)])
+    rc = gpu_check.main(
+        [
+            "--shape",
+            "tiny",
+            "--engine",
+            "hf",
+            "--steps",
+            "2",
+            "--dtype",
+            "float32",
+            "--accelerate-config",
+            str(acc),
+            "--work",
+            str(tmp_path / "w"),
+            "--json",
+            str(out),
+        ]
+    )
     r = json.loads(out.read_text())
     assert rc == 0 and r["ok"], json.dumps(r)[-3000:]
     assert set(r["runs"]) == {"grpo", "pdm", "sis"} and all(run["weight_sync"]["sync_ok"] for run in r["runs"].values())
     z = r["zero2_resume"]
-    assert z["killed"] and z["bit_identical_weights"] and z["metrics_identical"] and z["deepspeed_optimizer_shards"] == 1
+    assert (
+        z["killed"] and z["bit_identical_weights"] and z["metrics_identical"] and z["deepspeed_optimizer_shards"] == 1
+    )

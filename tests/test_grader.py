@@ -115,8 +115,14 @@ def test_hung_and_crashing_workers_are_replaced(tmp_path, monkeypatch):
     worker = tmp_path / "fake_worker.py"
     worker.write_text(FAKE_WORKER)
     monkeypatch.setattr(grader_mod, "_WORKER_PATH", str(worker))
-    pairs = [("\\boxed{hang}", "1"), ("\\boxed{1x}", "1"), ("\\boxed{crash}", "1"), ("\\boxed{hang}", "2"),
-             ("\\boxed{2x}", "2"), ("\\boxed{3y}", "3")]
+    pairs = [
+        ("\\boxed{hang}", "1"),
+        ("\\boxed{1x}", "1"),
+        ("\\boxed{crash}", "1"),
+        ("\\boxed{hang}", "2"),
+        ("\\boxed{2x}", "2"),
+        ("\\boxed{3y}", "3"),
+    ]
     start = time.monotonic()
     with Grader(workers=2) as g:
         out = g.grade_many(pairs, timeout_s=0.5)
@@ -170,7 +176,9 @@ def test_quick_verdict():
 def test_grader_does_not_import_math_verify_in_parent():
     import subprocess  # checked in a fresh interpreter: other tests may import math_verify here
 
-    code = ("import sys; from masktrl.tasks.grader import Grader; g = Grader(); "
-            "print(g.grade_many([('\\\\boxed{2}', '2')])); print('math_verify' in sys.modules)")
+    code = (
+        "import sys; from masktrl.tasks.grader import Grader; g = Grader(); "
+        "print(g.grade_many([('\\\\boxed{2}', '2')])); print('math_verify' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.split()
     assert out == ["[True]", "False"]

@@ -65,8 +65,11 @@ def test_unsupported_transformers_falls_back_to_whole_sequences(tiny, monkeypatc
 def test_read_only_cache_returns_what_a_dynamic_cache_would_and_stores_nothing():
     from masktrl.models.kvcache import new_cache
 
-    cfg = build_tiny_model(build_char_tokenizer("01"), TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                                                                      intermediate_size=64), seed=0).config
+    cfg = build_tiny_model(
+        build_char_tokenizer("01"),
+        TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64),
+        seed=0,
+    ).config
     k0, v0, k1, v1 = (torch.randn(2, 1, n, 16) for n in (3, 3, 2, 2))
     a, b = new_cache(cfg), new_cache(cfg)
     a.update(k0, v0, 0), b.update(k0, v0, 0)

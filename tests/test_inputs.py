@@ -48,8 +48,11 @@ def test_plus_minus_1e308_rewards_give_finite_advantages():
 def test_advantages_that_cannot_be_a_float_are_refused():
     rewards = [1.5e308, -1.5e308, -1.5e308, -1.5e308]  # centred: 2.25e308, beyond the largest float
     assert reference(rewards, "none")[0] == math.inf
-    with pytest.raises(ValueError, match=r"advantages are not finite: rewards from -1.5e\+308 to 1.5e\+308 are further apart "
-                                         r"than the largest float \(adv_norm=none\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"advantages are not finite: rewards from -1.5e\+308 to 1.5e\+308 are further apart "
+        r"than the largest float \(adv_norm=none\)",
+    ):
         group_advantages(rewards, [0] * 4, norm="none")
     assert all(math.isfinite(a) for a in group_advantages(rewards, [0] * 4).tolist())  # group-std is scale-free
 
@@ -68,11 +71,15 @@ def test_every_estimator_is_finite_and_right_near_the_float_limit(norm):
     groups = [0, 0, 0, 0, 1, 1, 1, 1]
     got = group_advantages(rewards, groups, norm=norm).tolist()
     assert all(math.isfinite(a) for a in got)
-    centred = [c for k in (0, 4) for c in reference(rewards[k:k + 4], "none")]
+    centred = [c for k in (0, 4) for c in reference(rewards[k : k + 4], "none")]
     r = [Decimal(x) for x in rewards]
     batch_std = float((sum((x - sum(r) / 8) ** 2 for x in r) / 7).sqrt())
-    want = {"reinforce++": whiten_reference(rewards), "reinforce++-baseline": whiten_reference(centred),
-            "rloo": [c * 4 / 3 for c in centred], "batch-std": [c / batch_std for c in centred]}[norm]
+    want = {
+        "reinforce++": whiten_reference(rewards),
+        "reinforce++-baseline": whiten_reference(centred),
+        "rloo": [c * 4 / 3 for c in centred],
+        "batch-std": [c / batch_std for c in centred],
+    }[norm]
     assert got == pytest.approx(want, rel=1e-12)
 
 
@@ -82,14 +89,17 @@ def test_method_name_of_the_wrong_type_is_a_value_error():
             get_method(name)
 
 
-@pytest.mark.parametrize("temperature, top_p, needle", [
-    (math.inf, 1.0, "temperature must be a finite number > 0, got inf"),
-    (math.nan, 1.0, "temperature must be a finite number > 0, got nan"),
-    (0.0, 1.0, "temperature must be a finite number > 0, got 0.0"),
-    (1.0, math.nan, "top_p must be in (0, 1], got nan"),
-    (1.0, 0.0, "top_p must be in (0, 1], got 0.0"),
-    (1.0, 1.5, "top_p must be in (0, 1], got 1.5"),
-])
+@pytest.mark.parametrize(
+    "temperature, top_p, needle",
+    [
+        (math.inf, 1.0, "temperature must be a finite number > 0, got inf"),
+        (math.nan, 1.0, "temperature must be a finite number > 0, got nan"),
+        (0.0, 1.0, "temperature must be a finite number > 0, got 0.0"),
+        (1.0, math.nan, "top_p must be in (0, 1], got nan"),
+        (1.0, 0.0, "top_p must be in (0, 1], got 0.0"),
+        (1.0, 1.5, "top_p must be in (0, 1], got 1.5"),
+    ],
+)
 def test_sampling_settings_refuse_non_finite_values(temperature, top_p, needle):
     with pytest.raises(ConfigError) as e:
         SamplingSettings(temperature=temperature, top_p=top_p)
@@ -99,14 +109,20 @@ def test_sampling_settings_refuse_non_finite_values(temperature, top_p, needle):
     SamplingSettings(temperature=0.5, top_p=0.9)
 
 
-@pytest.mark.parametrize("name, data, needle", [
-    ("empty.jsonl", b"", "empty.jsonl: empty file (no rows)"),
-    ("blank.json", b"  \n\n", "blank.json: empty file (no rows)"),
-    ("header.csv", b"prompt,answer\n", "header.csv: a header and no rows"),
-    ("latin.jsonl", b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "3"}\n',
-     "latin.jsonl, line 2: not UTF-8 text (byte 0xe9)"),
-    ("latin.csv", b"prompt,answer\n1+1=\xff,2\n", "latin.csv, line 2: not UTF-8 text (byte 0xff)"),
-])
+@pytest.mark.parametrize(
+    "name, data, needle",
+    [
+        ("empty.jsonl", b"", "empty.jsonl: empty file (no rows)"),
+        ("blank.json", b"  \n\n", "blank.json: empty file (no rows)"),
+        ("header.csv", b"prompt,answer\n", "header.csv: a header and no rows"),
+        (
+            "latin.jsonl",
+            b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "3"}\n',
+            "latin.jsonl, line 2: not UTF-8 text (byte 0xe9)",
+        ),
+        ("latin.csv", b"prompt,answer\n1+1=\xff,2\n", "latin.csv, line 2: not UTF-8 text (byte 0xff)"),
+    ],
+)
 def test_data_files_that_are_empty_or_not_utf8_are_one_line(tmp_path, name, data, needle):
     path = tmp_path / name
     path.write_bytes(data)
@@ -130,13 +146,17 @@ def test_reward_failures_warn_then_stop_past_the_threshold():
     assert check_reward_errors(3, 0, 24, 0.5) is None
     assert check_reward_errors(3, 2, 24, 0.5) is None  # 8%: sporadic failures are only counted
     warn = check_reward_errors(3, 6, 24, 0.5, "r.py:score raised")
-    assert warn == ("step 3: the reward failed on 6 of 24 completions (25%; last: r.py:score raised); "
-                    "they score 0 (the run stops above task.max_reward_error_frac=0.5)")
+    assert warn == (
+        "step 3: the reward failed on 6 of 24 completions (25%; last: r.py:score raised); "
+        "they score 0 (the run stops above task.max_reward_error_frac=0.5)"
+    )
     assert check_reward_errors(3, 12, 24, 0.5) is not None  # exactly half: a warning
     with pytest.raises(ConfigError) as e:
         check_reward_errors(3, 24, 24, 0.5, "r.py:score raised")
-    assert str(e.value) == ("step 3: the reward failed on 24 of 24 completions (100%; last: r.py:score raised); "
-                            "the run stops (task.max_reward_error_frac=0.5): fix task.reward")
+    assert str(e.value) == (
+        "step 3: the reward failed on 24 of 24 completions (100%; last: r.py:score raised); "
+        "the run stops (task.max_reward_error_frac=0.5): fix task.reward"
+    )
     assert check_reward_errors(3, 24, 24, 1.0) is not None  # 1.0: never stops, still warns
 
 

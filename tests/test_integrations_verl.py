@@ -39,8 +39,9 @@ def masked_sum(x, mask):
     return (x * mask).sum()
 
 
-def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
-             loss_scale_factor=None):  # core_algos.py:1140-1199
+def agg_loss(
+    loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None
+):  # core_algos.py:1140-1199
     if loss_agg_mode == "token-mean":
         if batch_num_tokens is None:
             batch_num_tokens = loss_mask.sum()
@@ -62,8 +63,9 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=Non
     return masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
 
 
-def vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-            rollout_is_weights=None):  # core_algos.py:1286-1377 (the loss; metrics left out)
+def vanilla(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):  # core_algos.py:1286-1377 (the loss; metrics left out)
     clip_ratio = config["clip_ratio"]
     lo = config.get("clip_ratio_low") or clip_ratio
     hi = config.get("clip_ratio_high") or clip_ratio
@@ -80,9 +82,15 @@ def vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="to
 
 
 def actor_call(fn, data, loss_agg_mode, config, rollout_is_weights=None):  # workers/utils/losses.py:103-112
-    return fn(old_log_prob=data["old_log_probs"], log_prob=data["log_prob"], advantages=data["advantages"],
-              response_mask=data["response_mask"], loss_agg_mode=loss_agg_mode, config=config,
-              rollout_is_weights=rollout_is_weights)
+    return fn(
+        old_log_prob=data["old_log_probs"],
+        log_prob=data["log_prob"],
+        advantages=data["advantages"],
+        response_mask=data["response_mask"],
+        loss_agg_mode=loss_agg_mode,
+        config=config,
+        rollout_is_weights=rollout_is_weights,
+    )
 
 
 # --------------------------------------------------------------------------- data
@@ -98,9 +106,17 @@ def padded(seed=0, b=5, t=7, k=4, v=12, dtype=torch.float64):
     mask[3, 2:] = False
     adv = torch.randn(b, generator=gen, dtype=dtype)
     topk_mu, topk_ids = mu.topk(k, dim=-1)
-    return {"mu": mu, "pi": pi, "responses": responses, "response_mask": mask, "adv_seq": adv,
-            "advantages": adv[:, None].expand(b, t).clone(), "topk_ids": topk_ids, "topk_mu": topk_mu,
-            "old_log_probs": mu.gather(-1, responses[..., None]).squeeze(-1)}
+    return {
+        "mu": mu,
+        "pi": pi,
+        "responses": responses,
+        "response_mask": mask,
+        "adv_seq": adv,
+        "advantages": adv[:, None].expand(b, t).clone(),
+        "topk_ids": topk_ids,
+        "topk_mu": topk_mu,
+        "old_log_probs": mu.gather(-1, responses[..., None]).squeeze(-1),
+    }
 
 
 def with_grad(d):
@@ -110,17 +126,32 @@ def with_grad(d):
 
 def own(method, d, lp, topk=False):
     """masktrl's own loss, token by token: its methods on a TokenBatch built here."""
-    rows = [(i, j) for i in range(d["responses"].shape[0]) for j in range(d["responses"].shape[1]) if d["response_mask"][i, j]]
+    rows = [
+        (i, j)
+        for i in range(d["responses"].shape[0])
+        for j in range(d["responses"].shape[1])
+        if d["response_mask"][i, j]
+    ]
     n = len(rows)
     if topk:
         ids = torch.stack([d["topk_ids"][i, j] for i, j in rows])
         mu_k = torch.stack([d["topk_mu"][i, j] for i, j in rows])
         pi_k = torch.stack([d["pi"][i, j][d["topk_ids"][i, j]] for i, j in rows])
     else:
-        ids, mu_k, pi_k = torch.full((n, 1), -1), torch.full((n, 1), float("-inf"), dtype=lp.dtype), torch.full((n, 1), float("-inf"), dtype=lp.dtype)
-    batch = TokenBatch(logp=torch.stack([lp[i, j] for i, j in rows]), behavior_logp=torch.stack([d["old_log_probs"][i, j] for i, j in rows]),
-                       sampled_ids=torch.stack([d["responses"][i, j] for i, j in rows]), topk_ids=ids, topk_behavior_logp=mu_k,
-                       topk_logp=pi_k, seq_ids=torch.tensor([i for i, _ in rows]))
+        ids, mu_k, pi_k = (
+            torch.full((n, 1), -1),
+            torch.full((n, 1), float("-inf"), dtype=lp.dtype),
+            torch.full((n, 1), float("-inf"), dtype=lp.dtype),
+        )
+    batch = TokenBatch(
+        logp=torch.stack([lp[i, j] for i, j in rows]),
+        behavior_logp=torch.stack([d["old_log_probs"][i, j] for i, j in rows]),
+        sampled_ids=torch.stack([d["responses"][i, j] for i, j in rows]),
+        topk_ids=ids,
+        topk_behavior_logp=mu_k,
+        topk_logp=pi_k,
+        seq_ids=torch.tensor([i for i, _ in rows]),
+    )
     adv = torch.stack([d["adv_seq"][i] for i, _ in rows])
     return method.aggregate(method.token_losses(batch, adv).loss, batch, horizon=d["responses"].shape[1])
 
@@ -147,15 +178,21 @@ def test_registered_through_the_transcribed_registry_equals_masktrl(spec):
 def test_grpo_dual_clip_equals_verl_vanilla_in_every_aggregation(mode):
     """masktrl's grpo with verl's dual clip (c = 3) through the adapter is verl's vanilla loss, value and gradient."""
     fn = policy_loss("grpo:eps_low=0.2:eps_high=0.28:dual_clip=3")
-    cfg = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "global_batch_info": {}}
+    cfg = {
+        "clip_ratio": 0.2,
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.28,
+        "clip_ratio_c": 3.0,
+        "global_batch_info": {},
+    }
     d = with_grad(padded(seed=2))
-    d["log_prob"] = (d["log_prob"] * 1.0)  # keep the leaf below
+    d["log_prob"] = d["log_prob"] * 1.0  # keep the leaf below
     leaf = d["log_prob"]
     got, _ = actor_call(fn, d, mode, cfg)
     want, _ = vanilla(d["old_log_probs"], leaf, d["advantages"], d["response_mask"].double(), mode, cfg)
     torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-12)  # verl's seq-mean adds 1e-8 to each count
-    g1, = torch.autograd.grad(got, leaf, retain_graph=True)
-    g2, = torch.autograd.grad(want, leaf)
+    (g1,) = torch.autograd.grad(got, leaf, retain_graph=True)
+    (g2,) = torch.autograd.grad(want, leaf)
     torch.testing.assert_close(g1, g2, rtol=1e-7, atol=1e-12)
 
 
@@ -163,9 +200,11 @@ def test_global_batch_info_as_verl_aggregates():
     """dp_size and the global denominators of config.global_batch_info scale as verl's agg_loss does."""
     fn = policy_loss("grpo:dual_clip=3")
     d = with_grad(padded(seed=3))
-    for mode, info in (("token-mean", {"dp_size": 2, "batch_num_tokens": 50}),
-                       ("seq-mean-token-mean", {"dp_size": 4, "global_batch_size": 17}),
-                       ("seq-mean-token-sum-norm", {"dp_size": 2, "global_batch_size": 9, "loss_scale_factor": 11})):
+    for mode, info in (
+        ("token-mean", {"dp_size": 2, "batch_num_tokens": 50}),
+        ("seq-mean-token-mean", {"dp_size": 4, "global_batch_size": 17}),
+        ("seq-mean-token-sum-norm", {"dp_size": 2, "global_batch_size": 9, "loss_scale_factor": 11}),
+    ):
         cfg = {"clip_ratio": 0.2, "clip_ratio_high": 0.28, "global_batch_info": info}
         got, _ = actor_call(fn, d, mode, cfg)
         want, _ = vanilla(d["old_log_probs"], d["log_prob"], d["advantages"], d["response_mask"].double(), mode, cfg)
@@ -186,12 +225,19 @@ def test_pi_old_anchor_with_rollout_is_weights_equals_masktrl_decoupled_tis():
     method = resolve_method_spec("dapo", {"kind": "token-tis", "mode": "decoupled", "cap": 2.0})
     rows = d["response_mask"]
     n = int(rows.sum())
-    batch = TokenBatch(logp=lp[rows], behavior_logp=d["old_log_probs"][rows], sampled_ids=d["responses"][rows],
-                       topk_ids=torch.full((n, 1), -1), topk_behavior_logp=torch.full((n, 1), float("-inf"), dtype=lp.dtype),
-                       topk_logp=torch.full((n, 1), float("-inf"), dtype=lp.dtype),
-                       seq_ids=torch.arange(rows.shape[0])[:, None].expand(rows.shape)[rows])
+    batch = TokenBatch(
+        logp=lp[rows],
+        behavior_logp=d["old_log_probs"][rows],
+        sampled_ids=d["responses"][rows],
+        topk_ids=torch.full((n, 1), -1),
+        topk_behavior_logp=torch.full((n, 1), float("-inf"), dtype=lp.dtype),
+        topk_logp=torch.full((n, 1), float("-inf"), dtype=lp.dtype),
+        seq_ids=torch.arange(rows.shape[0])[:, None].expand(rows.shape)[rows],
+    )
     adv = d["advantages"][rows]
-    losses, _, _ = method.corrected_token_losses(batch, adv, old=(old[rows], torch.full((n, 1), float("-inf"), dtype=lp.dtype)))
+    losses, _, _ = method.corrected_token_losses(
+        batch, adv, old=(old[rows], torch.full((n, 1), float("-inf"), dtype=lp.dtype))
+    )
     want = method.aggregate(losses.loss, batch, horizon=7)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
@@ -201,11 +247,17 @@ def test_topk_rules_with_the_contract_kwargs_equal_masktrl(spec):
     method = resolve_method_spec(spec)
     fn = policy_loss(spec)
     d = with_grad(padded(seed=5))
-    kw = {"responses": d["responses"], "rollout_topk_ids": d["topk_ids"], "rollout_topk_log_probs": d["topk_mu"],
-          "topk_log_prob": d["pi"].gather(-1, d["topk_ids"])}
+    kw = {
+        "responses": d["responses"],
+        "rollout_topk_ids": d["topk_ids"],
+        "rollout_topk_log_probs": d["topk_mu"],
+        "topk_log_prob": d["pi"].gather(-1, d["topk_ids"]),
+    }
     with pytest.raises(ConfigError, match="top-K lists"):
         actor_call(fn, d, method.aggregation, {"global_batch_info": {}})
-    loss, _ = fn(d["old_log_probs"], d["log_prob"], d["advantages"], d["response_mask"], method.aggregation, None, None, **kw)
+    loss, _ = fn(
+        d["old_log_probs"], d["log_prob"], d["advantages"], d["response_mask"], method.aggregation, None, None, **kw
+    )
     (g,) = torch.autograd.grad(loss, d["log_prob"])
     lp = d["log_prob"].detach().clone().requires_grad_(True)
     want = own(method, d, lp, topk=True)
@@ -232,21 +284,30 @@ def test_bad_input_is_one_config_error():
 
 
 def test_verl_registry_itself():
-    core = pytest.importorskip("verl.trainer.ppo.core_algos",
-                               reason="verl is not installed (CI does not install it; docs/ECOSYSTEM.md: how this ran)")
+    core = pytest.importorskip(
+        "verl.trainer.ppo.core_algos",
+        reason="verl is not installed (CI does not install it; docs/ECOSYSTEM.md: how this ran)",
+    )
     from omegaconf import OmegaConf
 
     fn = register("masktrl_grpo_dual", "grpo:eps_low=0.2:eps_high=0.28:dual_clip=3")
     assert core.get_policy_loss_fn("masktrl_grpo_dual") is fn
-    cfg = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
-                            "global_batch_info": {}})
+    cfg = OmegaConf.create(
+        {
+            "clip_ratio": 0.2,
+            "clip_ratio_low": 0.2,
+            "clip_ratio_high": 0.28,
+            "clip_ratio_c": 3.0,
+            "global_batch_info": {},
+        }
+    )
     for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         d = with_grad(padded(seed=6))
         got, _ = actor_call(core.get_policy_loss_fn("masktrl_grpo_dual"), d, mode, cfg)
         want, _ = actor_call(core.get_policy_loss_fn("vanilla"), d, mode, cfg)
         torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-12)
-        g1, = torch.autograd.grad(got, d["log_prob"], retain_graph=True)
-        g2, = torch.autograd.grad(want, d["log_prob"])
+        (g1,) = torch.autograd.grad(got, d["log_prob"], retain_graph=True)
+        (g2,) = torch.autograd.grad(want, d["log_prob"])
         torch.testing.assert_close(g1, g2, rtol=1e-7, atol=1e-12)
     # masktrl's dppo binary-tv (its own rule, vs mu) through verl's registry equals masktrl's own loss
     register("masktrl_dppo_btv", "dppo:divergence=binary-tv")

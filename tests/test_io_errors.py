@@ -46,7 +46,9 @@ def test_torch_save_on_a_full_disk_is_enospc(one_mib_disk):
 
 @pytest.mark.parametrize("number", [errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES])
 def test_safetensors_os_error_number_is_read_from_its_message(tmp_path, number):
-    exc = SafetensorError(f"Error while serializing: I/O error: {__import__('os').strerror(number)} (os error {number})")
+    exc = SafetensorError(
+        f"Error while serializing: I/O error: {__import__('os').strerror(number)} (os error {number})"
+    )
     problem = writer_os_error(exc, tmp_path / "x")
     assert (problem.errno, problem.filename) == (number, str(tmp_path / "x"))
 
@@ -79,9 +81,14 @@ def test_memory_errors_are_one_line():
         line = memory_error_line(exc)
     assert line.startswith("out of memory (DefaultCPUAllocator: can't allocate memory: you tried to allocate")
     assert "\n" not in line and "enforce fail" not in line and "rollout.batch_size" in line
-    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
-                                  "of which 1.06 GiB is free. Including non-PyTorch memory, this " "process has 78.1 GiB in use.")
-    assert memory_error_line(cuda).startswith("out of memory (CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
-                                              "capacity of 79.19 GiB of which 1.06 GiB is free): ")
+    cuda = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
+        "of which 1.06 GiB is free. Including non-PyTorch memory, this "
+        "process has 78.1 GiB in use."
+    )
+    assert memory_error_line(cuda).startswith(
+        "out of memory (CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+        "capacity of 79.19 GiB of which 1.06 GiB is free): "
+    )
     assert memory_error_line(MemoryError()).startswith("out of memory (MemoryError): ")
     assert memory_error_line(RuntimeError("shape mismatch")) is None

@@ -83,8 +83,16 @@ def copied(refs, out, name="a"):
     return out / "t"
 
 
-@pytest.mark.parametrize("at", [pytest.param("manifest-write:1", marks=SLOW), pytest.param("config-write:1", marks=SLOW),
-                                "manifest-write:2", pytest.param("manifest-write:6", marks=SLOW), "summary-write:1"])
+@pytest.mark.parametrize(
+    "at",
+    [
+        pytest.param("manifest-write:1", marks=SLOW),
+        pytest.param("config-write:1", marks=SLOW),
+        "manifest-write:2",
+        pytest.param("manifest-write:6", marks=SLOW),
+        "summary-write:1",
+    ],
+)
 def test_a_new_run_killed_inside_a_store_write_continues_with_the_same_command(refs, tmp_path, at):
     config, out = trial_out(refs, tmp_path)
     command = ("--config", config, "--out", out, "--run", "t")
@@ -102,8 +110,15 @@ def test_a_resume_killed_between_its_rewind_writes_continues(refs, tmp_path):
     assert_same(refs[1] / "a", out / "t", 2)
 
 
-@pytest.mark.parametrize("at", ["config-write:1", "restart-delete:1", pytest.param("manifest-write:1", marks=SLOW),
-                                pytest.param("config-rename:1", marks=SLOW)])
+@pytest.mark.parametrize(
+    "at",
+    [
+        "config-write:1",
+        "restart-delete:1",
+        pytest.param("manifest-write:1", marks=SLOW),
+        pytest.param("config-rename:1", marks=SLOW),
+    ],
+)
 def test_a_restart_in_place_killed_inside_its_writes_continues_with_the_same_command(refs, tmp_path, at):
     config, out = trial_out(refs, tmp_path)
     interrupted(copied(refs, out), keep=0)  # killed before its first checkpoint
@@ -115,8 +130,9 @@ def test_a_restart_in_place_killed_inside_its_writes_continues_with_the_same_com
     assert json.loads((out / "t" / "manifest.json").read_text())["attempts"]  # the first attempt is remembered
 
 
-@pytest.mark.parametrize("at", [pytest.param("config-write:1", marks=SLOW), pytest.param("manifest-write:1", marks=SLOW),
-                                "config-rename:1"])
+@pytest.mark.parametrize(
+    "at", [pytest.param("config-write:1", marks=SLOW), pytest.param("manifest-write:1", marks=SLOW), "config-rename:1"]
+)
 def test_resume_force_killed_inside_its_config_record_continues_with_the_same_command(refs, tmp_path, at):
     config, out = trial_out(refs, tmp_path)
     copied(refs, out)

@@ -8,7 +8,6 @@ import torch
 
 from masktrl.analysis.disagreement import over_delta, pair_set
 from masktrl.analysis.token_replay import keep_decisions
-
 from masktrl.methods import TokenBatch, divergence, divergence_rate
 from masktrl.methods.batch import outside_list, residual_mass
 from masktrl.rl.lab_stats import LabStats, behaviour_stats, lab_summary, update_counts
@@ -25,9 +24,14 @@ def _batch(n=400, vocab=12, k=4, spread=1.5, drift=1.0, seed=0):
     top = mu_lp.topk(k, dim=1).indices
     rows = torch.arange(n)
     batch = TokenBatch(
-        logp=pi_lp[rows, sampled], behavior_logp=mu_lp[rows, sampled], sampled_ids=sampled,
-        topk_ids=top, topk_behavior_logp=mu_lp.gather(1, top), topk_logp=pi_lp.gather(1, top),
-        seq_ids=rows // 4, vocab_size=vocab,
+        logp=pi_lp[rows, sampled],
+        behavior_logp=mu_lp[rows, sampled],
+        sampled_ids=sampled,
+        topk_ids=top,
+        topk_behavior_logp=mu_lp.gather(1, top),
+        topk_logp=pi_lp.gather(1, top),
+        seq_ids=rows // 4,
+        vocab_size=vocab,
     )
     adv = torch.randn(n // 4, generator=g, dtype=torch.float64).repeat_interleave(4)
     adv[:8] = 0.0  # two sequences without signal
@@ -58,7 +62,9 @@ def _sample(response, logp, topk_ids, topk_logp):
 def test_behaviour_stats_of_a_rollout_batch():
     lp = math.log
     samples = [
-        _sample([5, 6], [lp(0.5), lp(0.1)], [[5, 7], [7, 5]], [[lp(0.5), lp(0.2)], [lp(0.6), lp(0.2)]]),  # resid 0.3, 0.2; 6 unlisted
+        _sample(
+            [5, 6], [lp(0.5), lp(0.1)], [[5, 7], [7, 5]], [[lp(0.5), lp(0.2)], [lp(0.6), lp(0.2)]]
+        ),  # resid 0.3, 0.2; 6 unlisted
         _sample([7], [lp(0.995)], [[7, 5]], [[lp(0.995), lp(0.001)]]),  # resid 0.004
         _sample([], [], [], []),  # an empty response adds nothing
         _sample([8], [lp(0.5)], [[8]], [[lp(0.5)]]),  # a shorter list: resid 0.5
@@ -94,7 +100,10 @@ def test_without_a_vocabulary_size_only_the_aggregated_tail_counts():
     batch, adv = _batch()
     counts = update_counts(replace(batch, vocab_size=None), adv)
     full = update_counts(batch, adv)
-    assert counts["over_delta"] == full["over_delta"] and counts["disagree"] == counts["disagree_ratio_agg"] == full["disagree_ratio_agg"]
+    assert (
+        counts["over_delta"] == full["over_delta"]
+        and counts["disagree"] == counts["disagree_ratio_agg"] == full["disagree_ratio_agg"]
+    )
     assert counts["tails_differ"] == 0
 
 

@@ -13,8 +13,9 @@ def test_new_configs_record_the_ratio_policy_and_old_files_read_as_current(tmp_p
     assert cfg.method.to_dict()["correction"]["ref"] == "old"
     assert cfg.method.correction.ref == "old" and cfg.method.correction.needs_old
     # the default (no correction) is written exactly as before
-    assert "correction" not in load_config(None, []).method.to_dict() or \
-        "ref" not in (load_config(None, []).method.to_dict().get("correction") or {})
+    assert "correction" not in load_config(None, []).method.to_dict() or "ref" not in (
+        load_config(None, []).method.to_dict().get("correction") or {}
+    )
     old_file = {"method": {"name": "grpo", "correction": {"kind": "icepop"}}}
     assert legacy_ratio_ref(yaml.safe_load(yaml.safe_dump(old_file)))["method"]["correction"]["ref"] == "current"
     decoupled = {"method": {"name": "grpo", "correction": {"kind": "token-tis", "mode": "decoupled"}}}

@@ -16,8 +16,9 @@ from tests.test_logprobs import F64, LargestTensor, inputs, naive
 @pytest.mark.parametrize("bias", [False, True])
 def test_entropy_gradient_matches_full_softmax_autograd(chunk, temperature, bias):
     hidden, weight, b, ids = inputs(100 + chunk, bias=bias)
-    lp, ent = token_logprobs_and_entropy(hidden, weight, ids, temperature=temperature, chunk_size=chunk, bias=b,
-                                         entropy_grad=True)
+    lp, ent = token_logprobs_and_entropy(
+        hidden, weight, ids, temperature=temperature, chunk_size=chunk, bias=b, entropy_grad=True
+    )
     ref_lp, ref_ent = naive(hidden, weight, ids, temperature, b)
     assert ent.requires_grad and torch.allclose(ent, ref_ent, atol=1e-12)
     gen = torch.Generator().manual_seed(chunk)
@@ -30,8 +31,9 @@ def test_entropy_gradient_matches_full_softmax_autograd(chunk, temperature, bias
     for x, y in zip(got, want):
         assert torch.allclose(x, y, atol=1e-11)
     # the entropy alone (the log-probs unused)
-    lp, ent = token_logprobs_and_entropy(hidden, weight, ids, temperature=temperature, chunk_size=chunk, bias=b,
-                                         entropy_grad=True)
+    lp, ent = token_logprobs_and_entropy(
+        hidden, weight, ids, temperature=temperature, chunk_size=chunk, bias=b, entropy_grad=True
+    )
     got = torch.autograd.grad((ent * g_ent).sum(), params)
     _, ref_ent = naive(hidden, weight, ids, temperature, b)
     want = torch.autograd.grad((ref_ent * g_ent).sum(), params)

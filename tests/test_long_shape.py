@@ -59,14 +59,18 @@ def test_target_length_processor_makes_every_response_its_length(bench, monkeypa
     from masktrl.tasks.longtail import ALPHABET
 
     tok = build_char_tokenizer(ALPHABET)
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32), 0).eval()
+    model = build_tiny_model(
+        tok, TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32), 0
+    ).eval()
     prompts = ["abcdefgh|8=", "xyz|6=", "qwertyuiopasdf|12="]
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     monkeypatch.setattr(long_shape, "MAX_NEW_TOKENS", 20)
     row_length = long_shape.row_length
     monkeypatch.setattr(long_shape, "row_length", lambda L, a, b: row_length(L, a, b, low=3, high=20))
     with long_shape.follow_target_lengths(tok):
-        gens = HFEngine(model, tok, drop_finished=drop_finished).generate(ids, SamplingSettings(n=4, max_new_tokens=20, logprobs_k=3), seed=0)
+        gens = HFEngine(model, tok, drop_finished=drop_finished).generate(
+            ids, SamplingSettings(n=4, max_new_tokens=20, logprobs_k=3), seed=0
+        )
     lengths = []
     for p, group in zip(prompts, gens):
         for g in group:
@@ -76,8 +80,10 @@ def test_target_length_processor_makes_every_response_its_length(bench, monkeypa
             lengths.append(len(g.response_ids))
     assert len(set(lengths)) > 3  # ragged, also within groups
     plain = HFEngine(model, tok).generate(ids, SamplingSettings(n=4, max_new_tokens=20, logprobs_k=3), seed=0)
-    assert any(g.response_ids[-1] != tok.eos_token_id or len(g.response_ids) < 3 for grp in plain for g in grp) or \
-        [len(g.response_ids) for grp in plain for g in grp] != lengths  # restored
+    assert (
+        any(g.response_ids[-1] != tok.eos_token_id or len(g.response_ids) < 3 for grp in plain for g in grp)
+        or [len(g.response_ids) for grp in plain for g in grp] != lengths
+    )  # restored
 
 
 def test_roofline_flops_by_hand(bench):
@@ -85,7 +91,9 @@ def test_roofline_flops_by_hand(bench):
     from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer("ab")
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=16), 0)
+    model = build_tiny_model(
+        tok, TinyModelConfig(hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=16), 0
+    )
     total, n, head = roofline.param_counts(model)
     v, h = model.config.vocab_size, 8
     assert head == v * h and total - n == 2 * v * h
@@ -98,7 +106,10 @@ def test_roofline_flops_by_hand(bench):
     assert math.isclose(roofline.train_flops(model, dims, [3, 1], 2), want)
     spread = [bench[0].row_length(128, a, b) for a in range(41) for b in range(41)]
     assert min(spread) == 32 and 100 < sorted(spread)[len(spread) // 2] < 160 and max(spread) > 300
-    assert roofline.matmul_peak(torch.device("cpu"), 64, reps=1) > 0 and roofline.bandwidth(torch.device("cpu"), 1, reps=1) > 0
+    assert (
+        roofline.matmul_peak(torch.device("cpu"), 64, reps=1) > 0
+        and roofline.bandwidth(torch.device("cpu"), 1, reps=1) > 0
+    )
 
 
 def test_roofline_generation_rows_count_the_finished_rows_and_bound_by_hand(bench):
@@ -116,7 +127,9 @@ def test_roofline_generation_rows_count_the_finished_rows_and_bound_by_hand(benc
     with torch.no_grad():
         model.lm_head.weight[tok.eos_token_id] *= 2.0  # some responses end after a few tokens
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ("12+3=", "345+67=")]
-    samples = [Sample("x", "", "", p, g, Generation([], [], [], [], True)) for g, p in enumerate(prompts) for _ in range(4)]
+    samples = [
+        Sample("x", "", "", p, g, Generation([], [], [], [], True)) for g, p in enumerate(prompts) for _ in range(4)
+    ]
     cfg = SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=12))
     rows = roofline.measure_generation("tiny", model, tok, samples, cfg, torch.device("cpu"), bw=1e9, peak=1e10, reps=2)
     gen, drop = rows

@@ -12,7 +12,11 @@ from tests.conftest import TIMING, masktrl, write_tiny_config
 
 pytest.importorskip("peft")
 
-LORA = {"seed": 2, "model": {"lora": {"rank": 4, "alpha": 8}}, "train": {"steps": 3, "checkpoint_every": 1, "lr": 3.0e-3}}
+LORA = {
+    "seed": 2,
+    "model": {"lora": {"rank": 4, "alpha": 8}},
+    "train": {"steps": 3, "checkpoint_every": 1, "lr": 3.0e-3},
+}
 
 
 def metrics(root):
@@ -48,7 +52,9 @@ def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(reference)
 def test_sigkill_then_resume_is_bit_identical(reference):
     base, cfg, ref = reference
     out = base / "out"
-    r = masktrl("train", "--config", str(cfg), "--out", str(out), "--run", "crash", env={"MASKTRL_CRASH_AT": "update:3"})
+    r = masktrl(
+        "train", "--config", str(cfg), "--out", str(out), "--run", "crash", env={"MASKTRL_CRASH_AT": "update:3"}
+    )
     assert r.returncode == -9, (r.returncode, r.stderr[-2000:])
     r = masktrl("train", "--resume", "crash", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -66,7 +72,19 @@ def test_eval_and_rollout_load_the_adapter_checkpoint(reference, tmp_path):
     base, _ = load_model_and_tokenizer(root / "base")
     changed = [k for k, v in merged.state_dict().items() if not torch.equal(v, base.state_dict()[k])]
     assert changed and all(k.endswith("proj.weight") for k in changed)  # the adapted layers only
-    r = masktrl("rollout", "--model", str(root), "--data", "synthetic", "--n", 2, "--prompts", 3, "--output", str(tmp_path / "r.parquet"))
+    r = masktrl(
+        "rollout",
+        "--model",
+        str(root),
+        "--data",
+        "synthetic",
+        "--n",
+        2,
+        "--prompts",
+        3,
+        "--output",
+        str(tmp_path / "r.parquet"),
+    )
     assert r.returncode == 0, r.stderr[-2000:]
 
 
@@ -83,11 +101,14 @@ def test_zero_adapters_give_the_full_model_runs_first_step(reference):
     assert first_lora["grad_norm"] != first_plain["grad_norm"]  # only the adapters' gradient is clipped and applied
 
 
-@pytest.mark.parametrize("setting, message", [
-    ("model.lora.rank=0", "model.lora.rank must be a positive integer"),
-    ("model.lora.rank=-4", "model.lora.rank must be a positive integer"),
-    ("model.lora.target_modules=q_proj,query_key_value", "['query_key_value'] match no linear layer"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("model.lora.rank=0", "model.lora.rank must be a positive integer"),
+        ("model.lora.rank=-4", "model.lora.rank must be a positive integer"),
+        ("model.lora.target_modules=q_proj,query_key_value", "['query_key_value'] match no linear layer"),
+    ],
+)
 def test_bad_lora_settings_are_one_line_and_write_nothing(tmp_path, setting, message):
     cfg = write_tiny_config(tmp_path / "c.yaml", {"model": {"lora": {"rank": 4}}})
     r = masktrl("train", "--config", str(cfg), "--out", str(tmp_path / "out"), "--run", "bad", "--set", setting)
@@ -159,8 +180,19 @@ def test_the_reference_of_a_lora_policy_is_the_base_without_a_copy(tmp_path):
 
 def test_lora_with_a_reference_kl_reports_kl_ref(tmp_path):
     cfg = write_tiny_config(tmp_path / "c.yaml", LORA)
-    r = masktrl("train", "--config", str(cfg), "--out", str(tmp_path / "out"), "--run", "kl", "--set", "method.kl_coef=0.01",
-                "--set", "train.steps=2")
+    r = masktrl(
+        "train",
+        "--config",
+        str(cfg),
+        "--out",
+        str(tmp_path / "out"),
+        "--run",
+        "kl",
+        "--set",
+        "method.kl_coef=0.01",
+        "--set",
+        "train.steps=2",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = metrics(tmp_path / "out" / "kl")
     assert len(rows) == 2 and all("kl_ref" in row for row in rows)

@@ -115,14 +115,36 @@ def test_quantized_weights_follow_vllm_layer_choice(tiny):
     model, _ = tiny
     names = quantized_weights(model)
     assert len(names) == 2 * 7  # q, k, v, o, gate, up, down per layer
-    assert all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-                           "up_proj.weight", "down_proj.weight")) for n in names)
+    assert all(
+        n.endswith(
+            (
+                "q_proj.weight",
+                "k_proj.weight",
+                "v_proj.weight",
+                "o_proj.weight",
+                "gate_proj.weight",
+                "up_proj.weight",
+                "down_proj.weight",
+            )
+        )
+        for n in names
+    )
     assert "lm_head.weight" not in names and not any("embed" in n or "norm" in n for n in names)
 
 
 def test_quantized_weights_moe_experts_not_router():
-    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2)
+    cfg = Qwen3MoeConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
     model = Qwen3MoeForCausalLM(cfg)
     names = quantized_weights(model)
     assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.mlp.experts.down_proj" in names
@@ -138,10 +160,15 @@ def test_copy_differs_is_rebuilt_and_leaves_the_policy_alone(tiny):
     assert torch.equal(p_copy[q], fp8_roundtrip(p_src[q].detach())) and not torch.equal(p_copy[q], p_src[q])
     assert torch.equal(p_copy["lm_head.weight"], p_src["lm_head.weight"])  # not quantised
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the policy is untouched
-    changed = build_tiny_model(build_char_tokenizer("0123456789+="),
-                               TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=2), seed=1)
+    changed = build_tiny_model(
+        build_char_tokenizer("0123456789+="),
+        TinyModelConfig(hidden_size=64, intermediate_size=128, num_layers=2),
+        seed=1,
+    )
     cp.refresh(changed)
-    assert torch.equal(dict(cp.model.named_parameters())[q], fp8_roundtrip(dict(changed.named_parameters())[q].detach()))
+    assert torch.equal(
+        dict(cp.model.named_parameters())[q], fp8_roundtrip(dict(changed.named_parameters())[q].detach())
+    )
     bf = LowPrecisionCopy(model, torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in bf.model.parameters())
     assert all(b.dtype == torch.float32 for n, b in bf.model.named_buffers() if "inv_freq" in n)  # rotary stays float32
@@ -165,8 +192,9 @@ def test_engine_float32_is_the_model_itself(tiny):
     plain, f32 = HFEngine(model, tok), HFEngine(model, tok, dtype="float32")
     assert f32.model is model and f32.copy is None
     a, b = plain.generate(_prompts(tok), s, seed=3), f32.generate(_prompts(tok), s, seed=3)
-    assert [[(g.response_ids, g.logp, g.topk_ids, g.topk_logp) for g in grp] for grp in a] == \
-           [[(g.response_ids, g.logp, g.topk_ids, g.topk_logp) for g in grp] for grp in b]
+    assert [[(g.response_ids, g.logp, g.topk_ids, g.topk_logp) for g in grp] for grp in a] == [
+        [(g.response_ids, g.logp, g.topk_ids, g.topk_logp) for g in grp] for grp in b
+    ]
 
 
 @pytest.mark.parametrize("dtype,quant", [("bfloat16", None), ("float16", None), (None, "fp8"), ("bfloat16", "fp8")])

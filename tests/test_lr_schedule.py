@@ -42,7 +42,9 @@ def test_scheduler_counts_optimizer_updates_and_resumes_from_its_state():
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[3] == pytest.approx(1 - 1 / 8)  # warm-up: 1 step x 2 minibatches = 2 updates; decay over 8
+    assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[3] == pytest.approx(
+        1 - 1 / 8
+    )  # warm-up: 1 step x 2 minibatches = 2 updates; decay over 8
     opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.train.lr)
     resumed = make_scheduler(opt2, cfg.train, total_updates=10)
     resumed.load_state_dict(sched.state_dict())

@@ -45,7 +45,9 @@ def test_batch_std_by_hand():
     r, g = [1.0, 0.0, 3.0, 5.0], [0, 0, 1, 1]
     std = math.sqrt((1.5625 + 5.0625 + 0.5625 + 7.5625) / 3)
     got = group_advantages(r, g, norm="batch-std")
-    assert got.tolist() == pytest.approx([0.5 / (std + EPS), -0.5 / (std + EPS), -1 / (std + EPS), 1 / (std + EPS)], abs=1e-15)
+    assert got.tolist() == pytest.approx(
+        [0.5 / (std + EPS), -0.5 / (std + EPS), -1 / (std + EPS), 1 / (std + EPS)], abs=1e-15
+    )
     # TRL's scale_rewards="batch" (with our eps): centre per group, divide by the batch's reward std
     t = torch.tensor(r, dtype=F64)
     trl = (t - torch.tensor([0.5, 0.5, 4.0, 4.0], dtype=F64)) / (t.std() + EPS)
@@ -53,8 +55,12 @@ def test_batch_std_by_hand():
     assert group_advantages([2.0], [0], norm="batch-std").tolist() == [0.0]  # batch of one: std 0, centred 0
     assert group_advantages([1.0, 1.0, 1.0, 1.0], [0, 0, 1, 1], norm="batch-std").tolist() == [0.0] * 4
     # one group: batch-std equals group-std
-    assert torch.allclose(group_advantages([1.0, 0.0, 2.0], [0, 0, 0], norm="batch-std"),
-                          group_advantages([1.0, 0.0, 2.0], [0, 0, 0]), atol=0, rtol=1e-15)
+    assert torch.allclose(
+        group_advantages([1.0, 0.0, 2.0], [0, 0, 0], norm="batch-std"),
+        group_advantages([1.0, 0.0, 2.0], [0, 0, 0]),
+        atol=0,
+        rtol=1e-15,
+    )
 
 
 def masked_whiten_reference(rewards, lengths, baseline=None):

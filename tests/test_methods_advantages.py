@@ -43,7 +43,7 @@ def test_group_std_is_bit_identical_to_the_per_group_formula():
     assert got.dtype == F64 and got.shape == (len(rewards),)
     want, start = [], 0
     for n in sizes:
-        want += per_group_reference(rewards[start:start + n])
+        want += per_group_reference(rewards[start : start + n])
         start += n
     assert got.tolist() == want  # bit for bit
     # interleaved (non-contiguous) groups, each group's own order kept: the same bits at each response
@@ -62,7 +62,9 @@ def test_by_hand_and_edge_cases():
     assert group_advantages([1.0, 1.0, 1.0], [1, 1, 1]).tolist() == [0.0, 0.0, 0.0]
     # equal rewards whose mean rounds: the formula's own tiny value, not a special case
     assert group_advantages([0.7] * 3, [1] * 3).tolist() == per_group_reference([0.7] * 3)
-    assert group_advantages([1.0, 3.0], [0, 0], eps=1.0).tolist() == pytest.approx([-1 / (math.sqrt(2) + 1), 1 / (math.sqrt(2) + 1)])
+    assert group_advantages([1.0, 3.0], [0, 0], eps=1.0).tolist() == pytest.approx(
+        [-1 / (math.sqrt(2) + 1), 1 / (math.sqrt(2) + 1)]
+    )
     dr = group_advantages([1.0, 0.0, 0.0, 1.0, 3.0, 5.0], [0, 0, 0, 0, 1, 1], norm="none")
     assert dr.tolist() == [0.5, -0.5, -0.5, 0.5, -1.0, 1.0]
     assert group_advantages([], [], norm="none").shape == (0,)

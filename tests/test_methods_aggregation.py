@@ -35,8 +35,15 @@ def batch_of(lengths: list[int], invalid: set[tuple[int, int]], seed: int = 0) -
     perm = torch.randperm(len(pos), generator=gen)
     n = len(pos)
     lp = torch.full((n,), -0.9, dtype=F64)
-    b = TokenBatch(lp, blp[perm], torch.zeros(n, dtype=torch.long), torch.zeros(n, 1, dtype=torch.long),
-                   blp[perm][:, None], lp[:, None], seq[perm] * 7 + 3)  # seq ids need not be dense
+    b = TokenBatch(
+        lp,
+        blp[perm],
+        torch.zeros(n, dtype=torch.long),
+        torch.zeros(n, 1, dtype=torch.long),
+        blp[perm][:, None],
+        lp[:, None],
+        seq[perm] * 7 + 3,
+    )  # seq ids need not be dense
     counts = [sum(1 for j in range(n_s) if (s, j) not in invalid) for s, n_s in enumerate(lengths)]
     return b, counts
 

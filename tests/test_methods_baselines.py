@@ -87,7 +87,9 @@ def sapo_trl(log_prob, old_log_prob, advantages, response_mask, pos=1.0, neg=1.0
     temperatures = where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg);
     soft_coef_1 = sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures; no clamp of log r."""
     coef_1 = torch.exp(log_prob - old_log_prob)
-    temperatures = torch.where(advantages > 0, torch.tensor(pos, dtype=F64), torch.tensor(neg, dtype=F64))  # float64 here
+    temperatures = torch.where(
+        advantages > 0, torch.tensor(pos, dtype=F64), torch.tensor(neg, dtype=F64)
+    )  # float64 here
     soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
     return -soft_coef_1 * advantages
 
@@ -113,7 +115,7 @@ def test_sapo_gradient_is_the_gate_slope():
     """grad_coef = -A 4 s (1 - s) r (§16.1): slope 1 at r = 1, so the on-policy gradient is plain PG."""
     case = CASES[0]
     loss, _, g, batch = run("sapo", case)
-    lr = (batch.logp.detach() - batch.behavior_logp)
+    lr = batch.logp.detach() - batch.behavior_logp
     r = lr.exp()
     tau = torch.where(case.adv > 0, torch.tensor(1.0, dtype=F64), torch.tensor(1.05, dtype=F64))
     s = torch.sigmoid(tau * (r - 1))
@@ -227,8 +229,13 @@ def test_clip_cov_zeroes_clip_num_of_verls_candidates(ratio, lb):
         loss, mask, g, batch = run("clip-cov", case, clip_cov_ratio=ratio, clip_cov_lb=lb)
         with torch.no_grad():
             ref, cand, clip_num = clip_cov_verl_candidates(
-                padded(case, batch.logp.detach()), padded(case, torch.where(case.valid, batch.behavior_logp, torch.zeros_like(g))),
-                padded(case, case.adv), padded(case, case.valid.to(F64)), ratio=ratio, lb=lb)
+                padded(case, batch.logp.detach()),
+                padded(case, torch.where(case.valid, batch.behavior_logp, torch.zeros_like(g))),
+                padded(case, case.adv),
+                padded(case, case.valid.to(F64)),
+                ratio=ratio,
+                lb=lb,
+            )
         ref, cand = unpad(case, ref), unpad(case, cand.to(F64)).bool()
         v = case.valid
         _, pm, _, _ = run("grpo", case, eps_low=0.2, eps_high=0.2)
@@ -342,7 +349,9 @@ def test_m2po_mask_matches_areal_and_loss_is_masked_is(threshold):
         v = case.valid
         lp = padded(case, batch.logp.detach())
         mu = torch.where(v, batch.behavior_logp, torch.zeros_like(batch.behavior_logp))
-        keep = unpad(case, m2po_areal_mask(padded(case, mu), lp, padded(case, v.to(F64)).bool(), threshold).to(F64)).bool()
+        keep = unpad(
+            case, m2po_areal_mask(padded(case, mu), lp, padded(case, v.to(F64)).bool(), threshold).to(F64)
+        ).bool()
         assert torch.equal(~mask[v], keep[v])
         r = (batch.logp.detach() - batch.behavior_logp).exp()
         want = torch.where(keep, -case.adv * r, torch.zeros_like(r))
@@ -376,15 +385,20 @@ def prime_ipo(log_prob, old_log_prob, advantages, response_mask, threshold=0.1, 
     return -pg_loss + kl_tau * response_mask * log_importance_ratio**2
 
 
-@pytest.mark.parametrize("name,fn,kw", [
-    ("prime-dppo", prime_default, {}),
-    ("prime-dppo", prime_default, {"dppo_mask_low": 0.05, "dppo_mask_high": 0.3, "adv_tau": 0.5, "kl_tau": 0.1}),
-    ("prime-ipo", prime_ipo, {}),
-    ("prime-ipo", prime_ipo, {"ipo_threshold": 0.02, "kl_tau": 0.2}),
-])
+@pytest.mark.parametrize(
+    "name,fn,kw",
+    [
+        ("prime-dppo", prime_default, {}),
+        ("prime-dppo", prime_default, {"dppo_mask_low": 0.05, "dppo_mask_high": 0.3, "adv_tau": 0.5, "kl_tau": 0.1}),
+        ("prime-ipo", prime_ipo, {}),
+        ("prime-ipo", prime_ipo, {"ipo_threshold": 0.02, "kl_tau": 0.2}),
+    ],
+)
 def test_prime_rl_losses_match(name, fn, kw):
-    args = {"prime-dppo": ("dppo_mask_low", "dppo_mask_high", "adv_tau", "kl_tau"),
-            "prime-ipo": ("ipo_threshold", "adv_tau", "kl_tau")}[name]
+    args = {
+        "prime-dppo": ("dppo_mask_low", "dppo_mask_high", "adv_tau", "kl_tau"),
+        "prime-ipo": ("ipo_threshold", "adv_tau", "kl_tau"),
+    }[name]
     defaults = {"prime-dppo": (0.2, 0.2, 1.0, 1e-3), "prime-ipo": (0.1, 1.0, 1e-3)}[name]
     pos = [kw.get(a, d) for a, d in zip(args, defaults)]
     for case in CASES:

@@ -17,8 +17,9 @@ def hand_batch(mu_v, pi_v, k, adv_list):
     mu, pi = torch.tensor(mu_v, dtype=F64), torch.tensor(pi_v, dtype=F64)
     n = len(adv_list)
     ids = torch.tensor([[0, 1]] * n)
-    b = TokenBatch(pi[[k] * n].log(), mu[[k] * n].log(), torch.full((n,), k), ids,
-                   mu[ids].log(), pi[ids].log(), torch.arange(n), 4)
+    b = TokenBatch(
+        pi[[k] * n].log(), mu[[k] * n].log(), torch.full((n,), k), ids, mu[ids].log(), pi[ids].log(), torch.arange(n), 4
+    )
     return b, torch.tensor(adv_list, dtype=F64)
 
 
@@ -51,9 +52,14 @@ def test_hand_computed_uncertain_case():
     assert torch.allclose(keep.ddot_hi, torch.full((2,), 0.00125, dtype=F64), atol=1e-12)
     assert keep.mask.tolist() == [False, False]  # the sign is not certified: kept
     assert mask.mask.tolist() == [True, True]  # not certified safe: masked
-    exact = float(divergence_rate_full(torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=F64).log(),
-                                       torch.tensor([[0.45, 0.2, 0.05, 0.3]], dtype=F64).log(),
-                                       torch.tensor([0]), "kl")[0])
+    exact = float(
+        divergence_rate_full(
+            torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=F64).log(),
+            torch.tensor([[0.45, 0.2, 0.05, 0.3]], dtype=F64).log(),
+            torch.tensor([0]),
+            "kl",
+        )[0]
+    )
     assert abs(exact - (-0.0775)) < 1e-12  # so the exact rule masks A < 0 only
 
 

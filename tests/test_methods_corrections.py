@@ -79,12 +79,22 @@ def ref_correction(kind: str, kw: dict, mode: str, mu, ref, cur, seq, adv):
             if r["weight"] == "sequence":
                 f = math.exp(s)
         elif kind == "rs":
+
             def kstat(j):
                 x = min(max(lr[j], -20.0), 20.0)
                 return {"k1": -x, "k2": 0.5 * x * x, "k3": math.exp(x) - 1 - x}[r["stat"][-2:]]
+
             vals = [kstat(j) for j in toks]
             st = r["stat"]
-            s = kstat(i) if st.startswith("token") else sum(vals) if "sum" in st else sum(vals) / len(vals) if "mean" in st else max(vals)
+            s = (
+                kstat(i)
+                if st.startswith("token")
+                else sum(vals)
+                if "sum" in st
+                else sum(vals) / len(vals)
+                if "mean" in st
+                else max(vals)
+            )
             keep = (math.log(r["lo"]) <= s <= math.log(r["hi"])) if st.endswith("k1") else s <= r["hi"]
         elif kind == "opsm":
             kl = sum(mu[j] - cur[j] for j in toks) / len(toks)
@@ -185,7 +195,10 @@ LIMITS = [
     ("seq-mis", {"lo": 0.0, "hi": math.inf}),
     ("seq-mis", {"lo": 0.0, "hi": math.inf, "stat": "geometric"}),
     ("icepop", {"lo": 0.0, "hi": math.inf}),
-    *[("rs", {"stat": s, "lo": 0.0, "hi": math.inf} if s.endswith("k1") else {"stat": s, "hi": math.inf}) for s in RS_STATS],
+    *[
+        ("rs", {"stat": s, "lo": 0.0, "hi": math.inf} if s.endswith("k1") else {"stat": s, "hi": math.inf})
+        for s in RS_STATS
+    ],
     ("opsm", {"delta": math.inf}),
 ]
 
@@ -206,14 +219,25 @@ def loss_and_grad(name, kw, rows, adv, seq, correction=None, old=None):
         out = m.token_losses(batch, adv, p)
     else:
         old_lp, old_top = (old or _pi_old_is_pi)(batch)  # one minibatch: pi_old is the policy's values
-        out, _, _ = corrected_token_losses(m, batch, adv, p, make_correction(correction), old_logp=old_lp, old_topk_logp=old_top)
+        out, _, _ = corrected_token_losses(
+            m, batch, adv, p, make_correction(correction), old_logp=old_lp, old_topk_logp=old_top
+        )
     loss = m.aggregate(p, out.loss, batch, horizon=SEQ_LEN)
     (g,) = torch.autograd.grad(loss, z)
     return out, loss, g
 
 
-@pytest.mark.parametrize("name,kw", [("grpo", {}), ("dapo", {}), ("dppo", {"divergence": "topk-tv"}), ("pdm", {}),
-                                     ("cispo", {}), ("gspo", {"eps_low": 0.1, "eps_high": 0.1})])
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("grpo", {}),
+        ("dapo", {}),
+        ("dppo", {"divergence": "topk-tv"}),
+        ("pdm", {}),
+        ("cispo", {}),
+        ("gspo", {"eps_low": 0.1, "eps_high": 0.1}),
+    ],
+)
 @pytest.mark.parametrize("kind,ckw", LIMITS)
 def test_every_correction_at_its_limit_is_the_plain_method_bit_for_bit(kind, ckw, name, kw):
     rows, adv, seq = logits_case(11)
@@ -223,7 +247,9 @@ def test_every_correction_at_its_limit_is_the_plain_method_bit_for_bit(kind, ckw
     assert torch.equal(lc, lp) and torch.equal(gc, gp), (kind, ckw, name)
 
 
-@pytest.mark.parametrize("kind,ckw", [("seq-tis", {"cap": math.inf}), ("seq-mis", {"lo": 0.0, "hi": math.inf, "weight": "sequence"})])
+@pytest.mark.parametrize(
+    "kind,ckw", [("seq-tis", {"cap": math.inf}), ("seq-mis", {"lo": 0.0, "hi": math.inf, "weight": "sequence"})]
+)
 def test_sequence_weights_are_plain_grpo_on_policy_and_sequence_is_off_policy(kind, ckw):
     """The sequence-weighted kinds at C = inf are sequence IS, not the token ratio: they equal plain
     GRPO exactly where mu = pi, and carry prod(rho) / rho_t otherwise."""
@@ -265,8 +291,10 @@ def test_decoupled_with_pi_old_equal_to_pi_is_bypass_bit_for_bit(kind, kw, name)
     assert torch.equal(ld, lb) and torch.equal(gd, gb), (kind, kw)
 
 
-@pytest.mark.parametrize("kind,kw", [("none", {}), ("token-tis", {"cap": 1.2}), ("icepop", {"lo": 0.8, "hi": 1.25}),
-                                     ("seq-tis", {"cap": 1.5})])
+@pytest.mark.parametrize(
+    "kind,kw",
+    [("none", {}), ("token-tis", {"cap": 1.2}), ("icepop", {"lo": 0.8, "hi": 1.25}), ("seq-tis", {"cap": 1.5})],
+)
 def test_decoupled_trust_region_is_on_pi_over_pi_old_and_the_weight_on_pi_old_over_mu(kind, kw):
     """pi_old != pi: l_t = c_t * (PPO clip of pi/pi_old), gradient c_t * grad_coef * (e_k - pi)."""
     rows, adv, seq = logits_case(14)
@@ -279,8 +307,16 @@ def test_decoupled_trust_region_is_on_pi_over_pi_old_and_the_weight_on_pi_old_ov
     corr = make_correction({"kind": kind, "mode": "decoupled", **kw})
     out, c, kb = corrected_token_losses(m, batch, adv, p, corr, old_logp=old_lp, old_topk_logp=old_top)
     (g,) = torch.autograd.grad(out.loss.sum(), z)
-    want = ref_correction(kind, kw, "decoupled", batch.behavior_logp.tolist(), old_lp.tolist(), batch.logp.tolist(),
-                          seq.tolist(), adv.tolist())
+    want = ref_correction(
+        kind,
+        kw,
+        "decoupled",
+        batch.behavior_logp.tolist(),
+        old_lp.tolist(),
+        batch.logp.tolist(),
+        seq.tolist(),
+        adv.tolist(),
+    )
     pi = torch.softmax(z.detach(), -1)
     for i, r in enumerate(rows):
         w = math.exp(float(batch.logp[i].detach()) - float(old_lp[i]))
@@ -306,8 +342,13 @@ def test_decoupled_batch_keeps_invalid_tokens_invalid_and_checks_shapes():
     with pytest.raises(ValueError, match="pi_old"):
         decoupled_batch(b, old[:2], old[:, None])
     with pytest.raises(ValueError, match="decoupled needs pi_old"):
-        corrected_token_losses(get_method("grpo"), b, torch.ones(3, dtype=F64), make_params("grpo"),
-                               make_correction({"kind": "token-tis", "mode": "decoupled"}))
+        corrected_token_losses(
+            get_method("grpo"),
+            b,
+            torch.ones(3, dtype=F64),
+            make_params("grpo"),
+            make_correction({"kind": "token-tis", "mode": "decoupled"}),
+        )
 
 
 # --------------------------------------------------------------------------- the anchors' own formulas
@@ -348,8 +389,12 @@ def test_verl_rollout_is_weights_token_and_sequence():
     for c in (1.2, 2.0):
         token = (torch.exp(lr.clamp(-20, 20)) * mask).clamp(max=c)
         s = torch.exp(masked_sum(lr, mask).clamp(-20, 20))[:, None].expand_as(lr).clamp(max=c)
-        assert torch.allclose(_flat_factor("token-tis", {"cap": c}, rollout, old, adv, flat, seq).factor, token[flat], rtol=1e-13)
-        assert torch.allclose(_flat_factor("seq-tis", {"cap": c}, rollout, old, adv, flat, seq).factor, s[flat], rtol=1e-13)
+        assert torch.allclose(
+            _flat_factor("token-tis", {"cap": c}, rollout, old, adv, flat, seq).factor, token[flat], rtol=1e-13
+        )
+        assert torch.allclose(
+            _flat_factor("seq-tis", {"cap": c}, rollout, old, adv, flat, seq).factor, s[flat], rtol=1e-13
+        )
 
 
 @pytest.mark.parametrize("stat", RS_STATS)
@@ -391,10 +436,12 @@ def test_trl_vllm_importance_sampling_modes(trl_mode):
         ratio = ratio.clamp(min=cmin, max=cmax)
     else:
         ratio = ratio.masked_fill((ratio < cmin) | (ratio > cmax), 0.0)
-    ours = {"token_truncate": ("token-tis", {"cap": cmax, "floor": cmin}),
-            "token_mask": ("token-mis", {"lo": cmin, "hi": cmax}),
-            "sequence_truncate": ("seq-tis", {"cap": cmax, "floor": cmin}),
-            "sequence_mask": ("seq-mis", {"lo": cmin, "hi": cmax, "weight": "sequence"})}[trl_mode]
+    ours = {
+        "token_truncate": ("token-tis", {"cap": cmax, "floor": cmin}),
+        "token_mask": ("token-mis", {"lo": cmin, "hi": cmax}),
+        "sequence_truncate": ("seq-tis", {"cap": cmax, "floor": cmin}),
+        "sequence_mask": ("seq-mis", {"lo": cmin, "hi": cmax, "weight": "sequence"}),
+    }[trl_mode]
     got = _flat_factor(*ours, rollout, old, adv, flat, seq)
     assert torch.allclose(got.factor, ratio[flat], rtol=1e-13, atol=0), trl_mode
     default = make_correction({"kind": "seq-mis", "weight": "sequence"}).resolved
@@ -410,7 +457,9 @@ def test_trl_off_policy_sequence_mask_is_opsm():
     for delta in (0.05, 0.2):
         kl = ((rollout - cur) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
         keep = ((adv >= 0) | (kl <= delta)).expand_as(mask)
-        got = correction_weights(make_correction({"kind": "opsm", "delta": delta}), rollout[flat], cur[flat], seq, adv[flat])
+        got = correction_weights(
+            make_correction({"kind": "opsm", "delta": delta}), rollout[flat], cur[flat], seq, adv[flat]
+        )
         assert torch.equal(got.keep, keep[flat]) and torch.equal(got.factor, keep[flat].to(F64))
 
 
@@ -436,30 +485,33 @@ def test_openrlhf_tis_icepop_and_seq_mask_tis():
 # --------------------------------------------------------------------------- validation
 
 
-@pytest.mark.parametrize("block,field", [
-    ({"kind": "tis"}, "kind"),
-    ({"kind": "token-tis", "mode": "coupled"}, "mode"),
-    ({"kind": "token-tis", "cap": 0}, "cap"),
-    ({"kind": "seq-tis", "cap": -1.0}, "cap"),
-    ({"kind": "token-tis", "cap": float("nan")}, "cap"),
-    ({"kind": "token-tis", "cap": "big"}, "cap"),
-    ({"kind": "token-tis", "cap": 2.0, "floor": 3.0}, "floor"),
-    ({"kind": "token-mis", "lo": 2.0, "hi": 1.0}, "lo"),
-    ({"kind": "icepop", "lo": 1.0, "hi": 1.0}, "lo"),
-    ({"kind": "icepop", "lo": -0.1}, "lo"),
-    ({"kind": "seq-mis", "hi": 0}, "hi"),
-    ({"kind": "icepop", "cap": 2.0}, "cap"),
-    ({"kind": "token-tis", "lo": 0.5}, "lo"),
-    ({"kind": "none", "cap": 2.0}, "cap"),
-    ({"kind": "opsm", "hi": 2.0}, "hi"),
-    ({"kind": "seq-mis", "stat": "seq_mean_k1"}, "stat"),
-    ({"kind": "seq-mis", "weight": "mean"}, "weight"),
-    ({"kind": "rs", "stat": "seq_max_k1"}, "stat"),
-    ({"kind": "rs", "stat": "seq_mean_k3", "lo": 0.5}, "lo"),
-    ({"kind": "rs", "stat": "token_k1", "lo": 2.0, "hi": 1.5}, "lo"),
-    ({"kind": "opsm", "delta": -1.0}, "delta"),
-    ({"kind": "token-tis", "cutoff": 2.0}, "cutoff"),
-])
+@pytest.mark.parametrize(
+    "block,field",
+    [
+        ({"kind": "tis"}, "kind"),
+        ({"kind": "token-tis", "mode": "coupled"}, "mode"),
+        ({"kind": "token-tis", "cap": 0}, "cap"),
+        ({"kind": "seq-tis", "cap": -1.0}, "cap"),
+        ({"kind": "token-tis", "cap": float("nan")}, "cap"),
+        ({"kind": "token-tis", "cap": "big"}, "cap"),
+        ({"kind": "token-tis", "cap": 2.0, "floor": 3.0}, "floor"),
+        ({"kind": "token-mis", "lo": 2.0, "hi": 1.0}, "lo"),
+        ({"kind": "icepop", "lo": 1.0, "hi": 1.0}, "lo"),
+        ({"kind": "icepop", "lo": -0.1}, "lo"),
+        ({"kind": "seq-mis", "hi": 0}, "hi"),
+        ({"kind": "icepop", "cap": 2.0}, "cap"),
+        ({"kind": "token-tis", "lo": 0.5}, "lo"),
+        ({"kind": "none", "cap": 2.0}, "cap"),
+        ({"kind": "opsm", "hi": 2.0}, "hi"),
+        ({"kind": "seq-mis", "stat": "seq_mean_k1"}, "stat"),
+        ({"kind": "seq-mis", "weight": "mean"}, "weight"),
+        ({"kind": "rs", "stat": "seq_max_k1"}, "stat"),
+        ({"kind": "rs", "stat": "seq_mean_k3", "lo": 0.5}, "lo"),
+        ({"kind": "rs", "stat": "token_k1", "lo": 2.0, "hi": 1.5}, "lo"),
+        ({"kind": "opsm", "delta": -1.0}, "delta"),
+        ({"kind": "token-tis", "cutoff": 2.0}, "cutoff"),
+    ],
+)
 def test_bad_correction_blocks_name_the_key(block, field):
     with pytest.raises(ValueError) as exc:
         make_correction(block)
@@ -473,10 +525,17 @@ def test_params_are_frozen_defaults_and_limits_allowed():
         p.cap = 3.0  # type: ignore[misc]
     assert p.resolved == {"cap": 2.0, "floor": None} and not p.decoupled and p.active
     assert not make_correction(None).active and make_correction({"mode": "decoupled"}).active
-    assert make_correction({"kind": "rs", "stat": "seq_mean_k1"}).resolved == {"stat": "seq_mean_k1", "lo": 1 / 1.001, "hi": 1.001}
+    assert make_correction({"kind": "rs", "stat": "seq_mean_k1"}).resolved == {
+        "stat": "seq_mean_k1",
+        "lo": 1 / 1.001,
+        "hi": 1.001,
+    }
     assert make_correction({"kind": "rs"}).resolved == {"stat": "seq_mean_k3", "lo": None, "hi": 0.01}
-    for block in ({"kind": "token-tis", "cap": math.inf}, {"kind": "icepop", "lo": 0.0, "hi": math.inf},
-                  {"kind": "opsm", "delta": math.inf}):
+    for block in (
+        {"kind": "token-tis", "cap": math.inf},
+        {"kind": "icepop", "lo": 0.0, "hi": math.inf},
+        {"kind": "opsm", "delta": math.inf},
+    ):
         make_correction(block)
     assert isinstance(make_correction(p), CorrectionParams)
     with pytest.raises(ValueError, match="must be a mapping"):
@@ -512,18 +571,33 @@ def test_cispo_with_a_correction_in_decoupled_mode():
     logp = torch.tensor([math.log(0.4), math.log(0.2)], dtype=F64, requires_grad=True)
     b = _batch(mu, logp, torch.tensor([0, 0]))
     old = torch.tensor([math.log(0.25), math.log(0.3)], dtype=F64)  # rho = 1.25, 0.75
-    out, c, _ = corrected_token_losses(get_method("cispo"), b, torch.ones(2, dtype=F64), make_params("cispo"),
-                                       make_correction({"kind": "token-tis", "mode": "decoupled", "cap": 1.0}),
-                                       old_logp=old, old_topk_logp=old[:, None])
+    out, c, _ = corrected_token_losses(
+        get_method("cispo"),
+        b,
+        torch.ones(2, dtype=F64),
+        make_params("cispo"),
+        make_correction({"kind": "token-tis", "mode": "decoupled", "cap": 1.0}),
+        old_logp=old,
+        old_topk_logp=old[:, None],
+    )
     # r = pi/pi_old = 1.6, 2/3 (inside [0, 5]); weights min(rho, 1) = 1, 0.75
     assert torch.allclose(out.loss, torch.tensor([-1.6, -0.75 * 2 / 3], dtype=F64))
     (g,) = torch.autograd.grad(aggregate(out.loss, b, "token-mean"), logp)
     assert torch.allclose(g, torch.tensor([-0.8, -0.25], dtype=F64))
 
 
-@pytest.mark.parametrize("name,kw", [("grpo", {}), ("dapo", {}), ("gspo", {"eps_low": 0.1, "eps_high": 0.1}),
-                                     ("dppo", {"divergence": "topk-kl"}), ("pdm", {"tail": "uniform"}), ("sis", {}),
-                                     ("cispo", {})])
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("grpo", {}),
+        ("dapo", {}),
+        ("gspo", {"eps_low": 0.1, "eps_high": 0.1}),
+        ("dppo", {"divergence": "topk-kl"}),
+        ("pdm", {"tail": "uniform"}),
+        ("sis", {}),
+        ("cispo", {}),
+    ],
+)
 @pytest.mark.parametrize("mode", ["bypass", "decoupled"])
 def test_scaling_the_gradient_at_log_pi_is_scaling_the_loss(name, kw, mode):
     """The factor is applied where the gradient enters log pi_t; for every method that equals

@@ -73,8 +73,16 @@ def test_diagnostics_for_grpo_and_sis_use_topk_kl():
 
 def test_diagnostics_of_an_all_invalid_batch():
     rows, b, adv, _, _ = setup()
-    b = TokenBatch(b.logp, torch.full_like(b.behavior_logp, NEG_INF), b.sampled_ids, b.topk_ids,
-                   b.topk_behavior_logp, b.topk_logp, b.seq_ids, V)
+    b = TokenBatch(
+        b.logp,
+        torch.full_like(b.behavior_logp, NEG_INF),
+        b.sampled_ids,
+        b.topk_ids,
+        b.topk_behavior_logp,
+        b.topk_logp,
+        b.seq_ids,
+        V,
+    )
     assert token_diagnostics(b, token_losses("grpo", b, adv), adv) == {"n_valid": 0.0}
 
 
@@ -109,8 +117,16 @@ def test_log_importance_deviation_with_and_without_sis():
     # a sequence without a valid token is not counted (sequence 0: all six tokens invalid)
     dead = keep.clone()
     dead[:6] = False
-    b2 = TokenBatch(b.logp, b.behavior_logp.masked_fill(~dead, NEG_INF), b.sampled_ids, b.topk_ids,
-                    b.topk_behavior_logp, b.topk_logp, b.seq_ids, V)
+    b2 = TokenBatch(
+        b.logp,
+        b.behavior_logp.masked_fill(~dead, NEG_INF),
+        b.sampled_ids,
+        b.topk_ids,
+        b.topk_behavior_logp,
+        b.topk_logp,
+        b.seq_ids,
+        V,
+    )
     res = token_diagnostics(b2, token_losses("grpo", b2, adv), adv)
     assert math.isclose(res["log_r_dev"], ref_deviation(b2, log_r, dead), rel_tol=1e-12)
     assert not math.isclose(res["log_r_dev"], ref_deviation(b, log_r, keep), rel_tol=1e-3)

@@ -168,8 +168,14 @@ def test_replace_last_support_by_hand():
     pi = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=F64)
     ids = torch.tensor([[0, 1, 2], [0, -1, -1]])
     b = TokenBatch(
-        pi[[3, 3]].log(), mu[[3, 3]].log(), torch.tensor([3, 3]), ids,
-        mu[ids.clamp_min(0)].log(), pi[ids.clamp_min(0)].log(), torch.tensor([0, 1]), None,
+        pi[[3, 3]].log(),
+        mu[[3, 3]].log(),
+        torch.tensor([3, 3]),
+        ids,
+        mu[ids.clamp_min(0)].log(),
+        pi[ids.clamp_min(0)].log(),
+        torch.tensor([0, 1]),
+        None,
     )
     union = divergence(b, "topk-tv", rule="union")
     repl = divergence(b, "topk-tv", rule="replace_last")
@@ -235,7 +241,9 @@ def test_binary_reduction_when_support_is_only_k(empty_list):
     pi_k = torch.rand(n, generator=gen, dtype=F64) * 0.98 + 0.01
     k = torch.arange(n) % 5
     ids = torch.full((n, 1), -1) if empty_list else k[:, None].clone()
-    b = TokenBatch(pi_k.log(), mu_k.log(), k, ids, mu_k.log()[:, None], pi_k.log()[:, None], torch.zeros(n, dtype=torch.long))
+    b = TokenBatch(
+        pi_k.log(), mu_k.log(), k, ids, mu_k.log()[:, None], pi_k.log()[:, None], torch.zeros(n, dtype=torch.long)
+    )
     kl, tv = divergence_rate(b, "kl", "agg"), divergence_rate(b, "tv", "agg")
     assert torch.allclose(kl, 2 * (1 - pi_k) * (pi_k - mu_k), atol=1e-12)
     assert torch.allclose(tv, 2 * pi_k * (1 - pi_k) ** 2 * torch.sign(pi_k - mu_k), atol=1e-12)
@@ -252,7 +260,15 @@ def test_rounding_tails_are_clamped_to_zero():
     mu = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05], dtype=F64) * (1 + 1e-7)
     pi = torch.tensor([0.3, 0.3, 0.2, 0.1, 0.1], dtype=F64) * (1 + 1e-7)
     ids = torch.arange(5)[None]
-    b = TokenBatch(pi[1:2].log(), mu[1:2].log(), torch.tensor([1]), ids, mu.log()[None], pi.log()[None], torch.zeros(1, dtype=torch.long))
+    b = TokenBatch(
+        pi[1:2].log(),
+        mu[1:2].log(),
+        torch.tensor([1]),
+        ids,
+        mu.log()[None],
+        pi.log()[None],
+        torch.zeros(1, dtype=torch.long),
+    )
     s = support(b)
     assert float(s.mu_tail[0]) == 0.0 and float(s.pi_tail[0]) == 0.0
     d = divergence(b, "topk-kl")
@@ -265,18 +281,44 @@ def test_zero_mass_and_infinite_kl_rules():
     pi = torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=F64)
     # token 3: mu = pi = 0 listed (zero-mass atom, 0 log 0 = 0); k = 0
     ids = torch.tensor([[0, 1, 2, 3]])
-    b = TokenBatch(pi[:1].log(), mu[:1].log(), torch.tensor([0]), ids, mu.log()[None], pi.log()[None], torch.zeros(1, dtype=torch.long), 4)
+    b = TokenBatch(
+        pi[:1].log(),
+        mu[:1].log(),
+        torch.tensor([0]),
+        ids,
+        mu.log()[None],
+        pi.log()[None],
+        torch.zeros(1, dtype=torch.long),
+        4,
+    )
     assert close(float(divergence(b, "topk-kl")[0]), 0.6 * math.log(0.6 / 0.5) + 0.4 * math.log(0.4 / 0.3))
     assert close(float(divergence(b, "topk-tv")[0]), 0.5 * (0.1 + 0.1 + 0.2))
     # training -inf where mu > 0: KL = +inf (binary too, when it is the sampled token)
     pi2 = torch.tensor([0.0, 0.8, 0.2, 0.0], dtype=F64)
-    b2 = TokenBatch(pi2[:1].log(), mu[:1].log(), torch.tensor([0]), ids, mu.log()[None], pi2.log()[None], torch.zeros(1, dtype=torch.long), 4)
+    b2 = TokenBatch(
+        pi2[:1].log(),
+        mu[:1].log(),
+        torch.tensor([0]),
+        ids,
+        mu.log()[None],
+        pi2.log()[None],
+        torch.zeros(1, dtype=torch.long),
+        4,
+    )
     assert divergence(b2, "topk-kl")[0] == math.inf
     assert divergence(b2, "binary-kl")[0] == math.inf
     # pi_T = 0 < mu_T: the training tail is floored at 1e-12 inside the log
     mu3 = torch.tensor([0.5, 0.4], dtype=F64)
     pi3 = torch.tensor([0.7, 0.3], dtype=F64)
-    b3 = TokenBatch(pi3[:1].log(), mu3[:1].log(), torch.tensor([0]), torch.tensor([[0, 1]]), mu3.log()[None], pi3.log()[None], torch.zeros(1, dtype=torch.long))
+    b3 = TokenBatch(
+        pi3[:1].log(),
+        mu3[:1].log(),
+        torch.tensor([0]),
+        torch.tensor([[0, 1]]),
+        mu3.log()[None],
+        pi3.log()[None],
+        torch.zeros(1, dtype=torch.long),
+    )
     want = 0.5 * math.log(0.5 / 0.7) + 0.4 * math.log(0.4 / 0.3) + 0.1 * math.log(0.1 / 1e-12)
     assert close(float(divergence(b3, "topk-kl")[0]), want)
 
@@ -284,7 +326,15 @@ def test_zero_mass_and_infinite_kl_rules():
 def test_all_listed_zero_mass_gives_tail_one():
     ids = torch.tensor([[1, 2]])
     lp = torch.full((1, 2), NEG_INF, dtype=F64)
-    b = TokenBatch(torch.tensor([-1.0], dtype=F64), torch.tensor([NEG_INF], dtype=F64), torch.tensor([0]), ids, lp, lp, torch.zeros(1, dtype=torch.long))
+    b = TokenBatch(
+        torch.tensor([-1.0], dtype=F64),
+        torch.tensor([NEG_INF], dtype=F64),
+        torch.tensor([0]),
+        ids,
+        lp,
+        lp,
+        torch.zeros(1, dtype=torch.long),
+    )
     s = support(b)
     assert float(s.mu_tail[0]) == 1.0  # invalid token: S = {k} with mu_k = 0, all listed entries -inf
 

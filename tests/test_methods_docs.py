@@ -19,11 +19,28 @@ def sections() -> dict[str, str]:
 
 def test_numbered_sections_keep_their_meaning():
     s = sections()
-    want = {"0": "Notation", "1": "Support and tail", "2": "PPO", "3": "DPPO", "4": "Predictive divergence mask",
-            "4.1": "Full vocabulary", "4.2": "Top-K estimators", "4.4": "Certified bracket", "5": "GSPO",
-            "6": "Selective importance sampling", "7": "Validity", "8": "Aggregation", "9": "Provenance",
-            "10": "Public API", "11": "Group advantages", "12": "Per-step diagnostics",
-            "14": "Off-policy corrections", "14.1": "Kinds and keys", "14.3": "Bypass and decoupled", "15": "CISPO"}
+    want = {
+        "0": "Notation",
+        "1": "Support and tail",
+        "2": "PPO",
+        "3": "DPPO",
+        "4": "Predictive divergence mask",
+        "4.1": "Full vocabulary",
+        "4.2": "Top-K estimators",
+        "4.4": "Certified bracket",
+        "5": "GSPO",
+        "6": "Selective importance sampling",
+        "7": "Validity",
+        "8": "Aggregation",
+        "9": "Provenance",
+        "10": "Public API",
+        "11": "Group advantages",
+        "12": "Per-step diagnostics",
+        "14": "Off-policy corrections",
+        "14.1": "Kinds and keys",
+        "14.3": "Bypass and decoupled",
+        "15": "CISPO",
+    }
     for num, title in want.items():
         assert num in s and s[num].startswith(title), (num, s.get(num))
 

@@ -34,8 +34,11 @@ from tests.test_methods_reference import (
 
 def full_logps(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mu_logp [N, V], pi_logp [N, V], sampled [N] of the rows."""
-    return (torch.stack([r.mu_lp for r in rows]), torch.stack([r.pi_lp for r in rows]),
-            torch.tensor([r.k for r in rows]))
+    return (
+        torch.stack([r.mu_lp for r in rows]),
+        torch.stack([r.pi_lp for r in rows]),
+        torch.tensor([r.k for r in rows]),
+    )
 
 
 def jvp_ddot(r: Row, kind: str) -> float:
@@ -181,10 +184,16 @@ def test_truncate_topk_equals_a_list_recorded_at_the_smaller_k(k_new, rule):
     cut = truncate_topk(batch, k_new)
     ref_rows = recut_rows(rows, k_new)
     ref = make_batch(ref_rows, v)
-    ref = TokenBatch(ref.logp, ref.behavior_logp, ref.sampled_ids,
-                     torch.nn.functional.pad(ref.topk_ids, (0, k_new - ref.k), value=-1),
-                     torch.nn.functional.pad(ref.topk_behavior_logp, (0, k_new - ref.k), value=NEG_INF),
-                     torch.nn.functional.pad(ref.topk_logp, (0, k_new - ref.k), value=NEG_INF), ref.seq_ids, v)
+    ref = TokenBatch(
+        ref.logp,
+        ref.behavior_logp,
+        ref.sampled_ids,
+        torch.nn.functional.pad(ref.topk_ids, (0, k_new - ref.k), value=-1),
+        torch.nn.functional.pad(ref.topk_behavior_logp, (0, k_new - ref.k), value=NEG_INF),
+        torch.nn.functional.pad(ref.topk_logp, (0, k_new - ref.k), value=NEG_INF),
+        ref.seq_ids,
+        v,
+    )
     assert cut.k == k_new and torch.equal(cut.topk_ids, ref.topk_ids)
     genuine = cut.topk_ids >= 0
     assert torch.equal(cut.topk_behavior_logp[genuine], ref.topk_behavior_logp[genuine])
@@ -210,8 +219,9 @@ def test_truncate_topk_edge_cases():
     ids = torch.tensor([[-1, -1, -1], [4, 2, 0]])
     mu = torch.tensor([[0.0, 0.0, 0.0], [math.log(0.9), NEG_INF, NEG_INF]], dtype=F64)
     pi = torch.tensor([[0.0, 0.0, 0.0], [math.log(0.5), math.log(0.2), math.log(0.1)]], dtype=F64)
-    tb = TokenBatch(pi[:, 0], mu[:, 0].clone().fill_(math.log(0.9)), torch.tensor([1, 4]), ids, mu, pi,
-                    torch.arange(2), 6)
+    tb = TokenBatch(
+        pi[:, 0], mu[:, 0].clone().fill_(math.log(0.9)), torch.tensor([1, 4]), ids, mu, pi, torch.arange(2), 6
+    )
     cut = truncate_topk(tb, 2)
     assert cut.topk_ids.tolist() == [[-1, -1], [4, 2]]
     assert cut.topk_behavior_logp[1, 1] == NEG_INF

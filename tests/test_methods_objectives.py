@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from masktrl.methods import TokenBatch, aggregate, aggregate_denominator, get_method, make_params, overlong_penalty, token_losses
+from masktrl.methods import (
+    TokenBatch,
+    aggregate,
+    aggregate_denominator,
+    get_method,
+    make_params,
+    overlong_penalty,
+    token_losses,
+)
 from tests.test_methods_reference import (
     F64,
     NEG_INF,
@@ -103,7 +111,9 @@ def reference(name: str, kw: dict, rows, adv, u, k_slots: int):
     if name in ("grpo", "dapo"):
         return [ppo_ref(math.exp(lr), a, p.eps_low, p.eps_high, p.dual_clip) for lr, a in zip(log_r, adv)]
     if name == "cispo":  # l = -A sg(clip(r)) log pi: value -A clip(r), nothing blocked (§14)
-        return [(-a * min(max(math.exp(lr), 1 - p.eps_low), 1 + p.eps_high),) * 2 + (False,) for lr, a in zip(log_r, adv)]
+        return [
+            (-a * min(max(math.exp(lr), 1 - p.eps_low), 1 + p.eps_high),) * 2 + (False,) for lr, a in zip(log_r, adv)
+        ]
     if name in ("dppo", "pdm"):
         dpos, dneg = p.deltas
         for i, r in enumerate(rows):
@@ -116,7 +126,7 @@ def reference(name: str, kw: dict, rows, adv, u, k_slots: int):
                 d = ref_div(r, "topk-kl", "union", k_slots)
                 lo, hi = ref_bracket(r, V)
                 up, down = (lo, hi) if p.uncertain in (None, "keep") else (hi, lo)
-                direction = (up if a > 0 else down)
+                direction = up if a > 0 else down
             mask = d > (dpos if a > 0 else dneg) and a * direction > 0
             w = math.exp(log_r[i]) if p.ratio_cap is None else min(math.exp(log_r[i]), p.ratio_cap)
             coef = 0.0 if mask else -a * w
@@ -172,7 +182,9 @@ def test_token_gradient_is_grad_coef_times_ek_minus_pi(name, kw):
         else:
             assert float(vals[i]) == 0.0 and not bool(out.mask[i])
     live = adv != 0
-    assert 0 < int(out.mask[live].sum()) < int(live.sum()) or name in ("sis", "cispo"), "variant should mask some tokens"
+    assert 0 < int(out.mask[live].sum()) < int(live.sum()) or name in ("sis", "cispo"), (
+        "variant should mask some tokens"
+    )
     if kw.get("dual_clip") is not None:  # the dual clip decides some tokens here (A < 0, w > c)
         w = [math.exp(float(r.pi_lp[r.k] - r.mu_lp[r.k])) for r in rows]
         assert any(a < 0 and wi > kw["dual_clip"] and bool(m) for a, wi, m in zip(adv.tolist(), w, out.mask)), kw
@@ -183,7 +195,9 @@ def test_gspo_token_form_gradient_equals_sequence_objective():
     for eps in (3e-4, 0.05):
         logp = torch.stack([r.pi_lp[r.k] for r in rows]).clone().requires_grad_(True)
         base = batch_from_logits(rows, torch.stack([r.z for r in rows]), V, seq)
-        b = TokenBatch(logp, base.behavior_logp, base.sampled_ids, base.topk_ids, base.topk_behavior_logp, base.topk_logp, seq, V)
+        b = TokenBatch(
+            logp, base.behavior_logp, base.sampled_ids, base.topk_ids, base.topk_behavior_logp, base.topk_logp, seq, V
+        )
         out = token_losses("gspo", b, adv, eps_low=eps, eps_high=eps)
         (g_tok,) = torch.autograd.grad(aggregate(out.loss, b, "seq-mean-token-mean"), logp)
         lr = (logp - b.behavior_logp).reshape(-1, SEQ_LEN)  # [G, L]
@@ -258,8 +272,15 @@ def tiny_batch(logp, blp, seq, k=None):
     k = torch.zeros(n, dtype=torch.long) if k is None else k
     ids = torch.zeros(n, 1, dtype=torch.long)
     lp = torch.tensor(logp, dtype=F64, requires_grad=True)
-    return TokenBatch(lp, torch.tensor(blp, dtype=F64), k, ids, torch.tensor(blp, dtype=F64)[:, None],
-                      lp.detach()[:, None], torch.tensor(seq)), lp
+    return TokenBatch(
+        lp,
+        torch.tensor(blp, dtype=F64),
+        k,
+        ids,
+        torch.tensor(blp, dtype=F64)[:, None],
+        lp.detach()[:, None],
+        torch.tensor(seq),
+    ), lp
 
 
 def test_grpo_hand_computed_loss_and_gradient():
@@ -355,8 +376,16 @@ def test_invalid_tokens_are_masked_zero_and_excluded(name, kw):
         assert not bool(out.accepted[bad].any())
     # the valid tokens see exactly what a batch without the invalid ones gives (GSPO length too)
     keep = ~bad
-    sub = TokenBatch(ref.logp[keep], ref.behavior_logp[keep], ref.sampled_ids[keep], ref.topk_ids[keep],
-                     ref.topk_behavior_logp[keep], ref.topk_logp[keep], seq[keep], V)
+    sub = TokenBatch(
+        ref.logp[keep],
+        ref.behavior_logp[keep],
+        ref.sampled_ids[keep],
+        ref.topk_ids[keep],
+        ref.topk_behavior_logp[keep],
+        ref.topk_logp[keep],
+        seq[keep],
+        V,
+    )
     out_sub = token_losses(name, sub, adv[keep], u=u[keep], **kw)
     assert torch.allclose(out.loss[keep], out_sub.loss, rtol=1e-12, atol=1e-14)
     assert torch.equal(out.mask[keep], out_sub.mask)
@@ -400,7 +429,9 @@ def test_registry_defaults_and_dapo_shaping():
     assert overlong_penalty(80, 100, 20, 1.0) == 0.0
     assert overlong_penalty(90, 100, 20, 1.0) == -0.5
     assert overlong_penalty(130, 100, 20, 0.5) == -0.5
-    assert torch.allclose(overlong_penalty(torch.tensor([80, 95, 100]), 100, 20, 1.0), torch.tensor([0.0, -0.75, -1.0], dtype=F64))
+    assert torch.allclose(
+        overlong_penalty(torch.tensor([80, 95, 100]), 100, 20, 1.0), torch.tensor([0.0, -0.75, -1.0], dtype=F64)
+    )
     assert dapo.reward_delta(make_params("dapo", overlong_buffer=20), 90, 100) == -0.5
     assert dapo.reward_delta(make_params("dapo"), 100, 100) == 0.0
     assert grpo.reward_delta(make_params("grpo"), 100, 100) == 0.0

@@ -42,8 +42,19 @@ class Row:
         return torch.log_softmax(self.z, -1)
 
 
-def make_row(gen: torch.Generator, v: int, k_list: int, *, outside=False, zero_mass=False, peaked=False,
-             padding=False, duplicates=False, scale=1.5, noise=0.7) -> Row:
+def make_row(
+    gen: torch.Generator,
+    v: int,
+    k_list: int,
+    *,
+    outside=False,
+    zero_mass=False,
+    peaked=False,
+    padding=False,
+    duplicates=False,
+    scale=1.5,
+    noise=0.7,
+) -> Row:
     z = torch.randn(v, generator=gen, dtype=F64) * scale
     z_mu = z + noise * torch.randn(v, generator=gen, dtype=F64)
     if zero_mass:
@@ -105,7 +116,9 @@ def batch_from_logits(rows: list[Row], z: torch.Tensor, vocab_size: int | None, 
     lp = torch.log_softmax(z, -1)  # [N, V]
     logp = lp.gather(1, ref.sampled_ids[:, None]).squeeze(1)
     topk = torch.where(ref.topk_ids >= 0, lp.gather(1, ref.topk_ids.clamp_min(0)), ref.topk_logp)
-    return TokenBatch(logp, ref.behavior_logp, ref.sampled_ids, ref.topk_ids, ref.topk_behavior_logp, topk, ref.seq_ids, vocab_size)
+    return TokenBatch(
+        logp, ref.behavior_logp, ref.sampled_ids, ref.topk_ids, ref.topk_behavior_logp, topk, ref.seq_ids, vocab_size
+    )
 
 
 def random_rows(seed: int, n: int, v: int, k_list: int, **flags) -> list[Row]:
@@ -216,7 +229,9 @@ def full_div(mu_lp: torch.Tensor, z: torch.Tensor, kind: str) -> torch.Tensor:
     return 0.5 * (mu_lp.exp() - lp.exp()).abs().sum()
 
 
-def autograd_ddot(mu_lp: torch.Tensor, z: torch.Tensor, k: int, kind: str, direction: torch.Tensor | None = None) -> float:
+def autograd_ddot(
+    mu_lp: torch.Tensor, z: torch.Tensor, k: int, kind: str, direction: torch.Tensor | None = None
+) -> float:
     """grad_z D(mu||softmax(z)) . v with v = e_k - pi (or ``direction``), via autograd."""
     z = z.detach().clone().requires_grad_(True)
     (g,) = torch.autograd.grad(full_div(mu_lp, z, kind), z)

@@ -83,8 +83,16 @@ def test_low_var_kl_is_k3_clamped_and_k3_is_not():
 def token_batch(logp: torch.Tensor, mu: torch.Tensor, seq=None) -> TokenBatch:
     n = logp.shape[0]
     ids = torch.arange(n) % 5
-    return TokenBatch(logp, mu, ids, ids[:, None].clone(), mu[:, None].clone(), logp.detach()[:, None].clone(),
-                      torch.zeros(n, dtype=torch.long) if seq is None else torch.as_tensor(seq), vocab_size=None)
+    return TokenBatch(
+        logp,
+        mu,
+        ids,
+        ids[:, None].clone(),
+        mu[:, None].clone(),
+        logp.detach()[:, None].clone(),
+        torch.zeros(n, dtype=torch.long) if seq is None else torch.as_tensor(seq),
+        vocab_size=None,
+    )
 
 
 def vocab_batch(z: torch.Tensor, mu_logits: torch.Tensor) -> TokenBatch:
@@ -93,8 +101,16 @@ def vocab_batch(z: torch.Tensor, mu_logits: torch.Tensor) -> TokenBatch:
     logp = torch.log_softmax(z, 0)
     mu = torch.log_softmax(mu_logits, 0)
     ids = torch.arange(v)
-    return TokenBatch(logp, mu, ids, ids[:, None].clone(), mu[:, None].clone(), logp.detach()[:, None].clone(),
-                      torch.zeros(v, dtype=torch.long), vocab_size=v)
+    return TokenBatch(
+        logp,
+        mu,
+        ids,
+        ids[:, None].clone(),
+        mu[:, None].clone(),
+        logp.detach()[:, None].clone(),
+        torch.zeros(v, dtype=torch.long),
+        vocab_size=v,
+    )
 
 
 def full_kl(z: torch.Tensor, ref_lp: torch.Tensor) -> torch.Tensor:
@@ -160,8 +176,12 @@ def test_is_correction_gradient_by_hand_and_low_var_clamps_after_the_weight():
     assert float(low[3]) == 0.0 and r3 > 1e3
     raw1 = math.exp(-1.0 + 0.2) * plain(2.0, "k3")
     assert float(low[1]) == pytest.approx(min(raw1, 10.0), rel=1e-12)
-    big = reference_kl(token_batch(torch.tensor([5.0], dtype=F64), torch.tensor([0.0], dtype=F64)),
-                       torch.tensor([-3.0], dtype=F64), "low_var_kl", is_correction=True)
+    big = reference_kl(
+        token_batch(torch.tensor([5.0], dtype=F64), torch.tensor([0.0], dtype=F64)),
+        torch.tensor([-3.0], dtype=F64),
+        "low_var_kl",
+        is_correction=True,
+    )
     assert float(big) == 10.0  # r = e^5, k3(8) ~ 7: the product is clamped, not the factor
 
 
@@ -222,8 +242,11 @@ def test_regularize_adds_the_terms_before_aggregation():
         # aggregation is linear: the batch loss is the method's plus the two aggregated terms
         mode = method.aggregation(p)
         whole = method.aggregate(p, reg.loss, b, horizon=8)
-        parts = aggregate(losses.loss, b, mode, norm_len=8) + 0.1 * aggregate(kl, b, mode, norm_len=8) \
+        parts = (
+            aggregate(losses.loss, b, mode, norm_len=8)
+            + 0.1 * aggregate(kl, b, mode, norm_len=8)
             - 0.01 * aggregate(torch.where(valid, ent, torch.zeros_like(ent)), b, mode, norm_len=8)
+        )
         assert torch.allclose(whole, parts, atol=1e-14, rtol=0)
         g_logp, g_ent = torch.autograd.grad(whole, [logp, ent])
         assert float(g_ent[4]) == 0.0 and float(g_logp[4]) == 0.0
@@ -271,7 +294,13 @@ def test_bad_values_are_named_for_every_method(name, kw, match):
 def test_every_method_takes_the_fields_with_off_defaults():
     for name in method_names():
         p = make_params(name)
-        assert (p.kl_coef, p.kl_estimator, p.kl_in, p.kl_is_correction, p.entropy_coef) == (0.0, "low_var_kl", "loss", False, 0.0)
+        assert (p.kl_coef, p.kl_estimator, p.kl_in, p.kl_is_correction, p.entropy_coef) == (
+            0.0,
+            "low_var_kl",
+            "loss",
+            False,
+            0.0,
+        )
         q = make_params(name, kl_coef=0.01, kl_estimator="k2", entropy_coef=0.001, kl_is_correction=True)
         assert q.kl_in_loss and q.uses_entropy_grad and q.kl_estimator == "k2"
     sis = make_params("sis", base="dapo", kl_coef=0.02)

@@ -124,8 +124,16 @@ def test_accepted_tokens_have_on_policy_gradient():
     seq = torch.arange(n) // 8
     for base in ("grpo", "dapo", "gspo"):
         lp = torch.log_softmax(z, -1)
-        b = TokenBatch(lp.gather(1, k[:, None]).squeeze(1), mu_lp.gather(1, k[:, None]).squeeze(1), k, ids,
-                       mu_lp.gather(1, ids), lp.gather(1, ids), seq, v)
+        b = TokenBatch(
+            lp.gather(1, k[:, None]).squeeze(1),
+            mu_lp.gather(1, k[:, None]).squeeze(1),
+            k,
+            ids,
+            mu_lp.gather(1, ids),
+            lp.gather(1, ids),
+            seq,
+            v,
+        )
         u = torch.rand(n, generator=gen, dtype=F64)
         out = token_losses("sis", b, adv, u=u, base=base)
         (g,) = torch.autograd.grad(out.loss.sum(), z)

@@ -51,7 +51,9 @@ def exact_rate(rows, v):
     return b, ddot_topk_exact(b, pi_sq)
 
 
-@pytest.mark.parametrize("flags", [{}, {"outside": True}, {"outside": False}, {"zero_mass": True}, {"padding": True, "duplicates": True}])
+@pytest.mark.parametrize(
+    "flags", [{}, {"outside": True}, {"outside": False}, {"zero_mass": True}, {"padding": True, "duplicates": True}]
+)
 @pytest.mark.parametrize("v, k_list", [(12, 4), (30, 6), (7, 1)])
 def test_equals_autograd_of_the_topk_kl(flags, v, k_list):
     rows = random_rows(3 + v + k_list, 24, v, k_list, **flags)
@@ -105,14 +107,24 @@ def test_bracket_contains_the_full_rate_but_not_always_the_topk_rate():
     rows = random_rows(8, 400, 25, 3, padding=False, duplicates=False, zero_mass=False)
     b, got = exact_rate(rows, 25)
     lo, hi = ddot_kl_bracket(b)
-    full = divergence_rate_full(torch.stack([r.mu_lp for r in rows]), torch.stack([r.pi_lp for r in rows]), b.sampled_ids, "kl")
+    full = divergence_rate_full(
+        torch.stack([r.mu_lp for r in rows]), torch.stack([r.pi_lp for r in rows]), b.sampled_ids, "kl"
+    )
     assert bool(((lo - 1e-12 <= full) & (full <= hi + 1e-12)).all())
     assert bool((got >= lo - 1e-12).all())  # Q <= pi_T^2 always gives the lower end
     # V = 10, mu uniform, list [0] (mu_cap = 0.1, mu_T = 0.9), pi = (0.9, 0.1 - 8e-6, 1e-6 x 8), k = 0
     mu = torch.full((10,), 0.1, dtype=F64)
     pi = torch.tensor([0.9, 0.1 - 8e-6] + [1e-6] * 8, dtype=F64)
-    one = TokenBatch(pi[:1].log(), mu[:1].log(), torch.tensor([0]), torch.tensor([[0]]), mu[:1].log()[None], pi[:1].log()[None],
-                     torch.tensor([0]), 10)
+    one = TokenBatch(
+        pi[:1].log(),
+        mu[:1].log(),
+        torch.tensor([0]),
+        torch.tensor([[0]]),
+        mu[:1].log()[None],
+        pi[:1].log()[None],
+        torch.tensor([0]),
+        10,
+    )
     lo1, hi1 = ddot_kl_bracket(one)
     top = ddot_topk_exact(one, square_mass(pi.log()[None]))
     full1 = divergence_rate_full(mu.log()[None], pi.log()[None], torch.tensor([0]), "kl")
@@ -130,8 +142,16 @@ def test_shape_is_checked():
 def test_divergence_unchanged_and_float32_close():
     rows = random_rows(6, 50, 20, 5)
     b, got = exact_rate(rows, 20)
-    b32 = TokenBatch(b.logp.float(), b.behavior_logp.float(), b.sampled_ids, b.topk_ids, b.topk_behavior_logp.float(),
-                     b.topk_logp.float(), b.seq_ids, b.vocab_size)
+    b32 = TokenBatch(
+        b.logp.float(),
+        b.behavior_logp.float(),
+        b.sampled_ids,
+        b.topk_ids,
+        b.topk_behavior_logp.float(),
+        b.topk_logp.float(),
+        b.seq_ids,
+        b.vocab_size,
+    )
     pi_sq = square_mass(torch.stack([r.pi_lp for r in rows]).float())
     got32 = ddot_topk_exact(b32, pi_sq)
     assert got32.dtype == torch.float32

@@ -137,9 +137,26 @@ def test_unknown_method_lists_valid_names():
         get_method("ppo2")
     for name in ("grpo", "dapo", "gspo", "dppo", "pdm", "sis", "cispo"):
         assert name in str(exc.value)
-    assert set(method_names()) == {"grpo", "dapo", "gspo", "dppo", "pdm", "sis", "cispo",  # and the baselines of §16
-                                   "sapo", "gmpo", "clip-cov", "kl-cov", "topr", "m2po", "prime-dppo", "prime-ipo",
-                                   "two-sided", "trm", "gpg"}
+    assert set(method_names()) == {
+        "grpo",
+        "dapo",
+        "gspo",
+        "dppo",
+        "pdm",
+        "sis",
+        "cispo",  # and the baselines of §16
+        "sapo",
+        "gmpo",
+        "clip-cov",
+        "kl-cov",
+        "topr",
+        "m2po",
+        "prime-dppo",
+        "prime-ipo",
+        "two-sided",
+        "trm",
+        "gpg",
+    }
     with pytest.raises(ValueError, match="unknown method"):
         token_losses("ppo2", good(), torch.ones(4, dtype=F64))
 

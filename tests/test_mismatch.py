@@ -57,7 +57,7 @@ def test_dynamics_plots_the_mismatch_when_logged():
     assert metric_list([plain]) == METRICS
     keys = [k for k, _ in metric_list([plain, measured])]
     assert keys[: len(METRICS)] == [k for k, _ in METRICS]
-    assert keys[len(METRICS):] == ["mismatch/logp_abs_mean", "mismatch/kl_k3"]
+    assert keys[len(METRICS) :] == ["mismatch/logp_abs_mean", "mismatch/kl_k3"]
 
 
 def test_sweep_method_specs_take_dotted_block_keys():
@@ -65,7 +65,9 @@ def test_sweep_method_specs_take_dotted_block_keys():
     from masktrl.errors import ConfigError
 
     assert split_method("grpo:correction.kind=token-tis:correction.mode=decoupled") == (
-        "grpo", ["method.correction.kind=token-tis", "method.correction.mode=decoupled"])
+        "grpo",
+        ["method.correction.kind=token-tis", "method.correction.mode=decoupled"],
+    )
     for bad in ("grpo:correction..kind=x", "grpo:.kind=x", "grpo:kind.=x", "grpo:a/b=1"):
         with pytest.raises(ConfigError, match="NAME:KEY=VALUE"):
             split_method(bad)
@@ -81,6 +83,14 @@ def test_the_progress_bar_shows_the_gap_only_when_the_engine_samples_from_anothe
     assert progress_info(row, from_dict({"rollout": {"dtype": "float32"}})) == plain
     assert progress_info(row, from_dict({"rollout": {"quantization": "fp8"}})) == plain + "  |Δlogp| 0.016"
     assert progress_info(row, from_dict({"rollout": {"dtype": "bfloat16"}})) == plain + "  |Δlogp| 0.016"
-    assert progress_info({**row, "mismatch/logp_abs_mean": float("nan")}, from_dict({"rollout": {"dtype": "bfloat16"}})) == plain
-    assert progress_info({k: v for k, v in row.items() if not k.startswith("mismatch/")},
-                         from_dict({"rollout": {"quantization": "fp8"}})) == plain  # rollout.mismatch off: nothing measured
+    assert (
+        progress_info({**row, "mismatch/logp_abs_mean": float("nan")}, from_dict({"rollout": {"dtype": "bfloat16"}}))
+        == plain
+    )
+    assert (
+        progress_info(
+            {k: v for k, v in row.items() if not k.startswith("mismatch/")},
+            from_dict({"rollout": {"quantization": "fp8"}}),
+        )
+        == plain
+    )  # rollout.mismatch off: nothing measured

@@ -20,14 +20,25 @@ spec.loader.exec_module(mt)
 def _run(seed, final, mismatch, mask, correction=None, name=None, steps=60):
     cfg = from_dict({"seed": seed, "method": {"name": "grpo", **({"correction": correction} if correction else {})}})
     # mismatch grows linearly from `mismatch` at step 1; mask_frac constant; kl_k3 = mismatch / 10
-    metrics = [{"step": t, "reward_mean": 0.4, "mismatch/logp_abs_mean": mismatch * (1 + 0.01 * (t - 1)),
-                "mismatch/kl_k3": mismatch / 10, "mask_frac": mask} for t in range(1, steps + 1)]
+    metrics = [
+        {
+            "step": t,
+            "reward_mean": 0.4,
+            "mismatch/logp_abs_mean": mismatch * (1 + 0.01 * (t - 1)),
+            "mismatch/kl_k3": mismatch / 10,
+            "mask_frac": mask,
+        }
+        for t in range(1, steps + 1)
+    ]
     return RunInfo(Path(f"/nowhere/{name or 'grpo-seed' + str(seed)}"), cfg, metrics, {"eval_after": final}, "complete")
 
 
 def test_table_rows_carry_compare_numbers_and_run_means():
     plain = [_run(s, 0.40 + 0.01 * s, 0.08, 0.18) for s in range(3)]
-    tis = [_run(s, 0.45 + 0.01 * s, 0.10, 0.10, correction={"kind": "token-tis", "mode": "decoupled"}, name=f"tis{s}") for s in range(3)]
+    tis = [
+        _run(s, 0.45 + 0.01 * s, 0.10, 0.10, correction={"kind": "token-tis", "mode": "decoupled"}, name=f"tis{s}")
+        for s in range(3)
+    ]
     table = cmp.compare(plain + tis, "grpo", test="paired", n_boot=200)
     by_root = {str(r.root): r for r in plain + tis}
     for row in table["methods"]:
@@ -60,7 +71,10 @@ def test_short_labels_and_missing_values():
     # a folder of one group: compare labels it "grpo", the correction still shows, with its non-default keys
     ignore = {"name": "grpo", "correction": {"kind": "token-tis", "mode": "decoupled", "cap": 1.0, "floor": 1.0}}
     assert mt.short_label("grpo", ignore) == "grpo + token-tis cap=1,floor=1 (decoupled)"
-    assert mt.short_label("grpo", {**ignore, "dual_clip": 3.0}) == "grpo + token-tis cap=1,floor=1 (decoupled), dual_clip=3"
+    assert (
+        mt.short_label("grpo", {**ignore, "dual_clip": 3.0})
+        == "grpo + token-tis cap=1,floor=1 (decoupled), dual_clip=3"
+    )
     assert mt.short_label("grpo", {"name": "grpo", "dual_clip": 3.0}) == "grpo, dual_clip=3"
     assert mt.short_label("dppo[divergence=topk-tv]", {"name": "dppo"}) == "dppo[divergence=topk-tv]"
     assert mt.run_means([{"step": 1}], "mismatch/kl_k3") != mt.run_means([{"step": 1}], "mismatch/kl_k3")  # nan
@@ -124,7 +138,9 @@ def test_the_figure_cache_is_temporary_and_the_environment_restored(monkeypatch)
 
 def _folder(source, base_scores, method_scores, name="tis"):
     plain = [_run(s, v, 0.08, 0.18) for s, v in enumerate(base_scores)]
-    other = [_run(s, v, 0.10, 0.10, correction={"kind": "token-tis"}, name=f"{name}{s}") for s, v in enumerate(method_scores)]
+    other = [
+        _run(s, v, 0.10, 0.10, correction={"kind": "token-tis"}, name=f"{name}{s}") for s, v in enumerate(method_scores)
+    ]
     table = cmp.compare(plain + other, "grpo", test="paired", n_boot=200)
     by_root = {str(r.root): r for r in plain + other}
     for row in table["methods"]:
@@ -139,27 +155,41 @@ def test_pooled_differences_are_seed_means_over_the_folders_against_a_reference(
     a = _folder("float32", [0.40, 0.42, 0.38, 0.41], [0.43, 0.44, 0.40, 0.40])
     b = _folder("fp8", [0.37, 0.36, 0.39], [0.38, 0.40, 0.37])  # seed 3 missing: pooled over seeds 0-2
     (row,) = mt.pooled([a, b])
-    want = [((0.43 - 0.40) + (0.38 - 0.37)) / 2, ((0.44 - 0.42) + (0.40 - 0.36)) / 2, ((0.40 - 0.38) + (0.37 - 0.39)) / 2]
+    want = [
+        ((0.43 - 0.40) + (0.38 - 0.37)) / 2,
+        ((0.44 - 0.42) + (0.40 - 0.36)) / 2,
+        ((0.40 - 0.38) + (0.37 - 0.39)) / 2,
+    ]
     assert row["display"] == "grpo + token-tis" and row["seeds"] == [0, 1, 2]
     assert row["diffs"] == pytest.approx(want) and row["mean"] == pytest.approx(sum(want) / 3)
     ref = sps.ttest_1samp(want, 0.0)
     half = sps.t.ppf(0.975, 2) * sps.sem(want)
-    assert row["p_t"] == pytest.approx(ref.pvalue) and row["p_sign_flip"] == 0.5  # +0.02, +0.03, 0: 4 of the 8 flips as extreme
-    assert row["p"] == max(row["p_t"], row["p_sign_flip"]) and row["p_holm"] == pytest.approx(row["p"])  # one method: Holm is p
+    assert (
+        row["p_t"] == pytest.approx(ref.pvalue) and row["p_sign_flip"] == 0.5
+    )  # +0.02, +0.03, 0: 4 of the 8 flips as extreme
+    assert row["p"] == max(row["p_t"], row["p_sign_flip"]) and row["p_holm"] == pytest.approx(
+        row["p"]
+    )  # one method: Holm is p
     assert (row["ci_low"], row["ci_high"]) == pytest.approx((sum(want) / 3 - half, sum(want) / 3 + half))
     text = mt.pooled_markdown([row], ["float32", "fp8"])
     assert "mean over float32, fp8" in text and text.splitlines()[2].startswith("| grpo + token-tis | 3 | +0.017 [")
     # a method absent from one folder is not pooled; neither is one with a single shared seed
     alone = _folder("bf16", [0.40], [0.41])
     assert mt.pooled([a, alone]) == []
-    c = {"source": "x", "table": cmp.compare([_run(s, 0.4, 0.08, 0.18) for s in range(3)], "grpo", test="paired", n_boot=200)}
+    c = {
+        "source": "x",
+        "table": cmp.compare([_run(s, 0.4, 0.08, 0.18) for s in range(3)], "grpo", test="paired", n_boot=200),
+    }
     assert mt.pooled([a, c]) == []
 
 
 def test_pooled_json_holds_folders_and_pooled(tmp_path, capsys, monkeypatch):
     import json
 
-    folders = {"f32": _folder("f32", [0.40, 0.42, 0.38], [0.43, 0.44, 0.40]), "fp8": _folder("fp8", [0.37, 0.36, 0.39], [0.38, 0.40, 0.37])}
+    folders = {
+        "f32": _folder("f32", [0.40, 0.42, 0.38], [0.43, 0.44, 0.40]),
+        "fp8": _folder("fp8", [0.37, 0.36, 0.39], [0.38, 0.40, 0.37]),
+    }
     monkeypatch.setattr(mt, "folder_table", lambda folder, eval_bench, n_boot: folders[folder.name])
     out = tmp_path / "t.json"
     assert mt.main([str(tmp_path / "f32"), str(tmp_path / "fp8"), "--pooled", "--json", str(out)]) == 0

@@ -13,7 +13,10 @@ from tests.conftest import masktrl, write_tiny_config
         (["--set", "rollout.dtype=float8"], "rollout.dtype"),
         (["--set", "rollout.quantization=int4"], "rollout.quantization"),  # the hf engine fakes fp8 only
         (["--set", "rollout.engine=vllm", "--set", "rollout.quantization=fp8-act"], "hf engine only"),
-        (["--set", "rollout.top_p=0.9", "--set", "rollout.logprobs_k=5"], "rollout.top_k <="),  # a kept set larger than K
+        (
+            ["--set", "rollout.top_p=0.9", "--set", "rollout.logprobs_k=5"],
+            "rollout.top_k <=",
+        ),  # a kept set larger than K
     ],
 )
 def test_bad_precision_settings_exit_2_with_one_line(tmp_path, args, needle):
@@ -31,7 +34,11 @@ def _rows(run):
 @pytest.mark.slow
 def test_mismatch_is_measured_every_step(tmp_path, warm_out):
     cfg = write_tiny_config(tmp_path / "c.yaml", {"rollout": {"staleness": 1}, "train": {"steps": 3}})
-    for name, extra in (("f32", []), ("bf16", ["--set", "rollout.dtype=bfloat16"]), ("fp8", ["--set", "rollout.quantization=fp8"])):
+    for name, extra in (
+        ("f32", []),
+        ("bf16", ["--set", "rollout.dtype=bfloat16"]),
+        ("fp8", ["--set", "rollout.quantization=fp8"]),
+    ):
         r = masktrl("train", "--config", cfg, "--out", warm_out, "--run", f"mm-{name}", *extra, cwd=tmp_path)
         assert r.returncode == 0, r.stderr
     f32, bf16, fp8 = (_rows(warm_out / f"mm-{n}") for n in ("f32", "bf16", "fp8"))

@@ -25,15 +25,25 @@ def model():
     from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer("0123456789+=")
-    return build_tiny_model(tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), 0)
+    return build_tiny_model(
+        tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), 0
+    )
 
 
 def _from_update(model, samples, grad_accum=1, name="grpo", **settings):
     """The update's mismatch/* (one minibatch), checking that it trained."""
     m = copy.deepcopy(model)
     opt, sched = make_optimizer(m, load_config(None, ["train.lr=1e-2"]).train)
-    s = UpdateSettings(minibatches=1, grad_accum=grad_accum, grad_clip=1e9, logprob_chunk=7, temperature=0.9, horizon=20,
-                       method=get_method(name).bind(), **settings)
+    s = UpdateSettings(
+        minibatches=1,
+        grad_accum=grad_accum,
+        grad_clip=1e9,
+        logprob_chunk=7,
+        temperature=0.9,
+        horizon=20,
+        method=get_method(name).bind(),
+        **settings,
+    )
     seen = []
     hook = UpdateLogp(then=lambda mb, idx, out, losses, u: seen.append(mb))
     policy_update(Learner(PolicyForward(m), opt, sched), samples, s, step=1, hooks=Hooks(before=hook))
@@ -67,7 +77,9 @@ def test_truncated_responses_are_measured_under_mask_truncated(model):
     assert _from_update(model, samples, mask_truncated=True) == _separate(model, samples)
 
 
-@pytest.mark.parametrize("settings", [{"grad_accum": 2}, {"packing": True}, {"packing": True, "micro_batch_tokens": 40}])
+@pytest.mark.parametrize(
+    "settings", [{"grad_accum": 2}, {"packing": True}, {"packing": True, "micro_batch_tokens": 40}]
+)
 def test_other_micro_batches_agree_to_rounding(model, settings):
     """With train.grad_accum > 1 or a token budget the update's micro-batches are other sets of
     sequences than the separate forward's contiguous pieces (another padding width per forward),
@@ -93,7 +105,9 @@ def test_where_the_numbers_come_from():
     assert mismatch_source("always", **kw) == "forward"
     assert mismatch_source("off", **kw) is None
     for change in ({"staleness": 2}, {"minibatches": 8}, {"world": 2}):
-        assert mismatch_source("auto", **{**kw, **change}) == "forward"  # the update cannot give pi_old at the sampling weights
+        assert (
+            mismatch_source("auto", **{**kw, **change}) == "forward"
+        )  # the update cannot give pi_old at the sampling weights
     assert mismatch_source("auto", **{**kw, "replay": True}) is None  # --rollouts-from: this policy did not sample it
     assert mismatch_source("always", **{**kw, "replay": True}) is None
 
@@ -111,9 +125,13 @@ def test_runs_report_the_same_mismatch_either_way_and_none_when_off(tmp_path, wa
     rows = {}
     for mode in ("auto", "always", "off"):
         run = f"mm-{mode}-{tmp_path.name}"
-        r = masktrl("train", "--config", cfg, "--out", warm_out, "--run", run, "--set", f"rollout.mismatch={mode}", cwd=tmp_path)
+        r = masktrl(
+            "train", "--config", cfg, "--out", warm_out, "--run", run, "--set", f"rollout.mismatch={mode}", cwd=tmp_path
+        )
         assert r.returncode == 0, r.stderr
-        rows[mode] = [{k: v for k, v in row.items() if k not in TIMING and not k.endswith("_s")} for row in _rows(warm_out / run)]
+        rows[mode] = [
+            {k: v for k, v in row.items() if k not in TIMING and not k.endswith("_s")} for row in _rows(warm_out / run)
+        ]
     assert rows["auto"] == rows["always"]
     assert all(row["mismatch/tokens"] == row["tokens"] for row in rows["auto"])
     assert rows["off"] == [{k: v for k, v in row.items() if not k.startswith("mismatch/")} for row in rows["auto"]]

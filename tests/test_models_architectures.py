@@ -28,8 +28,11 @@ def tok():
 def _samples(model, tok, seed=0):
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ["12+3=", "1+2=", "345+67=89+1=", "8="]]
     gens = HFEngine(model, tok).generate(prompts, SamplingSettings(n=3, max_new_tokens=10, logprobs_k=4), seed=seed)
-    out = [Sample(f"e{g}", "", "", p, g, gen, advantage=random.Random(g * 7 + j).uniform(-1, 1))
-           for g, (p, group) in enumerate(zip(prompts, gens)) for j, gen in enumerate(group)]
+    out = [
+        Sample(f"e{g}", "", "", p, g, gen, advantage=random.Random(g * 7 + j).uniform(-1, 1))
+        for g, (p, group) in enumerate(zip(prompts, gens))
+        for j, gen in enumerate(group)
+    ]
     random.Random(seed).shuffle(out)  # groups interleaved
     return out
 
@@ -38,9 +41,20 @@ def test_default_architecture_is_the_qwen3_model_built_before(tok):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = TinyModelConfig()
-    config = Qwen3Config(vocab_size=len(tok), hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(5)
         reference = Qwen3ForCausalLM(config)
@@ -105,7 +119,9 @@ def test_shared_prompt_under_gradient_checkpointing(tok, name):
     torch.testing.assert_close(lp_ckpt, lp_plain, atol=1e-6, rtol=0)
     assert set(g_ckpt) == set(g_plain)
     for k in g_plain:
-        torch.testing.assert_close(g_ckpt[k], g_plain[k], atol=1e-6 * max(1.0, g_plain[k].abs().max().item()), rtol=1e-5)
+        torch.testing.assert_close(
+            g_ckpt[k], g_plain[k], atol=1e-6 * max(1.0, g_plain[k].abs().max().item()), rtol=1e-5
+        )
 
 
 def test_soft_capped_head_is_refused(tok):

@@ -42,7 +42,11 @@ def tok():
 def _samples(model, tok):
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ["12+3=", "1+2=", "345+67="]]
     gens = HFEngine(model, tok).generate(prompts, SamplingSettings(n=3, max_new_tokens=8, logprobs_k=4), seed=0)
-    return [Sample(f"e{g}", "", "", p, g, gen, advantage=0.3 * (j - 1)) for g, (p, grp) in enumerate(zip(prompts, gens)) for j, gen in enumerate(grp)]
+    return [
+        Sample(f"e{g}", "", "", p, g, gen, advantage=0.3 * (j - 1))
+        for g, (p, grp) in enumerate(zip(prompts, gens))
+        for j, gen in enumerate(grp)
+    ]
 
 
 def _perturb_adapters(model, seed=0):
@@ -64,7 +68,9 @@ def test_zero_adapters_reproduce_the_base_log_probs_bit_for_bit(tok, name):
     assert torch.equal(torch.random.get_rng_state(), rng)  # the adapters' draws leave the caller's stream alone
     assert has_lora(model)
     after = policy.policy_token_batch(model, samples, temperature=0.9, chunk=5)
-    assert torch.equal(after.batch.logp, before.batch.logp) and torch.equal(after.batch.topk_logp, before.batch.topk_logp)
+    assert torch.equal(after.batch.logp, before.batch.logp) and torch.equal(
+        after.batch.topk_logp, before.batch.topk_logp
+    )
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     # the gradient reaches the adapters only (B = 0: A's gradient is zero, B's is not)
@@ -152,7 +158,10 @@ def test_adapter_state_round_trip(tok):
         (LoraSettings(rank=-2), "model.lora.rank must be a positive integer"),
         (LoraSettings(rank=4, alpha=0), "model.lora.alpha must be > 0"),
         (LoraSettings(rank=4, dropout=1.0), r"model.lora.dropout must be in \[0, 1\)"),
-        (LoraSettings(rank=4, target_modules=("q_proj", "query_key_value")), r"\['query_key_value'\] match no linear layer.*q_proj"),
+        (
+            LoraSettings(rank=4, target_modules=("q_proj", "query_key_value")),
+            r"\['query_key_value'\] match no linear layer.*q_proj",
+        ),
         (LoraSettings(rank=4, target_modules=()), "model.lora.target_modules must be"),
     ],
 )
@@ -221,13 +230,18 @@ def test_an_adapter_checkpoint_loads_as_the_merged_model_and_reads_in_peft(tok, 
     base = build_tiny_model(tok, SHAPE, seed=0)
     base.save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
-    model = apply_lora(copy.deepcopy(base), LoraSettings(rank=4, alpha=8, target_modules=("q_proj", "down_proj")), seed=0)
+    model = apply_lora(
+        copy.deepcopy(base), LoraSettings(rank=4, alpha=8, target_modules=("q_proj", "down_proj")), seed=0
+    )
     _perturb_adapters(model)
     ckpt = tmp_path / "run" / "ckpt"
     ckpt.mkdir(parents=True)
     save_adapter(ckpt, model, LoraSettings(rank=4, alpha=8, target_modules=("q_proj", "down_proj")), base="../../base")
     tok.save_pretrained(ckpt)
-    assert is_adapter_folder(ckpt) and sorted(p.name for p in ckpt.glob("adapter_*")) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert is_adapter_folder(ckpt) and sorted(p.name for p in ckpt.glob("adapter_*")) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     settings, where, weights = read_adapter(ckpt)
     assert settings.rank == 4 and settings.alpha == 8 and where == str((tmp_path / "base").resolve())
     assert set(weights) == set(adapter_state_dict(model))
@@ -241,7 +255,9 @@ def test_an_adapter_checkpoint_loads_as_the_merged_model_and_reads_in_peft(tok, 
         torch.testing.assert_close(peft_model(input_ids=ids).logits, want, atol=1e-6, rtol=1e-6)
 
 
-def test_a_vllm_engine_for_an_adapter_checkpoint_starts_from_the_base_and_gets_merged_weights(tok, tmp_path, monkeypatch):
+def test_a_vllm_engine_for_an_adapter_checkpoint_starts_from_the_base_and_gets_merged_weights(
+    tok, tmp_path, monkeypatch
+):
     from types import SimpleNamespace
 
     import masktrl.rollout.vllm as vllm_module
@@ -263,8 +279,16 @@ def test_a_vllm_engine_for_an_adapter_checkpoint_starts_from_the_base_and_gets_m
     ckpt = tmp_path / "run" / "ckpt"
     ckpt.mkdir(parents=True)
     save_adapter(ckpt, model, LoraSettings(rank=2), base="../../base")
-    cfg = SimpleNamespace(engine="vllm", gpu_memory_utilization=0.5, quantization=None, dtype=None, enforce_eager=True, sleep_mode=False,
-                          logprobs_k=5, batch_size=8)
+    cfg = SimpleNamespace(
+        engine="vllm",
+        gpu_memory_utilization=0.5,
+        quantization=None,
+        dtype=None,
+        enforce_eager=True,
+        sleep_mode=False,
+        logprobs_k=5,
+        batch_size=8,
+    )
     make_engine(cfg, model, tok, str(ckpt), dtype="float32", seed=0)
     assert built["path"] == str((tmp_path / "base").resolve()) and built["synced"] is model
     built.clear()

@@ -26,8 +26,10 @@ def moe():
 def _router_inputs(model, ids, mask):
     """[layers][B*L, H] the hidden states each router sees, captured with hooks."""
     seen = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, args, out: seen.append(args[0].reshape(-1, args[0].shape[-1])))
-             for layer in model.model.layers]
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda m, args, out: seen.append(args[0].reshape(-1, args[0].shape[-1])))
+        for layer in model.model.layers
+    ]
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
     for h in hooks:
@@ -49,7 +51,12 @@ def test_top_k_experts_are_the_routers_top_sets(moe):
 def test_identical_copies_never_flip(moe):
     model, ids, mask = moe
     flips = compare_routing(model, copy.deepcopy(model), ids, mask)
-    assert flips.rate == 0.0 and flips.any_layer == 0.0 and flips.per_layer == [0.0, 0.0] and flips.tokens == int(mask.sum())
+    assert (
+        flips.rate == 0.0
+        and flips.any_layer == 0.0
+        and flips.per_layer == [0.0, 0.0]
+        and flips.tokens == int(mask.sum())
+    )
 
 
 def test_swapping_two_experts_of_the_last_router_flips_exactly_the_tokens_with_one_of_them(moe):
@@ -65,7 +72,9 @@ def test_swapping_two_experts_of_the_last_router_flips_exactly_the_tokens_with_o
     flips = compare_routing(model, other, ids, mask)
     assert flips.per_layer[0] == 0.0  # layer 0's router and inputs are untouched
     assert flips.per_layer[1] == pytest.approx(expected, abs=1e-12)
-    assert flips.rate == pytest.approx(expected / 2, abs=1e-12) and flips.any_layer == pytest.approx(expected, abs=1e-12)
+    assert flips.rate == pytest.approx(expected / 2, abs=1e-12) and flips.any_layer == pytest.approx(
+        expected, abs=1e-12
+    )
 
 
 def test_a_low_precision_copy_is_compared_in_its_own_dtype(moe):

@@ -26,10 +26,15 @@ def test_vocabulary_has_one_token_per_integer_and_round_trips(tmp_path):
         ids = loaded(text, add_special_tokens=False)["input_ids"]
         assert len(ids) == len(text.split())  # one token per number
         assert loaded.decode(ids) == text
-    assert loaded(" 5   17\n", add_special_tokens=False)["input_ids"] == loaded("5 17", add_special_tokens=False)["input_ids"]
+    assert (
+        loaded(" 5   17\n", add_special_tokens=False)["input_ids"]
+        == loaded("5 17", add_special_tokens=False)["input_ids"]
+    )
     eos = loaded.convert_tokens_to_ids(EOS)
     assert loaded.eos_token_id == eos and loaded.pad_token_id is not None
-    assert loaded.decode(loaded("3 9", add_special_tokens=False)["input_ids"] + [eos], skip_special_tokens=True) == "3 9"
+    assert (
+        loaded.decode(loaded("3 9", add_special_tokens=False)["input_ids"] + [eos], skip_special_tokens=True) == "3 9"
+    )
     unk = loaded.unk_token_id
     assert loaded("2000 07 -1 x", add_special_tokens=False)["input_ids"] == [unk] * 4  # no token outside 0..1999
 
@@ -61,13 +66,18 @@ def test_number_features_by_hand():
 
 def test_init_writes_features_into_both_embeddings_and_leaves_the_rest():
     tok = build_number_tokenizer()
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), seed=0)
+    model = build_tiny_model(
+        tok, TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), seed=0
+    )
     before_in = model.get_input_embeddings().weight.clone()
     before_out = model.get_output_embeddings().weight.clone()
     n_feat = init_number_embeddings(model, tok)
     ids, values = number_token_ids(tok)
     feats = number_features(values, NUMBER_TOKENS).float()
-    for w, before in ((model.get_input_embeddings().weight, before_in), (model.get_output_embeddings().weight, before_out)):
+    for w, before in (
+        (model.get_input_embeddings().weight, before_in),
+        (model.get_output_embeddings().weight, before_out),
+    ):
         assert torch.equal(w[ids, :n_feat], feats)
         assert torch.equal(w[ids, n_feat:], before[ids, n_feat:])  # other columns untouched
         assert torch.equal(w[:4], before[:4])  # specials and "=" untouched
@@ -75,7 +85,9 @@ def test_init_writes_features_into_both_embeddings_and_leaves_the_rest():
 
 def test_structured_model_saves_and_loads_identically(tmp_path):
     tok = build_number_tokenizer()
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), seed=0)
+    model = build_tiny_model(
+        tok, TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64), seed=0
+    )
     init_number_embeddings(model, tok)
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -8,14 +8,38 @@ from masktrl.models.tiny import TinyModelConfig
 from masktrl.rl.warmstart import new_tiny_model, warmstart_key
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--set", "model.num_experts=4"], "model.num_experts is a mixture-of-experts option, but model.architecture=qwen3 is " "dense"),
-    (["--set", "model.architecture=llama", "--set", "model.experts_per_token=1"], "model.architecture=llama is dense"),
-    (["--set", "model.architecture=qwen3-moe", "--set", "model.experts_per_token=3", "--set", "model.num_experts=2"],
-     "model.experts_per_token=3 exceeds model.num_experts=2"),
-    (["--set", "model.architecture=qwen3-moe", "--set", "model.num_experts=0"], "model.num_experts must be an integer >= 1"),
-    (["--set", "model.architecture=qwen3-moe", "--set", "model.experts_per_token=9"], "exceeds model.num_experts=8"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (
+            ["--set", "model.num_experts=4"],
+            "model.num_experts is a mixture-of-experts option, but model.architecture=qwen3 is dense",
+        ),
+        (
+            ["--set", "model.architecture=llama", "--set", "model.experts_per_token=1"],
+            "model.architecture=llama is dense",
+        ),
+        (
+            [
+                "--set",
+                "model.architecture=qwen3-moe",
+                "--set",
+                "model.experts_per_token=3",
+                "--set",
+                "model.num_experts=2",
+            ],
+            "model.experts_per_token=3 exceeds model.num_experts=2",
+        ),
+        (
+            ["--set", "model.architecture=qwen3-moe", "--set", "model.num_experts=0"],
+            "model.num_experts must be an integer >= 1",
+        ),
+        (
+            ["--set", "model.architecture=qwen3-moe", "--set", "model.experts_per_token=9"],
+            "exceeds model.num_experts=8",
+        ),
+    ],
+)
 def test_refused_through_the_cli_with_nothing_written(cli_error, tmp_path, args, words):
     out = tmp_path / "out"
     line = cli_error("train", "--out", out, "--run", "r", *args)
@@ -24,7 +48,9 @@ def test_refused_through_the_cli_with_nothing_written(cli_error, tmp_path, args,
 
 
 def test_a_checkpoint_has_its_own_experts(cli_error, tmp_path):
-    line = cli_error("train", "--out", tmp_path / "out", "--set", "model.path=some/model", "--set", "model.num_experts=4")
+    line = cli_error(
+        "train", "--out", tmp_path / "out", "--set", "model.path=some/model", "--set", "model.num_experts=4"
+    )
     assert "option of the tiny model" in line and not (tmp_path / "out").exists()
 
 
@@ -51,9 +77,13 @@ def test_unset_keys_leave_the_config_hash_and_the_warmstart_key_as_before():
         del d[section][name]
     assert cfg.hash() == hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
     moe = load_config(None, ["model.architecture=qwen3-moe"])
-    assert warmstart_key(moe) != warmstart_key(load_config(None, ["model.architecture=qwen3-moe", "model.num_experts=4"]))
+    assert warmstart_key(moe) != warmstart_key(
+        load_config(None, ["model.architecture=qwen3-moe", "model.num_experts=4"])
+    )
 
 
 def test_a_sweep_refuses_it_too(cli_error, tmp_path):
-    line = cli_error("sweep", "--seeds", 1, "--methods", "grpo", "--set", "model.experts_per_token=2", "--out", tmp_path / "sw")
+    line = cli_error(
+        "sweep", "--seeds", 1, "--methods", "grpo", "--set", "model.experts_per_token=2", "--out", tmp_path / "sw"
+    )
     assert "model.architecture=qwen3 is dense" in line and not (tmp_path / "sw").exists()

@@ -11,7 +11,7 @@ import torch
 from masktrl.errors import ConfigError
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from masktrl.rl.policy import policy_token_batch
-from masktrl.rollout.base import ENVIRONMENT, POLICY, SamplingSettings, Sample
+from masktrl.rollout.base import ENVIRONMENT, POLICY, Sample, SamplingSettings
 from masktrl.rollout.hf import HFEngine
 from masktrl.rollout.multiturn import generate_multi_turn, stop_cut
 from masktrl.tasks.envs import EnvStats, Episode
@@ -44,8 +44,15 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model(tok):
-    model = build_tiny_model(tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
-                             seed=1).double().eval()
+    model = (
+        build_tiny_model(
+            tok,
+            TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
+            seed=1,
+        )
+        .double()
+        .eval()
+    )
     with torch.no_grad():  # make '+' likely, so episodes call the tool
         model.lm_head.weight[tok.convert_tokens_to_ids("+")] *= 4.0
     return model
@@ -56,8 +63,18 @@ def run(model, tok, drop_finished=False, env=Adder, max_turns=3, max_tokens=24, 
     stats = EnvStats()
     engine = HFEngine(model, tok, drop_finished=drop_finished)
     settings = SamplingSettings(n=n, max_new_tokens=8, logprobs_k=k)
-    gens = generate_multi_turn(engine, tok, prompts, [{"limit": limit}] * 3, settings, seed, lambda: Episode(env, stats, timeout_s=5),
-                               stop=STOP, max_turns=max_turns, max_tokens=max_tokens)
+    gens = generate_multi_turn(
+        engine,
+        tok,
+        prompts,
+        [{"limit": limit}] * 3,
+        settings,
+        seed,
+        lambda: Episode(env, stats, timeout_s=5),
+        stop=STOP,
+        max_turns=max_turns,
+        max_tokens=max_tokens,
+    )
     return prompts, gens, stats
 
 
@@ -74,7 +91,9 @@ def test_multi_turn_records(model, tok, drop_finished):
             assert max(g.turn) < 3 and g.turn == sorted(g.turn)
             env = [t for t in range(T) if g.source[t] == ENVIRONMENT]
             for t in env:
-                assert g.logp[t] == float("-inf") and set(g.topk_ids[t]) == {-1} and set(g.topk_logp[t]) == {float("-inf")}
+                assert (
+                    g.logp[t] == float("-inf") and set(g.topk_ids[t]) == {-1} and set(g.topk_logp[t]) == {float("-inf")}
+                )
             # every environment span is the reply's own tokens (cut only by the token budget), right after a stop string
             spans, t = [], 0
             while t < T:
@@ -131,13 +150,16 @@ def test_stop_cut(tok):
     assert stop_cut(ids, dec, "=") is None
 
 
-@pytest.mark.parametrize("sets, message", [
-    (["task.env=noproto.py:E", "rollout.engine=vllm"], "needs rollout.engine=hf"),
-    (["task.max_turns=3"], "task.max_turns is an option of multi-turn tasks; set task.env"),
-    (["task.env=masktrl.tasks.tools:Calculator", "rollout.top_p=0.9"], "samples the whole vocabulary"),
-    (["task.env=Calculator"], "task.env must be path/to/file.py:Class or module:Class"),
-    (["task.env=masktrl.tasks.tools:Calculator", "task.max_turns=0"], "task.max_turns must be > 0"),
-])
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["task.env=noproto.py:E", "rollout.engine=vllm"], "needs rollout.engine=hf"),
+        (["task.max_turns=3"], "task.max_turns is an option of multi-turn tasks; set task.env"),
+        (["task.env=masktrl.tasks.tools:Calculator", "rollout.top_p=0.9"], "samples the whole vocabulary"),
+        (["task.env=Calculator"], "task.env must be path/to/file.py:Class or module:Class"),
+        (["task.env=masktrl.tasks.tools:Calculator", "task.max_turns=0"], "task.max_turns must be > 0"),
+    ],
+)
 def test_env_config_errors(sets, message):
     from masktrl.config import load_config
 
@@ -145,16 +167,26 @@ def test_env_config_errors(sets, message):
         load_config(None, sets)
 
 
-@pytest.mark.parametrize("spec, message", [("nope.py:Env", "error: task.env 'nope.py:Env': no such file nope.py"),
-                                           ("noproto.py:E", "class E has no step method")])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nope.py:Env", "error: task.env 'nope.py:Env': no such file nope.py"),
+        ("noproto.py:E", "class E has no step method"),
+    ],
+)
 def test_train_refuses_an_unusable_env_in_one_line(tmp_path, spec, message):
     import subprocess
     import sys
 
     (tmp_path / "noproto.py").write_text("class E:\n    def reset(self, ex):\n        pass\n")
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "masktrl.cli", "train", "--out", str(out), "--set", f"task.env={spec}"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "masktrl.cli", "train", "--out", str(out), "--set", f"task.env={spec}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr[-2000:]
     assert not out.exists()  # nothing written
@@ -165,7 +197,11 @@ def test_a_stored_multi_turn_batch_replays_into_sis_and_pdm(model, tok, tmp_path
     from masktrl.rollout.storage import read_rollouts, write_rollouts
 
     prompts, gens, _ = run(model, tok)
-    samples = [Sample("e", "", "", prompts[i], i, g, advantage=(j % 3) - 1.0) for i, group in enumerate(gens) for j, g in enumerate(group)]
+    samples = [
+        Sample("e", "", "", prompts[i], i, g, advantage=(j % 3) - 1.0)
+        for i, group in enumerate(gens)
+        for j, g in enumerate(group)
+    ]
     path = tmp_path / "mt.parquet"
     write_rollouts(path, samples, {"step": 0})
     back, _ = read_rollouts(path, vocab_size=model.config.vocab_size)
@@ -174,7 +210,11 @@ def test_a_stored_multi_turn_batch_replays_into_sis_and_pdm(model, tok, tmp_path
     own = torch.tensor([s == POLICY for x in back for s in x.gen.source])
     for name in ("sis", "pdm"):
         bound = get_method(name).bind()
-        u = torch.rand(out.batch.n, generator=torch.Generator().manual_seed(0), dtype=torch.float64) if bound.needs_u else None
+        u = (
+            torch.rand(out.batch.n, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+            if bound.needs_u
+            else None
+        )
         losses = bound.token_losses(out.batch, out.advantages, u=u)
         loss = bound.aggregate(losses.loss, out.batch, horizon=20)
         (g,) = torch.autograd.grad(loss, out.batch.logp, retain_graph=True)

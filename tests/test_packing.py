@@ -25,10 +25,14 @@ TEMPERATURE, CHUNK, K = 0.9, 7, 4
 @pytest.fixture(scope="module")
 def model():
     tok = build_char_tokenizer("0123456789+=")
-    return build_tiny_model(tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), seed=0).double()
+    return build_tiny_model(
+        tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), seed=0
+    ).double()
 
 
-def make_samples(vocab: int, seed: int = 0, groups: int = 3, per_group: int = 3, lengths=(1, 2, 5, 11, 17)) -> list[Sample]:
+def make_samples(
+    vocab: int, seed: int = 0, groups: int = 3, per_group: int = 3, lengths=(1, 2, 5, 11, 17)
+) -> list[Sample]:
     """Ragged samples: prompts of 2-9 tokens shared by ``per_group`` samples each, responses of
     ``lengths``, behaviour log-probs near the model's (noisy), shuffled as after the minibatch
     permutation."""
@@ -43,7 +47,13 @@ def make_samples(vocab: int, seed: int = 0, groups: int = 3, per_group: int = 3,
             logp = [-rng.uniform(0.5, 4.0) for _ in range(n)]
             if n > 2:
                 logp[1] = float("-inf")  # an invalid token
-            gen = Generation(ids, logp, topk, [sorted((-rng.uniform(0.1, 5.0) for _ in range(K)), reverse=True) for _ in range(n)], True)
+            gen = Generation(
+                ids,
+                logp,
+                topk,
+                [sorted((-rng.uniform(0.1, 5.0) for _ in range(K)), reverse=True) for _ in range(n)],
+                True,
+            )
             out.append(Sample(f"e{g}", "", "", prompt, g, gen, reward=rng.random(), advantage=rng.uniform(-1, 1)))
     rng.shuffle(out)
     return out
@@ -62,7 +72,9 @@ def packed_outputs(model, samples, share: bool) -> policy.PolicyOutputs:
         ref = policy.policy_token_batch(model, samples, TEMPERATURE, CHUNK, share=share)
     h = packing.packed_hidden(model.base_model, pack(samples, share))  # [N, H]
     ids = torch.cat([ref.batch.sampled_ids[:, None], ref.batch.topk_ids], dim=1)
-    lp, ent = token_logprobs_and_entropy(h, model.get_output_embeddings().weight, ids, temperature=TEMPERATURE, chunk_size=CHUNK)
+    lp, ent = token_logprobs_and_entropy(
+        h, model.get_output_embeddings().weight, ids, temperature=TEMPERATURE, chunk_size=CHUNK
+    )
     batch = dataclasses.replace(ref.batch, logp=lp[:, 0], topk_logp=lp[:, 1:])
     return policy.PolicyOutputs(batch, ref.advantages, ent, shared_prompt=share)
 
@@ -89,17 +101,25 @@ def test_packed_tokens_are_the_real_ones(model):
     real = sum(len(s.prompt_ids) + len(s.gen.response_ids) - 1 for s in samples)
     assert pack(samples, share=False).tokens == real
     distinct = {tuple(s.prompt_ids) for s in samples}
-    assert pack(samples, share=True).tokens == sum(map(len, distinct)) + sum(len(s.gen.response_ids) - 1 for s in samples)
+    assert pack(samples, share=True).tokens == sum(map(len, distinct)) + sum(
+        len(s.gen.response_ids) - 1 for s in samples
+    )
 
 
-NON_VACUOUS = {"trm": {"delta": 1e3}}  # these behaviour log-probs are far from pi: TRM's default would mask every sequence
+NON_VACUOUS = {
+    "trm": {"delta": 1e3}
+}  # these behaviour log-probs are far from pi: TRM's default would mask every sequence
 
 
 def _losses_and_grads(model, out, name, samples):
     method = get_method(name)
     params = method.make_params(**NON_VACUOUS.get(name, {}))
     n = out.batch.logp.shape[0]
-    u = torch.rand(n, generator=torch.Generator().manual_seed(5), dtype=torch.float64) if method.needs_u(params) else None
+    u = (
+        torch.rand(n, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        if method.needs_u(params)
+        else None
+    )
     losses = method.token_losses(out.batch, out.advantages, params, u=u)
     loss = method.aggregate(params, losses.loss, out.batch, horizon=20)
     grads = torch.autograd.grad(loss, [p for p in model.parameters()], allow_unused=True)
@@ -137,8 +157,12 @@ def test_single_token_responses_and_one_segment(model):
         ref = policy.policy_token_batch(model, samples, TEMPERATURE, CHUNK, share=share)
         torch.testing.assert_close(out.batch.logp, ref.batch.logp, atol=1e-12, rtol=0)
     one = make_samples(model.config.vocab_size, seed=3, groups=1, per_group=1, lengths=(9,))
-    torch.testing.assert_close(packed_outputs(model, one, False).batch.logp,
-                               policy.policy_token_batch(model, one, TEMPERATURE, CHUNK).batch.logp, atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        packed_outputs(model, one, False).batch.logp,
+        policy.policy_token_batch(model, one, TEMPERATURE, CHUNK).batch.logp,
+        atol=1e-12,
+        rtol=0,
+    )
 
 
 def test_packed_forward_under_activation_checkpointing(model):
@@ -171,7 +195,9 @@ def test_segment_attention_matches_a_block_diagonal_mask():
     v = torch.randn(1, 2, t, 8, generator=gen, dtype=torch.float64)
     seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     mask = (seg[:, None] == seg[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
-    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask
+    )
     got, _ = packing.segment_attention(None, q, k, v, None, packed_segments=packing.Segments.self_attending(lengths))
     torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-13, rtol=0)
 
@@ -184,8 +210,15 @@ def test_packing_unsupported_names_the_reason(model):
         config = model.config
 
     assert "attention interface" in packing.packing_unsupported(Plain())
-    hybrid = model.config.__class__(**{**model.config.to_dict(), "layer_types": ["sliding_attention", "full_attention"],
-                                       "num_hidden_layers": 2, "use_sliding_window": True, "sliding_window": 4})
+    hybrid = model.config.__class__(
+        **{
+            **model.config.to_dict(),
+            "layer_types": ["sliding_attention", "full_attention"],
+            "num_hidden_layers": 2,
+            "use_sliding_window": True,
+            "sliding_window": 4,
+        }
+    )
     from transformers import Qwen3ForCausalLM
 
     assert "sliding_attention" in packing.packing_unsupported(Qwen3ForCausalLM(hybrid))
@@ -251,11 +284,21 @@ def test_balance_splits_to_the_count():
         packing.balance([[0], [1]], 3)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "phi3", "olmo2", "gpt-neox"])  # qwen3-moe: its expert kernel has no float64
+@pytest.mark.parametrize(
+    "architecture", ["llama", "qwen2", "phi3", "olmo2", "gpt-neox"]
+)  # qwen3-moe: its expert kernel has no float64
 def test_packed_equals_padded_for_the_other_full_attention_architectures(architecture):
     tok = build_char_tokenizer("0123456789+=")
-    m = build_tiny_model(tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), 0,
-                         architecture=architecture).double().eval()
+    m = (
+        build_tiny_model(
+            tok,
+            TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
+            0,
+            architecture=architecture,
+        )
+        .double()
+        .eval()
+    )
     assert packing.packing_unsupported(m) is None
     samples = make_samples(m.config.vocab_size, seed=11)
     for share in (False, True):
@@ -268,6 +311,10 @@ def test_packed_equals_padded_for_the_other_full_attention_architectures(archite
 @pytest.mark.parametrize("architecture", ["mistral", "gemma2", "gemma3"])
 def test_sliding_window_architectures_are_refused(architecture):
     tok = build_char_tokenizer("0123456789+=")
-    m = build_tiny_model(tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), 0,
-                         architecture=architecture)
+    m = build_tiny_model(
+        tok,
+        TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
+        0,
+        architecture=architecture,
+    )
     assert "sliding" in packing.packing_unsupported(m)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import masktrl.methods  # registers the methods
+from masktrl.config import load_config
 from masktrl.methods.registry import get_method
 from masktrl.rl import update
 from masktrl.rl.update import Learner, UpdateSettings, make_optimizer, policy_update
-from masktrl.config import load_config
 from tests.conftest import TIMING, masktrl, write_tiny_config
 from tests.test_packing import make_samples
 
@@ -23,15 +23,25 @@ def model():
     from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer("0123456789+=")
-    return build_tiny_model(tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), 0).double()
+    return build_tiny_model(
+        tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), 0
+    ).double()
 
 
 def _update(model, samples, name, **settings):
     m = copy.deepcopy(model)
     cfg = load_config(None, ["train.lr=1e-2"])
     opt, sched = make_optimizer(m, cfg.train)
-    s = UpdateSettings(minibatches=2, grad_accum=settings.pop("grad_accum", 1), grad_clip=1e9, logprob_chunk=7,
-                       temperature=0.9, horizon=20, method=get_method(name).bind(), **settings)
+    s = UpdateSettings(
+        minibatches=2,
+        grad_accum=settings.pop("grad_accum", 1),
+        grad_clip=1e9,
+        logprob_chunk=7,
+        temperature=0.9,
+        horizon=20,
+        method=get_method(name).bind(),
+        **settings,
+    )
     stats = policy_update(Learner(m, opt, sched), samples, s, step=1)
     return m, stats
 
@@ -71,7 +81,11 @@ def test_micro_batches_balance_across_processes():
             return [x, x + 2]  # the other process needs two more micro-batches
 
     samples = make_samples(20, seed=10, groups=4, per_group=4)
-    out = update._micro_batches(samples, TwoRanks(), UpdateSettings(1, 1, 1.0, 8, 1.0, 20, micro_batch_tokens=10**6, method=get_method("grpo").bind()))
+    out = update._micro_batches(
+        samples,
+        TwoRanks(),
+        UpdateSettings(1, 1, 1.0, 8, 1.0, 20, micro_batch_tokens=10**6, method=get_method("grpo").bind()),
+    )
     assert len(out) == 3 and sorted(i for b in out for i in b) == list(range(0, 16, 2))
 
 
@@ -79,7 +93,9 @@ def test_packed_run_trains_and_records(tmp_path, warm_out):
     cfg = write_tiny_config(tmp_path / "c.yaml", {"train": {"packing": True, "micro_batch_tokens": 60}})
     r = masktrl("train", "--config", cfg, "--out", warm_out, "--run", f"packed-{tmp_path.name}")
     assert r.returncode == 0, r.stderr
-    rows = [json.loads(line) for line in (warm_out / f"packed-{tmp_path.name}" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (warm_out / f"packed-{tmp_path.name}" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert len(rows) == 2 and all(row["loss"] == row["loss"] for row in rows)
 
 
@@ -91,7 +107,10 @@ def test_default_run_is_unchanged_by_a_budget_that_packs_nothing(tmp_path, warm_
         cfg = write_tiny_config(tmp_path / f"{name}.yaml", overlay)
         r = masktrl("train", "--config", cfg, "--out", warm_out, "--run", f"{name}-{tmp_path.name}")
         assert r.returncode == 0, r.stderr
-        rows = [json.loads(line) for line in (warm_out / f"{name}-{tmp_path.name}" / "metrics.jsonl").read_text().splitlines()]
+        rows = [
+            json.loads(line)
+            for line in (warm_out / f"{name}-{tmp_path.name}" / "metrics.jsonl").read_text().splitlines()
+        ]
         runs[name] = [{k: v for k, v in row.items() if k not in TIMING and not k.endswith("_s")} for row in rows]
     assert runs["plain"] == runs["budget"]
 
@@ -104,7 +123,9 @@ def test_bad_budget_is_one_line(cli_error, tmp_path, value):
 
 
 def test_budget_and_grad_accum_conflict(cli_error, tmp_path):
-    line = cli_error("train", "--out", tmp_path / "out", "--set", "train.micro_batch_tokens=100", "--set", "train.grad_accum=2")
+    line = cli_error(
+        "train", "--out", tmp_path / "out", "--set", "train.micro_batch_tokens=100", "--set", "train.grad_accum=2"
+    )
     assert "set one of them" in line and not (tmp_path / "out").exists()
 
 
@@ -114,9 +135,19 @@ def test_packing_an_architecture_that_cannot_mask_segments(cli_error, tmp_path):
     from masktrl.models.tiny import build_char_tokenizer
 
     tok = build_char_tokenizer("0123456789+=")
-    config = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=8, use_sliding_window=True, sliding_window=4, max_window_layers=1,
-                         layer_types=["full_attention", "sliding_attention"])
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention"],
+    )
     folder = tmp_path / "slide"
     Qwen3ForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)

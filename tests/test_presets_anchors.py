@@ -70,17 +70,26 @@ def trl_to_masktrl(c: dict) -> dict:
         "entropy_coef": 0.0,
         "adv_norm": {"group": "group-std"}[c["scale_rewards"]],
         "dynamic_sampling": False,
-        "correction": {"kind": "seq-mis", "mode": "decoupled", "ref": "old", "stat": "product", "weight": "sequence",
-                       "lo": 0.0 if c["vllm_importance_sampling_clip_min"] is None else c["vllm_importance_sampling_clip_min"],
-                       "hi": c["vllm_importance_sampling_clip_max"]},
+        "correction": {
+            "kind": "seq-mis",
+            "mode": "decoupled",
+            "ref": "old",
+            "stat": "product",
+            "weight": "sequence",
+            "lo": 0.0 if c["vllm_importance_sampling_clip_min"] is None else c["vllm_importance_sampling_clip_min"],
+            "hi": c["vllm_importance_sampling_clip_max"],
+        },
     }
 
 
-@pytest.mark.parametrize("preset,want", [
-    ("methods/verl-grpo", verl_to_masktrl(VERL_ACTOR_YAML, bypass=False)),
-    ("methods/verl-bypass", verl_to_masktrl(VERL_ACTOR_YAML, bypass=True)),
-    ("methods/trl-grpo", trl_to_masktrl(TRL_GRPO_CONFIG)),
-])
+@pytest.mark.parametrize(
+    "preset,want",
+    [
+        ("methods/verl-grpo", verl_to_masktrl(VERL_ACTOR_YAML, bypass=False)),
+        ("methods/verl-bypass", verl_to_masktrl(VERL_ACTOR_YAML, bypass=True)),
+        ("methods/trl-grpo", trl_to_masktrl(TRL_GRPO_CONFIG)),
+    ],
+)
 def test_preset_resolves_to_the_anchor_defaults_key_by_key(preset, want):
     got = load_config(["tiny", preset]).resolved_method()
     for key, value in want.items():

@@ -26,8 +26,14 @@ def tiny():
 
 
 def _unshared(monkeypatch):
-    monkeypatch.setattr(hf, "shared_prefill", lambda model, ids, att, n: {"input_ids": ids, "attention_mask": att, "num_return_sequences": n})
-    monkeypatch.setattr(policy, "_distinct_prompts", lambda samples: ([s.prompt_ids for s in samples], list(range(len(samples)))))
+    monkeypatch.setattr(
+        hf,
+        "shared_prefill",
+        lambda model, ids, att, n: {"input_ids": ids, "attention_mask": att, "num_return_sequences": n},
+    )
+    monkeypatch.setattr(
+        policy, "_distinct_prompts", lambda samples: ([s.prompt_ids for s in samples], list(range(len(samples))))
+    )
 
 
 def test_shared_prefill_samples_and_records_what_num_return_sequences_does(tiny, monkeypatch):
@@ -50,7 +56,9 @@ def _samples(tiny, seed=0, truncate=None):
     for g, (p, group) in enumerate(zip(prompts, gens)):
         for gen in group:
             if truncate:
-                gen.response_ids, gen.logp, gen.topk_ids, gen.topk_logp = (x[:truncate] for x in (gen.response_ids, gen.logp, gen.topk_ids, gen.topk_logp))
+                gen.response_ids, gen.logp, gen.topk_ids, gen.topk_logp = (
+                    x[:truncate] for x in (gen.response_ids, gen.logp, gen.topk_ids, gen.topk_logp)
+                )
             out.append(Sample(f"e{g}", "", "", p, g, gen, advantage=random.Random(len(out)).uniform(-1, 1)))
     random.Random(seed).shuffle(out)  # groups interleaved, as after the minibatch permutation
     return out

@@ -19,9 +19,13 @@ def refused(exc_info) -> str:
 
 
 def test_plain_yaml_reads_as_safe_load():
-    text = "seed: 3\ntrain:\n  lr: 1.0e-3\n  steps: 5\nmethod: {name: dppo, divergence: topk-tv}\nlist: [1, " "2, 3]\n"
-    assert load_yaml(text, "c.yaml") == {"seed": 3, "train": {"lr": 1e-3, "steps": 5},
-                                         "method": {"name": "dppo", "divergence": "topk-tv"}, "list": [1, 2, 3]}
+    text = "seed: 3\ntrain:\n  lr: 1.0e-3\n  steps: 5\nmethod: {name: dppo, divergence: topk-tv}\nlist: [1, 2, 3]\n"
+    assert load_yaml(text, "c.yaml") == {
+        "seed": 3,
+        "train": {"lr": 1e-3, "steps": 5},
+        "method": {"name": "dppo", "divergence": "topk-tv"},
+        "list": [1, 2, 3],
+    }
     assert load_yaml("", "empty.yaml") is None
 
 
@@ -43,11 +47,17 @@ def test_merge_key_override_is_not_a_duplicate():
 
 
 def test_five_thousand_deep_yaml_is_one_line():
-    for text in ("[" * 5000 + "]" * 5000, "a: " + "{a: " * 5000 + "1" + "}" * 5000, "".join(f"{' ' * i}- \n" for i in range(0, 5000, 1))):
+    for text in (
+        "[" * 5000 + "]" * 5000,
+        "a: " + "{a: " * 5000 + "1" + "}" * 5000,
+        "".join(f"{' ' * i}- \n" for i in range(0, 5000, 1)),
+    ):
         with pytest.raises(ConfigError) as e:
             load_yaml(text, "deep.yaml")
         line = refused(e)
-        assert line.startswith("deep.yaml: nested deeper than 64 levels") or line.startswith("cannot parse deep.yaml"), line
+        assert line.startswith("deep.yaml: nested deeper than 64 levels") or line.startswith(
+            "cannot parse deep.yaml"
+        ), line
 
 
 def test_depth_limit_is_exact():
@@ -133,11 +143,14 @@ def test_json_depth_limit_is_exact():
         load_json("[" + ok + "]", "deep.json")
 
 
-@pytest.mark.parametrize("text, needle", [
-    ('{"x": NaN}', "NaN is not a finite number"),
-    ('{"x": -Infinity}', "-Infinity is not a finite number"),
-    ('{"x": 1e400}', "the number 1e400 is too large for a float"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ('{"x": NaN}', "NaN is not a finite number"),
+        ('{"x": -Infinity}', "-Infinity is not a finite number"),
+        ('{"x": 1e400}', "the number 1e400 is too large for a float"),
+    ],
+)
 def test_json_non_finite_numbers_are_refused(text, needle):
     with pytest.raises(DataError) as e:
         load_json(text, "m.json")

@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from masktrl.config import load_config
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.io import atomic_write_json, file_mode
+from masktrl.rollout.storage import read_rollouts, write_rollouts
 from masktrl.runs import locks
 from masktrl.runs.store import RunStore, check_run_name
-from masktrl.rollout.storage import read_rollouts, write_rollouts
 from tests.conftest import TIMING, cli, copy_run, masktrl_env, tiny_yaml
 
 
@@ -115,7 +115,9 @@ def start_training(tmp_path, train: dict, name: str):
     proc = subprocess.Popen([*cmd, "--run", name], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     root = tmp_path / "out" / name
     deadline = time.time() + 240
-    while time.time() < deadline and not ((root / "manifest.json").exists() and "step/000001/train" in (root / "manifest.json").read_text()):
+    while time.time() < deadline and not (
+        (root / "manifest.json").exists() and "step/000001/train" in (root / "manifest.json").read_text()
+    ):
         time.sleep(0.05)
     return cmd, env, proc, root
 
@@ -150,7 +152,10 @@ def test_rollouts_from_a_run_checks_its_manifest_hashes(finished, tmp_path, cli_
     for s in samples:
         s.advantage = -s.advantage  # a valid file, with the advantages' sign flipped
     write_rollouts(path, samples, meta)
-    line = one_line(cli_error("train", "--config", config, "--out", out, "--run", "replay", "--rollouts-from", root), "steps/000001/rollouts.parquet")
+    line = one_line(
+        cli_error("train", "--config", config, "--out", out, "--run", "replay", "--rollouts-from", root),
+        "steps/000001/rollouts.parquet",
+    )
     assert "hash mismatch" in line
     assert not (out / "replay").exists()  # refused before the run folder was created
 
@@ -183,13 +188,23 @@ def _bad_file(root, tmp_path, how):
     return path
 
 
-@pytest.mark.parametrize("how, needle", [("positive logp", "is not a log-probability"), ("shifted top-K", "top-K entry"),
-                                         ("moved logp", "top-K entry"), ("id outside the vocabulary", "outside the vocabulary [0, 17)"),
-                                         ("wrong column type", "advantage"), ("NaN advantage", "row 2: advantage is nan")])
+@pytest.mark.parametrize(
+    "how, needle",
+    [
+        ("positive logp", "is not a log-probability"),
+        ("shifted top-K", "top-K entry"),
+        ("moved logp", "top-K entry"),
+        ("id outside the vocabulary", "outside the vocabulary [0, 17)"),
+        ("wrong column type", "advantage"),
+        ("NaN advantage", "row 2: advantage is nan"),
+    ],
+)
 def test_malformed_rollout_file_is_refused_before_the_run_folder(finished, tmp_path, cli_error, how, needle):
     config, _, root = finished
     path = _bad_file(root, tmp_path, how)
-    one_line(cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", path), needle)
+    one_line(
+        cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", path), needle
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -283,8 +298,22 @@ def test_nonfinite_update_is_skipped_and_counted(finished, tmp_path, monkeypatch
 def test_consecutive_nonfinite_steps_fail_the_run_with_the_reason(finished, tmp_path, monkeypatch, cli_error):
     config, _, _ = finished
     _nan_norm_at(monkeypatch, set(range(100)))
-    line = one_line(cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "nan", "--set", "train.steps=5",
-                              "--set", "train.max_nonfinite_steps=2"), "steps 1-2: 2 steps in a row")
+    line = one_line(
+        cli_error(
+            "train",
+            "--config",
+            config,
+            "--out",
+            tmp_path / "out",
+            "--run",
+            "nan",
+            "--set",
+            "train.steps=5",
+            "--set",
+            "train.max_nonfinite_steps=2",
+        ),
+        "steps 1-2: 2 steps in a row",
+    )
     root = tmp_path / "out" / "nan"
     m = manifest(root)
     assert m["status"] == "failed" and m["reason"] in line
@@ -293,8 +322,22 @@ def test_consecutive_nonfinite_steps_fail_the_run_with_the_reason(finished, tmp_
 
 def test_diverged_weights_stop_the_run_as_failed(finished, tmp_path, cli_error):
     config, _, _ = finished
-    one_line(cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "big", "--set", "train.lr=1e30",
-                       "--set", "train.steps=4"), "not finite")
+    one_line(
+        cli_error(
+            "train",
+            "--config",
+            config,
+            "--out",
+            tmp_path / "out",
+            "--run",
+            "big",
+            "--set",
+            "train.lr=1e30",
+            "--set",
+            "train.steps=4",
+        ),
+        "not finite",
+    )
     m = manifest(tmp_path / "out" / "big")
     assert m["status"] == "failed" and "not finite" in m["reason"]
 
@@ -385,7 +428,10 @@ def test_resume_force_of_a_deepspeed_checkpoint_under_another_launch_changes_not
     (ckpt / "deepspeed" / "latest").write_text("global_step2")
     RunStore(root).mark_done("checkpoint/000002", [ckpt], step=2)  # as a ZeRO-2 run on 2 processes records it
     before = snapshot(root)
-    line = one_line(cli_error("train", "--resume", "r", "--out", out, "--force", "--set", "train.steps=3"), "ZeRO-2 with 2 processes")
+    line = one_line(
+        cli_error("train", "--resume", "r", "--out", out, "--force", "--set", "train.steps=3"),
+        "ZeRO-2 with 2 processes",
+    )
     assert "resume it under the same accelerate launch" in line and snapshot(root) == before
 
 
@@ -485,7 +531,10 @@ def small_disk(tmp_path):
 def test_full_and_read_only_disks_are_one_line(finished, small_disk, cli_error):
     config, _, _ = finished
     out = small_disk / "out"
-    line = one_line(cli_error("train", "--config", config, "--out", out, "--run", "x", "--set", "train.steps=30"), "No space left on device")
+    line = one_line(
+        cli_error("train", "--config", config, "--out", out, "--run", "x", "--set", "train.steps=30"),
+        "No space left on device",
+    )
     assert str(out) in line
     assert RunStore(out / "x").status() in ("failed", "interrupted")  # never running
     gc.collect()  # the failure's traceback may still hold a file open for writing, which blocks remount,ro
@@ -502,9 +551,15 @@ def test_a_manifest_of_another_version_is_refused_in_one_line(finished, tmp_path
     one_line(cli_error("train", "--resume", "r", "--out", out), "manifest version 0; this masktrl reads version 1")
 
 
-@pytest.mark.parametrize("content, problem", [("[]", "a JSON list, not an object"), ('{"stages": []}', "no 'stages' object"),
-                                              ('{"stages": {"checkpoint/x": {"status": ' '"done"}}}', "names no step"),
-                                              ('{"stages": {"config": 5}}', "not an object with a status")])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("[]", "a JSON list, not an object"),
+        ('{"stages": []}', "no 'stages' object"),
+        ('{"stages": {"checkpoint/x": {"status": "done"}}}', "names no step"),
+        ('{"stages": {"config": 5}}', "not an object with a status"),
+    ],
+)
 def test_manifest_of_the_wrong_shape_is_one_line_and_runs_goes_on(finished, tmp_path, cli_error, content, problem):
     _, out, root = copy_run(finished, tmp_path)
     shutil.copytree(root, out / "healthy")
@@ -526,8 +581,22 @@ def test_deep_json_in_a_dataset_task_is_one_line_not_a_crash(tmp_path, cli_error
     pytest.importorskip("datasets")
     data = tmp_path / "deep.jsonl"
     data.write_text('{"prompt": ' + "[" * 100000 + "]" * 100000 + ', "answer": "1"}\n')
-    one_line(cli_error("train", "--out", tmp_path / "out", "--run", "x", "--set", "task.name=dataset", "--set", f"task.source={data}",
-                       "--set", "task.reward=exact-match"), "JSON nested too deeply")
+    one_line(
+        cli_error(
+            "train",
+            "--out",
+            tmp_path / "out",
+            "--run",
+            "x",
+            "--set",
+            "task.name=dataset",
+            "--set",
+            f"task.source={data}",
+            "--set",
+            "task.reward=exact-match",
+        ),
+        "JSON nested too deeply",
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -552,7 +621,12 @@ def test_atomic_writes_follow_the_umask(tmp_path):
 def test_megabyte_problem_in_eval_is_skipped_before_generation(finished, tmp_path, cli_error):
     _, _, root = copy_run(finished, tmp_path)
     data = tmp_path / "long.jsonl"
-    data.write_text(json.dumps({"problem": "1+1=" * 250_000, "answer": "2"}) + "\n" + json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
+    data.write_text(
+        json.dumps({"problem": "1+1=" * 250_000, "answer": "2"})
+        + "\n"
+        + json.dumps({"problem": "1+1", "answer": "2"})
+        + "\n"
+    )
     r = cli("eval", "gsm8k", "--model", root, "--data", data, "--k", 1, "--max-new-tokens", 4)
     report = json.loads((root / "eval" / "gsm8k-step2.json").read_text())
     assert report["prompts_too_long"] == 1 and report["n_problems"] == 1
@@ -570,7 +644,9 @@ def test_engine_refuses_a_prompt_that_does_not_fit_the_context():
     model = build_tiny_model(tok, TinyModelConfig(16, 1, 2, 1, 32, max_positions=32), seed=0)
     engine = HFEngine(model, tok)
     with pytest.raises(MasktrlError, match="1 of 2 prompts do not fit the model's context"):
-        engine.generate([[5] * 40, [5] * 3], SamplingSettings(n=2, max_new_tokens=2, temperature=1.0, top_p=1.0, logprobs_k=2), 0)
+        engine.generate(
+            [[5] * 40, [5] * 3], SamplingSettings(n=2, max_new_tokens=2, temperature=1.0, top_p=1.0, logprobs_k=2), 0
+        )
 
 
 # --------------------------------------------------------------------------- checks before writing
@@ -584,9 +660,15 @@ def test_engine_refuses_a_prompt_that_does_not_fit_the_context():
         (["--set", "model.path=nosuchorg/nosuchmodel"], "local hub cache"),
         (["--set", "task.name=gsm8k"], "gsm8k"),
         (["--rollouts-from", "/nonexistent/run"], "no such run folder or parquet file"),
-        (["--set", "rollout.engine=vllm", "--set", "rollout.logprobs_k=30"], "rollout.logprobs_k=30 exceeds the model's vocabulary (17)"),
+        (
+            ["--set", "rollout.engine=vllm", "--set", "rollout.logprobs_k=30"],
+            "rollout.logprobs_k=30 exceeds the model's vocabulary (17)",
+        ),
         (["--set", "rollout.max_new_tokens=300"], "leaves no room for a prompt in the model's context (256 positions)"),
-        (["--set", "rollout.max_new_tokens=254"], "held-out prompts: 16 of 16 are longer than the model's context allows"),
+        (
+            ["--set", "rollout.max_new_tokens=254"],
+            "held-out prompts: 16 of 16 are longer than the model's context allows",
+        ),
     ],
 )
 def test_bad_inputs_fail_before_the_run_folder_exists(finished, tmp_path, cli_error, args, needle):
@@ -602,8 +684,15 @@ def test_a_failed_run_continues_when_the_same_command_is_run_again(finished, tmp
     from masktrl.rl import train_state as checkpoint
 
     real = checkpoint.save
-    monkeypatch.setattr(checkpoint, "save", lambda dest, *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device", str(dest)))
-                        if str(dest).endswith("000002") else real(dest, *a, **k))
+    monkeypatch.setattr(
+        checkpoint,
+        "save",
+        lambda dest, *a, **k: (
+            (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device", str(dest)))
+            if str(dest).endswith("000002")
+            else real(dest, *a, **k)
+        ),
+    )
     one_line(cli_error("train", "--config", config, "--out", out, "--run", "x"), "No space left on device")
     m = manifest(out / "x")
     assert m["status"] == "failed" and "No space left" in m["reason"]
@@ -615,14 +704,21 @@ def test_a_failed_run_continues_when_the_same_command_is_run_again(finished, tmp
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_failed_run_without_checkpoint_restarts_in_place_with_a_fixed_config(finished, tmp_path, monkeypatch, cli_error):
+def test_a_failed_run_without_checkpoint_restarts_in_place_with_a_fixed_config(
+    finished, tmp_path, monkeypatch, cli_error
+):
     config, _, ref = finished
     out = tmp_path / "out"
     from masktrl.recipes import train as train_stage
 
     real = train_stage.make_engine
-    monkeypatch.setattr(train_stage, "make_engine", lambda *a, **k: (_ for _ in ()).throw(MasktrlError("engine failed to start")))
-    one_line(cli_error("train", "--config", config, "--out", out, "--run", "x", "--set", "rollout.batch_size=7"), "engine failed")
+    monkeypatch.setattr(
+        train_stage, "make_engine", lambda *a, **k: (_ for _ in ()).throw(MasktrlError("engine failed to start"))
+    )
+    one_line(
+        cli_error("train", "--config", config, "--out", out, "--run", "x", "--set", "rollout.batch_size=7"),
+        "engine failed",
+    )
     assert manifest(out / "x")["reason"] == "engine failed to start"
     monkeypatch.setattr(train_stage, "make_engine", real)
     r = cli("train", "--config", config, "--out", out, "--run", "x")  # the "fix": another config
@@ -649,4 +745,6 @@ def test_dry_run_prints_the_config_and_writes_nothing(finished, tmp_path, cli_er
     r = cli("train", "--resume", "r", "--out", out, "--dry-run", "--rollouts-from", root)
     assert "resume it" in r.output and "2 batches, verified" in r.output
     assert snapshot(out) == before
-    one_line(cli_error("train", "--config", config, "--out", tmp_path / "out", "--dry-run", "--set", "task.name=foo"), "foo")
+    one_line(
+        cli_error("train", "--config", config, "--out", tmp_path / "out", "--dry-run", "--set", "task.name=foo"), "foo"
+    )

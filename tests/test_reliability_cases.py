@@ -43,29 +43,66 @@ def _batch_file(root, path, **meta):
     return path
 
 
-@pytest.mark.parametrize("field, value, key, shown", [
-    ("temperature", 0.7, "rollout.temperature", "0.7"),
-    ("quantization", "fp8", "rollout.quantization", "fp8"),
-    ("rollout_dtype", "bfloat16", "rollout.dtype", "bfloat16"),
-])
-def test_a_replay_of_a_file_sampled_otherwise_is_refused_naming_both_values(finished, tmp_path, cli_error, field, value, key, shown):
+@pytest.mark.parametrize(
+    "field, value, key, shown",
+    [
+        ("temperature", 0.7, "rollout.temperature", "0.7"),
+        ("quantization", "fp8", "rollout.quantization", "fp8"),
+        ("rollout_dtype", "bfloat16", "rollout.dtype", "bfloat16"),
+    ],
+)
+def test_a_replay_of_a_file_sampled_otherwise_is_refused_naming_both_values(
+    finished, tmp_path, cli_error, field, value, key, shown
+):
     config, _, root = finished
     path = _batch_file(root, tmp_path / "s.parquet", **{field: value})
     configured = {"rollout.temperature": "1", "rollout.quantization": "null", "rollout.dtype": "null"}[key]
-    want = (f"error: --rollouts-from {path} was sampled with {key}={shown}, this config has " f"{key}={configured} "
-            f"(pi is computed as mu was sampled); add --set {key}={shown}")
+    want = (
+        f"error: --rollouts-from {path} was sampled with {key}={shown}, this config has "
+        f"{key}={configured} "
+        f"(pi is computed as mu was sampled); add --set {key}={shown}"
+    )
     for extra in ((), ("--dry-run",)):
-        assert cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", path,
-                         "--set", "train.steps=1", *extra) == want
+        assert (
+            cli_error(
+                "train",
+                "--config",
+                config,
+                "--out",
+                tmp_path / "out",
+                "--run",
+                "x",
+                "--rollouts-from",
+                path,
+                "--set",
+                "train.steps=1",
+                *extra,
+            )
+            == want
+        )
     assert not (tmp_path / "out").exists()
 
 
 def test_a_replay_of_a_run_folder_at_another_temperature_is_refused(finished, tmp_path, cli_error):
     config, _, root = finished
-    line = cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", root,
-                     "--set", "rollout.temperature=0.5")
-    assert line == (f"error: --rollouts-from {root} was sampled with rollout.temperature=1, this config has " "rollout.temperature=0.5 "
-                    "(pi is computed as mu was sampled); add --set rollout.temperature=1")
+    line = cli_error(
+        "train",
+        "--config",
+        config,
+        "--out",
+        tmp_path / "out",
+        "--run",
+        "x",
+        "--rollouts-from",
+        root,
+        "--set",
+        "rollout.temperature=0.5",
+    )
+    assert line == (
+        f"error: --rollouts-from {root} was sampled with rollout.temperature=1, this config has "
+        "rollout.temperature=0.5 "
+        "(pi is computed as mu was sampled); add --set rollout.temperature=1"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -75,11 +112,41 @@ def test_a_replay_at_the_batch_temperature_starts_on_policy(finished, tmp_path):
     config, _, _ = finished
     _, out, root = copy_run(finished, tmp_path)  # the same warm-start cache: the replay starts from the same weights
     batch = tmp_path / "s07.parquet"
-    cli("rollout", "--model", root, "--step", 0, "--data", "synthetic", "--prompts", 6, "--n", 4, "--logprobs-k", 5,
-        "--temperature", 0.7, "--output", batch)
+    cli(
+        "rollout",
+        "--model",
+        root,
+        "--step",
+        0,
+        "--data",
+        "synthetic",
+        "--prompts",
+        6,
+        "--n",
+        4,
+        "--logprobs-k",
+        5,
+        "--temperature",
+        0.7,
+        "--output",
+        batch,
+    )
     assert read_rollouts(batch)[1]["temperature"] == 0.7
-    cli("train", "--config", config, "--out", out, "--run", "replay", "--rollouts-from", batch,
-        "--set", "rollout.temperature=0.7", "--set", "train.steps=1")
+    cli(
+        "train",
+        "--config",
+        config,
+        "--out",
+        out,
+        "--run",
+        "replay",
+        "--rollouts-from",
+        batch,
+        "--set",
+        "rollout.temperature=0.7",
+        "--set",
+        "train.steps=1",
+    )
     row = json.loads((out / "replay" / "metrics.jsonl").read_text().splitlines()[0])
     assert abs(row["ratio_max"] - 1) < 1e-4 and row["mask_frac"] == 0 and abs(row["ppo_kl"]) < 1e-6, row
 
@@ -112,17 +179,32 @@ def test_rollout_eval_and_analysis_output_inside_a_run_are_refused(finished, tmp
     before = snapshot(root)
     batch = root / "steps" / "000001" / "rollouts.parquet"
     line = cli_error("rollout", "--model", root, "--data", "synthetic", "--output", batch, "--force")
-    assert line == (f"error: --output {batch} lies inside the run folder {root}; a run's files are written only " "by its own "
-                    "commands (nothing was changed): choose a path outside it")
+    assert line == (
+        f"error: --output {batch} lies inside the run folder {root}; a run's files are written only "
+        "by its own "
+        "commands (nothing was changed): choose a path outside it"
+    )
     (tmp_path / "link").symlink_to(root / "steps")  # the same folder by another name
-    assert "lies inside the run folder" in cli_error("rollout", "--model", root, "--data", "synthetic", "--output",
-                                                     tmp_path / "link" / "000001" / "rollouts.parquet", "--force")
+    assert "lies inside the run folder" in cli_error(
+        "rollout",
+        "--model",
+        root,
+        "--data",
+        "synthetic",
+        "--output",
+        tmp_path / "link" / "000001" / "rollouts.parquet",
+        "--force",
+    )
     model = root / "checkpoints" / "000002"
     import shutil
 
     shutil.copytree(model, tmp_path / "model")  # a model folder that is not a run
-    assert "lies inside the run folder" in cli_error("eval", "task", "--model", tmp_path / "model", "--output", root / "eval" / "x.json")
-    line = cli_error("analyze", "dynamics", root, "--output", root / "steps" / "x")  # an analysis: its analysis/ folder only
+    assert "lies inside the run folder" in cli_error(
+        "eval", "task", "--model", tmp_path / "model", "--output", root / "eval" / "x.json"
+    )
+    line = cli_error(
+        "analyze", "dynamics", root, "--output", root / "steps" / "x"
+    )  # an analysis: its analysis/ folder only
     assert line.endswith("choose a path outside it (or its analysis/ folder)"), line
     assert snapshot(root) == before
     assert RunStore(root, writable=False).status() == "complete"
@@ -135,8 +217,16 @@ def test_rollout_eval_and_analysis_output_inside_a_run_are_refused(finished, tmp
 def test_method_numbers_in_exponent_form_parse_as_in_typed_sections(tmp_path):
     from masktrl.config import load_config
 
-    cfg = load_config(None, ["method.entropy_coef=1e-3", "method.kl_coef=1e-2", "method.correction.kind=token-tis",
-                             "method.correction.cap=5e0", "train.lr=1e-4"])
+    cfg = load_config(
+        None,
+        [
+            "method.entropy_coef=1e-3",
+            "method.kl_coef=1e-2",
+            "method.correction.kind=token-tis",
+            "method.correction.cap=5e0",
+            "train.lr=1e-4",
+        ],
+    )
     block = cfg.method.to_dict()
     assert block["entropy_coef"] == 1e-3 and block["kl_coef"] == 1e-2 and block["correction"]["cap"] == 5.0
     assert cfg.method.params.entropy_coef == 1e-3 and cfg.method.correction.cap == 5.0 and cfg.train.lr == 1e-4
@@ -148,7 +238,10 @@ def test_method_numbers_in_exponent_form_parse_as_in_typed_sections(tmp_path):
 
 
 def test_a_method_number_that_is_not_one_is_still_one_line(cli_error):
-    assert cli_error("config", "show", "--set", "method.entropy_coef=1e-3x") == "error: method.entropy_coef must be a number, got '1e-3x'"
+    assert (
+        cli_error("config", "show", "--set", "method.entropy_coef=1e-3x")
+        == "error: method.entropy_coef must be a number, got '1e-3x'"
+    )
 
 
 # --------------------------------------------------------------------------- 7. a suggested command that works
@@ -165,7 +258,9 @@ def test_an_eval_killed_before_recording_its_report_is_redone_by_the_suggested_c
     line = cli_error("analyze", "compare", root, "--eval", "task")
     suggested = line.split("make them with: ", 1)[1]
     assert suggested == f"masktrl eval task --model {out}", line
-    r = masktrl(*shlex.split(suggested)[1:])  # as suggested: it redoes the unrecorded report (it used to skip it: "exists")
+    r = masktrl(
+        *shlex.split(suggested)[1:]
+    )  # as suggested: it redoes the unrecorded report (it used to skip it: "exists")
     assert r.returncode == 0 and "avg@16" in r.stdout, r.stdout + r.stderr
     assert RunStore(root, writable=False).is_done(eval_key("task", 2))
     cli("analyze", "compare", root, "--eval", "task", "--output", tmp_path / "cmp")
@@ -177,11 +272,14 @@ def test_an_eval_killed_before_recording_its_report_is_redone_by_the_suggested_c
 def test_analyze_sis_bias_default_k_fits_the_stored_lists(finished, tmp_path, cli_error):
     _, out, root = copy_run(finished, tmp_path)  # K = 5 stored: the default 5,10,20 does not fit
     r = cli("analyze", "sis", "--run", root, "--bias")
-    assert "note: --k 5,10,20 (the default): 10, 20 above the stored list size K = 5; measured at 5" in " ".join(r.output.split())
+    assert "note: --k 5,10,20 (the default): 10, 20 above the stored list size K = 5; measured at 5" in " ".join(
+        r.output.split()
+    )
     result = json.loads((root / "analysis" / "sis-bias-step2.json").read_text())
     assert [row["k"] for row in result["ks"]] == [5]
     assert cli_error("analyze", "sis", "--run", root, "--bias", "--k", "5,10") == (
-        "error: --k 10 is above the stored list size K = 5 (rollout.logprobs_k): lists can only " "be re-cut")
+        "error: --k 10 is above the stored list size K = 5 (rollout.logprobs_k): lists can only be re-cut"
+    )
 
 
 def test_default_ks_put_the_stored_k_in_place_of_those_above_it():
@@ -211,7 +309,9 @@ def test_eval_generates_at_most_batch_size_sequences_at_once():
     class Engine:
         def generate(self, prompts, settings, seed):
             calls.append(len(prompts) * settings.n)
-            return [[Generation([1, 2], [-0.1, -0.2], [[1]], [[-0.1]], True) for _ in range(settings.n)] for _ in prompts]
+            return [
+                [Generation([1, 2], [-0.1, -0.2], [[1]], [[-0.1]], True) for _ in range(settings.n)] for _ in prompts
+            ]
 
     class Task:
         def score_many(self, examples, texts):
@@ -226,7 +326,14 @@ def test_eval_generates_at_most_batch_size_sequences_at_once():
 
     tok = Tok()
     examples = [Example(id=str(i), prompt="1+2=", answer="3") for i in range(3)]
-    graded = sample_and_grade(Engine(), tok, Task(), examples, SamplingSettings(n=7, max_new_tokens=2), EvalBatches((0, "eval", "t"), 3, False))
+    graded = sample_and_grade(
+        Engine(),
+        tok,
+        Task(),
+        examples,
+        SamplingSettings(n=7, max_new_tokens=2),
+        EvalBatches((0, "eval", "t"), 3, False),
+    )
     assert max(calls) <= 3 and sum(calls) == 21
     assert [len(row) for row in graded.scores] == [7, 7, 7] and [len(row) for row in graded.answers] == [7, 7, 7]
 
@@ -243,7 +350,12 @@ def test_eval_out_of_memory_names_eval_options(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         entry.main()
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and "--batch-size" in err and "train.grad_accum" not in err and "rollout.batch_size" not in err, err
+    assert (
+        exc.value.code == 2
+        and "--batch-size" in err
+        and "train.grad_accum" not in err
+        and "rollout.batch_size" not in err
+    ), err
 
 
 # --------------------------------------------------------------------------- 10. a sweep's conflicting flags
@@ -251,8 +363,11 @@ def test_eval_out_of_memory_names_eval_options(monkeypatch, capsys):
 
 def test_sweep_reports_set_method_name_against_methods(tmp_path, cli_error):
     line = cli_error("sweep", "--methods", "grpo,sis", "--set", "method.name=dppo", "--out", tmp_path / "s")
-    assert line == ("error: --set method.name=dppo conflicts with --methods (every run of a sweep takes its " "method from "
-                    "--methods): drop one")
+    assert line == (
+        "error: --set method.name=dppo conflicts with --methods (every run of a sweep takes its "
+        "method from "
+        "--methods): drop one"
+    )
     assert not (tmp_path / "s").exists()
 
 
@@ -268,13 +383,27 @@ def test_runs_lists_a_summary_written_but_not_recorded_as_incomplete(finished, t
     summary = json.loads((root / "summary.json").read_text())
     (root / "summary.json").write_text(json.dumps({**summary, "eval_after": 0.5}))
     listing = " ".join(cli("runs", "--out", out).output.split())
-    assert "damaged" not in listing and f"incomplete r: interrupted; run the same command again (masktrl train --resume r --out {out} " "continues it)" in listing
+    assert (
+        "damaged" not in listing
+        and f"incomplete r: interrupted; run the same command again (masktrl train --resume r --out {out} continues it)"
+        in listing
+    )
 
 
 @pytest.mark.slow  # a killed training and its resume, in their own processes
 def test_runs_tells_a_run_killed_before_recording_its_summary_from_a_damaged_one(finished, tmp_path):
     _, out, root = copy_run(finished, tmp_path)
-    r = masktrl("train", "--resume", "r", "--out", out, "--force", "--set", "train.steps=3", env={"MASKTRL_CRASH_AT": "summary-write:1"})
+    r = masktrl(
+        "train",
+        "--resume",
+        "r",
+        "--out",
+        out,
+        "--force",
+        "--set",
+        "train.steps=3",
+        env={"MASKTRL_CRASH_AT": "summary-write:1"},
+    )
     assert r.returncode != 0 and (root / "summary.json").is_file()
     listing = cli("runs", "--out", out).output
     assert "damaged" not in listing and "interrupted" in listing, listing
@@ -343,7 +472,25 @@ def test_a_command_given_out_writes_nothing_in_tmp(finished, tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(8)))
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    r = masktrl("rollout", "--model", root, "--out", out, "--data", "dataset", "--set", f"task.source={data}",
-                "--set", "task.reward=exact-match", "--output", out / "gen.parquet", "--n", 2, "--prompts", 4, env={"TMPDIR": str(tmp)})
+    r = masktrl(
+        "rollout",
+        "--model",
+        root,
+        "--out",
+        out,
+        "--data",
+        "dataset",
+        "--set",
+        f"task.source={data}",
+        "--set",
+        "task.reward=exact-match",
+        "--output",
+        out / "gen.parquet",
+        "--n",
+        2,
+        "--prompts",
+        4,
+        env={"TMPDIR": str(tmp)},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert list(tmp.iterdir()) == []  # the datasets arrow cache and torch's inductor folder: under out/.cache

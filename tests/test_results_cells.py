@@ -25,8 +25,17 @@ MACHINE = {"cpu_model": "Test CPU 9000", "threads": 2, "commit": "abc123"}
 
 def _run(folder, seed, final, correction=None, name=None):
     cfg = from_dict({"seed": seed, "method": {"name": "grpo", **({"correction": correction} if correction else {})}})
-    metrics = [{"step": t, "reward_mean": 0.4, "mismatch/logp_abs_mean": 0.08, "mismatch/kl_k3": 0.008, "mask_frac": 0.2,
-                "entropy": 1.0} for t in range(1, 41)]
+    metrics = [
+        {
+            "step": t,
+            "reward_mean": 0.4,
+            "mismatch/logp_abs_mean": 0.08,
+            "mismatch/kl_k3": 0.008,
+            "mask_frac": 0.2,
+            "entropy": 1.0,
+        }
+        for t in range(1, 41)
+    ]
     summary = {"eval_before": 0.3, "eval_after": final, "steps": 40, "machine": MACHINE}
     return RunInfo(Path(f"/nowhere/{folder}/{name or 'grpo'}-seed{seed}"), cfg, metrics, summary, "complete")
 
@@ -37,8 +46,10 @@ TIS = [0.45, 0.44, 0.41, 0.47, 0.40]
 
 @pytest.fixture
 def synthetic(monkeypatch):
-    runs = {"fp8": [_run("fp8", s, v) for s, v in enumerate(BASE)]
-            + [_run("fp8", s, v, {"kind": "token-tis", "mode": "decoupled"}, "tis") for s, v in enumerate(TIS)]}
+    runs = {
+        "fp8": [_run("fp8", s, v) for s, v in enumerate(BASE)]
+        + [_run("fp8", s, v, {"kind": "token-tis", "mode": "decoupled"}, "tis") for s, v in enumerate(TIS)]
+    }
     monkeypatch.setattr(rc, "expand_runs", lambda paths: [r.root for p in paths for r in runs[Path(p).name]])
     by_root = {r.root: r for rs in runs.values() for r in rs}
     monkeypatch.setattr(rc, "load_run", lambda root: by_root[Path(root)])
@@ -47,9 +58,14 @@ def synthetic(monkeypatch):
 
 def test_cells_hold_every_seed_and_the_table_is_the_paired_design(synthetic, tmp_path):
     paths = rc.write_cells([Path("fp8")], tmp_path / "cells")
-    assert [p.relative_to(tmp_path / "cells").as_posix() for p in paths] == ["fp8/grpo.json", "fp8/grpo_correction.cap=2.0.json"]  # the label
+    assert [p.relative_to(tmp_path / "cells").as_posix() for p in paths] == [
+        "fp8/grpo.json",
+        "fp8/grpo_correction.cap=2.0.json",
+    ]  # the label
     cell = json.loads(paths[1].read_text())
-    assert cell["source"] == "fp8" and cell["method"]["correction"]["mode"] == "decoupled" and "seed" not in cell["config"]
+    assert (
+        cell["source"] == "fp8" and cell["method"]["correction"]["mode"] == "decoupled" and "seed" not in cell["config"]
+    )
     assert [r["seed"] for r in cell["runs"]] == [0, 1, 2, 3, 4] and [r["eval_after"] for r in cell["runs"]] == TIS
     assert cell["runs"][0]["machine"] == MACHINE and cell["runs"][0]["mismatch"]["logp_abs_step1"] == 0.08
     assert cell["runs"][0]["collapse"]["collapsed"] is False
@@ -76,7 +92,9 @@ def test_check_and_write_the_marked_blocks(synthetic, tmp_path):
     assert rc.main(["tables", "--cells", str(tmp_path / "cells"), "--write", str(doc)]) == 0
     assert rc.main(["tables", "--cells", str(tmp_path / "cells"), "--check", str(doc)]) == 0
     text = doc.read_text()
-    assert text.startswith("# Results\n\n<!-- cells:fp8 -->\n| cell |") and text.endswith("<!-- /cells:fp8 -->\n\nafter\n")
+    assert text.startswith("# Results\n\n<!-- cells:fp8 -->\n| cell |") and text.endswith(
+        "<!-- /cells:fp8 -->\n\nafter\n"
+    )
     assert rc.tables(tmp_path / "cells")["fp8"] in text
 
 

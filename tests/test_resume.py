@@ -37,7 +37,9 @@ def reference(tmp_path_factory):
 def test_sigkill_then_resume_is_bit_identical(reference, point):
     base, cfg, ref = reference
     name = "crash-" + point.replace(":", "-")
-    r = masktrl("train", "--config", str(cfg), "--out", str(base / "out"), "--run", name, env={"MASKTRL_CRASH_AT": point})
+    r = masktrl(
+        "train", "--config", str(cfg), "--out", str(base / "out"), "--run", name, env={"MASKTRL_CRASH_AT": point}
+    )
     assert r.returncode == -9, (r.returncode, r.stderr[-2000:])
     root = base / "out" / name
     assert not (root / "summary.json").exists()
@@ -119,8 +121,24 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes_exactly(reference):
 
     base, cfg, ref = reference
     env = masktrl_env()
-    proc = subprocess.Popen([sys.executable, "-m", "masktrl.cli", "train", "--config", str(cfg), "--out", str(base / "out"), "--run", "ctrlc"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "masktrl.cli",
+            "train",
+            "--config",
+            str(cfg),
+            "--out",
+            str(base / "out"),
+            "--run",
+            "ctrlc",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     manifest = base / "out" / "ctrlc" / "manifest.json"
     deadline = time.time() + 240
     while time.time() < deadline and not (manifest.exists() and "step/000001/train" in manifest.read_text()):

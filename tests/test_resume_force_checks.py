@@ -35,8 +35,10 @@ def lora(tmp_path_factory):
 
 def hashes(root):
     """sha256 of every file under the run folder (and the folder's entries): what 'byte for byte' compares."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def words_file(tmp_path):
@@ -52,10 +54,7 @@ PLAIN_CHANGES = [
     (["model.architecture=llama"], "does not fit"),
     (["model.hidden_size=64"], "does not fit"),
 ]
-LORA_CHANGES = [
-    (["model.lora.rank=8"], "does not fit"),
-    (["model.lora.rank=null"], "model.lora.rank"),
-]
+LORA_CHANGES = [(["model.lora.rank=8"], "does not fit"), (["model.lora.rank=null"], "model.lora.rank")]
 
 
 def _refused(cli_error, out, sets, needle, *, dry_run):
@@ -91,8 +90,15 @@ def test_a_lora_change_is_refused_before_anything_is_written(lora, tmp_path, cli
 def test_a_task_with_another_vocabulary_is_refused_before_anything_is_written(plain, tmp_path, cli_error, dry_run):
     _, out, root = copy_run(plain, tmp_path)
     before = hashes(root)
-    sets = ["task.name=dataset", f"task.source={words_file(tmp_path)}", "task.prompt_key=word", "task.answer_key=target",
-            "task.template={prompt}>", "task.reward=exact-match", "task.n_test=4"]
+    sets = [
+        "task.name=dataset",
+        f"task.source={words_file(tmp_path)}",
+        "task.prompt_key=word",
+        "task.answer_key=target",
+        "task.template={prompt}>",
+        "task.reward=exact-match",
+        "task.n_test=4",
+    ]
     _refused(cli_error, out, sets, "does not fit", dry_run=dry_run)
     assert hashes(root) == before
 

@@ -51,9 +51,15 @@ def assert_same_records(a, b, atol):
     for x, y in zip(a, b):
         assert x.response_ids == y.response_ids and x.finished == y.finished
         assert x.topk_ids == y.topk_ids
-        torch.testing.assert_close(torch.tensor(y.logp, dtype=torch.float64), torch.tensor(x.logp, dtype=torch.float64), atol=atol, rtol=0)
-        torch.testing.assert_close(torch.tensor(y.topk_logp, dtype=torch.float64), torch.tensor(x.topk_logp, dtype=torch.float64),
-                                   atol=atol, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(y.logp, dtype=torch.float64), torch.tensor(x.logp, dtype=torch.float64), atol=atol, rtol=0
+        )
+        torch.testing.assert_close(
+            torch.tensor(y.topk_logp, dtype=torch.float64),
+            torch.tensor(x.topk_logp, dtype=torch.float64),
+            atol=atol,
+            rtol=0,
+        )
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -95,8 +101,10 @@ def teacher_forced(model, prompt, gen, temperature, top_p=1.0):
     return torch.log_softmax(scores, -1)
 
 
-@pytest.mark.parametrize("temperature, top_p, texts", [(1.0, 1.0, TEXTS), (0.7, 1.0, TEXTS), (1.3, 0.8, TEXTS),
-                                                       (1.0, 1.0, ["8", "2", "5", "+"])])
+@pytest.mark.parametrize(
+    "temperature, top_p, texts",
+    [(1.0, 1.0, TEXTS), (0.7, 1.0, TEXTS), (1.3, 0.8, TEXTS), (1.0, 1.0, ["8", "2", "5", "+"])],
+)
 def test_sampled_records_are_the_distribution_sampled_from(tok, temperature, top_p, texts):
     """Every recorded log mu and top-K list equals a teacher-forced forward of the sampled
     sequence (so the cache and history of each row stayed that row's after others left), and
@@ -183,7 +191,9 @@ def test_drop_finished_is_an_hf_option():
 
 
 def test_drop_finished_with_vllm_exits_2_with_one_line_and_no_folder(tmp_path, cli_error):
-    line = cli_error("train", "--set", "rollout.engine=vllm", "--set", "rollout.drop_finished=true", "--out", tmp_path, "--run", "x")
+    line = cli_error(
+        "train", "--set", "rollout.engine=vllm", "--set", "rollout.drop_finished=true", "--out", tmp_path, "--run", "x"
+    )
     assert "rollout.drop_finished is an option of the hf engine" in line and not (tmp_path / "x").exists()
 
 
@@ -196,8 +206,20 @@ def test_a_training_run_with_drop_finished_records_what_the_trainer_computes(tmp
     from tests.conftest import masktrl, write_tiny_config
 
     cfg = write_tiny_config(tmp_path / "c.yaml")
-    r = masktrl("train", "--config", cfg, "--out", warm_out, "--run", "drop", "--set", "rollout.drop_finished=true",
-                "--set", "train.threads=1", cwd=tmp_path)
+    r = masktrl(
+        "train",
+        "--config",
+        cfg,
+        "--out",
+        warm_out,
+        "--run",
+        "drop",
+        "--set",
+        "rollout.drop_finished=true",
+        "--set",
+        "train.threads=1",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in (warm_out / "drop" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2]
@@ -230,6 +252,7 @@ def test_a_processor_whose_rows_the_loop_cannot_follow_is_refused_with_one_line(
             procs = orig(self, *args, **kwargs)
             procs.append(extra())
             return procs
+
         return patched
 
     model = eos_prone_model(tok)
@@ -238,9 +261,13 @@ def test_a_processor_whose_rows_the_loop_cannot_follow_is_refused_with_one_line(
         monkeypatch.setattr(gen_utils.GenerationMixin, "_get_logits_processor", adding(extra))
         engine = HFEngine(model, tok, drop_finished=True)
         if extra is Opaque:
-            with pytest.raises(MasktrlError, match="rollout.drop_finished cannot follow the rows of the logits processor Opaque"):
+            with pytest.raises(
+                MasktrlError, match="rollout.drop_finished cannot follow the rows of the logits processor Opaque"
+            ):
                 engine.generate(prompts, s, seed=0)
         else:
             out = flat(engine.generate(prompts, s, seed=0))
     lengths = [len(g.response_ids) for g in out]
-    assert len(Following.seen) >= 3 and len(Following.seen[-1]) == sum(L == 10 for L in lengths)  # the rows left at the end
+    assert len(Following.seen) >= 3 and len(Following.seen[-1]) == sum(
+        L == 10 for L in lengths
+    )  # the rows left at the end

@@ -36,15 +36,49 @@ def make_samples(rows=6, vocab=50, k=8, max_len=7, bf16=False, top_p_cut=None, s
         if k > vocab:  # vLLM pads short lists with -1 / -inf
             top_ids = torch.cat([top_ids, torch.full((t_len, k - vocab), -1)], 1)
             top_lp = torch.cat([top_lp, torch.full((t_len, k - vocab), -INF)], 1)
-        gen = Generation(ids.tolist(), lp.gather(1, ids[:, None])[:, 0].tolist(), top_ids.tolist(), top_lp.tolist(), finished=bool(r % 2))
-        samples.append(Sample(f"ex{r // 2}", f"prompt {r // 2}", str(r), [1 + r // 2, 2, 3], r // 2, gen, text=f"t{r}", reward=float(r % 2), advantage=0.5 - r % 2))
+        gen = Generation(
+            ids.tolist(),
+            lp.gather(1, ids[:, None])[:, 0].tolist(),
+            top_ids.tolist(),
+            top_lp.tolist(),
+            finished=bool(r % 2),
+        )
+        samples.append(
+            Sample(
+                f"ex{r // 2}",
+                f"prompt {r // 2}",
+                str(r),
+                [1 + r // 2, 2, 3],
+                r // 2,
+                gen,
+                text=f"t{r}",
+                reward=float(r % 2),
+                advantage=0.5 - r % 2,
+            )
+        )
     return samples
 
 
 def fingerprint(samples):
     bits = lambda xs: np.asarray(xs, dtype=np.float32).view(np.uint32).tolist()  # noqa: E731
-    return [(s.example_id, s.prompt, s.answer, s.prompt_ids, s.group, s.text, s.reward, s.advantage, s.gen.finished,
-             s.gen.response_ids, bits(s.gen.logp), s.gen.topk_ids, [bits(row) for row in s.gen.topk_logp]) for s in samples]
+    return [
+        (
+            s.example_id,
+            s.prompt,
+            s.answer,
+            s.prompt_ids,
+            s.group,
+            s.text,
+            s.reward,
+            s.advantage,
+            s.gen.finished,
+            s.gen.response_ids,
+            bits(s.gen.logp),
+            s.gen.topk_ids,
+            [bits(row) for row in s.gen.topk_logp],
+        )
+        for s in samples
+    ]
 
 
 def codec(path):
@@ -142,8 +176,14 @@ def refused(path, match, **kw):
 
 def write_v1_table(path, samples, **changes):
     """A format-1 file of ``samples`` with columns replaced by ``changes`` (pyarrow arrays)."""
-    table = storage._encode_v1(samples, {n: [getattr(s, n) for s in samples] for n in ("example_id", "prompt", "answer", "group", "prompt_ids", "text", "reward", "advantage")}
-                               | {"finished": [s.gen.finished for s in samples]})
+    table = storage._encode_v1(
+        samples,
+        {
+            n: [getattr(s, n) for s in samples]
+            for n in ("example_id", "prompt", "answer", "group", "prompt_ids", "text", "reward", "advantage")
+        }
+        | {"finished": [s.gen.finished for s in samples]},
+    )
     for name, arr in changes.items():
         table = table.set_column(table.column_names.index(name), name, arr)
     pq.write_table(table.replace_schema_metadata({"masktrl": "{}"}), path)
@@ -204,11 +244,27 @@ def test_nan_is_refused(tmp_path, where):
 @pytest.mark.parametrize(
     "column, array, match",
     [
-        ("behavior_logp", lambda s: pa.array([s.gen.logp for s in s], pa.list_(pa.float64())), "column behavior_logp has type list<double>, expected list<float>"),
+        (
+            "behavior_logp",
+            lambda s: pa.array([s.gen.logp for s in s], pa.list_(pa.float64())),
+            "column behavior_logp has type list<double>, expected list<float>",
+        ),
         ("reward", lambda s: pa.array([str(x.reward) for x in s]), "column reward has type string, expected double"),
-        ("topk_ids", lambda s: pa.array([x.gen.response_ids for x in s], pa.list_(pa.int32())), "column topk_ids has type list<int32>, expected list<list<int32>>"),
-        ("advantage", lambda s: pa.array([None] + [x.advantage for x in s[1:]], pa.float64()), "row 0: null value in column advantage"),
-        ("response_ids", lambda s: pa.array([x.gen.response_ids[:-1] + [None] for x in s], pa.list_(pa.int32())), "row 0: null value in column response_ids"),
+        (
+            "topk_ids",
+            lambda s: pa.array([x.gen.response_ids for x in s], pa.list_(pa.int32())),
+            "column topk_ids has type list<int32>, expected list<list<int32>>",
+        ),
+        (
+            "advantage",
+            lambda s: pa.array([None] + [x.advantage for x in s[1:]], pa.float64()),
+            "row 0: null value in column advantage",
+        ),
+        (
+            "response_ids",
+            lambda s: pa.array([x.gen.response_ids[:-1] + [None] for x in s], pa.list_(pa.int32())),
+            "row 0: null value in column response_ids",
+        ),
     ],
 )
 def test_wrong_column_types_and_nulls_are_refused(tmp_path, column, array, match):
@@ -281,7 +337,9 @@ def test_corrupt_format2_encodings_are_refused(tmp_path, column, values, match):
     assert codec(path)["topk_ids"] == "vocab"
     table = pq.read_table(path)
     i = table.column_names.index(column)
-    table = table.set_column(i, column, pa.array(values(table.column(column).to_pylist()), table.schema.field(column).type))
+    table = table.set_column(
+        i, column, pa.array(values(table.column(column).to_pylist()), table.schema.field(column).type)
+    )
     pq.write_table(table, path)
     refused(path, match)
 

@@ -12,8 +12,18 @@ from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tin
 
 
 def tiny_moe(seed=0):
-    cfg = Qwen3MoeConfig(vocab_size=40, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2)
+    cfg = Qwen3MoeConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -41,7 +51,9 @@ def test_routing_of_a_moe_model_and_a_dense_one():
     manual = model.model.layers[0].mlp.gate  # the router's own choice: top-2 of softmax(h W^T)
     assert routing_flip_rate(r, routing(model, ids)) == 0.0  # deterministic
     assert manual.top_k == 2
-    dense = build_tiny_model(build_char_tokenizer("0123"), TinyModelConfig(hidden_size=32, intermediate_size=64), seed=0)
+    dense = build_tiny_model(
+        build_char_tokenizer("0123"), TinyModelConfig(hidden_size=32, intermediate_size=64), seed=0
+    )
     assert moe_routers(dense) == []
     with pytest.raises(ValueError, match="no MoE layers"):
         routing(dense, ids % 7)

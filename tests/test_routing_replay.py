@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.conftest import cli, write_tiny_config
-from tests.test_routing import tiny_moe
 
 from masktrl.models.moe import moe_routers, replayed_routing, routing, routing_records, routing_targets
 from masktrl.rollout.base import Sample, SamplingSettings
+from tests.conftest import cli, write_tiny_config
+from tests.test_routing import tiny_moe
 
 MOE = {"model": {"architecture": "qwen3-moe"}}
 
@@ -78,7 +78,9 @@ def test_the_replayed_gradient_is_autograd_of_the_forward_with_the_expert_choice
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 40, (2, 7), generator=g)
     layers, t = len(moe_routers(model)), ids.numel()
-    forced = torch.stack([torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(t)]) for _ in range(layers)])  # [L, T, 2]
+    forced = torch.stack(
+        [torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(t)]) for _ in range(layers)]
+    )  # [L, T, 2]
     own = _as_targets(routing(model, ids))
     assert not torch.equal(forced.sort(-1).values, own.sort(-1).values)  # the replay really routes elsewhere
     loss_r, grads_r = _grads(model, ids, forced)
@@ -129,7 +131,9 @@ def test_the_engine_records_its_copys_routing_and_the_file_keeps_it(tmp_path):
     assert s.gen.routing == routing_records(engine.model, [s.prompt_ids + s.gen.response_ids])[0]  # the engine's copy
     write_rollouts(tmp_path / "r.parquet", samples, {})
     back, _ = read_rollouts(tmp_path / "r.parquet")
-    assert [b.gen.routing for b in back] == [x.gen.routing for x in samples] and has_routing_column(tmp_path / "r.parquet")
+    assert [b.gen.routing for b in back] == [x.gen.routing for x in samples] and has_routing_column(
+        tmp_path / "r.parquet"
+    )
     _, _, plain = _engine_batch(record=False)
     assert all(x.gen.routing is None for x in plain)
     write_rollouts(tmp_path / "p.parquet", plain, {})  # no routing: no column, and the file reads as before
@@ -165,12 +169,19 @@ def test_an_engine_without_routing_is_refused():
         enable_routing_replay(torch.nn.Linear(1, 1), NoRouting())
 
 
-@pytest.mark.parametrize("overlay, sets, words", [
-    ({}, ["model.routing_replay=rollout"], "model.architecture=qwen3 is dense"),
-    (MOE, ["model.routing_replay=rollout", "rollout.engine=vllm"], "rollout.engine=vllm: the engine cannot report its routing"),
-    (MOE, ["model.routing_replay=rollout", "train.packing=true"], "set train.packing=false"),
-    (MOE, ["model.routing_replay=yes"], "model.routing_replay must be one of rollout"),
-])
+@pytest.mark.parametrize(
+    "overlay, sets, words",
+    [
+        ({}, ["model.routing_replay=rollout"], "model.architecture=qwen3 is dense"),
+        (
+            MOE,
+            ["model.routing_replay=rollout", "rollout.engine=vllm"],
+            "rollout.engine=vllm: the engine cannot report its routing",
+        ),
+        (MOE, ["model.routing_replay=rollout", "train.packing=true"], "set train.packing=false"),
+        (MOE, ["model.routing_replay=yes"], "model.routing_replay must be one of rollout"),
+    ],
+)
 @pytest.mark.parametrize("dry", [False, True])
 def test_bad_input_is_one_line_and_writes_nothing(cli_error, tmp_path, overlay, sets, words, dry):
     cfg = write_tiny_config(tmp_path / "c.yaml", overlay)
@@ -186,8 +197,13 @@ def test_a_short_moe_run_with_replay_under_fp8_logs_no_routing_flip(tmp_path, cl
     """Acceptance: the MoE model with model.routing_replay=rollout under fp8 logs routing_flip_rate
     0 in training, while the trainer's own routers would have flipped; a file of such a run
     replays, one without routing is refused."""
-    cfg = write_tiny_config(tmp_path / "c.yaml", {"model": {"architecture": "qwen3-moe", "hidden_size": 64, "num_layers": 2},
-                                                  "rollout": {"quantization": "fp8"}})
+    cfg = write_tiny_config(
+        tmp_path / "c.yaml",
+        {
+            "model": {"architecture": "qwen3-moe", "hidden_size": 64, "num_layers": 2},
+            "rollout": {"quantization": "fp8"},
+        },
+    )
     out = tmp_path / "out"
     cli("train", "--config", cfg, "--out", out, "--run", "plain")
     cli("train", "--config", cfg, "--out", out, "--run", "r3", "--set", "model.routing_replay=rollout")
@@ -198,10 +214,34 @@ def test_a_short_moe_run_with_replay_under_fp8_logs_no_routing_flip(tmp_path, cl
     plain = [json.loads(x) for x in (out / "plain" / "metrics.jsonl").read_text().splitlines()]
     assert "mismatch/routing_flip_rate_router" not in plain[0]
     # step 1 samples the same batch at the same weights in both runs: the routers' own rate is the plain run's flip rate
-    assert rows[0]["mismatch/routing_flip_rate_router"] == pytest.approx(plain[0]["mismatch/routing_flip_rate"], abs=1e-7)
-    cli("train", "--config", cfg, "--out", out, "--run", "again", "--set", "model.routing_replay=rollout",
-        "--rollouts-from", out / "r3")
+    assert rows[0]["mismatch/routing_flip_rate_router"] == pytest.approx(
+        plain[0]["mismatch/routing_flip_rate"], abs=1e-7
+    )
+    cli(
+        "train",
+        "--config",
+        cfg,
+        "--out",
+        out,
+        "--run",
+        "again",
+        "--set",
+        "model.routing_replay=rollout",
+        "--rollouts-from",
+        out / "r3",
+    )
     before = sorted(p.name for p in out.iterdir())
-    line = cli_error("train", "--config", cfg, "--out", out, "--run", "no", "--set", "model.routing_replay=rollout",
-                     "--rollouts-from", out / "plain")
+    line = cli_error(
+        "train",
+        "--config",
+        cfg,
+        "--out",
+        out,
+        "--run",
+        "no",
+        "--set",
+        "model.routing_replay=rollout",
+        "--rollouts-from",
+        out / "plain",
+    )
     assert "has no recorded routing" in line and sorted(p.name for p in out.iterdir()) == before

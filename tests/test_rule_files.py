@@ -21,8 +21,10 @@ from tests.conftest import cli, write_tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tanh_clip.py"
-HEADER = "from dataclasses import dataclass\nfrom masktrl.methods import MethodParams, TokenLosses, " "register_method\n\n"
-GOOD = HEADER + '''
+HEADER = "from dataclasses import dataclass\nfrom masktrl.methods import MethodParams, TokenLosses, register_method\n\n"
+GOOD = (
+    HEADER
+    + """
 @dataclass(frozen=True)
 class P(MethodParams):
     scale: float = 1.0
@@ -32,7 +34,8 @@ class P(MethodParams):
 def mine(batch, adv, p, u):
     from masktrl.methods import unit_ratio_log
     return TokenLosses(-adv * p.scale * unit_ratio_log(batch).exp(), ~batch.valid, None, None, None, None)
-'''
+"""
+)
 
 
 def _sha(path: Path) -> str:
@@ -51,10 +54,14 @@ def _write(tmp_path: Path, text: str, name: str = "rules.py") -> Path:
 def test_split_method_reads_a_file_spec_with_its_parameters():
     assert split_method("rules/x.py:soft") == ("rules/x.py:soft", [])
     assert split_method("rules/x.py:soft:tau=2:correction.kind=icepop") == (
-        "rules/x.py:soft", ["method.tau=2", "method.correction.kind=icepop"])
+        "rules/x.py:soft",
+        ["method.tau=2", "method.correction.kind=icepop"],
+    )
     assert split_method("pdm:tail=uniform") == ("pdm", ["method.tail=uniform"])
     assert split_method("grpo:correction.kind=c.py:clamp:correction.cap=2") == (
-        "grpo", ["method.correction.kind=c.py:clamp", "method.correction.cap=2"])
+        "grpo",
+        ["method.correction.kind=c.py:clamp", "method.correction.cap=2"],
+    )
 
 
 def test_run_stem_of_a_file_rule_is_its_name():
@@ -89,7 +96,9 @@ def test_config_records_the_rule_and_its_sha256(tmp_path):
     assert cfg.method_name == "tanh_clip" and cfg.method.params.eps_low == 0.1
     block = cfg.to_dict()["method"]
     assert block == {"name": f"{EXAMPLE}:tanh_clip", "eps_low": 0.1, "sha256": _sha(EXAMPLE)}
-    back = load_config(None, [f"method.sha256={'0' * 64}"], method=f"{EXAMPLE}:tanh_clip")  # a request: the file as it is now
+    back = load_config(
+        None, [f"method.sha256={'0' * 64}"], method=f"{EXAMPLE}:tanh_clip"
+    )  # a request: the file as it is now
     assert back.to_dict()["method"]["sha256"] == _sha(EXAMPLE)
     assert cfg.resolved_method()["sha256"] == _sha(EXAMPLE) and cfg.resolved_method()["name"] == f"{EXAMPLE}:tanh_clip"
 
@@ -111,9 +120,15 @@ def test_example_gradient_is_autograd_of_its_value_form_in_float64():
     adv[7] = 0.0
 
     def batch(lp):
-        return TokenBatch(logp=lp, behavior_logp=mu, sampled_ids=torch.arange(n), topk_ids=torch.zeros(n, k, dtype=torch.long),
-                          topk_behavior_logp=torch.full((n, k), -3.0, dtype=torch.float64),
-                          topk_logp=torch.full((n, k), -3.0, dtype=torch.float64), seq_ids=torch.arange(n) // 5)
+        return TokenBatch(
+            logp=lp,
+            behavior_logp=mu,
+            sampled_ids=torch.arange(n),
+            topk_ids=torch.zeros(n, k, dtype=torch.long),
+            topk_behavior_logp=torch.full((n, k), -3.0, dtype=torch.float64),
+            topk_logp=torch.full((n, k), -3.0, dtype=torch.float64),
+            seq_ids=torch.arange(n) // 5,
+        )
 
     lp = logp0.clone().requires_grad_()
     out = bound.token_losses(batch(lp), adv)
@@ -182,7 +197,19 @@ def test_example_trains_two_steps_and_resume_guards_the_file(warm_out, tmp_path,
     shutil.copy(EXAMPLE, rule)
     out = tmp_path / "out"
     shutil.copytree(warm_out, out)  # the tiny warm start, cached
-    cli("train", "--config", config, "--out", out, "--method", f"{rule}:tanh_clip", "--run", "mine", "--set", "train.steps=2")
+    cli(
+        "train",
+        "--config",
+        config,
+        "--out",
+        out,
+        "--method",
+        f"{rule}:tanh_clip",
+        "--run",
+        "mine",
+        "--set",
+        "train.steps=2",
+    )
     root = out / "mine"
     recorded = yaml.safe_load((root / "run.yaml").read_text())["method"]
     assert recorded == {"name": f"{rule}:tanh_clip", "sha256": _sha(rule)}
@@ -232,10 +259,16 @@ def test_a_correction_from_a_file_equals_the_shipped_one_it_transcribes(tmp_path
     ref = mu + torch.randn(30, generator=gen, dtype=torch.float64)
     seq, adv = torch.arange(30) // 6, torch.randn(30, generator=gen, dtype=torch.float64)
     for mode in ("bypass", "decoupled"):
-        a = correction_weights(resolve_method_spec("grpo", {"kind": f"{path}:clamp", "cap": 1.5, "mode": mode}).correction,
-                               mu, ref, seq, adv)
-        b = correction_weights(resolve_method_spec("grpo", {"kind": "token-tis", "cap": 1.5, "mode": mode}).correction,
-                               mu, ref, seq, adv)
+        a = correction_weights(
+            resolve_method_spec("grpo", {"kind": f"{path}:clamp", "cap": 1.5, "mode": mode}).correction,
+            mu,
+            ref,
+            seq,
+            adv,
+        )
+        b = correction_weights(
+            resolve_method_spec("grpo", {"kind": "token-tis", "cap": 1.5, "mode": mode}).correction, mu, ref, seq, adv
+        )
         for x, y in zip(a, b):
             assert torch.equal(x, y), mode
     assert shipped.correction.kind == "token-tis"
@@ -248,14 +281,21 @@ def test_a_correction_file_is_recorded_and_its_bad_input_is_one_line(tmp_path, c
     assert cfg.resolved_method()["correction"]["sha256"] == _sha(path)
     assert set(cfg.method.files) == {"method.correction.sha256"}
     out = tmp_path / "out"
-    for kind, what in ((f"{tmp_path}/none.py:clamp", "no such file"), (f"{path}:other", "registers no correction 'other'")):
+    for kind, what in (
+        (f"{tmp_path}/none.py:clamp", "no such file"),
+        (f"{path}:other", "registers no correction 'other'"),
+    ):
         line = cli_error("train", "--set", f"method.correction.kind={kind}", "--out", out)
         assert what in line, line
     line = cli_error("sweep", "--methods", f"grpo:correction.kind={path}:other", "--seeds", "1", "--out", out)
     assert "registers no correction 'other'" in line, line
-    line = cli_error("train", "--set", f"method.correction.kind={path}:clamp", "--set", "method.correction.lo=0.5", "--out", out)
+    line = cli_error(
+        "train", "--set", f"method.correction.kind={path}:clamp", "--set", "method.correction.lo=0.5", "--out", out
+    )
     assert "method.correction.lo does not apply" in line, line
-    bad = _write(tmp_path, CORRECTION.replace("def clamp(log_rho, valid, seq_ids, adv, keys):", "def clamp(log_rho):"), "bad.py")
+    bad = _write(
+        tmp_path, CORRECTION.replace("def clamp(log_rho, valid, seq_ids, adv, keys):", "def clamp(log_rho):"), "bad.py"
+    )
     line = cli_error("train", "--set", f"method.correction.kind={bad}:clamp", "--out", out)
     assert "must take (log_rho, valid, seq_ids, advantages, keys)" in line, line
     assert not out.exists()
@@ -272,7 +312,9 @@ def test_sweep_compare_and_rollouts_from_take_a_file_rule(warm_out, tmp_path, cl
     out = tmp_path / "out"
     shutil.copytree(warm_out, out)
     spec = f"{rule}:tanh_clip"
-    result = cli("sweep", "--methods", f"grpo,{spec},{spec}:eps_high=0.5", "--seeds", "1", "--config", config, "--out", out)
+    result = cli(
+        "sweep", "--methods", f"grpo,{spec},{spec}:eps_high=0.5", "--seeds", "1", "--config", config, "--out", out
+    )
     assert "tanh_clip" in result.output and "grpo" in result.output
     for name in ("tanh_clip-seed0", "tanh_clip-eps_high-0.5-seed0"):
         assert json.loads((out / name / "summary.json").read_text())["method"] == "tanh_clip"
@@ -280,7 +322,19 @@ def test_sweep_compare_and_rollouts_from_take_a_file_rule(warm_out, tmp_path, cl
     assert table["baseline"] == "grpo" and len(table["methods"]) == 3
     result = cli("analyze", "compare", "grpo-seed0", "tanh_clip-seed0", "--out", out, "--output", tmp_path / "cmp")
     assert "tanh_clip" in result.output
-    cli("train", "--config", config, "--out", out, "--method", spec, "--rollouts-from", "grpo-seed0", "--run", "replayed")
+    cli(
+        "train",
+        "--config",
+        config,
+        "--out",
+        out,
+        "--method",
+        spec,
+        "--rollouts-from",
+        "grpo-seed0",
+        "--run",
+        "replayed",
+    )
     assert len((out / "replayed" / "metrics.jsonl").read_text().splitlines()) == 2
     rule.write_text(rule.read_text() + "\n# edited\n")
     line = cli_error("sweep", "--methods", f"grpo,{spec}", "--seeds", "1", "--config", config, "--out", out)

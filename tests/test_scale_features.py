@@ -16,8 +16,17 @@ from tests.conftest import masktrl, write_tiny_config
 from tests.test_resume import RESUME, metrics, weights
 
 # the resume tests' tiny SIS run: 4 steps, a checkpoint after each, a cosine schedule
-OVERLAY = {**RESUME, "train": {**RESUME["train"], "steps": 4, "checkpoint_every": 1, "lr_schedule": "cosine", "warmup_steps": 1,
-                               "min_lr_ratio": 0.1}}
+OVERLAY = {
+    **RESUME,
+    "train": {
+        **RESUME["train"],
+        "steps": 4,
+        "checkpoint_every": 1,
+        "lr_schedule": "cosine",
+        "warmup_steps": 1,
+        "min_lr_ratio": 0.1,
+    },
+}
 BUDGET = ["--set", "train.keep_checkpoints=1", "--set", "train.keep_steps=[2]", "--set", "rollout.store=resume"]
 
 
@@ -68,14 +77,18 @@ def test_tensorboard_events_hold_every_metrics_row(runs):
             logged = dict(scalars[key])
             assert logged[row["step"]] == pytest.approx(value, rel=1e-6, nan_ok=True), key  # float32 in the event file
     summary = json.loads((root / "summary.json").read_text())
-    assert dict(scalars["eval/heldout/accuracy"]) == pytest.approx({0: summary["eval_before"], 4: summary["eval_after"]})
+    assert dict(scalars["eval/heldout/accuracy"]) == pytest.approx(
+        {0: summary["eval_before"], 4: summary["eval_after"]}
+    )
 
 
 def test_budgets_keep_the_newest_checkpoint_the_pinned_one_and_what_resume_needs(runs):
     _, _, out, _ = runs
     root = out / "all"
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["000002", "000004"]
-    assert not (root / "steps").exists() or not any((root / "steps").rglob("*.parquet"))  # all before the last checkpoint
+    assert not (root / "steps").exists() or not any(
+        (root / "steps").rglob("*.parquet")
+    )  # all before the last checkpoint
     manifest = json.loads((root / "manifest.json").read_text())
     assert manifest["stages"]["checkpoint/000003"]["status"] == "pruned"
     assert manifest["disk_projection"]["per_run"] > 0
@@ -87,7 +100,17 @@ def test_budgets_keep_the_newest_checkpoint_the_pinned_one_and_what_resume_needs
 
 def test_budgeted_run_killed_then_resumed_is_bit_identical(runs):
     base, cfg, out, _ = runs
-    r = masktrl("train", "--config", str(cfg), "--out", str(out), "--run", "crash", *BUDGET, env={"MASKTRL_CRASH_AT": "update:4"})
+    r = masktrl(
+        "train",
+        "--config",
+        str(cfg),
+        "--out",
+        str(out),
+        "--run",
+        "crash",
+        *BUDGET,
+        env={"MASKTRL_CRASH_AT": "update:4"},
+    )
     assert r.returncode == -9, r.stderr[-2000:]
     root = out / "crash"
     assert sorted(p.name for p in (root / "steps").iterdir()) == ["000004"]  # the batch resume reuses
@@ -109,16 +132,22 @@ def test_rollouts_from_a_run_that_kept_only_resume_batches_is_refused(runs, tmp_
     manifest = json.loads((partial / "manifest.json").read_text())
     manifest["stages"]["step/000004/rollout"]["status"] = "done"
     (partial / "manifest.json").write_text(json.dumps(manifest))
-    for root, needle in ((out / "all", "no stored rollouts"), (partial, "1 steps between 4 and 4, not every step from 1")):
+    for root, needle in (
+        (out / "all", "no stored rollouts"),
+        (partial, "1 steps between 4 and 4, not every step from 1"),
+    ):
         with pytest.raises(MasktrlError, match=needle) as exc:
             RolloutSource(str(root), 6, tokenizer=None)
         assert "rollout.store" in str(exc.value)
 
 
-@pytest.mark.parametrize("args, needle", [  # every new key's message: tests/test_config.py; here the CLI's handling
-    (["--set", "train.keep_checkpoints=0"], "train.keep_checkpoints must be >= 1"),
-    (["--set", "rollout.sleep_mode=true"], "rollout.sleep_mode needs rollout.engine=vllm"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [  # every new key's message: tests/test_config.py; here the CLI's handling
+        (["--set", "train.keep_checkpoints=0"], "train.keep_checkpoints must be >= 1"),
+        (["--set", "rollout.sleep_mode=true"], "rollout.sleep_mode needs rollout.engine=vllm"),
+    ],
+)
 def test_bad_settings_exit_2_with_one_line_and_no_folder(tmp_path, cli_error, args, needle):
     line = cli_error("train", *args, "--out", tmp_path, "--run", "x")
     assert needle in line and not (tmp_path / "x").exists()

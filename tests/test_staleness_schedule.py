@@ -22,7 +22,9 @@ def test_integer_form_samples_what_it_always_did(s):
     last = 12
     seen = set()
     for step in range(1, last + 1):
-        later = [t for t in old_sample_ahead(s, step, last) if t not in seen]  # the run samples what is neither held nor stored
+        later = [
+            t for t in old_sample_ahead(s, step, last) if t not in seen
+        ]  # the run samples what is neither held nor stored
         assert [t for t in sample_now(s, 0, step, last) if t not in seen] == later
         seen.update(later)
         seen.add(step)
@@ -30,8 +32,15 @@ def test_integer_form_samples_what_it_always_did(s):
     assert staleness_spec(3) == staleness_spec({"dist": "fixed", "max": 3, "min": 3})
 
 
-@pytest.mark.parametrize("spec", [{"dist": "uniform", "max": 4}, {"dist": "geometric", "max": 4, "p": 0.4},
-                                  {"dist": "uniform", "min": 1, "max": 3}, {"dist": "fixed", "max": 2}])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"dist": "uniform", "max": 4},
+        {"dist": "geometric", "max": 4, "p": 0.4},
+        {"dist": "uniform", "min": 1, "max": 3},
+        {"dist": "fixed", "max": 2},
+    ],
+)
 def test_every_batch_is_sampled_once_before_its_step_by_the_age_drawn(spec):
     last = 300
     when = {}
@@ -44,8 +53,12 @@ def test_every_batch_is_sampled_once_before_its_step_by_the_age_drawn(spec):
         assert when[t] == sampled_at(spec, 7, t) and 0 <= t - when[t] <= spec["max"]
         assert t - when[t] == batch_age(spec, 7, t) == min(drawn_age(spec, 7, t), t - 1)
         assert spec.get("min", 0) <= drawn_age(spec, 7, t) <= spec["max"]
-    assert [drawn_age(spec, 7, t) for t in range(1, 50)] == [drawn_age(spec, 7, t) for t in range(1, 50)]  # a pure function
-    assert [drawn_age(spec, 8, t) for t in range(1, 50)] != [drawn_age(spec, 7, t) for t in range(1, 50)] or spec["dist"] == "fixed"
+    assert [drawn_age(spec, 7, t) for t in range(1, 50)] == [
+        drawn_age(spec, 7, t) for t in range(1, 50)
+    ]  # a pure function
+    assert [drawn_age(spec, 8, t) for t in range(1, 50)] != [drawn_age(spec, 7, t) for t in range(1, 50)] or spec[
+        "dist"
+    ] == "fixed"
 
 
 def test_distributions_have_their_shape():
@@ -58,22 +71,33 @@ def test_distributions_have_their_shape():
     assert all(abs(geo[a] / n - expect[a]) < 0.015 for a in range(5))
 
 
-@pytest.mark.parametrize("value, needle", [
-    ({"dist": "poisson", "max": 2}, "rollout.staleness.dist"),
-    ({"dist": "uniform", "min": 3, "max": 2}, "below the minimum age"),
-    ({"dist": "uniform"}, "needs dist"),
-    ({"dist": "geometric", "max": 2, "p": 0}, "rollout.staleness.p"),
-    ({"dist": "uniform", "max": 2, "lag": 1}, "unknown key"),
-    (-1, "rollout.staleness"),
-])
+@pytest.mark.parametrize(
+    "value, needle",
+    [
+        ({"dist": "poisson", "max": 2}, "rollout.staleness.dist"),
+        ({"dist": "uniform", "min": 3, "max": 2}, "below the minimum age"),
+        ({"dist": "uniform"}, "needs dist"),
+        ({"dist": "geometric", "max": 2, "p": 0}, "rollout.staleness.p"),
+        ({"dist": "uniform", "max": 2, "lag": 1}, "unknown key"),
+        (-1, "rollout.staleness"),
+    ],
+)
 def test_bad_schedules_are_config_errors(tmp_path, value, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(write_tiny_config(tmp_path / "c.yaml", {"rollout": {"staleness": value}}))
 
 
 def test_bad_schedule_on_the_command_line_exit_2_nothing_written(tmp_path, tiny_config):
-    r = masktrl("train", "--config", tiny_config, "--set", "rollout.staleness={dist: geometric, min: 3, max: 1}",
-                "--out", tmp_path / "out", cwd=tmp_path)
+    r = masktrl(
+        "train",
+        "--config",
+        tiny_config,
+        "--set",
+        "rollout.staleness={dist: geometric, min: 3, max: 1}",
+        "--out",
+        tmp_path / "out",
+        cwd=tmp_path,
+    )
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "below the minimum age" in lines[0], r.stderr
     assert not (tmp_path / "out").exists()
@@ -94,13 +118,24 @@ def test_geometric_run_records_ages_reruns_and_resumes_bit_identically(tmp_path,
     a, b = _rows(warm_out / "geo-a"), _rows(warm_out / "geo-b")
     assert a == b  # same seed, same machine, same threads: the same run
     assert [row["rollout_age"] for row in a] == [batch_age(spec, 0, t) for t in range(1, 6)]
-    r = masktrl("train", "--config", cfg, "--out", warm_out, "--run", "geo-c", cwd=tmp_path, env={"MASKTRL_CRASH_AT": "update:4"})
+    r = masktrl(
+        "train",
+        "--config",
+        cfg,
+        "--out",
+        warm_out,
+        "--run",
+        "geo-c",
+        cwd=tmp_path,
+        env={"MASKTRL_CRASH_AT": "update:4"},
+    )
     assert r.returncode != 0
     r = masktrl("train", "--config", cfg, "--out", warm_out, "--resume", "geo-c", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert _rows(warm_out / "geo-c") == a
-    assert (warm_out / "geo-c" / "checkpoints" / "000005" / "model.safetensors").read_bytes() == \
-        (warm_out / "geo-a" / "checkpoints" / "000005" / "model.safetensors").read_bytes()
+    assert (warm_out / "geo-c" / "checkpoints" / "000005" / "model.safetensors").read_bytes() == (
+        warm_out / "geo-a" / "checkpoints" / "000005" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_dynamics_counts_and_plots_the_ages(tmp_path):
@@ -109,8 +144,12 @@ def test_dynamics_counts_and_plots_the_ages(tmp_path):
     from masktrl.analysis import plots
     from masktrl.analysis.dynamics import AGE, age_counts, metric_list
 
-    runs = [SimpleNamespace(metrics=[{"step": 1, "rollout_age": 0}, {"step": 2, "rollout_age": 1}, {"step": 3, "rollout_age": 1}]),
-            SimpleNamespace(metrics=[{"step": 1, "rollout_age": 0}, {"step": 2, "rollout_age": 2}])]
+    runs = [
+        SimpleNamespace(
+            metrics=[{"step": 1, "rollout_age": 0}, {"step": 2, "rollout_age": 1}, {"step": 3, "rollout_age": 1}]
+        ),
+        SimpleNamespace(metrics=[{"step": 1, "rollout_age": 0}, {"step": 2, "rollout_age": 2}]),
+    ]
     assert age_counts(runs) == {"0": 2, "1": 2, "2": 1}
     assert AGE in metric_list(runs) and AGE not in metric_list([SimpleNamespace(metrics=[{"step": 1}])])
     fig = plots.age_histogram([{"label": "grpo", "runs": ["a", "b"], "ages": age_counts(runs)}])

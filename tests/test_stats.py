@@ -98,7 +98,9 @@ def test_mean_se():
     assert m == 3.0 and math.isnan(se)
 
 
-@pytest.mark.parametrize("a, b, x", [(0.5, 0.5, 0.3), (2.0, 3.0, 0.4), (5.0, 0.5, 0.9), (1.0, 1.0, 0.37), (30, 40, 0.45)])
+@pytest.mark.parametrize(
+    "a, b, x", [(0.5, 0.5, 0.3), (2.0, 3.0, 0.4), (5.0, 0.5, 0.9), (1.0, 1.0, 0.37), (30, 40, 0.45)]
+)
 def test_betainc_identities(a, b, x):
     assert betainc(a, b, x) + betainc(b, a, 1 - x) == pytest.approx(1.0, abs=1e-12)
     if a == 1.0 and b == 1.0:
@@ -163,7 +165,9 @@ def test_paired_tests_are_scipy_s_with_the_degenerate_cases():
     a, b = [0.1, 0.5, 0.3, 0.4, 0.9], [0.2, 0.4, 0.1, 0.1, 0.3]
     r = paired_tests(a, b)
     assert r["n"] == 5 and r["diff_mean"] == pytest.approx(np.mean(np.subtract(a, b)))
-    assert r["p_ttest"] == pytest.approx(sps.ttest_rel(a, b).pvalue) and r["p_wilcoxon"] == pytest.approx(sps.wilcoxon(a, b).pvalue)
+    assert r["p_ttest"] == pytest.approx(sps.ttest_rel(a, b).pvalue) and r["p_wilcoxon"] == pytest.approx(
+        sps.wilcoxon(a, b).pvalue
+    )
     same = paired_tests([0.2, 0.4], [0.2, 0.4])
     assert same["p_ttest"] == 1.0 and same["p_wilcoxon"] == 1.0
     assert paired_tests([1.0, 2.0], [0.0, 1.0])["p_ttest"] == 0.0  # constant nonzero difference

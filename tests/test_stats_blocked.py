@@ -58,12 +58,25 @@ def test_disagreement_summary_uses_the_run_when_runs_are_pooled():
 
     rows = []
     for r in range(4):
-        rows.append(dict(d=[0.5, 0.5], adv=[1.0, -1.0], keep_ratio=[True, False], keep_ddot_agg=[False, True],
-                         keep_ddot_uniform=[False, True], d_one=[0.6, 0.4 if r else 0.6]))
+        rows.append(
+            dict(
+                d=[0.5, 0.5],
+                adv=[1.0, -1.0],
+                keep_ratio=[True, False],
+                keep_ddot_agg=[False, True],
+                keep_ddot_uniform=[False, True],
+                d_one=[0.6, 0.4 if r else 0.6],
+            )
+        )
     cols = {k: np.concatenate([np.asarray(x[k]) for x in rows]) for k in rows[0]}
     n = 8
-    base = {"step": np.full(n, 1), "partition": np.zeros(n, dtype=int), "valid": np.ones(n, dtype=bool),
-            "replicate": np.repeat(np.arange(4), 2), **cols}
+    base = {
+        "step": np.full(n, 1),
+        "partition": np.zeros(n, dtype=int),
+        "valid": np.ones(n, dtype=bool),
+        "replicate": np.repeat(np.arange(4), 2),
+        **cols,
+    }
     base["d_all"] = base["d_one"]
     one = {**base, "run": np.array(["r"] * n, dtype=object)}
     two = {**base, "run": np.array(["r0"] * 4 + ["r1"] * 4, dtype=object)}

@@ -15,10 +15,15 @@ from masktrl.stats import interaction_test, paired_mdd, paired_tests, sign_flip_
 # Student (1908) / Cushny & Peebles: extra hours of sleep under two drugs, the same 10 patients (R's `sleep`)
 SLEEP = ([0.7, -1.6, -0.2, -1.2, -0.1, 3.4, 3.7, 0.8, 0.0, 2.0], [1.9, 0.8, 1.1, 0.1, -0.1, 4.4, 5.5, 1.6, 4.6, 3.4])
 # Darwin's Zea mays, 15 pairs of cross- and self-fertilised plants (Fisher 1935, the design of experiments §21)
-DARWIN = ([23.5, 12, 21, 22, 19.125, 21.5, 22.125, 20.375, 18.25, 21.625, 23.25, 21, 22.125, 23, 12],
-          [17.375, 20.375, 20, 20, 18.375, 18.625, 18.625, 15.25, 16.5, 18, 16.25, 18, 12.75, 15.5, 18])
+DARWIN = (
+    [23.5, 12, 21, 22, 19.125, 21.5, 22.125, 20.375, 18.25, 21.625, 23.25, 21, 22.125, 23, 12],
+    [17.375, 20.375, 20, 20, 18.375, 18.625, 18.625, 15.25, 16.5, 18, 16.25, 18, 12.75, 15.5, 18],
+)
 # Box, Hunter & Hunter: shoe-sole wear, material A and B on the two feet of 10 boys (R's MASS::shoes)
-SHOES = ([13.2, 8.2, 10.9, 14.3, 10.7, 6.6, 9.5, 10.8, 8.8, 13.3], [14.0, 8.8, 11.2, 14.2, 11.8, 6.4, 9.8, 11.3, 9.3, 13.6])
+SHOES = (
+    [13.2, 8.2, 10.9, 14.3, 10.7, 6.6, 9.5, 10.8, 8.8, 13.3],
+    [14.0, 8.8, 11.2, 14.2, 11.8, 6.4, 9.8, 11.3, 9.3, 13.6],
+)
 DATA = {"sleep": SLEEP, "darwin": DARWIN, "shoes": SHOES}
 PUBLISHED_T = {"sleep": (-4.0621, 0.002833), "darwin": (2.1480, 0.04970), "shoes": (-3.3489, 0.008539)}
 
@@ -41,8 +46,14 @@ def test_paired_t_is_scipy_and_the_published_value(name):
 @pytest.mark.parametrize("name", sorted(DATA))
 def test_sign_flip_p_is_scipy_permutation_test_exactly(name):
     d = _d(name)
-    ref = sps.permutation_test((d,), lambda x, axis: np.mean(x, axis=axis), permutation_type="samples", vectorized=True,
-                               n_resamples=np.inf, alternative="two-sided")
+    ref = sps.permutation_test(
+        (d,),
+        lambda x, axis: np.mean(x, axis=axis),
+        permutation_type="samples",
+        vectorized=True,
+        n_resamples=np.inf,
+        alternative="two-sided",
+    )
     assert sign_flip_p(d) == pytest.approx(ref.pvalue, rel=1e-12)
 
 

@@ -80,12 +80,18 @@ def test_prune_finishes_a_deletion_a_crash_interrupted(tmp_path):
 
 def test_read_only_view_prunes_nothing(tmp_path):
     store = _fake_run(tmp_path / "run", steps=4, every=2)
-    assert sb.prune(store.read_only(), keep=1, keep_steps=(), rollout_store="resume") == {"checkpoints": [], "rollouts": []}
+    assert sb.prune(store.read_only(), keep=1, keep_steps=(), rollout_store="resume") == {
+        "checkpoints": [],
+        "rollouts": [],
+    }
     assert (tmp_path / "run" / "checkpoints" / "000002").is_dir()
 
 
 def test_projection_of_a_recipe():
-    cfg = load_config(["configs/qwen3-4b.yaml", "configs/methods/grpo.yaml"], ["train.keep_checkpoints=2", "train.keep_steps=[100]", "rollout.store=resume"])
+    cfg = load_config(
+        ["configs/qwen3-4b.yaml", "configs/methods/grpo.yaml"],
+        ["train.keep_checkpoints=2", "train.keep_steps=[100]", "rollout.store=resume"],
+    )
     p = sb.project(cfg, n_params=4_000_000_000, deepspeed_stage=2, bytes_per_token=40.0)
     assert p.tokens_per_step == 64 * 16 * 8192
     assert p.rollout_step == 64 * 16 * 8192 * 40 and p.rollouts_kept == 20  # checkpoint_every
@@ -93,7 +99,9 @@ def test_projection_of_a_recipe():
     assert p.checkpoints_kept == 3  # newest 2 + step 100
     assert p.per_run == p.rollout_step * 20 + 3 * (8e9 + 56e9)
     assert "projected disk" in p.summary() and "run total <=" in p.summary()
-    everything = sb.project(load_config(["configs/qwen3-4b.yaml", "configs/methods/grpo.yaml"]), 4_000_000_000, deepspeed_stage=3)
+    everything = sb.project(
+        load_config(["configs/qwen3-4b.yaml", "configs/methods/grpo.yaml"]), 4_000_000_000, deepspeed_stage=3
+    )
     assert everything.rollouts_kept == 300 and everything.checkpoints_kept == 15  # 20, 40, ..., 300
     assert everything.checkpoint["optimizer"] == 12 * 4e9  # ZeRO-3 writes no second copy of the module
 

@@ -1,15 +1,12 @@
 """Run store: atomic writes, manifest hashes, torn metrics lines."""
 
-import json
-
 import pytest
 
 from masktrl.errors import ArtifactError
-from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from masktrl.io import atomic_write_text
-from masktrl.runs.store import RunStore
 from masktrl.rollout.base import Generation, Sample
 from masktrl.rollout.storage import read_rollouts, write_rollouts
+from masktrl.runs.store import RunStore
 
 
 def test_atomic_write_leaves_no_temporary_files(tmp_path):
@@ -48,7 +45,13 @@ def test_metrics_ignore_a_torn_last_line(tmp_path):
 
 
 def test_rollouts_round_trip(tmp_path):
-    gen = Generation([5, 6, 1], [-0.5, -1.25, float("-inf")], [[5, 7], [6, 2], [2, -1]], [[-0.5, -1.0], [-1.25, -2.0], [-0.125, float("-inf")]], True)  # float32-exact values, as engines record; token 3 has zero mass (invalid), outside its list
+    gen = Generation(
+        [5, 6, 1],
+        [-0.5, -1.25, float("-inf")],
+        [[5, 7], [6, 2], [2, -1]],
+        [[-0.5, -1.0], [-1.25, -2.0], [-0.125, float("-inf")]],
+        True,
+    )  # float32-exact values, as engines record; token 3 has zero mass (invalid), outside its list
     s = Sample("ex1", "1+2=", "3", [3, 4], 0, gen, text="3", reward=1.0, advantage=0.7)
     p = tmp_path / "r.parquet"
     write_rollouts(p, [s, s], {"step": 1})

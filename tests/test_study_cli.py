@@ -18,15 +18,36 @@ def _files(*folders):
     return sorted(str(p) for f in folders for p in f.rglob("*") if p.is_file())
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["analyze", "disagreement", "--run", "{runs}/grpo-seed0", "--replay-optimizer", "nesterov"], "--replay-optimizer must be one of run, sgd, adamw"),
-    (["analyze", "disagreement", "--run", "{runs}/grpo-seed0", "--replay-lr", "-0.001"], "--replay-lr must be a positive number"),
-    (["analyze", "estimators", "--run", "{runs}/grpo-seed0", "--replay-optimizer", "sgd", "--replay-lr", "0"], "--replay-lr must be a positive number"),
-    (["analyze", "estimators", "--run", "{runs}/grpo-seed0", "--replay-optimizer", "sgd", "--reset-moments"], "--reset-moments needs an optimizer"),
-    (["analyze", "disagreement", "--run", "{runs}/grpo-seed0", "--decompose", "--own-tokens", "-1"], "--own-tokens must be >= 0"),
-    (["analyze", "sis", "--run", "{runs}/sis-seed0", "--bias", "--k", "5,6"], "--k 6 is above the stored list size K = 5"),
-    (["analyze", "compare", "{runs}/grpo-seed0", "{runs}/grpo-seed1", "--baseline", "#7"], "is not among the runs"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["analyze", "disagreement", "--run", "{runs}/grpo-seed0", "--replay-optimizer", "nesterov"],
+            "--replay-optimizer must be one of run, sgd, adamw",
+        ),
+        (
+            ["analyze", "disagreement", "--run", "{runs}/grpo-seed0", "--replay-lr", "-0.001"],
+            "--replay-lr must be a positive number",
+        ),
+        (
+            ["analyze", "estimators", "--run", "{runs}/grpo-seed0", "--replay-optimizer", "sgd", "--replay-lr", "0"],
+            "--replay-lr must be a positive number",
+        ),
+        (
+            ["analyze", "estimators", "--run", "{runs}/grpo-seed0", "--replay-optimizer", "sgd", "--reset-moments"],
+            "--reset-moments needs an optimizer",
+        ),
+        (
+            ["analyze", "disagreement", "--run", "{runs}/grpo-seed0", "--decompose", "--own-tokens", "-1"],
+            "--own-tokens must be >= 0",
+        ),
+        (
+            ["analyze", "sis", "--run", "{runs}/sis-seed0", "--bias", "--k", "5,6"],
+            "--k 6 is above the stored list size K = 5",
+        ),
+        (["analyze", "compare", "{runs}/grpo-seed0", "{runs}/grpo-seed1", "--baseline", "#7"], "is not among the runs"),
+    ],
+)
 def test_bad_requests_are_one_line_and_write_nothing(analysis_runs, cli_error, args, needle):
     before = _files(analysis_runs)
     assert needle in cli_error(*[a.format(runs=analysis_runs) for a in args])
@@ -40,9 +61,29 @@ def test_sis_k_above_the_stored_lists_is_refused_before_training(tmp_path, cli_e
 
 
 def test_replay_optimizer_and_first_order_recorded(analysis_runs, tmp_path):
-    out = cli("analyze", "disagreement", "--run", analysis_runs / "grpo-seed0", "--steps", "2", "--policy-step", "3", "--minibatches", "1",
-              "--replay-optimizer", "sgd", "--replay-lr", "0.01", "--decompose", "--own-tokens", "4", "--delta", "0.001",
-              "--output", tmp_path).output
+    out = cli(
+        "analyze",
+        "disagreement",
+        "--run",
+        analysis_runs / "grpo-seed0",
+        "--steps",
+        "2",
+        "--policy-step",
+        "3",
+        "--minibatches",
+        "1",
+        "--replay-optimizer",
+        "sgd",
+        "--replay-lr",
+        "0.01",
+        "--decompose",
+        "--own-tokens",
+        "4",
+        "--delta",
+        "0.001",
+        "--output",
+        tmp_path,
+    ).output
     assert "optimizer sgd lr 0.01" in out and "first-order parts of ΔD" in out
     (path,) = tmp_path.glob("disagreement-step2-policy3-mb1-delta0.001-unmasked-opt-sgd-lr0.01.json")
     res = json.loads(path.read_text())
@@ -50,8 +91,23 @@ def test_replay_optimizer_and_first_order_recorded(analysis_runs, tmp_path):
     fo = res["first_order"]
     assert fo["sign_agree"]["total"] >= 0.9 and fo["parts_present"]["momentum"] is False
     assert (tmp_path / path.name.replace(".json", "-first-order.png")).stat().st_size > 1000
-    est = cli("analyze", "estimators", "--run", analysis_runs / "grpo-seed0", "--steps", "2", "--policy-step", "3", "--k", "2,5",
-              "--replay-optimizer", "adamw", "--reset-moments", "--output", tmp_path).output
+    est = cli(
+        "analyze",
+        "estimators",
+        "--run",
+        analysis_runs / "grpo-seed0",
+        "--steps",
+        "2",
+        "--policy-step",
+        "3",
+        "--k",
+        "2,5",
+        "--replay-optimizer",
+        "adamw",
+        "--reset-moments",
+        "--output",
+        tmp_path,
+    ).output
     est = " ".join(est.split())  # rich wraps at the console's width
     assert "optimizer adamw" in est and "moments reset" in est
     (epath,) = tmp_path.glob("estimators-step2-unmasked-opt-adamw-reset.json")
@@ -90,7 +146,19 @@ def test_pdm_tail_exact_trains_and_masks_on_the_exact_topk_rate(warm_out):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(update, "token_diagnostics", spy)
-        cli("train", "--config", config, "--out", warm_out, "--run", "off-pdm-exact", "--method", "pdm", "--set", "method.tail=exact")
+        cli(
+            "train",
+            "--config",
+            config,
+            "--out",
+            warm_out,
+            "--run",
+            "off-pdm-exact",
+            "--method",
+            "pdm",
+            "--set",
+            "method.tail=exact",
+        )
     assert len(seen) == 4 and all(torch.equal(a, b.detach()) for a, b in seen)
     rows = [json.loads(x) for x in (warm_out / "off-pdm-exact" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(0 <= r["mask_frac"] <= 1 for r in rows)
@@ -98,15 +166,32 @@ def test_pdm_tail_exact_trains_and_masks_on_the_exact_topk_rate(warm_out):
 
 
 def test_k_sweep_at_the_stored_k_equals_the_main_study(analysis_runs, tmp_path, cli_error):
-    cli("analyze", "disagreement", "--run", analysis_runs / "grpo-seed0", "--steps", "2", "--policy-step", "3", "--delta", "0.001",
-        "--k", "2,5", "--output", tmp_path)
+    cli(
+        "analyze",
+        "disagreement",
+        "--run",
+        analysis_runs / "grpo-seed0",
+        "--steps",
+        "2",
+        "--policy-step",
+        "3",
+        "--delta",
+        "0.001",
+        "--k",
+        "2,5",
+        "--output",
+        tmp_path,
+    )
     (path,) = tmp_path.glob("disagreement-step2-policy3-*.json")
     res = json.loads(path.read_text())
     at5 = res["k_sweep"]["5"]["over_delta"]
     for c in ("ratio", "ddot_agg", "ddot_uniform"):
         assert at5[c]["unsafe_keep_mean"] == pytest.approx(res["over_delta"]["one_step"][c]["unsafe_keep_mean"])
-    assert res["k_sweep"]["2"]["n_over_delta_mean"] <= res["k_sweep"]["5"]["n_over_delta_mean"]  # merging atoms: D_2 <= D_5
+    assert (
+        res["k_sweep"]["2"]["n_over_delta_mean"] <= res["k_sweep"]["5"]["n_over_delta_mean"]
+    )  # merging atoms: D_2 <= D_5
     before = _files(analysis_runs)
-    assert "--k 6 is above the stored list size K = 5" in cli_error("analyze", "disagreement", "--run", analysis_runs / "grpo-seed0",
-                                                                     "--k", "5,6")
+    assert "--k 6 is above the stored list size K = 5" in cli_error(
+        "analyze", "disagreement", "--run", analysis_runs / "grpo-seed0", "--k", "5,6"
+    )
     assert _files(analysis_runs) == before

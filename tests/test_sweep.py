@@ -15,8 +15,11 @@ runner = CliRunner()
 
 
 def _sweep(config, out, *args):
-    result = runner.invoke(app, ["sweep", "--methods", "grpo,dppo", "--seeds", "1", "--config", str(config), "--out", str(out), *args],
-                           env={"COLUMNS": "200"})
+    result = runner.invoke(
+        app,
+        ["sweep", "--methods", "grpo,dppo", "--seeds", "1", "--config", str(config), "--out", str(out), *args],
+        env={"COLUMNS": "200"},
+    )
     assert result.exit_code == 0, (result.output, result.exception)
     return result.output
 
@@ -49,11 +52,26 @@ def test_sweep_trains_the_grid_and_prints_the_compare_table(swept):
 def test_a_sweep_of_one_method_spec_tables_it_as_its_own_baseline(swept, tmp_path):
     # the default baseline is the first spec; the table's label is the method name, not the spec
     config, out = _copy(swept, tmp_path)
-    result = runner.invoke(app, ["sweep", "--methods", "dppo:divergence=topk-tv", "--seeds", "1", "--config", str(config),
-                                 "--out", str(out / "spec")], env={"COLUMNS": "200"})
+    result = runner.invoke(
+        app,
+        [
+            "sweep",
+            "--methods",
+            "dppo:divergence=topk-tv",
+            "--seeds",
+            "1",
+            "--config",
+            str(config),
+            "--out",
+            str(out / "spec"),
+        ],
+        env={"COLUMNS": "200"},
+    )
     assert result.exit_code == 0, (result.output, result.exception)
     table = json.loads((out / "spec" / "analysis" / "compare.json").read_text())
-    assert table["baseline"] == "dppo" and table["methods"][0]["runs"] == [str(out / "spec" / "dppo-divergence-topk-tv-seed0")]
+    assert table["baseline"] == "dppo" and table["methods"][0]["runs"] == [
+        str(out / "spec" / "dppo-divergence-topk-tv-seed0")
+    ]
 
 
 def test_sweep_skips_complete_runs(swept, tmp_path):
@@ -75,7 +93,9 @@ def test_interrupted_run_resumes_in_place(swept, tmp_path):
     assert item.state == "resume" and item.root == root
     output = _sweep(config, out)
     assert "resuming an interrupted run" in output
-    assert json.loads((root / "manifest.json").read_text())["status"] == "complete" and (root / "summary.json").is_file()
+    assert (
+        json.loads((root / "manifest.json").read_text())["status"] == "complete" and (root / "summary.json").is_file()
+    )
 
 
 def test_unresumable_run_restarts_in_a_fresh_folder(swept, tmp_path):
@@ -117,8 +137,12 @@ def test_method_specs_with_parameters_are_their_own_runs(tmp_path):
     config = write_tiny_config(tmp_path / "tiny.yaml")
     specs = sweep.parse_methods("grpo, pdm:tail=agg, pdm:tail=uniform, dppo:divergence=topk-kl:delta_pos=0.1")
     items = sweep.plan(tmp_path / "out", specs, [3], config)
-    assert [i.name for i in items] == ["grpo-seed3", "pdm-tail-agg-seed3", "pdm-tail-uniform-seed3",
-                                       "dppo-divergence-topk-kl-delta_pos-0.1-seed3"]
+    assert [i.name for i in items] == [
+        "grpo-seed3",
+        "pdm-tail-agg-seed3",
+        "pdm-tail-uniform-seed3",
+        "dppo-divergence-topk-kl-delta_pos-0.1-seed3",
+    ]
     params = [(i.cfg.method_name, i.cfg.method.to_dict()) for i in items]
     assert params[1][0] == params[2][0] == "pdm"
     assert params[1][1]["tail"] == "agg" and params[2][1]["tail"] == "uniform"
@@ -142,6 +166,16 @@ def test_method_specs_that_train_the_same_config_are_refused(tmp_path, cli_error
     with pytest.raises(ConfigError, match="same config"):  # the parameter given explicitly on both
         sweep.plan(tmp_path / "out", ["pdm:tail=agg", "pdm:tail=agg:divergence=kl"], [0], config)
     assert len(sweep.plan(tmp_path / "out", ["dppo", "dppo:divergence=binary-tv"], [0, 1], config)) == 4
-    line = cli_error("sweep", "--methods", "dppo,dppo:divergence=topk-kl", "--seeds", "1", "--config", config, "--out", tmp_path / "out")
+    line = cli_error(
+        "sweep",
+        "--methods",
+        "dppo,dppo:divergence=topk-kl",
+        "--seeds",
+        "1",
+        "--config",
+        config,
+        "--out",
+        tmp_path / "out",
+    )
     assert "same config" in line
     assert not (tmp_path / "out").exists()

@@ -58,7 +58,11 @@ def sweep(config, out, *args, env=None):
 
 
 def failed(result, needle):
-    return isinstance(result.exception, MasktrlError) and needle in str(result.exception) and "\n" not in str(result.exception)
+    return (
+        isinstance(result.exception, MasktrlError)
+        and needle in str(result.exception)
+        and "\n" not in str(result.exception)
+    )
 
 
 def test_print_commands_lists_each_run_still_to_do_and_starts_nothing(grid):
@@ -69,7 +73,10 @@ def test_print_commands_lists_each_run_still_to_do_and_starts_nothing(grid):
     lines = r.output.strip().splitlines()
     assert lines[0] == "# grpo-seed0: complete" and len(lines) == 4  # plan order: grpo seeds 0, 1, then dppo
     py = shlex.quote(sys.executable)
-    assert lines[1] == f"{py} -m masktrl.cli train --method grpo --seed 1 --config {config} --set train.lr=0.001 --out " f"{out} --run grpo-seed1"
+    assert (
+        lines[1] == f"{py} -m masktrl.cli train --method grpo --seed 1 --config {config} --set train.lr=0.001 --out "
+        f"{out} --run grpo-seed1"
+    )
     assert lines[2] == f"{py} -m masktrl.cli train --resume {out / 'dppo-seed0'} --out {out}"
     assert lines[3].endswith("--run dppo-seed1")
     assert sorted(p.name for p in out.iterdir()) == before  # nothing written
@@ -86,9 +93,15 @@ def test_slurm_submits_one_job_per_run_and_never_twice_while_queued(grid, fake_s
     jobs = json.loads((out / ".sweep" / "slurm" / "jobs.json").read_text())
     assert jobs == {"grpo-seed1": "101", "dppo-seed0": "102", "dppo-seed1": "103"}
     script = (out / ".sweep" / "slurm" / "grpo-seed1.sbatch").read_text().splitlines()
-    assert "#SBATCH --partition=gpu" in script and "#SBATCH --gres=gpu:8" in script and "#SBATCH --job-name=masktrl-grpo-seed1" in script
+    assert (
+        "#SBATCH --partition=gpu" in script
+        and "#SBATCH --gres=gpu:8" in script
+        and "#SBATCH --job-name=masktrl-grpo-seed1" in script
+    )
     [planned] = sweep_stage.plan(out, ["grpo"], [1], config)
-    assert script[-1].startswith("exec ") and shlex.split(script[-1])[1:] == slurm.train_command(planned, out=out, config=config, overrides=[])
+    assert script[-1].startswith("exec ") and shlex.split(script[-1])[1:] == slurm.train_command(
+        planned, out=out, config=config, overrides=[]
+    )
     assert f"cd {shlex.quote(os.getcwd())}" in script
 
     queue.write_text("101 PENDING\n102 RUNNING\n")  # 103 finished (or died): squeue no longer lists it
@@ -107,15 +120,21 @@ def test_slurm_without_sbatch_is_one_line_and_writes_nothing(grid, tmp_path):
     assert failed(r, "sbatch is not on the PATH") and not (out / ".sweep").exists()
     r = sweep(config, out, "--launcher", "slurm", "--no-submit", env=env)
     assert r.exit_code == 0 and sorted(p.name for p in (out / ".sweep" / "slurm").glob("*.sbatch")) == [
-        "dppo-seed0.sbatch", "dppo-seed1.sbatch", "grpo-seed1.sbatch"]
+        "dppo-seed0.sbatch",
+        "dppo-seed1.sbatch",
+        "grpo-seed1.sbatch",
+    ]
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--launcher", "pbs"], "--launcher must be local or slurm"),
-    (["--launcher", "slurm", "--no-submit", "--slurm", "output=x.log"], "set by masktrl"),
-    (["--launcher", "slurm", "--no-submit", "--slurm", "=3"], "expected KEY=VALUE"),
-    (["--accelerate-config", "nosuch.yaml", "--print-commands"], "no such file"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--launcher", "pbs"], "--launcher must be local or slurm"),
+        (["--launcher", "slurm", "--no-submit", "--slurm", "output=x.log"], "set by masktrl"),
+        (["--launcher", "slurm", "--no-submit", "--slurm", "=3"], "expected KEY=VALUE"),
+        (["--accelerate-config", "nosuch.yaml", "--print-commands"], "no such file"),
+    ],
+)
 def test_bad_launcher_options(grid, args, needle):
     config, out = grid
     r = sweep(config, out, *args)
@@ -126,16 +145,49 @@ def test_a_written_script_resumes_the_interrupted_run(grid):
     """The job's command, run as the script would run it, completes the run; the sweep then
     finds every run of seed 0 complete and prints the compare table."""
     config, out = grid
-    r = runner.invoke(app, ["sweep", "--methods", "grpo,dppo", "--seeds", "1", "--config", str(config), "--out", str(out),
-                            "--launcher", "slurm", "--no-submit"], env={"COLUMNS": "250"})
+    r = runner.invoke(
+        app,
+        [
+            "sweep",
+            "--methods",
+            "grpo,dppo",
+            "--seeds",
+            "1",
+            "--config",
+            str(config),
+            "--out",
+            str(out),
+            "--launcher",
+            "slurm",
+            "--no-submit",
+        ],
+        env={"COLUMNS": "250"},
+    )
     assert r.exit_code == 0, r.output
     script = out / ".sweep" / "slurm" / "dppo-seed0.sbatch"
     done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "dppo-seed0" / "summary.json").is_file()
-    r = runner.invoke(app, ["sweep", "--methods", "grpo,dppo", "--seeds", "1", "--config", str(config), "--out", str(out),
-                            "--launcher", "slurm"], env={"COLUMNS": "250"})
-    assert r.exit_code == 0 and "2 complete, 0 to run" in r.output and (out / "analysis" / "compare.json").is_file(), r.output
+    r = runner.invoke(
+        app,
+        [
+            "sweep",
+            "--methods",
+            "grpo,dppo",
+            "--seeds",
+            "1",
+            "--config",
+            str(config),
+            "--out",
+            str(out),
+            "--launcher",
+            "slurm",
+        ],
+        env={"COLUMNS": "250"},
+    )
+    assert r.exit_code == 0 and "2 complete, 0 to run" in r.output and (out / "analysis" / "compare.json").is_file(), (
+        r.output
+    )
 
 
 def test_slurm_leaves_a_run_that_is_training_alone(grid, fake_slurm):
@@ -145,7 +197,9 @@ def test_slurm_leaves_a_run_that_is_training_alone(grid, fake_slurm):
 
     config, out = grid
     env, log, _ = fake_slurm
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out / "dppo-seed0")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(out / "dppo-seed0")], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         r = sweep(config, out, "--launcher", "slurm", env=env)

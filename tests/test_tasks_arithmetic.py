@@ -72,8 +72,15 @@ def test_training_samples_are_fresh_and_seeded():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(ops="/"), dict(ops=""), dict(digits=0), dict(digits="3"), dict(answer_format="latex"),
-     dict(digits=1, n_test=500), dict(n_test=0)],
+    [
+        dict(ops="/"),
+        dict(ops=""),
+        dict(digits=0),
+        dict(digits="3"),
+        dict(answer_format="latex"),
+        dict(digits=1, n_test=500),
+        dict(n_test=0),
+    ],
 )
 def test_bad_config_is_config_error(kwargs):
     with pytest.raises(ConfigError):

@@ -38,11 +38,14 @@ def test_jsonl_aliases(tmp_path):
 
 def test_json_list_and_parquet_and_blank_lines(tmp_path):
     (tmp_path / "d.json").write_text(json.dumps(ROWS), encoding="utf-8")
-    pq.write_table(pa.Table.from_pylist([{"problem": r.get("problem", "p"), "answer": str(i)} for i, r in enumerate(ROWS)]),
-                   tmp_path / "d.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"problem": r.get("problem", "p"), "answer": str(i)} for i, r in enumerate(ROWS)]),
+        tmp_path / "d.parquet",
+    )
     (tmp_path / "blank.jsonl").write_text("\n" + json.dumps(ROWS[0]) + "\n\n  \n", encoding="utf-8")
-    assert [e.answer for e in load_math_file(tmp_path / "d.json")] == [e.answer for e in
-                                                                      load_math_file(write_jsonl(tmp_path / "e.jsonl", ROWS))]
+    assert [e.answer for e in load_math_file(tmp_path / "d.json")] == [
+        e.answer for e in load_math_file(write_jsonl(tmp_path / "e.jsonl", ROWS))
+    ]
     assert [e.answer for e in load_math_file(tmp_path / "d.parquet")] == [str(i) for i in range(len(ROWS))]
     assert len(load_math_file(tmp_path / "blank.jsonl")) == 1
     (tmp_path / "lines.json").write_text(json.dumps(ROWS[0]) + "\n" + json.dumps(ROWS[3]) + "\n")
@@ -50,14 +53,26 @@ def test_json_list_and_parquet_and_blank_lines(tmp_path):
 
 
 def test_dapo_schema_parquet(tmp_path):
-    content = ("Solve the following math problem step by step. The last line of your response should be of " "the form "
-               "Answer: $Answer (without quotes) where $Answer is the answer to the " "problem.\n\nFind x if 2x=68.\n\n"
-               'Remember to put your answer on its own line after "Answer:".')
-    row = {"data_source": "math_dapo", "prompt": [{"content": content, "role": "user"}], "ability": "MATH",
-           "reward_model": {"ground_truth": "34", "style": "rule-lean"}, "extra_info": {"index": "abc"}}
-    pq.write_table(pa.Table.from_pylist([row, row, {**row, "extra_info": {"index": "def"},
-                                                    "reward_model": {"ground_truth": "35", "style": "r"}}]),
-                   tmp_path / "dapo.parquet")
+    content = (
+        "Solve the following math problem step by step. The last line of your response should be of "
+        "the form "
+        "Answer: $Answer (without quotes) where $Answer is the answer to the "
+        "problem.\n\nFind x if 2x=68.\n\n"
+        'Remember to put your answer on its own line after "Answer:".'
+    )
+    row = {
+        "data_source": "math_dapo",
+        "prompt": [{"content": content, "role": "user"}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": "34", "style": "rule-lean"},
+        "extra_info": {"index": "abc"},
+    }
+    pq.write_table(
+        pa.Table.from_pylist(
+            [row, row, {**row, "extra_info": {"index": "def"}, "reward_model": {"ground_truth": "35", "style": "r"}}]
+        ),
+        tmp_path / "dapo.parquet",
+    )
     exs = load_benchmark("dapo-math", str(tmp_path / "dapo.parquet"))
     assert [(e.prompt, e.answer) for e in exs] == [("Find x if 2x=68.", "34"), ("Find x if 2x=68.", "35")]
     assert [e.id for e in exs] == ["dapo-math/1", "dapo-math/3"]  # duplicate ids "abc": row numbers
@@ -73,7 +88,7 @@ def test_dapo_schema_parquet(tmp_path):
         (b'{"problem": "a", "answer": "1"}\n{"problem": "caf\xe9", "answer": "2"}\n', "line 2", "UTF-8"),
         (b"", "", "empty file"),
         (b"\n\n   \n", "", "empty file"),
-        (b'[1, 2]\n', "line 1", "expected a JSON object"),
+        (b"[1, 2]\n", "line 1", "expected a JSON object"),
         (b'{"problem": "a", "solution": "no final answer here"}\n', "line 1", "solution"),
         (b'{"problem": "a", "answer": "\\\\boxed{1"}\n', "line 1", "boxed"),
         (b'{"problem": "a", "answer": ["1"]}\n', "line 1", "text or a number"),
@@ -90,13 +105,15 @@ def test_malformed_jsonl_rows_name_file_and_line(tmp_path, content, where, what)
 
 @pytest.mark.parametrize(
     "content, where",
-    [(b'[{"problem": "a", "answer": "1"},\n {"problem": "b"}]', "row 2"),
-     (b'[{"problem": "a",\n "answer": "1"},\n {"problem": }]', "line 3"),
-     (b'[{"problem": "a",\n "answer": "\xff"}]', "line 2"),
-     (b'{"problem": "a", "answer": "1"}', "JSON list"),
-     (b"[]", "empty file"),
-     (b"", "empty file"),
-     (b"\n  \n", "empty file")],
+    [
+        (b'[{"problem": "a", "answer": "1"},\n {"problem": "b"}]', "row 2"),
+        (b'[{"problem": "a",\n "answer": "1"},\n {"problem": }]', "line 3"),
+        (b'[{"problem": "a",\n "answer": "\xff"}]', "line 2"),
+        (b'{"problem": "a", "answer": "1"}', "JSON list"),
+        (b"[]", "empty file"),
+        (b"", "empty file"),
+        (b"\n  \n", "empty file"),
+    ],
 )
 def test_malformed_json_names_file_and_position(tmp_path, content, where):
     path = tmp_path / "bad.json"
@@ -110,8 +127,10 @@ def test_bad_parquet_missing_file_and_suffix(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(DataError, match="bad.parquet.*parquet"):
         load_math_file(tmp_path / "bad.parquet")
-    pq.write_table(pa.Table.from_pylist([{"problem": "a", "answer": "1"}, {"problem": "b", "answer": None}]),
-                   tmp_path / "holes.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"problem": "a", "answer": "1"}, {"problem": "b", "answer": None}]),
+        tmp_path / "holes.parquet",
+    )
     with pytest.raises(DataError, match="holes.parquet, row 2: missing answer"):
         load_math_file(tmp_path / "holes.parquet")
     with pytest.raises(DataError, match="no such file"):
@@ -155,18 +174,23 @@ def test_benchmarks_from_cached_hub_schemas(monkeypatch):
         ("opencompass/AIME2025", "AIME2025-II", "test"): [{"question": "q2", "answer": "169"}],
         ("openai/gsm8k", "main", "test"): [{"question": "g", "answer": "a\n#### 1,000"}],
         ("HuggingFaceH4/MATH-500", None, "test"): [
-            {"problem": "m", "solution": "\\boxed{5}", "answer": "\\frac{1}{2}", "unique_id": "test/x.json"}],
+            {"problem": "m", "solution": "\\boxed{5}", "answer": "\\frac{1}{2}", "unique_id": "test/x.json"}
+        ],
     }
     mod = fake_datasets(tables)
     monkeypatch.setitem(sys.modules, "datasets", mod)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     aime = load_benchmark("aime")
-    assert [(e.id, e.answer) for e in aime] == [("aime24/60", "204"), ("aime25/AIME2025-I/1", "70"),
-                                                ("aime25/AIME2025-II/1", "169")]
+    assert [(e.id, e.answer) for e in aime] == [
+        ("aime24/60", "204"),
+        ("aime25/AIME2025-I/1", "70"),
+        ("aime25/AIME2025-II/1", "169"),
+    ]
     assert mod.calls[1][0] == "yentinglin/aime_2025"  # tried first, then the opencompass copy
     assert [e.answer for e in load_benchmark("gsm8k")] == ["1,000"]
     assert [e.answer for e in load_benchmark("math500")] == ["\\frac{1}{2}"]
     import os
+
     assert os.environ["HF_DATASETS_OFFLINE"] == "1" and mod.config.HF_DATASETS_OFFLINE is True
     with pytest.raises(DataError, match="dapo-math.*BytedTsinghua-SIA/DAPO-Math-17k.*--data FILE") as info:
         load_benchmark("dapo-math")
@@ -174,8 +198,10 @@ def test_benchmarks_from_cached_hub_schemas(monkeypatch):
 
 
 def test_math_task_protocol(tmp_path):
-    test = write_jsonl(tmp_path / "t.jsonl", [{"problem": "1/2 as a fraction?", "answer": "\\frac{1}{2}"},
-                                              {"problem": "2+2?", "answer": "4"}])
+    test = write_jsonl(
+        tmp_path / "t.jsonl",
+        [{"problem": "1/2 as a fraction?", "answer": "\\frac{1}{2}"}, {"problem": "2+2?", "answer": "4"}],
+    )
     train = write_jsonl(tmp_path / "tr.jsonl", [{"problem": f"{i}+0?", "answer": str(i)} for i in range(5)])
     with get_task("math", test=None, test_file=str(test), train=None, train_file=str(train), timeout_s=5.0) as task:
         assert isinstance(task, MathTask) and task.alphabet() is None

@@ -105,8 +105,15 @@ def test_options_are_validated():
 
 
 def test_config_builds_the_task_with_its_options_and_fixed_heldout_seed():
-    cfg = load_config(None, ["task.name=residues", "task.n_test=20", "model.tokenizer=numbers",
-                             "task.options={answers: 3, distinct: true}"])
+    cfg = load_config(
+        None,
+        [
+            "task.name=residues",
+            "task.n_test=20",
+            "model.tokenizer=numbers",
+            "task.options={answers: 3, distinct: true}",
+        ],
+    )
     task = make_task(cfg.task, cfg.model)
     assert task.answers == 3 and task.distinct and len(task.test_examples()) == 20
     assert task.seed == HELDOUT_SEED
@@ -133,8 +140,16 @@ def test_count_range_and_ascending_order():
 
 
 def test_long_targets_are_correct_ascending_and_use_the_count_range():
-    task = ResidueTask(answers=47, max_answers=63, ascending=True, distinct=True, min_solutions=64, max_solutions=200,
-                       n_test=20, seed=1)
+    task = ResidueTask(
+        answers=47,
+        max_answers=63,
+        ascending=True,
+        distinct=True,
+        min_solutions=64,
+        max_solutions=200,
+        n_test=20,
+        seed=1,
+    )
     lengths = set()
     for ex in task.train_examples(200, random.Random(0)) + task.test_examples():
         xs = [int(w) for w in task.format_target(ex).split()]

@@ -72,7 +72,10 @@ def test_module_path_and_signature_without_kwargs(reward_file, monkeypatch):
     monkeypatch.syspath_prepend(str(reward_file.parent))  # workers get this process's sys.path
     reward = make_reward("my_rewards:words", workers=1)
     try:
-        assert reward.score(["p", "p"], ["a b", "a b c"], ["x", "x"], [{"level": 2, "other": 1}, {"level": 1}]) == [4.0, 3.0]
+        assert reward.score(["p", "p"], ["a b", "a b c"], ["x", "x"], [{"level": 2, "other": 1}, {"level": 1}]) == [
+            4.0,
+            3.0,
+        ]
     finally:
         reward.close()
 
@@ -85,11 +88,16 @@ def test_module_path_and_signature_without_kwargs(reward_file, monkeypatch):
         ("{dir}/nope.py:f", "no such file"),
         ("{file}:too_many", "returned 3 values for 2 completions"),
         ("{file}:needs_missing", "cannot be called with prompts, completions, answers and the example's fields"),
-        ("not-registered", "unknown reward 'not-registered'; registered rewards: answer-line, boxed-match, " "exact-match, math-verify"),
+        (
+            "not-registered",
+            "unknown reward 'not-registered'; registered rewards: answer-line, boxed-match, exact-match, math-verify",
+        ),
         ("{file}:bad name", "expected module:function"),
     ],
 )
-def test_broken_rewards_are_one_line_config_errors_before_training(tmp_path, datasets_cache, reward_file, spec, message):
+def test_broken_rewards_are_one_line_config_errors_before_training(
+    tmp_path, datasets_cache, reward_file, spec, message
+):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "2+2=", "answer": "4", "hint": None, "level": 1}] * 3)
     spec = spec.format(file=reward_file, dir=tmp_path)
     with pytest.raises(ConfigError) as info:
@@ -101,9 +109,12 @@ def test_registered_rewards(tmp_path, reward_file, monkeypatch):
     assert {"math-verify", "answer-line", "exact-match", "boxed-match"} <= set(reward_names())
     monkeypatch.syspath_prepend(str(tmp_path))
     module = tmp_path / "registering.py"
-    module.write_text("from masktrl.tasks import register_reward\n\n"
-                      "@register_reward('test-length', target='{answer}!')\n"
-                      "def length(completions, **fields):\n    return [float(len(c)) for c in " "completions]\n")
+    module.write_text(
+        "from masktrl.tasks import register_reward\n\n"
+        "@register_reward('test-length', target='{answer}!')\n"
+        "def length(completions, **fields):\n    return [float(len(c)) for c in "
+        "completions]\n"
+    )
     monkeypatch.delitem(_REWARDS, "test-length", raising=False)
     import importlib
 
@@ -124,9 +135,13 @@ def test_registered_rewards(tmp_path, reward_file, monkeypatch):
         register_reward("test-local", local)
         with pytest.raises(ConfigError, match="not defined at the top level"):
             make_reward("test-local")
-        register_reward("test-inproc", lambda completions, **kw: [1 / (len(c) - 1) for c in completions], isolated=False)
+        register_reward(
+            "test-inproc", lambda completions, **kw: [1 / (len(c) - 1) for c in completions], isolated=False
+        )
         inproc = make_reward("test-inproc")
-        assert inproc.score(["p"] * 3, ["ab", "a", "abc"], ["x"] * 3, [{}] * 3) == [1.0, 0.0, 0.5] and inproc.errors == 1
+        assert (
+            inproc.score(["p"] * 3, ["ab", "a", "abc"], ["x"] * 3, [{}] * 3) == [1.0, 0.0, 0.5] and inproc.errors == 1
+        )
     finally:
         for name in ("test-length", "test-local", "test-inproc"):
             _REWARDS.pop(name, None)
@@ -142,7 +157,9 @@ def test_builtins():
     assert answer_line("work\nAnswer: $\\frac{1}{2}$.\n") == "\\frac{1}{2}"
     assert answer_line("answer: 3\nthen ANSWER :  5 ") == "5" and answer_line("no line") is None
     with _closing(make_reward("answer-line")) as line:
-        assert line.score(["p"] * 3, ["Answer: 0.5", "Answer: 1/2", "\\boxed{0.5}"], ["\\frac{1}{2}"] * 3, [{}] * 3) == [1.0, 1.0, 0.0]
+        assert line.score(
+            ["p"] * 3, ["Answer: 0.5", "Answer: 1/2", "\\boxed{0.5}"], ["\\frac{1}{2}"] * 3, [{}] * 3
+        ) == [1.0, 1.0, 0.0]
 
 
 class _closing:
@@ -157,7 +174,9 @@ class _closing:
 
 
 def test_non_finite_values_are_errors_in_process_too():
-    register_reward("test-inf", lambda completions, **kw: [math.inf if c == "x" else 1.0 for c in completions], isolated=False)
+    register_reward(
+        "test-inf", lambda completions, **kw: [math.inf if c == "x" else 1.0 for c in completions], isolated=False
+    )
     try:
         reward = make_reward("test-inf")
         assert reward.score(["p"] * 2, ["x", "y"], ["a"] * 2, [{}] * 2) == [0.0, 1.0] and reward.errors == 1

@@ -15,9 +15,20 @@ from tests.test_cli_errors import masktrl
 pytest.importorskip("datasets")
 runner = CliRunner()
 
-TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
-        "model.intermediate_size=64", "warmstart.steps=20", "warmstart.batch_size=8", "rollout.prompts_per_step=6",
-        "rollout.n=4", "rollout.max_new_tokens=4", "train.steps=2", "train.checkpoint_every=2"]
+TINY = [
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.intermediate_size=64",
+    "warmstart.steps=20",
+    "warmstart.batch_size=8",
+    "rollout.prompts_per_step=6",
+    "rollout.n=4",
+    "rollout.max_new_tokens=4",
+    "train.steps=2",
+    "train.checkpoint_every=2",
+]
 
 REWARD = textwrap.dedent(
     '''
@@ -60,15 +71,26 @@ def train(tmp_path, *sets, run="r"):
     return runner.invoke(app, args)
 
 
-DATASET = ["task.name=dataset", "task.prompt_key=item.word", "task.answer_key=solution.text", "task.test_split=test",
-           "task.template={prompt}>"]
+DATASET = [
+    "task.name=dataset",
+    "task.prompt_key=item.word",
+    "task.answer_key=solution.text",
+    "task.test_split=test",
+    "task.template={prompt}>",
+]
 
 
-def test_folder_with_nested_fields_trains_with_a_file_reward_that_fails_on_some_completions(tmp_path, data, monkeypatch):
+def test_folder_with_nested_fields_trains_with_a_file_reward_that_fails_on_some_completions(
+    tmp_path, data, monkeypatch
+):
     monkeypatch.chdir(tmp_path)  # the reward path is relative to the current directory
-    result = train(tmp_path, *DATASET, f"task.source={data}", "task.reward=my_reward.py:score", "task.max_reward_error_frac=0.8")
+    result = train(
+        tmp_path, *DATASET, f"task.source={data}", "task.reward=my_reward.py:score", "task.max_reward_error_frac=0.8"
+    )
     assert result.exit_code == 0, (result.output, result.exception)
-    assert "warning: step 1: the reward failed on 16 of 24 completions (67%; last: my_reward.py:score" in " ".join(result.output.split())
+    assert "warning: step 1: the reward failed on 16 of 24 completions (67%; last: my_reward.py:score" in " ".join(
+        result.output.split()
+    )
     root = tmp_path / "out" / "r"
     rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -88,14 +110,44 @@ def test_folder_with_nested_fields_trains_with_a_file_reward_that_fails_on_some_
     assert report["n_problems"] == 3 and report["reward"] == "my_reward.py:score"
     assert report["generation"]["template"] == "custom" and report["data"] == f"{data} (test)"
     assert [p["id"] for p in report["problems"]] == ["words/test/1", "words/test/2", "words/test/3"]
-    result = runner.invoke(app, ["eval", "dataset", "--model", str(root), "--k", "2", "--force", "--set", "task.reward=exact-match",
-                                 "--set", "task.template=raw"])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "dataset",
+            "--model",
+            str(root),
+            "--k",
+            "2",
+            "--force",
+            "--set",
+            "task.reward=exact-match",
+            "--set",
+            "task.template=raw",
+        ],
+    )
     assert result.exit_code == 0, (result.output, result.exception)
     report = json.loads((root / "eval" / "dataset-step2.json").read_text())
     assert report["reward"] == "exact-match" and report["generation"]["template"] == "raw"
     out = tmp_path / "rollouts.parquet"
-    result = runner.invoke(app, ["rollout", "--model", str(root), "--data", "dataset", "--output", str(out), "--n", "2",
-                                 "--set", "task.split=test", "--set", "task.reward=exact-match"])
+    result = runner.invoke(
+        app,
+        [
+            "rollout",
+            "--model",
+            str(root),
+            "--data",
+            "dataset",
+            "--output",
+            str(out),
+            "--n",
+            "2",
+            "--set",
+            "task.split=test",
+            "--set",
+            "task.reward=exact-match",
+        ],
+    )
     assert result.exit_code == 0, (result.output, result.exception)
     from masktrl.rollout.storage import read_rollouts
 
@@ -111,7 +163,11 @@ def test_folder_with_nested_fields_trains_with_a_file_reward_that_fails_on_some_
         (["task.reward=no_such_pkg.rewards:score"], "No module named 'no_such_pkg'"),
         (["task.reward=my_reward.py:wrong_count"], "returned 1 values for 2 completions"),
         (["task.template={prompt} {difficulty}"], "task.template names field 'difficulty'"),
-        (["task.source=acme/not-cached-anywhere"], "'acme/not-cached-anywhere': no such file or folder, and as a dataset id it is " "not in the local datasets cache"),
+        (
+            ["task.source=acme/not-cached-anywhere"],
+            "'acme/not-cached-anywhere': no such file or folder, and as a dataset id it is "
+            "not in the local datasets cache",
+        ),
     ],
 )
 def test_bad_input_is_one_line_before_the_run_folder(tmp_path, data, monkeypatch, sets, message):
@@ -143,10 +199,22 @@ def test_eval_and_rollout_task_keys():
     from masktrl.errors import ConfigError
     from masktrl.rl.evaluation import bench_task_config
 
-    t = bench_task_config("aime24", Config(), template="dapo", overrides=("task.reward=exact-match", "model.chat_template=false"))
+    t = bench_task_config(
+        "aime24", Config(), template="dapo", overrides=("task.reward=exact-match", "model.chat_template=false")
+    )
     assert (t.name, t.template, t.reward, t.data) == ("aime24", "dapo", "exact-match", None)
-    run = from_dict({"task": {"name": "dataset", "source": "d.jsonl", "template": "instruct", "system_prompt": "Be brief.",
-                              "reward": "r.py:f"}, "model": {"chat_template": True}})
+    run = from_dict(
+        {
+            "task": {
+                "name": "dataset",
+                "source": "d.jsonl",
+                "template": "instruct",
+                "system_prompt": "Be brief.",
+                "reward": "r.py:f",
+            },
+            "model": {"chat_template": True},
+        }
+    )
     own = bench_task_config("dataset", run)
     assert (own.source, own.template, own.reward, own.system_prompt) == ("d.jsonl", "instruct", "r.py:f", "Be brief.")
     other = bench_task_config("gsm8k", run, data="g.jsonl")  # a preset: the run's prompt, its own data and reward

@@ -19,7 +19,15 @@ def read_scalars(logdir):
 def test_tensorboard_events_hold_every_row_at_its_step(tmp_path):
     pytest.importorskip("tensorboard")
     rows = [
-        {"step": 1, "reward_mean": 0.25, "mask_frac": 0.5, "tokens": 96, "sequences_per_process": [12, 12], "clip_frac": None, "ok": True},
+        {
+            "step": 1,
+            "reward_mean": 0.25,
+            "mask_frac": 0.5,
+            "tokens": 96,
+            "sequences_per_process": [12, 12],
+            "clip_frac": None,
+            "ok": True,
+        },
         {"step": 2, "reward_mean": 0.75, "mask_frac": 0.125, "tokens": 80, "eval/heldout/accuracy": 0.5},
     ]
     cfg = load_config(None, ["train.report_to=tensorboard"])
@@ -46,14 +54,20 @@ def test_no_tracker_and_other_processes_log_nothing(tmp_path):
 
 def test_missing_package_is_one_config_error(monkeypatch):
     real = tracking.importlib.util.find_spec
-    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None if name in ("wandb", "mlflow") else real(name))
-    with pytest.raises(ConfigError, match=r"^train.report_to=wandb: the wandb package is not installed \(pip install wandb"):
+    monkeypatch.setattr(
+        tracking.importlib.util, "find_spec", lambda name: None if name in ("wandb", "mlflow") else real(name)
+    )
+    with pytest.raises(
+        ConfigError, match=r"^train.report_to=wandb: the wandb package is not installed \(pip install wandb"
+    ):
         tracking.check_available(("wandb",))
     tracking.check_available(())  # nothing requested, nothing checked
 
 
 def test_unknown_tracker_is_rejected_at_config_load():
-    with pytest.raises(ConfigError, match="train.report_to must be one of tensorboard, wandb, trackio, mlflow, none; got 'tensorbored'"):
+    with pytest.raises(
+        ConfigError, match="train.report_to must be one of tensorboard, wandb, trackio, mlflow, none; got 'tensorbored'"
+    ):
         load_config(None, ["train.report_to=tensorbored"])
     assert load_config(None, ["train.report_to=none"]).train.report_to == ()
     assert load_config(None, ["train.report_to=tensorboard,mlflow"]).train.report_to == ("tensorboard", "mlflow")

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from masktrl.cli import app
-from masktrl.runs.store import RunStore
 from masktrl.rollout.storage import read_rollouts
+from masktrl.runs.store import RunStore
 
 runner = CliRunner()
 
@@ -25,10 +25,18 @@ def _train(tmp_path, config, *args):
 def test_two_step_run_writes_every_artifact_and_changes_weights(tmp_path, tiny_config):
     _train(tmp_path, tiny_config, "--run", "r")
     root = tmp_path / "out" / "r"
-    for rel in ["run.yaml", "manifest.json", "metrics.jsonl", "summary.json",
-                "steps/000001/rollouts.parquet", "steps/000002/rollouts.parquet",
-                "checkpoints/000001/model.safetensors", "checkpoints/000002/model.safetensors",
-                "checkpoints/000002/trainer_state.pt", "checkpoints/000002/tokenizer.json"]:
+    for rel in [
+        "run.yaml",
+        "manifest.json",
+        "metrics.jsonl",
+        "summary.json",
+        "steps/000001/rollouts.parquet",
+        "steps/000002/rollouts.parquet",
+        "checkpoints/000001/model.safetensors",
+        "checkpoints/000002/model.safetensors",
+        "checkpoints/000002/trainer_state.pt",
+        "checkpoints/000002/tokenizer.json",
+    ]:
         assert (root / rel).is_file(), rel
     assert yaml.safe_load((root / "run.yaml").read_text())["method"]["name"] == "grpo"
 
@@ -48,7 +56,13 @@ def test_two_step_run_writes_every_artifact_and_changes_weights(tmp_path, tiny_c
     assert summary["wall_time_s"] > sum(r["step_time_s"] for r in rows)  # the run's time holds its steps'
     assert summary["warmstart"]["time_s"] < summary["wall_time_s"]
 
-    start = load_file(root.parent / ".cache" / "warmstart" / next(p.name for p in (root.parent / ".cache" / "warmstart").iterdir()) / "model.safetensors")
+    start = load_file(
+        root.parent
+        / ".cache"
+        / "warmstart"
+        / next(p.name for p in (root.parent / ".cache" / "warmstart").iterdir())
+        / "model.safetensors"
+    )
     end = load_file(root / "checkpoints" / "000002" / "model.safetensors")
     assert any(s.advantage != 0 for s in read_rollouts(root / "steps" / "000001" / "rollouts.parquet")[0])
     changed = [k for k in start if not torch.equal(start[k], end[k])]

@@ -21,7 +21,19 @@ from masktrl.runs.store import RunStore
 from tests.conftest import cli, write_tiny_config
 
 OFF_POLICY = {"train": {"lr": 1.0e-2, "minibatches": 2, "checkpoint_every": 2}}
-BASELINES = ["sapo", "gmpo", "clip-cov", "kl-cov", "topr", "m2po", "prime-dppo", "prime-ipo", "two-sided", "trm", "gpg"]  # §16
+BASELINES = [
+    "sapo",
+    "gmpo",
+    "clip-cov",
+    "kl-cov",
+    "topr",
+    "m2po",
+    "prime-dppo",
+    "prime-ipo",
+    "two-sided",
+    "trm",
+    "gpg",
+]  # §16
 METHODS = ["grpo", "dapo", "gspo", "dppo", "pdm", "sis", "cispo", *BASELINES]
 
 
@@ -38,11 +50,19 @@ class TokenRecorder:
 
     def __call__(self, batch, out, advantages, params=None, **kw):
         v = batch.valid
-        self.calls.append({
-            "log_r": log_ratio(batch)[v], "seq": batch.seq_ids[v], "adv": advantages.detach()[v],
-            "loss": out.loss.detach()[v], "mask": out.mask[v],
-            **{k: None if getattr(out, k) is None else getattr(out, k).detach()[v] for k in ("divergence", "ddot", "accepted")},
-        })
+        self.calls.append(
+            {
+                "log_r": log_ratio(batch)[v],
+                "seq": batch.seq_ids[v],
+                "adv": advantages.detach()[v],
+                "loss": out.loss.detach()[v],
+                "mask": out.mask[v],
+                **{
+                    k: None if getattr(out, k) is None else getattr(out, k).detach()[v]
+                    for k in ("divergence", "ddot", "accepted")
+                },
+            }
+        )
         return self.real(batch, out, advantages, params, **kw)
 
 
@@ -75,7 +95,9 @@ def test_every_method_trains_off_policy(offpolicy, method):
     assert len(calls) == 4  # 2 steps x 2 minibatch updates, one micro-batch each
     for r in rows:
         assert 0.0 <= r["mask_frac"] <= 1.0 and "clip_frac" not in r
-        assert all(key in r and r[key] == r[key] for key in ("loss", "grad_norm", "ppo_kl", "log_r_dev", "D_mean", "entropy"))
+        assert all(
+            key in r and r[key] == r[key] for key in ("loss", "grad_norm", "ppo_kl", "log_r_dev", "D_mean", "entropy")
+        )
     # the first update of a batch is on-policy (pi = mu up to recomputation), the second is not
     assert calls[0]["log_r"].abs().max() < 1e-4
     assert calls[1]["log_r"].abs().max() > 0.05 and rows[0]["log_r_dev"] > 0.0
@@ -162,7 +184,9 @@ def test_seq_mean_token_sum_norm_divides_by_the_horizon(warm_out):
             seqs = c["seq"].unique()
             by_hand.append(sum(float(c["loss"][c["seq"] == s].sum()) for s in seqs) / horizon / len(seqs))
             token_mean.append(float(c["loss"].mean()))
-        assert r["loss"] == pytest.approx(sum(by_hand) / 2, rel=1e-5, abs=1e-7)  # the step's loss: mean over its 2 updates
+        assert r["loss"] == pytest.approx(
+            sum(by_hand) / 2, rel=1e-5, abs=1e-7
+        )  # the step's loss: mean over its 2 updates
         if abs(r["loss"]) > 1e-6:
             nonzero += 1
             assert r["loss"] != pytest.approx(sum(token_mean) / 2, rel=1e-3)  # not some other aggregation
@@ -172,7 +196,9 @@ def test_seq_mean_token_sum_norm_divides_by_the_horizon(warm_out):
 def test_overlong_shaping_is_in_the_stored_rewards(warm_out):
     """DAPO's soft overlong penalty shapes the reward the batch is trained on and stored with:
     reward = score + penalty(length), and the advantages come from the shaped rewards."""
-    config = write_tiny_config(warm_out.parent / "overlong.yaml", {"method": {"name": "dapo", "overlong_buffer": 2, "overlong_penalty": 0.5}})
+    config = write_tiny_config(
+        warm_out.parent / "overlong.yaml", {"method": {"name": "dapo", "overlong_buffer": 2, "overlong_penalty": 0.5}}
+    )
     cli("train", "--config", config, "--out", warm_out, "--run", "overlong")
     store = RunStore(warm_out / "overlong")
     shaped = 0

@@ -62,8 +62,12 @@ def plain(warm_out):
 
 def test_zero_coefficients_reproduce_the_run_bit_for_bit(warm_out, plain):
     config, base = plain
-    for i, extra in enumerate([("--set", "method.kl_coef=0", "--set", "method.entropy_coef=0", "--set", "method.kl_estimator=k2"),
-                               ("--set", "method.kl_in=reward", "--set", "method.kl_is_correction=false")]):
+    for i, extra in enumerate(
+        [
+            ("--set", "method.kl_coef=0", "--set", "method.entropy_coef=0", "--set", "method.kl_estimator=k2"),
+            ("--set", "method.kl_in=reward", "--set", "method.kl_is_correction=false"),
+        ]
+    ):
         root, _ = train(warm_out, config, f"reg-zero-{i}", *extra)
         for a, b in zip(_rows(base), _rows(root)):
             assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
@@ -116,7 +120,9 @@ def test_entropy_bonus_reports_and_changes_the_update(warm_out, plain):
     config, base = plain
     root, _ = train(warm_out, config, "reg-ent", "--set", "method.entropy_coef=0.05", "--method", "dppo")
     rows = _rows(root)
-    assert all(r["entropy_bonus"] == pytest.approx(0.05 * r["entropy"], rel=0.3) for r in rows)  # mean over valid vs all tokens
+    assert all(
+        r["entropy_bonus"] == pytest.approx(0.05 * r["entropy"], rel=0.3) for r in rows
+    )  # mean over valid vs all tokens
     dppo, _ = train(warm_out, config, "reg-ent-off", "--method", "dppo")
     wa, wb = _weights(dppo), _weights(root)
     assert any(not torch.equal(wa[k], wb[k]) for k in wa)
@@ -128,14 +134,20 @@ def test_advantage_estimators_on_the_stored_batches(warm_out, norm):
     root, _ = train(warm_out, config, f"reg-adv-{norm}", "--set", f"method.adv_norm={norm}")
     for step in (1, 2):
         samples, _ = RunStore(root).read_rollouts(step)
-        want = group_advantages([s.reward for s in samples], [s.group for s in samples], norm=norm,
-                                lengths=[len(s.gen.response_ids) for s in samples])
+        want = group_advantages(
+            [s.reward for s in samples],
+            [s.group for s in samples],
+            norm=norm,
+            lengths=[len(s.gen.response_ids) for s in samples],
+        )
         assert [s.advantage for s in samples] == want.tolist()
 
 
 def test_mask_truncated_gives_truncated_responses_no_gradient(warm_out):
     config = write_tiny_config(warm_out.parent / "reg-trunc.yaml", {"rollout": {"max_new_tokens": 2}})
-    root, calls = train(warm_out, config, "reg-trunc", "--set", "rollout.mask_truncated=true", record="token_diagnostics")
+    root, calls = train(
+        warm_out, config, "reg-trunc", "--set", "rollout.mask_truncated=true", record="token_diagnostics"
+    )
     assert len(calls) == 2
     some_cut = False
     for step, (batch, out, _) in zip((1, 2), (c[:3] for c in calls)):
@@ -178,8 +190,17 @@ def test_a_step_replay_of_a_kl_run_reproduces_its_checkpoint(warm_out, plain, kl
     from masktrl.analysis.step_replay import load_replay, replay_step
 
     config, _ = plain
-    root, _ = train(warm_out, config, f"reg-replay-{kl_in}", "--set", "method.kl_coef=0.5", "--set", f"method.kl_in={kl_in}",
-                    "--set", "method.entropy_coef=0.01")
+    root, _ = train(
+        warm_out,
+        config,
+        f"reg-replay-{kl_in}",
+        "--set",
+        "method.kl_coef=0.5",
+        "--set",
+        f"method.kl_in={kl_in}",
+        "--set",
+        "method.entropy_coef=0.01",
+    )
     for step in (1, 2):
         replay = load_replay(root, step)
         assert replay.reference is not None
@@ -195,20 +216,34 @@ def test_killed_and_resumed_kl_run_is_bit_identical(warm_out, kl_in):
     """The reference stays the starting policy on resume: the resumed run equals the uninterrupted one."""
     from tests.conftest import masktrl
 
-    config = write_tiny_config(warm_out.parent / f"reg-resume-{kl_in}.yaml",
-                               {"train": {"steps": 4, "checkpoint_every": 2, "minibatches": 2, "lr": 1.0e-2},
-                                "method": {"name": "grpo", "kl_coef": 0.5, "kl_in": kl_in, "entropy_coef": 0.01}})
+    config = write_tiny_config(
+        warm_out.parent / f"reg-resume-{kl_in}.yaml",
+        {
+            "train": {"steps": 4, "checkpoint_every": 2, "minibatches": 2, "lr": 1.0e-2},
+            "method": {"name": "grpo", "kl_coef": 0.5, "kl_in": kl_in, "entropy_coef": 0.01},
+        },
+    )
     ref = masktrl("train", "--config", config, "--out", warm_out, "--run", f"reg-full-{kl_in}")
     assert ref.returncode == 0, ref.stderr[-2000:]
-    crash = masktrl("train", "--config", config, "--out", warm_out, "--run", f"reg-cut-{kl_in}", env={"MASKTRL_CRASH_AT": "update:3"})
+    crash = masktrl(
+        "train",
+        "--config",
+        config,
+        "--out",
+        warm_out,
+        "--run",
+        f"reg-cut-{kl_in}",
+        env={"MASKTRL_CRASH_AT": "update:3"},
+    )
     assert crash.returncode == -9, crash.stderr[-2000:]
     again = masktrl("train", "--resume", f"reg-cut-{kl_in}", "--out", warm_out)
     assert again.returncode == 0, again.stderr[-2000:]
     a, b = _weights(warm_out / f"reg-full-{kl_in}", 4), _weights(warm_out / f"reg-cut-{kl_in}", 4)
     assert all(torch.equal(a[k], b[k]) for k in a)
     rows_a, rows_b = _rows(warm_out / f"reg-full-{kl_in}"), _rows(warm_out / f"reg-cut-{kl_in}")
-    assert [{k: v for k, v in r.items() if k not in TIMING} for r in rows_a] == \
-        [{k: v for k, v in r.items() if k not in TIMING} for r in rows_b]
+    assert [{k: v for k, v in r.items() if k not in TIMING} for r in rows_a] == [
+        {k: v for k, v in r.items() if k not in TIMING} for r in rows_b
+    ]
     assert all(r["kl_ref"] > 0 for r in rows_b[2:])
 
 
@@ -220,13 +255,23 @@ def test_two_processes_match_one_process_with_kl_and_entropy(warm_out, kl_in):
     from tests.conftest import masktrl
     from tests.test_distributed import CPU_DDP, assert_same_weights, launch, train_lr
 
-    config = write_tiny_config(warm_out.parent / f"reg-ddp-{kl_in}.yaml",
-                               {"train": {"minibatches": 2},
-                                "method": {"name": "grpo", "kl_coef": 0.5, "kl_in": kl_in, "entropy_coef": 0.01}})
+    config = write_tiny_config(
+        warm_out.parent / f"reg-ddp-{kl_in}.yaml",
+        {"train": {"minibatches": 2}, "method": {"name": "grpo", "kl_coef": 0.5, "kl_in": kl_in, "entropy_coef": 0.01}},
+    )
     one = masktrl("train", "--config", config, "--out", warm_out, "--run", f"reg-ddp1-{kl_in}")
     assert one.returncode == 0, one.stderr[-2000:]
-    two = launch(CPU_DDP, "--config", str(config), "--out", str(warm_out), "--run", f"reg-ddp2-{kl_in}",
-                 "--rollouts-from", str(warm_out / f"reg-ddp1-{kl_in}"))
+    two = launch(
+        CPU_DDP,
+        "--config",
+        str(config),
+        "--out",
+        str(warm_out),
+        "--run",
+        f"reg-ddp2-{kl_in}",
+        "--rollouts-from",
+        str(warm_out / f"reg-ddp1-{kl_in}"),
+    )
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
     a, b = _weights(warm_out / f"reg-ddp1-{kl_in}"), _weights(warm_out / f"reg-ddp2-{kl_in}")
     assert_same_weights(a, b, lr=train_lr(warm_out / f"reg-ddp1-{kl_in}"))

@@ -73,8 +73,22 @@ def test_naive_ratio_bias_is_log_s_and_renormalised_is_zero(top_p, top_k):
     gens = engine.generate(prompts, s, seed=0)
     samples = [Sample(str(i), "", "", prompts[i], i, g) for i, group in enumerate(gens) for g in group]
     assert all(g.kept is not None and len(g.kept) == len(g.response_ids) for grp in gens for g in grp)
-    naive = policy_token_batch(model, [Sample(x.example_id, "", "", x.prompt_ids, x.group, Generation(
-        x.gen.response_ids, x.gen.logp, x.gen.topk_ids, x.gen.topk_logp, x.gen.finished)) for x in samples], 1.0, 64).batch
+    naive = policy_token_batch(
+        model,
+        [
+            Sample(
+                x.example_id,
+                "",
+                "",
+                x.prompt_ids,
+                x.group,
+                Generation(x.gen.response_ids, x.gen.logp, x.gen.topk_ids, x.gen.topk_logp, x.gen.finished),
+            )
+            for x in samples
+        ],
+        1.0,
+        64,
+    ).batch
     fixed = policy_token_batch(model, samples, 1.0, 64).batch
     # closed form: S = pi's mass on the kept set, the kept set from the float64 reference of the warpers
     rows = [(x.prompt_ids + x.gen.response_ids, len(x.prompt_ids), len(x.gen.response_ids)) for x in samples]
@@ -93,8 +107,8 @@ def test_naive_ratio_bias_is_log_s_and_renormalised_is_zero(top_p, top_k):
             logits = model(torch.tensor([ids])).logits[0]
         sizes += [int(nucleus(logits[p - 1 + j], top_p, top_k).sum()) for j in range(t)]
     assert kept.tolist() == sizes  # the recorded kept set is the warpers' kept set
-    naive_bias = (naive.logp.double() - naive.behavior_logp.double())  # [N]
-    fixed_bias = (fixed.logp.double() - fixed.behavior_logp.double())
+    naive_bias = naive.logp.double() - naive.behavior_logp.double()  # [N]
+    fixed_bias = fixed.logp.double() - fixed.behavior_logp.double()
     torch.testing.assert_close(naive_bias, log_s, rtol=0, atol=2e-5)  # the naive ratio's bias: log S < 0
     assert (log_s < -1e-3).any() and (log_s <= 1e-7).all()
     torch.testing.assert_close(fixed_bias, torch.zeros_like(fixed_bias), rtol=0, atol=2e-5)  # the fixed one: zero
@@ -102,7 +116,9 @@ def test_naive_ratio_bias_is_log_s_and_renormalised_is_zero(top_p, top_k):
     # the top-K lists: mu and pi~ both zero outside the kept set, equal inside
     inside = torch.isfinite(fixed.topk_behavior_logp)
     assert torch.equal(inside, torch.isfinite(fixed.topk_logp))
-    torch.testing.assert_close(fixed.topk_logp[inside].double(), fixed.topk_behavior_logp[inside].double(), rtol=0, atol=2e-5)
+    torch.testing.assert_close(
+        fixed.topk_logp[inside].double(), fixed.topk_behavior_logp[inside].double(), rtol=0, atol=2e-5
+    )
 
 
 def test_untruncated_sampling_records_no_kept_set_and_storage_round_trip(tmp_path):
@@ -126,11 +142,14 @@ def test_untruncated_sampling_records_no_kept_set_and_storage_round_trip(tmp_pat
         assert [s.gen.topk_logp for s in back] == [s.gen.topk_logp for s in samples]
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--set", "rollout.top_p=0.9", "--set", "rollout.logprobs_k=5"], "more than the 5"),
-    (["--set", "rollout.top_k=8", "--set", "rollout.logprobs_k=5"], "rollout.top_k <="),
-    (["--set", "rollout.top_k=-1"], "rollout.top_k"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--set", "rollout.top_p=0.9", "--set", "rollout.logprobs_k=5"], "more than the 5"),
+        (["--set", "rollout.top_k=8", "--set", "rollout.logprobs_k=5"], "rollout.top_k <="),
+        (["--set", "rollout.top_k=-1"], "rollout.top_k"),
+    ],
+)
 def test_kept_set_larger_than_k_is_refused_up_front(tmp_path, tiny_config, args, needle):
     r = masktrl("train", "--config", tiny_config, *args, "--out", tmp_path / "out", cwd=tmp_path)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
@@ -157,7 +176,9 @@ def test_a_kept_set_larger_than_the_list_is_marked_and_never_renormalised(tmp_pa
     tok = build_char_tokenizer("0123456789+=")
     model = build_tiny_model(tok, TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1), seed=0)
     prompts = [tok("12+3=", add_special_tokens=False)["input_ids"]]
-    gens = HFEngine(model, tok).generate(prompts, SamplingSettings(n=4, max_new_tokens=4, logprobs_k=3, top_p=0.999), seed=0)
+    gens = HFEngine(model, tok).generate(
+        prompts, SamplingSettings(n=4, max_new_tokens=4, logprobs_k=3, top_p=0.999), seed=0
+    )
     samples = [Sample("0", "p", "a", prompts[0], 0, g) for g in gens[0]]
     sizes = [k for s in samples for k in s.gen.kept]
     assert 4 in sizes and all(1 <= k <= 4 for k in sizes)

@@ -17,11 +17,13 @@ from masktrl.rollout.base import SamplingSettings
 pytestmark = pytest.mark.vllm
 
 CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-SHAPE = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_positions=256)
+SHAPE = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_positions=256
+)
 SETTINGS = SamplingSettings(n=2, max_new_tokens=10, temperature=1.0, logprobs_k=4)
 UNSUPPORTED: dict[str, str] = {  # measured with vllm-cpu 0.32.0 (transformers 5.19), scripts/setup_vllm_venv.sh
-    "qwen3-moe": "vLLM's log-probabilities differ from transformers' by up to 0.03 nats on the tiny MoE " "(float32)",
-    "gemma2": "vLLM's Gemma2 has no lm_head (it always ties it to the embedding): the untied tiny model " "does not load",
+    "qwen3-moe": "vLLM's log-probabilities differ from transformers' by up to 0.03 nats on the tiny MoE (float32)",
+    "gemma2": "vLLM's Gemma2 has no lm_head (it always ties it to the embedding): the untied tiny model does not load",
     "olmo2": "vllm-cpu fails at start-up ('Olmo2Model' object has no attribute 'do_not_compile')",
     "gpt-neox": "vllm-cpu fails at start-up (pipeline model parallel group is not initialized)",
 }

@@ -16,8 +16,10 @@ from tests.conftest import write_tiny_config
 pytestmark = pytest.mark.vllm
 
 VLLM = {
-    "method": {"name": "dppo"}, "model": {"hidden_size": 64, "intermediate_size": 128},
-    "rollout": {"engine": "vllm", "enforce_eager": True}, "train": {"lr": 3.0e-3},
+    "method": {"name": "dppo"},
+    "model": {"hidden_size": 64, "intermediate_size": 128},
+    "rollout": {"engine": "vllm", "enforce_eager": True},
+    "train": {"lr": 3.0e-3},
 }
 CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
@@ -26,8 +28,24 @@ def test_two_steps_with_vllm_rollouts_and_weight_sync(tmp_path):
     pytest.importorskip("vllm")
     cfg = write_tiny_config(tmp_path / "c.yaml", VLLM)
     env = {**os.environ, **CPU_ENV}
-    r = subprocess.run([sys.executable, "-m", "masktrl.cli", "train", "--config", str(cfg), "--out", str(tmp_path / "out"), "--run", "v"],
-                       capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "masktrl.cli",
+            "train",
+            "--config",
+            str(cfg),
+            "--out",
+            str(tmp_path / "out"),
+            "--run",
+            "v",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     root = tmp_path / "out" / "v"
     samples, meta = read_rollouts(root / "steps" / "000002" / "rollouts.parquet")
@@ -53,7 +71,25 @@ def test_sleep_mode_from_the_config_on_cpu_is_one_line(tmp_path):
         pytest.skip("this platform supports sleep mode")
     cfg = write_tiny_config(tmp_path / "c.yaml", VLLM)
     env = {**os.environ, **CPU_ENV}
-    r = subprocess.run([sys.executable, "-m", "masktrl.cli", "train", "--config", str(cfg), "--out", str(tmp_path / "out"), "--run", "s",
-                        "--set", "rollout.sleep_mode=true"], capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "masktrl.cli",
+            "train",
+            "--config",
+            str(cfg),
+            "--out",
+            str(tmp_path / "out"),
+            "--run",
+            "s",
+            "--set",
+            "rollout.sleep_mode=true",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 2 and len(lines) == 1 and "sleep mode is not available" in lines[0], r.stderr[-3000:]

@@ -30,13 +30,17 @@ def _policy(tiny_config, out, *sets):
     return prepare_policy(cfg, make_task(cfg.task, cfg.model), out)
 
 
-def test_stops_at_the_first_check_reaching_the_target_and_equals_the_shorter_warm_start(tiny_config, tmp_path, checks_every):
+def test_stops_at_the_first_check_reaching_the_target_and_equals_the_shorter_warm_start(
+    tiny_config, tmp_path, checks_every
+):
     model, _, info = _policy(tiny_config, tmp_path, "warmstart.steps=200", "warmstart.target_accuracy=0.2")
     checks = info["train_accuracy_checks"]
     assert [s for s, _ in checks] == list(range(EVERY, info["steps_done"] + 1, EVERY))
     assert checks[-1][1] >= 0.2 > max(a for _, a in checks[:-1]) and info["steps_done"] < 200
     # the checks draw nothing from the training stream: it is exactly the fixed warm start of that many steps
-    fixed, _, fixed_info = _policy(tiny_config, tmp_path, f"warmstart.steps={info['steps_done']}", "warmstart.target_accuracy=null")
+    fixed, _, fixed_info = _policy(
+        tiny_config, tmp_path, f"warmstart.steps={info['steps_done']}", "warmstart.target_accuracy=null"
+    )
     assert fixed_info["steps_done"] == info["steps_done"] and fixed_info["train_accuracy_checks"] == []
     for (name, a), b in zip(model.state_dict().items(), fixed.state_dict().values()):
         assert torch.equal(a, b), name
@@ -69,8 +73,10 @@ def test_the_fingerprint_is_the_whole_config_and_the_warm_start_key_its_inputs()
         assert whole[section].pop(name) is None
     assert cfg.hash() == hashlib.sha256(json.dumps(whole, sort_keys=True, default=str).encode()).hexdigest()[:16]
     moe = load_config(None, ["warmstart.target_accuracy=null", "model.architecture=qwen3-moe", "model.num_experts=4"])
-    assert moe.to_dict()["model"]["num_experts"] == 4 and moe.hash() != load_config(
-        None, ["warmstart.target_accuracy=null", "model.architecture=qwen3-moe"]).hash()  # set, it counts
+    assert (
+        moe.to_dict()["model"]["num_experts"] == 4
+        and moe.hash() != load_config(None, ["warmstart.target_accuracy=null", "model.architecture=qwen3-moe"]).hash()
+    )  # set, it counts
     assert warmstart_key(cfg).endswith("-seed0")  # threads 1: no suffix
     lab = load_config(None, ["warmstart.target_accuracy=null", "rollout.staleness=2"])
     assert lab.hash() != cfg.hash() and lab.hash("model", "task", "warmstart") == cfg.hash("model", "task", "warmstart")

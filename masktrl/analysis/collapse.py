@@ -65,8 +65,13 @@ def collapse(rewards: list[float], steps: list[int] | None = None) -> dict:
     while t > 0 and below[t - 1]:
         t -= 1
     collapsed = t < n and n - t >= MIN_STEPS
-    out.update(collapsed=bool(collapsed), start=start, threshold=FRACTION * start, step=steps[t] if collapsed else None,
-               final_smoothed=float(s[-1]))
+    out.update(
+        collapsed=bool(collapsed),
+        start=start,
+        threshold=FRACTION * start,
+        step=steps[t] if collapsed else None,
+        final_smoothed=float(s[-1]),
+    )
     return out
 
 
@@ -80,10 +85,18 @@ def collapse_rate(results: list[dict]) -> dict:
     """count / total over the runs that could be judged, and how many were too short."""
     judged = [r for r in results if r["collapsed"] is not None]
     count = sum(bool(r["collapsed"]) for r in judged)
-    return {"count": count, "total": len(judged), "rate": count / len(judged) if judged else float("nan"),
-            "too_short": len(results) - len(judged)}
+    return {
+        "count": count,
+        "total": len(judged),
+        "rate": count / len(judged) if judged else float("nan"),
+        "too_short": len(results) - len(judged),
+    }
 
 
-DEFINITION = (f"collapsed: the {WINDOW}-step trailing mean of {REWARD} stays below {FRACTION:g} x the mean of " "the first "
-              f"{START_STEPS} steps from some step t to the end, with at least {MIN_STEPS} steps " "from t on; runs with fewer "
-              f"than {START_STEPS + MIN_STEPS} steps are not judged")
+DEFINITION = (
+    f"collapsed: the {WINDOW}-step trailing mean of {REWARD} stays below {FRACTION:g} x the mean of "
+    "the first "
+    f"{START_STEPS} steps from some step t to the end, with at least {MIN_STEPS} steps "
+    "from t on; runs with fewer "
+    f"than {START_STEPS + MIN_STEPS} steps are not judged"
+)

@@ -41,7 +41,17 @@ from masktrl.config import flatten
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.readers import read_json
 from masktrl.runs.store import eval_key, eval_steps
-from masktrl.stats import bootstrap_ci, interaction_test, paired_mdd, paired_tests, permutation_test, sign_flip_p, tost_paired, tost_welch, welch_t_test
+from masktrl.stats import (
+    bootstrap_ci,
+    interaction_test,
+    paired_mdd,
+    paired_tests,
+    permutation_test,
+    sign_flip_p,
+    tost_paired,
+    tost_welch,
+    welch_t_test,
+)
 
 POWER = 0.8
 ALPHA = 0.05
@@ -50,8 +60,11 @@ P_UNIT = "run (one seed)"
 HELDOUT = "eval/heldout/accuracy"
 MIN_SEEDS = 3
 TESTS = ("welch", "permutation", "paired")
-DECISION_RULE = ("paired: a difference is declared when max(paired t p, exact sign-flip p), Holm-adjusted across " "the table, "
-                 "is below alpha (the sign-flip floor is 2^(1-n): 0.0625 at 5 seeds)")
+DECISION_RULE = (
+    "paired: a difference is declared when max(paired t p, exact sign-flip p), Holm-adjusted across "
+    "the table, "
+    "is below alpha (the sign-flip floor is 2^(1-n): 0.0625 at 5 seeds)"
+)
 
 
 def run_scores(run: RunInfo, metric: str = HELDOUT) -> tuple[float, float]:
@@ -96,18 +109,29 @@ def eval_scores(runs: list[RunInfo], bench: str) -> tuple[dict[str, tuple[float,
     if missing:
         folders = sorted({str(r.root.parent) for r in missing})
         names = ", ".join(r.name for r in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise MasktrlError(f"--eval {bench}: {len(missing)} of {len(runs)} runs have no eval report at their final " "checkpoint "
-                           f"({names}); make them with: " + "; ".join(f"masktrl eval {bench} --model {f}" for f in folders))
+        raise MasktrlError(
+            f"--eval {bench}: {len(missing)} of {len(runs)} runs have no eval report at their final "
+            "checkpoint "
+            f"({names}); make them with: " + "; ".join(f"masktrl eval {bench} --model {f}" for f in folders)
+        )
     out, settings = {}, {}
     for r in runs:
         final = eval_report(r, bench, final_step(r))
         g = final.get("generation") or {}
-        sig = {"k": final.get("k"), "n_problems": final.get("n_problems"), "temperature": g.get("temperature"),
-               "top_p": g.get("top_p"), "max_new_tokens": g.get("max_new_tokens")}
+        sig = {
+            "k": final.get("k"),
+            "n_problems": final.get("n_problems"),
+            "temperature": g.get("temperature"),
+            "top_p": g.get("top_p"),
+            "max_new_tokens": g.get("max_new_tokens"),
+        }
         for key, value in sig.items():
             if settings.setdefault(key, value) != value:
-                raise MasktrlError(f"--eval {bench}: the reports differ in {key} ({settings[key]} vs {value} in " f"{r.name}); "
-                                   f"evaluate every run alike (masktrl eval {bench} --force ...)")
+                raise MasktrlError(
+                    f"--eval {bench}: the reports differ in {key} ({settings[key]} vs {value} in "
+                    f"{r.name}); "
+                    f"evaluate every run alike (masktrl eval {bench} --force ...)"
+                )
         steps = eval_steps(r.store.manifest["stages"], bench)
         values = [float(eval_report(r, bench, s)["avg_at_k"]) for s in steps]
         out[str(r.root)] = (float(final["avg_at_k"]), max(values), len(values))
@@ -128,8 +152,14 @@ def describe(values: list[float], n_boot: int, seed: int = 0) -> dict:
     }
 
 
-def test_against(values: list[float], base: list[float], n_perm: int, seed: int = 0,
-                 seeds: list[int] | None = None, base_seeds: list[int] | None = None) -> dict:
+def test_against(
+    values: list[float],
+    base: list[float],
+    n_perm: int,
+    seed: int = 0,
+    seeds: list[int] | None = None,
+    base_seeds: list[int] | None = None,
+) -> dict:
     """Welch's t-test and the permutation test of mean(values) == mean(base), and the paired
     t-test over the seeds both have (runs of one seed share the warm start; nan with < 2).
     ``diff_vs_baseline`` is the difference of the groups' means, the centre of Welch's interval;
@@ -256,7 +286,10 @@ def find_baseline(labels: list[tuple[str, str]], baseline: str, members: list[li
     if by_method:
         options = ", ".join(f"#{i + 1} {names[i]}" for i in by_method)
         raise MasktrlError(f"baseline {baseline!r} is ambiguous: pass a handle or a run folder ({options})")
-    raise MasktrlError(f"baseline {baseline!r} is not among the runs (groups: " f"{', '.join(f'#{i + 1} {n}' for i, n in enumerate(names))})")
+    raise MasktrlError(
+        f"baseline {baseline!r} is not among the runs (groups: "
+        f"{', '.join(f'#{i + 1} {n}' for i, n in enumerate(names))})"
+    )
 
 
 def check_one_task(runs: list[RunInfo]) -> None:
@@ -268,13 +301,24 @@ def check_one_task(runs: list[RunInfo]) -> None:
         diff = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
         if diff:
             k = diff[0]
-            raise MasktrlError(f"runs of different tasks cannot be compared: {runs[0].name} has " f"task.{k}={first.get(k)}, "
-                               f"{r.name} has task.{k}={other.get(k)}")
+            raise MasktrlError(
+                f"runs of different tasks cannot be compared: {runs[0].name} has "
+                f"task.{k}={first.get(k)}, "
+                f"{r.name} has task.{k}={other.get(k)}"
+            )
 
 
-def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, test: str = "welch",
-            n_boot: int = 10000, n_perm: int = 10000, eval_bench: str | None = None, margin: float | None = None,
-            interaction: str | None = None) -> dict:
+def compare(
+    runs: list[RunInfo],
+    baseline: str = "grpo",
+    metric: str = HELDOUT,
+    test: str = "welch",
+    n_boot: int = 10000,
+    n_perm: int = 10000,
+    eval_bench: str | None = None,
+    margin: float | None = None,
+    interaction: str | None = None,
+) -> dict:
     """The method table (JSON-ready, see docs/ANALYSIS.md). Incomplete runs are listed in
     ``skipped``. ``eval_bench``: score each run by its ``masktrl eval`` report instead of ``metric``.
     ``margin``: the equivalence margin of the TOSTs; ``interaction``: "A-B,C-D" (handles or labels)."""
@@ -283,7 +327,9 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
     if margin is not None and not (isinstance(margin, (int, float)) and 0 < margin < float("inf")):
         raise MasktrlError(f"--margin must be a positive number, got {margin!r}")
     if eval_bench is not None and metric != HELDOUT:
-        raise MasktrlError(f"--eval and --metric choose the score two ways; pass one (got --eval {eval_bench} " f"--metric {metric})")
+        raise MasktrlError(
+            f"--eval and --metric choose the score two ways; pass one (got --eval {eval_bench} --metric {metric})"
+        )
     complete = [r for r in runs if r.complete]
     skipped = [str(r.root) for r in runs if not r.complete]
     if not complete:
@@ -302,20 +348,37 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
     base_seeds = [r.cfg.seed for r in dict(groups)[base_label]]
     rows, warnings = [], []
     for gi, (label, members) in enumerate(groups):
-        row = {"handle": f"#{gi + 1}", "label": label, "method": members[0].cfg.method_name, "runs": [str(r.root) for r in members],
-               "seeds": [r.cfg.seed for r in members], "is_baseline": label == base_label}
+        row = {
+            "handle": f"#{gi + 1}",
+            "label": label,
+            "method": members[0].cfg.method_name,
+            "runs": [str(r.root) for r in members],
+            "seeds": [r.cfg.seed for r in members],
+            "is_baseline": label == base_label,
+        }
         vals = [s[0] for s in scores[label]]
         base = [s[0] for s in scores[base_label]]
         row["final"] = describe(vals, n_boot)
-        tests = test_against(vals, base, n_perm, seeds=row["seeds"], base_seeds=base_seeds) if label != base_label else _no_test()
+        tests = (
+            test_against(vals, base, n_perm, seeds=row["seeds"], base_seeds=base_seeds)
+            if label != base_label
+            else _no_test()
+        )
         row["final"].update(tests, p=tests[f"p_{test}"], p_unit=P_UNIT)
         row["best"] = describe([s[1] for s in scores[label]], n_boot)
-        row["best"].update(biased=True, n_evals=[n_evals[str(r.root)] for r in members], p=float("nan"),
-                           note="max over the run's evaluations and its final value: biased upward, " "not tested")
+        row["best"].update(
+            biased=True,
+            n_evals=[n_evals[str(r.root)] for r in members],
+            p=float("nan"),
+            note="max over the run's evaluations and its final value: biased upward, not tested",
+        )
         per_run = [{"run": str(r.root), **run_collapse(r.metrics)} for r in members]
         row["collapse"] = {**collapse_rate(per_run), "runs": per_run}
         if len(members) < MIN_SEEDS:
-            warnings.append(f"{label}: only {len(members)} seed{'s' if len(members) != 1 else ''} (< " f"{MIN_SEEDS}); its CI and p-value mean little")
+            warnings.append(
+                f"{label}: only {len(members)} seed{'s' if len(members) != 1 else ''} (< "
+                f"{MIN_SEEDS}); its CI and p-value mean little"
+            )
         rows.append(row)
     others = [r for r in rows if not r["is_baseline"]]
     for adj, fn in (("p_holm", holm), ("q_bh", benjamini_hochberg)):
@@ -327,15 +390,30 @@ def compare(runs: list[RunInfo], baseline: str = "grpo", metric: str = HELDOUT, 
     verdicts(others, next(r for r in rows if r["is_baseline"]), test, margin)
     inter = interaction_row(rows, interaction, margin) if interaction else None
     kind = eval_kind(eval_bench, settings) if eval_bench is not None else metric_kind(metric, complete)
-    return {"metric": metric, "metric_kind": kind, "eval": eval_bench, "eval_settings": settings,
-            "collapse_definition": COLLAPSE_DEFINITION, "baseline": base_label,
-            "baseline_handle": next(r["handle"] for r in rows if r["is_baseline"]), "test": test, "p_unit": P_UNIT,
-            "adjustment": "Holm (p_holm) and Benjamini-Hochberg (q_bh) over the non-baseline rows' final p",
-            "power": POWER, "alpha": ALPHA, "n_boot": n_boot, "n_perm": n_perm, "margin": margin,
-            "decision_rule": DECISION_RULE if test == "paired" else f"{test}: Holm-adjusted p below alpha",
-            "mdd_note": f"mdd_paired: post hoc, from the observed paired SD, two-sided paired t at alpha / m "
-                        f"(m = {len(others)} rows, Holm's first step), {POWER:.0%} power",
-            "interaction": inter, "methods": rows, "warnings": warnings, "skipped": skipped}
+    return {
+        "metric": metric,
+        "metric_kind": kind,
+        "eval": eval_bench,
+        "eval_settings": settings,
+        "collapse_definition": COLLAPSE_DEFINITION,
+        "baseline": base_label,
+        "baseline_handle": next(r["handle"] for r in rows if r["is_baseline"]),
+        "test": test,
+        "p_unit": P_UNIT,
+        "adjustment": "Holm (p_holm) and Benjamini-Hochberg (q_bh) over the non-baseline rows' final p",
+        "power": POWER,
+        "alpha": ALPHA,
+        "n_boot": n_boot,
+        "n_perm": n_perm,
+        "margin": margin,
+        "decision_rule": DECISION_RULE if test == "paired" else f"{test}: Holm-adjusted p below alpha",
+        "mdd_note": f"mdd_paired: post hoc, from the observed paired SD, two-sided paired t at alpha / m "
+        f"(m = {len(others)} rows, Holm's first step), {POWER:.0%} power",
+        "interaction": inter,
+        "methods": rows,
+        "warnings": warnings,
+        "skipped": skipped,
+    }
 
 
 def verdicts(others: list[dict], base: dict, test: str, margin: float | None) -> None:
@@ -354,7 +432,9 @@ def verdicts(others: list[dict], base: dict, test: str, margin: float | None) ->
             f["verdict"] = "differs"
             continue
         if margin is not None:
-            f["tost_p"] = (tost_paired(d, margin) if test == "paired" else tost_welch(f["values"], base["final"]["values"], margin))["p"]
+            f["tost_p"] = (
+                tost_paired(d, margin) if test == "paired" else tost_welch(f["values"], base["final"]["values"], margin)
+            )["p"]
         f["verdict"] = "equivalent" if f["tost_p"] < ALPHA else "not detected"
 
 
@@ -368,8 +448,10 @@ def interaction_row(rows: list[dict], spec: str, margin: float | None) -> dict:
         effects = [[by[h.strip()] for h in part.split("-", 1)] for part in spec.split(",")]
         assert len(effects) == 2 and all(len(e) == 2 for e in effects)
     except (KeyError, AssertionError):
-        raise MasktrlError(f"--interaction takes two effects as 'A-B,C-D' with group handles or labels "
-                           f"({', '.join(r['handle'] for r in rows)}), got {spec!r}") from None
+        raise MasktrlError(
+            f"--interaction takes two effects as 'A-B,C-D' with group handles or labels "
+            f"({', '.join(r['handle'] for r in rows)}), got {spec!r}"
+        ) from None
 
     def effect(a: dict, b: dict) -> tuple[list[int], list[float]]:
         shared = sorted(set(a["seeds"]) & set(b["seeds"]))
@@ -380,16 +462,34 @@ def interaction_row(rows: list[dict], spec: str, margin: float | None) -> dict:
     (s1, d1), (s2, d2) = effect(*effects[0]), effect(*effects[1])
     paired = s1 == s2
     out = interaction_test(d1, d2, paired=paired, margin=margin)
-    out.update(spec=" vs ".join(f"{a['handle']}-{b['handle']}" for a, b in effects), seeds=[s1, s2],
-               effects=[float(np.mean(d1)) if d1 else float("nan"), float(np.mean(d2)) if d2 else float("nan")])
+    out.update(
+        spec=" vs ".join(f"{a['handle']}-{b['handle']}" for a, b in effects),
+        seeds=[s1, s2],
+        effects=[float(np.mean(d1)) if d1 else float("nan"), float(np.mean(d2)) if d2 else float("nan")],
+    )
     return out
 
 
 def _no_test() -> dict:
     nan = float("nan")
-    return {"diff_vs_baseline": 0.0, "diff_ci_low": nan, "diff_ci_high": nan, "diff_paired": 0.0, "diff_ci_paired_low": nan, "diff_ci_paired_high": nan,
-            "mdd_80": nan, "t_welch": nan, "p_welch": nan, "p_permutation": nan, "n_paired": 0, "t_paired": nan, "p_paired": nan,
-            "p_paired_t": nan, "p_sign_flip": nan, "diffs_paired": []}
+    return {
+        "diff_vs_baseline": 0.0,
+        "diff_ci_low": nan,
+        "diff_ci_high": nan,
+        "diff_paired": 0.0,
+        "diff_ci_paired_low": nan,
+        "diff_ci_paired_high": nan,
+        "mdd_80": nan,
+        "t_welch": nan,
+        "p_welch": nan,
+        "p_permutation": nan,
+        "n_paired": 0,
+        "t_paired": nan,
+        "p_paired": nan,
+        "p_paired_t": nan,
+        "p_sign_flip": nan,
+        "diffs_paired": [],
+    }
 
 
 def _evals(run: RunInfo, metric: str) -> list[float]:
@@ -400,18 +500,27 @@ def metric_kind(metric: str, runs: list[RunInfo]) -> str:
     """What one value of ``metric`` is: avg@k over k samples per prompt, or one sample per prompt."""
     if metric.endswith("/avg_at_k"):
         k_metric = metric.removesuffix("avg_at_k") + "k"  # eval/<bench>/avg_at_k -> eval/<bench>/k
-        ks = sorted({int(r[k_metric]) for run in runs for r in run.metrics if isinstance(r.get(k_metric), (int, float))})
-        return "avg@k: mean accuracy over k samples per prompt (k = " f"{', '.join(map(str, ks)) or 'as logged'})"
+        ks = sorted(
+            {int(r[k_metric]) for run in runs for r in run.metrics if isinstance(r.get(k_metric), (int, float))}
+        )
+        return f"avg@k: mean accuracy over k samples per prompt (k = {', '.join(map(str, ks)) or 'as logged'})"
     if metric == HELDOUT:
         greedy = {bool(run.cfg.to_dict().get("eval", {}).get("greedy", True)) for run in runs}
-        return "one " + ("greedy answer" if greedy == {True} else "sampled answer" if greedy == {False} else "answer") + \
-            " per held-out prompt (pass --metric eval/<bench>/avg_at_k for avg@k over several " "samples)"
+        return (
+            "one "
+            + ("greedy answer" if greedy == {True} else "sampled answer" if greedy == {False} else "answer")
+            + " per held-out prompt (pass --metric eval/<bench>/avg_at_k for avg@k over several "
+            "samples)"
+        )
     return "the metric's last logged value"
 
 
 def eval_kind(bench: str, settings: dict) -> str:
-    return (f"avg@k of masktrl eval {bench} on each run's final checkpoint: mean accuracy over k = " f"{settings['k']} samples "
-            f"per prompt, {settings['n_problems']} prompts")
+    return (
+        f"avg@k of masktrl eval {bench} on each run's final checkpoint: mean accuracy over k = "
+        f"{settings['k']} samples "
+        f"per prompt, {settings['n_problems']} prompts"
+    )
 
 
 def save(table: dict, out_dir: Path) -> list[Path]:
@@ -423,4 +532,3 @@ def save(table: dict, out_dir: Path) -> list[Path]:
         write_json(Path(out_dir) / "compare.json", table),
         save_figure(plots.method_points(table), Path(out_dir) / "compare.png"),
     ]
-

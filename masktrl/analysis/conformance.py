@@ -29,8 +29,8 @@ prints the rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Callable
 
 import torch
 import yaml
@@ -76,8 +76,17 @@ class Case:
 # --------------------------------------------------------------------------- random cases
 
 
-def random_case(seed: int, *, n_seq: int = 6, max_len: int = 7, vocab: int = 12, k: int = 4,
-                extreme: bool = False, on_policy: bool = False, invalid: float = 0.15) -> Case:
+def random_case(
+    seed: int,
+    *,
+    n_seq: int = 6,
+    max_len: int = 7,
+    vocab: int = 12,
+    k: int = 4,
+    extreme: bool = False,
+    on_policy: bool = False,
+    invalid: float = 0.15,
+) -> Case:
     """A ragged batch of ``n_seq`` sequences (1..max_len tokens) over ``vocab`` tokens, lists of
     ``k`` with residual mass. ``extreme``: a third of the tokens get log r = ±69 (r ~ 1e±30);
     ``on_policy``: mu = pi exactly and no invalid token."""
@@ -104,8 +113,14 @@ def random_case(seed: int, *, n_seq: int = 6, max_len: int = 7, vocab: int = 12,
     return Case(z, z_mu, sampled, topk_ids, seq_ids, valid, adv, u)
 
 
-def build(case: Case, dtype=F64, *, logp: torch.Tensor | None = None, lists_from: torch.Tensor | None = None,
-          junk: int | None = None) -> TokenBatch:
+def build(
+    case: Case,
+    dtype=F64,
+    *,
+    logp: torch.Tensor | None = None,
+    lists_from: torch.Tensor | None = None,
+    junk: int | None = None,
+) -> TokenBatch:
     """The TokenBatch of ``case`` in ``dtype``. ``logp`` [N]: log pi_k to use (a leaf for
     gradients); ``lists_from`` [N, V]: log pi whose list entries carry a graph (default
     detached); ``junk``: a seed that fills the invalid tokens with other random content."""
@@ -127,8 +142,17 @@ def build(case: Case, dtype=F64, *, logp: torch.Tensor | None = None, lists_from
     tb = torch.where(real, mu_lp.gather(1, ids), torch.full_like(ids, float("-inf"), dtype=F64))
     tp = torch.where(real, lp_lists.gather(1, ids), torch.full_like(ids, float("-inf"), dtype=F64))
     pi_sq = torch.softmax(z.detach(), -1).square().sum(-1).to(dtype).clamp(0.0, 1.0)
-    return TokenBatch(logp.to(dtype), blp.to(dtype), case.sampled, case.topk_ids, tb.to(dtype), tp.to(dtype),
-                      case.seq_ids, z.shape[1], pi_sq)
+    return TokenBatch(
+        logp.to(dtype),
+        blp.to(dtype),
+        case.sampled,
+        case.topk_ids,
+        tb.to(dtype),
+        tp.to(dtype),
+        case.seq_ids,
+        z.shape[1],
+        pi_sq,
+    )
 
 
 def sampled_logp(case: Case) -> torch.Tensor:
@@ -200,8 +224,12 @@ def check_gradient(rule: Rule, cases: list[Case]) -> Row:
                 continue  # the value overflows within the step; the finite row judges the point itself
             if bool(_close(g[t], fd)) or bool(_close(g[t], value[t])):
                 continue
-            return Row("gradient = value", False, f"token {t}: autograd {float(g[t]):.6g}, finite difference {float(fd):.6g}, "
-                       f"value {float(value[t]):.6g}")
+            return Row(
+                "gradient = value",
+                False,
+                f"token {t}: autograd {float(g[t]):.6g}, finite difference {float(fd):.6g}, "
+                f"value {float(value[t]):.6g}",
+            )
     return Row("gradient = value", True, f"{checked} tokens, {kinks} at a kink skipped")
 
 
@@ -222,7 +250,11 @@ def check_lists(rule: Rule, cases: list[Case]) -> Row:
         ok = _close(gz, want)
         if not bool(ok.all()):
             bad = (gz - want).abs().max()
-            return Row("lists stop-gradient", False, f"the logits get a gradient through the top-K lists (max |diff| {_fmt(float(bad))})")
+            return Row(
+                "lists stop-gradient",
+                False,
+                f"the logits get a gradient through the top-K lists (max |diff| {_fmt(float(bad))})",
+            )
         worst = max(worst, float((gz - want).abs().max()))
     return Row("lists stop-gradient", True, f"max |diff| {_fmt(worst)}")
 
@@ -246,9 +278,17 @@ def check_invalid(rule: Rule, cases: list[Case], horizon: int) -> Row:
             return Row("invalid tokens", False, "nonzero loss or gradient on an invalid token")
         for loss, mask, g, agg in results[1:]:
             v = case.valid
-            if not (bool(_close(loss[v], loss0[v]).all()) and torch.equal(mask[v], mask0[v]) and bool(_close(g[v], g0[v]).all())
-                    and bool(_close(agg, agg0))):
-                return Row("invalid tokens", False, "the valid tokens' loss, mask or gradient change with the invalid tokens' content")
+            if not (
+                bool(_close(loss[v], loss0[v]).all())
+                and torch.equal(mask[v], mask0[v])
+                and bool(_close(g[v], g0[v]).all())
+                and bool(_close(agg, agg0))
+            ):
+                return Row(
+                    "invalid tokens",
+                    False,
+                    "the valid tokens' loss, mask or gradient change with the invalid tokens' content",
+                )
     return Row("invalid tokens", True, "loss = grad = 0 there; no influence on valid tokens")
 
 
@@ -264,8 +304,11 @@ def check_finite(rule: Rule, cases: list[Case], horizon: int) -> Row:
             for what, t in (("loss", out.loss), ("aggregate", agg), ("gradient", g)):
                 if not bool(torch.isfinite(t.detach()).all()):
                     lr = (batch.logp.detach() - batch.behavior_logp).abs().max()
-                    return Row("finite", False, f"{what} is not finite in {str(dtype).removeprefix('torch.')} "
-                               f"(|log r| up to {float(lr):.0f})")
+                    return Row(
+                        "finite",
+                        False,
+                        f"{what} is not finite in {str(dtype).removeprefix('torch.')} (|log r| up to {float(lr):.0f})",
+                    )
     return Row("finite", True, "float64 and float32, ratios 1e-30..1e30")
 
 
@@ -282,16 +325,29 @@ def check_on_policy(rule: Rule, seeds=SEEDS) -> Row:
         blocked += int(((g == 0) & (case.adv != 0)).sum())
     if worst <= 1e-9:
         return Row("on-policy limit", None, "equals plain policy gradient (d l/d log pi = -A)")
-    return Row("on-policy limit", None, f"differs from plain policy gradient: max |g + A| {_fmt(worst)}, "
-               f"{blocked} tokens with A != 0 get no gradient")
+    return Row(
+        "on-policy limit",
+        None,
+        f"differs from plain policy gradient: max |g + A| {_fmt(worst)}, {blocked} tokens with A != 0 get no gradient",
+    )
 
 
 def _permute(case: Case, order: list[int]) -> tuple[Case, torch.Tensor]:
     """``case`` with its sequences in ``order`` (relabelled 0..G-1); returns the token index map."""
     idx = torch.cat([torch.nonzero(case.seq_ids == s).flatten() for s in order])  # new position -> old token
-    new_seq = torch.repeat_interleave(torch.arange(len(order)), torch.tensor([int((case.seq_ids == s).sum()) for s in order]))
-    return Case(case.z[idx], case.z_mu[idx], case.sampled[idx], case.topk_ids[idx], new_seq, case.valid[idx],
-                case.adv[idx], case.u[idx]), idx
+    new_seq = torch.repeat_interleave(
+        torch.arange(len(order)), torch.tensor([int((case.seq_ids == s).sum()) for s in order])
+    )
+    return Case(
+        case.z[idx],
+        case.z_mu[idx],
+        case.sampled[idx],
+        case.topk_ids[idx],
+        new_seq,
+        case.valid[idx],
+        case.adv[idx],
+        case.u[idx],
+    ), idx
 
 
 def _run(rule: Rule, case: Case, horizon: int):
@@ -311,10 +367,17 @@ def check_order(rule: Rule, cases: list[Case], horizon: int) -> Row:
         base = _run(rule, case, horizon)
         perm_case, idx = _permute(case, order)
         loss, mask, g, agg = _run(rule, perm_case, horizon)
-        if not (bool(_close(loss, base[0][idx]).all()) and torch.equal(mask, base[1][idx])
-                and bool(_close(g, base[2][idx]).all()) and bool(_close(agg, base[3]))):
-            return Row("sequence order", False, f"reordering the sequences changes the result (aggregate {float(base[3]):.6g} "
-                       f"-> {float(agg):.6g})")
+        if not (
+            bool(_close(loss, base[0][idx]).all())
+            and torch.equal(mask, base[1][idx])
+            and bool(_close(g, base[2][idx]).all())
+            and bool(_close(agg, base[3]))
+        ):
+            return Row(
+                "sequence order",
+                False,
+                f"reordering the sequences changes the result (aggregate {float(base[3]):.6g} -> {float(agg):.6g})",
+            )
     return Row("sequence order", True, "per-token results follow their sequence; aggregate unchanged")
 
 
@@ -335,8 +398,16 @@ def _pad(case: Case) -> tuple[Case, torch.Tensor]:
     keep = torch.zeros(idx.numel(), dtype=torch.bool)
     keep[torch.tensor(where)] = True
     valid &= keep
-    return Case(case.z[idx], case.z_mu[idx], case.sampled[idx], case.topk_ids[idx], case.seq_ids[idx], valid,
-                case.adv[idx], case.u[idx]), torch.tensor(where)
+    return Case(
+        case.z[idx],
+        case.z_mu[idx],
+        case.sampled[idx],
+        case.topk_ids[idx],
+        case.seq_ids[idx],
+        valid,
+        case.adv[idx],
+        case.u[idx],
+    ), torch.tensor(where)
 
 
 def check_padded(rule: Rule, cases: list[Case], horizon: int) -> Row:
@@ -345,9 +416,17 @@ def check_padded(rule: Rule, cases: list[Case], horizon: int) -> Row:
         base = _run(rule, case, horizon)
         padded, where = _pad(case)
         loss, mask, g, agg = _run(rule, padded, horizon)
-        if not (bool(_close(loss[where], base[0]).all()) and torch.equal(mask[where], base[1])
-                and bool(_close(g[where], base[2]).all()) and bool(_close(agg, base[3]))):
-            return Row("packed = padded", False, f"padding changes the result (aggregate {float(base[3]):.6g} -> {float(agg):.6g})")
+        if not (
+            bool(_close(loss[where], base[0]).all())
+            and torch.equal(mask[where], base[1])
+            and bool(_close(g[where], base[2]).all())
+            and bool(_close(agg, base[3]))
+        ):
+            return Row(
+                "packed = padded",
+                False,
+                f"padding changes the result (aggregate {float(base[3]):.6g} -> {float(agg):.6g})",
+            )
     return Row("packed = padded", True, "loss, gradient and aggregate equal")
 
 
@@ -356,8 +435,13 @@ def check_round_trip(rule: Rule) -> Row:
     does not redeclare a key every method shares (the reference KL, the entropy bonus, §13)."""
     shadowed = sorted(set(vars(rule.method.params_cls).get("__annotations__", {})) & set(SHARED_KEYS))
     if shadowed:
-        return Row("params round-trip", False, f"{rule.method.params_cls.__name__} redeclares the shared key(s) "
-                   f"{', '.join('method.' + k for k in shadowed)} (docs/METHODS.md §13); give " "the rule's own a name of its own")
+        return Row(
+            "params round-trip",
+            False,
+            f"{rule.method.params_cls.__name__} redeclares the shared key(s) "
+            f"{', '.join('method.' + k for k in shadowed)} (docs/METHODS.md §13); give "
+            "the rule's own a name of its own",
+        )
     given = {f.name: getattr(rule.params, f.name) for f in fields(rule.params)}
     cfg = from_dict({"method": {"name": rule.spec, **given}})
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -85,15 +85,20 @@ def delta_d(t: dict, scope: str) -> np.ndarray:
 def _rates(dd: np.ndarray) -> dict:
     n = int(dd.size)
     grew, contracted = int((dd > 0).sum()), int((dd < 0).sum())
-    return {"n_kept": n, "n_grew": grew, "n_contracted": contracted,
-            "unsafe_keep": grew / n if n else float("nan"), "contract_frac": contracted / n if n else float("nan")}
+    return {
+        "n_kept": n,
+        "n_grew": grew,
+        "n_contracted": contracted,
+        "unsafe_keep": grew / n if n else float("nan"),
+        "contract_frac": contracted / n if n else float("nan"),
+    }
 
 
 def replicate_counts(t: dict, delta: float, pairs=PAIRS, criteria: tuple[str, ...] | None = None) -> list[dict]:
     """Per replicate: token counts, and per pair and scope each rule's n_kept, n_grew,
     n_contracted, unsafe_keep, contract_frac over the pair's disagreement set; per rule (every
     ``keep_*`` column of the table) the same over every token with D > δ it keeps (``over_delta``)."""
-    criteria = criteria or tuple(k[len("keep_"):] for k in t if k.startswith("keep_"))
+    criteria = criteria or tuple(k[len("keep_") :] for k in t if k.startswith("keep_"))
     out = []
     for r in np.unique(t["replicate"]):
         sel = t["replicate"] == r
@@ -108,7 +113,9 @@ def replicate_counts(t: dict, delta: float, pairs=PAIRS, criteria: tuple[str, ..
             "n_nonzero_adv": int((sub["valid"].astype(bool) & (sub["adv"] != 0)).sum()),
             "n_over_delta": int(over.sum()),
             "pairs": {},
-            "over_delta": {scope: {c: _rates(delta_d(sub, scope)[over & sub[f"keep_{c}"]]) for c in criteria} for scope in SCOPES},
+            "over_delta": {
+                scope: {c: _rates(delta_d(sub, scope)[over & sub[f"keep_{c}"]]) for c in criteria} for scope in SCOPES
+            },
         }
         for a, b in pairs:
             s = pair_set(sub, a, b, delta)
@@ -141,7 +148,10 @@ def criterion_stats(rows: list[dict], kept_dd: np.ndarray) -> dict:
     cm, cs = _mse([r["contract_frac"] for r in rows])
     kept = sum(r["n_kept"] for r in rows)
     return {
-        "unsafe_keep_mean": um, "unsafe_keep_se": us, "contract_frac_mean": cm, "contract_frac_se": cs,
+        "unsafe_keep_mean": um,
+        "unsafe_keep_se": us,
+        "contract_frac_mean": cm,
+        "contract_frac_se": cs,
         "n_kept_mean": float(np.mean([r["n_kept"] for r in rows])) if rows else float("nan"),
         "n_kept_total": kept,
         "n_replicates_with_kept": sum(r["n_kept"] > 0 for r in rows),
@@ -176,7 +186,9 @@ def replicate_runs(reps: list[dict]) -> list[str]:
     return ["+".join(r["runs"]) for r in reps]
 
 
-def summarize(t: dict, reps: list[dict], delta: float, pairs=PAIRS, test: str = "wilcoxon", unit: str = "batch") -> dict:
+def summarize(
+    t: dict, reps: list[dict], delta: float, pairs=PAIRS, test: str = "wilcoxon", unit: str = "batch"
+) -> dict:
     """The per-pair summary (see docs/ANALYSIS.md for every field). With several runs the paired
     p-value is the run-blocked test's (``paired``), whatever ``test`` says; ``p_unit`` names the unit."""
     runs = replicate_runs(reps)
@@ -185,8 +197,13 @@ def summarize(t: dict, reps: list[dict], delta: float, pairs=PAIRS, test: str = 
         name = pair_name(a, b)
         nd = [r["pairs"][name]["n_disagree"] for r in reps]
         m, se = mean_se(nd)
-        block = {"criteria": [a, b], "n_disagree_mean": m, "n_disagree_se": se, "n_disagree_total": int(sum(nd)),
-                 "n_replicates_with_disagreement": sum(x > 0 for x in nd)}
+        block = {
+            "criteria": [a, b],
+            "n_disagree_mean": m,
+            "n_disagree_se": se,
+            "n_disagree_total": int(sum(nd)),
+            "n_replicates_with_disagreement": sum(x > 0 for x in nd),
+        }
         s = pair_set(t, a, b, delta)
         for scope in SCOPES:
             dd = delta_d(t, scope)
@@ -211,7 +228,9 @@ def summarize_over_delta(t: dict, reps: list[dict], delta: float) -> dict:
     for scope in SCOPES:
         dd = delta_d(t, scope)
         crits = reps[0]["over_delta"][scope] if reps else {}
-        out[scope] = {c: criterion_stats([r["over_delta"][scope][c] for r in reps], dd[over & t[f"keep_{c}"]]) for c in crits}
+        out[scope] = {
+            c: criterion_stats([r["over_delta"][scope][c] for r in reps], dd[over & t[f"keep_{c}"]]) for c in crits
+        }
     return out
 
 
@@ -242,7 +261,6 @@ def run_study(
     ``optimizer``: a ``first_order.ReplayOptimizer`` (default: the run's own); ``decompose``: the
     first-order parts of every token's ΔD (``first_order``), summarised under ``first_order``."""
     from masktrl.analysis import first_order as fo
-
     from masktrl.analysis.replicates import prepare, replay_all
     from masktrl.runs.store import RunStore
 
@@ -251,12 +269,33 @@ def run_study(
     if any(c in EXACT_CRITERIA for p in pairs for c in p) and not exact:
         raise MasktrlError("a pair with ddot_exact needs the exact values (drop --no-exact)")
     optimizer = optimizer or fo.ReplayOptimizer()
-    refs = prepare(runs, steps, delta=delta, update=update, partitions=partitions, policy_step=policy_step, minibatches=minibatches,
-                   exact=exact, optimizer=optimizer, own_tokens=own_tokens)
+    refs = prepare(
+        runs,
+        steps,
+        delta=delta,
+        update=update,
+        partitions=partitions,
+        policy_step=policy_step,
+        minibatches=minibatches,
+        exact=exact,
+        optimizer=optimizer,
+        own_tokens=own_tokens,
+    )
     if ks:
         _check_recut(refs, ks)
-    table, info = replay_all(refs, update=update, partitions=partitions, minibatches=minibatches, exact=exact, unit=unit, progress=progress,
-                             optimizer=optimizer, decompose_delta=delta if decompose else None, own_tokens=own_tokens, recut_ks=ks)
+    table, info = replay_all(
+        refs,
+        update=update,
+        partitions=partitions,
+        minibatches=minibatches,
+        exact=exact,
+        unit=unit,
+        progress=progress,
+        optimizer=optimizer,
+        decompose_delta=delta if decompose else None,
+        own_tokens=own_tokens,
+        recut_ks=ks,
+    )
 
     reps = replicate_counts(table, delta, pairs)
     n_over = [r["n_over_delta"] for r in reps]
@@ -290,7 +329,7 @@ def run_study(
     if ks:
         result["k_sweep"] = k_sweep(table, reps, delta, ks)
     if decompose:
-        crit = tuple(k[len("keep_"):] for k in table if k.startswith("keep_") and "_k" not in k[len("keep_"):])
+        crit = tuple(k[len("keep_") :] for k in table if k.startswith("keep_") and "_k" not in k[len("keep_") :])
         result["first_order"] = {"own_tokens": own_tokens, **fo.summarize_parts(table, delta, crit)}
     return result, table
 
@@ -320,8 +359,12 @@ def _check_recut(refs, ks: tuple[int, ...]) -> None:
         samples, _ = RunStore(ref.root).read_rollouts(ref.step)
         stored = max((len(row) for s in samples for row in s.gen.topk_ids), default=0)
         if max(ks) > stored:
-            raise MasktrlError(f"--k {max(ks)} is above the stored list size K = {stored} of run {ref.run}, step " f"{ref.step}: "
-                               "the study re-cuts the stored lists (record longer ones with " "rollout.logprobs_k)")
+            raise MasktrlError(
+                f"--k {max(ks)} is above the stored list size K = {stored} of run {ref.run}, step "
+                f"{ref.step}: "
+                "the study re-cuts the stored lists (record longer ones with "
+                "rollout.logprobs_k)"
+            )
 
 
 def k_sweep(t: dict, reps: list[dict], delta: float, ks: tuple[int, ...]) -> dict:
@@ -331,14 +374,32 @@ def k_sweep(t: dict, reps: list[dict], delta: float, ks: tuple[int, ...]) -> dic
     runs = replicate_runs(reps)
     out = {}
     for k in ks:
-        sub = {**t, "d": t[f"d_k{k}"], "d_one": t[f"d_one_k{k}"], "d_all": t[f"d_one_k{k}"],
-               "keep_ddot_agg": t[f"keep_ddot_agg_k{k}"], "keep_ddot_uniform": t[f"keep_ddot_uniform_k{k}"]}
-        sub = {c: v for c, v in sub.items() if not (c.startswith("keep_") and c not in ("keep_ratio", "keep_ddot_agg", "keep_ddot_uniform"))}
+        sub = {
+            **t,
+            "d": t[f"d_k{k}"],
+            "d_one": t[f"d_one_k{k}"],
+            "d_all": t[f"d_one_k{k}"],
+            "keep_ddot_agg": t[f"keep_ddot_agg_k{k}"],
+            "keep_ddot_uniform": t[f"keep_ddot_uniform_k{k}"],
+        }
+        sub = {
+            c: v
+            for c, v in sub.items()
+            if not (c.startswith("keep_") and c not in ("keep_ratio", "keep_ddot_agg", "keep_ddot_uniform"))
+        }
         rk = replicate_counts(sub, delta, PAIRS, ("ratio", "ddot_agg", "ddot_uniform"))
-        over = {c: criterion_stats([r["over_delta"]["one_step"][c] for r in rk], np.array([])) for c in ("ratio", "ddot_agg", "ddot_uniform")}
-        block = {"n_over_delta_mean": float(np.mean([r["n_over_delta"] for r in rk])),
-                 "over_delta": {c: {"unsafe_keep_mean": v["unsafe_keep_mean"], "unsafe_keep_se": v["unsafe_keep_se"]} for c, v in over.items()},
-                 "pairs": {}}
+        over = {
+            c: criterion_stats([r["over_delta"]["one_step"][c] for r in rk], np.array([]))
+            for c in ("ratio", "ddot_agg", "ddot_uniform")
+        }
+        block = {
+            "n_over_delta_mean": float(np.mean([r["n_over_delta"] for r in rk])),
+            "over_delta": {
+                c: {"unsafe_keep_mean": v["unsafe_keep_mean"], "unsafe_keep_se": v["unsafe_keep_se"]}
+                for c, v in over.items()
+            },
+            "pairs": {},
+        }
         for a, b in PAIRS:
             name = pair_name(a, b)
             rows = {c: [r["pairs"][name]["one_step"][c] for r in rk] for c in (a, b)}
@@ -394,7 +455,11 @@ def save(result: dict, table: dict, out: Path) -> list[Path]:
         save_figure(plots.pair_bars(result, SCOPES), out / f"{name}-bars.png"),
         save_figure(plots.pair_ecdf(result, ecdf, SCOPES), out / f"{name}-ecdf.png"),
         save_figure(plots.pair_contracted(result, SCOPES), out / f"{name}-contracted.png"),
-        *([save_figure(plots.first_order_bars(result), out / f"{name}-first-order.png")] if "first_order" in result else []),
+        *(
+            [save_figure(plots.first_order_bars(result), out / f"{name}-first-order.png")]
+            if "first_order" in result
+            else []
+        ),
     ]
 
 
@@ -403,5 +468,7 @@ def ecdf_data(table: dict, result: dict) -> dict:
     out = {}
     for a, b in (tuple(p) for p in result["pairs_tested"]):
         s = pair_set(table, a, b, result["delta"])
-        out[pair_name(a, b)] = {scope: {c: delta_d(table, scope)[s & table[f"keep_{c}"]] for c in (a, b)} for scope in SCOPES}
+        out[pair_name(a, b)] = {
+            scope: {c: delta_d(table, scope)[s & table[f"keep_{c}"]] for c in (a, b)} for scope in SCOPES
+        }
     return out

@@ -67,7 +67,10 @@ def smooth(series: dict[int, float], window: int) -> dict[int, float]:
     steps = sorted(series)
     vals = np.array([series[s] for s in steps])
     csum = np.concatenate([[0.0], np.cumsum(vals)])
-    return {s: float((csum[i + 1] - csum[max(0, i + 1 - window)]) / (i + 1 - max(0, i + 1 - window))) for i, s in enumerate(steps)}
+    return {
+        s: float((csum[i + 1] - csum[max(0, i + 1 - window)]) / (i + 1 - max(0, i + 1 - window)))
+        for i, s in enumerate(steps)
+    }
 
 
 def band(values: list[float]) -> tuple[float, float, float]:

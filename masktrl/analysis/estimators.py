@@ -90,8 +90,9 @@ def _contains(lo: np.ndarray, hi: np.ndarray, x: np.ndarray, tol) -> np.ndarray:
     return (lo - tol <= x) & (x <= hi + tol)
 
 
-def bracket_stats(lo: np.ndarray, hi: np.ndarray, exact: np.ndarray, *, tol=CONTAIN_TOL, lo_same=None, hi_same=None,
-                  topk=None) -> dict:
+def bracket_stats(
+    lo: np.ndarray, hi: np.ndarray, exact: np.ndarray, *, tol=CONTAIN_TOL, lo_same=None, hi_same=None, topk=None
+) -> dict:
     """Certification and containment of the bracket [lo, hi] against the exact full-KL Ḋ.
 
     ``tol`` (scalar or per token): the containment tolerance for a bracket from the stored list
@@ -138,8 +139,12 @@ def summarize(t: dict, ks: tuple[int, ...], delta: float, stored_k: int) -> dict
                 row["topk_exact_vs_full_kl"] = estimator_stats(topk, exact, rep)
             extra = {}
             if f"contain_tol_k{k}" in t:
-                extra = {"tol": t[f"contain_tol_k{k}"][sel], "lo_same": t[f"bracket_lo_same_mu_k{k}"][sel],
-                         "hi_same": t[f"bracket_hi_same_mu_k{k}"][sel], "topk": topk}
+                extra = {
+                    "tol": t[f"contain_tol_k{k}"][sel],
+                    "lo_same": t[f"bracket_lo_same_mu_k{k}"][sel],
+                    "hi_same": t[f"bracket_hi_same_mu_k{k}"][sel],
+                    "topk": topk,
+                }
             row["bracket"] = bracket_stats(t[f"bracket_lo_k{k}"][sel], t[f"bracket_hi_k{k}"][sel], exact, **extra)
             tail = t[f"pi_tail_k{k}"][sel]
             row["pi_tail_mean"] = float(tail.mean()) if tail.size else float("nan")
@@ -168,10 +173,28 @@ def run_estimators(
     from masktrl.analysis.replicates import prepare, replay_all
 
     optimizer = optimizer or ReplayOptimizer()
-    refs = prepare(runs, steps, delta=delta, update=update, partitions=partitions, policy_step=policy_step, minibatches=minibatches,
-                   exact=True, optimizer=optimizer, no_exact=False)
-    table, info = replay_all(refs, update=update, partitions=partitions, minibatches=minibatches, exact=True, ks=ks, progress=progress,
-                             optimizer=optimizer)
+    refs = prepare(
+        runs,
+        steps,
+        delta=delta,
+        update=update,
+        partitions=partitions,
+        policy_step=policy_step,
+        minibatches=minibatches,
+        exact=True,
+        optimizer=optimizer,
+        no_exact=False,
+    )
+    table, info = replay_all(
+        refs,
+        update=update,
+        partitions=partitions,
+        minibatches=minibatches,
+        exact=True,
+        ks=ks,
+        progress=progress,
+        optimizer=optimizer,
+    )
     stored_k = min(row["stored_k"] for row in info)
     result = {
         "analysis": "estimators",

@@ -106,7 +106,10 @@ class Snapshot:
 
 def snapshot(optimizer) -> Snapshot:
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    m = [optimizer.state[p]["exp_avg"].detach().clone() if "exp_avg" in optimizer.state.get(p, {}) else None for p in params]
+    m = [
+        optimizer.state[p]["exp_avg"].detach().clone() if "exp_avg" in optimizer.state.get(p, {}) else None
+        for p in params
+    ]
     return Snapshot([p.detach().clone() for p in params], m, float(optimizer.param_groups[0]["lr"]))
 
 
@@ -171,7 +174,9 @@ def directional(values: Tensor, params: list[Tensor], directions: dict[str, list
     return out
 
 
-def own_terms(d: Tensor, logp: Tensor, coef: Tensor, params: list[Tensor], precond: list[Tensor], tokens: list[int]) -> dict[int, float]:
+def own_terms(
+    d: Tensor, logp: Tensor, coef: Tensor, params: list[Tensor], precond: list[Tensor], tokens: list[int]
+) -> dict[int, float]:
     """{t: ⟨∇θ D_t, P ⊙ coef_t ∇θ log π_t⟩} for the tokens ``tokens`` (two gradients each)."""
     out = {}
     for t in tokens:
@@ -206,7 +211,9 @@ def differentiable_topk_kl(batch, lp_full: Tensor) -> tuple[Tensor, Tensor]:
     pi_all = torch.where(s.member, pi_all, torch.full_like(pi_all, float("-inf")))
     mu_lp = s.mu_lp.to(lp_full.dtype)
     pos = s.member & (mu_lp > float("-inf"))
-    atoms = torch.where(pos, mu_lp.exp() * (mu_lp - torch.where(pos, pi_all, torch.zeros_like(pi_all))), torch.zeros_like(pi_all)).sum(1)
+    atoms = torch.where(
+        pos, mu_lp.exp() * (mu_lp - torch.where(pos, pi_all, torch.zeros_like(pi_all))), torch.zeros_like(pi_all)
+    ).sum(1)
     pi_t = (-torch.expm1(torch.logsumexp(pi_all, dim=1))).clamp_min(0.0)  # [n]
     mu_t = s.mu_tail.to(lp_full.dtype)
     has = mu_t > 0
@@ -235,19 +242,33 @@ def decompose_minibatch(replay, idx: list[int], snap: Snapshot, coef: Tensor, ow
             for p, th in zip(params, snap.theta):
                 p.copy_(th)
         batch = policy_token_batch(model, samples, temperature, replay.cfg.train.logprob_chunk).batch
-        batch = type(batch)(batch.logp.detach(), batch.behavior_logp, batch.sampled_ids, batch.topk_ids, batch.topk_behavior_logp,
-                            batch.topk_logp.detach(), batch.seq_ids, batch.vocab_size)
+        batch = type(batch)(
+            batch.logp.detach(),
+            batch.behavior_logp,
+            batch.sampled_ids,
+            batch.topk_ids,
+            batch.topk_behavior_logp,
+            batch.topk_logp.detach(),
+            batch.seq_ids,
+            batch.vocab_size,
+        )
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with torch.enable_grad(), sdpa_kernel([SDPBackend.MATH]):  # the math kernel has a double backward
             h = response_hidden.__wrapped__(model, samples)  # [n, H] with the graph to the weights
             lp_full = torch.log_softmax(h.float() @ lm_head_weight(model).float().t() / temperature, dim=-1)  # [n, V]
             d, logp = differentiable_topk_kl(batch, lp_full)
-            g_raw = torch.autograd.grad((coef.to(logp.dtype) * logp).sum(), params, retain_graph=True, allow_unused=True)
+            g_raw = torch.autograd.grad(
+                (coef.to(logp.dtype) * logp).sum(), params, retain_graph=True, allow_unused=True
+            )
             raw = math.sqrt(sum(float((x * x).sum()) for x in g_raw if x is not None))
             used = math.sqrt(sum(float((p.grad * p.grad).sum()) for p in params if p.grad is not None))
             clip = used / raw if raw > 0 else 1.0
-            match = sum(float(((x * clip - p.grad) ** 2).sum()) for x, p in zip(g_raw, params) if x is not None and p.grad is not None)
+            match = sum(
+                float(((x * clip - p.grad) ** 2).sum())
+                for x, p in zip(g_raw, params)
+                if x is not None and p.grad is not None
+            )
             dirs = {k: parts[k] for k in ("total", "decay", "momentum", "gradient")}
             jv = directional(d, params, dirs)
             precond = [pc * clip for pc in parts["precond"]]
@@ -286,16 +307,27 @@ def summarize_parts(t: dict, delta: float, criteria: tuple[str, ...]) -> dict:
     over = t["valid"].astype(bool) & np.isfinite(d) & (d > delta) & (t["adv"] != 0)
     dd = t["d_one"] - d
     cols = {"total": t["fo_total"], "gradient": t["fo_gradient"], **{p: t[f"fo_{p}"] for p in PARTS}}
-    out = {"n_tokens": int(over.sum()), "n_own": int((over & np.isfinite(t["fo_own"])).sum()), "sign_agree": {}, "unsafe_keep": {}}
+    out = {
+        "n_tokens": int(over.sum()),
+        "n_own": int((over & np.isfinite(t["fo_own"])).sum()),
+        "sign_agree": {},
+        "unsafe_keep": {},
+    }
     present = {name: bool(np.any(np.nan_to_num(v) != 0)) for name, v in cols.items()}  # decay / momentum may be absent
     out["parts_present"] = present
     for name, v in cols.items():
         sel = over & np.isfinite(v)
         ok = sel.any() and present[name]
         out["sign_agree"][name] = float((np.sign(v[sel]) == np.sign(dd[sel])).mean()) if ok else float("nan")
-    out["momentum_outweighs_gradient_frac"] = float((np.abs(t["fo_momentum"][over]) > np.abs(t["fo_gradient"][over])).mean()) if over.any() else float("nan")
+    out["momentum_outweighs_gradient_frac"] = (
+        float((np.abs(t["fo_momentum"][over]) > np.abs(t["fo_gradient"][over])).mean()) if over.any() else float("nan")
+    )
     own_sel = over & np.isfinite(t["fo_own"]) & (t["fo_rest"] != 0)
-    out["own_over_rest_median"] = float(np.median(np.abs(t["fo_own"][own_sel]) / np.abs(t["fo_rest"][own_sel]))) if own_sel.any() else float("nan")
+    out["own_over_rest_median"] = (
+        float(np.median(np.abs(t["fo_own"][own_sel]) / np.abs(t["fo_rest"][own_sel])))
+        if own_sel.any()
+        else float("nan")
+    )
     resid = t["fo_total"] - (t["fo_decay"] + t["fo_momentum"] + t["fo_gradient"])
     valid = np.isfinite(resid)
     out["parts_sum_max_abs_residual"] = float(np.max(np.abs(resid[valid]))) if valid.any() else float("nan")

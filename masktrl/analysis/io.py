@@ -81,7 +81,9 @@ def default_replay_step(root: Path) -> int:
     policies = set(store.policy_steps())
     candidates = [s for s in store.rollout_steps() if s - 1 in policies]
     if not candidates:
-        raise ArtifactError(f"{root}: no step S with both rollouts S and checkpoint S-1 (run longer or checkpoint " "more often)")
+        raise ArtifactError(
+            f"{root}: no step S with both rollouts S and checkpoint S-1 (run longer or checkpoint more often)"
+        )
     return candidates[-1]
 
 
@@ -139,8 +141,10 @@ def distinguishing_keys(configs: list[dict]) -> list[str]:
     key that fewer configs leave unset (None or "none": a set value tells more, so
     ``correction.mode=decoupled`` is shown rather than ``correction.kind`` None vs none), then by
     name. Keys no two configs differ in are never shown."""
-    differing = sorted({f for c in configs for f in c if len({json.dumps(o.get(f), default=str) for o in configs}) > 1},
-                       key=lambda f: (not f.startswith("method."), f))
+    differing = sorted(
+        {f for c in configs for f in c if len({json.dumps(o.get(f), default=str) for o in configs}) > 1},
+        key=lambda f: (not f.startswith("method."), f),
+    )
     chosen: list[str] = []
 
     def n_distinct(keys):
@@ -150,7 +154,10 @@ def distinguishing_keys(configs: list[dict]) -> list[str]:
         return sum(c.get(f) in (None, "none") for c in configs)
 
     while differing and n_distinct(chosen) < len(configs):
-        best = max(differing, key=lambda f: (n_distinct(chosen + [f]), f.startswith("method."), -n_unset(f), -differing.index(f)))
+        best = max(
+            differing,
+            key=lambda f: (n_distinct(chosen + [f]), f.startswith("method."), -n_unset(f), -differing.index(f)),
+        )
         if n_distinct(chosen + [best]) == n_distinct(chosen):
             break
         chosen.append(best)
@@ -198,7 +205,9 @@ def read_table(path: Path) -> dict:
     import pyarrow.parquet as pq
 
     table = pq.read_table(path)
-    return {name: np.asarray(col.to_numpy(zero_copy_only=False)) for name, col in zip(table.column_names, table.columns)}
+    return {
+        name: np.asarray(col.to_numpy(zero_copy_only=False)) for name, col in zip(table.column_names, table.columns)
+    }
 
 
 class _Figures:

@@ -34,16 +34,23 @@ def _pair_grid(result: dict, scopes) -> tuple[Figure, list[tuple]]:
     names = list(result["pairs"])
     rows, cols = len(scopes), max(1, len(names))
     fig = Figure(figsize=(4.2 * cols, 3.4 * rows), layout="constrained")
-    panels = [(fig.add_subplot(rows, cols, r * cols + c + 1), scope, name, result["pairs"][name])
-              for r, scope in enumerate(scopes) for c, name in enumerate(names)]
+    panels = [
+        (fig.add_subplot(rows, cols, r * cols + c + 1), scope, name, result["pairs"][name])
+        for r, scope in enumerate(scopes)
+        for c, name in enumerate(names)
+    ]
     return fig, panels
 
 
 def _study_title(result: dict, what: str) -> str:
     steps = result["steps"]
     span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]} ({len(steps)})"
-    return (f"{what}: {', '.join(result['runs'][:3])}{' ...' if len(result['runs']) > 3 else ''}, " f"{span}, δ={result['delta']:g}, "
-            f"{result['n_replicates']} replicates ({result['replicate_unit']}), update " f"{result['update']['name']}")
+    return (
+        f"{what}: {', '.join(result['runs'][:3])}{' ...' if len(result['runs']) > 3 else ''}, "
+        f"{span}, δ={result['delta']:g}, "
+        f"{result['n_replicates']} replicates ({result['replicate_unit']}), update "
+        f"{result['update']['name']}"
+    )
 
 
 def pair_bars(result: dict, scopes) -> Figure:
@@ -58,8 +65,11 @@ def pair_bars(result: dict, scopes) -> Figure:
         ax.set_ylim(0, 1.05)
         ax.axhline(0.5, color="0.7", lw=0.8, ls=":")
         p = block[scope]["paired"]["p"]
-        ax.set_title(f"{name} ({scope})\n{block['n_disagree_total']} disagreement tokens, paired p = "
-                     f"{'—' if p is None or p != p else f'{p:.3g}'}", fontsize=8)
+        ax.set_title(
+            f"{name} ({scope})\n{block['n_disagree_total']} disagreement tokens, paired p = "
+            f"{'—' if p is None or p != p else f'{p:.3g}'}",
+            fontsize=8,
+        )
         ax.set_ylabel("unsafe keep (ΔD > 0)", fontsize=8)
     fig.suptitle(_study_title(result, "unsafe-keep rate on disagreement tokens"), fontsize=9)
     return fig
@@ -75,8 +85,14 @@ def pair_ecdf(result: dict, ecdf: dict, scopes) -> Figure:
             v = v[np.isfinite(v)]
             if v.size:
                 every.append(v)
-                ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", color=COLORS[i], ls=STYLES[i % len(STYLES)],
-                        label=f"{crit} (n={v.size})")
+                ax.step(
+                    v,
+                    np.arange(1, v.size + 1) / v.size,
+                    where="post",
+                    color=COLORS[i],
+                    ls=STYLES[i % len(STYLES)],
+                    label=f"{crit} (n={v.size})",
+                )
         if every:  # the view spans the 1st-99th percentile of both rules' values (and 0): heavy tails stay readable
             lo, hi = np.quantile(np.concatenate(every), [0.01, 0.99])
             lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
@@ -91,7 +107,9 @@ def pair_ecdf(result: dict, ecdf: dict, scopes) -> Figure:
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "no kept disagreement tokens", ha="center", transform=ax.transAxes, fontsize=8)
-    fig.suptitle(_study_title(result, "ΔD of kept disagreement tokens (shaded: contracted; x: 1st-99th percentile)"), fontsize=9)
+    fig.suptitle(
+        _study_title(result, "ΔD of kept disagreement tokens (shaded: contracted; x: 1st-99th percentile)"), fontsize=9
+    )
     return fig
 
 
@@ -103,8 +121,13 @@ def pair_contracted(result: dict, scopes) -> Figure:
         vals = [_nan(block[scope][k]["contract_frac_pooled"]) for k in crit]
         bars = ax.bar(range(2), vals, 0.6, color=COLORS[:2])
         for bar, k in zip(bars, crit):
-            ax.annotate(f"n={block[scope][k]['n_kept_total']}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=7)
+            ax.annotate(
+                f"n={block[scope][k]['n_kept_total']}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
         ax.set_xticks(range(2), crit, fontsize=8)
         ax.set_ylim(0, 1.05)
         ax.set_title(f"{name} ({scope})", fontsize=8)
@@ -124,20 +147,39 @@ def first_order_bars(result: dict) -> Figure:
     width = 0.8 / len(parts)
     for j, part in enumerate(parts):
         vals = [_nan(fo["unsafe_keep"][r].get(part)) for r in rules]
-        axes[0].bar(np.arange(len(rules)) + (j - len(parts) / 2 + 0.5) * width, vals, width, color=COLORS[j % len(COLORS)], label=part)
+        axes[0].bar(
+            np.arange(len(rules)) + (j - len(parts) / 2 + 0.5) * width,
+            vals,
+            width,
+            color=COLORS[j % len(COLORS)],
+            label=part,
+        )
     axes[0].set_xticks(range(len(rules)), rules, fontsize=7, rotation=20)
     axes[0].set_ylim(0, 1.05)
     axes[0].set_ylabel("kept D > δ updates with ΔD > 0", fontsize=8)
     axes[0].set_title("unsafe keep: measured, and as each part predicts", fontsize=8)
     axes[0].legend(fontsize=6, ncol=2)
     names = [p for p in parts[1:] if p in fo["sign_agree"]]
-    axes[1].bar(range(len(names)), [_nan(fo["sign_agree"][p]) for p in names], 0.6, color=[COLORS[(parts.index(p)) % len(COLORS)] for p in names])
+    axes[1].bar(
+        range(len(names)),
+        [_nan(fo["sign_agree"][p]) for p in names],
+        0.6,
+        color=[COLORS[(parts.index(p)) % len(COLORS)] for p in names],
+    )
     axes[1].set_xticks(range(len(names)), names, fontsize=7)
     axes[1].set_ylim(0, 1.05)
-    axes[1].set_title(f"sign(part) = sign(measured ΔD), n = {fo['n_tokens']} (own, rest: n = {fo['n_own']})", fontsize=8)
+    axes[1].set_title(
+        f"sign(part) = sign(measured ΔD), n = {fo['n_tokens']} (own, rest: n = {fo['n_own']})", fontsize=8
+    )
     opt = result.get("replay_optimizer") or {}
-    fig.suptitle(_study_title(result, f"first-order parts of ΔD, optimizer {opt.get('name')} lr {opt.get('lr_used')}"
-                              f"{' reset moments' if opt.get('reset_moments') else ''}"), fontsize=9)
+    fig.suptitle(
+        _study_title(
+            result,
+            f"first-order parts of ΔD, optimizer {opt.get('name')} lr {opt.get('lr_used')}"
+            f"{' reset moments' if opt.get('reset_moments') else ''}",
+        ),
+        fontsize=9,
+    )
     return fig
 
 
@@ -151,16 +193,71 @@ def estimator_panels(result: dict) -> Figure:
         ls = STYLES[si]
         label = f"{name} (n={block['n_tokens']})"
         for ei, est in enumerate(("agg", "uniform")):
-            axes[0].errorbar(ks, [_nan(r[est]["sign_agree_mean"]) for r in rows], yerr=[0 if _nan(r[est]["sign_agree_se"]) != _nan(r[est]["sign_agree_se"]) else _nan(r[est]["sign_agree_se"]) for r in rows],
-                             color=COLORS[ei], ls=ls, marker="o", ms=3, capsize=3, label=f"{est}, {label}")
-            axes[1].plot(ks, [max(_nan(r[est]["rel_err_p50"]), 1e-16) for r in rows], color=COLORS[ei], ls=ls, marker="o", ms=3, label=f"{est} p50, {name}")
-            axes[1].plot(ks, [max(_nan(r[est]["rel_err_p90"]), 1e-16) for r in rows], color=COLORS[ei], ls=ls, marker="x", ms=4, alpha=0.6, label=f"{est} p90, {name}")
-        axes[2].plot(ks, [_nan(r["bracket"]["certified_frac"]) for r in rows], color=COLORS[2], ls=ls, marker="o", ms=3, label=f"certified, {label}")
-        axes[2].plot(ks, [_nan(r["bracket"]["contains_frac"]) for r in rows], color=COLORS[3], ls=ls, marker="x", ms=4, label=f"contains exact, {name}")
-        axes[3].plot(ks, [_nan(r["pi_tail_mean"]) for r in rows], color=COLORS[4], ls=ls, marker="o", ms=3, label=f"mean, {name}")
-        axes[3].plot(ks, [_nan(r["pi_tail_p90"]) for r in rows], color=COLORS[5], ls=ls, marker="x", ms=4, label=f"p90, {name}")
-    titles = ("sign agreement with exact Ḋ_KL (mean ± SE over replicates)", "relative error |est − exact| / |exact| (floor 1e-16)",
-              "bracket: sign certified / contains exact", "training mass outside the list 1 − π(list)")
+            axes[0].errorbar(
+                ks,
+                [_nan(r[est]["sign_agree_mean"]) for r in rows],
+                yerr=[
+                    0
+                    if _nan(r[est]["sign_agree_se"]) != _nan(r[est]["sign_agree_se"])
+                    else _nan(r[est]["sign_agree_se"])
+                    for r in rows
+                ],
+                color=COLORS[ei],
+                ls=ls,
+                marker="o",
+                ms=3,
+                capsize=3,
+                label=f"{est}, {label}",
+            )
+            axes[1].plot(
+                ks,
+                [max(_nan(r[est]["rel_err_p50"]), 1e-16) for r in rows],
+                color=COLORS[ei],
+                ls=ls,
+                marker="o",
+                ms=3,
+                label=f"{est} p50, {name}",
+            )
+            axes[1].plot(
+                ks,
+                [max(_nan(r[est]["rel_err_p90"]), 1e-16) for r in rows],
+                color=COLORS[ei],
+                ls=ls,
+                marker="x",
+                ms=4,
+                alpha=0.6,
+                label=f"{est} p90, {name}",
+            )
+        axes[2].plot(
+            ks,
+            [_nan(r["bracket"]["certified_frac"]) for r in rows],
+            color=COLORS[2],
+            ls=ls,
+            marker="o",
+            ms=3,
+            label=f"certified, {label}",
+        )
+        axes[2].plot(
+            ks,
+            [_nan(r["bracket"]["contains_frac"]) for r in rows],
+            color=COLORS[3],
+            ls=ls,
+            marker="x",
+            ms=4,
+            label=f"contains exact, {name}",
+        )
+        axes[3].plot(
+            ks, [_nan(r["pi_tail_mean"]) for r in rows], color=COLORS[4], ls=ls, marker="o", ms=3, label=f"mean, {name}"
+        )
+        axes[3].plot(
+            ks, [_nan(r["pi_tail_p90"]) for r in rows], color=COLORS[5], ls=ls, marker="x", ms=4, label=f"p90, {name}"
+        )
+    titles = (
+        "sign agreement with exact Ḋ_KL (mean ± SE over replicates)",
+        "relative error |est − exact| / |exact| (floor 1e-16)",
+        "bracket: sign certified / contains exact",
+        "training mass outside the list 1 − π(list)",
+    )
     for ax, title in zip(axes, titles):
         ax.set_xscale("log")
         ax.minorticks_off()
@@ -174,8 +271,12 @@ def estimator_panels(result: dict) -> Figure:
         ax.set_ylim(0, 1.05)
     steps = result["steps"]
     span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]} ({len(steps)})"
-    fig.suptitle(f"top-K estimators of Ḋ_KL vs the exact value: {', '.join(result['runs'][:3])}, {span}, |V| " f"= {result['vocab_size']}, "
-                 f"update {result['update']['name']}", fontsize=9)
+    fig.suptitle(
+        f"top-K estimators of Ḋ_KL vs the exact value: {', '.join(result['runs'][:3])}, {span}, |V| "
+        f"= {result['vocab_size']}, "
+        f"update {result['update']['name']}",
+        fontsize=9,
+    )
     return fig
 
 
@@ -196,7 +297,9 @@ def curves(groups: list[dict], metrics: list[tuple[str, str]]) -> Figure:
             mean = np.array([_nan(v) for v in c["mean"]])
             color = COLORS[i % len(COLORS)]
             name = f"{g['label']} (n={len(g['runs'])})"
-            (line,) = ax.plot(steps, mean, color=color, lw=1.2, marker="o" if len(steps) < 12 else None, ms=3, label=name)
+            (line,) = ax.plot(
+                steps, mean, color=color, lw=1.2, marker="o" if len(steps) < 12 else None, ms=3, label=name
+            )
             legend.setdefault(name, line)
             lo, hi = np.array([_nan(v) for v in c["lo"]]), np.array([_nan(v) for v in c["hi"]])
             if np.isfinite(lo).any():
@@ -207,8 +310,13 @@ def curves(groups: list[dict], metrics: list[tuple[str, str]]) -> Figure:
             ax.text(0.5, 0.5, "not logged", ha="center", transform=ax.transAxes, fontsize=8, color="0.5")
     if legend:
         widest = max(len(name) for name in legend)  # long labels get fewer columns, so the legend fits the figure
-        fig.legend(list(legend.values()), list(legend), loc="outside lower center",
-                   ncols=max(1, min(4, len(legend), 180 // widest)), fontsize=8)
+        fig.legend(
+            list(legend.values()),
+            list(legend),
+            loc="outside lower center",
+            ncols=max(1, min(4, len(legend), 180 // widest)),
+            fontsize=8,
+        )
     return fig
 
 
@@ -222,8 +330,13 @@ def age_histogram(groups: list[dict]) -> Figure:
         ages = {int(a): n for a, n in g["ages"].items()}
         total = sum(ages.values())
         xs = np.array(sorted(ages), dtype=float)
-        ax.bar(xs + (i - (len(shown) - 1) / 2) * width, [ages[int(a)] / total for a in xs], width=width,
-               color=COLORS[i % len(COLORS)], label=f"{g['label']} (n={len(g['runs'])})")
+        ax.bar(
+            xs + (i - (len(shown) - 1) / 2) * width,
+            [ages[int(a)] / total for a in xs],
+            width=width,
+            color=COLORS[i % len(COLORS)],
+            label=f"{g['label']} (n={len(g['runs'])})",
+        )
     ax.set_xlabel("batch age (steps behind the trained policy)")
     ax.set_ylabel("fraction of steps")
     ax.set_title("rollout.staleness: batch ages", fontsize=9)
@@ -246,7 +359,15 @@ def method_points(table: dict) -> Figure:
             ax.scatter([i + 0.12] * len(vals), vals, s=12, color="0.5", zorder=2)
             lo, hi, mean = _nan(s["ci_low"]), _nan(s["ci_high"]), _nan(s["mean"])
             if mean == mean:
-                ax.errorbar([i], [mean], yerr=[[mean - lo], [hi - mean]], fmt="o", color=COLORS[i % len(COLORS)], capsize=4, zorder=3)
+                ax.errorbar(
+                    [i],
+                    [mean],
+                    yerr=[[mean - lo], [hi - mean]],
+                    fmt="o",
+                    color=COLORS[i % len(COLORS)],
+                    capsize=4,
+                    zorder=3,
+                )
         ax.set_xticks(range(len(rows)), [r["label"] for r in rows], rotation=20, fontsize=8)
         ax.set_title(f"{key} {table['metric']}", fontsize=9)
     return fig
@@ -292,8 +413,14 @@ def sis_panels(rep: dict) -> Figure:
         ax.plot(tr["step"], [_nan(v) for v in tr["log_r_dev"]], color=COLORS[0], label="D = Σ|log r| (without SIS)")
     if tr["log_w_dev"]:
         ax.plot(tr["step"], [_nan(v) for v in tr["log_w_dev"]], color=COLORS[1], label="D_SIS = Σ|log w| (with SIS)")
-    ax.scatter([rep["step"]] * 2, [r["log_r_dev"], r["log_w_dev"]], color=[COLORS[0], COLORS[1]], marker="x", zorder=3,
-               label=f"recomputed (step {rep['step']})")
+    ax.scatter(
+        [rep["step"]] * 2,
+        [r["log_r_dev"], r["log_w_dev"]],
+        color=[COLORS[0], COLORS[1]],
+        marker="x",
+        zorder=3,
+        label=f"recomputed (step {rep['step']})",
+    )
     ax.set_title("log-importance deviation per sequence (mean)", fontsize=9)
     ax.set_xlabel("step")
     ax.legend(fontsize=7)
@@ -311,18 +438,28 @@ def sis_bias_panels(result: dict) -> Figure:
     and the on-policy gradient, against the residual mass ξ_K."""
     fig, axes = _grid(2, 4.6, 3.4, cols=2)
     xi = [r["xi_mean"] for r in result["ks"]]
-    for j, (ref, label) in enumerate((("vs_exact", "top-K vs exact-envelope SIS"), ("vs_on_policy", "top-K SIS vs on-policy"))):
+    for j, (ref, label) in enumerate(
+        (("vs_exact", "top-K vs exact-envelope SIS"), ("vs_on_policy", "top-K SIS vs on-policy"))
+    ):
         axes[0].plot(xi, [r[ref]["cos"] for r in result["ks"]], marker="o", color=COLORS[j], label=label)
         axes[1].plot(xi, [r[ref]["rel_norm"] for r in result["ks"]], marker="o", color=COLORS[j], label=label)
     e = result["exact"]["vs_on_policy"]
-    axes[0].scatter([0.0], [e["cos"]], marker="*", s=60, color=COLORS[2], label="exact-envelope SIS vs on-policy", zorder=3)
-    axes[1].scatter([0.0], [e["rel_norm"]], marker="*", s=60, color=COLORS[2], label="exact-envelope SIS vs on-policy", zorder=3)
+    axes[0].scatter(
+        [0.0], [e["cos"]], marker="*", s=60, color=COLORS[2], label="exact-envelope SIS vs on-policy", zorder=3
+    )
+    axes[1].scatter(
+        [0.0], [e["rel_norm"]], marker="*", s=60, color=COLORS[2], label="exact-envelope SIS vs on-policy", zorder=3
+    )
     for r in result["ks"]:
         axes[0].annotate(f"K={r['k']}", (r["xi_mean"], r["vs_exact"]["cos"]), fontsize=7)
     for ax, title in zip(axes, ("cosine of the gradients", "‖g − g_ref‖ / ‖g_ref‖")):
         ax.set_xlabel("residual mass ξ_K = 1 − π(top-K), mean over tokens", fontsize=8)
         ax.set_title(title, fontsize=8)
         ax.legend(fontsize=6)
-    fig.suptitle(f"SIS gradient bias on one batch: {result['run']}, step {result['step']}, |V| = " f"{result['vocab_size']}"
-                 f"{' (hypothetical: not a SIS run)' if result['hypothetical'] else ''}", fontsize=9)
+    fig.suptitle(
+        f"SIS gradient bias on one batch: {result['run']}, step {result['step']}, |V| = "
+        f"{result['vocab_size']}"
+        f"{' (hypothetical: not a SIS run)' if result['hypothetical'] else ''}",
+        fontsize=9,
+    )
     return fig

@@ -53,7 +53,7 @@ def parse_steps(spec: str | None) -> list[int] | None:
         b = int(m.group(2)) if m.group(2) is not None else a
         stride = int(m.group(3)) if m.group(3) is not None else 1
         if stride < 1 or b < a:
-            raise MasktrlError(f"--steps: range {part!r} must be start:end[:stride] with end >= start and stride >= " "1")
+            raise MasktrlError(f"--steps: range {part!r} must be start:end[:stride] with end >= start and stride >= 1")
         steps.update(range(a, b + 1, stride))
     return sorted(steps)
 
@@ -69,8 +69,13 @@ def task_key(cfg) -> str:
     return json.dumps(cfg.to_dict().get("task", {}), sort_keys=True, default=str)
 
 
-def plan(roots: list[Path], steps: list[int] | None, policy_step: int | None = None, exact: bool = True,
-         no_exact: bool = True) -> list[BatchRef]:
+def plan(
+    roots: list[Path],
+    steps: list[int] | None,
+    policy_step: int | None = None,
+    exact: bool = True,
+    no_exact: bool = True,
+) -> list[BatchRef]:
     """The batches to replay, after checking every artifact they need (``MasktrlError`` otherwise).
     ``no_exact``: whether the command has ``--no-exact`` to suggest (``estimators`` has not)."""
     skip = " (use --no-exact)" if no_exact else ""
@@ -86,21 +91,28 @@ def plan(roots: list[Path], steps: list[int] | None, policy_step: int | None = N
         first = task_key(cfgs[0])
         other = next(i for i, c in enumerate(cfgs) if task_key(c) != first)
         raise MasktrlError(
-            f"runs of different tasks cannot be pooled: {stores[0].name} has task {first}, " f"{stores[other].name} has {task_key(cfgs[other])}"
+            f"runs of different tasks cannot be pooled: {stores[0].name} has task {first}, "
+            f"{stores[other].name} has {task_key(cfgs[other])}"
         )
     refs: list[BatchRef] = []
     for store, cfg in zip(stores, cfgs):
         run_steps = steps if steps is not None else [default_replay_step(store.root)]
         bad = [s for s in run_steps if not 1 <= s <= cfg.train.steps]
         if bad:
-            raise MasktrlError(f"--steps: step {bad[0]} is out of range for run {store.name} (train.steps = " f"{cfg.train.steps}: steps 1..{cfg.train.steps})")
+            raise MasktrlError(
+                f"--steps: step {bad[0]} is out of range for run {store.name} (train.steps = "
+                f"{cfg.train.steps}: steps 1..{cfg.train.steps})"
+            )
         stored = set(store.rollout_steps())
         policies = set(store.policy_steps())
         if exact:
             _check_behaviour_known(store, skip)
             if cfg.rollout.top_p < 1.0:
-                raise MasktrlError(f"run {store.name} sampled with rollout.top_p = {cfg.rollout.top_p}: its " "behaviour distribution is "
-                                   f"truncated, and the exact values need the full one{skip}")
+                raise MasktrlError(
+                    f"run {store.name} sampled with rollout.top_p = {cfg.rollout.top_p}: its "
+                    "behaviour distribution is "
+                    f"truncated, and the exact values need the full one{skip}"
+                )
         for s in run_steps:
             if s not in stored:
                 have = sorted(stored)
@@ -111,21 +123,44 @@ def plan(roots: list[Path], steps: list[int] | None, policy_step: int | None = N
                 raise MasktrlError(f"--policy-step must be >= 0, got {p}")
             b = behaviour_step(cfg, s)
             if p not in policies:
-                raise ArtifactError(f"run {store.name}, step {s}: the update starts from checkpoint {p}, which is " "not stored "
-                                    f"(checkpoints: {_span(policies)}; train with " "train.checkpoint_every=1 around the steps studied)")
+                raise ArtifactError(
+                    f"run {store.name}, step {s}: the update starts from checkpoint {p}, which is "
+                    "not stored "
+                    f"(checkpoints: {_span(policies)}; train with "
+                    "train.checkpoint_every=1 around the steps studied)"
+                )
             if exact and b not in policies:
                 good = replayable_steps(cfg, stored, policies, policy_step)
-                hint = f"steps with both checkpoints: {_span(set(good))}" if good else "no stored step has both checkpoints"
-                raise ArtifactError(f"run {store.name}, step {s}: the exact values need the behaviour policy, " f"checkpoint {b} "
-                                    "(step - 1 - rollout.staleness), which is not stored " f"(checkpoints: {_span(policies)}); "
-                                    f"{hint}{' (or --no-exact)' if no_exact else ''}")
+                hint = (
+                    f"steps with both checkpoints: {_span(set(good))}"
+                    if good
+                    else "no stored step has both checkpoints"
+                )
+                raise ArtifactError(
+                    f"run {store.name}, step {s}: the exact values need the behaviour policy, "
+                    f"checkpoint {b} "
+                    "(step - 1 - rollout.staleness), which is not stored "
+                    f"(checkpoints: {_span(policies)}); "
+                    f"{hint}{' (or --no-exact)' if no_exact else ''}"
+                )
             refs.append(BatchRef(store.root, store.name, s, p, b))
     return refs
 
 
-def prepare(runs: list[Path], steps: list[int] | None, *, delta: float, update: str, partitions: int, policy_step: int | None,
-            minibatches: int | None, exact: bool, optimizer=None, own_tokens: int | None = None,
-            no_exact: bool = True) -> list[BatchRef]:
+def prepare(
+    runs: list[Path],
+    steps: list[int] | None,
+    *,
+    delta: float,
+    update: str,
+    partitions: int,
+    policy_step: int | None,
+    minibatches: int | None,
+    exact: bool,
+    optimizer=None,
+    own_tokens: int | None = None,
+    no_exact: bool = True,
+) -> list[BatchRef]:
     """Check a study's options and artifacts (``MasktrlError`` before any replay), then ``plan``.
     ``optimizer``: a ``first_order.ReplayOptimizer`` (checked when it was built)."""
     from masktrl.analysis.step_replay import update_choice
@@ -148,14 +183,22 @@ def replayable_steps(cfg, stored: set[int], policies: set[int], policy_step: int
     checkpoint (S-1-staleness) both exist: the steps a study with exact values can replay."""
     from masktrl.analysis.step_replay import behaviour_step
 
-    return sorted(s for s in stored if (s - 1 if policy_step is None else policy_step) in policies and behaviour_step(cfg, s) in policies)
+    return sorted(
+        s
+        for s in stored
+        if (s - 1 if policy_step is None else policy_step) in policies and behaviour_step(cfg, s) in policies
+    )
 
 
 def _check_behaviour_known(store: RunStore, skip: str = " (use --no-exact)") -> None:
     summary = store.summary() or {}
     if summary.get("rollouts_from"):
-        raise MasktrlError(f"run {store.name} trained on rollouts from {summary['rollouts_from']}: its behaviour " "policy is "
-                           "not one of its checkpoints, so the exact values cannot be " f"computed{skip}")
+        raise MasktrlError(
+            f"run {store.name} trained on rollouts from {summary['rollouts_from']}: its behaviour "
+            "policy is "
+            "not one of its checkpoints, so the exact values cannot be "
+            f"computed{skip}"
+        )
 
 
 def _span(steps: set[int]) -> str:
@@ -167,9 +210,21 @@ def _span(steps: set[int]) -> str:
     return f"{', '.join(map(str, s[:4]))}, ..., {', '.join(map(str, s[-3:]))} ({len(s)} in all)"
 
 
-def replay_all(refs: list[BatchRef], *, update: str, partitions: int, minibatches: int | None, exact: bool,
-               ks: tuple[int, ...] = (), unit: str = "batch", progress=None, optimizer=None,
-               decompose_delta: float | None = None, own_tokens: int = 0, recut_ks: tuple[int, ...] = ()) -> tuple[dict[str, np.ndarray], list[dict]]:
+def replay_all(
+    refs: list[BatchRef],
+    *,
+    update: str,
+    partitions: int,
+    minibatches: int | None,
+    exact: bool,
+    ks: tuple[int, ...] = (),
+    unit: str = "batch",
+    progress=None,
+    optimizer=None,
+    decompose_delta: float | None = None,
+    own_tokens: int = 0,
+    recut_ks: tuple[int, ...] = (),
+) -> tuple[dict[str, np.ndarray], list[dict]]:
     """Replay every batch ``partitions`` times; returns the token table of all of them (columns
     of ``token_replay.record_tokens`` plus run, step, partition, replicate) and one info row
     per batch (run, step, policy_step, behaviour_step, method, minibatches, n_tokens, ...)."""
@@ -187,27 +242,48 @@ def replay_all(refs: list[BatchRef], *, update: str, partitions: int, minibatche
         replay = load_replay(ref.root, ref.step, ref.policy_step, update, optimizer)
         m = study_minibatches(replay.cfg.train.minibatches, minibatches, ref.policy_step - ref.behaviour_step)
         behaviour = load_behaviour(replay, ref.behaviour_step) if exact else None
-        row = {"batch": bi, "run": ref.run, "step": ref.step, "policy_step": ref.policy_step, "behaviour_step": ref.behaviour_step,
-               "staleness": ref.policy_step - ref.behaviour_step, "method": replay.cfg.method_name, "seed": replay.cfg.seed,
-               "minibatches": m, "minibatches_run": replay.cfg.train.minibatches, "n_tokens": replay.n_tokens,
-               "stored_k": max((len(row) for s in replay.samples for row in s.gen.topk_ids), default=0),
-               "vocab_size": int(lm_head_weight(replay.model).shape[0]),
-               "update": replay.update.describe(),
-               "replay_optimizer": replay.replay_optimizer.describe(replay.lr_used)}
+        row = {
+            "batch": bi,
+            "run": ref.run,
+            "step": ref.step,
+            "policy_step": ref.policy_step,
+            "behaviour_step": ref.behaviour_step,
+            "staleness": ref.policy_step - ref.behaviour_step,
+            "method": replay.cfg.method_name,
+            "seed": replay.cfg.seed,
+            "minibatches": m,
+            "minibatches_run": replay.cfg.train.minibatches,
+            "n_tokens": replay.n_tokens,
+            "stored_k": max((len(row) for s in replay.samples for row in s.gen.topk_ids), default=0),
+            "vocab_size": int(lm_head_weight(replay.model).shape[0]),
+            "update": replay.update.describe(),
+            "replay_optimizer": replay.replay_optimizer.describe(replay.lr_used),
+        }
         for j in range(partitions):
-            cols = record_tokens(replay, replay.cfg.seed + j, m, behaviour=behaviour, ks=ks, decompose_delta=decompose_delta,
-                                 own_tokens=own_tokens, recut_ks=recut_ks)
+            cols = record_tokens(
+                replay,
+                replay.cfg.seed + j,
+                m,
+                behaviour=behaviour,
+                ks=ks,
+                decompose_delta=decompose_delta,
+                own_tokens=own_tokens,
+                recut_ks=recut_ks,
+            )
             n = len(cols["sample"])
             if exact:
                 mass = cols.pop("mu_list_mass_diff")
-                row["mu_recompute_max_list_mass_diff"] = max(row.get("mu_recompute_max_list_mass_diff", 0.0),
-                                                             float(np.nanmax(mass)) if mass.size else 0.0)
+                row["mu_recompute_max_list_mass_diff"] = max(
+                    row.get("mu_recompute_max_list_mass_diff", 0.0), float(np.nanmax(mass)) if mass.size else 0.0
+                )
                 mu = cols.pop("mu_logp_recomputed")
                 stored = np.array([x for s in replay.samples for x in s.gen.logp])
                 ok = np.isfinite(stored)
                 row.setdefault("mu_recompute_max_abs_logp_diff", 0.0)
                 if ok.any():
-                    row["mu_recompute_max_abs_logp_diff"] = max(row["mu_recompute_max_abs_logp_diff"], float(np.max(np.abs(mu[ok] - stored[ok]))))
+                    row["mu_recompute_max_abs_logp_diff"] = max(
+                        row["mu_recompute_max_abs_logp_diff"], float(np.max(np.abs(mu[ok] - stored[ok])))
+                    )
             cols = {
                 "run": np.array([ref.run] * n, dtype=object),
                 "step": np.full(n, ref.step, dtype=np.int64),

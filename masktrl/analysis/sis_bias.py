@@ -38,8 +38,10 @@ def _flat(grads) -> torch.Tensor:
 
 def _pair(a: torch.Tensor, b: torch.Tensor) -> dict:
     nb = float(b.norm())
-    return {"cos": float(torch.dot(a, b) / (a.norm() * b.norm()).clamp_min(1e-300)),
-            "rel_norm": float((a - b).norm() / nb) if nb > 0 else float("nan")}
+    return {
+        "cos": float(torch.dot(a, b) / (a.norm() * b.norm()).clamp_min(1e-300)),
+        "rel_norm": float((a - b).norm() / nb) if nb > 0 else float("nan"),
+    }
 
 
 def sis_bias(root: Path, step: int, ks: tuple[int, ...] | None = None) -> dict:
@@ -58,7 +60,9 @@ def sis_bias(root: Path, step: int, ks: tuple[int, ...] | None = None) -> dict:
     ks, ks_note = (ks, None) if ks is not None else default_ks(stored_k)
     bad = [k for k in ks if k > stored_k]
     if bad:
-        raise MasktrlError(f"--k {bad[0]} is above the stored list size K = {stored_k} (rollout.logprobs_k): lists " "can only be re-cut")
+        raise MasktrlError(
+            f"--k {bad[0]} is above the stored list size K = {stored_k} (rollout.logprobs_k): lists can only be re-cut"
+        )
     behaviour = load_behaviour(replay)
     cfg = replay.cfg
     sis = cfg.method.params if cfg.method.rule == "sis" else make_params("sis")
@@ -104,17 +108,37 @@ def sis_bias(root: Path, step: int, ks: tuple[int, ...] | None = None) -> dict:
         g_k = grad_of(token_losses("sis", b, adv, u=u, **{**_sis_kwargs(sis), "k": k}).loss)
         with torch.no_grad():
             xi = residual_mass(bk.topk_logp.detach(), bk.topk_ids, b.vocab_size)[valid]
-        rows_out.append({"k": k, "xi_mean": float(xi.mean()), "xi_p90": float(torch.quantile(xi.double(), 0.9)),
-                         "accept_rate": float(dec.accepted[valid].double().mean()),
-                         "vs_exact": _pair(g_k, g_exact), "vs_on_policy": _pair(g_k, g_on), "vs_base": _pair(g_k, g_base)})
+        rows_out.append(
+            {
+                "k": k,
+                "xi_mean": float(xi.mean()),
+                "xi_p90": float(torch.quantile(xi.double(), 0.9)),
+                "accept_rate": float(dec.accepted[valid].double().mean()),
+                "vs_exact": _pair(g_k, g_exact),
+                "vs_on_policy": _pair(g_k, g_on),
+                "vs_base": _pair(g_k, g_base),
+            }
+        )
     return {
-        "analysis": "sis-bias", "run": Path(root).name, "method": cfg.method_name, "step": step, "policy_step": replay.policy_step,
-        "behaviour_step": behaviour.step, "hypothetical": cfg.method_name != "sis", "sis_params": _sis_kwargs(sis),
-        "stored_k": stored_k, "vocab_size": b.vocab_size, "n_valid": int(valid.sum()),
-        "exact": {"accept_rate": float(acc_exact[valid].double().mean()), "vs_on_policy": _pair(g_exact, g_on),
-                  "vs_base": _pair(g_exact, g_base)},
+        "analysis": "sis-bias",
+        "run": Path(root).name,
+        "method": cfg.method_name,
+        "step": step,
+        "policy_step": replay.policy_step,
+        "behaviour_step": behaviour.step,
+        "hypothetical": cfg.method_name != "sis",
+        "sis_params": _sis_kwargs(sis),
+        "stored_k": stored_k,
+        "vocab_size": b.vocab_size,
+        "n_valid": int(valid.sum()),
+        "exact": {
+            "accept_rate": float(acc_exact[valid].double().mean()),
+            "vs_on_policy": _pair(g_exact, g_on),
+            "vs_base": _pair(g_exact, g_base),
+        },
         "base_vs_on_policy": _pair(g_base, g_on),
-        "ks": rows_out, "ks_note": ks_note,
+        "ks": rows_out,
+        "ks_note": ks_note,
     }
 
 
@@ -136,7 +160,10 @@ def save(result: dict, out: Path) -> list[Path]:
     plots = figures(out)  # matplotlib once the JSON is written (its cache: caches.settle_matplotlib)
 
     name = f"sis-bias-step{result['step']}"
-    return [write_json(Path(out) / f"{name}.json", result), save_figure(plots.sis_bias_panels(result), Path(out) / f"{name}.png")]
+    return [
+        write_json(Path(out) / f"{name}.json", result),
+        save_figure(plots.sis_bias_panels(result), Path(out) / f"{name}.png"),
+    ]
 
 
 def default_ks(stored_k: int) -> tuple[tuple[int, ...], str | None]:
@@ -148,8 +175,11 @@ def default_ks(stored_k: int) -> tuple[tuple[int, ...], str | None]:
         return KS, None
     above = [k for k in KS if k > stored_k]
     ks = tuple(sorted({*fit, stored_k}))
-    return ks, (f"--k {','.join(map(str, KS))} (the default): {', '.join(map(str, above))} above the stored " "list size "
-                f"K = {stored_k}; measured at {', '.join(map(str, ks))}")
+    return ks, (
+        f"--k {','.join(map(str, KS))} (the default): {', '.join(map(str, above))} above the stored "
+        "list size "
+        f"K = {stored_k}; measured at {', '.join(map(str, ks))}"
+    )
 
 
 def parse_ks(spec: str | None) -> tuple[int, ...] | None:
@@ -167,8 +197,18 @@ def parse_ks(spec: str | None) -> tuple[int, ...] | None:
 
 def summary_rows(result: dict) -> list[tuple]:
     """(K, ξ_K, accept rate, cos/rel vs exact, cos/rel vs on-policy) rows for a table."""
-    rows = [(str(r["k"]), r["xi_mean"], r["accept_rate"], r["vs_exact"]["cos"], r["vs_exact"]["rel_norm"],
-             r["vs_on_policy"]["cos"], r["vs_on_policy"]["rel_norm"]) for r in result["ks"]]
+    rows = [
+        (
+            str(r["k"]),
+            r["xi_mean"],
+            r["accept_rate"],
+            r["vs_exact"]["cos"],
+            r["vs_exact"]["rel_norm"],
+            r["vs_on_policy"]["cos"],
+            r["vs_on_policy"]["rel_norm"],
+        )
+        for r in result["ks"]
+    ]
     e = result["exact"]
     rows.append(("exact", 0.0, e["accept_rate"], 1.0, 0.0, e["vs_on_policy"]["cos"], e["vs_on_policy"]["rel_norm"]))
     return [tuple(x if isinstance(x, str) else float(np.round(x, 6)) for x in r) for r in rows]

@@ -27,8 +27,8 @@ from masktrl.analysis.io import RunInfo, default_replay_step
 from masktrl.methods import sis_accept
 from masktrl.methods.batch import log_ratio, outside_list, residual_mass
 from masktrl.methods.diagnostics import log_importance_deviation
-from masktrl.runs.store import RunStore
 from masktrl.rollout.base import behaviour_lists
+from masktrl.runs.store import RunStore
 
 MAX_ROLLOUT_STEPS = 200  # rollout files read for the curves (evenly spaced when there are more)
 
@@ -39,8 +39,18 @@ def rollout_curves(root: Path, vocab_size: int | None = None) -> dict:
     steps = store.rollout_steps()
     if len(steps) > MAX_ROLLOUT_STEPS:
         steps = [steps[int(i)] for i in np.linspace(0, len(steps) - 1, MAX_ROLLOUT_STEPS)]
-    out = {k: [] for k in ("step", "outside_topk_frac", "behaviour_residual_mean", "behaviour_residual_p50",
-                           "behaviour_residual_p90", "behaviour_residual_p99", "n_tokens")}
+    out = {
+        k: []
+        for k in (
+            "step",
+            "outside_topk_frac",
+            "behaviour_residual_mean",
+            "behaviour_residual_p50",
+            "behaviour_residual_p90",
+            "behaviour_residual_p99",
+            "n_tokens",
+        )
+    }
     for step in steps:
         samples, _ = store.read_rollouts(step, vocab_size=vocab_size)
         sampled, ids, lps = behaviour_lists(samples)  # [N], [N, K], [N, K]
@@ -62,7 +72,15 @@ def replay_decisions(root: Path, step: int) -> dict:
 
     replay = load_replay(root, step)
     seed, m = replay.cfg.seed, replay.cfg.train.minibatches
-    rows: dict[str, list] = {"sampled": [], "accepted": [], "tested": [], "valid": [], "resid": [], "mb_rate": [], "mb_dev": []}
+    rows: dict[str, list] = {
+        "sampled": [],
+        "accepted": [],
+        "tested": [],
+        "valid": [],
+        "resid": [],
+        "mb_rate": [],
+        "mb_dev": [],
+    }
     vocab: list[int | None] = []
 
     def before(mb, idx, out, losses, u):
@@ -80,8 +98,14 @@ def replay_decisions(root: Path, step: int) -> dict:
 
     replay_step(replay, seed, m, before)
     cat = {k: torch.cat(v) for k, v in rows.items() if k not in ("mb_rate", "mb_dev")}
-    return {"tokenizer": replay.tokenizer, "method": replay.cfg.method_name, "vocab_size": vocab[0], "mb_rates": rows["mb_rate"],
-            "mb_dev": rows["mb_dev"], **cat}
+    return {
+        "tokenizer": replay.tokenizer,
+        "method": replay.cfg.method_name,
+        "vocab_size": vocab[0],
+        "mb_rates": rows["mb_rate"],
+        "mb_dev": rows["mb_dev"],
+        **cat,
+    }
 
 
 def token_table(tokenizer, ids: torch.Tensor, total: Counter, top: int) -> list[dict]:
@@ -97,8 +121,12 @@ def decode(tokenizer, token_id: int) -> str:
     return text if text else str(tokenizer.convert_ids_to_tokens(token_id))
 
 
-TRAINING_KEYS = {"accept_rate": "sis_accept_rate", "residual_mean": "topk_residual_mass_mean",
-                 "log_r_dev": "log_r_dev", "log_w_dev": "log_w_dev"}
+TRAINING_KEYS = {
+    "accept_rate": "sis_accept_rate",
+    "residual_mean": "topk_residual_mass_mean",
+    "log_r_dev": "log_r_dev",
+    "log_w_dev": "log_w_dev",
+}
 
 
 def training_curves(metrics: list[dict]) -> dict:
@@ -109,7 +137,9 @@ def training_curves(metrics: list[dict]) -> dict:
         vals = [r.get(logged) for r in metrics]
         out[key] = vals if any(v is not None for v in vals) else []
     if out["log_r_dev"] and out["log_w_dev"]:
-        out["log_dev_ratio"] = [w / r if r and w is not None else None for r, w in zip(out["log_r_dev"], out["log_w_dev"])]
+        out["log_dev_ratio"] = [
+            w / r if r and w is not None else None for r, w in zip(out["log_r_dev"], out["log_w_dev"])
+        ]
     else:
         out["log_dev_ratio"] = []
     return out

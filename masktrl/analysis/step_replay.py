@@ -23,9 +23,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -37,13 +37,12 @@ from masktrl.models.loading import load_model_and_tokenizer, load_trainable_poli
 from masktrl.models.lora import LoraSettings
 from masktrl.models.lowprec import apply_training_quantization
 from masktrl.rl import update
-from masktrl.rl.schedule import sampled_at
-from masktrl.rl.train_state import load_optimizer_state
 from masktrl.rl.policy import PolicyOutputs, lm_head_weight, policy_token_batch, response_hidden
 from masktrl.rl.reference import FrozenReference, Reference, micro_batch_size, penalise_kl, reference_logprobs
-from masktrl.runs.store import RunStore
+from masktrl.rl.schedule import sampled_at
+from masktrl.rl.train_state import load_optimizer_state
 from masktrl.rollout.base import Sample
-
+from masktrl.runs.store import RunStore
 
 UNMASKED = "unmasked"
 RUN_METHOD = "run"
@@ -59,7 +58,10 @@ class UpdateChoice:
     params: object
 
     def describe(self) -> dict:
-        params = {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in dataclasses.asdict(self.params).items()}
+        params = {
+            k: ("inf" if isinstance(v, float) and math.isinf(v) else v)
+            for k, v in dataclasses.asdict(self.params).items()
+        }
         return {"name": self.name, "method": self.method, "params": params, "masks": self.name != UNMASKED}
 
 
@@ -78,7 +80,10 @@ def update_choice(name: str, cfg: Config) -> UpdateChoice:
     if is_rule_file(name):  # a rule of the user's own (path/to/rules.py:name), at its defaults
         return UpdateChoice(name, name, resolve_method_spec(name).params)
     if name not in method_names():
-        raise MasktrlError(f"unknown --update-method {name!r}: choose {UNMASKED}, {RUN_METHOD} or a method " f"({', '.join(method_names())})")
+        raise MasktrlError(
+            f"unknown --update-method {name!r}: choose {UNMASKED}, {RUN_METHOD} or a method "
+            f"({', '.join(method_names())})"
+        )
     return UpdateChoice(name, name, make_params(name))
 
 
@@ -134,7 +139,9 @@ class Replay:
         self.scheduler.load_state_dict(copy.deepcopy(sched))
 
 
-def load_replay(root: Path, step: int, policy_step: int | None = None, update_name: str = RUN_METHOD, optimizer=None) -> Replay:
+def load_replay(
+    root: Path, step: int, policy_step: int | None = None, update_name: str = RUN_METHOD, optimizer=None
+) -> Replay:
     """Checkpoint ``policy_step`` (default step-1) with its optimizer, and the rollouts of ``step``;
     the update is ``update_choice(update_name)`` (default: the run's own method); ``optimizer``: a
     ``first_order.ReplayOptimizer`` (default: the run's own, with its moments and schedule)."""
@@ -154,24 +161,47 @@ def load_replay(root: Path, step: int, policy_step: int | None = None, update_na
     torch.set_num_threads(cfg.train.threads)
     lora = LoraSettings.from_config(cfg.model.lora) if cfg.model.lora.rank is not None else None
     model, tokenizer = load_trainable_policy(path, cfg.model.dtype, lora, seed=cfg.seed)  # LoRA: the adapters, unmerged
-    apply_training_quantization(model, cfg.train.quantization, cfg.train.quantization_backend)  # FP8 training: the run's forward
+    apply_training_quantization(
+        model, cfg.train.quantization, cfg.train.quantization_backend
+    )  # FP8 training: the run's forward
     model.eval()
     optimizer, scheduler = update.make_optimizer(model, cfg.train)
     if policy_step > 0:
         load_optimizer_state(Path(path), optimizer, scheduler)
     optimizer, scheduler, lr_used = build_optimizer(model, cfg.train, choice_opt, optimizer, scheduler)
-    method = (cfg.method.method if choice.method == cfg.method.rule else resolve_method_spec(choice.method).method
-              if is_rule_file(choice.method) else get_method(choice.method)).bind(choice.params, cfg.method.correction)
+    method = (
+        cfg.method.method
+        if choice.method == cfg.method.rule
+        else resolve_method_spec(choice.method).method
+        if is_rule_file(choice.method)
+        else get_method(choice.method)
+    ).bind(choice.params, cfg.method.correction)
     reference = None
     if method.needs_reference:  # the starting policy, as the run's (docs/METHODS.md §13.7)
         start, _ = load_model_and_tokenizer(store.policy_path(0), cfg.model.dtype)
-        apply_training_quantization(start, cfg.train.quantization, cfg.train.quantization_backend)  # the run's reference was its FP8 copy
+        apply_training_quantization(
+            start, cfg.train.quantization, cfg.train.quantization_backend
+        )  # the run's reference was its FP8 copy
         reference = FrozenReference(start, cfg.rollout.temperature, cfg.train.logprob_chunk)
         if choice.params.kl_in_reward:  # the stored batch holds the unpenalised rewards and advantages
             micro = micro_batch_size(len(samples), cfg.train.minibatches, cfg.train.grad_accum)
             penalise_kl(samples, reference_logprobs(reference, samples, micro), method)
-    replay = Replay(Path(root), cfg, method, samples, step, policy_step, model, tokenizer,
-                    optimizer, scheduler, choice, reference, choice_opt, lr_used)
+    replay = Replay(
+        Path(root),
+        cfg,
+        method,
+        samples,
+        step,
+        policy_step,
+        model,
+        tokenizer,
+        optimizer,
+        scheduler,
+        choice,
+        reference,
+        choice_opt,
+        lr_used,
+    )
     replay.save_state()
     return replay
 
@@ -194,7 +224,9 @@ def load_behaviour(replay: Replay, step: int | None = None) -> Behaviour:
     (staleness 0): then the replay's model at checkpoint P is used."""
     step = behaviour_step(replay.cfg, replay.step) if step is None else step
     if step == replay.policy_step:
-        return Behaviour(step, response_hidden(replay.model, replay.samples), lm_head_weight(replay.model).detach().clone())
+        return Behaviour(
+            step, response_hidden(replay.model, replay.samples), lm_head_weight(replay.model).detach().clone()
+        )
     model, _ = load_model_and_tokenizer(RunStore(replay.root).policy_path(step), replay.cfg.model.dtype)
     model.eval()
     return Behaviour(step, response_hidden(model, replay.samples), lm_head_weight(model).detach().clone())
@@ -208,19 +240,25 @@ def sis_uniforms(seed: int, step: int, mb: int, n: int, dtype: torch.dtype) -> t
 def token_index(replay: Replay, idx: list[int]) -> torch.Tensor:
     """[n] global token indices (into the flattened batch) of the samples ``idx``, in that order."""
     offs = replay.offsets
-    return torch.tensor([offs[i] + t for i in idx for t in range(len(replay.samples[i].gen.response_ids))], dtype=torch.long)
+    return torch.tensor(
+        [offs[i] + t for i in idx for t in range(len(replay.samples[i].gen.response_ids))], dtype=torch.long
+    )
 
 
 @torch.no_grad()
 def policy_outputs(replay: Replay, idx: list[int]) -> PolicyOutputs:
     """The current policy on samples ``idx`` (no gradient)."""
-    return policy_token_batch(replay.model, [replay.samples[i] for i in idx], replay.cfg.rollout.temperature, replay.cfg.train.logprob_chunk)
+    return policy_token_batch(
+        replay.model, [replay.samples[i] for i in idx], replay.cfg.rollout.temperature, replay.cfg.train.logprob_chunk
+    )
 
 
 Hook = Callable[..., None]
 
 
-def replay_step(replay: Replay, seed: int, minibatches: int, before: Hook | None = None, after: Hook | None = None) -> None:
+def replay_step(
+    replay: Replay, seed: int, minibatches: int, before: Hook | None = None, after: Hook | None = None
+) -> None:
     """Run the step's minibatch updates from the current state with ``policy_update`` itself.
 
     ``before(mb, idx, out, losses, u)`` sees each minibatch's policy outputs and token losses
@@ -228,7 +266,9 @@ def replay_step(replay: Replay, seed: int, minibatches: int, before: Hook | None
     chooses the minibatch partition (``stream_seed(seed, "order", S)``) and the SIS uniforms
     (``stream_seed(seed, "sis", S, mb)``); nothing else in an update is random.
     """
-    settings = replace(update.UpdateSettings.from_config(replay.cfg), minibatches=minibatches, method=replay.method, seed=seed)
+    settings = replace(
+        update.UpdateSettings.from_config(replay.cfg), minibatches=minibatches, method=replay.method, seed=seed
+    )
     if replay.replay_optimizer is not None and replay.replay_optimizer.reset_moments:
         inner, seen = before, set()
 
@@ -238,5 +278,12 @@ def replay_step(replay: Replay, seed: int, minibatches: int, before: Hook | None
                 replay.optimizer.state.clear()
             if inner is not None:
                 inner(mb, idx, out, losses, u)
-    update.policy_update(update.Learner(replay.model, replay.optimizer, replay.scheduler), replay.samples, settings, replay.step,
-                         hooks=update.Hooks(before, after), reference=replay.reference)
+
+    update.policy_update(
+        update.Learner(replay.model, replay.optimizer, replay.scheduler),
+        replay.samples,
+        settings,
+        replay.step,
+        hooks=update.Hooks(before, after),
+        reference=replay.reference,
+    )

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from masktrl.errors import MasktrlError
 from masktrl.methods import (
     TokenBatch,
     ddot_kl_bracket,
@@ -47,7 +48,6 @@ from masktrl.methods import (
     support,
     truncate_topk,
 )
-from masktrl.errors import MasktrlError
 from masktrl.methods.batch import log_ratio
 from masktrl.methods.diagnostics import keep_decisions  # (the direction rules; imported from here too)
 from masktrl.rl.policy import full_logprobs, lm_head_weight, response_hidden
@@ -143,8 +143,17 @@ def _np(t: Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, ks: tuple[int, ...] = (),
-                  decompose_delta: float | None = None, own_tokens: int = 0, recut_ks: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
+def record_tokens(
+    replay,
+    seed_value: int,
+    minibatches: int,
+    *,
+    behaviour=None,
+    ks: tuple[int, ...] = (),
+    decompose_delta: float | None = None,
+    own_tokens: int = 0,
+    recut_ks: tuple[int, ...] = (),
+) -> dict[str, np.ndarray]:
     """Replay the step once from checkpoint P; the columns described in the module docstring.
 
     ``behaviour``: a ``step_replay.Behaviour`` (the full behaviour distribution) turns on the
@@ -163,8 +172,11 @@ def record_tokens(replay, seed_value: int, minibatches: int, *, behaviour=None, 
     if decompose_delta is not None and replay.cfg.train.grad_accum != 1:
         raise MasktrlError("the first-order decomposition needs train.grad_accum = 1 (one micro-batch per minibatch)")
     if decompose_delta is not None and (replay.method.kl_in_loss or replay.method.params.entropy_coef):
-        raise MasktrlError("the first-order decomposition covers the policy-gradient loss only: replay an update " "without the "
-                           "in-loss reference KL and entropy bonus (--update-method unmasked)")
+        raise MasktrlError(
+            "the first-order decomposition covers the policy-gradient loss only: replay an update "
+            "without the "
+            "in-loss reference KL and entropy bonus (--update-method unmasked)"
+        )
     pending: dict[int, tuple] = {}
     replay.restore()
     n = replay.n_tokens

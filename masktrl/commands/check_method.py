@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -11,17 +11,30 @@ from rich.table import Table
 from masktrl.commands.ui import console
 
 MethodSetOpt = Annotated[
-    Optional[list[str]],
-    typer.Option("--set", metavar="KEY=VALUE", show_default=False,
-                 help="A parameter of the method, repeatable: --set method.tau_pos=2 (its keys: " "masktrl config keys method "
-                      "--method NAME)."),
+    list[str] | None,
+    typer.Option(
+        "--set",
+        metavar="KEY=VALUE",
+        show_default=False,
+        help="A parameter of the method, repeatable: --set method.tau_pos=2 (its keys: "
+        "masktrl config keys method "
+        "--method NAME).",
+    ),
 ]
 RESULT = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "[cyan]info[/]"}
 
 
 def check_method(
-    spec: Annotated[str, typer.Argument(metavar="METHOD", help="A registered method name (masktrl config keys method.name "
-                                        "lists them) or path/to/rules.py:name; its " "parameters go as --set method.KEY=VALUE.", show_default=False)],
+    spec: Annotated[
+        str,
+        typer.Argument(
+            metavar="METHOD",
+            help="A registered method name (masktrl config keys method.name "
+            "lists them) or path/to/rules.py:name; its "
+            "parameters go as --set method.KEY=VALUE.",
+            show_default=False,
+        ),
+    ],
     set_: MethodSetOpt = None,
 ) -> None:
     """Check a rule's contract on small random float64 batches, in seconds on CPU: its gradient
@@ -59,9 +72,15 @@ def _resolve(spec: str, overrides: list[str]):
     if bad:
         raise ConfigError(f"check-method --set takes method.KEY=VALUE (not the name), got {bad[0]!r}")
     if any(o.startswith("method.correction") for o in overrides):
-        raise ConfigError("check-method checks the rule itself; method.correction (docs/METHODS.md §14) composes " "with any "
-                          "rule and is checked by its own tests")
+        raise ConfigError(
+            "check-method checks the rule itself; method.correction (docs/METHODS.md §14) composes "
+            "with any "
+            "rule and is checked by its own tests"
+        )
     if ":" in spec and not spec.split(":")[0].endswith(".py"):
-        raise ConfigError(f"check-method takes a method name or path/to/rules.py:name, got {spec!r}; its " "parameters go as "
-                          "--set method.KEY=VALUE")
+        raise ConfigError(
+            f"check-method takes a method name or path/to/rules.py:name, got {spec!r}; its "
+            "parameters go as "
+            "--set method.KEY=VALUE"
+        )
     return load_config(None, list(overrides), method=spec.strip()).method

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 import yaml
@@ -23,7 +23,10 @@ app = typer.Typer(
 @app.command(cls=Command)
 def keys(
     prefix: Annotated[
-        Optional[str], typer.Argument(metavar="PREFIX", help="Only keys starting with this, e.g. rollout or train.lr.", show_default=False)
+        str | None,
+        typer.Argument(
+            metavar="PREFIX", help="Only keys starting with this, e.g. rollout or train.lr.", show_default=False
+        ),
     ] = None,
     method: MethodOpt = None,
 ) -> None:

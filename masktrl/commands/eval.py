@@ -45,16 +45,30 @@ def eval_command(
     from masktrl.recipes import eval as recipe
 
     opts = recipe.EvalOptions(
-        k=k, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, data=str(data) if data else None,
-        template=template, engine=engine, seed=seed, n_problems=n_problems, batch_size=batch_size, dtype=dtype,
-        config=tuple(map(str, config)) if config else None, overrides=tuple(set_ or ()),
+        k=k,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        data=str(data) if data else None,
+        template=template,
+        engine=engine,
+        seed=seed,
+        n_problems=n_problems,
+        batch_size=batch_size,
+        dtype=dtype,
+        config=tuple(map(str, config)) if config else None,
+        overrides=tuple(set_ or ()),
     )
     opts.validate(bench)  # before any model is loaded
-    console.print(f"[bold]masktrl eval[/] [cyan]{bench}[/] model [cyan]{model}[/]" + (f" step {step}" if step is not None else ""))
+    console.print(
+        f"[bold]masktrl eval[/] [cyan]{bench}[/] model [cyan]{model}[/]" + (f" step {step}" if step is not None else "")
+    )
     runs = recipe.folder_runs(model)
     if runs is not None:  # a folder of runs
         with progress_bar() as progress:
-            recipe.run_folder(bench, runs, step, opts, out=out, output=output, force=force, progress=progress, done=print_line)
+            recipe.run_folder(
+                bench, runs, step, opts, out=out, output=output, force=force, progress=progress, done=print_line
+            )
         return
     with progress_bar() as progress:
         result = recipe.run(bench, model, step, opts, out=out, output=output, force=force, progress=progress)
@@ -64,8 +78,15 @@ def eval_command(
 def print_line(root: Path, result) -> None:
     r = None if isinstance(result, str) else result.report
     se = f" ± {r['avg_at_k_se']:.4f} (se)" if r and r.get("avg_at_k_se") is not None else ""
-    console.print(f"{root.name}: " + (f"[yellow]{result}[/]" if r is None else
-                  f"avg@{r['k']} {r['avg_at_k']:.4f}{se}, pass@{r['k']} {r['pass_at_k']:.4f} " f"-> {result.path}"), highlight=False)
+    console.print(
+        f"{root.name}: "
+        + (
+            f"[yellow]{result}[/]"
+            if r is None
+            else f"avg@{r['k']} {r['avg_at_k']:.4f}{se}, pass@{r['k']} {r['pass_at_k']:.4f} -> {result.path}"
+        ),
+        highlight=False,
+    )
 
 
 def print_report(r: dict, path: Path) -> None:
@@ -77,11 +98,19 @@ def print_report(r: dict, path: Path) -> None:
         ("model", r["model"] + (f" (step {r['step']})" if r["step"] is not None else "")),
         ("problems", str(r["n_problems"])),
         ("samples per problem", f"{k} ({decoding}, {g['max_new_tokens']} new tokens, {g['engine']})"),
-        (f"avg@{k}", f"{r['avg_at_k']:.4f}  [95% CI {low:.4f}, {high:.4f}]" + (f"  se {r['avg_at_k_se']:.4f}" if r.get("avg_at_k_se") is not None else "")),
+        (
+            f"avg@{k}",
+            f"{r['avg_at_k']:.4f}  [95% CI {low:.4f}, {high:.4f}]"
+            + (f"  se {r['avg_at_k_se']:.4f}" if r.get("avg_at_k_se") is not None else ""),
+        ),
         *[(f"pass@{j}", f"{v:.4f}") for j, v in r["pass_at"].items() if j != "1"],
         (f"maj@{k}", f"{r['maj_at_k']:.4f}"),
         ("truncated samples", f"{r['truncated_frac']:.1%}"),
-        *([("skipped: prompt longer than the context", str(r["prompts_too_long"]))] if r.get("prompts_too_long") else []),
+        *(
+            [("skipped: prompt longer than the context", str(r["prompts_too_long"]))]
+            if r.get("prompts_too_long")
+            else []
+        ),
         ("wall time", f"{r['time_s']:.0f} s"),
     ]
     console.print(kv_table(f"eval {r['benchmark']}", rows))

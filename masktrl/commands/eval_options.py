@@ -3,54 +3,118 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from masktrl.config import EVAL_BENCHMARKS
 
-BenchArg = Annotated[str, typer.Argument(metavar="BENCH", help=f"Benchmark: {' | '.join(EVAL_BENCHMARKS)} | dataset (with --set task.source=...). " "task (alias synthetic): the run's own held-out split (arithmetic, residues, longtail).", show_default=False)]
+BenchArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="BENCH",
+        help=f"Benchmark: {' | '.join(EVAL_BENCHMARKS)} | dataset (with --set task.source=...). "
+        "task (alias synthetic): the run's own held-out split (arithmetic, residues, longtail).",
+        show_default=False,
+    ),
+]
 ModelOpt = Annotated[
-        str,
-        typer.Option("--model", metavar="RUN|MODEL|FOLDER", help="A run (folder, or name under --out), a folder of runs (a sweep's: each complete run, skipping reports " "that exist), a model folder, or a hub id (local cache only).", show_default=False),
-    ]
+    str,
+    typer.Option(
+        "--model",
+        metavar="RUN|MODEL|FOLDER",
+        help="A run (folder, or name under --out), a folder of runs (a sweep's: each complete run, skipping reports "
+        "that exist), a model folder, or a hub id (local cache only).",
+        show_default=False,
+    ),
+]
 StepOpt = Annotated[
-        Optional[int],
-        typer.Option("--step", metavar="N", help="Run only: the checkpoint step (default: the latest complete one; 0: the " "starting policy).", show_default=False),
-    ]
+    int | None,
+    typer.Option(
+        "--step",
+        metavar="N",
+        help="Run only: the checkpoint step (default: the latest complete one; 0: the starting policy).",
+        show_default=False,
+    ),
+]
 KOpt = Annotated[int, typer.Option("--k", metavar="K", help="Samples per problem.")]
-TemperatureOpt = Annotated[float, typer.Option("--temperature", metavar="T", help="Sampling temperature (0: greedy, needs --k 1).")]
+TemperatureOpt = Annotated[
+    float, typer.Option("--temperature", metavar="T", help="Sampling temperature (0: greedy, needs --k 1).")
+]
 TopPOpt = Annotated[float, typer.Option("--top-p", metavar="P", help="Nucleus sampling threshold.")]
 MaxNewTokensOpt = Annotated[
-        Optional[int],
-        typer.Option("--max-new-tokens", metavar="N", help="Response length (default: the run's rollout.max_new_tokens; 4096 on math for " "other models).", show_default=False),
-    ]
+    int | None,
+    typer.Option(
+        "--max-new-tokens",
+        metavar="N",
+        help="Response length (default: the run's rollout.max_new_tokens; 4096 on math for other models).",
+        show_default=False,
+    ),
+]
 DataOpt = Annotated[
-        Optional[Path],
-        typer.Option("--data", metavar="FILE", help="Math benchmarks: a local .jsonl/.json/.parquet file of problems (default: the " "local datasets cache); dataset: task.source.", show_default=False),
-    ]
+    Path | None,
+    typer.Option(
+        "--data",
+        metavar="FILE",
+        help="Math benchmarks: a local .jsonl/.json/.parquet file of problems (default: the "
+        "local datasets cache); dataset: task.source.",
+        show_default=False,
+    ),
+]
 TemplateOpt = Annotated[
-        Optional[str],
-        typer.Option("--template", metavar="NAME", help="Prompt template: base | chat | instruct | raw | dapo | a format string with " "{prompt} (default: the run's, else base for math, raw for dataset; chat for a " "run with model.chat_template).", show_default=False),
-    ]
+    str | None,
+    typer.Option(
+        "--template",
+        metavar="NAME",
+        help="Prompt template: base | chat | instruct | raw | dapo | a format string with "
+        "{prompt} (default: the run's, else base for math, raw for dataset; chat for a "
+        "run with model.chat_template).",
+        show_default=False,
+    ),
+]
 EngineOpt = Annotated[
-        Optional[str], typer.Option("--engine", metavar="hf|vllm", help="hf | vllm (default: the run's rollout.engine, else hf).", show_default=False)
-    ]
+    str | None,
+    typer.Option(
+        "--engine",
+        metavar="hf|vllm",
+        help="hf | vllm (default: the run's rollout.engine, else hf).",
+        show_default=False,
+    ),
+]
 SeedOpt = Annotated[int, typer.Option("--seed", metavar="N", help="Sampling seed.")]
 NProblemsOpt = Annotated[
-        Optional[int], typer.Option("--n-problems", metavar="N", help="Evaluate only the first N problems.", show_default=False)
-    ]
+    int | None,
+    typer.Option("--n-problems", metavar="N", help="Evaluate only the first N problems.", show_default=False),
+]
 BatchSizeOpt = Annotated[
-        Optional[int],
-        typer.Option("--batch-size", metavar="N", help="Sequences generated together (default: the run's rollout.batch_size, 512).", show_default=False),
-    ]
+    int | None,
+    typer.Option(
+        "--batch-size",
+        metavar="N",
+        help="Sequences generated together (default: the run's rollout.batch_size, 512).",
+        show_default=False,
+    ),
+]
 DtypeOpt = Annotated[
-        Optional[str],
-        typer.Option("--dtype", metavar="DTYPE", help="float32 | bfloat16 | float16 (default: the run's model.dtype; bfloat16 on GPU, " "else float32).", show_default=False),
-    ]
+    str | None,
+    typer.Option(
+        "--dtype",
+        metavar="DTYPE",
+        help="float32 | bfloat16 | float16 (default: the run's model.dtype; bfloat16 on GPU, else float32).",
+        show_default=False,
+    ),
+]
 OutputOpt = Annotated[
-        Optional[Path],
-        typer.Option("--output", "-o", metavar="FILE", show_default=False,
-                     help="A model that is not a run: the JSON report to write (default: " "eval/ next to the model folder, OUT/eval/ for a hub id)."),
-    ]
-ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing result file for the same benchmark and step.")]
+    Path | None,
+    typer.Option(
+        "--output",
+        "-o",
+        metavar="FILE",
+        show_default=False,
+        help="A model that is not a run: the JSON report to write (default: "
+        "eval/ next to the model folder, OUT/eval/ for a hub id).",
+    ),
+]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Replace an existing result file for the same benchmark and step.")
+]

@@ -11,7 +11,7 @@ N, ...), flags show none.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -19,35 +19,62 @@ DEFAULT_OUT = Path("outputs")
 
 
 ConfigOpt = Annotated[
-    Optional[list[Path]],
+    list[Path] | None,
     typer.Option(
-        "--config", "-c", metavar="FILE", show_default=False,
-        help="YAML file, or a shipped preset by name from any folder (lab, qwen3-4b, " "methods/pdm-agg; default: tiny). "
-             "Repeatable: a later file overrides an earlier one key by key, "
-             "e.g. --config qwen3-4b --config methods/pdm-agg.",
+        "--config",
+        "-c",
+        metavar="FILE",
+        show_default=False,
+        help="YAML file, or a shipped preset by name from any folder (lab, qwen3-4b, "
+        "methods/pdm-agg; default: tiny). "
+        "Repeatable: a later file overrides an earlier one key by key, "
+        "e.g. --config qwen3-4b --config methods/pdm-agg.",
     ),
 ]
 RunOpt = Annotated[
-    Optional[str], typer.Option("--run", metavar="NAME", help="Run name (default: <method>-<timestamp>).", show_default=False)
+    str | None,
+    typer.Option("--run", metavar="NAME", help="Run name (default: <method>-<timestamp>).", show_default=False),
 ]
-OutOpt = Annotated[Path, typer.Option("--out", metavar="DIR", help="Folder holding runs; a run given by name is looked up here.")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", metavar="N", help="Run seed (overrides the config).", show_default=False)]
+OutOpt = Annotated[
+    Path, typer.Option("--out", metavar="DIR", help="Folder holding runs; a run given by name is looked up here.")
+]
+SeedOpt = Annotated[
+    int | None, typer.Option("--seed", metavar="N", help="Run seed (overrides the config).", show_default=False)
+]
 SetOpt = Annotated[
-    Optional[list[str]],
-    typer.Option("--set", metavar="KEY=VALUE", show_default=False,
-                 help="Dotted config override, repeatable: --set train.lr=1e-4 --set " "method.divergence=topk-tv "
-                      "(every key: masktrl config keys)."),
+    list[str] | None,
+    typer.Option(
+        "--set",
+        metavar="KEY=VALUE",
+        show_default=False,
+        help="Dotted config override, repeatable: --set train.lr=1e-4 --set "
+        "method.divergence=topk-tv "
+        "(every key: masktrl config keys).",
+    ),
 ]
 
 TaskConfigOpt = Annotated[
-    Optional[list[Path]],
-    typer.Option("--config", "-c", metavar="FILE", help="YAML file whose task section (and model.chat_template) sets the dataset, reward and "
-                 "template, as for train (docs/TASKS.md); repeatable, a later file overrides " "an earlier one.", show_default=False),
+    list[Path] | None,
+    typer.Option(
+        "--config",
+        "-c",
+        metavar="FILE",
+        help="YAML file whose task section (and model.chat_template) sets the dataset, reward and "
+        "template, as for train (docs/TASKS.md); repeatable, a later file overrides "
+        "an earlier one.",
+        show_default=False,
+    ),
 ]
 TaskSetOpt = Annotated[
-    Optional[list[str]],
-    typer.Option("--set", metavar="KEY=VALUE", help="task.KEY=VALUE or model.chat_template=..., repeatable: the dataset, reward and template " "keys "
-                 "of train, e.g. --set task.source=data/x.jsonl --set " "task.reward=my_rewards.py:score."),
+    list[str] | None,
+    typer.Option(
+        "--set",
+        metavar="KEY=VALUE",
+        help="task.KEY=VALUE or model.chat_template=..., repeatable: the dataset, reward and template "
+        "keys "
+        "of train, e.g. --set task.source=data/x.jsonl --set "
+        "task.reward=my_rewards.py:score.",
+    ),
 ]
 
 
@@ -56,14 +83,19 @@ def method_help() -> str:
     from masktrl.methods import get_method, method_names
 
     listed = "; ".join(f"{name}: {get_method(name).help}" for name in method_names())
-    return (f"Method (default: the config's). {listed}. Or a rule of your own: path/to/rules.py:NAME " "(docs/METHODS.md, "
-            "\"Writing your own rule\"). Parameters via --set method.X=...")
+    return (
+        f"Method (default: the config's). {listed}. Or a rule of your own: path/to/rules.py:NAME "
+        "(docs/METHODS.md, "
+        '"Writing your own rule"). Parameters via --set method.X=...'
+    )
 
 
-MethodOpt = Annotated[Optional[str], typer.Option("--method", "-m", metavar="NAME|FILE.py:NAME", help=method_help(), show_default=False)]
+MethodOpt = Annotated[
+    str | None, typer.Option("--method", "-m", metavar="NAME|FILE.py:NAME", help=method_help(), show_default=False)
+]
 
 
-def outside_runs(value: Optional[Path]) -> Optional[Path]:
+def outside_runs(value: Path | None) -> Path | None:
     """An analysis's ``--output`` (a typer callback): never inside a run folder, but its analysis/."""
     if value is not None:
         from masktrl.runs.resolve import refuse_inside_run

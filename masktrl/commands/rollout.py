@@ -37,9 +37,25 @@ def rollout(
     from masktrl.recipes import rollout as recipe
 
     if topk is not None:
-        err_console.print(f"[yellow]deprecated:[/] --topk; use --logprobs-k {topk} (named as the config key " "rollout.logprobs_k)", highlight=False)
+        err_console.print(
+            f"[yellow]deprecated:[/] --topk; use --logprobs-k {topk} (named as the config key rollout.logprobs_k)",
+            highlight=False,
+        )
         logprobs_k = topk
-    opts = recipe.RolloutOptions(n, logprobs_k, prompts, temperature, top_p, max_new_tokens, seed, engine, template,
-                          tuple(map(str, config)) if config else None, tuple(set_ or ()))
+    opts = recipe.RolloutOptions(
+        n,
+        logprobs_k,
+        prompts,
+        temperature,
+        top_p,
+        max_new_tokens,
+        seed,
+        engine,
+        template,
+        tuple(map(str, config)) if config else None,
+        tuple(set_ or ()),
+    )
     info = recipe.run(model, data, output, opts, step=step, force=force, out=out)
-    console.print(kv_table("masktrl rollout", [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in info.items()]))
+    console.print(
+        kv_table("masktrl rollout", [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in info.items()])
+    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -18,7 +18,8 @@ STATUS_STYLE = {"complete": "green", "running": "cyan", "interrupted": "yellow",
 def runs(
     out: OutOpt = DEFAULT_OUT,
     folder: Annotated[
-        Optional[Path], typer.Argument(metavar="DIR", help="Deprecated spelling of --out DIR.", show_default=False, hidden=True)
+        Path | None,
+        typer.Argument(metavar="DIR", help="Deprecated spelling of --out DIR.", show_default=False, hidden=True),
     ] = None,
 ) -> None:
     """List runs: name, method, seed, steps done / planned, last reward, last eval accuracy, status."""
@@ -35,22 +36,32 @@ def runs(
     table = Table(title=f"runs in {folder}")
     for col in ("run", "method", "seed", "steps", "last reward", "last eval", "status"):
         # a narrow terminal folds a run's name instead of cutting it: runs differ in their last characters
-        table.add_column(col, justify="right" if col in ("seed", "steps", "last reward", "last eval") else "left",
-                         overflow="fold" if col in ("run", "method") else "ellipsis")
+        table.add_column(
+            col,
+            justify="right" if col in ("seed", "steps", "last reward", "last eval") else "left",
+            overflow="fold" if col in ("run", "method") else "ellipsis",
+        )
     for r in rows:
         style = STATUS_STYLE.get(r["status"], "white")
         table.add_row(
-            Text(r["name"]), Text(str(r["method"] or "-")), str(r["seed"] if r["seed"] is not None else "-"),
+            Text(r["name"]),
+            Text(str(r["method"] or "-")),
+            str(r["seed"] if r["seed"] is not None else "-"),
             f"{r['steps_done']} / {r['steps_planned'] or '?'}",
-            _fmt(r["last_reward"]), _fmt(r["last_eval"]), f"[{style}]{r['status']}[/]",
+            _fmt(r["last_reward"]),
+            _fmt(r["last_eval"]),
+            f"[{style}]{r['status']}[/]",
         )
     console.print(table if rows else f"no runs in {folder}")
     for r in rows:
         line = advice(r, folder)
         if line:
             word, rest = line.split(" ", 1)
-            console.print(f"[{STATUS_STYLE['damaged' if word == 'damaged' else 'interrupted']}]{word}[/] " f"{escape(rest)}",
-                          highlight=False, soft_wrap=True)
+            console.print(
+                f"[{STATUS_STYLE['damaged' if word == 'damaged' else 'interrupted']}]{word}[/] {escape(rest)}",
+                highlight=False,
+                soft_wrap=True,
+            )
 
 
 def _fmt(x) -> str:

@@ -41,16 +41,30 @@ def sweep(
     method_list = stage.parse_methods(methods)
     seed_list = stage.parse_seeds(seeds)
     stage.check_flags(method_list, set_ or [], baseline, launcher, no_submit=no_submit, resubmit=resubmit)
-    items = stage.plan(Path(out), method_list, seed_list, config, set_ or [], busy_ok=print_commands or launcher == "slurm")
+    items = stage.plan(
+        Path(out), method_list, seed_list, config, set_ or [], busy_ok=print_commands or launcher == "slurm"
+    )
     for item in items:  # every run's trackers are importable, before anything starts
         check_trackers(item.cfg.train.report_to)
     if print_commands or launcher == "slurm":
-        launch_runs(items, Path(out), config, set_ or [], accelerate_config, print_only=print_commands,
-                    options=slurm_opts or [], submit=not no_submit, resubmit=resubmit)
+        launch_runs(
+            items,
+            Path(out),
+            config,
+            set_ or [],
+            accelerate_config,
+            print_only=print_commands,
+            options=slurm_opts or [],
+            submit=not no_submit,
+            resubmit=resubmit,
+        )
         if print_commands or not all(i.state == "complete" for i in items):
             return
     todo = sum(i.state != "complete" for i in items)
-    console.print(f"[bold]masktrl sweep[/] {len(method_list)} methods x {len(seed_list)} seeds: " f"{len(items) - todo} complete, {todo} to run, under {out}")
+    console.print(
+        f"[bold]masktrl sweep[/] {len(method_list)} methods x {len(seed_list)} seeds: "
+        f"{len(items) - todo} complete, {todo} to run, under {out}"
+    )
     stage.run(items, progress_bar, lambda event, item: print_event(event, item, items))
     roots = [i.root for i in items]
     base = baseline or ("grpo" if "grpo" in method_list else method_list[0])
@@ -71,12 +85,24 @@ def print_event(event: str, item, items) -> None:
     if event == "skip":
         console.print(f"[{n}/{len(items)}] skip [cyan]{item.root.name}[/] (complete)", highlight=False)
         return
-    note = {"resume": " (resuming an interrupted run)", "retry": " (fresh restart of an incomplete run)"}.get(item.state, "")
+    note = {"resume": " (resuming an interrupted run)", "retry": " (fresh restart of an incomplete run)"}.get(
+        item.state, ""
+    )
     console.print(f"[{n}/{len(items)}] train [cyan]{item.root.name}[/]{note}", highlight=False)
 
 
-def launch_runs(items, out: Path, config, overrides: list[str], accelerate_config, *, print_only: bool, options: list[str],
-                submit: bool, resubmit: bool) -> None:
+def launch_runs(
+    items,
+    out: Path,
+    config,
+    overrides: list[str],
+    accelerate_config,
+    *,
+    print_only: bool,
+    options: list[str],
+    submit: bool,
+    resubmit: bool,
+) -> None:
     """--print-commands (print each run's command) or --launcher slurm (one sbatch job per run)."""
     from masktrl.recipes import slurm
 

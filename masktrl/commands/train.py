@@ -38,7 +38,9 @@ def train(
     from masktrl.rl.signals import Interrupted
     from masktrl.runs.plan import RunRequest, plan_run
 
-    request = RunRequest(tuple(config) if config else None, method, run, Path(out), seed, tuple(set_ or ()), resume, force, rollouts_from)
+    request = RunRequest(
+        tuple(config) if config else None, method, run, Path(out), seed, tuple(set_ or ()), resume, force, rollouts_from
+    )
     if dry_run:
         print_dry_run(preflight.run(request))
         return
@@ -49,8 +51,13 @@ def train(
     except Interrupted as exc:
         done = getattr(exc, "checkpoints", [])
         where = f"after checkpoint {done[-1]}" if done else "before its first checkpoint"
-        err_console.print(f"[yellow]interrupted[/] ({signal.Signals(exc.signum).name}): run " f"{getattr(exc, 'run', '')} stopped {where}; "
-                          "`masktrl train --resume` (or the same command) continues it", highlight=False, soft_wrap=True)
+        err_console.print(
+            f"[yellow]interrupted[/] ({signal.Signals(exc.signum).name}): run "
+            f"{getattr(exc, 'run', '')} stopped {where}; "
+            "`masktrl train --resume` (or the same command) continues it",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(128 + exc.signum) from None
     if result.is_main:
         if result.note:
@@ -60,7 +67,10 @@ def train(
 
 def print_start(plan) -> None:
     verb = {"resume": "resuming", "restart": "restarting"}.get(plan.start.mode, "run")
-    console.print(f"[bold]masktrl train[/] {verb} [cyan]{plan.root.name}[/] method " f"[cyan]{plan.cfg.method_name}[/] seed {plan.cfg.seed}")
+    console.print(
+        f"[bold]masktrl train[/] {verb} [cyan]{plan.root.name}[/] method "
+        f"[cyan]{plan.cfg.method_name}[/] seed {plan.cfg.seed}"
+    )
     if plan.start.note and not plan.explicit_resume:
         console.print(plan.start.note, highlight=False)
 

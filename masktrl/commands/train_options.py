@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 ResumeOpt = Annotated[
-    Optional[str], typer.Option("--resume", metavar="RUN", help="Continue RUN (a name: looked up under --out only; a run elsewhere as a path, ./NAME) " "from its last checkpoint.", show_default=False)
+    str | None,
+    typer.Option(
+        "--resume",
+        metavar="RUN",
+        help="Continue RUN (a name: looked up under --out only; a run elsewhere as a path, ./NAME) "
+        "from its last checkpoint.",
+        show_default=False,
+    ),
 ]
 ForceOpt = Annotated[bool, typer.Option("--force", help="With --resume: accept a config that differs from run.yaml.")]
 RolloutsFromOpt = Annotated[
-    Optional[str],
-    typer.Option("--rollouts-from", metavar="RUN|FILE", help="Train on stored rollouts: a run (folder, or name under --out) or a parquet file from " "`masktrl rollout`.", show_default=False),
+    str | None,
+    typer.Option(
+        "--rollouts-from",
+        metavar="RUN|FILE",
+        help="Train on stored rollouts: a run (folder, or name under --out) or a parquet file from `masktrl rollout`.",
+        show_default=False,
+    ),
 ]
-DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Run every check, print the resolved config and the projected disk use, write nothing.")]
+DryRunOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run", help="Run every check, print the resolved config and the projected disk use, write nothing."
+    ),
+]

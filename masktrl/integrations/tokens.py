@@ -27,14 +27,24 @@ def bind(method: Any, correction: dict | None = None) -> BoundMethod:
             raise ConfigError("correction applies to a method spec string; a BoundMethod carries its own")
         return method
     if not isinstance(method, str):
-        raise ConfigError(f"method must be a spec string such as 'pdm' or 'path/to/rules.py:name', got {type(method).__name__}")
+        raise ConfigError(
+            f"method must be a spec string such as 'pdm' or 'path/to/rules.py:name', got {type(method).__name__}"
+        )
     return resolve_method_spec(method, correction)
 
 
-def padded_token_batch(logp: Tensor, behavior_logp: Tensor, sampled_ids: Tensor, mask: Tensor, *,
-                       topk_ids: Tensor | None = None, topk_behavior_logp: Tensor | None = None,
-                       topk_logp: Tensor | None = None, pi_sq_sum: Tensor | None = None,
-                       vocab_size: int | None = None) -> TokenBatch:
+def padded_token_batch(
+    logp: Tensor,
+    behavior_logp: Tensor,
+    sampled_ids: Tensor,
+    mask: Tensor,
+    *,
+    topk_ids: Tensor | None = None,
+    topk_behavior_logp: Tensor | None = None,
+    topk_logp: Tensor | None = None,
+    pi_sq_sum: Tensor | None = None,
+    vocab_size: int | None = None,
+) -> TokenBatch:
     """The tokens of ``mask`` [B, T] (row-major: sequence b's tokens in order) as a ``TokenBatch``;
     ``seq_ids`` is the row. Without top-K lists every token gets one padding slot (K = 1, id -1):
     the sampled token alone, which is all a sampled-token rule reads."""
@@ -48,11 +58,19 @@ def padded_token_batch(logp: Tensor, behavior_logp: Tensor, sampled_ids: Tensor,
         pi_k = torch.full((n, 1), float("-inf"), dtype=logp.dtype, device=sel.device)
     else:
         if topk_behavior_logp is None or topk_logp is None:
-            raise ValueError("top-K lists need their ids, the behaviour's log-probs and the policy's log-probs at those ids")
+            raise ValueError(
+                "top-K lists need their ids, the behaviour's log-probs and the policy's log-probs at those ids"
+            )
         ids, mu_k, pi_k = topk_ids[sel].long(), topk_behavior_logp[sel], topk_logp[sel].detach()
     return TokenBatch(
-        logp=logp[sel], behavior_logp=behavior_logp[sel].detach(), sampled_ids=sampled_ids[sel].long(),
-        topk_ids=ids, topk_behavior_logp=mu_k, topk_logp=pi_k, seq_ids=seq_ids, vocab_size=vocab_size,
+        logp=logp[sel],
+        behavior_logp=behavior_logp[sel].detach(),
+        sampled_ids=sampled_ids[sel].long(),
+        topk_ids=ids,
+        topk_behavior_logp=mu_k,
+        topk_logp=pi_k,
+        seq_ids=seq_ids,
+        vocab_size=vocab_size,
         pi_sq_sum=None if pi_sq_sum is None else pi_sq_sum[sel].detach(),
     )
 
@@ -72,9 +90,17 @@ class RuleLoss(NamedTuple):
     batch: TokenBatch  # the batch aggregated (rejected tokens invalid under denominator: kept)
 
 
-def rule_loss(method: BoundMethod, batch: TokenBatch, advantages: Tensor, *, horizon: int | float,
-              old: tuple | None = None, u: Tensor | None = None, entropy: Tensor | None = None,
-              ref_logp: Tensor | None = None) -> RuleLoss:
+def rule_loss(
+    method: BoundMethod,
+    batch: TokenBatch,
+    advantages: Tensor,
+    *,
+    horizon: int | float,
+    old: tuple | None = None,
+    u: Tensor | None = None,
+    entropy: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+) -> RuleLoss:
     """``method``'s scalar loss on ``batch`` exactly as masktrl's update computes it for one micro-batch
     (``rl/update.py: micro_update``); ``old``: (log pi_old [N], at the top-K ids [N, K]) when the
     correction needs pi_old; ``u``: SIS's uniforms [N]; ``horizon``: the completion length limit."""
@@ -97,8 +123,14 @@ def needs_topk(method: BoundMethod) -> bool:
     seq = torch.arange(n) // 6
     adv = torch.randn(n, generator=gen, dtype=torch.float64)
     u = torch.rand(n, generator=gen, dtype=torch.float64) if method.needs_u else None
-    common = dict(logp=pi.gather(1, sampled[:, None]).squeeze(1), behavior_logp=mu.gather(1, sampled[:, None]).squeeze(1),
-                  sampled_ids=sampled, seq_ids=seq, vocab_size=v, pi_sq_sum=pi.exp().pow(2).sum(-1))
+    common = dict(
+        logp=pi.gather(1, sampled[:, None]).squeeze(1),
+        behavior_logp=mu.gather(1, sampled[:, None]).squeeze(1),
+        sampled_ids=sampled,
+        seq_ids=seq,
+        vocab_size=v,
+        pi_sq_sum=pi.exp().pow(2).sum(-1),
+    )
     with_lists = TokenBatch(topk_ids=ids, topk_behavior_logp=mu.gather(1, ids), topk_logp=pi.gather(1, ids), **common)
     pad = torch.full((n, 1), -1, dtype=torch.long)
     inf = torch.full((n, 1), float("-inf"), dtype=torch.float64)

@@ -65,11 +65,17 @@ def sampling_warpers(gc) -> LogitsProcessorList:
     (``generation/utils.py: _get_logits_processor``); ConfigError for one this module does not rebuild."""
     for name in ("top_h", "watermarking_config"):
         if getattr(gc, name, None) is not None:
-            raise ConfigError(f"MasktrlGRPOTrainer: generation_config.{name} is not supported (the recorded top-K lists would miss it)")
+            raise ConfigError(
+                f"MasktrlGRPOTrainer: generation_config.{name} is not supported (the recorded "
+                "top-K lists would miss it)"
+            )
     for name in ("typical_p", "epsilon_cutoff", "eta_cutoff"):
         value = getattr(gc, name, None)
         if value is not None and 0.0 < value < 1.0:
-            raise ConfigError(f"MasktrlGRPOTrainer: generation_config.{name} is not supported (the recorded top-K lists would miss it)")
+            raise ConfigError(
+                f"MasktrlGRPOTrainer: generation_config.{name} is not supported (the recorded "
+                "top-K lists would miss it)"
+            )
     if (gc.num_beams or 1) > 1:
         raise ConfigError("MasktrlGRPOTrainer: beam search is not sampling; num_beams must be 1")
     out = LogitsProcessorList()
@@ -123,10 +129,16 @@ class TopKRecorder(LogitsProcessor):
             self._take(sequences[:, self._start + len(self.sampled)])
         if not self.ids:
             b = sequences.shape[0]
-            return {"behavior_logp": torch.zeros(b, 0), "behavior_topk_ids": torch.zeros(b, 0, self.k, dtype=torch.long),
-                    "behavior_topk_logp": torch.zeros(b, 0, self.k)}
-        return {"behavior_logp": torch.stack(self.sampled, 1), "behavior_topk_ids": torch.stack(self.ids, 1),
-                "behavior_topk_logp": torch.stack(self.logp, 1)}
+            return {
+                "behavior_logp": torch.zeros(b, 0),
+                "behavior_topk_ids": torch.zeros(b, 0, self.k, dtype=torch.long),
+                "behavior_topk_logp": torch.zeros(b, 0, self.k),
+            }
+        return {
+            "behavior_logp": torch.stack(self.sampled, 1),
+            "behavior_topk_ids": torch.stack(self.ids, 1),
+            "behavior_topk_logp": torch.stack(self.logp, 1),
+        }
 
 
 class MasktrlGRPOTrainer(GRPOTrainer):
@@ -138,21 +150,30 @@ class MasktrlGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, method: Any = "grpo", correction: dict | None = None, logprobs_k: int = 20, **kwargs):
         if not hasattr(GRPOTrainer, "_generate_single_turn"):
-            raise ConfigError("MasktrlGRPOTrainer needs TRL >= 1.16 (GRPOTrainer._generate_single_turn); pip install -e '.[trl]'")
+            raise ConfigError(
+                "MasktrlGRPOTrainer needs TRL >= 1.16 (GRPOTrainer._generate_single_turn); pip install -e '.[trl]'"
+            )
         self.masktrl_method = bind(method, correction)
         if isinstance(logprobs_k, bool) or not isinstance(logprobs_k, int) or logprobs_k < 1:
             raise ConfigError(f"MasktrlGRPOTrainer: logprobs_k must be a positive integer, got {logprobs_k!r}")
         if self.masktrl_method.kl_in_loss:
-            raise ConfigError("MasktrlGRPOTrainer: a rule with kl_coef > 0 in the loss is not supported; use GRPOConfig.beta for the reference KL")
+            raise ConfigError(
+                "MasktrlGRPOTrainer: a rule with kl_coef > 0 in the loss is not supported; use "
+                "GRPOConfig.beta for the reference KL"
+            )
         self.logprobs_k = logprobs_k
         self.masktrl_needs_topk = needs_topk(self.masktrl_method)
         self._recorded: dict[str, Tensor] | None = None
         super().__init__(*args, **kwargs)
         if self.use_vllm or getattr(self, "use_transformers_continuous_batching", False):
-            raise ConfigError("MasktrlGRPOTrainer records the behaviour during transformers generate; "
-                              "vLLM and continuous batching are not supported (docs/ECOSYSTEM.md)")
+            raise ConfigError(
+                "MasktrlGRPOTrainer records the behaviour during transformers generate; "
+                "vLLM and continuous batching are not supported (docs/ECOSYSTEM.md)"
+            )
         if getattr(self, "tools", None):
-            raise ConfigError("MasktrlGRPOTrainer: tool calling is not supported (the tool's tokens have no behaviour log-probs)")
+            raise ConfigError(
+                "MasktrlGRPOTrainer: tool calling is not supported (the tool's tokens have no behaviour log-probs)"
+            )
         if getattr(self, "rollout_func", None) is not None:
             raise ConfigError("MasktrlGRPOTrainer: a rollout_func is not supported (it returns no top-K lists)")
 
@@ -208,11 +229,14 @@ class MasktrlGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         t = completion_ids.shape[1]
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -t - 1:-1]
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -t - 1 : -1]
         lp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         ids = inputs["behavior_topk_ids"]
-        out = {"logp": lp.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1),
-               "topk_logp": lp.detach().gather(-1, ids.clamp_min(0)), "vocab_size": lp.shape[-1]}
+        out = {
+            "logp": lp.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1),
+            "topk_logp": lp.detach().gather(-1, ids.clamp_min(0)),
+            "vocab_size": lp.shape[-1],
+        }
         if need_grad:
             p = lp.exp()
             out["entropy"] = -(p * lp).sum(-1) if self.masktrl_method.needs_entropy_grad else -(p * lp).detach().sum(-1)
@@ -227,14 +251,23 @@ class MasktrlGRPOTrainer(GRPOTrainer):
         if "tool_mask" in inputs:
             mask = mask & inputs["tool_mask"].bool()
         mask = mask & (inputs["behavior_logp"] > float("-inf"))
-        batch = padded_token_batch(fw["logp"], inputs["behavior_logp"], inputs["completion_ids"], mask,
-                                   topk_ids=inputs["behavior_topk_ids"], topk_behavior_logp=inputs["behavior_topk_logp"],
-                                   topk_logp=fw["topk_logp"], pi_sq_sum=fw["pi_sq_sum"] if method.needs_full_pi else None,
-                                   vocab_size=fw["vocab_size"])
+        batch = padded_token_batch(
+            fw["logp"],
+            inputs["behavior_logp"],
+            inputs["completion_ids"],
+            mask,
+            topk_ids=inputs["behavior_topk_ids"],
+            topk_behavior_logp=inputs["behavior_topk_logp"],
+            topk_logp=fw["topk_logp"],
+            pi_sq_sum=fw["pi_sq_sum"] if method.needs_full_pi else None,
+            vocab_size=fw["vocab_size"],
+        )
         adv = token_advantages(inputs["advantages"].float(), mask)
         old = (inputs["old_logp"][mask], inputs["old_topk_logp"][mask]) if method.correction.needs_old else None
         u = self._uniforms(batch.n) if method.needs_u else None
-        return rule_loss(method, batch, adv, horizon=self.max_completion_length, old=old, u=u, entropy=fw["entropy"][mask])
+        return rule_loss(
+            method, batch, adv, horizon=self.max_completion_length, old=old, u=u, entropy=fw["entropy"][mask]
+        )
 
     def _uniforms(self, n: int) -> Tensor:
         """SIS's uniforms: one stream per (seed, optimizer step, micro-batch)."""

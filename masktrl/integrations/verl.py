@@ -42,7 +42,8 @@ sampled ids (verl's ``responses`` [B, T]) passed to this function as keyword arg
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,7 +61,9 @@ def _info(config: Any) -> dict:
     """verl's ``config.global_batch_info`` (``ActorConfig``, verl/workers/config/actor.py line 192) or {}."""
     if config is None:
         return {}
-    info = config.get("global_batch_info", None) if hasattr(config, "get") else getattr(config, "global_batch_info", None)
+    info = (
+        config.get("global_batch_info", None) if hasattr(config, "get") else getattr(config, "global_batch_info", None)
+    )
     return dict(info or {})
 
 
@@ -70,45 +73,80 @@ def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor:
     if anchor not in ANCHORS:
         raise ConfigError(f"anchor must be one of {', '.join(ANCHORS)}, got {anchor!r}")
     if anchor == "pi_old" and bound.correction.active:
-        raise ConfigError("anchor=pi_old: the correction toward mu is verl's rollout_is_weights; give no masktrl correction")
+        raise ConfigError(
+            "anchor=pi_old: the correction toward mu is verl's rollout_is_weights; give no masktrl correction"
+        )
     if bound.correction.needs_old:
-        raise ConfigError(f"method.correction.kind={bound.correction.kind} needs pi_old besides mu, which verl's policy-loss "
-                          "signature does not carry; use anchor=pi_old with verl's rollout correction instead")
+        raise ConfigError(
+            f"method.correction.kind={bound.correction.kind} needs pi_old besides mu, which verl's policy-loss "
+            "signature does not carry; use anchor=pi_old with verl's rollout correction instead"
+        )
     if bound.kl_in_loss or bound.needs_entropy_grad:
-        raise ConfigError("the reference KL and the entropy bonus are verl's (actor.use_kl_loss, actor.entropy_coeff); "
-                          "give the rule kl_coef=0 and entropy_coef=0")
+        raise ConfigError(
+            "the reference KL and the entropy bonus are verl's (actor.use_kl_loss, actor.entropy_coeff); "
+            "give the rule kl_coef=0 and entropy_coef=0"
+        )
     topk = needs_topk(bound)
 
-    def masktrl_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
-                            loss_agg_mode: str = "token-mean", config: Any = None, rollout_is_weights: Tensor | None = None,
-                            *, responses: Tensor | None = None, rollout_topk_ids: Tensor | None = None,
-                            rollout_topk_log_probs: Tensor | None = None, topk_log_prob: Tensor | None = None) -> tuple[Tensor, dict[str, Any]]:
+    def masktrl_policy_loss(
+        old_log_prob: Tensor,
+        log_prob: Tensor,
+        advantages: Tensor,
+        response_mask: Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: Tensor | None = None,
+        *,
+        responses: Tensor | None = None,
+        rollout_topk_ids: Tensor | None = None,
+        rollout_topk_log_probs: Tensor | None = None,
+        topk_log_prob: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Any]]:
         if loss_agg_mode not in AGG_MODES:
-            raise ConfigError(f"loss_agg_mode {loss_agg_mode!r}: a masktrl rule aggregates with one of {', '.join(AGG_MODES)}")
+            raise ConfigError(
+                f"loss_agg_mode {loss_agg_mode!r}: a masktrl rule aggregates with one of {', '.join(AGG_MODES)}"
+            )
         lists = (responses, rollout_topk_ids, rollout_topk_log_probs, topk_log_prob)
         if topk and any(x is None for x in lists):
-            raise ConfigError(f"method {bound.name!r} reads the behaviour's top-K lists: pass responses, rollout_topk_ids, "
-                              "rollout_topk_log_probs and topk_log_prob (docs/ECOSYSTEM.md, the verl contract)")
+            raise ConfigError(
+                f"method {bound.name!r} reads the behaviour's top-K lists: pass responses, rollout_topk_ids, "
+                "rollout_topk_log_probs and topk_log_prob (docs/ECOSYSTEM.md, the verl contract)"
+            )
         if anchor == "mu" and rollout_is_weights is not None:
-            raise ConfigError("anchor=mu: old_log_prob is mu itself; verl's rollout_is_weights apply with anchor=pi_old")
+            raise ConfigError(
+                "anchor=mu: old_log_prob is mu itself; verl's rollout_is_weights apply with anchor=pi_old"
+            )
         mask = response_mask.bool()
-        sampled = responses if responses is not None else torch.zeros_like(mask, dtype=torch.long)  # read only with the lists
-        batch = padded_token_batch(log_prob, old_log_prob, sampled, mask,
-                                   topk_ids=rollout_topk_ids if topk else None, topk_behavior_logp=rollout_topk_log_probs,
-                                   topk_logp=topk_log_prob)
+        sampled = (
+            responses if responses is not None else torch.zeros_like(mask, dtype=torch.long)
+        )  # read only with the lists
+        batch = padded_token_batch(
+            log_prob,
+            old_log_prob,
+            sampled,
+            mask,
+            topk_ids=rollout_topk_ids if topk else None,
+            topk_behavior_logp=rollout_topk_log_probs,
+            topk_logp=topk_log_prob,
+        )
         info = _info(config)
         horizon = info.get("loss_scale_factor") or mask.shape[-1]
         method = bound if bound.aggregation == loss_agg_mode else _with_aggregation(bound, loss_agg_mode)
         adv = token_advantages(advantages, mask)
-        out = rule_loss(method, batch, adv, horizon=horizon) if rollout_is_weights is None else \
-            _weighted(method, batch, adv, rollout_is_weights[mask].detach(), horizon)
+        out = (
+            rule_loss(method, batch, adv, horizon=horizon)
+            if rollout_is_weights is None
+            else _weighted(method, batch, adv, rollout_is_weights[mask].detach(), horizon)
+        )
         loss = out.loss
         dp = info.get("dp_size") or 1
         global_den = info.get("batch_num_tokens") if loss_agg_mode == "token-mean" else info.get("global_batch_size")
         if global_den is not None or dp > 1:
             local = aggregate_denominator(out.batch, loss_agg_mode)
             if global_den is None:
-                raise ConfigError("dp_size > 1 needs global_batch_info's batch_num_tokens (token-mean) or global_batch_size")
+                raise ConfigError(
+                    "dp_size > 1 needs global_batch_info's batch_num_tokens (token-mean) or global_batch_size"
+                )
             loss = loss * (local / float(global_den)) * dp
         valid = batch.valid
         masked = (out.losses.mask & valid).float().sum() / valid.float().sum().clamp_min(1)
@@ -153,5 +191,7 @@ def register(name: str, method: Any = "grpo", correction: dict | None = None, *,
     try:
         from verl.trainer.ppo.core_algos import register_policy_loss
     except ImportError as exc:
-        raise ConfigError(f"masktrl.integrations.verl.register needs verl ({exc}); policy_loss() works without it") from None
+        raise ConfigError(
+            f"masktrl.integrations.verl.register needs verl ({exc}); policy_loss() works without it"
+        ) from None
     return register_policy_loss(name)(policy_loss(method, correction, anchor=anchor))

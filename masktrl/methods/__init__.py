@@ -15,13 +15,17 @@ A rule of your own: a frozen dataclass derived from ``MethodParams`` and a kerne
 """
 
 from masktrl.methods.advantages import ADV_NORMS, group_advantages
-from masktrl.methods.aggregation import (
-    AGG_MODES,
-    aggregate,
-    aggregate_denominator,
-    aggregate_denominator_from_counts,
-)
+from masktrl.methods.aggregation import AGG_MODES, aggregate, aggregate_denominator, aggregate_denominator_from_counts
 from masktrl.methods.batch import TokenBatch, log_ratio, log_ratio_live, support, truncate_topk, unit_ratio_log
+from masktrl.methods.corrections import (
+    CorrectionParams,
+    CustomCorrection,
+    corrected_token_losses,
+    correction_weights,
+    make_correction,
+    register_correction,
+)
+from masktrl.methods.cov import ClipCovParams, KLCovParams
 from masktrl.methods.divergence import (
     ddot_kl_bracket,
     ddot_topk_exact,
@@ -31,15 +35,10 @@ from masktrl.methods.divergence import (
     divergence_rate_full,
     square_mass,
 )
+from masktrl.methods.gmpo import GMPOParams
+from masktrl.methods.gpg import GPGParams
+from masktrl.methods.m2po import M2POParams
 from masktrl.methods.objectives import token_losses
-from masktrl.methods.corrections import (
-    CorrectionParams,
-    CustomCorrection,
-    corrected_token_losses,
-    correction_weights,
-    make_correction,
-    register_correction,
-)
 from masktrl.methods.params import (
     CISPOParams,
     DAPOParams,
@@ -51,15 +50,7 @@ from masktrl.methods.params import (
     SISParams,
     check_number,
 )
-from masktrl.methods.regularizers import (
-    KL_ESTIMATORS,
-    KL_PLACES,
-    RegularizerParams,
-    kl_estimate,
-    kl_reward_penalty,
-    reference_kl,
-    regularize,
-)
+from masktrl.methods.prime import PrimeDPPOParams, PrimeIPOParams
 from masktrl.methods.registry import (
     BoundMethod,
     Method,
@@ -70,17 +61,22 @@ from masktrl.methods.registry import (
     overlong_penalty,
     register_method,
 )
-from masktrl.methods.sis import SISDecision, sis_accept
+from masktrl.methods.regularizers import (
+    KL_ESTIMATORS,
+    KL_PLACES,
+    RegularizerParams,
+    kl_estimate,
+    kl_reward_penalty,
+    reference_kl,
+    regularize,
+)
+
 # the 2025-26 baselines register on import (docs/METHODS.md §16)
 from masktrl.methods.sapo import SAPOParams
-from masktrl.methods.gmpo import GMPOParams
-from masktrl.methods.cov import ClipCovParams, KLCovParams
+from masktrl.methods.sis import SISDecision, sis_accept
 from masktrl.methods.topr import TOPRParams
-from masktrl.methods.m2po import M2POParams
-from masktrl.methods.prime import PrimeDPPOParams, PrimeIPOParams
-from masktrl.methods.two_sided import TwoSidedParams
 from masktrl.methods.trm import TRMParams
-from masktrl.methods.gpg import GPGParams
+from masktrl.methods.two_sided import TwoSidedParams
 
 __all__ = [
     "CISPOParams",

@@ -29,7 +29,7 @@ formulas'.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -44,8 +44,14 @@ SCALE_ABOVE = 2.0**256  # rewards beyond this magnitude are scaled first (their 
 LINEAR_NORMS = ("none", "rloo")  # advantages proportional to the rewards' scale; the others are scale-free
 
 
-def group_advantages(rewards: Sequence[float] | Tensor, groups: Sequence[int] | Tensor, *, norm: str = "group-std",
-                     eps: float = ADV_EPS, lengths: Sequence[int] | Tensor | None = None) -> Tensor:
+def group_advantages(
+    rewards: Sequence[float] | Tensor,
+    groups: Sequence[int] | Tensor,
+    *,
+    norm: str = "group-std",
+    eps: float = ADV_EPS,
+    lengths: Sequence[int] | Tensor | None = None,
+) -> Tensor:
     """[B] float64 advantages of B responses; ``groups`` [B] names each response's group.
 
     Responses of one group need not be contiguous; within a group their order is kept.
@@ -77,8 +83,12 @@ def group_advantages(rewards: Sequence[float] | Tensor, groups: Sequence[int] | 
     if norm in LINEAR_NORMS:
         out = out * scale
     if not bool(torch.isfinite(out).all()):
-        raise ValueError(f"advantages are not finite: rewards from {r.min().item():.3g} to {r.max().item():.3g} " "are further "
-                         f"apart than the largest float (adv_norm={norm}); keep rewards within a " "sane range")
+        raise ValueError(
+            f"advantages are not finite: rewards from {r.min().item():.3g} to {r.max().item():.3g} "
+            "are further "
+            f"apart than the largest float (adv_norm={norm}); keep rewards within a "
+            "sane range"
+        )
     return out
 
 

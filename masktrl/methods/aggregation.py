@@ -12,7 +12,7 @@ so a trainer never names a mode.
 from __future__ import annotations
 
 import numbers
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -84,7 +84,9 @@ def aggregate_denominator_from_counts(valid_counts: Sequence[int] | Tensor, mode
     check_choice("mode", mode, AGG_MODES)
     if isinstance(valid_counts, Tensor):
         if valid_counts.dim() != 1 or valid_counts.is_floating_point() or valid_counts.dtype == torch.bool:
-            raise ValueError(f"valid_counts must be a 1-D integer tensor, got {valid_counts.dtype} " f"{list(valid_counts.shape)}")
+            raise ValueError(
+                f"valid_counts must be a 1-D integer tensor, got {valid_counts.dtype} {list(valid_counts.shape)}"
+            )
         counts = [int(c) for c in valid_counts.tolist()]
     else:
         counts = list(valid_counts)

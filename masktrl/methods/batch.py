@@ -84,7 +84,9 @@ def _validate(b: TokenBatch) -> None:
     for name in lists[1:]:
         t = getattr(b, name)
         if t.shape != b.topk_ids.shape:
-            raise ValueError(f"TokenBatch.{name} must have the shape of topk_ids {list(b.topk_ids.shape)}, got " f"{list(t.shape)}")
+            raise ValueError(
+                f"TokenBatch.{name} must have the shape of topk_ids {list(b.topk_ids.shape)}, got {list(t.shape)}"
+            )
     for name in ("logp", "behavior_logp", "topk_behavior_logp", "topk_logp"):
         if not getattr(b, name).is_floating_point():
             raise ValueError(f"TokenBatch.{name} must be a floating tensor, got {getattr(b, name).dtype}")
@@ -114,7 +116,10 @@ def _validate(b: TokenBatch) -> None:
     if b.pi_sq_sum is not None:
         t = b.pi_sq_sum
         if not isinstance(t, Tensor) or t.shape != (n,) or not t.is_floating_point():
-            raise ValueError(f"TokenBatch.pi_sq_sum must be a floating tensor of shape [N] = [{n}] or None, got " f"{getattr(t, 'shape', type(t).__name__)}")
+            raise ValueError(
+                f"TokenBatch.pi_sq_sum must be a floating tensor of shape [N] = [{n}] or None, got "
+                f"{getattr(t, 'shape', type(t).__name__)}"
+            )
         if bool((torch.isnan(t) | (t < 0) | (t > 1 + 1e-5)).any()):
             raise ValueError("TokenBatch.pi_sq_sum must hold sums of squared probabilities, in [0, 1]")
     if b.vocab_size is not None:
@@ -257,7 +262,17 @@ def truncate_topk(batch: TokenBatch, k: int) -> TokenBatch:
     ids = batch.topk_ids.gather(1, order).masked_fill(~keep, -1)  # [N, k]
     mu = batch.topk_behavior_logp.gather(1, order).masked_fill(~keep, float("-inf"))  # [N, k]
     pi = batch.topk_logp.gather(1, order).masked_fill(~keep, float("-inf"))  # [N, k]
-    return TokenBatch(batch.logp, batch.behavior_logp, batch.sampled_ids, ids, mu, pi, batch.seq_ids, batch.vocab_size, batch.pi_sq_sum)
+    return TokenBatch(
+        batch.logp,
+        batch.behavior_logp,
+        batch.sampled_ids,
+        ids,
+        mu,
+        pi,
+        batch.seq_ids,
+        batch.vocab_size,
+        batch.pi_sq_sum,
+    )
 
 
 # --------------------------------------------------------------------------- live log-ratios

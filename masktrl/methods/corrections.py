@@ -22,10 +22,11 @@ log-ratios are formed in log space and sequence products are sums of logs.
 
 from __future__ import annotations
 
-import math
 import contextlib
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
-from typing import Callable, Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -39,8 +40,19 @@ CORRECTION_DENOMINATORS = ("all", "kept")  # kept: rejected tokens leave the agg
 RATIO_KINDS = ("token-tis", "seq-tis", "token-mis", "seq-mis", "icepop", "rs")  # the kinds whose rho reads pi_ref
 SEQ_STATS = ("product", "geometric")  # seq-mis: the sequence ratio R
 SEQ_WEIGHTS = ("token", "sequence")  # seq-mis: the weight on kept tokens (rho_t or R)
-RS_STATS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-            "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")  # verl's rollout_rs options
+RS_STATS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)  # verl's rollout_rs options
 RS_LOG_BOUND = 20.0  # verl's SAFETY_BOUND: log rho is clamped to [-20, 20] before the k-statistics
 
 # the keys each kind reads (besides ``kind`` and ``mode``), with their defaults (§14.1)
@@ -88,7 +100,7 @@ def register_correction(name: str, keys: dict | None = None) -> Callable:
     keys = dict(keys or {})
     unknown = [k for k in keys if k not in _KEY_FIELDS]
     if unknown:
-        raise ValueError(f"correction {name!r}: {unknown[0]} is not a correction key; valid: " f"{', '.join(_KEY_FIELDS)}")
+        raise ValueError(f"correction {name!r}: {unknown[0]} is not a correction key; valid: {', '.join(_KEY_FIELDS)}")
 
     def wrap(fn: Callable) -> Callable:
         target = _COLLECTING[-1] if _COLLECTING else _CUSTOM
@@ -164,7 +176,9 @@ class CorrectionParams:
 
     def __post_init__(self) -> None:
         if self.kind not in CORRECTION_KINDS and self.kind not in _CUSTOM:
-            raise _err("kind", f"must be one of {', '.join(CORRECTION_KINDS)} (or path/to/rules.py:name); got " f"{self.kind!r}")
+            raise _err(
+                "kind", f"must be one of {', '.join(CORRECTION_KINDS)} (or path/to/rules.py:name); got {self.kind!r}"
+            )
         if self.mode not in CORRECTION_MODES:
             raise _err("mode", f"must be one of {', '.join(CORRECTION_MODES)}; got {self.mode!r}")
         _check_ref_and_denominator(self)
@@ -203,11 +217,18 @@ class CorrectionParams:
     @property
     def resolved(self) -> dict:
         """The kind's keys at their values, defaults filled in (rs: hi from the statistic, k1's lo = 1/hi)."""
-        out = {k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in kind_defaults(self.kind).items()}
+        out = {
+            k: (getattr(self, k) if getattr(self, k) is not None else v) for k, v in kind_defaults(self.kind).items()
+        }
         if self.kind == "rs" and out["stat"] in RS_STATS:
             if out["hi"] is None:
                 out["hi"] = _RS_HI[out["stat"][-2:]]
-            if out["stat"].endswith("k1") and out["lo"] is None and isinstance(out["hi"], (int, float)) and out["hi"] > 0:
+            if (
+                out["stat"].endswith("k1")
+                and out["lo"] is None
+                and isinstance(out["hi"], (int, float))
+                and out["hi"] > 0
+            ):
                 out["lo"] = 1.0 / out["hi"]
         return out
 
@@ -282,7 +303,7 @@ def make_correction(block) -> CorrectionParams:
     if isinstance(block, CorrectionParams):
         return block
     if not isinstance(block, dict):
-        raise ValueError("method.correction must be a mapping such as {kind: token-tis, cap: 2.0}, got " f"{block!r}")
+        raise ValueError(f"method.correction must be a mapping such as {{kind: token-tis, cap: 2.0}}, got {block!r}")
     valid = [f.name for f in fields(CorrectionParams)]
     for key in block:
         if key not in valid:
@@ -307,8 +328,15 @@ def _seq_sum(x: Tensor, inv: Tensor, g: int) -> Tensor:
     return torch.zeros(g, dtype=x.dtype, device=x.device).index_add_(0, inv, x)
 
 
-def correction_weights(p: CorrectionParams, behavior_logp: Tensor, ref_logp: Tensor, seq_ids: Tensor, adv: Tensor, *,
-                       current_logp: Tensor | None = None) -> Correction:
+def correction_weights(
+    p: CorrectionParams,
+    behavior_logp: Tensor,
+    ref_logp: Tensor,
+    seq_ids: Tensor,
+    adv: Tensor,
+    *,
+    current_logp: Tensor | None = None,
+) -> Correction:
     """The correction of §14.1 and §14.3 for N tokens.
 
     behavior_logp [N]: log mu (-inf = invalid token); ref_logp [N]: log pi_ref (pi_old, or the
@@ -407,11 +435,16 @@ def decoupled_batch(batch: TokenBatch, old_logp: Tensor, old_topk_logp: Tensor) 
     is pi_old at the sampled and the behaviour's top-K ids ([N], [N, K], detached, from the
     trainer's extra forward); the list ids stay mu's. Tokens invalid under mu stay invalid."""
     if old_logp.shape != batch.behavior_logp.shape or old_topk_logp.shape != batch.topk_behavior_logp.shape:
-        raise ValueError(f"pi_old log-probabilities must have shapes [N] = {list(batch.behavior_logp.shape)} and "
-                         f"[N, K] = {list(batch.topk_behavior_logp.shape)}, got " f"{list(old_logp.shape)}, {list(old_topk_logp.shape)}")
+        raise ValueError(
+            f"pi_old log-probabilities must have shapes [N] = {list(batch.behavior_logp.shape)} and "
+            f"[N, K] = {list(batch.topk_behavior_logp.shape)}, got "
+            f"{list(old_logp.shape)}, {list(old_topk_logp.shape)}"
+        )
     valid = batch.valid
     old = torch.where(valid, old_logp.detach().to(batch.behavior_logp.dtype), batch.behavior_logp)
-    return replace(batch, behavior_logp=old, topk_behavior_logp=old_topk_logp.detach().to(batch.topk_behavior_logp.dtype))
+    return replace(
+        batch, behavior_logp=old, topk_behavior_logp=old_topk_logp.detach().to(batch.topk_behavior_logp.dtype)
+    )
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -434,9 +467,17 @@ def scale_loss(loss: Tensor, factor: Tensor) -> Tensor:
     return loss.detach() * factor + (loss - loss.detach())
 
 
-def corrected_token_losses(method, batch: TokenBatch, advantages: Tensor, params, correction: CorrectionParams, *,
-                           old_logp: Tensor | None = None, old_topk_logp: Tensor | None = None,
-                           u: Tensor | None = None):
+def corrected_token_losses(
+    method,
+    batch: TokenBatch,
+    advantages: Tensor,
+    params,
+    correction: CorrectionParams,
+    *,
+    old_logp: Tensor | None = None,
+    old_topk_logp: Tensor | None = None,
+    u: Tensor | None = None,
+):
     """(TokenLosses, Correction | None, the batch the method saw): ``method``'s token losses with
     ``correction`` applied (§14.3).
 
@@ -450,12 +491,17 @@ def corrected_token_losses(method, batch: TokenBatch, advantages: Tensor, params
     if not correction.active:
         return method.token_losses(batch, advantages, params, u=u), None, batch
     if correction.decoupled and (old_logp is None or old_topk_logp is None):
-        raise ValueError("method.correction.mode=decoupled needs pi_old (old_logp, old_topk_logp) from the extra " "forward")
+        raise ValueError(
+            "method.correction.mode=decoupled needs pi_old (old_logp, old_topk_logp) from the extra forward"
+        )
     if correction.needs_old and old_logp is None:
-        raise ValueError(f"method.correction.kind={correction.kind} with ref=old needs pi_old (old_logp) from the " "extra forward")
+        raise ValueError(
+            f"method.correction.kind={correction.kind} with ref=old needs pi_old (old_logp) from the extra forward"
+        )
     ref = old_logp if correction.needs_old else batch.logp.detach()
-    corr = correction_weights(correction, batch.behavior_logp, ref, batch.seq_ids, advantages.detach(),
-                              current_logp=batch.logp.detach())
+    corr = correction_weights(
+        correction, batch.behavior_logp, ref, batch.seq_ids, advantages.detach(), current_logp=batch.logp.detach()
+    )
     kb = decoupled_batch(batch, old_logp, old_topk_logp) if correction.decoupled else batch
     logp = batch.logp
     if logp.requires_grad:
@@ -472,7 +518,10 @@ def kept_batch(batch: TokenBatch, corr: Correction | None) -> TokenBatch:
     without a correction."""
     if corr is None:
         return batch
-    return replace(batch, behavior_logp=torch.where(corr.keep, batch.behavior_logp, torch.full_like(batch.behavior_logp, float("-inf"))))
+    return replace(
+        batch,
+        behavior_logp=torch.where(corr.keep, batch.behavior_logp, torch.full_like(batch.behavior_logp, float("-inf"))),
+    )
 
 
 def correction_diagnostics(corr: Correction | None, batch: TokenBatch) -> dict:
@@ -484,10 +533,29 @@ def correction_diagnostics(corr: Correction | None, batch: TokenBatch) -> dict:
     n = int(valid.sum())
     if n == 0:
         return {}
-    return {"corr_keep_frac": float(corr.keep[valid].to(torch.float64).mean()),
-            "corr_weight_mean": float(corr.weight[valid].to(torch.float64).mean())}
+    return {
+        "corr_keep_frac": float(corr.keep[valid].to(torch.float64).mean()),
+        "corr_weight_mean": float(corr.weight[valid].to(torch.float64).mean()),
+    }
 
 
-__all__ = ["CORRECTION_DENOMINATORS", "CORRECTION_KINDS", "CORRECTION_MODES", "CORRECTION_REFS", "RATIO_KINDS", "kept_batch", "Correction", "CorrectionParams", "CustomCorrection", "RS_STATS", "correction_diagnostics",
-           "kind_defaults", "register_correction",
-           "correction_weights", "corrected_token_losses", "decoupled_batch", "make_correction", "scale_loss"]
+__all__ = [
+    "CORRECTION_DENOMINATORS",
+    "CORRECTION_KINDS",
+    "CORRECTION_MODES",
+    "CORRECTION_REFS",
+    "RATIO_KINDS",
+    "kept_batch",
+    "Correction",
+    "CorrectionParams",
+    "CustomCorrection",
+    "RS_STATS",
+    "correction_diagnostics",
+    "kind_defaults",
+    "register_correction",
+    "correction_weights",
+    "corrected_token_losses",
+    "decoupled_batch",
+    "make_correction",
+    "scale_loss",
+]

@@ -77,8 +77,11 @@ class ClipCovParams(_Protocol):
         return True
 
 
-@register_method("clip-cov", ClipCovParams, "PPO clip; a random few tokens with lb < cov(A, log pi) < ub detached "
-                 "(verl clip_cov; needs u)")
+@register_method(
+    "clip-cov",
+    ClipCovParams,
+    "PPO clip; a random few tokens with lb < cov(A, log pi) < ub detached (verl clip_cov; needs u)",
+)
 def clip_cov(batch: TokenBatch, adv: Tensor, p: ClipCovParams, u: Tensor | None) -> TokenLosses:
     """Clip-Cov (§16.3)."""
     loss, clip = ppo_clip_loss(log_ratio_live(batch), adv, p.eps_low, p.eps_high)
@@ -116,7 +119,9 @@ class KLCovParams(_Protocol):
         _common(self)
 
 
-@register_method("kl-cov", KLCovParams, "-A r on every token, + ppo_kl_coef |log r| on the top-covariance tokens (verl kl_cov)")
+@register_method(
+    "kl-cov", KLCovParams, "-A r on every token, + ppo_kl_coef |log r| on the top-covariance tokens (verl kl_cov)"
+)
 def kl_cov(batch: TokenBatch, adv: Tensor, p: KLCovParams, u: Tensor | None) -> TokenLosses:
     """KL-Cov (§16.4)."""
     live = log_ratio_live(batch)  # [N]

@@ -109,8 +109,15 @@ def token_diagnostics(
     return res
 
 
-def keep_decisions(adv: Tensor, log_r: Tensor, ddot_agg: Tensor, ddot_uniform: Tensor, lo: Tensor | None = None,
-                   hi: Tensor | None = None, ddot_exact: Tensor | None = None) -> dict[str, Tensor]:
+def keep_decisions(
+    adv: Tensor,
+    log_r: Tensor,
+    ddot_agg: Tensor,
+    ddot_uniform: Tensor,
+    lo: Tensor | None = None,
+    hi: Tensor | None = None,
+    ddot_exact: Tensor | None = None,
+) -> dict[str, Tensor]:
     """[N] bool per criterion: the direction rule keeps the token's update (does not mask it).
 
     ratio: masks iff sign(A (r-1)) > 0 (DPPO, §3); ddot_*: masks iff sign(A Ḋ) > 0 (PDM, §4);

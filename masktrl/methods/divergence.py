@@ -168,7 +168,10 @@ def ddot_topk_exact(batch: TokenBatch, pi_sq_sum: Tensor) -> Tensor:
     (pi_T = 0 gives Q = 0 and no tail term). m = 0 (the list covers V): equals §4.1.
     """
     if not isinstance(pi_sq_sum, Tensor) or pi_sq_sum.shape != (batch.n,):
-        raise ValueError(f"pi_sq_sum must be a tensor of shape [N] = [{batch.n}], got " f"{getattr(pi_sq_sum, 'shape', type(pi_sq_sum).__name__)}")
+        raise ValueError(
+            f"pi_sq_sum must be a tensor of shape [N] = [{batch.n}], got "
+            f"{getattr(pi_sq_sum, 'shape', type(pi_sq_sum).__name__)}"
+        )
     s = support(batch, "union")
     return rate_topk_exact_on_support(s, pi_sq_sum.detach().to(device=s.pi_tail.device, dtype=s.pi_tail.dtype))
 
@@ -203,9 +206,13 @@ def square_mass(logp: Tensor) -> Tensor:
 def _check_full(mu_logp: Tensor, pi_logp: Tensor) -> None:
     for name, t in (("mu_logp", mu_logp), ("pi_logp", pi_logp)):
         if not isinstance(t, Tensor) or t.dim() != 2 or not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating tensor of shape [N, V], got " f"{getattr(t, 'shape', type(t).__name__)}")
+            raise ValueError(
+                f"{name} must be a floating tensor of shape [N, V], got {getattr(t, 'shape', type(t).__name__)}"
+            )
     if mu_logp.shape != pi_logp.shape:
-        raise ValueError(f"mu_logp and pi_logp must have the same shape [N, V], got {list(mu_logp.shape)} and " f"{list(pi_logp.shape)}")
+        raise ValueError(
+            f"mu_logp and pi_logp must have the same shape [N, V], got {list(mu_logp.shape)} and {list(pi_logp.shape)}"
+        )
 
 
 def divergence_full(mu_logp: Tensor, pi_logp: Tensor, kind: str) -> Tensor:

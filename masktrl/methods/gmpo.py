@@ -43,7 +43,9 @@ class GMPOParams(_Protocol):
         _common(self)
 
 
-@register_method("gmpo", GMPOParams, "geometric mean of the token ratios, clipped in log space (verl geo_mean; clip 0.4)")
+@register_method(
+    "gmpo", GMPOParams, "geometric mean of the token ratios, clipped in log space (verl geo_mean; clip 0.4)"
+)
 def gmpo(batch: TokenBatch, adv: Tensor, p: GMPOParams, u: Tensor | None) -> TokenLosses:
     """GMPO (§16.2)."""
     valid = batch.valid

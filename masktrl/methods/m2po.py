@@ -64,7 +64,9 @@ class M2POParams(_Protocol):
         _common(self)
 
 
-@register_method("m2po", M2POParams, "mask the largest (log r)^2 until their batch mean is below m2_threshold 0.04 (AReaL)")
+@register_method(
+    "m2po", M2POParams, "mask the largest (log r)^2 until their batch mean is below m2_threshold 0.04 (AReaL)"
+)
 def m2po(batch: TokenBatch, adv: Tensor, p: M2POParams, u: Tensor | None) -> TokenLosses:
     """M2PO (§16.6)."""
     lw = log_ratio(batch)  # [N] detached, +inf on invalid

@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 
-def ppo_clip_loss(log_w: Tensor, adv: Tensor, eps_low: float, eps_high: float,
-                  dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
+def ppo_clip_loss(
+    log_w: Tensor, adv: Tensor, eps_low: float, eps_high: float, dual_clip: float | None = None
+) -> tuple[Tensor, Tensor]:
     """PPO clip with clip-higher; returns loss [N] and mask [N] (strict inequalities).
 
     log_w [N] carries the gradient. Unmasked: value -A w, d/dlogp = -A w (d log w/dlogp).
@@ -55,8 +56,9 @@ def pdm_mask(d: Tensor, ddot: Tensor, adv: Tensor, delta_pos: float, delta_neg: 
     return (d > delta_of(adv, delta_pos, delta_neg)) & (adv * torch.sign(ddot) > 0)
 
 
-def bracket_mask(d: Tensor, lo: Tensor, hi: Tensor, adv: Tensor, delta_pos: float, delta_neg: float,
-                 uncertain: str) -> Tensor:
+def bracket_mask(
+    d: Tensor, lo: Tensor, hi: Tensor, adv: Tensor, delta_pos: float, delta_neg: float, uncertain: str
+) -> Tensor:
     """[N] bool: the certified-sign mask of §4.6 from the bracket lo <= Ddot_KL <= hi.
 
     keep: D > delta(A) and ((A > 0 and lo > 0) or (A < 0 and hi < 0))   only a certified increase

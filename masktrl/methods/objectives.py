@@ -11,13 +11,27 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from masktrl.methods.batch import TokenBatch, log_ratio, log_ratio_live, seq_index, support, truncate_topk, unit_ratio_log
-from masktrl.methods.divergence import bracket_on_support, divergence, rate_on_support, rate_topk_exact_on_support, topk_kl, topk_tv
+from masktrl.methods.batch import (
+    TokenBatch,
+    log_ratio,
+    log_ratio_live,
+    seq_index,
+    support,
+    truncate_topk,
+    unit_ratio_log,
+)
+from masktrl.methods.divergence import (
+    bracket_on_support,
+    divergence,
+    rate_on_support,
+    rate_topk_exact_on_support,
+    topk_kl,
+    topk_tv,
+)
 from masktrl.methods.masks import bracket_mask, dppo_mask, masked_pg_loss, pdm_mask, ppo_clip_loss
 from masktrl.methods.params import CISPOParams, DAPOParams, DPPOParams, GRPOParams, GSPOParams, PDMParams, SISParams
 from masktrl.methods.registry import Method, TokenLosses, get_method, register_method
 from masktrl.methods.sis import sis_accept
-
 
 # --------------------------------------------------------------------------- shared pieces
 
@@ -73,8 +87,13 @@ def dppo(batch: TokenBatch, adv: Tensor, p: DPPOParams, u: Tensor | None) -> Tok
     return TokenLosses(loss, mask, d, None, None, lw)
 
 
-@register_method("pdm", PDMParams, "predictive divergence mask D > delta and sign(A Ddot) > 0 (top-K KL/TV; "
-                 "tail=bracket: the full-KL Ddot's sign certified from the list; tail=exact: the " "top-K KL's exact Ddot)")
+@register_method(
+    "pdm",
+    PDMParams,
+    "predictive divergence mask D > delta and sign(A Ddot) > 0 (top-K KL/TV; "
+    "tail=bracket: the full-KL Ddot's sign certified from the list; tail=exact: the "
+    "top-K KL's exact Ddot)",
+)
 def pdm(batch: TokenBatch, adv: Tensor, p: PDMParams, u: Tensor | None) -> TokenLosses:
     """Predictive divergence mask (§4) on the union support; DPPO's loss form. tail=bracket: the
     certified-sign mask of §4.6 (kl only)."""
@@ -90,8 +109,11 @@ def pdm(batch: TokenBatch, adv: Tensor, p: PDMParams, u: Tensor | None) -> Token
         return TokenLosses(loss, mask, d, None, None, lw, lo, hi)
     if p.tail == "exact":
         if batch.pi_sq_sum is None:
-            raise ValueError("method.tail=exact needs the training distribution's sum_V pi^2 " "(TokenBatch.pi_sq_sum), "
-                             "which only a trainer with the full pi can give")
+            raise ValueError(
+                "method.tail=exact needs the training distribution's sum_V pi^2 "
+                "(TokenBatch.pi_sq_sum), "
+                "which only a trainer with the full pi can give"
+            )
         ddot = rate_topk_exact_on_support(s, batch.pi_sq_sum.detach().to(s.pi_tail.dtype))
     else:
         ddot = rate_on_support(s, p.divergence, p.tail)
@@ -114,8 +136,9 @@ def sis(batch: TokenBatch, adv: Tensor, p: SISParams, u: Tensor | None) -> Token
     return TokenLosses(loss, mask, None, None, dec.accepted, dec.log_w)
 
 
-@register_method("cispo", CISPOParams, "clipped IS weight sg(clip(r, 1-eps_low, 1+eps_high)) A log pi on every token "
-                 "(MiniMax-M1)")
+@register_method(
+    "cispo", CISPOParams, "clipped IS weight sg(clip(r, 1-eps_low, 1+eps_high)) A log pi on every token (MiniMax-M1)"
+)
 def cispo(batch: TokenBatch, adv: Tensor, p: CISPOParams, u: Tensor | None) -> TokenLosses:
     """CISPO (§15): l = -A sg(clip(r, 1-eps_low, 1+eps_high)) pi_k/sg(pi_k); no token is blocked."""
     lw = log_ratio(batch)  # [N] detached; +inf on invalid tokens (zeroed by finalize)
@@ -127,7 +150,9 @@ def cispo(batch: TokenBatch, adv: Tensor, p: CISPOParams, u: Tensor | None) -> T
 # --------------------------------------------------------------------------- public entry points
 
 
-def token_losses(method: str | Method, batch: TokenBatch, advantages: Tensor, *, u: Tensor | None = None, **params) -> TokenLosses:
+def token_losses(
+    method: str | Method, batch: TokenBatch, advantages: Tensor, *, u: Tensor | None = None, **params
+) -> TokenLosses:
     """Per-token losses of ``method`` (a name or ``Method``) with params given as keywords.
 
     advantages [N]: the sequence advantage repeated on its tokens. ``u`` [N]: uniforms in

@@ -18,7 +18,10 @@ from masktrl.methods.divergence import DIVERGENCE_KINDS, RATE_KINDS, TAILS
 from masktrl.methods.regularizers import RegularizerParams, check_regularizers
 
 SIS_BASES = ("grpo", "dapo", "gspo")
-PDM_TAILS = TAILS + ("bracket", "exact")  # bracket: the certified-sign mask (§4.6); exact: the top-K KL's own Ḋ (§4.7); kl only
+PDM_TAILS = TAILS + (
+    "bracket",
+    "exact",
+)  # bracket: the certified-sign mask (§4.6); exact: the top-K KL's own Ḋ (§4.7); kl only
 UNCERTAIN = ("keep", "mask")
 DELTA_TV = 0.15  # TV divergences (public DPPO example)
 DELTA_KL = 0.15  # top-K KL and PDM-KL: the predictive-mask paper's main value (0.05 was its sensitivity study)
@@ -203,7 +206,11 @@ class DAPOParams(_Protocol):
         _eps(self)
         _dual_clip(self)
         _common(self)
-        if isinstance(self.overlong_buffer, bool) or not isinstance(self.overlong_buffer, int) or self.overlong_buffer < 0:
+        if (
+            isinstance(self.overlong_buffer, bool)
+            or not isinstance(self.overlong_buffer, int)
+            or self.overlong_buffer < 0
+        ):
             raise ValueError(f"method.overlong_buffer must be an int >= 0, got {self.overlong_buffer!r}")
         _number("overlong_penalty", self.overlong_penalty, lo=0)
 
@@ -300,9 +307,14 @@ class PDMParams(_Protocol):
         _choice("divergence", self.divergence, RATE_KINDS)
         _choice("tail", self.tail, PDM_TAILS)
         if self.tail == "bracket" and self.divergence != "kl":
-            raise ValueError("method.tail=bracket requires method.divergence=kl (the bracket bounds Ddot_KL), " f"got {self.divergence}")
+            raise ValueError(
+                f"method.tail=bracket requires method.divergence=kl (the bracket bounds Ddot_KL), got {self.divergence}"
+            )
         if self.tail == "exact" and self.divergence != "kl":
-            raise ValueError("method.tail=exact requires method.divergence=kl (the exact Ddot of the top-K KL), " f"got {self.divergence}")
+            raise ValueError(
+                "method.tail=exact requires method.divergence=kl (the exact Ddot of the top-K KL), "
+                f"got {self.divergence}"
+            )
         if self.uncertain is not None:
             _choice("uncertain", self.uncertain, UNCERTAIN)
             if self.tail != "bracket":
@@ -378,8 +390,16 @@ class SISParams(_Protocol):
         """The base method's params with this method's overrides applied (validated)."""
         overrides = {
             k: getattr(self, k)
-            for k in ("eps_low", "eps_high", "dual_clip", "loss_agg", "dynamic_sampling", "overlong_buffer", "overlong_penalty",
-                      "adv_norm")
+            for k in (
+                "eps_low",
+                "eps_high",
+                "dual_clip",
+                "loss_agg",
+                "dynamic_sampling",
+                "overlong_buffer",
+                "overlong_penalty",
+                "adv_norm",
+            )
             if getattr(self, k) is not None
         }
         return _BASE_PARAMS[self.base](**overrides)

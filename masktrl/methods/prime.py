@@ -26,7 +26,9 @@ from masktrl.methods.registry import TokenLosses, register_method
 def _prime_loss(batch: TokenBatch, adv: Tensor, mask: Tensor, adv_tau: float, kl_tau: float) -> Tensor:
     live = log_ratio_live(batch)  # [N] log r with gradient, 0 on invalid
     idle = mask | (adv == 0)
-    pg = torch.where(idle, torch.zeros_like(live), -adv_tau * adv * torch.where(idle, torch.zeros_like(live), live).exp())
+    pg = torch.where(
+        idle, torch.zeros_like(live), -adv_tau * adv * torch.where(idle, torch.zeros_like(live), live).exp()
+    )
     return pg + kl_tau * live * live
 
 
@@ -85,7 +87,9 @@ class PrimeIPOParams(_Protocol):
         _common(self)
 
 
-@register_method("prime-dppo", PrimeDPPOParams, "prime-rl's default: DPPO binary-TV mask vs mu (0.2/0.2) + 1e-3 (log r)^2")
+@register_method(
+    "prime-dppo", PrimeDPPOParams, "prime-rl's default: DPPO binary-TV mask vs mu (0.2/0.2) + 1e-3 (log r)^2"
+)
 def prime_dppo(batch: TokenBatch, adv: Tensor, p: PrimeDPPOParams, u: Tensor | None) -> TokenLosses:
     """prime-rl default loss (§16.7)."""
     diff = _probs_diff(batch)

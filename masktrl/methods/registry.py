@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -78,14 +79,14 @@ class Method:
         valid = [f.name for f in fields(self.params_cls)]
         for key in kw:
             if key not in valid:
-                raise ValueError(
-                    f"unknown parameter method.{key} for method {self.name!r}; valid: " f"{', '.join(valid)}"
-                )
+                raise ValueError(f"unknown parameter method.{key} for method {self.name!r}; valid: {', '.join(valid)}")
         return self.params_cls(**kw)
 
     def _check(self, params) -> None:
         if not isinstance(params, self.params_cls):
-            raise ValueError(f"params for method {self.name!r} must be {self.params_cls.__name__}, got " f"{type(params).__name__}")
+            raise ValueError(
+                f"params for method {self.name!r} must be {self.params_cls.__name__}, got {type(params).__name__}"
+            )
 
     def aggregation(self, params) -> str:
         """The batch aggregation mode (§8) for ``aggregate``."""
@@ -120,8 +121,9 @@ class Method:
 
     # ---- regularisers (reference KL, entropy bonus: §13), the same for every method
 
-    def regularize(self, params, loss: Tensor, batch: TokenBatch, *, ref_logp: Tensor | None = None,
-                   entropy: Tensor | None = None) -> Regularized:
+    def regularize(
+        self, params, loss: Tensor, batch: TokenBatch, *, ref_logp: Tensor | None = None, entropy: Tensor | None = None
+    ) -> Regularized:
         """``loss`` [N] (``TokenLosses.loss``) plus the in-loss KL and the entropy bonus of
         ``params``; aggregate ``.loss`` with ``aggregate``. Returns ``loss`` itself when both are off."""
         self._check(params)
@@ -168,7 +170,9 @@ class Method:
         self._check(params)
         return params.diag_deltas
 
-    def token_losses(self, batch: TokenBatch, advantages: Tensor, params=None, *, u: Tensor | None = None) -> TokenLosses:
+    def token_losses(
+        self, batch: TokenBatch, advantages: Tensor, params=None, *, u: Tensor | None = None
+    ) -> TokenLosses:
         """Per-token losses with already-built params (None = defaults)."""
         params = self.params_cls() if params is None else params
         self._check(params)
@@ -177,7 +181,7 @@ class Method:
             raise ValueError(f"u is required by method {self.name!r} (per-token uniforms in [0, 1), shape [N])")
         return finalize(batch, self.kernel(batch, adv, params, u))
 
-    def bind(self, params=None, correction: CorrectionParams | None = None) -> "BoundMethod":
+    def bind(self, params=None, correction: CorrectionParams | None = None) -> BoundMethod:
         """This method with its params (None = defaults) and its correction (None = kind none)."""
         params = self.params_cls() if params is None else params
         self._check(params)
@@ -259,8 +263,9 @@ class BoundMethod:
         """What ``aggregate`` divides by (§8.1); see ``Method.denominator``."""
         return self.method.denominator(self.params, valid_counts)
 
-    def regularize(self, loss: Tensor, batch: TokenBatch, *, ref_logp: Tensor | None = None,
-                   entropy: Tensor | None = None) -> Regularized:
+    def regularize(
+        self, loss: Tensor, batch: TokenBatch, *, ref_logp: Tensor | None = None, entropy: Tensor | None = None
+    ) -> Regularized:
         """``loss`` [N] plus the in-loss KL and the entropy bonus (§13)."""
         return self.method.regularize(self.params, loss, batch, ref_logp=ref_logp, entropy=entropy)
 
@@ -268,14 +273,16 @@ class BoundMethod:
         """Per-token losses without the correction (``Method.token_losses``)."""
         return self.method.token_losses(batch, advantages, self.params, u=u)
 
-    def corrected_token_losses(self, batch: TokenBatch, advantages: Tensor, *, old: tuple | None = None,
-                               u: Tensor | None = None) -> tuple[TokenLosses, Correction | None, TokenBatch]:
+    def corrected_token_losses(
+        self, batch: TokenBatch, advantages: Tensor, *, old: tuple | None = None, u: Tensor | None = None
+    ) -> tuple[TokenLosses, Correction | None, TokenBatch]:
         """(token losses with the correction applied, the correction or None, the batch the method
         saw): ``corrections.corrected_token_losses``; ``old``: (log pi_old [N], at the top-K ids
         [N, K]) in decoupled mode."""
         old_logp, old_topk = (None, None) if old is None else old
-        return corrected_token_losses(self.method, batch, advantages, self.params, self.correction,
-                                      old_logp=old_logp, old_topk_logp=old_topk, u=u)
+        return corrected_token_losses(
+            self.method, batch, advantages, self.params, self.correction, old_logp=old_logp, old_topk_logp=old_topk, u=u
+        )
 
 
 _METHODS: dict[str, Method] = {}
@@ -319,17 +326,33 @@ def check_method(method: Method) -> str | None:
     try:
         params = cls()
     except Exception as exc:  # a user's class: any error is the answer
-        return f"its params class {cls.__name__} cannot be built with its defaults ({type(exc).__name__}: " f"{exc})"
-    missing = [a for a in ("agg_mode", "advantage_norm", "uses_dynamic_sampling", "uses_u", "uses_full_pi", "overlong",
-                           "diag_deltas", "uses_reference", "uses_entropy_grad", "kl_in_loss") if not hasattr(params, a)]
+        return f"its params class {cls.__name__} cannot be built with its defaults ({type(exc).__name__}: {exc})"
+    missing = [
+        a
+        for a in (
+            "agg_mode",
+            "advantage_norm",
+            "uses_dynamic_sampling",
+            "uses_u",
+            "uses_full_pi",
+            "overlong",
+            "diag_deltas",
+            "uses_reference",
+            "uses_entropy_grad",
+            "kl_in_loss",
+        )
+        if not hasattr(params, a)
+    ]
     if missing:
-        return f"its params class {cls.__name__} lacks {', '.join(missing)} (derive it from " "masktrl.methods.MethodParams)"
+        return (
+            f"its params class {cls.__name__} lacks {', '.join(missing)} (derive it from masktrl.methods.MethodParams)"
+        )
     if not callable(method.kernel):
         return "its kernel is not callable"
     try:
         inspect.signature(method.kernel).bind(None, None, None, None)
     except (TypeError, ValueError):
-        return f"its kernel {getattr(method.kernel, '__name__', '?')} must take (batch, advantages, params, " "u)"
+        return f"its kernel {getattr(method.kernel, '__name__', '?')} must take (batch, advantages, params, u)"
     return None
 
 

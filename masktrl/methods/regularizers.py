@@ -68,7 +68,7 @@ def check_regularizers(p) -> None:
     if not isinstance(p.kl_is_correction, bool):
         raise ValueError(f"method.kl_is_correction must be true or false, got {p.kl_is_correction!r}")
     if p.kl_is_correction and p.kl_in == "reward":
-        raise ValueError("method.kl_is_correction applies only with method.kl_in=loss (the reward penalty uses " "log mu)")
+        raise ValueError("method.kl_is_correction applies only with method.kl_in=loss (the reward penalty uses log mu)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,8 +114,13 @@ def regularizer_params(p) -> RegularizerParams:
     """The five regulariser fields of any params object (or ``RegularizerParams`` itself)."""
     if type(p) is RegularizerParams:
         return p
-    return RegularizerParams(kl_coef=p.kl_coef, kl_estimator=p.kl_estimator, kl_in=p.kl_in,
-                             kl_is_correction=p.kl_is_correction, entropy_coef=p.entropy_coef)
+    return RegularizerParams(
+        kl_coef=p.kl_coef,
+        kl_estimator=p.kl_estimator,
+        kl_in=p.kl_in,
+        kl_is_correction=p.kl_is_correction,
+        entropy_coef=p.entropy_coef,
+    )
 
 
 # --------------------------------------------------------------------------- estimators
@@ -186,13 +191,17 @@ def kl_reward_penalty(behavior_logp: Tensor, ref_logp: Tensor, seq_ids: Tensor, 
     _coef("kl_coef", coef)
     for name, t in (("behavior_logp", behavior_logp), ("ref_logp", ref_logp), ("seq_ids", seq_ids)):
         if not isinstance(t, Tensor) or t.dim() != 1 or t.shape != behavior_logp.shape:
-            raise ValueError(f"{name} must have shape [N] = [{behavior_logp.shape[0]}], got " f"{list(getattr(t, 'shape', []))}")
+            raise ValueError(
+                f"{name} must have shape [N] = [{behavior_logp.shape[0]}], got {list(getattr(t, 'shape', []))}"
+            )
     mu = behavior_logp.detach().to(torch.float64)
     ref = ref_logp.detach().to(torch.float64)
     valid = mu > float("-inf")
     if bool((valid & (torch.isnan(ref) | (ref == float("inf")))).any()):
         raise ValueError("ref_logp contains NaN or +inf log-probabilities")
-    kl = kl_estimate(torch.where(valid, mu, torch.zeros_like(mu)), torch.where(valid, ref, torch.zeros_like(ref)), estimator)
+    kl = kl_estimate(
+        torch.where(valid, mu, torch.zeros_like(mu)), torch.where(valid, ref, torch.zeros_like(ref)), estimator
+    )
     kl = torch.where(valid, kl, torch.zeros_like(kl))  # [N]
     uniq, inv = torch.unique(seq_ids, return_inverse=True)
     per_seq = torch.zeros(uniq.shape[0], dtype=torch.float64, device=kl.device).index_add_(0, inv, kl)  # [G]
@@ -208,8 +217,9 @@ class Regularized(NamedTuple):
     entropy: Tensor | None  # [N] the entropy the bonus used (None when off)
 
 
-def regularize(loss: Tensor, batch: TokenBatch, params, *, ref_logp: Tensor | None = None,
-               entropy: Tensor | None = None) -> Regularized:
+def regularize(
+    loss: Tensor, batch: TokenBatch, params, *, ref_logp: Tensor | None = None, entropy: Tensor | None = None
+) -> Regularized:
     """The per-token loss with the in-loss KL and the entropy bonus of ``params`` (§13):
 
         loss_t + kl_coef * kl_t - entropy_coef * H_t      on valid tokens, 0 elsewhere
@@ -231,8 +241,11 @@ def regularize(loss: Tensor, batch: TokenBatch, params, *, ref_logp: Tensor | No
         total = total + params.kl_coef * kl.to(total.dtype)
     if params.uses_entropy_grad:
         if not isinstance(entropy, Tensor) or entropy.shape != (batch.n,):
-            raise ValueError(f"entropy must have shape [N] = [{batch.n}] when method.entropy_coef > 0, "
-                             "got " f"{list(getattr(entropy, 'shape', [])) if entropy is not None else None}")
+            raise ValueError(
+                f"entropy must have shape [N] = [{batch.n}] when method.entropy_coef > 0, "
+                "got "
+                f"{list(getattr(entropy, 'shape', [])) if entropy is not None else None}"
+            )
         ent = torch.where(valid, entropy.to(total.dtype), torch.zeros((), dtype=total.dtype, device=entropy.device))
         total = total - params.entropy_coef * ent
     if total is not loss:

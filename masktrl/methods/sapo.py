@@ -56,7 +56,9 @@ def sapo_gate(log_r: Tensor, tau: Tensor) -> Tensor:
     return torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau)
 
 
-@register_method("sapo", SAPOParams, "soft sigmoid gate (4/tau) sigmoid(tau (r-1)) instead of a clip (tau_pos 1.0, tau_neg 1.05)")
+@register_method(
+    "sapo", SAPOParams, "soft sigmoid gate (4/tau) sigmoid(tau (r-1)) instead of a clip (tau_pos 1.0, tau_neg 1.05)"
+)
 def sapo(batch: TokenBatch, adv: Tensor, p: SAPOParams, u: Tensor | None) -> TokenLosses:
     """SAPO (§16.1): l = -A (4/tau) sigmoid(tau (r - 1)); nothing is blocked."""
     tau = torch.where(adv > 0, torch.full_like(adv, p.tau_pos), torch.full_like(adv, p.tau_neg))  # [N]

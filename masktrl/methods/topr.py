@@ -41,7 +41,9 @@ class TOPRParams(_Protocol):
         _common(self)
 
 
-@register_method("topr", TOPRParams, "tapered off-policy REINFORCE: plain on A > 0, sg(clamp(r, 0, 1)) on A <= 0 (ROLL)")
+@register_method(
+    "topr", TOPRParams, "tapered off-policy REINFORCE: plain on A > 0, sg(clamp(r, 0, 1)) on A <= 0 (ROLL)"
+)
 def topr(batch: TokenBatch, adv: Tensor, p: TOPRParams, u: Tensor | None) -> TokenLosses:
     """TOPR (§16.5)."""
     lw = log_ratio(batch)  # [N] detached, +inf on invalid

@@ -64,13 +64,19 @@ class TRMParams(_Protocol):
 def token_divergence(batch: TokenBatch, kind: str) -> Tensor:
     """[N] D_t of ``kind`` (detached); values on invalid tokens are unspecified."""
     if kind == "k3":
-        lr = torch.where(batch.valid, log_ratio(batch), torch.zeros(batch.n, dtype=batch.dtype)).clamp(-K3_LOG_BOUND, K3_LOG_BOUND)
+        lr = torch.where(batch.valid, log_ratio(batch), torch.zeros(batch.n, dtype=batch.dtype)).clamp(
+            -K3_LOG_BOUND, K3_LOG_BOUND
+        )
         return lr.exp() - 1.0 - lr
     return divergence(batch, kind)
 
 
-@register_method("trm", TRMParams, "trust region masking: drop sequences whose max token divergence > delta "
-                 "(k3 0.01, verl seq_max_k3); grpo's clip elsewhere")
+@register_method(
+    "trm",
+    TRMParams,
+    "trust region masking: drop sequences whose max token divergence > delta "
+    "(k3 0.01, verl seq_max_k3); grpo's clip elsewhere",
+)
 def trm(batch: TokenBatch, adv: Tensor, p: TRMParams, u: Tensor | None) -> TokenLosses:
     """TRM (§16.10)."""
     d = token_divergence(batch, p.divergence)  # [N]

@@ -45,8 +45,11 @@ class TwoSidedParams(_Protocol):
         _common(self)
 
 
-@register_method("two-sided", TwoSidedParams, "PPO clip with the ratio also capped at delta for A < 0 (TRL delta, INTELLECT-2; "
-                 "eps 0.2, delta 4)")
+@register_method(
+    "two-sided",
+    TwoSidedParams,
+    "PPO clip with the ratio also capped at delta for A < 0 (TRL delta, INTELLECT-2; eps 0.2, delta 4)",
+)
 def two_sided(batch: TokenBatch, adv: Tensor, p: TwoSidedParams, u: Tensor | None) -> TokenLosses:
     """Two-sided clip (§16.9): grpo's loss with dual clip c = delta."""
     cap = None if math.isinf(p.delta) else float(p.delta)

@@ -25,8 +25,8 @@ Architecture-specific choices for the tiny shapes:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -49,8 +49,13 @@ def _gqa(cfg) -> dict:
 
 def _gemma(cfg) -> dict:
     head = cfg.hidden_size // cfg.num_heads
-    return {**_gqa(cfg), "query_pre_attn_scalar": head, "sliding_window": SLIDING_WINDOW, "final_logit_softcapping": None,
-            "hidden_activation": "gelu_pytorch_tanh"}
+    return {
+        **_gqa(cfg),
+        "query_pre_attn_scalar": head,
+        "sliding_window": SLIDING_WINDOW,
+        "final_logit_softcapping": None,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -60,12 +65,23 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3-moe": Architecture(
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
-        lambda cfg: {**_gqa(cfg), "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
-                     "moe_intermediate_size": max(1, cfg.intermediate_size // 4), "norm_topk_prob": True},
+        lambda cfg: {
+            **_gqa(cfg),
+            "num_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": max(1, cfg.intermediate_size // 4),
+            "norm_topk_prob": True,
+        },
     ),
-    "mistral": Architecture("MistralConfig", "MistralForCausalLM", lambda cfg: {**_gqa(cfg), "sliding_window": SLIDING_WINDOW}),
-    "gemma2": Architecture("Gemma2Config", "Gemma2ForCausalLM", lambda cfg: {**_gemma(cfg), "attn_logit_softcapping": 50.0}),
-    "gemma3": Architecture("Gemma3TextConfig", "Gemma3ForCausalLM", lambda cfg: {**_gemma(cfg), "attn_logit_softcapping": None}),
+    "mistral": Architecture(
+        "MistralConfig", "MistralForCausalLM", lambda cfg: {**_gqa(cfg), "sliding_window": SLIDING_WINDOW}
+    ),
+    "gemma2": Architecture(
+        "Gemma2Config", "Gemma2ForCausalLM", lambda cfg: {**_gemma(cfg), "attn_logit_softcapping": 50.0}
+    ),
+    "gemma3": Architecture(
+        "Gemma3TextConfig", "Gemma3ForCausalLM", lambda cfg: {**_gemma(cfg), "attn_logit_softcapping": None}
+    ),
     "phi3": Architecture("Phi3Config", "Phi3ForCausalLM", _gqa, head_dim=False),
     "olmo2": Architecture("Olmo2Config", "Olmo2ForCausalLM", _gqa, head_dim=False),
     "gpt-neox": Architecture("GPTNeoXConfig", "GPTNeoXForCausalLM", lambda cfg: {}, head_dim=False),
@@ -85,7 +101,7 @@ def model_classes(arch: Architecture):
     return getattr(transformers, arch.config_class), getattr(transformers, arch.model_class)
 
 
-_SHARE_CHECKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[bool, str]]" = weakref.WeakKeyDictionary()
+_SHARE_CHECKED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[bool, str]] = weakref.WeakKeyDictionary()
 
 
 def shared_prompt_cache_ok(base: torch.nn.Module) -> tuple[bool, str]:
@@ -130,7 +146,10 @@ def check_lm_head(model: torch.nn.Module) -> None:
     for key in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         value = getattr(cfg, key, None)
         if value not in (None, 1, 1.0):
-            raise MasktrlError(f"{type(model).__name__}: {key}={value} is not supported (masktrl's " "log-probabilities use the plain linear head)")
+            raise MasktrlError(
+                f"{type(model).__name__}: {key}={value} is not supported (masktrl's "
+                "log-probabilities use the plain linear head)"
+            )
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise MasktrlError(f"{type(model).__name__}: an output layer with a bias is not supported")
@@ -147,4 +166,7 @@ def check_lm_head(model: torch.nn.Module) -> None:
     tol = 1e-3 if head.weight.dtype == torch.float32 else 5e-2
     err = (mine - logits.float()).abs().max().item()
     if not err <= tol * max(1.0, logits.float().abs().max().item()):
-        raise MasktrlError(f"{type(model).__name__}: its logits are not the linear head of its last hidden state " f"(max difference {err:.3g}); not supported")
+        raise MasktrlError(
+            f"{type(model).__name__}: its logits are not the linear head of its last hidden state "
+            f"(max difference {err:.3g}); not supported"
+        )

@@ -88,7 +88,12 @@ def load_tokenizer(path: str | Path):
     local = Path(path)
     if not local.exists() and str(path).startswith(("/", "./", "../", "~")):
         raise MasktrlError(f"no such model folder: {path}")
-    if local.exists() and not (local / "config.json").is_file() and not (local / "tokenizer_config.json").is_file() and not is_adapter_folder(local):
+    if (
+        local.exists()
+        and not (local / "config.json").is_file()
+        and not (local / "tokenizer_config.json").is_file()
+        and not is_adapter_folder(local)
+    ):
         raise MasktrlError(f"{local}: not a model folder (no config.json)")
     with _load_errors(path, "model"):
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=hub_offline())

@@ -32,7 +32,9 @@ def _compute_dtype(*ts: Tensor | None) -> torch.dtype:
 
 def _check(hidden: Tensor, weight: Tensor, ids: Tensor | None, temperature: float, chunk_size: int, bias) -> None:
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got " f"{list(weight.shape)}")
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {list(weight.shape)}"
+        )
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must have shape [V] = [{weight.shape[0]}], got {list(bias.shape)}")
     if not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
@@ -41,7 +43,10 @@ def _check(hidden: Tensor, weight: Tensor, ids: Tensor | None, temperature: floa
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     if ids is not None:
         if ids.is_floating_point() or ids.shape[:-1] != hidden.shape[:-1] or ids.dim() != hidden.dim():
-            raise ValueError("ids must be an integer tensor [..., J] with leading dims " f"{list(hidden.shape[:-1])}, got {ids.dtype} {list(ids.shape)}")
+            raise ValueError(
+                "ids must be an integer tensor [..., J] with leading dims "
+                f"{list(hidden.shape[:-1])}, got {ids.dtype} {list(ids.shape)}"
+            )
         if ids.numel() and int(ids.max()) >= weight.shape[0]:
             raise ValueError(f"ids must be < V = {weight.shape[0]}")
 
@@ -154,12 +159,21 @@ def _run(hidden, weight, ids, temperature, chunk_size, bias, want_entropy, entro
     lead = hidden.shape[:-1]
     h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     ids2 = ids.reshape(h2.shape[0], ids.shape[-1]).long()  # [N, J]
-    logp, ent = _ChunkedLogProbs.apply(h2, weight, bias, ids2, 1.0 / float(temperature), chunk_size, want_entropy,
-                                       entropy_grad)
+    logp, ent = _ChunkedLogProbs.apply(
+        h2, weight, bias, ids2, 1.0 / float(temperature), chunk_size, want_entropy, entropy_grad
+    )
     return logp.reshape(*lead, ids.shape[-1]), None if ent is None else ent.reshape(lead)
 
 
-def token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024, bias: Tensor | None = None) -> Tensor:
+def token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    bias: Tensor | None = None,
+) -> Tensor:
     """[..., J] log softmax(hidden @ weight^T / T + bias / T) gathered at ``ids`` [..., J].
 
     hidden [..., H]: final hidden states (after the model's final norm); weight [V, H]: the
@@ -170,7 +184,13 @@ def token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, temperature: 
 
 
 def token_logprobs_and_entropy(
-    hidden: Tensor, weight: Tensor, ids: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024, bias: Tensor | None = None,
+    hidden: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    bias: Tensor | None = None,
     entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``token_logprobs`` plus the entropy [...] of softmax(logits / T) per token, in the same
@@ -180,7 +200,9 @@ def token_logprobs_and_entropy(
 
 
 @torch.no_grad()
-def token_entropy(hidden: Tensor, weight: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024, bias: Tensor | None = None) -> Tensor:
+def token_entropy(
+    hidden: Tensor, weight: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024, bias: Tensor | None = None
+) -> Tensor:
     """[...] entropy of softmax((hidden @ weight^T + bias) / T) per token, chunked, no gradient."""
     _check(hidden, weight, None, temperature, chunk_size, bias)
     dt = _compute_dtype(hidden, weight, bias)
@@ -192,8 +214,9 @@ def token_entropy(hidden: Tensor, weight: Tensor, *, temperature: float = 1.0, c
 
 
 @torch.no_grad()
-def token_square_mass(hidden: Tensor, weight: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024,
-                      bias: Tensor | None = None) -> Tensor:
+def token_square_mass(
+    hidden: Tensor, weight: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024, bias: Tensor | None = None
+) -> Tensor:
     """[...] sum_j p_j^2 of p = softmax((hidden @ weight^T + bias) / T) per token, chunked, no
     gradient (the ``pi_sq_sum`` of ``masktrl.methods.ddot_topk_exact``): sum_j e^{2(x_j - max)} /
     (sum_j e^{x_j - max})^2 over one [chunk, V] buffer at a time."""
@@ -230,7 +253,9 @@ def renormalise_over_kept(lp: Tensor, kept: Tensor | None) -> Tensor:
         return lp
     topk = lp[:, 1:]  # [N, K]
     if bool((kept > topk.shape[1]).any()):
-        raise ValueError(f"a kept set holds more tokens than the top-K list (K = {topk.shape[1]}): pi cannot be " "renormalised over it")
+        raise ValueError(
+            f"a kept set holds more tokens than the top-K list (K = {topk.shape[1]}): pi cannot be renormalised over it"
+        )
     inside = torch.arange(topk.shape[1], device=lp.device)[None, :] < kept[:, None]  # [N, K]
     neg_inf = torch.tensor(float("-inf"), dtype=lp.dtype, device=lp.device)
     log_s = torch.logsumexp(torch.where(inside, topk, neg_inf), dim=1)  # [N] (-inf for kept = 0: replaced below)

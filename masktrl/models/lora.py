@@ -42,7 +42,7 @@ class LoraSettings:
     target_modules: tuple[str, ...] | str = ALL_LINEAR  # module names (suffixes) or "all-linear"
 
     @classmethod
-    def from_config(cls, lora) -> "LoraSettings":
+    def from_config(cls, lora) -> LoraSettings:
         """From ``model.lora`` (``config.LoraConfig``)."""
         return cls(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=tuple(lora.target_modules))
 
@@ -58,7 +58,9 @@ class LoraSettings:
         if isinstance(targets, str):
             targets = (targets,)
         if not targets or not all(isinstance(t, str) and t for t in targets):
-            raise MasktrlError(f"model.lora.target_modules must be module names or {ALL_LINEAR!r}, got " f"{self.target_modules!r}")
+            raise MasktrlError(
+                f"model.lora.target_modules must be module names or {ALL_LINEAR!r}, got {self.target_modules!r}"
+            )
 
 
 def import_peft():
@@ -73,8 +75,13 @@ def _linear_names(model: torch.nn.Module) -> list[str]:
     """The distinct last names of the model's ``nn.Linear`` layers other than the output head
     (what ``target_modules`` matches)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and name and m is not head})
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and name and m is not head
+        }
+    )
 
 
 def resolve_targets(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
@@ -88,13 +95,16 @@ def resolve_targets(model: torch.nn.Module, settings: LoraSettings) -> list[str]
     names = _linear_names(model)
     if t == ALL_LINEAR:
         if not names:
-            raise MasktrlError(f"model.lora.target_modules {ALL_LINEAR!r}: {type(model).__name__} has no linear " "layer besides its head")
+            raise MasktrlError(
+                f"model.lora.target_modules {ALL_LINEAR!r}: {type(model).__name__} has no linear layer besides its head"
+            )
         return names
     wanted = [t] if isinstance(t, str) else list(t)
     missing = [x for x in wanted if x not in names]
     if missing:
         raise MasktrlError(
-            f"model.lora.target_modules {missing} match no linear layer of " f"{type(model).__name__}; "
+            f"model.lora.target_modules {missing} match no linear layer of "
+            f"{type(model).__name__}; "
             f"its linear layers: {', '.join(names)} (or {ALL_LINEAR!r})"
         )
     return wanted
@@ -244,8 +254,13 @@ def is_adapter_folder(path) -> bool:
     return (p / ADAPTER_CONFIG).is_file() and not (p / "config.json").is_file()
 
 
-def save_adapter(dest, model: torch.nn.Module, settings: LoraSettings | None = None, base: str | None = None,
-                 state: dict | None = None) -> None:
+def save_adapter(
+    dest,
+    model: torch.nn.Module,
+    settings: LoraSettings | None = None,
+    base: str | None = None,
+    state: dict | None = None,
+) -> None:
     """Write ``model``'s adapter weights (from ``state`` if given) and their config into ``dest``;
     ``settings`` and ``base`` default to those ``apply_lora`` remembered."""
     import json
@@ -260,13 +275,23 @@ def save_adapter(dest, model: torch.nn.Module, settings: LoraSettings | None = N
     if settings is None or base is None:
         raise ValueError("save_adapter needs the LoRA settings and the base model's location")
     adapters = adapter_state_dict(inner, state)
-    tensors = {_PEFT_PREFIX + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous().cpu() for k, v in adapters.items()}
+    tensors = {
+        _PEFT_PREFIX + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous().cpu() for k, v in adapters.items()
+    }
     save_file(tensors, str(Path(dest) / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     targets = sorted({name.rsplit(".", 1)[-1] for name, _ in lora_layers(inner)})
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": settings.rank,
-        "lora_alpha": settings.alpha, "lora_dropout": settings.dropout, "target_modules": targets, "bias": "none",
-        "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": settings.rank,
+        "lora_alpha": settings.alpha,
+        "lora_dropout": settings.dropout,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
     }
     (Path(dest) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
@@ -284,11 +309,17 @@ def read_adapter(path) -> tuple[LoraSettings, str, dict[str, torch.Tensor]]:
     try:
         config = json.loads((path / ADAPTER_CONFIG).read_text())
         tensors = load_file(str(path / ADAPTER_WEIGHTS))
-        settings = LoraSettings(rank=int(config["r"]), alpha=float(config["lora_alpha"]), dropout=float(config.get("lora_dropout", 0.0)),
-                                target_modules=tuple(config["target_modules"]))
+        settings = LoraSettings(
+            rank=int(config["r"]),
+            alpha=float(config["lora_alpha"]),
+            dropout=float(config.get("lora_dropout", 0.0)),
+            target_modules=tuple(config["target_modules"]),
+        )
         base = str(config["base_model_name_or_path"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: unreadable adapter checkpoint " f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise ValueError(
+            f"{path}: unreadable adapter checkpoint ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from None
     if not Path(base).is_absolute() and (path / base).exists():
         base = str((path / base).resolve())
     weights = {}

@@ -112,7 +112,9 @@ def fp8_ste(x: Tensor) -> Tensor:
     return _FP8StraightThrough.apply(x)
 
 
-TRAIN_HOOKS = "_masktrl_fp8_train"  # module attribute: (hook ids, parameter names, activations too) of quantize_training
+TRAIN_HOOKS = (
+    "_masktrl_fp8_train"  # module attribute: (hook ids, parameter names, activations too) of quantize_training
+)
 
 
 def _train_pre_hook(module, args):
@@ -193,7 +195,9 @@ class LowPrecisionCopy:
         self.model = copy.deepcopy(model)
         strip_training_quantization(self.model)  # the engine quantises its copy itself, from the master weights
         self.model.requires_grad_(False)
-        self.quantized = set(quantized_weights(self.model, output_layer=quantization == "fp8-full")) if quantization else set()
+        self.quantized = (
+            set(quantized_weights(self.model, output_layer=quantization == "fp8-full")) if quantization else set()
+        )
         self._hooks = []
         if quantization in ACT_QUANTIZED:
             targets = {n.rsplit(".", 1)[0] for n in self.quantized}
@@ -210,7 +214,9 @@ class LowPrecisionCopy:
         for name, p in self.model.named_parameters():
             w = src[name].detach()
             value = fp8_roundtrip(w, self.dtype) if name in self.quantized else w.to(self.dtype)
-            if p.dtype != self.dtype or p.device != value.device or p.shape != value.shape:  # shape: a copy made from ZeRO-3 shards
+            if (
+                p.dtype != self.dtype or p.device != value.device or p.shape != value.shape
+            ):  # shape: a copy made from ZeRO-3 shards
                 p.data = value.to(p.device)
             else:
                 p.copy_(value)
@@ -227,7 +233,7 @@ def torchao_unavailable() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible"
     if torch.cuda.get_device_capability() < (8, 9):
-        return f"the GPU ({torch.cuda.get_device_name()}) has no FP8 tensor cores (compute capability 8.9 " "or newer)"
+        return f"the GPU ({torch.cuda.get_device_name()}) has no FP8 tensor cores (compute capability 8.9 or newer)"
     return None
 
 
@@ -238,8 +244,11 @@ def training_backend(quantization: str, backend: str) -> str:
     the output layer itself)."""
     if backend == "fake" or (backend == "auto" and (torchao_unavailable() or quantization == "fp8-full")):
         return "fake"
-    why = torchao_unavailable() or ("torchao's float8 training does not cover fp8-full's output layer (use fake)"
-                                    if quantization == "fp8-full" else None)
+    why = torchao_unavailable() or (
+        "torchao's float8 training does not cover fp8-full's output layer (use fake)"
+        if quantization == "fp8-full"
+        else None
+    )
     if why:
         raise ConfigError(f"train.quantization_backend=torchao: {why}")
     return "torchao"
@@ -259,8 +268,11 @@ def apply_training_quantization(model: torch.nn.Module, quantization: str | None
         return kind
     names = set(quantized_weights(model, output_layer=False))
     if any(not n.endswith(".weight") for n in names):  # 3-D expert tensors
-        raise ConfigError("train.quantization_backend=torchao: torchao's float8 training covers linear layers, not " "a MoE "
-                         "block's fused experts (use fake)")
+        raise ConfigError(
+            "train.quantization_backend=torchao: torchao's float8 training covers linear layers, not "
+            "a MoE "
+            "block's fused experts (use fake)"
+        )
     from torchao.float8 import convert_to_float8_training
 
     chosen = {n.rsplit(".", 1)[0] for n in names}

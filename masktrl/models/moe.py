@@ -40,7 +40,12 @@ def moe_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, int]
     found = []
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if name.rsplit(".", 1)[-1] in ROUTER_NAMES and isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[0] == num_experts:
+        if (
+            name.rsplit(".", 1)[-1] in ROUTER_NAMES
+            and isinstance(weight, Tensor)
+            and weight.dim() == 2
+            and weight.shape[0] == num_experts
+        ):
             found.append((name, module, int(getattr(module, "top_k", top_k))))
     return found
 
@@ -60,8 +65,10 @@ def expert_choices(model: torch.nn.Module):
     token: yields a list that receives one [T, k] tensor per router call (layers in order)."""
     routers = moe_routers(model)
     calls: list[Tensor] = []
-    hooks = [module.register_forward_hook(lambda _m, _i, out, k=k: calls.append(_selected(out, k).reshape(-1, k)))
-             for _, module, k in routers]
+    hooks = [
+        module.register_forward_hook(lambda _m, _i, out, k=k: calls.append(_selected(out, k).reshape(-1, k)))
+        for _, module, k in routers
+    ]
     try:
         yield calls
     finally:
@@ -103,8 +110,12 @@ class RoutingFlips:
     tokens: int  # tokens compared (attention-mask ones)
 
 
-def top_k_experts(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                  top_k: int | None = None) -> torch.Tensor:
+def top_k_experts(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    top_k: int | None = None,
+) -> torch.Tensor:
     """[layers, N, k] the sorted top-k expert ids of each of the N real tokens (mask 1, in
     row-major order) at each MoE layer of ``model``, from its routers' logits."""
     k = top_k or getattr(model.config, "num_experts_per_tok", None)
@@ -131,8 +142,14 @@ def top_k_experts(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
     return torch.stack(sets)  # [layers, N, k]
 
 
-def compare_routing(model_a: torch.nn.Module, model_b: torch.nn.Module, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor | None = None, *, top_k: int | None = None) -> RoutingFlips:
+def compare_routing(
+    model_a: torch.nn.Module,
+    model_b: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    top_k: int | None = None,
+) -> RoutingFlips:
     """How often ``model_a`` and ``model_b`` (two copies of one MoE model, e.g. the trainer's
     float32/bf16 weights and a low-precision rollout copy; each on its own device and dtype)
     choose different top-k expert sets for the tokens of ``input_ids`` [B, L] (padding excluded
@@ -187,16 +204,22 @@ def replayed_routing(model: torch.nn.Module, experts: Tensor):
 
     def replay(module, _inputs, output, layer: int):
         if not (isinstance(output, tuple) and len(output) == 3 and not output[2].is_floating_point()):
-            raise ValueError(f"{type(module).__name__} does not return (logits, weights, indices): its routing cannot be replayed")
+            raise ValueError(
+                f"{type(module).__name__} does not return (logits, weights, indices): its routing cannot be replayed"
+            )
         logits = output[0]
         ids = experts[layer].to(logits.device)
         if ids.shape != output[2].shape:
-            raise ValueError(f"the routing to replay has shape {list(ids.shape)} for a router that sees {list(output[2].shape)}")
+            raise ValueError(
+                f"the routing to replay has shape {list(ids.shape)} for a router that sees {list(output[2].shape)}"
+            )
         weights = replayed_weights(logits, ids, bool(getattr(module, "norm_topk_prob", False)))
         return logits, weights, ids.to(output[2].dtype)
 
-    hooks = [module.register_forward_hook(lambda m, i, o, layer=layer: replay(m, i, o, layer))
-             for layer, (_, module, _k) in enumerate(routers)]
+    hooks = [
+        module.register_forward_hook(lambda m, i, o, layer=layer: replay(m, i, o, layer))
+        for layer, (_, module, _k) in enumerate(routers)
+    ]
     try:
         yield
     finally:

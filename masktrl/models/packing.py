@@ -105,7 +105,7 @@ class Segments:
         return self._cache[key]
 
     @classmethod
-    def self_attending(cls, lengths: list[int]) -> "Segments":
+    def self_attending(cls, lengths: list[int]) -> Segments:
         """Segments of ``lengths`` back to back, each attending causally to itself."""
         bounds = _bounds(lengths)
         return cls(tuple(bounds), tuple((b,) for b in bounds))
@@ -119,8 +119,17 @@ def _bounds(lengths: list[int], offset: int = 0) -> list[tuple[int, int]]:
     return out
 
 
-def segment_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                      packed_segments: Segments | None = None, **kwargs):
+def segment_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_segments: Segments | None = None,
+    **kwargs,
+):
     """Attention over packed segments (``packed_segments``). query [1, Hq, T, D], key/value
     [1, Hkv, S, D] (S = T, or the cached prompt keys plus T). Returns ([1, T, Hq, D], None) like
     transformers' attention functions.
@@ -134,8 +143,9 @@ def segment_attention(module, query, key, value, attention_mask, dropout: float 
         raise ValueError("segment_attention takes its layout from packed_segments, not an attention mask")
     gqa = query.shape[1] != key.shape[1]
     if packed_segments is None:
-        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling,
-                                             is_causal=query.shape[2] > 1, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, scale=scaling, is_causal=query.shape[2] > 1, enable_gqa=gqa
+        )
         return out.transpose(1, 2).contiguous(), None
     # one gather per tensor into group order (its backward is one scatter), then views per group
     q_idx, k_idx, shapes = packed_segments.groups(query.device)
@@ -155,8 +165,9 @@ def segment_attention(module, query, key, value, attention_mask, dropout: float 
         else:  # lower-right causal: the queries are the last nq of the nk keys
             mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)  # [nq, nk]
             causal = False
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                           is_causal=causal, enable_gqa=gqa)  # [g, Hq, nq, D]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=causal, enable_gqa=gqa
+        )  # [g, Hq, nq, D]
         parts.append(o.transpose(0, 1).flatten(1, 2))  # [Hq, g*nq, D]
     out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # [Hq, T, D] in group order
     inverse = packed_segments.inverse(query.device)
@@ -218,10 +229,13 @@ def unsupported_reason(model_class: type, config) -> str | None:
     would need the segment boundaries too."""
     name = model_class.__name__
     if not getattr(model_class, "_supports_attention_backend", False):
-        return f"{name}'s attention layers do not use transformers' attention interface, so they cannot " "mask packed segments"
+        return (
+            f"{name}'s attention layers do not use transformers' attention interface, so they cannot "
+            "mask packed segments"
+        )
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
-        return f"{name} has {', '.join(sorted(kinds - {'full_attention'}))} layers, which cannot mask " "packed segments"
+        return f"{name} has {', '.join(sorted(kinds - {'full_attention'}))} layers, which cannot mask packed segments"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
         return f"{name} uses sliding-window attention, which cannot mask packed segments"
     return None
@@ -251,7 +265,7 @@ class Packed:
         """Tokens the base model runs (both passes)."""
         return self.input_ids.shape[1] + (0 if self.prompt_ids is None else self.prompt_ids.shape[1])
 
-    def to(self, device) -> "Packed":
+    def to(self, device) -> Packed:
         move = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
         return Packed(**move)
 
@@ -309,26 +323,45 @@ def packed_hidden(base: torch.nn.Module, packed: Packed) -> torch.Tensor:
     from masktrl.models.kvcache import cache_kwarg, new_cache
 
     if checkpointing.is_enabled(base) and not segments_attention_active(base):
-        raise RuntimeError("under activation checkpointing, run the packed forward and its backward inside " "segments_attention(base)")
+        raise RuntimeError(
+            "under activation checkpointing, run the packed forward and its backward inside segments_attention(base)"
+        )
     masks = None  # the registered mask function of segment_attention builds no mask
     with segments_attention(base):
         if packed.prompt_ids is None:
-            out = base(input_ids=packed.input_ids, attention_mask=masks, position_ids=packed.position_ids,
-                       use_cache=False, packed_segments=packed.segments).last_hidden_state  # [1, T, H]
+            out = base(
+                input_ids=packed.input_ids,
+                attention_mask=masks,
+                position_ids=packed.position_ids,
+                use_cache=False,
+                packed_segments=packed.segments,
+            ).last_hidden_state  # [1, T, H]
             return out[0, packed.gather]
         cache = new_cache(base.config)
         key = cache_kwarg(base)
         with checkpointing.prompt_pass(base):  # the prompt pass writes the cache: never checkpointed
-            prompt_out = base(input_ids=packed.prompt_ids, attention_mask=masks, position_ids=packed.prompt_position_ids,
-                              use_cache=True, packed_segments=packed.prompt_segments, **{key: cache}).last_hidden_state  # [1, W, H]
+            prompt_out = base(
+                input_ids=packed.prompt_ids,
+                attention_mask=masks,
+                position_ids=packed.prompt_position_ids,
+                use_cache=True,
+                packed_segments=packed.prompt_segments,
+                **{key: cache},
+            ).last_hidden_state  # [1, W, H]
         if packed.input_ids.shape[1] == 0:  # every response is a single token
             return prompt_out[0, packed.gather]
         checkpointed = checkpointing.is_enabled(base)
         if checkpointed:  # the response pass only reads the prompt's cache, so its layers may be replayed
             checkpointing.read_only(cache)
         with checkpointing.response_pass(base):
-            rest = base(input_ids=packed.input_ids, attention_mask=masks, position_ids=packed.position_ids,
-                        use_cache=not checkpointed, packed_segments=packed.segments, **{key: cache}).last_hidden_state  # [1, T, H]
+            rest = base(
+                input_ids=packed.input_ids,
+                attention_mask=masks,
+                position_ids=packed.position_ids,
+                use_cache=not checkpointed,
+                packed_segments=packed.segments,
+                **{key: cache},
+            ).last_hidden_state  # [1, T, H]
         return torch.cat([prompt_out[0], rest[0]], dim=0)[packed.gather]
 
 
@@ -349,8 +382,9 @@ def sequence_tokens(prompt_len: int, response_len: int) -> int:
     return prompt_len + max(response_len - 1, 0)
 
 
-def token_budget_batches(prompt_lens: list[int], response_lens: list[int], budget: int,
-                         prompt_keys: list | None = None) -> Budgeted:
+def token_budget_batches(
+    prompt_lens: list[int], response_lens: list[int], budget: int, prompt_keys: list | None = None
+) -> Budgeted:
     """Micro-batches of at most ``budget`` packed tokens each, covering every sequence once.
 
     Cost of a micro-batch: the tokens its packed forward runs. With ``prompt_keys`` (a hashable
@@ -400,7 +434,9 @@ def token_budget_batches(prompt_lens: list[int], response_lens: list[int], budge
     return Budgeted([sorted(b) for b in bins], sorted(oversized))
 
 
-def batch_tokens(prompt_lens: list[int], response_lens: list[int], batch: list[int], prompt_keys: list | None = None) -> int:
+def batch_tokens(
+    prompt_lens: list[int], response_lens: list[int], batch: list[int], prompt_keys: list | None = None
+) -> int:
     """The packed tokens of micro-batch ``batch`` as ``token_budget_batches`` counts them."""
     keys = prompt_keys if prompt_keys is not None else list(range(len(prompt_lens)))
     first = {}
@@ -419,5 +455,5 @@ def balance(batches: list[list[int]], count: int) -> list[list[int]]:
     while len(out) < count:
         j = max(range(len(out)), key=lambda k: (len(out[k]), -k))
         b = out.pop(j)
-        out[j:j] = [b[: len(b) // 2], b[len(b) // 2:]]
+        out[j:j] = [b[: len(b) // 2], b[len(b) // 2 :]]
     return out

@@ -15,8 +15,17 @@ from masktrl.config import MOE_DEFAULTS
 from masktrl.models.numbers import build_number_tokenizer
 from masktrl.models.vocab import EOS, PAD, SPECIAL_TOKENS, UNK, build_char_tokenizer, wrap_tokenizer
 
-__all__ = ["EOS", "PAD", "SPECIAL_TOKENS", "UNK", "TinyModelConfig", "build_char_tokenizer", "build_tiny_model", "tiny_tokenizer",
-           "wrap_tokenizer"]
+__all__ = [
+    "EOS",
+    "PAD",
+    "SPECIAL_TOKENS",
+    "UNK",
+    "TinyModelConfig",
+    "build_char_tokenizer",
+    "build_tiny_model",
+    "tiny_tokenizer",
+    "wrap_tokenizer",
+]
 
 
 @dataclass(frozen=True)
@@ -31,11 +40,18 @@ class TinyModelConfig:
     experts_per_token: int = MOE_DEFAULTS["experts_per_token"]
 
     @classmethod
-    def of(cls, m) -> "TinyModelConfig":
+    def of(cls, m) -> TinyModelConfig:
         """The shape of the tiny model a ``ModelConfig`` describes."""
         experts, top_k = m.moe_shape()
-        return cls(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size,
-                   num_experts=experts, experts_per_token=top_k)
+        return cls(
+            m.hidden_size,
+            m.num_layers,
+            m.num_heads,
+            m.num_kv_heads,
+            m.intermediate_size,
+            num_experts=experts,
+            experts_per_token=top_k,
+        )
 
 
 def tiny_tokenizer(kind: str, alphabet: str | None) -> PreTrainedTokenizerFast:

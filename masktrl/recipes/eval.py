@@ -20,8 +20,21 @@ from pathlib import Path
 from masktrl.config import EVAL_BENCHMARKS, OWN_TASK_BENCHMARKS, Config
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.rl.checks import fit_context, model_context
-from masktrl.rl.evaluation import (EvalBatches, bench_task_config, build_task, describe_data, eval_chat, generation_block, load_engine,
-                                   reward_name, sample_and_grade, save, seed_name, summarize, template_label)
+from masktrl.rl.evaluation import (
+    EvalBatches,
+    bench_task_config,
+    build_task,
+    describe_data,
+    eval_chat,
+    generation_block,
+    load_engine,
+    reward_name,
+    sample_and_grade,
+    save,
+    seed_name,
+    summarize,
+    template_label,
+)
 from masktrl.rollout.base import SamplingSettings
 from masktrl.runs.locks import refuse_symlink
 from masktrl.runs.resolve import ModelRef, refuse_inside_run, resolve_model
@@ -55,8 +68,12 @@ class EvalOptions:
         if self.k < 1:
             raise ConfigError(f"--k must be >= 1, got {self.k}")
         if self.k > MAX_K:
-            raise ConfigError(f"--k {self.k} is above {MAX_K}: the report keeps every sample's answer, length and " "score (--k per "
-                              "problem); --batch-size bounds what is generated at once, not the " "report")
+            raise ConfigError(
+                f"--k {self.k} is above {MAX_K}: the report keeps every sample's answer, length and "
+                "score (--k per "
+                "problem); --batch-size bounds what is generated at once, not the "
+                "report"
+            )
         if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan and inf are not temperatures
             raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature}")
         if self.temperature == 0 and self.k != 1:
@@ -71,8 +88,12 @@ class EvalOptions:
             raise ConfigError(f"--engine must be hf or vllm, got {self.engine!r}")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if bench in OWN_TASK_BENCHMARKS and (self.data is not None or self.template is not None or self.config or self.overrides):
-            raise ConfigError(f"--data, --template, --config and --set apply to datasets; {bench} uses the run's " "own task")
+        if bench in OWN_TASK_BENCHMARKS and (
+            self.data is not None or self.template is not None or self.config or self.overrides
+        ):
+            raise ConfigError(
+                f"--data, --template, --config and --set apply to datasets; {bench} uses the run's own task"
+            )
         if self.template is not None:
             from masktrl.tasks.templates import PromptTemplate
 
@@ -93,8 +114,17 @@ def check_benchmark(bench: str) -> None:
         raise ConfigError(f"unknown benchmark {bench!r}; valid benchmarks: {', '.join(EVAL_BENCHMARKS)}, dataset")
 
 
-def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None = None,
-             output: Path | None = None, force: bool = False, progress=None) -> EvalResult:
+def run(
+    bench: str,
+    model: str,
+    step: int | None,
+    opts: EvalOptions,
+    *,
+    out: Path | None = None,
+    output: Path | None = None,
+    force: bool = False,
+    progress=None,
+) -> EvalResult:
     """Evaluate ``model`` (a run folder or a run's name under ``out``, a model folder or a cached
     hub id) on ``bench``; the report goes to ``output`` (a model that is not a run only) or to
     its default place (``output_path``)."""
@@ -104,27 +134,48 @@ def run(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Pat
     try:  # the data loaded: now the weights
         engine, tokenizer = load_engine(cfg, ref.weights)
         examples = task.test_examples()[: opts.n_problems]
-        settings = SamplingSettings(n=opts.k, max_new_tokens=max_new_tokens(bench, ref, opts), temperature=opts.temperature or 1.0,
-                                    top_p=opts.top_p, logprobs_k=1, greedy=opts.temperature == 0)
+        settings = SamplingSettings(
+            n=opts.k,
+            max_new_tokens=max_new_tokens(bench, ref, opts),
+            temperature=opts.temperature or 1.0,
+            top_p=opts.top_p,
+            logprobs_k=1,
+            greedy=opts.temperature == 0,
+        )
         chat = cfg.model.chat_template if bench in OWN_TASK_BENCHMARKS else False
         examples, too_long = fit_context(examples, tokenizer, chat, model_context(ref.weights))  # before any generation
         t0 = time.time()
-        graded = sample_and_grade(engine, tokenizer, task, examples, settings,
-                                  EvalBatches((opts.seed, "eval", seed_name(bench)), cfg.rollout.batch_size, chat), progress, label=f"eval {bench}")
+        graded = sample_and_grade(
+            engine,
+            tokenizer,
+            task,
+            examples,
+            settings,
+            EvalBatches((opts.seed, "eval", seed_name(bench)), cfg.rollout.batch_size, chat),
+            progress,
+            label=f"eval {bench}",
+        )
     finally:
         task.close()
     report = summarize(bench, examples, graded, seed=opts.seed, task=cfg.task.name)
     report.update(
-        model=ref.label, weights=ref.weights, run=ref.store.name if ref.store else None, step=ref.step,
-        data=describe_data(bench, cfg), time_s=time.time() - t0, reward=reward_name(task),
-        generation=generation_block(settings, engine.name, template_label(task), chat, opts.seed, cfg), prompts_too_long=too_long,
+        model=ref.label,
+        weights=ref.weights,
+        run=ref.store.name if ref.store else None,
+        step=ref.step,
+        data=describe_data(bench, cfg),
+        time_s=time.time() - t0,
+        reward=reward_name(task),
+        generation=generation_block(settings, engine.name, template_label(task), chat, opts.seed, cfg),
+        prompts_too_long=too_long,
     )
     save(report, path, ref.store, bench, ref.step)
     return EvalResult(report, path)
 
 
-def _target(bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None, output: Path | None,
-            force: bool) -> tuple[ModelRef, Path]:
+def _target(
+    bench: str, model: str, step: int | None, opts: EvalOptions, *, out: Path | None, output: Path | None, force: bool
+) -> tuple[ModelRef, Path]:
     """(the model resolved, where its report goes), every refusal before anything is loaded."""
     opts.validate(bench)
     if output is not None:
@@ -133,7 +184,10 @@ def _target(bench: str, model: str, step: int | None, opts: EvalOptions, *, out:
     if bench in OWN_TASK_BENCHMARKS and ref.store is None:
         raise ConfigError(f"benchmark {bench} needs a run (--model <run>): {model} is no run folder (no run.yaml)")
     if output is not None and ref.store is not None:
-        raise ConfigError(f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is " "for models that are not runs")
+        raise ConfigError(
+            f"--output: a run's evals are stored in the run ({ref.store.root / 'eval'}); --output is "
+            "for models that are not runs"
+        )
     if ref.store is not None:
         refuse_symlink(ref.store.root)  # its report would be written outside --out
     path = Path(output) if output is not None else output_path(ref, bench, out)
@@ -151,7 +205,11 @@ def _bench_config(bench: str, ref: ModelRef, opts: EvalOptions) -> Config:
 
         torch.set_num_threads(cfg.train.threads)
     if bench not in OWN_TASK_BENCHMARKS:
-        cfg = replace(cfg, model=replace(cfg.model, chat_template=eval_chat(cfg, opts)), task=bench_task_config(bench, cfg, **opts.task_args()))
+        cfg = replace(
+            cfg,
+            model=replace(cfg.model, chat_template=eval_chat(cfg, opts)),
+            task=bench_task_config(bench, cfg, **opts.task_args()),
+        )
     return cfg
 
 
@@ -164,14 +222,26 @@ def folder_runs(model: str) -> list[Path] | None:
     return sorted(c for c in p.iterdir() if is_run_folder(c)) or None
 
 
-def run_folder(bench: str, runs: list[Path], step: int | None, opts: EvalOptions, *, out: Path | None = None,
-               output: Path | None = None, force: bool = False, progress=None, done=None) -> list[tuple[Path, EvalResult | str]]:
+def run_folder(
+    bench: str,
+    runs: list[Path],
+    step: int | None,
+    opts: EvalOptions,
+    *,
+    out: Path | None = None,
+    output: Path | None = None,
+    force: bool = False,
+    progress=None,
+    done=None,
+) -> list[tuple[Path, EvalResult | str]]:
     """:func:`run` on every complete run of ``runs``; a run that is not complete, or whose report
     exists (without ``force``), is skipped with the reason, so a rerun does what is left.
     ``done(root, result)`` is called after each run."""
     opts.validate(bench)
     if output is not None:
-        raise ConfigError("--output: each run's evals are stored in the run; --output is for one model that is not " "a run")
+        raise ConfigError(
+            "--output: each run's evals are stored in the run; --output is for one model that is not a run"
+        )
     results: list[tuple[Path, EvalResult | str]] = []
     for root in runs:
         status = RunStore(root, writable=False).status()
@@ -179,7 +249,11 @@ def run_folder(bench: str, runs: list[Path], step: int | None, opts: EvalOptions
             result: EvalResult | str = "skipped: the run folder is a symbolic link (not followed)"
         elif status != "complete":
             result = f"skipped: {status}, not complete"
-        elif (path := output_path(ref := resolve_model(str(root), step, out), bench, out)).exists() and not force and recorded(ref, bench):
+        elif (
+            (path := output_path(ref := resolve_model(str(root), step, out), bench, out)).exists()
+            and not force
+            and recorded(ref, bench)
+        ):
             result = f"skipped: {path} exists"
         else:
             result = run(bench, str(root), step, opts, out=out, force=force, progress=progress)
@@ -212,8 +286,11 @@ def eval_config(ref: ModelRef, opts: EvalOptions) -> Config:
     """The run's config (or the defaults) with the command line's engine, dtype and batch size."""
     cfg = ref.cfg or Config()
     dtype = opts.dtype or (cfg.model.dtype if ref.cfg else _default_dtype())
-    rollout = replace(cfg.rollout, engine=opts.engine or (cfg.rollout.engine if ref.cfg else "hf"),
-                      batch_size=opts.batch_size or cfg.rollout.batch_size)
+    rollout = replace(
+        cfg.rollout,
+        engine=opts.engine or (cfg.rollout.engine if ref.cfg else "hf"),
+        batch_size=opts.batch_size or cfg.rollout.batch_size,
+    )
     return replace(cfg, seed=opts.seed, model=replace(cfg.model, path=ref.weights, dtype=dtype), rollout=rollout)
 
 
@@ -229,4 +306,3 @@ def max_new_tokens(bench: str, ref: ModelRef, opts: EvalOptions) -> int:
     if bench in OWN_TASK_BENCHMARKS or (ref.cfg is not None and ref.cfg.task.name != "arithmetic"):
         return ref.cfg.rollout.max_new_tokens  # what the run trained with
     return MATH_MAX_NEW_TOKENS
-

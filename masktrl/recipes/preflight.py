@@ -30,12 +30,19 @@ def run(request: RunRequest) -> DryRun:
     try:
         if plan.start.mode == "resume":
             step = RunStore(plan.root).resume_step(checked.vocab_size)
-            if step and plan.forced_changes:  # --resume --force: the checkpoint loads into the model the new config builds
+            if (
+                step and plan.forced_changes
+            ):  # --resume --force: the checkpoint loads into the model the new config builds
                 checks.check_checkpoint(plan.cfg, checked.tokenizer, RunStore(plan.root).checkpoint_dir(step))
         start = plan.start
         rows = [("run folder", f"{start.root}: {WHAT[start.mode]}" + (f" ({start.note})" if start.note else ""))]
         if step and plan.forced_changes:
-            rows.append(("--force", f"{', '.join(plan.forced_changes)}: checkpoint {step} loads into the model this " "config builds"))
+            rows.append(
+                (
+                    "--force",
+                    f"{', '.join(plan.forced_changes)}: checkpoint {step} loads into the model this config builds",
+                )
+            )
         rows += checked.report
         rows.append(("projected disk use", checks.projected_disk(plan.cfg, checked)))
     finally:

@@ -15,13 +15,13 @@ from pathlib import Path
 from masktrl.config import Config
 from masktrl.errors import MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
-from masktrl.rl.evaluation import bench_task_config, build_task, eval_chat, load_engine
-from masktrl.runs.resolve import refuse_inside_run, resolve_model
-from masktrl.tasks import make_eval_task
 from masktrl.rl.collect import generate_groups, score_groups, set_advantages
-from masktrl.seeding import stream_seed
-from masktrl.rollout.base import check_sampling, SamplingSettings
+from masktrl.rl.evaluation import bench_task_config, build_task, eval_chat, load_engine
+from masktrl.rollout.base import SamplingSettings, check_sampling
 from masktrl.rollout.storage import write_rollouts
+from masktrl.runs.resolve import refuse_inside_run, resolve_model
+from masktrl.seeding import stream_seed
+from masktrl.tasks import make_eval_task
 from masktrl.tasks.math_data import BENCHMARKS
 
 
@@ -48,8 +48,16 @@ class RolloutOptions:
         check_sampling(self.temperature, self.top_p, names=("--temperature", "--top-p"))  # finite, > 0; top-p in (0, 1]
 
 
-def run(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: int | None = None, force: bool = False,
-             out: Path | None = None) -> dict:
+def run(
+    model: str,
+    data: str,
+    out_file: Path,
+    opts: RolloutOptions,
+    *,
+    step: int | None = None,
+    force: bool = False,
+    out: Path | None = None,
+) -> dict:
     """Sample ``opts.n`` responses per prompt of ``data`` from ``model`` (a run folder or a run's
     name under ``out``, a model folder or a hub id), score them, and write them with group
     advantages to ``out_file``; returns a summary of what was written."""
@@ -60,8 +68,11 @@ def run(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: in
         raise MasktrlError(f"{out_file} already exists; pass --force to replace it (nothing was changed)")
     ref = resolve_model(model, step, out)
     cfg = ref.cfg or Config()
-    cfg = replace(cfg, rollout=replace(cfg.rollout, engine=opts.engine or (cfg.rollout.engine if ref.cfg else "hf")),
-                  model=replace(cfg.model, path=ref.weights))  # a chat template or token counts come from these weights
+    cfg = replace(
+        cfg,
+        rollout=replace(cfg.rollout, engine=opts.engine or (cfg.rollout.engine if ref.cfg else "hf")),
+        model=replace(cfg.model, path=ref.weights),
+    )  # a chat template or token counts come from these weights
     task, examples = _examples(data, cfg, opts)
     try:
         engine, tokenizer = load_engine(replace(cfg, model=replace(cfg.model, path=ref.weights)), ref.weights)
@@ -74,9 +85,16 @@ def run(model: str, data: str, out_file: Path, opts: RolloutOptions, *, step: in
         task.close()
     set_advantages(groups)
     samples = [s for g in groups for s in g]
-    meta = {"engine": engine.name, "tokenizer": tokenizer_fingerprint(tokenizer), **settings.__dict__,
-            "rollout_dtype": cfg.rollout.dtype, "quantization": cfg.rollout.quantization,
-            "model": ref.weights, "data": data, "seed": opts.seed}
+    meta = {
+        "engine": engine.name,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        **settings.__dict__,
+        "rollout_dtype": cfg.rollout.dtype,
+        "quantization": cfg.rollout.quantization,
+        "model": ref.weights,
+        "data": data,
+        "seed": opts.seed,
+    }
     write_rollouts(out_file, samples, meta)
     return {
         "file": str(out_file),
@@ -94,7 +112,9 @@ def _examples(data: str, cfg: Config, opts: RolloutOptions):
         if cfg.task.name != "arithmetic":
             cfg = Config()
         task = build_task("synthetic", cfg)
-        return task, task.train_examples(opts.prompts or 32, random.Random(stream_seed(opts.seed, "rollout-cmd-prompts")))
+        return task, task.train_examples(
+            opts.prompts or 32, random.Random(stream_seed(opts.seed, "rollout-cmd-prompts"))
+        )
     path = Path(data)
     if path.suffix in (".jsonl", ".json", ".parquet") and not (opts.config or opts.overrides):
         from masktrl.tasks.math_data import make_math_task
@@ -104,9 +124,17 @@ def _examples(data: str, cfg: Config, opts: RolloutOptions):
         bench = data if data in BENCHMARKS or data == "dataset" else "dataset"
         if bench != "dataset":
             opts = replace(opts, template=opts.template or "base")  # math presets: the base template unless told
-        task_cfg = bench_task_config(bench, cfg, template=opts.template, data=data if bench == "dataset" and data != "dataset" else None,
-                                     config=opts.config, overrides=opts.overrides)
+        task_cfg = bench_task_config(
+            bench,
+            cfg,
+            template=opts.template,
+            data=data if bench == "dataset" and data != "dataset" else None,
+            config=opts.config,
+            overrides=opts.overrides,
+        )
         chat = eval_chat(cfg, opts)
-        task = make_eval_task(task_cfg, replace(cfg.model, chat_template=chat), whole_split=True)  # every row of task.split
+        task = make_eval_task(
+            task_cfg, replace(cfg.model, chat_template=chat), whole_split=True
+        )  # every row of task.split
     examples = task.test_examples()
     return task, examples[: opts.prompts] if opts.prompts else examples

@@ -27,10 +27,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from masktrl.config import split_method
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.io import atomic_write_json, atomic_write_text
 from masktrl.readers import read_json
-from masktrl.config import split_method
 
 JOBS_FILE = "jobs.json"
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "PREEMPTED"}
@@ -40,8 +40,15 @@ def slurm_dir(out: Path) -> Path:
     return Path(out) / ".sweep" / "slurm"
 
 
-def train_command(item, *, out: Path, config: Path | list | None, overrides: list[str], accelerate_config: Path | None = None,
-                  python: str | None = None) -> list[str]:
+def train_command(
+    item,
+    *,
+    out: Path,
+    config: Path | list | None,
+    overrides: list[str],
+    accelerate_config: Path | None = None,
+    python: str | None = None,
+) -> list[str]:
     """The ``masktrl train`` argv that carries out planned run ``item`` (a ``SweepRun``): a new
     run, a fresh retry folder, or ``--resume`` of an interrupted one; under ``accelerate launch
     --config_file`` when ``accelerate_config`` is given."""
@@ -55,7 +62,9 @@ def train_command(item, *, out: Path, config: Path | list | None, overrides: lis
         raise ValueError(f"run {item.name} is {item.state}: nothing to start")
     name, params = split_method(item.method)  # a method spec: NAME[:KEY=VALUE...]
     argv = [*base, "--method", name, "--seed", str(item.seed)]
-    for path in ([] if config is None else config if isinstance(config, (list, tuple)) else [config]):  # --config is repeatable
+    for path in (
+        [] if config is None else config if isinstance(config, (list, tuple)) else [config]
+    ):  # --config is repeatable
         argv += ["--config", str(path)]
     for o in [*overrides, *params]:
         argv += ["--set", o]
@@ -71,7 +80,9 @@ def parse_options(pairs: list[str]) -> list[str]:
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", key):
             raise ConfigError(f"--slurm {pair!r}: expected KEY=VALUE, e.g. --slurm partition=gpu --slurm gres=gpu:8")
         if key in ("output", "error", "job-name", "J", "o", "e"):
-            raise ConfigError(f"--slurm {key}: set by masktrl (job name masktrl-<run>, log " "<out>/.sweep/slurm/<run>-<jobid>.log)")
+            raise ConfigError(
+                f"--slurm {key}: set by masktrl (job name masktrl-<run>, log <out>/.sweep/slurm/<run>-<jobid>.log)"
+            )
         out.append(f"--{key}={value}" if sep else f"--{key}")
     return out
 
@@ -87,7 +98,8 @@ def write_script(item, argv: list[str], out: Path, options: list[str], *, workdi
         f"#SBATCH --job-name=masktrl-{name}",
         f"#SBATCH --output={(folder / name).resolve()}-%j.log",
         *(f"#SBATCH {opt}" for opt in options),
-        "# written by masktrl sweep --launcher slurm; run it again with: sbatch " + shlex.quote(str(folder / f"{name}.sbatch")),
+        "# written by masktrl sweep --launcher slurm; run it again with: sbatch "
+        + shlex.quote(str(folder / f"{name}.sbatch")),
         "set -euo pipefail",
         f"cd {shlex.quote(str(Path(workdir or os.getcwd()).resolve()))}",
         "exec " + shlex.join(argv),
@@ -103,7 +115,10 @@ def check_sbatch() -> str:
     """The sbatch executable, or a ``ConfigError`` before anything is written."""
     exe = shutil.which("sbatch")
     if exe is None:
-        raise ConfigError("--launcher slurm: sbatch is not on the PATH (run on a SLURM login node, or pass " "--no-submit to only write the scripts)")
+        raise ConfigError(
+            "--launcher slurm: sbatch is not on the PATH (run on a SLURM login node, or pass "
+            "--no-submit to only write the scripts)"
+        )
     return exe
 
 
@@ -111,7 +126,9 @@ def submit_job(script: Path) -> str:
     """``sbatch --parsable SCRIPT``; returns the job id."""
     r = subprocess.run([check_sbatch(), "--parsable", str(script)], capture_output=True, text=True)
     if r.returncode != 0:
-        raise MasktrlError(f"sbatch {script} failed: " f"{(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}")
+        raise MasktrlError(
+            f"sbatch {script} failed: {(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}"
+        )
     job = r.stdout.strip().split(";")[0]  # --parsable: "jobid" or "jobid;cluster"
     if not job:
         raise MasktrlError(f"sbatch {script}: no job id in its output")
@@ -124,9 +141,13 @@ def recorded_jobs(out: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
     try:
-        return {str(k): str(v) for k, v in read_json(path, error=MasktrlError).items()}  # bounded: depth, non-finite numbers
+        return {
+            str(k): str(v) for k, v in read_json(path, error=MasktrlError).items()
+        }  # bounded: depth, non-finite numbers
     except (MasktrlError, AttributeError):
-        raise MasktrlError(f"{path}: unreadable (corrupted); delete it once no job of this sweep is queued or " "running") from None
+        raise MasktrlError(
+            f"{path}: unreadable (corrupted); delete it once no job of this sweep is queued or running"
+        ) from None
 
 
 def record_job(out: Path, run: str, job: str) -> None:
@@ -143,7 +164,9 @@ def active_jobs(jobs: dict[str, str]) -> dict[str, str]:
     exe = shutil.which("squeue")
     if exe is None:
         return {run: f"job {job} (squeue not available to check it)" for run, job in jobs.items()}
-    r = subprocess.run([exe, "-h", "-o", "%i %T", "-j", ",".join(sorted(set(jobs.values())))], capture_output=True, text=True)
+    r = subprocess.run(
+        [exe, "-h", "-o", "%i %T", "-j", ",".join(sorted(set(jobs.values())))], capture_output=True, text=True
+    )
     states = {}
     for line in r.stdout.splitlines():
         parts = line.split()
@@ -161,13 +184,24 @@ class SlurmOptions:
     resubmit: bool = False  # --resubmit
 
 
-def launch(items, out: Path, config, overrides: list[str], accelerate_config: Path | None, *, print_only: bool,
-           slurm: SlurmOptions = SlurmOptions()):
+def launch(
+    items,
+    out: Path,
+    config,
+    overrides: list[str],
+    accelerate_config: Path | None,
+    *,
+    print_only: bool,
+    slurm: SlurmOptions = SlurmOptions(),
+):
     """``--print-commands`` (each run's train command) or ``--launcher slurm`` (one sbatch job per
     run still to do: skipped when complete, still queued or running, or trained right now);
     yields the lines to show."""
     todo = [i for i in items if i.state != "complete"]
-    commands = {i.root: train_command(i, out=out, config=config, overrides=overrides, accelerate_config=accelerate_config) for i in todo}
+    commands = {
+        i.root: train_command(i, out=out, config=config, overrides=overrides, accelerate_config=accelerate_config)
+        for i in todo
+    }
     if print_only:
         for item in items:
             yield f"# {item.root.name}: complete" if item.state == "complete" else shlex.join(commands[item.root])
@@ -176,7 +210,7 @@ def launch(items, out: Path, config, overrides: list[str], accelerate_config: Pa
     if submit and todo:
         check_sbatch()
     active = {} if slurm.resubmit else active_jobs(recorded_jobs(out))
-    yield f"masktrl sweep --launcher slurm: {len(items) - len(todo)} complete, {len(todo)} to run, under " f"{out}"
+    yield f"masktrl sweep --launcher slurm: {len(items) - len(todo)} complete, {len(todo)} to run, under {out}"
     for item in items:
         name = item.root.name
         if item.state == "complete":
@@ -196,5 +230,8 @@ def launch(items, out: Path, config, overrides: list[str], accelerate_config: Pa
             note = {"resume": ", resuming", "retry": ", fresh restart"}.get(item.state, "")
             yield f"submitted {name} as job {job}{note} ({script})"
     if todo:
-        yield ("run this command again when the jobs are done: complete runs are skipped, and the " "compare table "
-               "is printed once every run is complete")
+        yield (
+            "run this command again when the jobs are done: complete runs are skipped, and the "
+            "compare table "
+            "is printed once every run is complete"
+        )

@@ -23,10 +23,10 @@ its plan, carried out by ``recipes.train.train`` (``runs/session.py``).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from contextlib import AbstractContextManager
-from typing import Callable
 
 from masktrl.config import MAX_SEED, Config, diff_configs, load_config, split_method
 from masktrl.errors import ConfigError
@@ -43,7 +43,9 @@ class SweepRun:
     root: Path  # the folder that holds (or will hold) the complete run
     state: str  # "complete" (skip) | "new" | "resume" (incomplete, resumable) | "retry" (fresh folder)
     incomplete: list[Path] = field(default_factory=list)
-    writer: int | None = None  # plan(busy_ok=True): the pid holding the run's lock (-1: not known), if a process trains it now
+    writer: int | None = (
+        None  # plan(busy_ok=True): the pid holding the run's lock (-1: not known), if a process trains it now
+    )
 
 
 def parse_methods(text: str) -> list[str]:
@@ -61,7 +63,9 @@ def parse_methods(text: str) -> list[str]:
         if is_rule_file(name):
             load_rule(name)  # a missing file, a name not in it, a broken rule: one line before anything is planned
         elif name not in method_names():
-            raise ConfigError(f"unknown method {name!r}; valid methods: {', '.join(method_names())}, or " "path/to/rules.py:name")
+            raise ConfigError(
+                f"unknown method {name!r}; valid methods: {', '.join(method_names())}, or path/to/rules.py:name"
+            )
     if len(set(methods)) != len(methods):
         raise ConfigError(f"--methods lists a method twice: {text}")
     return methods
@@ -73,7 +77,10 @@ def run_stem(spec: str) -> str:
     name, overrides = split_method(spec)
     if is_rule_file(name):  # examples/soft_clip.py:soft_clip -> soft_clip
         name = name.rpartition(":")[2]
-    keys = [f"{key.removeprefix('method.').replace('.', '-')}-{value}" for key, _, value in (o.partition("=") for o in overrides)]
+    keys = [
+        f"{key.removeprefix('method.').replace('.', '-')}-{value}"
+        for key, _, value in (o.partition("=") for o in overrides)
+    ]
     return "-".join([name, *keys])
 
 
@@ -104,8 +111,9 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def check_flags(methods: list[str], overrides: list[str], baseline: str | None, launcher: str, *, no_submit: bool,
-                resubmit: bool) -> None:
+def check_flags(
+    methods: list[str], overrides: list[str], baseline: str | None, launcher: str, *, no_submit: bool, resubmit: bool
+) -> None:
     """ConfigError, before the first run, for flags that cannot mean what they say: a seed or a
     method name set with ``--set`` (every run takes its seed from ``--seeds``, its method from
     ``--methods``), a ``--baseline`` that is not
@@ -113,9 +121,14 @@ def check_flags(methods: list[str], overrides: list[str], baseline: str | None, 
     for item in overrides:
         key, _, value = item.partition("=")
         if key.strip() == "seed":
-            raise ConfigError(f"--set {item} conflicts with --seeds (every run of a sweep takes its seed from " "--seeds): drop one")
+            raise ConfigError(
+                f"--set {item} conflicts with --seeds (every run of a sweep takes its seed from --seeds): drop one"
+            )
         if key.strip() in ("method", "method.name"):
-            raise ConfigError(f"--set {item} conflicts with --methods (every run of a sweep takes its method from " "--methods): drop one")
+            raise ConfigError(
+                f"--set {item} conflicts with --methods (every run of a sweep takes its method from "
+                "--methods): drop one"
+            )
     if baseline is not None and baseline not in methods and baseline not in {split_method(m)[0] for m in methods}:
         raise ConfigError(f"--baseline {baseline} is not among the swept methods ({', '.join(methods)})")
     for flag, given in (("--no-submit", no_submit), ("--resubmit", resubmit)):
@@ -123,8 +136,15 @@ def check_flags(methods: list[str], overrides: list[str], baseline: str | None, 
             raise ConfigError(f"{flag} goes with --launcher slurm (the local launcher submits nothing)")
 
 
-def plan(out: Path, methods: list[str], seeds: list[int], config: Path | list[Path] | None = None,
-         overrides: list[str] = (), *, busy_ok: bool = False) -> list[SweepRun]:
+def plan(
+    out: Path,
+    methods: list[str],
+    seeds: list[int],
+    config: Path | list[Path] | None = None,
+    overrides: list[str] = (),
+    *,
+    busy_ok: bool = False,
+) -> list[SweepRun]:
     """Every run of the grid with its config (``config``: one preset or several, composed as
     ``load_config`` does) and its fate among its folders (``runs/plan.py: sweep_fate``). A run
     that a process is training right now stops the plan with one line, or, with ``busy_ok`` (the
@@ -148,8 +168,12 @@ def _check_distinct(method: str, cfg: Config, seen: dict[str, Config]) -> None:
     its default value, e.g. ``dppo`` and ``dppo:divergence=topk-kl``): the compare table would
     hold one method twice under two names."""
     for other, other_cfg in seen.items():
-        if other_cfg.resolved_method() == cfg.resolved_method() and not diff_configs(other_cfg, cfg, ignore=("method.",)):
-            raise ConfigError(f"--methods: {method!r} trains the same config as {other!r} (its parameters are the " "defaults); drop one")
+        if other_cfg.resolved_method() == cfg.resolved_method() and not diff_configs(
+            other_cfg, cfg, ignore=("method.",)
+        ):
+            raise ConfigError(
+                f"--methods: {method!r} trains the same config as {other!r} (its parameters are the defaults); drop one"
+            )
     seen[method] = cfg
 
 
@@ -160,7 +184,10 @@ def check_launcher(launcher: str, accelerate_config: Path | None, print_commands
     if accelerate_config is not None and not accelerate_config.is_file():
         raise ConfigError(f"--accelerate-config {accelerate_config}: no such file")
     if accelerate_config is not None and launcher == "local" and not print_commands:
-        raise ConfigError("--accelerate-config goes with --launcher slurm or --print-commands (the local launcher " "trains in this process)")
+        raise ConfigError(
+            "--accelerate-config goes with --launcher slurm or --print-commands (the local launcher "
+            "trains in this process)"
+        )
 
 
 def run_one(item: SweepRun, progress=None) -> Path:
@@ -174,8 +201,11 @@ def run_one(item: SweepRun, progress=None) -> Path:
     return item.root
 
 
-def run(runs: list[SweepRun], progress_bar: Callable[[], AbstractContextManager] | None = None,
-              on_event: Callable[[str, SweepRun], None] | None = None) -> list[Path]:
+def run(
+    runs: list[SweepRun],
+    progress_bar: Callable[[], AbstractContextManager] | None = None,
+    on_event: Callable[[str, SweepRun], None] | None = None,
+) -> list[Path]:
     """Train every run that is not complete, in order, each under a fresh ``progress_bar()``;
     ``on_event`` hears ``skip`` or ``start`` before each run. Returns the folders of all runs."""
     done = []

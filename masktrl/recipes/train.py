@@ -26,16 +26,17 @@ its part of every minibatch; only the main process writes. SIGTERM is a Ctrl-C
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.rl import checks
-from masktrl.rl.agentic import with_environment
 from masktrl.rl import train_state as ckpt
+from masktrl.rl.agentic import with_environment
 from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts, reward_failures
 from masktrl.rl.distributed import Dist, launched
 from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
@@ -62,8 +63,13 @@ if TYPE_CHECKING:
     from rich.progress import Progress
 
 
-def train(plan: Plan, progress: Progress | None = None, *, on_start: Callable[[Plan], None] | None = None,
-          dist: Dist | None = None) -> TrainResult:
+def train(
+    plan: Plan,
+    progress: Progress | None = None,
+    *,
+    on_start: Callable[[Plan], None] | None = None,
+    dist: Dist | None = None,
+) -> TrainResult:
     """The one way into training (``masktrl train``, a sweep's run, the Python API: a plan of
     ``runs/plan.py``): the checks, the session opened (``on_start`` sees the plan it confirmed,
     before the first write), setup, the steps, finish. An ``Interrupted`` leaving here carries
@@ -76,8 +82,12 @@ def train(plan: Plan, progress: Progress | None = None, *, on_start: Callable[[P
     s = None
     try:
         with session.locked(), graceful_stop(graceful=False) as stop:  # one writer per run; SIGTERM = Ctrl-C
-            decision = session.open(checked.vocab_size, check=lambda start: checks.check_start(plan, checked, dist, start),
-                                    on_start=on_start, say=lambda text: _note(progress, dist, text))
+            decision = session.open(
+                checked.vocab_size,
+                check=lambda start: checks.check_start(plan, checked, dist, start),
+                on_start=on_start,
+                say=lambda text: _note(progress, dist, text),
+            )
             if decision.mode == "complete":  # checked like any resume (the lock, every artifact), then left as it is
                 return TrainResult(decision.summary, session.store, dist.is_main, decision.note)
             with session.recording():  # interrupted or failed, with the reason: never left running
@@ -115,7 +125,9 @@ def run_steps(s: State, stop: GracefulStop) -> None:
     stop.graceful = False
 
 
-def setup(session: Session, decision: Decision, checked: checks.Checked, progress: Progress | None, dist: Dist) -> State:
+def setup(
+    session: Session, decision: Decision, checked: checks.Checked, progress: Progress | None, dist: Dist
+) -> State:
     """Everything the steps share, built once on the recorded run (``build_state``)."""
     cfg = session.cfg
     torch.set_num_threads(cfg.train.threads)
@@ -124,21 +136,41 @@ def setup(session: Session, decision: Decision, checked: checks.Checked, progres
     return build_state(session, checked, progress, count, resumed=decision.mode == "resume", dist=dist)
 
 
-def build_state(session: Session, checked: checks.Checked, progress: Progress | None, count: Counters, *, resumed: bool,
-                dist: Dist) -> State:
+def build_state(
+    session: Session, checked: checks.Checked, progress: Progress | None, count: Counters, *, resumed: bool, dist: Dist
+) -> State:
     """The model parts (``build_parts``), the run's services, the counters; then held-out
     accuracy of the starting policy."""
     cfg, store, task, source = session.cfg, session.store, checked.task, checked.source
     parts, ws_info, vocab_size = build_parts(session, checked, progress, count, resumed=resumed, dist=dist)
     collect = replace(CollectSettings.from_config(cfg), chat_template=wraps_chat(task, cfg.model.chat_template))
-    meta = source.meta if source else {"engine": parts.engine.name, "tokenizer": tokenizer_fingerprint(parts.tokenizer),
-                                       **collect.sampling.__dict__, "rollout_dtype": cfg.rollout.dtype,
-                                       "quantization": cfg.rollout.quantization}
+    meta = (
+        source.meta
+        if source
+        else {
+            "engine": parts.engine.name,
+            "tokenizer": tokenizer_fingerprint(parts.tokenizer),
+            **collect.sampling.__dict__,
+            "rollout_dtype": cfg.rollout.dtype,
+            "quantization": cfg.rollout.quantization,
+        }
+    )
     if source:
         count.steps = min(cfg.train.steps, source.num_steps)
-    services = RunServices(cfg, store, dist, task, collect, UpdateSettings.from_config(cfg), source, meta, task.test_examples(),
-                           LabStats(vocab_size, cfg.rollout.logprobs_k) if cfg.train.lab_stats else None,
-                           Trackers((), Path("."), ""), progress)
+    services = RunServices(
+        cfg,
+        store,
+        dist,
+        task,
+        collect,
+        UpdateSettings.from_config(cfg),
+        source,
+        meta,
+        task.test_examples(),
+        LabStats(vocab_size, cfg.rollout.logprobs_k) if cfg.train.lab_stats else None,
+        Trackers((), Path("."), ""),
+        progress,
+    )
     s = State(parts, services, count, ws_info, session.plan.rollouts_from, session)
     count.eval_before = _heldout_once(s, EVAL_BEFORE_KEY, 0)
     services.trackers = open_trackers(cfg.train.report_to, store.root, store.name, cfg.to_dict(), dist.is_main)
@@ -146,12 +178,15 @@ def build_state(session: Session, checked: checks.Checked, progress: Progress | 
     return s
 
 
-def build_parts(session: Session, checked: checks.Checked, progress: Progress | None, count: Counters, *, resumed: bool,
-                dist: Dist) -> tuple[ModelParts, dict, int]:
+def build_parts(
+    session: Session, checked: checks.Checked, progress: Progress | None, count: Counters, *, resumed: bool, dist: Dist
+) -> tuple[ModelParts, dict, int]:
     """(the model parts, the warm start's info, the logits' width): the policy warm-started or
     restored (``resumed``: from checkpoint ``count.start``), its optimizer, the engine."""
     cfg, store = session.cfg, session.store
-    model, tokenizer, ws_info = load_policy(cfg, store, checked.task, progress, dist, say=lambda text: _note(progress, dist, text))
+    model, tokenizer, ws_info = load_policy(
+        cfg, store, checked.task, progress, dist, say=lambda text: _note(progress, dist, text)
+    )
     method = cfg.method.bind()
     reference = None  # the starting policy, frozen before a resumed run loads its checkpoint (LoRA: adapters off)
     if method.needs_reference:
@@ -169,7 +204,9 @@ def build_parts(session: Session, checked: checks.Checked, progress: Progress | 
         ckpt.restore_engine_state(store.checkpoint_dir(count.start), dist, policy)
     store.set_info(disk_projection=projection.info())
     _note(progress, dist, projection.summary())
-    engine = make_engine(cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
+    engine = make_engine(
+        cfg.rollout, model, tokenizer, ws_info.get("path", cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed
+    )
     engine = with_environment(engine, tokenizer, cfg.task)  # task.env: multi-turn episodes
     if cfg.model.routing_replay is not None:  # R3: the engine records its experts, the training forward replays them
         enable_routing_replay(model, engine)
@@ -204,8 +241,19 @@ def update(s: State, samples: list[Sample], step: int) -> dict:
         penalty = penalise_kl(samples, reference_logprobs(p.reference, samples, micro), p.method)
     # mismatch/* at no extra forward
     logp = UpdateLogp(then=r.lab) if samples and mismatch_from(s) == "update" else None
-    stats = policy_update(Learner(p.policy, p.optimizer, p.scheduler), samples, r.update, step, r.dist,
-                          hooks=Hooks(before=logp or r.lab), reference=p.reference) if samples else {}
+    stats = (
+        policy_update(
+            Learner(p.policy, p.optimizer, p.scheduler),
+            samples,
+            r.update,
+            step,
+            r.dist,
+            hooks=Hooks(before=logp or r.lab),
+            reference=p.reference,
+        )
+        if samples
+        else {}
+    )
     stats.update(penalty)
     if logp is not None:
         stats.update(logp.stats(samples))
@@ -247,8 +295,10 @@ def check_finite(s: State, step: int) -> None:
     run, limit = s.count.nonfinite_run, s.cfg.train.max_nonfinite_steps
     if run >= limit:
         raise NonFiniteError(
-            f"steps {step - run + 1}-{step}: {run} steps in a row with a non-finite loss or " "gradient norm (not applied); "
-            f"the run stops (train.max_nonfinite_steps={limit}): lower train.lr or check the " "rollouts"
+            f"steps {step - run + 1}-{step}: {run} steps in a row with a non-finite loss or "
+            "gradient norm (not applied); "
+            f"the run stops (train.max_nonfinite_steps={limit}): lower train.lr or check the "
+            "rollouts"
         )
 
 
@@ -312,8 +362,18 @@ def rollout_batch(s: State, step: int) -> Batch:
         # the engine's gap to the trainer, at the weights that sampled the batch (rl/mismatch.py)
         u, how = r.update, mismatch_from(s)
         if how is not None:  # "update": log pi_old comes from the update's own forward; only MoE routing flips here
-            batch.stats.update(measure_mismatch(p.policy, p.model, p.engine, batch.samples, u.temperature, u.logprob_chunk,
-                                                u.minibatches * u.grad_accum, routing_only=how == "update"))
+            batch.stats.update(
+                measure_mismatch(
+                    p.policy,
+                    p.model,
+                    p.engine,
+                    batch.samples,
+                    u.temperature,
+                    u.logprob_chunk,
+                    u.minibatches * u.grad_accum,
+                    routing_only=how == "update",
+                )
+            )
     maybe_crash("rollout-write", step)
     s.store.write_rollouts(step, batch.samples, {**r.rollout_meta, "stats": batch.stats})
     return batch
@@ -322,8 +382,13 @@ def rollout_batch(s: State, step: int) -> Batch:
 def mismatch_from(s: State) -> str | None:
     """Where this run's ``mismatch/*`` come from (``rollout.mismatch``; rl/mismatch.py ``mismatch_source``)."""
     r = s.run
-    return mismatch_source(s.cfg.rollout.mismatch, staleness=staleness_cap(s.cfg.rollout.staleness), minibatches=r.update.minibatches,
-                           replay=r.source is not None, world=r.dist.world)
+    return mismatch_source(
+        s.cfg.rollout.mismatch,
+        staleness=staleness_cap(s.cfg.rollout.staleness),
+        minibatches=r.update.minibatches,
+        replay=r.source is not None,
+        world=r.dist.world,
+    )
 
 
 def step_evals(s: State, step: int) -> dict:
@@ -332,7 +397,9 @@ def step_evals(s: State, step: int) -> dict:
     row = {}
     if s.cfg.train.eval_every and step % s.cfg.train.eval_every == 0 and step < s.count.steps:
         row["eval/heldout/accuracy"] = _heldout(s)
-    row.update(periodic_eval(s.cfg, s.store, s.parts.engine, s.parts.tokenizer, step, s.count.steps, write=s.store.writable))
+    row.update(
+        periodic_eval(s.cfg, s.store, s.parts.engine, s.parts.tokenizer, step, s.count.steps, write=s.store.writable)
+    )
     return row
 
 
@@ -354,8 +421,16 @@ def sync_weights(engine: RolloutEngine, model: torch.nn.Module, dist: Dist) -> N
 
 def _heldout(s: State) -> float:
     cfg, p, r = s.cfg, s.parts, s.run
-    return heldout_accuracy(p.engine, p.tokenizer, r.task, r.test_set, r.collect.sampling, cfg.eval.greedy,
-                            r.collect.chat_template, cfg.seed)
+    return heldout_accuracy(
+        p.engine,
+        p.tokenizer,
+        r.task,
+        r.test_set,
+        r.collect.sampling,
+        cfg.eval.greedy,
+        r.collect.chat_template,
+        cfg.seed,
+    )
 
 
 def _heldout_once(s: State, stage: str, step: int) -> float:
@@ -363,7 +438,11 @@ def _heldout_once(s: State, stage: str, step: int) -> float:
     step 0, eval/after: the last step) with its step; a resumed run reads it back if it measured
     the same step (a run extended with more steps measures its new last step)."""
     entry = s.store.stage(stage)
-    if entry is not None and entry.get("status") == "done" and entry.get("step", 0 if stage == EVAL_BEFORE_KEY else None) == step:
+    if (
+        entry is not None
+        and entry.get("status") == "done"
+        and entry.get("step", 0 if stage == EVAL_BEFORE_KEY else None) == step
+    ):
         return entry["accuracy"]
     accuracy = _heldout(s)
     s.store.mark_done(stage, [], accuracy=accuracy, step=step)

@@ -23,7 +23,10 @@ def env_settings(task_cfg: TaskConfig) -> tuple[type, str, int, float]:
     env_cls = load_env(task_cfg.env)
     stop = task_cfg.call_stop or getattr(env_cls, "stop", None)
     if not isinstance(stop, str) or not stop:
-        raise ConfigError(f"task.env {task_cfg.env!r}: set task.call_stop (the text that ends a tool call); the class has no stop attribute")
+        raise ConfigError(
+            f"task.env {task_cfg.env!r}: set task.call_stop (the text that ends a tool call); "
+            "the class has no stop attribute"
+        )
     return env_cls, stop, task_cfg.max_turns or DEFAULT_MAX_TURNS, task_cfg.env_timeout_s or DEFAULT_TIMEOUT_S
 
 
@@ -46,14 +49,25 @@ class EnvEngine:
         """Single responses (no environment): what a caller without examples gets."""
         return self.inner.generate(prompts, settings, seed)
 
-    def generate_episodes(self, prompts: list[list[int]], examples, settings: SamplingSettings, seed: int) -> list[list[Generation]]:
+    def generate_episodes(
+        self, prompts: list[list[int]], examples, settings: SamplingSettings, seed: int
+    ) -> list[list[Generation]]:
         """``settings.n`` episodes per prompt; ``examples``: the prompts' ``Example`` s (the
         environment is reset with the row: prompt, answer and the row's fields)."""
         rows = [{**(ex.meta.get("fields") or {}), "prompt": ex.prompt, "answer": ex.answer} for ex in examples]
         max_tokens = self.max_total_tokens or self.max_turns * settings.max_new_tokens
-        return generate_multi_turn(self.inner, self.tokenizer, prompts, rows, replace(settings), seed,
-                                   lambda: Episode(self.env_cls, self.stats, self.timeout_s),
-                                   stop=self.stop, max_turns=self.max_turns, max_tokens=max_tokens)
+        return generate_multi_turn(
+            self.inner,
+            self.tokenizer,
+            prompts,
+            rows,
+            replace(settings),
+            seed,
+            lambda: Episode(self.env_cls, self.stats, self.timeout_s),
+            stop=self.stop,
+            max_turns=self.max_turns,
+            max_tokens=max_tokens,
+        )
 
     def take_stats(self) -> dict:
         """``env_calls``, ``env_errors``, ``env_timeouts`` since the last call (a metrics row's)."""

@@ -12,8 +12,8 @@ raises a ``MasktrlError`` naming the file or key.
 
 from __future__ import annotations
 
-import random
 import os
+import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +57,9 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
         report.append(("model", f"{cfg.model.path} (vocabulary {vocab_size}, context {context or 'unknown'})"))
         report += _model_checks(cfg, task, tokenizer, vocab_size, context)
         source = None
-        if not rollouts_from:  # a task with nothing to train on (a one-row dataset held out whole): one line now, not a failed run
+        if (
+            not rollouts_from
+        ):  # a task with nothing to train on (a one-row dataset held out whole): one line now, not a failed run
             task.train_examples(1, random.Random(0))
         if rollouts_from:
             source = _replay_source(cfg, rollouts_from, tokenizer, vocab_size)
@@ -81,8 +83,11 @@ def _model_checks(cfg: Config, task, tokenizer, vocab_size: int, context: int | 
     if cfg.rollout.top_p < 1.0 or cfg.rollout.top_k > 0:
         report.append(("truncated sampling", check_truncation(cfg, vocab_size)))
     if cfg.rollout.engine == "vllm" and cfg.rollout.logprobs_k > vocab_size:  # transformers records min(K, vocabulary)
-        raise ConfigError(f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary " f"({vocab_size}): "
-                          "the vllm engine cannot record that many entries per token")
+        raise ConfigError(
+            f"rollout.logprobs_k={cfg.rollout.logprobs_k} exceeds the model's vocabulary "
+            f"({vocab_size}): "
+            "the vllm engine cannot record that many entries per token"
+        )
     report.extend(check_routing_replay(cfg, tokenizer))
     check_engine(cfg)
     if cfg.train.quantization is not None:
@@ -93,12 +98,20 @@ def _model_checks(cfg: Config, task, tokenizer, vocab_size: int, context: int | 
         check_packing(cfg)
         report.append(("train.packing", "the model's attention can mask packed sequences"))
     if context is not None and cfg.rollout.max_new_tokens >= context:
-        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the " "model's context "
-                          f"({context} positions)")
+        raise ConfigError(
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
+            "model's context "
+            f"({context} positions)"
+        )
     if context is not None:
-        check_prompt_lengths(task.test_examples(), tokenizer, wraps_chat(task, cfg.model.chat_template),
-                             context - cfg.rollout.max_new_tokens, what=f"task {task.name}: held-out prompts",
-                             room=f"{context} positions less " f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+        check_prompt_lengths(
+            task.test_examples(),
+            tokenizer,
+            wraps_chat(task, cfg.model.chat_template),
+            context - cfg.rollout.max_new_tokens,
+            what=f"task {task.name}: held-out prompts",
+            room=f"{context} positions less rollout.max_new_tokens={cfg.rollout.max_new_tokens}",
+        )
     return report
 
 
@@ -106,14 +119,20 @@ def _replay_source(cfg: Config, rollouts_from: str, tokenizer, vocab_size: int):
     """``--rollouts-from``: the stored batches, checked against the run's sampling settings."""
     from masktrl.rl.rollout_source import RolloutSource
 
-    source = RolloutSource(rollouts_from, cfg.rollout.prompts_per_step, tokenizer, vocab_size=vocab_size,
-                           steps=cfg.train.steps)
+    source = RolloutSource(
+        rollouts_from, cfg.rollout.prompts_per_step, tokenizer, vocab_size=vocab_size, steps=cfg.train.steps
+    )
     m = source.meta
     if float(m.get("top_p", 1.0)) < 1.0 and "top_k" not in m:  # before kept sets were recorded
         raise ConfigError(top_p_refusal(f"--rollouts-from {rollouts_from} was sampled with top_p={m['top_p']}"))
     if float(m.get("top_p", 1.0)) < 1.0 or int(m.get("top_k", 0) or 0) > 0:
-        kept_set_bound(f"--rollouts-from {rollouts_from} was sampled with top_p={m.get('top_p')}, " f"top_k={m.get('top_k')}",
-                       m.get("engine", "hf"), int(m.get("top_k", 0) or 0), int(m.get("logprobs_k", 0) or 0), vocab_size)
+        kept_set_bound(
+            f"--rollouts-from {rollouts_from} was sampled with top_p={m.get('top_p')}, top_k={m.get('top_k')}",
+            m.get("engine", "hf"),
+            int(m.get("top_k", 0) or 0),
+            int(m.get("logprobs_k", 0) or 0),
+            vocab_size,
+        )
     source.check_sampled_as(cfg, rollouts_from)  # pi at the temperature mu was sampled at
     check_replay_source(cfg, source, rollouts_from)
     return source
@@ -156,8 +175,12 @@ def check_checkpoint(cfg: Config, tokenizer, path: Path) -> None:
     rank = cfg.model.lora.rank
     if adapters != (rank is not None):
         held = "LoRA adapters" if adapters else "the full weights (no LoRA adapters)"
-        raise ConfigError(f"model.lora.rank={rank if rank is not None else 'null'}: checkpoint {path.name} holds " f"{held}, "
-                          "which this model cannot load; --resume it with its own model.lora " "(nothing was changed)")
+        raise ConfigError(
+            f"model.lora.rank={rank if rank is not None else 'null'}: checkpoint {path.name} holds "
+            f"{held}, "
+            "which this model cannot load; --resume it with its own model.lora "
+            "(nothing was changed)"
+        )
     model = meta_model(cfg, tokenizer)
     if adapters:
         apply_lora(model, lora_settings(cfg), seed=cfg.seed)
@@ -173,9 +196,14 @@ def check_checkpoint(cfg: Config, tokenizer, path: Path) -> None:
     if differ:
         key = differ[0]
         there, here = (list(d[key]) if key in d else "absent" for d in (stored, own))
-        raise ConfigError(f"checkpoint {path.name} does not fit the model this config builds: {key} is {there} " f"there, {here} here "
-                          f"({len(differ)} tensors differ; a change of model.* or of the task's " "vocabulary cannot resume a "
-                          "checkpoint): --resume it with its own model and task (nothing was " "changed)")
+        raise ConfigError(
+            f"checkpoint {path.name} does not fit the model this config builds: {key} is {there} "
+            f"there, {here} here "
+            f"({len(differ)} tensors differ; a change of model.* or of the task's "
+            "vocabulary cannot resume a "
+            "checkpoint): --resume it with its own model and task (nothing was "
+            "changed)"
+        )
 
 
 def _meta_checkpoint(path: Path):
@@ -199,13 +227,25 @@ def check_train_quantization(cfg: Config) -> str:
     t = cfg.train
     kind = training_backend(t.quantization, t.quantization_backend)
     if kind == "torchao" and cfg.model.path == "tiny" and cfg.model.architecture in MOE_ARCHITECTURES:
-        raise ConfigError("train.quantization_backend=torchao: torchao's float8 training covers linear layers, not " "a MoE "
-                          "block's fused experts (use fake)")
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
-        raise ConfigError("train.quantization under DeepSpeed ZeRO-3: the FP8 forward reads whole weights, which " "ZeRO-3 "
-                          "partitions (use ZeRO-2 or DDP)")
-    how = ("fake-quantised (FP8 round trip in model.dtype, straight-through gradients)" if kind == "fake"
-           else "torchao float8 training")
+        raise ConfigError(
+            "train.quantization_backend=torchao: torchao's float8 training covers linear layers, not "
+            "a MoE "
+            "block's fused experts (use fake)"
+        )
+    if (
+        os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+        and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+    ):
+        raise ConfigError(
+            "train.quantization under DeepSpeed ZeRO-3: the FP8 forward reads whole weights, which "
+            "ZeRO-3 "
+            "partitions (use ZeRO-2 or DDP)"
+        )
+    how = (
+        "fake-quantised (FP8 round trip in model.dtype, straight-through gradients)"
+        if kind == "fake"
+        else "torchao float8 training"
+    )
     return f"{t.quantization}, {how}"
 
 
@@ -219,27 +259,40 @@ def check_routing_replay(cfg: Config, tokenizer) -> list[tuple[str, str]]:
         return []
     what = f"model.routing_replay={cfg.model.routing_replay}"
     if cfg.model.path == "tiny" and cfg.model.architecture not in MOE_ARCHITECTURES:
-        raise ConfigError(f"{what}: model.architecture={cfg.model.architecture} is dense: routing replay needs a "
-                          f"mixture-of-experts model ({', '.join(MOE_ARCHITECTURES)})")
+        raise ConfigError(
+            f"{what}: model.architecture={cfg.model.architecture} is dense: routing replay needs a "
+            f"mixture-of-experts model ({', '.join(MOE_ARCHITECTURES)})"
+        )
     if cfg.rollout.engine != "hf":
         raise ConfigError(f"{what}: rollout.engine={cfg.rollout.engine}: {NO_ROUTING}")
     if cfg.train.packing:
         raise ConfigError(f"{what}: the replayed forward runs whole prompt+response rows; set train.packing=false")
     if cfg.train.gradient_checkpointing:
-        raise ConfigError(f"{what}: activation checkpointing re-runs the routers outside the replay; "
-                          "set train.gradient_checkpointing=false")
+        raise ConfigError(
+            f"{what}: activation checkpointing re-runs the routers outside the replay; "
+            "set train.gradient_checkpointing=false"
+        )
     routers = moe_routers(meta_model(cfg, tokenizer))
     if not routers:
-        raise ConfigError(f"{what}: {cfg.model.path} is dense (no MoE routers): routing replay needs a mixture-of-experts model")
+        raise ConfigError(
+            f"{what}: {cfg.model.path} is dense (no MoE routers): routing replay needs a mixture-of-experts model"
+        )
     k = routers[0][2]
-    return [("model.routing_replay", f"the hf engine records the top-{k} experts of {len(routers)} MoE layers; training replays them")]
+    return [
+        (
+            "model.routing_replay",
+            f"the hf engine records the top-{k} experts of {len(routers)} MoE layers; training replays them",
+        )
+    ]
 
 
 def check_replay_source(cfg: Config, source, spec: str) -> None:
     """Routing replay trains only on ``--rollouts-from`` batches that record the engine's routing."""
     if cfg.model.routing_replay is not None and not source.has_routing():
-        raise ConfigError(f"model.routing_replay=rollout: --rollouts-from {spec} has no recorded routing "
-                          "(its batches were sampled without model.routing_replay)")
+        raise ConfigError(
+            f"model.routing_replay=rollout: --rollouts-from {spec} has no recorded routing "
+            "(its batches were sampled without model.routing_replay)"
+        )
 
 
 def staleness_line(value: dict) -> str:
@@ -248,15 +301,21 @@ def staleness_line(value: dict) -> str:
 
     spec = staleness_spec(value)
     shape = f", p = {spec['p']:g}" if spec["dist"] == "geometric" else ""
-    return (f"{spec['dist']} batch ages {spec['min']}..{spec['max']}{shape}, drawn per step from the " "seed "
-            "(metrics rollout_age)")
+    return (
+        f"{spec['dist']} batch ages {spec['min']}..{spec['max']}{shape}, drawn per step from the "
+        "seed "
+        "(metrics rollout_age)"
+    )
 
 
 def top_p_refusal(what: str) -> str:
     """The one line that refuses training on nucleus-sampled rollouts that do not record their
     kept sets (files written before they were recorded; docs/ROLLOUTS.md)."""
-    return (f"{what} without recording each token's kept set: training on it needs top_p = 1 (the " "behaviour mu is the "
-            "renormalised nucleus, and pi cannot be renormalised over a set that is not recorded)")
+    return (
+        f"{what} without recording each token's kept set: training on it needs top_p = 1 (the "
+        "behaviour mu is the "
+        "renormalised nucleus, and pi cannot be renormalised over a set that is not recorded)"
+    )
 
 
 def check_truncation(cfg: Config, vocab_size: int) -> str:
@@ -266,21 +325,34 @@ def check_truncation(cfg: Config, vocab_size: int) -> str:
     tokens: bounded by top_k, or by the vocabulary). The vllm engine's kept sets are not read
     back: refused. Returns the report line."""
     r = cfg.rollout
-    what = ", ".join(f for f in (f"rollout.top_p={r.top_p}" if r.top_p < 1.0 else "", f"rollout.top_k={r.top_k}" if r.top_k else "") if f)
+    what = ", ".join(
+        f
+        for f in (f"rollout.top_p={r.top_p}" if r.top_p < 1.0 else "", f"rollout.top_k={r.top_k}" if r.top_k else "")
+        if f
+    )
     bound = kept_set_bound(what, r.engine, r.top_k, r.logprobs_k, vocab_size)
-    return f"{what}: kept sets of at most {bound} tokens, recorded as top-K prefixes; pi renormalised over " "them in training"
+    return (
+        f"{what}: kept sets of at most {bound} tokens, recorded as top-K prefixes; pi renormalised over "
+        "them in training"
+    )
 
 
 def kept_set_bound(what: str, engine: str, top_k: int, logprobs_k: int, vocab_size: int) -> int:
     """The most tokens a kept set of this sampling can hold; ConfigError (starting with ``what``)
     when that is more than the recorded top-K list holds, or the engine is not hf."""
     if engine != "hf":
-        raise ConfigError(f"{what}: training records each token's kept set with the hf engine only " f"(rollout.engine={engine})")
+        raise ConfigError(
+            f"{what}: training records each token's kept set with the hf engine only (rollout.engine={engine})"
+        )
     bound = min(top_k, vocab_size) if top_k else vocab_size
     k = min(logprobs_k, vocab_size)
     if bound > k:
-        raise ConfigError(f"{what}: a kept set can hold {bound} tokens, more than the {k} of the recorded top-K " "list, which is "
-                          "where training reads it from: set rollout.top_k <= " f"rollout.logprobs_k={logprobs_k}")
+        raise ConfigError(
+            f"{what}: a kept set can hold {bound} tokens, more than the {k} of the recorded top-K "
+            "list, which is "
+            "where training reads it from: set rollout.top_k <= "
+            f"rollout.logprobs_k={logprobs_k}"
+        )
     return bound
 
 
@@ -298,8 +370,13 @@ def check_packing(cfg: Config) -> None:
         arch = get_architecture(m.architecture)
         config_class, model_class = model_classes(arch)
         tiny = TinyModelConfig.of(m)
-        config = config_class(hidden_size=m.hidden_size, num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-                              intermediate_size=m.intermediate_size, **arch.extra(tiny))
+        config = config_class(
+            hidden_size=m.hidden_size,
+            num_hidden_layers=m.num_layers,
+            num_attention_heads=m.num_heads,
+            intermediate_size=m.intermediate_size,
+            **arch.extra(tiny),
+        )
     else:
         from transformers import AutoModelForCausalLM
 
@@ -323,8 +400,11 @@ def policy_tokenizer(cfg: Config, task) -> tuple[object, int, int | None]:
 
         alphabet = task.alphabet()
         if alphabet is None and cfg.model.tokenizer == "char":
-            raise ConfigError("model.path=tiny builds a character tokenizer from the task's alphabet, and task " f"{task.name} has none: "
-                              "set model.path to a model folder or hub id")
+            raise ConfigError(
+                "model.path=tiny builds a character tokenizer from the task's alphabet, and task "
+                f"{task.name} has none: "
+                "set model.path to a model folder or hub id"
+            )
         tokenizer = tiny_tokenizer(cfg.model.tokenizer, alphabet)
         return tokenizer, len(tokenizer), TinyModelConfig.max_positions
     from masktrl.models.loading import load_model_config, load_tokenizer
@@ -342,8 +422,10 @@ def check_prompt_lengths(examples, tokenizer, chat_template: bool, limit: int, *
     if too_long:
         worst = max(too_long, key=lambda ex: len(ex.prompt))
         raise ConfigError(
-            f"{what}: {len(too_long)} of {len(examples)} are longer than the model's context " f"allows ({limit} tokens: {room}); "
-            f"the longest, {worst.id}, has {len(worst.prompt)} characters; drop such prompts " "(task.max_prompt_tokens) or "
+            f"{what}: {len(too_long)} of {len(examples)} are longer than the model's context "
+            f"allows ({limit} tokens: {room}); "
+            f"the longest, {worst.id}, has {len(worst.prompt)} characters; drop such prompts "
+            "(task.max_prompt_tokens) or "
             "shorten rollout.max_new_tokens"
         )
 
@@ -354,8 +436,11 @@ def prompts_too_long(examples, tokenizer, chat_template: bool, limit: int) -> li
     one token): a megabyte of text would take seconds to encode only to be refused."""
     from masktrl.tasks import encode_prompt
 
-    return [ex for ex in examples
-            if len(ex.prompt) > 64 * max(limit, 1) or len(encode_prompt(tokenizer, ex.prompt, chat_template)) > limit]
+    return [
+        ex
+        for ex in examples
+        if len(ex.prompt) > 64 * max(limit, 1) or len(encode_prompt(tokenizer, ex.prompt, chat_template)) > limit
+    ]
 
 
 def fit_context(examples: list, tokenizer, chat_template: bool, context: int | None) -> tuple[list, int]:
@@ -366,7 +451,9 @@ def fit_context(examples: list, tokenizer, chat_template: bool, context: int | N
     too_long = {id(ex) for ex in prompts_too_long(examples, tokenizer, chat_template, context - 1)}
     kept = [ex for ex in examples if id(ex) not in too_long]
     if not kept:
-        raise ConfigError(f"all {len(examples)} problems have prompts longer than the model's context ({context} " "positions)")
+        raise ConfigError(
+            f"all {len(examples)} problems have prompts longer than the model's context ({context} positions)"
+        )
     return kept, len(examples) - len(kept)
 
 
@@ -423,7 +510,11 @@ def projected_disk(cfg: Config, checked: Checked) -> str:
         from masktrl.models.lora import apply_lora
 
         apply_lora(model, lora_settings(cfg), seed=cfg.seed)
-    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "") if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" else ""
+    stage = (
+        os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+        else ""
+    )
     n_params = retention.count_parameters(model, trainable_only=cfg.model.lora.rank is not None)
     projection = retention.project(cfg, n_params, deepspeed_stage=int(stage) if stage.isdigit() else None)
     return projection.summary().removeprefix("projected disk: ")
@@ -434,4 +525,3 @@ def _free(out: Path) -> str:
         if parent.exists():
             return f"{shutil.disk_usage(parent).free / 1e9:.1f} GB"
     return "unknown"
-

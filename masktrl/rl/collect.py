@@ -49,7 +49,7 @@ class CollectSettings:
     chat_template: bool
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "CollectSettings":
+    def from_config(cls, cfg: Config) -> CollectSettings:
         return cls(sampling_settings(cfg.rollout), cfg.rollout.prompts_per_step, cfg.seed, cfg.model.chat_template)
 
 
@@ -58,8 +58,9 @@ def sampling_settings(rollout_cfg: RolloutConfig) -> SamplingSettings:
     return SamplingSettings(r.n, r.max_new_tokens, r.temperature, r.top_p, r.logprobs_k, top_k=r.top_k)
 
 
-def collect_rollouts(engine, tokenizer, task, method: BoundMethod, settings: CollectSettings, step: int,
-                     dist: Dist | None = None) -> Batch:
+def collect_rollouts(
+    engine, tokenizer, task, method: BoundMethod, settings: CollectSettings, step: int, dist: Dist | None = None
+) -> Batch:
     """``prompts_per_step`` groups with rewards and advantages (samples numbered by group), and
     the step's rollout statistics; ``method``: the run's method bound to its params (reward
     shaping, dynamic sampling, advantages)."""
@@ -72,7 +73,11 @@ def collect_rollouts(engine, tokenizer, task, method: BoundMethod, settings: Col
         rng = random.Random(stream_seed(settings.seed, "prompts", step, attempt))
         examples = task.train_examples(want, rng)[dist.rank :: dist.world]
         seed = stream_seed(settings.seed, "rollout", step, attempt, *dist.stream_key)
-        groups = generate_groups(engine, tokenizer, examples, settings.sampling, seed, settings.chat_template) if examples else []
+        groups = (
+            generate_groups(engine, tokenizer, examples, settings.sampling, seed, settings.chat_template)
+            if examples
+            else []
+        )
         score_groups(task, examples, groups)  # reward: the task's score, then the method's shaping
         shape_rewards(groups, method, max_len)
         set_advantages(groups, method)  # within each group, where it was generated
@@ -90,7 +95,9 @@ def collect_rollouts(engine, tokenizer, task, method: BoundMethod, settings: Col
     return Batch(numbered(kept), stats)
 
 
-def generate_groups(engine, tokenizer, examples, settings: SamplingSettings, seed: int, chat_template=False) -> list[list[Sample]]:
+def generate_groups(
+    engine, tokenizer, examples, settings: SamplingSettings, seed: int, chat_template=False
+) -> list[list[Sample]]:
     """``settings.n`` samples per example, one list per example (a GRPO group), not yet scored."""
     prompt_ids, gens, texts = sample(engine, tokenizer, examples, settings, seed, chat_template)
     return [

@@ -68,7 +68,7 @@ class Dist:
         self._raw_optimizer = None
 
     @classmethod
-    def from_launch(cls, train_cfg) -> "Dist":
+    def from_launch(cls, train_cfg) -> Dist:
         """The Accelerator of this launch, configured from ``train_cfg`` (grad_accum, grad_clip)."""
         check_launch_settings()  # before DeepSpeed is even imported
         from accelerate import Accelerator
@@ -79,7 +79,9 @@ class Dist:
         try:
             acc = Accelerator(gradient_accumulation_steps=train_cfg.grad_accum, cpu=cpu)
         except (ValueError, TypeError, KeyError, ImportError, OSError) as exc:
-            raise ConfigError(f"{_launch_source()}: invalid accelerate/DeepSpeed settings ({_first_line(exc)})") from None
+            raise ConfigError(
+                f"{_launch_source()}: invalid accelerate/DeepSpeed settings ({_first_line(exc)})"
+            ) from None
         plugin = acc.state.deepspeed_plugin
         if plugin is not None:
             ds = plugin.deepspeed_config
@@ -144,8 +146,13 @@ class Dist:
         """Restore what ``save_engine_state`` wrote into the prepared ``policy`` (every process)."""
         if not self.deepspeed:
             return
-        path, _ = policy.load_checkpoint(str(folder), tag=ENGINE_STATE_TAG, load_module_strict=True,
-                                         load_optimizer_states=True, load_lr_scheduler_states=False)
+        path, _ = policy.load_checkpoint(
+            str(folder),
+            tag=ENGINE_STATE_TAG,
+            load_module_strict=True,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
         if path is None:
             raise ArtifactError(f"{folder}: no DeepSpeed state (tag {ENGINE_STATE_TAG}) for this process")
 
@@ -158,17 +165,22 @@ class Dist:
         if here is None:
             assert info is not None  # info != here
             raise MasktrlError(
-                f"{path}: written under DeepSpeed ZeRO-{info['zero_stage']} with " f"{info['processes']} processes; "
+                f"{path}: written under DeepSpeed ZeRO-{info['zero_stage']} with "
+                f"{info['processes']} processes; "
                 "resume it under the same accelerate launch"
             )
         if info is None:
             raise MasktrlError(
-                f"{path}: has no DeepSpeed optimizer state (written without DeepSpeed, or before " "masktrl saved it); resume it "
-                "the way it was trained, or start a new run from its weights (--set " "model.path=<checkpoint folder>)"
+                f"{path}: has no DeepSpeed optimizer state (written without DeepSpeed, or before "
+                "masktrl saved it); resume it "
+                "the way it was trained, or start a new run from its weights (--set "
+                "model.path=<checkpoint folder>)"
             )
         raise MasktrlError(
-            f"{path}: DeepSpeed state of ZeRO-{info['zero_stage']} with {info['processes']} " "processes, this launch is "
-            f"ZeRO-{here['zero_stage']} with {here['processes']}; resume with the same stage and " "process count"
+            f"{path}: DeepSpeed state of ZeRO-{info['zero_stage']} with {info['processes']} "
+            "processes, this launch is "
+            f"ZeRO-{here['zero_stage']} with {here['processes']}; resume with the same stage and "
+            "process count"
         )
 
     def gathered(self, module):
@@ -270,7 +282,11 @@ def _check_deepspeed_json(path: str | None) -> None:
         raise ConfigError(f"{p}: invalid DeepSpeed config ({str(exc).split(': ', 1)[-1]})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: invalid DeepSpeed config (top level must be an object)")
-    stage = data.get("zero_optimization", {}).get("stage", 0) if isinstance(data.get("zero_optimization", {}), dict) else None
+    stage = (
+        data.get("zero_optimization", {}).get("stage", 0)
+        if isinstance(data.get("zero_optimization", {}), dict)
+        else None
+    )
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"{p}: invalid DeepSpeed config (zero_optimization.stage must be 0-3, got {stage!r})")
 

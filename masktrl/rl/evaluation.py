@@ -23,9 +23,9 @@ import numpy as np
 from masktrl.config import OWN_TASK_BENCHMARKS, SYNTHETIC_TASKS, Config, TaskConfig, from_dict, read_overrides
 from masktrl.errors import ConfigError
 from masktrl.io import atomic_write_json
+from masktrl.models.loading import load_tokenizer
 from masktrl.rl.agentic import with_environment
 from masktrl.rl.sampling import grade, sample
-from masktrl.models.loading import load_tokenizer
 from masktrl.rollout.base import SamplingSettings
 from masktrl.runs.store import RunStore, eval_key
 from masktrl.seeding import stream_seed
@@ -37,8 +37,15 @@ SCHEMA_VERSION = 1
 ANSWER_CHARS = 100  # extracted answers are stored up to this length
 
 
-def bench_task_config(bench: str, cfg: Config, *, template: str | None = None, data: str | None = None,
-                      config: str | None = None, overrides: tuple[str, ...] = ()) -> TaskConfig:
+def bench_task_config(
+    bench: str,
+    cfg: Config,
+    *,
+    template: str | None = None,
+    data: str | None = None,
+    config: str | None = None,
+    overrides: tuple[str, ...] = (),
+) -> TaskConfig:
     """The task section that evaluates ``bench`` (a math preset, or ``dataset``).
 
     In order: for ``dataset``, the whole task section of a run that trained on a dataset (its
@@ -65,7 +72,9 @@ def bench_task_config(bench: str, cfg: Config, *, template: str | None = None, d
     for section, value in given.items():
         keys = list(value) if isinstance(value, dict) else [None]
         if section != "task" and (section, keys) != ("model", ["chat_template"]):
-            raise ConfigError("--config/--set of eval and rollout take task.* keys and model.chat_template, not " f"{section}.{keys[0]}")
+            raise ConfigError(
+                f"--config/--set of eval and rollout take task.* keys and model.chat_template, not {section}.{keys[0]}"
+            )
     raw.update(given.get("task") or {})
     raw["name"] = bench
     chat = given.get("model", {}).get("chat_template", cfg.model.chat_template)
@@ -103,8 +112,12 @@ def build_task(bench: str, cfg: Config, tokenizer=None):
     ``cfg.model.chat_template``)."""
     if bench in OWN_TASK_BENCHMARKS:
         if cfg.task.name not in SYNTHETIC_TASKS:
-            raise ConfigError(f"benchmark {bench} is the run's own synthetic task ({', '.join(SYNTHETIC_TASKS)}), " "but it trains on "
-                              f"{cfg.task.name!r}: evaluate it with masktrl eval dataset (or a " "math benchmark)")
+            raise ConfigError(
+                f"benchmark {bench} is the run's own synthetic task ({', '.join(SYNTHETIC_TASKS)}), "
+                "but it trains on "
+                f"{cfg.task.name!r}: evaluate it with masktrl eval dataset (or a "
+                "math benchmark)"
+            )
         return make_task(cfg.task, cfg.model)
     return make_eval_task(cfg.task, cfg.model, tokenizer)
 
@@ -124,7 +137,9 @@ def template_label(task) -> str:
 
 def reward_name(task) -> str:
     reward = getattr(task, "reward", None)
-    return getattr(reward, "name", None) or ("exact-match" if getattr(task, "answer_format", "plain") == "plain" else "boxed-match")
+    return getattr(reward, "name", None) or (
+        "exact-match" if getattr(task, "answer_format", "plain") == "plain" else "boxed-match"
+    )
 
 
 def answer_of(task):
@@ -152,8 +167,16 @@ class EvalBatches(NamedTuple):
     chat_template: bool
 
 
-def sample_and_grade(engine, tokenizer, task, examples, settings: SamplingSettings, batches: EvalBatches, progress=None,
-                     label: str = "eval") -> Graded:
+def sample_and_grade(
+    engine,
+    tokenizer,
+    task,
+    examples,
+    settings: SamplingSettings,
+    batches: EvalBatches,
+    progress=None,
+    label: str = "eval",
+) -> Graded:
     """``settings.n`` completions per example, generated as ``batches`` says, scored with
     ``task.score_many``. With ``n`` above ``batch_size`` each problem's samples come in parts of
     at most ``batch_size`` sequences (part j of problem i: the stream ``(*seed_key, i, j)``), so
@@ -168,7 +191,12 @@ def sample_and_grade(engine, tokenizer, task, examples, settings: SamplingSettin
         _, gens, texts = sample(engine, tokenizer, chunk, replace(settings, n=n), seed, chat_template)
         scores = grade(task, chunk, texts)
         for j, group in enumerate(texts):
-            row = (scores[j], [_clip(extract(t)) for t in group], [len(g.response_ids) for g in gens[j]], [g.finished for g in gens[j]])
+            row = (
+                scores[j],
+                [_clip(extract(t)) for t in group],
+                [len(g.response_ids) for g in gens[j]],
+                [g.finished for g in gens[j]],
+            )
             for column, values in zip((out.scores, out.answers, out.lengths, out.finished), row):
                 if part:
                     column[-1].extend(values)  # the next part of the same problem's samples
@@ -219,29 +247,47 @@ def summarize(bench: str, examples, graded: Graded, seed: int = 0, task: str | N
         "response_len_mean": float(np.mean(graded.lengths)),
         "truncated_frac": float(1.0 - np.mean(graded.finished)),
         "problems": [
-            {"id": ex.id, "answer": ex.answer, "correct": int(row.sum()), "k": k, "scores": [int(x) for x in row],
-             "answers": answers}
+            {
+                "id": ex.id,
+                "answer": ex.answer,
+                "correct": int(row.sum()),
+                "k": k,
+                "scores": [int(x) for x in row],
+                "answers": answers,
+            }
             for ex, row, answers in zip(examples, correct, graded.answers)
         ],
     }
     if bench == "task":
         se = lambda values: None if len(values) < 2 else mean_se(values)[1]  # noqa: E731
-        report.update(task=task, avg_at_k_se=se(per_problem), pass_at_k_se=se(pass_at_k_matrix(correct, k, per_problem=True)))
+        report.update(
+            task=task, avg_at_k_se=se(per_problem), pass_at_k_se=se(pass_at_k_matrix(correct, k, per_problem=True))
+        )
     return report
 
 
 def generation_block(settings: SamplingSettings, engine: str, template, chat: bool, seed: int, cfg: Config) -> dict:
     return {
-        "engine": engine, "temperature": 0.0 if settings.greedy else settings.temperature, "top_p": settings.top_p,
-        "greedy": settings.greedy, "max_new_tokens": settings.max_new_tokens, "template": template,
-        "chat_template": chat, "seed": seed, "batch_size": cfg.rollout.batch_size, "dtype": cfg.model.dtype,
+        "engine": engine,
+        "temperature": 0.0 if settings.greedy else settings.temperature,
+        "top_p": settings.top_p,
+        "greedy": settings.greedy,
+        "max_new_tokens": settings.max_new_tokens,
+        "template": template,
+        "chat_template": chat,
+        "seed": seed,
+        "batch_size": cfg.rollout.batch_size,
+        "dtype": cfg.model.dtype,
     }
 
 
 def describe_data(bench: str, cfg: Config) -> str:
     t = cfg.task
     if bench in OWN_TASK_BENCHMARKS and t.name == "arithmetic":
-        return f"arithmetic held-out split (ops={t.ops}, digits={t.digits}, " f"answer_format={t.answer_format}, n_test={t.n_test})"
+        return (
+            f"arithmetic held-out split (ops={t.ops}, digits={t.digits}, "
+            f"answer_format={t.answer_format}, n_test={t.n_test})"
+        )
     if bench in OWN_TASK_BENCHMARKS:
         options = ", ".join(f"{k}={v}" for k, v in sorted(t.options.items()))
         return f"{t.name} held-out split (n_test={t.n_test}" + (f", {options})" if options else ")")
@@ -258,14 +304,18 @@ def save(report: dict, path: Path, store: RunStore | None, bench: str, step: int
         store.mark_done(eval_key(bench, step), [path], avg_at_k=report["avg_at_k"], k=report["k"])
 
 
-def heldout_accuracy(engine, tokenizer, task, examples, settings: SamplingSettings, greedy: bool, chat_template=False, seed=0) -> float:
+def heldout_accuracy(
+    engine, tokenizer, task, examples, settings: SamplingSettings, greedy: bool, chat_template=False, seed=0
+) -> float:
     """eval_before / eval_after: the fraction of ``examples`` (the task's held-out split) answered
     correctly with one completion each, greedy or sampled."""
     _, _, texts = sample(engine, tokenizer, examples, replace(settings, n=1, greedy=greedy), seed, chat_template)
     return sum(score > 0 for (score,) in grade(task, examples, texts)) / max(1, len(examples))
 
 
-def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, last_step: int, *, write: bool = True) -> dict:
+def periodic_eval(
+    cfg: Config, store: RunStore, engine, tokenizer, step: int, last_step: int, *, write: bool = True
+) -> dict:
     """The ``train.eval_benchmarks`` evals due at ``step`` (every ``train.eval_every`` steps and
     at the last step), as metrics ``eval/<bench>/avg_at_k`` and ``eval/<bench>/pass_at_k``.
 
@@ -282,8 +332,13 @@ def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, la
                 build_task(bench, _bench_config(cfg, bench), tokenizer).close()
         return {}
     e = cfg.eval
-    settings = SamplingSettings(n=e.k, max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
-                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, logprobs_k=1)
+    settings = SamplingSettings(
+        n=e.k,
+        max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        logprobs_k=1,
+    )
     row = {}
     for bench in benches:
         report = _bench_report(cfg, store, engine, tokenizer, bench, step, settings)
@@ -294,8 +349,9 @@ def periodic_eval(cfg: Config, store: RunStore, engine, tokenizer, step: int, la
     return row
 
 
-def _bench_report(cfg: Config, store: RunStore, engine, tokenizer, bench: str, step: int,
-                  settings: SamplingSettings) -> dict:
+def _bench_report(
+    cfg: Config, store: RunStore, engine, tokenizer, bench: str, step: int, settings: SamplingSettings
+) -> dict:
     """``bench``'s report on the policy after ``step`` (``periodic_eval``), not written."""
     chat = cfg.model.chat_template if bench in OWN_TASK_BENCHMARKS else False
     t0 = time.time()
@@ -304,13 +360,27 @@ def _bench_report(cfg: Config, store: RunStore, engine, tokenizer, bench: str, s
     template = template_label(task)
     try:
         examples = task.test_examples()[: cfg.eval.n_problems]
-        graded = sample_and_grade(engine, tokenizer, task, examples, settings,
-                                  EvalBatches((cfg.seed, "eval", seed_name(bench), step), cfg.rollout.batch_size, chat))
+        graded = sample_and_grade(
+            engine,
+            tokenizer,
+            task,
+            examples,
+            settings,
+            EvalBatches((cfg.seed, "eval", seed_name(bench), step), cfg.rollout.batch_size, chat),
+        )
     finally:
         task.close()
     report = summarize(bench, examples, graded, seed=cfg.seed, task=bench_cfg.task.name)
-    report.update(model=str(store.root), weights=None, run=store.name, step=step, data=describe_data(bench, bench_cfg),
-                  reward=reward_name(task), time_s=time.time() - t0, generation=generation_block(settings, engine.name, template, chat, cfg.seed, cfg))
+    report.update(
+        model=str(store.root),
+        weights=None,
+        run=store.name,
+        step=step,
+        data=describe_data(bench, bench_cfg),
+        reward=reward_name(task),
+        time_s=time.time() - t0,
+        generation=generation_block(settings, engine.name, template, chat, cfg.seed, cfg),
+    )
     return report
 
 

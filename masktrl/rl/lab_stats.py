@@ -119,8 +119,12 @@ def lab_summary(rows: list[dict], vocab_size: int, topk: int, delta: float = LAB
     for p in QUANTILES:
         out[f"resid_p{round(p * 100):02d}_mean"] = mean(f"lab/resid_p{round(p * 100):02d}")
     frac = series("lab/resid_ge_0.01_frac")
-    out["resid_ge_0.01_frac"] = {"mean": mean("lab/resid_ge_0.01_frac"), "min": min(frac, default=None),
-                                 "first": frac[0] if frac else None, "last": frac[-1] if frac else None}
+    out["resid_ge_0.01_frac"] = {
+        "mean": mean("lab/resid_ge_0.01_frac"),
+        "min": min(frac, default=None),
+        "first": frac[0] if frac else None,
+        "last": frac[-1] if frac else None,
+    }
     out["outside_topk_frac_mean"] = mean("lab/outside_topk_frac")
     for key in (*COUNTS, "over_delta_first_mb"):
         v = series(f"lab/{key}")

@@ -47,7 +47,9 @@ class ForwardInputs(NamedTuple):
     prompt_attention: torch.Tensor | None = None
     group: torch.Tensor | None = None
     packed: Packed | None = None
-    routing: torch.Tensor | None = None  # [L, B*L, k] routing replay: the experts every MoE layer uses (whole layout only)
+    routing: torch.Tensor | None = (
+        None  # [L, B*L, k] routing replay: the experts every MoE layer uses (whole layout only)
+    )
 
 
 class PolicyForward(torch.nn.Module):
@@ -62,17 +64,31 @@ class PolicyForward(torch.nn.Module):
         self.lm = lm
         self.vocab_size = lm.get_output_embeddings().weight.shape[0]  # read before ZeRO-3 partitions it
 
-    def forward(self, inputs: ForwardInputs, ids, temperature: float, chunk: int, entropy_grad: bool = False,
-                square_mass: bool = False):
+    def forward(
+        self,
+        inputs: ForwardInputs,
+        ids,
+        temperature: float,
+        chunk: int,
+        entropy_grad: bool = False,
+        square_mass: bool = False,
+    ):
         """``inputs``: the layout (``ForwardInputs``); ``ids`` [N, 1+K] the sampled and top-K ids.
         ``entropy_grad``: the entropy keeps its gradient (an entropy bonus, docs/METHODS.md §13.3).
         ``square_mass``: also [N] sum_V pi^2 (no grad; pdm tail=exact, §4.7), else None."""
         h = self.hidden(inputs)  # [N, H]
-        h, weight = quantized_head(self.lm, h, self.lm.get_output_embeddings().weight)  # [N, H], [V, H] (fp8-full training: FP8)
+        h, weight = quantized_head(
+            self.lm, h, self.lm.get_output_embeddings().weight
+        )  # [N, H], [V, H] (fp8-full training: FP8)
         # [N, 1+K] log pi at the sampled and top-K ids, and [N] entropy, in one pass over V
-        lp, entropy = token_logprobs_and_entropy(h, weight, ids, temperature=temperature, chunk_size=chunk,
-                                                 entropy_grad=entropy_grad)
-        sq = token_square_mass(h.detach(), weight.detach(), temperature=temperature, chunk_size=chunk) if square_mass else None
+        lp, entropy = token_logprobs_and_entropy(
+            h, weight, ids, temperature=temperature, chunk_size=chunk, entropy_grad=entropy_grad
+        )
+        sq = (
+            token_square_mass(h.detach(), weight.detach(), temperature=temperature, chunk_size=chunk)
+            if square_mass
+            else None
+        )
         return lp, entropy, sq
 
     def hidden(self, inputs: ForwardInputs):
@@ -81,18 +97,37 @@ class PolicyForward(torch.nn.Module):
             return packed_hidden(self.lm.base_model, inputs.packed)
         if inputs.routing is not None:  # routing replay: the engine's experts (models/moe.py)
             with replayed_routing(self.lm, inputs.routing):
-                hidden = self.lm.base_model(input_ids=inputs.input_ids, attention_mask=inputs.attention).last_hidden_state
+                hidden = self.lm.base_model(
+                    input_ids=inputs.input_ids, attention_mask=inputs.attention
+                ).last_hidden_state
             return hidden[inputs.rows, inputs.cols]
         if inputs.prompt_ids is None:
-            hidden = self.lm.base_model(input_ids=inputs.input_ids, attention_mask=inputs.attention).last_hidden_state  # [B, L, H]
+            hidden = self.lm.base_model(
+                input_ids=inputs.input_ids, attention_mask=inputs.attention
+            ).last_hidden_state  # [B, L, H]
         else:
-            hidden = shared_prompt_hidden(self.lm.base_model, inputs.prompt_ids, inputs.prompt_attention, inputs.input_ids,
-                                          inputs.attention, inputs.group)
+            hidden = shared_prompt_hidden(
+                self.lm.base_model,
+                inputs.prompt_ids,
+                inputs.prompt_attention,
+                inputs.input_ids,
+                inputs.attention,
+                inputs.group,
+            )
         return hidden[inputs.rows, inputs.cols]
 
 
-def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: int, *, share: bool | None = None,
-                       drop_truncated: bool = False, packed: bool = False, method: BoundMethod | None = None) -> PolicyOutputs:
+def policy_token_batch(
+    model,
+    samples: list[Sample],
+    temperature: float,
+    chunk: int,
+    *,
+    share: bool | None = None,
+    drop_truncated: bool = False,
+    packed: bool = False,
+    method: BoundMethod | None = None,
+) -> PolicyOutputs:
     """Run the policy on prompt+response and gather log pi at the sampled and top-K ids.
 
     ``method``: the bound method the outputs feed, which says what else the forward keeps: the
@@ -125,7 +160,9 @@ def policy_token_batch(model, samples: list[Sample], temperature: float, chunk: 
     topk_ids = torch.tensor([row for s in samples for row in s.gen.topk_ids], dtype=torch.long, device=device)  # [N, K]
     ids = torch.cat([sampled[:, None], topk_ids], dim=1)  # [N, 1+K]
     lp, entropy, sq = policy(inputs, ids, temperature, chunk, **_forward_wants(method))  # [N, 1+K], [N], [N] or None
-    lp = renormalise_over_kept(lp, kept_sizes(samples, device))  # truncated sampling: pi over the kept set (else lp itself)
+    lp = renormalise_over_kept(
+        lp, kept_sizes(samples, device)
+    )  # truncated sampling: pi over the kept set (else lp itself)
     dt = lp.dtype  # float32 at least (float64 for a float64 model)
     behavior_topk, behavior_logp, seq_ids, advantages = _sample_tensors(samples, drop_truncated, dt, device)
     batch = TokenBatch(
@@ -156,7 +193,9 @@ def _sample_tensors(samples: list[Sample], drop_truncated: bool, dt: torch.dtype
     """The samples' recorded log mu at the top-K ids [N, K] and at the sampled ids [N], each
     token's sequence index [N] and advantage [N]."""
     topk = torch.tensor([row for s in samples for row in s.gen.topk_logp], dtype=dt, device=device)  # [N, K]
-    sampled = torch.tensor([x for s in samples for x in behaviour_logp(s, drop_truncated)], dtype=dt, device=device)  # [N]
+    sampled = torch.tensor(
+        [x for s in samples for x in behaviour_logp(s, drop_truncated)], dtype=dt, device=device
+    )  # [N]
     seq_ids = torch.tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids], device=device)  # [N]
     advantages = torch.tensor([s.advantage for s in samples for _ in s.gen.response_ids], dtype=dt, device=device)
     return topk, sampled, seq_ids, advantages
@@ -193,7 +232,9 @@ def lm_head_weight(model) -> torch.Tensor:
 
 
 @torch.no_grad()
-def full_logprobs(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def full_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     """[n, V] log softmax(hidden weight^T / T) over the whole vocabulary, computed in ``dtype``:
     ``hidden`` [n, H] from ``response_hidden``, ``weight`` from ``lm_head_weight``. Pass a chunk
     of tokens: the result holds [n, V]."""
@@ -226,7 +267,9 @@ def _policy_inputs(model, samples: list[Sample], share: bool | None = None, pack
         share = False
     if packed:
         responses = [s.gen.response_ids for s in samples]
-        layout = pack_shared(prompts, group, responses) if share else pack_whole([s.prompt_ids for s in samples], responses)
+        layout = (
+            pack_shared(prompts, group, responses) if share else pack_whole([s.prompt_ids for s in samples], responses)
+        )
         return policy, inner, ForwardInputs(None, None, None, None, packed=layout.to(device)), share
     if share:
         inputs = _shared_prompt_inputs(samples, prompts, group)
@@ -246,7 +289,9 @@ def enable_routing_replay(model: torch.nn.Module, engine=None) -> None:
     rows (no shared-prompt or packed layout)."""
     if engine is not None:
         if not hasattr(engine, "record_routing"):
-            raise MasktrlError(f"model.routing_replay=rollout: rollout.engine={getattr(engine, 'name', '?')}: {NO_ROUTING}")
+            raise MasktrlError(
+                f"model.routing_replay=rollout: rollout.engine={getattr(engine, 'name', '?')}: {NO_ROUTING}"
+            )
         engine.record_routing = True
     setattr(model, REPLAY_ATTR, True)
 
@@ -263,8 +308,11 @@ def replay_targets(lm: torch.nn.Module, samples: list[Sample], width: int) -> to
     k = routers[0][2] if routers else 0
     missing = sum(s.gen.routing is None for s in samples)
     if missing or not routers:
-        raise MasktrlError(f"model.routing_replay=rollout: {missing} of {len(samples)} samples have no recorded routing"
-                           if routers else "model.routing_replay=rollout: the model has no MoE layers")
+        raise MasktrlError(
+            f"model.routing_replay=rollout: {missing} of {len(samples)} samples have no recorded routing"
+            if routers
+            else "model.routing_replay=rollout: the model has no MoE layers"
+        )
     return routing_targets([s.gen.routing for s in samples], width, len(routers), k)
 
 
@@ -337,7 +385,13 @@ def shared_prompt_hidden(base, prompt_ids, prompt_attention, response_ids, respo
     lengths = prompt_attention.sum(1)  # [U]
     positions = torch.arange(prompt_ids.shape[1], device=prompt_ids.device).expand_as(prompt_ids)
     with checkpointing.prompt_pass(base):  # the prompt pass writes the cache: never checkpointed
-        out = base(input_ids=prompt_ids, attention_mask=prompt_attention, position_ids=positions, use_cache=True, **{key: cache})
+        out = base(
+            input_ids=prompt_ids,
+            attention_mask=prompt_attention,
+            position_ids=positions,
+            use_cache=True,
+            **{key: cache},
+        )
     last = out.last_hidden_state[torch.arange(len(lengths), device=lengths.device), lengths - 1]  # [U, H]
     first = last[group][:, None]  # [B, 1, H]
     if response_ids.shape[1] == 0:  # every response is a single token
@@ -350,7 +404,9 @@ def shared_prompt_hidden(base, prompt_ids, prompt_attention, response_ids, respo
     with checkpointing.response_pass(base):
         rest = base(
             input_ids=response_ids,
-            attention_mask=torch.cat([prompt_attention[group], response_attention], dim=1),  # [B, W+R], pad holes masked
+            attention_mask=torch.cat(
+                [prompt_attention[group], response_attention], dim=1
+            ),  # [B, W+R], pad holes masked
             position_ids=lengths[group][:, None] + steps,  # [B, R]
             use_cache=not checkpointed,
             **{key: cache},

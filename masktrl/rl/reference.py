@@ -82,7 +82,7 @@ def reference_logprobs(reference: Reference, samples: list[Sample], batch_size: 
     """Per sample, [len(response)] log pi_ref, computed ``batch_size`` samples at a time."""
     out: list[torch.Tensor] = []
     for start in range(0, len(samples), max(batch_size, 1)):
-        part = samples[start:start + batch_size]
+        part = samples[start : start + batch_size]
         lp = reference(part)
         out.extend(lp.split([len(s.gen.response_ids) for s in part]))
     return out
@@ -101,7 +101,9 @@ def penalise_kl(samples: list[Sample], ref_logp: list[torch.Tensor], method: Bou
     ``kl_penalty`` (the mean penalty per response)."""
     if not samples:
         return {}
-    mu = torch.tensor([x for s in samples for x in behaviour_logp(s)], dtype=torch.float64)  # [N] (-inf: environment tokens, invalid)
+    mu = torch.tensor(
+        [x for s in samples for x in behaviour_logp(s)], dtype=torch.float64
+    )  # [N] (-inf: environment tokens, invalid)
     ref = torch.cat([r.detach().to(torch.float64).cpu() for r in ref_logp])  # [N]
     seq = torch.tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids])  # [N], sorted
     params = method.params
@@ -113,5 +115,7 @@ def penalise_kl(samples: list[Sample], ref_logp: list[torch.Tensor], method: Bou
     adv = method.advantages([s.reward for s in samples], [s.group for s in samples], response_lengths(samples))
     for s, a in zip(samples, adv.tolist()):
         s.advantage = a
-    return {"kl_ref": float(per_token[valid].mean()) if bool(valid.any()) else float("nan"),
-            "kl_penalty": float(penalty.mean())}
+    return {
+        "kl_ref": float(per_token[valid].mean()) if bool(valid.any()) else float("nan"),
+        "kl_penalty": float(penalty.mean()),
+    }

@@ -23,13 +23,17 @@ from pathlib import Path
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.rl.collect import Batch, numbered, rollout_stats
-from masktrl.runs.store import RunStore, done_steps, is_run_folder, rollout_key
 from masktrl.rollout.base import check_sampling
 from masktrl.rollout.storage import has_routing_column, read_rollouts
+from masktrl.runs.store import RunStore, done_steps, is_run_folder, rollout_key
 
-
-SAMPLED_AS = (("temperature", "rollout.temperature"), ("top_p", "rollout.top_p"), ("rollout_dtype", "rollout.dtype"),
-              ("quantization", "rollout.quantization"), ("top_k", "rollout.top_k"))
+SAMPLED_AS = (
+    ("temperature", "rollout.temperature"),
+    ("top_p", "rollout.top_p"),
+    ("rollout_dtype", "rollout.dtype"),
+    ("quantization", "rollout.quantization"),
+    ("top_k", "rollout.top_k"),
+)
 """(the rollout file's metadata field, the config key it must equal): what made mu, and what pi is computed with."""
 
 
@@ -39,7 +43,9 @@ class RolloutSource:
     ``steps``: the most batches the run will use (those are verified now); ``vocab_size``: the
     policy's vocabulary, which every token id must lie in."""
 
-    def __init__(self, spec: str, prompts_per_step: int, tokenizer, *, vocab_size: int | None = None, steps: int | None = None):
+    def __init__(
+        self, spec: str, prompts_per_step: int, tokenizer, *, vocab_size: int | None = None, steps: int | None = None
+    ):
         path = Path(spec)
         self.vocab_size = vocab_size
         self._store = None
@@ -71,20 +77,32 @@ class RolloutSource:
         if self._store is not None:
             theirs = self._store.config().rollout.prompts_per_step
             if theirs != prompts_per_step:
-                raise ConfigError(f"--rollouts-from {spec}: its batches have {theirs} prompts each, this config "
-                                  f"rollout.prompts_per_step={prompts_per_step}; add --set " f"rollout.prompts_per_step={theirs}")
+                raise ConfigError(
+                    f"--rollouts-from {spec}: its batches have {theirs} prompts each, this config "
+                    f"rollout.prompts_per_step={prompts_per_step}; add --set "
+                    f"rollout.prompts_per_step={theirs}"
+                )
         else:
             groups = sum(len(b) for b in self._batches)
             if groups % prompts_per_step:
                 whole = groups // prompts_per_step
-                fits = f"{whole} step{'s' * (whole != 1)} of {prompts_per_step} and " f"{groups % prompts_per_step} left over"
-                raise ConfigError(f"--rollouts-from {spec}: {groups} prompt groups do not make whole steps of "
-                                  f"rollout.prompts_per_step={prompts_per_step} ({fits}); set " "rollout.prompts_per_step to a "
-                                  f"divisor of {groups}, e.g. --set " f"rollout.prompts_per_step={_divisor(groups, prompts_per_step)}")
+                fits = (
+                    f"{whole} step{'s' * (whole != 1)} of {prompts_per_step} and {groups % prompts_per_step} left over"
+                )
+                raise ConfigError(
+                    f"--rollouts-from {spec}: {groups} prompt groups do not make whole steps of "
+                    f"rollout.prompts_per_step={prompts_per_step} ({fits}); set "
+                    "rollout.prompts_per_step to a "
+                    f"divisor of {groups}, e.g. --set "
+                    f"rollout.prompts_per_step={_divisor(groups, prompts_per_step)}"
+                )
         if steps is not None and self.num_steps < steps:
-            raise ConfigError(f"--rollouts-from {spec}: {self.num_steps} batch{'es' * (self.num_steps != 1)} of "
-                              f"{prompts_per_step} prompts, fewer than train.steps={steps}; add " f"--set train.steps={self.num_steps} "
-                              "(or store more rollouts)")
+            raise ConfigError(
+                f"--rollouts-from {spec}: {self.num_steps} batch{'es' * (self.num_steps != 1)} of "
+                f"{prompts_per_step} prompts, fewer than train.steps={steps}; add "
+                f"--set train.steps={self.num_steps} "
+                "(or store more rollouts)"
+            )
 
     def check_sampled_as(self, cfg, spec: str) -> None:
         """ConfigError unless the batches were sampled as ``cfg`` says (``SAMPLED_AS``; a field the
@@ -95,9 +113,13 @@ class RolloutSource:
                 continue
             recorded, configured = self.meta[field], _get(cfg, key)
             if _differs(recorded, configured):
-                raise ConfigError(f"--rollouts-from {spec} was sampled with {key}={_show(recorded)}, this config " "has "
-                                  f"{key}={_show(configured)} (pi is computed as mu was " "sampled); "
-                                  f"add --set {key}={_show(recorded)}")
+                raise ConfigError(
+                    f"--rollouts-from {spec} was sampled with {key}={_show(recorded)}, this config "
+                    "has "
+                    f"{key}={_show(configured)} (pi is computed as mu was "
+                    "sampled); "
+                    f"add --set {key}={_show(recorded)}"
+                )
 
     def has_routing(self) -> bool:
         """Whether every batch records the engine's routing (``Generation.routing``; model.routing_replay)."""
@@ -133,7 +155,8 @@ class RolloutSource:
             raise ArtifactError(f"{path}: rollouts carry no tokenizer fingerprint; cannot check compatibility")
         if want != have:
             raise MasktrlError(
-                f"{path}: rollouts were made with another tokenizer ({want}) than this model's " f"({have}); "
+                f"{path}: rollouts were made with another tokenizer ({want}) than this model's "
+                f"({have}); "
                 "train a model with the same vocabulary"
             )
 
@@ -146,12 +169,17 @@ def _run_batches(root: Path, steps: int | None) -> tuple[RunStore, list[Path]]:
     store = RunStore(root, writable=False)
     recorded = done_steps(store.manifest["stages"], "rollout")
     if not recorded:
-        raise MasktrlError(f"{root}: no stored rollouts recorded in its manifest (a run with rollout.store=resume " "deletes "
-                           "each batch once a checkpoint covers it)")
+        raise MasktrlError(
+            f"{root}: no stored rollouts recorded in its manifest (a run with rollout.store=resume "
+            "deletes "
+            "each batch once a checkpoint covers it)"
+        )
     if recorded != list(range(1, len(recorded) + 1)):
         raise ArtifactError(
-            f"{root}: stored rollouts cover {len(recorded)} steps between {recorded[0]} and " f"{recorded[-1]}, not every step from 1 "
-            "(a run with rollout.store=resume keeps only the batches after its newest " "checkpoint); "
+            f"{root}: stored rollouts cover {len(recorded)} steps between {recorded[0]} and "
+            f"{recorded[-1]}, not every step from 1 "
+            "(a run with rollout.store=resume keeps only the batches after its newest "
+            "checkpoint); "
             "--rollouts-from needs a run that kept them all (rollout.store=all)"
         )
     usable = recorded[: steps or None]

@@ -9,8 +9,14 @@ from masktrl.rollout.base import Generation, RolloutEngine, SamplingSettings
 from masktrl.tasks import Example, Task, encode_prompt
 
 
-def sample(engine: RolloutEngine, tokenizer, examples: list[Example], settings: SamplingSettings, seed: int,
-           chat_template: bool = False) -> tuple[list[list[int]], list[list[Generation]], list[list[str]]]:
+def sample(
+    engine: RolloutEngine,
+    tokenizer,
+    examples: list[Example],
+    settings: SamplingSettings,
+    seed: int,
+    chat_template: bool = False,
+) -> tuple[list[list[int]], list[list[Generation]], list[list[str]]]:
     """(prompt ids [P], generations [P][n], decoded responses [P][n]) for the P ``examples``."""
     prompt_ids = [encode_prompt(tokenizer, ex.prompt, chat_template) for ex in examples]
     if hasattr(engine, "generate_episodes"):  # task.env: multi-turn episodes (rl/agentic.py)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -64,7 +64,12 @@ def staleness_spec(value) -> dict:
     """rollout.staleness as {dist, min, max, p}: an integer s is {dist: fixed, max: s}."""
     if not isinstance(value, dict):
         return {"dist": "fixed", "min": int(value), "max": int(value), "p": 0.5}
-    return {"dist": value["dist"], "min": int(value.get("min", 0)), "max": int(value["max"]), "p": float(value.get("p", 0.5))}
+    return {
+        "dist": value["dist"],
+        "min": int(value.get("min", 0)),
+        "max": int(value["max"]),
+        "p": float(value.get("p", 0.5)),
+    }
 
 
 def staleness_cap(value) -> int:

@@ -7,8 +7,8 @@ checkpointing on when asked (``load_policy``); and a resumed run's checkpoint lo
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from masktrl.config import Config
 from masktrl.errors import MasktrlError
@@ -41,15 +41,24 @@ def load_policy(cfg: Config, store: RunStore, task: Task, progress, dist: Dist, 
         apply_lora(model, lora_settings(cfg), seed=cfg.seed, base=lora_base(cfg, store, model, tokenizer, dist))
     shareable, why = shared_prompt_cache_ok(model.base_model)
     if not shareable:
-        say(f"warning: the shared-prompt forward is off for this model ({why}): every response runs " "with its "
-              "own prompt (metrics column shared_prompt_frac = 0)")
-    apply_training_quantization(model, cfg.train.quantization, cfg.train.quantization_backend)  # FP8 training (models/lowprec.py)
+        say(
+            f"warning: the shared-prompt forward is off for this model ({why}): every response runs "
+            "with its "
+            "own prompt (metrics column shared_prompt_frac = 0)"
+        )
+    apply_training_quantization(
+        model, cfg.train.quantization, cfg.train.quantization_backend
+    )  # FP8 training (models/lowprec.py)
     if cfg.train.gradient_checkpointing:
         checkpointing.enable(model)
         if not checkpointing.shared_prompt_supported(model.base_model):
-            say("warning: train.gradient_checkpointing: this transformers version drops the KV cache " "in "
-                  "checkpointed layers, so the policy forward runs every response with its own " "prompt (no prompt sharing; "
-                  "metrics column shared_prompt_frac = 0)")
+            say(
+                "warning: train.gradient_checkpointing: this transformers version drops the KV cache "
+                "in "
+                "checkpointed layers, so the policy forward runs every response with its own "
+                "prompt (no prompt sharing; "
+                "metrics column shared_prompt_frac = 0)"
+            )
     return model, tokenizer, ws_info
 
 

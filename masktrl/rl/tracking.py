@@ -25,7 +25,12 @@ from pathlib import Path
 
 from masktrl.errors import ConfigError, MasktrlError
 
-PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "trackio": ("trackio",), "mlflow": ("mlflow",)}
+PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboardX"),
+    "wandb": ("wandb",),
+    "trackio": ("trackio",),
+    "mlflow": ("mlflow",),
+}
 """tracker -> the package it needs (import names; any one of them): accelerate's TensorBoard
 tracker writes through torch.utils.tensorboard (needs tensorboard) or else tensorboardX."""
 PROJECT = "masktrl"
@@ -36,8 +41,11 @@ def check_available(report_to: tuple[str, ...]) -> None:
     for name in report_to:
         if not any(importlib.util.find_spec(m) is not None for m in PACKAGES[name]):
             package = PACKAGES[name][0]
-            raise ConfigError(f"train.report_to={name}: the {package} package is not installed (pip install " f"{package}; "
-                              "pip install 'masktrl[track]' installs tensorboard)")
+            raise ConfigError(
+                f"train.report_to={name}: the {package} package is not installed (pip install "
+                f"{package}; "
+                "pip install 'masktrl[track]' installs tensorboard)"
+            )
 
 
 class Trackers:
@@ -70,7 +78,11 @@ class Trackers:
                 tracker.log(values, step=step)
             except Exception as exc:  # any library error: one line
                 self.trackers.remove(tracker)
-                print(f"warning: tracker {tracker.name} failed ({_first_line(exc)}); it is dropped, " "metrics.jsonl continues", file=sys.stderr)
+                print(
+                    f"warning: tracker {tracker.name} failed ({_first_line(exc)}); it is dropped, "
+                    "metrics.jsonl continues",
+                    file=sys.stderr,
+                )
 
     def close(self) -> None:
         for tracker in self.trackers:
@@ -81,7 +93,9 @@ class Trackers:
         self.trackers = []
 
 
-def open_trackers(report_to: tuple[str, ...], run_dir: Path, run_name: str, config: dict | None, is_main: bool) -> Trackers:
+def open_trackers(
+    report_to: tuple[str, ...], run_dir: Path, run_name: str, config: dict | None, is_main: bool
+) -> Trackers:
     """The trackers of the main process; the other processes get an empty set."""
     return Trackers(report_to if is_main else (), run_dir, run_name, config)
 

@@ -23,9 +23,16 @@ import torch
 
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.io import atomic_dir, atomic_write_json
-from masktrl.readers import read_json
 from masktrl.models.loading import load_model_and_tokenizer
-from masktrl.models.lora import ADAPTER_WEIGHTS, has_lora, is_adapter_folder, load_adapter_state_dict, read_adapter, save_adapter
+from masktrl.models.lora import (
+    ADAPTER_WEIGHTS,
+    has_lora,
+    is_adapter_folder,
+    load_adapter_state_dict,
+    read_adapter,
+    save_adapter,
+)
+from masktrl.readers import read_json
 from masktrl.rl.distributed import Dist
 from masktrl.runs.faults import maybe_crash
 from masktrl.runs.store import RunStore, checkpoint_key
@@ -64,7 +71,9 @@ def save(dest: Path, model, tokenizer, optimizer, scheduler, step: int, sharded:
     return dest
 
 
-def save_step(store: RunStore, step: int, model, tokenizer, optimizer, scheduler, dist: Dist | None = None, policy=None) -> None:
+def save_step(
+    store: RunStore, step: int, model, tokenizer, optimizer, scheduler, dist: Dist | None = None, policy=None
+) -> None:
     """Checkpoint ``step`` into the run and record it as stage ``checkpoint/<step>``.
 
     Written by the main process. Under DeepSpeed every process takes part: the weights are
@@ -80,7 +89,9 @@ def save_step(store: RunStore, step: int, model, tokenizer, optimizer, scheduler
     weights = state if state is not None else (model.state_dict() if store.writable else None)
     bad = dist.broadcast(nonfinite_tensor(weights) if weights is not None else None)  # every process stops alike
     if bad is not None:
-        raise MasktrlError(f"step {step}: the weights are not finite ({bad} holds NaN or inf); checkpoint {step} " "was not written")
+        raise MasktrlError(
+            f"step {step}: the weights are not finite ({bad} holds NaN or inf); checkpoint {step} was not written"
+        )
     dest = store.checkpoint_dir(step)
     shards = dest.with_name(dest.name + ".deepspeed.tmp") if dist.deepspeed else None
     if shards is not None:
@@ -90,9 +101,19 @@ def save_step(store: RunStore, step: int, model, tokenizer, optimizer, scheduler
         dist.save_engine_state(policy, shards)  # every process, its own shard
     if store.writable:
         extra = {"deepspeed": dist.engine_state_info()} if dist.deepspeed else None
-        path = save(dest, model, tokenizer, None if dist.deepspeed else optimizer, scheduler, step, Sharded(state, shards, extra))
+        path = save(
+            dest,
+            model,
+            tokenizer,
+            None if dist.deepspeed else optimizer,
+            scheduler,
+            step,
+            Sharded(state, shards, extra),
+        )
         store.sync_metrics()  # the metrics rows of the checkpoint's steps are durable before it is recorded
-        store.mark_done(checkpoint_key(step), [path], metrics=store.metrics_digest())  # every file, and the rows up to it
+        store.mark_done(
+            checkpoint_key(step), [path], metrics=store.metrics_digest()
+        )  # every file, and the rows up to it
     dist.barrier()
 
 

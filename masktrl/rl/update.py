@@ -15,8 +15,9 @@ import math
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,7 +29,14 @@ from masktrl.methods.diagnostics import token_diagnostics
 from masktrl.methods.regularizers import mean_over_valid
 from masktrl.models import packing
 from masktrl.rl.distributed import Dist
-from masktrl.rl.policy import _distinct_prompts, base_model, behaviour_logp, can_share_prompts, policy_token_batch, shared_forward_calls
+from masktrl.rl.policy import (
+    _distinct_prompts,
+    base_model,
+    behaviour_logp,
+    can_share_prompts,
+    policy_token_batch,
+    shared_forward_calls,
+)
 from masktrl.rl.reference import Reference
 from masktrl.rl.schedule import make_scheduler
 from masktrl.rollout.base import Sample
@@ -50,16 +58,29 @@ class UpdateSettings:
     gradient_checkpointing: bool = False  # train.gradient_checkpointing: report which forward ran (shared_prompt_frac)
     mask_truncated: bool = False  # rollout.mask_truncated: responses cut at the length limit get no gradient
     packing: bool = False  # train.packing: the padding-free forward
-    micro_batch_tokens: int | None = None  # train.micro_batch_tokens: micro-batches by a token budget (None: grad_accum of them)
+    micro_batch_tokens: int | None = (
+        None  # train.micro_batch_tokens: micro-batches by a token budget (None: grad_accum of them)
+    )
     method: BoundMethod = field(kw_only=True)  # the method, its params and its correction (docs/METHODS.md §14)
     seed: int = field(default=0, kw_only=True)  # the run's seed
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "UpdateSettings":
+    def from_config(cls, cfg: Config) -> UpdateSettings:
         t = cfg.train
-        return cls(t.minibatches, t.grad_accum, t.grad_clip, t.logprob_chunk, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
-                   t.gradient_checkpointing, cfg.rollout.mask_truncated, t.packing, t.micro_batch_tokens,
-                   method=cfg.method.bind(), seed=cfg.seed)
+        return cls(
+            t.minibatches,
+            t.grad_accum,
+            t.grad_clip,
+            t.logprob_chunk,
+            cfg.rollout.temperature,
+            cfg.rollout.max_new_tokens,
+            t.gradient_checkpointing,
+            cfg.rollout.mask_truncated,
+            t.packing,
+            t.micro_batch_tokens,
+            method=cfg.method.bind(),
+            seed=cfg.seed,
+        )
 
 
 class Learner(NamedTuple):
@@ -101,8 +122,16 @@ def make_optimizer(model, train_cfg: TrainConfig):
     return optimizer, make_scheduler(optimizer, t, total_updates=t.steps * t.minibatches)
 
 
-def policy_update(learner: Learner, samples: list[Sample], settings: UpdateSettings, step: int, dist: Dist | None = None, *,
-                  hooks: Hooks = Hooks(), reference: Reference | None = None) -> dict:
+def policy_update(
+    learner: Learner,
+    samples: list[Sample],
+    settings: UpdateSettings,
+    step: int,
+    dist: Dist | None = None,
+    *,
+    hooks: Hooks = Hooks(),
+    reference: Reference | None = None,
+) -> dict:
     """N minibatch updates on one rollout batch; returns the step's averaged diagnostics.
 
     Several processes (``dist``) all hold the whole batch and cut it into the same minibatches;
@@ -181,8 +210,14 @@ def old_logprobs(model, samples: list[Sample], parts: list[torch.Tensor], settin
             mb_old = []
             for micro in _micro_batches(mb_samples, dist, settings):  # the very micro-batches the update uses
                 micro_samples = [mb_samples[i] for i in micro]
-                out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk,
-                                         share=_agreed_share(micro_samples, dist), drop_truncated=settings.mask_truncated)
+                out = policy_token_batch(
+                    model,
+                    micro_samples,
+                    settings.temperature,
+                    settings.logprob_chunk,
+                    share=_agreed_share(micro_samples, dist),
+                    drop_truncated=settings.mask_truncated,
+                )
                 mb_old.append((out.batch.logp.detach(), out.batch.topk_logp.detach()))
             olds.append(mb_old)
     return olds
@@ -196,8 +231,9 @@ class _Micro(NamedTuple):
     denominator: float  # its aggregate's denominator (the kept tokens' with correction.denominator=kept)
 
 
-def minibatch_update(learner: Learner, settings: UpdateSettings, batch: StepBatch, mb: int, idx: torch.Tensor,
-                     old: list | None = None) -> tuple[dict, int, bool]:
+def minibatch_update(
+    learner: Learner, settings: UpdateSettings, batch: StepBatch, mb: int, idx: torch.Tensor, old: list | None = None
+) -> tuple[dict, int, bool]:
     """One optimizer update on minibatch ``mb`` (``idx``: its indices into ``batch.samples``), this
     process's micro-batches of it accumulated; (its diagnostics, the sequences this process
     trained on, whether the update was applied). The method's token losses carry the run's
@@ -213,8 +249,15 @@ def minibatch_update(learner: Learner, settings: UpdateSettings, batch: StepBatc
     micro_rows, loss_value, trained, kept_den = [], 0.0, 0, 0
     for j, micro in enumerate(_micro_batches(mb_samples, dist, settings)):
         u_micro = None if u is None else torch.cat([u[i] for i in micro])
-        done = micro_update(learner.model, settings, batch, (mb, [mb_samples[i] for i in micro], [idx[i].item() for i in micro]),
-                            u_micro, None if old is None else old[j], total)
+        done = micro_update(
+            learner.model,
+            settings,
+            batch,
+            (mb, [mb_samples[i] for i in micro], [idx[i].item() for i in micro]),
+            u_micro,
+            None if old is None else old[j],
+            total,
+        )
         loss_value += done.loss
         kept_den += done.denominator
         trained += len(micro)
@@ -223,7 +266,9 @@ def minibatch_update(learner: Learner, settings: UpdateSettings, batch: StepBatc
         loss_value *= rescale_to_kept(learner.model, total, dist.sum([kept_den])[0], dist)
     grad_norm = dist.clip_grad_norm(learner.model, settings.grad_clip)
     loss_total = dist.sum([loss_value])[0]
-    applied = math.isfinite(loss_total) and (math.isfinite(grad_norm) or dist.deepspeed)  # DeepSpeed: no norm; it stepped already
+    applied = math.isfinite(loss_total) and (
+        math.isfinite(grad_norm) or dist.deepspeed
+    )  # DeepSpeed: no norm; it stepped already
     if applied:
         learner.optimizer.step()
     else:  # not applied: the weights and the optimizer state stay as they were
@@ -242,7 +287,9 @@ def rescale_to_kept(model, total: int, kept: float, dist: Dist) -> float:
     gradients are multiplied by total / kept, which turns that into kept / kept (nothing when no
     token is kept). Returns the factor."""
     if dist.deepspeed:
-        raise MasktrlError("method.correction.denominator=kept is not supported under DeepSpeed (it steps inside " "backward)")
+        raise MasktrlError(
+            "method.correction.denominator=kept is not supported under DeepSpeed (it steps inside backward)"
+        )
     if kept <= 0:
         return 1.0
     factor = max(total, 1) / kept
@@ -252,8 +299,15 @@ def rescale_to_kept(model, total: int, kept: float, dist: Dist) -> float:
     return factor
 
 
-def micro_update(model, settings: UpdateSettings, batch: StepBatch, where: tuple, u: torch.Tensor | None, old: tuple | None,
-                 total: int) -> _Micro:
+def micro_update(
+    model,
+    settings: UpdateSettings,
+    batch: StepBatch,
+    where: tuple,
+    u: torch.Tensor | None,
+    old: tuple | None,
+    total: int,
+) -> _Micro:
     """The forward and backward of one micro-batch (``where``: the minibatch index, its samples,
     their indices into ``batch.samples``): the policy's log-probabilities, the method's corrected
     token losses, the regularisers, the aggregate scaled by the micro-batch's share of the
@@ -262,23 +316,40 @@ def micro_update(model, settings: UpdateSettings, batch: StepBatch, where: tuple
     mb, micro_samples, micro_idx = where
     # the packed forward's attention stays switched in through the backward (activation checkpointing replays the layers
     # there)
-    with dist.accumulate(model), (packing.segments_attention(base_model(model)) if settings.packing else contextlib.nullcontext()):
+    with (
+        dist.accumulate(model),
+        packing.segments_attention(base_model(model)) if settings.packing else contextlib.nullcontext(),
+    ):
         share_prompts = _agreed_share(micro_samples, dist)
-        out = policy_token_batch(model, micro_samples, settings.temperature, settings.logprob_chunk, share=share_prompts,
-                                 drop_truncated=settings.mask_truncated, packed=settings.packing, method=method)
+        out = policy_token_batch(
+            model,
+            micro_samples,
+            settings.temperature,
+            settings.logprob_chunk,
+            share=share_prompts,
+            drop_truncated=settings.mask_truncated,
+            packed=settings.packing,
+            method=method,
+        )
         u = None if u is None else u.to(out.batch.logp.dtype)
         losses, corr, seen = method.corrected_token_losses(out.batch, out.advantages, old=old, u=u)
         if batch.hooks.before is not None:
             batch.hooks.before(mb, micro_idx, out, losses, u)
-        ref_lp = batch.reference(micro_samples, share=share_prompts).to(out.batch.logp.device) if method.kl_in_loss else None
+        ref_lp = (
+            batch.reference(micro_samples, share=share_prompts).to(out.batch.logp.device) if method.kl_in_loss else None
+        )
         reg = method.regularize(losses.loss, out.batch, ref_logp=ref_lp, entropy=out.entropy)
         agg_batch = kept_batch(out.batch, corr) if method.correction.drops_rejected else out.batch
         loss = method.aggregate(reg.loss, agg_batch, horizon=settings.horizon)
         denominator = method.denominator(agg_batch)
         share = denominator / max(total, 1)  # 1.0 for one process, one micro-batch
         dist.backward(loss if share == 1.0 and dist.world == 1 else loss * (share * dist.world))
-    row = {**token_diagnostics(seen, losses, out.advantages, method.params), **correction_diagnostics(corr, out.batch),
-           "entropy": out.entropy.mean().item(), **regularizer_diagnostics(out.batch, reg, method.params)}
+    row = {
+        **token_diagnostics(seen, losses, out.advantages, method.params),
+        **correction_diagnostics(corr, out.batch),
+        "entropy": out.entropy.mean().item(),
+        **regularizer_diagnostics(out.batch, reg, method.params),
+    }
     if settings.gradient_checkpointing:
         row["shared_prompt_frac"] = float(out.shared_prompt)
     return _Micro(row, loss.item() * share, denominator)
@@ -309,20 +380,32 @@ def _micro_batches(samples: list[Sample], dist: Dist, settings: UpdateSettings) 
         return micro_batches(len(samples), dist.rank, dist.world, settings.grad_accum)
     mine = list(range(dist.rank, len(samples), dist.world))
     part = [samples[i] for i in mine]
-    res = packing.token_budget_batches([len(s.prompt_ids) for s in part], [len(s.gen.response_ids) for s in part], budget,
-                                       _distinct_prompts(part)[1])
+    res = packing.token_budget_batches(
+        [len(s.prompt_ids) for s in part], [len(s.gen.response_ids) for s in part], budget, _distinct_prompts(part)[1]
+    )
     if res.oversized and budget not in _WARNED_BUDGETS:
         _WARNED_BUDGETS.add(budget)
-        longest = max(packing.sequence_tokens(len(part[i].prompt_ids), len(part[i].gen.response_ids)) for i in res.oversized)
-        print(f"warning: train.micro_batch_tokens={budget}: {len(res.oversized)} sequence(s) are " f"longer (up to {longest} tokens); "
-              "each is trained alone in a micro-batch of its own", file=sys.stderr, flush=True)
+        longest = max(
+            packing.sequence_tokens(len(part[i].prompt_ids), len(part[i].gen.response_ids)) for i in res.oversized
+        )
+        print(
+            f"warning: train.micro_batch_tokens={budget}: {len(res.oversized)} sequence(s) are "
+            f"longer (up to {longest} tokens); "
+            "each is trained alone in a micro-batch of its own",
+            file=sys.stderr,
+            flush=True,
+        )
     batches = [[mine[j] for j in b] for b in res.batches]
     if dist.world > 1:
         count = max(dist.gather_objects(len(batches)))
         if count > len(batches):
             if len(mine) < count:
-                raise MasktrlError(f"train.micro_batch_tokens={budget}: a process holds {len(mine)} sequences of a " "minibatch but "
-                                   f"another needs {count} micro-batches; raise " "train.micro_batch_tokens or lower train.minibatches")
+                raise MasktrlError(
+                    f"train.micro_batch_tokens={budget}: a process holds {len(mine)} sequences of a "
+                    "minibatch but "
+                    f"another needs {count} micro-batches; raise "
+                    "train.micro_batch_tokens or lower train.minibatches"
+                )
             batches = packing.balance(batches, count)
     return batches
 
@@ -333,7 +416,8 @@ def micro_batches(n: int, rank: int, world: int, grad_accum: int) -> list[list[i
     non-empty micro-batches (each runs the same collectives), hence the check."""
     if n // world < grad_accum:
         raise MasktrlError(
-            f"a minibatch of {n} sequences cannot be split over {world} process(es) x " f"train.grad_accum={grad_accum}: "
+            f"a minibatch of {n} sequences cannot be split over {world} process(es) x "
+            f"train.grad_accum={grad_accum}: "
             "lower train.minibatches or train.grad_accum, or raise rollout.prompts_per_step"
         )
     mine = list(range(rank, n, world))
@@ -401,4 +485,3 @@ def _mean_rows(rows: list[dict]) -> dict:
         if vals:
             out[k] = max(vals) if k.endswith("_max") else sum(vals) / len(vals)
     return out
-

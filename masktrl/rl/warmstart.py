@@ -31,10 +31,10 @@ import torch
 
 from masktrl.config import Config
 from masktrl.errors import ArtifactError
+from masktrl.io import atomic_dir, atomic_write_json, sha256_file
 from masktrl.models.loading import load_model_and_tokenizer, quiet_transformers
 from masktrl.models.numbers import init_number_embeddings
 from masktrl.models.tiny import TinyModelConfig, build_tiny_model, tiny_tokenizer
-from masktrl.io import atomic_dir, atomic_write_json, sha256_file
 from masktrl.readers import read_json
 from masktrl.rl.evaluation import heldout_accuracy
 from masktrl.rl.schedule import lr_factor
@@ -42,7 +42,6 @@ from masktrl.rollout.base import SamplingSettings
 from masktrl.rollout.hf import HFEngine
 from masktrl.runs import locks
 from masktrl.runs.store import folder_files, folder_problem, warmstart_cache
-
 
 WARMSTART_VERSION = 3  # bump when the warm-start procedure changes: old cache entries are then ignored
 CHECK_EVERY, CHECK_PROBLEMS = 100, 256  # warmstart.target_accuracy: how often, on how many training problems
@@ -53,7 +52,9 @@ def warmstart_key(cfg: Config) -> str:
     1, the thread count (it changes the reduction order, hence the weights: measured, a different
     held-out accuracy), so a run never starts from another thread count's warm start."""
     threads = "" if cfg.train.threads == 1 else f"-threads{cfg.train.threads}"
-    settings = cfg.hash("model", "task", "warmstart", exclude=("model.lora", "model.routing_replay"))  # LoRA, routing replay: after it
+    settings = cfg.hash(
+        "model", "task", "warmstart", exclude=("model.lora", "model.routing_replay")
+    )  # LoRA, routing replay: after it
     return f"v{WARMSTART_VERSION}-{settings}-seed{cfg.seed}{threads}"
 
 
@@ -104,8 +105,7 @@ def new_tiny_model(cfg: Config, tokenizer):
     """The tiny model of ``cfg.model`` with ``tokenizer``'s vocabulary, initialised from ``cfg.seed``
     (on the meta device too: the disk projection counts its parameters)."""
     m = cfg.model
-    return build_tiny_model(tokenizer, TinyModelConfig.of(m),
-                            seed=cfg.seed, architecture=m.architecture)
+    return build_tiny_model(tokenizer, TinyModelConfig.of(m), seed=cfg.seed, architecture=m.architecture)
 
 
 def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None, checks: list | None = None) -> list[float]:
@@ -118,7 +118,9 @@ def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None, che
     rng = random.Random(f"warmstart-{cfg.seed}")
     check = _accuracy_check(model, tokenizer, task, cfg) if ws.target_accuracy is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor("constant", ws.warmup_steps, ws.steps))  # see docs/DESIGN.md
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lr_factor("constant", ws.warmup_steps, ws.steps)
+    )  # see docs/DESIGN.md
     model.train()
     losses: list[float] = []
     task_id = progress.add_task("warm start", total=ws.steps, info="") if progress else None
@@ -141,7 +143,9 @@ def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None, che
                 checks.append((step + 1, accuracy))
             if accuracy >= ws.target_accuracy:
                 if progress:  # the bar ends where the warm start did, and its clock stops
-                    progress.update(task_id, total=step + 1, info=f"loss {loss.item():.3f}, target reached: accuracy {accuracy:.2f}")
+                    progress.update(
+                        task_id, total=step + 1, info=f"loss {loss.item():.3f}, target reached: accuracy {accuracy:.2f}"
+                    )
                     progress.stop_task(task_id)
                 break
     model.eval()
@@ -184,7 +188,9 @@ def _save_atomically(model, tokenizer, info: dict, dest: Path) -> dict:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         files = {name: sha256_file(tmp / name) for name in folder_files(tmp)}
-        atomic_write_json(tmp / "warmstart.json", {**info, "files": files})  # written last: marks the cache entry complete
+        atomic_write_json(
+            tmp / "warmstart.json", {**info, "files": files}
+        )  # written last: marks the cache entry complete
     return files
 
 
@@ -193,7 +199,9 @@ def cache_problem(entry: Path) -> str | None:
     entry but warmstart.json is recorded, so a tokenizer file dropped in changes nothing
     unnoticed), or None if it verifies."""
     try:
-        files = read_json(entry / "warmstart.json", error=ArtifactError, finite=False).get("files")  # bounded: a deep file is unreadable
+        files = read_json(entry / "warmstart.json", error=ArtifactError, finite=False).get(
+            "files"
+        )  # bounded: a deep file is unreadable
     except ArtifactError as exc:
         return f"warmstart.json: {str(exc).split(': ', 1)[-1]}"
     except (OSError, AttributeError):

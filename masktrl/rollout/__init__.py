@@ -19,8 +19,14 @@ def make_engine(rollout_cfg, model, tokenizer, model_dir: str | None, *, dtype: 
     if rollout_cfg.engine == "hf":
         from masktrl.rollout.hf import HFEngine
 
-        return HFEngine(model, tokenizer, batch_size=rollout_cfg.batch_size, dtype=rollout_cfg.dtype,
-                        quantization=rollout_cfg.quantization, drop_finished=rollout_cfg.drop_finished)
+        return HFEngine(
+            model,
+            tokenizer,
+            batch_size=rollout_cfg.batch_size,
+            dtype=rollout_cfg.dtype,
+            quantization=rollout_cfg.quantization,
+            drop_finished=rollout_cfg.drop_finished,
+        )
     from masktrl.models.lora import is_adapter_folder, read_adapter
     from masktrl.rollout.vllm import VLLMEngine
 

@@ -43,7 +43,11 @@ def check_sampling(temperature: float, top_p: float, names: tuple[str, str] = ("
     lies in (0, 1]: an infinite temperature samples uniformly and records nothing an engine
     can reproduce, a NaN one samples nothing."""
     t_name, p_name = names
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (math.isfinite(temperature) and temperature > 0):
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (math.isfinite(temperature) and temperature > 0)
+    ):
         raise ConfigError(f"{t_name} must be a finite number > 0, got {temperature}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ConfigError(f"{p_name} must be in (0, 1], got {top_p}")
@@ -58,7 +62,9 @@ class Generation:
     topk_ids: list[list[int]]  # [T][K] behaviour top-K ids, descending mu
     topk_logp: list[list[float]]  # [T][K] log mu at topk_ids
     finished: bool  # ended with EOS (False: cut at max_new_tokens)
-    kept: list[int] | None = None  # [T] truncated sampling: the kept set is the first kept[t] top-K entries; None: the whole vocabulary
+    kept: list[int] | None = (
+        None  # [T] truncated sampling: the kept set is the first kept[t] top-K entries; None: the whole vocabulary
+    )
     # Multi-turn rollouts (docs/ROLLOUTS.md, "Multi-turn rollouts"): None for a single-turn response
     # (every token the policy's, turn 0). ``source[t]`` is POLICY (sampled from mu) or ENVIRONMENT
     # (a tool's reply, appended as tokens: no behaviour log-probability, logp[t] = -inf, and no
@@ -108,10 +114,18 @@ def behaviour_lists(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, 
     own = [policy_tokens(g) for g in gens]
     k = max((len(row) for g in gens for row in g.topk_ids), default=0)
     ids = [list(row) + [-1] * (k - len(row)) for g, m in zip(gens, own) for row, p in zip(g.topk_ids, m) if p]
-    lps = [list(row) + [float("-inf")] * (k - len(row)) for g, m in zip(gens, own) for row, p in zip(g.topk_logp, m) if p]
-    sampled = torch.tensor([t for g, m in zip(gens, own) for t, p in zip(g.response_ids, m) if p], dtype=torch.long)  # [N]
+    lps = [
+        list(row) + [float("-inf")] * (k - len(row)) for g, m in zip(gens, own) for row, p in zip(g.topk_logp, m) if p
+    ]
+    sampled = torch.tensor(
+        [t for g, m in zip(gens, own) for t, p in zip(g.response_ids, m) if p], dtype=torch.long
+    )  # [N]
     n = len(ids)
-    return sampled, torch.tensor(ids, dtype=torch.long).reshape(n, k), torch.tensor(lps, dtype=torch.float64).reshape(n, k)
+    return (
+        sampled,
+        torch.tensor(ids, dtype=torch.long).reshape(n, k),
+        torch.tensor(lps, dtype=torch.float64).reshape(n, k),
+    )
 
 
 def kept_sizes(samples: list[Sample], device=None) -> torch.Tensor | None:
@@ -120,8 +134,11 @@ def kept_sizes(samples: list[Sample], device=None) -> torch.Tensor | None:
     among truncated ones gets 0 (its whole vocabulary: nothing to renormalise)."""
     if all(s.gen.kept is None for s in samples):
         return None
-    return torch.tensor([k for s in samples for k in (s.gen.kept if s.gen.kept is not None else [0] * len(s.gen.response_ids))],
-                        dtype=torch.long, device=device)
+    return torch.tensor(
+        [k for s in samples for k in (s.gen.kept if s.gen.kept is not None else [0] * len(s.gen.response_ids))],
+        dtype=torch.long,
+        device=device,
+    )
 
 
 class RolloutEngine(Protocol):
@@ -129,9 +146,7 @@ class RolloutEngine(Protocol):
 
     name: str
 
-    def generate(
-        self, prompts: list[list[int]], settings: SamplingSettings, seed: int
-    ) -> list[list[Generation]]:
+    def generate(self, prompts: list[list[int]], settings: SamplingSettings, seed: int) -> list[list[Generation]]:
         """``settings.n`` generations for each prompt, in prompt order."""
         ...
 

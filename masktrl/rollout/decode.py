@@ -41,16 +41,33 @@ from transformers.cache_utils import DynamicLayer
 from masktrl.errors import MasktrlError
 from masktrl.models.kvcache import cache_kwarg, new_cache
 
-ROW_FREE = frozenset({  # transformers' processors whose output depends only on the rows they are given
-    "TemperatureLogitsWarper", "TopPLogitsWarper", "TopKLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
-    "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper", "InfNanRemoveLogitsProcessor",
-    "SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor", "NoBadWordsLogitsProcessor",
-    "SequenceBiasLogitsProcessor", "NoRepeatNGramLogitsProcessor", "MinLengthLogitsProcessor",
-    "MinNewTokensLengthLogitsProcessor", "ForcedBOSTokenLogitsProcessor", "ForcedEOSTokenLogitsProcessor",
-    "ExponentialDecayLengthPenalty",
-})
-ROW_STATE = {"RepetitionPenaltyLogitsProcessor": "prompt_ignore_length",  # processor -> its per-row tensor
-             "EncoderRepetitionPenaltyLogitsProcessor": "encoder_input_ids"}
+ROW_FREE = frozenset(
+    {  # transformers' processors whose output depends only on the rows they are given
+        "TemperatureLogitsWarper",
+        "TopPLogitsWarper",
+        "TopKLogitsWarper",
+        "MinPLogitsWarper",
+        "TypicalLogitsWarper",
+        "EpsilonLogitsWarper",
+        "EtaLogitsWarper",
+        "TopHLogitsWarper",
+        "InfNanRemoveLogitsProcessor",
+        "SuppressTokensLogitsProcessor",
+        "SuppressTokensAtBeginLogitsProcessor",
+        "NoBadWordsLogitsProcessor",
+        "SequenceBiasLogitsProcessor",
+        "NoRepeatNGramLogitsProcessor",
+        "MinLengthLogitsProcessor",
+        "MinNewTokensLengthLogitsProcessor",
+        "ForcedBOSTokenLogitsProcessor",
+        "ForcedEOSTokenLogitsProcessor",
+        "ExponentialDecayLengthPenalty",
+    }
+)
+ROW_STATE = {
+    "RepetitionPenaltyLogitsProcessor": "prompt_ignore_length",  # processor -> its per-row tensor
+    "EncoderRepetitionPenaltyLogitsProcessor": "encoder_input_ids",
+}
 
 
 def prefill_cache(model: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor, n: int):
@@ -60,8 +77,13 @@ def prefill_cache(model: torch.nn.Module, input_ids: torch.Tensor, attention: to
     cache = new_cache(model.config)
     base = model.base_model
     positions = (attention.cumsum(1) - 1).clamp_min(0)  # what generate uses for left padding
-    base(input_ids=input_ids[:, :-1], attention_mask=attention[:, :-1], position_ids=positions[:, :-1],
-         use_cache=True, **{cache_kwarg(base): cache})
+    base(
+        input_ids=input_ids[:, :-1],
+        attention_mask=attention[:, :-1],
+        position_ids=positions[:, :-1],
+        use_cache=True,
+        **{cache_kwarg(base): cache},
+    )
     cache.batch_repeat_interleave(n)
     return cache
 
@@ -132,11 +154,15 @@ def growing_cache(cache, spare: int):
     drop rows."""
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
-            cache.layers[i] = GrowingLayer(layer.keys if layer.is_initialized else None,
-                                           layer.values if layer.is_initialized else None, spare)
+            cache.layers[i] = GrowingLayer(
+                layer.keys if layer.is_initialized else None, layer.values if layer.is_initialized else None, spare
+            )
         elif not hasattr(layer, "batch_select_indices"):
-            raise MasktrlError(f"rollout.drop_finished cannot remove rows from the model's {type(layer).__name__} " "cache "
-                               "layers; set rollout.drop_finished=false")
+            raise MasktrlError(
+                f"rollout.drop_finished cannot remove rows from the model's {type(layer).__name__} "
+                "cache "
+                "layers; set rollout.drop_finished=false"
+            )
     return cache
 
 
@@ -146,9 +172,13 @@ def logits_processors(model: torch.nn.Module, generate_kwargs: dict, input_ids: 
     construction, so the model's ``generation_config`` counts too)."""
     config, _ = model._prepare_generation_config(None, **generate_kwargs)
     model._prepare_special_tokens(config, True, device=input_ids.device)
-    processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=input_ids.shape[1],
-                                             encoder_input_ids=input_ids, device=input_ids.device,
-                                             model_kwargs={"attention_mask": attention})
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=input_ids.shape[1],
+        encoder_input_ids=input_ids,
+        device=input_ids.device,
+        model_kwargs={"attention_mask": attention},
+    )
     return config, processors
 
 
@@ -174,8 +204,12 @@ def row_selectors(processors) -> list:
             if isinstance(getattr(p, attr), torch.Tensor):
                 selectors.append(_attribute_selector(p, attr))
         elif name not in ROW_FREE:
-            raise MasktrlError(f"rollout.drop_finished cannot follow the rows of the logits processor {name} (from " "the "
-                               "model's generation_config); set rollout.drop_finished=false to " "sample with generate")
+            raise MasktrlError(
+                f"rollout.drop_finished cannot follow the rows of the logits processor {name} (from "
+                "the "
+                "model's generation_config); set rollout.drop_finished=false to "
+                "sample with generate"
+            )
     return selectors
 
 
@@ -211,15 +245,20 @@ class Steps:
 
 
 @torch.no_grad()
-def decode_dropping_finished(model: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor, n: int,
-                             k: int, generate_kwargs: dict):
+def decode_dropping_finished(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor, n: int, k: int, generate_kwargs: dict
+):
     """``n`` responses per left-padded prompt of ``input_ids`` [P, W] (``attention`` its mask),
     finished rows leaving the batch after every step. ``generate_kwargs`` are the keywords the
     engine gives ``generate`` (sampling settings, ``max_new_tokens``, ``pad_token_id``,
     ``eos_token_id``). Returns the tensors of ``Steps.tensors``, rows in the order of
     ``num_return_sequences=n``: a row ends at its first EOS or at ``max_new_tokens``."""
     width = input_ids.shape[1]
-    max_new, pad, eos = generate_kwargs["max_new_tokens"], generate_kwargs["pad_token_id"], generate_kwargs["eos_token_id"]
+    max_new, pad, eos = (
+        generate_kwargs["max_new_tokens"],
+        generate_kwargs["pad_token_id"],
+        generate_kwargs["eos_token_id"],
+    )
     history = input_ids.repeat_interleave(n, dim=0)  # [R, W]: the tokens the logits processors see
     mask = attention.repeat_interleave(n, dim=0)
     n_rows = history.shape[0]
@@ -233,8 +272,13 @@ def decode_dropping_finished(model: torch.nn.Module, input_ids: torch.Tensor, at
     token = history[:, -1:]
     steps = Steps()
     for t in range(max_new):
-        out = model(input_ids=token, attention_mask=mask if use_mask else None, position_ids=positions, use_cache=True,
-                    **{cache_kwarg(model): cache})
+        out = model(
+            input_ids=token,
+            attention_mask=mask if use_mask else None,
+            position_ids=positions,
+            use_cache=True,
+            **{cache_kwarg(model): cache},
+        )
         scores = processors(history, out.logits[:, -1].float())
         if config.do_sample:
             nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)

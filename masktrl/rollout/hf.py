@@ -81,7 +81,9 @@ def finite_probabilities():
     except RuntimeError as exc:
         if "probability tensor contains" not in str(exc):
             raise
-        raise MasktrlError("the policy's next-token probabilities are not finite (NaN or inf): its weights have " "diverged") from None
+        raise MasktrlError(
+            "the policy's next-token probabilities are not finite (NaN or inf): its weights have diverged"
+        ) from None
 
 
 def check_context(model, prompts: list[list[int]]) -> None:
@@ -94,7 +96,8 @@ def check_context(model, prompts: list[list[int]]) -> None:
     too_long = [len(p) for p in prompts if len(p) >= context]
     if too_long:
         raise MasktrlError(
-            f"{len(too_long)} of {len(prompts)} prompts do not fit the model's context " f"({context} positions); "
+            f"{len(too_long)} of {len(prompts)} prompts do not fit the model's context "
+            f"({context} positions); "
             f"the longest has {max(too_long)} tokens"
         )
 
@@ -107,8 +110,16 @@ class HFEngine:
 
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, tokenizer, *, batch_size: int = 512, dtype: str | None = None,
-                 quantization: str | None = None, drop_finished: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        batch_size: int = 512,
+        dtype: str | None = None,
+        quantization: str | None = None,
+        drop_finished: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.batch_size = batch_size  # prompts x n generated together
         self.drop_finished = drop_finished  # masktrl's decode loop (rollout/decode.py) instead of generate
@@ -158,7 +169,9 @@ class HFEngine:
         try:
             for i in range(0, len(flat), rows_per_call):
                 part = flat[i : i + rows_per_call]
-                for (_, g), rec in zip(part, routing_records(self.model, [list(p) + list(g.response_ids) for p, g in part])):
+                for (_, g), rec in zip(
+                    part, routing_records(self.model, [list(p) + list(g.response_ids) for p, g in part])
+                ):
                     g.routing = rec
         finally:
             self.model.train(was_training)
@@ -173,7 +186,9 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         if self.drop_finished:
-            kwargs = dict(sampling_kwargs(s), max_new_tokens=s.max_new_tokens, pad_token_id=pad, eos_token_id=tok.eos_token_id)
+            kwargs = dict(
+                sampling_kwargs(s), max_new_tokens=s.max_new_tokens, pad_token_id=pad, eos_token_id=tok.eos_token_id
+            )
             with finite_probabilities():
                 tensors = decode_dropping_finished(self.model, input_ids, attention, s.n, s.logprobs_k, kwargs)
             self.model.train(was_training)
@@ -204,8 +219,15 @@ class HFEngine:
             ids_steps.append(top_ids)
             topk_steps.append(top_lp)
         with gc_paused():
-            return self._records(new, torch.stack(logp_steps, 1), torch.stack(ids_steps, 1), torch.stack(topk_steps, 1),
-                                 len(prompts), s.n, kept=self._kept_bound(s))
+            return self._records(
+                new,
+                torch.stack(logp_steps, 1),
+                torch.stack(ids_steps, 1),
+                torch.stack(topk_steps, 1),
+                len(prompts),
+                s.n,
+                kept=self._kept_bound(s),
+            )
 
     def _kept_bound(self, s: SamplingSettings) -> bool | None:
         """None: untruncated sampling (no kept set recorded); else whether every kept set is known
@@ -215,7 +237,9 @@ class HFEngine:
         vocab = self.model.get_output_embeddings().weight.shape[0]
         return (0 < s.top_k <= s.logprobs_k) or vocab <= s.logprobs_k
 
-    def _records(self, new, logp, top_ids, top_lp, n_prompts: int, n: int, kept: bool | None = None) -> list[list[Generation]]:
+    def _records(
+        self, new, logp, top_ids, top_lp, n_prompts: int, n: int, kept: bool | None = None
+    ) -> list[list[Generation]]:
         """The per-token tensors (ids and log mu [P*n, T], top-K ids and log mu [P*n, T, K]) as
         ``Generation`` records (Python lists), cut after EOS. ``kept`` (not None: truncated
         sampling): each token's kept-set size, the entries of its top-K list with mu > 0 (the

@@ -31,13 +31,20 @@ def mismatch_stats(behavior_logp: Tensor, policy_logp: Tensor) -> dict[str, floa
     mu = behavior_logp.detach().double().reshape(-1)  # [N]
     pi = policy_logp.detach().double().reshape(-1)  # [N]
     if mu.shape != pi.shape:
-        raise ValueError(f"behavior_logp and policy_logp must have the same number of tokens, got {mu.numel()} " f"and {pi.numel()}")
+        raise ValueError(
+            f"behavior_logp and policy_logp must have the same number of tokens, got {mu.numel()} and {pi.numel()}"
+        )
     ok = torch.isfinite(mu) & torch.isfinite(pi)
     d = (mu - pi)[ok]  # [M] log mu - log pi_old
     if d.numel() == 0:
         nan = float("nan")
-        return {"mismatch/logp_abs_mean": nan, "mismatch/logp_abs_p99": nan, "mismatch/kl_k3": nan,
-                "mismatch/frac_gt_0.5": nan, "mismatch/tokens": 0}
+        return {
+            "mismatch/logp_abs_mean": nan,
+            "mismatch/logp_abs_p99": nan,
+            "mismatch/kl_k3": nan,
+            "mismatch/frac_gt_0.5": nan,
+            "mismatch/tokens": 0,
+        }
     a = d.abs()
     return {
         "mismatch/logp_abs_mean": a.mean().item(),

@@ -18,8 +18,8 @@ records are exactly those of the tokens sampled, whatever came after them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 from masktrl.rollout.base import ENVIRONMENT, POLICY, Generation, SamplingSettings
 
@@ -72,11 +72,24 @@ class _Episode:
         self.turn += [turn] * len(ids)
 
     def generation(self) -> Generation:
-        return Generation(self.ids, self.logp, self.topk_ids, self.topk_logp, self.finished, source=self.source, turn=self.turn)
+        return Generation(
+            self.ids, self.logp, self.topk_ids, self.topk_logp, self.finished, source=self.source, turn=self.turn
+        )
 
 
-def generate_multi_turn(engine, tokenizer, prompts: list[list[int]], examples: list[dict], settings: SamplingSettings, seed: int,
-                        new_episode: Callable[[], object], *, stop: str, max_turns: int, max_tokens: int) -> list[list[Generation]]:
+def generate_multi_turn(
+    engine,
+    tokenizer,
+    prompts: list[list[int]],
+    examples: list[dict],
+    settings: SamplingSettings,
+    seed: int,
+    new_episode: Callable[[], object],
+    *,
+    stop: str,
+    max_turns: int,
+    max_tokens: int,
+) -> list[list[Generation]]:
     """``settings.n`` multi-turn responses per prompt (in prompt order), each an episode of its
     own environment: ``new_episode()`` gives an object with ``reset(example) -> bool`` and
     ``step(text) -> (reply, done)`` (``tasks.envs.Episode``: failures already isolated and
@@ -105,17 +118,22 @@ def generate_multi_turn(engine, tokenizer, prompts: list[list[int]], examples: l
             break
         budget = min(settings.max_new_tokens, min(max_tokens - len(ep.ids) for ep in live))
         if turn == 0:  # one prefill per prompt, n samples each (the engine's shared prefill)
-            gens = [g for group in engine.generate(prompts, replace(settings, max_new_tokens=budget), seed) for g in group]
+            gens = [
+                g for group in engine.generate(prompts, replace(settings, max_new_tokens=budget), seed) for g in group
+            ]
         else:
-            out = engine.generate([ep.prompt + ep.ids for ep in live], replace(settings, n=1, max_new_tokens=budget),
-                                  seed + turn * TURN_SEED_STRIDE)
+            out = engine.generate(
+                [ep.prompt + ep.ids for ep in live],
+                replace(settings, n=1, max_new_tokens=budget),
+                seed + turn * TURN_SEED_STRIDE,
+            )
             gens = [group[0] for group in out]
         for ep, gen in zip(live, gens):
             ids = gen.response_ids
             cut = stop_cut(ids, decode, stop) if ep.env is not None else None
             if cut is not None and (eos not in ids or cut <= ids.index(eos)):
                 ep.add(gen, cut, turn)
-                reply, done = ep.env.step(decode(ep.ids[len(ep.ids) - cut:]))
+                reply, done = ep.env.step(decode(ep.ids[len(ep.ids) - cut :]))
                 left = max_tokens - len(ep.ids)
                 reply_ids = tokenizer.encode(reply, add_special_tokens=False)[:left] if reply else []
                 ep.add_reply(reply_ids, turn)
@@ -126,4 +144,4 @@ def generate_multi_turn(engine, tokenizer, prompts: list[list[int]], examples: l
             else:
                 ep.add(gen, len(ids), turn)
                 ep.running, ep.finished = False, gen.finished
-    return [[ep.generation() for ep in episodes[i * n:(i + 1) * n]] for i in range(len(prompts))]
+    return [[ep.generation() for ep in episodes[i * n : (i + 1) * n]] for i in range(len(prompts))]

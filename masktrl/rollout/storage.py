@@ -79,12 +79,18 @@ SCHEMA = pa.schema(
     ]
 )
 SCHEMAS = {1: SCHEMA_V1, 2: SCHEMA}
-KEPT = ("kept", pa.list_(pa.int16()))  # optional, any format: [T] kept-set sizes of truncated sampling (Generation.kept)
+KEPT = (
+    "kept",
+    pa.list_(pa.int16()),
+)  # optional, any format: [T] kept-set sizes of truncated sampling (Generation.kept)
 # optional, any format, written only for multi-turn batches (the files of single-turn runs are unchanged):
 # [T] each token's source (0 policy, 1 environment: Generation.source) and turn index (Generation.turn)
 SOURCE = ("source", pa.list_(pa.int8()))
 TURN = ("turn", pa.list_(pa.int16()))
-ROUTING = ("routing", pa.list_(pa.list_(pa.int16())))  # optional, any format: [P+T][L*k] the engine's experts (Generation.routing)
+ROUTING = (
+    "routing",
+    pa.list_(pa.list_(pa.int16())),
+)  # optional, any format: [P+T][L*k] the engine's experts (Generation.routing)
 _TOKEN_FLOATS = ["behavior_logp_x", "topk_logp"]
 
 
@@ -102,8 +108,16 @@ class TokenArrays:
 # --------------------------------------------------------------------------- writing
 
 
-def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression_level: int | None = None, fmt: int = FORMAT, layout: str | None = None,
-                   check: bool = True) -> None:
+def write_rollouts(
+    path: Path,
+    samples: list[Sample],
+    meta: dict,
+    *,
+    compression_level: int | None = None,
+    fmt: int = FORMAT,
+    layout: str | None = None,
+    check: bool = True,
+) -> None:
     """Write ``samples`` with ``meta`` (JSON, key ``masktrl``) atomically to ``path``.
 
     A batch holding a reward or an advantage that is not finite, or a NaN log-probability, is
@@ -116,7 +130,10 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression
     for 2% fewer bytes). Top-K lists of unequal widths cannot be stored in format 2; such a
     batch is written in format 1, unchanged, and refused when read.
     """
-    rows = {name: [getattr(s, name) for s in samples] for name in ("example_id", "prompt", "answer", "group", "prompt_ids", "text", "reward", "advantage")}
+    rows = {
+        name: [getattr(s, name) for s in samples]
+        for name in ("example_id", "prompt", "answer", "group", "prompt_ids", "text", "reward", "advantage")
+    }
     rows["finished"] = [s.gen.finished for s in samples]
     kept = kept_column(samples)
     arrays = token_arrays(samples) if fmt == 2 else None
@@ -133,9 +150,14 @@ def write_rollouts(path: Path, samples: list[Sample], meta: dict, *, compression
             "compression_level": {_leaf(c): level if c in ("topk_ids", "topk_logp") else 1 for c in SCHEMA.names},
             # zstd finds the repeats too, and sooner: dictionaries made the tiny batch slower and larger
             "use_dictionary": False,
-            "column_encoding": {f"{c}.list.element": "BYTE_STREAM_SPLIT" for c in ("topk_ids", "topk_logp", "topk_vocab", "behavior_logp_x")},
+            "column_encoding": {
+                f"{c}.list.element": "BYTE_STREAM_SPLIT"
+                for c in ("topk_ids", "topk_logp", "topk_vocab", "behavior_logp_x")
+            },
         }
-    if kept is not None:  # truncated sampling: one more column, absent otherwise (the files of untruncated runs are unchanged)
+    if (
+        kept is not None
+    ):  # truncated sampling: one more column, absent otherwise (the files of untruncated runs are unchanged)
         table = table.append_column(pa.field(*KEPT), kept)
         if arrays is not None:
             opts["compression_level"]["kept"] = 1
@@ -197,7 +219,9 @@ def routing_column(samples: list[Sample]) -> pa.Array | None:
     if all(r is None for r in rec):
         return None
     if any(r is None or len(r) != len(s.prompt_ids) + len(s.gen.response_ids) for r, s in zip(rec, samples)):
-        raise ValueError("Generation.routing must be given for every sample of a batch, one row per prompt and response token")
+        raise ValueError(
+            "Generation.routing must be given for every sample of a batch, one row per prompt and response token"
+        )
     return pa.array(rec, type=ROUTING[1])
 
 
@@ -217,7 +241,9 @@ def read_routing(path: Path, table: pa.Table) -> list | None:
         return None
     col = table.column(ROUTING[0]).combine_chunks()
     if col.type != ROUTING[1] or col.null_count or col.flatten().null_count:
-        raise ArtifactError(f"{path}: column routing has type {_type_name(col.type)} or nulls, expected {_type_name(ROUTING[1])}")
+        raise ArtifactError(
+            f"{path}: column routing has type {_type_name(col.type)} or nulls, expected {_type_name(ROUTING[1])}"
+        )
     rows = col.to_pylist()
     if len({len(pos) for r in rows for pos in r}) > 1 or any(x < 0 for r in rows for pos in r for x in pos):
         raise ArtifactError(f"{path}: column routing holds rows of unequal widths or negative expert ids")
@@ -237,7 +263,9 @@ def check_finite(path: Path, rows: dict, arrays: TokenArrays | None) -> None:
         for what, values in (("behaviour log-prob", arrays.behavior_logp), ("top-K log-prob", arrays.topk_logp)):
             bad = np.flatnonzero(np.isnan(values).reshape(len(values), -1).any(axis=1)) if values.size else []
             if len(bad):
-                raise DataError(f"{path}: {_where(arrays.offsets, int(bad[0]))}: a {what} is NaN; the batch is " "not written")
+                raise DataError(
+                    f"{path}: {_where(arrays.offsets, int(bad[0]))}: a {what} is NaN; the batch is not written"
+                )
 
 
 def _leaf(column: str) -> str:
@@ -258,13 +286,18 @@ def _encode_v1(samples: list[Sample], rows: dict) -> pa.Table:
 def token_arrays(samples: list[Sample]) -> TokenArrays | None:
     """The batch's per-token numbers as arrays; None when its top-K lists are ragged."""
     lengths = [len(s.gen.response_ids) for s in samples]
-    if any(len(s.gen.logp) != n or len(s.gen.topk_ids) != n or len(s.gen.topk_logp) != n for s, n in zip(samples, lengths)):
+    if any(
+        len(s.gen.logp) != n or len(s.gen.topk_ids) != n or len(s.gen.topk_logp) != n for s, n in zip(samples, lengths)
+    ):
         return None
     top_ids = list(chain.from_iterable(s.gen.topk_ids for s in samples))
     top_lp = list(chain.from_iterable(s.gen.topk_logp for s in samples))
     n = len(top_ids)
     k = len(top_ids[0]) if n else 0
-    if n and not min(map(len, top_ids)) == max(map(len, top_ids)) == min(map(len, top_lp)) == max(map(len, top_lp)) == k:
+    if (
+        n
+        and not min(map(len, top_ids)) == max(map(len, top_ids)) == min(map(len, top_lp)) == max(map(len, top_lp)) == k
+    ):
         return None  # ragged lists
     try:
         tid = np.fromiter(chain.from_iterable(top_ids), np.int32, count=n * k).reshape(n, k)
@@ -409,11 +442,21 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
     kv = table.schema.metadata or {}
     try:  # bounded: a deep one recursed until Python's limit
         meta = load_json(kv.get(b"masktrl", b"{}"), f"{path}: metadata", error=ArtifactError, finite=False)
-        codec = load_json(kv[CODEC_KEY], f"{path}: codec", error=ArtifactError, finite=False) if CODEC_KEY in kv else {"format": 1}
+        codec = (
+            load_json(kv[CODEC_KEY], f"{path}: codec", error=ArtifactError, finite=False)
+            if CODEC_KEY in kv
+            else {"format": 1}
+        )
     except ArtifactError as exc:
-        raise ArtifactError(f"{path}: rollout file metadata is not valid JSON ({str(exc).split(': ', 2)[-1]})") from None
+        raise ArtifactError(
+            f"{path}: rollout file metadata is not valid JSON ({str(exc).split(': ', 2)[-1]})"
+        ) from None
     if not isinstance(meta, dict) or not isinstance(codec, dict) or codec.get("format") not in SCHEMAS:
-        raise ArtifactError(f"{path}: unknown rollout file format " f"{codec.get('format') if isinstance(codec, dict) else codec!r} (this masktrl reads " f"{sorted(SCHEMAS)})")
+        raise ArtifactError(
+            f"{path}: unknown rollout file format "
+            f"{codec.get('format') if isinstance(codec, dict) else codec!r} (this masktrl reads "
+            f"{sorted(SCHEMAS)})"
+        )
     try:
         check_columns(path, table, SCHEMAS[codec["format"]])
         arrays = decode_v1(path, table) if codec["format"] == 1 else decode_v2(path, table, codec)
@@ -425,7 +468,9 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
         if routing is not None:
             for i, (sample, rec) in enumerate(zip(samples, routing)):
                 if len(rec) != len(sample.prompt_ids) + len(sample.gen.response_ids):
-                    raise ArtifactError(f"{path}: row {i}: column routing does not hold one row per prompt and response token")
+                    raise ArtifactError(
+                        f"{path}: row {i}: column routing does not hold one row per prompt and response token"
+                    )
                 sample.gen.routing = rec
         if kept is not None:
             for sample, lo, hi in zip(samples, arrays.offsets[:-1].tolist(), arrays.offsets[1:].tolist()):
@@ -435,7 +480,9 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
                 sample.gen.source, sample.gen.turn = turns[0][lo:hi], turns[1][lo:hi]
         return samples, meta
     except (ValueError, IndexError, KeyError, TypeError, pa.ArrowException) as exc:  # a damage no check above names
-        raise ArtifactError(f"{path}: malformed rollout file ({type(exc).__name__}: " f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise ArtifactError(
+            f"{path}: malformed rollout file ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
 
 
 def read_kept(path: Path, table: pa.Table, a: TokenArrays) -> list[int] | None:
@@ -446,14 +493,18 @@ def read_kept(path: Path, table: pa.Table, a: TokenArrays) -> list[int] | None:
         return None
     col = table.column(KEPT[0]).combine_chunks()
     if col.type != KEPT[1] or col.null_count:
-        raise ArtifactError(f"{path}: column kept has type {_type_name(col.type)} or nulls, expected " f"{_type_name(KEPT[1])}")
+        raise ArtifactError(
+            f"{path}: column kept has type {_type_name(col.type)} or nulls, expected {_type_name(KEPT[1])}"
+        )
     offsets, values = np.asarray(col.offsets), np.asarray(col.flatten()).astype(np.int64)
     if not np.array_equal(offsets, a.offsets):
         raise ArtifactError(f"{path}: column kept does not hold one size per response token")
     k = a.topk_ids.shape[1]
     bad = np.flatnonzero((values < 1) | (values > k + 1))  # K + 1: more than the list holds
     if len(bad):
-        raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: kept-set size {values[bad[0]]} outside [1, " f"K+1={k + 1}]")
+        raise ArtifactError(
+            f"{path}: {_where(a.offsets, int(bad[0]))}: kept-set size {values[bad[0]]} outside [1, K+1={k + 1}]"
+        )
     return values.tolist()
 
 
@@ -471,20 +522,28 @@ def read_turns(path: Path, table: pa.Table, a: TokenArrays) -> tuple[list[int], 
     for name, typ in (SOURCE, TURN):
         col = table.column(name).combine_chunks()
         if col.type != typ or col.null_count:
-            raise ArtifactError(f"{path}: column {name} has type {_type_name(col.type)} or nulls, expected {_type_name(typ)}")
+            raise ArtifactError(
+                f"{path}: column {name} has type {_type_name(col.type)} or nulls, expected {_type_name(typ)}"
+            )
         if not np.array_equal(np.asarray(col.offsets), a.offsets):
             raise ArtifactError(f"{path}: column {name} does not hold one entry per response token")
         out.append(np.asarray(col.flatten()).astype(np.int64))
     source, turn = out
     bad = np.flatnonzero((source < 0) | (source > 1))
     if len(bad):
-        raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: source {source[bad[0]]} is neither 0 (policy) nor 1 (environment)")
+        raise ArtifactError(
+            f"{path}: {_where(a.offsets, int(bad[0]))}: source {source[bad[0]]} is neither 0 "
+            "(policy) nor 1 (environment)"
+        )
     bad = np.flatnonzero(turn < 0)
     if len(bad):
         raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: turn {turn[bad[0]]} is negative")
     bad = np.flatnonzero((source == 1) & (a.behavior_logp != -np.inf))
     if len(bad):
-        raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: an environment token has a behaviour log-prob ({a.behavior_logp[bad[0]]}); it must be -inf")
+        raise ArtifactError(
+            f"{path}: {_where(a.offsets, int(bad[0]))}: an environment token has a behaviour "
+            f"log-prob ({a.behavior_logp[bad[0]]}); it must be -inf"
+        )
     return source.tolist(), turn.tolist()
 
 
@@ -495,7 +554,9 @@ def check_columns(path: Path, table: pa.Table, schema: pa.Schema) -> None:
     for field in schema:
         col = table.column(field.name)
         if col.type != field.type:
-            raise ArtifactError(f"{path}: column {field.name} has type {_type_name(col.type)}, expected " f"{_type_name(field.type)}")
+            raise ArtifactError(
+                f"{path}: column {field.name} has type {_type_name(col.type)}, expected {_type_name(field.type)}"
+            )
         chunk = col.combine_chunks()
         level = 0
         while True:
@@ -533,7 +594,9 @@ def decode_v1(path: Path, table: pa.Table) -> TokenArrays:
         other, _ = _flat(table, name)
         if not np.array_equal(other, off):
             row = int(np.flatnonzero(np.diff(other) != np.diff(off))[0])
-            raise ArtifactError(f"{path}: row {row}: {name} has length {np.diff(other)[row]}, response_ids " f"{np.diff(off)[row]}")
+            raise ArtifactError(
+                f"{path}: row {row}: {name} has length {np.diff(other)[row]}, response_ids {np.diff(off)[row]}"
+            )
     _, blp = _flat(table, "behavior_logp")
     inner = {}
     for name in ("topk_ids", "topk_logp"):
@@ -544,19 +607,34 @@ def decode_v1(path: Path, table: pa.Table) -> TokenArrays:
     k = int(widths[0]) if len(widths) else 0
     bad = np.flatnonzero(widths != k)
     if len(bad):
-        raise ArtifactError(f"{path}: {_where(off, bad[0])}: top-K list has {widths[bad[0]]} entries, the file's " f"first has {k}")
+        raise ArtifactError(
+            f"{path}: {_where(off, bad[0])}: top-K list has {widths[bad[0]]} entries, the file's first has {k}"
+        )
     bad = np.flatnonzero(lp_widths != k)
     if len(bad):
         raise ArtifactError(f"{path}: {_where(off, bad[0])}: {lp_widths[bad[0]]} top-K log-probs for {k} top-K ids")
     n = len(rid)
-    return TokenArrays(off, rid.astype(np.int64), blp, inner["topk_ids"][1].reshape(n, k), inner["topk_logp"][1].reshape(n, k))
+    return TokenArrays(
+        off, rid.astype(np.int64), blp, inner["topk_ids"][1].reshape(n, k), inner["topk_logp"][1].reshape(n, k)
+    )
 
 
 def decode_v2(path: Path, table: pa.Table, codec: dict) -> TokenArrays:
     k, kind, layout = codec.get("k"), codec.get("topk_ids"), codec.get("layout", "tk")
     if not isinstance(k, int) or k < 0 or kind not in ("raw", "vocab") or layout not in ("tk", "kt"):
         raise ArtifactError(f"{path}: bad codec record {codec}")
-    flat = {name: _flat(table, name) for name in ("sampled_rank", "response_ids_x", "behavior_logp_x", "topk_ids", "topk_vocab", "topk_logp", "topk_logp_x")}
+    flat = {
+        name: _flat(table, name)
+        for name in (
+            "sampled_rank",
+            "response_ids_x",
+            "behavior_logp_x",
+            "topk_ids",
+            "topk_vocab",
+            "topk_logp",
+            "topk_logp_x",
+        )
+    }
     off, rank = flat["sampled_rank"]
     n = int(off[-1])
     for name in ("topk_ids", "topk_logp"):
@@ -564,7 +642,10 @@ def decode_v2(path: Path, table: pa.Table, codec: dict) -> TokenArrays:
         bad = np.flatnonzero(other != off * k)
         if len(bad):
             row = int(bad[0]) - 1
-            raise ArtifactError(f"{path}: row {row}: {name} holds {np.diff(other)[row]} entries for " f"{np.diff(off)[row]} tokens x K = {k}")
+            raise ArtifactError(
+                f"{path}: row {row}: {name} holds {np.diff(other)[row]} entries for "
+                f"{np.diff(off)[row]} tokens x K = {k}"
+            )
     bad = np.flatnonzero((rank < -1) | (rank >= k))
     if len(bad):
         raise ArtifactError(f"{path}: {_where(off, bad[0])}: sampled_rank {rank[bad[0]]} outside [-1, {k})")
@@ -575,13 +656,20 @@ def decode_v2(path: Path, table: pa.Table, codec: dict) -> TokenArrays:
         bad = np.flatnonzero(got != want)
         if len(bad):
             row = int(bad[0]) - 1
-            raise ArtifactError(f"{path}: row {row}: {name} holds {np.diff(got)[row]} entries for " f"{np.diff(want)[row]} tokens outside the top-K lists")
+            raise ArtifactError(
+                f"{path}: row {row}: {name} holds {np.diff(got)[row]} entries for "
+                f"{np.diff(want)[row]} tokens outside the top-K lists"
+            )
     stored = flat["topk_ids"][1]
     if kind == "vocab":
         vocab = flat["topk_vocab"][1]
         bad = np.flatnonzero((stored < 0) | (stored >= len(vocab)))
         if len(bad):
-            raise ArtifactError(f"{path}: {_where(off, bad[0] // max(k, 1))}: top-K id rank {stored[bad[0]]} outside " f"the file's id table ({len(vocab)} ids)")
+            raise ArtifactError(
+                f"{path}: {_where(off, bad[0] // max(k, 1))}: top-K id rank {stored[bad[0]]} "
+                "outside "
+                f"the file's id table ({len(vocab)} ids)"
+            )
         stored = vocab[stored]
     slots = kt_slots(off, k) if layout == "kt" else None
     tid = (stored if slots is None else stored[slots]).reshape(n, k)
@@ -603,7 +691,7 @@ def decode_v2(path: Path, table: pa.Table, codec: dict) -> TokenArrays:
 
 
 def _where(offsets: np.ndarray, token: int) -> str:
-    """"row R, token T" of the flat token index ``token``."""
+    """ "row R, token T" of the flat token index ``token``."""
     row = int(np.searchsorted(offsets, token, side="right")) - 1
     return f"row {row}, token {int(token - offsets[row])}"
 
@@ -629,23 +717,45 @@ def validate(path: Path, table: pa.Table, a: TokenArrays, vocab_size: int | None
             raise ArtifactError(f"{path}: {_where(off, t)}: {what(t, j)}")
 
     blp, tlp, tid, rid = a.behavior_logp, a.topk_logp, a.topk_ids, a.response_ids
-    first(np.isnan(blp) | (blp > LOGP_TOLERANCE), lambda t, _: f"behaviour log-prob {blp[t]} is not a log-probability (NaN, or > 0 beyond {LOGP_TOLERANCE})")
-    first(np.isnan(tlp) | (tlp > LOGP_TOLERANCE), lambda t, j: f"top-K log-prob {tlp[t, j]} (entry {j}) is not a log-probability (NaN, or > 0 beyond " f"{LOGP_TOLERANCE})")
-    first(tlp[:, 1:] > tlp[:, :-1], lambda t, j: f"top-K log-probs are not in descending order (entry {j + 1}: {tlp[t, j + 1]} > {tlp[t, j]})")
+    first(
+        np.isnan(blp) | (blp > LOGP_TOLERANCE),
+        lambda t, _: f"behaviour log-prob {blp[t]} is not a log-probability (NaN, or > 0 beyond {LOGP_TOLERANCE})",
+    )
+    first(
+        np.isnan(tlp) | (tlp > LOGP_TOLERANCE),
+        lambda t, j: (
+            f"top-K log-prob {tlp[t, j]} (entry {j}) is not a log-probability (NaN, or > 0 beyond {LOGP_TOLERANCE})"
+        ),
+    )
+    first(
+        tlp[:, 1:] > tlp[:, :-1],
+        lambda t, j: f"top-K log-probs are not in descending order (entry {j + 1}: {tlp[t, j + 1]} > {tlp[t, j]})",
+    )
     top = vocab_size if vocab_size is not None else np.iinfo(np.int64).max
     first((rid < 0) | (rid >= top), lambda t, _: f"response id {rid[t]} outside the vocabulary [0, {vocab_size})")
-    first((tid < -1) | (tid >= top), lambda t, j: f"top-K id {tid[t, j]} outside the vocabulary [0, {vocab_size}) (or the pad -1)")
+    first(
+        (tid < -1) | (tid >= top),
+        lambda t, j: f"top-K id {tid[t, j]} outside the vocabulary [0, {vocab_size}) (or the pad -1)",
+    )
     first((tid == -1) & (tlp != -np.inf), lambda t, j: f"pad id -1 (entry {j}) has log-prob {tlp[t, j]}; pads are -inf")
     srt = np.sort(tid, axis=1)
     first((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0), lambda t, j: f"top-K list names id {srt[t, j + 1]} twice")
     hit = tid == rid[:, None]
     has, at = hit.any(axis=1), hit.argmax(axis=1) if k else np.zeros(n, np.int64)
     entry = tlp[tok, at] if k else blp
-    first(has & (entry != blp), lambda t, _: f"sampled token {rid[t]} has behaviour log-prob {blp[t]} but its top-K entry (entry {at[t]}) " f"is {entry[t]}")
+    first(
+        has & (entry != blp),
+        lambda t, _: (
+            f"sampled token {rid[t]} has behaviour log-prob {blp[t]} but its top-K entry (entry {at[t]}) is {entry[t]}"
+        ),
+    )
     p_off, prompt_ids = _flat(table, "prompt_ids")
     bad = np.flatnonzero((prompt_ids < 0) | (prompt_ids >= top))
     if len(bad):
-        raise ArtifactError(f"{path}: row {int(np.searchsorted(p_off, bad[0], side='right')) - 1}: prompt id " f"{prompt_ids[bad[0]]} outside the vocabulary [0, {vocab_size})")
+        raise ArtifactError(
+            f"{path}: row {int(np.searchsorted(p_off, bad[0], side='right')) - 1}: prompt id "
+            f"{prompt_ids[bad[0]]} outside the vocabulary [0, {vocab_size})"
+        )
     for name in ("reward", "advantage"):
         values = np.asarray(table.column(name).combine_chunks())
         bad = np.flatnonzero(~np.isfinite(values))
@@ -673,7 +783,13 @@ def _records(table: pa.Table, a: TokenArrays) -> list[Sample]:
     samples = []
     for i in range(table.num_rows):
         lo, hi = off[i], off[i + 1]
-        gen = Generation(response_ids=rid[lo:hi], logp=blp[lo:hi], topk_ids=tid[lo:hi], topk_logp=tlp[lo:hi], finished=d["finished"][i])
+        gen = Generation(
+            response_ids=rid[lo:hi],
+            logp=blp[lo:hi],
+            topk_ids=tid[lo:hi],
+            topk_logp=tlp[lo:hi],
+            finished=d["finished"][i],
+        )
         samples.append(
             Sample(
                 example_id=d["example_id"][i],

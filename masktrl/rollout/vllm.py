@@ -31,8 +31,7 @@ from masktrl.errors import MasktrlError
 from masktrl.rollout.base import Generation, SamplingSettings
 
 NOT_INSTALLED = (
-    "vLLM is not installed: pip install 'masktrl[vllm]' (GPU) "
-    "or run scripts/setup_vllm_venv.sh for the CPU build"
+    "vLLM is not installed: pip install 'masktrl[vllm]' (GPU) or run scripts/setup_vllm_venv.sh for the CPU build"
 )
 NO_DEVICE = (
     "vLLM found no GPU and this is not a CPU build of vLLM: use a GPU machine, "
@@ -130,7 +129,9 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 # under accelerate launch / torchrun: one engine per training process, on its GPU,
                 # joining the launcher's process group instead of starting its own (colocated)
-                distributed_executor_backend="external_launcher" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+                distributed_executor_backend="external_launcher"
+                if int(os.environ.get("WORLD_SIZE", "1")) > 1
+                else None,
             )
 
     def generate(self, prompts: list[list[int]], settings: SamplingSettings, seed: int) -> list[list[Generation]]:

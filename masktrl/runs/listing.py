@@ -29,8 +29,18 @@ def list_runs(folder: Path) -> list[dict]:
 
 
 def describe(root: Path) -> dict:
-    row = {"name": root.name, "method": None, "seed": None, "steps_done": 0, "steps_planned": None,
-           "last_reward": None, "last_eval": None, "status": "unknown", "problem": None, "reason": None}
+    row = {
+        "name": root.name,
+        "method": None,
+        "seed": None,
+        "steps_done": 0,
+        "steps_planned": None,
+        "last_reward": None,
+        "last_eval": None,
+        "status": "unknown",
+        "problem": None,
+        "reason": None,
+    }
     try:
         _describe(RunStore(root, writable=False), row)
     except (MasktrlError, OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -41,8 +51,13 @@ def describe(root: Path) -> dict:
 
 def _describe(store: RunStore, row: dict) -> None:
     m = store.manifest
-    row.update(method=m.get("method"), seed=m.get("seed"), steps_planned=m.get("steps_planned"), status=store.status(),
-               reason=m.get("reason") if m.get("status") == "failed" else None)
+    row.update(
+        method=m.get("method"),
+        seed=m.get("seed"),
+        steps_planned=m.get("steps_planned"),
+        status=store.status(),
+        reason=m.get("reason") if m.get("status") == "failed" else None,
+    )
     metrics = store.read_metrics()
     if metrics:
         row["steps_done"] = metrics[-1]["step"]
@@ -58,10 +73,13 @@ def advice(row: dict, out: Path) -> str | None:
     continues it) or damaged (restore the file)."""
     resume = f"masktrl train --resume {row['name']} --out {out}"
     if row["status"] == "damaged":
-        return f"damaged {row['name']}: {row['problem']}; restore it from a copy (nothing reads or resumes " "the run until then)"
+        return (
+            f"damaged {row['name']}: {row['problem']}; restore it from a copy (nothing reads or resumes "
+            "the run until then)"
+        )
     if row["status"] == "interrupted":
         return f"incomplete {row['name']}: interrupted; run the same command again ({resume} continues it)"
     if row["status"] == "failed":
         why = f": {row['reason']}" if row.get("reason") else ""
-        return f"incomplete {row['name']}: failed{why}; once fixed, run the same command again ({resume} " "continues it)"
+        return f"incomplete {row['name']}: failed{why}; once fixed, run the same command again ({resume} continues it)"
     return None

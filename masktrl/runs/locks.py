@@ -77,7 +77,8 @@ def acquire(root: Path, *, wait_s: float = WAIT_S) -> None:
                     raise MasktrlError(f"{path}: cannot lock the run ({exc.strerror or exc})") from None
                 who = f"pid {pid}" if pid else "another process"
                 raise RunBusyError(
-                    f"{root}: this run is being written by {who} (it holds the run folder's " "lock); wait for it to finish "
+                    f"{root}: this run is being written by {who} (it holds the run folder's "
+                    "lock); wait for it to finish "
                     "or stop it (nothing was changed)"
                 ) from None
             time.sleep(0.05)

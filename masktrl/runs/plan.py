@@ -38,7 +38,6 @@ class Start:
     note: str = ""
 
 
-
 @dataclass(frozen=True)
 class RunRequest:
     """What ``masktrl train`` was asked for, before anything is resolved."""
@@ -88,8 +87,10 @@ def plan_run(request: RunRequest, *, main: bool = True) -> Plan:
         if is_run_folder(Path(r.out) / rollouts_from):
             rollouts_from = str(Path(r.out) / rollouts_from)
         elif is_run_folder(Path(rollouts_from)):
-            raise MasktrlError(f"--rollouts-from {rollouts_from}: no run {rollouts_from} under {r.out}; "
-                               f"a run or file elsewhere is given as a path (./{rollouts_from})")
+            raise MasktrlError(
+                f"--rollouts-from {rollouts_from}: no run {rollouts_from} under {r.out}; "
+                f"a run or file elsewhere is given as a path (./{rollouts_from})"
+            )
     changed: list[str] = []
     if start.mode == "resume":
         store = RunStore(start.root)
@@ -103,14 +104,22 @@ def _resume_config(store: RunStore, r: RunRequest) -> tuple[Config, list[str]]:
     """(run.yaml, or the given config/overrides if they agree with it or --force; the keys that differ)."""
     saved_path = store.root / "run.yaml"
     saved = store.config()
-    edited = {key: f for key, f in saved.method.files.items() if f.changed}  # rule files whose content is not the one recorded
+    edited = {
+        key: f for key, f in saved.method.files.items() if f.changed
+    }  # rule files whose content is not the one recorded
     if not r.config and not r.overrides and r.method is None and r.seed is None and not edited:
         return saved, []
     cfg = load_config(r.config or [saved_path], list(r.overrides), method=r.method, seed=r.seed)
     changed = diff_configs(saved, cfg)
     if changed and not r.force:
-        keys = ", ".join(f"{k} (the rule file {edited[k].path} changed since the run recorded it: sha256 " f"{edited[k].recorded[:12]}... "
-                         f"now {edited[k].sha256[:12]}...)" if k in edited else k for k in changed)
+        keys = ", ".join(
+            f"{k} (the rule file {edited[k].path} changed since the run recorded it: sha256 "
+            f"{edited[k].recorded[:12]}... "
+            f"now {edited[k].sha256[:12]}...)"
+            if k in edited
+            else k
+            for k in changed
+        )
         raise MasktrlError(f"config differs from {saved_path} in {keys}; pass --force to resume with it anyway")
     return cfg, changed
 
@@ -124,13 +133,20 @@ def plan_start(root: Path, cfg: Config, *, resume: bool = False) -> Start:
     if is_fresh_folder(root):
         return Start(root, "new")
     if not is_run_folder(root) or not (root / "manifest.json").is_file():
-        raise MasktrlError(f"run folder {root} already exists: choose another --run, or --resume it (nothing was " "changed)")
+        raise MasktrlError(
+            f"run folder {root} already exists: choose another --run, or --resume it (nothing was changed)"
+        )
     store = RunStore(root)
     status = store.status()
     if status not in ("failed", "interrupted"):
-        what = {"complete": "a complete run", "running": f"a run that is training right now (pid {locks.holder(root)})"}.get(
-            status, f"a run (status {status})")
-        raise MasktrlError(f"run folder {root} already exists and holds {what}: choose another --run, or --resume " "it (nothing was changed)")
+        what = {
+            "complete": "a complete run",
+            "running": f"a run that is training right now (pid {locks.holder(root)})",
+        }.get(status, f"a run (status {status})")
+        raise MasktrlError(
+            f"run folder {root} already exists and holds {what}: choose another --run, or --resume "
+            "it (nothing was changed)"
+        )
     changed = diff_configs(store.config(), cfg)
     reason = store.manifest.get("reason")
     why = f"{status}" + (f": {reason}" if reason else "")
@@ -138,10 +154,17 @@ def plan_start(root: Path, cfg: Config, *, resume: bool = False) -> Start:
         return Start(root, "resume", f"the run {why}; continuing it from its last checkpoint (same config)")
     if store.checkpoints():
         raise MasktrlError(
-            f"run folder {root} holds a {status} run with checkpoints and a different config " f"({', '.join(changed[:4])}): "
-            "--resume it (--force to take the new config), or choose another --run (nothing was " "changed)"
+            f"run folder {root} holds a {status} run with checkpoints and a different config "
+            f"({', '.join(changed[:4])}): "
+            "--resume it (--force to take the new config), or choose another --run (nothing was "
+            "changed)"
         )
-    return Start(root, "restart", f"the run {why}; no checkpoint yet and the config changed ({', '.join(changed[:4])}): " "starting it again in place")
+    return Start(
+        root,
+        "restart",
+        f"the run {why}; no checkpoint yet and the config changed ({', '.join(changed[:4])}): "
+        "starting it again in place",
+    )
 
 
 def plan_config(cfg: Config, root: Path, *, resume: bool = False) -> Plan:
@@ -152,8 +175,15 @@ def plan_config(cfg: Config, root: Path, *, resume: bool = False) -> Plan:
     return Plan(plan_start(root, cfg, resume=resume), cfg)
 
 
-NOT_IN_BATCHES = ("rollout.store", "rollout.batch_size", "rollout.gpu_memory_utilization", "rollout.enforce_eager",
-                  "rollout.sleep_mode", "task.reward_workers", "task.max_reward_error_frac")
+NOT_IN_BATCHES = (
+    "rollout.store",
+    "rollout.batch_size",
+    "rollout.gpu_memory_utilization",
+    "rollout.enforce_eager",
+    "rollout.sleep_mode",
+    "task.reward_workers",
+    "task.max_reward_error_frac",
+)
 """Keys of the sections below that change how a batch is made, not what it holds."""
 IN_BATCHES = ("train.quantization", "train.quantization_backend")
 """Keys outside those sections that change what a batch holds (FP8 training: the model's own forward)."""
@@ -164,8 +194,12 @@ def stale_batch_keys(changed: list[str]) -> list[str]:
     seed, the model, the task and its reward, the method (reward shaping, advantages), the
     sampling (``rollout.*``, but how the engine is run; ``train.quantization``: an engine that
     samples from the model itself samples with its FP8 forward)."""
-    return [k for k in changed if (k in ("seed", *IN_BATCHES) or k.startswith(("model.", "task.", "method.", "rollout.")))
-            and k not in NOT_IN_BATCHES]
+    return [
+        k
+        for k in changed
+        if (k in ("seed", *IN_BATCHES) or k.startswith(("model.", "task.", "method.", "rollout.")))
+        and k not in NOT_IN_BATCHES
+    ]
 
 
 @dataclass
@@ -210,7 +244,10 @@ def folder_state(root: Path) -> str:
 def _check_same_config(root: Path, cfg: Config) -> None:
     diff = diff_configs(RunStore(root).config(), cfg)
     if diff:
-        raise MasktrlError(f"{root} holds a run with a different config ({', '.join(diff[:4])}); use another --out " "(nothing was changed)")
+        raise MasktrlError(
+            f"{root} holds a run with a different config ({', '.join(diff[:4])}); use another --out "
+            "(nothing was changed)"
+        )
 
 
 def _resumable(root: Path, cfg: Config, busy_ok: bool = False) -> bool:

@@ -33,8 +33,12 @@ def git_commit(root: Path = PACKAGE_ROOT) -> str | None:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
@@ -43,6 +47,12 @@ def git_commit(root: Path = PACKAGE_ROOT) -> str | None:
 def machine(threads: int) -> dict:
     """summary.json's ``machine``: {cpu_model, threads (train.threads), torch_threads (what torch
     uses), platform, torch, commit}; keys whose value is unknown are absent."""
-    out = {"cpu_model": cpu_model(), "threads": threads, "torch_threads": torch.get_num_threads(),
-           "platform": platform.platform(), "torch": torch.__version__, "commit": git_commit()}
+    out = {
+        "cpu_model": cpu_model(),
+        "threads": threads,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "commit": git_commit(),
+    }
     return {k: v for k, v in out.items() if v is not None}

@@ -33,7 +33,9 @@ def resolve_model(model: str, step: int | None, out: Path | None = None) -> Mode
         if out is not None and is_run_folder(Path(out) / model):
             p = Path(out) / model
         elif is_run_folder(p):
-            raise ConfigError(f"--model {model}: no run {model} under {out}; a run elsewhere is given as a path " f"(./{model})")
+            raise ConfigError(
+                f"--model {model}: no run {model} under {out}; a run elsewhere is given as a path (./{model})"
+            )
     if p.parent.name == "checkpoints" and is_run_folder(p.parent.parent) and p.name.isdigit():
         if step is not None and step != int(p.name):
             raise ConfigError(f"--step {step} contradicts the checkpoint folder {model} (step {int(p.name)})")
@@ -77,5 +79,8 @@ def refuse_inside_run(path: Path, flag: str = "--output", *, analysis_ok: bool =
             for root in (Path(os.path.abspath(run)), Path(run).resolve()):
                 if candidate.is_relative_to(root / "analysis"):
                     return
-    raise ConfigError(f"{flag} {path} lies inside the run folder {run}; a run's files are written only by its own " "commands "
-                      f"(nothing was changed): choose a path outside it" + (" (or its analysis/ folder)" if analysis_ok else ""))
+    raise ConfigError(
+        f"{flag} {path} lies inside the run folder {run}; a run's files are written only by its own "
+        "commands "
+        f"(nothing was changed): choose a path outside it" + (" (or its analysis/ folder)" if analysis_ok else "")
+    )

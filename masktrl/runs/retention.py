@@ -150,21 +150,30 @@ class DiskProjection:
 
     def info(self) -> dict:
         """What the run's manifest records (``disk_projection``)."""
-        return {"per_step": self.rollout_step, "per_checkpoint": self.checkpoint_total, "per_run": self.per_run,
-                "bytes_per_token": self.bytes_per_token}
+        return {
+            "per_step": self.rollout_step,
+            "per_checkpoint": self.checkpoint_total,
+            "per_run": self.per_run,
+            "bytes_per_token": self.bytes_per_token,
+        }
 
     def summary(self) -> str:
         """One line for the start of a run."""
         return (
-            f"projected disk: rollouts {human(self.rollout_step)}/step ({self.tokens_per_step:,} " "tokens at most x "
-            f"{self.bytes_per_token:.0f} B), {self.rollouts_kept} kept = {human(self.rollouts)}; " "checkpoints "
+            f"projected disk: rollouts {human(self.rollout_step)}/step ({self.tokens_per_step:,} "
+            "tokens at most x "
+            f"{self.bytes_per_token:.0f} B), {self.rollouts_kept} kept = {human(self.rollouts)}; "
+            "checkpoints "
             f"{human(self.checkpoint_total)} each ({human(self.checkpoint['weights'])} weights + "
-            f"{human(self.checkpoint['optimizer'])} optimizer), {self.checkpoints_kept} kept = " f"{human(self.checkpoints)}; "
+            f"{human(self.checkpoint['optimizer'])} optimizer), {self.checkpoints_kept} kept = "
+            f"{human(self.checkpoints)}; "
             f"run total <= {human(self.per_run)}"
         )
 
 
-def project(cfg, n_params: int, *, deepspeed_stage: int | None = None, bytes_per_token: float | None = None) -> DiskProjection:
+def project(
+    cfg, n_params: int, *, deepspeed_stage: int | None = None, bytes_per_token: float | None = None
+) -> DiskProjection:
     """The disk a run of ``cfg`` needs at most, for a policy of ``n_params`` parameters
     (``bytes_per_token``: default ``ROLLOUT_BYTES_PER_TOKEN[cfg.model.dtype]``)."""
     r, t = cfg.rollout, cfg.train

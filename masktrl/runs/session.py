@@ -27,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 from masktrl.errors import MasktrlError
 from masktrl.runs import retention
@@ -93,8 +94,11 @@ def complete_run(plan: Plan, store: RunStore) -> Decision | None:
     if view.status() != "complete" or view.summary() is None:
         return None
     summary = view.summary()
-    note = (f"run {plan.root.name} is complete ({summary.get('steps')} of {plan.cfg.train.steps} steps): " "nothing to do "
-            "(--resume NAME --force --set train.steps=N extends it)")
+    note = (
+        f"run {plan.root.name} is complete ({summary.get('steps')} of {plan.cfg.train.steps} steps): "
+        "nothing to do "
+        "(--resume NAME --force --set train.steps=N extends it)"
+    )
     return Decision(plan, "complete", summary=summary, note=note)
 
 
@@ -118,8 +122,14 @@ class Session:
         with self.store.writing():
             yield self
 
-    def open(self, vocab_size: int | None, *, check: Callable[[int], None] | None = None,
-             on_start: Callable[[Plan], None] | None = None, say: Callable[[str], None] | None = None) -> Decision:
+    def open(
+        self,
+        vocab_size: int | None,
+        *,
+        check: Callable[[int], None] | None = None,
+        on_start: Callable[[Plan], None] | None = None,
+        say: Callable[[str], None] | None = None,
+    ) -> Decision:
         """Settle, confirm, check, then record (module doc). ``check(start)`` runs after every
         artifact of the resume was checked and before anything is written; ``on_start`` sees the
         confirmed plan (main process) before the first write; ``say`` tells the user which stored
@@ -136,7 +146,9 @@ class Session:
             on_start(self.plan)
         self.t_start = time.time()
         store.manifest  # noqa: B018  every process reads the run's state before the main one changes it
-        start = store.resume_step(vocab_size) if mode == "resume" else 0  # every stored artifact it reads, before any write
+        start = (
+            store.resume_step(vocab_size) if mode == "resume" else 0
+        )  # every stored artifact it reads, before any write
         if check is not None:
             check(start)
         decision = Decision(self.plan, mode, start)
@@ -161,7 +173,7 @@ class Session:
         what = f"batch of step {later[0]} was" if len(later) == 1 else f"batches of steps {later[0]}-{later[-1]} were"
         them = "it" if len(later) == 1 else "them"
         if say is not None and self.processes.is_main:
-            say(f"the stored rollout {what} sampled with other settings ({', '.join(keys)}): " f"sampling {them} again")
+            say(f"the stored rollout {what} sampled with other settings ({', '.join(keys)}): sampling {them} again")
         return later
 
     def _record(self, mode: str) -> None:
@@ -169,18 +181,30 @@ class Session:
         same manifest write as the config record, so no kill window lies between them
         (docs/RELIABILITY.md, Fault injection)."""
         cfg, store = self.cfg, self.store
-        running = dict(method=cfg.method_name, seed=cfg.seed, steps_planned=cfg.train.steps, status="running", pid=os.getpid(),
-                       processes=self.processes.world, reason=None)
+        running = dict(
+            method=cfg.method_name,
+            seed=cfg.seed,
+            steps_planned=cfg.train.steps,
+            status="running",
+            pid=os.getpid(),
+            processes=self.processes.world,
+            reason=None,
+        )
         if store.writable and mode != "resume":
             if mode == "restart":
                 store.restart(cfg, run=running)
             elif store.exists():
-                raise MasktrlError(f"run folder {store.root} was started by another process meanwhile; choose " "another --run "
-                                   "(nothing was changed)")
+                raise MasktrlError(
+                    f"run folder {store.root} was started by another process meanwhile; choose "
+                    "another --run "
+                    "(nothing was changed)"
+                )
             else:
                 store.record_config(cfg, run=running)
         elif store.writable and self.plan.forced_changes:
-            store.record_config(cfg, run=running, forced_changes=self.plan.forced_changes)  # --resume --force with another config
+            store.record_config(
+                cfg, run=running, forced_changes=self.plan.forced_changes
+            )  # --resume --force with another config
         else:
             store.set_info(**running)
 

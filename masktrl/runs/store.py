@@ -36,13 +36,13 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from masktrl.config import Config, from_dict, save_config
-from masktrl.methods.corrections import RATIO_KINDS
 from masktrl.errors import ArtifactError, ConfigError, MasktrlError
 from masktrl.io import atomic_write_json, atomic_write_text, json_default, memory_error_line, naming, sha256_file
+from masktrl.methods.corrections import RATIO_KINDS
 from masktrl.readers import MAX_DEPTH, json_depth, read_json, read_yaml
+from masktrl.rollout.storage import read_rollouts, write_rollouts
 from masktrl.runs import locks
 from masktrl.runs.faults import maybe_crash_nth
-from masktrl.rollout.storage import read_rollouts, write_rollouts
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1  # the manifest layout this masktrl writes and reads
@@ -155,7 +155,11 @@ def is_fresh_folder(path: str | Path) -> bool:
         return True
     if not path.is_dir():
         return False
-    return all(p.name in (locks.LOCK_NAME, locks.MANIFEST_LOCK_NAME, "run.yaml") or (p.name.startswith(".") and p.name.endswith(".tmp")) for p in path.iterdir())
+    return all(
+        p.name in (locks.LOCK_NAME, locks.MANIFEST_LOCK_NAME, "run.yaml")
+        or (p.name.startswith(".") and p.name.endswith(".tmp"))
+        for p in path.iterdir()
+    )
 
 
 def is_run_folder(path: str | Path) -> bool:
@@ -167,7 +171,12 @@ def is_path_like(run: str | Path) -> bool:
     """Whether ``run`` was given as a path (holds a separator, or starts with ``.`` or ``~``)
     rather than as a run's name: a name resolves under ``--out`` only, never in the current folder."""
     text = str(run)
-    return isinstance(run, Path) or "/" in text or (os.altsep is not None and os.altsep in text) or text.startswith((".", "~"))
+    return (
+        isinstance(run, Path)
+        or "/" in text
+        or (os.altsep is not None and os.altsep in text)
+        or text.startswith((".", "~"))
+    )
 
 
 def resolve_run(run: str | Path, out: Path | None = None) -> Path:
@@ -249,8 +258,11 @@ def done_steps(stages: dict, kind: str, status: str | None = "done") -> list[int
 def eval_steps(stages: dict, bench: str) -> list[int]:
     """The steps of the done ``eval/<bench>/<S>`` stages (a run's benchmark evals), sorted."""
     prefix = f"eval/{bench}/"
-    return sorted(int(k.removeprefix(prefix)) for k, v in stages.items()
-                  if k.startswith(prefix) and k.removeprefix(prefix).isdigit() and v.get("status") == "done")
+    return sorted(
+        int(k.removeprefix(prefix))
+        for k, v in stages.items()
+        if k.startswith(prefix) and k.removeprefix(prefix).isdigit() and v.get("status") == "done"
+    )
 
 
 def legacy_ratio_ref(raw: Any) -> Any:
@@ -258,9 +270,17 @@ def legacy_ratio_ref(raw: Any) -> Any:
     for the ratio kinds): its bypass-mode ratio correction took rho against the current policy,
     so it reads as ``ref: current`` (docs/METHODS.md §14), the rule it trained with. Decoupled mode
     always took rho against pi_old, the default."""
-    corr = raw.get("method", {}).get("correction") if isinstance(raw, dict) and isinstance(raw.get("method"), dict) else None
-    if isinstance(corr, dict) and corr.get("kind") in RATIO_KINDS and "ref" not in corr \
-            and corr.get("mode", "bypass") == "bypass":
+    corr = (
+        raw.get("method", {}).get("correction")
+        if isinstance(raw, dict) and isinstance(raw.get("method"), dict)
+        else None
+    )
+    if (
+        isinstance(corr, dict)
+        and corr.get("kind") in RATIO_KINDS
+        and "ref" not in corr
+        and corr.get("mode", "bypass") == "bypass"
+    ):
         corr["ref"] = "current"
     return raw
 
@@ -276,7 +296,7 @@ class RunStore:
         self._pending: dict[str, dict] = {}  # deferred stages not yet written (mark_done(defer=True))
         self._resume_from: int | None = None  # resume_step's answer, once its checks passed
 
-    def read_only(self) -> "RunStore":
+    def read_only(self) -> RunStore:
         """A view that reads this run and writes nothing (the non-main processes of a
         multi-process run: only the main one writes). Its manifest is read now and kept, so
         every process takes its decisions from the same state."""
@@ -422,8 +442,11 @@ class RunStore:
         for folder in entry.get("dirs", []):
             for name in folder_files(self.path(folder)):
                 if f"{folder}/{name}" not in entry["files"]:
-                    raise ArtifactError(f"{self.root / folder / name}: not a file of stage {stage} (added after it " "was recorded); "
-                                        "remove it or restore the folder")
+                    raise ArtifactError(
+                        f"{self.root / folder / name}: not a file of stage {stage} (added after it "
+                        "was recorded); "
+                        "remove it or restore the folder"
+                    )
 
     # -- metrics
     def append_metrics(self, row: dict) -> None:
@@ -485,9 +508,17 @@ class RunStore:
             return 0
         stage, digest = record
         n = digest.get("lines")
-        if not isinstance(n, int) or n < 0 or len(lines) < n or hashlib.sha256(b"".join(lines[:n])).hexdigest() != digest.get("sha256"):
-            raise ArtifactError(f"{self.metrics_path}: the rows up to {stage} fail their sha256 check (recorded in " "the manifest); "
-                                "the file was damaged or edited, restore it")
+        if (
+            not isinstance(n, int)
+            or n < 0
+            or len(lines) < n
+            or hashlib.sha256(b"".join(lines[:n])).hexdigest() != digest.get("sha256")
+        ):
+            raise ArtifactError(
+                f"{self.metrics_path}: the rows up to {stage} fail their sha256 check (recorded in "
+                "the manifest); "
+                "the file was damaged or edited, restore it"
+            )
         return n
 
     def read_metrics(self, *, verify: bool = True) -> list[dict]:
@@ -512,16 +543,24 @@ class RunStore:
             except (ValueError, RecursionError):
                 if last:
                     break  # torn by a crash; everything before it is intact
-                raise ArtifactError(f"{self.metrics_path}: line {number} is not valid JSON (the file is damaged)") from None
+                raise ArtifactError(
+                    f"{self.metrics_path}: line {number} is not valid JSON (the file is damaged)"
+                ) from None
             if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
-                raise ArtifactError(f"{self.metrics_path}: line {number} is not a metrics row (a JSON object with an " "integer step)")
+                raise ArtifactError(
+                    f"{self.metrics_path}: line {number} is not a metrics row (a JSON object with an integer step)"
+                )
             rows.append(row)
         if verify and self.exists():
             covered = self._check_metrics_digest(raw, self._metrics_record())
             for number in range(max(covered, 1), len(rows)):
                 if rows[number]["step"] != rows[number - 1]["step"] + 1:
-                    raise ArtifactError(f"{self.metrics_path}: line {number + 1} is step {rows[number]['step']} " "after step "
-                                        f"{rows[number - 1]['step']} (one row per step, in " "order); the file was damaged or edited, restore it")
+                    raise ArtifactError(
+                        f"{self.metrics_path}: line {number + 1} is step {rows[number]['step']} "
+                        "after step "
+                        f"{rows[number - 1]['step']} (one row per step, in "
+                        "order); the file was damaged or edited, restore it"
+                    )
         return rows
 
     def check_metrics(self, step: int) -> None:
@@ -535,13 +574,17 @@ class RunStore:
             if got != expected:
                 what = f"step {got} where step {expected} belongs" if got is not None else f"no row for step {expected}"
                 raise ArtifactError(
-                    f"{self.metrics_path}: {what} (the rows of steps 1..{step} must precede " f"checkpoint {step}); "
+                    f"{self.metrics_path}: {what} (the rows of steps 1..{step} must precede "
+                    f"checkpoint {step}); "
                     "the file was damaged or edited, restore it to resume"
                 )
         for a, b in zip(rows, rows[1:]):
             if b["step"] != a["step"] + 1:
-                raise ArtifactError(f"{self.metrics_path}: a row of step {b['step']} follows step {a['step']} "
-                                    "(one row per step, in order); the file was damaged or " "edited, restore it to resume")
+                raise ArtifactError(
+                    f"{self.metrics_path}: a row of step {b['step']} follows step {a['step']} "
+                    "(one row per step, in order); the file was damaged or "
+                    "edited, restore it to resume"
+                )
         entry = self.stage(checkpoint_key(step)) or {} if step else {}
         if isinstance(entry.get("metrics"), dict):
             self._check_metrics_digest(self._metrics_lines(), (checkpoint_key(step), entry["metrics"]))
@@ -583,7 +626,9 @@ class RunStore:
         if digest and path.is_file() and sha256_file(path) != digest:
             raise ArtifactError(f"{path}: content hash mismatch, file is corrupted (stage config)")
         try:
-            return from_dict(legacy_ratio_ref(read_yaml(path, error=ArtifactError) or {}))  # bounded: depth, aliases, duplicate keys
+            return from_dict(
+                legacy_ratio_ref(read_yaml(path, error=ArtifactError) or {})
+            )  # bounded: depth, aliases, duplicate keys
         except OSError as exc:
             raise ArtifactError(f"{path}: unreadable run config ({str(exc).splitlines()[0]})") from None
         except ConfigError as exc:
@@ -603,9 +648,23 @@ class RunStore:
         path = self.root / (PENDING_CONFIG if pending else "run.yaml")
         save_config(cfg, path)
         maybe_crash_nth("config-write")
-        entry = {"status": "done", "time": time.time(), "config_hash": cfg.hash(), "files": {"run.yaml": sha256_file(path)}, **info}
-        for key, f in cfg.method.files.items():  # a rule from a file: the content it trains with (docs/METHODS.md "Writing your own rule")
-            entry["correction_file" if "correction" in key else "rule_file"] = {"path": f.path, "sha256": f.recorded or f.sha256}
+        entry = {
+            "status": "done",
+            "time": time.time(),
+            "config_hash": cfg.hash(),
+            "files": {"run.yaml": sha256_file(path)},
+            **info,
+        }
+        for (
+            key,
+            f,
+        ) in (
+            cfg.method.files.items()
+        ):  # a rule from a file: the content it trains with (docs/METHODS.md "Writing your own rule")
+            entry["correction_file" if "correction" in key else "rule_file"] = {
+                "path": f.path,
+                "sha256": f.recorded or f.sha256,
+            }
         with self.updating() as manifest:
             manifest["stages"]["config"] = entry
             manifest.update(run or {})
@@ -686,8 +745,14 @@ class RunStore:
         self.sync_metrics()
         atomic_write_json(path, summary)
         maybe_crash_nth("summary-write")
-        entry = {"status": "done", "time": time.time(), "config_hash": "", "files": {"summary.json": sha256_file(path)},
-                 "step": step, "metrics": self.metrics_digest()}
+        entry = {
+            "status": "done",
+            "time": time.time(),
+            "config_hash": "",
+            "files": {"summary.json": sha256_file(path)},
+            "step": step,
+            "metrics": self.metrics_digest(),
+        }
         with self.updating() as manifest:  # one write: the summary recorded and the run complete
             manifest["stages"]["summary"] = entry
             manifest.update(status="complete", wall_time_s=summary["wall_time_s"])
@@ -715,10 +780,25 @@ class RunStore:
         pending = self.root / PENDING_CONFIG
         save_config(cfg, pending)
         maybe_crash_nth("config-write")
-        attempts = [*old.get("attempts", []), {"status": old.get("status"), "reason": old.get("reason"), "restarted": time.time()}]
-        config = {"status": "done", "time": time.time(), "config_hash": cfg.hash(), "files": {"run.yaml": sha256_file(pending)}}
-        self._manifest = {"version": MANIFEST_VERSION, "stages": {"config": config}, "attempts": attempts,
-                          "status": old.get("status"), "reason": old.get("reason"), "stale": stale, **(run or {})}
+        attempts = [
+            *old.get("attempts", []),
+            {"status": old.get("status"), "reason": old.get("reason"), "restarted": time.time()},
+        ]
+        config = {
+            "status": "done",
+            "time": time.time(),
+            "config_hash": cfg.hash(),
+            "files": {"run.yaml": sha256_file(pending)},
+        }
+        self._manifest = {
+            "version": MANIFEST_VERSION,
+            "stages": {"config": config},
+            "attempts": attempts,
+            "status": old.get("status"),
+            "reason": old.get("reason"),
+            "stale": stale,
+            **(run or {}),
+        }
         self._pending.clear()
         with locks.manifest_lock(self.root):
             self.write_manifest()
@@ -766,16 +846,22 @@ class RunStore:
         info = (self.stage(WARMSTART_KEY) or {}).get("info") or {}
         path = info.get("path") or info.get("source")
         if not path or path == "tiny":
-            raise ArtifactError(f"{self.root}: the warm start is not recorded in the manifest; no starting policy " "(step 0)")
+            raise ArtifactError(
+                f"{self.root}: the warm start is not recorded in the manifest; no starting policy (step 0)"
+            )
         if info.get("path"):
             entry = inside(warmstart_cache(self.root.parent), Path(str(path)).name, what=str(self.root / MANIFEST))
             if entry.is_symlink():
                 raise ArtifactError(f"{entry}: a symbolic link in the warm-start cache; refused (not followed)")
             if not (entry / "config.json").is_file():
                 raise ArtifactError(f"{entry}: the run's warm-start model is gone (was the .cache folder removed?)")
-            problem = folder_problem(entry, info.get("files") or {}, ignore=("warmstart.json",))  # as the run recorded it
+            problem = folder_problem(
+                entry, info.get("files") or {}, ignore=("warmstart.json",)
+            )  # as the run recorded it
             if problem:
-                raise ArtifactError(f"{entry}: the run's warm-start model changed or is gone ({problem}; fails its " "sha256 check)")
+                raise ArtifactError(
+                    f"{entry}: the run's warm-start model changed or is gone ({problem}; fails its sha256 check)"
+                )
             return str(entry)
         if Path(path).exists() and not (Path(path) / "config.json").is_file():
             raise ArtifactError(f"{path}: the run's starting model is gone")
@@ -796,7 +882,9 @@ class RunStore:
             return self.starting_policy()
         if step not in self.checkpoints():
             avail = ", ".join(["0 (starting policy)", *map(str, self.checkpoints())])
-            raise ConfigError(f"run {self.root} has no checkpoint {step} (none complete at that step); available " f"steps: {avail}")
+            raise ConfigError(
+                f"run {self.root} has no checkpoint {step} (none complete at that step); available steps: {avail}"
+            )
         self.verify(checkpoint_key(step))
         return str(self.checkpoint_dir(step))
 
@@ -873,8 +961,12 @@ class RunStore:
                     del manifest["stages"][update_key(later)]
         maybe_crash_nth("rewind-metrics")
         lines = self._metrics_lines()
-        keep = len([r for r in self.read_metrics(verify=False) if r["step"] <= step])  # they lead the file (check_metrics)
-        atomic_write_text(self.metrics_path, b"".join(lines[:keep]).decode())  # the lines as written: their digest holds
+        keep = len(
+            [r for r in self.read_metrics(verify=False) if r["step"] <= step]
+        )  # they lead the file (check_metrics)
+        atomic_write_text(
+            self.metrics_path, b"".join(lines[:keep]).decode()
+        )  # the lines as written: their digest holds
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -908,7 +1000,9 @@ def _read_manifest(path: Path) -> dict:
         for name, entry in manifest["stages"].items():
             if not isinstance(entry, dict) or not isinstance(entry.get("status"), str):
                 problem = f"stage {name!r} is not an object with a status"
-            elif not isinstance(entry.get("files", {}), dict) or not all(isinstance(v, str) for v in entry.get("files", {}).values()):
+            elif not isinstance(entry.get("files", {}), dict) or not all(
+                isinstance(v, str) for v in entry.get("files", {}).values()
+            ):
                 problem = f"stage {name!r} has no valid file list"
             elif stage_kind(name) is not None and not name.split("/")[1].isdigit():
                 problem = f"stage {name!r} names no step"
@@ -922,5 +1016,7 @@ def _read_manifest(path: Path) -> dict:
     if problem:
         raise ArtifactError(f"{path}: not a masktrl manifest ({problem})")
     if manifest.get("version") != MANIFEST_VERSION:
-        raise ArtifactError(f"{path}: manifest version {manifest.get('version')!r}; this masktrl reads version " f"{MANIFEST_VERSION}")
+        raise ArtifactError(
+            f"{path}: manifest version {manifest.get('version')!r}; this masktrl reads version {MANIFEST_VERSION}"
+        )
     return manifest

@@ -11,6 +11,7 @@ timeout by killing this process; the CPU rlimit set per request is a backstop so
 orphaned worker stuck in a C-level big-integer operation cannot run forever.
 Model output only ever reaches math_verify's parser (never eval/exec).
 """
+
 import json
 import os
 import sys

@@ -14,6 +14,7 @@ Protocol, one JSON object per line:
 
 The parent enforces the hard wall-clock timeout by killing this process.
 """
+
 import importlib
 import importlib.util
 import inspect
@@ -82,7 +83,12 @@ def main() -> None:
     except BaseException as e:  # SyntaxError, ImportError, SystemExit from a script...
         loc = init["location"]
         what = loc.get("file") or loc.get("module")
-        out.write(json.dumps({"error": f"cannot import {loc['attr']!r} from {what} ({type(e).__name__}: {e})".replace("\n", " ")}) + "\n")
+        out.write(
+            json.dumps(
+                {"error": f"cannot import {loc['attr']!r} from {what} ({type(e).__name__}: {e})".replace("\n", " ")}
+            )
+            + "\n"
+        )
         out.flush()
         return
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())

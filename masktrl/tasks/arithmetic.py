@@ -5,10 +5,11 @@ Subtraction may go negative (``12-345=`` -> ``-333``). The held-out test split i
 function of ``(ops, digits, n_test, seed)`` and training sampling rejects every test
 problem, so train and test never overlap.
 """
+
 from __future__ import annotations
 
 import random
-from typing import Iterable
+from collections.abc import Iterable
 
 from masktrl.errors import ConfigError
 from masktrl.tasks.base import Example, register_task
@@ -69,7 +70,7 @@ class ArithmeticTask(SyntheticTask):
         self.digits = _int_option("digits", digits, 1, 9)
         if answer_format not in ANSWER_FORMATS:
             raise ConfigError(
-                f"arithmetic: answer_format must be one of {', '.join(ANSWER_FORMATS)}, got " f"{answer_format!r}"
+                f"arithmetic: answer_format must be one of {', '.join(ANSWER_FORMATS)}, got {answer_format!r}"
             )
         self.answer_format = answer_format
         n_problems = len(self.ops) * 10 ** (2 * self.digits)

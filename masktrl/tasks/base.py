@@ -4,12 +4,14 @@ A task yields :class:`Example` s (a prompt and its reference answer) and scores 
 completion against one. The reward of RL is the task's score, so the scorer used in
 training is the scorer used in evaluation.
 """
+
 from __future__ import annotations
 
 import inspect
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from masktrl.errors import ConfigError
 

@@ -23,15 +23,17 @@ are presets of this task: their hub sources, the math field names (``problem|que
 see :mod:`masktrl.tasks.math_data`), the ``base`` template and the ``math-verify`` reward.
 Every option above overrides a preset's.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import random
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from masktrl.caches import scratch
 from masktrl.errors import ConfigError, DataError
@@ -74,14 +76,23 @@ def _first_line(e: BaseException) -> str:
 
 def looks_local(source: str) -> bool:
     """A path (exists, or is written like one) rather than a hub id."""
-    return (os.path.exists(source) or source.startswith((".", "/", "~")) or Path(source).suffix.lower() in BUILDERS
-            or source.count("/") > 1)
+    return (
+        os.path.exists(source)
+        or source.startswith((".", "/", "~"))
+        or Path(source).suffix.lower() in BUILDERS
+        or source.count("/") > 1
+    )
 
 
 def folder_splits(folder: Path) -> dict[str, list[Path]]:
     """The data files of ``folder`` by split (see the module doc), in path order."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS
-                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    files = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in BUILDERS
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
     if not files:
         raise DataError(f"{folder}: no data files (expected {', '.join(BUILDERS)} files)")
     splits: dict[str, list[Path]] = {}
@@ -105,13 +116,19 @@ def _read_files(datasets, files: list[Path], where: str) -> list[dict]:
         # are read: nothing is written in $HOME (the library's default) nor left anywhere.
         with scratch("masktrl-datasets-") as cache:  # under <out>/.cache with --out: nothing in /tmp
             try:
-                ds = datasets.load_dataset(builder, data_files={"train": group}, split="train", cache_dir=cache, keep_in_memory=True)
+                ds = datasets.load_dataset(
+                    builder, data_files={"train": group}, split="train", cache_dir=cache, keep_in_memory=True
+                )
             except Exception as e:
-                raise DataError(f"{where}: cannot read {', '.join(Path(g).name for g in group)} " f"({_first_line(e)})") from None
+                raise DataError(
+                    f"{where}: cannot read {', '.join(Path(g).name for g in group)} ({_first_line(e)})"
+                ) from None
             try:
                 rows.extend(ds.to_list() if hasattr(ds, "to_list") else [dict(r) for r in ds])
             except UnicodeDecodeError as e:  # a parquet string column holding bytes that are not UTF-8
-                raise DataError(f"{where}: a text field is not UTF-8 (byte 0x{e.object[e.start]:02x}: {e.reason})") from None
+                raise DataError(
+                    f"{where}: a text field is not UTF-8 (byte 0x{e.object[e.start]:02x}: {e.reason})"
+                ) from None
     return rows
 
 
@@ -172,7 +189,10 @@ def load_rows(source: str, split: str = "train", subset: str | None = None) -> l
             raise DataError(f"task.source {source}: {e}") from None
         if path.is_file():
             if path.suffix.lower() not in BUILDERS:
-                raise DataError(f"task.source {source}: unsupported file type {path.suffix or '(none)'!r}; use " f"{', '.join(BUILDERS)}")
+                raise DataError(
+                    f"task.source {source}: unsupported file type {path.suffix or '(none)'!r}; use "
+                    f"{', '.join(BUILDERS)}"
+                )
             return _read_files(datasets, [path], str(path))
         splits = folder_splits(path)
         if split not in splits:
@@ -190,12 +210,18 @@ def load_rows(source: str, split: str = "train", subset: str | None = None) -> l
             raise DataError(f"task.source {source!r}: {msg}") from None
         cache = getattr(getattr(datasets, "config", None), "HF_DATASETS_CACHE", "the datasets cache")
         if not path.exists():  # `data/dapo` reads as a hub id `org/name` as well as a relative folder
-            raise DataError(f"task.source {source!r}: no such file or folder, and as a dataset id it is not in " "the local datasets "
-                            f"cache ({cache}); nothing is downloaded: pass a local file or " f"folder (./{source} for a "
-                            "relative path), or load the dataset once where there is network") from None
+            raise DataError(
+                f"task.source {source!r}: no such file or folder, and as a dataset id it is not in "
+                "the local datasets "
+                f"cache ({cache}); nothing is downloaded: pass a local file or "
+                f"folder (./{source} for a "
+                "relative path), or load the dataset once where there is network"
+            ) from None
         raise DataError(
-            f"task.source {source!r}{f' (subset {subset})' if subset else ''} is not in the " f"local datasets cache ({cache}; "
-            f"{msg}); nothing is downloaded: load it once where there is network, or pass a " "local file or folder"
+            f"task.source {source!r}{f' (subset {subset})' if subset else ''} is not in the "
+            f"local datasets cache ({cache}; "
+            f"{msg}); nothing is downloaded: load it once where there is network, or pass a "
+            "local file or folder"
         ) from None
     return ds.to_list() if hasattr(ds, "to_list") else [dict(r) for r in ds]
 
@@ -244,7 +270,9 @@ def rows_to_examples(rows: list[dict], prompt_key: str, answer_key: str, name: s
         answer = answer_text(get_path(row, answer_key, None))
         if answer is None:
             raise DataError(f"{where}, row {i}: no answer under {answer_key!r}")
-        examples.append(Example(f"{name}/{i}", prompt, answer, meta={"problem": prompt, "source": name, "row": i, "fields": row}))
+        examples.append(
+            Example(f"{name}/{i}", prompt, answer, meta={"problem": prompt, "source": name, "row": i, "fields": row})
+        )
     return examples
 
 
@@ -324,9 +352,15 @@ class DatasetTask:
         except KeyError as missing:
             key = missing.args[0] if missing.args else "?"
             if first:
-                names = fields if "prompt" in fields else {**fields, "prompt": ""}  # {prompt}: the task.prompt_key value
-                raise ConfigError(f"task.template names field {key!r}, which the examples lack; " f"{fields_hint(names)}") from None
-            raise DataError(f"{e.meta.get('source', self.name)}, row {e.meta.get('row', '?')}: no field {key!r} " "for task.template") from None
+                names = (
+                    fields if "prompt" in fields else {**fields, "prompt": ""}
+                )  # {prompt}: the task.prompt_key value
+                raise ConfigError(
+                    f"task.template names field {key!r}, which the examples lack; {fields_hint(names)}"
+                ) from None
+            raise DataError(
+                f"{e.meta.get('source', self.name)}, row {e.meta.get('row', '?')}: no field {key!r} for task.template"
+            ) from None
         return replace(e, prompt=prompt, meta={**e.meta, "problem": problem})
 
     def _filter(self, max_tokens: int, count_tokens: Callable[[str], int] | None) -> None:
@@ -341,7 +375,9 @@ class DatasetTask:
         if self._train:
             self._train = [e for e in self._train if count_tokens(e.prompt) <= max_tokens] or None
         if not self._test and not self._train:
-            raise ConfigError(f"task.max_prompt_tokens={max_tokens} drops all {before} prompts (the shortest has " f"{shortest} tokens)")
+            raise ConfigError(
+                f"task.max_prompt_tokens={max_tokens} drops all {before} prompts (the shortest has {shortest} tokens)"
+            )
         if not self._test:
             raise ConfigError(f"task.max_prompt_tokens={max_tokens} drops every held-out prompt")
 
@@ -362,7 +398,9 @@ class DatasetTask:
         if len(examples) != len(completions):
             raise ValueError(f"{len(examples)} examples but {len(completions)} completions")
         return self.reward.score(
-            [e.prompt for e in examples], list(completions), [e.answer for e in examples],
+            [e.prompt for e in examples],
+            list(completions),
+            [e.answer for e in examples],
             [e.meta.get("fields") or {} for e in examples],
         )
 
@@ -392,16 +430,27 @@ class DatasetTask:
         self.close()
 
 
-def resolve_reward(reward: str | Reward | None, template: PromptTemplate, default: str | None, *, timeout_s: float = 5.0,
-                   workers: int = 2, require_boxed: bool = True) -> Reward:
+def resolve_reward(
+    reward: str | Reward | None,
+    template: PromptTemplate,
+    default: str | None,
+    *,
+    timeout_s: float = 5.0,
+    workers: int = 2,
+    require_boxed: bool = True,
+) -> Reward:
     """The task's reward: ``reward`` if given, else the one the template asks for, else ``default``."""
     if isinstance(reward, Reward):
         return reward
     spec = reward or template.reward or default
     if spec is None:
-        raise ConfigError(f"task.reward is required with task.template={template.name or 'a custom string'} (it " "asks for no answer format, so it "
-                          "names no reward): a registered reward (e.g. exact-match, " "math-verify), module:function or "
-                          "path/to/file.py:function")
+        raise ConfigError(
+            f"task.reward is required with task.template={template.name or 'a custom string'} (it "
+            "asks for no answer format, so it "
+            "names no reward): a registered reward (e.g. exact-match, "
+            "math-verify), module:function or "
+            "path/to/file.py:function"
+        )
     return make_reward(spec, timeout_s=timeout_s, workers=workers, require_boxed=require_boxed)
 
 
@@ -435,33 +484,65 @@ def make_dataset_task(
     rows = load_rows(source, split, subset)
     examples = rows_to_examples(rows, pk, ak, name, f"{source} ({split})")
     if test_split is not None:
-        test = rows_to_examples(load_rows(source, test_split, subset), pk, ak, f"{name}/{test_split}", f"{source} ({test_split})")
+        test = rows_to_examples(
+            load_rows(source, test_split, subset), pk, ak, f"{name}/{test_split}", f"{source} ({test_split})"
+        )
         train: list[Example] | None = examples
     else:
         test, train = split_heldout(examples, n_test, seed)
     rew = resolve_reward(reward, tmpl, None, timeout_s=reward_timeout_s, workers=reward_workers)
     return DatasetTask(
-        test, train or None, template=tmpl, reward=rew, tokenizer=tokenizer, name=name,
+        test,
+        train or None,
+        template=tmpl,
+        reward=rew,
+        tokenizer=tokenizer,
+        name=name,
         no_train_hint=f"all {len(examples)} examples are held out; lower task.n_test or set task.test_split",
-        max_prompt_tokens=max_prompt_tokens, count_tokens=count_tokens,
+        max_prompt_tokens=max_prompt_tokens,
+        count_tokens=count_tokens,
     )
 
 
-PRESET_OPTIONS = ("source", "split", "test_split", "subset", "prompt_key", "answer_key", "system_prompt", "chat",
-                  "chat_template_kwargs", "reward", "max_prompt_tokens", "count_tokens")
+PRESET_OPTIONS = (
+    "source",
+    "split",
+    "test_split",
+    "subset",
+    "prompt_key",
+    "answer_key",
+    "system_prompt",
+    "chat",
+    "chat_template_kwargs",
+    "reward",
+    "max_prompt_tokens",
+    "count_tokens",
+)
 """Options of :func:`make_dataset_task` that the math presets take too (as keyword arguments)."""
 
 
-def task_options(task_cfg, *, chat: bool = False, tokenizer: Any = None,
-                 count_tokens: Callable[[str], int] | None = None) -> dict:
+def task_options(
+    task_cfg, *, chat: bool = False, tokenizer: Any = None, count_tokens: Callable[[str], int] | None = None
+) -> dict:
     """``get_task`` keyword arguments of a dataset task or math preset from the config's task
     section (``masktrl.config.TaskConfig``); ``chat`` is ``model.chat_template``."""
     t = task_cfg
     common = dict(
-        source=t.source, subset=t.subset, split=t.split, test_split=t.test_split, prompt_key=t.prompt_key,
-        answer_key=t.answer_key, n_test=t.n_test, template=t.template, system_prompt=t.system_prompt, chat=chat,
-        chat_template_kwargs=dict(t.chat_template_kwargs) or None, reward=t.reward,
-        max_prompt_tokens=t.max_prompt_tokens, tokenizer=tokenizer, count_tokens=count_tokens,
+        source=t.source,
+        subset=t.subset,
+        split=t.split,
+        test_split=t.test_split,
+        prompt_key=t.prompt_key,
+        answer_key=t.answer_key,
+        n_test=t.n_test,
+        template=t.template,
+        system_prompt=t.system_prompt,
+        chat=chat,
+        chat_template_kwargs=dict(t.chat_template_kwargs) or None,
+        reward=t.reward,
+        max_prompt_tokens=t.max_prompt_tokens,
+        tokenizer=tokenizer,
+        count_tokens=count_tokens,
     )
     if t.name == "dataset":
         return {**common, "reward_timeout_s": t.reward_timeout_s, "reward_workers": t.reward_workers}

@@ -67,23 +67,32 @@ def load_env(spec: str, key: str = "task.env") -> type:
     except BaseException as exc:  # SyntaxError, ImportError, SystemExit from a script...
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise ConfigError(f"{key} {spec!r}: cannot import {where} ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
+        raise ConfigError(
+            f"{key} {spec!r}: cannot import {where} ({type(exc).__name__}: {exc})".replace("\n", " ")
+        ) from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(f"{key} {spec!r}: {where} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not isinstance(obj, type):
-        raise ConfigError(f"{key} {spec!r}: {attr} is a {type(obj).__name__}, not a class with reset(example) and step(call)")
+        raise ConfigError(
+            f"{key} {spec!r}: {attr} is a {type(obj).__name__}, not a class with reset(example) and step(call)"
+        )
     missing = [m for m in PROTOCOL if not callable(getattr(obj, m, None))]
     if missing:
-        raise ConfigError(f"{key} {spec!r}: class {attr} has no {' or '.join(missing)} method (the protocol: reset(example) -> None, "
-                          "step(call) -> (reply, done))")
+        raise ConfigError(
+            f"{key} {spec!r}: class {attr} has no {' or '.join(missing)} method (the protocol: "
+            "reset(example) -> None, "
+            "step(call) -> (reply, done))"
+        )
     try:
         obj()
     except Exception as exc:
-        raise ConfigError(f"{key} {spec!r}: {attr}() failed ({type(exc).__name__}: {exc}); an environment is built without arguments"
-                          .replace("\n", " ")) from None
+        raise ConfigError(
+            f"{key} {spec!r}: {attr}() failed ({type(exc).__name__}: {exc}); an environment is "
+            "built without arguments".replace("\n", " ")
+        ) from None
     return obj
 
 
@@ -125,7 +134,7 @@ class Episode:
         def run():
             try:
                 box[0] = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - an environment's failure never reaches the run
+            except BaseException as exc:
                 err[0] = f"{type(exc).__name__}: {exc}"[:300]
 
         thread = threading.Thread(target=run, daemon=True, name="masktrl-env")

@@ -39,7 +39,9 @@ def make_task(task_cfg: TaskConfig, model_cfg: ModelConfig, tokenizer=None) -> T
 
         load_env(t.env)
     if t.options and (t.name in ("arithmetic", "dataset") or t.name in BENCHMARKS):
-        raise ConfigError(f"task.options: the {t.name} task takes no options there; its keys are task.* (masktrl " "config keys)")
+        raise ConfigError(
+            f"task.options: the {t.name} task takes no options there; its keys are task.* (masktrl config keys)"
+        )
     if t.name == "arithmetic":
         return get_task(
             "arithmetic", ops=t.ops, digits=t.digits, answer_format=t.answer_format, n_test=t.n_test, seed=HELDOUT_SEED
@@ -47,13 +49,19 @@ def make_task(task_cfg: TaskConfig, model_cfg: ModelConfig, tokenizer=None) -> T
     if t.name == "residues":
         fixed = sorted({"n_test", "seed"} & set(t.options))
         if fixed:
-            raise ConfigError(f"task.options.{fixed[0]}: the held-out split is task.n_test problems drawn with a " "fixed seed")
+            raise ConfigError(
+                f"task.options.{fixed[0]}: the held-out split is task.n_test problems drawn with a fixed seed"
+            )
         return get_task("residues", **t.options, n_test=t.n_test, seed=HELDOUT_SEED)
     if t.name == "dataset" or t.name in BENCHMARKS:
         return get_task(t.name, **_dataset_options(t, model_cfg, tokenizer))
     params = task_parameters(t.name)  # ConfigError for an unknown name
     extra = {"tokenizer": tokenizer, "chat": model_cfg.chat_template}
-    kwargs = {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name in params and f.name not in ("name", "options")}
+    kwargs = {
+        f.name: getattr(t, f.name)
+        for f in dataclasses.fields(t)
+        if f.name in params and f.name not in ("name", "options")
+    }
     return get_task(t.name, **kwargs, **{k: v for k, v in extra.items() if k in params}, **t.options)
 
 

@@ -3,9 +3,11 @@
 A path is split at dots; each part indexes a mapping by key, or a list by (possibly negative)
 integer. Used for ``task.prompt_key`` / ``task.answer_key`` and for ``{field}`` in templates.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 _MISSING = object()
 

@@ -16,6 +16,7 @@ Before anything reaches a worker the parent
 Model output is never passed to eval/exec; only math_verify's parser sees it.
 POSIX only (pipes polled without blocking; math-verify's alarms need SIGALRM anyway).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from masktrl.errors import MasktrlError
 

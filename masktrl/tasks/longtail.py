@@ -50,8 +50,17 @@ class LongTailTask(SyntheticTask):
 
     name = "longtail"
 
-    def __init__(self, n_test: int = 64, prompt_min: int = 64, prompt_max: int = 256, response_min: int = 32,
-                 response_max: int = 512, length_median: float = 128.0, length_sigma: float = 0.7, seed: int = 1234):
+    def __init__(
+        self,
+        n_test: int = 64,
+        prompt_min: int = 64,
+        prompt_max: int = 256,
+        response_min: int = 32,
+        response_max: int = 512,
+        length_median: float = 128.0,
+        length_sigma: float = 0.7,
+        seed: int = 1234,
+    ):
         def opt(name, value, lo, hi):
             return int_option("longtail", name, value, lo, hi)
 
@@ -59,14 +68,24 @@ class LongTailTask(SyntheticTask):
         self.prompt_max = opt("prompt_max", prompt_max, self.prompt_min, 1 << 16)
         self.response_min = opt("response_min", response_min, 2, 1 << 16)
         self.response_max = opt("response_max", response_max, self.response_min, 1 << 16)
-        if not (isinstance(length_median, (int, float)) and length_median > 0 and isinstance(length_sigma, (int, float)) and length_sigma >= 0):
-            raise ConfigError(f"longtail: length_median must be > 0 and length_sigma >= 0, got {length_median!r}, " f"{length_sigma!r}")
+        if not (
+            isinstance(length_median, (int, float))
+            and length_median > 0
+            and isinstance(length_sigma, (int, float))
+            and length_sigma >= 0
+        ):
+            raise ConfigError(
+                f"longtail: length_median must be > 0 and length_sigma >= 0, got {length_median!r}, {length_sigma!r}"
+            )
         self.length_median, self.length_sigma = float(length_median), float(length_sigma)
         self.seed = seed
         self._draw_split(opt("n_test", n_test, 1, 1 << 20))
 
     def _draw(self, rng: random.Random) -> str:
-        length = min(self.response_max, max(self.response_min, round(rng.lognormvariate(math.log(self.length_median), self.length_sigma))))
+        length = min(
+            self.response_max,
+            max(self.response_min, round(rng.lognormvariate(math.log(self.length_median), self.length_sigma))),
+        )
         suffix = f"|{length}="
         n = max(1, rng.randint(self.prompt_min, self.prompt_max) - len(suffix))
         return "".join(rng.choice(LETTERS) for _ in range(n)) + suffix

@@ -21,18 +21,28 @@ Fields of a row (the first present, non-empty one wins):
 
 Every malformed row raises DataError naming the file and line (or row) number.
 """
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from masktrl.errors import ConfigError, DataError
 from masktrl.tasks.base import Example, register_task
-from masktrl.tasks.dataset import PRESET_OPTIONS, DatasetTask, NotCached, import_datasets, load_rows, resolve_reward, rows_to_examples
-from masktrl.tasks.dataset import split_heldout  # (re-exported: it lived here)
+from masktrl.tasks.dataset import (
+    PRESET_OPTIONS,
+    DatasetTask,
+    NotCached,
+    import_datasets,
+    load_rows,
+    resolve_reward,
+    rows_to_examples,
+    split_heldout,  # (re-exported: it lived here)
+)
 from masktrl.tasks.grader import last_boxed
 from masktrl.tasks.rewards import Reward
 from masktrl.tasks.templates import DAPO_PREFIX, DAPO_SUFFIX, PromptTemplate
@@ -217,7 +227,10 @@ HUB_SOURCES: dict[str, list[list[HubSource]]] = {
     "aime24": [[HubSource("HuggingFaceH4/aime_2024", None, "train")]],
     "aime25": [
         [HubSource("yentinglin/aime_2025", None, "train")],
-        [HubSource("opencompass/AIME2025", "AIME2025-I", "test"), HubSource("opencompass/AIME2025", "AIME2025-II", "test")],
+        [
+            HubSource("opencompass/AIME2025", "AIME2025-I", "test"),
+            HubSource("opencompass/AIME2025", "AIME2025-II", "test"),
+        ],
     ],
     "math500": [[HubSource("HuggingFaceH4/MATH-500", None, "test")]],
     "gsm8k": [[HubSource("openai/gsm8k", "main", "test")]],
@@ -326,8 +339,19 @@ class MathTask(DatasetTask):
         tmpl = template if isinstance(template, PromptTemplate) else PromptTemplate.resolve(template)
         tmpl.check(tokenizer)  # before any grading process exists
         self.timeout_s = timeout_s
-        rew = resolve_reward(reward, tmpl, "math-verify", timeout_s=timeout_s, workers=grader_workers, require_boxed=require_boxed)
-        super().__init__(test, train, template=tmpl, reward=rew, tokenizer=tokenizer, name=name, no_train_hint=no_train_hint, **kwargs)
+        rew = resolve_reward(
+            reward, tmpl, "math-verify", timeout_s=timeout_s, workers=grader_workers, require_boxed=require_boxed
+        )
+        super().__init__(
+            test,
+            train,
+            template=tmpl,
+            reward=rew,
+            tokenizer=tokenizer,
+            name=name,
+            no_train_hint=no_train_hint,
+            **kwargs,
+        )
 
     def alphabet(self) -> None:
         return None
@@ -372,8 +396,9 @@ def make_math_task(
     )
 
 
-def _preset_rows(bench: str, source: str, split: str, subset: str | None, prompt_key: str | None,
-                 answer_key: str | None) -> list[Example]:
+def _preset_rows(
+    bench: str, source: str, split: str, subset: str | None, prompt_key: str | None, answer_key: str | None
+) -> list[Example]:
     """A preset's examples from another source: by the given keys, else by the math field names."""
     rows = load_rows(source, split, subset)
     where = f"{source} ({split})"
@@ -399,15 +424,24 @@ def _benchmark_factory(bench: str):
     ) -> MathTask:
         unknown = sorted(set(options) - set(PRESET_OPTIONS))
         if unknown:
-            raise ConfigError(f"task {bench!r}: unknown option(s) {', '.join(unknown)}; accepted: data_file, " "n_test, seed, "
-                              "test, test_file, template, tokenizer, timeout_s, require_boxed, " f"grader_workers, {', '.join(PRESET_OPTIONS)}")
+            raise ConfigError(
+                f"task {bench!r}: unknown option(s) {', '.join(unknown)}; accepted: data_file, "
+                "n_test, seed, "
+                "test, test_file, template, tokenizer, timeout_s, require_boxed, "
+                f"grader_workers, {', '.join(PRESET_OPTIONS)}"
+            )
         o = {**dict.fromkeys(PRESET_OPTIONS), "split": "train", "chat": False, **options}
         source, split, test_split, subset = o["source"], o["split"], o["test_split"], o["subset"]
         prompt_key, answer_key = o["prompt_key"], o["answer_key"]
         if source is not None and data_file is not None:
             raise ConfigError(f"task {bench!r}: set task.source or task.data, not both")
-        tmpl = PromptTemplate.resolve(template, system_prompt=o["system_prompt"], chat=o["chat"],
-                                      chat_kwargs=o["chat_template_kwargs"], default="instruct" if o["chat"] else "base")
+        tmpl = PromptTemplate.resolve(
+            template,
+            system_prompt=o["system_prompt"],
+            chat=o["chat"],
+            chat_kwargs=o["chat_template_kwargs"],
+            default="instruct" if o["chat"] else "base",
+        )
         if source is not None:
             examples = _preset_rows(bench, source, split, subset, prompt_key, answer_key)
             examples = _dedupe(examples) if bench in TRAIN_SETS else examples

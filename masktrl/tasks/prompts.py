@@ -12,9 +12,11 @@ Prompt text is rendered once: ``Example.prompt`` is exactly the text the model s
 ``encode_prompt`` only tokenizes it. The synthetic arithmetic task has no template: with
 ``model.chat_template`` its raw prompt is wrapped by ``encode_prompt``.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from masktrl.errors import ConfigError
 
@@ -37,8 +39,7 @@ def chat_prompt(problem: str, tokenizer: Any = None, **chat_kwargs: Any) -> str:
         raise ConfigError("prompt template 'chat' needs a tokenizer with a chat template")
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
-            "prompt template 'chat': this tokenizer has no chat template (a base model?); "
-            "use template 'base'"
+            "prompt template 'chat': this tokenizer has no chat template (a base model?); use template 'base'"
         )
     messages = [{"role": "user", "content": instruct_prompt(problem)}]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **chat_kwargs)
@@ -95,7 +96,9 @@ def encode_prompt(tokenizer, prompt: str, chat_template: bool) -> list[int]:
     if chat_template and not is_chat_rendered(tokenizer, prompt):
         # rendered as text, then tokenized like any prompt: apply_chat_template(tokenize=True)
         # returns a BatchEncoding, not ids, in transformers 5
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
     return tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
@@ -104,6 +107,8 @@ def is_chat_rendered(tokenizer, prompt: str) -> bool:
     before and after the message content match the template's)."""
     if not getattr(tokenizer, "chat_template", None):
         return False
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _PROBE}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _PROBE}], tokenize=False, add_generation_prompt=True
+    )
     head, sep, tail = text.partition(_PROBE)
     return bool(sep) and len(prompt) > len(head) + len(tail) and prompt.startswith(head) and prompt.endswith(tail)

@@ -18,7 +18,7 @@ correct answer (scoring never uses it: any correct completion scores 1).
 from __future__ import annotations
 
 import random
-from typing import Iterable
+from collections.abc import Iterable
 
 from masktrl.errors import ConfigError
 from masktrl.tasks.base import Example, register_task
@@ -37,8 +37,17 @@ def parse_prompt(prompt: str) -> tuple[int, int, int, int]:
     return lo, hi, m, r
 
 
-def is_correct(lo: int, hi: int, m: int, r: int, completion: str, answers: int, distinct: bool,
-               max_answers: int | None = None, ascending: bool = False) -> bool:
+def is_correct(
+    lo: int,
+    hi: int,
+    m: int,
+    r: int,
+    completion: str,
+    answers: int,
+    distinct: bool,
+    max_answers: int | None = None,
+    ascending: bool = False,
+) -> bool:
     """Whether ``completion`` is ``answers`` (to ``max_answers``, when given) whitespace-separated
     integers in [lo, hi), each = r mod m (pairwise different with ``distinct``, strictly
     increasing with ``ascending``)."""
@@ -91,7 +100,9 @@ class ResidueTask(SyntheticTask):
         if not isinstance(distinct, bool):
             raise ConfigError(f"residues: distinct must be true or false, got {distinct!r}")
         self.distinct = distinct
-        self.max_answers = self.answers if max_answers is None else _int_option("max_answers", max_answers, self.answers, 64)
+        self.max_answers = (
+            self.answers if max_answers is None else _int_option("max_answers", max_answers, self.answers, 64)
+        )
         if not isinstance(ascending, bool):
             raise ConfigError(f"residues: ascending must be true or false, got {ascending!r}")
         self.ascending = ascending
@@ -104,7 +115,8 @@ class ResidueTask(SyntheticTask):
         self.max_solutions = _int_option("max_solutions", max_solutions, self.min_solutions, self.max_value)
         if self.max_solutions * max(self.moduli) > self.max_value:
             raise ConfigError(
-                "residues: max_solutions * max(moduli) = " f"{self.max_solutions * max(self.moduli)} exceeds max_value {self.max_value}"
+                "residues: max_solutions * max(moduli) = "
+                f"{self.max_solutions * max(self.moduli)} exceeds max_value {self.max_value}"
             )
         self.n_test = _int_option("n_test", n_test, 1, 100_000)
         self.seed = _int_option("seed", seed, -(2**63), 2**63 - 1)
@@ -112,8 +124,11 @@ class ResidueTask(SyntheticTask):
 
     # ----------------------------------------------------------------- Task protocol (and SyntheticTask's)
     def score(self, example: Example, completion: str) -> float:
-        return float(is_correct(*parse_prompt(example.prompt), completion, self.answers, self.distinct, self.max_answers,
-                                self.ascending))
+        return float(
+            is_correct(
+                *parse_prompt(example.prompt), completion, self.answers, self.distinct, self.max_answers, self.ascending
+            )
+        )
 
     def score_many(self, examples: list[Example], completions: list[str]) -> list[float]:
         return [self.score(e, c) for e, c in zip(examples, completions, strict=True)]

@@ -35,6 +35,7 @@ run in the training process (math-verify isolates itself in its own grading pool
 Keep a reward file's top level cheap and side-effect free: each worker imports it (a script's
 ``if __name__ == "__main__":`` block does not run there).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from masktrl.errors import ConfigError
 from masktrl.tasks.grader import Grader, WorkerPool, extract_answer
@@ -140,14 +142,16 @@ def _location_of(entry: RewardEntry) -> dict:
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or not qualname or "<" in qualname:
         raise ConfigError(
-            f"reward {entry.name!r} is not defined at the top level of a module or file, so " "worker processes "
+            f"reward {entry.name!r} is not defined at the top level of a module or file, so "
+            "worker processes "
             "cannot import it; move it there, or register it with isolated=False"
         )
     if module == "__main__":
         path = getattr(sys.modules.get("__main__"), "__file__", None)
         if not path:
             raise ConfigError(
-                f"reward {entry.name!r} was defined interactively, so worker processes cannot " "import it; "
+                f"reward {entry.name!r} was defined interactively, so worker processes cannot "
+                "import it; "
                 "define it in a file, or register it with isolated=False"
             )
         return {"file": os.path.abspath(path), "attr": qualname}
@@ -159,7 +163,9 @@ REWARD_ERROR_WARN_FRAC = 0.1
 """A step whose reward failed on more than this fraction of its completions prints a warning."""
 
 
-def check_reward_errors(step: int, errors: int, scored: int, max_frac: float, last_error: str | None = None) -> str | None:
+def check_reward_errors(
+    step: int, errors: int, scored: int, max_frac: float, last_error: str | None = None
+) -> str | None:
     """The verdict on one step's reward failures (completions scored 0 because the reward raised,
     timed out or returned no finite number): None when at most ``REWARD_ERROR_WARN_FRAC`` of the
     ``scored`` completions failed, a warning line above that, and ConfigError (the run stops)
@@ -252,7 +258,9 @@ class InProcessReward(Reward):
 class PooledReward(Reward):
     """A user function run in worker processes, one completion per call, under a hard timeout."""
 
-    def __init__(self, spec: str, location: dict, timeout_s: float = 5.0, workers: int = 2, target: str = "{answer}") -> None:
+    def __init__(
+        self, spec: str, location: dict, timeout_s: float = 5.0, workers: int = 2, target: str = "{answer}"
+    ) -> None:
         self.name, self.location, self.timeout_s, self.target = spec, location, timeout_s, target
         self.errors, self.last_error = 0, None
         init = {"location": location, "path": [os.path.abspath(p or ".") for p in sys.path]}
@@ -270,8 +278,12 @@ class PooledReward(Reward):
         """Import the function in a worker and call it once with two completions of the first
         example: ConfigError if it cannot be imported, cannot take the arguments, or returns
         anything but two numbers. (An exception it raises is left to scoring, which counts it.)"""
-        kwargs = {"prompts": [prompt] * 2, "completions": [answer, ""], "answers": [answer] * 2,
-                  **_field_lists([fields, fields])}
+        kwargs = {
+            "prompts": [prompt] * 2,
+            "completions": [answer, ""],
+            "answers": [answer] * 2,
+            **_field_lists([fields, fields]),
+        }
         with self._lock:
             answers, _ = self.pool.run({0: {"kwargs": kwargs, "n": 2}}, self.timeout_s)
         bad = answers.get(0, {}).get("bad")
@@ -342,7 +354,9 @@ class MathVerify:
     (``configure``) whose grading processes it stops on close.
     """
 
-    def __init__(self, extract: str = "boxed", timeout_s: float = 5.0, workers: int = 2, require_boxed: bool = True) -> None:
+    def __init__(
+        self, extract: str = "boxed", timeout_s: float = 5.0, workers: int = 2, require_boxed: bool = True
+    ) -> None:
         self.extract, self.timeout_s, self.workers, self.require_boxed = extract, timeout_s, workers, require_boxed
         self._grader: Grader | None = None
 
@@ -366,6 +380,6 @@ class MathVerify:
 
 
 register_reward("exact-match", exact_match, isolated=False)
-register_reward("boxed-match", boxed_match, isolated=False, target="\\boxed{" "{answer}" "}")
-register_reward("math-verify", MathVerify("boxed"), isolated=False, target="The final answer is \\boxed{" "{answer}" "}.")
+register_reward("boxed-match", boxed_match, isolated=False, target="\\boxed{{answer}}")
+register_reward("math-verify", MathVerify("boxed"), isolated=False, target="The final answer is \\boxed{{answer}}.")
 register_reward("answer-line", MathVerify("answer-line"), isolated=False, target="Answer: {answer}")

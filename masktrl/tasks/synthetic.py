@@ -4,6 +4,7 @@ seeded generator, training draws that reject every held-out problem, and option 
 A subclass sets ``name`` and ``seed`` and defines ``_draw(rng) -> key`` (a hashable problem)
 and ``_example_of(split, key, rng) -> Example``, then calls ``_draw_split(n_test)``.
 """
+
 from __future__ import annotations
 
 import random

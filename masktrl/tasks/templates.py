@@ -17,11 +17,13 @@ optional system message (``task.system_prompt``), passed through the tokenizer's
 (e.g. ``{enable_thinking: false}`` for Qwen3). Without one, a system prompt is an error: put
 the text in the template itself.
 """
+
 from __future__ import annotations
 
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from masktrl.errors import ConfigError
 from masktrl.tasks.fields import get_path
@@ -103,12 +105,15 @@ class PromptTemplate:
             (text, strip, reward), name = NAMED_TEMPLATES[template], template
         else:
             raise ConfigError(
-                f"unknown prompt template {template!r}; valid templates: " f"{', '.join([*NAMED_TEMPLATES, CHAT_ALIAS])}, "
+                f"unknown prompt template {template!r}; valid templates: "
+                f"{', '.join([*NAMED_TEMPLATES, CHAT_ALIAS])}, "
                 "or a format string with {prompt}"
             )
         if system_prompt is not None and not chat:
-            raise ConfigError("task.system_prompt needs a chat template (model.chat_template: true); without one, "
-                              "put the text in task.template")
+            raise ConfigError(
+                "task.system_prompt needs a chat template (model.chat_template: true); without one, "
+                "put the text in task.template"
+            )
         if chat_kwargs and not chat:
             raise ConfigError("task.chat_template_kwargs needs a chat template (model.chat_template: true)")
         return cls(text, name, strip, system_prompt, chat, dict(chat_kwargs or {}), reward)
@@ -136,7 +141,7 @@ class PromptTemplate:
         if not self.chat:
             return text
         self.check(tokenizer)
-        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else [])
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
         messages.append({"role": "user", "content": text})
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.chat_kwargs)
 
@@ -148,7 +153,8 @@ class PromptTemplate:
             raise ConfigError(f"prompt template {self.label!r} needs a tokenizer with a chat template")
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
-                f"prompt template {self.label!r}: this tokenizer has no chat template (a base " "model?); "
+                f"prompt template {self.label!r}: this tokenizer has no chat template (a base "
+                "model?); "
                 "set model.chat_template: false"
             )
 
@@ -157,7 +163,9 @@ def _check_format(text: str) -> None:
     try:
         parsed = list(string.Formatter().parse(text))
     except ValueError as e:
-        raise ConfigError(f"task.template {text!r} is not a valid format string ({e}); write literal braces as " "{{ }}") from None
+        raise ConfigError(
+            f"task.template {text!r} is not a valid format string ({e}); write literal braces as {{{{ }}}}"
+        ) from None
     names = [f for _, f, _, _ in parsed if f is not None]
     if any(not n or n.isdigit() for n in names):
         raise ConfigError(f"task.template {text!r}: every {{}} must name a field, e.g. {{prompt}}")

@@ -31,13 +31,20 @@ def call_content(call: str, tag: str) -> str:
     start = call.rfind(f"<{tag}>")
     if start < 0:
         return call.strip()
-    body = call[start + len(tag) + 2:]
+    body = call[start + len(tag) + 2 :]
     end = body.find(f"</{tag}>")
     return (body if end < 0 else body[:end]).strip()
 
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
@@ -64,7 +71,9 @@ def _eval(node: ast.AST) -> int | float:
         return _UNARY[type(node.op)](_eval(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         a, b = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Pow) and (abs(b) > MAX_EXPONENT or (abs(a) > 1 and abs(b) * math.log10(abs(a) + 1) > 30)):
+        if isinstance(node.op, ast.Pow) and (
+            abs(b) > MAX_EXPONENT or (abs(a) > 1 and abs(b) * math.log10(abs(a) + 1) > 30)
+        ):
             raise CalcError("exponent too large")
         try:
             value = _BINARY[type(node.op)](a, b)
@@ -72,7 +81,11 @@ def _eval(node: ast.AST) -> int | float:
             raise CalcError("division by zero") from None
         except (OverflowError, ValueError) as exc:
             raise CalcError(str(exc)) from None
-        if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE or (isinstance(value, float) and not math.isfinite(value)):
+        if (
+            isinstance(value, complex)
+            or abs(value) > MAX_MAGNITUDE
+            or (isinstance(value, float) and not math.isfinite(value))
+        ):
             raise CalcError("result out of range")
         return value
     raise CalcError(f"unsupported element {type(node).__name__}")

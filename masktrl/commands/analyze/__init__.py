@@ -18,10 +18,10 @@ from masktrl.commands.ui import console
 
 app = typer.Typer(
     cls=Group,
-    help="Analyses of runs: disagreement (token study), estimators (top-K Ḋ vs exact), dynamics " "(curves), compare (seed statistics), sis.",
+    help="Analyses of runs: disagreement (token study), estimators (top-K Ḋ vs exact), dynamics "
+    "(curves), compare (seed statistics), sis.",
     no_args_is_help=True,
 )
-
 
 
 def fmt(x, digits: int = 3) -> str:
@@ -36,8 +36,6 @@ def pm(mean, se, digits: int = 3) -> str:
 
 def written(paths: list[Path]) -> None:
     console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
-
-
 
 
 def replay_optimizer(name: str, lr: float | None, reset: bool):

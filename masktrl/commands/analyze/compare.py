@@ -29,8 +29,16 @@ def compare(
     from masktrl.analysis.io import expand_runs, load_run, multi_run_dir
 
     roots = expand_runs(runs, out)
-    table = cmp.compare([load_run(r) for r in roots], baseline, metric, test, n_boot, eval_bench=eval_bench, margin=margin,
-                        interaction=interaction)
+    table = cmp.compare(
+        [load_run(r) for r in roots],
+        baseline,
+        metric,
+        test,
+        n_boot,
+        eval_bench=eval_bench,
+        margin=margin,
+        interaction=interaction,
+    )
     paths = cmp.save(table, multi_run_dir(roots, output))
     print_compare(table)
     written(paths)

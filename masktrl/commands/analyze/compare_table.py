@@ -15,20 +15,60 @@ def print_compare(table: dict) -> None:
     paired = table["test"] == "paired"  # the interval that goes with the test: paired over shared seeds, else Welch
     # each interval beside its own centre: over other seed sets the paired mean difference is not
     # the difference of means
-    ci_name, d_key, lo_key, hi_key = (("paired", "diff_paired", "diff_ci_paired_low", "diff_ci_paired_high") if paired
-                                      else ("Welch", "diff_vs_baseline", "diff_ci_low", "diff_ci_high"))
+    ci_name, d_key, lo_key, hi_key = (
+        ("paired", "diff_paired", "diff_ci_paired_low", "diff_ci_paired_high")
+        if paired
+        else ("Welch", "diff_vs_baseline", "diff_ci_low", "diff_ci_high")
+    )
     if paired:
-        t = Table(title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap " "95% CI; vs "
-                        f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}) over " "the shared seeds: difference \\[paired 95% CI], "
-                        "paired t p, exact sign-flip p, Holm p of the larger, paired MDD at 80% " "power and alpha/m (post hoc), "
-                        f"TOST p at ±{fmt(table.get('margin'))} where no difference is found; " f"unit: {table.get('p_unit', 'run')}")
-        cols = ("#", "method", "n", "final", "95% CI", "diff [95% CI]", "t p", "sign-flip p", "Holm p", "MDD 80%", "TOST p", "verdict",
-                "best of evals (biased)", "collapsed")
+        t = Table(
+            title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap "
+            "95% CI; vs "
+            f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}) over "
+            "the shared seeds: difference \\[paired 95% CI], "
+            "paired t p, exact sign-flip p, Holm p of the larger, paired MDD at 80% "
+            "power and alpha/m (post hoc), "
+            f"TOST p at ±{fmt(table.get('margin'))} where no difference is found; "
+            f"unit: {table.get('p_unit', 'run')}"
+        )
+        cols = (
+            "#",
+            "method",
+            "n",
+            "final",
+            "95% CI",
+            "diff [95% CI]",
+            "t p",
+            "sign-flip p",
+            "Holm p",
+            "MDD 80%",
+            "TOST p",
+            "verdict",
+            "best of evals (biased)",
+            "collapsed",
+        )
     else:
-        t = Table(title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap " "95% CI; vs "
-                        f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}): " f"difference \\[{ci_name} 95% CI], {table['test']} p, "
-                        "Holm p, smallest difference detectable at 80% power; unit: " f"{table.get('p_unit', 'run')}")
-        cols = ("#", "method", "n", "final", "95% CI", "diff [95% CI]", "p", "Holm p", "MDD 80%", "best of evals (biased)", "collapsed")
+        t = Table(
+            title=f"{table['metric']} ({table.get('metric_kind', '')}): mean ± std over seeds, bootstrap "
+            "95% CI; vs "
+            f"{escape(table['baseline'])} ({table.get('baseline_handle', '')}): "
+            f"difference \\[{ci_name} 95% CI], {table['test']} p, "
+            "Holm p, smallest difference detectable at 80% power; unit: "
+            f"{table.get('p_unit', 'run')}"
+        )
+        cols = (
+            "#",
+            "method",
+            "n",
+            "final",
+            "95% CI",
+            "diff [95% CI]",
+            "p",
+            "Holm p",
+            "MDD 80%",
+            "best of evals (biased)",
+            "collapsed",
+        )
     for col in cols:
         t.add_column(col, justify="right" if col not in ("method", "verdict") else "left")
     for row in table["methods"]:
@@ -36,10 +76,29 @@ def print_compare(table: dict) -> None:
         base = row["is_baseline"]
         diff = "base" if base else f"{fmt(s.get(d_key))} [{fmt(s.get(lo_key))}, {fmt(s.get(hi_key))}]"
         cell = lambda key: "" if base else fmt(s.get(key))  # noqa: E731, B023  (called in this iteration only)
-        tests = ([cell("p_paired_t"), cell("p_sign_flip"), cell("p_holm"), cell("mdd_paired"), cell("tost_p"), "" if base else s.get("verdict", "")]
-                 if paired else [cell("p"), cell("p_holm"), cell("mdd_80")])
-        t.add_row(row.get("handle", ""), escape(row["label"]), str(s["n"]), pm(s["mean"], s["std"]), f"[{fmt(s['ci_low'])}, {fmt(s['ci_high'])}]",
-                  diff, *tests, pm(b["mean"], b["std"]), collapsed(row.get("collapse")))
+        tests = (
+            [
+                cell("p_paired_t"),
+                cell("p_sign_flip"),
+                cell("p_holm"),
+                cell("mdd_paired"),
+                cell("tost_p"),
+                "" if base else s.get("verdict", ""),
+            ]
+            if paired
+            else [cell("p"), cell("p_holm"), cell("mdd_80")]
+        )
+        t.add_row(
+            row.get("handle", ""),
+            escape(row["label"]),
+            str(s["n"]),
+            pm(s["mean"], s["std"]),
+            f"[{fmt(s['ci_low'])}, {fmt(s['ci_high'])}]",
+            diff,
+            *tests,
+            pm(b["mean"], b["std"]),
+            collapsed(row.get("collapse")),
+        )
     console.print(t)
     if paired:
         console.print(f"decides: {table.get('decision_rule', '')}; {table.get('mdd_note', '')}", highlight=False)

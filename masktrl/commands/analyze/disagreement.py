@@ -49,9 +49,24 @@ def disagreement(
     roots = run_roots(run, out)
     chosen = study.parse_pairs(pairs, exact)
     with progress_bar() as progress:
-        result, table = study.run_study(roots, parse_steps(steps), delta, update=update_method, partitions=partitions, unit=replicate,
-                                        policy_step=policy_step, minibatches=minibatches, exact=exact, pairs=chosen, test=test,
-                                        progress=progress, optimizer=choice, decompose=decompose, own_tokens=own_tokens, ks=ks)
+        result, table = study.run_study(
+            roots,
+            parse_steps(steps),
+            delta,
+            update=update_method,
+            partitions=partitions,
+            unit=replicate,
+            policy_step=policy_step,
+            minibatches=minibatches,
+            exact=exact,
+            pairs=chosen,
+            test=test,
+            progress=progress,
+            optimizer=choice,
+            decompose=decompose,
+            own_tokens=own_tokens,
+            ks=ks,
+        )
     paths = study.save(result, table, output or study.output_dir(roots, result))
     print_disagreement(result)
     written(paths)

@@ -15,15 +15,23 @@ def print_disagreement(result: dict) -> None:
     b = result["batches"]
     stale = sorted({x["staleness"] for x in b})
     console.print(
-        f"{len(result['runs'])} run(s) ({', '.join(sorted(set(result['methods'].values())))}), " "steps "
-        f"{steps_text(result['steps'])}: {result['n_batches']} batches x {result['partitions']} " "partition(s) = "
-        f"{result['n_replicates']} replicates ({result['replicate_unit']}); update " f"{result['update']['name']} "
-        f"({result['update']['method']}), {optimizer_text(result)}, M = " f"{'/'.join(map(str, result['minibatches']))}, staleness {'/'.join(map(str, stale))}, "
-        f"δ = {result['delta']:g}; {result['n_over_delta_mean']:.1f} tokens with D > δ per " "replicate",
+        f"{len(result['runs'])} run(s) ({', '.join(sorted(set(result['methods'].values())))}), "
+        "steps "
+        f"{steps_text(result['steps'])}: {result['n_batches']} batches x {result['partitions']} "
+        "partition(s) = "
+        f"{result['n_replicates']} replicates ({result['replicate_unit']}); update "
+        f"{result['update']['name']} "
+        f"({result['update']['method']}), {optimizer_text(result)}, M = "
+        f"{'/'.join(map(str, result['minibatches']))}, staleness {'/'.join(map(str, stale))}, "
+        f"δ = {result['delta']:g}; {result['n_over_delta_mean']:.1f} tokens with D > δ per "
+        "replicate",
         highlight=False,
     )
-    table = Table(title="unsafe keep = P(ΔD > 0 | kept disagreement token): mean ± SE over replicates; contracted = " "pooled "
-                        f"P(ΔD < 0); p on unsafe keep: {p_text(result)}")
+    table = Table(
+        title="unsafe keep = P(ΔD > 0 | kept disagreement token): mean ± SE over replicates; contracted = "
+        "pooled "
+        f"P(ΔD < 0); p on unsafe keep: {p_text(result)}"
+    )
     table.add_column("pair")
     table.add_column("criterion")
     table.add_column("disagree\ntotal (/rep)", justify="right")
@@ -34,15 +42,26 @@ def print_disagreement(result: dict) -> None:
         table.add_column("p", justify="right")
     for name, block in result["pairs"].items():
         for i, c in enumerate(block["criteria"]):
-            cells = [name if i == 0 else "", c, f"{block['n_disagree_total']} ({block['n_disagree_mean']:.1f})" if i == 0 else ""]
+            cells = [
+                name if i == 0 else "",
+                c,
+                f"{block['n_disagree_total']} ({block['n_disagree_mean']:.1f})" if i == 0 else "",
+            ]
             for scope in SCOPES:
                 x = block[scope][c]
                 p = block[scope]["paired"]["p"]
-                cells += [pm(x["unsafe_keep_mean"], x["unsafe_keep_se"]), fmt(x["contract_frac_pooled"]), str(x["n_kept_total"]),
-                          (fmt(p) if i == 0 else "")]
+                cells += [
+                    pm(x["unsafe_keep_mean"], x["unsafe_keep_se"]),
+                    fmt(x["contract_frac_pooled"]),
+                    str(x["n_kept_total"]),
+                    (fmt(p) if i == 0 else ""),
+                ]
             table.add_row(*cells, end_section=i == len(block["criteria"]) - 1)
     console.print(table)
-    over = Table(title=f"every token with D > δ a rule keeps ({result['n_over_delta_total']} tokens with D > δ): " "unsafe keep, mean ± SE over replicates")
+    over = Table(
+        title=f"every token with D > δ a rule keeps ({result['n_over_delta_total']} tokens with D > δ): "
+        "unsafe keep, mean ± SE over replicates"
+    )
     over.add_column("criterion")
     for scope in SCOPES:
         over.add_column(f"{scope}\nunsafe keep", justify="right")
@@ -62,6 +81,7 @@ def print_disagreement(result: dict) -> None:
         print_k_sweep(result)
     if all(block["n_disagree_total"] == 0 for block in result["pairs"].values()):
         console.print(
-            "[yellow]no disagreement token: try a smaller --delta, more --minibatches, or stale " "rollouts "
+            "[yellow]no disagreement token: try a smaller --delta, more --minibatches, or stale "
+            "rollouts "
             "(rollout.staleness, or --policy-step later than S-1) so that π moves away from μ[/]"
         )

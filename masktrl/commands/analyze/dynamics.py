@@ -16,7 +16,9 @@ def dynamics(
     runs: options.RunsArg,
     out: OutOpt = DEFAULT_OUT,
     output: options.ResultOpt = None,
-    smooth: Annotated[int, typer.Option("--smooth", metavar="W", help="Moving-average window over logged steps (1 = raw).")] = 1,
+    smooth: Annotated[
+        int, typer.Option("--smooth", metavar="W", help="Moving-average window over logged steps (1 = raw).")
+    ] = 1,
 ) -> None:
     """Curves of reward, length, ppo_kl, mask fraction, SIS accept rate and
     eval accuracy; seeds averaged with a 95% band."""
@@ -34,11 +36,19 @@ def dynamics(
     table = Table(title="last logged value (mean over seeds)")
     table.add_column("runs")
     table.add_column("seeds", justify="right")
-    short = {"reward_mean": "reward", "response_len_mean": "length", "ppo_kl": "ppo_kl", "mask_frac": "mask frac",
-             "sis_accept_rate": "accept", dyn.HELDOUT: "eval acc"}
+    short = {
+        "reward_mean": "reward",
+        "response_len_mean": "length",
+        "ppo_kl": "ppo_kl",
+        "mask_frac": "mask frac",
+        "sis_accept_rate": "accept",
+        dyn.HELDOUT: "eval acc",
+    }
     for key in short.values():
         table.add_column(key, justify="right")
     for g in result["groups"]:
-        table.add_row(escape(g["label"]), ",".join(str(s) for s in g["seeds"]), *[fmt(g["final"].get(k)) for k in short])
+        table.add_row(
+            escape(g["label"]), ",".join(str(s) for s in g["seeds"]), *[fmt(g["final"].get(k)) for k in short]
+        )
     console.print(table)
     written(paths)

@@ -46,8 +46,18 @@ def estimators(
     roots = run_roots(run, out)
     ks = est.parse_ks(k)
     with progress_bar() as progress:
-        result, table = est.run_estimators(roots, parse_steps(steps), ks, delta, update=update_method, partitions=partitions,
-                                           policy_step=policy_step, minibatches=minibatches, progress=progress, optimizer=choice)
+        result, table = est.run_estimators(
+            roots,
+            parse_steps(steps),
+            ks,
+            delta,
+            update=update_method,
+            partitions=partitions,
+            policy_step=policy_step,
+            minibatches=minibatches,
+            progress=progress,
+            optimizer=choice,
+        )
     paths = est.save(result, table, output or output_dir(roots, result))
     print_estimators(result)
     written(paths)
@@ -57,24 +67,53 @@ def print_estimators(result: dict) -> None:
     from rich.table import Table
 
     console.print(
-        f"{len(result['runs'])} run(s), steps {steps_text(result['steps'])}, " f"{result['n_batches']} batches, |V| = {result['vocab_size']}, "
-        f"stored K = {result['stored_k']}, update {result['update']['name']}, " f"{optimizer_text(result)}; behaviour μ recomputed from its "
-        "checkpoint (max |Δ log μ_k| vs the stored value " f"{result['mu_recompute_max_abs_logp_diff']:.2g}, max Σ_S |Δμ| on a list "
-        f"{result.get('mu_recompute_max_list_mass_diff', float('nan')):.2g}: the containment " "tolerance is 2 Σ_S |Δμ| per token)",
+        f"{len(result['runs'])} run(s), steps {steps_text(result['steps'])}, "
+        f"{result['n_batches']} batches, |V| = {result['vocab_size']}, "
+        f"stored K = {result['stored_k']}, update {result['update']['name']}, "
+        f"{optimizer_text(result)}; behaviour μ recomputed from its "
+        "checkpoint (max |Δ log μ_k| vs the stored value "
+        f"{result['mu_recompute_max_abs_logp_diff']:.2g}, max Σ_S |Δμ| on a list "
+        f"{result.get('mu_recompute_max_list_mass_diff', float('nan')):.2g}: the containment "
+        "tolerance is 2 Σ_S |Δμ| per token)",
         highlight=False,
     )
     for name, block in result["subsets"].items():
         what = "exact KL > 1e-6" if name == "moved" else f"exact KL > δ = {result['delta']:g}"
-        table = Table(title=f"{name}: {block['n_tokens']} tokens ({what}); sign agreement with the exact Ḋ of the " "full KL (mean ± SE over "
-                            "replicates), relative error p50 / p90; with the exact Ḋ of the " "top-K KL (pooled); the bracket")
-        for col in ("K", "list", "agg sign", "agg rel err", "uniform sign", "uniform rel err", "agg / uniform vs top-K Ḋ",
-                    "bracket certifies", "certified right", "contains exact (τ)", "1 − π(list)"):
+        table = Table(
+            title=f"{name}: {block['n_tokens']} tokens ({what}); sign agreement with the exact Ḋ of the "
+            "full KL (mean ± SE over "
+            "replicates), relative error p50 / p90; with the exact Ḋ of the "
+            "top-K KL (pooled); the bracket"
+        )
+        for col in (
+            "K",
+            "list",
+            "agg sign",
+            "agg rel err",
+            "uniform sign",
+            "uniform rel err",
+            "agg / uniform vs top-K Ḋ",
+            "bracket certifies",
+            "certified right",
+            "contains exact (τ)",
+            "1 − π(list)",
+        ):
             table.add_column(col, justify="right")
         for kk, row in block["k"].items():
             a, u, br = row["agg"], row["uniform"], row["bracket"]
             vt = row.get("vs_topk_kl")
             topk = f"{fmt(vt['agg']['sign_agree'])} / {fmt(vt['uniform']['sign_agree'])}" if vt else "—"
-            table.add_row(kk, row["source"], pm(a["sign_agree_mean"], a["sign_agree_se"]), f"{fmt(a['rel_err_p50'])} / {fmt(a['rel_err_p90'])}",
-                          pm(u["sign_agree_mean"], u["sign_agree_se"]), f"{fmt(u['rel_err_p50'])} / {fmt(u['rel_err_p90'])}", topk,
-                          fmt(br["certified_frac"]), fmt(br["certified_correct"]), fmt(br["contains_frac"]), fmt(row["pi_tail_mean"]))
+            table.add_row(
+                kk,
+                row["source"],
+                pm(a["sign_agree_mean"], a["sign_agree_se"]),
+                f"{fmt(a['rel_err_p50'])} / {fmt(a['rel_err_p90'])}",
+                pm(u["sign_agree_mean"], u["sign_agree_se"]),
+                f"{fmt(u['rel_err_p50'])} / {fmt(u['rel_err_p90'])}",
+                topk,
+                fmt(br["certified_frac"]),
+                fmt(br["certified_correct"]),
+                fmt(br["contains_frac"]),
+                fmt(row["pi_tail_mean"]),
+            )
         console.print(table)

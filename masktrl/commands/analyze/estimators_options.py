@@ -6,4 +6,11 @@ from typing import Annotated
 
 import typer
 
-KOpt = Annotated[str, typer.Option("--k", metavar="K,...", help="List sizes K (re-cut from the stored list up to its size, else from the recomputed " "μ).")]
+KOpt = Annotated[
+    str,
+    typer.Option(
+        "--k",
+        metavar="K,...",
+        help="List sizes K (re-cut from the stored list up to its size, else from the recomputed μ).",
+    ),
+]

@@ -84,15 +84,31 @@ def sis(
 def print_bias(res: dict) -> None:
     from rich.table import Table
 
-    t = Table(title=f"SIS gradient bias at step {res['step']} ({res['n_valid']} valid tokens"
-                    f"{', hypothetical: not a SIS run' if res['hypothetical'] else ''}): cosine " "/ relative norm ‖g − g_ref‖ / ‖g_ref‖; "
-                    f"base (no SIS) vs on-policy: {fmt(res['base_vs_on_policy']['cos'])} / " f"{fmt(res['base_vs_on_policy']['rel_norm'])}")
+    t = Table(
+        title=f"SIS gradient bias at step {res['step']} ({res['n_valid']} valid tokens"
+        f"{', hypothetical: not a SIS run' if res['hypothetical'] else ''}): cosine "
+        "/ relative norm ‖g − g_ref‖ / ‖g_ref‖; "
+        f"base (no SIS) vs on-policy: {fmt(res['base_vs_on_policy']['cos'])} / "
+        f"{fmt(res['base_vs_on_policy']['rel_norm'])}"
+    )
     for col in ("K", "ξ_K", "accept rate", "vs exact-envelope SIS", "vs base", "vs on-policy"):
         t.add_column(col, justify="right")
     for r in res["ks"]:
-        t.add_row(str(r["k"]), fmt(r["xi_mean"]), fmt(r["accept_rate"]), f"{fmt(r['vs_exact']['cos'])} / {fmt(r['vs_exact']['rel_norm'])}",
-                  f"{fmt(r['vs_base']['cos'])} / {fmt(r['vs_base']['rel_norm'])}", f"{fmt(r['vs_on_policy']['cos'])} / {fmt(r['vs_on_policy']['rel_norm'])}")
+        t.add_row(
+            str(r["k"]),
+            fmt(r["xi_mean"]),
+            fmt(r["accept_rate"]),
+            f"{fmt(r['vs_exact']['cos'])} / {fmt(r['vs_exact']['rel_norm'])}",
+            f"{fmt(r['vs_base']['cos'])} / {fmt(r['vs_base']['rel_norm'])}",
+            f"{fmt(r['vs_on_policy']['cos'])} / {fmt(r['vs_on_policy']['rel_norm'])}",
+        )
     e = res["exact"]
-    t.add_row("exact", "0", fmt(e["accept_rate"]), "1 / 0", f"{fmt(e['vs_base']['cos'])} / {fmt(e['vs_base']['rel_norm'])}",
-              f"{fmt(e['vs_on_policy']['cos'])} / {fmt(e['vs_on_policy']['rel_norm'])}")
+    t.add_row(
+        "exact",
+        "0",
+        fmt(e["accept_rate"]),
+        "1 / 0",
+        f"{fmt(e['vs_base']['cos'])} / {fmt(e['vs_base']['rel_norm'])}",
+        f"{fmt(e['vs_on_policy']['cos'])} / {fmt(e['vs_on_policy']['rel_norm'])}",
+    )
     console.print(t)
