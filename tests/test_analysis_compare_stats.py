@@ -48,7 +48,7 @@ def test_the_paired_interval_is_shown_beside_its_own_centre_when_seed_sets_diffe
 
     from masktrl.commands.analyze.compare import print_compare
 
-    monkeypatch.setattr("masktrl.commands.analyze.compare.console", Console(width=250))  # a wide table, nothing cut
+    monkeypatch.setattr("masktrl.commands.analyze.compare_table.console", Console(width=250))  # a wide table, nothing cut
     runs = [_run("grpo", s, v) for s, v in enumerate([0.40, 0.42, 0.20])]
     runs += [_run("sis", s, v) for s, v in enumerate([0.45, 0.48])]
     t = cmp.compare(runs, baseline="grpo", test="paired", n_boot=200)
@@ -169,7 +169,7 @@ def test_paired_table_prints_sign_flip_mdd_tost_and_the_rule(capsys, monkeypatch
     from masktrl.commands.analyze.compare import print_compare
     from masktrl.stats import paired_mdd, sign_flip_p, tost_paired
 
-    monkeypatch.setattr("masktrl.commands.analyze.compare.console", Console(width=300))
+    monkeypatch.setattr("masktrl.commands.analyze.compare_table.console", Console(width=300))
     base = [0.40, 0.42, 0.38, 0.41, 0.39]
     far = [0.50, 0.53, 0.47, 0.52, 0.50]  # +0.1 on every seed: t p tiny, sign-flip p at its floor 0.0625
     near = [0.405, 0.418, 0.384, 0.409, 0.392]
