@@ -48,7 +48,8 @@ def test_the_paired_interval_is_shown_beside_its_own_centre_when_seed_sets_diffe
 
     from masktrl.commands.analyze.compare import print_compare
 
-    monkeypatch.setattr("masktrl.commands.analyze.compare_table.console", Console(width=250))  # a wide table, nothing cut
+    # a wide table, nothing cut
+    monkeypatch.setattr("masktrl.commands.analyze.compare_table.console", Console(width=250))
     runs = [_run("grpo", s, v) for s, v in enumerate([0.40, 0.42, 0.20])]
     runs += [_run("sis", s, v) for s, v in enumerate([0.45, 0.48])]
     t = cmp.compare(runs, baseline="grpo", test="paired", n_boot=200)
