@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from masktrl.methods import TokenBatch, corrected_token_losses, get_method, make_correction, make_params
+from masktrl.methods import BASELINES, TokenBatch, corrected_token_losses, get_method, make_correction, make_params
 from masktrl.models.logprobs import token_logprobs, token_square_mass
 
 VARIANTS: list[tuple[str, str, dict]] = [
@@ -53,22 +53,7 @@ VARIANTS: list[tuple[str, str, dict]] = [
     *[(f"sis-{b}", "sis", {"base": b}) for b in ("grpo", "dapo", "gspo")],
     ("cispo", "cispo", {}),
     # the 2025-26 baselines (docs/METHODS.md §16) at their defaults
-    *[
-        (name, name, {})
-        for name in (
-            "sapo",
-            "gmpo",
-            "clip-cov",
-            "kl-cov",
-            "topr",
-            "m2po",
-            "prime-dppo",
-            "prime-ipo",
-            "two-sided",
-            "trm",
-            "gpg",
-        )
-    ],
+    *[(name, name, {}) for name in BASELINES],
     ("trm-topk-kl", "trm", {"divergence": "topk-kl"}),
 ]
 

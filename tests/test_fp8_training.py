@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from masktrl.models.lowprec import (
     LowPrecisionCopy,
@@ -22,7 +21,7 @@ from masktrl.models.lowprec import (
 from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from masktrl.rl.policy import ForwardInputs, PolicyForward
 from tests.conftest import masktrl, write_tiny_config
-from tests.test_lowprec import fp8_ref
+from tests.test_lowprec import fp8_ref, tiny_moe
 
 
 def _tiny(seed=0):
@@ -31,20 +30,8 @@ def _tiny(seed=0):
 
 
 def _moe():
-    cfg = Qwen3MoeConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-    )
     torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(cfg)
+    return tiny_moe()
 
 
 IDS = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 3, 4, 1, 2]])
@@ -133,10 +120,10 @@ def test_fp8_full_head_matches_the_engine():
     model = _tiny()
     quantize_training(model, "fp8-full")
     engine = LowPrecisionCopy(model, torch.float32, "fp8-full")
-    h = model.model(IDS).last_hidden_state[0]  # [S, H]
+    h = model.model(IDS).last_hidden_state  # [B, S, H]: the engine's shape, so the GEMM blocks the same way on any CPU
     hq, wq = quantized_head(model, h, model.lm_head.weight)
     with torch.no_grad():
-        assert torch.equal(hq @ wq.t(), engine.model(IDS).logits[0])
+        assert torch.equal(torch.nn.functional.linear(hq, wq), engine.model(IDS).logits)
     plain = _tiny()
     assert quantized_head(plain, h, plain.lm_head.weight)[1] is plain.lm_head.weight  # not quantised: unchanged
 

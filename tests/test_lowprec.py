@@ -132,7 +132,8 @@ def test_quantized_weights_follow_vllm_layer_choice(tiny):
     assert "lm_head.weight" not in names and not any("embed" in n or "norm" in n for n in names)
 
 
-def test_quantized_weights_moe_experts_not_router():
+def tiny_moe():
+    """A one-layer Qwen3-MoE of eight experts, two per token (shared with tests/test_fp8_training.py)."""
     cfg = Qwen3MoeConfig(
         vocab_size=32,
         hidden_size=32,
@@ -145,7 +146,11 @@ def test_quantized_weights_moe_experts_not_router():
         num_experts=8,
         num_experts_per_tok=2,
     )
-    model = Qwen3MoeForCausalLM(cfg)
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def test_quantized_weights_moe_experts_not_router():
+    model = tiny_moe()
     names = quantized_weights(model)
     assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.mlp.experts.down_proj" in names
     assert not any(n.startswith("model.layers.0.mlp.gate") for n in names)

@@ -14,26 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from masktrl.methods import make_params, overlong_penalty
+from masktrl.methods import BASELINES, make_params, overlong_penalty
 from masktrl.methods.advantages import group_advantages
 from masktrl.methods.batch import log_ratio
 from masktrl.runs.store import RunStore
 from tests.conftest import cli, write_tiny_config
 
 OFF_POLICY = {"train": {"lr": 1.0e-2, "minibatches": 2, "checkpoint_every": 2}}
-BASELINES = [
-    "sapo",
-    "gmpo",
-    "clip-cov",
-    "kl-cov",
-    "topr",
-    "m2po",
-    "prime-dppo",
-    "prime-ipo",
-    "two-sided",
-    "trm",
-    "gpg",
-]  # §16
 METHODS = ["grpo", "dapo", "gspo", "dppo", "pdm", "sis", "cispo", *BASELINES]
 
 

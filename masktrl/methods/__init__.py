@@ -78,7 +78,11 @@ from masktrl.methods.topr import TOPRParams
 from masktrl.methods.trm import TRMParams
 from masktrl.methods.two_sided import TwoSidedParams
 
+# The 2025-26 baselines a referee asks for (docs/METHODS.md §16), in the order the docs list them.
+BASELINES = ("sapo", "gmpo", "clip-cov", "kl-cov", "topr", "m2po", "prime-dppo", "prime-ipo", "two-sided", "trm", "gpg")
+
 __all__ = [
+    "BASELINES",
     "CISPOParams",
     "CorrectionParams",
     "CustomCorrection",
