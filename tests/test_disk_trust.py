@@ -280,8 +280,10 @@ def test_deleting_every_file_the_run_does_not_need_does_not_release_the_lock(tmp
         assert proc.poll() is None, proc.stderr.read()[-2000:]
         needed = {"manifest.json", "run.yaml", "metrics.jsonl"}
         for p in list(root.iterdir()):
-            if p.is_file() and p.name not in needed:
-                p.unlink()  # .manifest.lock, a stale .lock, anything else
+            # .manifest.lock, a stale .lock, anything else; not a write in flight (".<name>.<random>.tmp", replaced
+            # into place a moment later: deleting it fails that write, a race this test is not about)
+            if p.is_file() and p.name not in needed and not p.name.endswith(".tmp"):
+                p.unlink()
         line = one_line(cli_error("train", "--resume", "y", "--out", tmp_path / "out"), f"pid {proc.pid}")
         assert "being written" in line
         assert proc.poll() is None  # still training: the refusal was the lock's, not a finished run's
