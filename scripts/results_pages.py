@@ -88,6 +88,10 @@ def figures(root: Path) -> dict[str, str]:
     kept = _by_size(_load(root, "disk_projection_kept2.json"))
     out = {f"disk.{b}.whole": human(r["per_run"]) for b, r in whole.items()}
     out |= {f"disk.{b}.kept2": human(r["per_run"]) for b, r in kept.items()}
+    for b, r in whole.items():
+        ck = r["checkpoint"]
+        out |= {f"disk.{b}.checkpoint": human(sum(ck.values())), f"disk.{b}.checkpoint-weights": human(ck["weights"])}
+        out[f"disk.{b}.checkpoint-optimizer"] = human(ck["optimizer"])
     out |= {f"disk.{b}.kept2-all-rollouts": human(whole[b]["rollouts"] + r["checkpoints"]) for b, r in kept.items()}
     out["rollout.bytes-per-token.bf16"] = f"{whole['qwen3-4b']['bytes_per_token']:.1f}"
     worst = _load(root, "disk_projection_measured.json")
