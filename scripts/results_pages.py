@@ -10,6 +10,8 @@ Two kinds of generated text, both between marker comments:
 - a **figure**, ``<!-- fig: NAME -->VALUE<!-- /fig -->`` inline in prose: one number that
   ``figures()`` renders from the same data, so a page that quotes a figure quotes it as generated.
 
+A marker written inside a code span (right after a backtick) is an example in prose, not a marker.
+
 The rules (``problems`` returns every breach; tests/test_results_pages.py runs it on the repository):
 a block name appears in exactly one page, once; a figure may be quoted in several places but
 always with the value the data gives; every name is known here. The data: the JSON the
@@ -31,8 +33,8 @@ from pathlib import Path
 from masktrl.runs.retention import human  # bytes as `masktrl train` prints its projection
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCK = re.compile(r"<!-- generated: (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
-FIGURE = re.compile(r"<!-- fig: (?P<name>[\w.-]+) -->(?P<value>[^<\n]*)<!-- /fig -->")
+BLOCK = re.compile(r"(?<!`)<!-- generated: (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
+FIGURE = re.compile(r"(?<!`)<!-- fig: (?P<name>[\w.-]+) -->(?P<value>[^<\n]*)<!-- /fig -->")
 BENCH = Path("benchmarks/results")
 
 

@@ -74,6 +74,8 @@ def test_a_stale_block_or_figure_or_an_unknown_name_is_caught_and_write_fixes_th
     assert "A.md: block 'u' has no generator in scripts/results_pages.py" in found
     assert "A.md: figure 'z' has no data in scripts/results_pages.py" in found
     assert rp.rewrite(unknown, BLOCKS, FIGS) == unknown  # unknown names are left as they are
+    prose = _page() + "a figure is marked `<!-- fig: NAME -->1<!-- /fig -->` in the page\n"
+    assert rp.problems({"A.md": prose}, BLOCKS, FIGS) == []  # an example in a code span is not a marker
 
 
 def test_the_check_fails_on_a_planted_breach_in_a_copy_of_the_repository(tmp_path, capsys):
