@@ -81,7 +81,35 @@ def disk_projection(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-BLOCKS: dict[str, Callable[[Path], str]] = {"disk-projection": disk_projection}
+def rollout_storage(root: Path) -> str:
+    data = _load(root, "rollout_storage.json")
+    m = data["machine"]
+    lines = [
+        "```bash",
+        f"python benchmarks/rollout_storage.py --cases {' '.join(data['args']['cases'])} "
+        f"--reps {data['args']['reps']} --json benchmarks/results/rollout_storage.json",
+        "```",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, "
+        f"torch threads {m['torch_threads']}; load {m['loadavg_1m']:.1f} at {m['time']}. Sizes do not "
+        "depend on the machine or the load; the times (one round) do.",
+        "",
+        "| case (K = 20) | B/token format 1 | format 2 | smaller | format 2's bytes by column (B/token) "
+        "| write ms 1 → 2 | read ms 1 → 2 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for case, r in data["results"].items():
+        cols = sorted(r["bytes_per_token_v2_by_column"].items(), key=lambda kv: -kv[1])
+        by = ", ".join(f"{c} {v:.1f}" for c, v in cols if v >= 0.5)
+        lines.append(
+            f"| `{case}` | {r['bytes_per_token_v1']:.0f} | **{r['bytes_per_token_v2']:.1f}** "
+            f"| {r['bytes_per_token_v1'] / r['bytes_per_token_v2']:.2f}× | {by} "
+            f"| {r['write1_ms']:.1f} → {r['write2_ms']:.1f} | {r['read1_ms']:.1f} → {r['read2_ms']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+BLOCKS: dict[str, Callable[[Path], str]] = {"disk-projection": disk_projection, "rollout-storage": rollout_storage}
 
 
 def figures(root: Path) -> dict[str, str]:
@@ -96,6 +124,8 @@ def figures(root: Path) -> dict[str, str]:
         out[f"disk.{b}.checkpoint-optimizer"] = human(ck["optimizer"])
     out |= {f"disk.{b}.kept2-all-rollouts": human(whole[b]["rollouts"] + r["checkpoints"]) for b, r in kept.items()}
     out["rollout.bytes-per-token.bf16"] = f"{whole['qwen3-4b']['bytes_per_token']:.1f}"
+    for case, r in _load(root, "rollout_storage.json")["results"].items():
+        out[f"rollout.bytes-per-token.{case}"] = f"{r['bytes_per_token_v2']:.1f}"
     worst = _load(root, "disk_projection_measured.json")
     out["rollout.bytes-per-token.worst"] = f"{worst['bytes_per_token']:.1f}"
     return out
