@@ -48,10 +48,13 @@ def _load(root: Path, name: str) -> dict:
 
 
 def _by_size(data: dict) -> dict[str, dict]:
-    """{base recipe: its first method's row}; the method overlays do not change the projection."""
+    """{base recipe: its row}; the pages show one row per size, so every method overlay of a size
+    must project the same disk (a ValueError names the one that does not)."""
     out: dict[str, dict] = {}
     for row in data["recipes"]:
-        out.setdefault(row["recipe"].split(" + ")[0], row)
+        first = out.setdefault(row["recipe"].split(" + ")[0], row)
+        if row["per_run"] != first["per_run"]:
+            raise ValueError(f"{row['recipe']} projects another disk use than {first['recipe']}: one row per size")
     return out
 
 
