@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
     try:
         import trl  # noqa: F401
     except ImportError:
-        die("vs_trl needs TRL: pip install -e '.[bench]' (see docs/BENCHMARKS_perf.md)")
+        die("vs_trl needs TRL: pip install -e '.[bench]' (see docs/BENCHMARKS.md, set-up)")
 
     n_steps = args.steps + 2
     common = [

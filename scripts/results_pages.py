@@ -1,0 +1,245 @@
+"""The generated parts of README.md and docs/*.md: every one made from committed data by this script.
+
+    python scripts/results_pages.py            # check: exit 1 naming every block or figure that differs
+    python scripts/results_pages.py --write    # rewrite them from the data
+
+Two kinds of generated text, both between marker comments:
+
+- a **block**, ``<!-- generated: NAME -->`` ... ``<!-- /generated -->`` on lines of their own: a
+  table (or a few lines) that ``BLOCKS[NAME]`` renders from its data file;
+- a **figure**, ``<!-- fig: NAME -->VALUE<!-- /fig -->`` inline in prose: one number that
+  ``figures()`` renders from the same data, so a page that quotes a figure quotes it as generated.
+
+A marker written inside a code span (right after a backtick) is an example in prose, not a marker.
+
+The rules (``problems`` returns every breach; tests/test_results_pages.py runs it on the repository):
+a block name appears in exactly one page, once; a figure may be quoted in several places but
+always with the value the data gives; every name is known here. The data: the JSON the
+benchmarks write (``benchmarks/results/*.json``, each written by the command its block shows) and
+the grid cells of ``scripts/results_cells.py`` (``docs/results/cells/``, its ``<!-- cells:SOURCE -->``
+blocks, checked here too once the folder exists). A number in the pages with no data behind it is
+in a section marked historical, with the commit it came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from masktrl.runs.retention import human  # bytes as `masktrl train` prints its projection
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"(?<!`)<!-- generated: (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
+FIGURE = re.compile(r"(?<!`)<!-- fig: (?P<name>[\w.-]+) -->(?P<value>[^<\n]*)<!-- /fig -->")
+BENCH = Path("benchmarks/results")
+
+
+def pages(root: Path) -> list[Path]:
+    """The pages that may hold generated text: README.md and docs/**/*.md."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def _load(root: Path, name: str) -> dict:
+    return json.loads((root / BENCH / name).read_text())
+
+
+def _by_size(data: dict) -> dict[str, dict]:
+    """{base recipe: its row}; the pages show one row per size, so every method overlay of a size
+    must project the same disk (a ValueError names the one that does not)."""
+    out: dict[str, dict] = {}
+    for row in data["recipes"]:
+        first = out.setdefault(row["recipe"].split(" + ")[0], row)
+        if row["per_run"] != first["per_run"]:
+            raise ValueError(f"{row['recipe']} projects another disk use than {first['recipe']}: one row per size")
+    return out
+
+
+def disk_projection(root: Path) -> str:
+    whole = _by_size(_load(root, "disk_projection.json"))
+    kept = _by_size(_load(root, "disk_projection_kept2.json"))
+    lines = [
+        "```bash",
+        "python benchmarks/disk_projection.py --json benchmarks/results/disk_projection.json",
+        "python benchmarks/disk_projection.py --set train.keep_checkpoints=2 --set rollout.store=resume \\",
+        "    --json benchmarks/results/disk_projection_kept2.json",
+        "```",
+        "",
+        "| recipes | ZeRO | B / token | rollouts / step | checkpoint (weights + optimizer) "
+        "| everything kept (rollouts + checkpoints) | `keep_checkpoints: 2`, `rollout.store: resume` |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for base, row in whole.items():
+        k, ck = kept[base], row["checkpoint"]
+        lines.append(
+            f"| `{base}-*` ({row['params'] / 1e9:.2f} B parameters) | {row['zero_stage']} "
+            f"| {row['bytes_per_token']:.1f} | {human(row['rollout_step'])} "
+            f"| {human(sum(ck.values()))} ({human(ck['weights'])} + {human(ck['optimizer'])}) "
+            f"| {human(row['rollouts'])} + {human(row['checkpoints'])} = **{human(row['per_run'])}** "
+            f"| {human(k['rollouts'])} + {human(k['checkpoints'])} = **{human(k['per_run'])}** |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def rollout_storage(root: Path) -> str:
+    data = _load(root, "rollout_storage.json")
+    m = data["machine"]
+    lines = [
+        "```bash",
+        f"python benchmarks/rollout_storage.py --cases {' '.join(data['args']['cases'])} "
+        f"--reps {data['args']['reps']} --json benchmarks/results/rollout_storage.json",
+        "```",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, "
+        f"torch threads {m['torch_threads']}; load {m['loadavg_1m']:.1f} at {m['time']}. Sizes do not "
+        "depend on the machine or the load; the times (one round) do.",
+        "",
+        "| case (K = 20) | B/token format 1 | format 2 | smaller | format 2's bytes by column (B/token) "
+        "| write ms 1 → 2 | read ms 1 → 2 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for case, r in data["results"].items():
+        cols = sorted(r["bytes_per_token_v2_by_column"].items(), key=lambda kv: -kv[1])
+        by = ", ".join(f"{c} {v:.1f}" for c, v in cols if v >= 0.5)
+        lines.append(
+            f"| `{case}` | {r['bytes_per_token_v1']:.0f} | **{r['bytes_per_token_v2']:.1f}** "
+            f"| {r['bytes_per_token_v1'] / r['bytes_per_token_v2']:.2f}× | {by} "
+            f"| {r['write1_ms']:.1f} → {r['write2_ms']:.1f} | {r['read1_ms']:.1f} → {r['read2_ms']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+BLOCKS: dict[str, Callable[[Path], str]] = {"disk-projection": disk_projection, "rollout-storage": rollout_storage}
+
+
+def figures(root: Path) -> dict[str, str]:
+    """Every figure a page may quote inline, by name."""
+    whole = _by_size(_load(root, "disk_projection.json"))
+    kept = _by_size(_load(root, "disk_projection_kept2.json"))
+    out = {f"disk.{b}.whole": human(r["per_run"]) for b, r in whole.items()}
+    out |= {f"disk.{b}.kept2": human(r["per_run"]) for b, r in kept.items()}
+    for b, r in whole.items():
+        ck = r["checkpoint"]
+        out |= {f"disk.{b}.checkpoint": human(sum(ck.values())), f"disk.{b}.checkpoint-weights": human(ck["weights"])}
+        out[f"disk.{b}.checkpoint-optimizer"] = human(ck["optimizer"])
+    out |= {f"disk.{b}.kept2-all-rollouts": human(whole[b]["rollouts"] + r["checkpoints"]) for b, r in kept.items()}
+    out["rollout.bytes-per-token.bf16"] = f"{whole['qwen3-4b']['bytes_per_token']:.1f}"
+    for case, r in _load(root, "rollout_storage.json")["results"].items():
+        out[f"rollout.bytes-per-token.{case}"] = f"{r['bytes_per_token_v2']:.1f}"
+    worst = _load(root, "disk_projection_measured.json")
+    out["rollout.bytes-per-token.worst"] = f"{worst['bytes_per_token']:.1f}"
+    return out
+
+
+def _cells(root: Path) -> dict[str, str]:
+    """The ``<!-- cells:SOURCE -->`` tables of scripts/results_cells.py, when its cells are committed."""
+    folder = root / "docs" / "results" / "cells"
+    if not folder.is_dir():
+        return {}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import results_cells
+
+    return results_cells.tables(folder)
+
+
+def render(root: Path) -> tuple[dict[str, str], dict[str, str]]:
+    return {name: make(root) for name, make in BLOCKS.items()}, figures(root)
+
+
+def rewrite(text: str, blocks: dict[str, str], figs: dict[str, str]) -> str:
+    """``text`` with every known block and figure replaced by what the data gives (unknown ones kept)."""
+    text = BLOCK.sub(
+        lambda m: (
+            f"<!-- generated: {m['name']} -->\n{blocks[m['name']]}<!-- /generated -->"
+            if m["name"] in blocks
+            else m.group(0)
+        ),
+        text,
+    )
+    return FIGURE.sub(
+        lambda m: f"<!-- fig: {m['name']} -->{figs[m['name']]}<!-- /fig -->" if m["name"] in figs else m.group(0), text
+    )
+
+
+def problems(texts: dict[str, str], blocks: dict[str, str], figs: dict[str, str]) -> list[str]:
+    """Every breach of the rules over ``texts`` ({page name: text}), one line each; [] when none."""
+    out = []
+    where: dict[str, list[str]] = {}
+    quoted: dict[str, set[str]] = {}
+    for page, text in texts.items():
+        for m in BLOCK.finditer(text):
+            where.setdefault(m["name"], []).append(page)
+            if m["name"] not in blocks:
+                out.append(f"{page}: block {m['name']!r} has no generator in scripts/results_pages.py")
+            elif m["body"] != blocks[m["name"]]:
+                out.append(f"{page}: block {m['name']!r} differs from its data (run scripts/results_pages.py --write)")
+        for m in FIGURE.finditer(text):
+            quoted.setdefault(m["name"], set()).add(m["value"])
+            if m["name"] not in figs:
+                out.append(f"{page}: figure {m['name']!r} has no data in scripts/results_pages.py")
+            elif m["value"] != figs[m["name"]]:
+                out.append(f"{page}: figure {m['name']!r} is {m['value']!r}, its data gives {figs[m['name']]!r}")
+    for name in blocks:
+        if len(where.get(name, [])) != 1:
+            out.append(f"block {name!r} appears {len(where.get(name, []))} times (in {where.get(name, [])}): once only")
+    for name, values in quoted.items():
+        if len(values) > 1:
+            out.append(f"figure {name!r} has {len(values)} values across the pages: {sorted(values)}")
+    return out
+
+
+def check(root: Path) -> list[str]:
+    blocks, figs = render(root)
+    texts = {p.relative_to(root).as_posix(): p.read_text() for p in pages(root) if p.is_file()}
+    out = problems(texts, blocks, figs)
+    made = _cells(root)
+    if made:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import results_cells
+
+        out += [f"docs/RESULTS.md: cells:{s} differs" for s in results_cells.check(root / "docs/RESULTS.md", made)]
+    return out
+
+
+def write(root: Path) -> list[Path]:
+    blocks, figs = render(root)
+    changed = []
+    for page in pages(root):
+        if not page.is_file():
+            continue
+        old = page.read_text()
+        new = rewrite(old, blocks, figs)
+        if new != old:
+            page.write_text(new)
+            changed.append(page)
+    made = _cells(root)
+    if made:
+        import results_cells
+
+        results_cells.rewrite(root / "docs/RESULTS.md", made)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", action="store_true", help="rewrite the generated blocks and figures from the data")
+    ap.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    try:
+        if args.write:
+            for p in write(args.root):
+                print(f"rewrote {p.relative_to(args.root)}")
+        bad = check(args.root)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for line in bad:
+        print(line, file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""scripts/results_pages.py: the generated blocks and figures of README.md and docs/ are what their
+committed data gives (rerunning the script leaves no diff), a block lives in one page only, a figure
+quoted twice has one value, and each of these rules catches a planted breach."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import results_pages as rp
+
+ROOT = rp.ROOT
+
+
+def test_the_pages_are_as_generated_and_every_rule_holds():
+    assert rp.check(ROOT) == []
+
+
+def test_rerunning_the_generator_leaves_no_diff(tmp_path):
+    for rel in ["README.md", "docs", "benchmarks/results"]:
+        src = ROOT / rel
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / rel)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*.md")}
+    assert rp.main(["--write", "--root", str(tmp_path)]) == 0
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*.md")} == before
+
+
+def test_every_generator_has_its_block_and_its_figures_are_quoted():
+    blocks, figs = rp.render(ROOT)
+    texts = "".join(p.read_text() for p in rp.pages(ROOT))
+    for name in blocks:
+        assert texts.count(f"<!-- generated: {name} -->") == 1, name
+    assert {m["name"] for m in rp.FIGURE.finditer(texts)} <= set(figs)
+    assert rp.FIGURE.search(texts) and figs["disk.qwen3-4b.whole"].endswith("TB")
+
+
+BLOCKS = {"t": "| a | 1 |\n"}
+FIGS = {"x": "1.5", "y": "2 GB"}
+
+
+def _page(block="| a | 1 |\n", fig="1.5"):
+    return f"# P\n\n<!-- generated: t -->\n{block}<!-- /generated -->\n\nx is <!-- fig: x -->{fig}<!-- /fig -->.\n"
+
+
+def test_a_clean_set_of_pages_has_no_problem():
+    assert rp.problems({"A.md": _page(), "B.md": "y: <!-- fig: y -->2 GB<!-- /fig -->\n"}, BLOCKS, FIGS) == []
+
+
+def test_a_planted_duplicate_block_is_caught():
+    found = rp.problems({"A.md": _page(), "B.md": _page()}, BLOCKS, FIGS)
+    assert found == ["block 't' appears 2 times (in ['A.md', 'B.md']): once only"]
+    twice = rp.problems({"A.md": _page() + _page()}, BLOCKS, FIGS)
+    assert any("appears 2 times" in line for line in twice)
+    assert rp.problems({"A.md": "nothing\n"}, BLOCKS, FIGS) == ["block 't' appears 0 times (in []): once only"]
+
+
+def test_a_figure_with_two_values_is_caught():
+    other = "elsewhere: <!-- fig: x -->1.7<!-- /fig -->\n"
+    found = rp.problems({"A.md": _page(), "B.md": other}, BLOCKS, FIGS)
+    assert "figure 'x' has 2 values across the pages: ['1.5', '1.7']" in found
+    assert "B.md: figure 'x' is '1.7', its data gives '1.5'" in found
+
+
+def test_a_stale_block_or_figure_or_an_unknown_name_is_caught_and_write_fixes_the_stale():
+    stale = _page(block="| a | 0 |\n", fig="9")
+    found = rp.problems({"A.md": stale}, BLOCKS, FIGS)
+    assert "A.md: block 't' differs from its data (run scripts/results_pages.py --write)" in found
+    assert "A.md: figure 'x' is '9', its data gives '1.5'" in found
+    assert rp.problems({"A.md": rp.rewrite(stale, BLOCKS, FIGS)}, BLOCKS, FIGS) == []
+    unknown = _page() + "<!-- generated: u -->\nold\n<!-- /generated -->\n<!-- fig: z -->3<!-- /fig -->\n"
+    found = rp.problems({"A.md": unknown}, BLOCKS, FIGS)
+    assert "A.md: block 'u' has no generator in scripts/results_pages.py" in found
+    assert "A.md: figure 'z' has no data in scripts/results_pages.py" in found
+    assert rp.rewrite(unknown, BLOCKS, FIGS) == unknown  # unknown names are left as they are
+    prose = _page() + "a figure is marked `<!-- fig: NAME -->1<!-- /fig -->` in the page\n"
+    assert rp.problems({"A.md": prose}, BLOCKS, FIGS) == []  # an example in a code span is not a marker
+
+
+def test_the_check_fails_on_a_planted_breach_in_a_copy_of_the_repository(tmp_path, capsys):
+    for rel in ["README.md", "docs", "benchmarks/results"]:
+        src = ROOT / rel
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / rel)
+    readme = tmp_path / "README.md"
+    readme.write_text(readme.read_text() + "\nDisk: <!-- fig: disk.qwen3-4b.whole -->0.9 TB<!-- /fig -->\n")
+    assert rp.main(["--root", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "README.md: figure 'disk.qwen3-4b.whole' is '0.9 TB'" in err and "has 2 values" in err
+    assert rp.main(["--write", "--root", str(tmp_path)]) == 0  # the figure rewritten from its data
+    assert "0.9 TB" not in readme.read_text()
