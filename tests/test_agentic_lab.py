@@ -156,3 +156,65 @@ def test_dynamics_plots_the_tool_metrics_when_logged():
     assert "turns_per_episode" in keys and "tool_call_rate" in keys and "calls_per_episode" not in keys
     plain = SimpleNamespace(metrics=[{"step": 1, "reward_mean": 0.1}])
     assert not {k for k, _ in AGENTIC} & {k for k, _ in metric_list([plain])}
+
+
+def _cli(*args, cwd):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "masktrl.cli", *args], cwd=cwd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.mark.slow
+def test_the_agentic_lab_end_to_end(tmp_path):
+    """A short agentic run (summary with the tool-forbidden accuracy, per-step tool metrics), a
+    multi-turn rollout file from it that replays into --method sis and --method pdm, eval's tool
+    statistics and analyze dynamics' tool curves (about 2 minutes on a loaded 2-core machine)."""
+    import json
+
+    from masktrl.rollout.storage import read_rollouts
+
+    out = tmp_path / "out"
+    small = ["--config", "agentic", "--out", str(out)]
+    for key in ("warmstart.steps=60", "train.steps=1", "rollout.prompts_per_step=4", "rollout.n=4"):
+        small += ["--set", key]
+    small += ["--set", "task.n_test=8", "--set", "train.eval_every=0", "--set", "train.checkpoint_every=1"]
+    _cli("train", *small, "--run", "base", cwd=tmp_path)
+    summary = json.loads((out / "base" / "summary.json").read_text())
+    assert summary["eval_after_no_tool"] is not None
+    row = json.loads((out / "base" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"turns_per_episode", "calls_per_episode", "tool_call_rate", "env_calls", "env_truncated"} <= set(row)
+
+    file = tmp_path / "mt.parquet"
+    _cli(
+        "rollout",
+        "--model",
+        str(out / "base"),
+        "--data",
+        "synthetic",
+        "-o",
+        str(file),
+        "--prompts",
+        "4",
+        "--n",
+        "4",
+        cwd=tmp_path,
+    )
+    samples, _ = read_rollouts(file)
+    assert any(ENVIRONMENT in s.gen.source for s in samples)  # the file holds tool replies
+    for method in ("sis", "pdm"):
+        _cli("train", *small, "--rollouts-from", str(file), "--method", method, "--run", method, cwd=tmp_path)
+        assert (out / method / "summary.json").is_file()
+
+    _cli("eval", "task", "--model", str(out / "base"), "--k", "2", cwd=tmp_path)
+    report = json.loads(next((out / "base" / "eval").glob("task-*.json")).read_text())
+    assert set(report["tools"]) == {
+        "calls_per_episode",
+        "searched_frac",
+        "accuracy_given_search",
+        "accuracy_without_search",
+    }
+    _cli("analyze", "dynamics", str(out / "base"), "--output", str(tmp_path / "dyn"), cwd=tmp_path)
+    assert "tool_call_rate" in json.loads((tmp_path / "dyn" / "dynamics.json").read_text())["metrics"]
