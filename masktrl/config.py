@@ -54,7 +54,7 @@ EVAL_BENCHMARKS = ("task", "synthetic", "aime24", "aime25", "aime", "math500", "
 split of a synthetic task; aime = aime24 + aime25."""
 OWN_TASK_BENCHMARKS = ("task", "synthetic")
 """The benchmark names of a run's own task: its fixed held-out split (synthetic is the older name, kept)."""
-SYNTHETIC_TASKS = ("arithmetic", "residues", "longtail")
+SYNTHETIC_TASKS = ("arithmetic", "residues", "longtail", "kb")
 """The built-in synthetic tasks: a held-out split drawn once with a fixed seed (masktrl/tasks/synthetic.py)."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
@@ -63,7 +63,7 @@ ROLLOUT_STORE = ("all", "resume")
 HF_QUANTIZATIONS = ("fp8", "fp8-act", "fp8-full")
 """rollout.quantization with the hf engine: FP8 faked on its low-precision copy (models/lowprec.py)."""
 HF_ONLY_QUANTIZATIONS = ("fp8-act", "fp8-full")
-TINY_TOKENIZERS = ("char", "numbers")
+TINY_TOKENIZERS = ("char", "numbers", "words")
 TINY_ARCHITECTURES = (
     "qwen3",
     "llama",
@@ -130,7 +130,9 @@ class ModelConfig:
     """Wrap prompts with the tokenizer's chat template (instruct models)."""
     tokenizer: str = "char"
     """Tiny model only: 'char' (one token per character of the task's alphabet) or 'numbers' (one
-    token per integer 0..1999 plus pad/eos/unk and '=': 2,004 tokens; for task residues, docs/LAB.md)."""
+    token per integer 0..1999 plus pad/eos/unk and '=': 2,004 tokens; for task residues, docs/LAB.md) or
+    'words' (one token per whitespace-separated word of the task's alphabet; for task kb, the agentic
+    lab, docs/TASKS.md)."""
     embedding_init: str = "random"
     """Tiny model only: 'random', or 'numbers' (the number tokens' input and output embeddings start
     with features of their value: residues mod 2..9, a band per hundred, low frequencies; needs

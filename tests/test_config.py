@@ -248,4 +248,6 @@ def test_shipped_presets_by_name_from_any_folder(tmp_path, monkeypatch):
     )
     with pytest.raises(ConfigError) as info:
         load_config("configs/lab.yaml")  # relative to the repository root, not to this folder
-    assert "config file not found: configs/lab.yaml (shipped presets, by name from any folder: lab," in str(info.value)
+    assert "config file not found: configs/lab.yaml (shipped presets, by name from any folder: agentic, lab," in str(
+        info.value
+    )

@@ -61,9 +61,8 @@ METHODS = {  # overlay -> the method block it must give
 
 
 def test_the_shipped_files_are_the_bases_the_overlays_the_tiny_presets_and_the_lab():
-    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(
-        BASES + ["tiny.yaml", "tiny-offpolicy.yaml", "lab.yaml", "lab-long.yaml", "lab-moe.yaml", "lab-deep.yaml"]
-    )
+    labs = ["lab.yaml", "lab-long.yaml", "lab-moe.yaml", "lab-deep.yaml", "agentic.yaml"]
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(BASES + ["tiny.yaml", "tiny-offpolicy.yaml", *labs])
     assert sorted(p.stem for p in (CONFIGS / "methods").glob("*.yaml")) == sorted(METHODS)
 
 

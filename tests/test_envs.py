@@ -31,7 +31,7 @@ def test_an_env_loads_by_path_and_by_module(tmp_path, monkeypatch):
     assert ep.step("hi") == ("HI", False)
     assert ep.step("bye") == ("BYE", True)
     assert ep.step("more") == ("", True)  # the episode is over
-    assert stats.take() == {"env_calls": 2, "env_errors": 0, "env_timeouts": 0}
+    assert stats.take() == {"env_calls": 2, "env_errors": 0, "env_timeouts": 0, "env_truncated": 0}
     assert path.exists()
 
 

@@ -70,12 +70,18 @@ def sweep_dir(tmp_path_factory):
 
 
 def test_every_synthetic_task_is_its_own_benchmark():
-    for name, extra in (("arithmetic", {}), ("residues", {"model": {"tokenizer": "numbers"}}), ("longtail", {})):
-        cfg = from_dict({"task": {"name": name, "n_test": 5}, **extra})
+    kb = {"model": {"tokenizer": "words"}, "task": {"env": "masktrl.tasks.kb:KBSearch"}}
+    for name, extra in (
+        ("arithmetic", {}),
+        ("residues", {"model": {"tokenizer": "numbers"}}),
+        ("longtail", {}),
+        ("kb", kb),
+    ):
+        cfg = from_dict({**extra, "task": {"name": name, "n_test": 5, **extra.get("task", {})}})
         task = build_task("task", cfg)
         assert len(task.test_examples()) == 5 and build_task("synthetic", cfg).test_examples() == task.test_examples()
         assert describe_data("task", cfg).startswith(f"{name} held-out split")
-    assert set(SYNTHETIC_TASKS) == {"arithmetic", "residues", "longtail"}
+    assert set(SYNTHETIC_TASKS) == {"arithmetic", "residues", "longtail", "kb"}
 
 
 def test_standard_errors_over_problems_by_hand():
@@ -173,7 +179,7 @@ def test_a_run_that_is_not_complete_is_skipped(sweep_dir):
 
 def test_a_dataset_run_has_no_own_synthetic_task(cli_error, tmp_path):
     cfg = write_tiny_config(tmp_path / "c.yaml", {"train": {"eval_benchmarks": ["task"]}, "task": {"name": "gsm8k"}})
-    assert "task is the run's own synthetic task (arithmetic, residues, longtail)" in cli_error(
+    assert "task is the run's own synthetic task (arithmetic, residues, longtail, kb)" in cli_error(
         "train", "--config", cfg, "--out", tmp_path / "o"
     )
     assert not (tmp_path / "o").exists()

@@ -5,6 +5,8 @@ carry none, and the limits hold."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -128,6 +130,87 @@ def test_limits_and_a_failing_environment(model, tok):
     for group in gens:
         for g in group:
             assert ENVIRONMENT not in g.source  # the failed episode ended with the call, nothing appended
+
+
+class Hangs:
+    def reset(self, example):
+        pass
+
+    def step(self, call):
+        threading.Event().wait(30)  # abandoned on its daemon thread after the timeout
+        return "7=", False
+
+
+class NotText:
+    def reset(self, example):
+        pass
+
+    def step(self, call):
+        return 7, False
+
+
+class LongReply:
+    def reset(self, example):
+        pass
+
+    def step(self, call):
+        return "1234567890" * 5, False
+
+
+class BadReset:
+    def reset(self, example):
+        raise KeyError("documents")
+
+    def step(self, call):
+        return "7=", False
+
+
+def run_env(model, tok, env, timeout_s=5.0, max_tokens=24):
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in ("12+3=", "4=")]
+    stats = EnvStats()
+    gens = generate_multi_turn(
+        HFEngine(model, tok),
+        tok,
+        prompts,
+        [{}] * 2,
+        SamplingSettings(n=4, max_new_tokens=8, logprobs_k=5),
+        0,
+        lambda: Episode(env, stats, timeout_s=timeout_s),
+        stop=STOP,
+        max_turns=3,
+        max_tokens=max_tokens,
+    )
+    return [g for group in gens for g in group], stats
+
+
+def test_an_environment_that_hangs_is_abandoned_and_counted(model, tok):
+    gens, stats = run_env(model, tok, Hangs, timeout_s=0.2)
+    calls = sum(STOP in tok.decode(g.response_ids) for g in gens)
+    assert calls > 0 and stats.timeouts == calls and stats.calls == 0 and stats.errors == 0
+    assert all(ENVIRONMENT not in g.source for g in gens)  # the episode ended with its call
+    assert stats.take()["env_timeouts"] == calls
+
+
+def test_a_reply_that_is_not_text_ends_the_episode_and_counts(model, tok):
+    gens, stats = run_env(model, tok, NotText)
+    calls = sum(STOP in tok.decode(g.response_ids) for g in gens)
+    assert calls > 0 and stats.errors == calls and "expected (reply: str, done: bool)" in stats.last_error
+    assert all(ENVIRONMENT not in g.source for g in gens)
+
+
+def test_a_reply_longer_than_the_budget_is_cut_and_counted(model, tok):
+    gens, stats = run_env(model, tok, LongReply, max_tokens=20)
+    replied = [g for g in gens if ENVIRONMENT in g.source]
+    assert replied and stats.truncated == len(replied) and stats.calls == len(replied)
+    for g in replied:
+        assert len(g.response_ids) == 20 and g.source[-1] == ENVIRONMENT and not g.finished  # out of tokens: cut
+    assert stats.take()["env_truncated"] == len(replied)
+
+
+def test_a_reset_that_fails_leaves_a_single_turn_response(model, tok):
+    gens, stats = run_env(model, tok, BadReset)
+    assert stats.errors == len(gens) and "KeyError" in stats.last_error
+    assert all(set(g.source) == {POLICY} and set(g.turn) == {0} for g in gens)
 
 
 def test_lists_wider_than_the_vocabulary(model, tok):

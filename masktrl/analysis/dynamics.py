@@ -29,6 +29,11 @@ MISMATCH = [  # the engine-trainer gap of each batch (rollout/mismatch.py), plot
     ("mismatch/frac_gt_0.5", "tokens with |log μ − log π_old| > 0.5"),
     ("mismatch/routing_flip_rate", "MoE routing flips (engine copy vs trainer)"),
 ]
+AGENTIC = [  # multi-turn batches (task.env, rl/collect.py episode_stats), plotted when a run logged them
+    ("turns_per_episode", "policy turns per episode"),
+    ("calls_per_episode", "tool calls per episode"),
+    ("tool_call_rate", "episodes that called the tool"),
+]
 AGE = ("rollout_age", "batch age (steps behind; rollout.staleness)")  # logged when rollout.staleness is a distribution
 
 
@@ -101,7 +106,8 @@ def metric_list(runs: list[RunInfo]) -> list[tuple[str, str]]:
     logged = {k for r in runs for row in r.metrics for k in row}
     extra = sorted(k for k in logged if k.startswith("eval/") and k != HELDOUT)
     ages = [AGE] if AGE[0] in logged else []
-    return METRICS + [(k, label) for k, label in MISMATCH if k in logged] + ages + [(k, k) for k in extra]
+    measured = [(k, label) for k, label in MISMATCH + AGENTIC if k in logged]
+    return METRICS + measured + ages + [(k, k) for k in extra]
 
 
 def age_counts(runs: list[RunInfo]) -> dict[str, int]:
@@ -141,7 +147,7 @@ def save(result: dict, out_dir: Path) -> list[Path]:
 
     plots = figures(out_dir)  # matplotlib once the JSON is written (its cache: caches.settle_matplotlib)
 
-    labels = dict(METRICS + MISMATCH + [AGE])
+    labels = dict(METRICS + MISMATCH + AGENTIC + [AGE])
     metrics = [(k, labels.get(k, k)) for k in result["metrics"]]
     paths = [
         write_json(Path(out_dir) / "dynamics.json", result),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from masktrl.commands import eval_options
+from masktrl.commands.eval_table import tool_rows
 from masktrl.commands.options import DEFAULT_OUT, OutOpt, TaskConfigOpt, TaskSetOpt
 from masktrl.commands.ui import console, kv_table, progress_bar
 
@@ -106,6 +107,7 @@ def print_report(r: dict, path: Path) -> None:
         *[(f"pass@{j}", f"{v:.4f}") for j, v in r["pass_at"].items() if j != "1"],
         (f"maj@{k}", f"{r['maj_at_k']:.4f}"),
         ("truncated samples", f"{r['truncated_frac']:.1%}"),
+        *tool_rows(r.get("tools")),
         *(
             [("skipped: prompt longer than the context", str(r["prompts_too_long"]))]
             if r.get("prompts_too_long")

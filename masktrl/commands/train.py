@@ -91,6 +91,11 @@ def print_summary(summary: dict, root: Path) -> None:
         ("held-out accuracy before RL", f"{summary['eval_before']:.3f}"),
         ("held-out accuracy after RL", f"{summary['eval_after']:.3f}"),
         ("change", f"{summary['eval_after'] - summary['eval_before']:+.3f}"),
+        *(
+            [("held-out accuracy, tool forbidden", f"{summary['eval_after_no_tool']:.3f}")]
+            if summary.get("eval_after_no_tool") is not None
+            else []
+        ),
         ("wall time", f"{summary['wall_time_s']:.0f} s"),
     ]
     console.print(kv_table(f"run {summary['run']}", rows))

@@ -13,7 +13,15 @@ from transformers import PreTrainedTokenizerFast
 
 from masktrl.config import MOE_DEFAULTS
 from masktrl.models.numbers import build_number_tokenizer
-from masktrl.models.vocab import EOS, PAD, SPECIAL_TOKENS, UNK, build_char_tokenizer, wrap_tokenizer
+from masktrl.models.vocab import (
+    EOS,
+    PAD,
+    SPECIAL_TOKENS,
+    UNK,
+    build_char_tokenizer,
+    build_word_tokenizer,
+    wrap_tokenizer,
+)
 
 __all__ = [
     "EOS",
@@ -56,9 +64,12 @@ class TinyModelConfig:
 
 def tiny_tokenizer(kind: str, alphabet: str | None) -> PreTrainedTokenizerFast:
     """The tiny model's tokenizer of ``model.tokenizer`` = ``kind``: 'char' (one token per
-    character of the task's ``alphabet``) or 'numbers' (one token per integer, ``numbers.py``)."""
+    character of the task's ``alphabet``), 'numbers' (one token per integer, ``numbers.py``) or
+    'words' (one token per whitespace-separated word of ``alphabet``)."""
     if kind == "numbers":
         return build_number_tokenizer()
+    if kind == "words":
+        return build_word_tokenizer((alphabet or "").split())
     return build_char_tokenizer(alphabet)
 
 

@@ -26,6 +26,17 @@ def build_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     return wrap_tokenizer(tok)
 
 
+def build_word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    """A tokenizer with one token per word of ``words`` plus pad/eos/unk: text is split at
+    whitespace and decoded with single spaces (the agentic lab's, model.tokenizer=words)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return wrap_tokenizer(tok)
+
+
 def wrap_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
     """A ``tokenizers`` word-level tokenizer with the special tokens as a transformers tokenizer."""
     return PreTrainedTokenizerFast(

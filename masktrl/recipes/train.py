@@ -39,7 +39,7 @@ from masktrl.rl import train_state as ckpt
 from masktrl.rl.agentic import with_environment
 from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts, reward_failures
 from masktrl.rl.distributed import Dist, launched
-from masktrl.rl.evaluation import heldout_accuracy, periodic_eval
+from masktrl.rl.evaluation import heldout_accuracy, no_tool_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
 from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source, progress_info
 from masktrl.rl.policy import PolicyForward, enable_routing_replay
@@ -323,6 +323,8 @@ def finish(s: State) -> TrainResult:
         "wall_time_s": s.session.wall_time(),  # every session of the run (resumes included)
         "machine": provenance.machine(cfg.train.threads),  # CPU model, threads, commit: "same machine" is checkable
     }
+    if (no_tool := _heldout(s, no_tool_accuracy)) is not None:  # task kb: the policy forbidden to call the tool
+        summary["eval_after_no_tool"] = no_tool
     if s.run.lab is not None:
         summary["lab_stats"] = s.run.lab.summary(s.store.read_metrics())
     s.session.complete(summary, c.steps)
@@ -419,18 +421,9 @@ def sync_weights(engine: RolloutEngine, model: torch.nn.Module, dist: Dist) -> N
         engine.sync_weights(model)
 
 
-def _heldout(s: State) -> float:
-    cfg, p, r = s.cfg, s.parts, s.run
-    return heldout_accuracy(
-        p.engine,
-        p.tokenizer,
-        r.task,
-        r.test_set,
-        r.collect.sampling,
-        cfg.eval.greedy,
-        r.collect.chat_template,
-        cfg.seed,
-    )
+def _heldout(s: State, measure=heldout_accuracy) -> float:
+    cfg, p, r, c = s.cfg, s.parts, s.run, s.run.collect
+    return measure(p.engine, p.tokenizer, r.task, r.test_set, c.sampling, cfg.eval.greedy, c.chat_template, cfg.seed)
 
 
 def _heldout_once(s: State, stage: str, step: int) -> float:

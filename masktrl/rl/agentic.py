@@ -70,7 +70,7 @@ class EnvEngine:
         )
 
     def take_stats(self) -> dict:
-        """``env_calls``, ``env_errors``, ``env_timeouts`` since the last call (a metrics row's)."""
+        """``env_calls``, ``env_errors``, ``env_timeouts``, ``env_truncated`` since the last call (a metrics row's)."""
         return self.stats.take()
 
 

@@ -399,9 +399,10 @@ def policy_tokenizer(cfg: Config, task) -> tuple[object, int, int | None]:
         from masktrl.models.tiny import TinyModelConfig, tiny_tokenizer
 
         alphabet = task.alphabet()
-        if alphabet is None and cfg.model.tokenizer == "char":
+        if alphabet is None and cfg.model.tokenizer in ("char", "words"):
             raise ConfigError(
-                "model.path=tiny builds a character tokenizer from the task's alphabet, and task "
+                f"model.path=tiny builds a {'word' if cfg.model.tokenizer == 'words' else 'character'} tokenizer "
+                "from the task's alphabet, and task "
                 f"{task.name} has none: "
                 "set model.path to a model folder or hub id"
             )

@@ -25,7 +25,7 @@ from masktrl.methods import BoundMethod, group_advantages
 from masktrl.rl.distributed import Dist
 from masktrl.rl.reference import response_lengths
 from masktrl.rl.sampling import grade, sample
-from masktrl.rollout.base import Sample, SamplingSettings
+from masktrl.rollout.base import ENVIRONMENT, Sample, SamplingSettings
 from masktrl.seeding import stream_seed
 from masktrl.tasks.rewards import check_reward_errors
 
@@ -69,6 +69,8 @@ def collect_rollouts(
     dynamic = method.dynamic_sampling
     kept, generated = [], []
     errors_before = getattr(task, "reward_errors", 0)
+    if hasattr(engine, "take_stats"):  # task.env: the step's counts start here (a held-out eval's are not the step's)
+        engine.take_stats()
     for attempt in range(MAX_REFILLS if dynamic else 1):
         rng = random.Random(stream_seed(settings.seed, "prompts", step, attempt))
         examples = task.train_examples(want, rng)[dist.rank :: dist.world]
@@ -170,6 +172,23 @@ def rollout_stats(groups: list[list[Sample]], kept: int) -> dict:
         "tokens": sum(len(s.gen.response_ids) for s in samples),
         "groups_kept": kept,
         "groups_generated": len(groups),
+        **episode_stats([s.gen for s in samples]),
+    }
+
+
+def episode_stats(gens) -> dict:
+    """Multi-turn batches (``task.env``): ``turns_per_episode`` (policy turns, mean),
+    ``calls_per_episode`` (tool calls answered, mean) and ``tool_call_rate`` (the fraction of
+    episodes with one); nothing for single-turn ones (their metrics rows are unchanged)."""
+    multi = [g for g in gens if g.source is not None]
+    if not multi:
+        return {}
+    calls = [len({t for t, s in zip(g.turn, g.source) if s == ENVIRONMENT}) for g in multi]
+    turns = [len(set(g.turn)) for g in multi]  # every turn starts with the policy's tokens
+    return {
+        "turns_per_episode": sum(turns) / len(multi),
+        "calls_per_episode": sum(calls) / len(multi),
+        "tool_call_rate": sum(c > 0 for c in calls) / len(multi),
     }
 
 

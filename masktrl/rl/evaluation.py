@@ -26,7 +26,7 @@ from masktrl.io import atomic_write_json
 from masktrl.models.loading import load_tokenizer
 from masktrl.rl.agentic import with_environment
 from masktrl.rl.sampling import grade, sample
-from masktrl.rollout.base import SamplingSettings
+from masktrl.rollout.base import ENVIRONMENT, SamplingSettings
 from masktrl.runs.store import RunStore, eval_key
 from masktrl.seeding import stream_seed
 from masktrl.stats import avg_at_k, bootstrap_ci, maj_at_k, mean_se, pass_at_k_matrix
@@ -144,7 +144,11 @@ def reward_name(task) -> str:
 
 def answer_of(task):
     """How a completion's answer is read for majority voting: the last ``\\boxed{}`` content,
-    or the whole stripped completion for plain synthetic answers."""
+    or the whole stripped completion for plain synthetic answers, or the task's own
+    ``extract_answer`` (the agentic lab's: the word after the last ``answer``)."""
+    own = getattr(task, "extract_answer", None)
+    if callable(own):
+        return own
     if getattr(task, "answer_format", None) == "plain":
         return lambda text: text.strip() or None
     return extract_answer
@@ -156,6 +160,9 @@ class Graded:
     answers: list[list[str | None]]  # [P][k] extracted answers
     lengths: list[list[int]]  # [P][k] response tokens
     finished: list[list[bool]]  # [P][k] ended with EOS
+    calls: list[list[int | None]] = dataclasses.field(
+        default_factory=list
+    )  # [P][k] tool calls answered; None: single-turn
 
 
 class EvalBatches(NamedTuple):
@@ -196,8 +203,9 @@ def sample_and_grade(
                 [_clip(extract(t)) for t in group],
                 [len(g.response_ids) for g in gens[j]],
                 [g.finished for g in gens[j]],
+                [tool_calls(g) for g in gens[j]],
             )
-            for column, values in zip((out.scores, out.answers, out.lengths, out.finished), row):
+            for column, values in zip((out.scores, out.answers, out.lengths, out.finished, out.calls), row):
                 if part:
                     column[-1].extend(values)  # the next part of the same problem's samples
                 else:
@@ -206,6 +214,31 @@ def sample_and_grade(
             acc = float(np.mean([s > 0 for row in out.scores for s in row]))
             progress.update(bar, advance=len(chunk), info=f"avg@{settings.n} {acc:.3f}")
     return out
+
+
+def tool_calls(gen) -> int | None:
+    """The tool calls of a multi-turn response that the environment answered (its turns holding
+    environment tokens), or None for a single-turn one."""
+    if gen.source is None:
+        return None
+    return len({t for t, s in zip(gen.turn, gen.source) if s == ENVIRONMENT})
+
+
+def tool_stats(graded: Graded) -> dict | None:
+    """A multi-turn evaluation's tool statistics: calls per episode, the fraction of episodes that
+    called the tool, the accuracy of those that did and of those that did not (None when no
+    episode is in the group); None for a single-turn one."""
+    pairs = [(c, s > 0) for cs, ss in zip(graded.calls, graded.scores) for c, s in zip(cs, ss) if c is not None]
+    if not pairs:
+        return None
+    searched = [ok for c, ok in pairs if c > 0]
+    not_searched = [ok for c, ok in pairs if c == 0]
+    return {
+        "calls_per_episode": float(np.mean([c for c, _ in pairs])),
+        "searched_frac": len(searched) / len(pairs),
+        "accuracy_given_search": float(np.mean(searched)) if searched else None,
+        "accuracy_without_search": float(np.mean(not_searched)) if not_searched else None,
+    }
 
 
 def _calls(examples, n: int, batch_size: int, seed_key):
@@ -258,6 +291,9 @@ def summarize(bench: str, examples, graded: Graded, seed: int = 0, task: str | N
             for ex, row, answers in zip(examples, correct, graded.answers)
         ],
     }
+    tools = tool_stats(graded) if graded.calls else None
+    if tools is not None:  # task.env: multi-turn episodes
+        report["tools"] = tools
     if bench == "task":
         se = lambda values: None if len(values) < 2 else mean_se(values)[1]  # noqa: E731
         report.update(
@@ -311,6 +347,18 @@ def heldout_accuracy(
     correctly with one completion each, greedy or sampled."""
     _, _, texts = sample(engine, tokenizer, examples, replace(settings, n=1, greedy=greedy), seed, chat_template)
     return sum(score > 0 for (score,) in grade(task, examples, texts)) / max(1, len(examples))
+
+
+def no_tool_accuracy(
+    engine, tokenizer, task, examples, settings: SamplingSettings, greedy: bool, chat_template=False, seed=0
+) -> float | None:
+    """The held-out accuracy of the policy forbidden to call the tool: ``task.direct_prompt`` s
+    (the answer marker appended) sampled without the environment. None unless the engine runs
+    episodes (``task.env``) and the task has direct prompts (the agentic lab's ``kb``)."""
+    if not hasattr(engine, "generate_episodes") or not hasattr(task, "direct_prompt"):
+        return None
+    direct = [task.direct_prompt(ex) for ex in examples]
+    return heldout_accuracy(engine.inner, tokenizer, task, direct, settings, greedy, chat_template, seed)
 
 
 def periodic_eval(

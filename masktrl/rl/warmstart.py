@@ -167,13 +167,20 @@ def _accuracy_check(model, tokenizer, task, cfg: Config):
 
 
 def _sft_batch(tokenizer, task, examples):
-    """Right-padded prompt+target+EOS with labels only on target and EOS."""
+    """Right-padded prompt+target+EOS with labels only on target and EOS. A multi-turn task's
+    target is its ``demonstration`` (calls, tool replies, answer): each segment tokenised on its
+    own, as the rollouts append replies, and the replies (environment tokens) not trained on."""
     rows, label_rows = [], []
     for ex in examples:
         p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
-        t = tokenizer(task.format_target(ex), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append(p + t)
-        label_rows.append([-100] * len(p) + t)
+        segments = task.demonstration(ex) if hasattr(task, "demonstration") else [(task.format_target(ex), True)]
+        t, labels = [], []
+        for text, trained in segments:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            t += ids
+            labels += ids if trained else [-100] * len(ids)
+        rows.append(p + t + [tokenizer.eos_token_id])
+        label_rows.append([-100] * len(p) + labels + [tokenizer.eos_token_id])
     width = max(len(r) for r in rows)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])

@@ -109,8 +109,7 @@ def generate_multi_turn(
             env = new_episode()
             ep = _Episode(list(prompt), env)
             if not env.reset(example):
-                ep.running = False  # the environment failed to start: the episode is a single turn
-                ep.env = None
+                ep.env = None  # the environment failed to start: the episode is a single turn (still sampled)
             episodes.append(ep)
     for turn in range(max_turns):
         live = [ep for ep in episodes if ep.running and len(ep.ids) < max_tokens]
@@ -135,7 +134,10 @@ def generate_multi_turn(
                 ep.add(gen, cut, turn)
                 reply, done = ep.env.step(decode(ep.ids[len(ep.ids) - cut :]))
                 left = max_tokens - len(ep.ids)
-                reply_ids = tokenizer.encode(reply, add_special_tokens=False)[:left] if reply else []
+                reply_ids = tokenizer.encode(reply, add_special_tokens=False) if reply else []
+                if len(reply_ids) > left and hasattr(ep.env, "cut"):
+                    ep.env.cut()  # counted (env_truncated): the reply is cut to the budget left
+                reply_ids = reply_ids[:left]
                 ep.add_reply(reply_ids, turn)
                 if done:
                     ep.running, ep.finished = False, True

@@ -18,8 +18,11 @@ anything: a path that does not load, a name that is not a class, or a class with
 Failures are handled like reward failures (``Episode``): an exception in ``reset`` or ``step``,
 a call that runs past ``timeout_s``, or a reply that is not ``(str, bool)`` ends that episode
 (the response keeps what it has), is counted (``EnvStats``: ``env_errors``, ``env_timeouts``)
-and never stops the run. Python cannot stop a running thread: a step that hangs is abandoned on
-a daemon thread (its environment object is never used again) and ends when it ends.
+and never stops the run. A reply longer than the episode's token budget left is cut to it (the
+episode then ends, out of tokens) and counted (``env_truncated``). An exception in ``reset``
+leaves a single-turn response (sampled, no tool). Python cannot stop a running thread: a step
+that hangs is abandoned on a daemon thread (its environment object is never used again) and ends
+when it ends.
 """
 
 from __future__ import annotations
@@ -104,12 +107,19 @@ class EnvStats:
     calls: int = 0  # step calls that returned a reply
     errors: int = 0  # an exception, or a reply that is not (str, bool)
     timeouts: int = 0
+    truncated: int = 0  # replies cut to the episode's token budget (task.max_total_tokens)
     last_error: str | None = None
 
     def take(self) -> dict:
-        """The counts as metrics (``env_calls``, ``env_errors``, ``env_timeouts``), then zero."""
-        row = {"env_calls": self.calls, "env_errors": self.errors, "env_timeouts": self.timeouts}
-        self.episodes = self.calls = self.errors = self.timeouts = 0
+        """The counts as metrics (``env_calls``, ``env_errors``, ``env_timeouts``,
+        ``env_truncated``), then zero."""
+        row = {
+            "env_calls": self.calls,
+            "env_errors": self.errors,
+            "env_timeouts": self.timeouts,
+            "env_truncated": self.truncated,
+        }
+        self.episodes = self.calls = self.errors = self.timeouts = self.truncated = 0
         return row
 
 
@@ -156,6 +166,10 @@ class Episode:
         self.stats.last_error = message
         self.over = True
         self.env = None  # never used again (a hung call may still hold it)
+
+    def cut(self) -> None:
+        """The last reply was cut to the episode's token budget."""
+        self.stats.truncated += 1
 
     def reset(self, example: dict) -> bool:
         self.stats.episodes += 1

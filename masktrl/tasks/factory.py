@@ -28,6 +28,7 @@ def make_task(task_cfg: TaskConfig, model_cfg: ModelConfig, tokenizer=None) -> T
     Everything is checked here (data, keys, template, reward), before a run writes anything.
     """
     import masktrl.tasks.arithmetic  # (registers the task)
+    import masktrl.tasks.kb  # (registers the agentic lab's task)
     import masktrl.tasks.longtail  # (registers the long-response benchmark task)
     import masktrl.tasks.math_data  # (registers the math tasks)
     import masktrl.tasks.residues  # noqa: F401  (registers the lab task)

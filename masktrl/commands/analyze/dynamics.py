@@ -44,6 +44,8 @@ def dynamics(
         "sis_accept_rate": "accept",
         dyn.HELDOUT: "eval acc",
     }
+    if any(k == "tool_call_rate" for k in result["metrics"]):  # multi-turn runs (task.env)
+        short.update(turns_per_episode="turns", tool_call_rate="tool rate")
     for key in short.values():
         table.add_column(key, justify="right")
     for g in result["groups"]:
