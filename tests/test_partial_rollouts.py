@@ -270,3 +270,12 @@ def test_partial_run_reruns_resumes_and_replays_bit_identically(tmp_path, warm_o
         got, _ = read_rollouts(warm_out / "part-replay" / name)
         want, _ = read_rollouts(warm_out / "part-a" / name)
         assert [s.gen.version for s in got] == [s.gen.version for s in want]
+
+
+def test_exact_behaviour_refuses_a_batch_of_two_versions():
+    from masktrl.analysis.step_replay import load_behaviour
+    from masktrl.errors import MasktrlError
+
+    replay = SimpleNamespace(step=3, policy_step=2, samples=[_sample([3, 4], [0, 1]), _sample([5], [0])])
+    with pytest.raises(MasktrlError, match="sampled by policies 0..1"):
+        load_behaviour(replay, 0)
