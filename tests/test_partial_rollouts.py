@@ -279,3 +279,17 @@ def test_exact_behaviour_refuses_a_batch_of_two_versions():
     replay = SimpleNamespace(step=3, policy_step=2, samples=[_sample([3, 4], [0, 1]), _sample([5], [0])])
     with pytest.raises(MasktrlError, match="sampled by policies 0..1"):
         load_behaviour(replay, 0)
+
+
+def test_mismatch_of_a_partial_batch_reads_each_token_at_the_weights_that_sampled_it(two_policies):
+    from masktrl.rl.mismatch import measure_mismatch, partial_mismatch
+
+    tok, old, new = two_policies
+    engine = HFEngine(new, tok, batch_size=16)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("12+3=", "4+5=")]
+    out = PartialEngine(engine, old, new, 2, (0, 1)).generate(prompts, SamplingSettings(n=3, max_new_tokens=6), 1)
+    samples = [Sample("e", "", "", p, g, gen) for g, (p, group) in enumerate(zip(prompts, out)) for gen in group]
+    assert any(1 in s.gen.version for s in samples) and any(0 in s.gen.version for s in samples)
+    got = partial_mismatch(old, new, samples, 1.0, 7, pieces=2)
+    assert got["mismatch/logp_abs_mean"] < 1e-5  # the sampling policy's own log-probabilities
+    assert measure_mismatch(new, new, None, samples, 1.0, 7)["mismatch/logp_abs_mean"] > 1e-2  # one policy: off
