@@ -253,11 +253,19 @@ def test_partial_run_reruns_resumes_and_replays_bit_identically(tmp_path, warm_o
     r = masktrl("train", "--config", cfg, "--out", warm_out, "--resume", "part-c", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert _rows(warm_out / "part-c") == a
+    # killed while a partial batch is in flight: after the update that lands in it, before it is stored
+    t = next(t for t in range(2, 6) if sampled_at(SPEC, 0, t) < t and partial_at(0.7, 0, t, 4) is not None)
+    r = _train(cfg, warm_out, "part-d", env={"MASKTRL_CRASH_AT": f"rollout-write:{t}"})
+    assert r.returncode != 0 and not (warm_out / "part-d" / f"steps/{t:06d}/rollouts.parquet").exists()
+    r = masktrl("train", "--config", cfg, "--out", warm_out, "--resume", "part-d", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
     final = "checkpoints/000005/model.safetensors"
-    assert (warm_out / "part-c" / final).read_bytes() == (warm_out / "part-a" / final).read_bytes()
-    for t in range(1, 6):
-        name = f"steps/{t:06d}/rollouts.parquet"
-        assert (warm_out / "part-c" / name).read_bytes() == (warm_out / "part-a" / name).read_bytes()
+    for run in ("part-c", "part-d"):
+        assert _rows(warm_out / run) == a
+        assert (warm_out / run / final).read_bytes() == (warm_out / "part-a" / final).read_bytes()
+        for t in range(1, 6):
+            name = f"steps/{t:06d}/rollouts.parquet"
+            assert (warm_out / run / name).read_bytes() == (warm_out / "part-a" / name).read_bytes()
     # replayed: the stored versions train as they are, the token ages as in the source run
     plain = write_tiny_config(tmp_path / "p.yaml", {"train": {"steps": 5}})
     r = _train(plain, warm_out, "part-replay", "--rollouts-from", warm_out / "part-a")
