@@ -415,6 +415,14 @@ class RolloutConfig:
     p: 0.5} (uniform: min..max; geometric: P(a) = p (1-p)^(a-min), cut at max; fixed: max),
     drawn per step from the run's seed (docs/ROLLOUTS.md, "Batch ages"; metrics rollout_age).
     Not used with --rollouts-from."""
+    partial: float | None = None
+    """Partial rollouts: the probability that a weight sync lands while a batch sampled ahead
+    (rollout.staleness > 0) is being generated, at a decode position drawn uniformly in
+    1..max_new_tokens-1 from the run's seed; the tokens after it are sampled by the policy one
+    step newer, on the prefix recomputed. null: off (no per-token versions stored). Each token's
+    policy version is stored (column version; metrics rollout_token_age_*); hf engine, one
+    process, single-turn, no routing replay (docs/ROLLOUTS.md, "Partial rollouts"). Not used
+    with --rollouts-from."""
     mismatch: str = "auto"
     """The engine-trainer gap of every generated batch, mismatch/* (docs/ROLLOUTS.md): auto (measured;
     log pi_old from the update's own forward when it runs at the sampling weights: one process,
@@ -449,6 +457,7 @@ class RolloutConfig:
         _positive("rollout.temperature", self.temperature)
         _non_negative("rollout.top_k", self.top_k)
         check_staleness(self.staleness)
+        check_partial(self)
         _choice("rollout.mismatch", self.mismatch, ("auto", "always", "off"))
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
@@ -489,6 +498,30 @@ def check_staleness(value: Any) -> None:
         raise ConfigError(f"{key}.p is the geometric distribution's parameter; dist is {value['dist']}")
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
         raise ConfigError(f"{key}.p must be in (0, 1], got {p!r}")
+
+
+def check_partial(r: Any) -> None:
+    """ConfigError naming rollout.partial unless it is null or a number in (0, 1] used where a
+    weight sync can land mid-generation: rollout.staleness > 0 (only batches sampled ahead have a
+    newer policy before they are trained on), max_new_tokens >= 2, the hf engine."""
+    p = r.partial
+    if p is None:
+        return
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        raise ConfigError(f"rollout.partial must be a probability in (0, 1] or null, got {p!r}")
+    if _cap(r.staleness) == 0:
+        raise ConfigError(
+            "rollout.partial needs rollout.staleness > 0: only a batch sampled ahead has a newer "
+            "policy to switch to before it is trained on"
+        )
+    if r.max_new_tokens < 2:
+        raise ConfigError("rollout.partial needs rollout.max_new_tokens >= 2: a sync lands between two tokens")
+    if r.engine != "hf":
+        raise ConfigError(f"rollout.partial needs rollout.engine=hf, got {r.engine!r}")
+
+
+def _cap(staleness: Any) -> int:
+    return int(staleness["max"]) if isinstance(staleness, dict) else int(staleness)
 
 
 @dataclass(frozen=True)
@@ -698,6 +731,7 @@ HASH_UNLESS_SET = (
     "model.num_experts",
     "model.experts_per_token",
     "model.routing_replay",
+    "rollout.partial",
     "task.env",
     "task.call_stop",
     "task.max_turns",

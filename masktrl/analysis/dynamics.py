@@ -35,6 +35,10 @@ AGENTIC = [  # multi-turn batches (task.env, rl/collect.py episode_stats), plott
     ("tool_call_rate", "episodes that called the tool"),
 ]
 AGE = ("rollout_age", "batch age (steps behind; rollout.staleness)")  # logged when rollout.staleness is a distribution
+# logged when the batches record per-token policy versions (rollout.partial): the mean token age and,
+# per age a, rollout_token_age/a tokens of that age
+TOKEN_AGE = ("rollout_token_age_mean", "mean token age (steps behind; rollout.partial)")
+TOKEN_AGE_PREFIX = "rollout_token_age/"
 
 
 def run_series(run: RunInfo, key: str) -> dict[int, float]:
@@ -106,6 +110,7 @@ def metric_list(runs: list[RunInfo]) -> list[tuple[str, str]]:
     logged = {k for r in runs for row in r.metrics for k in row}
     extra = sorted(k for k in logged if k.startswith("eval/") and k != HELDOUT)
     ages = [AGE] if AGE[0] in logged else []
+    ages += [TOKEN_AGE] if TOKEN_AGE[0] in logged else []
     measured = [(k, label) for k, label in MISMATCH + AGENTIC if k in logged]
     return METRICS + measured + ages + [(k, k) for k in extra]
 
@@ -118,6 +123,19 @@ def age_counts(runs: list[RunInfo]) -> dict[str, int]:
             age = row.get(AGE[0])
             if isinstance(age, int) and not isinstance(age, bool):
                 counts[age] = counts.get(age, 0) + 1
+    return {str(a): counts[a] for a in sorted(counts)}
+
+
+def token_age_counts(runs: list[RunInfo]) -> dict[str, int]:
+    """How many tokens ``runs`` trained on at each age (the ``rollout_token_age/a`` counts of
+    runs with per-token policy versions, rollout.partial), by age."""
+    counts: dict[int, int] = {}
+    for r in runs:
+        for row in r.metrics:
+            for key, n in row.items():
+                if key.startswith(TOKEN_AGE_PREFIX) and isinstance(n, int) and not isinstance(n, bool):
+                    age = int(key[len(TOKEN_AGE_PREFIX) :])
+                    counts[age] = counts.get(age, 0) + n
     return {str(a): counts[a] for a in sorted(counts)}
 
 
@@ -137,6 +155,7 @@ def dynamics(runs: list[RunInfo], window: int = 1) -> dict:
                 "final": {k: (c["mean"][-1] if c["mean"] else None) for k, c in curves.items()},
                 "final_step": {k: (c["step"][-1] if c["step"] else None) for k, c in curves.items()},
                 **({"ages": age_counts(members)} if any(k == AGE[0] for k, _ in metrics) else {}),
+                **({"token_ages": token_age_counts(members)} if any(k == TOKEN_AGE[0] for k, _ in metrics) else {}),
             }
         )
     return {"runs": [str(r.root) for r in runs], "smooth": window, "metrics": [k for k, _ in metrics], "groups": groups}
@@ -147,7 +166,7 @@ def save(result: dict, out_dir: Path) -> list[Path]:
 
     plots = figures(out_dir)  # matplotlib once the JSON is written (its cache: caches.settle_matplotlib)
 
-    labels = dict(METRICS + MISMATCH + AGENTIC + [AGE])
+    labels = dict(METRICS + MISMATCH + AGENTIC + [AGE, TOKEN_AGE])
     metrics = [(k, labels.get(k, k)) for k in result["metrics"]]
     paths = [
         write_json(Path(out_dir) / "dynamics.json", result),
@@ -155,4 +174,6 @@ def save(result: dict, out_dir: Path) -> list[Path]:
     ]
     if any("ages" in g for g in result["groups"]):
         paths.append(save_figure(plots.age_histogram(result["groups"]), Path(out_dir) / "ages.png"))
+    if any("token_ages" in g for g in result["groups"]):
+        paths.append(save_figure(plots.age_histogram(result["groups"], tokens=True), Path(out_dir) / "token_ages.png"))
     return paths

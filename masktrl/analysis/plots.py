@@ -320,14 +320,17 @@ def curves(groups: list[dict], metrics: list[tuple[str, str]]) -> Figure:
     return fig
 
 
-def age_histogram(groups: list[dict]) -> Figure:
+def age_histogram(groups: list[dict], tokens: bool = False) -> Figure:
     """The distribution of batch ages (``rollout_age``): per group, the fraction of its steps
-    that trained on a batch of each age, bars side by side."""
+    that trained on a batch of each age, bars side by side. ``tokens``: the distribution of token
+    ages instead (``token_ages``: per-token policy versions, rollout.partial), the fraction of
+    the tokens trained on."""
+    key = "token_ages" if tokens else "ages"
     fig, (ax,) = _grid(1, 5.0, 3.4)
-    shown = [g for g in groups if g.get("ages")]
+    shown = [g for g in groups if g.get(key)]
     width = 0.8 / max(1, len(shown))
     for i, g in enumerate(shown):
-        ages = {int(a): n for a, n in g["ages"].items()}
+        ages = {int(a): n for a, n in g[key].items()}
         total = sum(ages.values())
         xs = np.array(sorted(ages), dtype=float)
         ax.bar(
@@ -337,9 +340,10 @@ def age_histogram(groups: list[dict]) -> Figure:
             color=COLORS[i % len(COLORS)],
             label=f"{g['label']} (n={len(g['runs'])})",
         )
-    ax.set_xlabel("batch age (steps behind the trained policy)")
-    ax.set_ylabel("fraction of steps")
-    ax.set_title("rollout.staleness: batch ages", fontsize=9)
+    what = "token" if tokens else "batch"
+    ax.set_xlabel(f"{what} age (steps behind the trained policy)")
+    ax.set_ylabel("fraction of tokens" if tokens else "fraction of steps")
+    ax.set_title("rollout.partial: token ages" if tokens else "rollout.staleness: batch ages", fontsize=9)
     if shown:
         ax.legend(fontsize=8)
     return fig

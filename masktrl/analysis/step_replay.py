@@ -223,6 +223,13 @@ def load_behaviour(replay: Replay, step: int | None = None) -> Behaviour:
     batch's tokens. Call it before any update when the behaviour is the replay's own start
     (staleness 0): then the replay's model at checkpoint P is used."""
     step = behaviour_step(replay.cfg, replay.step) if step is None else step
+    versions = sorted({v for x in replay.samples for v in (x.gen.version or [])})
+    if len(versions) > 1:  # one checkpoint's lm_head and hidden states cannot give two policies' log mu
+        raise MasktrlError(
+            f"step {replay.step}'s batch was sampled by policies {versions[0]}..{versions[-1]} "
+            "(rollout.partial: a weight sync landed mid-generation); the exact behaviour over the "
+            "vocabulary needs one policy per batch: study a step whose batch has one version"
+        )
     if step == replay.policy_step:
         return Behaviour(
             step, response_hidden(replay.model, replay.samples), lm_head_weight(replay.model).detach().clone()

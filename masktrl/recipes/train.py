@@ -34,24 +34,25 @@ from typing import TYPE_CHECKING
 import torch
 
 from masktrl.models.loading import tokenizer_fingerprint
-from masktrl.rl import checks
+from masktrl.rl import checks, partial
 from masktrl.rl import train_state as ckpt
 from masktrl.rl.agentic import with_environment
 from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts, reward_failures
 from masktrl.rl.distributed import Dist, launched
 from masktrl.rl.evaluation import heldout_accuracy, no_tool_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
-from masktrl.rl.mismatch import UpdateLogp, measure_mismatch, mismatch_source, progress_info
+from masktrl.rl.mismatch import UpdateLogp, batch_mismatch, mismatch_source, progress_info
 from masktrl.rl.policy import PolicyForward, enable_routing_replay
 from masktrl.rl.reference import make_reference, micro_batch_size, penalise_kl, reference_logprobs
 from masktrl.rl.run_state import Counters, ModelParts, NonFiniteError, RunServices, State, TrainResult
-from masktrl.rl.schedule import age_metrics, sample_now, staleness_cap
+from masktrl.rl.schedule import age_metrics, staleness_cap, token_age_metrics
 from masktrl.rl.signals import GracefulStop, Interrupted, graceful_stop
 from masktrl.rl.start import load_policy, restore_run
 from masktrl.rl.tracking import Trackers, open_trackers
 from masktrl.rl.update import Hooks, Learner, UpdateSettings, make_optimizer, policy_update
 from masktrl.rollout import make_engine
 from masktrl.rollout.base import RolloutEngine, Sample
+from masktrl.rollout.partial import PartialEngine
 from masktrl.runs import provenance, retention
 from masktrl.runs.faults import maybe_crash
 from masktrl.runs.plan import Plan
@@ -222,9 +223,11 @@ def rl_step(s: State, step: int) -> dict:
     t0 = time.time()
     batch = rollout_batch(s, step)  # rollout -> reward -> advantages (or the stored batch)
     sample_ahead(s, step)
+    old = partial.snapshot(s, step)  # rollout.partial: the policy the batches a sync lands in start with
     t_rollout = time.time() - t0
     maybe_crash("update", step)
     stats = update(s, batch.samples, step)
+    sample_ahead(s, step, old)
     row = record(s, step, batch, stats, t0=t0, t_rollout=t_rollout)
     check_finite(s, step)
     return row
@@ -282,6 +285,7 @@ def record(s: State, step: int, batch: Batch, stats: dict, *, t0: float, t_rollo
     row.update(skipped_updates=skipped, nonfinite_steps=c.nonfinite_total)
     # rollout.staleness as a distribution: the batch's age
     row.update(age_metrics(s.cfg.rollout.staleness, s.cfg.seed, step))
+    row.update(token_age_metrics([x.gen.version for x in batch.samples], step))  # rollout.partial
     if s.run.lab is not None:  # rl/lab_stats.py: can the methods differ here?
         row.update(s.run.lab.row(batch.samples, s.run.dist))
     row.update(step_evals(s, step))
@@ -331,22 +335,28 @@ def finish(s: State) -> TrainResult:
     return TrainResult(summary, s.store, s.run.dist.is_main)
 
 
-def sample_ahead(s: State, step: int) -> None:
+def sample_ahead(s: State, step: int, old: torch.nn.Module | None = None) -> None:
     """``rollout.staleness`` = k: collect and store now, with the policy after step ``step`` - 1,
     the batches of steps ``step`` + 1 .. ``step`` + k that are neither sampled yet nor stored (by
     the run before a resume). Every process takes the same decisions: from the batches it holds
-    and the manifest as read at setup (the other processes' view is not updated)."""
-    if s.run.source:
-        return  # --rollouts-from: the batches are used as stored
-    for ahead in sample_now(s.cfg.rollout.staleness, s.cfg.seed, step, s.count.steps):  # rl/schedule.py: the batch ages
-        if ahead not in s.count.ahead and not s.store.is_done(rollout_key(ahead)):
+    and the manifest as read at setup (the other processes' view is not updated). ``old``
+    (rollout.partial, after the update): the batches a weight sync lands in, from ``old`` (that
+    policy, copied) up to the drawn position and from the updated policy after it (rl/partial.py)."""
+    for ahead, at in partial.due_batches(s, step):  # rl/schedule.py: the batch ages
+        if at is None and old is None:
             s.count.ahead[ahead] = rollout_batch(s, ahead)
+        elif at is not None and old is not None:
+            engine = PartialEngine(s.parts.engine, old, s.parts.model, at, (step - 1, step))
+            s.count.ahead[ahead] = rollout_batch(s, ahead, engine, old)
 
 
-def rollout_batch(s: State, step: int) -> Batch:
+def rollout_batch(
+    s: State, step: int, engine: RolloutEngine | None = None, old: torch.nn.Module | None = None
+) -> Batch:
     """The step's batch with rewards and advantages, and its statistics: sampled ahead
     (``sample_ahead``), stored (a resumed run reuses it, hash checked), replayed from
-    ``--rollouts-from``, or collected; stored if new."""
+    ``--rollouts-from``, or collected (by ``engine``, default the run's; ``old``: the policy a
+    partial batch started with); stored if new."""
     p, r = s.parts, s.run
     if step in s.count.ahead:
         return s.count.ahead.pop(step)
@@ -356,26 +366,16 @@ def rollout_batch(s: State, step: int) -> Batch:
     if r.source:
         batch = r.source.batch(step)
     else:
-        batch = collect_rollouts(p.engine, p.tokenizer, r.task, p.method, r.collect, step, r.dist)
+        batch = collect_rollouts(engine or p.engine, p.tokenizer, r.task, p.method, r.collect, step, r.dist)
+        partial.stamp_versions(s, batch.samples, step)  # rollout.partial: each token's policy version
         # past the limit: stops
         warning = reward_failures(r.task, batch, step, s.cfg.rollout.n, s.cfg.task.max_reward_error_frac)
         if warning:
             _note(r.progress, r.dist, f"warning: {warning}")
         # the engine's gap to the trainer, at the weights that sampled the batch (rl/mismatch.py)
-        u, how = r.update, mismatch_from(s)
+        how = mismatch_from(s)
         if how is not None:  # "update": log pi_old comes from the update's own forward; only MoE routing flips here
-            batch.stats.update(
-                measure_mismatch(
-                    p.policy,
-                    p.model,
-                    p.engine,
-                    batch.samples,
-                    u.temperature,
-                    u.logprob_chunk,
-                    u.minibatches * u.grad_accum,
-                    routing_only=how == "update",
-                )
-            )
+            batch.stats.update(batch_mismatch(p.policy, p.model, p.engine, batch.samples, r.update, how, old))
     maybe_crash("rollout-write", step)
     s.store.write_rollouts(step, batch.samples, {**r.rollout_meta, "stats": batch.stats})
     return batch

@@ -94,6 +94,8 @@ def _model_checks(cfg: Config, task, tokenizer, vocab_size: int, context: int | 
         report.append(("train.quantization", check_train_quantization(cfg)))
     if isinstance(cfg.rollout.staleness, dict):
         report.append(("rollout.staleness", staleness_line(cfg.rollout.staleness)))
+    if cfg.rollout.partial is not None:
+        report.append(("rollout.partial", check_partial(cfg)))
     if cfg.train.packing:
         check_packing(cfg)
         report.append(("train.packing", "the model's attention can mask packed sequences"))
@@ -293,6 +295,27 @@ def check_replay_source(cfg: Config, source, spec: str) -> None:
             f"model.routing_replay=rollout: --rollouts-from {spec} has no recorded routing "
             "(its batches were sampled without model.routing_replay)"
         )
+
+
+def check_partial(cfg: Config) -> str:
+    """``rollout.partial`` against the rest of the run (ConfigError otherwise): single-turn (an
+    episode's tool turns have no decode position to switch at), no routing replay (the prefix's
+    routing would come from the older copy), one process (the older policy is a copy of the whole
+    model); ``--dry-run``'s line."""
+    from masktrl.rl.distributed import launched
+
+    for clash, why in (
+        (cfg.task.env is not None, "task.env (multi-turn episodes)"),
+        (cfg.model.routing_replay is not None, "model.routing_replay"),
+        (launched(), "several processes (accelerate launch)"),
+    ):
+        if clash:
+            raise ConfigError(f"rollout.partial cannot be combined with {why}")
+    return (
+        f"a weight sync lands in {cfg.rollout.partial:g} of the batches sampled ahead, at a decode "
+        f"position in 1..{cfg.rollout.max_new_tokens - 1} drawn from the seed (column version; "
+        "metrics rollout_token_age_*)"
+    )
 
 
 def staleness_line(value: dict) -> str:

@@ -23,7 +23,7 @@ import torch
 from masktrl.config import Config
 from masktrl.models.moe import moe_routers, replayed_routing, routing, routing_flip_rate
 from masktrl.rl.policy import behaviour_logp, policy_token_batch, replay_targets, replays_routing
-from masktrl.rollout.base import Sample
+from masktrl.rollout.base import Sample, policy_tokens
 from masktrl.rollout.mismatch import mismatch_stats
 
 
@@ -72,6 +72,44 @@ def measure_mismatch(
     elif copy is not None and moe_routers(model):
         stats["mismatch/routing_flip_rate"] = routing_flips(model, copy.model, samples, step)
     return stats
+
+
+def batch_mismatch(policy, model, engine, samples: list[Sample], u, how: str, old=None) -> dict:
+    """``mismatch/*`` of a batch just generated, as ``mismatch_source`` said (``how``): from
+    ``measure_mismatch`` (``"update"``: the routing flips only), or, for a partial batch (``old``:
+    the policy it started with, rollout.partial), from ``partial_mismatch``. ``u``: the run's
+    update settings (temperature, logprob_chunk, the forward split into its micro-batches)."""
+    pieces = u.minibatches * u.grad_accum
+    if old is not None:
+        return partial_mismatch(old, policy, samples, u.temperature, u.logprob_chunk, pieces)
+    return measure_mismatch(
+        policy, model, engine, samples, u.temperature, u.logprob_chunk, pieces, routing_only=how == "update"
+    )
+
+
+@torch.no_grad()
+def partial_mismatch(old, policy, samples: list[Sample], temperature: float, chunk: int, pieces: int = 1) -> dict:
+    """``mismatch/*`` of a partial rollout batch (``rollout.partial``): each token's log pi_old
+    at the weights that sampled it, ``old`` (the policy before the sync) for the tokens of the
+    batch's oldest version and ``policy`` (after it) for the later ones (``Generation.version``).
+    MoE routing flips are not measured on such a batch."""
+    if not samples:
+        return {}
+    first = min(v for s in samples for v in (s.gen.version or [0]))
+    step = max(1, -(-len(samples) // max(1, pieces)))
+    mu, pi = [], []
+    for i in range(0, len(samples), step):
+        part = samples[i : i + step]
+        before = policy_token_batch(old, part, temperature, chunk).batch
+        after = policy_token_batch(policy, part, temperature, chunk).batch
+        newer = torch.tensor(
+            [v > first for s in part for v, own in zip(s.gen.version or [], policy_tokens(s.gen)) if own],
+            dtype=torch.bool,
+            device=after.logp.device,
+        )
+        mu.append(after.behavior_logp)
+        pi.append(torch.where(newer, after.logp, before.logp))
+    return mismatch_stats(torch.cat(mu), torch.cat(pi))
 
 
 def routing_flips(trainer, copy, samples: list[Sample], step: int) -> float:

@@ -113,3 +113,45 @@ def age_metrics(value, seed: int, step: int) -> dict:
     """The metrics row's ``rollout_age`` (the batch's effective age) when rollout.staleness is a
     distribution; nothing for the integer form (its rows stay as they were)."""
     return {"rollout_age": batch_age(value, seed, step)} if isinstance(value, dict) else {}
+
+
+# --------------------------------------------------------------------------- partial rollouts (rollout.partial)
+#
+# A batch sampled ahead (during step sigma(t) < t) starts with the policy after sigma - 1; with
+# probability rollout.partial the weight sync after step sigma's update lands while it is being
+# generated, at decode position k (uniform in 1..max_new_tokens-1): the tokens from position k on
+# are sampled by the policy after step sigma, on the prefix recomputed (rollout/partial.py). Both
+# draws come from the stream (seed, "partial", t): a pure function of the seed and the step.
+
+
+def partial_at(partial: float | None, seed: int, step: int, max_new_tokens: int) -> int | None:
+    """The decode position at which the weight sync lands during the generation of step
+    ``step``'s batch (tokens 0..k-1 by the older policy, k.. by the newer), or None: no sync
+    lands (rollout.partial null, or not drawn). Only batches sampled ahead have a newer policy."""
+    if partial is None or max_new_tokens < 2:
+        return None
+    rng = random.Random(stream_seed(seed, "partial", step))
+    if rng.random() >= partial:
+        return None
+    return rng.randint(1, max_new_tokens - 1)
+
+
+def token_age_metrics(versions: list[list[int] | None], step: int) -> dict:
+    """The metrics row's token ages when the batch records per-token policy versions (rollout.partial):
+    the age of a token trained at step ``step`` is step - 1 - its version; the mean, the largest,
+    the fraction of responses with tokens of more than one version, and ``rollout_token_age/a``,
+    the number of tokens of age a. Nothing when no version is recorded (rows stay as they were)."""
+    rows = [v for v in versions if v is not None]
+    if not rows:
+        return {}
+    ages = [step - 1 - x for v in rows for x in v]
+    counts: dict[int, int] = {}
+    for a in ages:
+        counts[a] = counts.get(a, 0) + 1
+    out = {
+        "rollout_token_age_mean": sum(ages) / len(ages) if ages else float("nan"),
+        "rollout_token_age_max": max(ages, default=0),
+        "rollout_partial_frac": sum(len(set(v)) > 1 for v in rows) / len(rows),
+    }
+    out.update({f"rollout_token_age/{a}": counts[a] for a in sorted(counts)})
+    return out

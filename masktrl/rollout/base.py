@@ -74,6 +74,10 @@ class Generation:
     # [P+T][L*k] routing replay (model.routing_replay): the engine's top-k experts of every prompt
     # and response position in each MoE layer; None when not recorded
     routing: list[list[int]] | None = None
+    # [T] partial rollouts (rollout.partial): the policy version of each token, the optimizer step
+    # of the policy that sampled it (0: the starting policy); logp[t] is that policy's. None: not
+    # recorded (runs without rollout.partial)
+    version: list[int] | None = None
 
 
 POLICY, ENVIRONMENT = 0, 1  # Generation.source values

@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pyarrow as pa
@@ -91,6 +92,10 @@ ROUTING = (
     "routing",
     pa.list_(pa.list_(pa.int16())),
 )  # optional, any format: [P+T][L*k] the engine's experts (Generation.routing)
+VERSION = (
+    "version",
+    pa.list_(pa.int32()),
+)  # optional, any format: [T] each token's policy version (Generation.version; rollout.partial)
 _TOKEN_FLOATS = ["behavior_logp_x", "topk_logp"]
 
 
@@ -170,6 +175,11 @@ def write_rollouts(
         table = table.append_column(pa.field(*ROUTING), routing)
         if arrays is not None:
             opts["compression_level"]["routing"] = 3
+    version = version_column(samples)
+    if version is not None:  # partial rollouts: one more column, absent otherwise (other files unchanged)
+        table = table.append_column(pa.field(*VERSION), version)
+        if arrays is not None:
+            cast(dict, opts["compression_level"])["version"] = 1
     meta_kv = {b"masktrl": json.dumps(meta, sort_keys=True).encode()}
     if codec:
         meta_kv[CODEC_KEY] = json.dumps(codec, sort_keys=True).encode()
@@ -223,6 +233,37 @@ def routing_column(samples: list[Sample]) -> pa.Array | None:
             "Generation.routing must be given for every sample of a batch, one row per prompt and response token"
         )
     return pa.array(rec, type=ROUTING[1])
+
+
+def version_column(samples: list[Sample]) -> pa.Array | None:
+    """The optional ``version`` column: None when no sample records its tokens' policy versions;
+    ValueError when only some do, or a list's length differs from the response's."""
+    versions = [s.gen.version for s in samples]
+    if all(v is None for v in versions):
+        return None
+    if any(v is None or len(v) != len(s.gen.response_ids) for v, s in zip(versions, samples)):
+        raise ValueError("Generation.version must be given for every sample of a batch, one per response token")
+    return pa.array(versions, type=VERSION[1])
+
+
+def read_versions(path: Path, table: pa.Table, a: TokenArrays) -> list[int] | None:
+    """The flat [N] policy versions of the optional ``version`` column (None without it: runs
+    without rollout.partial, and every file written before it existed), checked: one per token,
+    each >= 0."""
+    if VERSION[0] not in table.column_names:
+        return None
+    col = table.column(VERSION[0]).combine_chunks()
+    if col.type != VERSION[1] or col.null_count:
+        raise ArtifactError(
+            f"{path}: column version has type {_type_name(col.type)} or nulls, expected {_type_name(VERSION[1])}"
+        )
+    if not np.array_equal(np.asarray(col.offsets), a.offsets):
+        raise ArtifactError(f"{path}: column version does not hold one entry per response token")
+    values = np.asarray(col.flatten()).astype(np.int64)
+    bad = np.flatnonzero(values < 0)
+    if len(bad):
+        raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: policy version {values[bad[0]]} is negative")
+    return values.tolist()
 
 
 def has_routing_column(path: Path) -> bool:
@@ -464,6 +505,7 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
         kept = read_kept(path, table, arrays)
         turns = read_turns(path, table, arrays)
         routing = read_routing(path, table)
+        versions = read_versions(path, table, arrays)
         samples = to_samples(table, arrays)
         if routing is not None:
             for i, (sample, rec) in enumerate(zip(samples, routing)):
@@ -478,6 +520,9 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
         if turns is not None:
             for sample, lo, hi in zip(samples, arrays.offsets[:-1].tolist(), arrays.offsets[1:].tolist()):
                 sample.gen.source, sample.gen.turn = turns[0][lo:hi], turns[1][lo:hi]
+        if versions is not None:
+            for sample, lo, hi in zip(samples, arrays.offsets[:-1].tolist(), arrays.offsets[1:].tolist()):
+                sample.gen.version = versions[lo:hi]
         return samples, meta
     except (ValueError, IndexError, KeyError, TypeError, pa.ArrowException) as exc:  # a damage no check above names
         raise ArtifactError(
