@@ -39,8 +39,8 @@ PROBES: dict[str, tuple[list[str], list[str], list[str]]] = {
     ),
     "async-geometric": (
         [],
-        ["rollout.staleness={dist: geometric, max: 4, p: 0.5}", "rollout.quantization=fp8-full"],
-        ["rollout.staleness=0", "rollout.quantization=fp8-full"],
+        ["rollout.staleness={dist: geometric, max: 4, p: 0.5}", "rollout.partial=0.5", "rollout.quantization=fp8-full"],
+        ["rollout.staleness=0", "rollout.partial=null", "rollout.quantization=fp8-full"],
     ),
     "top-p": (
         [],
