@@ -42,10 +42,10 @@ PROBES: dict[str, tuple[list[str], list[str], list[str]]] = {
         ["rollout.staleness={dist: geometric, max: 4, p: 0.5}", "rollout.partial=0.5", "rollout.quantization=fp8-full"],
         ["rollout.staleness=0", "rollout.partial=null", "rollout.quantization=fp8-full"],
     ),
-    "top-p": (
+    "top-p": (  # the kept set must fit the recorded top-20 list: top-k 20 on both sides, top-p the factor
         [],
-        ["rollout.top_p=0.9", "rollout.quantization=fp8-full"],
-        ["rollout.top_p=1.0", "rollout.quantization=fp8-full"],
+        ["rollout.top_k=20", "rollout.top_p=0.9", "rollout.quantization=fp8-full"],
+        ["rollout.top_k=20", "rollout.top_p=1.0", "rollout.quantization=fp8-full"],
     ),
     "moe-fp8": (
         ["--config", "lab-moe"],
