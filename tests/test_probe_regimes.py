@@ -4,6 +4,7 @@ collapsed seeds and seeds that ended below their start (issue #40's search)."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,3 +45,16 @@ def test_the_table_has_one_row_per_seed_of_every_cell_written(tmp_path, capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| top-p |")]
     assert len(rows) == 2
     assert "0.250 → 0.010 | yes | yes" in rows[1] and "rollout.top_p=0.9" in rows[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(P.PROBES))
+def test_every_probe_and_its_control_passes_the_dry_run(name, tmp_path):
+    """The run-time checks (a kept set that fits the recorded list, routing replay on an MoE, ...)
+    accept every probe: the search does not stop on a refusal hours in."""
+    presets, regime, control = P.PROBES[name]
+    for sets in (regime, control):
+        command = ["train", "--config", "lab", *presets, "--config", "methods/verl-grpo", "--dry-run"]
+        command += ["--out", str(tmp_path)] + [x for item in sets for x in ("--set", item)]
+        r = subprocess.run([sys.executable, "-m", "masktrl.cli", *command], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-500:]
