@@ -201,7 +201,7 @@ def build_parts(
     policy, optimizer = dist.prepare(PolicyForward(model), optimizer)  # model stays the (unwrapped) LM
     if count.start:
         # DeepSpeed: optimizer shards, fp32 master weights
-        ckpt.restore_engine_state(store.checkpoint_dir(count.start), dist, policy)
+        ckpt.restore_engine_state(store.checkpoint_dir(count.start), dist, policy, optimizer)
     store.set_info(disk_projection=projection.info())
     _note(progress, dist, projection.summary())
     engine = make_engine(

@@ -273,6 +273,7 @@ def minibatch_update(
         learner.optimizer.step()
     else:  # not applied: the weights and the optimizer state stay as they were
         learner.optimizer.zero_grad(set_to_none=True)
+    dist.whole()  # FSDP2: the updated shards gathered for the engine and the next forward
     with warnings.catch_warnings():  # torch warns when the first update of a run is the skipped one
         warnings.simplefilter("ignore", UserWarning)
         learner.scheduler.step()  # the schedule follows the updates planned, applied or not
@@ -356,10 +357,10 @@ def micro_update(
 
 
 def _agreed_share(samples: list[Sample], dist: Dist) -> bool | None:
-    """Under ZeRO-3 every process must run the same module calls (each call gathers its
+    """Under ZeRO-3 and FSDP2 every process must run the same module calls (each call gathers its
     weights from all processes), so they agree on the policy forward: the shared-prompt one only
     if every process can use it with the same number of calls. Otherwise each decides (None)."""
-    if not dist.zero3:
+    if not (dist.zero3 or dist.fsdp2):
         return None
     mine = (can_share_prompts(samples), shared_forward_calls(samples))
     views = dist.gather_objects(mine)
