@@ -248,7 +248,7 @@ def update(s: State, samples: list[Sample], step: int) -> dict:
             r.update,
             step,
             r.dist,
-            hooks=Hooks(before=logp or r.lab),
+            hooks=Hooks(before=logp or r.lab, old=logp.old if logp is not None else None),
             reference=p.reference,
         )
         if samples
@@ -388,6 +388,7 @@ def mismatch_from(s: State) -> str | None:
         minibatches=r.update.minibatches,
         replay=r.source is not None,
         world=r.dist.world,
+        old_forward=r.update.method.correction.needs_old,
     )
 
 

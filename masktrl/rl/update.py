@@ -99,6 +99,7 @@ class Hooks(NamedTuple):
 
     before: Callable | None = None
     after: Callable | None = None
+    old: Callable | None = None  # old(idx, logp): each micro-batch's pi_old (the correction's forward)
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,8 @@ def policy_update(
     needs_old = settings.method.correction.needs_old
     olds = old_logprobs(learner.model, samples, parts, settings, batch.dist) if needs_old else [None] * len(parts)
     old_forward_s = time.perf_counter() - t0
+    if needs_old and hooks.old is not None:
+        _report_old(hooks.old, samples, parts, olds, settings, batch.dist)
     for mb, idx in enumerate(parts):
         diag, n, applied = minibatch_update(learner, settings, batch, mb, idx, old=olds[mb])
         trained, skipped = trained + n, skipped + (not applied)
@@ -177,6 +180,14 @@ def policy_update(
         rows.append(diag)
     learner.model.eval()
     return _step_stats(rows, skipped, old_forward_s if needs_old else None, batch.dist, trained)
+
+
+def _report_old(hook, samples: list[Sample], parts: list[torch.Tensor], olds: list, settings, dist: Dist) -> None:
+    """``hook(sample indices, log pi_old [T])`` for each micro-batch of ``old_logprobs``."""
+    for idx, mb_old in zip(parts, olds):
+        mb_samples = [samples[i] for i in idx.tolist()]
+        for micro, (logp, _) in zip(_micro_batches(mb_samples, dist, settings), mb_old):
+            hook([idx[i].item() for i in micro], logp)
 
 
 def _minibatches(n: int, settings: UpdateSettings, step: int) -> list[torch.Tensor]:
