@@ -458,3 +458,20 @@ def test_unsupported_fsdp_setting_is_one_line(tmp_path, tiny_config, setting, ne
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
     assert next(iter(setting)) in lines[0] and not (tmp_path / "out" / "x").exists()
+
+
+@pytest.mark.slow
+def test_an_fsdp2_checkpoint_resumes_in_one_process(reference):
+    """An FSDP2 checkpoint is masktrl's ordinary one (full weights, the full optimizer state in the
+    one-process format): a run killed during step 2's update resumes in a plain process."""
+    base, cfg, _ = reference
+    out = str(base / "out")
+    r = launch(
+        FSDP2, "--config", str(cfg), "--out", out, "--set", "train.steps=3", "--run", "f-one",
+        env=_env(MASKTRL_CRASH_AT="update:2"),
+    )  # fmt: skip
+    assert r.returncode != 0 and (base / "out" / "f-one" / "checkpoints" / "000001").is_dir()
+    r = masktrl("train", "--resume", "f-one", "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in metrics(base / "out" / "f-one")] == [1, 2, 3]
+    assert (base / "out" / "f-one" / "checkpoints" / "000003" / "model.safetensors").is_file()
