@@ -426,7 +426,8 @@ class RolloutConfig:
     mismatch: str = "auto"
     """The engine-trainer gap of every generated batch, mismatch/* (docs/ROLLOUTS.md): auto (measured;
     log pi_old from the update's own forward when it runs at the sampling weights: one process,
-    staleness 0, train.minibatches 1; otherwise one extra forward without gradients) | always (that
+    staleness 0, train.minibatches 1 or a correction that computes pi_old; otherwise one extra
+    forward without gradients) | always (that
     extra forward for every batch; the same numbers) | off (not measured, no extra forward)."""
 
     def validate(self) -> None:

@@ -370,3 +370,108 @@ def test_deepspeed_run_killed_then_resumed_is_bit_identical(reference, stage):
     assert strip(metrics(out / full)) == strip(metrics(out / crash))
     r = masktrl("train", "--resume", crash, "--out", str(out))  # complete now: nothing to resume, whatever the launch
     assert r.returncode == 0 and "nothing to do" in r.stdout + r.stderr, r.stderr[-2000:]
+
+
+FSDP2 = ROOT / "configs" / "accelerate" / "fsdp2.yaml"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sets",
+    [[], ["--set", "train.packing=true", "--set", "train.micro_batch_tokens=40"], ["--set", "model.lora.rank=4"]],
+    ids=["full", "packed", "lora"],
+)
+def test_fsdp2_two_cpu_processes_match_one_process(reference, sets):
+    """FSDP2 (configs/accelerate/fsdp2.yaml: the policy as one fully_shard unit, gradients and
+    optimizer state sharded) on 2 CPU processes (gloo), on the one-process reference's rollouts:
+    the same update to the tolerance of ``assert_same_weights`` (measured: every element within
+    1e-6, the largest difference 7.1e-7 at lr 1e-3), the checkpoint's optimizer state whole and in
+    the one-process format. LoRA: against a one-process LoRA run, on its rollouts."""
+    base, cfg, ref = reference
+    name = "fsdp2-" + ("-".join(s.split("=")[0].replace(".", "-") for s in sets if s != "--set") or "full")
+    weights = "model.safetensors"
+    if "model.lora.rank=4" in sets:
+        ref = base / "out" / "lora-ref"
+        r = masktrl("train", "--config", str(cfg), "--out", str(base / "out"), "--run", ref.name, *sets)
+        assert r.returncode == 0, r.stderr[-3000:]
+        weights = "adapter_model.safetensors"
+    out = str(base / "out")
+    r = launch(FSDP2, "--config", str(cfg), "--out", out, "--run", name, "--rollouts-from", str(ref), *sets)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    two = base / "out" / name
+    a = load_file(ref / "checkpoints" / "000002" / weights)
+    b = load_file(two / "checkpoints" / "000002" / weights)
+    assert_same_weights(a, b, lr=train_lr(ref))
+    assert any(not torch.equal(a[k], load_file(ref / "checkpoints" / "000001" / weights)[k]) for k in a)  # it trained
+    for x, y in zip(metrics(ref), metrics(two), strict=True):
+        assert abs(x["loss"] - y["loss"]) < 1e-6 and abs(x["grad_norm"] - y["grad_norm"]) < 1e-5
+        shares = y["sequences_per_process"]
+        assert len(shares) == 2 and shares[0] == shares[1] > 0
+    one_opt = torch.load(ref / "checkpoints" / "000002" / "trainer_state.pt", weights_only=True)["optimizer"]
+    two_opt = torch.load(two / "checkpoints" / "000002" / "trainer_state.pt", weights_only=True)["optimizer"]
+    assert one_opt["state"].keys() == two_opt["state"].keys()
+    for i, entry in one_opt["state"].items():  # whole tensors (no DTensor), the same moments
+        assert type(two_opt["state"][i]["exp_avg"]) is torch.Tensor
+        assert (entry["exp_avg"] - two_opt["state"][i]["exp_avg"]).abs().max() < 1e-6
+
+
+@pytest.mark.slow
+def test_fsdp2_run_killed_then_resumed_is_bit_identical(reference):
+    """FSDP2 on 2 CPU processes, rollouts generated on policy (the engine samples from the
+    gathered weights): SIGKILL (both processes) during step 3's update, then --resume under the
+    same launch; the full optimizer state of checkpoint 2 is sharded again on resume. The final
+    weights and metrics equal the uninterrupted run's exactly."""
+    base, cfg, _ = reference
+    out = str(base / "out")
+    args = ["--config", str(cfg), "--out", out, "--set", "train.steps=3"]
+    r = launch(FSDP2, *args, "--run", "f-full3")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    r = launch(FSDP2, *args, "--run", "f-crash3", env=_env(MASKTRL_CRASH_AT="update:3"))
+    assert r.returncode != 0 and not (base / "out" / "f-crash3" / "summary.json").exists()
+    r = launch(FSDP2, "--resume", "f-crash3", "--out", out)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    strip = lambda rows: [{k: v for k, v in row.items() if k not in TIMING} for row in rows]  # noqa: E731
+    full, crash = strip(metrics(base / "out" / "f-full3")), strip(metrics(base / "out" / "f-crash3"))
+    differ = [  # (step, metric, uninterrupted, resumed): what tells where a difference starts
+        (x["step"], k, x[k], y.get(k)) for x, y in zip(full, crash) for k in x if x[k] != y.get(k)
+    ]
+    for step in (1, 2, 3):
+        a = load_file(base / "out" / "f-full3" / "checkpoints" / f"{step:06d}" / "model.safetensors")
+        b = load_file(base / "out" / "f-crash3" / "checkpoints" / f"{step:06d}" / "model.safetensors")
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (step, worst, differ[:6])
+    assert full == crash, differ[:6]
+
+
+@pytest.mark.parametrize(
+    "setting, needle",
+    [
+        ({"FSDP_VERSION": "1"}, "fsdp_version must be 2"),
+        ({"FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP"}, "fsdp_auto_wrap_policy must be NO_WRAP"),
+        ({"FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params must be false"),
+    ],
+)
+def test_unsupported_fsdp_setting_is_one_line(tmp_path, tiny_config, setting, needle):
+    """As ``accelerate launch`` hands over an FSDP config's settings; refused before anything is written."""
+    env = _env(**{"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", **setting})
+    r = masktrl("train", "--config", str(tiny_config), "--out", str(tmp_path / "out"), "--run", "x", env=env)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
+    assert next(iter(setting)) in lines[0] and not (tmp_path / "out" / "x").exists()
+
+
+@pytest.mark.slow
+def test_an_fsdp2_checkpoint_resumes_in_one_process(reference):
+    """An FSDP2 checkpoint is masktrl's ordinary one (full weights, the full optimizer state in the
+    one-process format): a run killed during step 2's update resumes in a plain process."""
+    base, cfg, _ = reference
+    out = str(base / "out")
+    r = launch(
+        FSDP2, "--config", str(cfg), "--out", out, "--set", "train.steps=3", "--run", "f-one",
+        env=_env(MASKTRL_CRASH_AT="update:2"),
+    )  # fmt: skip
+    assert r.returncode != 0 and (base / "out" / "f-one" / "checkpoints" / "000001").is_dir()
+    r = masktrl("train", "--resume", "f-one", "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in metrics(base / "out" / "f-one")] == [1, 2, 3]
+    assert (base / "out" / "f-one" / "checkpoints" / "000003" / "model.safetensors").is_file()

@@ -30,24 +30,26 @@ def model():
     )
 
 
-def _from_update(model, samples, grad_accum=1, name="grpo", **settings):
-    """The update's mismatch/* (one minibatch), checking that it trained."""
+def _from_update(model, samples, grad_accum=1, name="grpo", minibatches=1, method=None, **settings):
+    """The update's mismatch/* (``minibatches`` minibatches: then ``method`` computes pi_old
+    first), checking that it trained."""
     m = copy.deepcopy(model)
     opt, sched = make_optimizer(m, load_config(None, ["train.lr=1e-2"]).train)
     s = UpdateSettings(
-        minibatches=1,
+        minibatches=minibatches,
         grad_accum=grad_accum,
         grad_clip=1e9,
         logprob_chunk=7,
         temperature=0.9,
         horizon=20,
-        method=get_method(name).bind(),
+        method=method or get_method(name).bind(),
         **settings,
     )
     seen = []
     hook = UpdateLogp(then=lambda mb, idx, out, losses, u: seen.append(mb))
-    policy_update(Learner(PolicyForward(m), opt, sched), samples, s, step=1, hooks=Hooks(before=hook))
-    assert seen and set(seen) == {0}  # the hook it wraps still runs, once per micro-batch
+    hooks = Hooks(before=hook, old=hook.old)
+    policy_update(Learner(PolicyForward(m), opt, sched), samples, s, step=1, hooks=hooks)
+    assert seen and set(seen) == set(range(minibatches))  # the hook it wraps still runs, once per micro-batch
     stats = hook.stats(samples)
     assert not any(torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))  # it did update
     return stats
@@ -67,6 +69,23 @@ def test_update_forward_gives_the_separate_forwards_numbers_bit_for_bit(model, n
     got = _from_update(model, samples, name=name)
     assert set(got) == set(KEYS) and got["mismatch/tokens"] > 0 and got["mismatch/logp_abs_mean"] > 0
     assert got == ref
+
+
+@pytest.mark.parametrize("minibatches", [1, 2, 4])
+def test_the_decoupled_pi_old_forward_gives_the_separate_forwards_numbers(model, minibatches):
+    """method.correction.mode: decoupled computes pi_old of every minibatch before the first
+    step, at the sampling weights: the mismatch/* reuse it (no separate forward) for any number
+    of minibatches. The pi_old forward runs the update's seeded minibatches, the separate forward
+    contiguous pieces, so each forward pads to another width: the same tokens, the numbers to
+    float32 rounding (on torch 2.13 even one minibatch differs in the last bits, as the
+    bit-for-bit tests above do at commit 2453fda)."""
+    samples = make_samples(model.config.vocab_size, seed=7, groups=4, per_group=4)
+    method = load_config(None, ["method.correction.mode=decoupled"]).method.bind()
+    got = _from_update(model, samples, minibatches=minibatches, method=method)
+    ref = _separate(model, samples, pieces=minibatches)
+    assert set(got) == set(KEYS) and got["mismatch/tokens"] == ref["mismatch/tokens"] > 0
+    for k in KEYS:
+        assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), k
 
 
 def test_truncated_responses_are_measured_under_mask_truncated(model):
@@ -108,6 +127,10 @@ def test_where_the_numbers_come_from():
         assert (
             mismatch_source("auto", **{**kw, **change}) == "forward"
         )  # the update cannot give pi_old at the sampling weights
+    # with the pi_old forward of a decoupled correction, any number of minibatches (not staleness, processes)
+    assert mismatch_source("auto", **{**kw, "minibatches": 8, "old_forward": True}) == "update"
+    assert mismatch_source("auto", **{**kw, "staleness": 2, "old_forward": True}) == "forward"
+    assert mismatch_source("auto", **{**kw, "world": 2, "old_forward": True}) == "forward"
     assert mismatch_source("auto", **{**kw, "replay": True}) is None  # --rollouts-from: this policy did not sample it
     assert mismatch_source("always", **{**kw, "replay": True}) is None
 

@@ -202,7 +202,7 @@ def build_parts(
     policy, optimizer = dist.prepare(PolicyForward(model), optimizer)  # model stays the (unwrapped) LM
     if count.start:
         # DeepSpeed: optimizer shards, fp32 master weights
-        ckpt.restore_engine_state(store.checkpoint_dir(count.start), dist, policy)
+        ckpt.restore_engine_state(store.checkpoint_dir(count.start), dist, policy, optimizer)
     store.set_info(disk_projection=projection.info())
     _note(progress, dist, projection.summary())
     engine = make_engine(
@@ -251,7 +251,7 @@ def update(s: State, samples: list[Sample], step: int) -> dict:
             r.update,
             step,
             r.dist,
-            hooks=Hooks(before=logp or r.lab),
+            hooks=Hooks(before=logp or r.lab, old=logp.old if logp is not None else None),
             reference=p.reference,
         )
         if samples
@@ -390,6 +390,7 @@ def mismatch_from(s: State) -> str | None:
         minibatches=r.update.minibatches,
         replay=r.source is not None,
         world=r.dist.world,
+        old_forward=r.update.method.correction.needs_old,
     )
 
 

@@ -4,7 +4,7 @@ A plain ``masktrl train`` gets ``Dist()``: rank 0 of 1, every collective a no-op
 and optimizer untouched, ``backward`` = ``loss.backward()``. That path is exactly the
 single-process trainer, bit for bit.
 
-Under ``accelerate launch`` (DDP or DeepSpeed ZeRO-2/3, GPUs or nodes, or ``--cpu`` with gloo),
+Under ``accelerate launch`` (DDP, DeepSpeed ZeRO-2/3 or FSDP2, GPUs or nodes, or CPUs with gloo),
 ``Dist.from_launch(cfg.train)`` builds one ``accelerate.Accelerator`` and the loop uses it for:
 
 * rank / world size / ``is_main`` (only the main process writes artifacts),
@@ -17,6 +17,16 @@ Under ``accelerate launch`` (DDP or DeepSpeed ZeRO-2/3, GPUs or nodes, or ``--cp
 * gradient accumulation (``accumulate``/``backward``/``clip_grad_norm``): the loss handed to
   ``backward`` is already normalised by the whole batch (see ``rl/update.py``), so the
   ``1/grad_accum`` that accelerate and DeepSpeed apply is undone here.
+
+FSDP2 (``distributed_type: FSDP``, ``fsdp_version: 2``, configs/accelerate/fsdp2.yaml) shards the
+policy as one FSDP2 unit (``fsdp_auto_wrap_policy: NO_WRAP``): the optimizer state and the
+gradients are sharded over the processes; the weights are gathered whole by every process after
+each update (``whole``), so the rollout engine, the reference and the metrics read them as in a
+plain run, and a checkpoint holds the full weights and the full optimizer state in masktrl's
+ordinary format (resumable by any launch). accelerate (1.16) only turns FSDP on for an
+accelerator device (``AcceleratorState``: the FSDP branch lists MULTI_GPU, MULTI_XPU, ..., not
+MULTI_CPU); on CPUs (gloo) ``from_launch`` switches the MULTI_CPU state to FSDP with the
+launch's plugin, and accelerate's own FSDP2 preparation (``fully_shard``) runs unchanged.
 
 An invalid DeepSpeed JSON (``deepspeed_config_file`` of the accelerate config, passed on as
 ``ACCELERATE_DEEPSPEED_CONFIG_FILE``) or launch setting is a ``ConfigError`` naming the file
@@ -65,7 +75,9 @@ class Dist:
             self.device = accelerator.device
         self.deepspeed = accelerator is not None and accelerator.state.deepspeed_plugin is not None
         self.zero3 = self.deepspeed and accelerator.state.deepspeed_plugin.zero_stage == 3
+        self.fsdp2 = accelerator is not None and bool(getattr(accelerator, "is_fsdp2", False))
         self._raw_optimizer = None
+        self._fsdp_root = None  # FSDP2: the prepared policy (one FSDP unit)
 
     @classmethod
     def from_launch(cls, train_cfg) -> Dist:
@@ -82,6 +94,8 @@ class Dist:
             raise ConfigError(
                 f"{_launch_source()}: invalid accelerate/DeepSpeed settings ({_first_line(exc)})"
             ) from None
+        if cpu and _fsdp_launch():
+            _fsdp_on_cpu(acc)
         plugin = acc.state.deepspeed_plugin
         if plugin is not None:
             ds = plugin.deepspeed_config
@@ -112,15 +126,63 @@ class Dist:
             import deepspeed
 
             deepspeed.zero.register_external_parameter(model, model.lm.get_output_embeddings().weight)
-        return self.acc.prepare(model, optimizer)
+        policy, optimizer = self.acc.prepare(model, optimizer)
+        if self.fsdp2:
+            self._fsdp_root = policy
+            self.whole()
+        return policy, optimizer
+
+    def whole(self) -> None:
+        """FSDP2: every process gathers the whole weights (one all-gather; every process must
+        call). After ``prepare`` and after every update, so that the engine, the reference and
+        the metrics, which call the LM outside the policy forward, see whole tensors; the next
+        backward (or a ``state_dict``) shards them again. No-op otherwise."""
+        if self._fsdp_root is not None:
+            self._fsdp_root.unshard()
+
+    def full_optimizer_state(self, optimizer) -> dict:
+        """The optimizer's ``state_dict`` with every sharded (FSDP2) tensor gathered whole: the
+        format of a one-process run (every process must call)."""
+        state = optimizer.state_dict()
+        if not self.fsdp2:
+            return state
+        from torch.distributed.tensor import DTensor
+
+        full = {
+            i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in entry.items()}
+            for i, entry in state["state"].items()
+        }
+        return {**state, "state": full}
+
+    def load_full_optimizer_state(self, optimizer, state: dict) -> None:
+        """Load a one-process-format optimizer ``state`` into the FSDP2-prepared ``optimizer``:
+        each tensor sharded like its parameter (every process, the same ``state``)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        sharded = {}
+        for i, entry in state["state"].items():
+            p = params[int(i)]
+            sharded[i] = {
+                k: distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+                if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == p.shape
+                else v
+                for k, v in entry.items()
+            }
+        optimizer.load_state_dict({**state, "state": sharded})
 
     def unwrap(self, model):
         return model if self.acc is None else self.acc.unwrap_model(model)
 
     def full_state_dict(self, model) -> dict | None:
-        """The unwrapped model's full state dict (on the main process; ZeRO-3: every rank must call)."""
+        """The unwrapped model's full state dict (on the main process; ZeRO-3, FSDP2: every rank must call)."""
         if self.acc is None:
             return self.unwrap(model).state_dict()
+        if self.fsdp2:  # accelerate's get_state_dict (1.16) hands back the DTensor shards here: gathered here
+            from torch.distributed.tensor import DTensor
+
+            state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+            return state if self.is_main else None
         return self.acc.get_state_dict(model)
 
     # -- DeepSpeed's sharded state (optimizer partitions, fp32 master weights) for --resume
@@ -268,6 +330,48 @@ def check_launch_settings() -> None:
     ZeRO stage named by ``accelerate launch``); nothing to check for a plain run."""
     _check_deepspeed_json(os.environ.get(DS_CONFIG_ENV))
     _check_zero_stage(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))
+    _check_fsdp_settings()
+
+
+def _fsdp_launch() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+# FSDP settings masktrl runs (environment variable as accelerate launch sets it, accepted values,
+# the accelerate config key); anything else is refused before anything starts
+FSDP_SETTINGS = (
+    ("FSDP_VERSION", ("2",), "fsdp_version"),
+    ("FSDP_AUTO_WRAP_POLICY", ("NO_WRAP",), "fsdp_auto_wrap_policy"),
+    ("FSDP_OFFLOAD_PARAMS", ("false",), "fsdp_offload_params"),
+    ("FSDP_CPU_RAM_EFFICIENT_LOADING", ("false",), "fsdp_cpu_ram_efficient_loading"),
+    ("FSDP_ACTIVATION_CHECKPOINTING", ("false",), "fsdp_activation_checkpointing"),
+)
+
+
+def _check_fsdp_settings() -> None:
+    """FSDP launches: only the tested FSDP2 settings (configs/accelerate/fsdp2.yaml)."""
+    if not _fsdp_launch():
+        return
+    for env, accepted, key in FSDP_SETTINGS:
+        value = os.environ.get(env, accepted[0]).strip().lower()
+        if value not in [a.lower() for a in accepted]:
+            raise ConfigError(
+                f"accelerate launch settings ({env}={os.environ[env]}): {key} must be {accepted[0]} under "
+                "masktrl (FSDP2 with the policy as one unit, as in configs/accelerate/fsdp2.yaml; "
+                "train.gradient_checkpointing for activation checkpointing)"
+            )
+
+
+def _fsdp_on_cpu(acc) -> None:
+    """Switch a MULTI_CPU (gloo) accelerate state to FSDP with the launch's plugin: accelerate
+    (1.16, ``AcceleratorState.__init__``) sets FSDP only for accelerator devices and would
+    otherwise run plain DDP on CPUs, silently."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if acc.state.distributed_type != DistributedType.MULTI_CPU:
+        return
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+    acc.state.distributed_type = DistributedType.FSDP
 
 
 def _check_deepspeed_json(path: str | None) -> None:

@@ -27,14 +27,18 @@ from masktrl.rollout.base import Sample, policy_tokens
 from masktrl.rollout.mismatch import mismatch_stats
 
 
-def mismatch_source(mode: str, *, staleness: int, minibatches: int, replay: bool, world: int) -> str | None:
+def mismatch_source(
+    mode: str, *, staleness: int, minibatches: int, replay: bool, world: int, old_forward: bool = False
+) -> str | None:
     """Where a generated batch's ``mismatch/*`` come from under ``rollout.mismatch`` = ``mode``:
     ``"update"`` (the update's own forward, ``UpdateLogp``), ``"forward"`` (the separate
     forward, ``measure_mismatch``) or None (not measured: ``off``, or batches replayed from
-    ``--rollouts-from``, which this policy did not sample)."""
+    ``--rollouts-from``, which this policy did not sample). ``old_forward``: the update computes
+    pi_old of the whole batch before its first step (``correction.needs_old``), so any number of
+    minibatches gives it at the sampling weights."""
     if mode == "off" or replay:
         return None
-    if mode == "auto" and staleness == 0 and minibatches == 1 and world == 1:
+    if mode == "auto" and staleness == 0 and (minibatches == 1 or old_forward) and world == 1:
         return "update"
     return "forward"
 
@@ -173,20 +177,29 @@ class UpdateLogp:
     """The ``policy_update(before=...)`` hook that keeps log pi (detached) of every token of
     minibatch 0's micro-batch forwards, then gives the batch's ``mismatch/*`` (``stats``): with
     one minibatch every micro-batch runs before the first optimizer step, so that is log pi_old at
-    the weights that sampled the batch. The tokens are put back in the batch's order (the update
-    trains a seeded permutation; an index placement, no arithmetic), so the statistics reduce
+    the weights that sampled the batch; with the pi_old forward of ``correction.needs_old``
+    (``old``), every minibatch is forwarded before the first step. The tokens are put back in the
+    batch's order (the update trains a seeded permutation; an index placement, no arithmetic), so the statistics reduce
     over the same vector in the same order as ``measure_mismatch``'s. ``then``: a hook to call
     after (the lab statistics)."""
 
     def __init__(self, then=None):
         self.then = then
         self._parts: list[tuple[list[int], torch.Tensor]] = []  # (sample indices, their tokens' log pi [T])
+        self._from_old = False
 
     def __call__(self, mb, idx, out, losses, u) -> None:
-        if mb == 0:
+        if mb == 0 and not self._from_old:
             self._parts.append((list(idx), out.batch.logp.detach().clone()))
         if self.then is not None:
             self.then(mb, idx, out, losses, u)
+
+    def old(self, idx: list[int], logp: torch.Tensor) -> None:
+        """The ``policy_update(old=...)`` hook: log pi_old [T] of the samples ``idx`` from the
+        update's pi_old forward (``correction.needs_old``), every minibatch's before the first
+        step; then those are kept instead of minibatch 0's policy forward."""
+        self._from_old = True
+        self._parts.append((list(idx), logp.detach().clone()))
 
     def stats(self, samples: list[Sample]) -> dict:
         """``mismatch/*`` of ``samples`` (the batch the update trained on, every one seen); {} if none."""

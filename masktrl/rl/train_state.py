@@ -83,7 +83,8 @@ def save_step(
     place: a checkpoint folder that exists is complete, DeepSpeed state included. Weights that
     are not all finite are never written (MasktrlError: the run stops as failed)."""
     dist = dist or Dist()
-    state = dist.full_state_dict(policy) if dist.deepspeed else None  # ZeRO-3: None except on the main process
+    sharded = dist.deepspeed or dist.fsdp2
+    state = dist.full_state_dict(policy) if sharded else None  # ZeRO-3, FSDP2: None except on the main process
     if state is not None:
         state = {k.removeprefix("lm."): v for k, v in state.items()}
     weights = state if state is not None else (model.state_dict() if store.writable else None)
@@ -92,6 +93,9 @@ def save_step(
         raise MasktrlError(
             f"step {step}: the weights are not finite ({bad} holds NaN or inf); checkpoint {step} was not written"
         )
+    if dist.fsdp2:  # the full optimizer state, in the one-process format; the weights whole again
+        optimizer = _Saved(dist.full_optimizer_state(optimizer))
+        dist.whole()
     dest = store.checkpoint_dir(step)
     shards = dest.with_name(dest.name + ".deepspeed.tmp") if dist.deepspeed else None
     if shards is not None:
@@ -115,6 +119,16 @@ def save_step(
             checkpoint_key(step), [path], metrics=store.metrics_digest()
         )  # every file, and the rows up to it
     dist.barrier()
+
+
+class _Saved:
+    """An optimizer state already gathered, where ``save`` asks for ``optimizer.state_dict()``."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
 
 
 def nonfinite_tensor(state: dict) -> str | None:
@@ -158,10 +172,18 @@ def check_resumable(path: Path, dist: Dist) -> None:
     dist.check_engine_state(info, path)
 
 
-def restore_engine_state(path: Path, dist: Dist, policy) -> None:
+def restore_engine_state(path: Path, dist: Dist, policy, optimizer=None) -> None:
     """Every process loads its shard of the checkpoint's DeepSpeed state into the prepared
-    ``policy`` (no-op without DeepSpeed)."""
+    ``policy``; under FSDP2 the checkpoint's full optimizer state is sharded into the prepared
+    ``optimizer`` (``restore`` loaded it before ``prepare``, which swaps the parameters). No-op
+    otherwise."""
     dist.load_engine_state(policy, Path(path) / ENGINE_STATE_DIR)
+    if dist.fsdp2 and optimizer is not None:
+        try:
+            state = torch.load(Path(path) / "trainer_state.pt", weights_only=True)["optimizer"]
+        except (OSError, RuntimeError, KeyError) as exc:
+            raise ArtifactError(f"{path}: unreadable optimizer state ({str(exc).splitlines()[0]})") from None
+        dist.load_full_optimizer_state(optimizer, state)
 
 
 def load_trainer_state(path: Path, optimizer, scheduler) -> dict:

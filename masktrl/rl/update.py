@@ -99,6 +99,7 @@ class Hooks(NamedTuple):
 
     before: Callable | None = None
     after: Callable | None = None
+    old: Callable | None = None  # old(idx, logp): each micro-batch's pi_old (the correction's forward)
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,8 @@ def policy_update(
     needs_old = settings.method.correction.needs_old
     olds = old_logprobs(learner.model, samples, parts, settings, batch.dist) if needs_old else [None] * len(parts)
     old_forward_s = time.perf_counter() - t0
+    if needs_old and hooks.old is not None:
+        _report_old(hooks.old, samples, parts, olds, settings, batch.dist)
     for mb, idx in enumerate(parts):
         diag, n, applied = minibatch_update(learner, settings, batch, mb, idx, old=olds[mb])
         trained, skipped = trained + n, skipped + (not applied)
@@ -177,6 +180,14 @@ def policy_update(
         rows.append(diag)
     learner.model.eval()
     return _step_stats(rows, skipped, old_forward_s if needs_old else None, batch.dist, trained)
+
+
+def _report_old(hook, samples: list[Sample], parts: list[torch.Tensor], olds: list, settings, dist: Dist) -> None:
+    """``hook(sample indices, log pi_old [T])`` for each micro-batch of ``old_logprobs``."""
+    for idx, mb_old in zip(parts, olds):
+        mb_samples = [samples[i] for i in idx.tolist()]
+        for micro, (logp, _) in zip(_micro_batches(mb_samples, dist, settings), mb_old):
+            hook([idx[i].item() for i in micro], logp)
 
 
 def _minibatches(n: int, settings: UpdateSettings, step: int) -> list[torch.Tensor]:
@@ -273,6 +284,7 @@ def minibatch_update(
         learner.optimizer.step()
     else:  # not applied: the weights and the optimizer state stay as they were
         learner.optimizer.zero_grad(set_to_none=True)
+    dist.whole()  # FSDP2: the updated shards gathered for the engine and the next forward
     with warnings.catch_warnings():  # torch warns when the first update of a run is the skipped one
         warnings.simplefilter("ignore", UserWarning)
         learner.scheduler.step()  # the schedule follows the updates planned, applied or not
@@ -356,10 +368,10 @@ def micro_update(
 
 
 def _agreed_share(samples: list[Sample], dist: Dist) -> bool | None:
-    """Under ZeRO-3 every process must run the same module calls (each call gathers its
+    """Under ZeRO-3 and FSDP2 every process must run the same module calls (each call gathers its
     weights from all processes), so they agree on the policy forward: the shared-prompt one only
     if every process can use it with the same number of calls. Otherwise each decides (None)."""
-    if not dist.zero3:
+    if not (dist.zero3 or dist.fsdp2):
         return None
     mine = (can_share_prompts(samples), shared_forward_calls(samples))
     views = dist.gather_objects(mine)
