@@ -60,15 +60,18 @@ def _separate(model, samples, pieces=1):
 
 
 @pytest.mark.parametrize("name", ["grpo", "sis", "gspo"])
-def test_update_forward_gives_the_separate_forwards_numbers_bit_for_bit(model, name):
+def test_update_forward_gives_the_separate_forwards_numbers(model, name):
     """One minibatch, one micro-batch (the default): the update forwards the whole batch in its
     seeded order before its step; put back in the batch's order, log pi and every statistic are
-    the separate forward's exactly (the invalid tokens, log mu = -inf, are left out by both)."""
+    the separate forward's: the same tokens (the invalid ones, log mu = -inf, left out by both) and
+    the same numbers to float32 rounding. Bit for bit only where the CPU's GEMM gives a row the same
+    bits in any row order: on an AMD EPYC the shuffled batch differs in the last bits (~5e-9)."""
     samples = make_samples(model.config.vocab_size, seed=3, groups=4, per_group=4)
     ref = _separate(model, samples)
     got = _from_update(model, samples, name=name)
-    assert set(got) == set(KEYS) and got["mismatch/tokens"] > 0 and got["mismatch/logp_abs_mean"] > 0
-    assert got == ref
+    assert set(got) == set(KEYS) and got["mismatch/tokens"] == ref["mismatch/tokens"] > 0
+    assert got["mismatch/logp_abs_mean"] > 0
+    assert got == pytest.approx(ref, rel=1e-6, abs=1e-9)
 
 
 @pytest.mark.parametrize("minibatches", [1, 2, 4])
@@ -77,8 +80,7 @@ def test_the_decoupled_pi_old_forward_gives_the_separate_forwards_numbers(model,
     step, at the sampling weights: the mismatch/* reuse it (no separate forward) for any number
     of minibatches. The pi_old forward runs the update's seeded minibatches, the separate forward
     contiguous pieces, so each forward pads to another width: the same tokens, the numbers to
-    float32 rounding (on torch 2.13 even one minibatch differs in the last bits, as the
-    bit-for-bit tests above do at commit 2453fda)."""
+    float32 rounding (even one minibatch differs in the last bits on an AMD EPYC, as above)."""
     samples = make_samples(model.config.vocab_size, seed=7, groups=4, per_group=4)
     method = load_config(None, ["method.correction.mode=decoupled"]).method.bind()
     got = _from_update(model, samples, minibatches=minibatches, method=method)
@@ -93,7 +95,8 @@ def test_truncated_responses_are_measured_under_mask_truncated(model):
     samples = make_samples(model.config.vocab_size, seed=4)
     for s in samples[::2]:
         s.gen.finished = False
-    assert _from_update(model, samples, mask_truncated=True) == _separate(model, samples)
+    got, ref = _from_update(model, samples, mask_truncated=True), _separate(model, samples)
+    assert got["mismatch/tokens"] == ref["mismatch/tokens"] and got == pytest.approx(ref, rel=1e-6, abs=1e-9)
 
 
 @pytest.mark.parametrize(
