@@ -120,7 +120,9 @@ def test_fp8_full_head_matches_the_engine():
     model = _tiny()
     quantize_training(model, "fp8-full")
     engine = LowPrecisionCopy(model, torch.float32, "fp8-full")
-    h = model.model(IDS).last_hidden_state  # [B, S, H]: the engine's shape, so the GEMM blocks the same way on any CPU
+    h = model.model(
+        IDS
+    ).last_hidden_state  # [B, S, H]: the engine's shape (a [S, H] GEMM splits otherwise with 2 threads)
     hq, wq = quantized_head(model, h, model.lm_head.weight)
     with torch.no_grad():
         assert torch.equal(torch.nn.functional.linear(hq, wq), engine.model(IDS).logits)
