@@ -110,20 +110,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def table(args: argparse.Namespace) -> int:
-    print("| probe | regime | seed | held-out before → after | collapsed | below start |")
-    print("|---|---|---|---|---|---|")
+def probe_table(cells: Path) -> str:
+    """The probe table (markdown) from the committed cells: one row per seed of every probe run so far."""
+    lines = [
+        "| probe | regime | seed | held-out before → after | collapsed | below start |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in [n for p in PROBES for n in (p, f"{p}-control")]:
-        for path in sorted((args.cells / name).glob("*.json")):
-            cell = json.loads(path.read_text())
-            sets = PROBES[name.removesuffix("-control")][2 if name.endswith("-control") else 1]
-            for r in cell["runs"]:
+        sets = PROBES[name.removesuffix("-control")][2 if name.endswith("-control") else 1]
+        for path in sorted((cells / name).glob("*.json")):
+            for r in json.loads(path.read_text())["runs"]:
                 collapsed = bool((r.get("collapse") or {}).get("collapsed"))
-                below = r["eval_after"] < r["eval_before"]
-                print(
-                    f"| {name} | {', '.join(sets)} | {r['seed']} | {r['eval_before']:.3f} → {r['eval_after']:.3f} "
-                    f"| {'yes' if collapsed else 'no'} | {'yes' if below else 'no'} |"
+                lines.append(
+                    f"| {name} | {', '.join(sets) or 'the preset'} | {r['seed']} | {r['eval_before']:.3f} → "
+                    f"{r['eval_after']:.3f} | {'yes' if collapsed else 'no'} | "
+                    f"{'yes' if r['eval_after'] < r['eval_before'] else 'no'} |"
                 )
+    if len(lines) == 2:
+        lines.append("| (no probe has finished yet) | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def table(args: argparse.Namespace) -> int:
+    print(probe_table(args.cells), end="")
     return 0
 
 

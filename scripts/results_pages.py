@@ -112,7 +112,19 @@ def rollout_storage(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-BLOCKS: dict[str, Callable[[Path], str]] = {"disk-projection": disk_projection, "rollout-storage": rollout_storage}
+def probes(root: Path) -> str:
+    """The probe table of scripts/probe_regimes.py from its cells (docs/results/cells/<probe>/)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import probe_regimes
+
+    return probe_regimes.probe_table(root / "docs" / "results" / "cells")
+
+
+BLOCKS: dict[str, Callable[[Path], str]] = {
+    "disk-projection": disk_projection,
+    "rollout-storage": rollout_storage,
+    "probes": probes,
+}
 
 
 def figures(root: Path) -> dict[str, str]:
