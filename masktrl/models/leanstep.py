@@ -25,7 +25,8 @@ from torch import nn
 
 def _plain(model: Any) -> bool:
     """Whether ``model`` is a Qwen3 causal LM in eval mode whose modules are all transformers'
-    own classes, with no hooks, global or on its base model, and full attention everywhere."""
+    own classes, with no hooks, global or on its base model, full attention everywhere with
+    default RoPE, and SDPA or eager attention."""
     from torch.nn.modules import module as torch_module
     from transformers.models.qwen3 import modeling_qwen3 as q3
 
@@ -36,6 +37,8 @@ def _plain(model: Any) -> bool:
     base: Any = model.model
     config = base.config
     if any(t != "full_attention" for t in config.layer_types) or base.rotary_emb.rope_type != "default":
+        return False
+    if config._attn_implementation not in ("sdpa", "eager"):  # others read more of the forward's keywords
         return False
     allowed = (
         q3.Qwen3Model,
