@@ -53,6 +53,8 @@ def stateless_processors(model: torch.nn.Module, generate_kwargs: dict, history:
         return known[key]
     config, processors = logits_processors(model, generate_kwargs, history, mask)
     if not len(processors):
+        if len(known) >= 64:  # settings that change call after call: keep the memory bounded
+            known.clear()
         known[key] = (config, processors)
     return config, processors
 
