@@ -154,6 +154,23 @@ def test_inverse_cdf_frequencies_follow_the_distribution():
     assert (counts / 200_000 - lp[0].double().exp()).abs().max() < eps
 
 
+def test_inverse_cdf_across_blocks_with_masked_blocks_and_a_padded_tail():
+    """300 tokens (five blocks, the last one partly padding), a whole block and the tail
+    without mass, 200,000 draws: no zero-mass token drawn, every frequency within a Hoeffding
+    bound of its probability (false alarm <= 1e-6 over the 300 tests)."""
+    torch.manual_seed(2)
+    logits = torch.randn(300) * 2
+    logits[64:128] = -math.inf
+    logits[290:] = -math.inf
+    logits[5] = -math.inf
+    lp = torch.log_softmax(logits, -1)
+    drawn = inverse_cdf(lp.expand(200_000, -1).contiguous())
+    assert (drawn < 300).all() and torch.isfinite(lp[drawn]).all()
+    freq = torch.bincount(drawn, minlength=300).double() / 200_000
+    eps = math.sqrt(math.log(2 * 300 / 1e-6) / (2 * 200_000))
+    assert (freq - lp.double().exp()).abs().max() < eps
+
+
 @pytest.mark.parametrize("loop", [dict(decode="fused"), dict(drop_finished=True)])
 def test_inverse_cdf_records_are_the_distribution_sampled_from(tok, loop):
     """With ``draw: inverse_cdf`` the records are computed as with ``multinomial`` (each recorded

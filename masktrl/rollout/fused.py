@@ -1,12 +1,12 @@
 """The transformers engine's fixed-batch decode loop (``rollout.decode: fused``) and the
 inverse-CDF draw (``rollout.draw: inverse_cdf``).
 
-At the small shapes (the default and the lab: a 2-layer model, 256-512 rows, 5-6 new tokens)
-generation is per-step overhead, not arithmetic (docs/BENCHMARKS_perf.md): ``generate``'s
-bookkeeping, a second pass over every step's scores for the records, and above all
-``torch.multinomial``, which on a CPU draws one exponential variate per vocabulary entry and row
-(``q ~ Exp(1)``, token ``argmax(p / q)``): 128 ms of a 256-row batch's 1,000 ms... measured in
-docs/BENCHMARKS_perf.md, "Generation at the small shapes".
+At the small shapes (the lab: a 2-layer model, 64-512 rows, 5 new tokens) generation is
+per-step overhead more than arithmetic: ``generate``'s bookkeeping, transformers' module
+machinery around ~1 ms of GEMMs, a second pass over every step's scores for the records, and
+above all ``torch.multinomial``, which on a CPU draws one exponential variate per vocabulary
+entry and row (``q ~ Exp(1)``, token ``argmax(p / q)``): 23 ms of every step at 512 rows x
+2,004 tokens (docs/BENCHMARKS_perf.md, "Generation at the small shapes: the fused loop").
 
 ``decode_fixed_batch`` runs what ``generate`` runs, step for step, on the same batch: the shared
 prefill of the engine (rollout/decode.py), then one forward per step with the KV cache held in
@@ -19,9 +19,10 @@ as ``generate`` draws it, so for one seed the tokens and every record are bit-id
 ``generate`` path (tests/test_rollout_fused.py).
 
 ``draw="inverse_cdf"`` draws each row's token with one uniform variate: the first token whose
-cumulative probability (``exp`` of the recorded log mu, summed in float64) exceeds ``u`` times
-the row's total. That is the recorded distribution up to float64 rounding (a token of
-probability below ~1e-16 of its row's total is drawn at a rate off by that much), as
+cumulative probability (``exp`` of the recorded log mu, summed in float64 by blocks of 64
+tokens, then within the block found) exceeds ``u`` times the row's total. That is the
+recorded distribution up to float64 rounding (a token of probability below ~1e-16 of its row's
+total is drawn at a rate off by that much), as
 ``torch.multinomial`` is that of its float32 probabilities: equal in distribution, but for one
 seed the samples differ from ``multinomial``'s (another random stream). It replaces the
 per-entry exponential draws and the ``softmax``.
