@@ -13,6 +13,7 @@ sizes: 64 rows (8 prompts: benchmarks/roofline.py's lab shape, one training micr
 
     python benchmarks/gen_vs_base.py --json benchmarks/results/gen_vs_base.json
     python benchmarks/gen_vs_base.py --base /path/to/old/checkout --rows 512 --rounds 5
+    python benchmarks/gen_vs_base.py --ops --json benchmarks/results/gen_ops.json   # single operations
 """
 
 from __future__ import annotations
@@ -94,6 +95,47 @@ def measure(tree: Path, prompts: int, reps: int, engine_kw: dict) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def op_times(rows: int = 512, vocab: int = 2004, hidden: int = 128, k: int = 20, reps: int = 30) -> dict:
+    """CPU milliseconds of the single operations of one decode step at ``rows`` x ``vocab``
+    (one thread, this process): the draws, the records' ``topk`` and ``log_softmax``, the
+    ``lm_head`` GEMM, and the inverse-CDF draw's parts."""
+    import time
+
+    import torch
+
+    from masktrl.rollout.draw import draw_buffer, inverse_cdf
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    lp = torch.log_softmax(3 * torch.randn(rows, vocab), -1)
+    p = lp.exp()
+    h, w = torch.randn(rows, hidden), torch.randn(vocab, hidden)
+    buf = draw_buffer(rows, vocab, "cpu")
+    f32, f64 = torch.empty(rows, vocab), torch.empty(rows, vocab, dtype=torch.float64)
+    ops = {
+        "multinomial": lambda: torch.multinomial(p, 1),
+        "exponential_": lambda: torch.empty_like(p).exponential_(),
+        "softmax": lambda: torch.softmax(lp, -1),
+        "log_softmax": lambda: torch.log_softmax(lp, -1),
+        "topk": lambda: lp.topk(k, -1),
+        "lm_head": lambda: torch.nn.functional.linear(h, w),
+        "inverse_cdf (blocks of 64)": lambda: inverse_cdf(lp, buf),
+        "exp + float64 cumsum, fresh tensors": lambda: lp.exp().cumsum(-1, dtype=torch.float64),
+        "exp + float64 cumsum, reused buffers": lambda: torch.cumsum(
+            torch.exp(lp, out=f32), -1, dtype=torch.float64, out=f64
+        ),
+    }
+    out = {}
+    for name, f in ops.items():
+        f()
+        c = time.process_time()
+        for _ in range(reps):
+            f()
+        out[name] = 1000 * (time.process_time() - c) / reps
+        print(f"  {rows} x {vocab}  {name:38s} {out[name]:7.3f} CPU ms", flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--base", default=None, help=f"a checkout of the baseline code (default: commit {BASE_COMMIT})")
@@ -101,7 +143,12 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=3, help="rounds of alternating processes")
     p.add_argument("--reps", type=int, default=5, help="timed batches per process (after one warm-up)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="this tree's variants, comma-separated")
+    p.add_argument("--ops", action="store_true", help="only the single operations' CPU times (512 x 2,004)")
     args = p.parse_args(argv)
+    if args.ops:
+        result = {"ops_cpu_ms": op_times(), "command": "python benchmarks/gen_vs_base.py --ops", "machine": machine()}
+        write_json(args.json, result)
+        return result
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:

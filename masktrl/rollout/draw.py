@@ -27,8 +27,7 @@ def inverse_cdf(lp: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.T
     block's own float64 cumulative sum; every token is drawn with its probability up to float64
     rounding, a zero-mass token never. MasktrlError for a row whose probabilities are not finite
     or sum to zero. ``buffer``: a float32 tensor of at least R rows of ``BLOCK``-padded V entries
-    (``draw_buffer``), zero past V, computed in (fresh multi-megabyte tensors at every step cost
-    more in page faults than the arithmetic)."""
+    (``draw_buffer``), zero past V, computed in."""
     rows, vocab = lp.shape
     if buffer is None:
         buffer = draw_buffer(rows, vocab, lp.device)

@@ -5,7 +5,7 @@ At the small shapes (the lab: a 2-layer model, 64-512 rows, 5 new tokens) genera
 per-step overhead more than arithmetic: ``generate``'s bookkeeping, transformers' module
 machinery around ~1 ms of GEMMs, a second pass over every step's scores for the records, and
 above all ``torch.multinomial``, which on a CPU draws one exponential variate per vocabulary
-entry and row (``q ~ Exp(1)``, token ``argmax(p / q)``): 23 ms of every step at 512 rows x
+entry and row (``q ~ Exp(1)``, token ``argmax(p / q)``): 22 ms of every step at 512 rows x
 2,004 tokens (docs/BENCHMARKS_perf.md, "Generation at the small shapes: the fused loop").
 
 ``decode_fixed_batch`` runs what ``generate`` runs, step for step, on the same batch: the shared
