@@ -22,8 +22,9 @@ the default shape (configs/tiny.yaml), the lab (configs/lab.yaml) and the long s
   process's peak, and how much of it the step added to the resident memory just before it
   (the latter is smaller when the allocator kept memory freed before the step, so the table
   shows the process's peak, the JSON both).
-* **generation** with the HF engine (shared prefill, K = 20 lists), transformers ``generate``
-  and ``rollout.drop_finished`` (masktrl/rollout/decode.py) alternating on the same prompts and
+* **generation** with the HF engine (shared prefill, K = 20 lists), transformers ``generate``,
+  ``rollout.drop_finished`` (masktrl/rollout/decode.py), ``rollout.decode: fused`` and fused with
+  ``rollout.draw: inverse_cdf`` (masktrl/rollout/fused.py) alternating on the same prompts and
   seeds: generated tokens/s (wall and per CPU-second) against the bound of the bytes the
   responses need (every weight once per decode step, each running row's KV cache once per
   step, at the measured bandwidth: generation is memory-bound) and against the compute bound
@@ -404,19 +405,25 @@ def measure_rss(names: list[str], threads: int) -> dict:
 # --------------------------------------------------------------------------- generation
 
 
-GEN_VARIANTS = {"generate": False, "drop_finished": True}  # variant -> HFEngine(drop_finished=...)
+GEN_VARIANTS = {  # variant -> HFEngine keywords
+    "generate": {},
+    "drop_finished": {"drop_finished": True},
+    "fused": {"decode": "fused"},  # records bit-identical to generate's (docs/ROLLOUTS.md)
+    "fused+icdf": {"decode": "fused", "draw": "inverse_cdf"},  # equal in distribution
+}
 
 
 def count_row_steps(model):
-    """A forward pre-hook on ``model`` adding up the rows of every forward it runs (the engine's
-    prefill runs ``model.base_model``, so only the decode steps count); returns (handle, counter)."""
+    """A forward pre-hook on ``model``'s output layer adding up the rows of every decode step
+    (the engine's prefill runs the base model only, and the fused loop's lean step calls the
+    output layer as the forward does, so exactly the decode steps count); returns (handle,
+    counter)."""
     count = [0]
 
-    def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        count[0] += ids.shape[0]
+    def hook(module, args):
+        count[0] += args[0].shape[0]
 
-    return model.register_forward_pre_hook(hook, with_kwargs=True), count
+    return model.get_output_embeddings().register_forward_pre_hook(hook), count
 
 
 def generation_bounds(model, prompts, n: int, lengths: list[int], bw: float, peak: float) -> tuple[float, float]:
@@ -456,7 +463,7 @@ def measure_generation(name, model, tok, samples, cfg, device, bw: float, peak: 
 
         stack.enter_context(follow_target_lengths(tok))
     settings = SamplingSettings(n=n, max_new_tokens=cfg.rollout.max_new_tokens, temperature=1.0, logprobs_k=K)
-    engines = {v: HFEngine(model, tok, drop_finished=drop) for v, drop in GEN_VARIANTS.items()}
+    engines = {v: HFEngine(model, tok, **kw) for v, kw in GEN_VARIANTS.items()}
     times = {v: [] for v in engines}
     cpu = {v: [] for v in engines}
     tokens = {v: [] for v in engines}

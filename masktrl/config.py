@@ -390,6 +390,15 @@ class RolloutConfig:
     """hf only: masktrl's own decode loop instead of transformers generate; a response that has
     ended (EOS or max_new_tokens) leaves the batch and the KV cache at once, so later steps run
     only the rows still generating (same records, docs/ROLLOUTS.md)."""
+    decode: str = "generate"
+    """hf only: generate (transformers generate) | fused (masktrl's fixed-batch decode loop,
+    rollout/fused.py: the same forwards, draws and records as generate, bit-identical for one
+    seed, without generate's per-step bookkeeping; docs/ROLLOUTS.md, "The fused decode loop")."""
+    draw: str = "multinomial"
+    """How masktrl's own decode loops (rollout.decode: fused, rollout.drop_finished) draw a sampled
+    token: multinomial (torch.multinomial, as generate draws it) | inverse_cdf (one uniform per
+    row against the cumulative probabilities: the same distribution, other samples for a seed,
+    no per-token exponential draws; docs/ROLLOUTS.md)."""
     gpu_memory_utilization: float = 0.5
     """vllm only: the fraction of GPU memory vLLM may take (weights and KV cache)."""
     dtype: str | None = None
@@ -450,6 +459,19 @@ class RolloutConfig:
                 "rollout.drop_finished is an option of the hf engine, got "
                 f"rollout.engine={self.engine} "
                 "(vLLM schedules finished sequences out of its batch itself)"
+            )
+        _choice("rollout.decode", self.decode, ("generate", "fused"))
+        _choice("rollout.draw", self.draw, ("multinomial", "inverse_cdf"))
+        if self.decode == "fused" and self.engine != "hf":
+            raise ConfigError(f"rollout.decode=fused is an option of the hf engine, got rollout.engine={self.engine}")
+        if self.decode == "fused" and self.drop_finished:
+            raise ConfigError(
+                "rollout.decode=fused and rollout.drop_finished=true are two decode loops; set one of them"
+            )
+        if self.draw != "multinomial" and not (self.engine == "hf" and (self.decode == "fused" or self.drop_finished)):
+            raise ConfigError(
+                f"rollout.draw={self.draw} needs masktrl's own decode loop: rollout.engine=hf with "
+                "rollout.decode=fused or rollout.drop_finished=true"
             )
         if self.sleep_mode and self.engine != "vllm":
             raise ConfigError(f"rollout.sleep_mode needs rollout.engine=vllm, got {self.engine!r}")

@@ -113,7 +113,7 @@ def test_roofline_flops_by_hand(bench):
 
 
 def test_roofline_generation_rows_count_the_finished_rows_and_bound_by_hand(bench):
-    """The generation table's two variants on ragged responses: ``generate`` spends row-steps on
+    """The generation table's variants on ragged responses: ``generate`` spends row-steps on
     rows that have ended, ``rollout.drop_finished`` none; the bandwidth bound is the bytes the
     responses need, by hand."""
     from types import SimpleNamespace
@@ -132,9 +132,11 @@ def test_roofline_generation_rows_count_the_finished_rows_and_bound_by_hand(benc
     ]
     cfg = SimpleNamespace(rollout=SimpleNamespace(max_new_tokens=12))
     rows = roofline.measure_generation("tiny", model, tok, samples, cfg, torch.device("cpu"), bw=1e9, peak=1e10, reps=2)
-    gen, drop = rows
+    gen, drop, fused = rows[:3]
     assert (gen["variant"], drop["variant"]) == ("generate", "drop_finished") and gen["rows"] == 8
     assert gen["row_steps_wasted"] > 0.1 and drop["row_steps_wasted"] == 0.0
+    assert fused["variant"] == "fused" and fused["batches"] == gen["batches"]  # bit-identical samples
+    assert fused["row_steps_wasted"] == gen["row_steps_wasted"]
     lengths = gen["batches"][0]["lengths"]
     c = model.config
     kv_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4

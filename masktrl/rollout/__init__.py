@@ -26,6 +26,8 @@ def make_engine(rollout_cfg, model, tokenizer, model_dir: str | None, *, dtype: 
             dtype=rollout_cfg.dtype,
             quantization=rollout_cfg.quantization,
             drop_finished=rollout_cfg.drop_finished,
+            decode=rollout_cfg.decode,
+            draw=rollout_cfg.draw,
         )
     from masktrl.models.lora import is_adapter_folder, read_adapter
     from masktrl.rollout.vllm import VLLMEngine

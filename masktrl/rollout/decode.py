@@ -40,6 +40,7 @@ from transformers.cache_utils import DynamicLayer
 
 from masktrl.errors import MasktrlError
 from masktrl.models.kvcache import cache_kwarg, new_cache
+from masktrl.models.leanstep import lean_step
 
 ROW_FREE = frozenset(
     {  # transformers' processors whose output depends only on the rows they are given
@@ -77,13 +78,17 @@ def prefill_cache(model: torch.nn.Module, input_ids: torch.Tensor, attention: to
     cache = new_cache(model.config)
     base = model.base_model
     positions = (attention.cumsum(1) - 1).clamp_min(0)  # what generate uses for left padding
-    base(
-        input_ids=input_ids[:, :-1],
-        attention_mask=attention[:, :-1],
-        position_ids=positions[:, :-1],
-        use_cache=True,
-        **{cache_kwarg(base): cache},
-    )
+    lean = lean_step(model, cache)  # the same operations without transformers' module machinery
+    if lean is not None:
+        lean(input_ids[:, :-1], positions[:, :-1], attention[:, :-1], head=False)
+    else:
+        base(
+            input_ids=input_ids[:, :-1],
+            attention_mask=attention[:, :-1],
+            position_ids=positions[:, :-1],
+            use_cache=True,
+            **{cache_kwarg(base): cache},
+        )
     cache.batch_repeat_interleave(n)
     return cache
 
@@ -219,8 +224,7 @@ class Steps:
     def __init__(self):
         self.rows, self.tokens, self.logp, self.top_ids, self.top_lp = [], [], [], [], []
 
-    def add(self, rows, tokens, scores, k: int) -> None:
-        lp = torch.log_softmax(scores, dim=-1)
+    def add(self, rows, tokens, lp, k: int) -> None:
         top_lp, top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
         self.rows.append(rows)
         self.tokens.append(tokens)
@@ -246,13 +250,22 @@ class Steps:
 
 @torch.no_grad()
 def decode_dropping_finished(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor, n: int, k: int, generate_kwargs: dict
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention: torch.Tensor,
+    n: int,
+    k: int,
+    generate_kwargs: dict,
+    draw: str = "multinomial",
 ):
     """``n`` responses per left-padded prompt of ``input_ids`` [P, W] (``attention`` its mask),
     finished rows leaving the batch after every step. ``generate_kwargs`` are the keywords the
     engine gives ``generate`` (sampling settings, ``max_new_tokens``, ``pad_token_id``,
     ``eos_token_id``). Returns the tensors of ``Steps.tensors``, rows in the order of
-    ``num_return_sequences=n``: a row ends at its first EOS or at ``max_new_tokens``."""
+    ``num_return_sequences=n``: a row ends at its first EOS or at ``max_new_tokens``. ``draw``:
+    how a sampled token is drawn (rollout/draw.py)."""
+    from masktrl.rollout.draw import draw_buffers, draw_tokens
+
     width = input_ids.shape[1]
     max_new, pad, eos = (
         generate_kwargs["max_new_tokens"],
@@ -266,6 +279,7 @@ def decode_dropping_finished(
     cache = prefill_cache(model, input_ids, attention, n) if width > 1 else new_cache(model.config)
     cache = growing_cache(cache, spare=min(max_new, 64))
     config, processors = logits_processors(model, generate_kwargs, history, mask)
+    buffers = None
     selectors = row_selectors(processors)
     use_mask = not bool((attention == 1).all())  # generate drops an all-ones mask too
     rows = torch.arange(n_rows, device=input_ids.device)  # original index of each running row
@@ -280,11 +294,11 @@ def decode_dropping_finished(
             **{cache_kwarg(model): cache},
         )
         scores = processors(history, out.logits[:, -1].float())
-        if config.do_sample:
-            nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-        else:
-            nxt = scores.argmax(dim=-1)
-        steps.add(rows, nxt, scores, k)
+        lp = torch.log_softmax(scores, dim=-1)
+        if buffers is None:  # sized by the first step's scores, reused by every later one
+            buffers = draw_buffers(draw, lp.shape[0], lp.shape[1], lp.device)
+        nxt = draw_tokens(scores, lp, config.do_sample, draw, buffers)
+        steps.add(rows, nxt, lp, k)
         done = nxt == eos if t + 1 < max_new else torch.ones_like(nxt, dtype=torch.bool)
         if bool(done.all()):
             break

@@ -14,6 +14,12 @@ and the sampling draws are in the same order); only the prompt compute is divide
 With ``drop_finished`` (``rollout.drop_finished``) the engine runs its own decode loop instead
 of ``generate`` after the same prefill: rows that have ended leave the batch and the KV cache
 (``rollout/decode.py``); the records are computed as here.
+
+With ``decode="fused"`` (``rollout.decode``) it runs its own fixed-batch loop instead
+(``rollout/fused.py``): the same forwards, draws and records as ``generate`` (bit-identical for
+one seed), without ``generate``'s per-step bookkeeping. Either loop draws sampled tokens as
+``draw`` (``rollout.draw``) says: ``torch.multinomial`` as ``generate`` does, or
+``inverse_cdf`` (one uniform per row, ``rollout/draw.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from masktrl.models.lowprec import LowPrecisionCopy
 from masktrl.models.moe import routing_records
 from masktrl.rollout.base import Generation, SamplingSettings
 from masktrl.rollout.decode import decode_dropping_finished, prefill_cache
+from masktrl.rollout.fused import decode_fixed_batch
 
 
 def sampling_kwargs(s: SamplingSettings) -> dict:
@@ -70,6 +77,15 @@ def gc_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+def eval_mode(model: torch.nn.Module) -> bool:
+    """``model`` in eval mode (``model.eval()`` only when one of its modules is training: it visits
+    every module, ~2 ms on a tiny model); returns whether it was training."""
+    was_training = model.training
+    if was_training or any(m.training for m in model.modules()):
+        model.eval()
+    return was_training
 
 
 @contextmanager
@@ -119,10 +135,14 @@ class HFEngine:
         dtype: str | None = None,
         quantization: str | None = None,
         drop_finished: bool = False,
+        decode: str = "generate",
+        draw: str = "multinomial",
     ):
         self.tokenizer = tokenizer
         self.batch_size = batch_size  # prompts x n generated together
         self.drop_finished = drop_finished  # masktrl's decode loop (rollout/decode.py) instead of generate
+        self.decode = decode  # generate | fused: masktrl's fixed-batch loop (rollout/fused.py)
+        self.draw = draw  # multinomial | inverse_cdf (rollout/draw.py): how masktrl's loops draw a token
         self.dtype, self.quantization = dtype, quantization
         self.copy: LowPrecisionCopy | None = None
         self.record_routing = False  # model.routing_replay: record each sample's routing (Generation.routing)
@@ -183,15 +203,16 @@ class HFEngine:
         device = next(self.model.parameters()).device  # a GPU under accelerate launch
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [P, W] left-padded
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        was_training = self.model.training
-        self.model.eval()
-        if self.drop_finished:
+        was_training = eval_mode(self.model)
+        if self.drop_finished or self.decode == "fused":
             kwargs = dict(
                 sampling_kwargs(s), max_new_tokens=s.max_new_tokens, pad_token_id=pad, eos_token_id=tok.eos_token_id
             )
+            loop = decode_dropping_finished if self.drop_finished else decode_fixed_batch
             with finite_probabilities():
-                tensors = decode_dropping_finished(self.model, input_ids, attention, s.n, s.logprobs_k, kwargs)
-            self.model.train(was_training)
+                tensors = loop(self.model, input_ids, attention, s.n, s.logprobs_k, kwargs, draw=self.draw)
+            if was_training:
+                self.model.train()
             with gc_paused():
                 return self._records(*tensors, len(prompts), s.n, kept=self._kept_bound(s))
         if s.n > 1 and width > 1:
@@ -208,7 +229,8 @@ class HFEngine:
                 pad_token_id=pad,
                 eos_token_id=tok.eos_token_id,
             )
-        self.model.train(was_training)
+        if was_training:
+            self.model.train()
         new = out.sequences[:, width:]  # [P*n, T]
         k = s.logprobs_k
         logp_steps, ids_steps, topk_steps = [], [], []
