@@ -140,7 +140,7 @@ def write_rollouts(
         for name in ("example_id", "prompt", "answer", "group", "prompt_ids", "text", "reward", "advantage")
     }
     rows["finished"] = [s.gen.finished for s in samples]
-    kept = kept_column(samples)
+    kept = per_token_column(samples, "kept", KEPT[1])
     arrays = token_arrays(samples) if fmt == 2 else None
     if check:
         check_finite(path, rows, arrays)  # a batch is stored only if every number in it is what it claims
@@ -175,7 +175,7 @@ def write_rollouts(
         table = table.append_column(pa.field(*ROUTING), routing)
         if arrays is not None:
             opts["compression_level"]["routing"] = 3
-    version = version_column(samples)
+    version = per_token_column(samples, "version", VERSION[1])
     if version is not None:  # partial rollouts: one more column, absent otherwise (other files unchanged)
         table = table.append_column(pa.field(*VERSION), version)
         if arrays is not None:
@@ -193,15 +193,16 @@ def write_rollouts(
     atomic_write_bytes(path, buf.getvalue())
 
 
-def kept_column(samples: list[Sample]) -> pa.Array | None:
-    """The optional ``kept`` column: None when no sample records a kept set; ValueError when only
-    some do (a batch is sampled with one setting) or a length differs from the response's."""
-    kept = [s.gen.kept for s in samples]
-    if all(k is None for k in kept):
+def per_token_column(samples: list[Sample], attr: str, type_: pa.DataType) -> pa.Array | None:
+    """An optional per-token column from ``Generation.<attr>`` (``kept``, ``version``): None when no
+    sample records it; ValueError when only some do (a batch is sampled with one setting) or a
+    list's length differs from the response's."""
+    values = [getattr(s.gen, attr) for s in samples]
+    if all(v is None for v in values):
         return None
-    if any(k is None or len(k) != len(s.gen.response_ids) for k, s in zip(kept, samples)):
-        raise ValueError("Generation.kept must be given for every sample of a batch, one size per response token")
-    return pa.array(kept, type=KEPT[1])
+    if any(v is None or len(v) != len(s.gen.response_ids) for v, s in zip(values, samples)):
+        raise ValueError(f"Generation.{attr} must be given for every sample of a batch, one per response token")
+    return pa.array(values, type=type_)
 
 
 def turn_columns(samples: list[Sample]) -> list[tuple[tuple, pa.Array]]:
@@ -233,17 +234,6 @@ def routing_column(samples: list[Sample]) -> pa.Array | None:
             "Generation.routing must be given for every sample of a batch, one row per prompt and response token"
         )
     return pa.array(rec, type=ROUTING[1])
-
-
-def version_column(samples: list[Sample]) -> pa.Array | None:
-    """The optional ``version`` column: None when no sample records its tokens' policy versions;
-    ValueError when only some do, or a list's length differs from the response's."""
-    versions = [s.gen.version for s in samples]
-    if all(v is None for v in versions):
-        return None
-    if any(v is None or len(v) != len(s.gen.response_ids) for v, s in zip(versions, samples)):
-        raise ValueError("Generation.version must be given for every sample of a batch, one per response token")
-    return pa.array(versions, type=VERSION[1])
 
 
 def read_versions(path: Path, table: pa.Table, a: TokenArrays) -> list[int] | None:
