@@ -61,7 +61,7 @@ METHODS = {  # overlay -> the method block it must give
 
 
 def test_the_shipped_files_are_the_bases_the_overlays_the_tiny_presets_and_the_lab():
-    labs = ["lab.yaml", "lab-long.yaml", "lab-moe.yaml", "lab-deep.yaml", "agentic.yaml"]
+    labs = ["lab.yaml", "lab-long.yaml", "lab-long200.yaml", "lab-moe.yaml", "lab-deep.yaml", "agentic.yaml"]
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(BASES + ["tiny.yaml", "tiny-offpolicy.yaml", *labs])
     assert sorted(p.stem for p in (CONFIGS / "methods").glob("*.yaml")) == sorted(METHODS)
 
@@ -146,6 +146,12 @@ def test_the_lab_overlays_long_responses_and_moe():
     assert (task.answers, task.max_answers, task.ascending) == (47, 63, True)
     assert long.rollout.max_new_tokens == task.max_answers + 1  # 48 to 64 tokens with EOS
     assert long.model == lab.model and long.rollout.staleness == lab.rollout.staleness
+    long200 = load_config([CONFIGS / "lab.yaml", CONFIGS / "lab-long200.yaml"])
+    task200 = make_task(long200.task, long200.model)
+    assert (task200.answers, task200.max_answers, task200.ascending) == (200, 240, True)
+    assert task200.min_solutions == task200.max_solutions == task200.max_answers  # 240 correct numbers per prompt
+    assert long200.rollout.max_new_tokens == task200.max_answers + 1  # 201 to 241 tokens with EOS
+    assert long200.model == lab.model and long200.rollout.staleness == lab.rollout.staleness
     if "architecture" not in ModelConfig.__dataclass_fields__:
         pytest.skip("model.architecture (the tiny MoE model) is not in this build")
     deep = load_config([CONFIGS / "lab.yaml", CONFIGS / "lab-deep.yaml"])

@@ -165,6 +165,29 @@ def test_long_targets_are_correct_ascending_and_use_the_count_range():
         ResidueTask(answers=47, max_answers=63, ascending=True, min_solutions=50)  # fewer solutions than a target needs
 
 
+def test_200_number_targets_configs_lab_long200():
+    """configs/lab-long200.yaml: 200 to 240 ascending numbers out of exactly 240 per prompt."""
+    task = ResidueTask(
+        answers=200,
+        max_answers=240,
+        ascending=True,
+        distinct=True,
+        moduli=range(2, 9),
+        min_solutions=240,
+        max_solutions=240,
+        n_test=20,
+        seed=1,
+    )
+    for ex in task.train_examples(50, random.Random(0)) + task.test_examples():
+        lo, hi, m, r = (int(w) for w in ex.prompt.split()[:4])
+        assert len(task.solutions(lo, hi, m, r)) == 240 and hi <= 2000
+        xs = [int(w) for w in task.format_target(ex).split()]
+        assert xs == sorted(set(xs)) and 200 <= len(xs) <= 240
+        assert task.score(ex, task.format_target(ex)) == 1.0
+    with pytest.raises(ConfigError, match="answers"):
+        ResidueTask(answers=1001)
+
+
 def test_default_targets_unchanged_by_the_new_options():
     a = ResidueTask(distinct=True, n_test=10).train_examples(20, random.Random(3))
     b = ResidueTask(distinct=True, n_test=10, max_answers=4, ascending=False).train_examples(20, random.Random(3))

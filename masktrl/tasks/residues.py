@@ -96,12 +96,12 @@ class ResidueTask(SyntheticTask):
         n_test: int = 500,
         seed: int = 0,
     ) -> None:
-        self.answers = _int_option("answers", answers, 1, 64)
+        self.answers = _int_option("answers", answers, 1, 1000)
         if not isinstance(distinct, bool):
             raise ConfigError(f"residues: distinct must be true or false, got {distinct!r}")
         self.distinct = distinct
         self.max_answers = (
-            self.answers if max_answers is None else _int_option("max_answers", max_answers, self.answers, 64)
+            self.answers if max_answers is None else _int_option("max_answers", max_answers, self.answers, 1000)
         )
         if not isinstance(ascending, bool):
             raise ConfigError(f"residues: ascending must be true or false, got {ascending!r}")
