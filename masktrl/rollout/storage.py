@@ -236,20 +236,27 @@ def routing_column(samples: list[Sample]) -> pa.Array | None:
     return pa.array(rec, type=ROUTING[1])
 
 
+def per_token_values(path: Path, table: pa.Table, a: TokenArrays, column: tuple, unit: str = "entry") -> np.ndarray:
+    """The flat [N] int64 values of the per-token list column ``column`` (name, type), checked:
+    its type, no nulls, and one ``unit`` per response token (the offsets of the response ids)."""
+    name, typ = column
+    col = table.column(name).combine_chunks()
+    if col.type != typ or col.null_count:
+        raise ArtifactError(
+            f"{path}: column {name} has type {_type_name(col.type)} or nulls, expected {_type_name(typ)}"
+        )
+    if not np.array_equal(np.asarray(col.offsets), a.offsets):
+        raise ArtifactError(f"{path}: column {name} does not hold one {unit} per response token")
+    return np.asarray(col.flatten()).astype(np.int64)
+
+
 def read_versions(path: Path, table: pa.Table, a: TokenArrays) -> list[int] | None:
     """The flat [N] policy versions of the optional ``version`` column (None without it: runs
     without rollout.partial, and every file written before it existed), checked: one per token,
     each >= 0."""
     if VERSION[0] not in table.column_names:
         return None
-    col = table.column(VERSION[0]).combine_chunks()
-    if col.type != VERSION[1] or col.null_count:
-        raise ArtifactError(
-            f"{path}: column version has type {_type_name(col.type)} or nulls, expected {_type_name(VERSION[1])}"
-        )
-    if not np.array_equal(np.asarray(col.offsets), a.offsets):
-        raise ArtifactError(f"{path}: column version does not hold one entry per response token")
-    values = np.asarray(col.flatten()).astype(np.int64)
+    values = per_token_values(path, table, a, VERSION)
     bad = np.flatnonzero(values < 0)
     if len(bad):
         raise ArtifactError(f"{path}: {_where(a.offsets, int(bad[0]))}: policy version {values[bad[0]]} is negative")
@@ -526,14 +533,7 @@ def read_kept(path: Path, table: pa.Table, a: TokenArrays) -> list[int] | None:
     token, each in [1, K + 1] (K + 1: a kept set larger than the list, not trainable)."""
     if KEPT[0] not in table.column_names:
         return None
-    col = table.column(KEPT[0]).combine_chunks()
-    if col.type != KEPT[1] or col.null_count:
-        raise ArtifactError(
-            f"{path}: column kept has type {_type_name(col.type)} or nulls, expected {_type_name(KEPT[1])}"
-        )
-    offsets, values = np.asarray(col.offsets), np.asarray(col.flatten()).astype(np.int64)
-    if not np.array_equal(offsets, a.offsets):
-        raise ArtifactError(f"{path}: column kept does not hold one size per response token")
+    values = per_token_values(path, table, a, KEPT, unit="size")
     k = a.topk_ids.shape[1]
     bad = np.flatnonzero((values < 1) | (values > k + 1))  # K + 1: more than the list holds
     if len(bad):
@@ -553,17 +553,7 @@ def read_turns(path: Path, table: pa.Table, a: TokenArrays) -> tuple[list[int], 
         return None
     if len(present) == 1:
         raise ArtifactError(f"{path}: column {present[0]} without column {({SOURCE[0], TURN[0]} - set(present)).pop()}")
-    out = []
-    for name, typ in (SOURCE, TURN):
-        col = table.column(name).combine_chunks()
-        if col.type != typ or col.null_count:
-            raise ArtifactError(
-                f"{path}: column {name} has type {_type_name(col.type)} or nulls, expected {_type_name(typ)}"
-            )
-        if not np.array_equal(np.asarray(col.offsets), a.offsets):
-            raise ArtifactError(f"{path}: column {name} does not hold one entry per response token")
-        out.append(np.asarray(col.flatten()).astype(np.int64))
-    source, turn = out
+    source, turn = (per_token_values(path, table, a, c) for c in (SOURCE, TURN))
     bad = np.flatnonzero((source < 0) | (source > 1))
     if len(bad):
         raise ArtifactError(
