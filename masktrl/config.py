@@ -830,11 +830,6 @@ def from_dict(raw: dict) -> Config:
         )
     if cfg.model.tokenizer == "numbers" and cfg.task.name != "residues":
         raise ConfigError(f"model.tokenizer=numbers cannot encode task {cfg.task.name!r} (it serves task residues)")
-    if cfg.task.env is not None and cfg.rollout.engine != "hf":
-        raise ConfigError(
-            f"task.env (multi-turn rollouts) needs rollout.engine=hf; the {cfg.rollout.engine} "
-            "engine does not run them yet"
-        )
     if cfg.task.env is not None and (cfg.rollout.top_p < 1 or cfg.rollout.top_k > 0):
         raise ConfigError(
             "task.env (multi-turn rollouts) samples the whole vocabulary: set rollout.top_p=1 and rollout.top_k=0"

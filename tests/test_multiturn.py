@@ -236,7 +236,7 @@ def test_stop_cut(tok):
 @pytest.mark.parametrize(
     "sets, message",
     [
-        (["task.env=noproto.py:E", "rollout.engine=vllm"], "needs rollout.engine=hf"),
+        (["task.env=masktrl.tasks.tools:Calculator", "rollout.top_k=5"], "samples the whole vocabulary"),
         (["task.max_turns=3"], "task.max_turns is an option of multi-turn tasks; set task.env"),
         (["task.env=masktrl.tasks.tools:Calculator", "rollout.top_p=0.9"], "samples the whole vocabulary"),
         (["task.env=Calculator"], "task.env must be path/to/file.py:Class or module:Class"),

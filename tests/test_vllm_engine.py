@@ -133,6 +133,88 @@ def test_seeded_generation_is_reproducible(engine, tiny):
     assert len({tuple(g.response_ids) for g in a[0]}) > 1  # the n samples of a prompt differ
 
 
+class _Echo:
+    """A tool for the multi-turn test: every call (text ending in ``=``) is answered with a fixed
+    reply; the second call ends the episode."""
+
+    REPLY = "42 "
+
+    def reset(self, example):
+        self.calls = 0
+        return True
+
+    def step(self, call):
+        self.calls += 1
+        return self.REPLY, self.calls == 2
+
+
+def test_multi_turn_rollout_token_in_token_out(engine, tiny):
+    """A vLLM multi-turn rollout (rollout/multiturn.py): each turn stops at the first stop string,
+    the environment's reply is appended as its own token ids, and every policy token's recorded
+    log mu and top-K list are the float32 model's at the episode's exact token prefix
+    (environment tokens included as context); environment tokens carry no record."""
+    from masktrl.rollout.base import ENVIRONMENT, POLICY
+    from masktrl.rollout.multiturn import generate_multi_turn, stop_cut
+
+    tok, stop = tiny.tok, "="
+    prompts = [tiny.prompts[i % len(tiny.prompts)] for i in range(8)]
+    settings = SamplingSettings(n=4, max_new_tokens=16, temperature=1.0, logprobs_k=5)
+    gens = generate_multi_turn(
+        engine, tok, prompts, [{}] * len(prompts), settings, 11, _Echo, stop=stop, max_turns=3, max_tokens=48
+    )
+    reply_ids = tok.encode(_Echo.REPLY, add_special_tokens=False)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    replies = 0
+    for prompt, group in zip(prompts, gens, strict=True):
+        assert len(group) == settings.n
+        for g in group:
+            src, turn = g.source, g.turn
+            assert len(src) == len(turn) == len(g.response_ids) == len(g.logp)
+            ref = recompute(tiny.model, prompt, g.response_ids, settings.temperature)  # [T, V]
+            t = 0
+            while t < len(src):  # one span of one source and turn at a time
+                end = t
+                while end < len(src) and (src[end], turn[end]) == (src[t], turn[t]):
+                    end += 1
+                span = g.response_ids[t:end]
+                if src[t] == ENVIRONMENT:
+                    replies += 1
+                    assert span == reply_ids[: len(span)]  # the reply's own ids, appended as they are
+                    assert all(math.isinf(x) and x < 0 for x in g.logp[t:end])
+                    assert all(i == -1 for row in g.topk_ids[t:end] for i in row)
+                else:
+                    assert src[t] == POLICY
+                    cut = stop_cut(span, decode, stop)
+                    assert cut in (None, len(span))  # vLLM stopped at the first stop string
+                    if end < len(src):  # a reply follows: the turn ended in a tool call
+                        assert cut == len(span)
+                    want = ref[t:end].gather(1, torch.tensor(span)[:, None]).squeeze(1)
+                    assert (want - torch.tensor(g.logp[t:end])).abs().max().item() < TOL
+                    got = ref[t:end].gather(1, torch.tensor(g.topk_ids[t:end]))
+                    assert (got - torch.tensor(g.topk_logp[t:end])).abs().max().item() < TOL
+                t = end
+            if g.finished:  # EOS, never a stop string, ended it
+                assert g.response_ids[-1] == tok.eos_token_id or src[-1] == ENVIRONMENT
+    assert replies >= 4  # the test exercises replies, not only single turns
+
+
+def test_stop_string_ends_the_request(engine, tiny):
+    """SamplingSettings.stop: vLLM ends a response at the first stop string (kept, not finished);
+    without it the same seed samples past the string."""
+    from dataclasses import replace
+
+    from masktrl.rollout.multiturn import stop_cut
+
+    decode = lambda ids: tiny.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    settings = SamplingSettings(n=4, max_new_tokens=16, temperature=1.0, logprobs_k=5)
+    stopped = [g for group in engine.generate(tiny.prompts, replace(settings, stop=("=",)), 11) for g in group]
+    free = [g for group in engine.generate(tiny.prompts, settings, 11) for g in group]
+    cuts = [stop_cut(g.response_ids, decode, "=") for g in stopped]
+    assert all(c in (None, len(g.response_ids)) for c, g in zip(cuts, stopped))
+    assert any(c is not None and not g.finished for c, g in zip(cuts, stopped))
+    assert any((c := stop_cut(g.response_ids, decode, "=")) is not None and c < len(g.response_ids) for g in free)
+
+
 def test_sync_weights_after_optimizer_step(engine, tiny):
     old = tiny.model
     new = copy.deepcopy(old).train()

@@ -93,3 +93,60 @@ def test_sleep_mode_from_the_config_on_cpu_is_one_line(tmp_path):
     )
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 2 and len(lines) == 1 and "sleep mode is not available" in lines[0], r.stderr[-3000:]
+
+
+AGENTIC = (  # the agentic lab, 2 steps, with 2 heads of 32 (the CPU kernels' smallest head size)
+    "rollout.engine=vllm",
+    "rollout.enforce_eager=true",
+    "model.num_heads=2",
+    "train.steps=2",
+    "rollout.prompts_per_step=4",
+    "rollout.n=4",
+    "warmstart.steps=40",
+    "task.n_test=8",
+    "train.eval_every=0",
+    "train.checkpoint_every=1",
+)
+
+
+def test_multi_turn_agentic_run_with_vllm(tmp_path):
+    """`masktrl train --config agentic --set rollout.engine=vllm`: episodes call the search tool
+    through vLLM; step 2's policy tokens carry checkpoint 1's log-probabilities at the episode's
+    exact token prefix, the tool's tokens none."""
+    pytest.importorskip("vllm")
+    args = [sys.executable, "-m", "masktrl.cli", "train", "--config", "agentic", "--out", str(tmp_path / "out")]
+    args += ["--run", "a"] + [x for s in AGENTIC for x in ("--set", s)]
+    r = subprocess.run(args, capture_output=True, text=True, env={**os.environ, **CPU_ENV}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    root = tmp_path / "out" / "a"
+    samples, meta = read_rollouts(root / "steps" / "000002" / "rollouts.parquet")
+    assert meta["engine"] == "vllm" and len(samples) == 16
+    assert sum(1 in s.gen.source for s in samples) >= 4  # episodes with a tool reply
+    model = AutoModelForCausalLM.from_pretrained(root / "checkpoints" / "000001").float().eval()
+    worst = 0.0
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.gen.response_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits[0, len(s.prompt_ids) - 1 : -1].double(), -1)
+        want = lp.gather(1, torch.tensor(s.gen.response_ids)[:, None]).squeeze(1)
+        got = torch.tensor(s.gen.logp, dtype=torch.float64)
+        policy = torch.tensor(s.gen.source) == 0
+        assert torch.isneginf(got[~policy]).all()
+        worst = max(worst, (want[policy] - got[policy]).abs().max().item())
+    assert worst < 1e-4, worst
+
+
+def test_head_size_the_cpu_build_cannot_run_is_one_line(tmp_path):
+    """The agentic preset's 4 heads of 16: vLLM's CPU attention has no kernel for 16; one line,
+    exit 2, before the warm start."""
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the check concerns the CPU build")
+    args = [sys.executable, "-m", "masktrl.cli", "train", "--config", "agentic", "--out", str(tmp_path / "out")]
+    args += ["--set", "rollout.engine=vllm"]
+    r = subprocess.run(args, capture_output=True, text=True, env={**os.environ, **CPU_ENV}, timeout=600)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(lines) == 1 and "head sizes" in lines[0], r.stderr[-3000:]
+    assert not (tmp_path / "out" / "runs").exists() and not list((tmp_path / "out").glob("*/manifest.json"))

@@ -27,6 +27,9 @@ class SamplingSettings:
     logprobs_k: int = 20  # K of the recorded behaviour top-K lists
     greedy: bool = False  # argmax decoding (evaluation); temperature and top_p are then ignored
     top_k: int = 0  # 0 = no top-k truncation; k: sample among the k most likely tokens (before top_p)
+    # multi-turn tool calls: a turn ends at the first of these strings. vLLM stops there; the hf
+    # engine samples the turn's token budget and the caller cuts (rollout/multiturn.stop_cut)
+    stop: tuple[str, ...] = ()
 
     @property
     def truncated(self) -> bool:

@@ -14,6 +14,11 @@ Policy tokens carry what the engine recorded (log mu, top-K lists); environment 
 none (log mu -inf, an all-padding top-K list) and ``Generation.source`` / ``turn`` say which is
 which. Tokens the engine sampled past a turn's stop string are discarded: the kept prefix's
 records are exactly those of the tokens sampled, whatever came after them.
+
+Both engines run it. The turn's ``SamplingSettings.stop`` holds the stop string: vLLM stops the
+request there (its detokenizer watches the text; the ids up to the token that completes the
+string are returned), the hf engine samples the turn's budget; ``stop_cut`` then finds the same
+cut in either's ids. Every later turn is a new request whose prompt is the episode's token ids.
 """
 
 from __future__ import annotations
@@ -116,15 +121,12 @@ def generate_multi_turn(
         if not live:
             break
         budget = min(settings.max_new_tokens, min(max_tokens - len(ep.ids) for ep in live))
+        turn_settings = replace(settings, max_new_tokens=budget, stop=(stop,) if stop else ())
         if turn == 0:  # one prefill per prompt, n samples each (the engine's shared prefill)
-            gens = [
-                g for group in engine.generate(prompts, replace(settings, max_new_tokens=budget), seed) for g in group
-            ]
-        else:
+            gens = [g for group in engine.generate(prompts, turn_settings, seed) for g in group]
+        else:  # a new request per episode: its token prefix (prompt, policy and environment ids) as is
             out = engine.generate(
-                [ep.prompt + ep.ids for ep in live],
-                replace(settings, n=1, max_new_tokens=budget),
-                seed + turn * TURN_SEED_STRIDE,
+                [ep.prompt + ep.ids for ep in live], replace(turn_settings, n=1), seed + turn * TURN_SEED_STRIDE
             )
             gens = [group[0] for group in out]
         for ep, gen in zip(live, gens):

@@ -87,6 +87,24 @@ def position_topk(entries: dict, sampled: int, k: int) -> tuple[float, list[int]
     return logp, ids, logps
 
 
+def check_head_dim(model_config) -> None:
+    """MasktrlError (one line) when this vLLM build's attention cannot run the model's head size:
+    the CPU build's kernels take a fixed list (32, 64, 80, ...) and fail mid-run otherwise."""
+    _, platform = _import_vllm()
+    if not platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    c = model_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in sizes:
+        raise MasktrlError(
+            f"vLLM's CPU attention runs head sizes {', '.join(map(str, sizes))}; the model's is {head_dim} "
+            "(model.hidden_size / model.num_heads, or model.head_dim): change them or use rollout.engine=hf"
+        )
+
+
 class VLLMEngine:
     """Generation with a vLLM ``LLM`` holding its own copy of the policy weights."""
 
@@ -149,7 +167,11 @@ class VLLMEngine:
                 seed=request_seed,
                 logprobs=k,
                 stop_token_ids=[eos],
-                detokenize=False,  # we decode ourselves
+                # multi-turn: stop at the tool call's end (vLLM then detokenizes to watch the text;
+                # the ids returned run to the token that completes the string, which is kept)
+                stop=list(settings.stop) or None,
+                include_stop_str_in_output=bool(settings.stop),
+                detokenize=bool(settings.stop),  # otherwise we decode ourselves
             )
             for request_seed in request_seeds(seed, len(prompts), settings.n)
         ]
@@ -168,7 +190,9 @@ class VLLMEngine:
             logp.append(lp)
             topk_ids.append(top_ids)
             topk_logp.append(top_lp)
-        return Generation(ids, logp, topk_ids, topk_logp, finished=completion.finish_reason == "stop")
+        # finished: EOS, not a stop string (stop_reason holds the string that ended a tool call)
+        ended = completion.finish_reason == "stop" and not isinstance(getattr(completion, "stop_reason", None), str)
+        return Generation(ids, logp, topk_ids, topk_logp, finished=ended)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Copy ``model``'s weights into vLLM's in place (no disk, no restart).
