@@ -120,10 +120,29 @@ def probes(root: Path) -> str:
     return probe_regimes.probe_table(root / "docs" / "results" / "cells")
 
 
+def _agentic():
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import agentic_grid
+
+    return agentic_grid
+
+
+def agentic_outcomes(root: Path) -> str:
+    """RESULTS §14's outcome table (scripts/agentic_grid.py) from docs/results/cells/agentic/."""
+    return _agentic().outcome_table(root / _agentic().CELLS)
+
+
+def agentic_family(root: Path) -> str:
+    """RESULTS §14's pre-registered family of paired comparisons."""
+    return _agentic().family_table(root / _agentic().CELLS)
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "disk-projection": disk_projection,
     "rollout-storage": rollout_storage,
     "probes": probes,
+    "agentic-outcomes": agentic_outcomes,
+    "agentic-family": agentic_family,
 }
 
 

@@ -1,0 +1,193 @@
+"""docs/RESULTS.md §14: the agentic-lab comparison (grpo, dapo, gspo with and without SIS, pdm;
+staleness 2 and fp8; seeds 0-2), from its committed cells.
+
+    python scripts/results_cells.py write outputs/agentic/stale2 outputs/agentic/fp8 --out docs/results/cells/agentic
+    python scripts/agentic_grid.py                  # print both tables
+    python scripts/results_pages.py --write         # put them in docs/RESULTS.md §14
+
+The family is the one §14 states before the runs: in each regime sis(base X) − X for X in
+grpo, dapo, gspo, and pdm − grpo (m = 8). Each row: the mean paired difference over the shared
+seeds with its paired 95% t interval, the paired t p, the exact sign-flip p, the larger of the
+two Holm-adjusted across the 8, the paired MDD at α/m (post hoc) and TOST at ±0.05. The outcome
+table is descriptive: per regime and method, held-out accuracy before and after RL, collapses,
+SIS acceptance and turns per episode at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from masktrl.analysis import compare as cmp
+from masktrl.stats import paired_mdd, paired_tests, sign_flip_p, tost_paired
+
+ROOT = Path(__file__).resolve().parents[1]
+CELLS = Path("docs/results/cells/agentic")
+REGIMES = {"stale2": "staleness 2", "fp8": "fp8 rollouts"}
+METHODS = ["grpo", "dapo", "gspo", "sis", "sis:base=dapo", "sis:base=gspo", "pdm"]  # §14's order
+FAMILY = [("sis", "grpo"), ("sis:base=dapo", "dapo"), ("sis:base=gspo", "gspo"), ("pdm", "grpo")]
+MARGIN = 0.05  # TOST margin, held-out accuracy
+
+
+def method_name(cell: dict) -> str:
+    """The cell's method as §14 names it: ``sis`` (base grpo) or ``sis:base=X``, else the name."""
+    m = cell["method"]
+    base = m.get("base")
+    return f"sis:base={base}" if m["name"] == "sis" and base not in (None, "grpo") else m["name"]
+
+
+def read(root: Path) -> dict[str, dict[str, dict]]:
+    """{regime: {method: cell}} from ``<root>/<regime>/*.json``."""
+    out: dict[str, dict[str, dict]] = {}
+    for regime in REGIMES:
+        for path in sorted((root / regime).glob("*.json")):
+            cell = json.loads(path.read_text())
+            out.setdefault(regime, {})[method_name(cell)] = cell
+    return out
+
+
+def f3(x) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x:.3f}"
+
+
+def signed(x) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x:+.3f}"
+
+
+def after(cell: dict) -> dict[int, float]:
+    return {r["seed"]: float(r["eval_after"]) for r in cell["runs"]}
+
+
+def family_rows(data: dict[str, dict[str, dict]]) -> list[dict]:
+    """Every comparison of the family whose two cells exist, with its tests (Holm over those present)."""
+    rows = []
+    for regime in REGIMES:
+        cells = data.get(regime, {})
+        for a, b in FAMILY:
+            if a not in cells or b not in cells:
+                continue
+            va, vb = after(cells[a]), after(cells[b])
+            seeds = sorted(set(va) & set(vb))
+            d = [va[s] - vb[s] for s in seeds]
+            row = {"regime": regime, "a": a, "b": b, "seeds": seeds, "d": d, "n": len(d)}
+            if len(d) >= 2:
+                t_p = paired_tests(d, [0.0] * len(d))["p_ttest"]
+                row |= {"t_p": t_p, "flip": sign_flip_p(d), "ci": cmp.paired_diff_ci(d, [0.0] * len(d))}
+                row |= {"p": max(t_p, row["flip"]), "tost": tost_paired(d, MARGIN)["p"]}
+            rows.append(row)
+    tested = [r for r in rows if "p" in r]
+    m = len(tested)
+    for r, adj in zip(tested, cmp.holm([r["p"] for r in tested])):
+        r["holm"], r["mdd"], r["m"] = adj, paired_mdd(r["d"], alpha=0.05 / m), m
+    return rows
+
+
+def family_table(root: Path) -> str:
+    rows = family_rows(read(root))
+    head = [
+        "regime",
+        "comparison",
+        "n",
+        "Δ held-out after RL [paired 95% CI]",
+        "t p",
+        "sign-flip p",
+        "Holm p",
+        "paired MDD at α/m",
+        "TOST ±0.05 p",
+        "per seed Δ",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        tested = "p" in r
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    REGIMES[r["regime"]],
+                    f"{r['a']} − {r['b']}",
+                    str(r["n"]),
+                    f"{signed(float(np.mean(r['d'])))} [{signed(r['ci'][0])}, {signed(r['ci'][1])}]"
+                    if tested
+                    else signed(float(np.mean(r["d"])) if r["d"] else float("nan")),
+                    f3(r.get("t_p")),
+                    f3(r.get("flip")),
+                    f3(r.get("holm")),
+                    f3(r.get("mdd")),
+                    f3(r.get("tost")),
+                    ", ".join(f"{s}: {signed(x)}" for s, x in zip(r["seeds"], r["d"])),
+                ]
+            )
+            + " |"
+        )
+    if not rows:
+        lines.append("| (no comparison has both cells yet) |" + " |" * (len(head) - 1))
+    m = next((r["m"] for r in rows if "m" in r), 0)
+    lines.append("")
+    lines.append(f"Holm over the m = {m} comparisons present (8 when the grid is complete).")
+    return "\n".join(lines) + "\n"
+
+
+def outcome_table(root: Path) -> str:
+    data = read(root)
+    head = [
+        "regime",
+        "method",
+        "n",
+        "held-out before",
+        "after RL mean ± sd",
+        "per seed after",
+        "collapsed",
+        "SIS acceptance",
+        "turns per episode (last 50 steps)",
+        "machine",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for regime in REGIMES:
+        for name in METHODS:
+            cell = data.get(regime, {}).get(name)
+            if cell is None:
+                continue
+            runs = cell["runs"]
+            v = [float(r["eval_after"]) for r in runs]
+            sd = f" ± {np.std(v, ddof=1):.3f}" if len(v) > 1 else ""
+            acc = [r.get("sis_accept_rate") for r in runs if r.get("sis_accept_rate") is not None]
+            turns = [r.get("turns_end") for r in runs if r.get("turns_end") is not None]
+            machines = sorted(
+                {f"{r['machine'].get('cpu_model', '?')} x{r['machine'].get('threads', '?')}" for r in runs}
+            )
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        REGIMES[regime],
+                        name,
+                        str(len(runs)),
+                        f3(float(np.mean([r["eval_before"] for r in runs]))),
+                        f"{f3(float(np.mean(v)))}{sd}",
+                        ", ".join(f"{r['seed']}: {f3(r['eval_after'])}" for r in runs),
+                        f"{sum(1 for r in runs if (r.get('collapse') or {}).get('collapsed'))}/{len(runs)}",
+                        f3(float(np.mean(acc))) if acc else "—",
+                        f3(float(np.mean(turns))) if turns else "—",
+                        "; ".join(machines),
+                    ]
+                )
+                + " |"
+            )
+    if len(lines) == 2:
+        lines.append("| (no cell has finished yet) |" + " |" * (len(head) - 1))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    root = ROOT / CELLS
+    print(outcome_table(root))
+    print(family_table(root), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
