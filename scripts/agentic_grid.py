@@ -31,6 +31,14 @@ REGIMES = {"stale2": "staleness 2", "fp8": "fp8 rollouts"}
 METHODS = ["grpo", "dapo", "gspo", "sis", "sis:base=dapo", "sis:base=gspo", "pdm"]  # §14's order
 FAMILY = [("sis", "grpo"), ("sis:base=dapo", "dapo"), ("sis:base=gspo", "gspo"), ("pdm", "grpo")]
 MARGIN = 0.05  # TOST margin, held-out accuracy
+FAMILY_HEAD = (
+    "regime | comparison | n | Δ held-out after RL [paired 95% CI] | t p | sign-flip p | Holm p | "
+    "paired MDD at α/m | TOST ±0.05 p | per seed Δ"
+)
+OUTCOME_HEAD = (
+    "regime | method | n | held-out before | after RL mean ± sd | per seed after | collapsed | SIS acceptance | "
+    "turns per episode (last 50 steps) | machine"
+)
 
 
 def method_name(cell: dict) -> str:
@@ -48,6 +56,10 @@ def read(root: Path) -> dict[str, dict[str, dict]]:
             cell = json.loads(path.read_text())
             out.setdefault(regime, {})[method_name(cell)] = cell
     return out
+
+
+def md_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def f3(x) -> str:
@@ -88,24 +100,12 @@ def family_rows(data: dict[str, dict[str, dict]]) -> list[dict]:
 
 def family_table(root: Path) -> str:
     rows = family_rows(read(root))
-    head = [
-        "regime",
-        "comparison",
-        "n",
-        "Δ held-out after RL [paired 95% CI]",
-        "t p",
-        "sign-flip p",
-        "Holm p",
-        "paired MDD at α/m",
-        "TOST ±0.05 p",
-        "per seed Δ",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = FAMILY_HEAD.split(" | ")
+    lines = [md_row(head), md_row(["---"] * len(head))]
     for r in rows:
         tested = "p" in r
         lines.append(
-            "| "
-            + " | ".join(
+            md_row(
                 [
                     REGIMES[r["regime"]],
                     f"{r['a']} − {r['b']}",
@@ -121,7 +121,6 @@ def family_table(root: Path) -> str:
                     ", ".join(f"{s}: {signed(x)}" for s, x in zip(r["seeds"], r["d"])),
                 ]
             )
-            + " |"
         )
     if not rows:
         lines.append("| (no comparison has both cells yet) |" + " |" * (len(head) - 1))
@@ -133,19 +132,8 @@ def family_table(root: Path) -> str:
 
 def outcome_table(root: Path) -> str:
     data = read(root)
-    head = [
-        "regime",
-        "method",
-        "n",
-        "held-out before",
-        "after RL mean ± sd",
-        "per seed after",
-        "collapsed",
-        "SIS acceptance",
-        "turns per episode (last 50 steps)",
-        "machine",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = OUTCOME_HEAD.split(" | ")
+    lines = [md_row(head), md_row(["---"] * len(head))]
     for regime in REGIMES:
         for name in METHODS:
             cell = data.get(regime, {}).get(name)
@@ -160,8 +148,7 @@ def outcome_table(root: Path) -> str:
                 {f"{r['machine'].get('cpu_model', '?')} x{r['machine'].get('threads', '?')}" for r in runs}
             )
             lines.append(
-                "| "
-                + " | ".join(
+                md_row(
                     [
                         REGIMES[regime],
                         name,
@@ -175,7 +162,6 @@ def outcome_table(root: Path) -> str:
                         "; ".join(machines),
                     ]
                 )
-                + " |"
             )
     if len(lines) == 2:
         lines.append("| (no cell has finished yet) |" + " |" * (len(head) - 1))

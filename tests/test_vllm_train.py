@@ -24,6 +24,23 @@ VLLM = {
 CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TORCH_COMPILE_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+def step2_error(root, samples) -> float:
+    """The largest |recorded log mu - checkpoint 1's float64 log-probability| over the policy
+    tokens of step 2's samples (an environment token must record -inf)."""
+    model = AutoModelForCausalLM.from_pretrained(root / "checkpoints" / "000001").float().eval()
+    worst = 0.0
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.gen.response_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits[0, len(s.prompt_ids) - 1 : -1].double(), -1)
+        want = lp.gather(1, torch.tensor(s.gen.response_ids)[:, None]).squeeze(1)
+        got = torch.tensor(s.gen.logp, dtype=torch.float64)
+        policy = torch.tensor(s.gen.source or [0] * len(got)) == 0
+        assert torch.isneginf(got[~policy]).all()
+        worst = max(worst, (want[policy] - got[policy]).abs().max().item())
+    return worst
+
+
 def test_two_steps_with_vllm_rollouts_and_weight_sync(tmp_path):
     pytest.importorskip("vllm")
     cfg = write_tiny_config(tmp_path / "c.yaml", VLLM)
@@ -51,15 +68,7 @@ def test_two_steps_with_vllm_rollouts_and_weight_sync(tmp_path):
     samples, meta = read_rollouts(root / "steps" / "000002" / "rollouts.parquet")
     assert meta["engine"] == "vllm" and len(samples) == 24
     # step 2 was sampled by vLLM after the sync of step 1's update: recompute with that checkpoint
-    model = AutoModelForCausalLM.from_pretrained(root / "checkpoints" / "000001").float().eval()
-    worst = 0.0
-    for s in samples:
-        ids = torch.tensor([s.prompt_ids + s.gen.response_ids])
-        with torch.no_grad():
-            lp = torch.log_softmax(model(ids).logits[0, len(s.prompt_ids) - 1 : -1].double(), -1)
-        want = lp.gather(1, torch.tensor(s.gen.response_ids)[:, None]).squeeze(1)
-        worst = max(worst, (want - torch.tensor(s.gen.logp, dtype=torch.float64)).abs().max().item())
-    assert worst < 1e-4, worst
+    assert step2_error(root, samples) < 1e-4
 
 
 def test_sleep_mode_from_the_config_on_cpu_is_one_line(tmp_path):
@@ -122,18 +131,7 @@ def test_multi_turn_agentic_run_with_vllm(tmp_path):
     samples, meta = read_rollouts(root / "steps" / "000002" / "rollouts.parquet")
     assert meta["engine"] == "vllm" and len(samples) == 16
     assert sum(1 in s.gen.source for s in samples) >= 4  # episodes with a tool reply
-    model = AutoModelForCausalLM.from_pretrained(root / "checkpoints" / "000001").float().eval()
-    worst = 0.0
-    for s in samples:
-        ids = torch.tensor([s.prompt_ids + s.gen.response_ids])
-        with torch.no_grad():
-            lp = torch.log_softmax(model(ids).logits[0, len(s.prompt_ids) - 1 : -1].double(), -1)
-        want = lp.gather(1, torch.tensor(s.gen.response_ids)[:, None]).squeeze(1)
-        got = torch.tensor(s.gen.logp, dtype=torch.float64)
-        policy = torch.tensor(s.gen.source) == 0
-        assert torch.isneginf(got[~policy]).all()
-        worst = max(worst, (want[policy] - got[policy]).abs().max().item())
-    assert worst < 1e-4, worst
+    assert step2_error(root, samples) < 1e-4
 
 
 def test_head_size_the_cpu_build_cannot_run_is_one_line(tmp_path):
