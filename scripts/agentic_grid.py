@@ -35,6 +35,7 @@ FAMILY_HEAD = (
     "regime | comparison | n | Δ held-out after RL [paired 95% CI] | t p | sign-flip p | Holm p | "
     "paired MDD at α/m | TOST ±0.05 p | per seed Δ"
 )
+PRESET_HEAD = "train.threads | seed | held-out before RL | after RL | change | CPU"
 OUTCOME_HEAD = (
     "regime | method | n | held-out before | after RL mean ± sd | per seed after | collapsed | SIS acceptance | "
     "turns per episode (last 50 steps) | machine"
@@ -168,8 +169,36 @@ def outcome_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def preset_table(root: Path) -> str:
+    """docs/LAB.md's table of the agentic preset itself (GRPO) over seeds and ``train.threads``:
+    the cells of ``<root>/preset-t1`` and ``<root>/preset-t2``."""
+    lines = [md_row(PRESET_HEAD.split(" | ")), md_row(["---"] * len(PRESET_HEAD.split(" | ")))]
+    for threads in (1, 2):
+        for path in sorted((root / f"preset-t{threads}").glob("*.json")):
+            runs = json.loads(path.read_text())["runs"]
+            for r in runs:
+                lines.append(
+                    md_row(
+                        [
+                            str(threads),
+                            str(r["seed"]),
+                            f3(r["eval_before"]),
+                            f3(r["eval_after"]),
+                            signed(r["eval_after"] - r["eval_before"]),
+                            f"{r['machine'].get('cpu_model', '?')}",
+                        ]
+                    )
+                )
+            gains = [r["eval_after"] - r["eval_before"] for r in runs]
+            lines.append(md_row([str(threads), "mean", "", "", f"**{signed(float(np.mean(gains)))}**", ""]))
+    if len(lines) == 2:
+        lines.append("| (no run has finished yet) |" + " |" * 5)
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     root = ROOT / CELLS
+    print(preset_table(root))
     print(outcome_table(root))
     print(family_table(root), end="")
     return 0

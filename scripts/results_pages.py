@@ -137,12 +137,18 @@ def agentic_family(root: Path) -> str:
     return _agentic().family_table(root / _agentic().CELLS)
 
 
+def agentic_preset(root: Path) -> str:
+    """docs/LAB.md's agentic preset over seeds and thread counts."""
+    return _agentic().preset_table(root / _agentic().CELLS)
+
+
 BLOCKS: dict[str, Callable[[Path], str]] = {
     "disk-projection": disk_projection,
     "rollout-storage": rollout_storage,
     "probes": probes,
     "agentic-outcomes": agentic_outcomes,
     "agentic-family": agentic_family,
+    "agentic-preset": agentic_preset,
 }
 
 
