@@ -10,7 +10,8 @@ grpo, dapo, gspo, and pdm − grpo (m = 8). Each row: the mean paired difference
 seeds with its paired 95% t interval, the paired t p, the exact sign-flip p, the larger of the
 two Holm-adjusted across the 8, the paired MDD at α/m (post hoc) and TOST at ±0.05. The outcome
 table is descriptive: per regime and method, held-out accuracy before and after RL, collapses,
-SIS acceptance and turns per episode at the end.
+the engine's first-step mismatch, the mean per-response Σ|log r| (how off-policy the update
+is), SIS acceptance and turns per episode at the end.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ FAMILY_HEAD = (
 )
 PRESET_HEAD = "train.threads | seed | held-out before RL | after RL | change | CPU"
 OUTCOME_HEAD = (
-    "regime | method | n | held-out before | after RL mean ± sd | per seed after | collapsed | SIS acceptance | "
+    "regime | method | n | held-out before | after RL mean ± sd | per seed after | collapsed | "
+    "mean abs Δ log p engine vs policy, step 1 | per-response Σ abs log r | SIS acceptance | "
     "turns per episode (last 50 steps) | machine"
 )
 
@@ -158,6 +160,8 @@ def outcome_table(root: Path) -> str:
                         f"{f3(float(np.mean(v)))}{sd}",
                         ", ".join(f"{r['seed']}: {f3(r['eval_after'])}" for r in runs),
                         f"{sum(1 for r in runs if (r.get('collapse') or {}).get('collapsed'))}/{len(runs)}",
+                        mean_of(runs, lambda r: (r.get("mismatch") or {}).get("logp_abs_step1"), "{:.4f}"),
+                        mean_of(runs, lambda r: r.get("log_r_dev")),
                         f3(float(np.mean(acc))) if acc else "—",
                         f3(float(np.mean(turns))) if turns else "—",
                         "; ".join(machines),
@@ -167,6 +171,12 @@ def outcome_table(root: Path) -> str:
     if len(lines) == 2:
         lines.append("| (no cell has finished yet) |" + " |" * (len(head) - 1))
     return "\n".join(lines) + "\n"
+
+
+def mean_of(runs: list[dict], get, fmt: str = "{:.3f}") -> str:
+    """The mean over runs of ``get(run)`` where recorded, else —."""
+    vals = [v for v in map(get, runs) if isinstance(v, (int, float)) and math.isfinite(v)]
+    return fmt.format(float(np.mean(vals))) if vals else "—"
 
 
 def preset_table(root: Path) -> str:

@@ -10,9 +10,10 @@ as ``analyze compare`` groups them (config minus seed); each group is a **cell**
 ``<out>/<source>/<label>.json``: the resolved method and the flattened config (without the seed),
 and per seed: the run, held-out accuracy before and after, avg@k of each ``masktrl eval`` report
 at the final checkpoint, the mismatch at step 1 and over the last 50 steps, the blocked fraction,
-the SIS acceptance, the turns per episode (multi-turn), the final entropy, the collapse record,
-and the machine (CPU model, threads, commit) from summary.json. Nothing time-dependent is
-stored, so rerunning a cell on the same machine rewrites its JSON byte for byte.
+the SIS acceptance, the mean per-response sum of abs log r, the turns per episode (multi-turn), the final
+entropy, the collapse record, and the machine (CPU model, threads, commit) from summary.json.
+Nothing time-dependent is stored, so rerunning a cell on the same machine rewrites its JSON byte
+for byte.
 
 ``tables``: one markdown table per source from the cells, with the paired design of
 docs/ANALYSIS.md (``analyze compare --test paired``): per cell against the source's baseline
@@ -86,6 +87,7 @@ def run_record(run) -> dict:
         },
         "mask_frac": _mean(m, "mask_frac"),
         "sis_accept_rate": _mean(m, "sis_accept_rate"),
+        "log_r_dev": _mean(m, "log_r_dev"),  # mean over steps of the per-response sum |log r|
         "turns_end": _mean(m, "turns_per_episode", TAIL),  # multi-turn runs only
         "entropy_end": _mean(m, "entropy", TAIL),
         "collapse": run_collapse(m),

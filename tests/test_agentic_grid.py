@@ -36,6 +36,8 @@ def _cell(regime: str, name: str) -> dict:
             "collapse": {"collapsed": s == 1 and name == "pdm"},
             "sis_accept_rate": 0.9 if name.startswith("sis") else None,
             "turns_end": 2.5,
+            "mismatch": {"logp_abs_step1": 0.0123},
+            "log_r_dev": 0.5 + 0.1 * s,
             "machine": {"cpu_model": "Test CPU", "threads": 1},
         }
         for s, v in enumerate(AFTER[name])
@@ -74,7 +76,8 @@ def test_tables_render_every_cell_and_say_what_is_missing(tmp_path):
     _write(tmp_path, regimes=("stale2",), names=("grpo", "sis"))
     out = ag.outcome_table(tmp_path)
     assert (
-        "| staleness 2 | sis | 3 | 0.100 | 0.420 ± 0.095 | 0: 0.520, 1: 0.330, 2: 0.410 | 0/3 | 0.900 | 2.500 |" in out
+        "| staleness 2 | sis | 3 | 0.100 | 0.420 ± 0.095 | 0: 0.520, 1: 0.330, 2: 0.410 | 0/3 | 0.0123 | 0.600 | 0.900 | 2.500 |"
+        in out
     )
     fam = ag.family_table(tmp_path)
     assert "| staleness 2 | sis − grpo | 3 | +0.020 [" in fam and "m = 1 comparisons" in fam
