@@ -76,8 +76,8 @@ def test_tables_render_every_cell_and_say_what_is_missing(tmp_path):
     _write(tmp_path, regimes=("stale2",), names=("grpo", "sis"))
     out = ag.outcome_table(tmp_path)
     assert (
-        "| staleness 2 | sis | 3 | 0.100 | 0.420 ± 0.095 | 0: 0.520, 1: 0.330, 2: 0.410 | 0/3 | 0.0123 | 0.600 | 0.900 | 2.500 |"
-        in out
+        "| staleness 2 | sis | 3 | 0.100 | 0.420 ± 0.095 | 0: 0.520, 1: 0.330, 2: 0.410 | 0/3 "
+        "| 0.0123 | 0.600 | 0.900 | 2.500 |" in out
     )
     fam = ag.family_table(tmp_path)
     assert "| staleness 2 | sis − grpo | 3 | +0.020 [" in fam and "m = 1 comparisons" in fam
