@@ -57,7 +57,10 @@ def read(root: Path) -> dict[str, dict[str, dict]]:
     for regime in REGIMES:
         for path in sorted((root / regime).glob("*.json")):
             cell = json.loads(path.read_text())
-            out.setdefault(regime, {})[method_name(cell)] = cell
+            name = method_name(cell)
+            if name in out.get(regime, {}):  # e.g. a cell written under an older label: remove the stale file
+                raise SystemExit(f"error: {path}: a second cell of {name} in {regime}")
+            out.setdefault(regime, {})[name] = cell
     return out
 
 

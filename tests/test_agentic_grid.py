@@ -81,3 +81,14 @@ def test_tables_render_every_cell_and_say_what_is_missing(tmp_path):
     )
     fam = ag.family_table(tmp_path)
     assert "| staleness 2 | sis − grpo | 3 | +0.020 [" in fam and "m = 1 comparisons" in fam
+
+
+def test_a_second_cell_of_one_method_is_refused(tmp_path):
+    """results_cells names a cell by what tells it apart from the others: a sweep's early ``sis``
+    becomes ``sis base=grpo`` once ``sis:base=dapo`` exists, leaving the old file behind."""
+    import pytest
+
+    _write(tmp_path, regimes=("stale2",), names=("grpo", "sis"))
+    (tmp_path / "stale2" / "sis_base=grpo.json").write_text(json.dumps(_cell("stale2", "sis")))
+    with pytest.raises(SystemExit, match="a second cell of sis in stale2"):
+        ag.read(tmp_path)
