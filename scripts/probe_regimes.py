@@ -14,7 +14,7 @@ every probe is the finding.
     python scripts/probe_regimes.py list                                 # the plan, no runs
 
 ``run`` calls ``masktrl sweep`` (complete runs are skipped, interrupted ones resume) and writes each
-finished probe's cell JSON with ``scripts/results_cells.py write`` under ``docs/results/cells/probe-<name>/``:
+finished probe's cell JSON with ``scripts/results_cells.py write`` under ``docs/results/cells/<name>/``:
 commit that file as soon as it is written, so a new machine loses only the probe that was running.
 """
 
