@@ -83,6 +83,25 @@ def scratch(prefix: str) -> Iterator[str]:
                 pass
 
 
+@contextmanager
+def undone_on_refusal() -> Iterator[None]:
+    """Around a check that imports a package which makes folders under ``--out``'s cache as it
+    loads (vLLM's import makes torch's inductor folder): if the check refuses and ``--out`` or its
+    ``.cache`` did not exist before it, the empty folders under the highest one it made are
+    removed again, so the refused command leaves no ``--out`` (a file is never removed)."""
+    made = [] if _scratch_root is None else [d for d in (_scratch_root.parent, _scratch_root) if not d.exists()]
+    try:
+        yield
+    except BaseException:
+        for top in made[:1]:  # the highest folder made: everything under it is ours
+            for folder, _, _ in sorted(os.walk(top, topdown=False), key=lambda w: -len(w[0])):
+                try:
+                    os.rmdir(folder)  # only if empty
+                except OSError:
+                    pass
+        raise
+
+
 def settle_matplotlib(folder: Path) -> None:
     """Before matplotlib is imported to draw a figure into ``folder`` (a folder the command has
     just written to): the cache under ``--out`` when it can be written, else ``folder/.cache/

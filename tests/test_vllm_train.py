@@ -147,4 +147,4 @@ def test_head_size_the_cpu_build_cannot_run_is_one_line(tmp_path):
     r = subprocess.run(args, capture_output=True, text=True, env={**os.environ, **CPU_ENV}, timeout=600)
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 2 and len(lines) == 1 and "head sizes" in lines[0], r.stderr[-3000:]
-    assert not (tmp_path / "out" / "runs").exists() and not list((tmp_path / "out").glob("*/manifest.json"))
+    assert not (tmp_path / "out").exists()  # nothing written, not even the cache folder vLLM's import made
