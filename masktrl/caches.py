@@ -94,7 +94,7 @@ def undone_on_refusal() -> Iterator[None]:
         yield
     except BaseException:
         for top in made[:1]:  # the highest folder made: everything under it is ours
-            for folder, _, _ in sorted(os.walk(top, topdown=False), key=lambda w: -len(w[0])):
+            for folder, _, _ in os.walk(top, topdown=False):  # children before their parents
                 try:
                     os.rmdir(folder)  # only if empty
                 except OSError:
