@@ -13,7 +13,9 @@ folder is used instead: matplotlib never falls back to a temporary folder with a
 ``<out>/.cache`` with ``--out``) that is deleted once its rows are read (``tasks/dataset.py``);
 a dataset named by its hub id is read from the hub's own cache, where it lives (masktrl never
 downloads). torch's inductor folder (made when a model generates) goes to
-``<out>/.cache/torchinductor``. So a read-only home changes nothing.
+``<out>/.cache/torchinductor``. So a read-only home changes nothing. A command that fails, is
+refused or is a ``--dry-run`` removes again the empty folders the imports made there (``tidy``),
+so it leaves no ``--out``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ _scratch_root: Path | None = None  # <out>/.cache once contain() found --out
 _mode: str | None = (
     None  # None: contain() did not run (a library caller); "out": --out holds the cache; "figure": no --out
 )
+_made: list[Path] = []  # --out and --out/.cache when contain() found them missing (highest first): tidy()'s
 
 
 def out_from_argv(argv: list[str]) -> str | None:
@@ -52,6 +55,7 @@ def contain(argv: list[str]) -> Path | None:
         return None
     _mode = "out"
     root = Path(os.path.abspath(out)) / ".cache"
+    _made[:] = [d for d in (root.parent, root) if not d.exists()]
     os.environ["MPLCONFIGDIR"] = str(root / "matplotlib")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "torchinductor")  # torch makes it when it generates (else /tmp)
     _scratch_root = root
@@ -83,23 +87,18 @@ def scratch(prefix: str) -> Iterator[str]:
                 pass
 
 
-@contextmanager
-def undone_on_refusal() -> Iterator[None]:
-    """Around a check that imports a package which makes folders under ``--out``'s cache as it
-    loads (vLLM's import makes torch's inductor folder): if the check refuses and ``--out`` or its
-    ``.cache`` did not exist before it, the empty folders under the highest one it made are
-    removed again, so the refused command leaves no ``--out`` (a file is never removed)."""
-    made = [] if _scratch_root is None else [d for d in (_scratch_root.parent, _scratch_root) if not d.exists()]
-    try:
-        yield
-    except BaseException:
-        for top in made[:1]:  # the highest folder made: everything under it is ours
-            for folder, _, _ in os.walk(top, topdown=False):  # children before their parents
-                try:
-                    os.rmdir(folder)  # only if empty
-                except OSError:
-                    pass
-        raise
+def tidy() -> None:
+    """After a command that wrote nothing it means to keep (it was refused, failed, or was a
+    ``--dry-run``): remove the empty folders under ``--out`` that the libraries' imports made as
+    they loaded (torch's dynamo cache folder under ``.cache/torchinductor``, vLLM's), when ``--out``
+    or its ``.cache`` did not exist before the command, so the command leaves no ``--out`` behind.
+    Only empty folders are removed, children before parents; a file is never touched."""
+    for top in _made[:1]:  # the highest folder the command made: everything under it is ours
+        for folder, _, _ in os.walk(top, topdown=False):
+            try:
+                os.rmdir(folder)  # only if empty
+            except OSError:
+                pass
 
 
 def settle_matplotlib(folder: Path) -> None:

@@ -56,9 +56,19 @@ app.command("check-method", cls=Command)(check_method_cmd.check_method)
 
 
 def main() -> None:
-    from masktrl.caches import contain
+    from masktrl.caches import contain, tidy
 
     contain(sys.argv[1:])  # library caches under --out, set before those libraries are imported
+    try:
+        _main()
+    except BaseException as exc:  # _main ends in sys.exit: a refusal, a failure or a dry run keeps no --out
+        failed = not (isinstance(exc, SystemExit) and exc.code in (0, None))
+        if (failed or "--dry-run" in sys.argv[1:]) and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            tidy()
+        raise
+
+
+def _main() -> None:
     try:
         code = app(standalone_mode=False)
     except _click.exceptions.NoArgsIsHelpError as exc:  # `masktrl` alone: the help, as before

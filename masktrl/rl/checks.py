@@ -91,11 +91,9 @@ def _model_checks(cfg: Config, task, tokenizer, vocab_size: int, context: int | 
     report.extend(check_routing_replay(cfg, tokenizer))
     check_engine(cfg)
     if cfg.rollout.engine == "vllm":
-        from masktrl.caches import undone_on_refusal
         from masktrl.rollout.vllm import check_head_dim
 
-        with undone_on_refusal():  # importing vLLM makes torch's inductor folder under --out
-            check_head_dim(meta_model(cfg, tokenizer).config)
+        check_head_dim(meta_model(cfg, tokenizer).config)
     if cfg.train.quantization is not None:
         report.append(("train.quantization", check_train_quantization(cfg)))
     if isinstance(cfg.rollout.staleness, dict):
