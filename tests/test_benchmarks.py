@@ -83,3 +83,52 @@ def test_profile_step_runs_and_shares_add_up(common, tmp_path):
     assert abs(sum(r["shares"].values()) - 1.0) < 1e-6
     assert 0.0 < r["io_share"] < 1.0
     assert r["phases_ms"]["rollout: transformers generate"] > 0 and r["phases_ms"]["backward"] > 0
+
+
+def test_runs_per_cpu_hour_pairs_each_preset_with_the_base_tree(common, tmp_path, monkeypatch):
+    """The runs-per-CPU-hour table: every preset's variants beside the base tree's run when the base
+    tree has the preset, alone when it does not; the ratio is base CPU over variant CPU."""
+    rpch = importlib.import_module("runs_per_cpu_hour")
+    base = tmp_path / "base"
+    (base / "configs").mkdir(parents=True)
+    (base / "configs" / "lab.yaml").write_text("{}\n")  # the base has the lab, not the agentic preset
+    seconds = {"base": 300.0, "default": 250.0, "fast": 150.0}
+    calls = []
+
+    def fake_run(tree, preset, sets, steps, scratch):
+        variant = "base" if tree == base else ("fast" if sets else "default")
+        calls.append((preset, variant, steps))
+        return {"cpu_s": seconds[variant], "wall_s": 1.0, "eval_before": 0.1, "eval_after": 0.2, "steps": steps}
+
+    monkeypatch.setattr(rpch, "time_run", fake_run)
+    out = rpch.main(
+        ["--base", str(base), "--presets", "lab,agentic", "--steps", "3", "--json", str(tmp_path / "r.json")]
+    )
+    rows = {(r["preset"], r["variant"]): r for r in out["rows"]}
+    assert set(rows) == {
+        ("lab", "base"),
+        ("lab", "this tree: default"),
+        ("lab", "this tree: fast"),
+        ("agentic", "this tree: default"),
+        ("agentic", "this tree: fast"),
+    }
+    assert rows[("lab", "this tree: fast")]["ratio_vs_base"] == pytest.approx(2.0)
+    assert rows[("lab", "this tree: default")]["runs_per_cpu_hour"] == pytest.approx(3600 / 250)
+    assert rows[("agentic", "this tree: fast")]["ratio_vs_base"] is None
+    assert all(steps == 3 for _, _, steps in calls)
+    assert json.loads((tmp_path / "r.json").read_text())["steps"] == 3
+
+
+def test_runs_per_cpu_hour_commands_pass_the_pre_write_checks(tmp_path):
+    """The fast variant's overrides are keys `masktrl train` accepts, on the lab and the agentic lab
+    (checked by --dry-run, nothing run; the default variant adds no override)."""
+    import subprocess
+
+    sys.path.insert(0, str(BENCH))
+    rpch = importlib.import_module("runs_per_cpu_hour")
+    assert rpch.VARIANTS["default"] == []
+    for preset in ("lab", "agentic"):
+        command = rpch.train_command(preset, tmp_path / preset, rpch.VARIANTS["fast"], 2) + ["--dry-run"]
+        done = subprocess.run(command, cwd=rpch.ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert not (tmp_path / preset).exists()

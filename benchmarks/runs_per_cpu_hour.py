@@ -1,0 +1,165 @@
+"""Lab runs per CPU-hour: whole `masktrl train` runs of the lab presets, this tree against an earlier commit's.
+
+What a user of the CPU lab buys with a machine is runs: a comparison wants 5-10 seeds per cell,
+and every cell is a whole run (warm start, RL steps, held-out evaluations). This benchmark times
+exactly that: `masktrl train` of a preset, in a fresh folder (so the warm start is built, not read
+from a cache), one thread, in its own process, and reports the process tree's CPU time (user +
+sys, `getrusage(RUSAGE_CHILDREN)`: what a machine shared with other jobs inflates least) and its
+inverse, runs per CPU-hour. Each preset runs with this tree's code and with the baseline tree's (by
+default commit 19f900d, the code issue #39 starts from, extracted with ``git archive``), with the
+same command and the same number of steps, the trees alternating round by round; the ratio is
+this tree's runs per CPU-hour over the baseline's.
+
+Variants of this tree (``--variants``): ``default`` is the preset as it is; ``fast`` adds
+``rollout.decode=fused`` and ``rollout.draw=inverse_cdf`` (the same distribution, other samples
+for a seed: docs/ROLLOUTS.md) and ``rollout.mismatch=off`` (no extra forward for the mismatch
+metric). The held-out accuracy before and after RL of every run is recorded beside its time, so
+the JSON shows whether a variant's run is the baseline's run (equal numbers) or another one.
+
+    python benchmarks/runs_per_cpu_hour.py --json benchmarks/results/runs_per_cpu_hour.json
+    python benchmarks/runs_per_cpu_hour.py --presets lab --steps 20 --rounds 1     # a quick look
+
+A preset the baseline tree does not have (the agentic lab at 19f900d) is timed on this tree only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import machine, median, parser, write_json
+from gen_vs_base import BASE_COMMIT, extract
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = {  # name -> the --config files, relative to the tree
+    "lab": ["configs/lab.yaml"],
+    "long": ["configs/lab.yaml", "configs/lab-long.yaml"],
+    "agentic": ["configs/agentic.yaml"],
+}
+VARIANTS = {  # name -> --set overrides on this tree
+    "default": [],
+    "fast": ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off"],
+}
+
+
+def children_cpu_s() -> float:
+    """User + system CPU seconds of every child process this process has waited for so far."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def train_command(preset: str, out: Path, sets: list[str], steps: int | None) -> list[str]:
+    command = [sys.executable, "-m", "masktrl.cli", "train"]
+    for path in PRESETS[preset]:
+        command += ["--config", path]
+    command += ["--out", str(out), "--run", "run", "--set", "train.threads=1"]
+    for item in sets + ([f"train.steps={steps}"] if steps else []):
+        command += ["--set", item]
+    return command
+
+
+def time_run(tree: Path, preset: str, sets: list[str], steps: int | None, scratch: Path) -> dict:
+    """One whole run of ``preset`` with ``tree``'s code in a fresh ``--out``: its CPU and wall seconds
+    and its held-out accuracy before and after RL."""
+    out = Path(tempfile.mkdtemp(dir=scratch))
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cpu0, wall0 = children_cpu_s(), time.perf_counter()
+    subprocess.run(train_command(preset, out, sets, steps), cwd=tree, env=env, check=True, capture_output=True)
+    cpu, wall = children_cpu_s() - cpu0, time.perf_counter() - wall0
+    summary = json.loads((out / "run" / "summary.json").read_text())
+    return {
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "eval_before": summary.get("eval_before"),
+        "eval_after": summary.get("eval_after"),
+        "steps": summary.get("steps"),
+    }
+
+
+def main(argv=None) -> dict:
+    p = parser(__doc__.split("\n")[0])
+    p.add_argument("--base", default=None, help=f"a checkout of the baseline code (default: commit {BASE_COMMIT})")
+    p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated, of: " + ", ".join(PRESETS))
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help="this tree's, comma-separated: " + ", ".join(VARIANTS)
+    )
+    p.add_argument("--steps", type=int, default=None, help="RL steps of every run (default: the preset's)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of alternating trees")
+    args = p.parse_args(argv)
+    presets = [x.strip() for x in args.presets.split(",") if x.strip()]
+    variants = [x.strip() for x in args.variants.split(",") if x.strip()]
+    for name in presets:
+        if name not in PRESETS:
+            sys.exit(f"error: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    for name in variants:
+        if name not in VARIANTS:
+            sys.exit(f"error: unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    load_start = os.getloadavg()[0]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.base:
+            base = Path(args.base)
+        else:
+            base = Path(tmp) / "base"
+            base.mkdir()
+            extract(BASE_COMMIT, base)
+        scratch = Path(tmp) / "runs"
+        scratch.mkdir()
+        for preset in presets:
+            runs = [(f"this tree: {v}", ROOT, VARIANTS[v]) for v in variants]
+            if all((base / path).is_file() for path in PRESETS[preset]):
+                runs.insert(0, ("base", base, []))
+            per: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
+            for r in range(args.rounds):
+                for name, tree, sets in runs if r % 2 == 0 else list(reversed(runs)):
+                    per[name].append(time_run(tree, preset, sets, args.steps, scratch))
+                    last = per[name][-1]
+                    print(
+                        f"  {preset:8s} {name:20s} {last['cpu_s']:8.1f} CPU-s  {last['wall_s']:8.1f} s wall"
+                        f"  held-out {last['eval_before']} -> {last['eval_after']}",
+                        flush=True,
+                    )
+            cpu = {name: median([x["cpu_s"] for x in v]) for name, v in per.items()}
+            for name, v in per.items():
+                rows.append(
+                    {
+                        "preset": preset,
+                        "variant": name,
+                        "cpu_s": cpu[name],
+                        "runs_per_cpu_hour": 3600 / cpu[name],
+                        "ratio_vs_base": cpu["base"] / cpu[name] if "base" in cpu else None,
+                        "runs": v,
+                    }
+                )
+    steps = f"{args.steps} steps" if args.steps else "the presets' steps"
+    print(f"\nruns per CPU-hour ({steps}, train.threads 1, median of {args.rounds}) vs {args.base or BASE_COMMIT}")
+    for row in rows:
+        ratio = "" if row["ratio_vs_base"] is None else f"  x{row['ratio_vs_base']:.2f}"
+        print(f"  {row['preset']:8s} {row['variant']:20s} {row['runs_per_cpu_hour']:7.2f}{ratio}")
+    result = {
+        "command": " ".join(
+            ["python", "benchmarks/runs_per_cpu_hour.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "base": args.base or BASE_COMMIT,
+        "threads": 1,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "variants": {v: VARIANTS[v] for v in variants},
+        "rows": rows,
+        "loadavg_1m_start": load_start,
+        "machine": machine(),  # its loadavg_1m: at the end
+    }
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
