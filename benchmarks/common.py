@@ -394,6 +394,15 @@ def write_json(path: str | None, obj: dict) -> None:
     print(f"wrote {path}")
 
 
+def finish(script: str, argv, load_start: float, json_path: str | None, **fields) -> dict:
+    """A benchmark's result: its command line, ``fields``, the load when it started and the
+    machine (whose ``loadavg_1m`` is the load at the end); written to ``json_path`` when given."""
+    command = " ".join(["python", f"benchmarks/{script}", *(argv if argv is not None else sys.argv[1:])])
+    result = {"command": command, **fields, "loadavg_1m_start": load_start, "machine": machine()}
+    write_json(json_path, result)
+    return result
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")

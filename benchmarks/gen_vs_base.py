@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine, median, parser, write_json
+from common import finish, machine, median, parser, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_COMMIT = "19f900d"
@@ -186,18 +186,17 @@ def main(argv=None) -> dict:
             f"  {row['rows']:4d} rows  {row['variant']:28s} {row['tokens_per_cpu_s']:9,.0f}"
             f"  x{row['ratio_vs_base_cpu']:.2f} (wall x{row['ratio_vs_base_wall']:.2f})"
         )
-    result = {
-        "command": " ".join(["python", "benchmarks/gen_vs_base.py", *(argv if argv is not None else sys.argv[1:])]),
-        "base": args.base or BASE_COMMIT,
-        "threads": 1,
-        "rounds": args.rounds,
-        "reps": args.reps,
-        "rows": rows_out,
-        "loadavg_1m_start": load_start,
-        "machine": machine(),  # its loadavg_1m: at the end
-    }
-    write_json(args.json, result)
-    return result
+    return finish(
+        "gen_vs_base.py",
+        argv,
+        load_start,
+        args.json,
+        base=args.base or BASE_COMMIT,
+        threads=1,
+        rounds=args.rounds,
+        reps=args.reps,
+        rows=rows_out,
+    )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine, median, parser, write_json
+from common import finish, median, parser
 from gen_vs_base import BASE_COMMIT, extract
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,21 +144,18 @@ def main(argv=None) -> dict:
     for row in rows:
         ratio = "" if row["ratio_vs_base"] is None else f"  x{row['ratio_vs_base']:.2f}"
         print(f"  {row['preset']:8s} {row['variant']:20s} {row['runs_per_cpu_hour']:7.2f}{ratio}")
-    result = {
-        "command": " ".join(
-            ["python", "benchmarks/runs_per_cpu_hour.py", *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "base": args.base or BASE_COMMIT,
-        "threads": 1,
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "variants": {v: VARIANTS[v] for v in variants},
-        "rows": rows,
-        "loadavg_1m_start": load_start,
-        "machine": machine(),  # its loadavg_1m: at the end
-    }
-    write_json(args.json, result)
-    return result
+    return finish(
+        "runs_per_cpu_hour.py",
+        argv,
+        load_start,
+        args.json,
+        base=args.base or BASE_COMMIT,
+        threads=1,
+        steps=args.steps,
+        rounds=args.rounds,
+        variants={v: VARIANTS[v] for v in variants},
+        rows=rows,
+    )
 
 
 if __name__ == "__main__":
