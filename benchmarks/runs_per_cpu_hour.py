@@ -3,7 +3,7 @@
 What a user of the CPU lab buys with a machine is runs: a comparison wants 5-10 seeds per cell,
 and every cell is a whole run (warm start, RL steps, held-out evaluations). This benchmark times
 exactly that: `masktrl train` of a preset, in a fresh folder (so the warm start is built, not read
-from a cache), one thread, in its own process, and reports the process tree's CPU time (user +
+from a cache), one thread (``--threads``), in its own process, and reports the process tree's CPU time (user +
 sys, `getrusage(RUSAGE_CHILDREN)`: what a machine shared with other jobs inflates least) and its
 inverse, runs per CPU-hour. Each preset runs with this tree's code and with the baseline tree's (by
 default commit 19f900d, the code issue #39 starts from, extracted with ``git archive``), with the
@@ -19,7 +19,9 @@ the JSON shows whether a variant's run is the baseline's run (equal numbers) or 
     python benchmarks/runs_per_cpu_hour.py --json benchmarks/results/runs_per_cpu_hour.json
     python benchmarks/runs_per_cpu_hour.py --presets lab --steps 20 --rounds 1     # a quick look
 
-A preset the baseline tree does not have (the agentic lab at 19f900d) is timed on this tree only.
+The presets: ``lab``, ``long`` (48-64-token answers) and ``agentic`` by default; ``moe``, ``deep``
+and ``scratch`` (the 200-token lab) on request. A preset the baseline tree does not have (the
+agentic, deep and scratch labs at 19f900d) is timed on this tree only.
 """
 
 from __future__ import annotations
@@ -43,7 +45,11 @@ PRESETS = {  # name -> the --config files, relative to the tree
     "lab": ["configs/lab.yaml"],
     "long": ["configs/lab.yaml", "configs/lab-long.yaml"],
     "agentic": ["configs/agentic.yaml"],
+    "moe": ["configs/lab.yaml", "configs/lab-moe.yaml"],
+    "deep": ["configs/lab.yaml", "configs/lab-deep.yaml"],
+    "scratch": ["configs/lab.yaml", "configs/lab-scratch.yaml"],
 }
+DEFAULT_PRESETS = "lab,long,agentic"
 VARIANTS = {  # name -> --set overrides on this tree
     "default": [],
     "fast": ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off"],
@@ -56,23 +62,23 @@ def children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def train_command(preset: str, out: Path, sets: list[str], steps: int | None) -> list[str]:
+def train_command(preset: str, out: Path, sets: list[str], steps: int | None, threads: int = 1) -> list[str]:
     command = [sys.executable, "-m", "masktrl.cli", "train"]
     for path in PRESETS[preset]:
         command += ["--config", path]
-    command += ["--out", str(out), "--run", "run", "--set", "train.threads=1"]
+    command += ["--out", str(out), "--run", "run", "--set", f"train.threads={threads}"]
     for item in sets + ([f"train.steps={steps}"] if steps else []):
         command += ["--set", item]
     return command
 
 
-def time_run(tree: Path, preset: str, sets: list[str], steps: int | None, scratch: Path) -> dict:
+def time_run(tree: Path, preset: str, sets: list[str], steps: int | None, scratch: Path, threads: int = 1) -> dict:
     """One whole run of ``preset`` with ``tree``'s code in a fresh ``--out``: its CPU and wall seconds
     and its held-out accuracy before and after RL."""
     out = Path(tempfile.mkdtemp(dir=scratch))
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     cpu0, wall0 = children_cpu_s(), time.perf_counter()
-    subprocess.run(train_command(preset, out, sets, steps), cwd=tree, env=env, check=True, capture_output=True)
+    subprocess.run(train_command(preset, out, sets, steps, threads), cwd=tree, env=env, check=True, capture_output=True)
     cpu, wall = children_cpu_s() - cpu0, time.perf_counter() - wall0
     summary = json.loads((out / "run" / "summary.json").read_text())
     return {
@@ -87,7 +93,7 @@ def time_run(tree: Path, preset: str, sets: list[str], steps: int | None, scratc
 def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--base", default=None, help=f"a checkout of the baseline code (default: commit {BASE_COMMIT})")
-    p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated, of: " + ", ".join(PRESETS))
+    p.add_argument("--presets", default=DEFAULT_PRESETS, help="comma-separated, of: " + ", ".join(PRESETS))
     p.add_argument(
         "--variants", default=",".join(VARIANTS), help="this tree's, comma-separated: " + ", ".join(VARIANTS)
     )
@@ -120,7 +126,7 @@ def main(argv=None) -> dict:
             per: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
             for r in range(args.rounds):
                 for name, tree, sets in runs if r % 2 == 0 else list(reversed(runs)):
-                    per[name].append(time_run(tree, preset, sets, args.steps, scratch))
+                    per[name].append(time_run(tree, preset, sets, args.steps, scratch, args.threads))
                     last = per[name][-1]
                     print(
                         f"  {preset:8s} {name:20s} {last['cpu_s']:8.1f} CPU-s  {last['wall_s']:8.1f} s wall"
@@ -140,7 +146,10 @@ def main(argv=None) -> dict:
                     }
                 )
     steps = f"{args.steps} steps" if args.steps else "the presets' steps"
-    print(f"\nruns per CPU-hour ({steps}, train.threads 1, median of {args.rounds}) vs {args.base or BASE_COMMIT}")
+    print(
+        f"\nruns per CPU-hour ({steps}, train.threads {args.threads}, median of {args.rounds})"
+        f" vs {args.base or BASE_COMMIT}"
+    )
     for row in rows:
         ratio = "" if row["ratio_vs_base"] is None else f"  x{row['ratio_vs_base']:.2f}"
         print(f"  {row['preset']:8s} {row['variant']:20s} {row['runs_per_cpu_hour']:7.2f}{ratio}")
@@ -150,7 +159,7 @@ def main(argv=None) -> dict:
         load_start,
         args.json,
         base=args.base or BASE_COMMIT,
-        threads=1,
+        threads=args.threads,
         steps=args.steps,
         rounds=args.rounds,
         variants={v: VARIANTS[v] for v in variants},

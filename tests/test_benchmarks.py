@@ -95,7 +95,7 @@ def test_runs_per_cpu_hour_pairs_each_preset_with_the_base_tree(common, tmp_path
     seconds = {"base": 300.0, "default": 250.0, "fast": 150.0}
     calls = []
 
-    def fake_run(tree, preset, sets, steps, scratch):
+    def fake_run(tree, preset, sets, steps, scratch, threads):
         variant = "base" if tree == base else ("fast" if sets else "default")
         calls.append((preset, variant, steps))
         return {"cpu_s": seconds[variant], "wall_s": 1.0, "eval_before": 0.1, "eval_after": 0.2, "steps": steps}
