@@ -61,7 +61,15 @@ METHODS = {  # overlay -> the method block it must give
 
 
 def test_the_shipped_files_are_the_bases_the_overlays_the_tiny_presets_and_the_lab():
-    labs = ["lab.yaml", "lab-long.yaml", "lab-long200.yaml", "lab-moe.yaml", "lab-deep.yaml", "agentic.yaml"]
+    labs = [
+        "lab.yaml",
+        "lab-long.yaml",
+        "lab-long200.yaml",
+        "lab-scratch.yaml",
+        "lab-moe.yaml",
+        "lab-deep.yaml",
+        "agentic.yaml",
+    ]
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(BASES + ["tiny.yaml", "tiny-offpolicy.yaml", *labs])
     assert sorted(p.stem for p in (CONFIGS / "methods").glob("*.yaml")) == sorted(METHODS)
 

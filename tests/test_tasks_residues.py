@@ -192,3 +192,53 @@ def test_default_targets_unchanged_by_the_new_options():
     a = ResidueTask(distinct=True, n_test=10).train_examples(20, random.Random(3))
     b = ResidueTask(distinct=True, n_test=10, max_answers=4, ascending=False).train_examples(20, random.Random(3))
     assert [e.answer for e in a] == [e.answer for e in b]
+
+
+def test_scratchpad_targets_configs_lab_scratch():
+    """configs/lab-scratch.yaml: 200 to 240 integers from [lo, hi), "=", then the lab's answer."""
+    cfg = load_config(["configs/lab.yaml", "configs/lab-scratch.yaml"])
+    task = make_task(cfg.task, cfg.model)
+    assert (task.scratch_min, task.scratch_max, task.answers, task.distinct) == (200, 240, 4, True)
+    counts = set()
+    for ex in task.train_examples(60, random.Random(0)) + task.test_examples()[:20]:
+        lo, hi, m, r = parse_prompt(ex.prompt)
+        head, sep, tail = task.format_target(ex).partition(" = ")
+        pad, xs = [int(w) for w in head.split()], [int(w) for w in tail.split()]
+        assert sep and 200 <= len(pad) <= 240 and all(lo <= x < hi for x in pad)
+        assert len(xs) == 4 == len(set(xs)) and all(lo <= x < hi and x % m == r for x in xs)
+        assert task.score(ex, task.format_target(ex)) == 1.0
+        counts.add(len(pad))
+    assert min(counts) < 210 and max(counts) > 230  # the count is drawn over the whole range
+    # the longest response fits max_new_tokens: 240 integers, "=", 4 numbers and EOS
+    assert cfg.rollout.max_new_tokens == 240 + 1 + 4 + 1
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("5 " * 3 + "= 11 14 17 20", True),  # scratch words are not graded: any integers
+        ("1999 0 7 = 11 14 17 20", True),
+        ("5 5 = 11 14 17 20", False),  # 2 < scratch_min
+        ("5 " * 5 + "= 11 14 17 20", False),  # 5 > scratch_max
+        ("11 14 17 20", False),  # no "="
+        ("5 5 5 11 14 17 20", False),
+        ("5 x 5 = 11 14 17 20", False),  # a scratch word that is not an integer
+        ("5 5 5 = 11 14 17 21", False),  # the answer is still graded
+        ("5 5 5 = 11 14 17 20 = 1", False),
+        ("5 5 5 = 11 14 17", False),
+    ],
+)
+def test_scratchpad_scoring(completion, expected):
+    """lo 10, hi 30, m 3, r 2: an answer is 4 distinct x = 2 (mod 3) in [10, 30) after 3 or 4 integers."""
+    assert is_correct(10, 30, 3, 2, completion, 4, True, scratch=(3, 4)) is expected
+
+
+def test_scratchpad_options_are_validated_and_off_by_default():
+    with pytest.raises(ConfigError, match="scratch_max"):
+        ResidueTask(scratch_max=1001)
+    with pytest.raises(ConfigError, match="scratch_min"):
+        ResidueTask(scratch_min=5, scratch_max=4)
+    a = ResidueTask(distinct=True, n_test=10).train_examples(20, random.Random(3))
+    b = ResidueTask(distinct=True, n_test=10, scratch_min=0, scratch_max=0).train_examples(20, random.Random(3))
+    assert [e.answer for e in a] == [e.answer for e in b]
+    assert ResidueTask(distinct=True, n_test=10).score(a[0], "1 = " + a[0].answer) == 0.0

@@ -7,6 +7,14 @@ so many completions are correct: the policy can stay spread over them, which kee
 behaviour's probability mass outside its top-K list large (what the top-K estimators and SIS
 need to be tested on). Reward 1 iff the whole completion is correct.
 
+With ``scratch_max > 0`` a completion first holds a scratchpad: ``scratch_min`` to ``scratch_max``
+integers (any integers: the reward reads only their count), then ``=``, then the answer. A
+warm-start target's scratchpad is a uniform count of integers drawn uniformly from ``[lo, hi)``.
+This is the 200-token lab's shape (configs/lab-scratch.yaml): long responses whose many tokens are
+sampled from a wide distribution the reward does not grade, before a short answer it does, as in a
+long chain of thought, so the sequence log-ratio sums grow with length while the task stays
+learnable.
+
 Sampling: ``m`` uniform in ``moduli``, ``r`` uniform in ``[0, m)``, the width ``hi - lo``
 uniform in ``[min_solutions * m, max_solutions * m]``, ``lo`` uniform with ``hi <= max_value``.
 The held-out split is a fixed function of the options and ``seed``; training sampling rejects
@@ -37,6 +45,19 @@ def parse_prompt(prompt: str) -> tuple[int, int, int, int]:
     return lo, hi, m, r
 
 
+def answer_after_scratch(completion: str, scratch_min: int, scratch_max: int) -> str | None:
+    """The answer part of a completion with a scratchpad: what follows the first ``=`` when the
+    words before it are ``scratch_min`` to ``scratch_max`` integers; None when they are not (or
+    there is no ``=``). Without a scratchpad (``scratch_max == 0``) the completion itself."""
+    if not scratch_max:
+        return completion
+    head, sep, tail = completion.partition("=")
+    words = head.split()
+    if not sep or not scratch_min <= len(words) <= scratch_max:
+        return None
+    return tail if all(w.isdecimal() and w.isascii() for w in words) else None
+
+
 def is_correct(
     lo: int,
     hi: int,
@@ -47,10 +68,14 @@ def is_correct(
     distinct: bool,
     max_answers: int | None = None,
     ascending: bool = False,
+    scratch: tuple[int, int] = (0, 0),
 ) -> bool:
     """Whether ``completion`` is ``answers`` (to ``max_answers``, when given) whitespace-separated
     integers in [lo, hi), each = r mod m (pairwise different with ``distinct``, strictly
-    increasing with ``ascending``)."""
+    increasing with ``ascending``), after a scratchpad of ``scratch`` = (min, max) integers and
+    ``=`` when max > 0."""
+    if isinstance(completion, str):
+        completion = answer_after_scratch(completion, *scratch)
     words = completion.split() if isinstance(completion, str) else []
     if not answers <= len(words) <= (max_answers or answers) or not all(w.isdecimal() and w.isascii() for w in words):
         return False
@@ -77,6 +102,8 @@ class ResidueTask(SyntheticTask):
         moduli: the moduli to draw ``m`` from (integers >= 2). Default 2..9.
         min_solutions, max_solutions: range of the number of correct integers per prompt.
             Default 11 and 100.
+        scratch_min, scratch_max: with ``scratch_max > 0``, a completion is a scratchpad of
+            ``scratch_min`` to ``scratch_max`` integers, ``=``, then the answer. Default 0 (none).
         n_test: size of the held-out split. Default 500.
         seed: seed of the held-out split (training samples come from the caller's rng).
     """
@@ -93,6 +120,8 @@ class ResidueTask(SyntheticTask):
         moduli: Iterable[int] = tuple(range(2, 10)),
         min_solutions: int = 11,
         max_solutions: int = 100,
+        scratch_min: int = 0,
+        scratch_max: int = 0,
         n_test: int = 500,
         seed: int = 0,
     ) -> None:
@@ -118,6 +147,8 @@ class ResidueTask(SyntheticTask):
                 "residues: max_solutions * max(moduli) = "
                 f"{self.max_solutions * max(self.moduli)} exceeds max_value {self.max_value}"
             )
+        self.scratch_max = _int_option("scratch_max", scratch_max, 0, 1000)
+        self.scratch_min = _int_option("scratch_min", scratch_min, 0, self.scratch_max)
         self.n_test = _int_option("n_test", n_test, 1, 100_000)
         self.seed = _int_option("seed", seed, -(2**63), 2**63 - 1)
         self._draw_split(self.n_test)
@@ -126,7 +157,13 @@ class ResidueTask(SyntheticTask):
     def score(self, example: Example, completion: str) -> float:
         return float(
             is_correct(
-                *parse_prompt(example.prompt), completion, self.answers, self.distinct, self.max_answers, self.ascending
+                *parse_prompt(example.prompt),
+                completion,
+                self.answers,
+                self.distinct,
+                self.max_answers,
+                self.ascending,
+                (self.scratch_min, self.scratch_max),
             )
         )
 
@@ -159,4 +196,8 @@ class ResidueTask(SyntheticTask):
         xs = rng.sample(sols, count) if self.distinct or self.ascending else [rng.choice(sols) for _ in range(count)]
         if self.ascending:
             xs.sort()
-        return Example(id=f"{split}/{lo}-{hi}-{m}-{r}", prompt=f"{lo} {hi} {m} {r} =", answer=" ".join(map(str, xs)))
+        answer = " ".join(map(str, xs))
+        if self.scratch_max:  # drawn after the answer: without a scratchpad the examples are as before
+            pad = [rng.randrange(lo, hi) for _ in range(rng.randint(self.scratch_min, self.scratch_max))]
+            answer = " ".join([*map(str, pad), "=", answer])
+        return Example(id=f"{split}/{lo}-{hi}-{m}-{r}", prompt=f"{lo} {hi} {m} {r} =", answer=answer)
