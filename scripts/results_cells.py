@@ -4,6 +4,7 @@
     python scripts/results_cells.py tables --cells docs/results/cells                 # print the tables
     python scripts/results_cells.py tables --cells docs/results/cells --check docs/RESULTS.md
     python scripts/results_cells.py tables --cells docs/results/cells --write docs/RESULTS.md
+    python scripts/results_cells.py same docs/results/cells/agentic/stale2/grpo.json RERUN/stale2/grpo.json
 
 ``write``: for every sweep folder (one behaviour source, e.g. ``fp8``), the complete runs grouped
 as ``analyze compare`` groups them (config minus seed); each group is a **cell** written to
@@ -22,6 +23,10 @@ paired t p and the exact sign-flip p (the larger decides), Holm across the sourc
 at alpha / m (post hoc), the collapse count and the machines. ``--check FILE`` compares every
 ``<!-- cells:SOURCE -->`` ... ``<!-- /cells:SOURCE -->`` block of FILE with what this prints
 (exit 1 naming the blocks that differ); ``--write FILE`` replaces them.
+
+``same A B``: whether a rerun's cell equals the committed one: every value equal (floats exactly),
+the commit each run was made at aside (a rerun is made at a later commit); exit 1 naming the
+first values that differ.
 """
 
 from __future__ import annotations
@@ -266,6 +271,40 @@ def rewrite(doc: Path, made: dict[str, str]) -> None:
     doc.write_text(BLOCK.sub(lambda m: made.get(m["src"], m.group(0)), doc.read_text()))
 
 
+def differences(a, b, where: str = "") -> list[str]:
+    """Where two cells differ (paths into the JSON), ``machine.commit`` left out."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted(set(a) | set(b))
+        out = []
+        for k in keys:
+            if k == "commit" and where.endswith(".machine"):
+                continue
+            if k not in a or k not in b:
+                out.append(f"{where}.{k}: only in {'the first' if k in a else 'the second'}")
+            else:
+                out += differences(a[k], b[k], f"{where}.{k}")
+        return out
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{where}: {len(a)} against {len(b)} items"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}[{i}]")]
+    return [] if a == b and type(a) is type(b) else [f"{where}: {a!r} against {b!r}"]
+
+
+def same(a: Path, b: Path) -> int:
+    try:
+        cells_ = [json.loads(p.read_text()) for p in (a, b)]
+    except (OSError, ValueError) as e:
+        print(f"error: cannot read a cell: {e}", file=sys.stderr)
+        return 2
+    diff = differences(*cells_)
+    if diff:
+        print(f"{a} and {b} differ in {len(diff)} value(s): " + "; ".join(diff[:5]), file=sys.stderr)
+        return 1
+    print(f"{a} and {b}: every value equal (the commits aside)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -280,8 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument(
         "--write", type=Path, default=None, help="replace FILE's <!-- cells:SOURCE --> blocks with the tables"
     )
+    c = sub.add_parser("same", help="whether a rerun cell equals the committed one (the commits aside)")
+    c.add_argument("a", type=Path)
+    c.add_argument("b", type=Path)
     args = ap.parse_args(argv)
     try:
+        if args.cmd == "same":
+            return same(args.a, args.b)
         if args.cmd == "write":
             for p in write_cells(args.folders, args.out):
                 print(p)

@@ -109,3 +109,31 @@ def test_a_run_records_its_machine_and_its_cell_is_written(warm_out, tmp_path):
     cell = json.loads(path.read_text())
     assert cell["runs"][0]["machine"] == m and cell["runs"][0]["eval_after"] == summary["eval_after"]
     assert "| grpo | 1 |" in rc.tables(tmp_path / "cells")["src"]
+
+
+def test_same_compares_every_value_but_the_commits(tmp_path, capsys):
+    """`same A B`: a rerun made at another commit equals its committed cell; any other value that
+    differs (a float in its last bit, a missing key, a list of another length) is named, exit 1."""
+    cell = {
+        "cell": "fp8/grpo",
+        "runs": [{"seed": 0, "eval_after": 0.1 + 0.2, "machine": {**MACHINE}, "collapse": {"collapsed": False}}],
+    }
+    rerun = json.loads(json.dumps(cell))
+    rerun["runs"][0]["machine"]["commit"] = "def456-dirty"
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(cell))
+    b.write_text(json.dumps(rerun))
+    assert rc.main(["same", str(a), str(b)]) == 0
+    for change in (
+        lambda c: c["runs"][0].__setitem__("eval_after", np.nextafter(0.1 + 0.2, 1.0)),
+        lambda c: c["runs"][0]["machine"].__setitem__("cpu_model", "Other CPU"),
+        lambda c: c["runs"][0].pop("seed"),
+        lambda c: c["runs"].append({}),
+        lambda c: c["runs"][0]["collapse"].__setitem__("collapsed", 0),  # 0 is not False
+    ):
+        other = json.loads(json.dumps(rerun))
+        change(other)
+        b.write_text(json.dumps(other, default=float))
+        assert rc.main(["same", str(a), str(b)]) == 1
+    assert "differ in 1 value(s)" in capsys.readouterr().err
+    assert rc.main(["same", str(tmp_path / "missing.json"), str(b)]) == 2
