@@ -10,10 +10,10 @@ need to be tested on). Reward 1 iff the whole completion is correct.
 With ``scratch_max > 0`` a completion first holds a scratchpad: ``scratch_min`` to ``scratch_max``
 integers (any integers: the reward reads only their count), then ``=``, then the answer. A
 warm-start target's scratchpad is a uniform count of integers drawn uniformly from ``[lo, hi)``.
-This is the 200-token lab's shape (configs/lab-scratch.yaml): long responses whose many tokens are
-sampled from a wide distribution the reward does not grade, before a short answer it does, as in a
-long chain of thought, so the sequence log-ratio sums grow with length while the task stays
-learnable.
+The shape of configs/lab-scratch.yaml: long responses whose many tokens are sampled from a wide
+distribution the reward does not grade, before a short answer it does, as in a long chain of
+thought, so the sequence log-ratio sums grow with length without compounding the answer's errors.
+The lab's 1.0M-parameter model does not learn where to put ``=`` (docs/LAB.md).
 
 Sampling: ``m`` uniform in ``moduli``, ``r`` uniform in ``[0, m)``, the width ``hi - lo``
 uniform in ``[min_solutions * m, max_solutions * m]``, ``lo`` uniform with ``hi <= max_value``.
