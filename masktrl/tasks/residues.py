@@ -74,9 +74,8 @@ def is_correct(
     integers in [lo, hi), each = r mod m (pairwise different with ``distinct``, strictly
     increasing with ``ascending``), after a scratchpad of ``scratch`` = (min, max) integers and
     ``=`` when max > 0."""
-    if isinstance(completion, str):
-        completion = answer_after_scratch(completion, *scratch)
-    words = completion.split() if isinstance(completion, str) else []
+    answer = answer_after_scratch(completion, *scratch) if isinstance(completion, str) else None
+    words = answer.split() if answer is not None else []
     if not answers <= len(words) <= (max_answers or answers) or not all(w.isdecimal() and w.isascii() for w in words):
         return False
     xs = [int(w) for w in words]
