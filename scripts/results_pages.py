@@ -112,6 +112,35 @@ def rollout_storage(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def runs_per_cpu_hour(root: Path) -> str:
+    """docs/BENCHMARKS.md's runs per CPU-hour (benchmarks/runs_per_cpu_hour.py) against the base commit."""
+    data = _load(root, "runs_per_cpu_hour.json")
+    m = data["machine"]
+    lines = [
+        "```bash",
+        data["command"],
+        "```",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, "
+        f"`train.threads` {data['threads']}; load {data['loadavg_1m_start']:.1f} at the start, "
+        f"{m['loadavg_1m']:.1f} at the end ({m['time']}); {data['rounds']} round(s), "
+        f"{'each preset with its own steps' if data['steps'] is None else str(data['steps']) + ' steps'}. CPU time is "
+        "user + sys of the run's process tree; each run builds its own warm start.",
+        "",
+        f"| preset | code | CPU min per run | runs per CPU-hour | × {data['base']} | held-out before → after |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in data["rows"]:
+        first = row["runs"][0]
+        ratio = "" if row["ratio_vs_base"] is None else f"{row['ratio_vs_base']:.2f}×"
+        code = data["base"] if row["variant"] == "base" else row["variant"].removeprefix("this tree: ")
+        lines.append(
+            f"| {row['preset']} | {code} | {row['cpu_s'] / 60:.1f} | {row['runs_per_cpu_hour']:.1f} | {ratio} "
+            f"| {first['eval_before']:.3f} → {first['eval_after']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def probes(root: Path) -> str:
     """The probe table of scripts/probe_regimes.py from its cells (docs/results/cells/<probe>/)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -146,6 +175,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "disk-projection": disk_projection,
     "rollout-storage": rollout_storage,
     "probes": probes,
+    "runs-per-cpu-hour": runs_per_cpu_hour,
     "agentic-outcomes": agentic_outcomes,
     "agentic-family": agentic_family,
     "agentic-preset": agentic_preset,
