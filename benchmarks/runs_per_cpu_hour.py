@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import finish, median, parser
+from common import die, finish, median, parser
 from gen_vs_base import BASE_COMMIT, extract
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,12 @@ def time_run(tree: Path, preset: str, sets: list[str], steps: int | None, scratc
     out = Path(tempfile.mkdtemp(dir=scratch))
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     cpu0, wall0 = children_cpu_s(), time.perf_counter()
-    subprocess.run(train_command(preset, out, sets, steps, threads), cwd=tree, env=env, check=True, capture_output=True)
+    done = subprocess.run(
+        train_command(preset, out, sets, steps, threads), cwd=tree, env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        die(f"error: the {preset} run with {tree}'s code exited {done.returncode}: {last}")
     cpu, wall = children_cpu_s() - cpu0, time.perf_counter() - wall0
     summary = json.loads((out / "run" / "summary.json").read_text())
     return {
@@ -88,6 +93,33 @@ def time_run(tree: Path, preset: str, sets: list[str], steps: int | None, scratc
         "eval_after": summary.get("eval_after"),
         "steps": summary.get("steps"),
     }
+
+
+def time_preset(preset: str, runs: list[tuple[str, Path, list[str]]], args, scratch: Path) -> list[dict]:
+    """``args.rounds`` rounds of every (name, tree, overrides) in ``runs`` on ``preset``, the order
+    reversed every other round; one row per name with its median CPU time and its ratio to the base's."""
+    per: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
+    for r in range(args.rounds):
+        for name, tree, sets in runs if r % 2 == 0 else list(reversed(runs)):
+            per[name].append(time_run(tree, preset, sets, args.steps, scratch, args.threads))
+            last = per[name][-1]
+            print(
+                f"  {preset:8s} {name:20s} {last['cpu_s']:8.1f} CPU-s  {last['wall_s']:8.1f} s wall"
+                f"  held-out {last['eval_before']} -> {last['eval_after']}",
+                flush=True,
+            )
+    cpu = {name: median([x["cpu_s"] for x in v]) for name, v in per.items()}
+    return [
+        {
+            "preset": preset,
+            "variant": name,
+            "cpu_s": cpu[name],
+            "runs_per_cpu_hour": 3600 / cpu[name],
+            "ratio_vs_base": cpu["base"] / cpu[name] if "base" in cpu else None,
+            "runs": v,
+        }
+        for name, v in per.items()
+    ]
 
 
 def main(argv=None) -> dict:
@@ -104,15 +136,17 @@ def main(argv=None) -> dict:
     variants = [x.strip() for x in args.variants.split(",") if x.strip()]
     for name in presets:
         if name not in PRESETS:
-            sys.exit(f"error: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+            die(f"error: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     for name in variants:
         if name not in VARIANTS:
-            sys.exit(f"error: unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+            die(f"error: unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
     load_start = os.getloadavg()[0]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.base:
             base = Path(args.base)
+            if not base.is_dir():
+                die(f"error: --base {base}: not a folder (a checkout of the baseline code)")
         else:
             base = Path(tmp) / "base"
             base.mkdir()
@@ -123,28 +157,7 @@ def main(argv=None) -> dict:
             runs = [(f"this tree: {v}", ROOT, VARIANTS[v]) for v in variants]
             if all((base / path).is_file() for path in PRESETS[preset]):
                 runs.insert(0, ("base", base, []))
-            per: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
-            for r in range(args.rounds):
-                for name, tree, sets in runs if r % 2 == 0 else list(reversed(runs)):
-                    per[name].append(time_run(tree, preset, sets, args.steps, scratch, args.threads))
-                    last = per[name][-1]
-                    print(
-                        f"  {preset:8s} {name:20s} {last['cpu_s']:8.1f} CPU-s  {last['wall_s']:8.1f} s wall"
-                        f"  held-out {last['eval_before']} -> {last['eval_after']}",
-                        flush=True,
-                    )
-            cpu = {name: median([x["cpu_s"] for x in v]) for name, v in per.items()}
-            for name, v in per.items():
-                rows.append(
-                    {
-                        "preset": preset,
-                        "variant": name,
-                        "cpu_s": cpu[name],
-                        "runs_per_cpu_hour": 3600 / cpu[name],
-                        "ratio_vs_base": cpu["base"] / cpu[name] if "base" in cpu else None,
-                        "runs": v,
-                    }
-                )
+            rows += time_preset(preset, runs, args, scratch)
     steps = f"{args.steps} steps" if args.steps else "the presets' steps"
     print(
         f"\nruns per CPU-hour ({steps}, train.threads {args.threads}, median of {args.rounds})"

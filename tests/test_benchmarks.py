@@ -132,3 +132,21 @@ def test_runs_per_cpu_hour_commands_pass_the_pre_write_checks(tmp_path):
         done = subprocess.run(command, cwd=rpch.ROOT, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
         assert not (tmp_path / preset).exists()
+
+
+def test_runs_per_cpu_hour_bad_input_and_a_failed_run_are_one_line_and_exit_2(tmp_path, capsys):
+    sys.path.insert(0, str(BENCH))
+    rpch = importlib.import_module("runs_per_cpu_hour")
+    for argv, words in (
+        (["--presets", "lab,nope"], "unknown preset 'nope'"),
+        (["--variants", "turbo"], "unknown variant 'turbo'"),
+        (["--base", str(tmp_path / "missing")], "not a folder"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            rpch.main(argv)
+        assert exc.value.code == 2 and words in capsys.readouterr().err
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(SystemExit) as exc:  # a tree without the preset's config: masktrl refuses it
+        rpch.time_run(tmp_path, "lab", [], 1, tmp_path / "runs")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "the lab run" in err and "configs/lab.yaml" in err and len(err.splitlines()) == 1
