@@ -63,7 +63,7 @@ def main() -> None:
         _main()
     except BaseException as exc:  # _main ends in sys.exit: a refusal, a failure or a dry run keeps no --out
         failed = not (isinstance(exc, SystemExit) and exc.code in (0, None))
-        if (failed or "--dry-run" in sys.argv[1:]) and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        if (failed or "--dry-run" in sys.argv[1:]) and os.environ.get("WORLD_SIZE", "1") == "1":
             tidy()
         raise
 
