@@ -147,7 +147,12 @@ class ResidueTask(SyntheticTask):
                 f"{self.max_solutions * max(self.moduli)} exceeds max_value {self.max_value}"
             )
         self.scratch_max = _int_option("scratch_max", scratch_max, 0, 1000)
-        self.scratch_min = _int_option("scratch_min", scratch_min, 0, self.scratch_max)
+        self.scratch_min = _int_option("scratch_min", scratch_min, 0, 1000)
+        if self.scratch_min > self.scratch_max:
+            raise ConfigError(
+                f"residues: scratch_min={self.scratch_min} exceeds scratch_max={self.scratch_max} "
+                "(a scratchpad needs scratch_max >= scratch_min)"
+            )
         self.n_test = _int_option("n_test", n_test, 1, 100_000)
         self.seed = _int_option("seed", seed, -(2**63), 2**63 - 1)
         self._draw_split(self.n_test)
