@@ -17,16 +17,16 @@ is), SIS acceptance and turns per episode at the end.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from masktrl.analysis import compare as cmp
-from masktrl.stats import paired_mdd, paired_tests, sign_flip_p, tost_paired
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import results_cells  # noqa: E402  (a sibling script)
+from results_cells import f3, family_columns, family_footer, md_row, mean_of, signed  # noqa: E402
+
 CELLS = Path("docs/results/cells/agentic")
 REGIMES = {"stale2": "staleness 2", "fp8": "fp8 rollouts"}
 METHODS = ["grpo", "dapo", "gspo", "sis", "sis:base=dapo", "sis:base=gspo", "pdm"]  # §14's order
@@ -64,18 +64,6 @@ def read(root: Path) -> dict[str, dict[str, dict]]:
     return out
 
 
-def md_row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
-def f3(x) -> str:
-    return "—" if x is None or not math.isfinite(x) else f"{x:.3f}"
-
-
-def signed(x) -> str:
-    return "—" if x is None or not math.isfinite(x) else f"{x:+.3f}"
-
-
 def after(cell: dict) -> dict[int, float]:
     return {r["seed"]: float(r["eval_after"]) for r in cell["runs"]}
 
@@ -90,18 +78,9 @@ def family_rows(data: dict[str, dict[str, dict]]) -> list[dict]:
                 continue
             va, vb = after(cells[a]), after(cells[b])
             seeds = sorted(set(va) & set(vb))
-            d = [va[s] - vb[s] for s in seeds]
-            row = {"regime": regime, "a": a, "b": b, "seeds": seeds, "d": d, "n": len(d)}
-            if len(d) >= 2:
-                t_p = paired_tests(d, [0.0] * len(d))["p_ttest"]
-                row |= {"t_p": t_p, "flip": sign_flip_p(d), "ci": cmp.paired_diff_ci(d, [0.0] * len(d))}
-                row |= {"p": max(t_p, row["flip"]), "tost": tost_paired(d, MARGIN)["p"]}
-            rows.append(row)
-    tested = [r for r in rows if "p" in r]
-    m = len(tested)
-    for r, adj in zip(tested, cmp.holm([r["p"] for r in tested])):
-        r["holm"], r["mdd"], r["m"] = adj, paired_mdd(r["d"], alpha=0.05 / m), m
-    return rows
+            rows.append({"regime": regime, "a": a, "b": b, "seeds": seeds, "d": [va[s] - vb[s] for s in seeds]})
+    tests = results_cells.paired_family([r["d"] for r in rows], MARGIN)
+    return [r | t for r, t in zip(rows, tests)]
 
 
 def family_table(root: Path) -> str:
@@ -109,30 +88,8 @@ def family_table(root: Path) -> str:
     head = FAMILY_HEAD.split(" | ")
     lines = [md_row(head), md_row(["---"] * len(head))]
     for r in rows:
-        tested = "p" in r
-        lines.append(
-            md_row(
-                [
-                    REGIMES[r["regime"]],
-                    f"{r['a']} − {r['b']}",
-                    str(r["n"]),
-                    f"{signed(float(np.mean(r['d'])))} [{signed(r['ci'][0])}, {signed(r['ci'][1])}]"
-                    if tested
-                    else signed(float(np.mean(r["d"])) if r["d"] else float("nan")),
-                    f3(r.get("t_p")),
-                    f3(r.get("flip")),
-                    f3(r.get("holm")),
-                    f3(r.get("mdd")),
-                    f3(r.get("tost")),
-                    ", ".join(f"{s}: {signed(x)}" for s, x in zip(r["seeds"], r["d"])),
-                ]
-            )
-        )
-    if not rows:
-        lines.append("| (no comparison has both cells yet) |" + " |" * (len(head) - 1))
-    m = next((r["m"] for r in rows if "m" in r), 0)
-    lines.append("")
-    lines.append(f"Holm over the m = {m} comparisons present (8 when the grid is complete).")
+        lines.append(md_row([REGIMES[r["regime"]], f"{r['a']} − {r['b']}", str(r["n"]), *family_columns(r)]))
+    lines += family_footer(rows, len(head), complete=8)
     return "\n".join(lines) + "\n"
 
 
@@ -174,12 +131,6 @@ def outcome_table(root: Path) -> str:
     if len(lines) == 2:
         lines.append("| (no cell has finished yet) |" + " |" * (len(head) - 1))
     return "\n".join(lines) + "\n"
-
-
-def mean_of(runs: list[dict], get, fmt: str = "{:.3f}") -> str:
-    """The mean over runs of ``get(run)`` where recorded, else —."""
-    vals = [v for v in map(get, runs) if isinstance(v, (int, float)) and math.isfinite(v)]
-    return fmt.format(float(np.mean(vals))) if vals else "—"
 
 
 def preset_table(root: Path) -> str:

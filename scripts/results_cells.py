@@ -8,11 +8,12 @@
 
 ``write``: for every sweep folder (one behaviour source, e.g. ``fp8``), the complete runs grouped
 as ``analyze compare`` groups them (config minus seed); each group is a **cell** written to
-``<out>/<source>/<label>.json``: the resolved method and the flattened config (without the seed),
-and per seed: the run, held-out accuracy before and after, avg@k of each ``masktrl eval`` report
-at the final checkpoint, the mismatch at step 1 and over the last 50 steps, the blocked fraction,
-the SIS acceptance, the mean per-response sum of abs log r, the turns per episode (multi-turn), the final
-entropy, the collapse record, and the machine (CPU model, threads, commit) from summary.json.
+``<out>/<source>/<label>.json``, and any other JSON there is removed (the folder is the sweep's). A
+cell holds the resolved method and the flattened config (without the seed), and per seed: the run,
+held-out accuracy before and after, avg@k of each ``masktrl eval`` report at the final checkpoint,
+the mismatch at step 1 and over the last 50 steps, the blocked fraction, the SIS acceptance, the
+mean per-response sum of abs log r, the turns per episode (multi-turn), the final entropy, the
+collapse record, and the machine (CPU model, threads, commit) from summary.json.
 Nothing time-dependent is stored, so rerunning a cell on the same machine rewrites its JSON byte
 for byte.
 
@@ -45,7 +46,7 @@ from masktrl.analysis.collapse import run_collapse
 from masktrl.analysis.io import expand_runs, group_runs, load_run
 from masktrl.config import flatten
 from masktrl.errors import MasktrlError
-from masktrl.stats import paired_mdd, paired_tests, sign_flip_p
+from masktrl.stats import paired_mdd, paired_tests, sign_flip_p, tost_paired
 
 TAIL = 50  # steps averaged for the "end" of a run, as scripts/mismatch_table.py
 SCORE = "eval_after"  # the score without an eval report: the run's held-out accuracy (one answer per prompt)
@@ -136,15 +137,24 @@ def cmp_key(run) -> str:
     return config_key(run.cfg)
 
 
-def write_cells(folders: list[Path], out: Path) -> list[Path]:
-    paths = []
+def write_cells(folders: list[Path], out: Path) -> tuple[list[Path], list[Path]]:
+    """Write every folder's cells; returns (written, removed). A source's folder under ``out`` then
+    holds exactly the cells its sweep folder gives: a file of the source that was not written (a
+    cell whose label changed when another cell joined the sweep, e.g. ``grpo_dual_clip=3`` becoming
+    ``grpo_correction.hi=None_dual_clip=3``) is removed, so no run stands in two cells."""
+    paths, removed = [], []
     for folder in folders:
+        made = []
         for cell in cells(folder):
             path = out / cell["source"] / f"{slug(cell['label'])}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(cell, indent=1, sort_keys=True, default=str) + "\n")
-            paths.append(path)
-    return paths
+            made.append(path)
+        for stale in sorted({q for p in made for q in p.parent.glob("*.json")} - set(made)):
+            stale.unlink()
+            removed.append(stale)
+        paths += made
+    return paths, removed
 
 
 # --------------------------------------------------------------------------- tables
@@ -181,6 +191,16 @@ def f3(x) -> str:
 
 def signed(x) -> str:
     return "—" if x is None or not math.isfinite(x) else f"{x:+.3f}"
+
+
+def md_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def mean_of(runs: list[dict], get, fmt: str = "{:.3f}") -> str:
+    """The mean over runs of ``get(run)`` where recorded, else —."""
+    vals = [v for v in map(get, runs) if isinstance(v, (int, float)) and math.isfinite(v)]
+    return fmt.format(float(np.mean(vals))) if vals else "—"
 
 
 def table(source: str, cells_: list[dict], baseline: str = "grpo") -> str:
@@ -255,6 +275,46 @@ def table(source: str, cells_: list[dict], baseline: str = "grpo") -> str:
     return "\n".join(lines)
 
 
+def paired_family(diffs: list[list[float]], margin: float) -> list[dict]:
+    """The tests of a family of paired comparisons, one list of per-seed differences each.
+
+    Every comparison with at least 2 differences gets the paired t p, the exact sign-flip p, the
+    larger of the two (``p``, the one that decides), the paired 95% interval and TOST at ``margin``;
+    Holm runs over those tested (m of them) and the paired MDD is taken at alpha / m (post hoc).
+    Returns one dict per input, in order; a comparison with fewer than 2 differences gets none.
+    """
+    rows = []
+    for d in diffs:
+        row: dict = {"d": list(d), "n": len(d)}
+        if len(d) >= 2:
+            t_p = paired_tests(d, [0.0] * len(d))["p_ttest"]
+            row |= {"t_p": t_p, "flip": sign_flip_p(d), "ci": cmp.paired_diff_ci(d, [0.0] * len(d))}
+            row |= {"p": max(t_p, row["flip"]), "tost": tost_paired(d, margin)["p"]}
+        rows.append(row)
+    tested = [r for r in rows if "p" in r]
+    for r, adj in zip(tested, cmp.holm([r["p"] for r in tested])):
+        r["holm"], r["mdd"], r["m"] = adj, paired_mdd(r["d"], alpha=0.05 / len(tested)), len(tested)
+    return rows
+
+
+def family_columns(row: dict) -> list[str]:
+    """A ``paired_family`` row's columns: Δ [paired 95% CI], t p, sign-flip p, Holm p, paired
+    MDD, TOST p and the per-seed differences (``row["seeds"]`` beside ``row["d"]``)."""
+    mean = float(np.mean(row["d"])) if row["d"] else float("nan")
+    return [
+        f"{signed(mean)} [{signed(row['ci'][0])}, {signed(row['ci'][1])}]" if "ci" in row else signed(mean),
+        *(f3(row.get(k)) for k in ("t_p", "flip", "holm", "mdd", "tost")),
+        ", ".join(f"{s}: {signed(x)}" for s, x in zip(row["seeds"], row["d"])),
+    ]
+
+
+def family_footer(rows: list[dict], columns: int, complete: int) -> list[str]:
+    """The lines after a family's rows: a placeholder row when there is none, and Holm's m."""
+    lines = [] if rows else ["| (no comparison has both cells yet) |" + " |" * (columns - 1)]
+    m = next((r["m"] for r in rows if "m" in r), 0)
+    return [*lines, "", f"Holm over the m = {m} comparisons present ({complete} when the grid is complete)."]
+
+
 def tables(root: Path) -> dict[str, str]:
     return {source: table(source, cs) for source, cs in read_cells(root).items()}
 
@@ -327,8 +387,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "same":
             return same(args.a, args.b)
         if args.cmd == "write":
-            for p in write_cells(args.folders, args.out):
+            written, removed = write_cells(args.folders, args.out)
+            for p in written:
                 print(p)
+            for p in removed:
+                print(f"removed {p} (no longer a cell of its sweep folder)")
             return 0
         made = tables(args.cells)
     except MasktrlError as e:

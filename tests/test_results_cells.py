@@ -57,7 +57,8 @@ def synthetic(monkeypatch):
 
 
 def test_cells_hold_every_seed_and_the_table_is_the_paired_design(synthetic, tmp_path):
-    paths = rc.write_cells([Path("fp8")], tmp_path / "cells")
+    paths, removed = rc.write_cells([Path("fp8")], tmp_path / "cells")
+    assert removed == []
     assert [p.relative_to(tmp_path / "cells").as_posix() for p in paths] == [
         "fp8/grpo.json",
         "fp8/grpo_correction.cap=2.0.json",
@@ -105,7 +106,7 @@ def test_a_run_records_its_machine_and_its_cell_is_written(warm_out, tmp_path):
     m = summary["machine"]
     assert m["threads"] == 1 and m["torch_threads"] >= 1 and isinstance(m.get("cpu_model", ""), str)
     assert "commit" not in m or len(m["commit"].split("-")[0]) == 40
-    (path,) = rc.write_cells([warm_out / "src"], tmp_path / "cells")
+    (path,), _ = rc.write_cells([warm_out / "src"], tmp_path / "cells")
     cell = json.loads(path.read_text())
     assert cell["runs"][0]["machine"] == m and cell["runs"][0]["eval_after"] == summary["eval_after"]
     assert "| grpo | 1 |" in rc.tables(tmp_path / "cells")["src"]
@@ -137,3 +138,16 @@ def test_same_compares_every_value_but_the_commits(tmp_path, capsys):
         assert rc.main(["same", str(a), str(b)]) == 1
     assert "differ in 1 value(s)" in capsys.readouterr().err
     assert rc.main(["same", str(tmp_path / "missing.json"), str(b)]) == 2
+
+
+def test_write_removes_a_cell_whose_label_changed(synthetic, tmp_path):
+    """A cell's file is named by its label, and a label depends on the other cells of the sweep; a
+    file the sweep no longer gives is removed (and said), so no run stands in two cells."""
+    (tmp_path / "cells" / "fp8").mkdir(parents=True)
+    stale = tmp_path / "cells" / "fp8" / "tis.json"  # as if written when the label was "tis"
+    stale.write_text("{}")
+    other = tmp_path / "cells" / "bf16" / "grpo.json"  # another source's cells are left alone
+    other.parent.mkdir()
+    other.write_text("{}")
+    paths, removed = rc.write_cells([Path("fp8")], tmp_path / "cells")
+    assert removed == [stale] and not stale.exists() and other.exists() and len(paths) == 2
