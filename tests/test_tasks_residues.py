@@ -233,6 +233,38 @@ def test_scratchpad_scoring(completion, expected):
     assert is_correct(10, 30, 3, 2, completion, 4, True, scratch=(3, 4)) is expected
 
 
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("11 14 17 20 = 5 5 5", True),
+        ("11 14 17 20 = 1999 0 7 8", True),
+        ("11 14 17 20 = 5 5", False),  # 2 < scratch_min
+        ("11 14 17 20 = " + "5 " * 5, False),  # 5 > scratch_max
+        ("11 14 17 20", False),  # no "="
+        ("11 14 17 20 = 5 x 5", False),  # a scratch word that is not an integer
+        ("11 14 17 21 = 5 5 5", False),  # the answer is still graded
+        ("11 14 17 20 = 5 5 = 5", False),
+        ("5 5 5 = 11 14 17 20", False),  # the other order
+    ],
+)
+def test_a_scratchpad_after_the_answer_is_scored_by_its_length(completion, expected):
+    """scratch_position=after: 4 distinct x = 2 (mod 3) in [10, 30), then "=" and 3 or 4 integers."""
+    assert is_correct(10, 30, 3, 2, completion, 4, True, scratch=(3, 4), scratch_position="after") is expected
+
+
+def test_a_scratchpad_after_the_answer_makes_targets_that_score_one():
+    task = ResidueTask(
+        distinct=True, n_test=10, scratch_min=200, scratch_max=240, scratch_index=True, scratch_position="after"
+    )
+    before = ResidueTask(distinct=True, n_test=10, scratch_min=200, scratch_max=240, scratch_index=True)
+    a, b = task.train_examples(30, random.Random(4)), before.train_examples(30, random.Random(4))
+    for x, y in zip(a, b, strict=True):
+        answer, sep, pad = x.answer.partition(" = ")
+        assert sep and task.score(x, x.answer) == 1.0 and before.score(x, x.answer) == 0.0
+        assert y.answer == f"{pad} = {answer}"  # the same draws, in the other order
+        assert [int(w) for w in pad.split()][0::2][-1] == 1
+
+
 def test_scratchpad_options_are_validated_and_off_by_default():
     with pytest.raises(ConfigError, match="scratch_max"):
         ResidueTask(scratch_max=1001)
@@ -242,3 +274,70 @@ def test_scratchpad_options_are_validated_and_off_by_default():
     b = ResidueTask(distinct=True, n_test=10, scratch_min=0, scratch_max=0).train_examples(20, random.Random(3))
     assert [e.answer for e in a] == [e.answer for e in b]
     assert ResidueTask(distinct=True, n_test=10).score(a[0], "1 = " + a[0].answer) == 0.0
+
+
+def test_an_indexed_scratchpad_counts_down_to_the_answer():
+    """scratch_index: the target's scratchpad is n pairs "i v", i = n .. 1, v in [lo, hi), 2n in
+    [scratch_min, scratch_max]; scoring is unchanged (only the scratchpad's length is read)."""
+    task = ResidueTask(distinct=True, n_test=10, scratch_min=199, scratch_max=240, scratch_index=True)
+    lengths = set()
+    for ex in task.train_examples(80, random.Random(1)):
+        lo, hi, m, r = parse_prompt(ex.prompt)
+        head, sep, tail = task.format_target(ex).partition(" = ")
+        pad = [int(w) for w in head.split()]
+        n = len(pad) // 2
+        assert sep and len(pad) == 2 * n and 100 <= n <= 120  # 2n in [199, 240]: n in [100, 120]
+        assert pad[0::2] == list(range(n, 0, -1)) and all(lo <= v < hi for v in pad[1::2])
+        assert task.score(ex, task.format_target(ex)) == 1.0
+        lengths.add(n)
+    assert min(lengths) < 105 and max(lengths) > 115
+    # off, the targets are the uniform scratchpad's, draw for draw
+    a = ResidueTask(distinct=True, n_test=10, scratch_min=4, scratch_max=6).train_examples(20, random.Random(3))
+    b = ResidueTask(distinct=True, n_test=10, scratch_min=4, scratch_max=6, scratch_index=False).train_examples(
+        20, random.Random(3)
+    )
+    assert [e.answer for e in a] == [e.answer for e in b]
+
+
+def test_a_scratchpad_of_candidates_lists_correct_answers():
+    """scratch_values=solutions: every scratchpad integer (each pair's v) is a correct answer of the
+    prompt, so the answer can be copied from it; the default draws from [lo, hi), draw for draw as before."""
+    task = ResidueTask(
+        distinct=True, n_test=10, scratch_min=200, scratch_max=240, scratch_index=True, scratch_values="solutions"
+    )
+    seen_outside = False
+    for ex in task.train_examples(40, random.Random(2)):
+        lo, hi, m, r = parse_prompt(ex.prompt)
+        head, sep, _ = ex.answer.partition(" = ")
+        values = [int(w) for w in head.split()][1::2]
+        assert sep and values and all(lo <= v < hi and v % m == r for v in values)
+        assert task.score(ex, ex.answer) == 1.0
+    for scratch_index in (False, True):
+        a = ResidueTask(distinct=True, n_test=10, scratch_min=4, scratch_max=6, scratch_index=scratch_index)
+        b = ResidueTask(
+            distinct=True, n_test=10, scratch_min=4, scratch_max=6, scratch_index=scratch_index, scratch_values="range"
+        )
+        xa, xb = a.train_examples(30, random.Random(5)), b.train_examples(30, random.Random(5))
+        assert [e.answer for e in xa] == [e.answer for e in xb]
+        for ex in xa:  # the range's draws include non-solutions (what "solutions" changes)
+            lo, hi, m, r = parse_prompt(ex.prompt)
+            values = [int(w) for w in ex.answer.partition(" = ")[0].split()][scratch_index :: 1 + scratch_index]
+            seen_outside |= any(v % m != r for v in values)
+    assert seen_outside
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"scratch_index": True}, "even scratchpad length"),  # no scratchpad
+        ({"scratch_index": True, "scratch_min": 3, "scratch_max": 3}, "even scratchpad length"),
+        ({"scratch_index": "yes", "scratch_max": 4}, "true or false"),
+        ({"scratch_values": "solutions"}, "needs a scratchpad"),
+        ({"scratch_position": "after"}, "needs a scratchpad"),
+        ({"scratch_position": "middle", "scratch_max": 4}, "must be one of before, after"),
+        ({"scratch_values": "primes", "scratch_max": 4}, "must be one of range, solutions"),
+    ],
+)
+def test_an_indexed_scratchpad_needs_room_for_pairs(options, match):
+    with pytest.raises(ConfigError, match=match):
+        ResidueTask(**options)

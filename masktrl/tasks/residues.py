@@ -13,7 +13,16 @@ warm-start target's scratchpad is a uniform count of integers drawn uniformly fr
 The shape of configs/lab-scratch.yaml: long responses whose many tokens are sampled from a wide
 distribution the reward does not grade, before a short answer it does, as in a long chain of
 thought, so the sequence log-ratio sums grow with length without compounding the answer's errors.
-The lab's 1.0M-parameter model does not learn where to put ``=`` (docs/LAB.md).
+The lab's 1.0M-parameter model does not learn where to put ``=`` (docs/LAB.md). With
+``scratch_index`` the target's scratchpad carries its own clock: pairs ``i v`` with ``i`` counting
+down to 1 and ``v`` uniform in ``[lo, hi)``, so ``=`` follows the pair indexed 1 and no position
+has to be counted (scoring is unchanged: the reward still reads only the scratchpad's length).
+With ``scratch_values: solutions`` the target's scratchpad integers (the ``v`` of the pairs) are
+drawn from the prompt's correct answers instead, so the scratchpad is a list of candidates the
+answer can be copied from, as a chain of thought works towards its answer. With
+``scratch_position: after`` the scratchpad follows the answer (``answer = scratchpad``): a
+postscript the reward still requires (its length is read), so a response is as long, with the
+answer where the lab's model learns it, right after the prompt.
 
 Sampling: ``m`` uniform in ``moduli``, ``r`` uniform in ``[0, m)``, the width ``hi - lo``
 uniform in ``[min_solutions * m, max_solutions * m]``, ``lo`` uniform with ``hi <= max_value``.
@@ -33,6 +42,11 @@ from masktrl.tasks.base import Example, register_task
 from masktrl.tasks.synthetic import SyntheticTask, int_option
 
 ALPHABET = "0123456789 ="
+SCRATCH_VALUES = ("range", "solutions")
+SCRATCH_POSITIONS = (
+    "before",
+    "after",
+)  # where the scratchpad is: before the answer, or after it  # what a warm-start scratchpad's integers are drawn from
 
 
 def _int_option(name: str, value, lo: int, hi: int) -> int:
@@ -45,17 +59,19 @@ def parse_prompt(prompt: str) -> tuple[int, int, int, int]:
     return lo, hi, m, r
 
 
-def answer_after_scratch(completion: str, scratch_min: int, scratch_max: int) -> str | None:
-    """The answer part of a completion with a scratchpad: what follows the first ``=`` when the
-    words before it are ``scratch_min`` to ``scratch_max`` integers; None when they are not (or
-    there is no ``=``). Without a scratchpad (``scratch_max == 0``) the completion itself."""
+def answer_after_scratch(completion: str, scratch_min: int, scratch_max: int, position: str = "before") -> str | None:
+    """The answer part of a completion with a scratchpad: with the scratchpad ``before`` the answer,
+    what follows the first ``=`` when the words before it are ``scratch_min`` to ``scratch_max``
+    integers; ``after`` it, what precedes the first ``=`` when the words after it are. None when they
+    are not (or there is no ``=``). Without a scratchpad (``scratch_max == 0``) the completion itself."""
     if not scratch_max:
         return completion
     head, sep, tail = completion.partition("=")
-    words = head.split()
+    answer, pad = (tail, head) if position == "before" else (head, tail)
+    words = pad.split()
     if not sep or not scratch_min <= len(words) <= scratch_max:
         return None
-    return tail if all(w.isdecimal() and w.isascii() for w in words) else None
+    return answer if all(w.isdecimal() and w.isascii() for w in words) else None
 
 
 def is_correct(
@@ -69,12 +85,13 @@ def is_correct(
     max_answers: int | None = None,
     ascending: bool = False,
     scratch: tuple[int, int] = (0, 0),
+    scratch_position: str = "before",
 ) -> bool:
     """Whether ``completion`` is ``answers`` (to ``max_answers``, when given) whitespace-separated
     integers in [lo, hi), each = r mod m (pairwise different with ``distinct``, strictly
-    increasing with ``ascending``), after a scratchpad of ``scratch`` = (min, max) integers and
-    ``=`` when max > 0."""
-    answer = answer_after_scratch(completion, *scratch) if isinstance(completion, str) else None
+    increasing with ``ascending``), with a scratchpad of ``scratch`` = (min, max) integers and ``=``
+    before it (``scratch_position`` ``before``) or after it (``after``) when max > 0."""
+    answer = answer_after_scratch(completion, *scratch, scratch_position) if isinstance(completion, str) else None
     words = answer.split() if answer is not None else []
     if not answers <= len(words) <= (max_answers or answers) or not all(w.isdecimal() and w.isascii() for w in words):
         return False
@@ -103,6 +120,14 @@ class ResidueTask(SyntheticTask):
             Default 11 and 100.
         scratch_min, scratch_max: with ``scratch_max > 0``, a completion is a scratchpad of
             ``scratch_min`` to ``scratch_max`` integers, ``=``, then the answer. Default 0 (none).
+        scratch_index: the warm-start target's scratchpad is n pairs ``i v``, i = n, n - 1, ..., 1
+            (2n integers in [scratch_min, scratch_max]), instead of uniform integers. Needs a
+            scratchpad with room for an even count. Default False.
+        scratch_values: what the warm-start target's scratchpad integers are drawn from: ``range``,
+            uniform in ``[lo, hi)`` (the default), or ``solutions``, uniform over the prompt's correct
+            answers. Scoring is the same either way.
+        scratch_position: ``before`` the answer (``scratchpad = answer``, the default) or ``after`` it
+            (``answer = scratchpad``).
         n_test: size of the held-out split. Default 500.
         seed: seed of the held-out split (training samples come from the caller's rng).
     """
@@ -121,6 +146,9 @@ class ResidueTask(SyntheticTask):
         max_solutions: int = 100,
         scratch_min: int = 0,
         scratch_max: int = 0,
+        scratch_index: bool = False,
+        scratch_values: str = "range",
+        scratch_position: str = "before",
         n_test: int = 500,
         seed: int = 0,
     ) -> None:
@@ -153,9 +181,28 @@ class ResidueTask(SyntheticTask):
                 f"residues: scratch_min={self.scratch_min} exceeds scratch_max={self.scratch_max} "
                 "(a scratchpad needs scratch_max >= scratch_min)"
             )
+        if not isinstance(scratch_index, bool):
+            raise ConfigError(f"residues: scratch_index must be true or false, got {scratch_index!r}")
+        self.scratch_index = scratch_index
+        self._pairs = (-(-self.scratch_min // 2), self.scratch_max // 2)  # n with 2n in [min, max]
+        if scratch_index and not 1 <= self._pairs[0] <= self._pairs[1]:
+            raise ConfigError(
+                f"residues: scratch_index needs an even scratchpad length >= 2 in [scratch_min, scratch_max] = "
+                f"[{self.scratch_min}, {self.scratch_max}]"
+            )
+        self.scratch_values = self._scratch_choice("scratch_values", scratch_values, SCRATCH_VALUES)
+        self.scratch_position = self._scratch_choice("scratch_position", scratch_position, SCRATCH_POSITIONS)
         self.n_test = _int_option("n_test", n_test, 1, 100_000)
         self.seed = _int_option("seed", seed, -(2**63), 2**63 - 1)
         self._draw_split(self.n_test)
+
+    def _scratch_choice(self, name: str, value, choices: tuple[str, ...]) -> str:
+        """``value`` if it is one of ``choices``; anything but the first (the default) needs a scratchpad."""
+        if value not in choices:
+            raise ConfigError(f"residues: {name} must be one of {', '.join(choices)}, got {value!r}")
+        if value != choices[0] and not self.scratch_max:
+            raise ConfigError(f"residues: {name}={value} needs a scratchpad (scratch_max > 0)")
+        return value
 
     # ----------------------------------------------------------------- Task protocol (and SyntheticTask's)
     def score(self, example: Example, completion: str) -> float:
@@ -168,6 +215,7 @@ class ResidueTask(SyntheticTask):
                 self.max_answers,
                 self.ascending,
                 (self.scratch_min, self.scratch_max),
+                self.scratch_position,
             )
         )
 
@@ -201,7 +249,18 @@ class ResidueTask(SyntheticTask):
         if self.ascending:
             xs.sort()
         answer = " ".join(map(str, xs))
-        if self.scratch_max:  # drawn after the answer: without a scratchpad the examples are as before
-            pad = [rng.randrange(lo, hi) for _ in range(rng.randint(self.scratch_min, self.scratch_max))]
-            answer = " ".join([*map(str, pad), "=", answer])
+
+        def value() -> int:  # one scratchpad integer
+            return rng.choice(sols) if self.scratch_values == "solutions" else rng.randrange(lo, hi)
+
+        if self.scratch_index:  # drawn after the answer, as below: n pairs "i v", i counting down to 1
+            n = rng.randint(*self._pairs)
+            pad = [w for i in range(n, 0, -1) for w in (i, value())]
+        elif self.scratch_max:  # drawn after the answer: without a scratchpad the examples are as before
+            pad = [value() for _ in range(rng.randint(self.scratch_min, self.scratch_max))]
+        if self.scratch_max:
+            parts = (
+                [*map(str, pad), "=", answer] if self.scratch_position == "before" else [answer, "=", *map(str, pad)]
+            )
+            answer = " ".join(parts)
         return Example(id=f"{split}/{lo}-{hi}-{m}-{r}", prompt=f"{lo} {hi} {m} {r} =", answer=answer)
