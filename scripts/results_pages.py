@@ -141,6 +141,111 @@ def runs_per_cpu_hour(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+MISMATCH_SIDES = {  # mismatch_reuse.py's side -> its row label in docs/BENCHMARKS.md
+    "auto": "`auto` (log π_old from the decoupled forward)",
+    "always": "`always` (the separate forward after sampling)",
+    "off": "`off` (not measured)",
+}
+
+
+def mismatch_reuse(root: Path) -> str:
+    """docs/BENCHMARKS.md's per-step CPU time of the mismatch metric's modes (benchmarks/mismatch_reuse.py)."""
+    data = _load(root, "mismatch_reuse.json")
+    m, reps = data["machine"], data["reps"]
+    lines = [
+        "```bash",
+        data["command"],
+        "```",
+        "",
+        f"Machine: {m['cores']}-core {m['cpu']}, torch {m['torch']}, {data['settings']['threads']} torch thread, "
+        f"load average {m['loadavg_1m']:.1f} at the end ({m['time']}); {data['elapsed_s']:.0f} s.",
+        "",
+        "| side | CPU ms per step (median) | CPU time / `auto` | wall / `auto` |",
+        "|---|---|---|---|",
+    ]
+    for side, label in MISMATCH_SIDES.items():
+        ms = sorted(r[side]["cpu_step_s"] for r in reps)
+        mid = len(ms) // 2
+        median_ms = (ms[mid] if len(ms) % 2 else (ms[mid - 1] + ms[mid]) / 2) * 1e3
+        per = [r[side]["cpu_step_s"] / r["auto"]["cpu_step_s"] for r in reps]
+        ratio = "1" if side == "auto" else f"{data['cpu_ratio_to_auto'][side]:.2f}"
+        if side == "always":
+            ratio = f"**{ratio}** (per repeat {min(per):.2f}-{max(per):.2f})"
+        wall = "1" if side == "auto" else f"{data['wall_ratio_to_auto'][side]:.2f}"
+        lines.append(f"| {label} | {median_ms:,.0f} | {ratio} | {wall} |")
+    return "\n".join(lines) + "\n"
+
+
+GEN_VARIANTS = {  # gen_vs_base.py's variant -> its row label in docs/BENCHMARKS.md
+    "generate": "`generate` (this tree)",
+    "fused": "`decode: fused` (bit-identical)",
+    "fused+inverse_cdf": "`decode: fused`, `draw: inverse_cdf`",
+    "drop_finished+inverse_cdf": "`drop_finished`, `draw: inverse_cdf`",
+}
+
+
+def gen_vs_base(root: Path) -> str:
+    """docs/BENCHMARKS.md's generation tokens per CPU-second against the base commit (benchmarks/gen_vs_base.py)."""
+    data = _load(root, "gen_vs_base.json")
+    m = data["machine"]
+    lines = [
+        f"Machine: {m['cores']}-core {m['cpu']}, {data['threads']} torch thread per process, shared with other "
+        f"jobs (1-minute load average {data['loadavg_1m_start']:.1f} at the start, {m['loadavg_1m']:.1f} at the "
+        f"end, {m['time']}); {data['rounds']} rounds of {data['reps']} batches.",
+        "",
+        f"| rows | variant | tokens per CPU-s | vs {data['base']} (CPU) | vs {data['base']} (wall) |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for r in data["rows"]:
+        base = r["variant"].startswith("base:")
+        label = f"{data['base']} `{r['variant'].removeprefix('base:')}`" if base else GEN_VARIANTS[r["variant"]]
+        cpu = f"{r['ratio_vs_base_cpu']:.2f}"
+        lines.append(
+            f"| {r['rows']} | {label} | {r['tokens_per_cpu_s']:,.0f} | "
+            f"{'**' + cpu + '**' if r['variant'] == 'fused+inverse_cdf' else cpu} | {r['ratio_vs_base_wall']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+GEN_OPS = {  # gen_vs_base.py --ops's operation -> its figure's name
+    "multinomial": "multinomial",
+    "exponential_": "exponential",
+    "lm_head": "lm_head",
+    "topk": "topk",
+    "softmax": "softmax",
+    "log_softmax": "log_softmax",
+    "inverse_cdf (blocks of 64)": "inverse_cdf",
+    "exp + float64 cumsum, reused buffers": "exp-cumsum-reused",
+    "exp + float64 cumsum, fresh tensors": "exp-cumsum-fresh",
+}
+
+
+def _gen_ops_figures(root: Path) -> dict[str, str]:
+    """``gen-ops.<op>``: one operation's CPU milliseconds per decode step (gen_vs_base.py --ops), and
+    ``roofline.gen.<shape>.<variant>``: roofline.py's generated tokens per CPU-second."""
+    ops = _load(root, "gen_ops.json")["ops_cpu_ms"]
+    out = {f"gen-ops.{GEN_OPS[op]}": f"{ms:.1f} ms" for op, ms in ops.items()}
+    for g in _load(root, "roofline_generation.json")["generation"]:
+        out[f"roofline.gen.{g['shape']}.{g['variant'].replace('+', '-')}"] = f"{g['tokens_per_cpu_s']:,.0f}"
+    lab = {
+        g["variant"]: g["tokens_per_cpu_s"]
+        for g in _load(root, "roofline_generation.json")["generation"]
+        if g["shape"] == "lab"
+    }
+    out["roofline.gen.lab.fused-icdf-ratio"] = f"{lab['fused+icdf'] / lab['generate']:.2f}x"
+    return out
+
+
+def _gen_figures(root: Path) -> dict[str, str]:
+    """``gen.<variant>.<rows>`` (``+`` in a variant's name as ``-``): its tokens per CPU-second over the base's."""
+    rows = _load(root, "gen_vs_base.json")["rows"]
+    return {
+        f"gen.{r['variant'].replace('+', '-')}.{r['rows']}": f"{r['ratio_vs_base_cpu']:.2f}x"
+        for r in rows
+        if ":" not in r["variant"]
+    }
+
+
 def probes(root: Path) -> str:
     """The probe table of scripts/probe_regimes.py from its cells (docs/results/cells/<probe>/)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -154,6 +259,28 @@ def _agentic():
     import agentic_grid
 
     return agentic_grid
+
+
+def _long_controls():
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import long_controls
+
+    return long_controls
+
+
+def long_controls_outcomes(root: Path) -> str:
+    """RESULTS §13's outcome table of the long lab's controls (scripts/long_controls.py)."""
+    return _long_controls().outcome_table(root / _long_controls().CELLS)
+
+
+def long_controls_family(root: Path) -> str:
+    """RESULTS §13's pre-registered family of the long lab's controls against bypass grpo."""
+    return _long_controls().family_table(root / _long_controls().CELLS)
+
+
+def long_controls_threads2(root: Path) -> str:
+    """RESULTS §13's outcome table of seed 0 of the long lab's controls at train.threads=2."""
+    return _long_controls().outcome_table(root / _long_controls().CELLS_THREADS2)
 
 
 def agentic_outcomes(root: Path) -> str:
@@ -176,6 +303,11 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "rollout-storage": rollout_storage,
     "probes": probes,
     "runs-per-cpu-hour": runs_per_cpu_hour,
+    "gen-vs-base": gen_vs_base,
+    "mismatch-reuse": mismatch_reuse,
+    "long-controls-outcomes": long_controls_outcomes,
+    "long-controls-family": long_controls_family,
+    "long-controls-threads2": long_controls_threads2,
     "agentic-outcomes": agentic_outcomes,
     "agentic-family": agentic_family,
     "agentic-preset": agentic_preset,
@@ -198,7 +330,9 @@ def figures(root: Path) -> dict[str, str]:
         out[f"rollout.bytes-per-token.{case}"] = f"{r['bytes_per_token_v2']:.1f}"
     worst = _load(root, "disk_projection_measured.json")
     out["rollout.bytes-per-token.worst"] = f"{worst['bytes_per_token']:.1f}"
-    return out
+    reuse = _load(root, "mismatch_reuse.json")
+    out["mismatch-reuse.saving"] = f"{reuse['saving_cpu_frac']:.1%}"
+    return out | _gen_figures(root) | _gen_ops_figures(root)
 
 
 def _cells(root: Path) -> dict[str, str]:
