@@ -150,3 +150,30 @@ def test_runs_per_cpu_hour_bad_input_and_a_failed_run_are_one_line_and_exit_2(tm
         rpch.time_run(tmp_path, "lab", [], 1, tmp_path / "runs")
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "the lab run" in err and "configs/lab.yaml" in err and len(err.splitlines()) == 1
+
+
+def _vs_trl_blocks(cpu_ms: float) -> list[dict]:
+    """Two blocks of vs_trl.py's shape, every step taking ``cpu_ms`` of CPU (and twice that of wall)."""
+    step = {"step_s": [2 * cpu_ms / 1e3] * 3, "cpu_s": [cpu_ms / 1e3] * 3, "tokens": [100] * 3}
+    return [{**step, "phases": [], "reward_mean": 0.5, "threads": [1]} for _ in range(2)]
+
+
+@pytest.mark.parametrize("shape", ["default", "long"])
+def test_vs_trl_goal_is_the_cpu_ratio_with_the_default_settings(common, shape):
+    """vs_trl.py's goal is TRL's CPU time per step over masktrl's with the settings a user gets:
+    the main side at the default shape, the side without packing at the long shape (its main side
+    packs, which is not a default); the other sides get their own CPU ratios."""
+    vs = importlib.import_module("vs_trl")
+    sides = {
+        "masktrl": _vs_trl_blocks(100.0),
+        "masktrl-unpacked": _vs_trl_blocks(200.0),
+        "masktrl-dropfinished": _vs_trl_blocks(80.0),
+        "trl": _vs_trl_blocks(450.0),
+    }
+    out = vs.summarise(sides, type("Args", (), {"shape_run": shape})())
+    assert out["cpu_time_ratio"] == pytest.approx(4.5)
+    assert out["unpacked_cpu_time_ratio"] == pytest.approx(2.25)
+    assert out["dropfinished_cpu_time_ratio"] == pytest.approx(450 / 80)
+    want = {"default": (4.5, 2.0, True), "long": (2.25, 2.5, False)}[shape]
+    assert (out["default_cpu_time_ratio"], out["goal"], out["goal_met"]) == pytest.approx(want)
+    assert out["default_side"] == vs.DEFAULT_SIDE[shape]
