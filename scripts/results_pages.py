@@ -141,6 +141,78 @@ def runs_per_cpu_hour(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+QUIET_LOAD = 1.5  # the 1-minute load average at or under which a 2-core machine running a 1-thread benchmark is quiet
+VS_TRL_SIDES = {  # vs_trl.py's side -> (its key in a shape's result, its row label)
+    "masktrl": ("masktrl", "masktrl"),
+    "masktrl-unpacked": ("masktrl_unpacked", "masktrl, `train.packing` off"),
+    "masktrl-unshared": ("masktrl_unshared", "masktrl, prompt sharing off"),
+    "masktrl-neither": ("masktrl_neither", "masktrl, packing and prompt sharing off"),
+    "masktrl-dropfinished": ("masktrl_dropfinished", "masktrl, `rollout.drop_finished`"),
+}
+
+
+def vs_trl(root: Path) -> str:
+    """docs/BENCHMARKS.md §2's masktrl vs TRL per step at both shapes (benchmarks/vs_trl.py --shape both)."""
+    data = _load(root, "vs_trl.json")
+    m = data["machine"]
+    lines = [
+        "```bash",
+        data["command"],
+        "```",
+        "",
+        f"Machine: {m['cores']}-core {m['cpu']}, torch {m['torch']}, transformers {m['transformers']}, TRL "
+        f"{m.get('trl', '?')}; load {data['loadavg_1m_start']:.1f} at the start, {m['loadavg_1m']:.1f} at the end "
+        f"({m['time']}). Medians over the timed steps; the ratios are TRL's time per step over masktrl's (the wall "
+        "ratio is the median of the paired blocks).",
+        "",
+        "| shape | side | settings | CPU ms per step | TRL CPU ms per step | CPU ratio | wall ratio |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for shape, r in data["shapes"].items():
+        s = r["settings"]
+        settings = f"{s['prompts_per_step']} × {s['group_size']}, ≤ {s['max_new_tokens']} new tokens"
+        trl_ms = r["trl"]["cpu_ms_median"]
+        for side, (key, label) in VS_TRL_SIDES.items():
+            if key not in r:
+                continue
+            short = key.removeprefix("masktrl_")
+            cpu = r["cpu_time_ratio"] if side == "masktrl" else r[f"{short}_cpu_time_ratio"]
+            wall = r["speedup_vs_trl"] if side == "masktrl" else r[f"{short}_speedup_vs_trl"]
+            default = " (the defaults)" if side == r.get("default_side") else ""
+            if shape == "long" and side == "masktrl":
+                label = "masktrl, `train.packing` on"
+            ratio = f"**{cpu:.2f}×**" if default else f"{cpu:.2f}×"
+            lines.append(
+                f"| {shape} | {label}{default} | {settings} | {r[key]['cpu_ms_median']:,.0f} | {trl_ms:,.0f} | "
+                f"{ratio} | {wall:.2f}× |"
+            )
+    loads = (data["loadavg_1m_start"], m["loadavg_1m"])
+    quiet = max(loads) <= QUIET_LOAD
+    lines.append("")
+    lines.append(
+        "Goals (issue #39, CPU time with the defaults"
+        + ("" if quiet else f"; read at load {min(loads):.1f}-{max(loads):.1f}, not on a quiet machine, so no verdict")
+        + "): "
+        + "; ".join(
+            f"{shape} ≥ {r['goal']}×: "
+            + (
+                f"{'met' if r['goal_met'] else 'not met'} ({r['default_cpu_time_ratio']:.2f}×)"
+                if quiet
+                else f"{r['default_cpu_time_ratio']:.2f}×"
+            )
+            for shape, r in data["shapes"].items()
+        )
+        + "."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _vs_trl_figures(root: Path) -> dict[str, str]:
+    """``vs-trl.<shape>``: TRL's CPU time per step over masktrl's with the defaults, at that shape."""
+    shapes = _load(root, "vs_trl.json")["shapes"]
+    return {f"vs-trl.{shape}": f"{r['default_cpu_time_ratio']:.2f}×" for shape, r in shapes.items()}
+
+
 MISMATCH_SIDES = {  # mismatch_reuse.py's side -> its row label in docs/BENCHMARKS.md
     "auto": "`auto` (log π_old from the decoupled forward)",
     "always": "`always` (the separate forward after sampling)",
@@ -304,6 +376,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "probes": probes,
     "runs-per-cpu-hour": runs_per_cpu_hour,
     "gen-vs-base": gen_vs_base,
+    "vs-trl": vs_trl,
     "mismatch-reuse": mismatch_reuse,
     "long-controls-outcomes": long_controls_outcomes,
     "long-controls-family": long_controls_family,
@@ -332,7 +405,7 @@ def figures(root: Path) -> dict[str, str]:
     out["rollout.bytes-per-token.worst"] = f"{worst['bytes_per_token']:.1f}"
     reuse = _load(root, "mismatch_reuse.json")
     out["mismatch-reuse.saving"] = f"{reuse['saving_cpu_frac']:.1%}"
-    return out | _gen_figures(root) | _gen_ops_figures(root)
+    return out | _gen_figures(root) | _gen_ops_figures(root) | _vs_trl_figures(root)
 
 
 def _cells(root: Path) -> dict[str, str]:
