@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import results_cells  # noqa: E402  (a sibling script)
-from results_cells import f3, family_columns, family_footer, md_row, mean_of, signed  # noqa: E402
+from results_cells import f3, md_row, mean_of, signed  # noqa: E402
 
 CELLS = Path("docs/results/cells/agentic")
 REGIMES = {"stale2": "staleness 2", "fp8": "fp8 rollouts"}
@@ -84,13 +84,10 @@ def family_rows(data: dict[str, dict[str, dict]]) -> list[dict]:
 
 
 def family_table(root: Path) -> str:
-    rows = family_rows(read(root))
-    head = FAMILY_HEAD.split(" | ")
-    lines = [md_row(head), md_row(["---"] * len(head))]
-    for r in rows:
-        lines.append(md_row([REGIMES[r["regime"]], f"{r['a']} − {r['b']}", str(r["n"]), *family_columns(r)]))
-    lines += family_footer(rows, len(head), complete=8)
-    return "\n".join(lines) + "\n"
+    def label(r: dict) -> list[str]:
+        return [REGIMES[r["regime"]], f"{r['a']} − {r['b']}"]
+
+    return results_cells.family_markdown(family_rows(read(root)), FAMILY_HEAD, label, complete=8)
 
 
 def outcome_table(root: Path) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import results_cells  # noqa: E402  (a sibling script)
-from results_cells import f3, family_columns, family_footer, md_row, mean_of  # noqa: E402
+from results_cells import f3, md_row, mean_of  # noqa: E402
 
 CELLS = Path("docs/results/cells/long-controls/long-fp8")
 CELLS_THREADS2 = Path("docs/results/cells/long-controls/long-fp8-threads2")  # seed 0 at train.threads=2
@@ -137,13 +137,10 @@ def family_rows(data: dict[str, dict]) -> list[dict]:
 
 
 def family_table(root: Path) -> str:
-    rows = family_rows(read(root))
-    head = FAMILY_HEAD.split(" | ")
-    lines = [md_row(head), md_row(["---"] * len(head))]
-    for r in rows:
-        lines.append(md_row([f"{r['arm']} − {BASELINE}", str(r["n"]), *family_columns(r)]))
-    lines += family_footer(rows, len(head), complete=3)
-    return "\n".join(lines) + "\n"
+    def label(r: dict) -> list[str]:
+        return [f"{r['arm']} − {BASELINE}"]
+
+    return results_cells.family_markdown(family_rows(read(root)), FAMILY_HEAD, label, complete=3)
 
 
 def main() -> int:

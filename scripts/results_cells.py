@@ -315,6 +315,16 @@ def family_footer(rows: list[dict], columns: int, complete: int) -> list[str]:
     return [*lines, "", f"Holm over the m = {m} comparisons present ({complete} when the grid is complete)."]
 
 
+def family_markdown(rows: list[dict], head: str, label, complete: int) -> str:
+    """A family's table: the header ``head`` (columns joined by " | "), one row per ``paired_family``
+    row (``label(row)``'s first columns, n, then ``family_columns``) and ``family_footer``."""
+    names = head.split(" | ")
+    lines = [md_row(names), md_row(["---"] * len(names))]
+    lines += [md_row([*label(r), str(r["n"]), *family_columns(r)]) for r in rows]
+    lines += family_footer(rows, len(names), complete)
+    return "\n".join(lines) + "\n"
+
+
 def tables(root: Path) -> dict[str, str]:
     return {source: table(source, cs) for source, cs in read_cells(root).items()}
 

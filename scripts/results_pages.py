@@ -24,6 +24,7 @@ in a section marked historical, with the commit it came from.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import sys
@@ -112,24 +113,25 @@ def rollout_storage(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _head(data: dict, machine: str, header: str, rule: str) -> list[str]:
+    """A benchmark block's first lines: its command, the machine line, and its table's header."""
+    return ["```bash", data["command"], "```", "", machine, "", header, rule]
+
+
 def runs_per_cpu_hour(root: Path) -> str:
     """docs/BENCHMARKS.md's runs per CPU-hour (benchmarks/runs_per_cpu_hour.py) against the base commit."""
     data = _load(root, "runs_per_cpu_hour.json")
     m = data["machine"]
-    lines = [
-        "```bash",
-        data["command"],
-        "```",
-        "",
+    lines = _head(
+        data,
         f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, "
         f"`train.threads` {data['threads']}; load {data['loadavg_1m_start']:.1f} at the start, "
         f"{m['loadavg_1m']:.1f} at the end ({m['time']}); {data['rounds']} round(s), "
         f"{'each preset with its own steps' if data['steps'] is None else str(data['steps']) + ' steps'}. CPU time is "
         "user + sys of the run's process tree; each run builds its own warm start.",
-        "",
         f"| preset | code | CPU min per run | runs per CPU-hour | × {data['base']} | held-out before → after |",
         "|---|---|---|---|---|---|",
-    ]
+    )
     for row in data["rows"]:
         first = row["runs"][0]
         ratio = "" if row["ratio_vs_base"] is None else f"{row['ratio_vs_base']:.2f}×"
@@ -155,19 +157,15 @@ def vs_trl(root: Path) -> str:
     """docs/BENCHMARKS.md §2's masktrl vs TRL per step at both shapes (benchmarks/vs_trl.py --shape both)."""
     data = _load(root, "vs_trl.json")
     m = data["machine"]
-    lines = [
-        "```bash",
-        data["command"],
-        "```",
-        "",
+    lines = _head(
+        data,
         f"Machine: {m['cores']}-core {m['cpu']}, torch {m['torch']}, transformers {m['transformers']}, TRL "
         f"{m.get('trl', '?')}; load {data['loadavg_1m_start']:.1f} at the start, {m['loadavg_1m']:.1f} at the end "
         f"({m['time']}). Medians over the timed steps; the ratios are TRL's time per step over masktrl's (the wall "
         "ratio is the median of the paired blocks).",
-        "",
         "| shape | side | settings | CPU ms per step | TRL CPU ms per step | CPU ratio | wall ratio |",
         "|---|---|---|---:|---:|---:|---:|",
-    ]
+    )
     for shape, r in data["shapes"].items():
         s = r["settings"]
         settings = f"{s['prompts_per_step']} × {s['group_size']}, ≤ {s['max_new_tokens']} new tokens"
@@ -326,48 +324,18 @@ def probes(root: Path) -> str:
     return probe_regimes.probe_table(root / "docs" / "results" / "cells")
 
 
-def _agentic():
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import agentic_grid
+def grid_block(script: str, table: str, cells: str = "CELLS") -> Callable[[Path], str]:
+    """A block that ``scripts/<script>.py``'s ``table`` function renders from the committed cells in
+    its folder ``<script>.<cells>`` (RESULTS §13's long-lab controls, §14's agentic grid, LAB.md's
+    agentic preset)."""
 
-    return agentic_grid
+    def render(root: Path) -> str:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        module = importlib.import_module(script)
+        return getattr(module, table)(root / getattr(module, cells))
 
-
-def _long_controls():
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import long_controls
-
-    return long_controls
-
-
-def long_controls_outcomes(root: Path) -> str:
-    """RESULTS §13's outcome table of the long lab's controls (scripts/long_controls.py)."""
-    return _long_controls().outcome_table(root / _long_controls().CELLS)
-
-
-def long_controls_family(root: Path) -> str:
-    """RESULTS §13's pre-registered family of the long lab's controls against bypass grpo."""
-    return _long_controls().family_table(root / _long_controls().CELLS)
-
-
-def long_controls_threads2(root: Path) -> str:
-    """RESULTS §13's outcome table of seed 0 of the long lab's controls at train.threads=2."""
-    return _long_controls().outcome_table(root / _long_controls().CELLS_THREADS2)
-
-
-def agentic_outcomes(root: Path) -> str:
-    """RESULTS §14's outcome table (scripts/agentic_grid.py) from docs/results/cells/agentic/."""
-    return _agentic().outcome_table(root / _agentic().CELLS)
-
-
-def agentic_family(root: Path) -> str:
-    """RESULTS §14's pre-registered family of paired comparisons."""
-    return _agentic().family_table(root / _agentic().CELLS)
-
-
-def agentic_preset(root: Path) -> str:
-    """docs/LAB.md's agentic preset over seeds and thread counts."""
-    return _agentic().preset_table(root / _agentic().CELLS)
+    render.__doc__ = f"scripts/{script}.py's {table} of its {cells} folder."
+    return render
 
 
 BLOCKS: dict[str, Callable[[Path], str]] = {
@@ -378,12 +346,12 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "gen-vs-base": gen_vs_base,
     "vs-trl": vs_trl,
     "mismatch-reuse": mismatch_reuse,
-    "long-controls-outcomes": long_controls_outcomes,
-    "long-controls-family": long_controls_family,
-    "long-controls-threads2": long_controls_threads2,
-    "agentic-outcomes": agentic_outcomes,
-    "agentic-family": agentic_family,
-    "agentic-preset": agentic_preset,
+    "long-controls-outcomes": grid_block("long_controls", "outcome_table"),
+    "long-controls-family": grid_block("long_controls", "family_table"),
+    "long-controls-threads2": grid_block("long_controls", "outcome_table", "CELLS_THREADS2"),
+    "agentic-outcomes": grid_block("agentic_grid", "outcome_table"),
+    "agentic-family": grid_block("agentic_grid", "family_table"),
+    "agentic-preset": grid_block("agentic_grid", "preset_table"),
 }
 
 

@@ -49,7 +49,10 @@ def _moves(model, before: int, after: int) -> tuple[torch.Tensor, torch.Tensor]:
         method=get_method("grpo").bind(),
     )
     learner = Learner(PolicyForward(m), opt, sched)
-    flat = lambda: torch.cat([p.detach().flatten().clone() for p in m.parameters()])  # noqa: E731
+
+    def flat() -> torch.Tensor:
+        return torch.cat([p.detach().flatten().clone() for p in m.parameters()])
+
     for i in range(before):
         policy_update(learner, zero, settings, step=1 + i)
     start = flat()
