@@ -19,7 +19,8 @@ What it does, in order (one JSON of results at the end, ``--json``):
    update), checkpoints at step ``steps // 2`` and the last. Per run: wall time, reward, the
    trainer's ``ppo_kl`` (mean log mu - log pi before the update), generated tokens/s
    (``tokens_per_s``: per second of step time; ``generation_tokens_per_s``: per second of
-   rollout time).
+   rollout time). Each run's output goes to ``<json stem>-<method>.log`` beside the JSON as
+   it comes, so a run that hangs or is cut short still says where it was.
 4. **Weight sync.** The rollouts of step ``steps // 2 + 1`` were sampled by the engine after the
    sync of step ``steps // 2``'s update: the trainer's forward (``policy_token_batch``, in the
    training dtype) recomputes log pi of every sampled token with that checkpoint, and with the
@@ -199,9 +200,29 @@ def _env() -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
-def masktrl(*args, env=None, launcher: list[str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def masktrl(
+    *args, env=None, launcher: list[str] | None = None, timeout: float = 600, log: Path | None = None
+) -> subprocess.CompletedProcess:
+    """``masktrl ARGS`` in a child process. With ``log`` its output (stdout and stderr, unbuffered)
+    goes to that file as it comes, so a run that hangs or is cut short by an outer timeout still
+    says where it was; the result's ``stdout`` is then the file's text, and a run past ``timeout``
+    is killed and returns code 124."""
     cmd = [*(launcher or [sys.executable]), "-m", "masktrl.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env or _env(), timeout=timeout, cwd=REPO)
+    if log is None:
+        return subprocess.run(cmd, capture_output=True, text=True, env=env or _env(), timeout=timeout, cwd=REPO)
+    with open(log, "w") as f:
+        try:
+            code = subprocess.run(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**(env or _env()), "PYTHONUNBUFFERED": "1"},
+                timeout=timeout,
+                cwd=REPO,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    return subprocess.CompletedProcess(cmd, code, stdout=log.read_text(errors="replace"), stderr="")
 
 
 def _write_yaml(path: Path, cfg: dict) -> Path:
@@ -259,7 +280,8 @@ def method_run(args, work: Path, model_dir: Path, data: Path, reward: Path, meth
         work / f"{method}.yaml", run_config(args, model_dir, data, reward, method, args.steps, args.engine)
     )
     t0 = time.time()
-    r = masktrl("train", "--config", str(cfg), "--out", str(work / "out"), "--run", method)
+    log = args.json.with_name(f"{args.json.stem}-{method}.log")  # beside the JSON: it outlives --work
+    r = masktrl("train", "--config", str(cfg), "--out", str(work / "out"), "--run", method, log=log)
     wall = time.time() - t0
     if r.returncode != 0:
         return {"ok": False, "wall_s": round(wall, 1), "error": (r.stderr or r.stdout)[-3000:]}

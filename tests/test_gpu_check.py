@@ -81,6 +81,7 @@ def test_one_method_with_the_weight_sync_check(gpu_check, tmp_path):
     )
     r = json.loads(out.read_text())
     assert rc == 0 and r["ok"] and r["complete"], r
+    assert "projected disk" in (tmp_path / "r-grpo.log").read_text()  # the run's output, kept beside the JSON
     run = r["runs"]["grpo"]
     assert run["ok"] and run["steps"] == 2 and run["generation_tokens_per_s"] > 0
     sync = run["weight_sync"]
