@@ -475,3 +475,21 @@ def test_an_fsdp2_checkpoint_resumes_in_one_process(reference):
     assert r.returncode == 0, r.stderr[-3000:]
     assert [row["step"] for row in metrics(base / "out" / "f-one")] == [1, 2, 3]
     assert (base / "out" / "f-one" / "checkpoints" / "000003" / "model.safetensors").is_file()
+
+
+def test_a_plain_run_takes_an_accelerator_exactly_when_a_cuda_gpu_is_visible(monkeypatch):
+    """Without one, a plain run on a GPU machine trained on the CPU beside an idle GPU (seen on
+    the GPU check); on a CPU machine the plain run stays ``Dist()``, bit for bit the old path."""
+    from masktrl.recipes import train as train_recipe
+    from masktrl.rl import distributed
+
+    for var in ("ACCELERATE_MIXED_PRECISION", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not distributed.accelerated()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert distributed.accelerated()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert distributed.accelerated()
+    assert train_recipe.accelerated is distributed.accelerated  # the recipe's one choice

@@ -64,9 +64,9 @@ class TRMParams(_Protocol):
 def token_divergence(batch: TokenBatch, kind: str) -> Tensor:
     """[N] D_t of ``kind`` (detached); values on invalid tokens are unspecified."""
     if kind == "k3":
-        lr = torch.where(batch.valid, log_ratio(batch), torch.zeros(batch.n, dtype=batch.dtype)).clamp(
-            -K3_LOG_BOUND, K3_LOG_BOUND
-        )
+        lr = torch.where(
+            batch.valid, log_ratio(batch), torch.zeros((), dtype=batch.dtype, device=batch.valid.device)
+        ).clamp(-K3_LOG_BOUND, K3_LOG_BOUND)
         return lr.exp() - 1.0 - lr
     return divergence(batch, kind)
 

@@ -38,7 +38,7 @@ from masktrl.rl import checks, partial
 from masktrl.rl import train_state as ckpt
 from masktrl.rl.agentic import with_environment
 from masktrl.rl.collect import Batch, CollectSettings, collect_rollouts, reward_failures
-from masktrl.rl.distributed import Dist, launched
+from masktrl.rl.distributed import Dist, accelerated
 from masktrl.rl.evaluation import heldout_accuracy, no_tool_accuracy, periodic_eval
 from masktrl.rl.lab_stats import LabStats
 from masktrl.rl.mismatch import UpdateLogp, batch_mismatch, mismatch_source, progress_info
@@ -76,7 +76,7 @@ def train(
     before the first write), setup, the steps, finish. An ``Interrupted`` leaving here carries
     ``run`` (its name) and ``checkpoints`` (its complete checkpoints)."""
     # a bad launch config fails here, before any write
-    dist = dist or (Dist.from_launch(plan.cfg.train) if launched() else Dist())
+    dist = dist or (Dist.from_launch(plan.cfg.train) if accelerated() else Dist())
     checked = checks.check(plan.cfg, rollouts_from=plan.rollouts_from)  # before anything is written
     session = Session(RunStore(plan.root), plan, dist)
     progress = progress if dist.is_main else None

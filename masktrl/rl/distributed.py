@@ -1,8 +1,11 @@
 """One process or many: what the train loop needs from ``accelerate launch``.
 
-A plain ``masktrl train`` gets ``Dist()``: rank 0 of 1, every collective a no-op, the model
-and optimizer untouched, ``backward`` = ``loss.backward()``. That path is exactly the
-single-process trainer, bit for bit.
+A plain ``masktrl train`` on a machine without a CUDA GPU gets ``Dist()``: rank 0 of 1, every
+collective a no-op, the model and optimizer untouched (on the CPU), ``backward`` =
+``loss.backward()``. That path is exactly the single-process trainer, bit for bit. A plain run
+on a machine with a CUDA GPU gets a one-process ``Accelerator`` (``accelerated``), which puts
+the policy and its optimizer on that GPU: without it the trainer would stay on the CPU beside an
+idle GPU (``CUDA_VISIBLE_DEVICES=`` keeps such a run on the CPU).
 
 Under ``accelerate launch`` (DDP, DeepSpeed ZeRO-2/3 or FSDP2, GPUs or nodes, or CPUs with gloo),
 ``Dist.from_launch(cfg.train)`` builds one ``accelerate.Accelerator`` and the loop uses it for:
@@ -56,6 +59,12 @@ def launched() -> bool:
 def launch_rank() -> int:
     """This process's global rank as the launcher set it (0 for a plain run), before any setup."""
     return int(os.environ.get("RANK", "0"))
+
+
+def accelerated() -> bool:
+    """Whether the trainer needs an ``Accelerator``: a launched process, or a plain run on a
+    machine with a visible CUDA GPU (one process on that GPU)."""
+    return launched() or torch.cuda.is_available()
 
 
 class Dist:

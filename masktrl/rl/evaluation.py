@@ -96,9 +96,13 @@ def load_engine(cfg: Config, weights: str):
     from masktrl.rollout import make_engine
 
     if cfg.rollout.engine == "hf":
+        import torch
+
         from masktrl.models.loading import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(weights, cfg.model.dtype)
+        if torch.cuda.is_available():  # generate on the GPU, as a plain train run does
+            model.to("cuda")
     else:  # vLLM loads the weights itself
         model, tokenizer = None, load_tokenizer(weights)
     engine = make_engine(cfg.rollout, model, tokenizer, weights, dtype=cfg.model.dtype, seed=cfg.seed)

@@ -343,7 +343,7 @@ def micro_update(
             packed=settings.packing,
             method=method,
         )
-        u = None if u is None else u.to(out.batch.logp.dtype)
+        u = None if u is None else u.to(out.batch.logp.device, out.batch.logp.dtype)  # drawn on the CPU
         losses, corr, seen = method.corrected_token_losses(out.batch, out.advantages, old=old, u=u)
         if batch.hooks.before is not None:
             batch.hooks.before(mb, micro_idx, out, losses, u)
