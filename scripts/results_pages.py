@@ -143,6 +143,47 @@ def runs_per_cpu_hour(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+GPU_CHECKS = ("h200-hf-4steps.json", "h200-hf-2steps.json")  # benchmarks/results/gpu_check/, in the order run
+
+
+def _methods(argv: list[str]) -> list[str]:
+    """The methods a gpu_check.py invocation asked for (its ``--methods``, default grpo,pdm,sis)."""
+    return (argv[argv.index("--methods") + 1] if "--methods" in argv else "grpo,pdm,sis").split(",")
+
+
+def gpu_check(root: Path) -> str:
+    """docs/BENCHMARKS.md's GPU-check runs (benchmarks/gpu_check.py JSONs), one row per method asked for."""
+    lines = [
+        "| JSON | method | steps | result | step s (median) | generated tokens/s "
+        "| sync: mean \\|Δ log p\\| synced → start |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in GPU_CHECKS:
+        data = json.loads((root / BENCH / "gpu_check" / name).read_text())
+        steps = data["argv"][data["argv"].index("--steps") + 1]
+        for method in _methods(data["argv"]):
+            r = data["runs"].get(method)
+            if r is None:
+                lines.append(f"| {name} | {method} | {steps} | no result: the check was cut short | | | |")
+            elif not r["ok"]:
+                lines.append(f"| {name} | {method} | {steps} | failed: `{r['error'].strip().splitlines()[-1]}` | | | |")
+            else:
+                sync = r["weight_sync"]
+                lines.append(
+                    f"| {name} | {method} | {r['steps']} | ok | {r['step_time_s_median']:.1f} "
+                    f"| {r['generation_tokens_per_s']:,.0f} | {sync['at_synced_weights']['mean_abs_dlogp']:.4f} → "
+                    f"{sync['at_starting_weights']['mean_abs_dlogp']:.4f} ({'ok' if sync['sync_ok'] else 'not ok'}) |"
+                )
+    v = json.loads((root / BENCH / "gpu_check" / GPU_CHECKS[0]).read_text())["versions"]
+    lines += [
+        "",
+        f"{v['gpu']} ({v['gpu_memory_gib']:.0f} GiB), Python {v['python']}, torch {v['torch']}, "
+        f"transformers {v['transformers']}, accelerate {v['accelerate']}; vLLM "
+        f"{v['vllm'] or 'absent'}, DeepSpeed {v['deepspeed'] or 'absent'}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 QUIET_LOAD = 1.5  # the 1-minute load average at or under which a 2-core machine running a 1-thread benchmark is quiet
 VS_TRL_SIDES = {  # vs_trl.py's side -> (its key in a shape's result, its row label)
     "masktrl": ("masktrl", "masktrl"),
@@ -343,6 +384,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "rollout-storage": rollout_storage,
     "probes": probes,
     "runs-per-cpu-hour": runs_per_cpu_hour,
+    "gpu-check": gpu_check,
     "gen-vs-base": gen_vs_base,
     "vs-trl": vs_trl,
     "mismatch-reuse": mismatch_reuse,
