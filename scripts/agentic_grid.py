@@ -1,11 +1,11 @@
-"""docs/RESULTS.md §14: the agentic-lab comparison (grpo, dapo, gspo with and without SIS, pdm;
+"""docs/RESULTS.md §2: the agentic-lab comparison (grpo, dapo, gspo with and without SIS, pdm;
 staleness 2 and fp8; seeds 0-2), from its committed cells.
 
     python scripts/results_cells.py write outputs/agentic/stale2 outputs/agentic/fp8 --out docs/results/cells/agentic
     python scripts/agentic_grid.py                  # print both tables
-    python scripts/results_pages.py --write         # put them in docs/RESULTS.md §14
+    python scripts/results_pages.py --write         # put them in docs/RESULTS.md §2
 
-The family is the one §14 states before the runs: in each regime sis(base X) − X for X in
+The family is the one §2 states before the runs: in each regime sis(base X) − X for X in
 grpo, dapo, gspo, and pdm − grpo (m = 8). Each row: the mean paired difference over the shared
 seeds with its paired 95% t interval, the paired t p, the exact sign-flip p, the larger of the
 two Holm-adjusted across the 8, the paired MDD at α/m (post hoc) and TOST at ±0.05. The outcome
@@ -29,7 +29,7 @@ from results_cells import f3, md_row, mean_of, signed  # noqa: E402
 
 CELLS = Path("docs/results/cells/agentic")
 REGIMES = {"stale2": "staleness 2", "fp8": "fp8 rollouts"}
-METHODS = ["grpo", "dapo", "gspo", "sis", "sis:base=dapo", "sis:base=gspo", "pdm"]  # §14's order
+METHODS = ["grpo", "dapo", "gspo", "sis", "sis:base=dapo", "sis:base=gspo", "pdm"]  # §2's order
 FAMILY = [("sis", "grpo"), ("sis:base=dapo", "dapo"), ("sis:base=gspo", "gspo"), ("pdm", "grpo")]
 MARGIN = 0.05  # TOST margin, held-out accuracy
 FAMILY_HEAD = (
@@ -45,7 +45,7 @@ OUTCOME_HEAD = (
 
 
 def method_name(cell: dict) -> str:
-    """The cell's method as §14 names it: ``sis`` (base grpo) or ``sis:base=X``, else the name."""
+    """The cell's method as §2 names it: ``sis`` (base grpo) or ``sis:base=X``, else the name."""
     m = cell["method"]
     base = m.get("base")
     return f"sis:base={base}" if m["name"] == "sis" and base not in (None, "grpo") else m["name"]

@@ -1,13 +1,13 @@
-"""docs/RESULTS.md §13: the long lab's missing controls (bypass grpo against bypass + dual clip 3,
+"""docs/RESULTS.md §1: the long lab's missing controls (bypass grpo against bypass + dual clip 3,
 dppo with top-K KL and decoupled IcePop; the long lab at fp8-full; seeds 0-6), from its committed cells.
 
     python scripts/results_cells.py write outputs/long-controls/long-fp8 --out docs/results/cells/long-controls
     python scripts/long_controls.py                 # print both tables
-    python scripts/results_pages.py --write         # put them in docs/RESULTS.md §13
+    python scripts/results_pages.py --write         # put them in docs/RESULTS.md §1
 
 Seed 0 of the four arms again at ``train.threads=2`` (``CELLS_THREADS2``) gets the same outcome table.
 
-The family is the one §13 states before the runs: each of the three controls minus masktrl's
+The family is the one §1 states before the runs: each of the three controls minus masktrl's
 bypass grpo (m = 3), on avg@8 of the held-out set at the final checkpoint (``masktrl eval task
 --k 8 --temperature 0.75``). Each row: the mean paired difference over the shared seeds with its
 paired 95% t interval, the paired t p, the exact sign-flip p, the larger of the two (the one that
@@ -46,7 +46,7 @@ def _grpo(m: dict, dual_clip, kind: str, mode: str) -> bool:
     return m["name"] == "grpo" and m.get("dual_clip") == dual_clip and (c["kind"], c["mode"]) == (kind, mode)
 
 
-ARMS = {  # §13's name -> whether a cell's resolved method is that arm; baseline first
+ARMS = {  # §1's name -> whether a cell's resolved method is that arm; baseline first
     BASELINE: lambda m: _grpo(m, None, "none", "bypass"),
     "grpo + dual_clip=3": lambda m: _grpo(m, 3, "none", "bypass"),
     "dppo (top-K KL)": lambda m: m["name"] == "dppo" and m.get("divergence") == "topk-kl",
@@ -72,7 +72,7 @@ def read(root: Path) -> dict[str, dict]:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"error: {path}: not a cell of results_cells.py ({e})") from None
         if arm is None:
-            raise SystemExit(f"error: {path}: its method is none of §13's four arms")
+            raise SystemExit(f"error: {path}: its method is none of §1's four arms")
         if arm in out:
             raise SystemExit(f"error: {path}: a second cell of {arm}")
         out[arm] = cell

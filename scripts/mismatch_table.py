@@ -1,4 +1,4 @@
-"""The behaviour-source table of docs/RESULTS.md §7: methods x sweep folders, in one markdown table.
+"""The behaviour-source table of docs/NOTEBOOK.md §7: methods x sweep folders, in one markdown table.
 
     python scripts/mismatch_table.py outputs/mismatch/float32 outputs/mismatch/bfloat16 outputs/mismatch/fp8 \\
         --eval task --json outputs/mismatch/table.json --figure docs/results/mismatch/lab-differences.png

@@ -1,4 +1,4 @@
-"""The search for a regime where the field's standard GRPO fails (issue #40, docs/RESULTS.md "Probes").
+"""The search for a regime where the field's standard GRPO fails (issue #40, docs/RESULTS.md §1).
 
 verl's default GRPO (``configs/methods/verl-grpo.yaml``: eps 0.2/0.2, dual clip 3, token-mean, pi_old
 recomputed, mu not read) is run on the lab under one production regime at a time, in the order below

@@ -367,7 +367,7 @@ def probes(root: Path) -> str:
 
 def grid_block(script: str, table: str, cells: str = "CELLS") -> Callable[[Path], str]:
     """A block that ``scripts/<script>.py``'s ``table`` function renders from the committed cells in
-    its folder ``<script>.<cells>`` (RESULTS §13's long-lab controls, §14's agentic grid, LAB.md's
+    its folder ``<script>.<cells>`` (RESULTS §1's long-lab controls, §2's agentic grid, LAB.md's
     agentic preset)."""
 
     def render(root: Path) -> str:

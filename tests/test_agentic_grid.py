@@ -1,4 +1,4 @@
-"""scripts/agentic_grid.py: RESULTS §14's tables from synthetic cells. The family pairs each SIS
+"""scripts/agentic_grid.py: RESULTS §2's tables from synthetic cells. The family pairs each SIS
 cell with its own base (sis:base=dapo with dapo), pdm with grpo; Holm over the comparisons
 present; the paired interval, sign-flip p, MDD and TOST are the stats module's."""
 

@@ -1,4 +1,4 @@
-"""scripts/long_controls.py: RESULTS §13's tables of the long lab's controls from synthetic cells.
+"""scripts/long_controls.py: RESULTS §1's tables of the long lab's controls from synthetic cells.
 A cell is told by its resolved method; each control is paired with bypass grpo by seed over the
 seeds both have scored; Holm over the comparisons present; the tests are the stats module's."""
 
@@ -108,7 +108,7 @@ def test_tables_say_what_is_missing_and_refuse_unknown_cells(tmp_path):
     _write(tmp_path, names=("dppo",))
     assert "no comparison has both cells yet" in lc.family_table(tmp_path)  # no baseline yet
     (tmp_path / "other.json").write_text(json.dumps(_cell("grpo") | {"method": GRPO | {"dual_clip": 2}}))
-    with pytest.raises(SystemExit, match="none of §13's four arms"):
+    with pytest.raises(SystemExit, match="none of §1's four arms"):
         lc.read(tmp_path)
     (tmp_path / "other.json").write_text(json.dumps(_cell("dppo")))
     with pytest.raises(SystemExit, match="a second cell of dppo"):

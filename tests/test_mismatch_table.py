@@ -1,4 +1,4 @@
-"""scripts/mismatch_table.py: the behaviour-source table of docs/RESULTS.md §7."""
+"""scripts/mismatch_table.py: the behaviour-source table of docs/NOTEBOOK.md §7."""
 
 import importlib.util
 import math
