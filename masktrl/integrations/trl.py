@@ -128,11 +128,11 @@ class TopKRecorder(LogitsProcessor):
         if self._last is not None:
             self._take(sequences[:, self._start + len(self.sampled)])
         if not self.ids:
-            b = sequences.shape[0]
+            b, dev = sequences.shape[0], sequences.device
             return {
-                "behavior_logp": torch.zeros(b, 0),
-                "behavior_topk_ids": torch.zeros(b, 0, self.k, dtype=torch.long),
-                "behavior_topk_logp": torch.zeros(b, 0, self.k),
+                "behavior_logp": torch.zeros(b, 0, device=dev),
+                "behavior_topk_ids": torch.zeros(b, 0, self.k, dtype=torch.long, device=dev),
+                "behavior_topk_logp": torch.zeros(b, 0, self.k, device=dev),
             }
         return {
             "behavior_logp": torch.stack(self.sampled, 1),

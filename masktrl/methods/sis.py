@@ -63,6 +63,6 @@ def sis_accept(batch: TokenBatch, u: Tensor) -> SISDecision:
     gap = torch.where(tested & (lr > float("-inf")), lr - log_m, torch.full_like(lr, float("-inf")))
     a = gap.clamp_max(0.0).exp()  # [N]; exp(-inf) = 0
     accept_prob = torch.where(tested, a, torch.full_like(a, float("nan")))
-    accepted = tested & (u.to(dt) < a)
+    accepted = tested & (u.to(a.device, dt) < a)  # u may be drawn on the CPU (a seeded stream)
     log_w = torch.where(accepted, torch.zeros_like(lr), lr)
     return SISDecision(accepted, accept_prob, log_w)
