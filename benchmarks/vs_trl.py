@@ -52,7 +52,7 @@ responses leave the batch).
 then also runs masktrl with its default settings (``masktrl, no packing``: ``train.packing`` is
 off by default). Each shape's ``default_cpu_time_ratio`` is TRL's CPU time per step over
 masktrl's with the settings a user gets (issue #39's goals: >= 2x at the default shape, >= 2.5x
-at the long shape; a busy machine inflates wall time, not CPU time). docs/BENCHMARKS.md §2's
+at the long shape; a busy machine inflates wall time, not CPU time). docs/BENCHMARKS.md §1's
 table is generated from it:
 
     python benchmarks/vs_trl.py --shape both --drop-finished --json benchmarks/results/vs_trl.json
@@ -163,7 +163,7 @@ def main(argv=None) -> dict:
     try:
         import trl  # noqa: F401
     except ImportError:
-        die("vs_trl needs TRL: pip install -e '.[bench]' (see docs/BENCHMARKS.md, set-up)")
+        die("vs_trl needs TRL: pip install -e '.[bench]' (see docs/BENCHMARKS.md §1)")
     if args.shape != "both":
         result = compare(args, args.shape)
         write_json(args.json, result)

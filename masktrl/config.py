@@ -347,7 +347,7 @@ class WarmStartConfig:
     """Stop the warm start at the first check (every 100 steps) whose greedy accuracy on 256 fixed
     training problems (never held-out ones) reaches this; warmstart.steps is then the maximum.
     None (null in YAML): exactly warmstart.steps. The default 0.5 is above what the addition
-    task's "always 4 digits" plateau can score (docs/BENCHMARKS.md §1)."""
+    task's "always 4 digits" plateau can score (docs/NOTEBOOK_BENCHMARKS.md §1)."""
 
     def validate(self) -> None:
         _non_negative("warmstart.steps", self.steps)

@@ -195,7 +195,7 @@ VS_TRL_SIDES = {  # vs_trl.py's side -> (its key in a shape's result, its row la
 
 
 def vs_trl(root: Path) -> str:
-    """docs/BENCHMARKS.md §2's masktrl vs TRL per step at both shapes (benchmarks/vs_trl.py --shape both)."""
+    """docs/BENCHMARKS.md §1's masktrl vs TRL per step at both shapes (benchmarks/vs_trl.py --shape both)."""
     data = _load(root, "vs_trl.json")
     m = data["machine"]
     lines = _head(

@@ -1,7 +1,7 @@
 """The embedded default's warm start ends where RL can learn, at two thread counts.
 
 Seed 0 of the old fixed 400-step warm start ended in a plateau (every answer 4 digits long,
-docs/BENCHMARKS.md §1): on the ~40% of problems whose sum has 3 digits every sample of a group
+docs/NOTEBOOK_BENCHMARKS.md §1): on the ~40% of problems whose sum has 3 digits every sample of a group
 failed, so those groups had no reward spread and RL barely moved. The default now stops at the
 first check reaching ``warmstart.target_accuracy`` = 0.5. Here, for seed 0 with one and with two
 threads (another reduction order where torch splits a reduction): the target is reached before

@@ -151,7 +151,7 @@ NOT_RUN = [  # (pattern on "DOC: command", why it is not run), first match
         r"^RELIABILITY\.md: ",
         "a probe of docs/RELIABILITY.md (most end in a refusal by design): run by the test its section names",
     ),
-    (r"^BENCHMARKS\.md: ", "a benchmark of full runs (minutes each)"),
+    (r"^(NOTEBOOK_)?BENCHMARKS\.md: ", "a benchmark of full runs (minutes each)"),
     (r"configs/(lab|qwen3)", "the lab or Qwen3 presets: minutes to days per run (docs/LAB.md, docs/CLUSTER.md)"),
     (r": sweep ", "a sweep trains several full runs (minutes each)"),
     (r"tanh_clip-seed0", "compares the runs of the sweep before it in the docs (minutes each)"),

@@ -2,7 +2,7 @@
 batch is on: every tensor they create with a shape names its device (or is a 0-dim scalar, which
 torch lets CPU tensors be beside any device), and the seeded uniforms they draw on the CPU are
 moved to the batch's device where they are read. A plain masktrl run on a GPU failed in ``sis``
-and ``trm`` on exactly this before the rule held (docs/BENCHMARKS.md §13); no GPU runs here, so
+and ``trm`` on exactly this before the rule held (docs/BENCHMARKS.md §4); no GPU runs here, so
 this reads the source."""
 
 import ast

@@ -3,7 +3,7 @@
 
 ``generate`` runs a batch until its longest response ends: a row that emitted EOS keeps
 running, on padding, through every later step. With ragged response lengths that is most of
-the work (docs/BENCHMARKS.md §6). This loop runs the same prefill as the engine (one per
+the work (docs/NOTEBOOK_BENCHMARKS.md §6). This loop runs the same prefill as the engine (one per
 distinct prompt, its KV cache repeated to the ``n`` samples), then one forward per step with
 the KV cache, and after each step removes the rows that emitted EOS or reached
 ``max_new_tokens`` from the batch: from the token history, the attention mask, the positions

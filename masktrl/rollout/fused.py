@@ -6,7 +6,7 @@ per-step overhead more than arithmetic: ``generate``'s bookkeeping, transformers
 machinery around ~1 ms of GEMMs, a second pass over every step's scores for the records, and
 above all ``torch.multinomial``, which on a CPU draws one exponential variate per vocabulary
 entry and row (``q ~ Exp(1)``, token ``argmax(p / q)``): 22 ms of every step at 512 rows x
-2,004 tokens (docs/BENCHMARKS.md §15).
+2,004 tokens (docs/BENCHMARKS.md §6).
 
 ``decode_fixed_batch`` runs what ``generate`` runs, step for step, on the same batch: the shared
 prefill of the engine (rollout/decode.py), then one forward per step with the KV cache held in

@@ -35,7 +35,7 @@ from masktrl.runs.store import checkpoint_key, done_steps, key_step, rollout_key
 ROLLOUT_BYTES_PER_TOKEN = {"bfloat16": 38.7, "float16": 78.0, "float32": 78.0}
 """Bytes of a stored rollout batch per generated token at K = 20 with Qwen3's 151,936-token
 vocabulary and trained-model-like (Zipf) ids, by ``model.dtype``: rollout storage format 2 on
-bf16 logits 38.7, on float32 logits 78.0 (docs/BENCHMARKS.md §11;
+bf16 logits 38.7, on float32 logits 78.0 (docs/BENCHMARKS.md §2;
 float16, not measured, is taken as float32). ``benchmarks/disk_projection.py --measure`` gives
 a worst case (uniform ids) for the checkout's format."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
