@@ -397,6 +397,48 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
 }
 
 
+PROBE_LABS = ("fp8-e2e", "async-geometric", "moe-fp8", "deep-fp8")  # the lab probes that are not long or top-p
+
+
+def _pm(x: float, digits: int) -> str:
+    """A signed figure with a true minus sign, as the results pages print them."""
+    return f"{x:+.{digits}f}".replace("-", "\u2212")
+
+
+def _results_figures(root: Path) -> dict[str, str]:
+    """The figures docs/RESULTS.md quotes in its readings, from the committed cells."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import agentic_grid
+    import long_controls
+
+    cells = root / "docs" / "results" / "cells"
+
+    def gains(*probes: str) -> list[float]:
+        return [
+            r["eval_after"] - r["eval_before"]
+            for name in probes
+            for path in sorted((cells / name).glob("*.json"))
+            for r in json.loads(path.read_text())["runs"]
+        ]
+
+    out = {}
+    for name, probes in (("long-fp8", ("long-fp8",)), ("others", PROBE_LABS)):
+        g = gains(*probes)
+        out[f"probes.{name}.gains"] = f"{_pm(min(g), 2)} to {_pm(max(g), 2)}"
+    for path in sorted((cells / "top-p").glob("*.json")):
+        for r in json.loads(path.read_text())["runs"]:
+            out[f"probes.top-p.seed{r['seed']}"] = _pm(r["eval_after"] - r["eval_before"], 3)
+    rows = {r["arm"]: r for r in long_controls.family_rows(long_controls.read(root / long_controls.CELLS))}
+    for key, arm in (("dppo", "dppo (top-K KL)"), ("icepop", "decoupled IcePop")):
+        out[f"long-controls.{key}.delta"] = _pm(sum(rows[arm]["d"]) / len(rows[arm]["d"]), 2)
+    out["long-controls.learners.holm-p"] = (
+        f"{max(rows[a]['holm'] for a in ('dppo (top-K KL)', 'decoupled IcePop')):.3f}"
+    )
+    mdd = [r["mdd"] for r in agentic_grid.family_rows(agentic_grid.read(root / agentic_grid.CELLS))]
+    out["agentic.mdd-range"] = f"{min(mdd):.1f}-{max(mdd):.1f}"
+    return out
+
+
 def figures(root: Path) -> dict[str, str]:
     """Every figure a page may quote inline, by name."""
     whole = _by_size(_load(root, "disk_projection.json"))
@@ -415,7 +457,7 @@ def figures(root: Path) -> dict[str, str]:
     out["rollout.bytes-per-token.worst"] = f"{worst['bytes_per_token']:.1f}"
     reuse = _load(root, "mismatch_reuse.json")
     out["mismatch-reuse.saving"] = f"{reuse['saving_cpu_frac']:.1%}"
-    return out | _gen_figures(root) | _gen_ops_figures(root) | _vs_trl_figures(root)
+    return out | _gen_figures(root) | _gen_ops_figures(root) | _vs_trl_figures(root) | _results_figures(root)
 
 
 def _cells(root: Path) -> dict[str, str]:
