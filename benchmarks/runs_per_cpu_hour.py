@@ -19,9 +19,10 @@ the JSON shows whether a variant's run is the baseline's run (equal numbers) or 
     python benchmarks/runs_per_cpu_hour.py --json benchmarks/results/runs_per_cpu_hour.json
     python benchmarks/runs_per_cpu_hour.py --presets lab --steps 20 --rounds 1     # a quick look
 
-The presets: ``lab``, ``long`` (48-64-token answers) and ``agentic`` by default; ``moe``, ``deep``
-and ``scratch`` (the 200-token lab) on request. A preset the baseline tree does not have (the
-agentic, deep and scratch labs at 19f900d) is timed on this tree only.
+The presets: ``lab``, ``long`` (48-64-token answers) and ``agentic`` by default; ``moe``, ``deep``,
+``long200`` (200-240-token answers) and ``scratch`` (a 200-integer scratchpad before the answer) on
+request. A preset the baseline tree does not have (the agentic, deep, long200 and scratch labs at
+19f900d) is timed on this tree only.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ PRESETS = {  # name -> the --config files, relative to the tree
     "moe": ["configs/lab.yaml", "configs/lab-moe.yaml"],
     "deep": ["configs/lab.yaml", "configs/lab-deep.yaml"],
     "scratch": ["configs/lab.yaml", "configs/lab-scratch.yaml"],
+    "long200": ["configs/lab.yaml", "configs/lab-long200.yaml"],
 }
 DEFAULT_PRESETS = "lab,long,agentic"
 VARIANTS = {  # name -> --set overrides on this tree

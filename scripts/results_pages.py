@@ -29,6 +29,7 @@ import json
 import re
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from masktrl.runs.retention import human  # bytes as `masktrl train` prints its projection
@@ -118,9 +119,9 @@ def _head(data: dict, machine: str, header: str, rule: str) -> list[str]:
     return ["```bash", data["command"], "```", "", machine, "", header, rule]
 
 
-def runs_per_cpu_hour(root: Path) -> str:
+def runs_per_cpu_hour(root: Path, name: str = "runs_per_cpu_hour.json") -> str:
     """docs/BENCHMARKS.md's runs per CPU-hour (benchmarks/runs_per_cpu_hour.py) against the base commit."""
-    data = _load(root, "runs_per_cpu_hour.json")
+    data = _load(root, name)
     m = data["machine"]
     lines = _head(
         data,
@@ -384,6 +385,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "rollout-storage": rollout_storage,
     "probes": probes,
     "runs-per-cpu-hour": runs_per_cpu_hour,
+    "runs-per-cpu-hour-new-labs": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_new_labs.json"),
     "gpu-check": gpu_check,
     "gen-vs-base": gen_vs_base,
     "vs-trl": vs_trl,
