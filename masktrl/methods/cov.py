@@ -87,7 +87,7 @@ def clip_cov(batch: TokenBatch, adv: Tensor, p: ClipCovParams, u: Tensor | None)
     loss, clip = ppo_clip_loss(log_ratio_live(batch), adv, p.eps_low, p.eps_high)
     cov = centred_cov(batch, adv)  # [N]
     cand = (cov > p.clip_cov_lb) & (cov < p.clip_cov_ub) & ~clip & batch.valid  # [N]
-    key = torch.where(cand, u.to(cov.device, cov.dtype), torch.full_like(cov, float("inf")))  # [N]; u may be on the CPU
+    key = torch.where(cand, u.to(cov.dtype), torch.full_like(cov, float("inf")))  # [N]
     take = min(_count(p.clip_cov_ratio, batch.valid), int(cand.sum()))
     chosen = torch.zeros_like(cand)
     if take:

@@ -179,6 +179,8 @@ class Method:
         adv = check_advantages(advantages, batch)
         if params.uses_u and u is None:
             raise ValueError(f"u is required by method {self.name!r} (per-token uniforms in [0, 1), shape [N])")
+        if u is not None:  # seeded streams are drawn on the CPU; every kernel (a user's too) reads u beside the batch
+            u = u.to(batch.logp.device)
         return finalize(batch, self.kernel(batch, adv, params, u))
 
     def bind(self, params=None, correction: CorrectionParams | None = None) -> BoundMethod:
