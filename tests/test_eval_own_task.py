@@ -126,6 +126,16 @@ def test_task_and_synthetic_draw_the_same_samples_and_synthetic_keeps_its_report
     assert old["data"] == new["data"] == "arithmetic held-out split (ops=+, digits=1, answer_format=plain, n_test=12)"
 
 
+def test_output_with_a_folder_of_runs_is_one_line_and_writes_nothing(sweep_dir, tmp_path, cli_error):
+    """Each run keeps its own evals, so ``--output`` (one report) with a folder of runs is refused
+    before any run is evaluated."""
+    before = sorted(p.relative_to(sweep_dir) for p in (sweep_dir / "sw").rglob("*"))
+    line = cli_error("eval", "task", "--model", sweep_dir / "sw", "--output", tmp_path / "r.json")
+    assert "--output: each run's evals are stored in the run" in line
+    assert not (tmp_path / "r.json").exists()
+    assert sorted(p.relative_to(sweep_dir) for p in (sweep_dir / "sw").rglob("*")) == before
+
+
 def test_a_sweep_folder_in_one_command_then_compare(sweep_dir, cli_error):
     sw = sweep_dir / "copy"
     shutil.copytree(sweep_dir / "sw", sw)

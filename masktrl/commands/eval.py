@@ -67,9 +67,10 @@ def eval_command(
     runs = recipe.folder_runs(model)
     if runs is not None:  # a folder of runs
         with progress_bar() as progress:
-            recipe.run_folder(
-                bench, runs, step, opts, out=out, output=output, force=force, progress=progress, done=print_line
-            )
+            for root, result in recipe.run_folder(
+                bench, runs, step, opts, out=out, output=output, force=force, progress=progress
+            ):
+                print_line(root, result)
         return
     with progress_bar() as progress:
         result = recipe.run(bench, model, step, opts, out=out, output=output, force=force, progress=progress)

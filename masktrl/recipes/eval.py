@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -232,17 +233,15 @@ def run_folder(
     output: Path | None = None,
     force: bool = False,
     progress=None,
-    done=None,
-) -> list[tuple[Path, EvalResult | str]]:
-    """:func:`run` on every complete run of ``runs``; a run that is not complete, or whose report
-    exists (without ``force``), is skipped with the reason, so a rerun does what is left.
-    ``done(root, result)`` is called after each run."""
+) -> Iterator[tuple[Path, EvalResult | str]]:
+    """:func:`run` on every complete run of ``runs``, each ``(root, result)`` yielded as it ends; a
+    run that is not complete, or whose report exists (without ``force``), is skipped with the
+    reason, so a rerun does what is left. The options are checked before the first run."""
     opts.validate(bench)
     if output is not None:
         raise ConfigError(
             "--output: each run's evals are stored in the run; --output is for one model that is not a run"
         )
-    results: list[tuple[Path, EvalResult | str]] = []
     for root in runs:
         status = RunStore(root, writable=False).status()
         if root.is_symlink():
@@ -257,10 +256,7 @@ def run_folder(
             result = f"skipped: {path} exists"
         else:
             result = run(bench, str(root), step, opts, out=out, force=force, progress=progress)
-        results.append((root, result))
-        if done is not None:
-            done(root, result)
-    return results
+        yield root, result
 
 
 def recorded(ref: ModelRef, bench: str) -> bool:
