@@ -389,7 +389,8 @@ class RolloutConfig:
     drop_finished: bool = False
     """hf only: masktrl's own decode loop instead of transformers generate; a response that has
     ended (EOS or max_new_tokens) leaves the batch and the KV cache at once, so later steps run
-    only the rows still generating (same records, docs/ROLLOUTS.md)."""
+    only the rows still generating (the same records, and for a seed the same tokens as generate
+    up to the rounding of a smaller batch; docs/ROLLOUTS.md)."""
     decode: str = "generate"
     """hf only: generate (transformers generate) | fused (masktrl's fixed-batch decode loop,
     rollout/fused.py: the same forwards, draws and records as generate, bit-identical for one

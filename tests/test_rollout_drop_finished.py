@@ -135,6 +135,25 @@ def test_sampled_records_are_the_distribution_sampled_from(tok, temperature, top
     assert len(set(lengths)) >= 4 and max(lengths) == max_new and min(lengths) < max_new
 
 
+@pytest.mark.parametrize("draw", ["multinomial", "inverse_cdf"])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (1.3, 0.8)])
+def test_a_seed_samples_the_same_tokens_whether_or_not_finished_rows_leave(tok, prompts, draw, temperature, top_p):
+    """The random numbers are drawn for the whole batch and the rows still running use theirs
+    (rollout/draw.py: ``draw_tokens``), so a seed gives every response the tokens a loop that
+    keeps every row gives it: ``generate``'s with ``multinomial``, the fixed-batch loop's
+    (``rollout.decode: fused``) with ``inverse_cdf``; the records agree up to the rounding of a
+    smaller batch's GEMMs (float64 here)."""
+    model = eos_prone_model(tok, seed=1, scale=1.5)
+    s = SamplingSettings(n=4, max_new_tokens=9, temperature=temperature, top_p=top_p, logprobs_k=6)
+    loop = {"decode": "fused"} if draw == "inverse_cdf" else {}
+    for seed in (0, 1, 2):
+        whole = flat(HFEngine(model, tok, draw=draw, **loop).generate(prompts, s, seed))
+        drop = flat(HFEngine(model, tok, drop_finished=True, draw=draw).generate(prompts, s, seed))
+        lengths = [len(g.response_ids) for g in drop]
+        assert len(set(lengths)) >= 4 and min(lengths) < 4  # rows leave early and at several steps
+        assert_same_records(whole, drop, atol=1e-12)
+
+
 def test_same_seed_same_samples_and_global_rng_untouched(tok, prompts):
     engine = HFEngine(eos_prone_model(tok, seed=1, scale=1.5), tok, drop_finished=True)
     s = SamplingSettings(n=4, max_new_tokens=8, logprobs_k=5)

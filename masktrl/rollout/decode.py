@@ -17,10 +17,13 @@ float32 last-position logits passed through the logits processors ``generate`` i
 for these settings (``_get_logits_processor`` on the model's ``generation_config`` updated with
 the engine's keywords: temperature, top-p, and whatever the model's config adds, such as
 ``suppress_tokens``); the token is ``argmax`` (greedy) or one ``torch.multinomial`` draw from
-``softmax(scores)``; log mu is ``log_softmax(scores)`` at the token and its top-K. With greedy
-decoding the tokens and records are those of ``generate``; with sampling the draws come from
-the same distribution, but fewer rows take part in later draws, so for one seed the samples
-differ from ``generate``'s.
+``softmax(scores)``; log mu is ``log_softmax(scores)`` at the token and its top-K. The random
+numbers of a draw are drawn for the whole batch, the ended rows' discarded
+(``rollout/draw.py: draw_tokens``), so for one seed every response gets the tokens ``generate``
+gives it, and the records agree up to the rounding of a smaller batch's GEMMs (on this
+machine's float32 GEMMs, ~1e-6 in log mu; a token whose draw falls within that of another
+token's boundary could flip, which no test has seen). The forward is the lean step
+(``masktrl/models/leanstep.py``) where the model allows it, as in the fixed-batch loop.
 
 Logits processors that see only the current rows' scores and token history (temperature,
 top-p/k/min-p, suppressed or banned tokens, length rules, n-gram bans) need nothing. Two of
@@ -284,20 +287,25 @@ def decode_dropping_finished(
     use_mask = not bool((attention == 1).all())  # generate drops an all-ones mask too
     rows = torch.arange(n_rows, device=input_ids.device)  # original index of each running row
     token = history[:, -1:]
+    lean = lean_step(model, cache)  # None: through model(...)
     steps = Steps()
     for t in range(max_new):
-        out = model(
-            input_ids=token,
-            attention_mask=mask if use_mask else None,
-            position_ids=positions,
-            use_cache=True,
-            **{cache_kwarg(model): cache},
-        )
-        scores = processors(history, out.logits[:, -1].float())
+        if lean is not None:
+            logits = lean(token, positions, mask if use_mask else None)
+        else:
+            logits = model(
+                input_ids=token,
+                attention_mask=mask if use_mask else None,
+                position_ids=positions,
+                use_cache=True,
+                **{cache_kwarg(model): cache},
+            ).logits
+        scores = processors(history, logits[:, -1].float())
         lp = torch.log_softmax(scores, dim=-1)
         if buffers is None:  # sized by the first step's scores, reused by every later one
             buffers = draw_buffers(draw, lp.shape[0], lp.shape[1], lp.device)
-        nxt = draw_tokens(scores, lp, config.do_sample, draw, buffers)
+        # drawn for the whole batch, the live rows' used: a row's token does not depend on which rows have ended
+        nxt = draw_tokens(scores, lp, config.do_sample, draw, buffers, live=rows, batch=n_rows)
         steps.add(rows, nxt, lp, k)
         done = nxt == eos if t + 1 < max_new else torch.ones_like(nxt, dtype=torch.bool)
         if bool(done.all()):

@@ -18,7 +18,7 @@ def not_finite() -> MasktrlError:
 BLOCK = 64  # tokens per block of the inverse-CDF draw
 
 
-def inverse_cdf(lp: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
+def inverse_cdf(lp: torch.Tensor, buffer: torch.Tensor | None = None, u: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of log-probabilities ``lp`` [R, V] (``-inf``: never drawn), by inverse
     transform sampling with one float64 uniform ``u`` per row: the first token whose cumulative
     probability exceeds ``u`` times the row's total. In two stages, so that no [R, V] float64
@@ -27,7 +27,8 @@ def inverse_cdf(lp: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.T
     block's own float64 cumulative sum; every token is drawn with its probability up to float64
     rounding, a zero-mass token never. MasktrlError for a row whose probabilities are not finite
     or sum to zero. ``buffer``: a float32 tensor of at least R rows of ``BLOCK``-padded V entries
-    (``draw_buffer``), zero past V, computed in."""
+    (``draw_buffer``), zero past V, computed in. ``u``: the rows' uniforms [R, 1] (float64),
+    drawn here when not given."""
     rows, vocab = lp.shape
     if buffer is None:
         buffer = draw_buffer(rows, vocab, lp.device)
@@ -38,7 +39,8 @@ def inverse_cdf(lp: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.T
     total = block_cdf[:, -1:]
     if not bool((torch.isfinite(total) & (total > 0)).all()):
         raise not_finite()
-    u = torch.rand(rows, 1, dtype=torch.float64, device=lp.device)
+    if u is None:
+        u = torch.rand(rows, 1, dtype=torch.float64, device=lp.device)
     x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # < total, also after rounding
     b = torch.searchsorted(block_cdf, x, right=True)  # [R, 1]: the block whose interval holds x (it has mass)
     before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp_min(0)), torch.zeros_like(x))
@@ -60,12 +62,36 @@ def draw_buffers(draw: str, rows: int, vocab: int, device) -> torch.Tensor | Non
     return draw_buffer(rows, vocab, device) if draw == "inverse_cdf" else None
 
 
-def draw_tokens(scores: torch.Tensor, lp: torch.Tensor, do_sample: bool, draw: str, buffers=None) -> torch.Tensor:
+def draw_tokens(
+    scores: torch.Tensor,
+    lp: torch.Tensor,
+    do_sample: bool,
+    draw: str,
+    buffers=None,
+    live: torch.Tensor | None = None,
+    batch: int | None = None,
+) -> torch.Tensor:
     """The next token of each row: ``argmax`` (greedy), ``torch.multinomial`` of
     ``softmax(scores)`` as ``generate`` draws it, or ``inverse_cdf`` of the log-probs ``lp``
-    (in ``buffers``, ``draw_buffers``)."""
+    (in ``buffers``, ``draw_buffers``).
+
+    ``live``: where the rows of ``scores`` stand in a batch of ``batch`` rows whose others have
+    ended (rollout/decode.py). The random numbers are then drawn for the whole batch, as if no
+    row had left, and the live rows' are used: ``multinomial`` over a [batch, V] tensor (the
+    ended rows given any distribution: their draws are discarded), ``inverse_cdf`` with the live
+    rows' uniforms of ``batch``. So a row's token depends on its own scores and the seed only,
+    not on which rows have ended: with the same scores, the tokens of a loop that keeps every row
+    (``generate``, rollout/fused.py)."""
     if not do_sample:
         return scores.argmax(dim=-1)
+    partial = live is not None and batch is not None and live.shape[0] < batch
     if draw == "inverse_cdf":
-        return inverse_cdf(lp, buffers)
-    return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        u = torch.rand(batch, 1, dtype=torch.float64, device=lp.device)[live] if partial else None
+        return inverse_cdf(lp, buffers, u)
+    probs = torch.softmax(scores, dim=-1)
+    if partial:
+        whole = probs.new_zeros(batch, probs.shape[1])
+        whole[:, 0] = 1.0  # the ended rows' (discarded) draws
+        whole[live] = probs
+        return torch.multinomial(whole, num_samples=1).squeeze(1)[live]
+    return torch.multinomial(probs, num_samples=1).squeeze(1)
