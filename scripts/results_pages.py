@@ -147,9 +147,13 @@ def runs_per_cpu_hour(root: Path, name: str = "runs_per_cpu_hour.json") -> str:
 GPU_CHECKS = ("h200-hf-4steps.json", "h200-hf-2steps.json")  # benchmarks/results/gpu_check/, in the order run
 
 
-def _methods(argv: list[str]) -> list[str]:
-    """The methods a gpu_check.py invocation asked for (its ``--methods``, default grpo,pdm,sis)."""
-    return (argv[argv.index("--methods") + 1] if "--methods" in argv else "grpo,pdm,sis").split(",")
+def _gpu_check_args(argv: list[str]):
+    """A recorded benchmarks/gpu_check.py invocation read by the script's own parser (its
+    defaults: the methods and steps it ran when the command line did not name them)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_check
+
+    return gpu_check.parse(argv)
 
 
 def gpu_check(root: Path) -> str:
@@ -161,8 +165,9 @@ def gpu_check(root: Path) -> str:
     ]
     for name in GPU_CHECKS:
         data = json.loads((root / BENCH / "gpu_check" / name).read_text())
-        steps = data["argv"][data["argv"].index("--steps") + 1]
-        for method in _methods(data["argv"]):
+        args = _gpu_check_args(data["argv"])
+        steps = args.steps
+        for method in args.methods.split(","):
             r = data["runs"].get(method)
             if r is None:
                 lines.append(f"| {name} | {method} | {steps} | no result: the check was cut short | | | |")
