@@ -84,13 +84,15 @@ def draw_tokens(
     (``generate``, rollout/fused.py)."""
     if not do_sample:
         return scores.argmax(dim=-1)
-    partial = live is not None and batch is not None and live.shape[0] < batch
+    whole_batch = batch if live is not None and batch is not None and live.shape[0] < batch else None
     if draw == "inverse_cdf":
-        u = torch.rand(batch, 1, dtype=torch.float64, device=lp.device)[live] if partial else None
+        u = None
+        if whole_batch is not None:
+            u = torch.rand(whole_batch, 1, dtype=torch.float64, device=lp.device)[live]
         return inverse_cdf(lp, buffers, u)
     probs = torch.softmax(scores, dim=-1)
-    if partial:
-        whole = probs.new_zeros(batch, probs.shape[1])
+    if whole_batch is not None:
+        whole = probs.new_zeros(whole_batch, probs.shape[1])
         whole[:, 0] = 1.0  # the ended rows' (discarded) draws
         whole[live] = probs
         return torch.multinomial(whole, num_samples=1).squeeze(1)[live]
