@@ -226,6 +226,8 @@ def vs_trl(root: Path) -> str:
             default = " (the defaults)" if side == r.get("default_side") else ""
             if shape == "long" and side == "masktrl":
                 label = "masktrl, `train.packing` on"
+            if shape == "long" and side == "masktrl-dropfinished":
+                label = "masktrl, `train.packing` on and `rollout.drop_finished`"
             ratio = f"**{cpu:.2f}×**" if default else f"{cpu:.2f}×"
             lines.append(
                 f"| {shape} | {label}{default} | {settings} | {r[key]['cpu_ms_median']:,.0f} | {trl_ms:,.0f} | "
@@ -253,9 +255,18 @@ def vs_trl(root: Path) -> str:
 
 
 def _vs_trl_figures(root: Path) -> dict[str, str]:
-    """``vs-trl.<shape>``: TRL's CPU time per step over masktrl's with the defaults, at that shape."""
+    """``vs-trl.<shape>``: TRL's CPU time per step over masktrl's with the defaults, at that shape;
+    ``vs-trl.<shape>.blocks``: the range of the paired blocks' wall ratios (masktrl's main side)."""
     shapes = _load(root, "vs_trl.json")["shapes"]
-    return {f"vs-trl.{shape}": f"{r['default_cpu_time_ratio']:.2f}×" for shape, r in shapes.items()}
+    out = {f"vs-trl.{shape}": f"{r['default_cpu_time_ratio']:.2f}×" for shape, r in shapes.items()}
+    for shape, r in shapes.items():
+        blocks = r["speedup_per_rep"]
+        out[f"vs-trl.{shape}.blocks"] = f"{min(blocks):.2f}-{max(blocks):.2f}×"
+    # the same command's earlier quiet run (vs_trl_earlier.json: the default side's code is the same)
+    for shape, r in _load(root, "vs_trl_earlier.json")["shapes"].items():
+        out[f"vs-trl-earlier.{shape}"] = f"{r['default_cpu_time_ratio']:.2f}×"
+        out[f"vs-trl-earlier.{shape}.trl-ms"] = f"{r['trl']['cpu_ms_median']:,.0f}"
+    return out
 
 
 MISMATCH_SIDES = {  # mismatch_reuse.py's side -> its row label in docs/BENCHMARKS.md
