@@ -317,8 +317,8 @@ def gen_vs_base(root: Path) -> str:
     data = _load(root, "gen_vs_base.json")
     m = data["machine"]
     lines = [
-        f"Machine: {m['cores']}-core {m['cpu']}, {data['threads']} torch thread per process, shared with other "
-        f"jobs (1-minute load average {data['loadavg_1m_start']:.1f} at the start, {m['loadavg_1m']:.1f} at the "
+        f"Machine: {m['cores']}-core {m['cpu']}, {data['threads']} torch thread per process "
+        f"(1-minute load average {data['loadavg_1m_start']:.1f} at the start, {m['loadavg_1m']:.1f} at the "
         f"end, {m['time']}); {data['rounds']} rounds of {data['reps']} batches.",
         "",
         f"| rows | variant | tokens per CPU-s | vs {data['base']} (CPU) | vs {data['base']} (wall) |",
