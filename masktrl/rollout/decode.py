@@ -20,9 +20,9 @@ the engine's keywords: temperature, top-p, and whatever the model's config adds,
 ``softmax(scores)``; log mu is ``log_softmax(scores)`` at the token and its top-K. The random
 numbers of a draw are drawn for the whole batch, the ended rows' discarded
 (``rollout/draw.py: draw_tokens``), so for one seed every response gets the tokens ``generate``
-gives it, and the records agree up to the rounding of a smaller batch's GEMMs (on this
-machine's float32 GEMMs, ~1e-6 in log mu; a token whose draw falls within that of another
-token's boundary could flip, which no test has seen). The forward is the lean step
+gives it, and the records agree up to the rounding of a smaller batch's GEMMs (~1e-6 in log mu
+with float32 GEMMs on a CPU; a draw that lands within that rounding of the boundary between two
+tokens could pick the other one, which no test has seen). The forward is the lean step
 (``masktrl/models/leanstep.py``) where the model allows it, as in the fixed-batch loop.
 
 Logits processors that see only the current rows' scores and token history (temperature,
