@@ -391,10 +391,11 @@ class RolloutConfig:
     ended (EOS or max_new_tokens) leaves the batch and the KV cache at once, so later steps run
     only the rows still generating (the same records, and for a seed the same tokens as generate
     up to the rounding of a smaller batch; docs/ROLLOUTS.md)."""
-    decode: str = "generate"
-    """hf only: generate (transformers generate) | fused (masktrl's fixed-batch decode loop,
-    rollout/fused.py: the same forwards, draws and records as generate, bit-identical for one
-    seed, without generate's per-step bookkeeping; docs/ROLLOUTS.md, "The fused decode loop")."""
+    decode: str = "auto"
+    """hf only: auto (fused, unless rollout.drop_finished runs its own loop) | generate
+    (transformers generate) | fused (masktrl's fixed-batch decode loop, rollout/fused.py: the same
+    forwards, draws and records as generate, bit-identical for one seed, without generate's
+    per-step bookkeeping; docs/ROLLOUTS.md, "The fused decode loop")."""
     draw: str = "multinomial"
     """How masktrl's own decode loops (rollout.decode: fused, rollout.drop_finished) draw a sampled
     token: multinomial (torch.multinomial, as generate draws it) | inverse_cdf (one uniform per
@@ -440,6 +441,16 @@ class RolloutConfig:
     forward without gradients) | always (that
     extra forward for every batch; the same numbers) | off (not measured, no extra forward)."""
 
+    @property
+    def decode_loop(self) -> str:
+        """The hf engine's decode loop: ``generate``, ``fused`` or ``drop_finished`` (``auto`` is
+        ``fused`` unless ``drop_finished`` is on; another engine: ``generate``, unused)."""
+        if self.engine != "hf":
+            return "generate"
+        if self.drop_finished:
+            return "drop_finished"
+        return "generate" if self.decode == "generate" else "fused"
+
     def validate(self) -> None:
         _choice("rollout.engine", self.engine, ("hf", "vllm"))
         _choice("rollout.store", self.store, ROLLOUT_STORE)
@@ -461,7 +472,7 @@ class RolloutConfig:
                 f"rollout.engine={self.engine} "
                 "(vLLM schedules finished sequences out of its batch itself)"
             )
-        _choice("rollout.decode", self.decode, ("generate", "fused"))
+        _choice("rollout.decode", self.decode, ("auto", "generate", "fused"))
         _choice("rollout.draw", self.draw, ("multinomial", "inverse_cdf"))
         if self.decode == "fused" and self.engine != "hf":
             raise ConfigError(f"rollout.decode=fused is an option of the hf engine, got rollout.engine={self.engine}")
@@ -469,10 +480,10 @@ class RolloutConfig:
             raise ConfigError(
                 "rollout.decode=fused and rollout.drop_finished=true are two decode loops; set one of them"
             )
-        if self.draw != "multinomial" and not (self.engine == "hf" and (self.decode == "fused" or self.drop_finished)):
+        if self.draw != "multinomial" and self.decode_loop == "generate":
             raise ConfigError(
                 f"rollout.draw={self.draw} needs masktrl's own decode loop: rollout.engine=hf with "
-                "rollout.decode=fused or rollout.drop_finished=true"
+                "rollout.decode=fused (or auto) or rollout.drop_finished=true"
             )
         if self.sleep_mode and self.engine != "vllm":
             raise ConfigError(f"rollout.sleep_mode needs rollout.engine=vllm, got {self.engine!r}")

@@ -212,13 +212,18 @@ def test_inverse_cdf_records_are_the_distribution_sampled_from(tok, loop):
 
 def test_decode_and_draw_keys_are_checked():
     cfg = load_config(None, [])
-    assert (cfg.rollout.decode, cfg.rollout.draw) == ("generate", "multinomial")
+    assert (cfg.rollout.decode, cfg.rollout.draw, cfg.rollout.decode_loop) == ("auto", "multinomial", "fused")
+    assert load_config(None, ["rollout.drop_finished=true"]).rollout.decode_loop == "drop_finished"
+    assert load_config(None, ["rollout.decode=generate"]).rollout.decode_loop == "generate"
+    assert load_config(None, ["rollout.engine=vllm"]).rollout.decode_loop == "generate"  # not the hf engine's
+    load_config(None, ["rollout.draw=inverse_cdf"])  # auto: the fused loop
     load_config(None, ["rollout.decode=fused", "rollout.draw=inverse_cdf"])
     load_config(None, ["rollout.drop_finished=true", "rollout.draw=inverse_cdf"])
     for sets, needle in (
         (["rollout.decode=compiled"], "rollout.decode must be one of"),
         (["rollout.draw=gumbel"], "rollout.draw must be one of"),
-        (["rollout.draw=inverse_cdf"], "needs masktrl's own decode loop"),
+        (["rollout.decode=generate", "rollout.draw=inverse_cdf"], "needs masktrl's own decode loop"),
+        (["rollout.engine=vllm", "rollout.draw=inverse_cdf"], "needs masktrl's own decode loop"),
         (["rollout.decode=fused", "rollout.drop_finished=true"], "two decode loops"),
         (["rollout.engine=vllm", "rollout.decode=fused"], "option of the hf engine"),
     ):
@@ -227,15 +232,25 @@ def test_decode_and_draw_keys_are_checked():
 
 
 def test_draw_without_a_masktrl_loop_exits_2_with_one_line_and_no_folder(tmp_path, cli_error):
-    line = cli_error("train", "--set", "rollout.draw=inverse_cdf", "--out", tmp_path, "--run", "x")
+    line = cli_error(
+        "train",
+        "--set",
+        "rollout.decode=generate",
+        "--set",
+        "rollout.draw=inverse_cdf",
+        "--out",
+        tmp_path,
+        "--run",
+        "x",
+    )
     assert "needs masktrl's own decode loop" in line and not (tmp_path / "x").exists()
 
 
 @pytest.mark.slow
-def test_a_training_run_with_the_fused_loop_is_bit_identical_to_the_default(tmp_path, warm_out):
-    """Two 2-step ``masktrl train`` runs, the default and ``rollout.decode=fused``: every metric
-    that is not a time or a memory figure is equal, and the stored rollout batches hold the same
-    tokens and records."""
+def test_a_training_run_with_the_fused_loop_is_bit_identical_to_generate(tmp_path, warm_out):
+    """Two 2-step ``masktrl train`` runs, the default (``rollout.decode: auto``, the fused loop)
+    and ``rollout.decode=generate``: every metric that is not a time or a memory figure is equal,
+    and the stored rollout batches hold the same tokens and records."""
     import json
 
     import pyarrow.parquet as pq
@@ -243,7 +258,7 @@ def test_a_training_run_with_the_fused_loop_is_bit_identical_to_the_default(tmp_
     from tests.conftest import masktrl, write_tiny_config
 
     cfg = write_tiny_config(tmp_path / "c.yaml")
-    for run, sets in (("default", []), ("fused", ["--set", "rollout.decode=fused"])):
+    for run, sets in (("default", []), ("generate", ["--set", "rollout.decode=generate"])):
         r = masktrl(
             "train", "--config", cfg, "--out", warm_out, "--run", run, "--set", "train.threads=1", *sets, cwd=tmp_path
         )
@@ -254,8 +269,10 @@ def test_a_training_run_with_the_fused_loop_is_bit_identical_to_the_default(tmp_
         volatile = ("time", "sec", "rss", "mem", "_s", "speed", "tokens_per")
         return [{k: v for k, v in row.items() if not any(w in k for w in volatile)} for row in rows]
 
-    assert metrics("fused") == metrics("default") and len(metrics("default")) >= 2
+    assert metrics("generate") == metrics("default") and len(metrics("default")) >= 2
     files = sorted(p.relative_to(warm_out / "default") for p in (warm_out / "default").rglob("*.parquet"))
-    assert files and files == sorted(p.relative_to(warm_out / "fused") for p in (warm_out / "fused").rglob("*.parquet"))
+    assert files and files == sorted(
+        p.relative_to(warm_out / "generate") for p in (warm_out / "generate").rglob("*.parquet")
+    )
     for f in files:
-        assert pq.read_table(warm_out / "fused" / f).equals(pq.read_table(warm_out / "default" / f))
+        assert pq.read_table(warm_out / "generate" / f).equals(pq.read_table(warm_out / "default" / f))

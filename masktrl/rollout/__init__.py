@@ -26,7 +26,7 @@ def make_engine(rollout_cfg, model, tokenizer, model_dir: str | None, *, dtype: 
             dtype=rollout_cfg.dtype,
             quantization=rollout_cfg.quantization,
             drop_finished=rollout_cfg.drop_finished,
-            decode=rollout_cfg.decode,
+            decode="fused" if rollout_cfg.decode_loop == "fused" else "generate",
             draw=rollout_cfg.draw,
         )
     from masktrl.models.lora import is_adapter_folder, read_adapter
