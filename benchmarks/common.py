@@ -277,6 +277,9 @@ def wrap_masktrl_phases(timer: PhaseTimer, common: bool = True) -> None:
     timer.wrap(train, "collect_rollouts", "rollout: prompts, decode, score, advantages")
     timer.wrap(HFEngine, "generate", "rollout: logprob/top-K extraction")
     timer.wrap(hf, "shared_prefill", "rollout: shared prompt prefill", absorb=True)
+    # the engine's own loops (rollout.decode: auto / fused, rollout.drop_finished), instead of generate
+    timer.wrap(hf, "decode_fixed_batch", "rollout: masktrl decode loop", absorb=True)
+    timer.wrap(hf, "decode_dropping_finished", "rollout: masktrl decode loop", absorb=True)
     timer.wrap(update, "policy_token_batch", "logprobs: batch assembly")
     timer.wrap(modeling_qwen3.Qwen3Model, "forward", "logprobs: policy forward")
     timer.wrap(policy, "token_logprobs_and_entropy", "logprobs: token_logprobs (sampled + top-K) + entropy")
