@@ -64,8 +64,8 @@ def shared_prefill(model: torch.nn.Module, input_ids: torch.Tensor, attention: t
 def synced_processes(model: torch.nn.Module) -> bool:
     """Whether ``generate`` keeps every process stepping until all have ended (transformers'
     ``synced_gpus``: DeepSpeed ZeRO-3 or FSDP across processes, whose forwards gather weights
-    collectively). The fixed-batch loop ends per process, so there the engine runs ``generate``,
-    whose tokens and records it equals."""
+    collectively). masktrl's loops end per process, so there the engine runs ``generate``: the
+    fixed-batch loop's tokens and records are its own, ``drop_finished``'s tokens too."""
     import torch.distributed as tdist
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
     from transformers.integrations.fsdp import is_fsdp_managed_module
@@ -217,7 +217,7 @@ class HFEngine:
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [P, W] left-padded
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         was_training = eval_mode(self.model)
-        if self.drop_finished or (self.decode == "fused" and not synced_processes(self.model)):
+        if (self.drop_finished or self.decode == "fused") and not synced_processes(self.model):
             kwargs = dict(
                 sampling_kwargs(s), max_new_tokens=s.max_new_tokens, pad_token_id=pad, eos_token_id=tok.eos_token_id
             )
