@@ -146,6 +146,9 @@ class ModelConfig:
     experts_per_token: int | None = None
     """Tiny mixture-of-experts model only (model.architecture=qwen3-moe): the experts each token
     is routed to, top-k (None: 2; at most model.num_experts). Refused on a dense architecture."""
+    max_positions: int | None = None
+    """Tiny model only: the positions its context holds, prompt and response (None: 256). The
+    200-token labs' answers fit 256; a longer response needs more (docs/LAB.md)."""
     routing_replay: str | None = None
     """Mixture-of-experts models only: 'rollout' replays the engine's routing in training (R3):
     the hf engine records the top-k experts of every prompt and response token in each MoE layer
@@ -181,6 +184,13 @@ class ModelConfig:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ConfigError("model.num_heads must divide model.hidden_size and be a multiple of model.num_kv_heads")
         self._validate_experts()
+        if self.max_positions is not None:
+            if self.path != "tiny":
+                raise ConfigError("model.max_positions is an option of the tiny model (model.path=tiny)")
+            if isinstance(self.max_positions, bool) or not isinstance(self.max_positions, int):
+                raise ConfigError(f"model.max_positions must be an integer in [8, 65536], got {self.max_positions!r}")
+            if not 8 <= self.max_positions <= 65536:
+                raise ConfigError(f"model.max_positions must be an integer in [8, 65536], got {self.max_positions!r}")
 
     def _validate_experts(self) -> None:
         given = [k for k in MOE_DEFAULTS if getattr(self, k) is not None]
@@ -763,6 +773,7 @@ def _as_dict(value: Any) -> Any:
 
 
 HASH_UNLESS_SET = (
+    "model.max_positions",
     "model.num_experts",
     "model.experts_per_token",
     "model.routing_replay",

@@ -57,6 +57,7 @@ class TinyModelConfig:
             m.num_heads,
             m.num_kv_heads,
             m.intermediate_size,
+            max_positions=m.max_positions or TinyModelConfig.max_positions,
             num_experts=experts,
             experts_per_token=top_k,
         )

@@ -434,7 +434,7 @@ def policy_tokenizer(cfg: Config, task) -> tuple[object, int, int | None]:
                 "set model.path to a model folder or hub id"
             )
         tokenizer = tiny_tokenizer(cfg.model.tokenizer, alphabet)
-        return tokenizer, len(tokenizer), TinyModelConfig.max_positions
+        return tokenizer, len(tokenizer), TinyModelConfig.of(cfg.model).max_positions
     from masktrl.models.loading import load_model_config, load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.path)
