@@ -85,10 +85,11 @@ def test_warm_start_trains_on_calls_and_answers_only(task):
 
     tok = tiny_tokenizer("words", task.alphabet())
     ex = next(e for e in task.test_examples() if e.prompt.startswith("city firm"))
-    ids, attention, labels = _sft_batch(tok, task, [ex])
+    ids, attention, labels, weights = _sft_batch(tok, task, [ex])
     trained = [tok.convert_ids_to_tokens(int(i)) for i, lab in zip(ids[0], labels[0]) if lab != -100]
     calls = [w for seg, t in task.demonstration(ex) if t for w in seg.split()]
     assert trained == calls + [tok.eos_token]
+    assert weights is None  # every trained token weighs 1: transformers' own loss
 
 
 def test_direct_prompt_appends_the_answer_marker(task):

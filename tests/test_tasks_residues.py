@@ -336,8 +336,39 @@ def test_a_scratchpad_of_candidates_lists_correct_answers():
         ({"scratch_position": "after"}, "needs a scratchpad"),
         ({"scratch_position": "middle", "scratch_max": 4}, "must be one of before, after"),
         ({"scratch_values": "primes", "scratch_max": 4}, "must be one of range, solutions"),
+        ({"answer_weight": 50}, "needs a scratchpad"),
+        ({"answer_weight": 0, "scratch_max": 4}, "answer_weight must be a number"),
+        ({"answer_weight": True, "scratch_max": 4}, "answer_weight must be a number"),
+        ({"answer_weight": "50", "scratch_max": 4}, "answer_weight must be a number"),
+        ({"answer_weight": float("nan"), "scratch_max": 4}, "answer_weight must be a number"),
     ],
 )
 def test_an_indexed_scratchpad_needs_room_for_pairs(options, match):
     with pytest.raises(ConfigError, match=match):
         ResidueTask(**options)
+
+
+@pytest.mark.parametrize("position", ["before", "after"])
+@pytest.mark.parametrize("tokenizer", ["numbers", "char"])
+def test_answer_weight_weighs_the_answer_tokens_of_the_unchanged_target(position, tokenizer):
+    """answer_weight: the warm start's target is the same tokens (the segments tokenise to the
+    whole target), its answer's tokens weigh answer_weight, everything else 1 (EOS included)."""
+    from masktrl.models.tiny import tiny_tokenizer
+    from masktrl.rl.warmstart import _sft_batch
+
+    options = dict(distinct=True, n_test=10, scratch_min=20, scratch_max=24, scratch_index=True)
+    task = ResidueTask(**options, scratch_position=position, answer_weight=50)
+    plain = ResidueTask(**options, scratch_position=position)
+    tok = tiny_tokenizer(tokenizer, task.alphabet())
+    examples = task.train_examples(6, random.Random(2))
+    assert [e.answer for e in examples] == [e.answer for e in plain.train_examples(6, random.Random(2))]
+    ids, attention, labels, weights = _sft_batch(tok, task, examples)
+    ids0, attention0, labels0, weights0 = _sft_batch(tok, plain, examples)
+    assert weights0 is None and plain.weighted_target(examples[0]) is None
+    assert ids.equal(ids0) and attention.equal(attention0) and labels.equal(labels0)
+    for ex, row, w, mask in zip(examples, ids, weights, attention, strict=True):
+        answer = ex.answer.split(" = ")[0 if position == "after" else 1]
+        answer_ids = tok(answer, add_special_tokens=False)["input_ids"]
+        heavy = [int(i) for i, x in zip(row, w, strict=True) if x == 50]
+        assert heavy == answer_ids
+        assert ((w == 1) | (w == 50) | (w == 0)).all() and (w[mask == 0] == 0).all()

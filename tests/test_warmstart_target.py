@@ -80,3 +80,37 @@ def test_the_fingerprint_is_the_whole_config_and_the_warm_start_key_its_inputs()
     assert warmstart_key(cfg).endswith("-seed0")  # threads 1: no suffix
     lab = load_config(None, ["warmstart.target_accuracy=null", "rollout.staleness=2"])
     assert lab.hash() != cfg.hash() and lab.hash("model", "task", "warmstart") == cfg.hash("model", "task", "warmstart")
+
+
+def test_weighted_target_loss_is_the_weighted_mean_and_with_unit_weights_transformers_loss():
+    """weighted_target_loss against a float64 transcription (sum_t w_t CE_t / sum_t w_t over the
+    labelled next-token positions), its gradient against the reference's, and with every weight 1
+    the loss transformers' causal LM computes from the same labels."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from masktrl.rl.warmstart import weighted_target_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 11, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 7), generator=g)
+    labels[:, :2] = -100  # the prompt
+    labels[2, 5:] = -100  # padding
+    weights = torch.rand(3, 7, generator=g) * 40
+    loss = weighted_target_loss(logits, labels, weights)
+    (grad,) = torch.autograd.grad(loss, logits)
+
+    ref_logits = logits.detach().double().requires_grad_()
+    num = den = torch.zeros((), dtype=torch.float64)
+    for b in range(3):
+        for t in range(6):  # position t predicts token t + 1
+            if labels[b, t + 1] != -100:
+                ce = -torch.log_softmax(ref_logits[b, t], -1)[labels[b, t + 1]]
+                num = num + weights[b, t + 1].double() * ce
+                den = den + weights[b, t + 1].double()
+    ref = num / den
+    (ref_grad,) = torch.autograd.grad(ref, ref_logits)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert torch.allclose(grad.double(), ref_grad, atol=1e-7)
+
+    ones = weighted_target_loss(logits, labels, torch.ones(3, 7))
+    assert ones.item() == pytest.approx(ForCausalLMLoss(logits, labels, vocab_size=11).item(), rel=1e-6)

@@ -126,8 +126,11 @@ def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None, che
     task_id = progress.add_task("warm start", total=ws.steps, info="") if progress else None
     for step in range(ws.steps):
         batch = task.train_examples(ws.batch_size, rng)
-        input_ids, attention, labels = _sft_batch(tokenizer, task, batch)
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        input_ids, attention, labels, weights = _sft_batch(tokenizer, task, batch)
+        if weights is None:
+            loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        else:
+            loss = weighted_target_loss(model(input_ids=input_ids, attention_mask=attention).logits, labels, weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -167,26 +170,55 @@ def _accuracy_check(model, tokenizer, task, cfg: Config):
 
 
 def _sft_batch(tokenizer, task, examples):
-    """Right-padded prompt+target+EOS with labels only on target and EOS. A multi-turn task's
-    target is its ``demonstration`` (calls, tool replies, answer): each segment tokenised on its
-    own, as the rollouts append replies, and the replies (environment tokens) not trained on."""
-    rows, label_rows = [], []
+    """Right-padded prompt+target+EOS with labels only on target and EOS, and the targets' loss
+    weights ([B, L], or None where every trained token weighs 1). A multi-turn task's target is
+    its ``demonstration`` (calls, tool replies, answer): each segment tokenised on its own, as the
+    rollouts append replies, and the replies (environment tokens) not trained on. A segment's
+    flag is True/False (trained or not) or a weight > 0 (a task's ``weighted_target``, e.g.
+    residues' ``answer_weight``: the answer among a long scratchpad)."""
+    rows, label_rows, weight_rows = [], [], []
     for ex in examples:
         p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
-        segments = task.demonstration(ex) if hasattr(task, "demonstration") else [(task.format_target(ex), True)]
-        t, labels = [], []
+        segments = target_segments(task, ex)
+        t, labels, weights = [], [], []
         for text, trained in segments:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             t += ids
             labels += ids if trained else [-100] * len(ids)
+            weights += [float(trained)] * len(ids)
         rows.append(p + t + [tokenizer.eos_token_id])
         label_rows.append([-100] * len(p) + labels + [tokenizer.eos_token_id])
+        weight_rows.append([0.0] * len(p) + weights + [1.0])
     width = max(len(r) for r in rows)
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
     attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     labels = torch.tensor([r + [-100] * (width - len(r)) for r in label_rows])
-    return input_ids, attention, labels
+    weighted = any(w not in (0.0, 1.0) for row in weight_rows for w in row)
+    weights = torch.tensor([r + [0.0] * (width - len(r)) for r in weight_rows]) if weighted else None
+    return input_ids, attention, labels, weights
+
+
+def target_segments(task, example) -> list:
+    """The target as (text, trained or weight) segments: a multi-turn task's demonstration, a
+    weighted target where the task gives one, else the whole target, trained."""
+    if hasattr(task, "demonstration"):
+        return task.demonstration(example)
+    weighted = task.weighted_target(example) if hasattr(task, "weighted_target") else None
+    return weighted if weighted is not None else [(task.format_target(example), True)]
+
+
+def weighted_target_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_t w_t CE_t / sum_t w_t over the labelled positions: each position predicts the next
+    token (as transformers' causal-LM loss), each target token's cross-entropy weighted by its
+    weight; with every weight 1 it is the mean transformers computes."""
+    logits = logits[:, :-1].float()
+    labels, weights = labels[:, 1:], weights[:, 1:]
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="none"
+    )
+    w = weights.reshape(-1) * (labels.reshape(-1) != -100)
+    return (ce * w).sum() / w.sum()
 
 
 def _save_atomically(model, tokenizer, info: dict, dest: Path) -> dict:
