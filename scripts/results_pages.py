@@ -262,7 +262,7 @@ def _vs_trl_figures(root: Path) -> dict[str, str]:
     for shape, r in shapes.items():
         blocks = r["speedup_per_rep"]
         out[f"vs-trl.{shape}.blocks"] = f"{min(blocks):.2f}-{max(blocks):.2f}×"
-    # the same command's earlier quiet run (vs_trl_earlier.json: before rollout.decode: auto, its default rows ran generate)
+    # the same command's earlier quiet run (vs_trl_earlier.json: before rollout.decode: auto, default rows ran generate)
     for shape, r in _load(root, "vs_trl_earlier.json")["shapes"].items():
         out[f"vs-trl-earlier.{shape}"] = f"{r['default_cpu_time_ratio']:.2f}×"
         out[f"vs-trl-earlier.{shape}.trl-ms"] = f"{r['trl']['cpu_ms_median']:,.0f}"
