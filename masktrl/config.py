@@ -187,10 +187,9 @@ class ModelConfig:
         if self.max_positions is not None:
             if self.path != "tiny":
                 raise ConfigError("model.max_positions is an option of the tiny model (model.path=tiny)")
-            if isinstance(self.max_positions, bool) or not isinstance(self.max_positions, int):
-                raise ConfigError(f"model.max_positions must be an integer in [8, 65536], got {self.max_positions!r}")
-            if not 8 <= self.max_positions <= 65536:
-                raise ConfigError(f"model.max_positions must be an integer in [8, 65536], got {self.max_positions!r}")
+            value = self.max_positions
+            if isinstance(value, bool) or not isinstance(value, int) or not 8 <= value <= 65536:
+                raise ConfigError(f"model.max_positions must be an integer in [8, 65536], got {value!r}")
 
     def _validate_experts(self) -> None:
         given = [k for k in MOE_DEFAULTS if getattr(self, k) is not None]
