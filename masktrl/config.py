@@ -35,10 +35,10 @@ from typing import Any
 
 import yaml
 
-from masktrl.errors import ConfigError
+from masktrl.errors import ConfigError, MasktrlError
 from masktrl.io import atomic_write_text
 from masktrl.method_spec import MethodSpec, is_rule_file, method_from_block
-from masktrl.readers import read_yaml, yaml_value
+from masktrl.readers import read_json, read_yaml, yaml_value
 
 if typing.TYPE_CHECKING:
     from masktrl.methods import BoundMethod
@@ -63,6 +63,18 @@ ROLLOUT_STORE = ("all", "resume")
 HF_QUANTIZATIONS = ("fp8", "fp8-act", "fp8-full")
 """rollout.quantization with the hf engine: FP8 faked on its low-precision copy (models/lowprec.py)."""
 HF_ONLY_QUANTIZATIONS = ("fp8-act", "fp8-full")
+AUTO_LONG_TOKENS = 128
+"""rollout.max_new_tokens from which ``auto`` turns on the long-response paths, rollout.drop_finished
+and train.packing: at 6 new tokens they give nothing measurable, at 512 a 1.6x shorter step
+(docs/BENCHMARKS.md §1); below it ``auto`` keeps the fixed-batch loop and the padded forward."""
+PACKING_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral", "phi3", "olmo2", "gpt_neox")
+"""transformers ``model_type``s whose attention layers dispatch through transformers' attention
+interface, so the packed forward can replace it (models/packing.py; tests/test_auto_long_paths.py
+checks each class): what ``train.packing: auto`` reads a model folder's config.json against."""
+TINY_PACKING = ("qwen3", "llama", "qwen2", "qwen3-moe", "phi3", "olmo2", "gpt-neox")
+"""The tiny architectures that can be packed (full causal attention in every layer; mistral's
+tiny model has a sliding window, gemma2/3 sliding layers); tests/test_auto_long_paths.py checks
+it against models/packing.py."""
 TINY_TOKENIZERS = ("char", "numbers", "words")
 TINY_ARCHITECTURES = (
     "qwen3",
@@ -395,11 +407,13 @@ class RolloutConfig:
     """K of the recorded behaviour top-K lists."""
     batch_size: int = 512
     """Sequences generated together by the hf engine (rollouts and evaluations)."""
-    drop_finished: bool = False
+    drop_finished: bool | str = "auto"
     """hf only: masktrl's own decode loop instead of transformers generate; a response that has
     ended (EOS or max_new_tokens) leaves the batch and the KV cache at once, so later steps run
     only the rows still generating (the same records, and for a seed the same tokens as generate
-    up to the rounding of a smaller batch; docs/ROLLOUTS.md)."""
+    up to the rounding of a smaller batch; docs/ROLLOUTS.md). auto: on with the hf engine,
+    rollout.decode auto and rollout.max_new_tokens >= 128 (long responses), else off; a loaded
+    config records what auto chose."""
     decode: str = "auto"
     """hf only: auto (fused, unless rollout.drop_finished runs its own loop) | generate
     (transformers generate) | fused (masktrl's fixed-batch decode loop, rollout/fused.py: the same
@@ -450,6 +464,11 @@ class RolloutConfig:
     forward without gradients) | always (that
     extra forward for every batch; the same numbers) | off (not measured, no extra forward)."""
 
+    def __post_init__(self):
+        if self.drop_finished == "auto":  # resolved once: a loaded config, and run.yaml, hold true or false
+            long = isinstance(self.max_new_tokens, int) and self.max_new_tokens >= AUTO_LONG_TOKENS
+            object.__setattr__(self, "drop_finished", self.engine == "hf" and self.decode == "auto" and long)
+
     @property
     def decode_loop(self) -> str:
         """The hf engine's decode loop: ``generate``, ``fused`` or ``drop_finished`` (``auto`` is
@@ -481,6 +500,8 @@ class RolloutConfig:
                 f"rollout.engine={self.engine} "
                 "(vLLM schedules finished sequences out of its batch itself)"
             )
+        if not isinstance(self.drop_finished, bool):
+            raise ConfigError(f"rollout.drop_finished must be true, false or auto, got {self.drop_finished!r}")
         _choice("rollout.decode", self.decode, ("auto", "generate", "fused"))
         _choice("rollout.draw", self.draw, ("multinomial", "inverse_cdf"))
         if self.decode == "fused" and self.engine != "hf":
@@ -602,11 +623,13 @@ class TrainConfig:
     """linear / cosine: the final learning rate as a fraction of train.lr."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of storing them."""
-    packing: bool = False
+    packing: bool | str = "auto"
     """Padding-free training forward: the sequences of a micro-batch packed into one row, attention
     per sequence (models/packing.py); no compute on padding. Same log pi, losses and gradients as
     the padded forward up to summation order. Pays off with ragged, long responses; on very short
-    ones the padded forward is as fast."""
+    ones the padded forward is as fast. auto: on when rollout.max_new_tokens >= 128 (long
+    responses) and the model can pack (its architecture, no model.routing_replay), else off; a
+    loaded config records what auto chose."""
     micro_batch_tokens: int | None = None
     """Form each process's micro-batches by a token budget instead of train.grad_accum's fixed
     count: at most this many tokens per forward (prompt + response less its last token; a prompt
@@ -642,6 +665,8 @@ class TrainConfig:
         object.__setattr__(self, "report_to", tuple(t for t in self.report_to if t != "none"))  # 'none' = no tracker
 
     def validate(self) -> None:
+        if not isinstance(self.packing, bool):
+            raise ConfigError(f"train.packing must be true, false or auto, got {self.packing!r}")
         for name in (
             "steps",
             "minibatches",
@@ -733,6 +758,30 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
+    def __post_init__(self):
+        if self.train.packing == "auto":  # resolved once: a loaded config, and run.yaml, hold true or false
+            object.__setattr__(self, "train", dataclasses.replace(self.train, packing=self._auto_packing()))
+
+    def _auto_packing(self) -> bool:
+        """``train.packing: auto``: on for long responses (``AUTO_LONG_TOKENS``) when nothing refuses
+        it: no routing replay, and a model that can mask packed sequences (a tiny architecture in
+        ``TINY_PACKING``, or a model folder whose config.json passes ``PACKING_MODEL_TYPES`` and
+        ``layers_unpackable``). Read without importing the models (config sits below them); a
+        model it cannot read this way is not packed."""
+        long = isinstance(self.rollout.max_new_tokens, int) and self.rollout.max_new_tokens >= AUTO_LONG_TOKENS
+        if not long or self.model.routing_replay is not None:
+            return False
+        if self.model.path == "tiny":
+            return self.model.architecture in TINY_PACKING
+        folder = Path(self.model.path)
+        try:  # a model folder's config.json; a hub id, an adapter folder or an unreadable file: not packed
+            config = read_json(folder / "config.json") if (folder / "config.json").is_file() else None
+        except (MasktrlError, OSError):
+            config = None
+        if not isinstance(config, dict) or config.get("model_type") not in PACKING_MODEL_TYPES:
+            return False
+        return layers_unpackable(str(config["model_type"]), config) is None
+
     @property
     def method_name(self) -> str:
         """The rule's registered name (runs are named after it)."""
@@ -765,6 +814,23 @@ class Config:
         if sections:
             d = {s: d[s] for s in sections}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def layers_unpackable(name: str, config: Any) -> str | None:
+    """Why a model whose attention dispatches through transformers' interface still cannot be
+    packed, from its config (an object or a config.json mapping): a sliding window or a
+    linear/recurrent layer would need the segment boundaries too. None when every layer attends
+    fully and causally."""
+
+    def get(key: str, default: Any = None) -> Any:
+        return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
+
+    kinds = set(get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"{name} has {', '.join(sorted(kinds - {'full_attention'}))} layers, which cannot mask packed segments"
+    if get("sliding_window") and get("use_sliding_window", True) is not False:
+        return f"{name} uses sliding-window attention, which cannot mask packed segments"
+    return None
 
 
 def _as_dict(value: Any) -> Any:
@@ -971,13 +1037,20 @@ def _class_keys(cls: type, prefix: str) -> list[KeyDoc]:
             keys += _class_keys(hints[f.name], f"{prefix}.{f.name}")
         else:
             keys.append(
-                KeyDoc(f"{prefix}.{f.name}", _type_name(hints[f.name]), getattr(defaults, f.name), docs.get(f.name, ""))
+                KeyDoc(
+                    f"{prefix}.{f.name}",
+                    _type_name(hints[f.name]),
+                    f.default if isinstance(f.default, str) else getattr(defaults, f.name),  # auto, as declared
+                    docs.get(f.name, ""),
+                )
             )
     return keys
 
 
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if list(typing.get_args(tp)) == [bool, str]:  # true, false or auto
+            return "bool | auto"
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is tuple:
         return "list"
@@ -1075,6 +1148,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if args == [bool, str]:  # true, false or auto (rollout.drop_finished, train.packing)
+            if value == "auto" or isinstance(value, bool):
+                return value
+            raise ConfigError(f"{key} must be true, false or auto, got {value!r}")
         if value is None:
             return None
         if isinstance(value, dict) and dict in args:  # e.g. rollout.staleness: an integer or a mapping

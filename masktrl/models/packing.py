@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from masktrl.config import layers_unpackable
+
 ATTENTION_NAME = "masktrl_segments"
 
 
@@ -233,12 +235,37 @@ def unsupported_reason(model_class: type, config) -> str | None:
             f"{name}'s attention layers do not use transformers' attention interface, so they cannot "
             "mask packed segments"
         )
-    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:
-        return f"{name} has {', '.join(sorted(kinds - {'full_attention'}))} layers, which cannot mask packed segments"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
-        return f"{name} uses sliding-window attention, which cannot mask packed segments"
-    return None
+    return layers_unpackable(name, config)
+
+
+def config_unsupported_reason(model_cfg) -> str | None:
+    """``unsupported_reason`` for the policy ``model_cfg`` (a ``ModelConfig``) describes, read
+    from its config without the weights: a tiny model's architecture, or a model folder's (or
+    cached hub id's) config.json. None also when the class is not known to transformers' auto
+    classes (then it is checked once loaded, ``packing_unsupported``)."""
+    if model_cfg.path == "tiny":
+        from masktrl.models.architectures import get_architecture, model_classes
+        from masktrl.models.tiny import TinyModelConfig
+
+        arch = get_architecture(model_cfg.architecture)
+        config_class, model_class = model_classes(arch)
+        config = config_class(
+            hidden_size=model_cfg.hidden_size,
+            num_hidden_layers=model_cfg.num_layers,
+            num_attention_heads=model_cfg.num_heads,
+            intermediate_size=model_cfg.intermediate_size,
+            **arch.extra(TinyModelConfig.of(model_cfg)),
+        )
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from masktrl.models.loading import load_model_config
+
+        config = load_model_config(model_cfg.path)
+        model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+        if model_class is None:
+            return None
+    return unsupported_reason(model_class, config)
 
 
 # --------------------------------------------------------------------------- packed inputs

@@ -385,35 +385,12 @@ def kept_set_bound(what: str, engine: str, top_k: int, logprobs_k: int, vocab_si
 
 def check_packing(cfg: Config) -> None:
     """ConfigError when ``train.packing`` is on and the policy's architecture cannot mask packed
-    sequences (models/packing.py), read from its config without the weights. An architecture
-    whose class is not known here is checked once loaded (``packing_unsupported``)."""
-    from masktrl.models.packing import unsupported_reason
+    sequences (models/packing.py: ``config_unsupported_reason``), read from its config without the
+    weights. An architecture whose class is not known here is checked once loaded
+    (``packing_unsupported``)."""
+    from masktrl.models.packing import config_unsupported_reason
 
-    if cfg.model.path == "tiny":
-        from masktrl.models.architectures import get_architecture, model_classes
-        from masktrl.models.tiny import TinyModelConfig
-
-        m = cfg.model
-        arch = get_architecture(m.architecture)
-        config_class, model_class = model_classes(arch)
-        tiny = TinyModelConfig.of(m)
-        config = config_class(
-            hidden_size=m.hidden_size,
-            num_hidden_layers=m.num_layers,
-            num_attention_heads=m.num_heads,
-            intermediate_size=m.intermediate_size,
-            **arch.extra(tiny),
-        )
-    else:
-        from transformers import AutoModelForCausalLM
-
-        from masktrl.models.loading import load_model_config
-
-        config = load_model_config(cfg.model.path)
-        model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
-        if model_class is None:
-            return
-    reason = unsupported_reason(model_class, config)
+    reason = config_unsupported_reason(cfg.model)
     if reason:
         raise ConfigError(f"train.packing: {reason}; set train.packing=false")
 

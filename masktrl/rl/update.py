@@ -76,7 +76,7 @@ class UpdateSettings:
             cfg.rollout.max_new_tokens,
             t.gradient_checkpointing,
             cfg.rollout.mask_truncated,
-            t.packing,
+            t.packing is True,  # a built Config holds true or false (auto is resolved then)
             t.micro_batch_tokens,
             method=cfg.method.bind(),
             seed=cfg.seed,
