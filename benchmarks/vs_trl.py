@@ -49,11 +49,12 @@ responses leave the batch).
 
 ``--shape both`` runs the default shape and then the long shape in one run and writes one JSON
 (``shapes``: each shape's result, with the command, the load and the machine); the long shape
-then also runs masktrl with its default settings (``masktrl, no packing``: ``train.packing`` is
-off by default). Each shape's ``default_cpu_time_ratio`` is TRL's CPU time per step over
-masktrl's with the settings a user gets (issue #39's goals: >= 2x at the default shape, >= 2.5x
-at the long shape; a busy machine inflates wall time, not CPU time). docs/BENCHMARKS.md §1's
-table is generated from it:
+then also runs masktrl with its default settings (``masktrl, the defaults``: nothing set, so
+``auto`` packs the training forward and drops finished rows at 512 new tokens) and with both off
+(``masktrl, no packing``: the defaults before ``auto``). Each shape's ``default_cpu_time_ratio``
+is TRL's CPU time per step over masktrl's with the settings a user gets (issue #39's goals: >= 2x
+at the default shape, >= 2.5x at the long shape; a busy machine inflates wall time, not CPU
+time). docs/BENCHMARKS.md §1's table is generated from it:
 
     python benchmarks/vs_trl.py --shape both --drop-finished --json benchmarks/results/vs_trl.json
 """
@@ -97,8 +98,8 @@ from common import (
 GOALS = {"default": 2.0, "long": 2.5}  # issue #39's: CPU time per step against TRL's, with the defaults a user gets
 DEFAULT_SIDE = {
     "default": "masktrl",
-    "long": "masktrl-unpacked",
-}  # the long shape's "masktrl" side packs (not a default)
+    "long": "masktrl-defaults",
+}  # the long shape's "masktrl" side packs by a token budget; its defaults side sets nothing (auto packs, drops rows)
 LONG_MICRO_BATCH_TOKENS = 8192  # the long shape's packed micro-batch budget: a step's batch in one pass, as TRL does
 
 # masktrl sides: name -> (prompt sharing, packing)
@@ -108,13 +109,16 @@ SIDES = {
     "masktrl-unshared": (False, True),
     "masktrl-neither": (False, False),
     "masktrl-dropfinished": (True, True),  # masktrl with rollout.drop_finished=true
+    "masktrl-defaults": (True, True),  # the long shape with nothing set: auto turns packing and drop_finished on
 }
+EXTRA_SIDES = ("masktrl-defaults", "masktrl-unpacked", "masktrl-unshared", "masktrl-neither", "masktrl-dropfinished")
 LABELS = {
     "masktrl": "masktrl",
     "masktrl-unpacked": "masktrl, no packing",
     "masktrl-unshared": "masktrl, no prompt sharing",
     "masktrl-neither": "masktrl, neither",
     "masktrl-dropfinished": "masktrl, drop_finished",
+    "masktrl-defaults": "masktrl, the defaults",
     "trl": "TRL",
 }
 
@@ -175,7 +179,8 @@ def main(argv=None) -> dict:
 
 def compare(args, shape: str, defaults_side: bool = False) -> dict:
     """One shape's comparison (``args``' unset sizes take the shape's defaults); with
-    ``defaults_side`` the long shape also runs masktrl with its default settings (no packing)."""
+    ``defaults_side`` the long shape also runs masktrl with its default settings (nothing set:
+    ``auto`` packs and drops finished rows there) and with both off (the defaults before ``auto``)."""
     args = argparse.Namespace(**vars(args), shape_run=shape)
     long = shape == "long"
     defaults = {"reps": (4, 2), "steps": (6, 1), "prompts": (32, 2), "max_new_tokens": (6, 512)}
@@ -202,9 +207,16 @@ def compare(args, shape: str, defaults_side: bool = False) -> dict:
 
         model_dir = long_model()
         cfg = long_config(
-            model_dir, *common, "train.packing=true", f"train.micro_batch_tokens={LONG_MICRO_BATCH_TOKENS}"
+            model_dir,
+            *common,
+            "train.packing=true",
+            f"train.micro_batch_tokens={LONG_MICRO_BATCH_TOKENS}",
+            "rollout.drop_finished=false",
         )
-        cfg_unpacked = long_config(model_dir, *common)  # today's forward: one padded micro-batch (train.grad_accum=1)
+        cfg_defaults = long_config(model_dir, *common)  # nothing set: auto's choices (one packed micro-batch)
+        cfg_unpacked = long_config(  # the defaults before auto: one padded micro-batch, the fixed-batch loop
+            model_dir, *common, "train.packing=false", "rollout.drop_finished=false"
+        )
         cfg_drop = long_config(
             model_dir,
             *common,
@@ -218,7 +230,7 @@ def compare(args, shape: str, defaults_side: bool = False) -> dict:
         cfg = bench_config(
             f"model.path={model_dir}", *common, "task.n_test=32"
         )  # eval before/after is not timed; keep it short
-        cfg_unpacked = cfg
+        cfg_unpacked = cfg_defaults = cfg
         cfg_drop = bench_config(f"model.path={model_dir}", *common, "task.n_test=32", "rollout.drop_finished=true")
     dataset_rows = masktrl_prompts(cfg, n_steps)
 
@@ -234,8 +246,10 @@ def compare(args, shape: str, defaults_side: bool = False) -> dict:
         names[1:1] = ["masktrl-unpacked", "masktrl-unshared", "masktrl-neither"]
     elif args.ablate_sharing:
         names.insert(1, "masktrl-unshared")
-    if defaults_side and long and "masktrl-unpacked" not in names:
-        names.insert(1, "masktrl-unpacked")  # packing is off by default: the side a user gets
+    if defaults_side and long:
+        names.insert(1, "masktrl-defaults")  # the side a user gets
+        if "masktrl-unpacked" not in names:
+            names.insert(2, "masktrl-unpacked")  # the defaults before auto
     if args.drop_finished:
         names.insert(1, "masktrl-dropfinished")
     sides = {name: [] for name in names}
@@ -255,9 +269,8 @@ def compare(args, shape: str, defaults_side: bool = False) -> dict:
                     else:
                         share, packed = SIDES[side]
                         with prompt_sharing(share):
-                            block = run_masktrl_block(
-                                cfg_drop if side == "masktrl-dropfinished" else cfg if packed else cfg_unpacked, timer
-                            )
+                            side_cfg = {"masktrl-dropfinished": cfg_drop, "masktrl-defaults": cfg_defaults}.get(side)
+                            block = run_masktrl_block(side_cfg or (cfg if packed else cfg_unpacked), timer)
                     sides[side].append(block)
                     print(
                         f"rep {rep + 1}/{args.reps} {side:7s}: median step "
@@ -500,7 +513,7 @@ def summarise(sides: dict, args) -> dict:
         "tokens_per_s_ratio": m["tokens_per_s"] / t["tokens_per_s"],
         "cpu_time_ratio": t["cpu_ms_median"] / m["cpu_ms_median"],
     }
-    for side in ("masktrl-unpacked", "masktrl-unshared", "masktrl-neither", "masktrl-dropfinished"):
+    for side in EXTRA_SIDES:
         if side in sides:
             u = side_stats(sides[side])
             key = side.replace("-", "_")
@@ -516,7 +529,8 @@ def summarise(sides: dict, args) -> dict:
         out["prompt_sharing_speedup"] = out["unshared_vs_masktrl"]
     shape, default_side = args.shape_run, DEFAULT_SIDE[args.shape_run]
     if default_side in sides:  # the goal: CPU time per step with the settings a user gets by default
-        ratio = out["cpu_time_ratio"] if default_side == "masktrl" else out["unpacked_cpu_time_ratio"]
+        short = default_side.removeprefix("masktrl-")
+        ratio = out["cpu_time_ratio"] if default_side == "masktrl" else out[f"{short}_cpu_time_ratio"]
         out |= {"default_side": default_side, "default_cpu_time_ratio": ratio, "goal": GOALS[shape]}
         out["goal_met"] = ratio >= GOALS[shape]
     return out
@@ -524,11 +538,7 @@ def summarise(sides: dict, args) -> dict:
 
 def report(r: dict) -> None:
     cols = [("masktrl", r["masktrl"])]
-    cols += [
-        (LABELS[side], r[side.replace("-", "_")])
-        for side in ("masktrl-unpacked", "masktrl-unshared", "masktrl-neither", "masktrl-dropfinished")
-        if side.replace("-", "_") in r
-    ]
+    cols += [(LABELS[side], r[side.replace("-", "_")]) for side in EXTRA_SIDES if side.replace("-", "_") in r]
     cols.append(("TRL", r["trl"]))
     m, t = r["masktrl"], r["trl"]
     lines = [
@@ -556,7 +566,7 @@ def report(r: dict) -> None:
             f"CPU time per step with the default settings ({LABELS[r['default_side']]}): "
             f"{r['default_cpu_time_ratio']:.2f}x TRL's; goal >= {r['goal']}x: {verdict}"
         )
-    for side in ("unpacked", "unshared", "neither", "dropfinished"):
+    for side in (side.removeprefix("masktrl-") for side in EXTRA_SIDES):
         if f"{side}_speedup_vs_trl" in r:
             print(
                 f"{LABELS['masktrl-' + side]}: {r[side + '_speedup_vs_trl']:.2f}x TRL; masktrl is "

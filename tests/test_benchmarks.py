@@ -162,18 +162,20 @@ def _vs_trl_blocks(cpu_ms: float) -> list[dict]:
 @pytest.mark.parametrize("shape", ["default", "long"])
 def test_vs_trl_goal_is_the_cpu_ratio_with_the_default_settings(common, shape):
     """vs_trl.py's goal is TRL's CPU time per step over masktrl's with the settings a user gets:
-    the main side at the default shape, the side without packing at the long shape (its main side
-    packs, which is not a default); the other sides get their own CPU ratios."""
+    the main side at the default shape, the side with nothing set at the long shape (its main side
+    packs by a token budget, which is not a default); the other sides get their own CPU ratios."""
     vs = importlib.import_module("vs_trl")
     sides = {
         "masktrl": _vs_trl_blocks(100.0),
-        "masktrl-unpacked": _vs_trl_blocks(200.0),
+        "masktrl-defaults": _vs_trl_blocks(200.0),
+        "masktrl-unpacked": _vs_trl_blocks(300.0),
         "masktrl-dropfinished": _vs_trl_blocks(80.0),
         "trl": _vs_trl_blocks(450.0),
     }
     out = vs.summarise(sides, type("Args", (), {"shape_run": shape})())
     assert out["cpu_time_ratio"] == pytest.approx(4.5)
-    assert out["unpacked_cpu_time_ratio"] == pytest.approx(2.25)
+    assert out["defaults_cpu_time_ratio"] == pytest.approx(2.25)
+    assert out["unpacked_cpu_time_ratio"] == pytest.approx(1.5)
     assert out["dropfinished_cpu_time_ratio"] == pytest.approx(450 / 80)
     want = {"default": (4.5, 2.0, True), "long": (2.25, 2.5, False)}[shape]
     assert (out["default_cpu_time_ratio"], out["goal"], out["goal_met"]) == pytest.approx(want)
