@@ -41,6 +41,7 @@ Runs on the GPU when there is one (``--device auto``), else on the CPU.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -50,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import machine, median, parser, print_table, quiet, write_json
+from common import finish, median, parser, print_table, quiet
 
 TEMPERATURE, CHUNK, K = 1.0, 1024, 20
 
@@ -595,6 +596,7 @@ def main(argv=None) -> dict:
         rss_child(*args.rss_child, args.threads)
         return {}
     quiet()
+    load_start = os.getloadavg()[0]
     device = torch.device(
         "cuda"
         if args.device == "auto" and torch.cuda.is_available()
@@ -651,7 +653,7 @@ def main(argv=None) -> dict:
             step, before = rss.get((r["shape"], r["variant"]), (None, None))
             r["step_peak_rss_mib"], r["rss_before_mib"] = step, before
             r["process_peak_rss_mib"] = None if step is None else step + before
-    result = {
+    fields = {
         "device": str(device),
         "matmul_peak_flops": peak,
         "matmul_peak_flops_per_cpu_s": cpu_peak,
@@ -661,13 +663,11 @@ def main(argv=None) -> dict:
         "training": train_rows,
         "generation": gen_rows,
         "generate_cache": cache_rows,
-        "machine": machine(),
     }
     if device.type == "cuda":
-        result["gpu"] = torch.cuda.get_device_name()
-    report(result)
-    write_json(args.json, result)
-    return result
+        fields["gpu"] = torch.cuda.get_device_name()
+    report(fields)
+    return finish("roofline.py", argv, load_start, args.json, **fields)
 
 
 def report(r: dict) -> None:

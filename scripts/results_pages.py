@@ -285,6 +285,52 @@ def _vs_trl_figures(root: Path) -> dict[str, str]:
     return out
 
 
+MFU_GOALS = {"long": 0.60, "lab": 0.45}  # issue #39.2: the packed step's MFU (wall) at each shape
+MFU_VARIANT = "packed, shared prompt"  # the packed layout masktrl trains with when a group shares its prompt
+
+
+def roofline_training(root: Path) -> str:
+    """docs/BENCHMARKS.md §8's training forward + backward against the GEMM peak (benchmarks/roofline.py)."""
+    data = _load(root, "roofline_training.json")
+    m = data["machine"]
+    lines = _head(
+        data,
+        f"Machine: {m['cores']}-core {m['cpu']}, torch {m['torch']}, {data['threads']} thread; load "
+        f"{data['loadavg_1m_start']:.1f} at the start, {m['loadavg_1m']:.1f} at the end ({m['time']}). Peak: a "
+        f"4096² float32 GEMM, {data['matmul_peak_flops'] / 1e9:,.1f} GFLOP/s "
+        f"({data['matmul_peak_flops_per_cpu_s'] / 1e9:,.1f} per CPU-second). Medians over the timed repetitions, "
+        "the variants alternating.",
+        "| shape | variant | ms | CPU ms | tokens run | model GFLOP | MFU (wall) | MFU (CPU time) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    )
+    for r in data["training"]:
+        lines.append(
+            f"| {r['shape']} | {r['variant']} | {r['time_ms']:,.1f} | {r['cpu_ms']:,.1f} | {r['tokens_run']:,} | "
+            f"{r['model_gflop']:,.2f} | {100 * r['mfu']:.1f} % | {100 * r['mfu_cpu_time']:.1f} % |"
+        )
+    loads = (data["loadavg_1m_start"], m["loadavg_1m"])
+    goals = []
+    for shape, goal in MFU_GOALS.items():
+        row = next(r for r in data["training"] if r["shape"] == shape and r["variant"] == MFU_VARIANT)
+        verdict = "met" if row["mfu"] >= goal else "not met"
+        goals.append(f"{shape} ≥ {100 * goal:.0f} %: {verdict} ({100 * row['mfu']:.1f} %)")
+    lines.append("")
+    lines.append(
+        f"Goals (issue #39.2, MFU in wall time of the `{MFU_VARIANT}` step"
+        + ("" if max(loads) <= QUIET_LOAD else f"; read at load {min(loads):.1f}-{max(loads):.1f}, so no verdict")
+        + "): "
+        + "; ".join(goals)
+        + "."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _roofline_training_figures(root: Path) -> dict[str, str]:
+    """``roofline.train.<shape>``: the MFU (wall) of the shape's ``MFU_VARIANT`` step."""
+    rows = _load(root, "roofline_training.json")["training"]
+    return {f"roofline.train.{r['shape']}": f"{100 * r['mfu']:.1f} %" for r in rows if r["variant"] == MFU_VARIANT}
+
+
 MISMATCH_SIDES = {  # mismatch_reuse.py's side -> its row label in docs/BENCHMARKS.md
     "auto": "`auto` (log π_old from the decoupled forward)",
     "always": "`always` (the separate forward after sampling)",
@@ -422,6 +468,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "gpu-check": gpu_check,
     "gen-vs-base": gen_vs_base,
     "vs-trl": vs_trl,
+    "roofline-training": roofline_training,
     "mismatch-reuse": mismatch_reuse,
     "long-controls-outcomes": grid_block("long_controls", "outcome_table"),
     "long-controls-family": grid_block("long_controls", "family_table"),
@@ -492,7 +539,14 @@ def figures(root: Path) -> dict[str, str]:
     out["rollout.bytes-per-token.worst"] = f"{worst['bytes_per_token']:.1f}"
     reuse = _load(root, "mismatch_reuse.json")
     out["mismatch-reuse.saving"] = f"{reuse['saving_cpu_frac']:.1%}"
-    return out | _gen_figures(root) | _gen_ops_figures(root) | _vs_trl_figures(root) | _results_figures(root)
+    return (
+        out
+        | _gen_figures(root)
+        | _gen_ops_figures(root)
+        | _vs_trl_figures(root)
+        | _roofline_training_figures(root)
+        | _results_figures(root)
+    )
 
 
 def _cells(root: Path) -> dict[str, str]:

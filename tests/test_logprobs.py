@@ -61,6 +61,24 @@ def test_entropy_matches_naive_and_has_no_gradient():
     assert torch.allclose(alone, ref_ent, atol=1e-12)
 
 
+@pytest.mark.parametrize("banned", [[], [2], [0, 5, 16]])
+def test_entropy_with_minus_inf_logits_is_that_of_the_finite_ones(banned):
+    """A -inf logit (a banned token's bias) has probability 0 and adds nothing to the entropy
+    (its 0 * -inf term counts as 0), and the other log-probabilities are unchanged."""
+    hidden, weight, b, ids = inputs(5)
+    b = b.detach().clone()
+    b[banned] = float("-inf")
+    ids = ids.masked_fill(torch.isin(ids, torch.tensor(banned, dtype=ids.dtype)), -1)
+    lp, ent = token_logprobs_and_entropy(hidden, weight, ids, temperature=0.9, chunk_size=7, bias=b)
+    logits = (hidden @ weight.T + b) / 0.9
+    p = torch.softmax(logits, dim=-1)
+    want = -(p * torch.log_softmax(logits, dim=-1)).nan_to_num(nan=0.0).sum(-1)
+    assert bool(torch.isfinite(ent).all()) and torch.allclose(ent, want, atol=1e-12)
+    assert torch.allclose(token_entropy(hidden, weight, temperature=0.9, chunk_size=5, bias=b), want, atol=1e-12)
+    ref_lp, _ = naive(hidden, weight, ids, 0.9, b)
+    assert torch.allclose(lp, ref_lp, atol=1e-12)
+
+
 def test_frozen_weight_and_float32_and_bfloat16():
     hidden, weight, _, ids = inputs(4, bias=False)
     w = weight.detach()
