@@ -290,3 +290,38 @@ def test_a_processor_whose_rows_the_loop_cannot_follow_is_refused_with_one_line(
     assert len(Following.seen) >= 3 and len(Following.seen[-1]) == sum(
         L == 10 for L in lengths
     )  # the rows left at the end
+
+
+def test_shared_prefix_attention_equals_the_forward_as_rows_and_prompts_leave(tok, prompts):
+    """models/prefix_attention.py: a prompt's keys held once for its samples give the logits of
+    the lean step over the per-row cache (float64, left-padded prompts), through buffer growth,
+    rows leaving and a prompt whose samples have all ended leaving with them."""
+    from masktrl.models.leanstep import lean_step
+    from masktrl.models.prefix_attention import shared_prefix
+    from masktrl.rollout.decode import growing_cache, prefill_cache
+
+    model = eos_prone_model(tok, seed=3)
+    chosen = [prompts[0], prompts[2], prompts[3]]  # 5, 7 and 2 tokens
+    width, n = max(map(len, chosen)), 3
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in chosen])
+    att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chosen])
+    shared = shared_prefix(model, prefill_cache(model, ids, att, 1), att, n, spare=2)  # spare 2: the buffers grow
+    cache = growing_cache(prefill_cache(model, ids, att, n), spare=2)
+    with torch.no_grad():
+        fast, ref = lean_step(model, None, attend=shared.attend), lean_step(model, cache)
+        mask = att.repeat_interleave(n, 0)
+        positions = (mask.cumsum(1) - 1)[:, -1:]
+        token = ids.repeat_interleave(n, 0)[:, -1:]
+        gen = torch.Generator().manual_seed(0)
+        for step in range(6):
+            a, b = fast(token, positions, None), ref(token, positions, mask)
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+            token = torch.randint(3, 12, (token.shape[0], 1), generator=gen)
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            positions = positions + 1
+            if step in (1, 3):  # step 1: prompt 0's three samples and one of prompt 1's; step 3: one more
+                keep = torch.tensor([4, 5, 6, 7, 8]) if step == 1 else torch.tensor([0, 2, 3, 4])
+                shared.select(keep)
+                cache.batch_select_indices(keep)
+                token, mask, positions = token[keep], mask[keep], positions[keep]
+        assert shared.bias.shape[0] == 2 and shared.prompt_of.tolist() == [0, 1, 1, 1]

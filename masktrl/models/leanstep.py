@@ -72,13 +72,18 @@ def _plain(model: Any) -> bool:
     return True
 
 
-def lean_step(model: Any, cache) -> Callable | None:
+def lean_step(model: Any, cache, attend: Callable | None = None) -> Callable | None:
     """``step(token [R, S], positions [R, S], mask [R, L] or None) -> logits [R, 1, V]``: what
     ``model(input_ids=token, attention_mask=mask, position_ids=positions, cache=cache,
     use_cache=True, logits_to_keep=1).logits`` computes (the last position's, as ``generate``
     asks), ``cache`` receiving the same keys and values; with ``head=False`` the base model's
     last hidden states [R, S, H] instead. None when ``model`` is not a plain Qwen3 causal LM
-    (``_plain``)."""
+    (``_plain``).
+
+    ``attend(layer_idx, q, k, v) -> [R, S, Hq, D]``: the attention of every layer instead of
+    ``cache.update`` and transformers' attention function (q [R, Hq, S, D] and k, v [R, Hkv, S,
+    D] after the rotary embedding; ``cache`` and ``mask`` are then not read):
+    models/prefix_attention.py's keys and values of a shared prompt held once."""
     if not _plain(model):
         return None
     from transformers.masking_utils import create_causal_mask
@@ -94,8 +99,12 @@ def lean_step(model: Any, cache) -> Callable | None:
         token: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, head: bool = True
     ) -> torch.Tensor:
         h = base.embed_tokens.forward(token)
-        causal = create_causal_mask(
-            config=config, inputs_embeds=h, attention_mask=mask, cache=cache, position_ids=positions
+        causal = (
+            None
+            if attend is not None
+            else create_causal_mask(
+                config=config, inputs_embeds=h, attention_mask=mask, cache=cache, position_ids=positions
+            )
         )
         cos, sin = base.rotary_emb(h, positions)
         input_shape = h.shape[:-1]
@@ -107,10 +116,13 @@ def lean_step(model: Any, cache) -> Callable | None:
             k = attn.k_norm.forward(attn.k_proj.forward(x).view(hidden_shape)).transpose(1, 2)
             v = attn.v_proj.forward(x).view(hidden_shape).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k, v = cache.update(k, v, attn.layer_idx)
-            out, _ = attention(
-                attn, q, k, v, causal, dropout=0.0, scaling=attn.scaling, sliding_window=attn.sliding_window
-            )
+            if attend is not None:
+                out = attend(attn.layer_idx, q, k, v)
+            else:
+                k, v = cache.update(k, v, attn.layer_idx)
+                out, _ = attention(
+                    attn, q, k, v, causal, dropout=0.0, scaling=attn.scaling, sliding_window=attn.sliding_window
+                )
             h = h + attn.o_proj.forward(out.reshape(*input_shape, -1).contiguous())
             x = layer.post_attention_layernorm.forward(h)
             h = h + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))

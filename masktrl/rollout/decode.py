@@ -10,7 +10,9 @@ the KV cache, and after each step removes the rows that emitted EOS or reached
 and every layer of the cache (``Cache.batch_select_indices``, an index on the batch dimension
 of each layer's keys and values). The cache's full-attention layers are kept in buffers with
 spare positions (``GrowingLayer``), so a step writes its keys and values in place instead of
-copying the whole cache as transformers' ``DynamicLayer`` does.
+copying the whole cache as transformers' ``DynamicLayer`` does. Where the lean step runs and a
+prompt has ``n > 1`` samples, the prompt's keys and values are not repeated but held once
+(``SharedPrefix``, masktrl/models/prefix_attention.py), and rows leave it instead.
 
 It records what the ``generate`` path records, computed the same way: the scores are the
 float32 last-position logits passed through the logits processors ``generate`` itself builds
@@ -44,6 +46,7 @@ from transformers.cache_utils import DynamicLayer
 from masktrl.errors import MasktrlError
 from masktrl.models.kvcache import cache_kwarg, new_cache
 from masktrl.models.leanstep import lean_step
+from masktrl.models.prefix_attention import shared_prefix
 
 ROW_FREE = frozenset(
     {  # transformers' processors whose output depends only on the rows they are given
@@ -279,15 +282,23 @@ def decode_dropping_finished(
     mask = attention.repeat_interleave(n, dim=0)
     n_rows = history.shape[0]
     positions = (mask.cumsum(1) - 1).clamp_min(0)[:, -1:]  # [R, 1] of the last prompt token
-    cache = prefill_cache(model, input_ids, attention, n) if width > 1 else new_cache(model.config)
-    cache = growing_cache(cache, spare=min(max_new, 64))
+    # a prompt's keys and values held once for its n samples (models/prefix_attention.py), where the lean step runs
+    shared = None
+    if n > 1 and width > 1 and lean_step(model, None) is not None:
+        shared = shared_prefix(model, prefill_cache(model, input_ids, attention, 1), attention, n, min(max_new, 64))
+    if shared is not None:
+        cache = None
+        lean = lean_step(model, None, attend=shared.attend)
+    else:
+        cache = prefill_cache(model, input_ids, attention, n) if width > 1 else new_cache(model.config)
+        cache = growing_cache(cache, spare=min(max_new, 64))
+        lean = lean_step(model, cache)  # None: through model(...)
     config, processors = logits_processors(model, generate_kwargs, history, mask)
     buffers = None
     selectors = row_selectors(processors)
     use_mask = not bool((attention == 1).all())  # generate drops an all-ones mask too
     rows = torch.arange(n_rows, device=input_ids.device)  # original index of each running row
     token = history[:, -1:]
-    lean = lean_step(model, cache)  # None: through model(...)
     steps = Steps()
     for t in range(max_new):
         if lean is not None:
@@ -317,7 +328,10 @@ def decode_dropping_finished(
         if bool(done.any()):
             keep = (~done).nonzero().squeeze(1)
             rows, token, history, mask, positions = rows[keep], token[keep], history[keep], mask[keep], positions[keep]
-            cache.batch_select_indices(keep)
+            if shared is not None:
+                shared.select(keep)
+            else:
+                cache.batch_select_indices(keep)
             for select in selectors:
                 select(keep)
     return steps.tensors(n_rows, pad)
