@@ -16,8 +16,8 @@ decode step's attention is then, per layer:
 That is softmax(q K^T / sqrt(d)) V over the row's prompt and response keys, as transformers'
 attention computes it, in another order of the same sums: equal up to float rounding, not bit
 for bit (tests/test_rollout_drop_finished.py checks the logits in float64 against the lean step
-over the per-row cache, which is the transformers forward bit for bit). Grouped-query attention keeps transformers' layout: query head ``h`` reads key head
-``h // rep``.
+over the per-row cache, which is the transformers forward bit for bit). Grouped-query
+attention keeps transformers' layout: query head ``h`` reads key head ``h // rep``.
 
 Rows leave the batch as they end (``select``); a prompt whose samples have all ended leaves
 with its last one, so its keys are no longer read.
@@ -66,15 +66,17 @@ class SharedPrefix:
         """Write a step's keys and values [R, Hkv, S, D] of layer ``i``; return the row's keys and
         values so far (views)."""
         end = self.length[i] + k.shape[-2]
-        buf_k, buf_v = self.k[i], self.v[i]
-        if buf_k is None or end > buf_k.shape[-2]:
-            capacity = max(end + self.spare, 2 * (0 if buf_k is None else buf_k.shape[-2]))
-            new_k = k.new_empty(*k.shape[:-2], capacity, k.shape[-1])
-            new_v = v.new_empty(*v.shape[:-2], capacity, v.shape[-1])
-            if buf_k is not None:
-                new_k[..., : self.length[i], :] = buf_k[..., : self.length[i], :]
-                new_v[..., : self.length[i], :] = buf_v[..., : self.length[i], :]
-            self.k[i], self.v[i] = buf_k, buf_v = new_k, new_v
+        old_k, old_v = self.k[i], self.v[i]
+        if old_k is None or old_v is None or end > old_k.shape[-2]:
+            capacity = max(end + self.spare, 2 * (0 if old_k is None else old_k.shape[-2]))
+            buf_k = k.new_empty(*k.shape[:-2], capacity, k.shape[-1])
+            buf_v = v.new_empty(*v.shape[:-2], capacity, v.shape[-1])
+            if old_k is not None and old_v is not None:
+                buf_k[..., : self.length[i], :] = old_k[..., : self.length[i], :]
+                buf_v[..., : self.length[i], :] = old_v[..., : self.length[i], :]
+            self.k[i], self.v[i] = buf_k, buf_v
+        else:
+            buf_k, buf_v = old_k, old_v
         buf_k[..., self.length[i] : end, :] = k
         buf_v[..., self.length[i] : end, :] = v
         self.length[i] = end
@@ -127,7 +129,7 @@ class SharedPrefix:
         leave too."""
         self.prompt_of, self.slot = self.prompt_of[keep], self.slot[keep]
         for i, (bk, bv) in enumerate(zip(self.k, self.v)):
-            if bk is not None:
+            if bk is not None and bv is not None:
                 self.k[i], self.v[i] = bk[keep], bv[keep]
         live = torch.unique(self.prompt_of)  # sorted
         if live.numel() < self.bias.shape[0]:

@@ -289,10 +289,12 @@ def decode_dropping_finished(
     if shared is not None:
         cache = None
         lean = lean_step(model, None, attend=shared.attend)
+        select_rows = shared.select
     else:
         cache = prefill_cache(model, input_ids, attention, n) if width > 1 else new_cache(model.config)
         cache = growing_cache(cache, spare=min(max_new, 64))
         lean = lean_step(model, cache)  # None: through model(...)
+        select_rows = cache.batch_select_indices
     config, processors = logits_processors(model, generate_kwargs, history, mask)
     buffers = None
     selectors = row_selectors(processors)
@@ -328,10 +330,7 @@ def decode_dropping_finished(
         if bool(done.any()):
             keep = (~done).nonzero().squeeze(1)
             rows, token, history, mask, positions = rows[keep], token[keep], history[keep], mask[keep], positions[keep]
-            if shared is not None:
-                shared.select(keep)
-            else:
-                cache.batch_select_indices(keep)
+            select_rows(keep)
             for select in selectors:
                 select(keep)
     return steps.tensors(n_rows, pad)
