@@ -278,6 +278,12 @@ def _vs_trl_figures(root: Path) -> dict[str, str]:
     out["vs-trl-previous.default"] = f"{previous['default']['default_cpu_time_ratio']:.2f}×"
     out["vs-trl-previous.long.both-on"] = f"{previous['long']['dropfinished_cpu_time_ratio']:.2f}×"
     out["vs-trl-previous.long.trl-ms"] = f"{previous['long']['trl']['cpu_ms_median']:,.0f}"
+    # the run when auto became the default, before the shared prompt keys in decoding (vs_trl_auto.json)
+    auto = _load(root, "vs_trl_auto.json")["shapes"]
+    for shape, r in auto.items():
+        out[f"vs-trl-auto.{shape}"] = f"{_ratio_against(r['default_cpu_time_ratio'], r['goal'])}×"
+    out["vs-trl-auto.long.trl-ms"] = f"{auto['long']['trl']['cpu_ms_median']:,.0f}"
+    out["vs-trl-auto.long.masktrl-ms"] = f"{auto['long']['masktrl_defaults']['cpu_ms_median']:,.0f}"
     # the same command's earlier quiet run (vs_trl_earlier.json: before rollout.decode: auto, default rows ran generate)
     for shape, r in _load(root, "vs_trl_earlier.json")["shapes"].items():
         out[f"vs-trl-earlier.{shape}"] = f"{r['default_cpu_time_ratio']:.2f}×"
