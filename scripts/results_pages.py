@@ -201,6 +201,12 @@ VS_TRL_SIDES = {  # vs_trl.py's side -> (its key in a shape's result, its row la
 }
 
 
+def _load_span(data: dict) -> str:
+    """A benchmark JSON's load at its start and end, and when it ended."""
+    m = data["machine"]
+    return f"load {data['loadavg_1m_start']:.1f} at the start, {m['loadavg_1m']:.1f} at the end ({m['time']})"
+
+
 def vs_trl(root: Path) -> str:
     """docs/BENCHMARKS.md §1's masktrl vs TRL per step at both shapes (benchmarks/vs_trl.py --shape both)."""
     data = _load(root, "vs_trl.json")
@@ -208,9 +214,8 @@ def vs_trl(root: Path) -> str:
     lines = _head(
         data,
         f"Machine: {m['cores']}-core {m['cpu']}, torch {m['torch']}, transformers {m['transformers']}, TRL "
-        f"{m.get('trl', '?')}; load {data['loadavg_1m_start']:.1f} at the start, {m['loadavg_1m']:.1f} at the end "
-        f"({m['time']}). Medians over the timed steps; the ratios are TRL's time per step over masktrl's (the wall "
-        "ratio is the median of the paired blocks).",
+        f"{m.get('trl', '?')}; {_load_span(data)}. Medians over the timed steps; the ratios are TRL's time per "
+        "step over masktrl's (the wall ratio is the median of the paired blocks).",
         "| shape | side | settings | CPU ms per step | TRL CPU ms per step | CPU ratio | wall ratio |",
         "|---|---|---|---:|---:|---:|---:|",
     )
@@ -298,14 +303,12 @@ MFU_VARIANT = "packed, shared prompt"  # the packed layout masktrl trains with w
 def roofline_training(root: Path) -> str:
     """docs/BENCHMARKS.md §8's training forward + backward against the GEMM peak (benchmarks/roofline.py)."""
     data = _load(root, "roofline_training.json")
-    m = data["machine"]
+    m, peak = data["machine"], data["matmul_peak_flops"] / 1e9
     lines = _head(
         data,
-        f"Machine: {m['cores']}-core {m['cpu']}, torch {m['torch']}, {data['threads']} thread; load "
-        f"{data['loadavg_1m_start']:.1f} at the start, {m['loadavg_1m']:.1f} at the end ({m['time']}). Peak: a "
-        f"4096² float32 GEMM, {data['matmul_peak_flops'] / 1e9:,.1f} GFLOP/s "
-        f"({data['matmul_peak_flops_per_cpu_s'] / 1e9:,.1f} per CPU-second). Medians over the timed repetitions, "
-        "the variants alternating.",
+        f"Machine: {m['cores']}-core {m['cpu']}, torch {m['torch']}, {data['threads']} thread; {_load_span(data)}. "
+        f"Peak: a 4096² float32 GEMM, {peak:,.1f} GFLOP/s ({data['matmul_peak_flops_per_cpu_s'] / 1e9:,.1f} per "
+        "CPU-second). Medians over the timed repetitions, the variants alternating.",
         "| shape | variant | ms | CPU ms | tokens run | model GFLOP | MFU (wall) | MFU (CPU time) |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     )
