@@ -34,7 +34,7 @@ from torch import Tensor
 class SharedPrefix:
     """The keys and values a decode step attends to: each prompt's once, each row's own.
 
-    ``prompt_keys``/``prompt_values``: per layer [P, Hkv, W, D] (W may be 0); ``prompt_mask``
+    ``prompt_keys``/``prompt_values``: per layer [P, Hkv, W, D] (W >= 1); ``prompt_mask``
     [P, W]: 1 where a prompt position is a token, 0 where it is left padding; ``n`` rows per
     prompt, in ``num_return_sequences`` order (row ``r`` is sample ``r % n`` of prompt ``r // n``);
     ``scaling``: the attention's scale; ``spare``: positions of the rows' buffers before the first
@@ -51,7 +51,9 @@ class SharedPrefix:
     ):
         self.pk, self.pv = list(prompt_keys), list(prompt_values)
         P = prompt_mask.shape[0]
-        dtype = self.pk[0].dtype if self.pk else torch.float32
+        if prompt_mask.shape[1] == 0:
+            raise ValueError("SharedPrefix needs at least one prompt position (prompts of one token share nothing)")
+        dtype = self.pk[0].dtype
         self.bias = torch.zeros(P, 1, 1, prompt_mask.shape[1], dtype=dtype, device=prompt_mask.device)
         self.bias.masked_fill_((prompt_mask == 0)[:, None, None, :], float("-inf"))  # [P, 1, 1, W]
         rows = torch.arange(P * n, device=prompt_mask.device)
@@ -113,15 +115,11 @@ class SharedPrefix:
         qg = q.reshape(R, hkv, rep, D) * self.scaling  # query head h = kv head h // rep
         own = torch.matmul(qg, ks.transpose(-1, -2))  # [R, Hkv, rep, t]
         width = self.bias.shape[-1]
-        if width:
-            shared = torch.matmul(self._to_slots(qg), self.pk[i].transpose(-1, -2)) + self.bias
-            scores = torch.cat([self._from_slots(shared, rep), own], dim=-1)  # [R, Hkv, rep, W + t]
-        else:
-            scores = own
+        shared = torch.matmul(self._to_slots(qg), self.pk[i].transpose(-1, -2)) + self.bias
+        scores = torch.cat([self._from_slots(shared, rep), own], dim=-1)  # [R, Hkv, rep, W + t]
         weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(vs.dtype)
         out = torch.matmul(weights[..., width:], vs)  # [R, Hkv, rep, D]
-        if width:
-            out = out + self._from_slots(torch.matmul(self._to_slots(weights[..., :width]), self.pv[i]), rep)
+        out = out + self._from_slots(torch.matmul(self._to_slots(weights[..., :width]), self.pv[i]), rep)
         return out.reshape(R, 1, hq, D)
 
     def select(self, keep: Tensor) -> None:
