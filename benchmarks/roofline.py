@@ -279,10 +279,21 @@ def step_fn(model, samples, packed: bool, share: bool):
     return run
 
 
-def saved_bytes(run) -> tuple[int, float]:
-    """(bytes autograd saves for the backward of ``run()``'s loss, distinct storages; the
-    backward's duration is not measured here)."""
+def saved_bytes(run) -> int:
+    """(bytes autograd saves for the backward of ``run()``'s loss, distinct storages, with the
+    logits chunk the log-probability pass keeps for its backward (masktrl/models/logprobs.py:
+    held on the autograd context, not through the saved-tensor hooks); the backward's duration
+    is not measured here)."""
+    from masktrl.models import logprobs
+
     seen: dict[int, int] = {}
+    forward = logprobs._forward
+
+    def keeping(*args):
+        out = forward(*args)
+        if out[3] is not None:
+            seen[out[3].untyped_storage().data_ptr()] = out[3].untyped_storage().nbytes()
+        return out
 
     def pack(t):
         try:
@@ -292,8 +303,12 @@ def saved_bytes(run) -> tuple[int, float]:
             pass
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = run()
+    logprobs._forward = keeping
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = run()
+    finally:
+        logprobs._forward = forward
     loss.backward()
     return sum(seen.values())
 

@@ -7,6 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from masktrl.models import logprobs
 from masktrl.models.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 
 F64 = torch.float64
@@ -129,6 +130,43 @@ def test_never_materialises_more_than_one_chunk_of_logits():
     with LargestTensor() as ref_mode:
         ref.backward()
     assert ref_mode.largest >= n * v  # the mode sees backward ops: it would catch a full [N, V] tensor
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_kept_logits_give_the_recomputed_backward_bit_for_bit(monkeypatch, entropy_grad):
+    """One chunk within KEEP_LOGITS_BYTES: the backward reads the forward's logits instead of
+    recomputing them; values and gradients are the same bits, a second backward (retain_graph)
+    recomputes and agrees too, and nothing is kept without grad or over the budget."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(40, 16, generator=gen).requires_grad_(True)
+    weight = torch.randn(300, 16, generator=gen).requires_grad_(True)
+    bias = torch.randn(300, generator=gen).requires_grad_(True)
+    ids = torch.randint(0, 300, (40, 5), generator=gen)
+    ids[2, 1] = -1
+    kept = []
+    forward = logprobs._forward
+    monkeypatch.setattr(logprobs, "_forward", lambda *a: kept.append(a[7]) or forward(*a))
+
+    def run():
+        lp, ent = token_logprobs_and_entropy(
+            hidden, weight, ids, temperature=0.8, chunk_size=64, bias=bias, entropy_grad=entropy_grad
+        )
+        loss = (lp * torch.linspace(-1, 1, 5)).sum() + (ent.sum() if entropy_grad else 0.0)
+        first = torch.autograd.grad(loss, [hidden, weight, bias], retain_graph=True)
+        second = torch.autograd.grad(loss, [hidden, weight, bias])
+        return [lp.detach(), ent.detach(), *first, *second]
+
+    got = run()
+    monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES", 40 * 300 * 4 - 1)  # one byte short: recomputed
+    want = run()
+    assert kept == [True, False]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        token_logprobs(hidden, weight, ids, chunk_size=64)
+    token_logprobs(hidden.detach(), weight.detach(), ids, chunk_size=64)
+    token_logprobs(hidden, weight, ids, chunk_size=39).sum().backward()  # two chunks
+    assert kept == [True, False, False, False, False]
 
 
 def test_bad_arguments():

@@ -7,6 +7,12 @@ backward also holds one chunk's [chunk, V] buffer at a time:
 
     d logp_j / d logits = e_{id_j} - p,   grad_logits = scatter(g) - p * sum_j g_j
 
+Where all N tokens fit in one chunk and their logits in ``KEEP_LOGITS_BYTES`` (the lab's
+micro-batch of 320 tokens x 2,004 ids: 2.5 MB), the forward keeps that one buffer for the
+backward instead of freeing it, and the backward skips the recomputing GEMM: the same values bit
+for bit (the same product of the same chunk), one [chunk, V] buffer as before, held a little
+longer (tests/test_logprobs.py).
+
 The entropy H = lse - sum_i p_i x_i comes out of the same pass. With ``entropy_grad=True`` it is
 differentiable too: dH/dx_i = -p_i (log p_i + H), added to the same recomputed chunk in the
 backward pass, which then holds a second [chunk, V] buffer (log p and p), still never [N, V].
@@ -20,6 +26,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+KEEP_LOGITS_BYTES = 64 * 2**20  # the most a forward keeps for its backward (one chunk of logits)
 
 
 def _compute_dtype(*ts: Tensor | None) -> torch.dtype:
@@ -60,9 +68,15 @@ def _chunk_logits(h: Tensor, w: Tensor, b: Tensor | None, inv_t: float, out: Ten
     return torch.addmm(b * inv_t, h, w.t(), out=buf)
 
 
+def _keeps_logits(n: int, v: int, chunk: int, dtype: torch.dtype) -> bool:
+    """Whether the forward keeps the logits for the backward: one chunk, within KEEP_LOGITS_BYTES."""
+    return 0 < n <= chunk and n * v * torch.empty((), dtype=dtype).element_size() <= KEEP_LOGITS_BYTES
+
+
 @torch.no_grad()
-def _forward(h, w, b, ids, inv_t: float, chunk: int, want_entropy: bool):
-    """logp [N, J] (0 at padding), lse [N], entropy [N] or None; all in h's (compute) dtype."""
+def _forward(h, w, b, ids, inv_t: float, chunk: int, want_entropy: bool, keep: bool = False):
+    """logp [N, J] (0 at padding), lse [N], entropy [N] or None, and with ``keep`` (one chunk)
+    the logits [N, V] untouched, else None; all in h's (compute) dtype."""
     n, v = h.shape[0], w.shape[0]
     j = ids.shape[1]
     logp = torch.zeros(n, j, dtype=h.dtype, device=h.device)  # [N, J]
@@ -70,13 +84,14 @@ def _forward(h, w, b, ids, inv_t: float, chunk: int, want_entropy: bool):
     ent = torch.empty(n, dtype=h.dtype, device=h.device) if want_entropy else None
     buf = torch.empty(min(chunk, n), v, dtype=h.dtype, device=h.device)  # [C, V] reused
     ebuf = torch.empty_like(buf) if want_entropy else None
+    kept = torch.empty_like(buf) if keep else None  # [N, V]: the logits, for the backward
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
-        x = _chunk_logits(h[s:e], w, b, inv_t, buf)  # [c, V]
+        raw = _chunk_logits(h[s:e], w, b, inv_t, buf if kept is None else kept)  # [c, V]
         pad = ids[s:e] < 0  # [c, J]
-        picked = x.gather(1, ids[s:e].clamp_min(0))  # [c, J]
-        mx = x.amax(dim=1, keepdim=True)  # [c, 1]
-        x.sub_(mx)
+        picked = raw.gather(1, ids[s:e].clamp_min(0))  # [c, J]
+        mx = raw.amax(dim=1, keepdim=True)  # [c, 1]
+        x = raw.sub_(mx) if kept is None else torch.sub(raw, mx, out=buf[: e - s])
         if want_entropy:
             ex = torch.exp(x, out=ebuf[: e - s])  # [c, V]
             tot = ex.sum(dim=1)  # [c]
@@ -86,17 +101,19 @@ def _forward(h, w, b, ids, inv_t: float, chunk: int, want_entropy: bool):
             tot = x.exp_().sum(dim=1)  # [c]
         lse[s:e] = mx.squeeze(1) + tot.log()
         logp[s:e] = (picked - lse[s:e, None]).masked_fill_(pad, 0.0)
-    return logp, lse, ent
+    return logp, lse, ent, kept
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, inv_t, chunk, want_entropy, entropy_grad=False):
+    def forward(ctx, hidden, weight, bias, ids, inv_t, chunk, want_entropy, entropy_grad=False, grad_mode=True):
         dt = _compute_dtype(hidden, weight, bias)
         h, w = hidden.to(dt), weight.to(dt)
         b = None if bias is None else bias.to(dt)
-        logp, lse, ent = _forward(h, w, b, ids, inv_t, chunk, want_entropy)
+        keep = grad_mode and any(ctx.needs_input_grad[:3]) and _keeps_logits(h.shape[0], w.shape[0], chunk, h.dtype)
+        logp, lse, ent, kept = _forward(h, w, b, ids, inv_t, chunk, want_entropy, keep)
         ctx.inv_t, ctx.chunk = inv_t, chunk
+        ctx.kept = kept  # an intermediate, not an input or output: held on ctx, used up by the backward
         ctx.entropy_grad = bool(entropy_grad and ent is not None)
         if ctx.entropy_grad:
             ctx.save_for_backward(hidden, weight, bias, ids, lse, ent)
@@ -129,16 +146,19 @@ class _ChunkedLogProbs(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_h else None  # [N, H]
         grad_w = torch.zeros_like(w) if need_w else None  # [V, H]
         grad_b = torch.zeros(v, dtype=dt, device=h.device) if need_b else None  # [V]
-        buf = torch.empty(min(chunk, n), v, dtype=dt, device=h.device)  # [C, V] reused
-        pbuf = torch.empty_like(buf) if g_ent is not None else None  # [C, V] p, for the entropy's term
+        kept, ctx.kept = ctx.kept, None  # a second backward (retain_graph) recomputes
+        buf = torch.empty(min(chunk, n), v, dtype=dt, device=h.device) if kept is None else None  # [C, V] reused
+        pbuf = torch.empty(min(chunk, n), v, dtype=dt, device=h.device) if g_ent is not None else None  # [C, V] p
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            x = _chunk_logits(h[s:e], w, b, inv_t, buf)  # [c, V]
+            if kept is None:  # the chunk's logits again, then log p in place
+                x = _chunk_logits(h[s:e], w, b, inv_t, buf).sub_(lse[s:e, None])  # [c, V]
+            else:  # the forward's logits (one chunk), used up in place
+                x = kept[s:e].sub_(lse[s:e, None])
             if g_ent is None:
-                x.sub_(lse[s:e, None]).exp_()  # p
+                x.exp_()  # p
                 x.mul_(-gsum[s:e, None])
             else:  # p * (-sum_j g_j - g_H (log p + H)): the log-probs' and the entropy's terms at once
-                x.sub_(lse[s:e, None])  # log p
                 p = torch.exp(x, out=pbuf[: e - s])  # [c, V]
                 x.add_(ent[s:e, None]).mul_(-g_ent[s:e, None]).sub_(gsum[s:e, None]).mul_(p)
             x.scatter_add_(1, safe_ids[s:e], g[s:e])  # d loss / d logits
@@ -151,7 +171,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         out_h = None if grad_h is None else grad_h.to(hidden.dtype)
         out_w = None if grad_w is None else grad_w.to(weight.dtype)
         out_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return out_h, out_w, out_b, None, None, None, None, None
+        return out_h, out_w, out_b, None, None, None, None, None, None
 
 
 def _run(hidden, weight, ids, temperature, chunk_size, bias, want_entropy, entropy_grad=False):
@@ -160,7 +180,15 @@ def _run(hidden, weight, ids, temperature, chunk_size, bias, want_entropy, entro
     h2 = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     ids2 = ids.reshape(h2.shape[0], ids.shape[-1]).long()  # [N, J]
     logp, ent = _ChunkedLogProbs.apply(
-        h2, weight, bias, ids2, 1.0 / float(temperature), chunk_size, want_entropy, entropy_grad
+        h2,
+        weight,
+        bias,
+        ids2,
+        1.0 / float(temperature),
+        chunk_size,
+        want_entropy,
+        entropy_grad,
+        torch.is_grad_enabled(),
     )
     return logp.reshape(*lead, ids.shape[-1]), None if ent is None else ent.reshape(lead)
 
@@ -209,7 +237,7 @@ def token_entropy(
     h2 = hidden.reshape(-1, hidden.shape[-1]).to(dt)
     ids = torch.zeros(h2.shape[0], 0, dtype=torch.long, device=h2.device)
     b = None if bias is None else bias.to(dt)
-    _, _, ent = _forward(h2, weight.to(dt), b, ids, 1.0 / float(temperature), chunk_size, True)
+    ent = _forward(h2, weight.to(dt), b, ids, 1.0 / float(temperature), chunk_size, True)[2]
     return ent.reshape(hidden.shape[:-1])
 
 
