@@ -106,6 +106,31 @@ def test_packed_tokens_are_the_real_ones(model):
     )
 
 
+def test_shared_layout_is_one_call_of_the_base_model(model):
+    """Prompts and responses run through the per-token layers together: one base-model call, no
+    KV cache; a response segment's keys are its prompt's segment then its own."""
+    samples = make_samples(model.config.vocab_size)
+    prompts, group = policy._distinct_prompts(samples)
+    layout = pack(samples, share=True)
+    width = sum(map(len, prompts))
+    assert layout.input_ids[0, :width].tolist() == [t for p in prompts for t in p]
+    for b, (s, e) in enumerate(layout.segments.queries[len(prompts) :]):
+        assert layout.segments.keys[len(prompts) + b] == (layout.segments.queries[group[b]], (s, e))
+        assert layout.position_ids[0, s:e].tolist() == list(
+            range(len(prompts[group[b]]), len(prompts[group[b]]) + e - s)
+        )
+    calls = []
+    handle = model.base_model.register_forward_hook(
+        lambda mod, args, kwargs, out: calls.append(kwargs), with_kwargs=True
+    )
+    try:
+        with torch.no_grad():
+            packing.packed_hidden(model.base_model, layout)
+    finally:
+        handle.remove()
+    assert len(calls) == 1 and calls[0]["use_cache"] is False
+
+
 NON_VACUOUS = {
     "trm": {"delta": 1e3}
 }  # these behaviour log-probs are far from pi: TRM's default would mask every sequence

@@ -14,10 +14,11 @@ Two layouts, matching the two padded forwards of the policy:
 
 * **whole sequences** (``pack_whole``): segment i is prompt_i + response_i without its last token;
   position p_i - 1 + t predicts response token t.
-* **shared prompt** (``pack_shared``): each distinct prompt once in a packed prompt pass, which
-  writes the KV cache; then every response (without its last token) in a packed response pass at
-  its true positions, attending to its own prompt's cached keys and to its own earlier tokens
-  (lower-right causal). Column 0 of a response is its prompt's last hidden state.
+* **shared prompt** (``pack_shared``): each distinct prompt once, then every response (without
+  its last token) at its true positions, in the same row: a prompt segment attends causally to
+  itself, a response segment to its own prompt's keys and its own earlier tokens (lower-right
+  causal). The per-token layers run once over prompts and responses together (one base-model
+  call, no KV cache). Column 0 of a response is its prompt's last hidden state.
 
 Causal attention makes both the same computation as the padded forwards; only the summation
 order of a few reductions changes (``tests/test_packing.py`` checks log pi, losses and
@@ -273,24 +274,18 @@ def config_unsupported_reason(model_cfg) -> str | None:
 
 @dataclass
 class Packed:
-    """A packed micro-batch: the tensors of one or two base-model calls, and where the hidden
-    state predicting each response token lies in their concatenated output.
-
-    ``gather`` [N] indexes ``cat([prompt pass output, response pass output])`` along tokens
-    (whole sequences: one pass, ``prompt_*`` None)."""
+    """A packed micro-batch: the tensors of one base-model call, and where the hidden state
+    predicting each response token lies in its output (``gather`` [N] indexes its tokens)."""
 
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     segments: Segments
     gather: torch.Tensor  # [N]
-    prompt_ids: torch.Tensor | None = None  # [1, W] distinct prompts, packed
-    prompt_position_ids: torch.Tensor | None = None
-    prompt_segments: Segments | None = None
 
     @property
     def tokens(self) -> int:
-        """Tokens the base model runs (both passes)."""
-        return self.input_ids.shape[1] + (0 if self.prompt_ids is None else self.prompt_ids.shape[1])
+        """Tokens the base model runs."""
+        return self.input_ids.shape[1]
 
     def to(self, device) -> Packed:
         move = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -316,27 +311,27 @@ def pack_whole(prompts: list[list[int]], responses: list[list[int]]) -> Packed:
 
 
 def pack_shared(prompts: list[list[int]], group: list[int], responses: list[list[int]]) -> Packed:
-    """The distinct ``prompts`` once (prompt pass) and each response without its last token
-    (response pass); ``group[b]`` is the index of response b's prompt."""
+    """The distinct ``prompts`` once, then each response without its last token, in one row;
+    ``group[b]`` is the index of response b's prompt. A response segment's keys are its prompt's
+    segment and its own (its queries the last of them)."""
     p_len = [len(p) for p in prompts]
     p_bounds = _bounds(p_len)
-    width = sum(p_len)
     heads = [r[:-1] for r in responses]
     r_len = [len(h) for h in heads]
-    r_bounds = _bounds(r_len)
-    keys = tuple((p_bounds[g], (width + s, width + e)) for g, (s, e) in zip(group, r_bounds))
+    r_bounds = _bounds(r_len, sum(p_len))
+    queries = tuple(p_bounds) + tuple(r_bounds)
+    keys = tuple((b,) for b in p_bounds) + tuple((p_bounds[g], b) for g, b in zip(group, r_bounds))
     gather = []
     for g, (s, _), r in zip(group, r_bounds, responses):
         gather.append(p_bounds[g][1] - 1)  # the prompt's last hidden state predicts response token 0
-        gather += [width + s + t for t in range(len(r) - 1)]
+        gather += [s + t for t in range(len(r) - 1)]
     return Packed(
-        input_ids=_row([t for h in heads for t in h]),
-        position_ids=_row([p_len[g] + t for g, n in zip(group, r_len) for t in range(n)]),
-        segments=Segments(tuple(r_bounds), keys),
+        input_ids=_row([t for p in prompts for t in p] + [t for h in heads for t in h]),
+        position_ids=_row(
+            [i for n in p_len for i in range(n)] + [p_len[g] + t for g, n in zip(group, r_len) for t in range(n)]
+        ),
+        segments=Segments(queries, keys),
         gather=torch.tensor(gather, dtype=torch.long),
-        prompt_ids=_row([t for p in prompts for t in p]),
-        prompt_position_ids=_row([i for n in p_len for i in range(n)]),
-        prompt_segments=Segments.self_attending(p_len),
     )
 
 
@@ -345,51 +340,22 @@ def pack_shared(prompts: list[list[int]], group: list[int], responses: list[list
 
 def packed_hidden(base: torch.nn.Module, packed: Packed) -> torch.Tensor:
     """[N, H] the final hidden states predicting each response token of ``packed``, from
-    ``base`` (the transformer without its lm_head) run on the packed rows."""
+    ``base`` (the transformer without its lm_head) run on the packed row."""
     from masktrl.models import checkpointing
-    from masktrl.models.kvcache import cache_kwarg, new_cache
 
     if checkpointing.is_enabled(base) and not segments_attention_active(base):
         raise RuntimeError(
             "under activation checkpointing, run the packed forward and its backward inside segments_attention(base)"
         )
-    masks = None  # the registered mask function of segment_attention builds no mask
-    with segments_attention(base):
-        if packed.prompt_ids is None:
-            out = base(
-                input_ids=packed.input_ids,
-                attention_mask=masks,
-                position_ids=packed.position_ids,
-                use_cache=False,
-                packed_segments=packed.segments,
-            ).last_hidden_state  # [1, T, H]
-            return out[0, packed.gather]
-        cache = new_cache(base.config)
-        key = cache_kwarg(base)
-        with checkpointing.prompt_pass(base):  # the prompt pass writes the cache: never checkpointed
-            prompt_out = base(
-                input_ids=packed.prompt_ids,
-                attention_mask=masks,
-                position_ids=packed.prompt_position_ids,
-                use_cache=True,
-                packed_segments=packed.prompt_segments,
-                **{key: cache},
-            ).last_hidden_state  # [1, W, H]
-        if packed.input_ids.shape[1] == 0:  # every response is a single token
-            return prompt_out[0, packed.gather]
-        checkpointed = checkpointing.is_enabled(base)
-        if checkpointed:  # the response pass only reads the prompt's cache, so its layers may be replayed
-            checkpointing.read_only(cache)
-        with checkpointing.response_pass(base):
-            rest = base(
-                input_ids=packed.input_ids,
-                attention_mask=masks,
-                position_ids=packed.position_ids,
-                use_cache=not checkpointed,
-                packed_segments=packed.segments,
-                **{key: cache},
-            ).last_hidden_state  # [1, T, H]
-        return torch.cat([prompt_out[0], rest[0]], dim=0)[packed.gather]
+    with segments_attention(base):  # its registered mask function builds no mask
+        out = base(
+            input_ids=packed.input_ids,
+            attention_mask=None,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            packed_segments=packed.segments,
+        ).last_hidden_state  # [1, T, H]
+    return out[0, packed.gather]
 
 
 # --------------------------------------------------------------------------- token-budget micro-batches

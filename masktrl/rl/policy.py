@@ -261,9 +261,10 @@ def _policy_inputs(model, samples: list[Sample], share: bool | None = None, pack
     prompts, group = _distinct_prompts(samples)
     if share is None:
         share = can_share_prompts(samples)
-    if share and checkpointing.is_enabled(inner.lm) and not checkpointing.shared_prompt_supported(inner.lm.base_model):
-        share = False
-    if share and not shared_prompt_cache_ok(inner.lm.base_model)[0]:  # e.g. sliding-window caches
+    # the padded shared-prompt forward continues a KV cache; the packed one attends within one row
+    if share and not packed and checkpointing.is_enabled(inner.lm):
+        share = checkpointing.shared_prompt_supported(inner.lm.base_model)
+    if share and not packed and not shared_prompt_cache_ok(inner.lm.base_model)[0]:  # e.g. sliding-window caches
         share = False
     if packed:
         responses = [s.gen.response_ids for s in samples]
