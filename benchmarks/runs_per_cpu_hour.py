@@ -13,8 +13,10 @@ this tree's runs per CPU-hour over the baseline's.
 Variants of this tree (``--variants``): ``default`` is the preset as it is; ``fast`` adds
 ``rollout.decode=fused`` and ``rollout.draw=inverse_cdf`` (the same distribution, other samples
 for a seed: docs/ROLLOUTS.md) and ``rollout.mismatch=off`` (no extra forward for the mismatch
-metric). The held-out accuracy before and after RL of every run is recorded beside its time, so
-the JSON shows whether a variant's run is the baseline's run (equal numbers) or another one.
+metric); ``fast-packed`` adds ``train.packing=true`` to those (the padding-free forward, equal to
+the padded one up to float32 rounding). The held-out accuracy before and after RL of every run
+is recorded beside its time, so the JSON shows whether a variant's run is the baseline's run
+(equal numbers) or another one.
 
     python benchmarks/runs_per_cpu_hour.py --json benchmarks/results/runs_per_cpu_hour.json
     python benchmarks/runs_per_cpu_hour.py --presets lab --steps 20 --rounds 1     # a quick look
@@ -55,6 +57,7 @@ DEFAULT_PRESETS = "lab,long,agentic"
 VARIANTS = {  # name -> --set overrides on this tree
     "default": [],
     "fast": ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off"],
+    "fast-packed": ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off", "train.packing=true"],
 }
 
 

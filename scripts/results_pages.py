@@ -474,6 +474,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "runs-per-cpu-hour": runs_per_cpu_hour,
     "runs-per-cpu-hour-new-labs": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_new_labs.json"),
     "runs-per-cpu-hour-lab": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab.json"),
+    "runs-per-cpu-hour-lab-packed": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_packed.json"),
     "gpu-check": gpu_check,
     "gen-vs-base": gen_vs_base,
     "vs-trl": vs_trl,
