@@ -14,7 +14,7 @@ Variants of this tree (``--variants``): ``default`` is the preset as it is; ``fa
 ``rollout.decode=fused`` and ``rollout.draw=inverse_cdf`` (the same distribution, other samples
 for a seed: docs/ROLLOUTS.md) and ``rollout.mismatch=off`` (no extra forward for the mismatch
 metric); ``fast-packed`` adds ``train.packing=true`` to those (the padding-free forward, equal to
-the padded one up to float32 rounding). The held-out accuracy before and after RL of every run
+the padded one up to float32 rounding; on request). The held-out accuracy before and after RL of every run
 is recorded beside its time, so the JSON shows whether a variant's run is the baseline's run
 (equal numbers) or another one.
 
@@ -54,6 +54,7 @@ PRESETS = {  # name -> the --config files, relative to the tree
     "long200": ["configs/lab.yaml", "configs/lab-long200.yaml"],
 }
 DEFAULT_PRESETS = "lab,long,agentic"
+DEFAULT_VARIANTS = "default,fast"  # fast-packed on request (--variants)
 VARIANTS = {  # name -> --set overrides on this tree
     "default": [],
     "fast": ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off"],
@@ -132,7 +133,7 @@ def main(argv=None) -> dict:
     p.add_argument("--base", default=None, help=f"a checkout of the baseline code (default: commit {BASE_COMMIT})")
     p.add_argument("--presets", default=DEFAULT_PRESETS, help="comma-separated, of: " + ", ".join(PRESETS))
     p.add_argument(
-        "--variants", default=",".join(VARIANTS), help="this tree's, comma-separated: " + ", ".join(VARIANTS)
+        "--variants", default=DEFAULT_VARIANTS, help="this tree's, comma-separated, of: " + ", ".join(VARIANTS)
     )
     p.add_argument("--steps", type=int, default=None, help="RL steps of every run (default: the preset's)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of alternating trees")
