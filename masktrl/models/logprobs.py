@@ -70,7 +70,7 @@ def _chunk_logits(h: Tensor, w: Tensor, b: Tensor | None, inv_t: float, out: Ten
 
 def _keeps_logits(n: int, v: int, chunk: int, dtype: torch.dtype) -> bool:
     """Whether the forward keeps the logits for the backward: one chunk, within KEEP_LOGITS_BYTES."""
-    return 0 < n <= chunk and n * v * torch.empty((), dtype=dtype).element_size() <= KEEP_LOGITS_BYTES
+    return 0 < n <= chunk and n * v * (torch.finfo(dtype).bits // 8) <= KEEP_LOGITS_BYTES
 
 
 @torch.no_grad()
