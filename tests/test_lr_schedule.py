@@ -51,3 +51,34 @@ def test_scheduler_counts_optimizer_updates_and_resumes_from_its_state():
     assert resumed.get_last_lr() == sched.get_last_lr()
     sched.step(), resumed.step()
     assert resumed.get_last_lr() == sched.get_last_lr()
+
+
+def test_adamw_on_cpu_runs_multi_tensor_and_gives_the_per_parameter_loops_bits():
+    """make_optimizer's AdamW on CPU tensors uses torch's multi-tensor kernels (foreach=True);
+    they make the same updates, bit for bit, as the per-parameter loop torch uses on a CPU by
+    default, with weight decay and a learning rate that changes from update to update."""
+    from masktrl.rl.schedule import adamw_foreach
+
+    torch.manual_seed(0)
+    shapes = [(50, 16), (16, 16), (8, 16), (16,), (3,)]
+    start = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(6)]
+
+    def run(foreach):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999), foreach=foreach)
+        for u, gs in enumerate(grads):
+            opt.param_groups[0]["lr"] = 1e-2 * (u + 1) / 6
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
+            opt.step()
+        return params, opt.state_dict()
+
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    assert adamw_foreach(params) is True
+    assert adamw_foreach([]) is None
+    (loop, loop_state), (multi, multi_state) = run(False), run(adamw_foreach(params))
+    assert all(torch.equal(a, b) for a, b in zip(loop, multi))
+    for i in loop_state["state"]:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(loop_state["state"][i][key], multi_state["state"][i][key])

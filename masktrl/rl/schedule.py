@@ -1,5 +1,6 @@
 """The learning-rate schedule (a linear warm-up, then constant, linear or cosine decay) and the
-schedule of rollout batch ages (``rollout.staleness``, below).
+schedule of rollout batch ages (``rollout.staleness``, below), and how AdamW is run
+(``adamw_foreach``).
 
 ``lr_factor`` gives the multiplier of ``train.lr`` for optimizer update ``u`` (0-based; the
 scheduler steps once per optimizer update, so a run makes ``train.steps x train.minibatches``
@@ -38,6 +39,15 @@ def lr_factor(schedule: str, warmup: int, total: int, min_ratio: float = 0.0) ->
         return min_ratio + (1.0 - min_ratio) * decay
 
     return factor
+
+
+def adamw_foreach(params: list) -> bool | None:
+    """AdamW's ``foreach`` argument: True for plain CPU tensors, where torch's default is the
+    per-parameter Python loop and the multi-tensor kernels give the same bits with one call per
+    operation instead of one per parameter (tests/test_lr_schedule.py); None (torch's own
+    choice, already multi-tensor on a GPU) for anything else, e.g. FSDP2's sharded parameters."""
+    plain = all(p.device.type == "cpu" and type(p.data) is torch.Tensor for p in params)
+    return True if params and plain else None
 
 
 def make_scheduler(optimizer, train_cfg, total_updates: int):

@@ -37,7 +37,7 @@ from masktrl.models.numbers import init_number_embeddings
 from masktrl.models.tiny import TinyModelConfig, build_tiny_model, tiny_tokenizer
 from masktrl.readers import read_json
 from masktrl.rl.evaluation import heldout_accuracy
-from masktrl.rl.schedule import lr_factor
+from masktrl.rl.schedule import adamw_foreach, lr_factor
 from masktrl.rollout.base import SamplingSettings
 from masktrl.rollout.hf import HFEngine
 from masktrl.runs import locks
@@ -117,7 +117,8 @@ def supervised_warmstart(model, tokenizer, task, cfg: Config, progress=None, che
         return []
     rng = random.Random(f"warmstart-{cfg.seed}")
     check = _accuracy_check(model, tokenizer, task, cfg) if ws.target_accuracy is not None else None
-    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=ws.lr, weight_decay=0.0, foreach=adamw_foreach(params))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lr_factor("constant", ws.warmup_steps, ws.steps)
     )  # see docs/DESIGN.md
