@@ -186,6 +186,32 @@ def test_replace_last_support_by_hand():
     assert close(float(union[1]), 0.5 * (0.3 + 0.3 + abs(0.5 - 0.5)))
 
 
+def test_support_is_computed_once_per_batch_and_rule():
+    """support() keeps its result on the batch: a second call returns the first one's tensors,
+    each rule its own, equal to a fresh computation; a batch made with dataclasses.replace (new
+    log pi) computes its own."""
+    import dataclasses
+
+    from masktrl.methods.batch import _support
+
+    mu = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=F64)
+    pi = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=F64)
+    ids = torch.tensor([[0, 1, 2], [0, -1, -1]])
+    b = TokenBatch(
+        pi[[3, 3]].log(), mu[[3, 3]].log(), torch.tensor([3, 3]), ids,
+        mu[ids.clamp_min(0)].log(), pi[ids.clamp_min(0)].log(), torch.tensor([0, 1]), 4,
+    )  # fmt: skip
+    union, repl = support(b, "union"), support(b, "replace_last")
+    assert support(b, "union") is union and support(b) is union and support(b, "replace_last") is repl
+    for memo, rule in ((union, "union"), (repl, "replace_last")):
+        fresh = _support(b, rule)
+        for a, c in zip(memo, fresh):
+            assert a is None and c is None or torch.equal(a, c)
+    moved = dataclasses.replace(b, logp=pi[[2, 2]].log())
+    assert support(moved) is not union
+    assert not torch.equal(support(moved).pi_lp.nan_to_num(), union.pi_lp.nan_to_num())
+
+
 # --------------------------------------------------------------------------- bracket, signs, reductions
 
 

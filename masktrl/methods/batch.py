@@ -210,8 +210,19 @@ def support(batch: TokenBatch, rule: str = "union") -> Support:
     replace_last: when k is not in the list, S = top_{K-1}(mu) ∪ {k}, where top_{K-1} are the
     first K-1 genuine (non-padding, deduplicated) entries. A row with fewer than K genuine
     entries therefore loses nothing: k takes a padding slot, exactly as the adapters write it.
+
+    Computed once per batch and rule: a minibatch's loss, its diagnostics and the lab statistics
+    each ask for it (every field is detached, and a ``TokenBatch`` is not changed after it is
+    built), and later calls return the first one's tensors.
     """
     check_choice("rule", rule, RULES)
+    memo = batch.__dict__.setdefault("_supports", {})
+    if rule not in memo:
+        memo[rule] = _support(batch, rule)
+    return memo[rule]
+
+
+def _support(batch: TokenBatch, rule: str) -> Support:
     dt = batch.dtype
     genuine, k_pos, mu_lp, pi_lp = list_logps(batch)  # [N, K] each
     k_in = k_pos.any(dim=1)  # [N]
