@@ -119,11 +119,12 @@ def behaviour_lists(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, 
     [N, K] float64 (padded with -inf); K is the longest list."""
     gens = [s.gen for s in samples]
     own = [policy_tokens(g) for g in gens]
+    ids = [row for g, m in zip(gens, own) for row, p in zip(g.topk_ids, m) if p]
+    lps = [row for g, m in zip(gens, own) for row, p in zip(g.topk_logp, m) if p]
     k = max((len(row) for g in gens for row in g.topk_ids), default=0)
-    ids = [list(row) + [-1] * (k - len(row)) for g, m in zip(gens, own) for row, p in zip(g.topk_ids, m) if p]
-    lps = [
-        list(row) + [float("-inf")] * (k - len(row)) for g, m in zip(gens, own) for row, p in zip(g.topk_logp, m) if p
-    ]
+    if any(len(row) != k for row in ids):  # ragged lists: padded (as one length they convert as they are)
+        ids = [list(row) + [-1] * (k - len(row)) for row in ids]
+        lps = [list(row) + [float("-inf")] * (k - len(row)) for row in lps]
     sampled = torch.tensor(
         [t for g, m in zip(gens, own) for t, p in zip(g.response_ids, m) if p], dtype=torch.long
     )  # [N]
