@@ -82,3 +82,14 @@ def test_adamw_on_cpu_runs_multi_tensor_and_gives_the_per_parameter_loops_bits()
     for i in loop_state["state"]:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(loop_state["state"][i][key], multi_state["state"][i][key])
+
+
+def test_make_optimizer_passes_foreach_for_a_cpu_model():
+    """The RL optimizer of a CPU model is built with foreach=True, the kernels the test above
+    shows exact."""
+    from masktrl.rl.update import make_optimizer
+
+    cfg = load_config(None)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer, _ = make_optimizer(model, cfg.train)
+    assert optimizer.param_groups[0]["foreach"] is True
