@@ -193,3 +193,41 @@ def test_a_dataset_run_has_no_own_synthetic_task(cli_error, tmp_path):
         "train", "--config", cfg, "--out", tmp_path / "o"
     )
     assert not (tmp_path / "o").exists()
+
+
+def test_partial_credit_reports_the_mean_score():
+    """A task graded with partial credit: avg@k is the mean score, pass@k and maj@k count fully
+    correct samples, and the report says so; a binary task's report is unchanged."""
+    rows = [[1.0, 0.5, 0.25, 1.0], [0.0, 0.0, 0.5, 0.5]]
+    graded = Graded(
+        scores=rows, answers=[["a", "b", "c", "a"], ["x"] * 4], lengths=[[2] * 4] * 2, finished=[[True] * 4] * 2
+    )
+    examples = [type("E", (), {"id": str(i), "answer": "a"})() for i in range(2)]
+    r = summarize("task", examples, graded, task="residues", partial=True)
+    assert r["credit"] == "partial" and r["avg_at_k"] == pytest.approx((0.6875 + 0.25) / 2)
+    assert r["avg_at_k_se"] == pytest.approx(np.array([0.6875, 0.25]).std(ddof=1) / np.sqrt(2))
+    assert r["pass_at_k"] == pytest.approx(0.5) and r["pass_at"]["1"] == pytest.approx((2 / 4 + 0) / 2)
+    assert [p["correct"] for p in r["problems"]] == [2, 0] and r["problems"][0]["scores"] == [1.0, 0.5, 0.25, 1.0]
+    binary = summarize(
+        "task", examples, Graded([[1, 0, 0, 1], [0, 0, 1, 1]], graded.answers, graded.lengths, graded.finished)
+    )
+    assert "credit" not in binary and binary["problems"][0]["scores"] == [1, 0, 0, 1]
+
+
+def test_heldout_accuracy_is_the_mean_credit(monkeypatch):
+    from masktrl.rl import evaluation
+    from masktrl.tasks.residues import ResidueTask
+
+    task = ResidueTask(answers=4, credit="partial", n_test=3)
+    examples = task.test_examples()
+    texts = []
+    for ex, good in zip(examples, (4, 2, 1)):
+        lo, hi, m, r = (int(w) for w in ex.prompt.split()[:4])
+        x = lo + (r - lo) % m
+        texts.append([" ".join([str(x)] * good + [str(hi)] * (4 - good))])
+    monkeypatch.setattr(evaluation, "sample", lambda *a, **k: (None, None, texts))
+    settings = type("S", (), {})()
+    monkeypatch.setattr(evaluation, "replace", lambda s, **k: s)
+    assert evaluation.heldout_accuracy(None, None, task, examples, settings, greedy=False) == pytest.approx(7 / 12)
+    binary = ResidueTask(answers=4, n_test=3)
+    assert evaluation.heldout_accuracy(None, None, binary, examples, settings, greedy=False) == pytest.approx(1 / 3)

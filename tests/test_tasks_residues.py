@@ -372,3 +372,80 @@ def test_answer_weight_weighs_the_answer_tokens_of_the_unchanged_target(position
         heavy = [int(i) for i, x in zip(row, w, strict=True) if x == 50]
         assert heavy == answer_ids
         assert ((w == 1) | (w == 50) | (w == 0)).all() and (w[mask == 0] == 0).all()
+
+
+def _credit_by_hand(lo, hi, m, r, completion, answers):
+    """An independent transcription of credit=partial: count the correct numbers among the first
+    ``answers`` words, over the larger of ``answers`` and the word count."""
+    words = completion.split()
+    good = 0
+    for w in words[:answers]:
+        try:
+            x = int(w)
+        except ValueError:
+            continue
+        good += w == str(x) and lo <= x < hi and (x - r) % m == 0
+    return good / max(answers, len(words))
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("10 13 16 19", 1.0),  # lo=10 hi=20 m=3 r=1: 10, 13, 16, 19 all correct
+        ("10 10 10 10", 1.0),  # repeats are allowed (no distinct)
+        ("10 11 16 19", 0.75),
+        ("11 12 14 20", 0.0),  # 20 is out of range
+        ("10 13", 0.5),  # EOS after 2 of 4: the missing ones count as wrong
+        ("10 13 16 19 10 13", 4 / 6),  # extra words count as wrong
+        ("10 x 16 +19", 0.5),
+        ("", 0.0),
+        ("١٠ 13 16 19", 0.75),  # non-ASCII digits are not numbers
+    ],
+)
+def test_partial_credit_grades_each_number(completion, expected):
+    task = ResidueTask(answers=4, credit="partial", n_test=5)
+    ex = task.test_examples()[0]
+    ex = type(ex)(id="x", prompt="10 20 3 1 =", answer="10")
+    assert task.score(ex, completion) == pytest.approx(expected)
+    assert _credit_by_hand(10, 20, 3, 1, completion, 4) == pytest.approx(expected)
+
+
+def test_partial_credit_matches_the_transcription_on_sampled_completions():
+    task = ResidueTask(answers=12, credit="partial", n_test=30, seed=4)
+    rng = random.Random(0)
+    for ex in task.test_examples():
+        lo, hi, m, r = parse_prompt(ex.prompt)
+        for _ in range(20):
+            words = [str(rng.randrange(max(0, lo - 20), hi + 20)) for _ in range(rng.randint(0, 15))]
+            completion = " ".join(words)
+            assert task.score(ex, completion) == pytest.approx(_credit_by_hand(lo, hi, m, r, completion, 12))
+    assert task.score(task.test_examples()[0], None) == 0.0  # a malformed completion scores 0, never raises
+
+
+def test_credit_partial_preset_configs_lab_credit():
+    """configs/lab-credit.yaml: 200 numbers (repeats allowed), each graded; targets score 1."""
+    cfg = load_config(["configs/lab.yaml", "configs/lab-credit.yaml"])
+    task = make_task(cfg.task, cfg.model)
+    assert task.partial_credit and task.answers == 200 and not task.distinct
+    assert cfg.rollout.max_new_tokens == 201
+    for ex in task.train_examples(30, random.Random(1)):
+        xs = ex.answer.split()
+        assert len(xs) == 200 and task.score(ex, ex.answer) == 1.0
+        assert task.score(ex, " ".join(xs[:150])) == 0.75
+
+
+def test_credit_option_is_validated_and_all_by_default():
+    assert not ResidueTask(n_test=5).partial_credit
+    a = ResidueTask(n_test=10).train_examples(20, random.Random(3))
+    b = ResidueTask(n_test=10, credit="partial").train_examples(20, random.Random(3))
+    assert [e.answer for e in a] == [e.answer for e in b]  # the targets do not depend on the credit
+    with pytest.raises(ConfigError, match="credit must be one of all, partial"):
+        ResidueTask(credit="some")
+    for options, name in (
+        ({"distinct": True}, "distinct"),
+        ({"ascending": True}, "ascending"),
+        ({"max_answers": 6}, "max_answers"),
+        ({"scratch_min": 2, "scratch_max": 4}, "a scratchpad"),
+    ):
+        with pytest.raises(ConfigError, match=f"does not combine with {name}"):
+            ResidueTask(credit="partial", **options)

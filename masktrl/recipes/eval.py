@@ -158,7 +158,9 @@ def run(
         )
     finally:
         task.close()
-    report = summarize(bench, examples, graded, seed=opts.seed, task=cfg.task.name)
+    report = summarize(
+        bench, examples, graded, seed=opts.seed, task=cfg.task.name, partial=getattr(task, "partial_credit", False)
+    )
     report.update(
         model=ref.label,
         weights=ref.weights,

@@ -215,7 +215,8 @@ def sample_and_grade(
                 else:
                     column.append(list(values))
         if progress and last:
-            acc = float(np.mean([s > 0 for row in out.scores for s in row]))
+            partial = getattr(task, "partial_credit", False)
+            acc = float(np.mean([s if partial else s > 0 for row in out.scores for s in row]))
             progress.update(bar, advance=len(chunk), info=f"avg@{settings.n} {acc:.3f}")
     return out
 
@@ -261,14 +262,19 @@ def _clip(answer: str | None) -> str | None:
     return answer if answer is None or len(answer) <= ANSWER_CHARS else answer[:ANSWER_CHARS] + "…"
 
 
-def summarize(bench: str, examples, graded: Graded, seed: int = 0, task: str | None = None) -> dict:
+def summarize(
+    bench: str, examples, graded: Graded, seed: int = 0, task: str | None = None, partial: bool = False
+) -> dict:
     """The metrics block of a report: avg@k, pass@j (j = 1, 2, 4, ..., k), maj@k, CI, per problem.
     Benchmark ``task`` (the run's own task, named ``task``) adds ``task`` and the standard errors
     over problems of avg@k and pass@k (``avg_at_k_se``, ``pass_at_k_se``: sample std / sqrt(P),
-    None for one problem); the other names keep the report they always had."""
-    correct = np.array(graded.scores) > 0  # [P, k]
+    None for one problem); the other names keep the report they always had. With ``partial`` (a
+    task graded with partial credit, scores in [0, 1]) avg@k is the mean score, pass@k and maj@k
+    count fully correct samples (score 1), and the report says ``credit: partial``."""
+    scores = np.array(graded.scores, dtype=float)  # [P, k]
+    correct = scores >= 1 if partial else scores > 0
     k = correct.shape[1]
-    per_problem = avg_at_k(correct, per_problem=True)  # [P]
+    per_problem = scores.mean(axis=1) if partial else avg_at_k(correct, per_problem=True)  # [P]
     low, high = bootstrap_ci(per_problem, n_boot=10000, seed=seed)
     ks = sorted({*(2**i for i in range(k.bit_length()) if 2**i <= k), k})
     report = {
@@ -289,12 +295,14 @@ def summarize(bench: str, examples, graded: Graded, seed: int = 0, task: str | N
                 "answer": ex.answer,
                 "correct": int(row.sum()),
                 "k": k,
-                "scores": [int(x) for x in row],
+                "scores": [round(float(x), 6) for x in credit] if partial else [int(x) for x in row],
                 "answers": answers,
             }
-            for ex, row, answers in zip(examples, correct, graded.answers)
+            for ex, row, credit, answers in zip(examples, correct, scores, graded.answers)
         ],
     }
+    if partial:
+        report["credit"] = "partial"
     tools = tool_stats(graded) if graded.calls else None
     if tools is not None:  # task.env: multi-turn episodes
         report["tools"] = tools
@@ -348,9 +356,13 @@ def heldout_accuracy(
     engine, tokenizer, task, examples, settings: SamplingSettings, greedy: bool, chat_template=False, seed=0
 ) -> float:
     """eval_before / eval_after: the fraction of ``examples`` (the task's held-out split) answered
-    correctly with one completion each, greedy or sampled."""
+    correctly with one completion each, greedy or sampled; for a task graded with partial credit
+    (``task.partial_credit``) the mean score."""
     _, _, texts = sample(engine, tokenizer, examples, replace(settings, n=1, greedy=greedy), seed, chat_template)
-    return sum(score > 0 for (score,) in grade(task, examples, texts)) / max(1, len(examples))
+    scores = [score for (score,) in grade(task, examples, texts)]
+    if getattr(task, "partial_credit", False):
+        return sum(scores) / max(1, len(examples))
+    return sum(score > 0 for score in scores) / max(1, len(examples))
 
 
 def no_tool_accuracy(
@@ -422,7 +434,8 @@ def _bench_report(
         )
     finally:
         task.close()
-    report = summarize(bench, examples, graded, seed=cfg.seed, task=bench_cfg.task.name)
+    partial = getattr(task, "partial_credit", False)
+    report = summarize(bench, examples, graded, seed=cfg.seed, task=bench_cfg.task.name, partial=partial)
     report.update(
         model=str(store.root),
         weights=None,

@@ -5,7 +5,8 @@ separated, each with ``lo <= x < hi`` and ``x % m == r`` (and pairwise different
 ``distinct``). Every prompt has between ``min_solutions`` and ``max_solutions`` such integers,
 so many completions are correct: the policy can stay spread over them, which keeps the
 behaviour's probability mass outside its top-K list large (what the top-K estimators and SIS
-need to be tested on). Reward 1 iff the whole completion is correct.
+need to be tested on). Reward 1 iff the whole completion is correct; with ``credit: partial``
+the fraction of its numbers that are correct (configs/lab-credit.yaml: 200 numbers, each graded).
 
 With ``scratch_max > 0`` a completion first holds a scratchpad: ``scratch_min`` to ``scratch_max``
 integers (any integers: the reward reads only their count), then ``=``, then the answer. A
@@ -42,6 +43,7 @@ from masktrl.tasks.base import Example, register_task
 from masktrl.tasks.synthetic import SyntheticTask, int_option
 
 ALPHABET = "0123456789 ="
+CREDITS = ("all", "partial")  # reward 1 iff every number is correct; or the fraction that are
 SCRATCH_VALUES = ("range", "solutions")
 SCRATCH_POSITIONS = (
     "before",
@@ -103,6 +105,17 @@ def is_correct(
     return all(lo <= x < hi and x % m == r for x in xs)
 
 
+def partial_credit(lo: int, hi: int, m: int, r: int, completion: str, answers: int) -> float:
+    """The fraction of a completion's numbers that are correct, each graded on its own: the words
+    among its first ``answers`` that are integers x with lo <= x < hi and x = r (mod m), over
+    ``answers`` or over its word count when it has more (extra words count as wrong). A missing
+    number (EOS before ``answers`` of them) counts as wrong; a completion that is not a string
+    scores 0."""
+    words = completion.split() if isinstance(completion, str) else []
+    good = sum(w.isdecimal() and w.isascii() and lo <= int(w) < hi and int(w) % m == r for w in words[:answers])
+    return good / max(answers, len(words))
+
+
 @register_task("residues")
 class ResidueTask(SyntheticTask):
     """``lo hi m r =`` -> ``answers`` integers x with lo <= x < hi and x = r (mod m).
@@ -132,6 +145,12 @@ class ResidueTask(SyntheticTask):
             rest weighing 1 (a weighted mean of the target tokens' cross-entropies): the 4 answer
             tokens among ~220 scratchpad tokens otherwise get ~2% of the loss. Default 1 (the plain
             mean). Other values need a scratchpad.
+        credit: ``all`` (the default): reward 1 iff the whole completion is correct; ``partial``: the
+            fraction of its ``answers`` numbers that are correct, each graded on its own
+            (:func:`partial_credit`), so every token of a long answer carries signal
+            (configs/lab-credit.yaml). The held-out accuracy is then the mean credit. ``partial``
+            grades numbers one at a time, so it does not combine with ``distinct``, ``ascending``,
+            ``max_answers`` or a scratchpad.
         n_test: size of the held-out split. Default 500.
         seed: seed of the held-out split (training samples come from the caller's rng).
     """
@@ -154,6 +173,7 @@ class ResidueTask(SyntheticTask):
         scratch_values: str = "range",
         scratch_position: str = "before",
         answer_weight: float = 1,
+        credit: str = "all",
         n_test: int = 500,
         seed: int = 0,
     ) -> None:
@@ -202,6 +222,24 @@ class ResidueTask(SyntheticTask):
         if answer_weight != 1 and not self.scratch_max:
             raise ConfigError(f"residues: answer_weight={answer_weight} needs a scratchpad (scratch_max > 0)")
         self.answer_weight = float(answer_weight)
+        if credit not in CREDITS:
+            raise ConfigError(f"residues: credit must be one of {', '.join(CREDITS)}, got {credit!r}")
+        joint = [
+            name
+            for name, on in (
+                ("distinct", distinct),
+                ("ascending", ascending),
+                ("max_answers", self.max_answers != self.answers),
+                ("a scratchpad", bool(self.scratch_max)),
+            )
+            if on
+        ]
+        if credit == "partial" and joint:
+            raise ConfigError(
+                f"residues: credit=partial grades each number on its own; it does not combine with {', '.join(joint)}"
+            )
+        self.credit = credit
+        self.partial_credit = credit == "partial"  # read by the held-out accuracy and eval's avg@k
         self.n_test = _int_option("n_test", n_test, 1, 100_000)
         self.seed = _int_option("seed", seed, -(2**63), 2**63 - 1)
         self._draw_split(self.n_test)
@@ -216,6 +254,8 @@ class ResidueTask(SyntheticTask):
 
     # ----------------------------------------------------------------- Task protocol (and SyntheticTask's)
     def score(self, example: Example, completion: str) -> float:
+        if self.partial_credit:
+            return partial_credit(*parse_prompt(example.prompt), completion, self.answers)
         return float(
             is_correct(
                 *parse_prompt(example.prompt),
