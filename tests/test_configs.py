@@ -66,6 +66,7 @@ def test_the_shipped_files_are_the_bases_the_overlays_the_tiny_presets_and_the_l
         "lab-long.yaml",
         "lab-long200.yaml",
         "lab-scratch.yaml",
+        "lab-credit.yaml",
         "lab-moe.yaml",
         "lab-deep.yaml",
         "agentic.yaml",

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from masktrl.config import SYNTHETIC_TASKS, from_dict
@@ -231,3 +232,28 @@ def test_heldout_accuracy_is_the_mean_credit(monkeypatch):
     assert evaluation.heldout_accuracy(None, None, task, examples, settings, greedy=False) == pytest.approx(7 / 12)
     binary = ResidueTask(answers=4, n_test=3)
     assert evaluation.heldout_accuracy(None, None, binary, examples, settings, greedy=False) == pytest.approx(1 / 3)
+
+
+def test_a_partial_credit_run_trains_and_evaluates_its_mean_credit(tmp_path):
+    """configs/lab-credit.yaml's task on the tiny model: the rewards and the held-out accuracy are
+    mean credits (not only 0 and 1), and ``eval task`` reports avg@k as the mean score."""
+    overlay = {
+        "model": {"tokenizer": "numbers"},
+        "task": {"name": "residues", "n_test": 12, "options": {"answers": 6, "credit": "partial"}},
+        "rollout": {"max_new_tokens": 7},
+    }
+    write_tiny_config(tmp_path / "c.yaml", overlay)
+    cli("train", "--config", tmp_path / "c.yaml", "--out", tmp_path / "o", "--run", "credit")
+    run = tmp_path / "o" / "credit"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0 <= summary["eval_before"] <= 1
+    table = pq.read_table(run / "steps" / "000001" / "rollouts.parquet").to_pydict()
+    fractions = {k / n for n in (6, 7) for k in range(n + 1)}  # 7 words without EOS: the 7th counts as wrong
+    assert all(min(abs(r - f) for f in fractions) < 1e-9 for r in table["reward"])
+    assert rows[0]["reward_mean"] == pytest.approx(np.mean(table["reward"]), rel=1e-5)  # stored as float32
+    cli("eval", "task", "--model", run, "--k", 2)
+    r = json.loads((run / "eval" / "task-step2.json").read_text())
+    assert r["credit"] == "partial"
+    assert r["avg_at_k"] == pytest.approx(np.mean([np.mean(p["scores"]) for p in r["problems"]]), abs=1e-6)  # 6 digits
+    assert all(p["correct"] == sum(s == 1 for s in p["scores"]) for p in r["problems"])
