@@ -22,9 +22,9 @@ is recorded beside its time, so the JSON shows whether a variant's run is the ba
     python benchmarks/runs_per_cpu_hour.py --presets lab --steps 20 --rounds 1     # a quick look
 
 The presets: ``lab``, ``long`` (48-64-token answers) and ``agentic`` by default; ``moe``, ``deep``,
-``long200`` (200-240-token answers) and ``scratch`` (a 200-integer scratchpad before the answer) on
-request. A preset the baseline tree does not have (the agentic, deep, long200 and scratch labs at
-19f900d) is timed on this tree only.
+``long200`` (200-240-token answers), ``scratch`` (a 200-integer scratchpad before the answer) and
+``credit`` (200 numbers, each graded) on request. A preset the baseline tree does not have (the
+agentic, deep, long200, scratch and credit labs at 19f900d) is timed on this tree only.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ PRESETS = {  # name -> the --config files, relative to the tree
     "deep": ["configs/lab.yaml", "configs/lab-deep.yaml"],
     "scratch": ["configs/lab.yaml", "configs/lab-scratch.yaml"],
     "long200": ["configs/lab.yaml", "configs/lab-long200.yaml"],
+    "credit": ["configs/lab.yaml", "configs/lab-credit.yaml"],
 }
 DEFAULT_PRESETS = "lab,long,agentic"
 DEFAULT_VARIANTS = "default,fast"  # fast-packed on request (--variants)
