@@ -257,3 +257,17 @@ def test_a_partial_credit_run_trains_and_evaluates_its_mean_credit(tmp_path):
     assert r["credit"] == "partial"
     assert r["avg_at_k"] == pytest.approx(np.mean([np.mean(p["scores"]) for p in r["problems"]]), abs=1e-6)  # 6 digits
     assert all(p["correct"] == sum(s == 1 for s in p["scores"]) for p in r["problems"])
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"credit": "some"}, "residues: credit must be one of all, partial, got 'some'"),
+        ({"credit": "partial", "distinct": True}, "credit=partial grades each number on its own"),
+    ],
+)
+def test_a_bad_credit_is_one_line_and_writes_nothing(tmp_path, cli_error, options, message):
+    overlay = {**RESIDUES, "task": {**RESIDUES["task"], "options": {"answers": 2, **options}}}
+    write_tiny_config(tmp_path / "c.yaml", overlay)
+    assert message in cli_error("train", "--config", tmp_path / "c.yaml", "--out", tmp_path / "o")
+    assert not (tmp_path / "o").exists()
