@@ -274,7 +274,7 @@ def summarize(
     scores = np.array(graded.scores, dtype=float)  # [P, k]
     correct = scores >= 1 if partial else scores > 0
     k = correct.shape[1]
-    per_problem = scores.mean(axis=1) if partial else avg_at_k(correct, per_problem=True)  # [P]
+    per_problem = scores.mean(axis=1) if partial else np.asarray(avg_at_k(correct, per_problem=True))  # [P]
     low, high = bootstrap_ci(per_problem, n_boot=10000, seed=seed)
     ks = sorted({*(2**i for i in range(k.bit_length()) if 2**i <= k), k})
     report = {
