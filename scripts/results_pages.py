@@ -473,6 +473,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "probes": probes,
     "runs-per-cpu-hour": runs_per_cpu_hour,
     "runs-per-cpu-hour-new-labs": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_new_labs.json"),
+    "runs-per-cpu-hour-credit": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_credit.json"),
     "runs-per-cpu-hour-lab": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab.json"),
     "runs-per-cpu-hour-lab-packed": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_packed.json"),
     "gpu-check": gpu_check,
