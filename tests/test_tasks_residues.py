@@ -426,7 +426,7 @@ def test_credit_partial_preset_configs_lab_credit():
     """configs/lab-credit.yaml: 200 numbers (repeats allowed), each graded; targets score 1."""
     cfg = load_config(["configs/lab.yaml", "configs/lab-credit.yaml"])
     task = make_task(cfg.task, cfg.model)
-    assert task.partial_credit and task.answers == 200 and not task.distinct
+    assert task.partial_scores and task.answers == 200 and not task.distinct
     assert cfg.rollout.max_new_tokens == 201
     for ex in task.train_examples(30, random.Random(1)):
         xs = ex.answer.split()
@@ -435,7 +435,7 @@ def test_credit_partial_preset_configs_lab_credit():
 
 
 def test_credit_option_is_validated_and_all_by_default():
-    assert not ResidueTask(n_test=5).partial_credit
+    assert not ResidueTask(n_test=5).partial_scores
     a = ResidueTask(n_test=10).train_examples(20, random.Random(3))
     b = ResidueTask(n_test=10, credit="partial").train_examples(20, random.Random(3))
     assert [e.answer for e in a] == [e.answer for e in b]  # the targets do not depend on the credit

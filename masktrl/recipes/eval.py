@@ -32,6 +32,7 @@ from masktrl.rl.evaluation import (
     reward_name,
     sample_and_grade,
     save,
+    scores_are_partial,
     seed_name,
     summarize,
     template_label,
@@ -158,9 +159,7 @@ def run(
         )
     finally:
         task.close()
-    report = summarize(
-        bench, examples, graded, seed=opts.seed, task=cfg.task.name, partial=getattr(task, "partial_credit", False)
-    )
+    report = summarize(bench, examples, graded, seed=opts.seed, task=cfg.task.name, partial=scores_are_partial(task))
     report.update(
         model=ref.label,
         weights=ref.weights,

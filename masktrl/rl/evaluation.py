@@ -215,7 +215,7 @@ def sample_and_grade(
                 else:
                     column.append(list(values))
         if progress and last:
-            partial = getattr(task, "partial_credit", False)
+            partial = scores_are_partial(task)
             acc = float(np.mean([s if partial else s > 0 for row in out.scores for s in row]))
             progress.update(bar, advance=len(chunk), info=f"avg@{settings.n} {acc:.3f}")
     return out
@@ -352,15 +352,22 @@ def save(report: dict, path: Path, store: RunStore | None, bench: str, step: int
         store.mark_done(eval_key(bench, step), [path], avg_at_k=report["avg_at_k"], k=report["k"])
 
 
+def scores_are_partial(task) -> bool:
+    """Whether ``task`` grades with partial credit (a score in [0, 1] per completion, not right or
+    wrong): its ``partial_scores`` attribute (tasks/residues.py with ``credit: partial``), False
+    for a task without one. The held-out accuracy and eval's avg@k are then mean scores."""
+    return bool(getattr(task, "partial_scores", False))
+
+
 def heldout_accuracy(
     engine, tokenizer, task, examples, settings: SamplingSettings, greedy: bool, chat_template=False, seed=0
 ) -> float:
     """eval_before / eval_after: the fraction of ``examples`` (the task's held-out split) answered
     correctly with one completion each, greedy or sampled; for a task graded with partial credit
-    (``task.partial_credit``) the mean score."""
+    (``scores_are_partial``) the mean score."""
     _, _, texts = sample(engine, tokenizer, examples, replace(settings, n=1, greedy=greedy), seed, chat_template)
     scores = [score for (score,) in grade(task, examples, texts)]
-    if getattr(task, "partial_credit", False):
+    if scores_are_partial(task):
         return sum(scores) / max(1, len(examples))
     return sum(score > 0 for score in scores) / max(1, len(examples))
 
@@ -434,7 +441,7 @@ def _bench_report(
         )
     finally:
         task.close()
-    partial = getattr(task, "partial_credit", False)
+    partial = scores_are_partial(task)
     report = summarize(bench, examples, graded, seed=cfg.seed, task=bench_cfg.task.name, partial=partial)
     report.update(
         model=str(store.root),

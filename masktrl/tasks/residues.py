@@ -239,7 +239,7 @@ class ResidueTask(SyntheticTask):
                 f"residues: credit=partial grades each number on its own; it does not combine with {', '.join(joint)}"
             )
         self.credit = credit
-        self.partial_credit = credit == "partial"  # read by the held-out accuracy and eval's avg@k
+        self.partial_scores = credit == "partial"  # rl/evaluation.py: scores_are_partial
         self.n_test = _int_option("n_test", n_test, 1, 100_000)
         self.seed = _int_option("seed", seed, -(2**63), 2**63 - 1)
         self._draw_split(self.n_test)
@@ -254,7 +254,7 @@ class ResidueTask(SyntheticTask):
 
     # ----------------------------------------------------------------- Task protocol (and SyntheticTask's)
     def score(self, example: Example, completion: str) -> float:
-        if self.partial_credit:
+        if self.partial_scores:
             return partial_credit(*parse_prompt(example.prompt), completion, self.answers)
         return float(
             is_correct(
