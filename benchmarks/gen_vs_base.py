@@ -11,6 +11,12 @@ median over ``--rounds`` rounds, and its ratio to the baseline's ``generate``. T
 sizes: 64 rows (8 prompts: benchmarks/roofline.py's lab shape, one training micro-batch) and
 512 rows (64 prompts: the batch a lab step generates).
 
+``floor`` is not an engine but the operations a batch's records cannot do without, on tensors
+of the batch's shapes and nothing else (``FLOOR_CHILD``): the model's GEMMs, the attention, and
+per step ``log_softmax``, the top-K list, the inverse-CDF draw and the sampled token's log mu,
+then the records' conversion to lists. Its tokens per CPU-second over the baseline's is the most
+any eager loop that records the same lists with torch's kernels can reach on the machine.
+
     python benchmarks/gen_vs_base.py --json benchmarks/results/gen_vs_base.json
     python benchmarks/gen_vs_base.py --base /path/to/old/checkout --rows 512 --rounds 5
     python benchmarks/gen_vs_base.py --ops --json benchmarks/results/gen_ops.json   # single operations
@@ -36,6 +42,7 @@ VARIANTS = {  # name -> HFEngine keywords (this tree); the baseline runs "genera
     "fused": {"decode": "fused"},
     "fused+inverse_cdf": {"decode": "fused", "draw": "inverse_cdf"},
     "drop_finished+inverse_cdf": {"drop_finished": True, "draw": "inverse_cdf"},
+    "floor": None,  # not an engine: FLOOR_CHILD, the arithmetic any loop recording these lists must run
 }
 
 CHILD = r"""
@@ -74,6 +81,80 @@ print(json.dumps({"cpu_s": cpu, "wall_s": wall, "tokens": tokens, "rows": len(pr
 """
 
 
+# The floor of a batch: only the operations whose results the records are made of or that produce
+# them, on tensors of the batch's shapes, one after another with nothing else in between: every
+# Linear of the model (the shared prefill's on each prompt's tokens once, then one per decode step
+# on every row), the attention at each step's key length, and per step log_softmax, the top-K
+# list, the inverse-CDF draw (the cheapest exact draw masktrl has) and the sampled token's log mu;
+# then the records' conversion to Python lists. No norms, rotary embedding, residual adds,
+# activation, embedding, Python loop or bookkeeping: a lower bound on the CPU time of any eager
+# implementation that records the same lists with the same GEMMs.
+FLOOR_CHILD = r"""
+import json, random, sys, time
+import torch
+import torch.nn.functional as F
+torch.set_num_threads(1)
+from masktrl.config import load_config
+from masktrl.models.tiny import TinyModelConfig, build_tiny_model, tiny_tokenizer
+from masktrl.rollout.draw import draw_buffer, inverse_cdf
+from masktrl.tasks import make_task
+
+config, prompts_n, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+cfg = load_config(config)
+m, r = cfg.model, cfg.rollout
+task = make_task(cfg.task, cfg.model)
+tok = tiny_tokenizer(m.tokenizer, task.alphabet())
+shape = TinyModelConfig(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size)
+model = build_tiny_model(tok, shape, 0).to(torch.float32).eval()
+examples = task.train_examples(prompts_n, random.Random(0))
+width = max(len(tok(ex.prompt, add_special_tokens=False)["input_ids"]) for ex in examples)
+c = model.config
+rows, steps, k, vocab = prompts_n * r.n, r.max_new_tokens, r.logprobs_k, c.vocab_size
+hq, hk, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+linears = [mod.weight for layer in model.model.layers for mod in layer.modules() if isinstance(mod, torch.nn.Linear)]
+head = model.lm_head.weight
+g = torch.Generator().manual_seed(0)
+def x_of(n, w):
+    return torch.randn(n, w.shape[1], generator=g)
+pre_x = [x_of(prompts_n * (width - 1), w) for w in linears]
+step_x = [x_of(rows, w) for w in linears]
+hid = torch.randn(rows, head.shape[1], generator=g)
+pre_q = torch.randn(prompts_n, hq, width - 1, d, generator=g)
+pre_kv = torch.randn(prompts_n, hk, width - 1, d, generator=g)
+q = torch.randn(rows, hq, 1, d, generator=g)
+keys = torch.randn(rows, hk, width + steps, d, generator=g)
+buf = draw_buffer(rows, vocab, "cpu")
+def batch():
+    with torch.no_grad():
+        for w, x in zip(linears, pre_x):
+            F.linear(x, w)
+        for _ in c.layer_types:
+            F.scaled_dot_product_attention(pre_q, pre_kv, pre_kv, is_causal=True, enable_gqa=True)
+        ids, logp, top_ids, top_lp = [], [], [], []
+        for t in range(steps):
+            for w, x in zip(linears, step_x):
+                F.linear(x, w)
+            kv = keys[:, :, : width + t]
+            for _ in c.layer_types:
+                F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+            lp = torch.log_softmax(F.linear(hid, head), -1)
+            vals, idx = lp.topk(k, -1)
+            nxt = inverse_cdf(lp, buf)
+            ids.append(nxt)
+            logp.append(lp.gather(1, nxt[:, None]).squeeze(1))
+            top_ids.append(idx)
+            top_lp.append(vals)
+        for part in (ids, logp, top_ids, top_lp):
+            torch.stack(part, 1).tolist()
+batch()
+c0, w0 = time.process_time(), time.perf_counter()
+for _ in range(reps):
+    batch()
+cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+print(json.dumps({"cpu_s": cpu, "wall_s": wall, "tokens": reps * rows * steps, "rows": rows}))
+"""
+
+
 def extract(commit: str, into: Path) -> Path:
     """The tree of ``commit`` (``git archive``) under ``into``."""
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], check=True, capture_output=True).stdout
@@ -81,11 +162,13 @@ def extract(commit: str, into: Path) -> Path:
     return into
 
 
-def measure(tree: Path, prompts: int, reps: int, engine_kw: dict) -> dict:
+def measure(tree: Path, prompts: int, reps: int, engine_kw: dict | None) -> dict:
+    """One child process's timed batches: the engine with ``engine_kw``, or the floor (None)."""
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     config = str(ROOT / "configs" / "lab.yaml")
+    child = [CHILD, config, str(prompts), str(reps), json.dumps(engine_kw)] if engine_kw is not None else None
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, config, str(prompts), str(reps), json.dumps(engine_kw)],
+        [sys.executable, "-c", *(child or [FLOOR_CHILD, config, str(prompts), str(reps)])],
         cwd=tree,
         env=env,
         check=True,

@@ -380,6 +380,7 @@ GEN_VARIANTS = {  # gen_vs_base.py's variant -> its row label in docs/BENCHMARKS
     "fused": "`decode: fused` (bit-identical)",
     "fused+inverse_cdf": "`decode: fused`, `draw: inverse_cdf`",
     "drop_finished+inverse_cdf": "`drop_finished`, `draw: inverse_cdf`",
+    "floor": "floor: the records' operations alone (not an engine)",
 }
 
 
@@ -438,11 +439,24 @@ def _gen_ops_figures(root: Path) -> dict[str, str]:
 def _gen_figures(root: Path) -> dict[str, str]:
     """``gen.<variant>.<rows>`` (``+`` in a variant's name as ``-``): its tokens per CPU-second over the base's."""
     rows = _load(root, "gen_vs_base.json")["rows"]
-    return {
+    out = {
         f"gen.{r['variant'].replace('+', '-')}.{r['rows']}": f"{r['ratio_vs_base_cpu']:.2f}x"
         for r in rows
         if ":" not in r["variant"]
     }
+    # the floor (gen_vs_base.py's FLOOR_CHILD): its rounds' spread over the base's median, and the share of it the
+    # fused loop with the inverse-CDF draw reaches
+    for n in sorted({r["rows"] for r in rows}):
+        by = {r["variant"]: r for r in rows if r["rows"] == n}
+        if "floor" not in by:
+            continue
+        base = by["base:generate"]["tokens_per_cpu_s"]
+        rounds = [x["tokens"] / x["cpu_s"] / base for x in by["floor"]["runs"]]
+        out[f"gen.floor.{n}.rounds"] = f"{min(rounds):.2f}x to {max(rounds):.2f}x"
+        if "fused+inverse_cdf" in by:
+            share = by["fused+inverse_cdf"]["tokens_per_cpu_s"] / by["floor"]["tokens_per_cpu_s"]
+            out[f"gen.fused-inverse_cdf.{n}.of-floor"] = f"{100 * share:.0f} %"
+    return out
 
 
 def probes(root: Path) -> str:

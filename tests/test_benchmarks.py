@@ -180,3 +180,13 @@ def test_vs_trl_goal_is_the_cpu_ratio_with_the_default_settings(common, shape):
     want = {"default": (4.5, 2.0, True), "long": (2.25, 2.5, False)}[shape]
     assert (out["default_cpu_time_ratio"], out["goal"], out["goal_met"]) == pytest.approx(want)
     assert out["default_side"] == vs.DEFAULT_SIDE[shape]
+
+
+def test_gen_vs_base_floor_runs_the_batch_shape(common):
+    """gen_vs_base.py's floor (the records' operations alone) runs as a child process on the lab's
+    shape and counts the tokens a batch of that shape records: rows x new tokens per batch."""
+    gen = importlib.import_module("gen_vs_base")
+    assert gen.VARIANTS["floor"] is None  # not an engine: measure() runs FLOOR_CHILD for it
+    out = gen.measure(gen.ROOT, 1, 2, None)  # 1 prompt x 8 samples, 2 timed batches
+    assert out["rows"] == 8 and out["tokens"] == 2 * 8 * 5  # configs/lab.yaml: n = 8, max_new_tokens = 5
+    assert out["cpu_s"] > 0
