@@ -47,11 +47,13 @@ from masktrl.errors import MasktrlError
 from masktrl.models.kvcache import cache_kwarg, new_cache
 from masktrl.models.leanstep import lean_step
 from masktrl.models.prefix_attention import shared_prefix
+from masktrl.rollout.topp import sort_free
 
 ROW_FREE = frozenset(
     {  # transformers' processors whose output depends only on the rows they are given
         "TemperatureLogitsWarper",
         "TopPLogitsWarper",
+        "SortFreeTopP",  # rollout/topp.py: TopPLogitsWarper's scores
         "TopKLogitsWarper",
         "MinPLogitsWarper",
         "TypicalLogitsWarper",
@@ -180,7 +182,8 @@ def growing_cache(cache, spare: int):
 def logits_processors(model: torch.nn.Module, generate_kwargs: dict, input_ids: torch.Tensor, attention: torch.Tensor):
     """The generation config and the logits processors ``model.generate(input_ids, **generate_kwargs)``
     would use for left-padded rows ``input_ids`` with mask ``attention`` (transformers' own
-    construction, so the model's ``generation_config`` counts too)."""
+    construction, so the model's ``generation_config`` counts too), a top-p warper among them
+    computed by ``SortFreeTopP`` (the same scores, bit for bit)."""
     config, _ = model._prepare_generation_config(None, **generate_kwargs)
     model._prepare_special_tokens(config, True, device=input_ids.device)
     processors = model._get_logits_processor(
@@ -190,7 +193,7 @@ def logits_processors(model: torch.nn.Module, generate_kwargs: dict, input_ids: 
         device=input_ids.device,
         model_kwargs={"attention_mask": attention},
     )
-    return config, processors
+    return config, sort_free(processors)  # the same scores; top-p without its index sort (rollout/topp.py)
 
 
 def _attribute_selector(processor, attr: str):
