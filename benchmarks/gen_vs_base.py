@@ -20,6 +20,7 @@ any eager loop that records the same lists with torch's kernels can reach on the
     python benchmarks/gen_vs_base.py --json benchmarks/results/gen_vs_base.json
     python benchmarks/gen_vs_base.py --base /path/to/old/checkout --rows 512 --rounds 5
     python benchmarks/gen_vs_base.py --ops --json benchmarks/results/gen_ops.json   # single operations
+    python benchmarks/gen_vs_base.py --top-p 0.9 --variants generate,fused --rows 512   # nucleus sampling
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from masktrl.rollout.hf import HFEngine
 from masktrl.tasks import make_task
 
 config, prompts_n, reps, engine_kw = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+top_p = float(sys.argv[5]) if len(sys.argv) > 5 else None
 cfg = load_config(config)
 m = cfg.model
 task = make_task(cfg.task, cfg.model)
@@ -66,7 +68,11 @@ examples = task.train_examples(prompts_n, random.Random(0))
 prompts = [tok(ex.prompt, add_special_tokens=False)["input_ids"] for ex in examples]
 r = cfg.rollout
 settings = SamplingSettings(
-    n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, logprobs_k=r.logprobs_k
+    n=r.n,
+    max_new_tokens=r.max_new_tokens,
+    temperature=r.temperature,
+    top_p=r.top_p if top_p is None else top_p,
+    logprobs_k=r.logprobs_k,
 )
 engine = HFEngine(model, tok, **engine_kw)
 engine.generate(prompts, settings, seed=0)
@@ -162,11 +168,14 @@ def extract(commit: str, into: Path) -> Path:
     return into
 
 
-def measure(tree: Path, prompts: int, reps: int, engine_kw: dict | None) -> dict:
-    """One child process's timed batches: the engine with ``engine_kw``, or the floor (None)."""
+def measure(tree: Path, prompts: int, reps: int, engine_kw: dict | None, top_p: float = 1.0) -> dict:
+    """One child process's timed batches: the engine with ``engine_kw`` sampling with ``top_p``,
+    or the floor (None; top-p 1)."""
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     config = str(ROOT / "configs" / "lab.yaml")
-    child = [CHILD, config, str(prompts), str(reps), json.dumps(engine_kw)] if engine_kw is not None else None
+    child = (
+        [CHILD, config, str(prompts), str(reps), json.dumps(engine_kw), repr(top_p)] if engine_kw is not None else None
+    )
     out = subprocess.run(
         [sys.executable, "-c", *(child or [FLOOR_CHILD, config, str(prompts), str(reps)])],
         cwd=tree,
@@ -227,12 +236,17 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=5, help="timed batches per process (after one warm-up)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="this tree's variants, comma-separated")
     p.add_argument("--ops", action="store_true", help="only the single operations' CPU times (512 x 2,004)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling for every engine (the lab's: 1)")
     args = p.parse_args(argv)
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.ops:
         result = {"ops_cpu_ms": op_times(), "command": "python benchmarks/gen_vs_base.py --ops", "machine": machine()}
         write_json(args.json, result)
         return result
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.top_p < 1 and "floor" in variants:
+        p.error("the floor has no top-p cut: leave it out of --variants with --top-p")
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(args.base) if args.base else extract(BASE_COMMIT, Path(tmp))
@@ -242,7 +256,7 @@ def main(argv=None) -> dict:
             per: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
             for r in range(args.rounds):
                 for name, tree, kw in runs if r % 2 == 0 else list(reversed(runs)):
-                    per[name].append(measure(tree, rows // 8, args.reps, kw))
+                    per[name].append(measure(tree, rows // 8, args.reps, kw, args.top_p))
                     last = per[name][-1]
                     print(
                         f"  {rows:4d} rows  {name:28s} {last['tokens'] / last['cpu_s']:9,.0f} tokens/CPU-s", flush=True
@@ -278,6 +292,7 @@ def main(argv=None) -> dict:
         threads=1,
         rounds=args.rounds,
         reps=args.reps,
+        top_p=args.top_p,
         rows=rows_out,
     )
 

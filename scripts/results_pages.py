@@ -384,14 +384,16 @@ GEN_VARIANTS = {  # gen_vs_base.py's variant -> its row label in docs/BENCHMARKS
 }
 
 
-def gen_vs_base(root: Path) -> str:
+def gen_vs_base(root: Path, name: str = "gen_vs_base.json") -> str:
     """docs/BENCHMARKS.md's generation tokens per CPU-second against the base commit (benchmarks/gen_vs_base.py)."""
-    data = _load(root, "gen_vs_base.json")
+    data = _load(root, name)
     m = data["machine"]
+    top_p = data.get("top_p", 1.0)
+    sampling = f" Every engine samples with top-p {top_p:g}." if top_p < 1 else ""
     lines = [
         f"Machine: {m['cores']}-core {m['cpu']}, {data['threads']} torch thread per process "
         f"(1-minute load average {data['loadavg_1m_start']:.1f} at the start, {m['loadavg_1m']:.1f} at the "
-        f"end, {m['time']}); {data['rounds']} rounds of {data['reps']} batches.",
+        f"end, {m['time']}); {data['rounds']} rounds of {data['reps']} batches.{sampling}",
         "",
         f"| rows | variant | tokens per CPU-s | vs {data['base']} (CPU) | vs {data['base']} (wall) |",
         "|---:|---|---:|---:|---:|",
@@ -492,6 +494,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "runs-per-cpu-hour-lab-packed": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_packed.json"),
     "gpu-check": gpu_check,
     "gen-vs-base": gen_vs_base,
+    "gen-vs-base-topp": partial(gen_vs_base, name="gen_vs_base_topp.json"),
     "vs-trl": vs_trl,
     "roofline-training": roofline_training,
     "mismatch-reuse": mismatch_reuse,
