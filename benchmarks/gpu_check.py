@@ -30,9 +30,13 @@ What it does, in order (one JSON of results at the end, ``--json``):
 5. **ZeRO-2 kill and resume** (``--no-zero2`` skips it): ``accelerate launch`` with DeepSpeed
    ZeRO-2 (``--accelerate-config``, one process; the transformers engine and a quarter of the
    rollout batch: this checks the resume, not speed), an uninterrupted 3-step run and one SIGKILLed
-   during step 2's update (``MASKTRL_CRASH_AT=update:2``) then ``--resume``d; reported: the
-   largest weight difference between the two final checkpoints, whether the metrics (timings
-   aside) are identical, and the resume's wall time.
+   during step 2's update (``MASKTRL_CRASH_AT=update:2``) then ``--resume``d, each with a
+   checkpoint every step and only the newest kept (one is 12 GB at the GPU shape: bf16 weights
+   and DeepSpeed's fp32 optimizer state); reported: the largest weight difference between the
+   two final checkpoints, whether the metrics (timings aside) are identical, and the resume's
+   wall time. The three runs' output goes beside the JSON as it comes (``<json
+   stem>-zero2-full.log``, ``-zero2-crash.log``, ``-zero2-resume.log``), and the JSON's
+   ``zero2_resume`` after each run (``complete``: false until the comparison).
 
 The JSON is rewritten after every phase (``complete``: false until the end), so a check cut short
 by its timeout still leaves what it measured. Everything runs offline (``HF_HUB_OFFLINE=1``). Nothing here needs a GPU
@@ -314,17 +318,26 @@ def method_run(args, work: Path, model_dir: Path, data: Path, reward: Path, meth
     return result
 
 
-def zero2_resume(args, work: Path, model_dir: Path, data: Path, reward: Path) -> dict:
-    """An uninterrupted ZeRO-2 run and one killed in step 2's update then resumed: same result?"""
+def zero2_resume(args, work: Path, model_dir: Path, data: Path, reward: Path, progress=None) -> dict:
+    """An uninterrupted ZeRO-2 run and one killed in step 2's update then resumed: same result?
+    ``progress(partial)`` is called after each of the three runs with what is known so far (the
+    caller saves it: a check cut short by its timeout still says which run it was in)."""
     from safetensors.torch import load_file
+
+    partial: dict = {"ok": False, "complete": False}
+
+    def done(**facts) -> None:
+        partial.update(facts)
+        if progress is not None:
+            progress(dict(partial))
 
     steps = 3
     prompts, n, _, new_tokens = SIZES[args.shape]
     extra = {
-        "train": {
-            "checkpoint_every": 1,
-            "keep_steps": [],
-        },  # the check is the resume, not the throughput: a smaller batch
+        # a checkpoint every step (the crash run resumes from step 1's); only the newest kept: at the
+        # GPU shape one is 12 GB (bf16 weights + DeepSpeed's fp32 optimizer state)
+        "train": {"checkpoint_every": 1, "keep_steps": [], "keep_checkpoints": 1},
+        # the check is the resume, not the throughput: a smaller batch
         "rollout": {
             "prompts_per_step": max(2, prompts // 4),
             "n": max(2, n // 2),
@@ -345,17 +358,29 @@ def zero2_resume(args, work: Path, model_dir: Path, data: Path, reward: Path) ->
     ]
     out = work / "out"
     common = ["--config", str(cfg), "--out", str(out)]
+
+    def log(run: str) -> Path:  # beside the JSON, as the method runs' logs
+        return args.json.with_name(f"{args.json.stem}-{run}.log")
+
     t0 = time.time()
-    full = masktrl("train", *common, "--run", "zero2-full", launcher=launcher)
+    full = masktrl("train", *common, "--run", "zero2-full", launcher=launcher, log=log("zero2-full"))
     t_full = time.time() - t0
     if full.returncode != 0:
         return {"ok": False, "error": "uninterrupted run: " + (full.stderr or full.stdout)[-3000:]}
+    done(uninterrupted_wall_s=round(t_full, 1))
     crash = masktrl(
-        "train", *common, "--run", "zero2-crash", launcher=launcher, env={**_env(), "MASKTRL_CRASH_AT": "update:2"}
+        "train",
+        *common,
+        "--run",
+        "zero2-crash",
+        launcher=launcher,
+        env={**_env(), "MASKTRL_CRASH_AT": "update:2"},
+        log=log("zero2-crash"),
     )
     killed = crash.returncode != 0 and not (out / "zero2-crash" / "summary.json").exists()
+    done(killed=killed)
     t1 = time.time()
-    resumed = masktrl("train", "--resume", "zero2-crash", "--out", str(out), launcher=launcher)
+    resumed = masktrl("train", "--resume", "zero2-crash", "--out", str(out), launcher=launcher, log=log("zero2-resume"))
     t_resume = time.time() - t1
     if resumed.returncode != 0:
         return {"ok": False, "killed": killed, "error": "resume: " + (resumed.stderr or resumed.stdout)[-3000:]}
@@ -364,9 +389,10 @@ def zero2_resume(args, work: Path, model_dir: Path, data: Path, reward: Path) ->
     diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a) if a.keys() == b.keys() else float("inf")
     strip = lambda rows: [{k: v for k, v in row.items() if k not in TIMING} for row in rows]  # noqa: E731
     same_metrics = strip(_metrics(out / "zero2-full")) == strip(_metrics(out / "zero2-crash"))
-    shards = len(list((out / "zero2-crash" / "checkpoints" / "000001" / "deepspeed").rglob("*optim_states.pt")))
+    shards = len(list((out / "zero2-crash" / "checkpoints" / f"{steps:06d}" / "deepspeed").rglob("*optim_states.pt")))
     return {
         "ok": killed and diff == 0.0 and same_metrics,
+        "complete": True,
         "killed": killed,
         "deepspeed_optimizer_shards": shards,
         "max_abs_weight_diff": diff,
@@ -453,7 +479,12 @@ def main(argv=None) -> int:
         print(f"{method}: {json.dumps(results['runs'][method])[:400]}", flush=True)
         save(False)
     if args.zero2:
-        results["zero2_resume"] = zero2_resume(args, args.work, model_dir, data, reward)
+
+        def progress(partial: dict) -> None:
+            results["zero2_resume"] = partial
+            save(False)
+
+        results["zero2_resume"] = zero2_resume(args, args.work, model_dir, data, reward, progress)
         print(f"zero2: {json.dumps(results['zero2_resume'])[:400]}", flush=True)
     save(True)
     print(f"wrote {args.json} (ok={results['ok']}, {results['wall_s']} s)")

@@ -5,7 +5,8 @@
 # the trainer's log pi at the same weights, by response position), generated tokens/s, and a
 # DeepSpeed ZeRO-2 run killed and resumed. One JSON of results.
 #
-#   bash scripts/gpu_check.sh [RESULTS.json]        (default gpu_check.json)
+#   bash scripts/gpu_check.sh [RESULTS.json] [gpu_check.py options]   (default gpu_check.json)
+#   bash scripts/gpu_check.sh out.json --engine hf   (no vLLM on the machine: the rest, ZeRO-2 included)
 #
 # Needs: the CUDA build of torch, then pip install -e '.[vllm,deepspeed,data]' (vLLM, DeepSpeed,
 # datasets for the local JSON-lines task). Scratch files go to $MASKTRL_GPU_CHECK_WORK (default
@@ -18,14 +19,21 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
     echo "error: no NVIDIA GPU visible (nvidia-smi -L failed)" >&2
     exit 2
 fi
-missing=$("$python" - <<'PY'
+missing=$("$python" - "${@:2}" <<'PY'
 import importlib.util
-need = ["torch", "transformers", "vllm", "deepspeed", "accelerate", "datasets", "safetensors", "yaml"]
+import sys
+args = " ".join(sys.argv[1:]).replace("=", " ").split()
+need = ["torch", "transformers", "accelerate", "datasets", "safetensors", "yaml"]
+engine = args[args.index("--engine") + 1] if "--engine" in args[:-1] else "vllm"
+if engine == "vllm":  # the default engine; --engine hf checks the rest without it
+    need.append("vllm")
+if "--no-zero2" not in args:
+    need.append("deepspeed")
 print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
 PY
 )
 if [ -n "$missing" ]; then
-    echo "error: missing packages: $missing (pip install -e '.[vllm,deepspeed,data]')" >&2
+    echo "error: missing packages: $missing (pip install -e '.[vllm,deepspeed,data]'; without vLLM: --engine hf)" >&2
     exit 2
 fi
 "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {

@@ -3,7 +3,9 @@ engine, float32 or bf16. The GPU-only parts (vLLM, its sleep mode, CUDA) are the
 choice and the shape; everything else is the code the GPU runs."""
 
 import importlib
+import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -111,6 +113,33 @@ def test_the_script_refuses_without_a_gpu(tmp_path):
     )
 
 
+def test_the_script_needs_vllm_only_for_the_vllm_engine(tmp_path):
+    """With a stand-in nvidia-smi: the default check asks for vLLM (and DeepSpeed unless --no-zero2);
+    ``--engine hf --no-zero2`` passes the package check and stops at torch's missing CUDA."""
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM installed: nothing is missing")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable}
+
+    def script(*args):
+        cmd = ["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "r.json"), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env)
+
+    default = script()
+    assert default.returncode == 2 and default.stderr.startswith("error: missing packages:")
+    assert "vllm" in default.stderr.split("(")[0]
+    hf = script("--engine", "hf", "--no-zero2")
+    assert (
+        hf.returncode == 2 and hf.stderr.strip() == "error: torch sees no CUDA device (install the CUDA build of torch)"
+    )
+    hf_eq = script("--engine=hf", "--no-zero2")
+    assert hf_eq.returncode == 2 and "missing packages" not in hf_eq.stderr
+    assert not (tmp_path / "r.json").exists()
+
+
 @pytest.mark.slow
 def test_the_whole_check_on_cpu_with_zero2_kill_and_resume(gpu_check, tmp_path):
     """Three methods and the ZeRO-2 kill-and-resume (DeepSpeed on one CPU process, float32)."""
@@ -141,5 +170,9 @@ def test_the_whole_check_on_cpu_with_zero2_kill_and_resume(gpu_check, tmp_path):
     assert set(r["runs"]) == {"grpo", "pdm", "sis"} and all(run["weight_sync"]["sync_ok"] for run in r["runs"].values())
     z = r["zero2_resume"]
     assert (
-        z["killed"] and z["bit_identical_weights"] and z["metrics_identical"] and z["deepspeed_optimizer_shards"] == 1
+        z["complete"]
+        and z["killed"]
+        and z["bit_identical_weights"]
+        and z["metrics_identical"]
+        and z["deepspeed_optimizer_shards"] == 1
     )
