@@ -144,7 +144,19 @@ def runs_per_cpu_hour(root: Path, name: str = "runs_per_cpu_hour.json") -> str:
     return "\n".join(lines) + "\n"
 
 
-GPU_CHECKS = ("h200-hf-4steps.json", "h200-hf-2steps.json")  # benchmarks/results/gpu_check/, in the order run
+GPU_CHECKS = (  # benchmarks/results/gpu_check/, in the order run
+    "h200-hf-4steps.json",
+    "h200-hf-2steps.json",
+    "h100-zero2.json",
+    "h100-hf.json",
+    "h100-tiny-zero2.json",
+    "h100-zero2-try2.json",
+)
+ZERO2_RUNS = {  # gpu_check.py's ZeRO-2 runs, in order (each logs to <stem>-zero2-<run>.log): their names here
+    "full": "uninterrupted run",
+    "crash": "run to be killed",
+    "resume": "resume",
+}
 
 
 def _gpu_check_args(argv: list[str]):
@@ -156,18 +168,38 @@ def _gpu_check_args(argv: list[str]):
     return gpu_check.parse(argv)
 
 
+def _zero2_row(folder: Path, name: str, args, data: dict) -> str:
+    """The ZeRO-2 kill-and-resume phase of one GPU-check JSON as a table row."""
+    z = data.get("zero2_resume")
+    label = f"| {name} | ZeRO-2 kill + resume ({args.shape}) | 3 |"
+    # ended: compared (``complete``; JSONs before it had the comparison's fields only) or failed
+    if z is not None and ("error" in z or z.get("complete", "max_abs_weight_diff" in z)):
+        if z["ok"]:
+            return f"{label} ok: bit-identical weights and metrics after the resume | | | |"
+        if "error" in z:
+            return f"{label} failed: `{z['error'].strip().splitlines()[-1]}` | | | |"
+        return f"{label} not ok: killed {z['killed']}, weight difference {z['max_abs_weight_diff']:.3g} | | | |"
+    stem = Path(name).stem
+    started = [run for run in ZERO2_RUNS if (folder / f"{stem}-zero2-{run}.log").exists()]
+    where = f"in the {ZERO2_RUNS[started[-1]]} (log: `{stem}-zero2-{started[-1]}.log`)" if started else "(no log kept)"
+    return f"{label} no result: the check was cut short {where} | | | |"
+
+
 def gpu_check(root: Path) -> str:
-    """docs/BENCHMARKS.md's GPU-check runs (benchmarks/gpu_check.py JSONs), one row per method asked for."""
+    """docs/BENCHMARKS.md's GPU-check runs (benchmarks/gpu_check.py JSONs), one row per method asked
+    for and one for the ZeRO-2 phase; then one line per machine and software."""
+    folder = root / BENCH / "gpu_check"
     lines = [
         "| JSON | method | steps | result | step s (median) | generated tokens/s "
         "| sync: mean \\|Δ log p\\| synced → start |",
         "|---|---|---|---|---|---|---|",
     ]
+    machines: dict[str, list[str]] = {}
     for name in GPU_CHECKS:
-        data = json.loads((root / BENCH / "gpu_check" / name).read_text())
+        data = json.loads((folder / name).read_text())
         args = _gpu_check_args(data["argv"])
         steps = args.steps
-        for method in args.methods.split(","):
+        for method in [m for m in args.methods.split(",") if m]:
             r = data["runs"].get(method)
             if r is None:
                 lines.append(f"| {name} | {method} | {steps} | no result: the check was cut short | | | |")
@@ -180,13 +212,17 @@ def gpu_check(root: Path) -> str:
                     f"| {r['generation_tokens_per_s']:,.0f} | {sync['at_synced_weights']['mean_abs_dlogp']:.4f} → "
                     f"{sync['at_starting_weights']['mean_abs_dlogp']:.4f} ({'ok' if sync['sync_ok'] else 'not ok'}) |"
                 )
-    v = json.loads((root / BENCH / "gpu_check" / GPU_CHECKS[0]).read_text())["versions"]
-    lines += [
-        "",
-        f"{v['gpu']} ({v['gpu_memory_gib']:.0f} GiB), Python {v['python']}, torch {v['torch']}, "
-        f"transformers {v['transformers']}, accelerate {v['accelerate']}; vLLM "
-        f"{v['vllm'] or 'absent'}, DeepSpeed {v['deepspeed'] or 'absent'}.",
-    ]
+        if args.zero2:
+            lines.append(_zero2_row(folder, name, args, data))
+        v = data["versions"]
+        machine = (
+            f"{v['gpu']} ({v['gpu_memory_gib']:.0f} GiB), Python {v['python']}, torch {v['torch']}, "
+            f"transformers {v['transformers']}, accelerate {v['accelerate']}; vLLM "
+            f"{v['vllm'] or 'absent'}, DeepSpeed {v['deepspeed'] or 'absent'}"
+        )
+        machines.setdefault(machine, []).append(name)
+    lines.append("")
+    lines += [f"- {', '.join(names)}: {machine}." for machine, names in machines.items()]
     return "\n".join(lines) + "\n"
 
 

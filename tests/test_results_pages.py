@@ -89,3 +89,23 @@ def test_the_check_fails_on_a_planted_breach_in_a_copy_of_the_repository(tmp_pat
     assert "README.md: figure 'disk.qwen3-4b.whole' is '0.9 TB'" in err and "has 2 values" in err
     assert rp.main(["--write", "--root", str(tmp_path)]) == 0  # the figure rewritten from its data
     assert "0.9 TB" not in readme.read_text()
+
+
+def test_the_gpu_checks_zero2_row_says_how_far_it_got(tmp_path):
+    """A finished ZeRO-2 phase reads ok / not ok / failed; one cut short names the last run whose
+    log exists beside the JSON, or says no log was kept."""
+    args = rp._gpu_check_args(["--work", "w", "--json", "c.json", "--engine", "hf", "--shape", "tiny"])
+
+    def row(z):
+        return rp._zero2_row(tmp_path, "c.json", args, {"runs": {}, **({"zero2_resume": z} if z else {})})
+
+    done = {"complete": True, "killed": True, "max_abs_weight_diff": 0.0}
+    assert "| ok: bit-identical weights and metrics" in row({**done, "ok": True})
+    assert "not ok: killed True, weight difference 0.5" in row({**done, "ok": False, "max_abs_weight_diff": 0.5})
+    assert "failed: `OSError: disk full`" in row({"ok": False, "error": "resume: Traceback\nOSError: disk full\n"})
+    assert "cut short (no log kept)" in row(None)
+    assert "cut short (no log kept)" in row({"ok": False, "complete": False, "uninterrupted_wall_s": 9.0})
+    (tmp_path / "c-zero2-full.log").write_text("x")
+    (tmp_path / "c-zero2-crash.log").write_text("x")
+    assert "cut short in the run to be killed (log: `c-zero2-crash.log`)" in row(None)
+    assert "| c.json | ZeRO-2 kill + resume (tiny) | 3 |" in row(None)
