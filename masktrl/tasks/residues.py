@@ -239,7 +239,6 @@ class ResidueTask(SyntheticTask):
                 f"residues: credit=partial grades each number on its own; it does not combine with {', '.join(joint)}"
             )
         self.credit = credit
-        self.partial_scores = credit == "partial"  # rl/evaluation.py: scores_are_partial
         self.n_test = _int_option("n_test", n_test, 1, 100_000)
         self.seed = _int_option("seed", seed, -(2**63), 2**63 - 1)
         self._draw_split(self.n_test)
@@ -251,6 +250,12 @@ class ResidueTask(SyntheticTask):
         if value != choices[0] and not self.scratch_max:
             raise ConfigError(f"residues: {name}={value} needs a scratchpad (scratch_max > 0)")
         return value
+
+    @property
+    def partial_scores(self) -> bool:
+        """Whether a score is a fraction of the numbers right (``credit: partial``), not 0/1: what
+        rl/evaluation.py's ``scores_are_partial`` asks."""
+        return self.credit == "partial"
 
     # ----------------------------------------------------------------- Task protocol (and SyntheticTask's)
     def score(self, example: Example, completion: str) -> float:
