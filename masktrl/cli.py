@@ -94,7 +94,21 @@ def _main() -> None:
     except KeyboardInterrupt as exc:
         err_console.print("[yellow]interrupted[/]")
         sys.exit(128 + getattr(exc, "signum", 2))
+    close_process_group()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def close_process_group() -> None:
+    """A command that ran under a launcher (``accelerate launch``, torchrun) closes its process
+    group when it ends well, as torch asks: NCCL otherwise warns at exit that
+    ``destroy_process_group()`` was not called (seen on a GPU, docs/BENCHMARKS.md §4). Not after a
+    failure, where another process may still wait in a collective. Nothing without torch loaded."""
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _memory_options(argv: list[str]) -> str | None:

@@ -493,3 +493,19 @@ def test_a_plain_run_takes_an_accelerator_exactly_when_a_cuda_gpu_is_visible(mon
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert distributed.accelerated()
     assert train_recipe.accelerated is distributed.accelerated  # the recipe's one choice
+
+
+def test_a_command_that_ends_well_closes_its_process_group():
+    """masktrl.cli.close_process_group (called when a command succeeds): the launcher's group is
+    destroyed, as torch asks (NCCL warns at exit otherwise); without a group it does nothing."""
+    import torch.distributed as td
+
+    from masktrl.cli import close_process_group
+
+    if td.is_initialized():
+        pytest.skip("a process group is already open in this process")
+    close_process_group()  # nothing open: nothing to do
+    td.init_process_group("gloo", store=td.HashStore(), rank=0, world_size=1)
+    assert td.is_initialized()
+    close_process_group()
+    assert not td.is_initialized()
