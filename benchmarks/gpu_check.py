@@ -30,10 +30,11 @@ What it does, in order (one JSON of results at the end, ``--json``):
 5. **ZeRO-2 kill and resume** (``--no-zero2`` skips it): ``accelerate launch`` with DeepSpeed
    ZeRO-2 (``--accelerate-config``, one process; the transformers engine and a quarter of the
    rollout batch: this checks the resume, not speed), an uninterrupted 3-step run and one SIGKILLed
-   during step 2's update (``MASKTRL_CRASH_AT=update:2``) then ``--resume``d, each with a
-   checkpoint every step and only the newest kept (one is 12 GB at the GPU shape: bf16 weights
-   and DeepSpeed's fp32 optimizer state); reported: the largest weight difference between the
-   two final checkpoints, whether the metrics (timings aside) are identical, and the resume's
+   during step 2's update (``MASKTRL_CRASH_AT=update:2``) then ``--resume``d. The uninterrupted
+   run checkpoints at its end only, the other every step (equal results also say that writing a
+   checkpoint leaves a run as it was), each keeping only its newest (one is 12 GB at the GPU
+   shape: bf16 weights and DeepSpeed's fp32 optimizer state); reported: the largest weight
+   difference between the two final checkpoints, whether the metrics (timings aside) are identical, and the resume's
    wall time. The three runs' output goes beside the JSON as it comes (``<json
    stem>-zero2-full.log``, ``-zero2-crash.log``, ``-zero2-resume.log``), and the JSON's
    ``zero2_resume`` after each run (``complete``: false until the comparison).
@@ -333,18 +334,19 @@ def zero2_resume(args, work: Path, model_dir: Path, data: Path, reward: Path, pr
 
     steps = 3
     prompts, n, _, new_tokens = SIZES[args.shape]
-    extra = {
-        # a checkpoint every step (the crash run resumes from step 1's); only the newest kept: at the
-        # GPU shape one is 12 GB (bf16 weights + DeepSpeed's fp32 optimizer state)
-        "train": {"checkpoint_every": 1, "keep_steps": [], "keep_checkpoints": 1},
-        # the check is the resume, not the throughput: a smaller batch
-        "rollout": {
-            "prompts_per_step": max(2, prompts // 4),
-            "n": max(2, n // 2),
-            "max_new_tokens": max(4, new_tokens // 4),
-        },
-    }
-    cfg = _write_yaml(work / "zero2.yaml", run_config(args, model_dir, data, reward, "grpo", steps, "hf", extra))
+    # the check is the resume, not the throughput: a smaller batch
+    rollout = {"prompts_per_step": max(2, prompts // 4), "n": max(2, n // 2), "max_new_tokens": max(4, new_tokens // 4)}
+
+    def config(name: str, checkpoint_every: int) -> Path:
+        # only the newest checkpoint kept: at the GPU shape one is 12 GB (bf16 weights + DeepSpeed's
+        # fp32 optimizer state)
+        train = {"checkpoint_every": checkpoint_every, "keep_steps": [], "keep_checkpoints": 1}
+        extra = {"train": train, "rollout": rollout}
+        return _write_yaml(work / name, run_config(args, model_dir, data, reward, "grpo", steps, "hf", extra))
+
+    # the uninterrupted run checkpoints at its end only, the run to be killed every step (its resume
+    # starts from step 1's): equal results also say that writing a checkpoint leaves a run as it was
+    full_cfg, crash_cfg = config("zero2-full.yaml", steps), config("zero2-crash.yaml", 1)
     launcher = [
         sys.executable,
         "-m",
@@ -357,20 +359,32 @@ def zero2_resume(args, work: Path, model_dir: Path, data: Path, reward: Path, pr
         str(args.port),
     ]
     out = work / "out"
-    common = ["--config", str(cfg), "--out", str(out)]
 
     def log(run: str) -> Path:  # beside the JSON, as the method runs' logs
         return args.json.with_name(f"{args.json.stem}-{run}.log")
 
     t0 = time.time()
-    full = masktrl("train", *common, "--run", "zero2-full", launcher=launcher, log=log("zero2-full"))
+    full = masktrl(
+        "train",
+        "--config",
+        str(full_cfg),
+        "--out",
+        str(out),
+        "--run",
+        "zero2-full",
+        launcher=launcher,
+        log=log("zero2-full"),
+    )
     t_full = time.time() - t0
     if full.returncode != 0:
         return {"ok": False, "error": "uninterrupted run: " + (full.stderr or full.stdout)[-3000:]}
     done(uninterrupted_wall_s=round(t_full, 1))
     crash = masktrl(
         "train",
-        *common,
+        "--config",
+        str(crash_cfg),
+        "--out",
+        str(out),
         "--run",
         "zero2-crash",
         launcher=launcher,
