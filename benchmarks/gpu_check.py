@@ -280,13 +280,20 @@ def logp_gap(weights: Path, rollouts: Path, dtype: str, device: str, temperature
     }
 
 
+def log_path(json_path: Path, run: str) -> Path:
+    """Where one run of the check logs: beside the JSON (it outlives ``--work``), ``<stem>-<run>.log``
+    (a method's name, or ``zero2-full``, ``zero2-crash``, ``zero2-resume``)."""
+    return json_path.with_name(f"{json_path.stem}-{run}.log")
+
+
 def method_run(args, work: Path, model_dir: Path, data: Path, reward: Path, method: str) -> dict:
     cfg = _write_yaml(
         work / f"{method}.yaml", run_config(args, model_dir, data, reward, method, args.steps, args.engine)
     )
     t0 = time.time()
-    log = args.json.with_name(f"{args.json.stem}-{method}.log")  # beside the JSON: it outlives --work
-    r = masktrl("train", "--config", str(cfg), "--out", str(work / "out"), "--run", method, log=log)
+    r = masktrl(
+        "train", "--config", str(cfg), "--out", str(work / "out"), "--run", method, log=log_path(args.json, method)
+    )
     wall = time.time() - t0
     if r.returncode != 0:
         return {"ok": False, "wall_s": round(wall, 1), "error": (r.stderr or r.stdout)[-3000:]}
@@ -360,8 +367,8 @@ def zero2_resume(args, work: Path, model_dir: Path, data: Path, reward: Path, pr
     ]
     out = work / "out"
 
-    def log(run: str) -> Path:  # beside the JSON, as the method runs' logs
-        return args.json.with_name(f"{args.json.stem}-{run}.log")
+    def log(run: str) -> Path:
+        return log_path(args.json, run)
 
     t0 = time.time()
     full = masktrl(

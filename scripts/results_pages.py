@@ -152,20 +152,25 @@ GPU_CHECKS = (  # benchmarks/results/gpu_check/, in the order run
     "h100-tiny-zero2.json",
     "h100-zero2-try2.json",
 )
-ZERO2_RUNS = {  # gpu_check.py's ZeRO-2 runs, in order (each logs to <stem>-zero2-<run>.log): their names here
+ZERO2_RUNS = {  # gpu_check.py's ZeRO-2 runs, in order (log names: gpu_check.log_path): their names in the table
     "full": "uninterrupted run",
     "crash": "run to be killed",
     "resume": "resume",
 }
 
 
-def _gpu_check_args(argv: list[str]):
-    """A recorded benchmarks/gpu_check.py invocation read by the script's own parser (its
-    defaults: the methods and steps it ran when the command line did not name them)."""
+def _gpu_check():
+    """benchmarks/gpu_check.py as a module: its parser and its log names are the generator's."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import gpu_check
 
-    return gpu_check.parse(argv)
+    return gpu_check
+
+
+def _gpu_check_args(argv: list[str]):
+    """A recorded benchmarks/gpu_check.py invocation read by the script's own parser (its
+    defaults: the methods and steps it ran when the command line did not name them)."""
+    return _gpu_check().parse(argv)
 
 
 def _zero2_row(folder: Path, name: str, args, data: dict) -> str:
@@ -179,9 +184,9 @@ def _zero2_row(folder: Path, name: str, args, data: dict) -> str:
         if "error" in z:
             return f"{label} failed: `{z['error'].strip().splitlines()[-1]}` | | | |"
         return f"{label} not ok: killed {z['killed']}, weight difference {z['max_abs_weight_diff']:.3g} | | | |"
-    stem = Path(name).stem
-    started = [run for run in ZERO2_RUNS if (folder / f"{stem}-zero2-{run}.log").exists()]
-    where = f"in the {ZERO2_RUNS[started[-1]]} (log: `{stem}-zero2-{started[-1]}.log`)" if started else "(no log kept)"
+    logs = {run: _gpu_check().log_path(folder / name, f"zero2-{run}") for run in ZERO2_RUNS}
+    started = [run for run in ZERO2_RUNS if logs[run].exists()]
+    where = f"in the {ZERO2_RUNS[started[-1]]} (log: `{logs[started[-1]].name}`)" if started else "(no log kept)"
     return f"{label} no result: the check was cut short {where} | | | |"
 
 
