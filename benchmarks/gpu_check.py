@@ -49,6 +49,7 @@ and the transformers engine.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -466,16 +467,32 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--zero2", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--accelerate-config", type=Path, default=REPO / "configs" / "accelerate" / "zero2.yaml")
     p.add_argument("--port", type=int, default=29517)
-    args = p.parse_args(argv)
-    if args.device is None:
-        import torch
+    return p.parse_args(argv)
 
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    return args
+
+def missing_packages(args: argparse.Namespace) -> list[str]:
+    """The packages the check asked for needs and this Python lacks: vLLM only for the vllm engine
+    (``--engine hf`` checks the rest without it), DeepSpeed only for the ZeRO-2 phase."""
+    need = ["torch", "transformers", "accelerate", "datasets", "safetensors", "yaml"]
+    need += ["vllm"] if args.engine == "vllm" else []
+    need += ["deepspeed"] if args.zero2 else []
+    return [name for name in need if importlib.util.find_spec(name) is None]
 
 
 def main(argv=None) -> int:
     args = parse(argv)
+    missing = missing_packages(args)
+    if missing:
+        print(
+            f"error: missing packages: {' '.join(missing)} "
+            "(pip install -e '.[vllm,deepspeed,data]'; without vLLM: --engine hf)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.time()
     args.work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

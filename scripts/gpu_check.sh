@@ -19,27 +19,24 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
     echo "error: no NVIDIA GPU visible (nvidia-smi -L failed)" >&2
     exit 2
 fi
-missing=$("$python" - "${@:2}" <<'PY'
+# the packages the options need are the driver's check (gpu_check.py: missing_packages); CUDA is this one's
+cuda=$("$python" - <<'PY'
 import importlib.util
-import sys
-args = " ".join(sys.argv[1:]).replace("=", " ").split()
-need = ["torch", "transformers", "accelerate", "datasets", "safetensors", "yaml"]
-engine = args[args.index("--engine") + 1] if "--engine" in args[:-1] else "vllm"
-if engine == "vllm":  # the default engine; --engine hf checks the rest without it
-    need.append("vllm")
-if "--no-zero2" not in args:
-    need.append("deepspeed")
-print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
+if importlib.util.find_spec("torch") is None:
+    print("none")
+else:
+    import torch
+    print("yes" if torch.cuda.is_available() else "no")
 PY
 )
-if [ -n "$missing" ]; then
-    echo "error: missing packages: $missing (pip install -e '.[vllm,deepspeed,data]'; without vLLM: --engine hf)" >&2
+if [ "$cuda" != "yes" ]; then
+    if [ "$cuda" = "none" ]; then
+        echo "error: torch is not installed (install the CUDA build of torch)" >&2
+    else
+        echo "error: torch sees no CUDA device (install the CUDA build of torch)" >&2
+    fi
     exit 2
 fi
-"$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
-    echo "error: torch sees no CUDA device (install the CUDA build of torch)" >&2
-    exit 2
-}
 work="${MASKTRL_GPU_CHECK_WORK:-$(mktemp -d -t masktrl-gpu-check.XXXXXX)}"
 if [ "${MASKTRL_GPU_CHECK_KEEP:-0}" != "1" ] && [ -z "${MASKTRL_GPU_CHECK_WORK:-}" ]; then
     trap 'rm -rf "$work"' EXIT

@@ -113,31 +113,34 @@ def test_the_script_refuses_without_a_gpu(tmp_path):
     )
 
 
-def test_the_script_needs_vllm_only_for_the_vllm_engine(tmp_path):
-    """With a stand-in nvidia-smi: the default check asks for vLLM (and DeepSpeed unless --no-zero2);
-    ``--engine hf --no-zero2`` passes the package check and stops at torch's missing CUDA."""
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vLLM installed: nothing is missing")
+def test_the_script_stops_at_a_torch_without_cuda(tmp_path):
+    """With a stand-in nvidia-smi, on this CPU-only torch: one line, exit 2, nothing written."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
     (fake / "nvidia-smi").chmod(0o755)
     env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable}
-
-    def script(*args):
+    for args in ([], ["--engine", "hf", "--no-zero2"]):
         cmd = ["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path / "r.json"), *args]
-        return subprocess.run(cmd, capture_output=True, text=True, env=env)
-
-    default = script()
-    assert default.returncode == 2 and default.stderr.startswith("error: missing packages:")
-    assert "vllm" in default.stderr.split("(")[0]
-    hf = script("--engine", "hf", "--no-zero2")
-    assert (
-        hf.returncode == 2 and hf.stderr.strip() == "error: torch sees no CUDA device (install the CUDA build of torch)"
-    )
-    hf_eq = script("--engine=hf", "--no-zero2")
-    assert hf_eq.returncode == 2 and "missing packages" not in hf_eq.stderr
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        assert r.returncode == 2 and r.stderr == "error: torch sees no CUDA device (install the CUDA build of torch)\n"
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_driver_needs_vllm_only_for_the_vllm_engine(gpu_check, tmp_path, monkeypatch, capsys):
+    """The default check asks for vLLM (and DeepSpeed unless --no-zero2), in one line with exit 2,
+    before it writes anything; ``--engine hf`` (or ``--engine=hf``) does not ask for vLLM."""
+    absent = {"vllm", "deepspeed"}
+    real = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name, *rest: None if name in absent else real(name, *rest))
+    where = ["--work", str(tmp_path / "w"), "--json", str(tmp_path / "r.json")]
+    assert gpu_check.main(where) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: missing packages: vllm deepspeed (") and err.count("\n") == 1
+    assert not (tmp_path / "w").exists() and not (tmp_path / "r.json").exists()
+    assert gpu_check.missing_packages(gpu_check.parse(["--engine", "hf", *where])) == ["deepspeed"]
+    assert gpu_check.missing_packages(gpu_check.parse(["--engine=hf", "--no-zero2", *where])) == []
+    assert gpu_check.missing_packages(gpu_check.parse(["--no-zero2", *where])) == ["vllm"]
 
 
 @pytest.mark.slow
