@@ -28,10 +28,7 @@ class SortFreeTopP:
     """``TopPLogitsWarper(top_p, filter_value, min_tokens_to_keep)``'s scores without an index sort."""
 
     def __init__(self, warper: TopPLogitsWarper):
-        self.warper = warper
-        self.top_p = warper.top_p
-        self.filter_value = warper.filter_value
-        self.min_tokens_to_keep = warper.min_tokens_to_keep
+        self.warper = warper  # its top_p, filter_value and min_tokens_to_keep are read from it
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if scores.device.type != "cpu" or scores.dtype not in (torch.float32, torch.float64) or scores.dim() != 2:
@@ -46,7 +43,7 @@ class SortFreeTopP:
             cut = scores < first_kept  # [R, V]: every score below the first kept one is removed
             # rows whose cut runs through scores equal to first_kept: fewer than n scores lie below it
             tied = torch.searchsorted(ascending, first_kept, right=False) < n
-            out = scores.masked_fill(cut, self.filter_value)
+            out = scores.masked_fill(cut, self.warper.filter_value)
             if bool(tied.any()):
                 rows = tied.squeeze(1).nonzero().squeeze(1)
                 ids = input_ids[rows] if input_ids is not None else None
@@ -60,8 +57,9 @@ class SortFreeTopP:
         search, then checked at the boundary with the warper's own comparison; a row that fails
         the check (none is known) is counted in full."""
         rows, vocab = cumulative.shape
-        bound = 1 - self.top_p
-        limit = max(vocab - self.min_tokens_to_keep, 0)
+        keep = self.warper.min_tokens_to_keep
+        bound = 1 - self.warper.top_p
+        limit = max(vocab - keep, 0)
         target = torch.full((rows, 1), bound, dtype=cumulative.dtype)
         n = torch.searchsorted(cumulative, target, right=True).clamp_max_(limit)
         undefined = cumulative[:, -1:].isnan()
@@ -71,7 +69,7 @@ class SortFreeTopP:
         wrong = ((n > 0) & ~last_removed) | ((n < limit) & first_kept & ~undefined)
         if bool(wrong.any()):
             full = cumulative <= bound
-            full[..., -self.min_tokens_to_keep :] = False
+            full[..., -keep:] = False
             n = torch.where(wrong, full.sum(dim=-1, keepdim=True), n)
         return n
 
