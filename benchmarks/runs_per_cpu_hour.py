@@ -14,8 +14,10 @@ Variants of this tree (``--variants``): ``default`` is the preset as it is; ``fa
 ``rollout.decode=fused`` and ``rollout.draw=inverse_cdf`` (the same distribution, other samples
 for a seed: docs/ROLLOUTS.md) and ``rollout.mismatch=off`` (no extra forward for the mismatch
 metric); ``fast-packed`` adds ``train.packing=true`` to those (the padding-free forward, equal to
-the padded one up to float32 rounding; on request). The held-out accuracy before and after RL of every run
-is recorded beside its time, so the JSON shows whether a variant's run is the baseline's run
+the padded one up to float32 rounding; on request); ``fast-grouped`` adds
+``train.minibatch_groups=true`` to ``fast-packed`` (minibatches of whole prompt groups: another
+run, docs/CLUSTER.md; on request). The held-out accuracy before and after RL of every run is
+recorded beside its time, so the JSON shows whether a variant's run is the baseline's run
 (equal numbers) or another one.
 
     python benchmarks/runs_per_cpu_hour.py --json benchmarks/results/runs_per_cpu_hour.json
@@ -55,11 +57,18 @@ PRESETS = {  # name -> the --config files, relative to the tree
     "credit": ["configs/lab.yaml", "configs/lab-credit.yaml"],
 }
 DEFAULT_PRESETS = "lab,long,agentic"
-DEFAULT_VARIANTS = "default,fast"  # fast-packed on request (--variants)
+DEFAULT_VARIANTS = "default,fast"  # fast-packed and fast-grouped on request (--variants)
 VARIANTS = {  # name -> --set overrides on this tree
     "default": [],
     "fast": ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off"],
     "fast-packed": ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off", "train.packing=true"],
+    "fast-grouped": [
+        "rollout.decode=fused",
+        "rollout.draw=inverse_cdf",
+        "rollout.mismatch=off",
+        "train.packing=true",
+        "train.minibatch_groups=true",
+    ],
 }
 
 

@@ -597,6 +597,12 @@ class TrainConfig:
     """AdamW learning rate of the RL updates (after the warm-up; no decay)."""
     minibatches: int = 1
     """Optimizer updates per rollout batch (the batch is split into this many)."""
+    minibatch_groups: bool = False
+    """Split the batch into minibatches of whole prompt groups (all of a prompt's samples in one
+    minibatch, the groups in a random order each step) instead of single samples in a random
+    order. The shared-prompt forward then runs each prompt of a minibatch once: fewer tokens per
+    update, the same loss per token. Another run, not the same one: a minibatch holds fewer
+    prompts with more samples each (docs/CLUSTER.md, "Minibatches of whole groups")."""
     grad_accum: int = 1
     """Micro-batches per optimizer update, per process: each process's part of a minibatch is
     run forward/backward in this many pieces and the gradients are summed (memory, not maths:

@@ -61,6 +61,7 @@ class UpdateSettings:
     micro_batch_tokens: int | None = (
         None  # train.micro_batch_tokens: micro-batches by a token budget (None: grad_accum of them)
     )
+    minibatch_groups: bool = False  # train.minibatch_groups: minibatches of whole prompt groups
     method: BoundMethod = field(kw_only=True)  # the method, its params and its correction (docs/METHODS.md §14)
     seed: int = field(default=0, kw_only=True)  # the run's seed
 
@@ -78,6 +79,7 @@ class UpdateSettings:
             cfg.rollout.mask_truncated,
             t.packing is True,  # a built Config holds true or false (auto is resolved then)
             t.micro_batch_tokens,
+            t.minibatch_groups,
             method=cfg.method.bind(),
             seed=cfg.seed,
         )
@@ -165,7 +167,7 @@ def policy_update(
     its time is reported as ``old_forward_s``.
     """
     batch = StepBatch(samples, step, dist or Dist(), hooks, reference)
-    parts = _minibatches(len(samples), settings, step)
+    parts = (group_minibatches if settings.minibatch_groups else _minibatches)(samples, settings, step)
     rows, trained, skipped = [], 0, 0
     learner.model.train()
     t0 = time.perf_counter()
@@ -192,11 +194,30 @@ def _report_old(hook, samples: list[Sample], parts: list[torch.Tensor], olds: li
             hook([idx[i].item() for i in micro], logp)
 
 
-def _minibatches(n: int, settings: UpdateSettings, step: int) -> list[torch.Tensor]:
+def _minibatches(samples: list[Sample], settings: UpdateSettings, step: int) -> list[torch.Tensor]:
     """The step's ``settings.minibatches`` minibatches of sample indices, in the step's own random order."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(stream_seed(settings.seed, "order", step)))
+    order = torch.randperm(
+        len(samples), generator=torch.Generator().manual_seed(stream_seed(settings.seed, "order", step))
+    )
     parts = [p for p in order.chunk(settings.minibatches) if len(p)]
     return parts
+
+
+def group_minibatches(samples: list[Sample], settings: UpdateSettings, step: int) -> list[torch.Tensor]:
+    """``train.minibatch_groups``: the step's minibatches of sample indices, each of whole prompt
+    groups. The groups (samples with the same ``group`` and prompt ids, in order of first
+    appearance) are put in the step's own random order and cut into ``settings.minibatches``
+    parts whose numbers of groups differ by at most one (``tensor_split``); a minibatch lists its
+    samples in batch order. With fewer groups than minibatches there are fewer updates, one a group."""
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault((s.group, tuple(s.prompt_ids)), []).append(i)
+    members = list(groups.values())
+    order = torch.randperm(
+        len(members), generator=torch.Generator().manual_seed(stream_seed(settings.seed, "group-order", step))
+    )
+    parts = [sorted(i for g in part.tolist() for i in members[g]) for part in order.tensor_split(settings.minibatches)]
+    return [torch.tensor(p) for p in parts if p]
 
 
 def _step_stats(rows: list[dict], skipped: int, old_forward_s: float | None, dist: Dist, trained: int) -> dict:
