@@ -533,6 +533,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "runs-per-cpu-hour-credit": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_credit.json"),
     "runs-per-cpu-hour-lab": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab.json"),
     "runs-per-cpu-hour-lab-packed": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_packed.json"),
+    "runs-per-cpu-hour-lab-grouped": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_grouped.json"),
     "gpu-check": gpu_check,
     "gen-vs-base": gen_vs_base,
     "gen-vs-base-topp": partial(gen_vs_base, name="gen_vs_base_topp.json"),
@@ -615,7 +616,19 @@ def figures(root: Path) -> dict[str, str]:
         | _vs_trl_figures(root)
         | _roofline_training_figures(root)
         | _results_figures(root)
+        | _runs_figures(root)
     )
+
+
+def _runs_figures(root: Path) -> dict[str, str]:
+    """``runs.lab-grouped.<variant>``: each variant's runs per CPU-hour over the base commit's in
+    benchmarks/runs_per_cpu_hour.py's newest lab run (with the fast-grouped variant)."""
+    data = _load(root, "runs_per_cpu_hour_lab_grouped.json")
+    return {
+        f"runs.lab-grouped.{row['variant'].removeprefix('this tree: ')}": f"{row['ratio_vs_base']:.2f}×"
+        for row in data["rows"]
+        if row["ratio_vs_base"] is not None and row["variant"] != "base"
+    }
 
 
 def _cells(root: Path) -> dict[str, str]:

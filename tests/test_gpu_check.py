@@ -132,7 +132,9 @@ def test_the_driver_needs_vllm_only_for_the_vllm_engine(gpu_check, tmp_path, mon
     before it writes anything; ``--engine hf`` (or ``--engine=hf``) does not ask for vLLM."""
     absent = {"vllm", "deepspeed"}
     real = gpu_check.importlib.util.find_spec
-    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name, *rest: None if name in absent else real(name, *rest))
+    monkeypatch.setattr(
+        gpu_check.importlib.util, "find_spec", lambda name, *rest: None if name in absent else real(name, *rest)
+    )
     where = ["--work", str(tmp_path / "w"), "--json", str(tmp_path / "r.json")]
     assert gpu_check.main(where) == 2
     err = capsys.readouterr().err

@@ -10,7 +10,6 @@ import pytest
 import torch
 import yaml
 
-import masktrl.methods  # registers the methods
 from masktrl.config import load_config
 from masktrl.methods.registry import get_method
 from masktrl.rl.update import Hooks, Learner, UpdateSettings, group_minibatches, make_optimizer, policy_update

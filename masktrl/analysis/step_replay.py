@@ -270,7 +270,8 @@ def replay_step(
 
     ``before(mb, idx, out, losses, u)`` sees each minibatch's policy outputs and token losses
     just before its backward; ``after(mb, idx)`` runs just after its optimizer step. The seed
-    chooses the minibatch partition (``stream_seed(seed, "order", S)``) and the SIS uniforms
+    chooses the minibatch partition (``stream_seed(seed, "order", S)``; ``"group-order"`` for a run
+    with ``train.minibatch_groups``) and the SIS uniforms
     (``stream_seed(seed, "sis", S, mb)``); nothing else in an update is random.
     """
     settings = replace(
