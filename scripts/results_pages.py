@@ -543,6 +543,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "long-controls-outcomes": grid_block("long_controls", "outcome_table"),
     "long-controls-family": grid_block("long_controls", "family_table"),
     "long-controls-threads2": grid_block("long_controls", "outcome_table", "CELLS_THREADS2"),
+    "minibatch-groups-outcomes": grid_block("minibatch_groups", "outcome_table"),
+    "minibatch-groups-comparison": grid_block("minibatch_groups", "comparison_table"),
     "agentic-outcomes": grid_block("agentic_grid", "outcome_table"),
     "agentic-family": grid_block("agentic_grid", "family_table"),
     "agentic-preset": grid_block("agentic_grid", "preset_table"),

@@ -1,0 +1,118 @@
+"""docs/RESULTS.md §3: the lab with minibatches of whole groups against minibatches of single
+samples (grpo, fast-packed's settings, seeds 0-5), from its committed cells.
+
+    python scripts/results_cells.py write outputs/minibatch-groups/samples outputs/minibatch-groups/groups \
+        --out docs/results/cells/minibatch-groups
+    python scripts/minibatch_groups.py              # print the table
+    python scripts/results_pages.py --write         # put it in docs/RESULTS.md §3
+
+The comparison is the one §3 states before the runs: whole groups minus single samples (m = 1)
+on the held-out accuracy after RL (``eval_after``), paired by seed, with the rule of
+docs/RESULTS.md (the larger of the paired t p and the exact sign-flip p), the paired MDD and
+TOST at ±0.05. An arm is told by its cell's ``train.minibatch_groups``, not by its folder's name.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import results_cells  # noqa: E402  (a sibling script)
+from results_cells import f3, md_row, mean_of  # noqa: E402
+
+CELLS = Path("docs/results/cells/minibatch-groups")
+ARMS = {"single samples": False, "whole groups": True}  # arm -> its train.minibatch_groups; baseline first
+MARGIN = 0.05  # TOST margin, held-out accuracy
+HEAD = "arm | n | held-out before | held-out after mean ± sd | held-out after per seed | collapsed | machine"
+COMPARISON_HEAD = (
+    "comparison | n | Δ held-out after [paired 95% CI] | t p | sign-flip p | Holm p | paired MDD at α/m | "
+    "TOST ±0.05 p | per seed Δ"
+)
+
+
+def read(root: Path) -> dict[str, dict]:
+    """{arm: cell} from ``<root>/*/*.json``: grpo cells of the lab told apart by
+    ``train.minibatch_groups``; any other cell, or a second cell of an arm, is an error."""
+    out: dict[str, dict] = {}
+    for path in sorted(root.glob("*/*.json")):
+        try:
+            cell = json.loads(path.read_text())
+            groups = cell["config"].get("train.minibatch_groups", False)
+            name = cell["method"]["name"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SystemExit(f"error: {path}: not a cell of results_cells.py ({e})") from None
+        arm = next((a for a, on in ARMS.items() if on is groups), None)
+        if name != "grpo" or arm is None:
+            raise SystemExit(f"error: {path}: not one of §3's two grpo arms")
+        if arm in out:
+            raise SystemExit(f"error: {path}: a second cell of {arm}")
+        out[arm] = cell
+    return out
+
+
+def after(cell: dict) -> dict[int, float]:
+    """The held-out accuracy after RL per seed."""
+    return {r["seed"]: float(r["eval_after"]) for r in cell["runs"]}
+
+
+def outcome_table(root: Path) -> str:
+    data = read(root)
+    head = HEAD.split(" | ")
+    lines = [md_row(head), md_row(["---"] * len(head))]
+    for arm in ARMS:
+        if arm not in data:
+            continue
+        runs, scores = data[arm]["runs"], after(data[arm])
+        v = list(scores.values())
+        sd = f" ± {np.std(v, ddof=1):.3f}" if len(v) > 1 else ""
+        machines = sorted({f"{r['machine'].get('cpu_model', '?')} x{r['machine'].get('threads', '?')}" for r in runs})
+        lines.append(
+            md_row(
+                [
+                    arm,
+                    str(len(runs)),
+                    mean_of(runs, lambda r: r["eval_before"]),
+                    f"{f3(float(np.mean(v)))}{sd}",
+                    ", ".join(f"{s}: {f3(x)}" for s, x in sorted(scores.items())),
+                    f"{sum(1 for r in runs if (r.get('collapse') or {}).get('collapsed'))}/{len(runs)}",
+                    "; ".join(machines),
+                ]
+            )
+        )
+    if len(lines) == 2:
+        lines.append("| (no cell has finished yet) |" + " |" * (len(head) - 1))
+    return "\n".join(lines) + "\n"
+
+
+def comparison_rows(data: dict[str, dict]) -> list[dict]:
+    """Whole groups minus single samples over the seeds both arms have."""
+    base, other = list(ARMS)
+    if base not in data or other not in data:
+        return []
+    a, b = after(data[base]), after(data[other])
+    seeds = sorted(set(a) & set(b))
+    rows = [{"arm": other, "seeds": seeds, "d": [b[s] - a[s] for s in seeds]}]
+    return [r | t for r, t in zip(rows, results_cells.paired_family([r["d"] for r in rows], MARGIN))]
+
+
+def comparison_table(root: Path) -> str:
+    def label(r: dict) -> list[str]:
+        return [f"{r['arm']} − {list(ARMS)[0]}"]
+
+    return results_cells.family_markdown(comparison_rows(read(root)), COMPARISON_HEAD, label, complete=1)
+
+
+def main() -> int:
+    root = ROOT / CELLS
+    print(outcome_table(root))
+    print(comparison_table(root), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

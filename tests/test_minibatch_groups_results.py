@@ -1,0 +1,74 @@
+"""scripts/minibatch_groups.py: RESULTS §3's tables from synthetic cells. An arm is told by its
+cell's train.minibatch_groups; whole groups minus single samples is paired by seed over the
+seeds both arms have; the tests are the stats module's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from masktrl.stats import sign_flip_p, tost_paired
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import minibatch_groups as mg
+
+AFTER = {False: [0.40, 0.42, 0.39, 0.44, 0.41, 0.43], True: [0.38, 0.43, 0.36, 0.40, 0.40, 0.39]}
+
+
+def _write(root: Path, source: str, groups, seeds=range(6), name: str = "grpo") -> None:
+    folder = root / source
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"train.minibatches": 8} | ({} if groups is None else {"train.minibatch_groups": groups})
+    runs = [
+        {
+            "seed": s,
+            "eval_before": 0.218,
+            "eval_after": AFTER[bool(groups)][s],
+            "collapse": {"collapsed": False},
+            "machine": {"cpu_model": "Test CPU", "threads": 1},
+        }
+        for s in seeds
+    ]
+    (folder / f"{name}.json").write_text(json.dumps({"method": {"name": name}, "config": config, "runs": runs}))
+
+
+def test_whole_groups_are_paired_with_single_samples_by_seed(tmp_path):
+    _write(tmp_path, "samples", False)
+    _write(tmp_path, "groups", True, seeds=range(1, 6))  # seed 0 not run yet: left out of the pairs
+    [row] = mg.comparison_rows(mg.read(tmp_path))
+    d = np.subtract(AFTER[True][1:], AFTER[False][1:])
+    assert row["seeds"] == [1, 2, 3, 4, 5] and np.allclose(row["d"], d)
+    assert np.isclose(row["t_p"], sps.ttest_1samp(d, 0.0).pvalue)
+    assert row["flip"] == sign_flip_p(list(d)) and row["p"] == max(row["t_p"], row["flip"]) and row["m"] == 1
+    assert np.isclose(row["tost"], tost_paired(list(d), 0.05)["p"])
+    table = mg.comparison_table(tmp_path)
+    assert "| whole groups − single samples | 5 |" in table and "m = 1 comparisons present (1 when" in table
+    outcome = mg.outcome_table(tmp_path)
+    assert "| single samples | 6 | 0.218 |" in outcome and "| whole groups | 5 | 0.218 |" in outcome
+
+
+def test_a_cell_without_the_key_is_the_single_sample_arm(tmp_path):
+    """Cells written before train.minibatch_groups existed record no such key: the default split."""
+    _write(tmp_path, "old", None)
+    assert list(mg.read(tmp_path)) == ["single samples"]
+
+
+def test_no_cells_yet_gives_placeholder_rows(tmp_path):
+    assert "(no cell has finished yet)" in mg.outcome_table(tmp_path)
+    assert "(no comparison has both cells yet)" in mg.comparison_table(tmp_path)
+
+
+@pytest.mark.parametrize("bad", ["second", "method"])
+def test_a_cell_that_is_no_arm_is_an_error(tmp_path, bad):
+    _write(tmp_path, "samples", False)
+    if bad == "second":
+        _write(tmp_path, "again", False)
+    else:
+        _write(tmp_path, "dppo", True, name="dppo")
+    with pytest.raises(SystemExit, match="second cell of single samples" if bad == "second" else "grpo arms"):
+        mg.read(tmp_path)
