@@ -45,6 +45,18 @@ def tiny_config(tmp_path) -> Path:
     return write_tiny_config(tmp_path / "tiny_test.yaml")
 
 
+@pytest.fixture(scope="module")
+def float64_tiny_model():
+    """A 2-layer tiny model in float64 (hidden 32, 4 heads, 2 KV heads, MLP 64; the characters
+    0-9, + and =; seed 0): the update tests' exact reference model."""
+    from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer("0123456789+=")
+    return build_tiny_model(
+        tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), seed=0
+    ).double()
+
+
 @pytest.fixture(scope="session")
 def warm_out(tmp_path_factory) -> Path:
     """An outputs folder whose warm-start cache already holds the tiny config's warm start (seed

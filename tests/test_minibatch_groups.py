@@ -69,16 +69,6 @@ def test_a_group_index_shared_by_two_prompts_is_two_groups():
     assert len(parts) == 2 and all(len({tuple(clash[i].prompt_ids) for i in p.tolist()}) == 1 for p in parts)
 
 
-@pytest.fixture(scope="module")
-def model():
-    from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-
-    tok = build_char_tokenizer("0123456789+=")
-    return build_tiny_model(
-        tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), 0
-    ).double()
-
-
 def _learner(model):
     m = copy.deepcopy(model)
     opt, sched = make_optimizer(m, load_config(None, ["train.lr=1e-2", "train.minibatches=2"]).train)
@@ -86,7 +76,8 @@ def _learner(model):
 
 
 @pytest.mark.parametrize("name", ["grpo", "gspo"])
-def test_the_update_is_the_plain_update_of_each_group_minibatch_in_turn(model, name):
+def test_the_update_is_the_plain_update_of_each_group_minibatch_in_turn(float64_tiny_model, name):
+    model = float64_tiny_model
     """The step trains on ``group_minibatches``' parts, in their order, each with every prompt run
     once (the shared-prompt forward); its weights equal one-minibatch updates on those parts in
     turn (float64; summation order aside)."""

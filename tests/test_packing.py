@@ -23,11 +23,8 @@ TEMPERATURE, CHUNK, K = 0.9, 7, 4
 
 
 @pytest.fixture(scope="module")
-def model():
-    tok = build_char_tokenizer("0123456789+=")
-    return build_tiny_model(
-        tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), seed=0
-    ).double()
+def model(float64_tiny_model):
+    return float64_tiny_model
 
 
 def make_samples(

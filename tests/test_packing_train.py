@@ -19,13 +19,8 @@ from tests.test_packing import make_samples
 
 
 @pytest.fixture(scope="module")
-def model():
-    from masktrl.models.tiny import TinyModelConfig, build_char_tokenizer, build_tiny_model
-
-    tok = build_char_tokenizer("0123456789+=")
-    return build_tiny_model(
-        tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64), 0
-    ).double()
+def model(float64_tiny_model):
+    return float64_tiny_model
 
 
 def _update(model, samples, name, **settings):
