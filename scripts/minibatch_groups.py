@@ -6,6 +6,8 @@ samples (grpo, fast-packed's settings, seeds 0-5), from its committed cells.
     python scripts/minibatch_groups.py              # print the table
     python scripts/results_pages.py --write         # put it in docs/RESULTS.md §3
 
+Seed 0 of both arms again at ``train.threads=2`` (``CELLS_THREADS2``) gets the same outcome table.
+
 The comparison is the one §3 states before the runs: whole groups minus single samples (m = 1)
 on the held-out accuracy after RL (``eval_after``), paired by seed, with the rule of
 docs/RESULTS.md (the larger of the paired t p and the exact sign-flip p), the paired MDD and
@@ -26,6 +28,7 @@ import results_cells  # noqa: E402  (a sibling script)
 from results_cells import f3, md_row, mean_of  # noqa: E402
 
 CELLS = Path("docs/results/cells/minibatch-groups")
+CELLS_THREADS2 = Path("docs/results/cells/minibatch-groups-threads2")  # seed 0 of both arms at train.threads=2
 ARMS = {"single samples": False, "whole groups": True}  # arm -> its train.minibatch_groups; baseline first
 MARGIN = 0.05  # TOST margin, held-out accuracy
 HEAD = "arm | n | held-out before | held-out after mean ± sd | held-out after per seed | collapsed | machine"
