@@ -8,6 +8,10 @@ samples (grpo, fast-packed's settings, seeds 0-5), from its committed cells.
 
 Seed 0 of both arms again at ``train.threads=2`` (``CELLS_THREADS2``) gets the same outcome table.
 
+``drift_table`` is descriptive, not part of the pre-registered design: what the two arms' runs
+recorded along the way (the cells' ``log_r_dev``, ``mask_frac`` and ``entropy_end``), whole
+groups minus single samples per seed with the paired 95% interval and no test.
+
 The comparison is the one §3 states before the runs: whole groups minus single samples (m = 1)
 on the held-out accuracy after RL (``eval_after``), paired by seed, with the rule of
 docs/RESULTS.md (the larger of the paired t p and the exact sign-flip p), the paired MDD and
@@ -25,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import results_cells  # noqa: E402  (a sibling script)
-from results_cells import f3, md_row, mean_of  # noqa: E402
+from results_cells import f3, md_row, mean_of, signed  # noqa: E402
 
 CELLS = Path("docs/results/cells/minibatch-groups")
 CELLS_THREADS2 = Path("docs/results/cells/minibatch-groups-threads2")  # seed 0 of both arms at train.threads=2
@@ -110,10 +114,53 @@ def comparison_table(root: Path) -> str:
     return results_cells.family_markdown(comparison_rows(read(root)), COMPARISON_HEAD, label, complete=1)
 
 
+DRIFT = {  # cell key -> what it is (docs/METHODS.md's metrics), in the table's order
+    "log_r_dev": "log_r_dev: a response's summed abs(log pi − log mu) at its update, mean over steps",
+    "mask_frac": "mask_frac: share of response tokens whose gradient the clip removes, mean over steps",
+    "entropy_end": "entropy: the policy's mean token entropy, last 50 steps",
+}
+DRIFT_HEAD = "recorded in the run | single samples | whole groups | Δ [paired 95% CI] | seeds with Δ > 0 | per seed Δ"
+
+
+def drift_table(root: Path) -> str:
+    """Descriptive: each ``DRIFT`` key's mean per arm and whole groups minus single samples per
+    seed (the seeds both arms have), with the paired 95% interval; no test, no declaration."""
+    from masktrl.analysis.compare import paired_diff_ci
+
+    data = read(root)
+    head = DRIFT_HEAD.split(" | ")
+    lines = [md_row(head), md_row(["---"] * len(head))]
+    base, other = list(ARMS)
+    if base not in data or other not in data:
+        return "\n".join([*lines, "| (no comparison has both cells yet) |" + " |" * (len(head) - 1)]) + "\n"
+    for key, label in DRIFT.items():
+        a, b = ({r["seed"]: r.get(key) for r in data[arm]["runs"]} for arm in (base, other))
+        seeds = sorted(s for s in set(a) & set(b) if isinstance(a[s], (int, float)) and isinstance(b[s], (int, float)))
+        d = [b[s] - a[s] for s in seeds]
+        mean = signed(float(np.mean(d))) if d else "—"
+        if len(d) >= 2:
+            lo, hi = paired_diff_ci(d, [0.0] * len(d))
+            mean = f"{mean} [{signed(lo)}, {signed(hi)}]"
+        lines.append(
+            md_row(
+                [
+                    label,
+                    mean_of(data[base]["runs"], lambda r, key=key: r.get(key)),
+                    mean_of(data[other]["runs"], lambda r, key=key: r.get(key)),
+                    mean,
+                    f"{sum(x > 0 for x in d)}/{len(d)}",
+                    ", ".join(f"{s}: {signed(x)}" for s, x in zip(seeds, d)),
+                ]
+            )
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     root = ROOT / CELLS
     print(outcome_table(root))
-    print(comparison_table(root), end="")
+    print(comparison_table(root))
+    print(drift_table(root), end="")
     return 0
 
 

@@ -546,6 +546,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "minibatch-groups-outcomes": grid_block("minibatch_groups", "outcome_table"),
     "minibatch-groups-comparison": grid_block("minibatch_groups", "comparison_table"),
     "minibatch-groups-threads2": grid_block("minibatch_groups", "outcome_table", "CELLS_THREADS2"),
+    "minibatch-groups-drift": grid_block("minibatch_groups", "drift_table"),
     "agentic-outcomes": grid_block("agentic_grid", "outcome_table"),
     "agentic-family": grid_block("agentic_grid", "family_table"),
     "agentic-preset": grid_block("agentic_grid", "preset_table"),

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import minibatch_groups as mg
 
 AFTER = {False: [0.40, 0.42, 0.39, 0.44, 0.41, 0.43], True: [0.38, 0.43, 0.36, 0.40, 0.40, 0.39]}
+LOG_R_DEV = {False: [1.7, 1.8, 1.6, 1.7, 1.5, 1.9], True: [1.9, 1.7, 1.8, 1.9, 1.8, 2.0]}
 
 
 def _write(root: Path, source: str, groups, seeds=range(6), name: str = "grpo") -> None:
@@ -31,6 +32,9 @@ def _write(root: Path, source: str, groups, seeds=range(6), name: str = "grpo") 
             "eval_after": AFTER[bool(groups)][s],
             "collapse": {"collapsed": False},
             "machine": {"cpu_model": "Test CPU", "threads": 1},
+            "log_r_dev": LOG_R_DEV[bool(groups)][s],
+            "mask_frac": 0.2,
+            "entropy_end": None if s == 0 else 3.0,  # not recorded for seed 0
         }
         for s in seeds
     ]
@@ -61,6 +65,24 @@ def test_a_cell_without_the_key_is_the_single_sample_arm(tmp_path):
 def test_no_cells_yet_gives_placeholder_rows(tmp_path):
     assert "(no cell has finished yet)" in mg.outcome_table(tmp_path)
     assert "(no comparison has both cells yet)" in mg.comparison_table(tmp_path)
+    assert "(no comparison has both cells yet)" in mg.drift_table(tmp_path)
+
+
+def test_the_drift_table_pairs_each_recorded_value_by_seed_without_a_test(tmp_path):
+    _write(tmp_path, "samples", False)
+    _write(tmp_path, "groups", True, seeds=range(1, 6))  # seed 0 not run yet: left out of the pairs
+    lines = mg.drift_table(tmp_path).splitlines()[2:]
+    rows = {line.split(" | ")[0].split(":")[0].lstrip("| "): line.split(" | ") for line in lines}
+    assert list(rows) == ["log_r_dev", "mask_frac", "entropy"]
+    d = np.subtract(LOG_R_DEV[True][1:], LOG_R_DEV[False][1:])
+    half = sps.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
+    row = rows["log_r_dev"]
+    assert row[1] == f"{np.mean(LOG_R_DEV[False]):.3f}" and row[2] == f"{np.mean(LOG_R_DEV[True][1:]):.3f}"
+    assert row[3] == f"{d.mean():+.3f} [{d.mean() - half:+.3f}, {d.mean() + half:+.3f}]"
+    assert row[4] == f"{(d > 0).sum()}/5" and row[5].startswith("1: -0.100, 2: +0.200, 3: +0.200")
+    assert rows["mask_frac"][3].startswith("+0.000 [") and rows["mask_frac"][4] == "0/5"
+    # seed 0's entropy was not recorded: the mean and the pairs leave it out
+    assert rows["entropy"][1] == "3.000" and rows["entropy"][4] == "0/5"
 
 
 @pytest.mark.parametrize("bad", ["second", "method"])
