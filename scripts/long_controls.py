@@ -21,7 +21,6 @@ means over the run) and the engine's first-step mismatch.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -64,19 +63,11 @@ FAMILY_HEAD = (
 
 def read(root: Path) -> dict[str, dict]:
     """{arm: cell} from ``<root>/*.json``; a cell that is no arm, or a second cell of one, is an error."""
-    out: dict[str, dict] = {}
-    for path in sorted(root.glob("*.json")):
-        try:
-            cell = json.loads(path.read_text())
-            arm = next((a for a, match in ARMS.items() if match(cell["method"])), None)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise SystemExit(f"error: {path}: not a cell of results_cells.py ({e})") from None
-        if arm is None:
-            raise SystemExit(f"error: {path}: its method is none of §1's four arms")
-        if arm in out:
-            raise SystemExit(f"error: {path}: a second cell of {arm}")
-        out[arm] = cell
-    return out
+
+    def arm_of(cell: dict) -> str | None:
+        return next((a for a, match in ARMS.items() if match(cell["method"])), None)
+
+    return results_cells.read_arms(sorted(root.glob("*.json")), arm_of, "its method is none of §1's four arms")
 
 
 def avg_at_k(cell: dict) -> dict[int, float]:

@@ -20,7 +20,6 @@ TOST at ±0.05. An arm is told by its cell's ``train.minibatch_groups``, not by 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -45,21 +44,14 @@ COMPARISON_HEAD = (
 def read(root: Path) -> dict[str, dict]:
     """{arm: cell} from ``<root>/*/*.json``: grpo cells of the lab told apart by
     ``train.minibatch_groups``; any other cell, or a second cell of an arm, is an error."""
-    out: dict[str, dict] = {}
-    for path in sorted(root.glob("*/*.json")):
-        try:
-            cell = json.loads(path.read_text())
-            groups = cell["config"].get("train.minibatch_groups", False)
-            name = cell["method"]["name"]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise SystemExit(f"error: {path}: not a cell of results_cells.py ({e})") from None
-        arm = next((a for a, on in ARMS.items() if on is groups), None)
-        if name != "grpo" or arm is None:
-            raise SystemExit(f"error: {path}: not one of §3's two grpo arms")
-        if arm in out:
-            raise SystemExit(f"error: {path}: a second cell of {arm}")
-        out[arm] = cell
-    return out
+
+    def arm_of(cell: dict) -> str | None:
+        groups = cell["config"].get("train.minibatch_groups", False)
+        if cell["method"]["name"] != "grpo":
+            return None
+        return next((a for a, on in ARMS.items() if on is groups), None)
+
+    return results_cells.read_arms(sorted(root.glob("*/*.json")), arm_of, "not one of §3's two grpo arms")
 
 
 def after(cell: dict) -> dict[int, float]:

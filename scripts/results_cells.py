@@ -169,6 +169,25 @@ def read_cells(root: Path) -> dict[str, list[dict]]:
     return out
 
 
+def read_arms(paths, arm_of, no_arm: str) -> dict[str, dict]:
+    """{arm: cell} of a designed comparison's cells at ``paths`` (RESULTS §1's and §3's scripts);
+    ``arm_of(cell)`` names a cell's arm, None for none. A file that is not a cell, a cell of no
+    arm (``no_arm`` says which arms there are) or a second cell of an arm stops with one line."""
+    out: dict[str, dict] = {}
+    for path in paths:
+        try:
+            cell = json.loads(path.read_text())
+            arm = arm_of(cell)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SystemExit(f"error: {path}: not a cell of results_cells.py ({e})") from None
+        if arm is None:
+            raise SystemExit(f"error: {path}: {no_arm}")
+        if arm in out:
+            raise SystemExit(f"error: {path}: a second cell of {arm}")
+        out[arm] = cell
+    return out
+
+
 def score_of(cells_: list[dict]) -> tuple[str, str]:
     """(key, name) of the score: avg@k of the eval benchmark every run has (``task`` first), else eval_after."""
     benches = None

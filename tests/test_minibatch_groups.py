@@ -77,10 +77,10 @@ def _learner(model):
 
 @pytest.mark.parametrize("name", ["grpo", "gspo"])
 def test_the_update_is_the_plain_update_of_each_group_minibatch_in_turn(float64_tiny_model, name):
-    model = float64_tiny_model
     """The step trains on ``group_minibatches``' parts, in their order, each with every prompt run
     once (the shared-prompt forward); its weights equal one-minibatch updates on those parts in
     turn (float64; summation order aside)."""
+    model = float64_tiny_model
     samples = make_samples(model.config.vocab_size, seed=5, groups=5, per_group=3)
     settings = _settings(2, method=name)
     parts = [p.tolist() for p in group_minibatches(samples, settings, step=3)]
