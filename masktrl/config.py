@@ -597,13 +597,15 @@ class TrainConfig:
     """AdamW learning rate of the RL updates (after the warm-up; no decay)."""
     minibatches: int = 1
     """Optimizer updates per rollout batch (the batch is split into this many)."""
-    minibatch_groups: bool = False
+    minibatch_groups: bool | int = False
     """Split the batch into minibatches of whole prompt groups (all of a prompt's samples in one
     minibatch, the groups in a random order each step) instead of single samples in a random
     order. The shared-prompt forward then runs each prompt of a minibatch once: fewer tokens per
     update, the same loss per token. Another run, not the same one: a minibatch holds fewer
     prompts with more samples each, and on the lab grpo learns less with it (docs/RESULTS.md §3;
-    docs/CLUSTER.md, "Minibatches of whole groups")."""
+    docs/CLUSTER.md, "Minibatches of whole groups"). An integer g cuts each group into parts of g
+    samples and shuffles the parts instead (g at least the group size: the same as true), so g
+    sets how many prompts an update sees between single samples and whole groups."""
     grad_accum: int = 1
     """Micro-batches per optimizer update, per process: each process's part of a minibatch is
     run forward/backward in this many pieces and the gradients are summed (memory, not maths:
@@ -1058,6 +1060,8 @@ def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         if list(typing.get_args(tp)) == [bool, str]:  # true, false or auto
             return "bool | auto"
+        if list(typing.get_args(tp)) == [bool, int]:  # true, false or a positive integer
+            return "bool | int"
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is tuple:
         return "list"
@@ -1159,6 +1163,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             if value == "auto" or isinstance(value, bool):
                 return value
             raise ConfigError(f"{key} must be true, false or auto, got {value!r}")
+        if args == [bool, int]:  # true, false or a positive integer (train.minibatch_groups)
+            if isinstance(value, bool) or (isinstance(value, int) and 1 <= value <= MAX_INT):
+                return value
+            raise ConfigError(f"{key} must be true, false or a positive integer, got {value!r}")
         if value is None:
             return None
         if isinstance(value, dict) and dict in args:  # e.g. rollout.staleness: an integer or a mapping

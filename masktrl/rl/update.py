@@ -61,7 +61,7 @@ class UpdateSettings:
     micro_batch_tokens: int | None = (
         None  # train.micro_batch_tokens: micro-batches by a token budget (None: grad_accum of them)
     )
-    minibatch_groups: bool = False  # train.minibatch_groups: minibatches of whole prompt groups
+    minibatch_groups: bool | int = False  # train.minibatch_groups: whole groups (true) or parts of g samples
     method: BoundMethod = field(kw_only=True)  # the method, its params and its correction (docs/METHODS.md §14)
     seed: int = field(default=0, kw_only=True)  # the run's seed
 
@@ -167,7 +167,7 @@ def policy_update(
     its time is reported as ``old_forward_s``.
     """
     batch = StepBatch(samples, step, dist or Dist(), hooks, reference)
-    parts = (group_minibatches if settings.minibatch_groups else _minibatches)(samples, settings, step)
+    parts = (_minibatches if settings.minibatch_groups is False else group_minibatches)(samples, settings, step)
     rows, trained, skipped = [], 0, 0
     learner.model.train()
     t0 = time.perf_counter()
@@ -208,11 +208,19 @@ def group_minibatches(samples: list[Sample], settings: UpdateSettings, step: int
     groups. The groups (samples with the same ``group`` and prompt ids, in order of first
     appearance) are put in the step's own random order and cut into ``settings.minibatches``
     parts whose numbers of groups differ by at most one (``tensor_split``); a minibatch lists its
-    samples in batch order. With fewer groups than minibatches there are fewer updates, one a group."""
+    samples in batch order. With fewer groups than minibatches there are fewer updates, one a group.
+
+    With an integer g each group is first cut into parts of g samples (consecutive in batch order,
+    the last part shorter where g does not divide the group), and the parts take the groups'
+    place: shuffled by the same stream, cut into minibatches of as equal a number of parts as can
+    be. A g at least as large as every group gives the whole groups, bit for bit."""
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(samples):
         groups.setdefault((s.group, tuple(s.prompt_ids)), []).append(i)
     members = list(groups.values())
+    size = settings.minibatch_groups
+    if size is not True:  # parts of g = size samples of each group
+        members = [m[k : k + size] for m in members for k in range(0, len(m), size)]
     order = torch.randperm(
         len(members), generator=torch.Generator().manual_seed(stream_seed(settings.seed, "group-order", step))
     )
