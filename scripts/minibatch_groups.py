@@ -1,5 +1,6 @@
 """docs/RESULTS.md §3: the lab with minibatches of whole groups against minibatches of single
-samples (grpo, fast-packed's settings, seeds 0-5), from its committed cells.
+samples (grpo, fast-packed's settings, seeds 0-5), from its committed cells; §4: the same with
+parts of g samples of each group (g = 2, 4) between them, as a dose of prompts per update.
 
     python scripts/results_cells.py write outputs/minibatch-groups/samples outputs/minibatch-groups/groups \
         --out docs/results/cells/minibatch-groups
@@ -16,6 +17,15 @@ The comparison is the one §3 states before the runs: whole groups minus single 
 on the held-out accuracy after RL (``eval_after``), paired by seed, with the rule of
 docs/RESULTS.md (the larger of the paired t p and the exact sign-flip p), the paired MDD and
 TOST at ±0.05. An arm is told by its cell's ``train.minibatch_groups``, not by its folder's name.
+
+§4 (``dose_table``, ``trend_table``, ``steps_table``) reads §3's cells as g = 1 and g = 8 and its own
+(``CELLS_PARTS``) as g = 2 and 4. Its one comparison, stated before its runs: per seed the
+least-squares slope of ``eval_after`` on log2 g over the four arms, the mean slope tested with the
+same rule, TOST at ±0.0167 per doubling. The rest is descriptive (each g minus g = 1, and the slope
+of ``log_r_dev``), with paired 95% intervals and no test.
+
+    python scripts/results_cells.py write outputs/minibatch-groups/parts2 outputs/minibatch-groups/parts4 \
+        --out docs/results/cells/minibatch-groups-parts
 """
 
 from __future__ import annotations
@@ -148,11 +158,167 @@ def drift_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+# §4: prompts per update as a dose. g = 1 and 8 are §3's arms (its folder), g = 2 and 4 §4's own.
+CELLS_PARTS = Path("docs/results/cells/minibatch-groups-parts")
+CELLS_DOSE = Path("docs/results/cells")  # the folder holding both: the dose tables read §3's and §4's cells
+DOSE = (1, 2, 4, 8)  # g: samples of a group that stay together in a minibatch
+DOSE_LABEL = {1: "1 (single samples, §3)", 2: "2", 4: "4", 8: "8 (whole groups, §3)"}
+TREND_MARGIN = MARGIN / 3  # TOST margin per doubling of g: ±0.05 over the three doublings
+LAB_GROUPS, LAB_N, LAB_MINIBATCHES = 64, 8, 8  # configs/lab.yaml: prompts per step, samples each, minibatches
+TREND_HEAD = (
+    "comparison | n | slope per doubling of g [95% CI] | t p | sign-flip p | Holm p | MDD at α/m | "
+    "TOST ±0.0167 p | per seed slope"
+)
+DOSE_HEAD = (
+    "g | prompts per minibatch (expected) | n | held-out after mean ± sd | held-out after per seed | "
+    "log_r_dev mean | collapsed"
+)
+STEPS_HEAD = "recorded in the run | Δ [paired 95% CI] | seeds with Δ < 0 | per seed Δ"
+
+
+def g_of(value) -> int:
+    """A cell's ``train.minibatch_groups`` as the number of a group's samples kept together: false
+    (the default split, and cells from before the key) is 1, true (whole groups) the lab's 8."""
+    if value is True:
+        return LAB_N
+    if value is False or value is None:
+        return 1
+    return int(value)
+
+
+def prompts_per_minibatch(
+    g: int, groups: int = LAB_GROUPS, n: int = LAB_N, minibatches: int = LAB_MINIBATCHES
+) -> float:
+    """The expected number of distinct prompts in a minibatch when each of ``groups`` groups of
+    ``n`` samples is cut into parts of g (g divides n) and the parts are dealt at random into
+    ``minibatches`` minibatches of equal size: a prompt is absent when none of its n/g parts is
+    among the minibatch's k of the P parts."""
+    from math import comb
+
+    parts, per_prompt = groups * n // g, n // g
+    k = parts // minibatches
+    return groups * (1 - comb(parts - per_prompt, k) / comb(parts, k))
+
+
+def read_dose(root: Path) -> dict[int, dict]:
+    """{g: cell} from §3's cells (g = 1, 8) and §4's (g = 2, 4) under ``root``; any other cell,
+    or a second cell of a g, stops with one line."""
+
+    def arm_of(cell: dict) -> int | None:
+        g = g_of(cell["config"].get("train.minibatch_groups", False))
+        return g if cell["method"]["name"] == "grpo" and g in DOSE else None
+
+    paths = sorted((root / CELLS.name).glob("*/*.json")) + sorted((root / CELLS_PARTS.name).glob("*/*.json"))
+    return results_cells.read_arms(paths, arm_of, "not one of §4's grpo arms (g = 1, 2, 4, 8)")
+
+
+def per_seed(cell: dict, key: str) -> dict[int, float]:
+    """{seed: the run's ``key``} where it is recorded as a finite number."""
+    return {
+        r["seed"]: float(r[key]) for r in cell["runs"] if isinstance(r.get(key), (int, float)) and np.isfinite(r[key])
+    }
+
+
+def slopes(data: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
+    """(seeds, per-seed least-squares slopes of ``key`` on log2 g) over the seeds every g has."""
+    values = {g: per_seed(data[g], key) for g in DOSE if g in data}
+    if len(values) < len(DOSE):
+        return [], []
+    seeds = sorted(set.intersection(*(set(v) for v in values.values())))
+    x = np.log2(DOSE)
+    return seeds, [float(np.polyfit(x, [values[g][s] for g in DOSE], 1)[0]) for s in seeds]
+
+
+def dose_table(root: Path) -> str:
+    data = read_dose(root)
+    head = DOSE_HEAD.split(" | ")
+    lines = [md_row(head), md_row(["---"] * len(head))]
+    for g in DOSE:
+        if g not in data:
+            continue
+        runs, scores = data[g]["runs"], per_seed(data[g], "eval_after")
+        v = list(scores.values())
+        sd = f" ± {np.std(v, ddof=1):.3f}" if len(v) > 1 else ""
+        lines.append(
+            md_row(
+                [
+                    DOSE_LABEL[g],
+                    f"{prompts_per_minibatch(g):.1f}",
+                    str(len(runs)),
+                    f"{f3(float(np.mean(v)))}{sd}" if v else "—",
+                    ", ".join(f"{s}: {f3(x)}" for s, x in sorted(scores.items())),
+                    mean_of(runs, lambda r: r.get("log_r_dev")),
+                    f"{sum(1 for r in runs if (r.get('collapse') or {}).get('collapsed'))}/{len(runs)}",
+                ]
+            )
+        )
+    return "\n".join(lines) + "\n"
+
+
+def trend_rows(data: dict[int, dict]) -> list[dict]:
+    """§4's one comparison: the per-seed slope of the held-out accuracy after RL on log2 g."""
+    seeds, d = slopes(data, "eval_after")
+    if not seeds:
+        return []
+    [row] = results_cells.paired_family([d], TREND_MARGIN)
+    return [row | {"seeds": seeds}]
+
+
+def trend_table(root: Path) -> str:
+    def label(r: dict) -> list[str]:
+        return ["held-out after on log2 g (g = 1, 2, 4, 8)"]
+
+    return results_cells.family_markdown(trend_rows(read_dose(root)), TREND_HEAD, label, complete=1)
+
+
+def steps_table(root: Path) -> str:
+    """Descriptive: each g minus single samples per seed, and the per-seed slope of ``log_r_dev``
+    on log2 g, with paired 95% intervals; no test, no declaration."""
+    from masktrl.analysis.compare import paired_diff_ci
+
+    data = read_dose(root)
+    head = STEPS_HEAD.split(" | ")
+    lines = [md_row(head), md_row(["---"] * len(head))]
+    rows = []
+    if 1 in data:
+        base = per_seed(data[1], "eval_after")
+        for g in DOSE[1:]:
+            if g in data:
+                other = per_seed(data[g], "eval_after")
+                seeds = sorted(set(base) & set(other))
+                rows.append((f"held-out after, g = {g} − g = 1", seeds, [other[s] - base[s] for s in seeds]))
+    seeds, d = slopes(data, "log_r_dev")
+    if seeds:
+        rows.append(("log_r_dev: slope per doubling of g", seeds, d))
+    for label, seeds, d in rows:
+        mean = signed(float(np.mean(d))) if d else "—"
+        if len(d) >= 2:
+            lo, hi = paired_diff_ci(d, [0.0] * len(d))
+            mean = f"{mean} [{signed(lo)}, {signed(hi)}]"
+        lines.append(
+            md_row(
+                [
+                    label,
+                    mean,
+                    f"{sum(x < 0 for x in d)}/{len(d)}",
+                    ", ".join(f"{s}: {signed(x)}" for s, x in zip(seeds, d)),
+                ]
+            )
+        )
+    if not rows:
+        lines.append("| (no comparison has both cells yet) |" + " |" * (len(head) - 1))
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     root = ROOT / CELLS
     print(outcome_table(root))
     print(comparison_table(root))
-    print(drift_table(root), end="")
+    print(drift_table(root))
+    dose = ROOT / CELLS_DOSE
+    print(dose_table(dose))
+    print(trend_table(dose))
+    print(steps_table(dose), end="")
     return 0
 
 

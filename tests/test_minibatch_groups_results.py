@@ -94,3 +94,99 @@ def test_a_cell_that_is_no_arm_is_an_error(tmp_path, bad):
         _write(tmp_path, "dppo", True, name="dppo")
     with pytest.raises(SystemExit, match="second cell of single samples" if bad == "second" else "grpo arms"):
         mg.read(tmp_path)
+
+
+# §4: the dose of prompts per update. g = 1 and 8 are §3's cells, g = 2 and 4 §4's own.
+DOSE_AFTER = {
+    1: [0.43, 0.33, 0.42, 0.43, 0.39, 0.46],
+    2: [0.42, 0.32, 0.41, 0.41, 0.39, 0.44],
+    4: [0.40, 0.31, 0.38, 0.42, 0.37, 0.42],
+    8: [0.39, 0.29, 0.35, 0.41, 0.37, 0.40],
+}
+DOSE_DEV = {1: 1.7, 2: 1.75, 4: 1.8, 8: 1.9}
+
+
+def _dose_cell(folder: Path, g, value, seeds=range(6)) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    runs = [
+        {
+            "seed": s,
+            "eval_before": 0.218,
+            "eval_after": DOSE_AFTER[g][s],
+            "log_r_dev": DOSE_DEV[g] + 0.01 * s,
+            "collapse": {"collapsed": False},
+        }
+        for s in seeds
+    ]
+    config = {"train.minibatches": 8, "train.minibatch_groups": value}
+    (folder / "grpo.json").write_text(json.dumps({"method": {"name": "grpo"}, "config": config, "runs": runs}))
+
+
+def _dose(root: Path, parts_seeds=range(6)) -> Path:
+    _dose_cell(root / mg.CELLS.name / "samples", 1, False)
+    _dose_cell(root / mg.CELLS.name / "groups", 8, True)
+    _dose_cell(root / mg.CELLS_PARTS.name / "parts2", 2, 2, parts_seeds)
+    _dose_cell(root / mg.CELLS_PARTS.name / "parts4", 4, 4)
+    return root
+
+
+def test_the_expected_prompts_per_minibatch_match_an_enumeration():
+    """4 groups of 2 samples, parts of 1, 2 minibatches of 4 parts: every 4 of the 8 parts is as
+    likely; the mean count of distinct prompts over all of them is the formula's."""
+    import itertools
+
+    owner = [0, 0, 1, 1, 2, 2, 3, 3]
+    picks = list(itertools.combinations(range(8), 4))
+    brute = np.mean([len({owner[i] for i in pick}) for pick in picks])
+    assert np.isclose(mg.prompts_per_minibatch(1, groups=4, n=2, minibatches=2), brute)
+    assert mg.prompts_per_minibatch(2, groups=4, n=2, minibatches=2) == 2.0  # whole groups: 2 a minibatch
+    assert [round(mg.prompts_per_minibatch(g), 1) for g in mg.DOSE] == [42.2, 26.6, 15.1, 8.0]  # the lab's
+
+
+def test_the_trend_is_each_seeds_least_squares_slope_on_log2_g(tmp_path):
+    data = mg.read_dose(_dose(tmp_path, parts_seeds=range(1, 6)))  # g = 2 lacks seed 0: seed 0 left out
+    assert sorted(data) == [1, 2, 4, 8]
+    [row] = mg.trend_rows(data)
+    # the slope on x = 0, 1, 2, 3 by hand: sum((x - 1.5) y) / sum((x - 1.5)^2), the latter 5
+    by_hand = [
+        (-1.5 * DOSE_AFTER[1][s] - 0.5 * DOSE_AFTER[2][s] + 0.5 * DOSE_AFTER[4][s] + 1.5 * DOSE_AFTER[8][s]) / 5
+        for s in range(1, 6)
+    ]
+    assert row["seeds"] == [1, 2, 3, 4, 5] and np.allclose(row["d"], by_hand)
+    assert np.isclose(row["t_p"], sps.ttest_1samp(by_hand, 0.0).pvalue)
+    assert row["flip"] == sign_flip_p(list(row["d"])) and row["p"] == max(row["t_p"], row["flip"]) and row["m"] == 1
+    assert np.isclose(row["tost"], tost_paired(list(row["d"]), 0.05 / 3)["p"])
+    assert "| held-out after on log2 g (g = 1, 2, 4, 8) | 5 |" in mg.trend_table(tmp_path)
+
+
+def test_the_dose_tables_read_both_folders_and_stay_descriptive(tmp_path):
+    _dose(tmp_path)
+    dose = mg.dose_table(tmp_path).splitlines()
+    assert [line.split(" | ")[0].lstrip("| ") for line in dose[2:]] == [mg.DOSE_LABEL[g] for g in mg.DOSE]
+    assert dose[3].startswith("| 2 | 26.6 | 6 | ") and dose[3].split(" | ")[5] == f"{DOSE_DEV[2] + 0.025:.3f}"
+    steps = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in mg.steps_table(tmp_path).splitlines()[2:]}
+    assert list(steps) == [
+        "held-out after, g = 2 − g = 1",
+        "held-out after, g = 4 − g = 1",
+        "held-out after, g = 8 − g = 1",
+        "log_r_dev: slope per doubling of g",
+    ]
+    d4 = np.subtract(DOSE_AFTER[4], DOSE_AFTER[1])
+    half = sps.t.ppf(0.975, 5) * d4.std(ddof=1) / np.sqrt(6)
+    assert (
+        steps["held-out after, g = 4 − g = 1"][1]
+        == f"{d4.mean():+.3f} [{d4.mean() - half:+.3f}, {d4.mean() + half:+.3f}]"
+    )
+    assert steps["held-out after, g = 4 − g = 1"][2] == f"{(d4 < 0).sum()}/6"
+    slope = np.polyfit(np.log2(mg.DOSE), [DOSE_DEV[g] for g in mg.DOSE], 1)[0]  # the same for every seed
+    assert steps["log_r_dev: slope per doubling of g"][1].startswith(f"{slope:+.3f} [")
+
+
+def test_the_dose_without_its_new_arms_gives_no_trend_and_a_cell_of_another_g_is_an_error(tmp_path):
+    _dose_cell(tmp_path / mg.CELLS.name / "samples", 1, False)
+    _dose_cell(tmp_path / mg.CELLS.name / "groups", 8, True)
+    assert mg.trend_rows(mg.read_dose(tmp_path)) == []
+    assert "(no comparison has both cells yet)" in mg.trend_table(tmp_path)
+    _dose_cell(tmp_path / mg.CELLS_PARTS.name / "parts3", 4, 3)
+    with pytest.raises(SystemExit, match="not one of §4's grpo arms"):
+        mg.read_dose(tmp_path)
