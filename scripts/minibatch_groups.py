@@ -127,8 +127,6 @@ DRIFT_HEAD = "recorded in the run | single samples | whole groups | Δ [paired 9
 def drift_table(root: Path) -> str:
     """Descriptive: each ``DRIFT`` key's mean per arm and whole groups minus single samples per
     seed (the seeds both arms have), with the paired 95% interval; no test, no declaration."""
-    from masktrl.analysis.compare import paired_diff_ci
-
     data = read(root)
     head = DRIFT_HEAD.split(" | ")
     lines = [md_row(head), md_row(["---"] * len(head))]
@@ -139,23 +137,34 @@ def drift_table(root: Path) -> str:
         a, b = ({r["seed"]: r.get(key) for r in data[arm]["runs"]} for arm in (base, other))
         seeds = sorted(s for s in set(a) & set(b) if isinstance(a[s], (int, float)) and isinstance(b[s], (int, float)))
         d = [b[s] - a[s] for s in seeds]
-        mean = signed(float(np.mean(d))) if d else "—"
-        if len(d) >= 2:
-            lo, hi = paired_diff_ci(d, [0.0] * len(d))
-            mean = f"{mean} [{signed(lo)}, {signed(hi)}]"
         lines.append(
             md_row(
                 [
                     label,
                     mean_of(data[base]["runs"], lambda r, key=key: r.get(key)),
                     mean_of(data[other]["runs"], lambda r, key=key: r.get(key)),
-                    mean,
+                    with_interval(d),
                     f"{sum(x > 0 for x in d)}/{len(d)}",
-                    ", ".join(f"{s}: {signed(x)}" for s, x in zip(seeds, d)),
+                    by_seed(seeds, d),
                 ]
             )
         )
     return "\n".join(lines) + "\n"
+
+
+def with_interval(d: list[float]) -> str:
+    """The mean of paired differences with its paired 95% interval (the mean alone for one, — for none)."""
+    from masktrl.analysis.compare import paired_diff_ci
+
+    mean = signed(float(np.mean(d))) if d else "—"
+    if len(d) < 2:
+        return mean
+    lo, hi = paired_diff_ci(d, [0.0] * len(d))
+    return f"{mean} [{signed(lo)}, {signed(hi)}]"
+
+
+def by_seed(seeds: list[int], d: list[float]) -> str:
+    return ", ".join(f"{s}: {signed(x)}" for s, x in zip(seeds, d))
 
 
 # §4: prompts per update as a dose. g = 1 and 8 are §3's arms (its folder), g = 2 and 4 §4's own.
@@ -274,8 +283,6 @@ def trend_table(root: Path) -> str:
 def steps_table(root: Path) -> str:
     """Descriptive: each g minus single samples per seed, and the per-seed slope of ``log_r_dev``
     on log2 g, with paired 95% intervals; no test, no declaration."""
-    from masktrl.analysis.compare import paired_diff_ci
-
     data = read_dose(root)
     head = STEPS_HEAD.split(" | ")
     lines = [md_row(head), md_row(["---"] * len(head))]
@@ -291,20 +298,7 @@ def steps_table(root: Path) -> str:
     if seeds:
         rows.append(("log_r_dev: slope per doubling of g", seeds, d))
     for label, seeds, d in rows:
-        mean = signed(float(np.mean(d))) if d else "—"
-        if len(d) >= 2:
-            lo, hi = paired_diff_ci(d, [0.0] * len(d))
-            mean = f"{mean} [{signed(lo)}, {signed(hi)}]"
-        lines.append(
-            md_row(
-                [
-                    label,
-                    mean,
-                    f"{sum(x < 0 for x in d)}/{len(d)}",
-                    ", ".join(f"{s}: {signed(x)}" for s, x in zip(seeds, d)),
-                ]
-            )
-        )
+        lines.append(md_row([label, with_interval(d), f"{sum(x < 0 for x in d)}/{len(d)}", by_seed(seeds, d)]))
     if not rows:
         lines.append("| (no comparison has both cells yet) |" + " |" * (len(head) - 1))
     return "\n".join(lines) + "\n"
