@@ -169,6 +169,7 @@ def by_seed(seeds: list[int], d: list[float]) -> str:
 
 # §4: prompts per update as a dose. g = 1 and 8 are §3's arms (its folder), g = 2 and 4 §4's own.
 CELLS_PARTS = Path("docs/results/cells/minibatch-groups-parts")
+CELLS_PARTS_THREADS2 = Path("docs/results/cells/minibatch-groups-parts-threads2")  # seed 0 of g = 2, 4 at 2 threads
 CELLS_DOSE = Path("docs/results/cells")  # the folder holding both: the dose tables read §3's and §4's cells
 DOSE = (1, 2, 4, 8)  # g: samples of a group that stay together in a minibatch
 DOSE_LABEL = {1: "1 (single samples, §3)", 2: "2", 4: "4", 8: "8 (whole groups, §3)"}
@@ -209,15 +210,15 @@ def prompts_per_minibatch(
     return groups * (1 - comb(parts - per_prompt, k) / comb(parts, k))
 
 
-def read_dose(root: Path) -> dict[int, dict]:
-    """{g: cell} from §3's cells (g = 1, 8) and §4's (g = 2, 4) under ``root``; any other cell,
-    or a second cell of a g, stops with one line."""
+def read_dose(root: Path, folders: tuple[str, str] = (CELLS.name, CELLS_PARTS.name)) -> dict[int, dict]:
+    """{g: cell} from §3's cells (g = 1, 8) and §4's (g = 2, 4), the two ``folders`` under ``root``;
+    any other cell, or a second cell of a g, stops with one line."""
 
     def arm_of(cell: dict) -> int | None:
         g = g_of(cell["config"].get("train.minibatch_groups", False))
         return g if cell["method"]["name"] == "grpo" and g in DOSE else None
 
-    paths = sorted((root / CELLS.name).glob("*/*.json")) + sorted((root / CELLS_PARTS.name).glob("*/*.json"))
+    paths = [path for folder in folders for path in sorted((root / folder).glob("*/*.json"))]
     return results_cells.read_arms(paths, arm_of, "not one of §4's grpo arms (g = 1, 2, 4, 8)")
 
 
@@ -238,8 +239,8 @@ def slopes(data: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
     return seeds, [float(np.polyfit(x, [values[g][s] for g in DOSE], 1)[0]) for s in seeds]
 
 
-def dose_table(root: Path) -> str:
-    data = read_dose(root)
+def dose_table(root: Path, folders: tuple[str, str] = (CELLS.name, CELLS_PARTS.name)) -> str:
+    data = read_dose(root, folders)
     head = DOSE_HEAD.split(" | ")
     lines = [md_row(head), md_row(["---"] * len(head))]
     for g in DOSE:
@@ -262,6 +263,11 @@ def dose_table(root: Path) -> str:
             )
         )
     return "\n".join(lines) + "\n"
+
+
+def dose_table_threads2(root: Path) -> str:
+    """``dose_table`` of seed 0 again at ``train.threads=2``: §3's and §4's cells of that check."""
+    return dose_table(root, (CELLS_THREADS2.name, CELLS_PARTS_THREADS2.name))
 
 
 def trend_rows(data: dict[int, dict]) -> list[dict]:

@@ -190,3 +190,11 @@ def test_the_dose_without_its_new_arms_gives_no_trend_and_a_cell_of_another_g_is
     _dose_cell(tmp_path / mg.CELLS_PARTS.name / "parts3", 4, 3)
     with pytest.raises(SystemExit, match="not one of §4's grpo arms"):
         mg.read_dose(tmp_path)
+
+
+def test_the_two_thread_dose_reads_its_own_folders(tmp_path):
+    _dose(tmp_path)  # the one-thread cells: not read
+    _dose_cell(tmp_path / mg.CELLS_THREADS2.name / "samples", 1, False, seeds=[0])
+    _dose_cell(tmp_path / mg.CELLS_PARTS_THREADS2.name / "parts4", 4, 4, seeds=[0])
+    rows = mg.dose_table_threads2(tmp_path).splitlines()[2:]
+    assert [r.split(" | ")[:3] for r in rows] == [["| 1 (single samples, §3)", "42.2", "1"], ["| 4", "15.1", "1"]]
