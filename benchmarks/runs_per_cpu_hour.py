@@ -18,7 +18,9 @@ the padded one up to float32 rounding; on request); ``fast-grouped`` adds
 ``train.minibatch_groups=true`` to ``fast-packed`` (minibatches of whole prompt groups: another
 run, docs/CLUSTER.md; on request). The held-out accuracy before and after RL of every run is
 recorded beside its time, so the JSON shows whether a variant's run is the baseline's run
-(equal numbers) or another one.
+(equal numbers) or another one. So are the run's phases by its own clocks (``run_phases``: the warm
+start, the rollouts, the updates, the rest) and, per phase, the ratio to the baseline had that
+phase cost nothing (``if_free``): how far making one part faster can take the ratio.
 
     python benchmarks/runs_per_cpu_hour.py --json benchmarks/results/runs_per_cpu_hour.json
     python benchmarks/runs_per_cpu_hour.py --presets lab --steps 20 --rounds 1     # a quick look
@@ -108,7 +110,34 @@ def time_run(tree: Path, preset: str, sets: list[str], steps: int | None, scratc
         "eval_before": summary.get("eval_before"),
         "eval_after": summary.get("eval_after"),
         "steps": summary.get("steps"),
+        "phases_s": run_phases(out / "run", summary, wall),
     }
+
+
+PHASES = ("warm start", "rollouts", "updates", "the rest")
+
+
+def run_phases(run_dir: Path, summary: dict, wall_s: float) -> dict[str, float]:
+    """Wall seconds of a run's phases by the run's own clocks (both trees record them alike): the warm
+    start (summary.json's ``warmstart.time_s``), the rollouts (the steps' ``rollout_time_s``: generation,
+    rewards, advantages, storing the batch), the updates (``step_time_s`` minus ``rollout_time_s``: the
+    policy update and handing the weights to the engine), and the rest of the process's ``wall_s``
+    (start-up and imports, the held-out evaluations, the lab statistics, checkpoints, metrics)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if isinstance(r.get("step_time_s"), (int, float))]
+    rollouts = sum(float(r["rollout_time_s"]) for r in steps)
+    updates = sum(float(r["step_time_s"]) for r in steps) - rollouts
+    warm = float((summary.get("warmstart") or {}).get("time_s") or 0.0)
+    return dict(zip(PHASES, (warm, rollouts, updates, wall_s - warm - rollouts - updates)))
+
+
+def if_free(base_cpu: float, runs: list[dict]) -> dict[str, float]:
+    """Per phase, the ratio to the base's CPU time had that phase cost nothing: the phase's share of
+    the run's wall time (median over the rounds) taken off the run's median CPU time. One thread on
+    a quiet machine: wall and CPU time agree (the JSON keeps both)."""
+    cpu = median([r["cpu_s"] for r in runs])
+    shares = {p: median([r["phases_s"][p] / r["wall_s"] for r in runs]) for p in PHASES}
+    return {p: base_cpu / (cpu * (1 - share)) for p, share in shares.items()}
 
 
 def time_preset(preset: str, runs: list[tuple[str, Path, list[str]]], args, scratch: Path) -> list[dict]:
@@ -132,6 +161,7 @@ def time_preset(preset: str, runs: list[tuple[str, Path, list[str]]], args, scra
             "cpu_s": cpu[name],
             "runs_per_cpu_hour": 3600 / cpu[name],
             "ratio_vs_base": cpu["base"] / cpu[name] if "base" in cpu else None,
+            "ratio_if_free": if_free(cpu["base"], v) if "base" in cpu and "phases_s" in v[0] else None,
             "runs": v,
         }
         for name, v in per.items()

@@ -99,7 +99,15 @@ def test_runs_per_cpu_hour_pairs_each_preset_with_the_base_tree(common, tmp_path
     def fake_run(tree, preset, sets, steps, scratch, threads):
         variant = "base" if tree == base else ("fast" if sets else "default")
         calls.append((preset, variant, steps))
-        return {"cpu_s": seconds[variant], "wall_s": 1.0, "eval_before": 0.1, "eval_after": 0.2, "steps": steps}
+        phases = dict(zip(rpch.PHASES, (0.1, 0.2, 0.5, 0.2)))  # shares of the 1 s of wall time
+        return {
+            "cpu_s": seconds[variant],
+            "wall_s": 1.0,
+            "eval_before": 0.1,
+            "eval_after": 0.2,
+            "steps": steps,
+            "phases_s": phases,
+        }
 
     monkeypatch.setattr(rpch, "time_run", fake_run)
     out = rpch.main(
@@ -116,8 +124,28 @@ def test_runs_per_cpu_hour_pairs_each_preset_with_the_base_tree(common, tmp_path
     assert rows[("lab", "this tree: fast")]["ratio_vs_base"] == pytest.approx(2.0)
     assert rows[("lab", "this tree: default")]["runs_per_cpu_hour"] == pytest.approx(3600 / 250)
     assert rows[("agentic", "this tree: fast")]["ratio_vs_base"] is None
+    # had the updates (half of the wall time) cost nothing: 300 / (150 x 0.5)
+    assert rows[("lab", "this tree: fast")]["ratio_if_free"]["updates"] == pytest.approx(4.0)
+    assert rows[("lab", "this tree: fast")]["ratio_if_free"]["warm start"] == pytest.approx(300 / 135)
+    assert rows[("agentic", "this tree: fast")]["ratio_if_free"] is None
     assert all(steps == 3 for _, _, steps in calls)
     assert json.loads((tmp_path / "r.json").read_text())["steps"] == 3
+
+
+def test_a_runs_phases_come_from_its_own_clocks(tmp_path):
+    """The warm start from summary.json, the rollouts and updates from the steps' metrics rows (a row
+    without step_time_s, e.g. an evaluation's, left out), the rest from the process's wall time."""
+    sys.path.insert(0, str(BENCH))
+    rpch = importlib.import_module("runs_per_cpu_hour")
+    rows = [
+        {"step": 1, "rollout_time_s": 0.5, "step_time_s": 2.0},
+        {"step": 2, "rollout_time_s": 1.5, "step_time_s": 3.0, "eval": 0.4},
+        {"eval_after": 0.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    phases = rpch.run_phases(tmp_path, {"warmstart": {"time_s": 4.0}}, 20.0)
+    assert phases == {"warm start": 4.0, "rollouts": 2.0, "updates": 3.0, "the rest": 11.0}
+    assert rpch.run_phases(tmp_path, {"warmstart": None}, 20.0)["warm start"] == 0.0  # a cached or absent one
 
 
 def test_runs_per_cpu_hour_commands_pass_the_pre_write_checks(tmp_path):
