@@ -18,14 +18,16 @@ on the held-out accuracy after RL (``eval_after``), paired by seed, with the rul
 docs/RESULTS.md (the larger of the paired t p and the exact sign-flip p), the paired MDD and
 TOST at ±0.05. An arm is told by its cell's ``train.minibatch_groups``, not by its folder's name.
 
-§4 (``dose_table``, ``trend_table``, ``steps_table``) reads §3's cells as g = 1 and g = 8 and its own
-(``CELLS_PARTS``) as g = 2 and 4. Its one comparison, stated before its runs: per seed the
-least-squares slope of ``eval_after`` on log2 g over the four arms, the mean slope tested with the
-same rule, TOST at ±0.0167 per doubling. The rest is descriptive (each g minus g = 1, and the slope
+§4 (``dose_table``, ``trend_table``, ``steps_table``) reads its own cells (``CELLS_PARTS``): g = 1
+(the default split), 2, 4 and 8 (whole groups), all from one machine and thread count (a seed's
+warm start depends on both, so cells of two machines do not pair: ``read_dose`` refuses them, as
+``read`` does §3's). Its one comparison, stated before its runs: per seed the least-squares slope
+of ``eval_after`` on log2 g over the four arms, the mean slope tested with the same rule, TOST at
+±0.0167 per doubling. The rest is descriptive (each g minus g = 1, and the slope
 of ``log_r_dev``), with paired 95% intervals and no test.
 
-    python scripts/results_cells.py write outputs/minibatch-groups/parts2 outputs/minibatch-groups/parts4 \
-        --out docs/results/cells/minibatch-groups-parts
+    python scripts/results_cells.py write outputs/minibatch-groups/parts1 outputs/minibatch-groups/parts2 \
+        outputs/minibatch-groups/parts4 outputs/minibatch-groups/parts8 --out docs/results/cells/minibatch-groups-parts
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ def read(root: Path) -> dict[str, dict]:
             return None
         return next((a for a, on in ARMS.items() if on is groups), None)
 
-    return results_cells.read_arms(sorted(root.glob("*/*.json")), arm_of, "not one of §3's two grpo arms")
+    return one_machine(
+        root, results_cells.read_arms(sorted(root.glob("*/*.json")), arm_of, "not one of §3's two grpo arms")
+    )
 
 
 def after(cell: dict) -> dict[int, float]:
@@ -79,7 +83,7 @@ def outcome_table(root: Path) -> str:
         runs, scores = data[arm]["runs"], after(data[arm])
         v = list(scores.values())
         sd = f" ± {np.std(v, ddof=1):.3f}" if len(v) > 1 else ""
-        machines = sorted({f"{r['machine'].get('cpu_model', '?')} x{r['machine'].get('threads', '?')}" for r in runs})
+        machines = sorted({machine_of(r) for r in runs})
         lines.append(
             md_row(
                 [
@@ -167,12 +171,11 @@ def by_seed(seeds: list[int], d: list[float]) -> str:
     return ", ".join(f"{s}: {signed(x)}" for s, x in zip(seeds, d))
 
 
-# §4: prompts per update as a dose. g = 1 and 8 are §3's arms (its folder), g = 2 and 4 §4's own.
+# §4: prompts per update as a dose, g = 1, 2, 4, 8, all four arms run on one machine.
 CELLS_PARTS = Path("docs/results/cells/minibatch-groups-parts")
-CELLS_PARTS_THREADS2 = Path("docs/results/cells/minibatch-groups-parts-threads2")  # seed 0 of g = 2, 4 at 2 threads
-CELLS_DOSE = Path("docs/results/cells")  # the folder holding both: the dose tables read §3's and §4's cells
+CELLS_PARTS_THREADS2 = Path("docs/results/cells/minibatch-groups-parts-threads2")  # seed 0 of every g at 2 threads
 DOSE = (1, 2, 4, 8)  # g: samples of a group that stay together in a minibatch
-DOSE_LABEL = {1: "1 (single samples, §3)", 2: "2", 4: "4", 8: "8 (whole groups, §3)"}
+DOSE_LABEL = {1: "1 (single samples)", 2: "2", 4: "4", 8: "8 (whole groups)"}
 TREND_MARGIN = MARGIN / 3  # TOST margin per doubling of g: ±0.05 over the three doublings
 LAB_GROUPS, LAB_N, LAB_MINIBATCHES = 64, 8, 8  # configs/lab.yaml: prompts per step, samples each, minibatches
 TREND_HEAD = (
@@ -181,7 +184,7 @@ TREND_HEAD = (
 )
 DOSE_HEAD = (
     "g | prompts per minibatch (expected) | n | held-out after mean ± sd | held-out after per seed | "
-    "log_r_dev mean | collapsed"
+    "log_r_dev mean | collapsed | machine"
 )
 STEPS_HEAD = "recorded in the run | Δ [paired 95% CI] | seeds with Δ < 0 | per seed Δ"
 
@@ -210,16 +213,32 @@ def prompts_per_minibatch(
     return groups * (1 - comb(parts - per_prompt, k) / comb(parts, k))
 
 
-def read_dose(root: Path, folders: tuple[str, str] = (CELLS.name, CELLS_PARTS.name)) -> dict[int, dict]:
-    """{g: cell} from §3's cells (g = 1, 8) and §4's (g = 2, 4), the two ``folders`` under ``root``;
-    any other cell, or a second cell of a g, stops with one line."""
+def read_dose(root: Path) -> dict[int, dict]:
+    """{g: cell} from §4's cells in ``<root>/*/*.json``. Any other cell, a second cell of a g, or
+    runs of more than one machine (CPU model and thread count: a seed's warm start, hence its
+    pairs, depends on both) stop with one line."""
 
     def arm_of(cell: dict) -> int | None:
         g = g_of(cell["config"].get("train.minibatch_groups", False))
         return g if cell["method"]["name"] == "grpo" and g in DOSE else None
 
-    paths = [path for folder in folders for path in sorted((root / folder).glob("*/*.json"))]
-    return results_cells.read_arms(paths, arm_of, "not one of §4's grpo arms (g = 1, 2, 4, 8)")
+    data = results_cells.read_arms(sorted(root.glob("*/*.json")), arm_of, "not one of §4's grpo arms (g = 1, 2, 4, 8)")
+    return one_machine(root, data)
+
+
+def machine_of(run: dict) -> str:
+    """A run's machine as the tables name it: its CPU model and ``train.threads``."""
+    m = run.get("machine") or {}
+    return f"{m.get('cpu_model', '?')} x{m.get('threads', '?')}"
+
+
+def one_machine(root: Path, data: dict) -> dict:
+    """``data`` when every run of its cells ran on one machine and thread count; else one line and
+    exit: a seed's warm start, hence the pairing by seed, depends on both."""
+    machines = sorted({machine_of(r) for cell in data.values() for r in cell["runs"]})
+    if len(machines) > 1:
+        raise SystemExit(f"error: {root}: runs of {len(machines)} machines do not pair by seed: {', '.join(machines)}")
+    return data
 
 
 def per_seed(cell: dict, key: str) -> dict[int, float]:
@@ -239,8 +258,8 @@ def slopes(data: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
     return seeds, [float(np.polyfit(x, [values[g][s] for g in DOSE], 1)[0]) for s in seeds]
 
 
-def dose_table(root: Path, folders: tuple[str, str] = (CELLS.name, CELLS_PARTS.name)) -> str:
-    data = read_dose(root, folders)
+def dose_table(root: Path) -> str:
+    data = read_dose(root)
     head = DOSE_HEAD.split(" | ")
     lines = [md_row(head), md_row(["---"] * len(head))]
     for g in DOSE:
@@ -259,15 +278,11 @@ def dose_table(root: Path, folders: tuple[str, str] = (CELLS.name, CELLS_PARTS.n
                     ", ".join(f"{s}: {f3(x)}" for s, x in sorted(scores.items())),
                     mean_of(runs, lambda r: r.get("log_r_dev")),
                     f"{sum(1 for r in runs if (r.get('collapse') or {}).get('collapsed'))}/{len(runs)}",
+                    "; ".join(sorted({machine_of(r) for r in runs})),
                 ]
             )
         )
     return "\n".join(lines) + "\n"
-
-
-def dose_table_threads2(root: Path) -> str:
-    """``dose_table`` of seed 0 again at ``train.threads=2``: §3's and §4's cells of that check."""
-    return dose_table(root, (CELLS_THREADS2.name, CELLS_PARTS_THREADS2.name))
 
 
 def trend_rows(data: dict[int, dict]) -> list[dict]:
@@ -315,7 +330,7 @@ def main() -> int:
     print(outcome_table(root))
     print(comparison_table(root))
     print(drift_table(root))
-    dose = ROOT / CELLS_DOSE
+    dose = ROOT / CELLS_PARTS
     print(dose_table(dose))
     print(trend_table(dose))
     print(steps_table(dose), end="")

@@ -96,7 +96,7 @@ def test_a_cell_that_is_no_arm_is_an_error(tmp_path, bad):
         mg.read(tmp_path)
 
 
-# §4: the dose of prompts per update. g = 1 and 8 are §3's cells, g = 2 and 4 §4's own.
+# §4: the dose of prompts per update, g = 1, 2, 4 and 8, every arm on one machine.
 DOSE_AFTER = {
     1: [0.43, 0.33, 0.42, 0.43, 0.39, 0.46],
     2: [0.42, 0.32, 0.41, 0.41, 0.39, 0.44],
@@ -104,9 +104,10 @@ DOSE_AFTER = {
     8: [0.39, 0.29, 0.35, 0.41, 0.37, 0.40],
 }
 DOSE_DEV = {1: 1.7, 2: 1.75, 4: 1.8, 8: 1.9}
+VALUE = {1: False, 2: 2, 4: 4, 8: True}  # each g's train.minibatch_groups
 
 
-def _dose_cell(folder: Path, g, value, seeds=range(6)) -> None:
+def _dose_cell(folder: Path, g, seeds=range(6), cpu: str = "Test CPU") -> None:
     folder.mkdir(parents=True, exist_ok=True)
     runs = [
         {
@@ -115,18 +116,17 @@ def _dose_cell(folder: Path, g, value, seeds=range(6)) -> None:
             "eval_after": DOSE_AFTER[g][s],
             "log_r_dev": DOSE_DEV[g] + 0.01 * s,
             "collapse": {"collapsed": False},
+            "machine": {"cpu_model": cpu, "threads": 1},
         }
         for s in seeds
     ]
-    config = {"train.minibatches": 8, "train.minibatch_groups": value}
+    config = {"train.minibatches": 8, "train.minibatch_groups": VALUE[g]}
     (folder / "grpo.json").write_text(json.dumps({"method": {"name": "grpo"}, "config": config, "runs": runs}))
 
 
-def _dose(root: Path, parts_seeds=range(6)) -> Path:
-    _dose_cell(root / mg.CELLS.name / "samples", 1, False)
-    _dose_cell(root / mg.CELLS.name / "groups", 8, True)
-    _dose_cell(root / mg.CELLS_PARTS.name / "parts2", 2, 2, parts_seeds)
-    _dose_cell(root / mg.CELLS_PARTS.name / "parts4", 4, 4)
+def _dose(root: Path, parts2_seeds=range(6)) -> Path:
+    for g in mg.DOSE:
+        _dose_cell(root / f"parts{g}", g, parts2_seeds if g == 2 else range(6))
     return root
 
 
@@ -144,7 +144,7 @@ def test_the_expected_prompts_per_minibatch_match_an_enumeration():
 
 
 def test_the_trend_is_each_seeds_least_squares_slope_on_log2_g(tmp_path):
-    data = mg.read_dose(_dose(tmp_path, parts_seeds=range(1, 6)))  # g = 2 lacks seed 0: seed 0 left out
+    data = mg.read_dose(_dose(tmp_path, parts2_seeds=range(1, 6)))  # g = 2 lacks seed 0: seed 0 left out
     assert sorted(data) == [1, 2, 4, 8]
     [row] = mg.trend_rows(data)
     # the slope on x = 0, 1, 2, 3 by hand: sum((x - 1.5) y) / sum((x - 1.5)^2), the latter 5
@@ -159,11 +159,12 @@ def test_the_trend_is_each_seeds_least_squares_slope_on_log2_g(tmp_path):
     assert "| held-out after on log2 g (g = 1, 2, 4, 8) | 5 |" in mg.trend_table(tmp_path)
 
 
-def test_the_dose_tables_read_both_folders_and_stay_descriptive(tmp_path):
+def test_the_dose_tables_stay_descriptive(tmp_path):
     _dose(tmp_path)
     dose = mg.dose_table(tmp_path).splitlines()
     assert [line.split(" | ")[0].lstrip("| ") for line in dose[2:]] == [mg.DOSE_LABEL[g] for g in mg.DOSE]
     assert dose[3].startswith("| 2 | 26.6 | 6 | ") and dose[3].split(" | ")[5] == f"{DOSE_DEV[2] + 0.025:.3f}"
+    assert dose[3].endswith("| 0/6 | Test CPU x1 |")
     steps = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in mg.steps_table(tmp_path).splitlines()[2:]}
     assert list(steps) == [
         "held-out after, g = 2 − g = 1",
@@ -182,19 +183,27 @@ def test_the_dose_tables_read_both_folders_and_stay_descriptive(tmp_path):
     assert steps["log_r_dev: slope per doubling of g"][1].startswith(f"{slope:+.3f} [")
 
 
-def test_the_dose_without_its_new_arms_gives_no_trend_and_a_cell_of_another_g_is_an_error(tmp_path):
-    _dose_cell(tmp_path / mg.CELLS.name / "samples", 1, False)
-    _dose_cell(tmp_path / mg.CELLS.name / "groups", 8, True)
+def test_without_every_arm_there_is_no_trend_and_a_cell_of_another_g_is_an_error(tmp_path):
+    _dose_cell(tmp_path / "parts1", 1)
+    _dose_cell(tmp_path / "parts8", 8)
     assert mg.trend_rows(mg.read_dose(tmp_path)) == []
     assert "(no comparison has both cells yet)" in mg.trend_table(tmp_path)
-    _dose_cell(tmp_path / mg.CELLS_PARTS.name / "parts3", 4, 3)
+    _dose_cell(tmp_path / "parts3", 4)
+    json_path = tmp_path / "parts3" / "grpo.json"
+    cell = json.loads(json_path.read_text())
+    json_path.write_text(json.dumps(cell | {"config": cell["config"] | {"train.minibatch_groups": 3}}))
     with pytest.raises(SystemExit, match="not one of §4's grpo arms"):
         mg.read_dose(tmp_path)
 
 
-def test_the_two_thread_dose_reads_its_own_folders(tmp_path):
-    _dose(tmp_path)  # the one-thread cells: not read
-    _dose_cell(tmp_path / mg.CELLS_THREADS2.name / "samples", 1, False, seeds=[0])
-    _dose_cell(tmp_path / mg.CELLS_PARTS_THREADS2.name / "parts4", 4, 4, seeds=[0])
-    rows = mg.dose_table_threads2(tmp_path).splitlines()[2:]
-    assert [r.split(" | ")[:3] for r in rows] == [["| 1 (single samples, §3)", "42.2", "1"], ["| 4", "15.1", "1"]]
+def test_runs_of_two_machines_do_not_pair(tmp_path):
+    """A seed's warm start depends on the machine: cells of two CPU models (or thread counts) in
+    one comparison stop with one line, in §4's folder and in §3's."""
+    _dose_cell(tmp_path / "dose" / "parts1", 1)
+    _dose_cell(tmp_path / "dose" / "parts2", 2, cpu="Other CPU")
+    with pytest.raises(SystemExit, match="runs of 2 machines do not pair by seed: Other CPU x1, Test CPU x1"):
+        mg.read_dose(tmp_path / "dose")
+    _write(tmp_path / "s3", "samples", False)
+    _dose_cell(tmp_path / "s3" / "groups", 8, cpu="Other CPU")
+    with pytest.raises(SystemExit, match="do not pair by seed"):
+        mg.read(tmp_path / "s3")
