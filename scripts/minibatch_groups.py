@@ -20,8 +20,8 @@ TOST at ±0.05. An arm is told by its cell's ``train.minibatch_groups``, not by 
 
 §4 (``dose_table``, ``trend_table``, ``steps_table``) reads its own cells (``CELLS_PARTS``): g = 1
 (the default split), 2, 4 and 8 (whole groups), all from one machine and thread count (a seed's
-warm start depends on both, so cells of two machines do not pair: ``read_dose`` refuses them, as
-``read`` does §3's). Its one comparison, stated before its runs: per seed the least-squares slope
+warm start depends on both, so cells of two machines do not pair: ``results_cells.read_arms``
+refuses them, for §3 as for §4). Its one comparison, stated before its runs: per seed the least-squares slope
 of ``eval_after`` on log2 g over the four arms, the mean slope tested with the same rule, TOST at
 ±0.0167 per doubling. The rest is descriptive (each g minus g = 1, and the slope
 of ``log_r_dev``), with paired 95% intervals and no test.
@@ -40,7 +40,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import results_cells  # noqa: E402  (a sibling script)
-from results_cells import f3, md_row, mean_of, signed  # noqa: E402
+from results_cells import f3, machine_of, md_row, mean_of, signed  # noqa: E402
 
 CELLS = Path("docs/results/cells/minibatch-groups")
 CELLS_THREADS2 = Path("docs/results/cells/minibatch-groups-threads2")  # seed 0 of both arms at train.threads=2
@@ -63,9 +63,7 @@ def read(root: Path) -> dict[str, dict]:
             return None
         return next((a for a, on in ARMS.items() if on is groups), None)
 
-    return one_machine(
-        root, results_cells.read_arms(sorted(root.glob("*/*.json")), arm_of, "not one of §3's two grpo arms")
-    )
+    return results_cells.read_arms(sorted(root.glob("*/*.json")), arm_of, "not one of §3's two grpo arms")
 
 
 def after(cell: dict) -> dict[int, float]:
@@ -222,23 +220,7 @@ def read_dose(root: Path) -> dict[int, dict]:
         g = g_of(cell["config"].get("train.minibatch_groups", False))
         return g if cell["method"]["name"] == "grpo" and g in DOSE else None
 
-    data = results_cells.read_arms(sorted(root.glob("*/*.json")), arm_of, "not one of §4's grpo arms (g = 1, 2, 4, 8)")
-    return one_machine(root, data)
-
-
-def machine_of(run: dict) -> str:
-    """A run's machine as the tables name it: its CPU model and ``train.threads``."""
-    m = run.get("machine") or {}
-    return f"{m.get('cpu_model', '?')} x{m.get('threads', '?')}"
-
-
-def one_machine(root: Path, data: dict) -> dict:
-    """``data`` when every run of its cells ran on one machine and thread count; else one line and
-    exit: a seed's warm start, hence the pairing by seed, depends on both."""
-    machines = sorted({machine_of(r) for cell in data.values() for r in cell["runs"]})
-    if len(machines) > 1:
-        raise SystemExit(f"error: {root}: runs of {len(machines)} machines do not pair by seed: {', '.join(machines)}")
-    return data
+    return results_cells.read_arms(sorted(root.glob("*/*.json")), arm_of, "not one of §4's grpo arms (g = 1, 2, 4, 8)")
 
 
 def per_seed(cell: dict, key: str) -> dict[int, float]:

@@ -169,10 +169,18 @@ def read_cells(root: Path) -> dict[str, list[dict]]:
     return out
 
 
+def machine_of(run: dict) -> str:
+    """A run's machine as the tables name it: its CPU model and ``train.threads``."""
+    m = run.get("machine") or {}
+    return f"{m.get('cpu_model', '?')} x{m.get('threads', '?')}"
+
+
 def read_arms(paths, arm_of, no_arm: str) -> dict[str, dict]:
-    """{arm: cell} of a designed comparison's cells at ``paths`` (RESULTS §1's and §3's scripts);
-    ``arm_of(cell)`` names a cell's arm, None for none. A file that is not a cell, a cell of no
-    arm (``no_arm`` says which arms there are) or a second cell of an arm stops with one line."""
+    """{arm: cell} of a designed comparison's cells at ``paths`` (RESULTS §1's, §3's and §4's
+    scripts); ``arm_of(cell)`` names a cell's arm, None for none. A file that is not a cell, a cell
+    of no arm (``no_arm`` says which arms there are), a second cell of an arm, or runs of more than
+    one machine (CPU model and thread count: a seed's warm start, hence the pairing by seed,
+    depends on both) stops with one line."""
     out: dict[str, dict] = {}
     for path in paths:
         try:
@@ -185,6 +193,10 @@ def read_arms(paths, arm_of, no_arm: str) -> dict[str, dict]:
         if arm in out:
             raise SystemExit(f"error: {path}: a second cell of {arm}")
         out[arm] = cell
+    machines = sorted({machine_of(r) for cell in out.values() for r in cell["runs"]})
+    if len(machines) > 1:
+        where = ", ".join(sorted({str(Path(p).parent) for p in paths}))
+        raise SystemExit(f"error: {where}: runs of {len(machines)} machines do not pair by seed: {', '.join(machines)}")
     return out
 
 
