@@ -27,6 +27,7 @@ import argparse
 import importlib
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -141,6 +142,40 @@ def runs_per_cpu_hour(root: Path, name: str = "runs_per_cpu_hour.json") -> str:
             f"| {row['preset']} | {code} | {row['cpu_s'] / 60:.1f} | {row['runs_per_cpu_hour']:.1f} | {ratio} "
             f"| {first['eval_before']:.3f} → {first['eval_after']:.3f} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def runs_per_cpu_hour_phases(root: Path, name: str = "runs_per_cpu_hour_phases.json") -> str:
+    """docs/BENCHMARKS.md §7's phases of a lab run (runs_per_cpu_hour.py's ``phases_s``, by the runs'
+    own clocks): each phase's share of the run's wall time, the ratio to the base had it cost nothing
+    (``ratio_if_free``), and how short the phase alone would have to become for twice the base's runs
+    per CPU-hour (none: not even at no cost)."""
+    data = _load(root, name)
+    m = data["machine"]
+    base = data["base"]
+    lines = _head(
+        data,
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, `train.threads` {data['threads']}; "
+        f"{_load_span(data)}; {data['rounds']} round(s). Shares of a run's wall time (one thread: its CPU "
+        "time too), the median over the rounds.",
+        f"| preset | code | CPU min per run | × {base} | phase | share of the run | × {base} had it cost nothing "
+        "| for 2× the phase alone at most |",
+        "|---|---|---|---|---|---|---|---|",
+    )
+    for row in data["rows"]:
+        runs = row["runs"]
+        code = base if row["variant"] == "base" else row["variant"].removeprefix("this tree: ")
+        ratio = row["ratio_vs_base"]
+        free = row.get("ratio_if_free") or {}
+        for k, phase in enumerate(("warm start", "rollouts", "updates", "the rest")):  # the run's order
+            share = statistics.median(r["phases_s"][phase] / r["wall_s"] for r in runs)
+            first = [row["preset"], code, f"{row['cpu_s'] / 60:.1f}", f"{ratio:.2f}×"] if k == 0 else [""] * 4
+            need = ""
+            if phase in free and ratio is not None and row["variant"] != "base":
+                left = 1 - (1 - ratio / 2) / share  # the phase's time, as a share of today's, that gives 2x
+                need = f"{100 * left:.0f} % of its time" if left > 0 else "not even at no cost"
+            extra = [f"{free[phase]:.2f}×" if phase in free and row["variant"] != "base" else "", need]
+            lines.append("| " + " | ".join([*first, phase, f"{100 * share:.0f} %", *extra]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -533,6 +568,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "runs-per-cpu-hour-credit": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_credit.json"),
     "runs-per-cpu-hour-lab": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab.json"),
     "runs-per-cpu-hour-lab-packed": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_packed.json"),
+    "runs-per-cpu-hour-phases": runs_per_cpu_hour_phases,
     "runs-per-cpu-hour-lab-grouped": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_grouped.json"),
     "gpu-check": gpu_check,
     "gen-vs-base": gen_vs_base,
