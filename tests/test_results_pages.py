@@ -109,3 +109,53 @@ def test_the_gpu_checks_zero2_row_says_how_far_it_got(tmp_path):
     (tmp_path / "c-zero2-crash.log").write_text("x")
     assert "cut short in the run to be killed (log: `c-zero2-crash.log`)" in row(None)
     assert "| c.json | ZeRO-2 kill + resume (tiny) | 3 |" in row(None)
+
+
+def test_the_phase_table_says_how_short_each_phase_would_have_to_become_for_2x(tmp_path):
+    """A run at 1.6x the base: 2x needs it a fifth shorter. A phase of half its time then has to
+    fall to 60 % of it; a phase of a tenth cannot give 2x even at no cost."""
+    import json
+
+    def run(cpu, phases):
+        return {
+            "cpu_s": cpu,
+            "wall_s": cpu,
+            "phases_s": dict(zip(("warm start", "rollouts", "updates", "the rest"), phases)),
+        }
+
+    rows = [
+        {
+            "preset": "lab",
+            "variant": "base",
+            "cpu_s": 160.0,
+            "ratio_vs_base": 1.0,
+            "ratio_if_free": {},
+            "runs": [run(160.0, (16, 64, 64, 16))],
+        },
+        {
+            "preset": "lab",
+            "variant": "this tree: fast-packed",
+            "cpu_s": 100.0,
+            "ratio_vs_base": 1.6,
+            "ratio_if_free": {"warm start": 1.6 / 0.9, "rollouts": 1.6 / 0.7, "updates": 3.2, "the rest": 1.6 / 0.9},
+            "runs": [run(100.0, (10, 30, 50, 10))],
+        },
+    ]
+    machine = {"cpu": "Test CPU", "cores": 2, "torch": "2", "loadavg_1m": 1.0, "time": "t"}
+    data = {
+        "command": "python x",
+        "machine": machine,
+        "loadavg_1m_start": 1.0,
+        "threads": 1,
+        "rounds": 1,
+        "base": "abc",
+    }
+    (tmp_path / rp.BENCH).mkdir(parents=True)
+    (tmp_path / rp.BENCH / "p.json").write_text(json.dumps(data | {"rows": rows}))
+    lines = rp.runs_per_cpu_hour_phases(tmp_path, "p.json").splitlines()
+    table = [line.split(" | ") for line in lines if line.startswith("|") and "phase" not in line and "---" not in line]
+    ours = table[4:]
+    assert [r[4] for r in ours] == ["warm start", "rollouts", "updates", "the rest"]
+    assert ours[2][5:] == ["50 %", "3.20×", "60 % of its time |"]
+    assert ours[0][7] == "not even at no cost |" and ours[1][7] == "33 % of its time |"
+    assert table[0][4:] == ["warm start", "10 %", "", " |"]  # the base's own rows: shares only
