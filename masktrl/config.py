@@ -602,10 +602,11 @@ class TrainConfig:
     minibatch, the groups in a random order each step) instead of single samples in a random
     order. The shared-prompt forward then runs each prompt of a minibatch once: fewer tokens per
     update, the same loss per token. Another run, not the same one: a minibatch holds fewer
-    prompts with more samples each, and on the lab grpo learns less with it (docs/RESULTS.md §3;
-    docs/CLUSTER.md, "Minibatches of whole groups"). An integer g cuts each group into parts of g
-    samples and shuffles the parts instead (g at least the group size: the same as true), so g
-    sets how many prompts an update sees between single samples and whole groups."""
+    prompts with more samples each; on the lab grpo learned less with it on one machine and not
+    detectably on another (docs/RESULTS.md §3, §4; docs/CLUSTER.md, "Minibatches of whole
+    groups"). An integer g cuts each group into parts of g samples and shuffles the parts instead
+    (g at least the group size: the same as true), so g sets how many prompts an update sees
+    between single samples and whole groups."""
     grad_accum: int = 1
     """Micro-batches per optimizer update, per process: each process's part of a minibatch is
     run forward/backward in this many pieces and the gradients are summed (memory, not maths:
