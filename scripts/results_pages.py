@@ -586,6 +586,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "minibatch-groups-dose": grid_block("minibatch_groups", "dose_table", "CELLS_PARTS"),
     "minibatch-groups-trend": grid_block("minibatch_groups", "trend_table", "CELLS_PARTS"),
     "minibatch-groups-steps": grid_block("minibatch_groups", "steps_table", "CELLS_PARTS"),
+    "minibatch-groups-dose-threads2": grid_block("minibatch_groups", "dose_table", "CELLS_PARTS_THREADS2"),
     "agentic-outcomes": grid_block("agentic_grid", "outcome_table"),
     "agentic-family": grid_block("agentic_grid", "family_table"),
     "agentic-preset": grid_block("agentic_grid", "preset_table"),
