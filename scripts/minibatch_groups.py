@@ -66,9 +66,11 @@ def read(root: Path) -> dict[str, dict]:
     return results_cells.read_arms(sorted(root.glob("*/*.json")), arm_of, "not one of §3's two grpo arms")
 
 
-def after(cell: dict) -> dict[int, float]:
-    """The held-out accuracy after RL per seed."""
-    return {r["seed"]: float(r["eval_after"]) for r in cell["runs"]}
+def per_seed(cell: dict, key: str) -> dict[int, float]:
+    """{seed: the run's ``key``} where it is recorded as a finite number."""
+    return {
+        r["seed"]: float(r[key]) for r in cell["runs"] if isinstance(r.get(key), (int, float)) and np.isfinite(r[key])
+    }
 
 
 def outcome_table(root: Path) -> str:
@@ -78,7 +80,7 @@ def outcome_table(root: Path) -> str:
     for arm in ARMS:
         if arm not in data:
             continue
-        runs, scores = data[arm]["runs"], after(data[arm])
+        runs, scores = data[arm]["runs"], per_seed(data[arm], "eval_after")
         v = list(scores.values())
         sd = f" ± {np.std(v, ddof=1):.3f}" if len(v) > 1 else ""
         machines = sorted({machine_of(r) for r in runs})
@@ -105,7 +107,7 @@ def comparison_rows(data: dict[str, dict]) -> list[dict]:
     base, other = list(ARMS)
     if base not in data or other not in data:
         return []
-    a, b = after(data[base]), after(data[other])
+    a, b = per_seed(data[base], "eval_after"), per_seed(data[other], "eval_after")
     seeds = sorted(set(a) & set(b))
     rows = [{"arm": other, "seeds": seeds, "d": [b[s] - a[s] for s in seeds]}]
     return [r | t for r, t in zip(rows, results_cells.paired_family([r["d"] for r in rows], MARGIN))]
@@ -136,8 +138,8 @@ def drift_table(root: Path) -> str:
     if base not in data or other not in data:
         return "\n".join([*lines, "| (no comparison has both cells yet) |" + " |" * (len(head) - 1)]) + "\n"
     for key, label in DRIFT.items():
-        a, b = ({r["seed"]: r.get(key) for r in data[arm]["runs"]} for arm in (base, other))
-        seeds = sorted(s for s in set(a) & set(b) if isinstance(a[s], (int, float)) and isinstance(b[s], (int, float)))
+        a, b = (per_seed(data[arm], key) for arm in (base, other))
+        seeds = sorted(set(a) & set(b))
         d = [b[s] - a[s] for s in seeds]
         lines.append(
             md_row(
@@ -221,13 +223,6 @@ def read_dose(root: Path) -> dict[int, dict]:
         return g if cell["method"]["name"] == "grpo" and g in DOSE else None
 
     return results_cells.read_arms(sorted(root.glob("*/*.json")), arm_of, "not one of §4's grpo arms (g = 1, 2, 4, 8)")
-
-
-def per_seed(cell: dict, key: str) -> dict[int, float]:
-    """{seed: the run's ``key``} where it is recorded as a finite number."""
-    return {
-        r["seed"]: float(r[key]) for r in cell["runs"] if isinstance(r.get(key), (int, float)) and np.isfinite(r[key])
-    }
 
 
 def slopes(data: dict[int, dict], key: str) -> tuple[list[int], list[float]]:

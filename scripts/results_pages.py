@@ -151,6 +151,7 @@ def runs_per_cpu_hour_phases(root: Path, name: str = "runs_per_cpu_hour_phases.j
     (``ratio_if_free``), and how short the phase alone would have to become for twice the base's runs
     per CPU-hour (none: not even at no cost)."""
     data = _load(root, name)
+    phases = _benchmark("runs_per_cpu_hour").PHASES
     m = data["machine"]
     base = data["base"]
     lines = _head(
@@ -167,7 +168,7 @@ def runs_per_cpu_hour_phases(root: Path, name: str = "runs_per_cpu_hour_phases.j
         code = base if row["variant"] == "base" else row["variant"].removeprefix("this tree: ")
         ratio = row["ratio_vs_base"]
         free = row.get("ratio_if_free") or {}
-        for k, phase in enumerate(("warm start", "rollouts", "updates", "the rest")):  # the run's order
+        for k, phase in enumerate(phases):  # the run's order
             share = statistics.median(r["phases_s"][phase] / r["wall_s"] for r in runs)
             first = [row["preset"], code, f"{row['cpu_s'] / 60:.1f}", f"{ratio:.2f}×"] if k == 0 else [""] * 4
             need = ""
@@ -194,12 +195,18 @@ ZERO2_RUNS = {  # gpu_check.py's ZeRO-2 runs, in order (log names: gpu_check.log
 }
 
 
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module, so the generator reads its names (a parser, the phases)
+    from the benchmark rather than repeating them."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
+
+
 def _gpu_check():
     """benchmarks/gpu_check.py as a module: its parser and its log names are the generator's."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import gpu_check
-
-    return gpu_check
+    return _benchmark("gpu_check")
 
 
 def _gpu_check_args(argv: list[str]):
