@@ -28,6 +28,14 @@ of ``log_r_dev``), with paired 95% intervals and no test.
 
     python scripts/results_cells.py write outputs/minibatch-groups/parts1 outputs/minibatch-groups/parts2 \
         outputs/minibatch-groups/parts4 outputs/minibatch-groups/parts8 --out docs/results/cells/minibatch-groups-parts
+
+§5 (``CELLS_SIZE``) runs §3's two arms again on §4's machine with 8 new seeds (6-13): its one
+comparison is §3's (``outcome_table`` and ``comparison_table`` read its folder as they read
+§3's), and ``size_table`` puts it beside §4's seeds 0-5 of g = 1 and 8 and both pooled,
+descriptively (cells of two machines, or a seed in both folders, stop with one line).
+
+    python scripts/results_cells.py write outputs/minibatch-groups-size/samples outputs/minibatch-groups-size/groups \
+        --out docs/results/cells/minibatch-groups-size
 """
 
 from __future__ import annotations
@@ -302,6 +310,53 @@ def steps_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+# §5: the size of the cost of whole groups, 8 new seeds (6-13) of §3's two arms on §4's machine.
+CELLS_SIZE = Path("docs/results/cells/minibatch-groups-size")
+SIZE_HEAD = "seeds | n | Δ held-out after [paired 95% CI] | seeds with Δ < 0 | paired SD | per seed Δ"
+
+
+def size_rows(root: Path) -> list[tuple[str, list[int], list[float]]]:
+    """(label, seeds, whole groups minus single samples) for §4's seeds (its g = 1 and g = 8 cells,
+    in the sibling folder ``CELLS_PARTS.name``), §5's new seeds (``root``) and both together.
+    The cells of both folders must come from one machine, and a seed may be in one folder only."""
+    parts, size = read_dose(root.parent / CELLS_PARTS.name), read(root)
+    halves = [
+        ("§4's g = 1 and g = 8", parts.get(1), parts.get(LAB_N)),
+        ("§5", size.get("single samples"), size.get("whole groups")),
+    ]
+    machines = sorted({machine_of(r) for _, *cells in halves for c in cells if c for r in c["runs"]})
+    if len(machines) > 1:
+        raise SystemExit(f"error: {root}: §4's and §5's runs are of {len(machines)} machines: {', '.join(machines)}")
+    rows = []
+    for label, single, whole in halves:
+        a, b = (per_seed(c, "eval_after") if c else {} for c in (single, whole))
+        seeds = sorted(set(a) & set(b))
+        rows.append((label, seeds, [b[s] - a[s] for s in seeds]))
+    (_, s0, d0), (_, s1, d1) = rows
+    if set(s0) & set(s1):
+        raise SystemExit(f"error: {root}: seeds {sorted(set(s0) & set(s1))} are in both §4's and §5's cells")
+    rows = [r for r in rows if r[1]]
+    if s0 and s1:
+        rows.append(("both", s0 + s1, d0 + d1))
+    return rows
+
+
+def size_table(root: Path) -> str:
+    """§5, descriptive beside its comparison: whole groups minus single samples over §4's seeds,
+    §5's and both, each with its paired 95% interval and the paired SD; no test."""
+    head = SIZE_HEAD.split(" | ")
+    lines = [md_row(head), md_row(["---"] * len(head))]
+    for label, seeds, d in size_rows(root):
+        label = f"{label}: {seeds[0]}–{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) else label
+        sd = f"{np.std(d, ddof=1):.3f}" if len(d) > 1 else "—"
+        lines.append(
+            md_row([label, str(len(d)), with_interval(d), f"{sum(x < 0 for x in d)}/{len(d)}", sd, by_seed(seeds, d)])
+        )
+    if len(lines) == 2:
+        lines.append("| (no seed has both arms yet) |" + " |" * (len(head) - 1))
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     root = ROOT / CELLS
     print(outcome_table(root))
@@ -310,7 +365,11 @@ def main() -> int:
     dose = ROOT / CELLS_PARTS
     print(dose_table(dose))
     print(trend_table(dose))
-    print(steps_table(dose), end="")
+    print(steps_table(dose))
+    size = ROOT / CELLS_SIZE
+    print(outcome_table(size))
+    print(comparison_table(size))
+    print(size_table(size), end="")
     return 0
 
 

@@ -207,3 +207,57 @@ def test_runs_of_two_machines_do_not_pair(tmp_path):
     _dose_cell(tmp_path / "s3" / "groups", 8, cpu="Other CPU")
     with pytest.raises(SystemExit, match="do not pair by seed"):
         mg.read(tmp_path / "s3")
+
+
+def _size_cell(folder: Path, groups: bool, after: dict[int, float], cpu: str = "Test CPU") -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    runs = [
+        {"seed": s, "eval_before": 0.2, "eval_after": a, "machine": {"cpu_model": cpu, "threads": 1}}
+        for s, a in after.items()
+    ]
+    config = {"train.minibatches": 8, "train.minibatch_groups": groups}
+    (folder / "grpo.json").write_text(json.dumps({"method": {"name": "grpo"}, "config": config, "runs": runs}))
+
+
+def test_the_size_table_gives_4s_seeds_5s_and_both_by_seed(tmp_path):
+    """§5: whole groups minus single samples over §4's g = 1 and 8 (seeds 0-5), §5's new seeds,
+    and the two pooled, each with its paired interval and SD; no test."""
+    _dose(tmp_path / mg.CELLS_PARTS.name)
+    size = tmp_path / mg.CELLS_SIZE.name
+    single, whole = {6: 0.40, 7: 0.35, 8: 0.41}, {6: 0.37, 7: 0.36, 8: 0.38}
+    _size_cell(size / "samples", False, single)
+    _size_cell(size / "groups", True, whole)
+    rows = mg.size_rows(size)
+    old = [DOSE_AFTER[8][s] - DOSE_AFTER[1][s] for s in range(6)]
+    new = [whole[s] - single[s] for s in (6, 7, 8)]
+    assert [(label, seeds) for label, seeds, _ in rows] == [
+        ("§4's g = 1 and g = 8", list(range(6))),
+        ("§5", [6, 7, 8]),
+        ("both", list(range(9))),
+    ]
+    assert np.allclose(rows[0][2], old) and np.allclose(rows[1][2], new) and np.allclose(rows[2][2], old + new)
+    lines = mg.size_table(size).splitlines()[2:]
+    both = np.array(old + new)
+    half = sps.t.ppf(0.975, 8) * both.std(ddof=1) / 3
+    assert lines[2].startswith(
+        f"| both: 0–8 | 9 | {both.mean():+.3f} [{both.mean() - half:+.3f}, {both.mean() + half:+.3f}] |"
+    )
+    assert f"| {(both < 0).sum()}/9 | {both.std(ddof=1):.3f} |" in lines[2]
+    assert lines[1].startswith("| §5: 6–8 | 3 |")
+
+
+def test_the_size_table_refuses_two_machines_and_a_seed_in_both_folders(tmp_path):
+    _dose(tmp_path / mg.CELLS_PARTS.name)
+    size = tmp_path / mg.CELLS_SIZE.name
+    _size_cell(size / "samples", False, {6: 0.40}, cpu="Other CPU")
+    _size_cell(size / "groups", True, {6: 0.37}, cpu="Other CPU")
+    with pytest.raises(SystemExit, match="§4's and §5's runs are of 2 machines"):
+        mg.size_rows(size)
+    _size_cell(size / "samples", False, {5: 0.40})
+    _size_cell(size / "groups", True, {5: 0.37})
+    with pytest.raises(SystemExit, match=r"seeds \[5\] are in both"):
+        mg.size_rows(size)
+
+
+def test_the_size_table_before_any_run_has_a_placeholder(tmp_path):
+    assert "(no seed has both arms yet)" in mg.size_table(tmp_path / mg.CELLS_SIZE.name)
