@@ -312,6 +312,7 @@ def steps_table(root: Path) -> str:
 
 # §5: the size of the cost of whole groups, 8 new seeds (6-13) of §3's two arms on §4's machine.
 CELLS_SIZE = Path("docs/results/cells/minibatch-groups-size")
+CELLS_SIZE_THREADS2 = Path("docs/results/cells/minibatch-groups-size-threads2")  # seed 6 of both arms at 2 threads
 SIZE_HEAD = "seeds | n | Δ held-out after [paired 95% CI] | seeds with Δ < 0 | paired SD | per seed Δ"
 
 

@@ -597,6 +597,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "minibatch-groups-size-outcomes": grid_block("minibatch_groups", "outcome_table", "CELLS_SIZE"),
     "minibatch-groups-size-comparison": grid_block("minibatch_groups", "comparison_table", "CELLS_SIZE"),
     "minibatch-groups-size": grid_block("minibatch_groups", "size_table", "CELLS_SIZE"),
+    "minibatch-groups-size-threads2": grid_block("minibatch_groups", "outcome_table", "CELLS_SIZE_THREADS2"),
     "agentic-outcomes": grid_block("agentic_grid", "outcome_table"),
     "agentic-family": grid_block("agentic_grid", "family_table"),
     "agentic-preset": grid_block("agentic_grid", "preset_table"),
