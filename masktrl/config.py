@@ -602,9 +602,9 @@ class TrainConfig:
     minibatch, the groups in a random order each step) instead of single samples in a random
     order. The shared-prompt forward then runs each prompt of a minibatch once: fewer tokens per
     update, the same loss per token. Another run, not the same one: a minibatch holds fewer
-    prompts with more samples each; on the lab grpo learned less with it on one machine and not
-    detectably on another (docs/RESULTS.md §3, §4; docs/CLUSTER.md, "Minibatches of whole
-    groups"). An integer g cuts each group into parts of g samples and shuffles the parts instead
+    prompts with more samples each; on the lab grpo learned less with it, a declared difference on
+    two machines (docs/RESULTS.md §3, §5; docs/CLUSTER.md, "Minibatches of whole groups"). An
+    integer g cuts each group into parts of g samples and shuffles the parts instead
     (g at least the group size: the same as true), so g sets how many prompts an update sees
     between single samples and whole groups."""
     grad_accum: int = 1
