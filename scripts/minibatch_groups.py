@@ -81,6 +81,12 @@ def per_seed(cell: dict, key: str) -> dict[int, float]:
     }
 
 
+def paired(base: dict[int, float], other: dict[int, float]) -> tuple[list[int], list[float]]:
+    """(seeds both have, other minus base per seed)."""
+    seeds = sorted(set(base) & set(other))
+    return seeds, [other[s] - base[s] for s in seeds]
+
+
 def outcome_table(root: Path) -> str:
     data = read(root)
     head = HEAD.split(" | ")
@@ -115,9 +121,8 @@ def comparison_rows(data: dict[str, dict]) -> list[dict]:
     base, other = list(ARMS)
     if base not in data or other not in data:
         return []
-    a, b = per_seed(data[base], "eval_after"), per_seed(data[other], "eval_after")
-    seeds = sorted(set(a) & set(b))
-    rows = [{"arm": other, "seeds": seeds, "d": [b[s] - a[s] for s in seeds]}]
+    seeds, d = paired(per_seed(data[base], "eval_after"), per_seed(data[other], "eval_after"))
+    rows = [{"arm": other, "seeds": seeds, "d": d}]
     return [r | t for r, t in zip(rows, results_cells.paired_family([r["d"] for r in rows], MARGIN))]
 
 
@@ -146,9 +151,7 @@ def drift_table(root: Path) -> str:
     if base not in data or other not in data:
         return "\n".join([*lines, "| (no comparison has both cells yet) |" + " |" * (len(head) - 1)]) + "\n"
     for key, label in DRIFT.items():
-        a, b = (per_seed(data[arm], key) for arm in (base, other))
-        seeds = sorted(set(a) & set(b))
-        d = [b[s] - a[s] for s in seeds]
+        seeds, d = paired(per_seed(data[base], key), per_seed(data[other], key))
         lines.append(
             md_row(
                 [
@@ -297,9 +300,7 @@ def steps_table(root: Path) -> str:
         base = per_seed(data[1], "eval_after")
         for g in DOSE[1:]:
             if g in data:
-                other = per_seed(data[g], "eval_after")
-                seeds = sorted(set(base) & set(other))
-                rows.append((f"held-out after, g = {g} − g = 1", seeds, [other[s] - base[s] for s in seeds]))
+                rows.append((f"held-out after, g = {g} − g = 1", *paired(base, per_seed(data[g], "eval_after"))))
     seeds, d = slopes(data, "log_r_dev")
     if seeds:
         rows.append(("log_r_dev: slope per doubling of g", seeds, d))
@@ -325,14 +326,11 @@ def size_rows(root: Path) -> list[tuple[str, list[int], list[float]]]:
         ("§4's g = 1 and g = 8", parts.get(1), parts.get(LAB_N)),
         ("§5", size.get("single samples"), size.get("whole groups")),
     ]
-    machines = sorted({machine_of(r) for _, *cells in halves for c in cells if c for r in c["runs"]})
-    if len(machines) > 1:
-        raise SystemExit(f"error: {root}: §4's and §5's runs are of {len(machines)} machines: {', '.join(machines)}")
+    results_cells.one_machine([*parts.values(), *size.values()], f"{root.parent / CELLS_PARTS.name}, {root}")
     rows = []
     for label, single, whole in halves:
         a, b = (per_seed(c, "eval_after") if c else {} for c in (single, whole))
-        seeds = sorted(set(a) & set(b))
-        rows.append((label, seeds, [b[s] - a[s] for s in seeds]))
+        rows.append((label, *paired(a, b)))
     (_, s0, d0), (_, s1, d1) = rows
     if set(s0) & set(s1):
         raise SystemExit(f"error: {root}: seeds {sorted(set(s0) & set(s1))} are in both §4's and §5's cells")

@@ -193,11 +193,16 @@ def read_arms(paths, arm_of, no_arm: str) -> dict[str, dict]:
         if arm in out:
             raise SystemExit(f"error: {path}: a second cell of {arm}")
         out[arm] = cell
-    machines = sorted({machine_of(r) for cell in out.values() for r in cell["runs"]})
-    if len(machines) > 1:
-        where = ", ".join(sorted({str(Path(p).parent) for p in paths}))
-        raise SystemExit(f"error: {where}: runs of {len(machines)} machines do not pair by seed: {', '.join(machines)}")
+    one_machine(out.values(), ", ".join(sorted({str(Path(p).parent) for p in paths})))
     return out
+
+
+def one_machine(cells, where: str) -> None:
+    """Stop with one line naming ``where`` if the runs of ``cells`` come from more than one machine
+    (CPU model and thread count: a seed's warm start, hence the pairing by seed, depends on both)."""
+    machines = sorted({machine_of(r) for cell in cells for r in cell["runs"]})
+    if len(machines) > 1:
+        raise SystemExit(f"error: {where}: runs of {len(machines)} machines do not pair by seed: {', '.join(machines)}")
 
 
 def score_of(cells_: list[dict]) -> tuple[str, str]:

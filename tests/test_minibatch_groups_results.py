@@ -251,7 +251,7 @@ def test_the_size_table_refuses_two_machines_and_a_seed_in_both_folders(tmp_path
     size = tmp_path / mg.CELLS_SIZE.name
     _size_cell(size / "samples", False, {6: 0.40}, cpu="Other CPU")
     _size_cell(size / "groups", True, {6: 0.37}, cpu="Other CPU")
-    with pytest.raises(SystemExit, match="§4's and §5's runs are of 2 machines"):
+    with pytest.raises(SystemExit, match="runs of 2 machines do not pair by seed: Other CPU x1, Test CPU x1"):
         mg.size_rows(size)
     _size_cell(size / "samples", False, {5: 0.40})
     _size_cell(size / "groups", True, {5: 0.37})
