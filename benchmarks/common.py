@@ -164,7 +164,7 @@ def run_masktrl(cfg, on_start=None, on_step=None) -> dict:
     """``masktrl.recipes.train.train`` on ``cfg`` in a scratch run folder (deleted afterwards).
 
     Returns per-step wall times (``step_times``, one per step of the real loop), per-step
-    process CPU times (``cpu_times``) and the metrics rows the run wrote.
+    process CPU times (``cpu_times``), the metrics rows the run wrote and its summary.
     """
     from masktrl.recipes.train import train
     from masktrl.runs.plan import plan_config
@@ -181,7 +181,8 @@ def run_masktrl(cfg, on_start=None, on_step=None) -> dict:
         rows = result.store.read_metrics()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"step_times": clock.step_times(), "cpu_times": clock.cpu_times(), "metrics": rows}
+    times = {"step_times": clock.step_times(), "cpu_times": clock.cpu_times()}
+    return {**times, "metrics": rows, "summary": result.summary}
 
 
 # --------------------------------------------------------------------------- phase timers

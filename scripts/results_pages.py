@@ -152,12 +152,10 @@ def runs_per_cpu_hour_phases(root: Path, name: str = "runs_per_cpu_hour_phases.j
     per CPU-hour (none: not even at no cost)."""
     data = _load(root, name)
     phases = _benchmark("runs_per_cpu_hour").PHASES
-    m = data["machine"]
     base = data["base"]
     lines = _head(
         data,
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, `train.threads` {data['threads']}; "
-        f"{_load_span(data)}; {data['rounds']} round(s). Shares of a run's wall time (one thread: its CPU "
+        f"{_cpu_line(data)}; {data['rounds']} round(s). Shares of a run's wall time (one thread: its CPU "
         "time too), the median over the rounds.",
         f"| preset | code | CPU min per run | × {base} | phase | share of the run | × {base} had it cost nothing "
         "| for 2× the phase alone at most |",
@@ -177,6 +175,32 @@ def runs_per_cpu_hour_phases(root: Path, name: str = "runs_per_cpu_hour_phases.j
                 need = f"{100 * left:.0f} % of its time" if left > 0 else "not even at no cost"
             extra = [f"{free[phase]:.2f}×" if phase in free and row["variant"] != "base" else "", need]
             lines.append("| " + " | ".join([*first, phase, f"{100 * share:.0f} %", *extra]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def compile_update(root: Path, name: str = "compile_update.json") -> str:
+    """docs/BENCHMARKS.md §7's lab update eager and compiled (benchmarks/compile_update.py): per
+    variant the first update (with the compilation), the median later one, the updates of a lab
+    run projected from them, the ratio to the eager packed update's, and each round's held-out
+    accuracy after."""
+    data = _load(root, name)
+    lines = _head(
+        data,
+        f"{_cpu_line(data)}. {data['rounds']} round(s) of one {data['steps']}-step run per variant, each in "
+        "a fresh process; the first update and the later ones' median are medians over the rounds, and "
+        f"a {data['run_steps']}-step run's updates are projected as the first plus {data['run_steps'] - 1} later ones.",
+        "| variant | forward | compiled | first update s | later update s "
+        f"| updates of a {data['run_steps']}-step run s | × eager packed | held-out after, per round |",
+        "|---|---|---|---|---|---|---|---|",
+    )
+    for row in data["rows"]:
+        packing, what = data["variants"][row["variant"]]
+        ratio = row.get("ratio_vs_eager_packed", 1.0)
+        lines.append(
+            f"| `{row['variant']}` | {'packed' if packing else 'padded'} | {what or 'nothing (eager)'} "
+            f"| {row['first_update_s']:.2f} | {row['later_update_s']:.3f} | {row['run_updates_s']:.0f} "
+            f"| {ratio:.2f}× | {', '.join(f'{x:.3f}' for x in row['eval_after'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -282,6 +306,13 @@ VS_TRL_SIDES = {  # vs_trl.py's side -> (its key in a shape's result, its row la
     "masktrl-neither": ("masktrl_neither", "masktrl, packing and prompt sharing off"),
     "masktrl-dropfinished": ("masktrl_dropfinished", "masktrl, `rollout.drop_finished`"),
 }
+
+
+def _cpu_line(data: dict) -> str:
+    """A CPU benchmark's machine, torch, thread count and load span, for its block's machine line."""
+    m = data["machine"]
+    threads = data["threads"]
+    return f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, `train.threads` {threads}; {_load_span(data)}"
 
 
 def _load_span(data: dict) -> str:
@@ -576,6 +607,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "runs-per-cpu-hour-lab": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab.json"),
     "runs-per-cpu-hour-lab-packed": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_packed.json"),
     "runs-per-cpu-hour-phases": runs_per_cpu_hour_phases,
+    "compile-update": compile_update,
     "runs-per-cpu-hour-lab-grouped": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_grouped.json"),
     "gpu-check": gpu_check,
     "gen-vs-base": gen_vs_base,

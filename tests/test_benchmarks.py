@@ -218,3 +218,68 @@ def test_gen_vs_base_floor_runs_the_batch_shape(common):
     out = gen.measure(gen.ROOT, 1, 2, None)  # 1 prompt x 8 samples, 2 timed batches
     assert out["rows"] == 8 and out["tokens"] == 2 * 8 * 5  # configs/lab.yaml: n = 8, max_new_tokens = 5
     assert out["cpu_s"] > 0
+
+
+def test_compile_update_bad_input_and_a_failed_run_are_one_line_and_exit_2(common, capsys, monkeypatch):
+    import subprocess
+
+    sys.modules.pop("compile_update", None)
+    cu = importlib.import_module("compile_update")
+    for argv, words in (
+        (["--variants", "turbo"], "unknown variant 'turbo'"),
+        (["--steps", "1"], "at least 2"),
+        (["--variants", "model-warm,model"], "list model before it"),
+        (["--rounds", "0"], "at least 1"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            cu.main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and words in err and len(err.splitlines()) == 1
+
+    def failing(*a, **k):
+        raise subprocess.CalledProcessError(1, ["python"], output="", stderr="Traceback...\nRuntimeError: boom\n")
+
+    monkeypatch.setattr(cu, "run_worker", failing)
+    with pytest.raises(SystemExit) as exc:
+        cu.main(["--variants", "eager-packed"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.strip() == "error: the eager-packed run failed: RuntimeError: boom"
+
+
+def test_compile_update_compiles_the_parts_it_names_and_projects_a_run(common):
+    """``compile_parts`` wraps exactly the modules a variant names (compilation itself waits for the
+    first call, which this test does not make); ``summarise`` projects a lab run from the first
+    update and the median of the later ones."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    sys.modules.pop("compile_update", None)
+    cu = importlib.import_module("compile_update")
+    cfg = Qwen3Config(
+        vocab_size=16, hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=16, head_dim=4,
+    )  # fmt: skip
+
+    def compiled(module) -> bool:
+        return module._compiled_call_impl is not None
+
+    for what in ("norms+mlp", "layers", "model"):
+        base = Qwen3ForCausalLM(cfg).model
+        cu.compile_parts(base, what)
+        layer = base.layers[0]
+        assert compiled(base) == (what == "model")
+        assert all(compiled(x) == (what == "layers") for x in base.layers)
+        parts = (layer.mlp, layer.input_layernorm, layer.post_attention_layernorm, base.norm)
+        assert all(compiled(x) == (what == "norms+mlp") for x in parts)
+        assert not compiled(layer.self_attn)
+
+    base_runs = [
+        {"update_s": [1.0, 0.5, 0.4, 0.6], "eval_after": 0.3},
+        {"update_s": [3.0, 0.7, 0.7], "eval_after": 0.3},
+    ]
+    base_row = cu.summarise("eager-packed", base_runs, None)  # medians over the rounds: 2.0 and 0.6
+    assert base_row["first_update_s"] == 2.0 and base_row["later_update_s"] == pytest.approx(0.6)
+    assert base_row["run_updates_s"] == pytest.approx(2.0 + 299 * 0.6) and base_row["eval_after"] == [0.3, 0.3]
+    row = cu.summarise("model", [{"update_s": [60.0, 0.3, 0.3], "eval_after": 0.31}], base_row)
+    assert row["run_updates_s"] == pytest.approx(60.0 + 299 * 0.3)
+    assert row["ratio_vs_eager_packed"] == pytest.approx((2.0 + 299 * 0.6) / (60.0 + 299 * 0.3))
+    assert row["later_ratio_vs_eager_packed"] == pytest.approx(2.0)
