@@ -21,10 +21,15 @@ AFTER = {False: [0.40, 0.42, 0.39, 0.44, 0.41, 0.43], True: [0.38, 0.43, 0.36, 0
 LOG_R_DEV = {False: [1.7, 1.8, 1.6, 1.7, 1.5, 1.9], True: [1.9, 1.7, 1.8, 1.9, 1.8, 2.0]}
 
 
-def _write(root: Path, source: str, groups, seeds=range(6), name: str = "grpo") -> None:
-    folder = root / source
+def _cell(folder: Path, groups, runs: list[dict], name: str = "grpo") -> None:
+    """A committed cell of ``name`` with ``runs``, run with ``train.minibatch_groups: groups`` (None:
+    not set) and 8 minibatches."""
     folder.mkdir(parents=True, exist_ok=True)
     config = {"train.minibatches": 8} | ({} if groups is None else {"train.minibatch_groups": groups})
+    (folder / f"{name}.json").write_text(json.dumps({"method": {"name": name}, "config": config, "runs": runs}))
+
+
+def _write(root: Path, source: str, groups, seeds=range(6), name: str = "grpo") -> None:
     runs = [
         {
             "seed": s,
@@ -38,7 +43,7 @@ def _write(root: Path, source: str, groups, seeds=range(6), name: str = "grpo") 
         }
         for s in seeds
     ]
-    (folder / f"{name}.json").write_text(json.dumps({"method": {"name": name}, "config": config, "runs": runs}))
+    _cell(root / source, groups, runs, name)
 
 
 def test_whole_groups_are_paired_with_single_samples_by_seed(tmp_path):
@@ -108,7 +113,6 @@ VALUE = {1: False, 2: 2, 4: 4, 8: True}  # each g's train.minibatch_groups
 
 
 def _dose_cell(folder: Path, g, seeds=range(6), cpu: str = "Test CPU") -> None:
-    folder.mkdir(parents=True, exist_ok=True)
     runs = [
         {
             "seed": s,
@@ -120,8 +124,7 @@ def _dose_cell(folder: Path, g, seeds=range(6), cpu: str = "Test CPU") -> None:
         }
         for s in seeds
     ]
-    config = {"train.minibatches": 8, "train.minibatch_groups": VALUE[g]}
-    (folder / "grpo.json").write_text(json.dumps({"method": {"name": "grpo"}, "config": config, "runs": runs}))
+    _cell(folder, VALUE[g], runs)
 
 
 def _dose(root: Path, parts2_seeds=range(6)) -> Path:
@@ -210,13 +213,11 @@ def test_runs_of_two_machines_do_not_pair(tmp_path):
 
 
 def _size_cell(folder: Path, groups: bool, after: dict[int, float], cpu: str = "Test CPU") -> None:
-    folder.mkdir(parents=True, exist_ok=True)
     runs = [
         {"seed": s, "eval_before": 0.2, "eval_after": a, "machine": {"cpu_model": cpu, "threads": 1}}
         for s, a in after.items()
     ]
-    config = {"train.minibatches": 8, "train.minibatch_groups": groups}
-    (folder / "grpo.json").write_text(json.dumps({"method": {"name": "grpo"}, "config": config, "runs": runs}))
+    _cell(folder, groups, runs)
 
 
 def test_the_size_table_gives_4s_seeds_5s_and_both_by_seed(tmp_path):
