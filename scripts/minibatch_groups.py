@@ -36,6 +36,14 @@ descriptively (cells of two machines, or a seed in both folders, stop with one l
 
     python scripts/results_cells.py write outputs/minibatch-groups-size/samples outputs/minibatch-groups-size/groups \
         --out docs/results/cells/minibatch-groups-size
+
+§6 (``CELLS_WHERE``) runs g = 4 on §5's seeds and reads it beside §5's two arms (``read_where``):
+``where_outcomes`` the three arms, ``where_table`` its two comparisons (whole groups − g = 4,
+g = 4 − single samples; m = 2, Holm, TOST at ±0.05), ``where_pooled_table`` the same differences
+over §4's seeds 0-5, §6's and both, descriptively.
+
+    python scripts/results_cells.py write outputs/minibatch-groups-where/parts4 \
+        --out docs/results/cells/minibatch-groups-where
 """
 
 from __future__ import annotations
@@ -247,10 +255,14 @@ def slopes(data: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def dose_table(root: Path) -> str:
-    data = read_dose(root)
+    return dose_lines(read_dose(root), DOSE)
+
+
+def dose_lines(data: dict[int, dict], gs) -> str:
+    """The outcome table of the arms ``gs`` of ``data`` ({g: cell}) that have a cell."""
     head = DOSE_HEAD.split(" | ")
     lines = [md_row(head), md_row(["---"] * len(head))]
-    for g in DOSE:
+    for g in gs:
         if g not in data:
             continue
         runs, scores = data[g]["runs"], per_seed(data[g], "eval_after")
@@ -356,6 +368,88 @@ def size_table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+# §6: where the cost of whole groups arises: parts of 4 samples on §5's seeds (6-13), against §5's arms.
+CELLS_WHERE = Path("docs/results/cells/minibatch-groups-where")
+WHERE = (1, 4, 8)  # §6's arms: §5's single samples and whole groups, and its own g = 4
+WHERE_COMPARISONS = ((8, 4), (4, 1))  # (g, minus g): C1 whole groups − g = 4, C2 g = 4 − single samples
+WHERE_NAME = {1: "single samples", 4: "g = 4", 8: "whole groups"}
+POOLED_HEAD = "comparison | seeds | n | Δ held-out after [paired 95% CI] | seeds with Δ < 0 | paired SD | per seed Δ"
+
+
+def read_where(root: Path) -> dict[int, dict]:
+    """{g: cell} of §6: its g = 4 cell (``root``; any other cell there stops with one line) and
+    §5's single samples (g = 1) and whole groups (g = 8) in the sibling folder ``CELLS_SIZE.name``,
+    all from one machine."""
+    own = read_dose(root)
+    if set(own) - {4}:
+        raise SystemExit(f"error: {root}: §6's own cells are of g = 4 only, not g = {sorted(set(own) - {4})}")
+    size = read(root.parent / CELLS_SIZE.name)
+    data = {**own, **{g_of(ARMS[arm]): cell for arm, cell in size.items()}}
+    results_cells.one_machine(data.values(), f"{root.parent / CELLS_SIZE.name}, {root}")
+    return data
+
+
+def where_differences(data: dict[int, dict]) -> list[tuple[str, list[int], list[float]]]:
+    """(label, seeds, differences) of C1 and C2 over the seeds both of its arms have, in order; a
+    comparison whose arm has no cell yet has none."""
+    rows = []
+    for g, minus in WHERE_COMPARISONS:
+        label = f"{WHERE_NAME[g]} − {WHERE_NAME[minus]}"
+        if g in data and minus in data:
+            rows.append((label, *paired(per_seed(data[minus], "eval_after"), per_seed(data[g], "eval_after"))))
+        else:
+            rows.append((label, [], []))
+    return rows
+
+
+def where_outcomes(root: Path) -> str:
+    """§6's arms (g = 1, 4, 8) on its seeds, as §4's outcome table."""
+    return dose_lines(read_where(root), WHERE)
+
+
+def where_table(root: Path) -> str:
+    """§6's two comparisons (m = 2, Holm) on the held-out accuracy after RL, paired by seed."""
+    diffs = where_differences(read_where(root))
+    tested = results_cells.paired_family([d for _, _, d in diffs], MARGIN)
+    rows = [r | {"label": label, "seeds": seeds} for (label, seeds, _), r in zip(diffs, tested) if seeds]
+
+    def label(r: dict) -> list[str]:
+        return [r["label"]]
+
+    return results_cells.family_markdown(rows, COMPARISON_HEAD, label, complete=len(WHERE_COMPARISONS))
+
+
+def where_pooled_table(root: Path) -> str:
+    """§6, descriptive: C1 and C2 over §4's seeds (its g = 1, 4 and 8 cells, ``CELLS_PARTS.name``),
+    §6's and both, each with its paired 95% interval and SD; no test. The two folders' runs must
+    come from one machine, and a seed may be in one of them only."""
+    parts, where = read_dose(root.parent / CELLS_PARTS.name), read_where(root)
+    results_cells.one_machine([*parts.values(), *where.values()], f"{root.parent / CELLS_PARTS.name}, {root}")
+    head = POOLED_HEAD.split(" | ")
+    lines = [md_row(head), md_row(["---"] * len(head))]
+    for (label, s0, d0), (_, s1, d1) in zip(where_differences(parts), where_differences(where)):
+        if set(s0) & set(s1):
+            raise SystemExit(f"error: {root}: seeds {sorted(set(s0) & set(s1))} are in both §4's and §6's cells")
+        for part, seeds, d in (("§4", s0, d0), ("§6", s1, d1), ("both", s0 + s1, d0 + d1)):
+            if not d or (part == "both" and not (s0 and s1)):
+                continue
+            span = (
+                f"{seeds[0]}–{seeds[-1]}"
+                if seeds == list(range(seeds[0], seeds[-1] + 1))
+                else ", ".join(map(str, seeds))
+            )
+            sd = f"{np.std(d, ddof=1):.3f}" if len(d) > 1 else "—"
+            lines.append(
+                md_row(
+                    [label, f"{part}: {span}", str(len(d)), with_interval(d), f"{sum(x < 0 for x in d)}/{len(d)}", sd]
+                    + [by_seed(seeds, d)]
+                )
+            )
+    if len(lines) == 2:
+        lines.append("| (no comparison has both cells yet) |" + " |" * (len(head) - 1))
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     root = ROOT / CELLS
     print(outcome_table(root))
@@ -368,7 +462,11 @@ def main() -> int:
     size = ROOT / CELLS_SIZE
     print(outcome_table(size))
     print(comparison_table(size))
-    print(size_table(size), end="")
+    print(size_table(size))
+    where = ROOT / CELLS_WHERE
+    print(where_outcomes(where))
+    print(where_table(where))
+    print(where_pooled_table(where), end="")
     return 0
 
 

@@ -262,3 +262,80 @@ def test_the_size_table_refuses_two_machines_and_a_seed_in_both_folders(tmp_path
 
 def test_the_size_table_before_any_run_has_a_placeholder(tmp_path):
     assert "(no seed has both arms yet)" in mg.size_table(tmp_path / mg.CELLS_SIZE.name)
+
+
+def _where(root: Path, after: dict[int, dict[int, float]], cpu: str = "Test CPU") -> Path:
+    """§6's folder under ``root`` with its g = 4 cell, beside §5's two arms (``after``: {g: {seed: value}})."""
+    size = root / mg.CELLS_SIZE.name
+    _size_cell(size / "samples", False, after[1], cpu=cpu)
+    _size_cell(size / "groups", True, after[8], cpu=cpu)
+    where = root / mg.CELLS_WHERE.name
+    runs = [
+        {"seed": s, "eval_before": 0.2, "eval_after": a, "log_r_dev": 1.8, "machine": {"cpu_model": cpu, "threads": 1}}
+        for s, a in after[4].items()
+    ]
+    _cell(where / "parts4", 4, runs)
+    return where
+
+
+WHERE_AFTER = {
+    1: {6: 0.40, 7: 0.35, 8: 0.42, 9: 0.41},
+    4: {6: 0.41, 7: 0.34, 8: 0.41, 9: 0.40},
+    8: {6: 0.37, 7: 0.33, 8: 0.36, 9: 0.38},
+}
+
+
+def test_where_compares_whole_groups_with_g4_and_g4_with_single_samples_by_seed(tmp_path):
+    """§6: its g = 4 cell read beside §5's arms; C1 = whole groups − g = 4 and C2 = g = 4 − single
+    samples, paired by seed, the two Holm-adjusted together (m = 2)."""
+    where = _where(tmp_path, WHERE_AFTER)
+    data = mg.read_where(where)
+    assert sorted(data) == [1, 4, 8]
+    (l1, s1, d1), (l2, s2, d2) = mg.where_differences(data)
+    assert (l1, l2) == ("whole groups − g = 4", "g = 4 − single samples") and s1 == s2 == [6, 7, 8, 9]
+    assert np.allclose(d1, [WHERE_AFTER[8][s] - WHERE_AFTER[4][s] for s in s1])
+    assert np.allclose(d2, [WHERE_AFTER[4][s] - WHERE_AFTER[1][s] for s in s2])
+    lines = mg.where_table(where).splitlines()
+    assert lines[2].startswith(f"| whole groups − g = 4 | 4 | {np.mean(d1):+.3f} [")
+    assert lines[3].startswith(f"| g = 4 − single samples | 4 | {np.mean(d2):+.3f} [")
+    assert "m = 2" in mg.where_table(where)
+    outcomes = mg.where_outcomes(where).splitlines()[2:]
+    assert [line.split(" | ")[0] for line in outcomes] == ["| 1 (single samples)", "| 4", "| 8 (whole groups)"]
+
+
+def test_where_pools_4s_seeds_descriptively_and_refuses_mixed_cells(tmp_path):
+    _dose(tmp_path / mg.CELLS_PARTS.name)
+    where = _where(tmp_path, WHERE_AFTER)
+    lines = mg.where_pooled_table(where).splitlines()[2:]
+    assert [line.split(" | ")[:3] for line in lines] == [
+        ["| whole groups − g = 4", "§4: 0–5", "6"],
+        ["| whole groups − g = 4", "§6: 6–9", "4"],
+        ["| whole groups − g = 4", "both: 0–9", "10"],
+        ["| g = 4 − single samples", "§4: 0–5", "6"],
+        ["| g = 4 − single samples", "§6: 6–9", "4"],
+        ["| g = 4 − single samples", "both: 0–9", "10"],
+    ]
+    both = np.array([DOSE_AFTER[8][s] - DOSE_AFTER[4][s] for s in range(6)] + [0.37 - 0.41, -0.01, -0.05, -0.02])
+    assert f"| {both.mean():+.3f} [" in lines[2] and f"| {both.std(ddof=1):.3f} |" in lines[2]
+    # another g in §6's own folder, another machine, a seed in both folders: one line each
+    _cell(
+        where / "parts2",
+        2,
+        [{"seed": 6, "eval_before": 0.2, "eval_after": 0.4, "machine": {"cpu_model": "Test CPU", "threads": 1}}],
+    )
+    with pytest.raises(SystemExit, match=r"g = 4 only, not g = \[2\]"):
+        mg.read_where(where)
+    other = _where(tmp_path / "other", WHERE_AFTER, cpu="Other CPU")
+    _dose(tmp_path / "other" / mg.CELLS_PARTS.name)
+    with pytest.raises(SystemExit, match="runs of 2 machines do not pair by seed"):
+        mg.where_pooled_table(other)
+    clash = _where(tmp_path / "clash", {g: {5: 0.4, 6: 0.4} for g in (1, 4, 8)})
+    _dose(tmp_path / "clash" / mg.CELLS_PARTS.name)
+    with pytest.raises(SystemExit, match=r"seeds \[5\] are in both"):
+        mg.where_pooled_table(clash)
+
+
+def test_where_before_any_run_has_placeholders(tmp_path):
+    where = tmp_path / mg.CELLS_WHERE.name
+    assert "(no comparison has both cells yet)" in mg.where_pooled_table(where)
+    assert mg.where_outcomes(where).count("\n") == 2  # the header alone
