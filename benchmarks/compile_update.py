@@ -3,8 +3,9 @@ parts of the policy, against the eager update, by the update's own clock.
 
 docs/BENCHMARKS.md §7 ("Where a lab run's time goes") finds the updates the larger part of a
 ``fast-packed`` lab run. This runs the lab (configs/lab.yaml with fast-packed's settings:
-``rollout.decode=fused``, ``rollout.draw=inverse_cdf``, ``rollout.mismatch=off``) for ``--steps``
-steps, each variant in a fresh process, and times every step's ``policy_update``:
+``rollout.decode=fused``, ``rollout.draw=inverse_cdf``, ``rollout.mismatch=off``; the held-out
+evaluations only before and after) for ``--steps`` steps, each variant in a fresh process, and
+times every step's ``policy_update``:
 
 - ``eager-packed``: fast-packed as it runs (``train.packing=true``);
 - ``eager-padded``: the padded shared-prompt forward (``train.packing=false``, fast's);
@@ -20,9 +21,11 @@ each compiled variant but ``model-warm`` starting from an empty inductor cache
 median of the later ones, the update time of a 300-step lab run projected from them (the first
 plus 299 medians), its ratio to ``eager-packed``'s, and the held-out accuracy after the run:
 compiled kernels add in another order, so a compiled run is another run (a different number)
-unless it happens to agree.
+unless it happens to agree. With ``--rounds`` every variant runs that many times, in turn, and
+the first and later updates are medians over the rounds (one round is easily disturbed by anything
+else the machine runs).
 
-    python benchmarks/compile_update.py --json benchmarks/results/compile_update.json
+    python benchmarks/compile_update.py --rounds 2 --json benchmarks/results/compile_update.json
 """
 
 from __future__ import annotations
