@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -425,6 +426,6 @@ def quiet() -> None:
     quiet_transformers()
 
 
-def die(msg: str) -> None:
+def die(msg: str) -> NoReturn:
     print(msg, file=sys.stderr)
     raise SystemExit(2)

@@ -129,7 +129,6 @@ def run_variant(name: str, cache: Path, args) -> dict:
     except subprocess.CalledProcessError as exc:
         last = (exc.stderr or "").strip().splitlines()[-1:] or [f"exit code {exc.returncode}"]
         die(f"error: the {name} run failed: {last[0]}")
-        raise  # not reached: die exits
     finally:
         if old is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)

@@ -343,13 +343,34 @@ def size_rows(root: Path) -> list[tuple[str, list[int], list[float]]]:
     for label, single, whole in halves:
         a, b = (per_seed(c, "eval_after") if c else {} for c in (single, whole))
         rows.append((label, *paired(a, b)))
-    (_, s0, d0), (_, s1, d1) = rows
+    return pool(root, rows, "§4's and §5's cells")
+
+
+def pool(root: Path, halves: list, names: str) -> list[tuple[str, list[int], list[float]]]:
+    """The two ``halves`` ((label, seeds, differences) each) that have seeds, then both together
+    ("both") when both have; a seed in both halves (``names`` says whose) stops with one line."""
+    (_, s0, d0), (_, s1, d1) = halves
     if set(s0) & set(s1):
-        raise SystemExit(f"error: {root}: seeds {sorted(set(s0) & set(s1))} are in both §4's and §5's cells")
-    rows = [r for r in rows if r[1]]
+        raise SystemExit(f"error: {root}: seeds {sorted(set(s0) & set(s1))} are in both {names}")
+    rows = [h for h in halves if h[1]]
     if s0 and s1:
         rows.append(("both", s0 + s1, d0 + d1))
     return rows
+
+
+def pooled_columns(label: str, seeds: list[int], d: list[float]) -> list[str]:
+    """A pooled row's columns: the label with its seeds (a range where they are one), n, the mean
+    difference with its paired 95% interval, how many are below 0, the paired SD, per seed."""
+    span = f"{seeds[0]}–{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) else ", ".join(map(str, seeds))
+    sd = f"{np.std(d, ddof=1):.3f}" if len(d) > 1 else "—"
+    return [
+        f"{label}: {span}",
+        str(len(d)),
+        with_interval(d),
+        f"{sum(x < 0 for x in d)}/{len(d)}",
+        sd,
+        by_seed(seeds, d),
+    ]
 
 
 def size_table(root: Path) -> str:
@@ -357,12 +378,7 @@ def size_table(root: Path) -> str:
     §5's and both, each with its paired 95% interval and the paired SD; no test."""
     head = SIZE_HEAD.split(" | ")
     lines = [md_row(head), md_row(["---"] * len(head))]
-    for label, seeds, d in size_rows(root):
-        label = f"{label}: {seeds[0]}–{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) else label
-        sd = f"{np.std(d, ddof=1):.3f}" if len(d) > 1 else "—"
-        lines.append(
-            md_row([label, str(len(d)), with_interval(d), f"{sum(x < 0 for x in d)}/{len(d)}", sd, by_seed(seeds, d)])
-        )
+    lines += [md_row(pooled_columns(*row)) for row in size_rows(root)]
     if len(lines) == 2:
         lines.append("| (no seed has both arms yet) |" + " |" * (len(head) - 1))
     return "\n".join(lines) + "\n"
@@ -428,23 +444,8 @@ def where_pooled_table(root: Path) -> str:
     head = POOLED_HEAD.split(" | ")
     lines = [md_row(head), md_row(["---"] * len(head))]
     for (label, s0, d0), (_, s1, d1) in zip(where_differences(parts), where_differences(where)):
-        if set(s0) & set(s1):
-            raise SystemExit(f"error: {root}: seeds {sorted(set(s0) & set(s1))} are in both §4's and §6's cells")
-        for part, seeds, d in (("§4", s0, d0), ("§6", s1, d1), ("both", s0 + s1, d0 + d1)):
-            if not d or (part == "both" and not (s0 and s1)):
-                continue
-            span = (
-                f"{seeds[0]}–{seeds[-1]}"
-                if seeds == list(range(seeds[0], seeds[-1] + 1))
-                else ", ".join(map(str, seeds))
-            )
-            sd = f"{np.std(d, ddof=1):.3f}" if len(d) > 1 else "—"
-            lines.append(
-                md_row(
-                    [label, f"{part}: {span}", str(len(d)), with_interval(d), f"{sum(x < 0 for x in d)}/{len(d)}", sd]
-                    + [by_seed(seeds, d)]
-                )
-            )
+        halves = [("§4", s0, d0), ("§6", s1, d1)]
+        lines += [md_row([label, *pooled_columns(*row)]) for row in pool(root, halves, "§4's and §6's cells")]
     if len(lines) == 2:
         lines.append("| (no comparison has both cells yet) |" + " |" * (len(head) - 1))
     return "\n".join(lines) + "\n"
