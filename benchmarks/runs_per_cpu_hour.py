@@ -11,16 +11,16 @@ same command and the same number of steps, the trees alternating round by round;
 this tree's runs per CPU-hour over the baseline's.
 
 Variants of this tree (``--variants``): ``default`` is the preset as it is; ``fast`` adds
-``rollout.decode=fused`` and ``rollout.draw=inverse_cdf`` (the same distribution, other samples
-for a seed: docs/ROLLOUTS.md) and ``rollout.mismatch=off`` (no extra forward for the mismatch
-metric); ``fast-packed`` adds ``train.packing=true`` to those (the padding-free forward, equal to
-the padded one up to float32 rounding; on request); ``fast-grouped`` adds
-``train.minibatch_groups=true`` to ``fast-packed`` (minibatches of whole prompt groups: another
-run, docs/CLUSTER.md; on request); ``fast-parts4`` adds ``train.minibatch_groups=4`` to
-``fast-packed`` instead (minibatches of parts of 4 samples of a group: another run; on request). The held-out accuracy before and after RL of every run is
-recorded beside its time, so the JSON shows whether a variant's run is the baseline's run
-(equal numbers) or another one. So are the run's phases by its own clocks (``run_phases``: the warm
-start, the rollouts, the updates, the rest) and, per phase, the ratio to the baseline had that
+``rollout.decode=fused`` and ``rollout.draw=inverse_cdf`` (the same distribution, other samples for
+a seed: docs/ROLLOUTS.md) and ``rollout.mismatch=off`` (no extra forward for the mismatch metric);
+``fast-packed`` adds ``train.packing=true`` to those (the padding-free forward, equal to the padded
+one up to float32 rounding; on request); ``fast-grouped`` adds ``train.minibatch_groups=true`` to
+``fast-packed`` (minibatches of whole prompt groups: another run, docs/CLUSTER.md; on request);
+``fast-parts4`` adds ``train.minibatch_groups=4`` to ``fast-packed`` instead (minibatches of parts
+of 4 samples of a group: another run; on request). The held-out accuracy before and after RL of
+every run is recorded beside its time, so the JSON shows whether a variant's run is the baseline's
+run (equal numbers) or another one. So are the run's phases by its own clocks (``run_phases``: the
+warm start, the rollouts, the updates, the rest) and, per phase, the ratio to the baseline had that
 phase cost nothing (``if_free``): how far making one part faster can take the ratio.
 
     python benchmarks/runs_per_cpu_hour.py --json benchmarks/results/runs_per_cpu_hour.json

@@ -178,6 +178,37 @@ def runs_per_cpu_hour_phases(root: Path, name: str = "runs_per_cpu_hour_phases.j
     return "\n".join(lines) + "\n"
 
 
+def runs_per_cpu_hour_rounds(root: Path, name: str) -> str:
+    """docs/BENCHMARKS.md §7's runs of one preset round by round, in the order they ran (the
+    benchmark reverses the order every other round): each run's CPU seconds, its phases and its
+    ratio to the base run of its own round. This tree's warm starts are the same computation in
+    every variant (the variants change the rollout and the update), so their spread is the
+    machine's speed changing during the benchmark."""
+    data = _load(root, name)
+    base, phases = data["base"], _benchmark("runs_per_cpu_hour").PHASES
+    rows = [r for r in data["rows"] if r["preset"] == data["rows"][0]["preset"]]
+    lines = [
+        f"| round | code | CPU s | {' s | '.join(phases)} s | × {base} in its round |",
+        "|---|---|---|" + "---|" * len(phases) + "---|",
+    ]
+    for k in range(data["rounds"]):
+        base_cpu = next((r["runs"][k]["cpu_s"] for r in rows if r["variant"] == "base"), None)
+        for row in rows if k % 2 == 0 else list(reversed(rows)):
+            run = row["runs"][k]
+            code = base if row["variant"] == "base" else row["variant"].removeprefix("this tree: ")
+            ratio = f"{base_cpu / run['cpu_s']:.2f}×" if base_cpu is not None else ""
+            cells = [str(k + 1), code, f"{run['cpu_s']:.0f}", *(f"{run['phases_s'][p]:.0f}" for p in phases), ratio]
+            lines.append("| " + " | ".join(cells) + " |")
+    warm = [run["phases_s"]["warm start"] for r in rows if r["variant"] != "base" for run in r["runs"]]
+    lines += [
+        "",
+        f"This tree's warm start, the same computation in each of its {len(warm)} runs, took "
+        f"{min(warm):.1f}-{max(warm):.1f} s, {max(warm) / min(warm) - 1:.0%} longer in its slowest run than in its "
+        "fastest: the machine's speed changed during the benchmark.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def compile_update(root: Path, name: str = "compile_update.json") -> str:
     """docs/BENCHMARKS.md §7's lab update eager and compiled (benchmarks/compile_update.py): per
     variant the first update (with the compilation), the median later one, the updates of a lab
@@ -609,6 +640,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "runs-per-cpu-hour-phases": runs_per_cpu_hour_phases,
     "compile-update": compile_update,
     "runs-per-cpu-hour-lab-grouped": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_grouped.json"),
+    "runs-per-cpu-hour-lab-parts4": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_parts4.json"),
+    "runs-per-cpu-hour-lab-parts4-rounds": partial(runs_per_cpu_hour_rounds, name="runs_per_cpu_hour_lab_parts4.json"),
     "gpu-check": gpu_check,
     "gen-vs-base": gen_vs_base,
     "gen-vs-base-topp": partial(gen_vs_base, name="gen_vs_base_topp.json"),

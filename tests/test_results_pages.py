@@ -159,3 +159,39 @@ def test_the_phase_table_says_how_short_each_phase_would_have_to_become_for_2x(t
     assert ours[2][5:] == ["50 %", "3.20×", "60 % of its time |"]
     assert ours[0][7] == "not even at no cost |" and ours[1][7] == "33 % of its time |"
     assert table[0][4:] == ["warm start", "10 %", "", " |"]  # the base's own rows: shares only
+
+
+def test_the_rounds_table_lists_runs_in_the_order_they_ran_with_each_rounds_own_ratio(tmp_path):
+    """Round 2 runs the trees in reverse; each run's ratio is to the base run of its own round,
+    and the warm-start line spans this tree's runs only (the base's warm start is other code)."""
+    import json
+
+    def run(cpu, warm):
+        return {
+            "cpu_s": cpu,
+            "wall_s": cpu,
+            "phases_s": {"warm start": warm, "rollouts": 1.0, "updates": 2.0, "the rest": 3.0},
+        }
+
+    rows = [
+        {"preset": "lab", "variant": "base", "runs": [run(300.0, 5.0), run(400.0, 50.0)]},
+        {"preset": "lab", "variant": "this tree: a", "runs": [run(200.0, 20.0), run(250.0, 25.0)]},
+        {"preset": "lab", "variant": "this tree: b", "runs": [run(150.0, 21.0), run(160.0, 22.0)]},
+    ]
+    (tmp_path / rp.BENCH).mkdir(parents=True)
+    (tmp_path / rp.BENCH / "r.json").write_text(json.dumps({"base": "abc", "rounds": 2, "rows": rows}))
+    lines = rp.runs_per_cpu_hour_rounds(tmp_path, "r.json").splitlines()
+    table = [line.split(" | ") for line in lines[2:] if line.startswith("|")]
+    assert [(r[0], r[1]) for r in table] == [
+        ("| 1", "abc"),
+        ("| 1", "a"),
+        ("| 1", "b"),
+        ("| 2", "b"),
+        ("| 2", "a"),
+        ("| 2", "abc"),
+    ]
+    assert [r[-1] for r in table] == ["1.00× |", "1.50× |", "2.00× |", "2.50× |", "1.60× |", "1.00× |"]
+    assert table[1][2:7] == ["200", "20", "1", "2", "3"]
+    assert lines[-1].startswith(
+        "This tree's warm start, the same computation in each of its 4 runs, took 20.0-25.0 s, 25% longer"
+    )
