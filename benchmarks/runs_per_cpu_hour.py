@@ -4,11 +4,18 @@ What a user of the CPU lab buys with a machine is runs: a comparison wants 5-10 
 and every cell is a whole run (warm start, RL steps, held-out evaluations). This benchmark times
 exactly that: `masktrl train` of a preset, in a fresh folder (so the warm start is built, not read
 from a cache), one thread (``--threads``), in its own process, and reports the process tree's CPU time (user +
-sys, `getrusage(RUSAGE_CHILDREN)`: what a machine shared with other jobs inflates least) and its
-inverse, runs per CPU-hour. Each preset runs with this tree's code and with the baseline tree's (by
-default commit 19f900d, the code issue #39 starts from, extracted with ``git archive``), with the
-same command and the same number of steps, the trees alternating round by round; the ratio is
-this tree's runs per CPU-hour over the baseline's.
+sys, from ``wait4``: what a machine shared with other jobs inflates least) and its inverse, runs
+per CPU-hour. Each preset runs with this tree's code and with the baseline tree's (by default
+commit 19f900d, the code issue #39 starts from, extracted with ``git archive``), with the same
+command and the same number of steps, the trees alternating round by round; the ratio is this
+tree's runs per CPU-hour over the baseline's. A machine whose speed changes during the benchmark
+(a shared virtual machine's can) moves that ratio from round to round; ``--pairs`` starts the base
+and each variant together instead, one per core, so the two runs of a pair meet the same machine,
+and takes the median of the pairs' own ratios. Two lab runs side by side on a 2-core machine is how
+docs/RESULTS.md's sweeps ran, so a pair's CPU times include what two runs at once cost each
+other (shared caches and memory bandwidth). The shorter run of a pair spends all of its time beside
+the other, the longer one its last part alone; where two runs at once slow each other, a pair's
+ratio therefore understates how much faster the shorter run is.
 
 Variants of this tree (``--variants``): ``default`` is the preset as it is; ``fast`` adds
 ``rollout.decode=fused`` and ``rollout.draw=inverse_cdf`` (the same distribution, other samples for
@@ -36,11 +43,11 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -82,12 +89,6 @@ VARIANTS = {  # name -> --set overrides on this tree
 }
 
 
-def children_cpu_s() -> float:
-    """User + system CPU seconds of every child process this process has waited for so far."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def train_command(preset: str, out: Path, sets: list[str], steps: int | None, threads: int = 1) -> list[str]:
     command = [sys.executable, "-m", "masktrl.cli", "train"]
     for path in PRESETS[preset]:
@@ -98,28 +99,79 @@ def train_command(preset: str, out: Path, sets: list[str], steps: int | None, th
     return command
 
 
-def time_run(tree: Path, preset: str, sets: list[str], steps: int | None, scratch: Path, threads: int = 1) -> dict:
-    """One whole run of ``preset`` with ``tree``'s code in a fresh ``--out``: its CPU and wall seconds
-    and its held-out accuracy before and after RL."""
+@dataclass
+class Started:
+    """A run in progress: its process, its ``--out``, its stderr file, its tree and preset, and when
+    it started."""
+
+    proc: subprocess.Popen
+    out: Path
+    stderr: Path
+    tree: Path
+    preset: str
+    wall0: float
+
+
+def start_run(tree: Path, preset: str, sets: list[str], steps: int | None, scratch: Path, threads: int = 1) -> Started:
+    """``preset`` with ``tree``'s code started in a fresh ``--out`` (its output to files, so a run
+    beside another never blocks on a pipe)."""
     out = Path(tempfile.mkdtemp(dir=scratch))
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    cpu0, wall0 = children_cpu_s(), time.perf_counter()
-    done = subprocess.run(
-        train_command(preset, out, sets, steps, threads), cwd=tree, env=env, capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        die(f"error: the {preset} run with {tree}'s code exited {done.returncode}: {last}")
-    cpu, wall = children_cpu_s() - cpu0, time.perf_counter() - wall0
-    summary = json.loads((out / "run" / "summary.json").read_text())
-    return {
-        "cpu_s": cpu,
-        "wall_s": wall,
-        "eval_before": summary.get("eval_before"),
-        "eval_after": summary.get("eval_after"),
-        "steps": summary.get("steps"),
-        "phases_s": run_phases(out / "run", summary, wall),
-    }
+    stderr = out.with_suffix(".stderr")
+    with open(out.with_suffix(".stdout"), "w") as so, open(stderr, "w") as se:
+        proc = subprocess.Popen(
+            train_command(preset, out, sets, steps, threads), cwd=tree, env=env, stdout=so, stderr=se
+        )
+    return Started(proc, out, stderr, tree, preset, time.perf_counter())
+
+
+def finish_runs(runs: list[Started]) -> list[dict]:
+    """Wait for every run of ``runs`` (each one's end noted as it comes) and return their records:
+    each run's own process tree's CPU seconds (user + sys, ``wait4``: this child and the processes it
+    waited for, not a run beside it), its wall seconds, its held-out accuracy before and after RL and
+    its phases. A failed run: one line and exit 2, the others stopped."""
+    ended: dict[int, tuple[float, float]] = {}  # index -> (CPU s, wall s)
+    try:
+        while len(ended) < len(runs):
+            for i, run in enumerate(runs):
+                if i in ended:
+                    continue
+                pid, status, usage = os.wait4(run.proc.pid, os.WNOHANG)
+                if pid == 0:
+                    continue
+                run.proc.returncode = os.waitstatus_to_exitcode(status)
+                ended[i] = (usage.ru_utime + usage.ru_stime, time.perf_counter() - run.wall0)
+                if run.proc.returncode != 0:
+                    last = (run.stderr.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1]
+                    die(f"error: the {run.preset} run with {run.tree}'s code exited {run.proc.returncode}: {last}")
+            if len(ended) < len(runs):
+                time.sleep(0.05)
+    finally:  # a failed run (or an interrupt): none of the others is left running
+        for run in runs:
+            if run.proc.returncode is None:
+                run.proc.kill()
+                run.proc.wait()
+    records = []
+    for i, run in enumerate(runs):
+        cpu, wall = ended[i]
+        summary = json.loads((run.out / "run" / "summary.json").read_text())
+        records.append(
+            {
+                "cpu_s": cpu,
+                "wall_s": wall,
+                "eval_before": summary.get("eval_before"),
+                "eval_after": summary.get("eval_after"),
+                "steps": summary.get("steps"),
+                "phases_s": run_phases(run.out / "run", summary, wall),
+            }
+        )
+    return records
+
+
+def time_run(tree: Path, preset: str, sets: list[str], steps: int | None, scratch: Path, threads: int = 1) -> dict:
+    """One whole run of ``preset`` with ``tree``'s code in a fresh ``--out``, alone: ``finish_runs``'
+    record of it."""
+    return finish_runs([start_run(tree, preset, sets, steps, scratch, threads)])[0]
 
 
 PHASES = ("warm start", "rollouts", "updates", "the rest")
@@ -149,26 +201,52 @@ def if_free(base_cpu: float, runs: list[dict]) -> dict[str, float]:
 
 
 def time_preset(preset: str, runs: list[tuple[str, Path, list[str]]], args, scratch: Path) -> list[dict]:
-    """``args.rounds`` rounds of every (name, tree, overrides) in ``runs`` on ``preset``, the order
-    reversed every other round; one row per name with its median CPU time and its ratio to the base's."""
+    """``args.rounds`` rounds of every (name, tree, overrides) in ``runs`` on ``preset``; one row per
+    name with its median CPU time and its ratio to the base's. One run at a time, the order reversed
+    every other round; or, with ``args.pairs`` and a base, the base and each variant in turn started
+    together (one per core), so both meet the same machine, and the ratio is the median over the
+    rounds of each pair's own ratio."""
+    pairs = getattr(args, "pairs", False) and runs[0][0] == "base"
     per: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
+
+    def done(name: str, record: dict) -> None:
+        per[name].append(record)
+        print(
+            f"  {preset:8s} {name:20s} {record['cpu_s']:8.1f} CPU-s  {record['wall_s']:8.1f} s wall"
+            f"  held-out {record['eval_before']} -> {record['eval_after']}",
+            flush=True,
+        )
+
     for r in range(args.rounds):
+        if pairs:
+            base = runs[0]
+            for name, tree, sets in runs[1:]:
+                started = [
+                    start_run(t, preset, s, args.steps, scratch, args.threads) for _, t, s in (base, (name, tree, sets))
+                ]
+                first, second = finish_runs(started)
+                second["paired_base_cpu_s"] = first["cpu_s"]
+                done("base", first)
+                done(name, second)
+            continue
         for name, tree, sets in runs if r % 2 == 0 else list(reversed(runs)):
-            per[name].append(time_run(tree, preset, sets, args.steps, scratch, args.threads))
-            last = per[name][-1]
-            print(
-                f"  {preset:8s} {name:20s} {last['cpu_s']:8.1f} CPU-s  {last['wall_s']:8.1f} s wall"
-                f"  held-out {last['eval_before']} -> {last['eval_after']}",
-                flush=True,
-            )
+            done(name, time_run(tree, preset, sets, args.steps, scratch, args.threads))
     cpu = {name: median([x["cpu_s"] for x in v]) for name, v in per.items()}
+
+    def ratio(name: str, v: list[dict]) -> float | None:
+        if "base" not in cpu:
+            return None
+        if pairs and name != "base":
+            return median([x["paired_base_cpu_s"] / x["cpu_s"] for x in v])
+        return cpu["base"] / cpu[name]
+
     return [
         {
             "preset": preset,
             "variant": name,
             "cpu_s": cpu[name],
             "runs_per_cpu_hour": 3600 / cpu[name],
-            "ratio_vs_base": cpu["base"] / cpu[name] if "base" in cpu else None,
+            "ratio_vs_base": ratio(name, v),
             "ratio_if_free": if_free(cpu["base"], v) if "base" in cpu and "phases_s" in v[0] else None,
             "runs": v,
         }
@@ -185,7 +263,14 @@ def main(argv=None) -> dict:
     )
     p.add_argument("--steps", type=int, default=None, help="RL steps of every run (default: the preset's)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of alternating trees")
+    p.add_argument(
+        "--pairs",
+        action="store_true",
+        help="start the base and each variant together, one per core (a preset the base has)",
+    )
     args = p.parse_args(argv)
+    if args.rounds < 1 or (args.steps is not None and args.steps < 1):
+        die("error: --rounds and --steps must be at least 1")
     presets = [x.strip() for x in args.presets.split(",") if x.strip()]
     variants = [x.strip() for x in args.variants.split(",") if x.strip()]
     for name in presets:
@@ -229,6 +314,7 @@ def main(argv=None) -> dict:
         threads=args.threads,
         steps=args.steps,
         rounds=args.rounds,
+        pairs=args.pairs,
         variants={v: VARIANTS[v] for v in variants},
         rows=rows,
     )

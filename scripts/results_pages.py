@@ -179,32 +179,43 @@ def runs_per_cpu_hour_phases(root: Path, name: str = "runs_per_cpu_hour_phases.j
 
 
 def runs_per_cpu_hour_rounds(root: Path, name: str) -> str:
-    """docs/BENCHMARKS.md §7's runs of one preset round by round, in the order they ran (the
-    benchmark reverses the order every other round): each run's CPU seconds, its phases and its
-    ratio to the base run of its own round. This tree's warm starts are the same computation in
-    every variant (the variants change the rollout and the update), so their spread is the
-    machine's speed changing during the benchmark."""
+    """docs/BENCHMARKS.md §7's runs of one preset round by round, in the order they ran: each run's
+    CPU seconds, its phases and its ratio to the base run of its own round (the benchmark reverses
+    the order every other round), or, from ``--pairs``, to the base run it ran beside. This tree's
+    warm starts are the same computation in every variant (the variants change the rollout and the
+    update), so their spread is the machine's speed changing during the benchmark."""
     data = _load(root, name)
     base, phases = data["base"], _benchmark("runs_per_cpu_hour").PHASES
     rows = [r for r in data["rows"] if r["preset"] == data["rows"][0]["preset"]]
+    pairs = data.get("pairs", False)
     lines = [
-        f"| round | code | CPU s | {' s | '.join(phases)} s | × {base} in its round |",
+        f"| round | code | CPU s | {' s | '.join(phases)} s | × {base} {'beside it' if pairs else 'in its round'} |",
         "|---|---|---|" + "---|" * len(phases) + "---|",
     ]
+
+    def line(k: int, row: dict, run: dict, ratio: str) -> str:
+        code = base if row["variant"] == "base" else row["variant"].removeprefix("this tree: ")
+        cells = [str(k + 1), code, f"{run['cpu_s']:.0f}", *(f"{run['phases_s'][p]:.0f}" for p in phases), ratio]
+        return "| " + " | ".join(cells) + " |"
+
+    variants = [r for r in rows if r["variant"] != "base"]
     for k in range(data["rounds"]):
+        if pairs:  # the base's runs: one beside each variant, round by round
+            for j, row in enumerate(variants):
+                run = row["runs"][k]
+                lines.append(line(k, rows[0], rows[0]["runs"][k * len(variants) + j], ""))
+                lines.append(line(k, row, run, f"{run['paired_base_cpu_s'] / run['cpu_s']:.2f}×"))
+            continue
         base_cpu = next((r["runs"][k]["cpu_s"] for r in rows if r["variant"] == "base"), None)
         for row in rows if k % 2 == 0 else list(reversed(rows)):
             run = row["runs"][k]
-            code = base if row["variant"] == "base" else row["variant"].removeprefix("this tree: ")
-            ratio = f"{base_cpu / run['cpu_s']:.2f}×" if base_cpu is not None else ""
-            cells = [str(k + 1), code, f"{run['cpu_s']:.0f}", *(f"{run['phases_s'][p]:.0f}" for p in phases), ratio]
-            lines.append("| " + " | ".join(cells) + " |")
-    warm = [run["phases_s"]["warm start"] for r in rows if r["variant"] != "base" for run in r["runs"]]
+            lines.append(line(k, row, run, f"{base_cpu / run['cpu_s']:.2f}×" if base_cpu is not None else ""))
+    warm = [run["phases_s"]["warm start"] for r in variants for run in r["runs"]]
     lines += [
         "",
         f"This tree's warm start, the same computation in each of its {len(warm)} runs, took "
         f"{min(warm):.1f}-{max(warm):.1f} s, {max(warm) / min(warm) - 1:.0%} longer in its slowest run than in its "
-        "fastest: the machine's speed changed during the benchmark.",
+        "fastest: that spread is the machine's, not the code's.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -181,6 +181,71 @@ def test_runs_per_cpu_hour_bad_input_and_a_failed_run_are_one_line_and_exit_2(tm
     assert exc.value.code == 2 and "the lab run" in err and "configs/lab.yaml" in err and len(err.splitlines()) == 1
 
 
+def _fake_train(work: dict, fail: str | None = None):
+    """A stand-in for runs_per_cpu_hour's `masktrl train` command: a Python process that does
+    ``work[variant]`` loop iterations of CPU work (``fail``: exits 1 at once; "sleep": waits), then
+    writes the run's summary.json and one metrics row."""
+
+    def command(preset, out, sets, steps, threads=1):
+        variant = "fast" if sets else "base"
+        if variant == fail:
+            return [sys.executable, "-c", "import sys; print('boom: the run broke', file=sys.stderr); sys.exit(1)"]
+        if work.get(variant) == "sleep":
+            return [sys.executable, "-c", "import time; time.sleep(60)"]
+        script = (
+            "import json, pathlib, sys\n"
+            f"x = 0\nfor i in range({work[variant]}): x += i * i\n"
+            f"run = pathlib.Path({str(out)!r}) / 'run'\nrun.mkdir(parents=True)\n"
+            "(run / 'summary.json').write_text(json.dumps({'eval_before': 0.1, 'eval_after': 0.2, 'steps': 1}))\n"
+            "(run / 'metrics.jsonl').write_text(json.dumps({'rollout_time_s': 0.001, 'step_time_s': 0.002}) + '\\n')\n"
+        )
+        return [sys.executable, "-c", script]
+
+    return command
+
+
+def test_runs_per_cpu_hour_pairs_start_the_base_and_a_variant_together(tmp_path, monkeypatch):
+    """--pairs: each round starts the base and the variant together; each run's CPU time is its own
+    process's (the base does 30x the variant's work), and the ratio is the median of each pair's
+    own ratio, not the ratio of the medians."""
+    sys.path.insert(0, str(BENCH))
+    rpch = importlib.import_module("runs_per_cpu_hour")
+    base = tmp_path / "base"
+    (base / "configs").mkdir(parents=True)
+    (base / "configs" / "lab.yaml").write_text("{}\n")
+    monkeypatch.setattr(rpch, "train_command", _fake_train({"base": 3_000_000, "fast": 100_000}))
+    out = rpch.main(["--base", str(base), "--presets", "lab", "--variants", "fast", "--pairs", "--rounds", "3"])
+    rows = {r["variant"]: r for r in out["rows"]}
+    assert out["pairs"] is True and len(rows["base"]["runs"]) == 3 and len(rows["this tree: fast"]["runs"]) == 3
+    bases = [r["cpu_s"] for r in rows["base"]["runs"]]
+    fast = rows["this tree: fast"]["runs"]
+    assert [r["paired_base_cpu_s"] for r in fast] == bases  # each variant run with the base run it ran beside
+    assert all(r["cpu_s"] < b for r, b in zip(fast, bases))  # not the pair's sum
+    ratios = sorted(b / r["cpu_s"] for r, b in zip(fast, bases))
+    assert rows["this tree: fast"]["ratio_vs_base"] == pytest.approx(ratios[1])
+
+
+def test_runs_per_cpu_hour_a_failed_run_of_a_pair_stops_the_other(tmp_path, monkeypatch, capsys):
+    sys.path.insert(0, str(BENCH))
+    rpch = importlib.import_module("runs_per_cpu_hour")
+    base = tmp_path / "base"
+    (base / "configs").mkdir(parents=True)
+    (base / "configs" / "lab.yaml").write_text("{}\n")
+    started = []
+    start = rpch.start_run
+    monkeypatch.setattr(rpch, "start_run", lambda *a, **k: started.append(start(*a, **k)) or started[-1])
+    monkeypatch.setattr(rpch, "train_command", _fake_train({"fast": "sleep"}, fail="base"))
+    with pytest.raises(SystemExit) as exc:
+        rpch.main(["--base", str(base), "--presets", "lab", "--variants", "fast", "--pairs"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "boom: the run broke" in err and len(err.strip().splitlines()) == 1
+    assert len(started) == 2 and all(x.proc.poll() is not None for x in started)  # the sleeper was killed
+    for argv in (["--rounds", "0"], ["--steps", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            rpch.main(argv)
+        assert exc.value.code == 2 and "at least 1" in capsys.readouterr().err
+
+
 def _vs_trl_blocks(cpu_ms: float) -> list[dict]:
     """Two blocks of vs_trl.py's shape, every step taking ``cpu_ms`` of CPU (and twice that of wall)."""
     step = {"step_s": [2 * cpu_ms / 1e3] * 3, "cpu_s": [cpu_ms / 1e3] * 3, "tokens": [100] * 3}

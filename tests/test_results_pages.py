@@ -195,3 +195,37 @@ def test_the_rounds_table_lists_runs_in_the_order_they_ran_with_each_rounds_own_
     assert lines[-1].startswith(
         "This tree's warm start, the same computation in each of its 4 runs, took 20.0-25.0 s, 25% longer"
     )
+    # --pairs: the base ran beside each variant; each variant's ratio is to its own pair's base
+    pair_rows = [
+        {
+            "preset": "lab",
+            "variant": "base",
+            "runs": [run(300.0, 5.0), run(310.0, 5.0), run(400.0, 5.0), run(410.0, 5.0)],
+        },
+        {
+            "preset": "lab",
+            "variant": "this tree: a",
+            "runs": [run(200.0, 20.0) | {"paired_base_cpu_s": 300.0}, run(250.0, 25.0) | {"paired_base_cpu_s": 400.0}],
+        },
+        {
+            "preset": "lab",
+            "variant": "this tree: b",
+            "runs": [run(155.0, 21.0) | {"paired_base_cpu_s": 310.0}, run(205.0, 22.0) | {"paired_base_cpu_s": 410.0}],
+        },
+    ]
+    (tmp_path / rp.BENCH / "p.json").write_text(
+        json.dumps({"base": "abc", "rounds": 2, "pairs": True, "rows": pair_rows})
+    )
+    lines = rp.runs_per_cpu_hour_rounds(tmp_path, "p.json").splitlines()
+    assert "× abc beside it" in lines[0]
+    table = [line.split(" | ") for line in lines[2:] if line.startswith("|")]
+    assert [(r[0], r[1], r[2], r[-1]) for r in table] == [
+        ("| 1", "abc", "300", " |"),
+        ("| 1", "a", "200", "1.50× |"),
+        ("| 1", "abc", "310", " |"),
+        ("| 1", "b", "155", "2.00× |"),
+        ("| 2", "abc", "400", " |"),
+        ("| 2", "a", "250", "1.60× |"),
+        ("| 2", "abc", "410", " |"),
+        ("| 2", "b", "205", "2.00× |"),
+    ]
