@@ -189,6 +189,7 @@ def test_two_process_rollouts_are_sharded_by_group_and_written_once(reference):
     ] == "complete"
 
 
+@pytest.mark.slow  # the fast suite's longest test (~33 s); the single-process kill windows stay fast (test_resume.py)
 def test_two_process_run_killed_then_resumed_is_bit_identical(reference):
     """SIGKILL during step 3's update (both processes), then --resume under the same launch."""
     base, cfg, _ = reference
