@@ -32,6 +32,7 @@ phase cost nothing (``if_free``): how far making one part faster can take the ra
 
     python benchmarks/runs_per_cpu_hour.py --json benchmarks/results/runs_per_cpu_hour.json
     python benchmarks/runs_per_cpu_hour.py --presets lab --steps 20 --rounds 1     # a quick look
+    python benchmarks/runs_per_cpu_hour.py --presets lab --variants fast-packed --pairs --rounds 3  # side by side
 
 The presets: ``lab``, ``long`` (48-64-token answers) and ``agentic`` by default; ``moe``, ``deep``,
 ``long200`` (200-240-token answers), ``scratch`` (a 200-integer scratchpad before the answer) and

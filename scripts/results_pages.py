@@ -130,7 +130,13 @@ def runs_per_cpu_hour(root: Path, name: str = "runs_per_cpu_hour.json") -> str:
         f"`train.threads` {data['threads']}; load {data['loadavg_1m_start']:.1f} at the start, "
         f"{m['loadavg_1m']:.1f} at the end ({m['time']}); {data['rounds']} round(s), "
         f"{'each preset with its own steps' if data['steps'] is None else str(data['steps']) + ' steps'}. CPU time is "
-        "user + sys of the run's process tree; each run builds its own warm start.",
+        "user + sys of the run's process tree; each run builds its own warm start."
+        + (
+            " Each round the base and each variant ran side by side, one per core; a variant's ratio is the "
+            "median of its pairs' own ratios."
+            if data.get("pairs")
+            else ""
+        ),
         f"| preset | code | CPU min per run | runs per CPU-hour | × {data['base']} | held-out before → after |",
         "|---|---|---|---|---|---|",
     )
@@ -653,6 +659,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "runs-per-cpu-hour-lab-grouped": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_grouped.json"),
     "runs-per-cpu-hour-lab-parts4": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_parts4.json"),
     "runs-per-cpu-hour-lab-parts4-rounds": partial(runs_per_cpu_hour_rounds, name="runs_per_cpu_hour_lab_parts4.json"),
+    "runs-per-cpu-hour-lab-pairs": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_pairs.json"),
+    "runs-per-cpu-hour-lab-pairs-rounds": partial(runs_per_cpu_hour_rounds, name="runs_per_cpu_hour_lab_pairs.json"),
     "gpu-check": gpu_check,
     "gen-vs-base": gen_vs_base,
     "gen-vs-base-topp": partial(gen_vs_base, name="gen_vs_base_topp.json"),
