@@ -207,7 +207,7 @@ def time_preset(preset: str, runs: list[tuple[str, Path, list[str]]], args, scra
     every other round; or, with ``args.pairs`` and a base, the base and each variant in turn started
     together (one per core), so both meet the same machine, and the ratio is the median over the
     rounds of each pair's own ratio."""
-    pairs = getattr(args, "pairs", False) and runs[0][0] == "base"
+    pairs = args.pairs and runs[0][0] == "base"
     per: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
 
     def done(name: str, record: dict) -> None:
