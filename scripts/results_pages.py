@@ -120,6 +120,11 @@ def _head(data: dict, machine: str, header: str, rule: str) -> list[str]:
     return ["```bash", data["command"], "```", "", machine, "", header, rule]
 
 
+def _code(row: dict, base: str) -> str:
+    """A runs_per_cpu_hour.py row's code in a table: the base commit, or this tree's variant."""
+    return base if row["variant"] == "base" else row["variant"].removeprefix("this tree: ")
+
+
 def runs_per_cpu_hour(root: Path, name: str = "runs_per_cpu_hour.json") -> str:
     """docs/BENCHMARKS.md's runs per CPU-hour (benchmarks/runs_per_cpu_hour.py) against the base commit."""
     data = _load(root, name)
@@ -143,7 +148,7 @@ def runs_per_cpu_hour(root: Path, name: str = "runs_per_cpu_hour.json") -> str:
     for row in data["rows"]:
         first = row["runs"][0]
         ratio = "" if row["ratio_vs_base"] is None else f"{row['ratio_vs_base']:.2f}×"
-        code = data["base"] if row["variant"] == "base" else row["variant"].removeprefix("this tree: ")
+        code = _code(row, data["base"])
         lines.append(
             f"| {row['preset']} | {code} | {row['cpu_s'] / 60:.1f} | {row['runs_per_cpu_hour']:.1f} | {ratio} "
             f"| {first['eval_before']:.3f} → {first['eval_after']:.3f} |"
@@ -169,7 +174,7 @@ def runs_per_cpu_hour_phases(root: Path, name: str = "runs_per_cpu_hour_phases.j
     )
     for row in data["rows"]:
         runs = row["runs"]
-        code = base if row["variant"] == "base" else row["variant"].removeprefix("this tree: ")
+        code = _code(row, base)
         ratio = row["ratio_vs_base"]
         free = row.get("ratio_if_free") or {}
         for k, phase in enumerate(phases):  # the run's order
@@ -193,14 +198,14 @@ def runs_per_cpu_hour_rounds(root: Path, name: str) -> str:
     data = _load(root, name)
     base, phases = data["base"], _benchmark("runs_per_cpu_hour").PHASES
     rows = [r for r in data["rows"] if r["preset"] == data["rows"][0]["preset"]]
-    pairs = data.get("pairs", False)
+    pairs = any("paired_base_cpu_s" in run for r in rows for run in r["runs"])  # this preset ran in pairs
     lines = [
         f"| round | code | CPU s | {' s | '.join(phases)} s | × {base} {'beside it' if pairs else 'in its round'} |",
         "|---|---|---|" + "---|" * len(phases) + "---|",
     ]
 
     def line(k: int, row: dict, run: dict, ratio: str) -> str:
-        code = base if row["variant"] == "base" else row["variant"].removeprefix("this tree: ")
+        code = _code(row, base)
         cells = [str(k + 1), code, f"{run['cpu_s']:.0f}", *(f"{run['phases_s'][p]:.0f}" for p in phases), ratio]
         return "| " + " | ".join(cells) + " |"
 
