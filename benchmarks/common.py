@@ -394,8 +394,11 @@ def _fmt(x) -> str:
 def write_json(path: str | None, obj: dict) -> None:
     if not path:
         return
+    from masktrl.io import atomic_write_text
+
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    # a benchmark killed while writing leaves the previous JSON whole
+    atomic_write_text(Path(path), json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
     print(f"wrote {path}")
 
 
