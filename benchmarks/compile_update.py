@@ -13,7 +13,9 @@ times every step's ``policy_update``:
   (dynamic shapes): the fused norms and activations of issue #39.2;
 - ``layers``: packed, each decoder layer compiled whole;
 - ``model``: padded, the whole decoder (``lm.base_model``) compiled;
-- ``model-warm``: ``model`` again, with the compiled code ``model`` left in its cache.
+- ``model-warm``: ``model`` again, with the compiled code ``model`` left in its cache;
+- ``adamw-fused`` (on request): ``eager-packed`` with ``train.adamw=fused``, torch's fused AdamW
+  kernel instead of the multi-tensor ones (nothing compiled).
 
 The compilation happens inside the first update (``torch.compile`` compiles on the first call),
 each compiled variant but ``model-warm`` starting from an empty inductor cache
@@ -26,6 +28,8 @@ the first and later updates are medians over the rounds (one round is easily dis
 else the machine runs).
 
     python benchmarks/compile_update.py --rounds 2 --json benchmarks/results/compile_update.json
+    python benchmarks/compile_update.py --variants adamw-fused --rounds 4 \
+        --json benchmarks/results/compile_update_adamw.json
 """
 
 from __future__ import annotations
@@ -43,14 +47,16 @@ from common import die, finish, median, parser, print_table, quiet, run_masktrl,
 
 LAB = str(Path(__file__).resolve().parents[1] / "configs" / "lab.yaml")
 FAST = ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off", "train.eval_every=0"]
-VARIANTS = {  # name -> (train.packing, what is compiled: None, "norms+mlp", "layers" or "model")
-    "eager-packed": (True, None),
-    "eager-padded": (False, None),
-    "norms+mlp": (True, "norms+mlp"),
-    "layers": (True, "layers"),
-    "model": (False, "model"),
-    "model-warm": (False, "model"),
+VARIANTS = {  # name -> (train.packing, what is compiled: None, "norms+mlp", "layers" or "model"; train.adamw)
+    "eager-packed": (True, None, "foreach"),
+    "eager-padded": (False, None, "foreach"),
+    "norms+mlp": (True, "norms+mlp", "foreach"),
+    "layers": (True, "layers", "foreach"),
+    "model": (False, "model", "foreach"),
+    "model-warm": (False, "model", "foreach"),
+    "adamw-fused": (True, None, "fused"),
 }
+DEFAULT_VARIANTS = "eager-packed,eager-padded,norms+mlp,layers,model,model-warm"  # adamw-fused on request
 BASELINE = "eager-packed"
 RUN_STEPS = 300  # the lab preset's train.steps: the run the projection is for
 
@@ -71,6 +77,19 @@ def compile_parts(base, what: str) -> None:
         base.norm.compile(dynamic=True)
 
 
+def variant_overrides(variant: str, steps: int, threads: int) -> list[str]:
+    """The lab's ``--set`` overrides for ``variant``'s run: fast-packed's rollout settings, its
+    forward and its AdamW kernels, the steps and the threads."""
+    packing, _, adamw = VARIANTS[variant]
+    return [
+        *FAST,
+        f"train.packing={str(packing).lower()}",
+        f"train.adamw={adamw}",
+        f"train.steps={steps}",
+        f"train.threads={threads}",
+    ]
+
+
 def worker(variant: str, steps: int, threads: int) -> dict:
     """One variant's run in this process: each update's seconds and the held-out accuracies."""
     import masktrl.recipes.train as recipe
@@ -78,9 +97,8 @@ def worker(variant: str, steps: int, threads: int) -> dict:
     from masktrl.rl.policy import base_model
 
     quiet()
-    packing, what = VARIANTS[variant]
-    overrides = [*FAST, f"train.packing={str(packing).lower()}", f"train.steps={steps}", f"train.threads={threads}"]
-    cfg = load_config(LAB, overrides)
+    what = VARIANTS[variant][1]
+    cfg = load_config(LAB, variant_overrides(variant, steps, threads))
     warm_model(cfg)  # the warm start is built (or found) before anything is timed
     update = recipe.policy_update
     seconds: list[float] = []
@@ -139,7 +157,7 @@ def run_variant(name: str, cache: Path, args) -> dict:
 def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30, help="RL steps of each variant's run")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated, of: " + ", ".join(VARIANTS))
     p.add_argument("--rounds", type=int, default=1, help="rounds of every variant in turn (medians over them)")
     p.add_argument("--worker", default=None, help="(internal) run one variant in this process")
     args = p.parse_args(argv)

@@ -57,6 +57,7 @@ OWN_TASK_BENCHMARKS = ("task", "synthetic")
 SYNTHETIC_TASKS = ("arithmetic", "residues", "longtail", "kb")
 """The built-in synthetic tasks: a held-out split drawn once with a fixed seed (masktrl/tasks/synthetic.py)."""
 LR_SCHEDULES = ("constant", "linear", "cosine")
+ADAMW_KERNELS = ("foreach", "fused")
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 """train.report_to: accelerate's trackers masktrl logs to (besides metrics.jsonl, the source of truth)."""
 ROLLOUT_STORE = ("all", "resume")
@@ -613,6 +614,12 @@ class TrainConfig:
     the loss is normalised by the whole minibatch, so the update does not depend on it)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adamw: str = "foreach"
+    """How AdamW runs (rl/schedule.py): foreach (torch's multi-tensor kernels on CPU tensors, the
+    same bits as its per-parameter loop; torch's own choice elsewhere) | fused (torch's fused
+    kernel, one pass over each parameter: the same update up to float32 rounding, so another run
+    of the same distribution; about a quarter of foreach's time on a CPU, docs/BENCHMARKS.md §7).
+    fused is refused under DeepSpeed and FSDP2 launches, which it is not tested with."""
     grad_clip: float = 1.0
     """The gradient's global norm is clipped to this before every optimizer update."""
     warmup_steps: int = 0
@@ -688,6 +695,7 @@ class TrainConfig:
         ):
             _positive(f"train.{name}", getattr(self, name))
         _choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _choice("train.adamw", self.adamw, ADAMW_KERNELS)
         if self.quantization is not None:
             _choice("train.quantization", self.quantization, HF_QUANTIZATIONS)
         _choice("train.quantization_backend", self.quantization_backend, ("auto", "fake", "torchao"))

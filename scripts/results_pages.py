@@ -242,15 +242,16 @@ def compile_update(root: Path, name: str = "compile_update.json") -> str:
         f"{_cpu_line(data)}. {data['rounds']} round(s) of one {data['steps']}-step run per variant, each in "
         "a fresh process; the first update and the later ones' median are medians over the rounds, and "
         f"a {data['run_steps']}-step run's updates are projected as the first plus {data['run_steps'] - 1} later ones.",
-        "| variant | forward | compiled | first update s | later update s "
+        "| variant | forward | compiled | AdamW | first update s | later update s "
         f"| updates of a {data['run_steps']}-step run s | × eager packed | held-out after, per round |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     )
     for row in data["rows"]:
-        packing, what = data["variants"][row["variant"]]
+        packing, what, *adamw = data["variants"][row["variant"]]  # runs before train.adamw: foreach
         ratio = row.get("ratio_vs_eager_packed", 1.0)
         lines.append(
             f"| `{row['variant']}` | {'packed' if packing else 'padded'} | {what or 'nothing (eager)'} "
+            f"| {adamw[0] if adamw else 'foreach'} "
             f"| {row['first_update_s']:.2f} | {row['later_update_s']:.3f} | {row['run_updates_s']:.0f} "
             f"| {ratio:.2f}× | {', '.join(f'{x:.3f}' for x in row['eval_after'])} |"
         )

@@ -337,6 +337,15 @@ def test_compile_update_compiles_the_parts_it_names_and_projects_a_run(common):
         assert all(compiled(x) == (what == "norms+mlp") for x in parts)
         assert not compiled(layer.self_attn)
 
+    # each variant's run: the lab with fast-packed's settings, its forward and its AdamW kernels
+    from masktrl.config import load_config
+
+    for name, (packing, _, adamw) in cu.VARIANTS.items():
+        cfg = load_config(cu.LAB, cu.variant_overrides(name, 30, 1))
+        assert (cfg.train.packing, cfg.train.adamw, cfg.train.steps) == (packing, adamw, 30)
+        assert (cfg.rollout.decode, cfg.rollout.draw, cfg.rollout.mismatch) == ("fused", "inverse_cdf", "off")
+    assert cu.VARIANTS["adamw-fused"] == (True, None, "fused") and "adamw-fused" not in cu.DEFAULT_VARIANTS
+
     base_runs = [
         {"update_s": [1.0, 0.5, 0.4, 0.6], "eval_after": 0.3},
         {"update_s": [3.0, 0.7, 0.7], "eval_after": 0.3},

@@ -80,6 +80,7 @@ def test_method_and_its_params():
         ("rollout.n=1", "rollout.n"),
         ("task.ops=/", "task.ops"),
         ("train.lr_schedule=step", "train.lr_schedule"),
+        ("train.adamw=apex", "train.adamw"),
         ("train.min_lr_ratio=1.5", "train.min_lr_ratio"),
         ("train.keep_checkpoints=0", "train.keep_checkpoints"),
         ("train.keep_steps=[0]", "train.keep_steps"),

@@ -1,5 +1,6 @@
 """train.lr_schedule: warm-up then constant / linear / cosine; constant is the schedule masktrl always had."""
 
+import copy
 import math
 
 import pytest
@@ -93,3 +94,91 @@ def test_make_optimizer_passes_foreach_for_a_cpu_model():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     optimizer, _ = make_optimizer(model, cfg.train)
     assert optimizer.param_groups[0]["foreach"] is True
+
+
+def test_fused_adamw_makes_the_foreach_update_up_to_float32_rounding():
+    """train.adamw=fused (torch's fused kernel) against the foreach kernels the default runs: the
+    parameters and both moments agree to float32 rounding after every update, with weight decay
+    and a learning rate that changes from update to update; they need not agree bit for bit (the
+    kernel computes the update in another order), which is why fused is another run."""
+    from masktrl.rl.schedule import adamw_kernels
+
+    torch.manual_seed(0)
+    shapes = [(50, 16), (16, 16), (8, 16), (16,), (3,)]
+    start = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(8)]
+    params = {k: [torch.nn.Parameter(t.clone()) for t in start] for k in ("foreach", "fused")}
+    opts = {
+        k: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999), **adamw_kernels(ps, k))
+        for k, ps in params.items()
+    }
+    assert opts["fused"].param_groups[0]["fused"] is True and opts["foreach"].param_groups[0]["foreach"] is True
+    for u, gs in enumerate(grads):
+        for k, opt in opts.items():
+            opt.param_groups[0]["lr"] = 1e-2 * (u + 1) / 8
+            for p, g in zip(params[k], gs):
+                p.grad = g.clone()
+            opt.step()
+        for a, b in zip(params["foreach"], params["fused"]):
+            torch.testing.assert_close(b, a, rtol=2e-6, atol=1e-6)
+        for i, p in enumerate(params["foreach"]):
+            ref, fus = opts["foreach"].state[p], opts["fused"].state[params["fused"][i]]
+            torch.testing.assert_close(fus["exp_avg"], ref["exp_avg"], rtol=2e-6, atol=1e-7)
+            torch.testing.assert_close(fus["exp_avg_sq"], ref["exp_avg_sq"], rtol=2e-6, atol=1e-9)
+            assert float(fus["step"]) == float(ref["step"]) == u + 1
+    # each update moves a parameter by about lr (Adam's normalised step), far above the tolerance
+    assert min((a - s).abs().max().item() for a, s in zip(params["fused"], start)) > 1e-3
+
+
+def test_make_optimizer_uses_the_fused_kernel_when_asked():
+    from masktrl.rl.update import make_optimizer
+
+    cfg = load_config(None, ["train.adamw=fused"])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer, _ = make_optimizer(model, cfg.train)
+    assert optimizer.param_groups[0]["fused"] is True
+
+
+def test_fused_adamw_optimizer_state_round_trips_like_a_resume():
+    """A resumed run rebuilds the optimizer from its config and loads the checkpoint's state: with
+    train.adamw=fused the resumed optimizer continues bit for bit as the uninterrupted one."""
+    from masktrl.rl.update import make_optimizer
+
+    cfg = load_config(None, ["train.adamw=fused", "train.weight_decay=0.1"])
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    grads = [[torch.randn_like(p) for p in model.parameters()] for _ in range(6)]
+
+    def steps(m, opt, sched, gs):
+        for g in gs:
+            for p, x in zip(m.parameters(), g):
+                p.grad = x.clone()
+            opt.step()
+            sched.step()
+
+    opt, sched = make_optimizer(model, cfg.train)
+    steps(model, opt, sched, grads[:3])
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict()))  # as written to disk
+    steps(model, opt, sched, grads[3:])
+
+    resumed = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    resumed.load_state_dict(saved[0])
+    opt2, sched2 = make_optimizer(resumed, cfg.train)
+    opt2.load_state_dict(saved[1])
+    sched2.load_state_dict(saved[2])
+    assert opt2.param_groups[0]["fused"] is True
+    steps(resumed, opt2, sched2, grads[3:])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+
+
+def test_fused_adamw_is_refused_under_deepspeed_and_fsdp2():
+    from masktrl.errors import ConfigError
+    from masktrl.rl.distributed import check_adamw
+
+    check_adamw("fused", deepspeed=False, fsdp=False)  # one process or DDP
+    check_adamw("foreach", deepspeed=True, fsdp=False)
+    check_adamw("foreach", deepspeed=False, fsdp=True)
+    with pytest.raises(ConfigError, match="train.adamw=fused is not supported under DeepSpeed"):
+        check_adamw("fused", deepspeed=True, fsdp=False)
+    with pytest.raises(ConfigError, match="train.adamw=fused is not supported under FSDP2"):
+        check_adamw("fused", deepspeed=False, fsdp=True)

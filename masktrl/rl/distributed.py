@@ -106,6 +106,7 @@ class Dist:
         if cpu and _fsdp_launch():
             _fsdp_on_cpu(acc)
         plugin = acc.state.deepspeed_plugin
+        check_adamw(train_cfg.adamw, deepspeed=plugin is not None, fsdp=_fsdp_launch())
         if plugin is not None:
             ds = plugin.deepspeed_config
             _check_zero_stage(ds.get("zero_optimization", {}).get("stage"))
@@ -340,6 +341,15 @@ def check_launch_settings() -> None:
     _check_deepspeed_json(os.environ.get(DS_CONFIG_ENV))
     _check_zero_stage(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))
     _check_fsdp_settings()
+
+
+def check_adamw(kernel: str, *, deepspeed: bool, fsdp: bool) -> None:
+    """``train.adamw: fused`` runs under one process and DDP only: DeepSpeed and FSDP2 step the
+    optimizer on their own (flattened, sharded) parameters, which the fused kernel is not tested
+    with. ConfigError before anything starts."""
+    if kernel == "fused" and (deepspeed or fsdp):
+        engine = "DeepSpeed" if deepspeed else "FSDP2"
+        raise ConfigError(f"train.adamw=fused is not supported under {engine}: use train.adamw=foreach there")
 
 
 def _fsdp_launch() -> bool:

@@ -1,6 +1,6 @@
 """The learning-rate schedule (a linear warm-up, then constant, linear or cosine decay) and the
 schedule of rollout batch ages (``rollout.staleness``, below), and how AdamW is run
-(``adamw_foreach``).
+(``adamw_foreach``, ``adamw_kernels``).
 
 ``lr_factor`` gives the multiplier of ``train.lr`` for optimizer update ``u`` (0-based; the
 scheduler steps once per optimizer update, so a run makes ``train.steps x train.minibatches``
@@ -48,6 +48,16 @@ def adamw_foreach(params: list) -> bool | None:
     choice, already multi-tensor on a GPU) for anything else, e.g. FSDP2's sharded parameters."""
     plain = all(p.device.type == "cpu" and type(p.data) is torch.Tensor for p in params)
     return True if params and plain else None
+
+
+def adamw_kernels(params: list, kernel: str = "foreach") -> dict:
+    """AdamW's kernel arguments for ``train.adamw``: ``foreach`` (``adamw_foreach``: bit-identical
+    to torch's per-parameter loop) or ``fused`` (torch's fused kernel: one pass over each
+    parameter instead of one per operation; the same update up to float32 rounding,
+    tests/test_lr_schedule.py)."""
+    if kernel == "fused":
+        return {"fused": True}
+    return {"foreach": adamw_foreach(params)}
 
 
 def make_scheduler(optimizer, train_cfg, total_updates: int):

@@ -38,7 +38,7 @@ from masktrl.rl.policy import (
     shared_forward_calls,
 )
 from masktrl.rl.reference import Reference
-from masktrl.rl.schedule import adamw_foreach, make_scheduler
+from masktrl.rl.schedule import adamw_kernels, make_scheduler
 from masktrl.rollout.base import Sample
 from masktrl.seeding import stream_seed
 
@@ -117,12 +117,12 @@ class StepBatch:
 
 
 def make_optimizer(model, train_cfg: TrainConfig):
-    """AdamW and its learning-rate schedule (``rl/schedule.py``: warm-up, then constant,
+    """AdamW (its kernels: ``train.adamw``) and its learning-rate schedule (``rl/schedule.py``: warm-up, then constant,
     linear or cosine over ``train.steps x train.minibatches`` updates; stepped once per update)."""
     t = train_cfg
     params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
     optimizer = torch.optim.AdamW(
-        params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999), foreach=adamw_foreach(params)
+        params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999), **adamw_kernels(params, t.adamw)
     )
     return optimizer, make_scheduler(optimizer, t, total_updates=t.steps * t.minibatches)
 
