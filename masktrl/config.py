@@ -619,7 +619,8 @@ class TrainConfig:
     same bits as its per-parameter loop; torch's own choice elsewhere) | fused (torch's fused
     kernel, one pass over each parameter: the same update up to float32 rounding, so another run
     of the same distribution; about a quarter of foreach's time on a CPU, docs/BENCHMARKS.md §7).
-    fused is refused under DeepSpeed and FSDP2 launches, which it is not tested with."""
+    The RL updates only (the warm start keeps foreach: its cached checkpoint serves every run of
+    the seed). fused is refused under DeepSpeed and FSDP2 launches, which it is not tested with."""
     grad_clip: float = 1.0
     """The gradient's global norm is clipped to this before every optimizer update."""
     warmup_steps: int = 0

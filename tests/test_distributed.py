@@ -261,6 +261,24 @@ def test_invalid_launch_setting_is_one_line(reference, tmp_path):
     assert "ZeRO stage must be 0-3" in lines[0] and not (tmp_path / "out" / "x").exists()
 
 
+@pytest.mark.parametrize(
+    "launch_env, engine",
+    [
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, "DeepSpeed"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, "FSDP2"),
+    ],
+)
+def test_fused_adamw_is_refused_under_deepspeed_and_fsdp2_before_any_write(tmp_path, launch_env, engine):
+    """train.adamw=fused under a DeepSpeed or FSDP2 launch: one line naming the key, exit 2, no run folder."""
+    cfg = write_tiny_config(tmp_path / "c.yaml", {"train": {"steps": 1, "adamw": "fused"}})
+    env = _env(ACCELERATE_MIXED_PRECISION="no", **launch_env)
+    r = masktrl("train", "--config", str(cfg), "--out", str(tmp_path / "out"), "--run", "x", env=env)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert f"train.adamw=fused is not supported under {engine}" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
 DS_CPU = """\
 compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED

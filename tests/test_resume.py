@@ -166,3 +166,21 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resumes_exactly(reference):
     a, b = weights(ref), weights(root)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert metrics(ref) == metrics(root)
+
+
+@pytest.mark.slow
+def test_a_fused_adamw_run_killed_in_an_update_resumes_bit_identically(tmp_path):
+    """train.adamw=fused: the optimizer rebuilt from run.yaml with the checkpoint's state continues
+    as the uninterrupted run, bit for bit."""
+    cfg = write_tiny_config(tmp_path / "c.yaml", {**RESUME, "train": {**RESUME["train"], "adamw": "fused"}})
+    out = tmp_path / "out"
+    assert masktrl("train", "--config", str(cfg), "--out", str(out), "--run", "ref").returncode == 0
+    r = masktrl(
+        "train", "--config", str(cfg), "--out", str(out), "--run", "crash", env={"MASKTRL_CRASH_AT": "update:4"}
+    )
+    assert r.returncode == -9, (r.returncode, r.stderr[-2000:])
+    r = masktrl("train", "--resume", "crash", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = weights(out / "ref"), weights(out / "crash")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert metrics(out / "ref") == metrics(out / "crash")
