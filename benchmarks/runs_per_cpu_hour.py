@@ -24,7 +24,9 @@ a seed: docs/ROLLOUTS.md) and ``rollout.mismatch=off`` (no extra forward for the
 one up to float32 rounding; on request); ``fast-grouped`` adds ``train.minibatch_groups=true`` to
 ``fast-packed`` (minibatches of whole prompt groups: another run, docs/CLUSTER.md; on request);
 ``fast-parts4`` adds ``train.minibatch_groups=4`` to ``fast-packed`` instead (minibatches of parts
-of 4 samples of a group: another run; on request). The held-out accuracy before and after RL of
+of 4 samples of a group: another run; on request); ``fast-fused`` adds ``train.adamw=fused`` to
+``fast-packed`` (torch's fused AdamW kernel: the same update up to float32 rounding, another run of
+the same distribution; on request). The held-out accuracy before and after RL of
 every run is recorded beside its time, so the JSON shows whether a variant's run is the baseline's
 run (equal numbers) or another one. So are the run's phases by its own clocks (``run_phases``: the
 warm start, the rollouts, the updates, the rest) and, per phase, the ratio to the baseline had that
@@ -68,7 +70,7 @@ PRESETS = {  # name -> the --config files, relative to the tree
     "credit": ["configs/lab.yaml", "configs/lab-credit.yaml"],
 }
 DEFAULT_PRESETS = "lab,long,agentic"
-DEFAULT_VARIANTS = "default,fast"  # fast-packed, fast-grouped and fast-parts4 on request (--variants)
+DEFAULT_VARIANTS = "default,fast"  # fast-packed, fast-grouped, fast-parts4 and fast-fused on request (--variants)
 VARIANTS = {  # name -> --set overrides on this tree
     "default": [],
     "fast": ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off"],
@@ -86,6 +88,13 @@ VARIANTS = {  # name -> --set overrides on this tree
         "rollout.mismatch=off",
         "train.packing=true",
         "train.minibatch_groups=4",
+    ],
+    "fast-fused": [
+        "rollout.decode=fused",
+        "rollout.draw=inverse_cdf",
+        "rollout.mismatch=off",
+        "train.packing=true",
+        "train.adamw=fused",
     ],
 }
 

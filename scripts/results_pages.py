@@ -662,6 +662,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "runs-per-cpu-hour-lab-packed": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_packed.json"),
     "runs-per-cpu-hour-phases": runs_per_cpu_hour_phases,
     "compile-update": compile_update,
+    "compile-update-adamw": partial(compile_update, name="compile_update_adamw.json"),
     "runs-per-cpu-hour-lab-grouped": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_grouped.json"),
     "runs-per-cpu-hour-lab-parts4": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_parts4.json"),
     "runs-per-cpu-hour-lab-parts4-rounds": partial(runs_per_cpu_hour_rounds, name="runs_per_cpu_hour_lab_parts4.json"),
@@ -765,7 +766,27 @@ def figures(root: Path) -> dict[str, str]:
         | _roofline_training_figures(root)
         | _results_figures(root)
         | _runs_figures(root)
+        | _adamw_figures(root)
     )
+
+
+def _adamw_figures(root: Path) -> dict[str, str]:
+    """``adamw.*``: compile_update.py's adamw-fused run round by round: in how many rounds the fused
+    kernel's median later update was the lower, each round's ratio (eager-packed's median over
+    adamw-fused's), and the range of eager-packed's round medians."""
+    data = _load(root, "compile_update_adamw.json")
+    rows = {row["variant"]: row for row in data["rows"]}
+
+    def medians(name: str) -> list[float]:
+        return [statistics.median(run["update_s"][1:]) for run in rows[name]["runs"]]
+
+    base, fused = medians("eager-packed"), medians("adamw-fused")
+    ratios = [f"{b / f:.2f}×" for b, f in zip(base, fused)]
+    return {
+        "adamw.faster-rounds": f"{sum(f < b for b, f in zip(base, fused))} of the {len(base)}",
+        "adamw.round-ratios": ", ".join(ratios[:-1]) + f" and {ratios[-1]}",
+        "adamw.base-range": f"{min(base):.2f} s to {max(base):.2f} s",
+    }
 
 
 def _runs_figures(root: Path) -> dict[str, str]:

@@ -149,18 +149,20 @@ def test_a_runs_phases_come_from_its_own_clocks(tmp_path):
 
 
 def test_runs_per_cpu_hour_commands_pass_the_pre_write_checks(tmp_path):
-    """The fast variant's overrides are keys `masktrl train` accepts, on the lab and the agentic lab
-    (checked by --dry-run, nothing run; the default variant adds no override)."""
+    """The fast variant's overrides are keys `masktrl train` accepts, on the lab and the agentic lab,
+    and fast-fused's on the lab (checked by --dry-run, nothing run; the default variant adds no
+    override)."""
     import subprocess
 
     sys.path.insert(0, str(BENCH))
     rpch = importlib.import_module("runs_per_cpu_hour")
     assert rpch.VARIANTS["default"] == []
-    for preset in ("lab", "agentic"):
-        command = rpch.train_command(preset, tmp_path / preset, rpch.VARIANTS["fast"], 2) + ["--dry-run"]
+    for preset, variant in (("lab", "fast"), ("agentic", "fast"), ("lab", "fast-fused")):
+        command = rpch.train_command(preset, tmp_path / preset, rpch.VARIANTS[variant], 2) + ["--dry-run"]
         done = subprocess.run(command, cwd=rpch.ROOT, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
         assert not (tmp_path / preset).exists()
+    assert rpch.VARIANTS["fast-fused"] == [*rpch.VARIANTS["fast-packed"], "train.adamw=fused"]
 
 
 def test_runs_per_cpu_hour_bad_input_and_a_failed_run_are_one_line_and_exit_2(tmp_path, capsys):

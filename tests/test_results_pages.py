@@ -229,3 +229,21 @@ def test_the_rounds_table_lists_runs_in_the_order_they_ran_with_each_rounds_own_
         ("| 2", "abc", "410", " |"),
         ("| 2", "b", "205", "2.00× |"),
     ]
+
+
+def test_the_adamw_figures_compare_each_round_with_its_own_base(tmp_path):
+    """adamw.*: per round, the medians of the later updates (the first, compiling update left
+    out), the fused kernel lower in the rounds where its median is, and the base's range."""
+    import json
+
+    rows = [
+        {"variant": "eager-packed", "runs": [{"update_s": [9.0, 0.6, 0.5, 0.7]}, {"update_s": [9.0, 0.4, 0.4]}]},
+        {"variant": "adamw-fused", "runs": [{"update_s": [0.1, 0.5, 0.5, 0.5]}, {"update_s": [0.1, 0.5, 0.5]}]},
+    ]
+    (tmp_path / rp.BENCH).mkdir(parents=True)
+    (tmp_path / rp.BENCH / "compile_update_adamw.json").write_text(json.dumps({"rows": rows}))
+    assert rp._adamw_figures(tmp_path) == {
+        "adamw.faster-rounds": "1 of the 2",
+        "adamw.round-ratios": "1.20× and 0.80×",
+        "adamw.base-range": "0.40 s to 0.60 s",
+    }
