@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+
 from common import die, finish, median, parser, print_table, quiet
 
 LAB = str(Path(__file__).resolve().parents[1] / "configs" / "lab.yaml")
@@ -78,7 +79,9 @@ def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=40, help="rounds of one block per kernel (order alternating)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per block")
-    p.add_argument("--run-updates", type=int, default=300 * 8, help="optimizer steps of a lab run (steps x minibatches)")
+    p.add_argument(
+        "--run-updates", type=int, default=300 * 8, help="optimizer steps of a lab run (steps x minibatches)"
+    )
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
         die("error: --rounds and --steps must be at least 1")
@@ -95,7 +98,7 @@ def main(argv=None) -> dict:
     ratios = [x["foreach"] / x["fused"] for x in rounds]
     saved_s = (ms["foreach"] - ms["fused"]) * args.run_updates / 1e3
     print_table(
-        f"AdamW on the lab's {sum(p.numel() for p in params):,} parameters ({args.rounds} rounds of {args.steps} steps)",
+        f"AdamW on the lab's {sum(x.numel() for x in params):,} parameters, {args.rounds} rounds of {args.steps} steps",
         ["kernel", "CPU ms per step", "x foreach", "CPU s per lab run"],
         [[k, ms[k], ms["foreach"] / ms[k], ms[k] * args.run_updates / 1e3] for k in KERNELS],
     )

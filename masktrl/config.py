@@ -618,7 +618,8 @@ class TrainConfig:
     """How AdamW runs (rl/schedule.py): foreach (torch's multi-tensor kernels on CPU tensors, the
     same bits as its per-parameter loop; torch's own choice elsewhere) | fused (torch's fused
     kernel, one pass over each parameter: the same update up to float32 rounding, so another run
-    of the same distribution; about a quarter of foreach's time on a CPU, docs/BENCHMARKS.md §7).
+    of the same distribution; a third of foreach's time per step or less on a CPU, a few percent of
+    a lab run, docs/BENCHMARKS.md §7).
     The RL updates only (the warm start keeps foreach: its cached checkpoint serves every run of
     the seed). fused is refused under DeepSpeed and FSDP2 launches, which it is not tested with."""
     grad_clip: float = 1.0

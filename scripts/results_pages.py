@@ -258,6 +258,32 @@ def compile_update(root: Path, name: str = "compile_update.json") -> str:
     return "\n".join(lines) + "\n"
 
 
+def adamw_kernels(root: Path, name: str = "adamw_kernels.json") -> str:
+    """docs/BENCHMARKS.md §7's AdamW kernels side by side in one process (benchmarks/adamw_kernels.py):
+    per kernel the median CPU ms per step, the ratio to foreach and a lab run's optimizer CPU
+    seconds; under it the rounds' sign count, the median of their ratios and a run's saving."""
+    data = _load(root, name)
+    ms, updates = data["ms_per_step"], data["run_updates"]
+    lines = _head(
+        data,
+        f"{_cpu_line(data)}. The lab policy's {data['parameters']:,} parameters in {data['tensors']} tensors; "
+        f"{len(data['rounds'])} rounds of {data['steps']} steps per kernel, the order alternating.",
+        f"| kernel | CPU ms per step | × foreach | CPU s over a lab run's {updates:,} steps |",
+        "|---|---|---|---|",
+    )
+    for kernel in ("foreach", "fused"):
+        lines.append(
+            f"| `{kernel}` | {ms[kernel]:.2f} | {ms['foreach'] / ms[kernel]:.2f}× | {ms[kernel] * updates / 1e3:.1f} |"
+        )
+    lines += [
+        "",
+        f"`fused` was the faster in {data['fused_faster_rounds']} of the {len(data['rounds'])} rounds; "
+        f"the median of the rounds' ratios is {data['round_ratio_median']:.2f}×; "
+        f"a lab run saves {data['run_saving_cpu_s']:.1f} CPU s.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 GPU_CHECKS = (  # benchmarks/results/gpu_check/, in the order run
     "h200-hf-4steps.json",
     "h200-hf-2steps.json",
@@ -663,6 +689,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "runs-per-cpu-hour-phases": runs_per_cpu_hour_phases,
     "compile-update": compile_update,
     "compile-update-adamw": partial(compile_update, name="compile_update_adamw.json"),
+    "adamw-kernels": adamw_kernels,
     "runs-per-cpu-hour-lab-grouped": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_grouped.json"),
     "runs-per-cpu-hour-lab-parts4": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_parts4.json"),
     "runs-per-cpu-hour-lab-parts4-rounds": partial(runs_per_cpu_hour_rounds, name="runs_per_cpu_hour_lab_parts4.json"),
@@ -782,7 +809,15 @@ def _adamw_figures(root: Path) -> dict[str, str]:
 
     base, fused = medians("eager-packed"), medians("adamw-fused")
     ratios = [f"{b / f:.2f}×" for b, f in zip(base, fused)]
+    # what the kernels' measured saving is of a fast-packed lab run on the machine, and the
+    # runs-per-CPU-hour ratio it would give that run (the pairs run's, its CPU time less the saving)
+    saved = _load(root, "adamw_kernels.json")["run_saving_cpu_s"]
+    packed = next(
+        r for r in _load(root, "runs_per_cpu_hour_lab_pairs.json")["rows"] if r["variant"].endswith("fast-packed")
+    )
     return {
+        "adamw.run-share": f"{saved / packed['cpu_s']:.1%}",
+        "adamw.projected": f"{packed['ratio_vs_base'] * packed['cpu_s'] / (packed['cpu_s'] - saved):.2f}×",
         "adamw.faster-rounds": f"{sum(f < b for b, f in zip(base, fused))} of the {len(base)}",
         "adamw.round-ratios": ", ".join(ratios[:-1]) + f" and {ratios[-1]}",
         "adamw.base-range": f"{min(base):.2f} s to {max(base):.2f} s",

@@ -359,3 +359,33 @@ def test_compile_update_compiles_the_parts_it_names_and_projects_a_run(common):
     assert row["run_updates_s"] == pytest.approx(60.0 + 299 * 0.3)
     assert row["ratio_vs_eager_packed"] == pytest.approx((2.0 + 299 * 0.6) / (60.0 + 299 * 0.3))
     assert row["later_ratio_vs_eager_packed"] == pytest.approx(2.0)
+
+
+def test_adamw_kernels_times_both_kernels_on_the_lab_parameters(common, capsys, tmp_path):
+    """adamw_kernels.py: the lab policy's trainable parameters; the two optimizers are the two
+    kernels over their own copies with the same gradients (one step apart from float32 rounding);
+    a short run writes each round's blocks; bad input is one line and exit 2."""
+    import torch
+
+    from masktrl.config import load_config
+
+    sys.modules.pop("adamw_kernels", None)
+    ak = importlib.import_module("adamw_kernels")
+    params = ak.lab_parameters()
+    m = load_config(ak.LAB).model
+    assert params[0].shape == (2004, m.hidden_size)  # the embedding of the numbers tokenizer
+    opts = ak.optimizers(params[:3])
+    assert opts["fused"].param_groups[0]["fused"] is True and opts["foreach"].param_groups[0]["foreach"] is True
+    a, b = (opts[k].param_groups[0]["params"] for k in ak.KERNELS)
+    assert all(x is not y for x, y in zip(a, b))
+    for x, y, p in zip(a, b, params):
+        torch.testing.assert_close(x, y, rtol=2e-6, atol=1e-6)
+        assert not torch.equal(x, p)  # both took their first step
+    out = ak.main(["--rounds", "2", "--steps", "1", "--json", str(tmp_path / "a.json")])
+    assert len(out["rounds"]) == 2 and set(out["rounds"][0]) == set(ak.KERNELS)
+    assert out["run_updates"] == 2400 and out["parameters"] == sum(p.numel() for p in params)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        ak.main(["--rounds", "0"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "at least 1" in err
