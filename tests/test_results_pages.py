@@ -247,3 +247,16 @@ def test_the_adamw_figures_compare_each_round_with_its_own_base(tmp_path):
         "adamw.round-ratios": "1.20× and 0.80×",
         "adamw.base-range": "0.40 s to 0.60 s",
     }
+
+
+def test_the_adamw_run_figures_take_the_saving_off_the_fast_packed_run(tmp_path):
+    import json
+
+    (tmp_path / rp.BENCH).mkdir(parents=True)
+    (tmp_path / rp.BENCH / "adamw_kernels.json").write_text(json.dumps({"run_saving_cpu_s": 20.0}))
+    rows = [
+        {"variant": "base", "cpu_s": 300.0, "ratio_vs_base": None},
+        {"variant": "this tree: fast-packed", "cpu_s": 200.0, "ratio_vs_base": 1.4},
+    ]
+    (tmp_path / rp.BENCH / "runs_per_cpu_hour_lab_pairs.json").write_text(json.dumps({"rows": rows}))
+    assert rp._adamw_run_figures(tmp_path) == {"adamw.run-share": "10.0%", "adamw.projected": "1.56×"}
