@@ -103,8 +103,7 @@ def main(argv=None) -> dict:
         [[k, ms[k], ms["foreach"] / ms[k], ms[k] * args.run_updates / 1e3] for k in KERNELS],
     )
     print(f"fused faster in {sum(x > 1 for x in ratios)} of {len(ratios)} rounds; a lab run saves {saved_s:.1f} CPU s")
-    argv = argv if argv is not None else sys.argv[1:]
-    return finish(
+    return finish(  # argv None: finish reads sys.argv
         "adamw_kernels.py",
         argv,
         load_start,
