@@ -91,8 +91,15 @@ def reference(tmp_path_factory):
         ["--set", "train.grad_accum=2"],
         ["--method", "grpo", "--set", "train.minibatches=1"],
         ["--set", "train.packing=true", "--set", "train.micro_batch_tokens=40"],
+        # against the one-process foreach run: rounding only (slow: keeps the fast suite under ~15 min)
+        pytest.param(["--set", "train.adamw=fused"], marks=pytest.mark.slow),
     ],
-    ids=["sis-dapo-token-mean-2-minibatches-grad-accum-2", "grpo-seq-mean-1-minibatch", "sis-dapo-packed-token-budget"],
+    ids=[
+        "sis-dapo-token-mean-2-minibatches-grad-accum-2",
+        "grpo-seq-mean-1-minibatch",
+        "sis-dapo-packed-token-budget",
+        "sis-dapo-fused-adamw",
+    ],
 )
 def test_two_processes_match_one_process_on_the_same_rollouts(reference, sets):
     base, cfg, ref = reference
