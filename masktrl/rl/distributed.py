@@ -92,11 +92,12 @@ class Dist:
     def from_launch(cls, train_cfg) -> Dist:
         """The Accelerator of this launch, configured from ``train_cfg`` (grad_accum, grad_clip)."""
         check_launch_settings()  # before DeepSpeed is even imported
+        check_adamw(train_cfg.adamw, deepspeed=_deepspeed_launch(), fsdp=_fsdp_launch())
         from accelerate import Accelerator
 
         # Without a GPU, accelerate only sets up gloo (MULTI_CPU) when told cpu=True; DeepSpeed
         # must not be told (cpu=True switches it off).
-        cpu = not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED") != "true"
+        cpu = not torch.cuda.is_available() and not _deepspeed_launch()
         try:
             acc = Accelerator(gradient_accumulation_steps=train_cfg.grad_accum, cpu=cpu)
         except (ValueError, TypeError, KeyError, ImportError, OSError) as exc:
@@ -106,7 +107,6 @@ class Dist:
         if cpu and _fsdp_launch():
             _fsdp_on_cpu(acc)
         plugin = acc.state.deepspeed_plugin
-        check_adamw(train_cfg.adamw, deepspeed=plugin is not None, fsdp=_fsdp_launch())
         if plugin is not None:
             ds = plugin.deepspeed_config
             _check_zero_stage(ds.get("zero_optimization", {}).get("stage"))
@@ -346,10 +346,15 @@ def check_launch_settings() -> None:
 def check_adamw(kernel: str, *, deepspeed: bool, fsdp: bool) -> None:
     """``train.adamw: fused`` runs under one process and DDP only: DeepSpeed and FSDP2 step the
     optimizer on their own (flattened, sharded) parameters, which the fused kernel is not tested
-    with. ConfigError before anything starts."""
+    with. ConfigError before anything starts (from the launch's settings, before DeepSpeed is
+    imported)."""
     if kernel == "fused" and (deepspeed or fsdp):
         engine = "DeepSpeed" if deepspeed else "FSDP2"
         raise ConfigError(f"train.adamw=fused is not supported under {engine}: use train.adamw=foreach there")
+
+
+def _deepspeed_launch() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
 
 
 def _fsdp_launch() -> bool:
