@@ -71,31 +71,15 @@ PRESETS = {  # name -> the --config files, relative to the tree
 }
 DEFAULT_PRESETS = "lab,long,agentic"
 DEFAULT_VARIANTS = "default,fast"  # fast-packed, fast-grouped, fast-parts4 and fast-fused on request (--variants)
+FAST = ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off"]
+FAST_PACKED = [*FAST, "train.packing=true"]
 VARIANTS = {  # name -> --set overrides on this tree
     "default": [],
-    "fast": ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off"],
-    "fast-packed": ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off", "train.packing=true"],
-    "fast-grouped": [
-        "rollout.decode=fused",
-        "rollout.draw=inverse_cdf",
-        "rollout.mismatch=off",
-        "train.packing=true",
-        "train.minibatch_groups=true",
-    ],
-    "fast-parts4": [
-        "rollout.decode=fused",
-        "rollout.draw=inverse_cdf",
-        "rollout.mismatch=off",
-        "train.packing=true",
-        "train.minibatch_groups=4",
-    ],
-    "fast-fused": [
-        "rollout.decode=fused",
-        "rollout.draw=inverse_cdf",
-        "rollout.mismatch=off",
-        "train.packing=true",
-        "train.adamw=fused",
-    ],
+    "fast": FAST,
+    "fast-packed": FAST_PACKED,
+    "fast-grouped": [*FAST_PACKED, "train.minibatch_groups=true"],
+    "fast-parts4": [*FAST_PACKED, "train.minibatch_groups=4"],
+    "fast-fused": [*FAST_PACKED, "train.adamw=fused"],
 }
 
 

@@ -286,6 +286,18 @@ def test_fused_adamw_is_refused_under_deepspeed_and_fsdp2_before_any_write(tmp_p
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # the launch sets DeepSpeed up before the config checks: the slow suite has it installed
+def test_fp8_training_is_refused_under_zero3_before_any_write(tmp_path):
+    """train.quantization under a DeepSpeed ZeRO-3 launch (rl/checks.py): one line, exit 2, no run folder."""
+    pytest.importorskip("deepspeed")
+    cfg = write_tiny_config(tmp_path / "c.yaml", {"train": {"steps": 1, "quantization": "fp8"}})
+    env = _env(ACCELERATE_MIXED_PRECISION="no", ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
+    r = masktrl("train", "--config", str(cfg), "--out", str(tmp_path / "out"), "--run", "x", env=env)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert "train.quantization under DeepSpeed ZeRO-3" in lines[0] and not (tmp_path / "out").exists()
+
+
 DS_CPU = """\
 compute_environment: LOCAL_MACHINE
 distributed_type: DEEPSPEED

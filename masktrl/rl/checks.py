@@ -238,10 +238,9 @@ def check_train_quantization(cfg: Config) -> str:
             "a MoE "
             "block's fused experts (use fake)"
         )
-    if (
-        os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
-        and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
-    ):
+    from masktrl.rl.distributed import deepspeed_launch
+
+    if deepspeed_launch() and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
         raise ConfigError(
             "train.quantization under DeepSpeed ZeRO-3: the FP8 forward reads whole weights, which "
             "ZeRO-3 "
@@ -515,11 +514,9 @@ def projected_disk(cfg: Config, checked: Checked) -> str:
         from masktrl.models.lora import apply_lora
 
         apply_lora(model, lora_settings(cfg), seed=cfg.seed)
-    stage = (
-        os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
-        if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
-        else ""
-    )
+    from masktrl.rl.distributed import deepspeed_launch
+
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "") if deepspeed_launch() else ""
     n_params = retention.count_parameters(model, trainable_only=cfg.model.lora.rank is not None)
     projection = retention.project(cfg, n_params, deepspeed_stage=int(stage) if stage.isdigit() else None)
     return projection.summary().removeprefix("projected disk: ")

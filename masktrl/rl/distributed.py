@@ -92,12 +92,12 @@ class Dist:
     def from_launch(cls, train_cfg) -> Dist:
         """The Accelerator of this launch, configured from ``train_cfg`` (grad_accum, grad_clip)."""
         check_launch_settings()  # before DeepSpeed is even imported
-        check_adamw(train_cfg.adamw, deepspeed=_deepspeed_launch(), fsdp=_fsdp_launch())
+        check_adamw(train_cfg.adamw, deepspeed=deepspeed_launch(), fsdp=_fsdp_launch())
         from accelerate import Accelerator
 
         # Without a GPU, accelerate only sets up gloo (MULTI_CPU) when told cpu=True; DeepSpeed
         # must not be told (cpu=True switches it off).
-        cpu = not torch.cuda.is_available() and not _deepspeed_launch()
+        cpu = not torch.cuda.is_available() and not deepspeed_launch()
         try:
             acc = Accelerator(gradient_accumulation_steps=train_cfg.grad_accum, cpu=cpu)
         except (ValueError, TypeError, KeyError, ImportError, OSError) as exc:
@@ -353,7 +353,8 @@ def check_adamw(kernel: str, *, deepspeed: bool, fsdp: bool) -> None:
         raise ConfigError(f"train.adamw=fused is not supported under {engine}: use train.adamw=foreach there")
 
 
-def _deepspeed_launch() -> bool:
+def deepspeed_launch() -> bool:
+    """Is this process started by a DeepSpeed launch (accelerate's settings, read before DeepSpeed is imported)?"""
     return os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
 
 
