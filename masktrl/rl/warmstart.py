@@ -177,13 +177,16 @@ def _sft_batch(tokenizer, task, examples):
     rollouts append replies, and the replies (environment tokens) not trained on. A segment's
     flag is True/False (trained or not) or a weight > 0 (a task's ``weighted_target``, e.g.
     residues' ``answer_weight``: the answer among a long scratchpad)."""
+    segmented = [target_segments(task, ex) for ex in examples]
+    # every string of the batch in one tokenizer call (the same ids as one call per string)
+    texts = [t for ex, segments in zip(examples, segmented) for t in (ex.prompt, *(text for text, _ in segments))]
+    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
     rows, label_rows, weight_rows = [], [], []
-    for ex in examples:
-        p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
-        segments = target_segments(task, ex)
+    for segments in segmented:
+        p = next(encoded)
         t, labels, weights = [], [], []
-        for text, trained in segments:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for _, trained in segments:
+            ids = next(encoded)
             t += ids
             labels += ids if trained else [-100] * len(ids)
             weights += [float(trained)] * len(ids)
