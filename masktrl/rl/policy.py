@@ -22,7 +22,7 @@ from masktrl.models.logprobs import renormalise_over_kept, token_logprobs_and_en
 from masktrl.models.lowprec import quantized_head
 from masktrl.models.moe import NO_ROUTING, moe_routers, replayed_routing, routing_targets
 from masktrl.models.packing import Packed, pack_shared, pack_whole, packed_hidden
-from masktrl.rollout.base import Sample, kept_sizes, policy_tokens
+from masktrl.rollout.base import Sample, kept_sizes, list_tensor, policy_tokens
 
 
 @dataclass
@@ -156,8 +156,8 @@ def policy_token_batch(
     vocab_size = inner.vocab_size
     device = next(policy.parameters()).device
 
-    sampled = torch.tensor([t for s in samples for t in s.gen.response_ids], device=device)  # [N]
-    topk_ids = torch.tensor([row for s in samples for row in s.gen.topk_ids], dtype=torch.long, device=device)  # [N, K]
+    sampled = list_tensor([t for s in samples for t in s.gen.response_ids], torch.long, device)  # [N]
+    topk_ids = list_tensor([row for s in samples for row in s.gen.topk_ids], torch.long, device)  # [N, K]
     ids = torch.cat([sampled[:, None], topk_ids], dim=1)  # [N, 1+K]
     lp, entropy, sq = policy(inputs, ids, temperature, chunk, **_forward_wants(method))  # [N, 1+K], [N], [N] or None
     lp = renormalise_over_kept(
@@ -192,12 +192,10 @@ def _forward_wants(method: BoundMethod | None) -> dict:
 def _sample_tensors(samples: list[Sample], drop_truncated: bool, dt: torch.dtype, device) -> tuple[torch.Tensor, ...]:
     """The samples' recorded log mu at the top-K ids [N, K] and at the sampled ids [N], each
     token's sequence index [N] and advantage [N]."""
-    topk = torch.tensor([row for s in samples for row in s.gen.topk_logp], dtype=dt, device=device)  # [N, K]
-    sampled = torch.tensor(
-        [x for s in samples for x in behaviour_logp(s, drop_truncated)], dtype=dt, device=device
-    )  # [N]
-    seq_ids = torch.tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids], device=device)  # [N]
-    advantages = torch.tensor([s.advantage for s in samples for _ in s.gen.response_ids], dtype=dt, device=device)
+    topk = list_tensor([row for s in samples for row in s.gen.topk_logp], dt, device)  # [N, K]
+    sampled = list_tensor([x for s in samples for x in behaviour_logp(s, drop_truncated)], dt, device)  # [N]
+    seq_ids = list_tensor([i for i, s in enumerate(samples) for _ in s.gen.response_ids], torch.long, device)  # [N]
+    advantages = list_tensor([s.advantage for s in samples for _ in s.gen.response_ids], dt, device)
     return topk, sampled, seq_ids, advantages
 
 

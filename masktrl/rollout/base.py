@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from masktrl.errors import ConfigError
@@ -113,6 +114,22 @@ class Sample:
     extra: dict = field(default_factory=dict)
 
 
+_NUMPY_TYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.long: np.int64}
+
+
+def list_tensor(values: list, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` for a list of Python numbers or of
+    equal-length lists of them (the records' lists), converted through NumPy, which is about
+    three times faster for the long lists of a rollout batch: the same values, each number
+    rounded to ``dtype`` once (tests/test_list_tensor.py). Other dtypes go to ``torch.tensor``."""
+    np_type = _NUMPY_TYPES.get(dtype)
+    if np_type is None:
+        return torch.tensor(values, dtype=dtype, device=device)
+    with np.errstate(over="ignore"):  # a float past float32's range is inf, as torch makes it, without a warning
+        out = torch.from_numpy(np.array(values, dtype=np_type))
+    return out if device is None else out.to(device)
+
+
 def behaviour_lists(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The policy's response tokens of ``samples`` in order (environment tokens left out), as
     tensors: sampled ids [N], behaviour top-K ids [N, K] (padded with -1) and their log mu
@@ -125,15 +142,9 @@ def behaviour_lists(samples: list[Sample]) -> tuple[torch.Tensor, torch.Tensor, 
     if any(len(row) != k for row in ids):  # ragged lists: padded (as one length they convert as they are)
         ids = [list(row) + [-1] * (k - len(row)) for row in ids]
         lps = [list(row) + [float("-inf")] * (k - len(row)) for row in lps]
-    sampled = torch.tensor(
-        [t for g, m in zip(gens, own) for t, p in zip(g.response_ids, m) if p], dtype=torch.long
-    )  # [N]
+    sampled = list_tensor([t for g, m in zip(gens, own) for t, p in zip(g.response_ids, m) if p], torch.long)  # [N]
     n = len(ids)
-    return (
-        sampled,
-        torch.tensor(ids, dtype=torch.long).reshape(n, k),
-        torch.tensor(lps, dtype=torch.float64).reshape(n, k),
-    )
+    return sampled, list_tensor(ids, torch.long).reshape(n, k), list_tensor(lps, torch.float64).reshape(n, k)
 
 
 def kept_sizes(samples: list[Sample], device=None) -> torch.Tensor | None:
