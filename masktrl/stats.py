@@ -22,7 +22,15 @@ from collections.abc import Callable, Sequence
 from itertools import combinations
 
 import numpy as np
-from scipy import stats as sps
+
+
+def _sps():
+    """scipy.stats, imported where a test or interval first needs it: a process that never does (a
+    training run, the CLI's start) is spared its import, about half a second."""
+    from scipy import stats
+
+    return stats
+
 
 # --------------------------------------------------------------------------- sampling metrics
 
@@ -123,7 +131,7 @@ def bootstrap_ci(
         one = float(np.asarray(stat(v[None, :], axis=1)).reshape(-1)[0]) if _takes_axis(stat) else float(stat(v))
         return one, one
     batch = max(1, min(n_boot, 4_000_000 // v.size))
-    res = sps.bootstrap(
+    res = _sps().bootstrap(
         (v,),
         stat,
         n_resamples=n_boot,
@@ -159,12 +167,12 @@ def student_t_pvalue(t: float, df: float) -> float:
     """Two-sided p-value P(|T| >= |t|) of Student's t with ``df`` degrees of freedom."""
     if math.isnan(t) or not df > 0:
         return float("nan")
-    return float(min(1.0, 2.0 * sps.t.sf(abs(t), df)))
+    return float(min(1.0, 2.0 * _sps().t.sf(abs(t), df)))
 
 
 def t_critical(df: float, alpha: float = 0.05) -> float:
     """The two-sided Student-t quantile: P(|T| >= t) = alpha."""
-    return float(sps.t.ppf(1.0 - alpha / 2.0, df))
+    return float(_sps().t.ppf(1.0 - alpha / 2.0, df))
 
 
 def welch_t_test(a, b) -> tuple[float, float]:
@@ -182,7 +190,7 @@ def welch_t_test(a, b) -> tuple[float, float]:
         return (0.0, 1.0) if diff == 0.0 else (math.copysign(math.inf, diff), 0.0)
     with warnings.catch_warnings():  # near-equal values: scipy warns of precision loss; the result stands
         warnings.simplefilter("ignore", RuntimeWarning)
-        res = sps.ttest_ind(x, y, equal_var=False)
+        res = _sps().ttest_ind(x, y, equal_var=False)
     return float(res.statistic), float(res.pvalue)
 
 
@@ -203,7 +211,7 @@ def permutation_test(a, b, n_perm: int = 10000, seed: int = 0) -> float:
     def abs_mean_diff(u, v, axis):
         return np.abs(np.mean(u, axis=axis) - np.mean(v, axis=axis))
 
-    res = sps.permutation_test(
+    res = _sps().permutation_test(
         (x, y),
         abs_mean_diff,
         permutation_type="independent",
@@ -256,12 +264,12 @@ def paired_tests(a, b) -> dict:
         if np.all(d == d[0]):
             out["t"], out["p_ttest"] = (0.0, 1.0) if d[0] == 0 else (math.copysign(math.inf, d[0]), 0.0)
         else:
-            res = sps.ttest_rel(x, y)
+            res = _sps().ttest_rel(x, y)
             out["t"], out["p_ttest"] = float(res.statistic), float(res.pvalue)
         if np.all(d == 0):
             out["w"], out["p_wilcoxon"] = 0.0, 1.0
         else:
-            res = sps.wilcoxon(x, y, zero_method="wilcox")
+            res = _sps().wilcoxon(x, y, zero_method="wilcox")
             out["w"], out["p_wilcoxon"] = float(res.statistic), float(res.pvalue)
     return out
 
@@ -348,13 +356,13 @@ def paired_mdd(d, alpha: float = 0.05, power: float = 0.8) -> float:
         return 0.0
     s = float(v.std(ddof=1))
     df = n - 1
-    crit = float(sps.t.ppf(1 - alpha / 2, df))
+    crit = float(_sps().t.ppf(1 - alpha / 2, df))
 
     def achieved(es: float) -> float:
         nc = es * math.sqrt(n)
         with np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            upper, lower = float(sps.nct.sf(crit, df, nc)), float(sps.nct.cdf(-crit, df, nc))
+            upper, lower = float(_sps().nct.sf(crit, df, nc)), float(_sps().nct.cdf(-crit, df, nc))
         # far in the tail scipy's noncentral t can return nan: the upper tail is then 1, the lower 0
         return (upper if math.isfinite(upper) else 1.0) + (lower if math.isfinite(lower) else 0.0) - power
 
@@ -385,7 +393,7 @@ def tost_paired(d, margin: float) -> dict:
         return out
     df = v.size - 1
     out["t_low"], out["t_high"] = (m + margin) / se, (m - margin) / se
-    out["p"] = float(max(sps.t.sf(out["t_low"], df), sps.t.cdf(out["t_high"], df)))
+    out["p"] = float(max(_sps().t.sf(out["t_low"], df), _sps().t.cdf(out["t_high"], df)))
     return out
 
 
@@ -440,5 +448,5 @@ def tost_welch(a, b, margin: float) -> dict:
         return out
     df = (va + vb) ** 2 / (va**2 / (x.size - 1) + vb**2 / (y.size - 1))
     out["t_low"], out["t_high"] = (m + margin) / se, (m - margin) / se
-    out["p"] = float(max(sps.t.sf(out["t_low"], df), sps.t.cdf(out["t_high"], df)))
+    out["p"] = float(max(_sps().t.sf(out["t_low"], df), _sps().t.cdf(out["t_high"], df)))
     return out

@@ -24,6 +24,7 @@ base model bit for bit: the adapter path adds exact zeros.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -137,10 +138,10 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int, base: 
 
 
 def lora_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of every peft LoRA layer in ``model`` (empty without adapters)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
+    """(name, module) of every peft LoRA layer in ``model`` (empty without adapters). A process
+    that has not imported peft's LoRA module holds no LoRA layer, and is spared importing it."""
+    LoraLayer = getattr(sys.modules.get("peft.tuners.lora"), "LoraLayer", None)
+    if LoraLayer is None:
         return []
     inner = getattr(model, "module", model)  # DDP / DeepSpeed wrappers
     return [(n, m) for n, m in inner.named_modules() if isinstance(m, LoraLayer)]
