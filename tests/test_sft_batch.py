@@ -10,37 +10,25 @@ import torch
 
 from masktrl.config import load_config
 from masktrl.models.tiny import tiny_tokenizer
-from masktrl.rl.warmstart import _sft_batch, target_segments
+from masktrl.rl.warmstart import _sft_batch
 from masktrl.tasks import make_task
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def per_string_batch(tokenizer, task, examples):
-    """The batch as built before: one tokenizer call per prompt and per target segment."""
+class PerString:
+    """The tokenizer, answering a list of strings with one call per string."""
 
-    def encode(text):
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
 
-    rows, label_rows, weight_rows = [], [], []
-    for ex in examples:
-        p, t, labels, weights = encode(ex.prompt), [], [], []
-        for text, trained in target_segments(task, ex):
-            ids = encode(text)
-            t += ids
-            labels += ids if trained else [-100] * len(ids)
-            weights += [float(trained)] * len(ids)
-        rows.append(p + t + [tokenizer.eos_token_id])
-        label_rows.append([-100] * len(p) + labels + [tokenizer.eos_token_id])
-        weight_rows.append([0.0] * len(p) + weights + [1.0])
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
-    attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    labels = torch.tensor([r + [-100] * (width - len(r)) for r in label_rows])
-    weighted = any(w not in (0.0, 1.0) for row in weight_rows for w in row)
-    weights = torch.tensor([r + [0.0] * (width - len(r)) for r in weight_rows]) if weighted else None
-    return input_ids, attention, labels, weights
+    def __call__(self, text, **kwargs):
+        if isinstance(text, list):
+            return {"input_ids": [self.tokenizer(t, **kwargs)["input_ids"] for t in text]}
+        return self.tokenizer(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
 
 
 @pytest.mark.parametrize(
@@ -59,7 +47,7 @@ def test_one_tokenizer_call_gives_the_per_string_batch(configs, sets):
     tok = tiny_tokenizer(cfg.model.tokenizer, task.alphabet())
     for seed, size in ((0, 1), (1, 7), (2, 64)):
         examples = task.train_examples(size, random.Random(seed))
-        got, want = _sft_batch(tok, task, examples), per_string_batch(tok, task, examples)
+        got, want = _sft_batch(tok, task, examples), _sft_batch(PerString(tok), task, examples)
         for g, w in zip(got, want, strict=True):
             assert (g is None and w is None) or (g.dtype == w.dtype and torch.equal(g, w))
     if "answer_weight" in " ".join(sets):

@@ -193,8 +193,13 @@ def _sft_batch(tokenizer, task, examples):
         rows.append(p + t + [tokenizer.eos_token_id])
         label_rows.append([-100] * len(p) + labels + [tokenizer.eos_token_id])
         weight_rows.append([0.0] * len(p) + weights + [1.0])
+    return padded_batch(tokenizer.pad_token_id, rows, label_rows, weight_rows)
+
+
+def padded_batch(pad: int, rows: list, label_rows: list, weight_rows: list):
+    """The rows right-padded to the longest: input ids (``pad``), attention, labels (-100) and the
+    weights (0; None where every weight is 0 or 1)."""
     width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id
     input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
     attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     labels = torch.tensor([r + [-100] * (width - len(r)) for r in label_rows])
