@@ -547,3 +547,29 @@ def test_a_command_that_ends_well_closes_its_process_group():
     assert td.is_initialized()
     close_process_group()
     assert not td.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "env, stage",
+    [
+        ({}, None),  # a plain run
+        ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, None),  # a stage without a DeepSpeed launch
+        ({"ACCELERATE_USE_DEEPSPEED": "true"}, None),  # DeepSpeed without a stage named
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, 2),
+        (
+            {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": " 3 "},
+            3,
+        ),  # as the launch check accepts it
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "x"}, None),
+    ],
+)
+def test_deepspeed_stage_reads_the_launch_as_its_check_accepts_it(monkeypatch, env, stage):
+    """One reader of accelerate's ZeRO stage for the FP8-under-ZeRO-3 refusal and the disk projection
+    (rl/checks.py): the stage check_launch_settings lets through, stripped."""
+    from masktrl.rl.distributed import deepspeed_stage
+
+    for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert deepspeed_stage() == stage

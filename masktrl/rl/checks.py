@@ -12,7 +12,6 @@ raises a ``MasktrlError`` naming the file or key.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 from masktrl.config import MOE_ARCHITECTURES, Config
 from masktrl.errors import ConfigError
 from masktrl.rl import tracking
+from masktrl.rl.distributed import deepspeed_stage
 from masktrl.tasks.base import Task
 
 if TYPE_CHECKING:
@@ -238,9 +238,7 @@ def check_train_quantization(cfg: Config) -> str:
             "a MoE "
             "block's fused experts (use fake)"
         )
-    from masktrl.rl.distributed import deepspeed_launch
-
-    if deepspeed_launch() and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+    if deepspeed_stage() == 3:
         raise ConfigError(
             "train.quantization under DeepSpeed ZeRO-3: the FP8 forward reads whole weights, which "
             "ZeRO-3 "
@@ -514,11 +512,8 @@ def projected_disk(cfg: Config, checked: Checked) -> str:
         from masktrl.models.lora import apply_lora
 
         apply_lora(model, lora_settings(cfg), seed=cfg.seed)
-    from masktrl.rl.distributed import deepspeed_launch
-
-    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "") if deepspeed_launch() else ""
     n_params = retention.count_parameters(model, trainable_only=cfg.model.lora.rank is not None)
-    projection = retention.project(cfg, n_params, deepspeed_stage=int(stage) if stage.isdigit() else None)
+    projection = retention.project(cfg, n_params, deepspeed_stage=deepspeed_stage())
     return projection.summary().removeprefix("projected disk: ")
 
 

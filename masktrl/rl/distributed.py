@@ -335,6 +335,9 @@ class Dist:
         return t.tolist()
 
 
+ZERO_STAGES = ("0", "1", "2", "3")
+
+
 def check_launch_settings() -> None:
     """The launch settings that can be checked before anything starts (the DeepSpeed JSON and
     ZeRO stage named by ``accelerate launch``); nothing to check for a plain run."""
@@ -356,6 +359,13 @@ def check_adamw(kernel: str, *, deepspeed: bool, fsdp: bool) -> None:
 def deepspeed_launch() -> bool:
     """Is this process started by a DeepSpeed launch (accelerate's settings, read before DeepSpeed is imported)?"""
     return os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+
+
+def deepspeed_stage() -> int | None:
+    """The ZeRO stage of a DeepSpeed launch, as ``check_launch_settings`` accepts it (accelerate's
+    setting, read before DeepSpeed is imported); None for any other launch or a stage not named."""
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "").strip()
+    return int(stage) if deepspeed_launch() and stage in ZERO_STAGES else None
 
 
 def _fsdp_launch() -> bool:
@@ -423,7 +433,7 @@ def _check_deepspeed_json(path: str | None) -> None:
 def _check_zero_stage(stage) -> None:
     if stage is None:
         return
-    if str(stage).strip() not in ("0", "1", "2", "3"):
+    if str(stage).strip() not in ZERO_STAGES:
         raise ConfigError(f"{_launch_source()}: invalid DeepSpeed settings (ZeRO stage must be 0-3, got {stage!r})")
 
 
