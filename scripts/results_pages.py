@@ -284,6 +284,61 @@ def adamw_kernels(root: Path, name: str = "adamw_kernels.json") -> str:
     return "\n".join(lines) + "\n"
 
 
+BF16_VARIANTS = {  # bf16_step.py's variants: what each computes, for the table
+    "float32": "the model in float32",
+    "bfloat16": "the model in bfloat16 (`model.dtype: bfloat16`)",
+    "autocast": "float32 under `torch.autocast` (bfloat16)",
+}
+
+
+def bf16_step(root: Path, name: str = "bf16_step.json") -> str:
+    """docs/BENCHMARKS.md §8's training step in bfloat16 against float32 in one process
+    (benchmarks/bf16_step.py): per shape and variant the median CPU ms per step, the median of the
+    rounds' ratios, the sign count and its verdict; per shape the step's GEMMs alone in each dtype."""
+    data = _load(root, name)
+    flags = ", ".join(data["cpu_bf16_flags"]) or "none"
+    rounds = len(data["shapes"][0]["rounds"])
+    lines = _head(
+        data,
+        f"{_cpu_line(data)}. bfloat16 features the CPU reports: {flags}; torch's CPU kernels: "
+        f"{data['cpu_capability']}. {rounds} rounds per shape, the variants' blocks alternating; a variant is "
+        f"faster (slower) when it wins (loses) at least {data['shapes'][0]['sign_test_threshold']} of the "
+        f"{rounds} rounds (a two-sided sign test at 5 %).",
+        "| shape | variant | CPU ms per step | × float32 | faster / slower rounds | verdict "
+        "| the step's GEMMs alone, CPU ms |",
+        "|---|---|---|---|---|---|---|",
+    )
+    for shape in data["shapes"]:
+        g = shape["gemm_ms"]
+        for v in BF16_VARIANTS:  # the JSON's keys are sorted: the table keeps the script's order
+            row = shape["variants"][v]
+            gemm = {"float32": f"{g['float32']:,.1f}", "bfloat16": f"{g['bfloat16']:,.1f} (bfloat16 operands)"}.get(
+                v, ""
+            )
+            base = v == "float32"  # the reference: no rounds to count
+            counts = "" if base else f"{row['faster_rounds']} / {row['slower_rounds']}"
+            lines.append(
+                f"| {shape['shape'] if base else ''} | {BF16_VARIANTS[v]} | {row['cpu_ms']:,.1f} "
+                f"| {row['ratio_median']:.2f}× | {counts} | {row['verdict'] or ''} | {gemm} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _bf16_figures(root: Path) -> dict[str, str]:
+    """``bf16.<shape>.<variant>``: bf16_step.py's median ratio to float32; ``bf16.<shape>.gemm-ratio``:
+    the step's GEMMs alone, float32 over bfloat16; ``bf16.<shape>.gemm-share``: their float32 share of
+    the float32 step; ``bf16.<shape>.gemm-bound``: the step's ratio had its GEMMs alone gone bfloat16."""
+    out = {}
+    for shape in _load(root, "bf16_step.json")["shapes"]:
+        name, g, step = shape["shape"], shape["gemm_ms"], shape["variants"]["float32"]["cpu_ms"]
+        for v in ("bfloat16", "autocast"):
+            out[f"bf16.{name}.{v}"] = f"{shape['variants'][v]['ratio_median']:.2f}×"
+        out[f"bf16.{name}.gemm-ratio"] = f"{g['float32'] / g['bfloat16']:.1f}×"
+        out[f"bf16.{name}.gemm-share"] = f"{g['float32'] / step:.0%}"
+        out[f"bf16.{name}.gemm-bound"] = f"{step / (step - g['float32'] + g['bfloat16']):.2f}×"
+    return out
+
+
 GPU_CHECKS = (  # benchmarks/results/gpu_check/, in the order run
     "h200-hf-4steps.json",
     "h200-hf-2steps.json",
@@ -690,6 +745,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "compile-update": compile_update,
     "compile-update-adamw": partial(compile_update, name="compile_update_adamw.json"),
     "adamw-kernels": adamw_kernels,
+    "bf16-step": bf16_step,
     "runs-per-cpu-hour-lab-grouped": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_grouped.json"),
     "runs-per-cpu-hour-lab-parts4": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_parts4.json"),
     "runs-per-cpu-hour-lab-parts4-rounds": partial(runs_per_cpu_hour_rounds, name="runs_per_cpu_hour_lab_parts4.json"),
@@ -797,6 +853,7 @@ def figures(root: Path) -> dict[str, str]:
         | _runs_figures(root)
         | _adamw_figures(root)
         | _adamw_run_figures(root)
+        | _bf16_figures(root)
     )
 
 

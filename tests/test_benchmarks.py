@@ -389,3 +389,53 @@ def test_adamw_kernels_times_both_kernels_on_the_lab_parameters(common, capsys, 
         ak.main(["--rounds", "0"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and "at least 1" in err
+
+
+def test_bf16_step_times_the_three_forms_of_the_lab_step_and_its_gemms(common, capsys, tmp_path):
+    """bf16_step.py: the bfloat16 variant runs a bfloat16 copy of the float32 weights, autocast the
+    float32 model itself; every GEMM of the step is recorded (7 linear layers a decoder layer, the
+    forward and two GEMMs of the backward each, and the output layer's three), with its count; the
+    sign test's threshold is the binomial one; bad input is one line and exit 2."""
+    import torch
+
+    sys.modules.pop("bf16_step", None)
+    sys.modules.pop("roofline", None)
+    bs = importlib.import_module("bf16_step")
+    roofline = importlib.import_module("roofline")
+    assert [bs.sign_test_threshold(n) for n in (5, 6, 8, 10, 20)] == [None, 6, 8, 9, 15]
+    model, _, samples, dims, _ = roofline.build(
+        "lab", roofline.shapes(["lab"])["lab"], torch.device("cpu"), torch.float32
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    fns = bs.step_fns(model, samples)
+    assert set(fns) == set(bs.VARIANTS)
+    low = fns["bfloat16"].__defaults__[0]
+    assert low is not model and all(p.dtype == torch.bfloat16 for p in low.parameters())
+    assert all(torch.equal(p.float(), q.to(torch.bfloat16).float()) for p, q in zip(low.parameters(), before))
+    assert fns["autocast"].__defaults__[0] is model and fns["autocast"].__defaults__[2] is True
+    for f in fns.values():
+        f()
+    assert all(p.grad is None for p in model.parameters())  # each step drops its gradients
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))  # and takes no optimizer step
+    gemms = bs.gemm_shapes(fns["float32"])
+    assert sum(n for _, _, n in gemms) == 3 * 7 * dims["num_layers"] + 3
+    vocab, hidden = model.get_output_embeddings().weight.shape
+    tokens = sum(len(s.gen.response_ids) for s in samples)
+    assert ("aten::addmm_", [[vocab, tokens], [tokens, hidden]], 1) in gemms  # the output layer's weight gradient
+    for _, shapes, _ in gemms:
+        bs.gemm_fn(shapes, torch.bfloat16)()  # every recorded pair of operands multiplies
+    out = bs.main(["--shapes", "lab", "--rounds", "1", "--steps", "lab=1", "--gemm-rounds", "1", "--gemm-reps", "1"])
+    (lab,) = out["shapes"]
+    assert set(lab["variants"]) == set(bs.VARIANTS) and len(lab["rounds"]) == 1
+    assert lab["variants"]["bfloat16"]["verdict"] == "not told apart"  # one round decides nothing
+    assert set(lab["gemm_ms"]) == {"float32", "bfloat16"}
+    capsys.readouterr()
+    for bad, says in (
+        (["--rounds", "0"], "at least 1"),
+        (["--shapes", "huge"], "unknown shape"),
+        (["--steps", "lab"], "shape=N"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            bs.main(bad)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and len(err.splitlines()) == 1 and says in err

@@ -260,3 +260,23 @@ def test_the_adamw_run_figures_take_the_saving_off_the_fast_packed_run(tmp_path)
     ]
     (tmp_path / rp.BENCH / "runs_per_cpu_hour_lab_pairs.json").write_text(json.dumps({"rows": rows}))
     assert rp._adamw_run_figures(tmp_path) == {"adamw.run-share": "10.0%", "adamw.projected": "1.56×"}
+
+
+def test_the_bf16_figures_bound_the_step_by_its_gemms(tmp_path):
+    """bf16.*: each variant's median ratio; the GEMMs' float32/bfloat16 ratio, their share of the
+    float32 step, and the step's ratio had only its GEMMs gone bfloat16 (the rest unchanged)."""
+    import json
+
+    variants = {
+        v: {"ratio_median": r, "cpu_ms": 40.0} for v, r in (("float32", 1.0), ("bfloat16", 0.9), ("autocast", 1.1))
+    }
+    shape = {"shape": "lab", "variants": variants, "gemm_ms": {"float32": 16.0, "bfloat16": 4.0}}
+    (tmp_path / rp.BENCH).mkdir(parents=True)
+    (tmp_path / rp.BENCH / "bf16_step.json").write_text(json.dumps({"shapes": [shape]}))
+    assert rp._bf16_figures(tmp_path) == {
+        "bf16.lab.bfloat16": "0.90×",
+        "bf16.lab.autocast": "1.10×",
+        "bf16.lab.gemm-ratio": "4.0×",
+        "bf16.lab.gemm-share": "40%",
+        "bf16.lab.gemm-bound": "1.43×",  # 40 / (40 - 16 + 4)
+    }
