@@ -195,6 +195,8 @@ def main(argv=None) -> dict:
         steps = {k: int(v) for k, v in (x.split("=") for x in args.steps.split(","))}
     except ValueError:
         die(f"error: --steps must be shape=N pairs, got {args.steps!r}")
+    if not names:
+        die("error: --shapes names no shape: default, lab, long")
     if unknown := [n for n in names if n not in ("default", "lab", "long")]:
         die(f"error: unknown shape(s) {', '.join(unknown)}: default, lab, long")
     if args.rounds < 1 or args.gemm_rounds < 1 or args.gemm_reps < 1 or min(steps.values(), default=1) < 1:

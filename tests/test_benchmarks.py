@@ -433,6 +433,7 @@ def test_bf16_step_times_the_three_forms_of_the_lab_step_and_its_gemms(common, c
     for bad, says in (
         (["--rounds", "0"], "at least 1"),
         (["--shapes", "huge"], "unknown shape"),
+        (["--shapes", ","], "no shape"),
         (["--steps", "lab"], "shape=N"),
     ):
         with pytest.raises(SystemExit) as exc:
