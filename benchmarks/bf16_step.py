@@ -9,7 +9,8 @@ training micro-batch (the policy's packed shared-prompt forward, the DAPO loss a
 * ``bfloat16``: the same weights in bfloat16 (``model.dtype: bfloat16``); the chunked
   log-probabilities compute the output layer in float32 (masktrl/models/logprobs.py promotes);
 * ``autocast``: the float32 model under ``torch.autocast("cpu", bfloat16)``, the mixed precision
-  that accelerate's ``mixed_precision: bf16`` sets (masktrl sets no autocast itself).
+  that accelerate's ``mixed_precision: bf16`` sets (configs/accelerate/ddp.yaml on GPUs; masktrl
+  itself sets no autocast).
 
 Variants run in alternating blocks of ``--steps`` steps (the order reversed every other round), by
 the process's CPU clock; a round's ratio is its float32 block's time over the variant's, so a
