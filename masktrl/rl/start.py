@@ -49,6 +49,8 @@ def load_policy(cfg: Config, store: RunStore, task: Task, progress, dist: Dist, 
     apply_training_quantization(
         model, cfg.train.quantization, cfg.train.quantization_backend
     )  # FP8 training (models/lowprec.py)
+    if warning := sixteen_bit_weights_warning(model, cfg.train.lr, deepspeed=dist.deepspeed):
+        say(warning)
     if cfg.train.gradient_checkpointing:
         checkpointing.enable(model)
         if not checkpointing.shared_prompt_supported(model.base_model):
@@ -60,6 +62,31 @@ def load_policy(cfg: Config, store: RunStore, task: Task, progress, dist: Dist, 
                 "metrics column shared_prompt_frac = 0)"
             )
     return model, tokenizer, ws_info
+
+
+# the smallest half-spacing of a 16-bit float around a weight, as a share of the weight (8 and 11
+# significant bits): an update smaller than that rounds back to the weight
+_HALF_SPACING = {"bfloat16": "2^-9", "float16": "2^-12"}
+
+
+def sixteen_bit_weights_warning(model, lr: float, *, deepspeed: bool) -> str | None:
+    """The warning for a policy whose trainable weights are 16-bit floats outside DeepSpeed (which
+    keeps float32 master weights): torch's AdamW updates them in place in their own dtype, so a
+    step below half a weight's spacing (``_HALF_SPACING`` of its size) is lost. None otherwise
+    (float32 weights, LoRA adapters in float32 over a 16-bit base, or DeepSpeed)."""
+    if deepspeed:
+        return None
+    trainable = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad}
+    low = sorted(trainable & set(_HALF_SPACING))
+    if not low:
+        return None
+    dtype = low[0]
+    return (
+        f"warning: the policy's trainable weights are {dtype} and no DeepSpeed optimizer keeps float32 "
+        f"master copies: AdamW updates them in {dtype}, so an update smaller than {_HALF_SPACING[dtype]} of "
+        f"a weight's size is lost (AdamW's steps are about train.lr={lr:g}); use model.dtype=float32 or "
+        "DeepSpeed (docs/CLUSTER.md)"
+    )
 
 
 def lora_base(cfg: Config, store: RunStore, model, tokenizer, dist: Dist) -> str:
