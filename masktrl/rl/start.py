@@ -1,8 +1,8 @@
 """The policy a run starts from, as the train recipe builds it: warm-started or loaded
 (``rl/warmstart.py``) and recorded as the run's stage ``warmstart``, its head checked, LoRA
-adapters on it (their base weights saved once in the run: ``lora_base``), gradient
-checkpointing on when asked (``load_policy``); and a resumed run's checkpoint loaded into it
-(``restore_run``)."""
+adapters on it (their base weights saved once in the run: ``lora_base``), a warning where
+AdamW would update 16-bit weights (``sixteen_bit_weights_warning``), gradient checkpointing on
+when asked (``load_policy``); and a resumed run's checkpoint loaded into it (``restore_run``)."""
 
 from __future__ import annotations
 
