@@ -65,6 +65,15 @@ def sign_test_threshold(rounds: int, alpha: float = 0.05) -> int | None:
     return None
 
 
+def verdict(faster: int, slower: int, threshold: int | None) -> str:
+    """The sign test's reading of a variant's round counts against float32."""
+    if threshold is not None and faster >= threshold:
+        return "faster"
+    if threshold is not None and slower >= threshold:
+        return "slower"
+    return "not told apart"
+
+
 def step_fns(model, samples) -> dict:
     """Per variant: one forward + DAPO loss + backward of ``samples`` (gradients dropped after)."""
     from masktrl.models import packing
@@ -159,15 +168,7 @@ def measure(name: str, spec: dict, rounds: int, steps: int, gemm_rounds: int, ge
             "ratio_median": median(ratios),
             "faster_rounds": faster,
             "slower_rounds": slower,
-            "verdict": None
-            if v == "float32"
-            else (
-                "faster"
-                if threshold is not None and faster >= threshold
-                else "slower"
-                if threshold is not None and slower >= threshold
-                else "not told apart"
-            ),
+            "verdict": None if v == "float32" else verdict(faster, slower, threshold),
         }
     return {
         "shape": name,
