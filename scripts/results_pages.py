@@ -324,18 +324,20 @@ def bf16_step(root: Path, name: str = "bf16_step.json") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _bf16_figures(root: Path) -> dict[str, str]:
-    """``bf16.<shape>.<variant>``: bf16_step.py's median ratio to float32; ``bf16.<shape>.gemm-ratio``:
-    the step's GEMMs alone, float32 over bfloat16; ``bf16.<shape>.gemm-share``: their float32 share of
-    the float32 step; ``bf16.<shape>.gemm-bound``: the step's ratio had its GEMMs alone gone bfloat16."""
+def _bf16_figures(root: Path, name: str = "bf16_step.json", prefix: str = "bf16") -> dict[str, str]:
+    """``<prefix>.<shape>.<variant>``: bf16_step.py's median ratio to float32;
+    ``<prefix>.<shape>.gemm-ratio``: the step's GEMMs alone, float32 over bfloat16;
+    ``<prefix>.<shape>.gemm-share``: their float32 share of the float32 step;
+    ``<prefix>.<shape>.gemm-bound``: the step's ratio had its GEMMs alone gone bfloat16.
+    ``bf16`` is the Intel Xeon's run (bf16_step.json), ``bf16-amd`` the AMD EPYC's (bf16_step_amd.json)."""
     out = {}
-    for shape in _load(root, "bf16_step.json")["shapes"]:
-        name, g, step = shape["shape"], shape["gemm_ms"], shape["variants"]["float32"]["cpu_ms"]
+    for shape in _load(root, name)["shapes"]:
+        key, g, step = f"{prefix}.{shape['shape']}", shape["gemm_ms"], shape["variants"]["float32"]["cpu_ms"]
         for v in ("bfloat16", "autocast"):
-            out[f"bf16.{name}.{v}"] = f"{shape['variants'][v]['ratio_median']:.2f}×"
-        out[f"bf16.{name}.gemm-ratio"] = f"{g['float32'] / g['bfloat16']:.1f}×"
-        out[f"bf16.{name}.gemm-share"] = f"{g['float32'] / step:.0%}"
-        out[f"bf16.{name}.gemm-bound"] = f"{step / (step - g['float32'] + g['bfloat16']):.2f}×"
+            out[f"{key}.{v}"] = f"{shape['variants'][v]['ratio_median']:.2f}×"
+        out[f"{key}.gemm-ratio"] = f"{g['float32'] / g['bfloat16']:.1f}×"
+        out[f"{key}.gemm-share"] = f"{g['float32'] / step:.0%}"
+        out[f"{key}.gemm-bound"] = f"{step / (step - g['float32'] + g['bfloat16']):.2f}×"
     return out
 
 
@@ -745,7 +747,9 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "compile-update": compile_update,
     "compile-update-adamw": partial(compile_update, name="compile_update_adamw.json"),
     "adamw-kernels": adamw_kernels,
+    "adamw-kernels-amd": partial(adamw_kernels, name="adamw_kernels_amd.json"),
     "bf16-step": bf16_step,
+    "bf16-step-amd": partial(bf16_step, name="bf16_step_amd.json"),
     "runs-per-cpu-hour-lab-grouped": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_grouped.json"),
     "runs-per-cpu-hour-lab-parts4": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_parts4.json"),
     "runs-per-cpu-hour-lab-parts4-rounds": partial(runs_per_cpu_hour_rounds, name="runs_per_cpu_hour_lab_parts4.json"),
@@ -854,6 +858,7 @@ def figures(root: Path) -> dict[str, str]:
         | _adamw_figures(root)
         | _adamw_run_figures(root)
         | _bf16_figures(root)
+        | _bf16_figures(root, "bf16_step_amd.json", "bf16-amd")
     )
 
 
