@@ -757,6 +757,10 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "runs-per-cpu-hour-lab-pairs-rounds": partial(runs_per_cpu_hour_rounds, name="runs_per_cpu_hour_lab_pairs.json"),
     "runs-per-cpu-hour-lab-fused": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_fused.json"),
     "runs-per-cpu-hour-lab-fused-rounds": partial(runs_per_cpu_hour_rounds, name="runs_per_cpu_hour_lab_fused.json"),
+    "runs-per-cpu-hour-lab-fused-amd": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_fused_amd.json"),
+    "runs-per-cpu-hour-lab-fused-amd-rounds": partial(
+        runs_per_cpu_hour_rounds, name="runs_per_cpu_hour_lab_fused_amd.json"
+    ),
     "gpu-check": gpu_check,
     "gen-vs-base": gen_vs_base,
     "gen-vs-base-topp": partial(gen_vs_base, name="gen_vs_base_topp.json"),
