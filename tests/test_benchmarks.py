@@ -403,6 +403,15 @@ def test_bf16_step_times_the_three_forms_of_the_lab_step_and_its_gemms(common, c
     bs = importlib.import_module("bf16_step")
     roofline = importlib.import_module("roofline")
     assert [bs.sign_test_threshold(n) for n in (5, 6, 8, 10, 20)] == [None, 6, 8, 9, 15]
+    assert [bs.verdict(f, 10 - f, 9) for f in (10, 9, 8, 2, 1, 0)] == [
+        "faster",
+        "faster",
+        "not told apart",
+        "not told apart",
+        "slower",
+        "slower",
+    ]
+    assert bs.verdict(5, 0, None) == "not told apart"  # too few rounds for any verdict
     model, _, samples, dims, _ = roofline.build(
         "lab", roofline.shapes(["lab"])["lab"], torch.device("cpu"), torch.float32
     )
