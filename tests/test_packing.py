@@ -340,3 +340,39 @@ def test_sliding_window_architectures_are_refused(architecture):
         architecture=architecture,
     )
     assert "sliding" in packing.packing_unsupported(m)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_shared_prompt_backward_is_repeatable_with_two_threads(layout):
+    """The shared-prompt forwards' backward gives the same gradients run after run with two CPU
+    threads. Each response's column 0 is its prompt's last hidden state, so the forward repeats
+    that position once per sample; the backward of advanced indexing (``x[idx]``: ``index_put_``
+    with accumulate) adds such repeats in a thread-dependent order (a packed lab run at
+    ``train.threads=2`` was another run each time), ``index_select``'s backward in index order.
+    Float32, hidden 128 and enough rows that the backward's accumulation is split across threads."""
+    tok = build_char_tokenizer("0123456789+=")
+    shape = TinyModelConfig(hidden_size=128, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=256)
+    model = build_tiny_model(tok, shape, seed=0).float()
+    samples = make_samples(model.config.vocab_size, groups=32, per_group=16, lengths=(1, 2, 3))
+    prompts, group = policy._distinct_prompts(samples)
+    inner = policy.PolicyForward(model)
+    rows = sum(len(s.gen.response_ids) for s in samples)
+    weights = torch.randn(rows, shape.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        if layout == "packed":
+            h = packing.packed_hidden(model.base_model, pack(samples, share=True))
+        else:
+            h = inner.hidden(policy.ForwardInputs(**policy._shared_prompt_inputs(samples, prompts, group)))
+        (h * weights).sum().backward()  # a different gradient for every row of h
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        first = grads()
+        for _ in range(8):
+            assert all(torch.equal(a, b) for a, b in zip(first, grads()))
+    finally:
+        torch.set_num_threads(threads)

@@ -355,7 +355,10 @@ def packed_hidden(base: torch.nn.Module, packed: Packed) -> torch.Tensor:
             use_cache=False,
             packed_segments=packed.segments,
         ).last_hidden_state  # [1, T, H]
-    return out[0, packed.gather]
+    # index_select, not out[0, gather]: the gather repeats a shared prompt's last position, and the
+    # backward of advanced indexing (index_put_ with accumulate) adds the repeats in a different order
+    # run to run with several CPU threads; index_select's (index_add_) adds them in index order
+    return out[0].index_select(0, packed.gather)
 
 
 # --------------------------------------------------------------------------- token-budget micro-batches

@@ -392,7 +392,9 @@ def shared_prompt_hidden(base, prompt_ids, prompt_attention, response_ids, respo
             **{key: cache},
         )
     last = out.last_hidden_state[torch.arange(len(lengths), device=lengths.device), lengths - 1]  # [U, H]
-    first = last[group][:, None]  # [B, 1, H]
+    # index_select, not last[group]: its backward adds a prompt's repeats in the same order every run
+    # (packing.packed_hidden)
+    first = last.index_select(0, group.to(last.device))[:, None]  # [B, 1, H]
     if response_ids.shape[1] == 0:  # every response is a single token
         return first
     cache.reorder_cache(group)  # [U, ...] -> [B, ...], differentiable
