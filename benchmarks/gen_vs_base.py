@@ -4,12 +4,12 @@ The transformers engine generates the lab's batches (configs/lab.yaml: a 2-layer
 size 128, 2,004-token vocabulary, 8 samples per prompt, 5 new tokens, K = 20 lists; random
 weights, real task prompts) with this tree's code and with a baseline tree's (by default commit
 19f900d, the code issue #39 starts from, extracted with ``git archive`` into a temporary
-folder), each variant in its own process (one thread), the processes alternating round by
-round. Each process times ``--reps`` batches after one warm-up; the figure is generated tokens
-per second of process CPU time (what a machine shared with other jobs inflates least), the
-median over ``--rounds`` rounds, and its ratio to the baseline's ``generate``. Two batch
-sizes: 64 rows (8 prompts: benchmarks/roofline.py's lab shape, one training micro-batch) and
-512 rows (64 prompts: the batch a lab step generates).
+folder), each variant in its own process (``--threads`` torch threads, one by default), the
+processes alternating round by round. Each process times ``--reps`` batches after one warm-up;
+the figure is generated tokens per second of process CPU time (what a machine shared with other
+jobs inflates least), the median over ``--rounds`` rounds, and its ratio to the baseline's
+``generate``. Two batch sizes: 64 rows (8 prompts: benchmarks/roofline.py's lab shape, one
+training micro-batch) and 512 rows (64 prompts: the batch a lab step generates).
 
 ``floor`` is not an engine but the operations a batch's records cannot do without, on tensors
 of the batch's shapes and nothing else (``FLOOR_CHILD``): the model's GEMMs, the attention, and
@@ -47,9 +47,9 @@ VARIANTS = {  # name -> HFEngine keywords (this tree); the baseline runs "genera
 }
 
 CHILD = r"""
-import json, random, sys, time
+import json, os, random, sys, time
 import torch
-torch.set_num_threads(1)
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 from masktrl.config import load_config
 from masktrl.models.tiny import TinyModelConfig, build_tiny_model, tiny_tokenizer
 from masktrl.rollout.base import SamplingSettings
@@ -83,7 +83,8 @@ for rep in range(reps):
     cpu += time.process_time() - c0
     wall += time.perf_counter() - w0
     tokens += sum(len(g.response_ids) for group in gens for g in group)
-print(json.dumps({"cpu_s": cpu, "wall_s": wall, "tokens": tokens, "rows": len(prompts) * r.n}))
+rows = len(prompts) * r.n
+print(json.dumps({"cpu_s": cpu, "wall_s": wall, "tokens": tokens, "rows": rows, "threads": torch.get_num_threads()}))
 """
 
 
@@ -96,10 +97,10 @@ print(json.dumps({"cpu_s": cpu, "wall_s": wall, "tokens": tokens, "rows": len(pr
 # activation, embedding, Python loop or bookkeeping: a lower bound on the CPU time of any eager
 # implementation that records the same lists with the same GEMMs.
 FLOOR_CHILD = r"""
-import json, random, sys, time
+import json, os, random, sys, time
 import torch
 import torch.nn.functional as F
-torch.set_num_threads(1)
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 from masktrl.config import load_config
 from masktrl.models.tiny import TinyModelConfig, build_tiny_model, tiny_tokenizer
 from masktrl.rollout.draw import draw_buffer, inverse_cdf
@@ -157,7 +158,8 @@ c0, w0 = time.process_time(), time.perf_counter()
 for _ in range(reps):
     batch()
 cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-print(json.dumps({"cpu_s": cpu, "wall_s": wall, "tokens": reps * rows * steps, "rows": rows}))
+tokens, threads = reps * rows * steps, torch.get_num_threads()
+print(json.dumps({"cpu_s": cpu, "wall_s": wall, "tokens": tokens, "rows": rows, "threads": threads}))
 """
 
 
@@ -168,10 +170,10 @@ def extract(commit: str, into: Path) -> Path:
     return into
 
 
-def measure(tree: Path, prompts: int, reps: int, engine_kw: dict | None, top_p: float = 1.0) -> dict:
-    """One child process's timed batches: the engine with ``engine_kw`` sampling with ``top_p``,
-    or the floor (None; top-p 1)."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+def measure(tree: Path, prompts: int, reps: int, engine_kw: dict | None, top_p: float = 1.0, threads: int = 1) -> dict:
+    """One child process's timed batches with ``threads`` torch threads: the engine with
+    ``engine_kw`` sampling with ``top_p``, or the floor (None; top-p 1)."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     config = str(ROOT / "configs" / "lab.yaml")
     child = (
         [CHILD, config, str(prompts), str(reps), json.dumps(engine_kw), repr(top_p)] if engine_kw is not None else None
@@ -187,17 +189,19 @@ def measure(tree: Path, prompts: int, reps: int, engine_kw: dict | None, top_p: 
     return json.loads(out.strip().splitlines()[-1])
 
 
-def op_times(rows: int = 512, vocab: int = 2004, hidden: int = 128, k: int = 20, reps: int = 30) -> dict:
+def op_times(
+    rows: int = 512, vocab: int = 2004, hidden: int = 128, k: int = 20, reps: int = 30, threads: int = 1
+) -> dict:
     """CPU milliseconds of the single operations of one decode step at ``rows`` x ``vocab``
-    (one thread, this process): the draws, the records' ``topk`` and ``log_softmax``, the
-    ``lm_head`` GEMM, and the inverse-CDF draw's parts."""
+    (``threads`` torch threads, this process): the draws, the records' ``topk`` and
+    ``log_softmax``, the ``lm_head`` GEMM, and the inverse-CDF draw's parts."""
     import time
 
     import torch
 
     from masktrl.rollout.draw import draw_buffer, inverse_cdf
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     lp = torch.log_softmax(3 * torch.randn(rows, vocab), -1)
     p = lp.exp()
@@ -240,8 +244,11 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if not 0 < args.top_p <= 1:
         p.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
     if args.ops:
-        result = {"ops_cpu_ms": op_times(), "command": "python benchmarks/gen_vs_base.py --ops", "machine": machine()}
+        command = "python benchmarks/gen_vs_base.py --ops" + (f" --threads {args.threads}" if args.threads > 1 else "")
+        result = {"ops_cpu_ms": op_times(threads=args.threads), "command": command, "machine": machine()}
         write_json(args.json, result)
         return result
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -256,7 +263,7 @@ def main(argv=None) -> dict:
             per: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
             for r in range(args.rounds):
                 for name, tree, kw in runs if r % 2 == 0 else list(reversed(runs)):
-                    per[name].append(measure(tree, rows // 8, args.reps, kw, args.top_p))
+                    per[name].append(measure(tree, rows // 8, args.reps, kw, args.top_p, args.threads))
                     last = per[name][-1]
                     print(
                         f"  {rows:4d} rows  {name:28s} {last['tokens'] / last['cpu_s']:9,.0f} tokens/CPU-s", flush=True
@@ -289,7 +296,7 @@ def main(argv=None) -> dict:
         load_start,
         args.json,
         base=args.base or BASE_COMMIT,
-        threads=1,
+        threads=args.threads,
         rounds=args.rounds,
         reps=args.reps,
         top_p=args.top_p,

@@ -284,7 +284,20 @@ def test_gen_vs_base_floor_runs_the_batch_shape(common):
     assert gen.VARIANTS["floor"] is None  # not an engine: measure() runs FLOOR_CHILD for it
     out = gen.measure(gen.ROOT, 1, 2, None)  # 1 prompt x 8 samples, 2 timed batches
     assert out["rows"] == 8 and out["tokens"] == 2 * 8 * 5  # configs/lab.yaml: n = 8, max_new_tokens = 5
-    assert out["cpu_s"] > 0
+    assert out["cpu_s"] > 0 and out["threads"] == 1
+
+
+def test_gen_vs_base_runs_its_children_with_the_threads_asked_for(common, capsys):
+    """gen_vs_base.py's --threads reaches the child processes (the engine's and the floor's), which
+    report the torch thread count they ran with; a count under 1 is refused with exit code 2."""
+    gen = importlib.import_module("gen_vs_base")
+    for kw in (None, gen.VARIANTS["fused"]):  # the floor, an engine
+        out = gen.measure(gen.ROOT, 1, 1, kw, threads=2)
+        assert out["threads"] == 2 and out["tokens"] == 8 * 5
+    with pytest.raises(SystemExit) as exc:
+        gen.main(["--threads", "0"])
+    assert exc.value.code == 2
+    assert "--threads must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_compile_update_bad_input_and_a_failed_run_are_one_line_and_exit_2(common, capsys, monkeypatch):
