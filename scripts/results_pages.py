@@ -199,14 +199,18 @@ def runs_per_cpu_hour_rounds(root: Path, name: str) -> str:
     base, phases = data["base"], _benchmark("runs_per_cpu_hour").PHASES
     rows = [r for r in data["rows"] if r["preset"] == data["rows"][0]["preset"]]
     pairs = any("paired_base_cpu_s" in run for r in rows for run in r["runs"])  # this preset ran in pairs
+    threads = data.get("threads", 1)
+    wall = threads > 1  # one thread: a run's wall seconds are its CPU seconds, and the table leaves them out
     lines = [
-        f"| round | code | CPU s | {' s | '.join(phases)} s | × {base} {'beside it' if pairs else 'in its round'} |",
-        "|---|---|---|" + "---|" * len(phases) + "---|",
+        f"| round | code | CPU s | {'wall s | ' if wall else ''}{' s | '.join(phases)} s "
+        f"| × {base} {'beside it' if pairs else 'in its round'} |",
+        "|---|---|---|" + "---|" * (len(phases) + wall) + "---|",
     ]
 
     def line(k: int, row: dict, run: dict, ratio: str) -> str:
         code = _code(row, base)
-        cells = [str(k + 1), code, f"{run['cpu_s']:.0f}", *(f"{run['phases_s'][p]:.0f}" for p in phases), ratio]
+        cells = [str(k + 1), code, f"{run['cpu_s']:.0f}", *([f"{run['wall_s']:.0f}"] if wall else [])]
+        cells += [*(f"{run['phases_s'][p]:.0f}" for p in phases), ratio]
         return "| " + " | ".join(cells) + " |"
 
     variants = [r for r in rows if r["variant"] != "base"]
@@ -228,6 +232,11 @@ def runs_per_cpu_hour_rounds(root: Path, name: str) -> str:
         f"{min(warm):.1f}-{max(warm):.1f} s, {max(warm) / min(warm) - 1:.0%} longer in its slowest run than in its "
         "fastest: that spread is the machine's, not the code's.",
     ]
+    if wall:
+        lines[-1] += (
+            f" The phases are the runs' own clocks, in wall seconds; with {threads} threads a run's CPU seconds are "
+            "more than its wall seconds."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -641,8 +650,9 @@ def gen_vs_base(root: Path, name: str = "gen_vs_base.json") -> str:
     m = data["machine"]
     top_p = data.get("top_p", 1.0)
     sampling = f" Every engine samples with top-p {top_p:g}." if top_p < 1 else ""
+    threads = f"{data['threads']} torch thread{'s' if data['threads'] > 1 else ''}"
     lines = [
-        f"Machine: {m['cores']}-core {m['cpu']}, {data['threads']} torch thread per process "
+        f"Machine: {m['cores']}-core {m['cpu']}, {threads} per process "
         f"(1-minute load average {data['loadavg_1m_start']:.1f} at the start, {m['loadavg_1m']:.1f} at the "
         f"end, {m['time']}); {data['rounds']} rounds of {data['reps']} batches.{sampling}",
         "",
@@ -761,9 +771,14 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "runs-per-cpu-hour-lab-fused-amd-rounds": partial(
         runs_per_cpu_hour_rounds, name="runs_per_cpu_hour_lab_fused_amd.json"
     ),
+    "runs-per-cpu-hour-lab-threads2": partial(runs_per_cpu_hour, name="runs_per_cpu_hour_lab_threads2.json"),
+    "runs-per-cpu-hour-lab-threads2-rounds": partial(
+        runs_per_cpu_hour_rounds, name="runs_per_cpu_hour_lab_threads2.json"
+    ),
     "gpu-check": gpu_check,
     "gen-vs-base": gen_vs_base,
     "gen-vs-base-topp": partial(gen_vs_base, name="gen_vs_base_topp.json"),
+    "gen-vs-base-threads2": partial(gen_vs_base, name="gen_vs_base_threads2.json"),
     "vs-trl": vs_trl,
     "roofline-training": roofline_training,
     "mismatch-reuse": mismatch_reuse,
@@ -863,7 +878,31 @@ def figures(root: Path) -> dict[str, str]:
         | _adamw_run_figures(root)
         | _bf16_figures(root)
         | _bf16_figures(root, "bf16_step_amd.json", "bf16-amd")
+        | _threads2_figures(root)
     )
+
+
+def _threads2_figures(root: Path) -> dict[str, str]:
+    """``threads2.*``: runs_per_cpu_hour.py's lab at ``train.threads`` 2, before the shared-prompt
+    backward was made repeatable (``threads2.before.*``, runs_per_cpu_hour_lab_threads2_before.json)
+    and after (``threads2.after.*``): ``fast-fused``'s held-out accuracy after RL round by round and
+    its ratio to the base; ``threads2.cpu-per-wall``: the after run's CPU seconds per wall second,
+    lowest to highest over its runs."""
+    out = {}
+    for when, name in (
+        ("before", "runs_per_cpu_hour_lab_threads2_before.json"),
+        ("after", "runs_per_cpu_hour_lab_threads2.json"),
+    ):
+        fused = next(r for r in _load(root, name)["rows"] if r["variant"] == "this tree: fast-fused")
+        out[f"threads2.{when}.held-out"] = " and ".join(f"{run['eval_after']:.3f}" for run in fused["runs"])
+        out[f"threads2.{when}.fast-fused"] = f"{fused['ratio_vs_base']:.2f}×"
+    per_wall = [
+        run["cpu_s"] / run["wall_s"]
+        for r in _load(root, "runs_per_cpu_hour_lab_threads2.json")["rows"]
+        for run in r["runs"]
+    ]
+    out["threads2.cpu-per-wall"] = f"{min(per_wall):.2f} to {max(per_wall):.2f}"
+    return out
 
 
 def _adamw_figures(root: Path) -> dict[str, str]:
