@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import die, finish, median, parser, print_table, quiet
+from common import count, finish, median, parser, print_table, quiet
 
 LAB = str(Path(__file__).resolve().parents[1] / "configs" / "lab.yaml")
 KERNELS = ("foreach", "fused")
@@ -77,14 +77,12 @@ def block_ms(opt, steps: int) -> float:
 
 def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=40, help="rounds of one block per kernel (order alternating)")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps per block")
+    p.add_argument("--rounds", type=count, default=40, help="rounds of one block per kernel (order alternating)")
+    p.add_argument("--steps", type=count, default=20, help="optimizer steps per block")
     p.add_argument(
         "--run-updates", type=int, default=300 * 8, help="optimizer steps of a lab run (steps x minibatches)"
     )
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.steps < 1:
-        die("error: --rounds and --steps must be at least 1")
     quiet()
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]

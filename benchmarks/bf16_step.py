@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import die, finish, median, parser, print_table, quiet
+from common import count, die, finish, median, parser, print_table, quiet
 
 VARIANTS = ("float32", "bfloat16", "autocast")
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm")
@@ -187,10 +187,10 @@ def main(argv=None) -> dict:
 
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--shapes", default="lab,long", help="comma-separated: default, lab, long (roofline.py's)")
-    p.add_argument("--rounds", type=int, default=10, help="rounds of one block per variant (order alternating)")
+    p.add_argument("--rounds", type=count, default=10, help="rounds of one block per variant (order alternating)")
     p.add_argument("--steps", default="lab=10,long=1,default=5", help="steps per block, per shape")
-    p.add_argument("--gemm-rounds", type=int, default=5, help="rounds of the GEMMs alone (dtypes alternating)")
-    p.add_argument("--gemm-reps", type=int, default=5, help="calls per GEMM in a round")
+    p.add_argument("--gemm-rounds", type=count, default=5, help="rounds of the GEMMs alone (dtypes alternating)")
+    p.add_argument("--gemm-reps", type=count, default=5, help="calls per GEMM in a round")
     args = p.parse_args(argv)
     names = [s.strip() for s in args.shapes.split(",") if s.strip()]
     try:
@@ -201,8 +201,8 @@ def main(argv=None) -> dict:
         die("error: --shapes names no shape: default, lab, long")
     if unknown := [n for n in names if n not in ("default", "lab", "long")]:
         die(f"error: unknown shape(s) {', '.join(unknown)}: default, lab, long")
-    if args.rounds < 1 or args.gemm_rounds < 1 or args.gemm_reps < 1 or min(steps.values(), default=1) < 1:
-        die("error: --rounds, --steps, --gemm-rounds and --gemm-reps must be at least 1")
+    if min(steps.values(), default=1) < 1:
+        die(f"error: --steps must be at least 1 for every shape, got {args.steps!r}")
     quiet()
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]

@@ -411,10 +411,31 @@ def finish(script: str, argv, load_start: float, json_path: str | None, **fields
     return result
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose every refusal is one line (``script.py: error: ...``) and exit
+    code 2, not argparse's usage block before it (``--help`` still prints the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def count(text: str) -> int:
+    """An argparse type for a count that must be at least 1 (threads, rounds, repetitions, steps):
+    anything else is refused in one line, exit 2."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (masktrl's train.threads default)")
+    p.add_argument("--threads", type=count, default=1, help="torch CPU threads (masktrl's train.threads default)")
     return p
 
 

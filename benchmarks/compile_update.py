@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import die, finish, median, parser, print_table, quiet, run_masktrl, run_worker, warm_model
+from common import count, die, finish, median, parser, print_table, quiet, run_masktrl, run_worker, warm_model
 
 LAB = str(Path(__file__).resolve().parents[1] / "configs" / "lab.yaml")
 FAST = ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off", "train.eval_every=0"]
@@ -156,9 +156,9 @@ def run_variant(name: str, cache: Path, args) -> dict:
 
 def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="RL steps of each variant's run")
+    p.add_argument("--steps", type=count, default=30, help="RL steps of each variant's run")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma-separated, of: " + ", ".join(VARIANTS))
-    p.add_argument("--rounds", type=int, default=1, help="rounds of every variant in turn (medians over them)")
+    p.add_argument("--rounds", type=count, default=1, help="rounds of every variant in turn (medians over them)")
     p.add_argument("--worker", default=None, help="(internal) run one variant in this process")
     args = p.parse_args(argv)
     if args.worker:
@@ -166,8 +166,6 @@ def main(argv=None) -> dict:
 
         print(json.dumps(worker(args.worker, args.steps, args.threads)))
         return {}
-    if args.rounds < 1:
-        die("error: --rounds must be at least 1")
     if args.steps < 2:
         die("error: --steps must be at least 2 (the first update compiles, the others are timed)")
     names = [v.strip() for v in args.variants.split(",") if v.strip()]

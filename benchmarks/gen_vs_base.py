@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import finish, machine, median, parser, write_json
+from common import count, finish, machine, median, parser, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_COMMIT = "19f900d"
@@ -236,16 +236,14 @@ def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--base", default=None, help=f"a checkout of the baseline code (default: commit {BASE_COMMIT})")
     p.add_argument("--rows", default="64,512", help="batch sizes in rows (8 samples per prompt), comma-separated")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of alternating processes")
-    p.add_argument("--reps", type=int, default=5, help="timed batches per process (after one warm-up)")
+    p.add_argument("--rounds", type=count, default=3, help="rounds of alternating processes")
+    p.add_argument("--reps", type=count, default=5, help="timed batches per process (after one warm-up)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="this tree's variants, comma-separated")
     p.add_argument("--ops", action="store_true", help="only the single operations' CPU times (512 x 2,004)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling for every engine (the lab's: 1)")
     args = p.parse_args(argv)
     if not 0 < args.top_p <= 1:
         p.error(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.threads < 1:
-        p.error(f"--threads must be at least 1, got {args.threads}")
     if args.ops:
         command = "python benchmarks/gen_vs_base.py --ops" + (f" --threads {args.threads}" if args.threads > 1 else "")
         result = {"ops_cpu_ms": op_times(threads=args.threads), "command": command, "machine": machine()}

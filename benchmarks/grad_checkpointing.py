@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common import peak_rss_mib, rss_mib, run_worker  # noqa: E402  (benchmarks/common.py)
+from common import count, peak_rss_mib, rss_mib, run_worker  # noqa: E402  (benchmarks/common.py)
 
 VARIANTS = ("plain-shared", "checkpointed-shared", "plain-whole", "checkpointed-whole")
 
@@ -119,9 +119,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     p.add_argument("--response", type=int, default=256, help="response tokens")
     p.add_argument("--topk", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=2, help="timed steps per process (after the first)")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=count, default=1)
+    p.add_argument("--repeats", type=count, default=2, help="timed steps per process (after the first)")
+    p.add_argument("--rounds", type=count, default=2)
     p.add_argument("--json", default=None)
     p.add_argument("--worker", choices=VARIANTS, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

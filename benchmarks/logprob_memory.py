@@ -20,7 +20,7 @@ import platform
 import statistics
 import time
 
-from common import peak_rss_mib, rss_mib, run_worker  # benchmarks/common.py
+from common import count, peak_rss_mib, rss_mib, run_worker  # benchmarks/common.py
 
 
 def worker(args) -> dict:
@@ -80,8 +80,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--topk", type=int, default=20, help="ids per token = 1 + topk (sampled + behaviour top-K)")
     p.add_argument("--chunk", type=int, default=1024)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=count, default=2)
+    p.add_argument("--repeats", type=count, default=1)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--quick", action="store_true", help="V=32768, H=512, 4 x 256 tokens, chunk 256, 3 repeats")
     p.add_argument("--json", type=str, default=None)

@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from common import Parser, count  # benchmarks/common.py (run as a script, its folder is on sys.path)
 from masktrl.methods import BASELINES, TokenBatch, corrected_token_losses, get_method, make_correction, make_params
 from masktrl.models.logprobs import token_logprobs, token_square_mass
 
@@ -294,9 +295,9 @@ def bench_config(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--threads", type=int, default=1, help="intra-op threads (1: stable CPU-time ratios on a shared machine)"
+        "--threads", type=count, default=1, help="intra-op threads (1: stable CPU-time ratios on a shared machine)"
     )
     p.add_argument("--quick", action="store_true", help="fewer repeats and a smaller 30M batch")
     p.add_argument("--json", type=str, default=None)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine, median, parser, print_table, quiet, run_masktrl, write_json
+from benchmarks.common import count, machine, median, parser, print_table, quiet, run_masktrl, write_json
 
 SIDES = ("auto", "always", "off")
 LAB = Path(__file__).resolve().parents[1] / "configs" / "lab.yaml"
@@ -60,8 +60,8 @@ def one_rep(order: list[str], steps: int, threads: int) -> dict:
 
 def main(argv=None) -> dict:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--reps", type=count, default=3)
+    p.add_argument("--steps", type=count, default=6)
     args = p.parse_args(argv)
     quiet()
     run_masktrl(lab_config("off", 2, args.threads))  # the warm start, cached before anything is timed

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     PhaseTimer,
     bench_config,
+    count,
     group_phases,
     machine,
     median,
@@ -41,7 +42,7 @@ IO_GOAL = 0.05
 
 def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=40, help="RL steps of the profiled run (the first is not counted)")
+    p.add_argument("--steps", type=count, default=40, help="RL steps of the profiled run (the first is not counted)")
     p.add_argument("--method", default=None, help="method name (default: the preset's)")
     p.add_argument(
         "--full-run-steps",

@@ -41,19 +41,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 
-from common import machine, median, parser, print_table, write_json
+from common import count, machine, median, parser, print_table, write_json
 
 TARGET = 40.0  # bytes per generated token at K = 20
 
 
 def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=7, help="timed write/read rounds per case")
+    p.add_argument("--reps", type=count, default=7, help="timed write/read rounds per case")
     p.add_argument("--k", type=int, default=20)
     p.add_argument(
         "--run", help="measure this run folder's steps/*/rollouts.parquet as the tiny case (default: train one)"
     )
-    p.add_argument("--tiny-steps", type=int, default=3)
+    p.add_argument("--tiny-steps", type=count, default=3)
     p.add_argument("--vocab", type=int, default=151_936)
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--tokens", type=int, default=256)

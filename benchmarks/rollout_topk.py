@@ -39,6 +39,7 @@ from common import (
     BENCH_TMP,
     bench_config,
     big_vocab_model,
+    count,
     machine,
     median,
     parser,
@@ -53,7 +54,7 @@ GOAL = 0.10
 
 def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=15, help="rounds over all variants")
+    p.add_argument("--reps", type=count, default=15, help="rounds over all variants")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=6)

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
-from common import finish, median, parser, print_table, quiet
+from common import count, finish, median, parser, print_table, quiet
 
 TEMPERATURE, CHUNK, K = 1.0, 1024, 20
 
@@ -591,8 +591,8 @@ def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     p.add_argument("--shapes", default="default,lab,long", help="comma-separated: default, lab, long")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions per variant (after one warm-up)")
-    p.add_argument("--gen-reps", type=int, default=1, help="timed generation batches per shape (after one warm-up)")
+    p.add_argument("--reps", type=count, default=3, help="timed repetitions per variant (after one warm-up)")
+    p.add_argument("--gen-reps", type=count, default=1, help="timed generation batches per shape (after one warm-up)")
     p.add_argument("--no-generation", action="store_true")
     p.add_argument("--no-training", action="store_true", help="generation (and --cache-variants) only")
     p.add_argument(

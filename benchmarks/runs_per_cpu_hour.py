@@ -55,7 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import die, finish, median, parser
+from common import count, die, finish, median, parser
 from gen_vs_base import BASE_COMMIT, extract
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,16 +255,14 @@ def main(argv=None) -> dict:
     p.add_argument(
         "--variants", default=DEFAULT_VARIANTS, help="this tree's, comma-separated, of: " + ", ".join(VARIANTS)
     )
-    p.add_argument("--steps", type=int, default=None, help="RL steps of every run (default: the preset's)")
-    p.add_argument("--rounds", type=int, default=1, help="rounds of alternating trees")
+    p.add_argument("--steps", type=count, default=None, help="RL steps of every run (default: the preset's)")
+    p.add_argument("--rounds", type=count, default=1, help="rounds of alternating trees")
     p.add_argument(
         "--pairs",
         action="store_true",
         help="start the base and each variant together, one per core (a preset the base has)",
     )
     args = p.parse_args(argv)
-    if args.rounds < 1 or (args.steps is not None and args.steps < 1):
-        die("error: --rounds and --steps must be at least 1")
     presets = [x.strip() for x in args.presets.split(",") if x.strip()]
     variants = [x.strip() for x in args.variants.split(",") if x.strip()]
     for name in presets:

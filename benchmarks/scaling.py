@@ -30,6 +30,7 @@ from common import (
     bench_config,
     big_vocab_model,
     copy_model,
+    count,
     group_phases,
     machine,
     median,
@@ -45,8 +46,8 @@ from common import (
 
 def main(argv=None) -> dict:
     p = parser(__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=2, help="rounds over all points")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    p.add_argument("--reps", type=count, default=2, help="rounds over all points")
+    p.add_argument("--steps", type=count, default=4, help="timed steps per run")
     p.add_argument("--groups", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--lengths", type=int, nargs="+", default=[6, 12, 24])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 5, 20, 100])

@@ -79,6 +79,7 @@ from common import (
     BENCH_TMP,
     PhaseTimer,
     bench_config,
+    count,
     die,
     finish,
     group_phases,
@@ -133,9 +134,9 @@ def main(argv=None) -> dict:
         "both: the two in turn, in one run and one JSON (with the long shape's default-settings side)",
     )
     p.add_argument(
-        "--reps", type=int, default=None, help="blocks per side, alternating (ABBA order); default 4 (long: 2)"
+        "--reps", type=count, default=None, help="blocks per side, alternating (ABBA order); default 4 (long: 2)"
     )
-    p.add_argument("--steps", type=int, default=None, help="timed steps per block; default 6 (long: 1)")
+    p.add_argument("--steps", type=count, default=None, help="timed steps per block; default 6 (long: 1)")
     p.add_argument(
         "--prompts", type=int, default=None, help="prompts per step (rollout.prompts_per_step); default 32 (long: 2)"
     )

@@ -297,7 +297,53 @@ def test_gen_vs_base_runs_its_children_with_the_threads_asked_for(common, capsys
     with pytest.raises(SystemExit) as exc:
         gen.main(["--threads", "0"])
     assert exc.value.code == 2
-    assert "--threads must be at least 1, got 0" in capsys.readouterr().err
+    assert "argument --threads: must be at least 1, got 0" in capsys.readouterr().err
+
+
+COUNT_OPTIONS = {"--threads", "--rounds", "--reps", "--steps", "--gen-reps", "--gemm-rounds", "--gemm-reps"}
+COUNT_OPTIONS |= {"--repeats"}
+
+
+def test_count_type_refuses_what_is_not_a_whole_number_of_at_least_one(common):
+    import argparse
+
+    assert common.count("3") == 3
+    for bad, msg in (("0", "must be at least 1, got 0"), ("-2", "got -2"), ("1.5", "whole number"), ("x", "'x'")):
+        with pytest.raises(argparse.ArgumentTypeError, match=msg):
+            common.count(bad)
+
+
+def test_every_benchmark_reads_its_counts_with_the_count_type():
+    """Threads, rounds, repetitions and steps below 1 gave a traceback deep in a run (an empty
+    median, torch.set_num_threads(0)) or a table of nothing: every benchmark script that takes one
+    reads it with common.count, so it is one line (common.Parser), exit 2."""
+    import ast
+
+    wrong = []
+    for script in sorted(BENCH.glob("*.py")):
+        if script.name == "gpu_check.py":  # runs alone on a device machine, without benchmarks/common.py
+            continue
+        for node in ast.walk(ast.parse(script.read_text())):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"):
+                continue
+            names = {a.value for a in node.args if isinstance(a, ast.Constant)}
+            kinds = {ast.unparse(k.value) for k in node.keywords if k.arg == "type"}
+            if script.name == "bf16_step.py" and names == {"--steps"}:  # shape=N pairs, checked by the script
+                continue
+            if names & COUNT_OPTIONS and kinds != {"count"}:
+                wrong.append(f"{script.name}: {sorted(names)} type={kinds}")
+    assert not wrong, wrong
+
+
+def test_a_count_below_one_is_one_line_and_exit_2_from_the_command_line():
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "runs_per_cpu_hour.py"), "--rounds", "0"], capture_output=True, text=True
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip() == "runs_per_cpu_hour.py: error: argument --rounds: must be at least 1, got 0"
+    assert "Traceback" not in out.stderr
 
 
 def test_compile_update_bad_input_and_a_failed_run_are_one_line_and_exit_2(common, capsys, monkeypatch):
