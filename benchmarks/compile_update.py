@@ -15,13 +15,22 @@ times every step's ``policy_update``:
 - ``model``: padded, the whole decoder (``lm.base_model``) compiled;
 - ``model-warm``: ``model`` again, with the compiled code ``model`` left in its cache;
 - ``adamw-fused`` (on request): ``eager-packed`` with ``train.adamw=fused``, torch's fused AdamW
-  kernel instead of the multi-tensor ones (nothing compiled).
+  kernel instead of the multi-tensor ones (nothing compiled);
+- ``minibatches-2`` and ``minibatches-1`` (on request): ``eager-packed`` with ``train.minibatches``
+  2 and 1 instead of the lab's 8, so each forward and backward carries 4 and 8 times the rows
+  (nothing compiled; ``train.logprob_chunk`` as many times larger, so that a minibatch's
+  log-probabilities stay one chunk whose logits the backward reuses, as the lab's do). Not a
+  faster lab: fewer, larger optimizer steps are another algorithm, so another run. They tell how
+  much of the update is work per operation (which more rows per operation, from larger minibatches
+  or from several runs batched into one process, would share out) and how much is work per row
+  (which they would not).
 
 The compilation happens inside the first update (``torch.compile`` compiles on the first call),
 each compiled variant but ``model-warm`` starting from an empty inductor cache
 (``TORCHINDUCTOR_CACHE_DIR``, a fresh folder). Reported per variant: the first update and the
 median of the later ones, the update time of a 300-step lab run projected from them (the first
-plus 299 medians), its ratio to ``eager-packed``'s, and the held-out accuracy after the run:
+plus 299 medians), its ratio to ``eager-packed``'s, the response tokens of every update (variants
+whose policies part from each other's sample other lengths), and the held-out accuracy after the run:
 compiled kernels add in another order, so a compiled run is another run (a different number)
 unless it happens to agree. With ``--rounds`` every variant runs that many times, in turn, and
 the first and later updates are medians over the rounds (one round is easily disturbed by anything
@@ -30,6 +39,8 @@ else the machine runs).
     python benchmarks/compile_update.py --rounds 2 --json benchmarks/results/compile_update.json
     python benchmarks/compile_update.py --variants adamw-fused --rounds 4 \
         --json benchmarks/results/compile_update_adamw.json
+    python benchmarks/compile_update.py --variants minibatches-2,minibatches-1 --rounds 2 \
+        --json benchmarks/results/compile_update_minibatches.json
 """
 
 from __future__ import annotations
@@ -47,16 +58,22 @@ from common import count, die, finish, median, parser, print_table, quiet, run_m
 
 LAB = str(Path(__file__).resolve().parents[1] / "configs" / "lab.yaml")
 FAST = ["rollout.decode=fused", "rollout.draw=inverse_cdf", "rollout.mismatch=off", "train.eval_every=0"]
-VARIANTS = {  # name -> (train.packing, what is compiled: None, "norms+mlp", "layers" or "model"; train.adamw)
-    "eager-packed": (True, None, "foreach"),
-    "eager-padded": (False, None, "foreach"),
-    "norms+mlp": (True, "norms+mlp", "foreach"),
-    "layers": (True, "layers", "foreach"),
-    "model": (False, "model", "foreach"),
-    "model-warm": (False, "model", "foreach"),
-    "adamw-fused": (True, None, "fused"),
+LAB_MINIBATCHES = 8  # configs/lab.yaml's train.minibatches
+LAB_LOGPROB_CHUNK = 1024  # configs/lab.yaml's train.logprob_chunk (the default): a lab minibatch is one chunk
+VARIANTS = {  # name -> (train.packing, what is compiled: None, "norms+mlp", "layers" or "model"; train.adamw;
+    #                    train.minibatches)
+    "eager-packed": (True, None, "foreach", LAB_MINIBATCHES),
+    "eager-padded": (False, None, "foreach", LAB_MINIBATCHES),
+    "norms+mlp": (True, "norms+mlp", "foreach", LAB_MINIBATCHES),
+    "layers": (True, "layers", "foreach", LAB_MINIBATCHES),
+    "model": (False, "model", "foreach", LAB_MINIBATCHES),
+    "model-warm": (False, "model", "foreach", LAB_MINIBATCHES),
+    "adamw-fused": (True, None, "fused", LAB_MINIBATCHES),
+    "minibatches-2": (True, None, "foreach", 2),
+    "minibatches-1": (True, None, "foreach", 1),
 }
-DEFAULT_VARIANTS = ",".join(v for v in VARIANTS if v != "adamw-fused")  # adamw-fused on request
+ON_REQUEST = ("adamw-fused", "minibatches-2", "minibatches-1")
+DEFAULT_VARIANTS = ",".join(v for v in VARIANTS if v not in ON_REQUEST)
 BASELINE = "eager-packed"
 RUN_STEPS = 300  # the lab preset's train.steps: the run the projection is for
 
@@ -79,12 +96,15 @@ def compile_parts(base, what: str) -> None:
 
 def variant_overrides(variant: str, steps: int, threads: int) -> list[str]:
     """The lab's ``--set`` overrides for ``variant``'s run: fast-packed's rollout settings, its
-    forward and its AdamW kernels, the steps and the threads."""
-    packing, _, adamw = VARIANTS[variant]
+    forward, its AdamW kernels and minibatches, the steps and the threads."""
+    packing, _, adamw, minibatches = VARIANTS[variant]
     return [
         *FAST,
         f"train.packing={str(packing).lower()}",
         f"train.adamw={adamw}",
+        f"train.minibatches={minibatches}",
+        # a larger minibatch's log-probabilities one chunk too, its logits kept for the backward as the lab's are
+        f"train.logprob_chunk={LAB_LOGPROB_CHUNK * LAB_MINIBATCHES // minibatches}",
         f"train.steps={steps}",
         f"train.threads={threads}",
     ]
@@ -102,13 +122,15 @@ def worker(variant: str, steps: int, threads: int) -> dict:
     warm_model(cfg)  # the warm start is built (or found) before anything is timed
     update = recipe.policy_update
     seconds: list[float] = []
+    tokens: list[int] = []  # each update's response tokens: variants whose policies part sample other lengths
 
-    def timed(learner, *a, **k):
+    def timed(learner, samples, *a, **k):
         if what is not None and not seconds:  # compiled on the first call, inside the first update
             compile_parts(base_model(learner.model), what)
         t0 = time.perf_counter()
-        out = update(learner, *a, **k)
+        out = update(learner, samples, *a, **k)
         seconds.append(time.perf_counter() - t0)
+        tokens.append(sum(len(s.gen.response_ids) for s in samples))
         return out
 
     recipe.policy_update = timed
@@ -118,6 +140,7 @@ def worker(variant: str, steps: int, threads: int) -> dict:
         recipe.policy_update = update
     return {
         "update_s": seconds,
+        "update_tokens": tokens,
         "eval_before": run["summary"].get("eval_before"),
         "eval_after": run["summary"].get("eval_after"),
     }

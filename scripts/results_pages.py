@@ -256,11 +256,13 @@ def compile_update(root: Path, name: str = "compile_update.json") -> str:
         "|---|---|---|---|---|---|---|---|---|",
     )
     for row in data["rows"]:
-        packing, what, *adamw = data["variants"][row["variant"]]  # runs before train.adamw: foreach
+        packing, what, *rest = data["variants"][row["variant"]]  # runs before train.adamw: foreach
         ratio = row.get("ratio_vs_eager_packed", 1.0)
+        n = rest[1] if len(rest) > 1 else 8  # the lab's: 8
+        minibatches = f", {n} minibatch{'es' if n > 1 else ''}" if n != 8 else ""
         lines.append(
-            f"| `{row['variant']}` | {'packed' if packing else 'padded'} | {what or 'nothing (eager)'} "
-            f"| {adamw[0] if adamw else 'foreach'} "
+            f"| `{row['variant']}` | {'packed' if packing else 'padded'}{minibatches} | {what or 'nothing (eager)'} "
+            f"| {rest[0] if rest else 'foreach'} "
             f"| {row['first_update_s']:.2f} | {row['later_update_s']:.3f} | {row['run_updates_s']:.0f} "
             f"| {ratio:.2f}× | {', '.join(f'{x:.3f}' for x in row['eval_after'])} |"
         )
@@ -756,6 +758,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "runs-per-cpu-hour-phases": runs_per_cpu_hour_phases,
     "compile-update": compile_update,
     "compile-update-adamw": partial(compile_update, name="compile_update_adamw.json"),
+    "compile-update-minibatches": partial(compile_update, name="compile_update_minibatches.json"),
     "adamw-kernels": adamw_kernels,
     "adamw-kernels-amd": partial(adamw_kernels, name="adamw_kernels_amd.json"),
     "bf16-step": bf16_step,
@@ -879,6 +882,7 @@ def figures(root: Path) -> dict[str, str]:
         | _bf16_figures(root)
         | _bf16_figures(root, "bf16_step_amd.json", "bf16-amd")
         | _threads2_figures(root)
+        | _minibatch_figures(root)
     )
 
 
@@ -902,6 +906,37 @@ def _threads2_figures(root: Path) -> dict[str, str]:
         for run in r["runs"]
     ]
     out["threads2.cpu-per-wall"] = f"{min(per_wall):.2f} to {max(per_wall):.2f}"
+    return out
+
+
+def _minibatch_figures(root: Path) -> dict[str, str]:
+    """``minibatches.*``: compile_update.py's minibatches-2 and minibatches-1 runs against
+    eager-packed (compile_update_minibatches.json). ``.tokens``: the response tokens of the later
+    updates, lowest to highest over the rounds; ``.per-token``: the ratio of the later updates'
+    seconds per response token (each run's median, then the median over the rounds). From
+    eager-packed's and minibatches-2's, with ``t = m a + B`` for m minibatches (a paid once per
+    minibatch, B per row): ``minibatches.per-minibatch-share``, ``8 a / t`` at the lab's 8;
+    ``minibatches.limit``, ``t / B``, the ratio with the per-minibatch part shared out entirely;
+    ``minibatches.minibatches-1.predicted``, the ratio the same fit gives for one minibatch."""
+    rows = {row["variant"]: row for row in _load(root, "compile_update_minibatches.json")["rows"]}
+
+    def per_token(name: str) -> float:
+        return statistics.median(
+            statistics.median(s / n for s, n in zip(run["update_s"][1:], run["update_tokens"][1:]))
+            for run in rows[name]["runs"]
+        )
+
+    out = {}
+    for name in rows:
+        tokens = [n for run in rows[name]["runs"] for n in run["update_tokens"][1:]]
+        out[f"minibatches.{name}.tokens"] = f"{min(tokens):,} to {max(tokens):,}"
+        if name != "eager-packed":
+            out[f"minibatches.{name}.per-token"] = f"{per_token('eager-packed') / per_token(name):.2f}×"
+    t8, t2 = per_token("eager-packed"), per_token("minibatches-2")
+    a = (t8 - t2) / 6
+    out["minibatches.per-minibatch-share"] = f"{8 * a / t8:.0%}"
+    out["minibatches.limit"] = f"{t8 / (t8 - 8 * a):.2f}×"
+    out["minibatches.minibatches-1.predicted"] = f"{t8 / (t8 - 7 * a):.2f}×"
     return out
 
 

@@ -398,14 +398,21 @@ def test_compile_update_compiles_the_parts_it_names_and_projects_a_run(common):
         assert all(compiled(x) == (what == "norms+mlp") for x in parts)
         assert not compiled(layer.self_attn)
 
-    # each variant's run: the lab with fast-packed's settings, its forward and its AdamW kernels
+    # each variant's run: the lab with fast-packed's settings, its forward, AdamW kernels and minibatches
     from masktrl.config import load_config
 
-    for name, (packing, _, adamw) in cu.VARIANTS.items():
+    lab = load_config(cu.LAB, [])
+    assert lab.train.minibatches == cu.LAB_MINIBATCHES
+    for name, (packing, _, adamw, minibatches) in cu.VARIANTS.items():
         cfg = load_config(cu.LAB, cu.variant_overrides(name, 30, 1))
         assert (cfg.train.packing, cfg.train.adamw, cfg.train.steps) == (packing, adamw, 30)
+        assert cfg.train.minibatches == minibatches
+        assert cfg.train.logprob_chunk * minibatches == lab.train.logprob_chunk * lab.train.minibatches
         assert (cfg.rollout.decode, cfg.rollout.draw, cfg.rollout.mismatch) == ("fused", "inverse_cdf", "off")
-    assert cu.VARIANTS["adamw-fused"] == (True, None, "fused") and "adamw-fused" not in cu.DEFAULT_VARIANTS
+        assert cfg.rollout.prompts_per_step == lab.rollout.prompts_per_step  # the same rows per step
+    assert cu.VARIANTS["adamw-fused"] == (True, None, "fused", 8)
+    assert cu.VARIANTS["minibatches-2"] == (True, None, "foreach", 2) and cu.VARIANTS["minibatches-1"][3] == 1
+    assert not set(cu.ON_REQUEST) & set(cu.DEFAULT_VARIANTS.split(","))
 
     base_runs = [
         {"update_s": [1.0, 0.5, 0.4, 0.6], "eval_after": 0.3},
