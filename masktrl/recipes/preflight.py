@@ -9,7 +9,7 @@ from pathlib import Path
 
 from masktrl.config import Config
 from masktrl.rl import checks
-from masktrl.runs.plan import RunRequest, plan_run
+from masktrl.runs.plan import RunRequest, check_steps_cover, plan_run
 from masktrl.runs.store import RunStore
 
 WHAT = {"new": "a new run", "resume": "resume it from its last checkpoint", "restart": "start it again in place"}
@@ -30,6 +30,7 @@ def run(request: RunRequest) -> DryRun:
     try:
         if plan.start.mode == "resume":
             step = RunStore(plan.root).resume_step(checked.vocab_size)
+            check_steps_cover(plan.cfg, plan.root, step)
             if (
                 step and plan.forced_changes
             ):  # --resume --force: the checkpoint loads into the model the new config builds

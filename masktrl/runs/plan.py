@@ -124,6 +124,19 @@ def _resume_config(store: RunStore, r: RunRequest) -> tuple[Config, list[str]]:
     return cfg, changed
 
 
+def check_steps_cover(cfg: Config, root: Path, step: int) -> None:
+    """MasktrlError when ``cfg.train.steps`` is below ``step``, the checkpoint a resume continues
+    from: ``--resume --force --set train.steps=N`` extends a run, it cannot shorten one (the
+    steps already trained, their checkpoint and metrics would be described by a summary and a
+    run.yaml of fewer steps)."""
+    if step > cfg.train.steps:
+        raise MasktrlError(
+            f"{root}: train.steps={cfg.train.steps} is below the {step} steps this run has trained "
+            f"(checkpoint {step}); a run cannot be shortened: evaluate an earlier checkpoint with "
+            "masktrl eval --step, or choose another --run (nothing was changed)"
+        )
+
+
 def plan_start(root: Path, cfg: Config, *, resume: bool = False) -> Start:
     """What to do with ``root`` for a run of ``cfg``; MasktrlError when it must be left alone."""
     root = Path(root)

@@ -33,7 +33,7 @@ from typing import Protocol
 
 from masktrl.errors import MasktrlError
 from masktrl.runs import retention
-from masktrl.runs.plan import Plan, plan_start, stale_batch_keys
+from masktrl.runs.plan import Plan, check_steps_cover, plan_start, stale_batch_keys
 from masktrl.runs.store import RunStore, done_steps
 
 
@@ -81,7 +81,7 @@ def confirm(plan: Plan, store: RunStore, vocab_size: int | None) -> Plan:
         plan = replace(plan, start=plan_start(plan.root, plan.cfg))
     if plan.start.mode == "resume":
         store.check_resumable()
-        store.resume_step(vocab_size)
+        check_steps_cover(plan.cfg, plan.root, store.resume_step(vocab_size))
     return plan
 
 
