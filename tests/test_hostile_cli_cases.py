@@ -28,3 +28,18 @@ def test_resume_force_cannot_shorten_a_run(finished, tmp_path, cli_error, dry_ru
     line = cli_error("train", "--resume", root, "--force", "--set", "train.steps=1", *dry_run)
     assert "train.steps=1 is below the 2 steps this run has trained" in line and "nothing was changed" in line
     assert snapshot(root) == before
+
+
+@pytest.mark.parametrize("damage", ["truncate", "folder"])
+def test_runs_lists_a_run_with_a_damaged_run_yaml_as_damaged(finished, tmp_path, damage):
+    """``masktrl runs`` listed a run whose run.yaml fails its recorded hash (or is a folder) as
+    complete, while eval, resume and the analyses refuse it."""
+    _, out, root = copy_run(finished, tmp_path)
+    text = (root / "run.yaml").read_text()
+    if damage == "truncate":
+        (root / "run.yaml").write_text(text[:100])
+    else:
+        (root / "run.yaml").unlink()
+        (root / "run.yaml").mkdir()
+    result = cli("runs", "--out", out)
+    assert "damaged r: run.yaml: " in result.output and "complete" not in result.output
