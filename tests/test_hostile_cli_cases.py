@@ -3,7 +3,7 @@ stderr and exit code 2, nothing stored replaced, nothing written outside what wa
 
 import pytest
 
-from tests.conftest import cli, copy_run, write_tiny_config
+from tests.conftest import cli, copy_run, masktrl, write_tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +43,33 @@ def test_runs_lists_a_run_with_a_damaged_run_yaml_as_damaged(finished, tmp_path,
         (root / "run.yaml").mkdir()
     result = cli("runs", "--out", out)
     assert "damaged r: run.yaml: " in result.output and "complete" not in result.output
+
+
+def _truncated_parquet(path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["1+1=", "2+2="] * 50, "answer": ["2", "4"] * 50}), path)
+    path.write_bytes(path.read_bytes()[:300])
+    return path
+
+
+@pytest.mark.parametrize(
+    "name, make, says",
+    [
+        ("bad.parquet", _truncated_parquet, "Parquet magic bytes not found"),
+        ("bad.csv", lambda p: p.write_text('prompt,answer\n1+1=,2,3,4\n"x\n'), "Error tokenizing data"),
+    ],
+)
+def test_a_damaged_dataset_file_is_one_line_naming_what_is_wrong(tmp_path, name, make, says):
+    """The datasets readers log "Failed to read ..." before they raise: a second line on stderr;
+    a CSV reader's error came as "An error occurred while generating the dataset"."""
+    make(tmp_path / name)
+    r = masktrl(
+        "train", "--dry-run", "--out", tmp_path / "out", "--run", "x",
+        "--set", "task.name=dataset", "--set", f"task.source={tmp_path / name}",
+    )  # fmt: skip
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert f"cannot read {name} (" in lines[0] and says in lines[0]
+    assert not (tmp_path / "out").exists()

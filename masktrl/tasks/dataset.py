@@ -65,8 +65,10 @@ def import_datasets():
         if callable(getattr(datasets, quiet, None)):
             getattr(datasets, quiet)()
     logging = getattr(getattr(datasets, "utils", None), "logging", None)
-    if logging is not None and hasattr(logging, "set_verbosity_error"):
-        logging.set_verbosity_error()
+    if logging is not None and hasattr(logging, "set_verbosity"):
+        # CRITICAL, not ERROR: its readers log "Failed to read ..." before they raise, and the
+        # raise becomes masktrl's one line naming the file; the log was a second line
+        logging.set_verbosity(getattr(logging, "CRITICAL", 50))
     return datasets
 
 
@@ -120,8 +122,11 @@ def _read_files(datasets, files: list[Path], where: str) -> list[dict]:
                     builder, data_files={"train": group}, split="train", cache_dir=cache, keep_in_memory=True
                 )
             except Exception as e:
+                # datasets wraps a reader's error ("An error occurred while generating the
+                # dataset"): name the reader's own, which says what is wrong with the file
+                cause = e.__cause__ if type(e).__name__ == "DatasetGenerationError" and e.__cause__ else e
                 raise DataError(
-                    f"{where}: cannot read {', '.join(Path(g).name for g in group)} ({_first_line(e)})"
+                    f"{where}: cannot read {', '.join(Path(g).name for g in group)} ({_first_line(cause)})"
                 ) from None
             try:
                 rows.extend(ds.to_list() if hasattr(ds, "to_list") else [dict(r) for r in ds])
