@@ -73,3 +73,18 @@ def test_a_damaged_dataset_file_is_one_line_naming_what_is_wrong(tmp_path, name,
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert f"cannot read {name} (" in lines[0] and says in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (("--prompts", "0"), "--prompts must be >= 1, got 0"),  # was read as "not given": 32 prompts
+        (("--prompts", "-3"), "--prompts must be >= 1, got -3"),  # was an empty rollout file, exit 0
+        (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1, got 0"),  # was the run's own length
+    ],
+)
+def test_rollout_counts_below_one_are_refused(finished, tmp_path, cli_error, args, says):
+    _, _, root = finished
+    out_file = tmp_path / "b.parquet"
+    line = cli_error("rollout", "--model", root, "--data", "synthetic", "--n", "2", *args, "--output", out_file)
+    assert line.endswith(says) and not out_file.exists()

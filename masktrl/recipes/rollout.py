@@ -43,6 +43,10 @@ class RolloutOptions:
         for name in ("n", "logprobs_k"):
             if getattr(self, name) < 1:
                 raise MasktrlError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("prompts", "max_new_tokens"):  # None: the default; 0 read as "not given" before
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise MasktrlError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.n < 2:
             raise MasktrlError("--n must be >= 2: group advantages need at least two samples per prompt")
         check_sampling(self.temperature, self.top_p, names=("--temperature", "--top-p"))  # finite, > 0; top-p in (0, 1]
