@@ -88,3 +88,16 @@ def test_rollout_counts_below_one_are_refused(finished, tmp_path, cli_error, arg
     out_file = tmp_path / "b.parquet"
     line = cli_error("rollout", "--model", root, "--data", "synthetic", "--n", "2", *args, "--output", out_file)
     assert line.endswith(says) and not out_file.exists()
+
+
+@pytest.mark.parametrize("force", [(), ("--force",)])
+def test_rollout_output_that_is_a_folder_is_refused_before_generating(finished, tmp_path, cli_error, force):
+    """A folder as --output said "pass --force to replace it", and with --force failed after the
+    whole generation with "<tmp> -> <folder>: Is a directory"."""
+    _, _, root = finished
+    (tmp_path / "batches" / "keep").mkdir(parents=True)
+    line = cli_error(
+        "rollout", "--model", root, "--data", "synthetic", "--n", "2", "--output", tmp_path / "batches", *force
+    )
+    assert line.endswith(f"--output {tmp_path / 'batches'} is a folder; give the path of the parquet file to write")
+    assert [p.name for p in (tmp_path / "batches").iterdir()] == ["keep"] and not list(tmp_path.glob(".*.tmp"))

@@ -68,6 +68,8 @@ def run(
     opts.validate()
     out_file = Path(out_file)
     refuse_inside_run(out_file)  # a run's stored batch is recorded with its hash: never replaced from outside
+    if out_file.is_dir():  # --force cannot replace a folder with a file: refused before any generation
+        raise MasktrlError(f"--output {out_file} is a folder; give the path of the parquet file to write")
     if out_file.exists() and not force:
         raise MasktrlError(f"{out_file} already exists; pass --force to replace it (nothing was changed)")
     ref = resolve_model(model, step, out)
