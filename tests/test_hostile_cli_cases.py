@@ -101,3 +101,17 @@ def test_rollout_output_that_is_a_folder_is_refused_before_generating(finished, 
     )
     assert line.endswith(f"--output {tmp_path / 'batches'} is a folder; give the path of the parquet file to write")
     assert [p.name for p in (tmp_path / "batches").iterdir()] == ["keep"] and not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("train", "--dry-run", "--run", "x"), ("runs",), ("sweep", "--methods", "nosuch")],  # sweep: fails fast unfixed
+)
+@pytest.mark.parametrize("empty", ["", " "])
+def test_an_empty_out_is_refused_not_read_as_the_current_folder(tmp_path, monkeypatch, cli_error, command, empty):
+    """``--out ""`` (an unset variable in ``--out "$OUT"``) was the current folder: a run was
+    written there."""
+    monkeypatch.chdir(tmp_path)
+    line = cli_error(*command, "--out", empty)
+    assert "'--out': is empty; give the folder that holds runs" in line
+    assert list(tmp_path.iterdir()) == []

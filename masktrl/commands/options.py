@@ -35,8 +35,21 @@ RunOpt = Annotated[
     str | None,
     typer.Option("--run", metavar="NAME", help="Run name (default: <method>-<timestamp>).", show_default=False),
 ]
+
+
+def _out_folder(value: str | Path) -> Path:
+    """--out as a Path; an empty one (an unset shell variable: ``--out "$OUT"``) is refused, not
+    read as the current folder."""
+    if not str(value).strip():
+        raise typer.BadParameter("is empty; give the folder that holds runs (default: outputs)")
+    return Path(value)
+
+
 OutOpt = Annotated[
-    Path, typer.Option("--out", metavar="DIR", help="Folder holding runs; a run given by name is looked up here.")
+    Path,
+    typer.Option(
+        "--out", metavar="DIR", parser=_out_folder, help="Folder holding runs; a run given by name is looked up here."
+    ),
 ]
 SeedOpt = Annotated[
     int | None, typer.Option("--seed", metavar="N", help="Run seed (overrides the config).", show_default=False)
