@@ -115,3 +115,19 @@ def test_an_empty_out_is_refused_not_read_as_the_current_folder(tmp_path, monkey
     line = cli_error(*command, "--out", empty)
     assert "'--out': is empty; give the folder that holds runs" in line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        (("train", "--dry-run", "--run", "x"), "--resume"),  # was "not given": a new run
+        (("train", "--dry-run", "--run", "x"), "--rollouts-from"),  # was "not given": the run's own rollouts
+        (("eval", "task", "--k", "1"), "--model"),  # was ": neither a run folder ... nor a model folder"
+        (("rollout", "--data", "synthetic", "--output", "b.parquet"), "--model"),
+    ],
+)
+def test_an_empty_run_file_or_model_is_refused(tmp_path, monkeypatch, cli_error, command, flag):
+    monkeypatch.chdir(tmp_path)
+    line = cli_error(*command, "--out", tmp_path / "out", flag, "")
+    assert f"'{flag}': is empty; give " in line
+    assert list(tmp_path.iterdir()) == []

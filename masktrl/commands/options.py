@@ -37,6 +37,19 @@ RunOpt = Annotated[
 ]
 
 
+def not_empty(hint: str):
+    """A parser for a value option that names something (a run, a file, a model): an empty or
+    blank value (an unset shell variable) is refused with ``hint``, not read as "not given" or
+    as the current folder."""
+
+    def parse(value: str) -> str:
+        if not str(value).strip():
+            raise typer.BadParameter(f"is empty; {hint}")
+        return value
+
+    return parse
+
+
 def _out_folder(value: str | Path) -> Path:
     """--out as a Path; an empty one (an unset shell variable: ``--out "$OUT"``) is refused, not
     read as the current folder."""

@@ -6,11 +6,14 @@ from typing import Annotated
 
 import typer
 
+from masktrl.commands.options import not_empty
+
 ResumeOpt = Annotated[
     str | None,
     typer.Option(
         "--resume",
         metavar="RUN",
+        parser=not_empty("give the run to continue (a name under --out, or a folder)"),
         help="Continue RUN (a name: looked up under --out only; a run elsewhere as a path, ./NAME) "
         "from its last checkpoint.",
         show_default=False,
@@ -22,6 +25,7 @@ RolloutsFromOpt = Annotated[
     typer.Option(
         "--rollouts-from",
         metavar="RUN|FILE",
+        parser=not_empty("give a run (a name under --out, or a folder) or a rollout parquet file"),
         help="Train on stored rollouts: a run (folder, or name under --out) or a parquet file from `masktrl rollout`.",
         show_default=False,
     ),
