@@ -1,6 +1,8 @@
 """Bad input a hostile tester found past the checks, each run as the user types it: one line on
 stderr and exit code 2, nothing stored replaced, nothing written outside what was asked."""
 
+import json
+
 import pytest
 
 from tests.conftest import cli, copy_run, masktrl, write_tiny_config
@@ -131,3 +133,20 @@ def test_an_empty_run_file_or_model_is_refused(tmp_path, monkeypatch, cli_error,
     line = cli_error(*command, "--out", tmp_path / "out", flag, "")
     assert f"'{flag}': is empty; give " in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_of_a_replay_run_keeps_training_on_its_rollouts(finished, tmp_path):
+    """``--resume NAME`` of a run started with --rollouts-from sampled its own rollouts for the
+    steps left, and its summary said ``rollouts_from: null``; another source is refused."""
+    config, _, source = finished
+    out = tmp_path / "out"
+    args = ("train", "--config", config, "--out", out, "--run", "rp", "--rollouts-from", source)
+    assert masktrl(*args, env={"MASKTRL_CRASH_AT": "rollout-write:2"}).returncode == -9
+    other = masktrl("train", "--resume", "rp", "--out", out, "--rollouts-from", out / "rp")
+    assert other.returncode == 2 and "would mix another source into it" in other.stderr
+    r = masktrl("train", "--resume", "rp", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "rp" / "summary.json").read_text())
+    assert summary["rollouts_from"] == str(source)
+    batch = "steps/000002/rollouts.parquet"
+    assert (out / "rp" / batch).read_bytes() == (source / batch).read_bytes()

@@ -189,6 +189,8 @@ class Session:
             pid=os.getpid(),
             processes=self.processes.world,
             reason=None,
+            # what it trains on, so that --resume NAME continues on the same rollouts
+            rollouts_from=os.path.abspath(self.plan.rollouts_from) if self.plan.rollouts_from else None,
         )
         if store.writable and mode != "resume":
             if mode == "restart":
