@@ -150,3 +150,15 @@ def test_resume_of_a_replay_run_keeps_training_on_its_rollouts(finished, tmp_pat
     assert summary["rollouts_from"] == str(source)
     batch = "steps/000002/rollouts.parquet"
     assert (out / "rp" / batch).read_bytes() == (source / batch).read_bytes()
+
+
+@pytest.mark.parametrize("dry_run", [(), ("--dry-run",)])
+def test_run_and_resume_together_are_refused(finished, tmp_path, cli_error, dry_run):
+    """``--resume r --run other`` resumed r and ignored --run."""
+    _, out, root = copy_run(finished, tmp_path)
+    before = snapshot(root)
+    line = cli_error("train", "--resume", "r", "--run", "other", "--out", out, *dry_run)
+    assert line.endswith(
+        "--run other conflicts with --resume r (--run names a new run, --resume the run to continue): drop one"
+    )
+    assert snapshot(root) == before and not (out / "other").exists()

@@ -75,6 +75,11 @@ def plan_run(request: RunRequest, *, main: bool = True) -> Plan:
     or ``--force``), and what to do with the folder (``plan_start``; only the main process of a
     launch decides, the others follow it)."""
     r = request
+    if r.resume and r.run is not None:  # --run was ignored: the run continued was --resume's
+        raise MasktrlError(
+            f"--run {r.run} conflicts with --resume {r.resume} (--run names a new run, --resume the run "
+            "to continue): drop one"
+        )
     if r.resume:
         start = Start(resolve_run(r.resume, r.out), "resume")
     else:
