@@ -2,6 +2,7 @@
 stderr and exit code 2, nothing stored replaced, nothing written outside what was asked."""
 
 import json
+import shutil
 
 import pytest
 
@@ -162,3 +163,18 @@ def test_run_and_resume_together_are_refused(finished, tmp_path, cli_error, dry_
         "--run other conflicts with --resume r (--run names a new run, --resume the run to continue): drop one"
     )
     assert snapshot(root) == before and not (out / "other").exists()
+
+
+@pytest.mark.parametrize("force", [(), ("--force",)])
+def test_eval_output_that_is_a_folder_is_refused_before_generating(finished, tmp_path, cli_error, force):
+    """As rollout's: "pass --force to replace it", then "<tmp> -> <folder>: Is a directory"."""
+    _, _, root = finished
+    shutil.copytree(root / "checkpoints" / "000002", tmp_path / "model")
+    (tmp_path / "g.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+    (tmp_path / "reports" / "keep").mkdir(parents=True)
+    line = cli_error(
+        "eval", "gsm8k", "--model", tmp_path / "model", "--data", tmp_path / "g.jsonl", "--k", "1",
+        "--output", tmp_path / "reports", *force,
+    )  # fmt: skip
+    assert line.endswith(f"--output {tmp_path / 'reports'} is a folder; give the path of the JSON report to write")
+    assert [p.name for p in (tmp_path / "reports").iterdir()] == ["keep"]

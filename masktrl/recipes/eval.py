@@ -193,6 +193,8 @@ def _target(
     if ref.store is not None:
         refuse_symlink(ref.store.root)  # its report would be written outside --out
     path = Path(output) if output is not None else output_path(ref, bench, out)
+    if output is not None and path.is_dir():  # --force cannot replace a folder with a file: refused before generating
+        raise MasktrlError(f"--output {path} is a folder; give the path of the JSON report to write")
     if path.exists() and not force and recorded(ref, bench):
         raise MasktrlError(f"{path} already exists; pass --force to replace it (nothing was changed)")
     return ref, path
