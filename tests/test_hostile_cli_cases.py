@@ -178,3 +178,14 @@ def test_eval_output_that_is_a_folder_is_refused_before_generating(finished, tmp
     )  # fmt: skip
     assert line.endswith(f"--output {tmp_path / 'reports'} is a folder; give the path of the JSON report to write")
     assert [p.name for p in (tmp_path / "reports").iterdir()] == ["keep"]
+
+
+@pytest.mark.parametrize("analysis", [("dynamics", "{root}"), ("compare", "{root}"), ("estimators", "--run", "{root}")])
+def test_analysis_output_that_is_a_file_is_refused_naming_it(finished, tmp_path, cli_error, analysis):
+    """An analysis's --output is a folder; an existing file there gave "<file>: File exists"."""
+    _, _, root = finished
+    (tmp_path / "afile").write_text("x")
+    args = [a.format(root=root) for a in analysis]
+    line = cli_error("analyze", *args, "--output", tmp_path / "afile")
+    assert line.endswith(f"--output {tmp_path / 'afile'} is a file; an analysis writes a folder: give a folder's path")
+    assert (tmp_path / "afile").read_text() == "x"

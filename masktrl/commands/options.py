@@ -122,9 +122,13 @@ MethodOpt = Annotated[
 
 
 def outside_runs(value: Path | None) -> Path | None:
-    """An analysis's ``--output`` (a typer callback): never inside a run folder, but its analysis/."""
+    """An analysis's ``--output`` (a typer callback): a folder, never inside a run folder, but its
+    analysis/."""
     if value is not None:
+        from masktrl.errors import ConfigError
         from masktrl.runs.resolve import refuse_inside_run
 
+        if value.exists() and not value.is_dir():  # it said "<file>: File exists"
+            raise ConfigError(f"--output {value} is a file; an analysis writes a folder: give a folder's path")
         refuse_inside_run(value, analysis_ok=True)
     return value
