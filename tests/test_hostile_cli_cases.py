@@ -145,12 +145,21 @@ def test_resume_of_a_replay_run_keeps_training_on_its_rollouts(finished, tmp_pat
     assert masktrl(*args, env={"MASKTRL_CRASH_AT": "rollout-write:2"}).returncode == -9
     other = masktrl("train", "--resume", "rp", "--out", out, "--rollouts-from", out / "rp")
     assert other.returncode == 2 and "would mix another source into it" in other.stderr
+    shutil.copytree(out / "rp", tmp_path / "out2" / "rp")  # the crashed run twice: plain and forced resume
     r = masktrl("train", "--resume", "rp", "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((out / "rp" / "summary.json").read_text())
     assert summary["rollouts_from"] == str(source)
     batch = "steps/000002/rollouts.parquet"
     assert (out / "rp" / batch).read_bytes() == (source / batch).read_bytes()
+    # a source that moved (another machine, say): --force trains the rest on it, and the run records it
+    moved = shutil.copytree(source, tmp_path / "moved" / "r")
+    out2 = tmp_path / "out2"
+    r = masktrl("train", "--resume", "rp", "--out", out2, "--rollouts-from", moved, "--force")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((out2 / "rp" / "summary.json").read_text())["rollouts_from"] == str(moved)
+    assert json.loads((out2 / "rp" / "manifest.json").read_text())["rollouts_from"] == str(moved)
+    assert (out2 / "rp" / batch).read_bytes() == (source / batch).read_bytes()
 
 
 @pytest.mark.parametrize("dry_run", [(), ("--dry-run",)])

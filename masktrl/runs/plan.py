@@ -102,24 +102,29 @@ def plan_run(request: RunRequest, *, main: bool = True) -> Plan:
         store.check_resumable()
         if r.resume:
             cfg, changed = _resume_config(store, r)
-        rollouts_from = _resume_rollouts_from(store, rollouts_from)
+        rollouts_from = _resume_rollouts_from(store, rollouts_from, force=r.force)
     return Plan(start, cfg, rollouts_from, changed, explicit_resume=bool(r.resume))
 
 
-def _resume_rollouts_from(store: RunStore, given: str | None) -> str | None:
+def _resume_rollouts_from(store: RunStore, given: str | None, *, force: bool = False) -> str | None:
     """The rollout source a resumed run trains on: the one it recorded when it started (as
     ``--resume`` takes the run's config), ``given`` for a run that recorded none (written before
-    runs recorded it); another source than the recorded one is refused, not mixed into the run."""
+    runs recorded it); another source than the recorded one is refused, not mixed into the run,
+    unless ``--force`` (as for a changed config: a source that moved, or another on purpose; the
+    run then records the new one)."""
     manifest = store.manifest
     if "rollouts_from" not in manifest:
         return given
     recorded = manifest["rollouts_from"]
     if given is None or (recorded is not None and os.path.abspath(given) == recorded):
         return recorded
+    if force:
+        return given
     was = f"--rollouts-from {recorded}" if recorded else "its own rollouts (no --rollouts-from)"
     raise MasktrlError(
         f"{store.root}: this run trains on {was}; --rollouts-from {given} would mix another source "
-        "into it: resume it without --rollouts-from, or start another --run (nothing was changed)"
+        "into it: resume it without --rollouts-from, add --force to train its remaining steps on this "
+        "source (one that moved, say), or start another --run (nothing was changed)"
     )
 
 
