@@ -93,6 +93,21 @@ def analysis_runs(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A complete 2-step run of the tiny config, one per test module: ``(config, out, root)``
+    (copy it with ``copy_run`` before changing it)."""
+    base = tmp_path_factory.mktemp("finished")
+    config = write_tiny_config(base / "tiny.yaml")
+    cli("train", "--config", config, "--out", base / "out", "--run", "r")
+    return config, base / "out", base / "out" / "r"
+
+
+def snapshot(root) -> dict:
+    """Every file under ``root`` and its bytes: equal before and after means nothing changed."""
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
 def copy_run(finished, tmp_path):
     """A copy of a module fixture's finished run ``(config, out, root)`` under ``tmp_path/out``,
     to change without touching the shared one."""

@@ -6,20 +6,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import cli, copy_run, masktrl, write_tiny_config
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A complete 2-step run (copy it before changing it)."""
-    base = tmp_path_factory.mktemp("hostile")
-    config = write_tiny_config(base / "tiny.yaml")
-    cli("train", "--config", config, "--out", base / "out", "--run", "r")
-    return config, base / "out", base / "out" / "r"
-
-
-def snapshot(root):
-    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+from tests.conftest import cli, copy_run, masktrl, snapshot
 
 
 @pytest.mark.parametrize("dry_run", [(), ("--dry-run",)])

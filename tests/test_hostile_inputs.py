@@ -11,21 +11,8 @@ import pytest
 from masktrl.io import sha256_file
 from masktrl.rollout.storage import read_rollouts
 from masktrl.runs.store import RunStore
-from tests.conftest import cli, copy_run, masktrl_env, tiny_yaml, write_tiny_config
+from tests.conftest import cli, copy_run, masktrl_env, snapshot, tiny_yaml, write_tiny_config
 from tests.test_readers import alias_bomb
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A complete 2-step run (copy it before changing it)."""
-    base = tmp_path_factory.mktemp("hostile")
-    config = write_tiny_config(base / "tiny.yaml")
-    cli("train", "--config", config, "--out", base / "out", "--run", "r")
-    return config, base / "out", base / "out" / "r"
-
-
-def snapshot(root):
-    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 def nothing_written(tmp_path) -> bool:

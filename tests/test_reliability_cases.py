@@ -14,20 +14,7 @@ import pytest
 
 from masktrl.rollout.storage import read_rollouts, write_rollouts
 from masktrl.runs.store import RunStore, eval_key
-from tests.conftest import cli, copy_run, masktrl, write_tiny_config
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A complete 2-step run (copy it before changing it)."""
-    base = tmp_path_factory.mktemp("cases")
-    config = write_tiny_config(base / "tiny.yaml")
-    cli("train", "--config", config, "--out", base / "out", "--run", "r")
-    return config, base / "out", base / "out" / "r"
-
-
-def snapshot(root):
-    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+from tests.conftest import cli, copy_run, masktrl, snapshot
 
 
 def tree(root):
