@@ -119,7 +119,7 @@ def test_an_empty_out_is_refused_not_read_as_the_current_folder(tmp_path, monkey
 def test_an_empty_run_file_or_model_is_refused(tmp_path, monkeypatch, cli_error, command, flag):
     monkeypatch.chdir(tmp_path)
     line = cli_error(*command, "--out", tmp_path / "out", flag, "")
-    assert f"'{flag}': is empty; give " in line
+    assert flag in line and "is empty; give " in line
     assert list(tmp_path.iterdir()) == []
 
 

@@ -742,7 +742,8 @@ def test_dry_run_prints_the_config_and_writes_nothing(finished, tmp_path, cli_er
     assert "run total <=" in r.output  # retention.project on the policy's parameter count
     assert not (tmp_path / "out").exists()
     before = snapshot(out)
-    r = cli("train", "--resume", "r", "--out", out, "--dry-run", "--rollouts-from", root)
+    # the run trained on its own rollouts: another source on resume takes --force (else refused)
+    r = cli("train", "--resume", "r", "--out", out, "--dry-run", "--force", "--rollouts-from", root)
     assert "resume it" in r.output and "2 batches, verified" in r.output
     assert snapshot(out) == before
     one_line(

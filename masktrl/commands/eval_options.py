@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from masktrl.commands.options import not_empty
 from masktrl.config import EVAL_BENCHMARKS
 
 BenchArg = Annotated[
@@ -24,7 +23,6 @@ ModelOpt = Annotated[
     typer.Option(
         "--model",
         metavar="RUN|MODEL|FOLDER",
-        parser=not_empty("give a run (a name under --out, or a folder), a model folder or a hub id"),
         help="A run (folder, or name under --out), a folder of runs (a sweep's: each complete run, skipping reports "
         "that exist), a model folder, or a hub id (local cache only).",
         show_default=False,

@@ -15,6 +15,8 @@ from typing import Annotated
 
 import typer
 
+from masktrl.commands.values import out_folder
+
 DEFAULT_OUT = Path("outputs")
 
 
@@ -37,31 +39,10 @@ RunOpt = Annotated[
 ]
 
 
-def not_empty(hint: str):
-    """A parser for a value option that names something (a run, a file, a model): an empty or
-    blank value (an unset shell variable) is refused with ``hint``, not read as "not given" or
-    as the current folder."""
-
-    def parse(value: str) -> str:
-        if not str(value).strip():
-            raise typer.BadParameter(f"is empty; {hint}")
-        return value
-
-    return parse
-
-
-def _out_folder(value: str | Path) -> Path:
-    """--out as a Path; an empty one (an unset shell variable: ``--out "$OUT"``) is refused, not
-    read as the current folder."""
-    if not str(value).strip():
-        raise typer.BadParameter("is empty; give the folder that holds runs (default: outputs)")
-    return Path(value)
-
-
 OutOpt = Annotated[
     Path,
     typer.Option(
-        "--out", metavar="DIR", parser=_out_folder, help="Folder holding runs; a run given by name is looked up here."
+        "--out", metavar="DIR", parser=out_folder, help="Folder holding runs; a run given by name is looked up here."
     ),
 ]
 SeedOpt = Annotated[
@@ -119,16 +100,3 @@ def method_help() -> str:
 MethodOpt = Annotated[
     str | None, typer.Option("--method", "-m", metavar="NAME|FILE.py:NAME", help=method_help(), show_default=False)
 ]
-
-
-def outside_runs(value: Path | None) -> Path | None:
-    """An analysis's ``--output`` (a typer callback): a folder, never inside a run folder, but its
-    analysis/."""
-    if value is not None:
-        from masktrl.errors import ConfigError
-        from masktrl.runs.resolve import refuse_inside_run
-
-        if value.exists() and not value.is_dir():  # it said "<file>: File exists"
-            raise ConfigError(f"--output {value} is a file; an analysis writes a folder: give a folder's path")
-        refuse_inside_run(value, analysis_ok=True)
-    return value

@@ -7,14 +7,11 @@ from typing import Annotated
 
 import typer
 
-from masktrl.commands.options import not_empty
-
 ModelOpt = Annotated[
     str,
     typer.Option(
         "--model",
         metavar="RUN|MODEL",
-        parser=not_empty("give a run (a name under --out, or a folder), a model folder or a hub id"),
         help="A run (folder, or name under --out; its latest checkpoint, or --step), a model "
         "folder or a cached hub id.",
     ),

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from masktrl.commands.options import not_empty
+from masktrl.commands.values import not_empty
 
 ResumeOpt = Annotated[
     str | None,

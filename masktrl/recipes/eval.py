@@ -39,7 +39,7 @@ from masktrl.rl.evaluation import (
 )
 from masktrl.rollout.base import SamplingSettings
 from masktrl.runs.locks import refuse_symlink
-from masktrl.runs.resolve import ModelRef, refuse_inside_run, resolve_model
+from masktrl.runs.resolve import ModelRef, model_path, refuse_inside_run, resolve_model
 from masktrl.runs.store import RunStore, eval_key, is_run_folder
 
 MATH_MAX_NEW_TOKENS = 4096  # default response length on math benchmarks for a model that is not a math run
@@ -220,7 +220,7 @@ def _bench_config(bench: str, ref: ModelRef, opts: EvalOptions) -> Config:
 def folder_runs(model: str) -> list[Path] | None:
     """The run folders in ``model`` when it is a folder of runs (a sweep's ``--out``: neither a run
     nor a model folder, with run folders in it), in name order; else None."""
-    p = Path(model)
+    p = model_path(model)
     if not p.is_dir() or is_run_folder(p) or (p / "config.json").is_file():
         return None
     return sorted(c for c in p.iterdir() if is_run_folder(c)) or None

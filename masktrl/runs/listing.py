@@ -51,8 +51,7 @@ def describe(root: Path) -> dict:
 
 def _describe(store: RunStore, row: dict) -> None:
     m = store.manifest
-    if store.is_done("config"):  # run.yaml against its recorded hash, as every other reader checks it
-        store.verify("config")
+    store.verify_config()
     row.update(
         method=m.get("method"),
         seed=m.get("seed"),

@@ -24,11 +24,19 @@ class ModelRef:
     step: int | None = None  # 0 = the run's starting policy (warm start)
 
 
+def model_path(model: str) -> Path:
+    """``--model`` as a path; an empty or blank one (an unset shell variable) is refused, not read
+    as the current folder."""
+    if not str(model).strip():
+        raise ConfigError("--model is empty; give a run (a name under --out, or a folder), a model folder or a hub id")
+    return Path(model)
+
+
 def resolve_model(model: str, step: int | None, out: Path | None = None) -> ModelRef:
     """A run folder or a run's name under ``out`` (its checkpoint at ``step``, default the latest
     complete one; step 0 is the warm-start policy), a checkpoint folder inside a run, a model
     folder, or a hub id."""
-    p = Path(model)
+    p = model_path(model)
     if not is_path_like(model):  # a name: a run under --out only (a run elsewhere is given as a path)
         if out is not None and is_run_folder(Path(out) / model):
             p = Path(out) / model

@@ -822,6 +822,12 @@ class RunStore:
     def is_complete(self) -> bool:
         return (self.root / "summary.json").is_file() and self.exists() and self.manifest.get("status") == "complete"
 
+    def verify_config(self) -> None:
+        """run.yaml against the hash the manifest records, when it records one (``masktrl runs``
+        lists a run that fails it as damaged, as every reader of the run refuses it)."""
+        if self.is_done("config"):
+            self.verify("config")
+
     def check_resumable(self) -> None:
         """Refuse to resume from a folder that is not a masktrl run or whose config file changed."""
         if not self.root.is_dir():

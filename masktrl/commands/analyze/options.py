@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from masktrl.commands.options import outside_runs
+from masktrl.commands.values import outside_runs
 
 RunArg = Annotated[
     str, typer.Option("--run", metavar="RUN", help="Run folder, or a run name under --out.", show_default=False)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from masktrl.commands.options import outside_runs
+from masktrl.commands.values import outside_runs
 
 StudyRunsOpt = Annotated[
     list[str],

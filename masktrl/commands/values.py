@@ -1,0 +1,43 @@
+"""Parsers and callbacks for option values that several commands share: a value that names a
+run, a file or a folder is never empty (an unset shell variable), ``--out`` is a folder, and an
+analysis's ``--output`` is a folder outside the runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def not_empty(hint: str):
+    """A parser for a value option that names something (a run, a file, a model): an empty or
+    blank value (an unset shell variable) is refused with ``hint``, not read as "not given" or
+    as the current folder."""
+
+    def parse(value: str) -> str:
+        if not str(value).strip():
+            raise typer.BadParameter(f"is empty; {hint}")
+        return value
+
+    return parse
+
+
+def out_folder(value: str | Path) -> Path:
+    """--out as a Path; an empty one (an unset shell variable: ``--out "$OUT"``) is refused, not
+    read as the current folder."""
+    if not str(value).strip():
+        raise typer.BadParameter("is empty; give the folder that holds runs (default: outputs)")
+    return Path(value)
+
+
+def outside_runs(value: Path | None) -> Path | None:
+    """An analysis's ``--output`` (a typer callback): a folder, never inside a run folder, but its
+    analysis/."""
+    if value is not None:
+        from masktrl.errors import ConfigError
+        from masktrl.runs.resolve import refuse_inside_run
+
+        if value.exists() and not value.is_dir():  # it said "<file>: File exists"
+            raise ConfigError(f"--output {value} is a file; an analysis writes a folder: give a folder's path")
+        refuse_inside_run(value, analysis_ok=True)
+    return value
