@@ -37,8 +37,6 @@ RunOpt = Annotated[
     str | None,
     typer.Option("--run", metavar="NAME", help="Run name (default: <method>-<timestamp>).", show_default=False),
 ]
-
-
 OutOpt = Annotated[
     Path,
     typer.Option(

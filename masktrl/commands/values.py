@@ -25,9 +25,7 @@ def not_empty(hint: str):
 def out_folder(value: str | Path) -> Path:
     """--out as a Path; an empty one (an unset shell variable: ``--out "$OUT"``) is refused, not
     read as the current folder."""
-    if not str(value).strip():
-        raise typer.BadParameter("is empty; give the folder that holds runs (default: outputs)")
-    return Path(value)
+    return Path(not_empty("give the folder that holds runs (default: outputs)")(str(value)))
 
 
 def outside_runs(value: Path | None) -> Path | None:

@@ -40,10 +40,7 @@ class RolloutOptions:
     overrides: tuple[str, ...] = ()  # --set task.KEY=VALUE (and model.chat_template=...)
 
     def validate(self) -> None:
-        for name in ("n", "logprobs_k"):
-            if getattr(self, name) < 1:
-                raise MasktrlError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("prompts", "max_new_tokens"):  # None: the default; 0 read as "not given" before
+        for name in ("n", "logprobs_k", "prompts", "max_new_tokens"):  # prompts, max_new_tokens: None is the default
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise MasktrlError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
