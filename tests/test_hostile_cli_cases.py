@@ -123,6 +123,7 @@ def test_an_empty_run_file_or_model_is_refused(tmp_path, monkeypatch, cli_error,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # three runs in child processes (about 20 s)
 def test_resume_of_a_replay_run_keeps_training_on_its_rollouts(finished, tmp_path):
     """``--resume NAME`` of a run started with --rollouts-from sampled its own rollouts for the
     steps left, and its summary said ``rollouts_from: null``; another source is refused."""
