@@ -876,7 +876,8 @@ def load_config(
     paths: str | Path | list | tuple | None = None, overrides: list[str] | tuple[str, ...] = (), **direct: Any
 ) -> Config:
     """Defaults < YAML files in order (none given: configs/tiny.yaml) < ``direct`` (e.g.
-    method="sis", seed=3) < ``key=value`` overrides."""
+    method="sis", seed=3) < ``key=value`` overrides; an override of a ``direct`` key to another
+    value is a ConfigError (``--seed 1 --set seed=2``)."""
     if paths is None or isinstance(paths, (str, Path)):
         paths = [paths] if paths is not None else []
     raw: dict = {}
@@ -884,6 +885,7 @@ def load_config(
         paths = [DEFAULT_CONFIG]
     for path in paths:
         raw = merge_config(raw, _read_yaml(config_path(path)))
+    _refuse_conflicts(direct, overrides)
     for key, value in direct.items():
         if value is None:
             continue
@@ -899,6 +901,21 @@ def load_config(
         if isinstance(raw["method"].get("correction"), dict):
             raw["method"]["correction"].pop("sha256", None)
     return from_dict(raw)
+
+
+_FLAG_KEYS = {"seed": "seed", "method": "method", "method.name": "method"}  # --set key -> the flag it repeats
+
+
+def _refuse_conflicts(direct: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> None:
+    """ConfigError for a ``--set`` that gives another value than its own flag (``--seed 1 --set
+    seed=2``, ``--method grpo --set method.name=dppo``): one of the two would be dropped silently.
+    The same value twice is no conflict."""
+    for item in overrides:
+        key, _, text = item.partition("=")
+        flag = _FLAG_KEYS.get(key.strip())
+        given = direct.get(flag) if flag else None
+        if given is not None and _parse_scalar(text, key.strip()) != given:
+            raise ConfigError(f"--set {item} conflicts with --{flag} {given}: drop one")
 
 
 def read_overrides(

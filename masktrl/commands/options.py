@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from masktrl.commands.values import out_folder
+from masktrl.commands.values import config_file, out_folder
 
 DEFAULT_OUT = Path("outputs")
 
@@ -26,6 +26,7 @@ ConfigOpt = Annotated[
         "--config",
         "-c",
         metavar="FILE",
+        parser=config_file,
         show_default=False,
         help="YAML file, or a shipped preset by name from any folder (lab, qwen3-4b, "
         "methods/pdm-agg; default: tiny). "
@@ -64,6 +65,7 @@ TaskConfigOpt = Annotated[
         "--config",
         "-c",
         metavar="FILE",
+        parser=config_file,
         help="YAML file whose task section (and model.chat_template) sets the dataset, reward and "
         "template, as for train (docs/TASKS.md); repeatable, a later file overrides "
         "an earlier one.",

@@ -28,6 +28,11 @@ def out_folder(value: str | Path) -> Path:
     return Path(not_empty("give the folder that holds runs (default: outputs)")(str(value)))
 
 
+def config_file(value: str | Path) -> Path:
+    """--config as a Path; an empty one is refused, not read as the current folder."""
+    return Path(not_empty("give a YAML file or a preset name (lab, tiny, methods/pdm-agg)")(str(value)))
+
+
 def outside_runs(value: Path | None) -> Path | None:
     """An analysis's ``--output`` (a typer callback): a folder, never inside a run folder, but its
     analysis/."""

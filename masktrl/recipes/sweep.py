@@ -129,6 +129,8 @@ def check_flags(
                 f"--set {item} conflicts with --methods (every run of a sweep takes its method from "
                 "--methods): drop one"
             )
+    if baseline is not None and not baseline.strip():
+        raise ConfigError(f"--baseline is empty: give one of the swept methods ({', '.join(methods)})")
     if baseline is not None and baseline not in methods and baseline not in {split_method(m)[0] for m in methods}:
         raise ConfigError(f"--baseline {baseline} is not among the swept methods ({', '.join(methods)})")
     for flag, given in (("--no-submit", no_submit), ("--resubmit", resubmit)):

@@ -19,6 +19,8 @@ def list_runs(folder: Path) -> list[dict]:
     """One row per run folder under ``folder``; a damaged run is listed as ``damaged`` with the
     reason, and the listing goes on."""
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise MasktrlError(f"{folder} is a file, not a folder of runs")
     if not folder.is_dir():
         raise MasktrlError(f"no such folder: {folder}")
     rows = []

@@ -192,6 +192,8 @@ def resolve_run(run: str | Path, out: Path | None = None) -> Path:
         return path
     if path.is_dir():
         raise ArtifactError(f"{path}: not a masktrl run folder (no run.yaml)")
+    if path.exists():
+        raise ArtifactError(f"{path}: a file, not a run folder")
     raise ArtifactError(f"unknown run {run}: no such folder{where}")
 
 

@@ -193,6 +193,8 @@ def load_math_file(path: str | os.PathLike, source: str | None = None) -> list[E
     """
     path = Path(path)
     suffix = path.suffix.lower()
+    if path.is_dir():
+        raise DataError(f"{path} is a folder: give a .jsonl/.json/.parquet file")
     if suffix not in SUFFIXES:
         raise DataError(f"{path}: unsupported file type {suffix or '(none)'!r}; use {FIELDS_HINT}")
     if not path.is_file():
