@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from masktrl.config import EVAL_BENCHMARKS, OWN_TASK_BENCHMARKS, Config
-from masktrl.errors import ConfigError, MasktrlError
+from masktrl.errors import ConfigError
 from masktrl.rl.checks import fit_context, model_context
 from masktrl.rl.evaluation import (
     EvalBatches,
@@ -39,7 +39,7 @@ from masktrl.rl.evaluation import (
 )
 from masktrl.rollout.base import SamplingSettings
 from masktrl.runs.locks import refuse_symlink
-from masktrl.runs.resolve import ModelRef, model_path, refuse_inside_run, resolve_model
+from masktrl.runs.resolve import ModelRef, model_path, refuse_inside_run, refuse_output_file, resolve_model
 from masktrl.runs.store import RunStore, eval_key, is_run_folder
 
 MATH_MAX_NEW_TOKENS = 4096  # default response length on math benchmarks for a model that is not a math run
@@ -193,10 +193,7 @@ def _target(
     if ref.store is not None:
         refuse_symlink(ref.store.root)  # its report would be written outside --out
     path = Path(output) if output is not None else output_path(ref, bench, out)
-    if output is not None and path.is_dir():  # --force cannot replace a folder with a file: refused before generating
-        raise MasktrlError(f"--output {path} is a folder; give the path of the JSON report to write")
-    if path.exists() and not force and recorded(ref, bench):
-        raise MasktrlError(f"{path} already exists; pass --force to replace it (nothing was changed)")
+    refuse_output_file(path, "JSON report", replace=force or not recorded(ref, bench))
     return ref, path
 
 

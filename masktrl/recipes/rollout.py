@@ -19,7 +19,7 @@ from masktrl.rl.collect import generate_groups, score_groups, set_advantages
 from masktrl.rl.evaluation import bench_task_config, build_task, eval_chat, load_engine
 from masktrl.rollout.base import SamplingSettings, check_sampling
 from masktrl.rollout.storage import write_rollouts
-from masktrl.runs.resolve import refuse_inside_run, resolve_model
+from masktrl.runs.resolve import refuse_inside_run, refuse_output_file, resolve_model
 from masktrl.seeding import stream_seed
 from masktrl.tasks import make_eval_task
 from masktrl.tasks.math_data import BENCHMARKS
@@ -65,10 +65,7 @@ def run(
     opts.validate()
     out_file = Path(out_file)
     refuse_inside_run(out_file)  # a run's stored batch is recorded with its hash: never replaced from outside
-    if out_file.is_dir():  # --force cannot replace a folder with a file: refused before any generation
-        raise MasktrlError(f"--output {out_file} is a folder; give the path of the parquet file to write")
-    if out_file.exists() and not force:
-        raise MasktrlError(f"{out_file} already exists; pass --force to replace it (nothing was changed)")
+    refuse_output_file(out_file, "parquet file", replace=force)
     ref = resolve_model(model, step, out)
     cfg = ref.cfg or Config()
     cfg = replace(

@@ -74,6 +74,16 @@ def run_containing(path: Path) -> Path | None:
     return None
 
 
+def refuse_output_file(path: Path, what: str, *, replace: bool) -> None:
+    """A file a command is about to write (rollout's parquet, eval's report), checked before any
+    generation: refused when it is a folder (``--force`` cannot replace a folder with a file), or
+    when it exists and ``replace`` (``--force``) is false."""
+    if path.is_dir():
+        raise MasktrlError(f"--output {path} is a folder; give the path of the {what} to write")
+    if path.exists() and not replace:
+        raise MasktrlError(f"{path} already exists; pass --force to replace it (nothing was changed)")
+
+
 def refuse_inside_run(path: Path, flag: str = "--output", *, analysis_ok: bool = False) -> None:
     """ConfigError when ``path`` lies inside a run folder: a run's files are written by its own
     commands only and recorded with their hashes; a file put there by another would replace one
