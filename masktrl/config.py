@@ -49,6 +49,9 @@ MAX_INT = 2**31 - 1
 """The largest integer any config key accepts (sizes, counts, steps)."""
 MAX_SEED = 2**32 - 1
 """The largest seed: what every generator seeded from it (torch, numpy, python) accepts."""
+MIN_TEMPERATURE = 1e-5
+"""The lowest sampling temperature: below it sampling is greedy decoding but for ties, and far
+below it logits / T overflow float32 (1e-320 is 0 in float32) and sample NaN."""
 EVAL_BENCHMARKS = ("task", "synthetic", "aime24", "aime25", "aime", "math500", "gsm8k")
 """`masktrl eval` benchmarks: task (alias synthetic) = the run's own held-out
 split of a synthetic task; aime = aime24 + aime25."""
@@ -394,7 +397,7 @@ class RolloutConfig:
     """Responses cut at max_new_tokens get no gradient (their reward still enters
     the group baseline; TRL mask_truncated_completions)."""
     temperature: float = 1.0
-    """Sampling temperature T; the recorded behaviour log-probs and the trained pi are both
+    """Sampling temperature T (>= 1e-5); the recorded behaviour log-probs and the trained pi are both
     log_softmax(logits / T)."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1: off); the recorded behaviour distribution is the truncated one,
@@ -520,7 +523,7 @@ class RolloutConfig:
             raise ConfigError(f"rollout.sleep_mode needs rollout.engine=vllm, got {self.engine!r}")
         for name in ("prompts_per_step", "n", "max_new_tokens", "logprobs_k", "batch_size"):
             _positive(f"rollout.{name}", getattr(self, name))
-        _positive("rollout.temperature", self.temperature)
+        check_temperature("rollout.temperature", self.temperature)
         _non_negative("rollout.top_k", self.top_k)
         check_staleness(self.staleness)
         check_partial(self)
@@ -1121,6 +1124,8 @@ def presets() -> list[str]:
 def _read_yaml(path: Path) -> dict:
     """A config file, read with the bounded loader (``masktrl/readers.py``: a duplicate key,
     nesting deeper than 64 levels, a recursive alias or an alias bomb is one ConfigError line)."""
+    if path.is_dir():
+        raise ConfigError(f"config {path} is a folder: give a YAML file or a preset name")
     if not path.is_file():
         names = ", ".join(presets())
         raise ConfigError(
@@ -1280,6 +1285,19 @@ def flatten(d: dict, prefix: str = "") -> dict:
 def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
         raise ConfigError(f"{key} must be one of {', '.join(options)}; got {value!r}")
+
+
+def check_temperature(key: str, value: float, *, greedy: bool = False) -> None:
+    """ConfigError unless ``value`` is a finite sampling temperature >= MIN_TEMPERATURE, or, with
+    ``greedy``, 0 (greedy decoding)."""
+    if greedy and value == 0:
+        return
+    if not (math.isfinite(value) and value >= MIN_TEMPERATURE):
+        raise ConfigError(
+            f"{key} must be a finite number >= {MIN_TEMPERATURE:g}"
+            + (" or 0 (greedy)" if greedy else "")
+            + f" (below it sampling is greedy decoding but for ties, and logits / T can overflow), got {value}"
+        )
 
 
 def _positive(key: str, value: float) -> None:

@@ -68,3 +68,13 @@ def test_sweep_empty_baseline(tmp_path, cli_error):
     line = cli_error("sweep", "--baseline", "", "--out", tmp_path / "out")
     assert line == "error: --baseline is empty: give one of the swept methods (grpo, dppo, pdm, sis)"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", ["1e-320", "1e-6", "0"])
+def test_a_vanishing_rollout_temperature_is_refused(tmp_path, cli_error, value):
+    """``--set rollout.temperature=1e-320`` passed ``--dry-run`` and failed at step 1 with "its
+    weights have diverged" (1e-320 is 0 in float32: logits / T are infinite)."""
+    line = cli_error("train", "--dry-run", "--out", tmp_path / "out", "--set", f"rollout.temperature={value}")
+    assert line.startswith("error: rollout.temperature must be a finite number >= 1e-05 (below it sampling is greedy")
+    assert line.endswith(f"got {float(value)}") or line.endswith(f"got {value}")
+    assert not (tmp_path / "out").exists()

@@ -172,11 +172,15 @@ def test_deep_warmstart_json_rebuilds_the_entry(finished, tmp_path):
 # --------------------------------------------------------------------------- numbers
 
 
+WHY = "(below it sampling is greedy decoding but for ties, and logits / T can overflow), got "
+
+
 @pytest.mark.parametrize(
     "flag, value, needle",
     [
-        ("--temperature", "nan", "--temperature must be a finite number >= 0 (0: greedy), got nan"),
-        ("--temperature", "inf", "--temperature must be a finite number >= 0 (0: greedy), got inf"),
+        ("--temperature", "nan", f"--temperature must be a finite number >= 1e-05 or 0 (greedy) {WHY}nan"),
+        ("--temperature", "inf", f"--temperature must be a finite number >= 1e-05 or 0 (greedy) {WHY}inf"),
+        ("--temperature", "1e-320", f"--temperature must be a finite number >= 1e-05 or 0 (greedy) {WHY}1e-320"),
         ("--top-p", "0", "--top-p must be in (0, 1], got 0.0"),
         ("--top-p", "nan", "--top-p must be in (0, 1], got nan"),
     ],
@@ -191,8 +195,9 @@ def test_eval_refuses_non_finite_sampling(finished, tmp_path, cli_error, flag, v
 @pytest.mark.parametrize(
     "flag, value, needle",
     [
-        ("--temperature", "inf", "--temperature must be a finite number > 0, got inf"),
-        ("--temperature", "nan", "--temperature must be a finite number > 0, got nan"),
+        ("--temperature", "inf", f"--temperature must be a finite number >= 1e-05 {WHY}inf"),
+        ("--temperature", "nan", f"--temperature must be a finite number >= 1e-05 {WHY}nan"),
+        ("--temperature", "1e-320", f"--temperature must be a finite number >= 1e-05 {WHY}1e-320"),
         ("--top-p", "1.5", "--top-p must be in (0, 1], got 1.5"),
     ],
 )
@@ -218,8 +223,7 @@ def test_rollout_file_recording_an_infinite_temperature_is_refused(finished, tmp
     line = cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", path)
     assert (
         line == f"error: {path}: its recorded sampling cannot be trained on (temperature must be a "
-        "finite number "
-        "> 0, got inf)"
+        f"finite number >= 1e-05 {WHY}inf)"
     )
     assert nothing_written(tmp_path)
 

@@ -89,12 +89,16 @@ def test_method_name_of_the_wrong_type_is_a_value_error():
             get_method(name)
 
 
+WHY = "(below it sampling is greedy decoding but for ties, and logits / T can overflow), got "
+
+
 @pytest.mark.parametrize(
     "temperature, top_p, needle",
     [
-        (math.inf, 1.0, "temperature must be a finite number > 0, got inf"),
-        (math.nan, 1.0, "temperature must be a finite number > 0, got nan"),
-        (0.0, 1.0, "temperature must be a finite number > 0, got 0.0"),
+        (math.inf, 1.0, f"temperature must be a finite number >= 1e-05 {WHY}inf"),
+        (math.nan, 1.0, f"temperature must be a finite number >= 1e-05 {WHY}nan"),
+        (1e-320, 1.0, f"temperature must be a finite number >= 1e-05 {WHY}1e-320"),
+        (0.0, 1.0, f"temperature must be a finite number >= 1e-05 {WHY}0.0"),
         (1.0, math.nan, "top_p must be in (0, 1], got nan"),
         (1.0, 0.0, "top_p must be in (0, 1], got 0.0"),
         (1.0, 1.5, "top_p must be in (0, 1], got 1.5"),

@@ -12,13 +12,12 @@ and ``--output`` never lies inside a run folder.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from masktrl.config import EVAL_BENCHMARKS, OWN_TASK_BENCHMARKS, Config
+from masktrl.config import EVAL_BENCHMARKS, OWN_TASK_BENCHMARKS, Config, check_temperature
 from masktrl.errors import ConfigError
 from masktrl.rl.checks import fit_context, model_context
 from masktrl.rl.evaluation import (
@@ -76,8 +75,7 @@ class EvalOptions:
                 "problem); --batch-size bounds what is generated at once, not the "
                 "report"
             )
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan and inf are not temperatures
-            raise ConfigError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.temperature}")
+        check_temperature("--temperature", self.temperature, greedy=True)
         if self.temperature == 0 and self.k != 1:
             raise ConfigError("--temperature 0 is greedy decoding: all k samples would be identical; use --k 1")
         if not 0 < self.top_p <= 1:

@@ -9,13 +9,13 @@ so the trainer, the store and the analyses never know which engine ran.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from masktrl.config import check_temperature
 from masktrl.errors import ConfigError
 
 
@@ -43,16 +43,13 @@ class SamplingSettings:
 
 
 def check_sampling(temperature: float, top_p: float, names: tuple[str, str] = ("temperature", "top_p")) -> None:
-    """ConfigError (naming ``names``) unless ``temperature`` is a finite number > 0 and ``top_p``
-    lies in (0, 1]: an infinite temperature samples uniformly and records nothing an engine
-    can reproduce, a NaN one samples nothing."""
+    """ConfigError (naming ``names``) unless ``temperature`` is a finite number >= MIN_TEMPERATURE
+    and ``top_p`` lies in (0, 1]: an infinite temperature samples uniformly and records nothing an
+    engine can reproduce, a NaN one samples nothing, a vanishing one samples NaN."""
     t_name, p_name = names
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not (math.isfinite(temperature) and temperature > 0)
-    ):
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise ConfigError(f"{t_name} must be a finite number > 0, got {temperature}")
+    check_temperature(t_name, temperature)
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ConfigError(f"{p_name} must be in (0, 1], got {top_p}")
 
