@@ -148,6 +148,7 @@ def test_a_runs_phases_come_from_its_own_clocks(tmp_path):
     assert rpch.run_phases(tmp_path, {"warmstart": None}, 20.0)["warm start"] == 0.0  # a cached or absent one
 
 
+@pytest.mark.slow  # about 18 s: keeps the fast suite under its 15 minutes (861 s on a 2-core AMD EPYC with it)
 def test_runs_per_cpu_hour_commands_pass_the_pre_write_checks(tmp_path):
     """The fast variant's overrides are keys `masktrl train` accepts, on the lab and the agentic lab,
     and fast-fused's on the lab (checked by --dry-run, nothing run; the default variant adds no

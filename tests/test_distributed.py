@@ -89,9 +89,10 @@ def reference(tmp_path_factory):
     "sets",
     [
         ["--set", "train.grad_accum=2"],
-        ["--method", "grpo", "--set", "train.minibatches=1"],
-        ["--set", "train.packing=true", "--set", "train.micro_batch_tokens=40"],
-        # against the one-process foreach run: rounding only (slow: keeps the fast suite under ~15 min)
+        # slow (15-20 s each), as the fused AdamW case (against the one-process foreach run:
+        # rounding only): keeps the fast suite under ~15 min; the first case stays fast
+        pytest.param(["--method", "grpo", "--set", "train.minibatches=1"], marks=pytest.mark.slow),
+        pytest.param(["--set", "train.packing=true", "--set", "train.micro_batch_tokens=40"], marks=pytest.mark.slow),
         pytest.param(["--set", "train.adamw=fused"], marks=pytest.mark.slow),
     ],
     ids=[
@@ -152,6 +153,7 @@ def test_two_processes_match_one_process_on_the_same_rollouts(reference, sets):
     assert json.loads((two / "manifest.json").read_text())["processes"] == 2
 
 
+@pytest.mark.slow  # about 15 s: keeps the fast suite under its 15 minutes (861 s on a 2-core AMD EPYC with it)
 def test_two_process_rollouts_are_sharded_by_group_and_written_once(reference):
     """Each process generates every other prompt's group; the gathered batch is stored once,
     with whole groups and group-normalised advantages (DAPO: dynamic sampling on the whole batch).

@@ -78,6 +78,7 @@ def test_staleness_samples_each_batch_with_the_policy_one_step_older(lab_run, st
         assert not torch.allclose(_logp_under(store.policy_path(step - 1), samples), recorded, atol=1e-3, rtol=0)
 
 
+@pytest.mark.slow  # about 15 s: keeps the fast suite under its 15 minutes (861 s on a 2-core AMD EPYC with it)
 def test_a_stale_run_killed_while_sampling_ahead_resumes_bit_identically(lab_run):
     """Killed while step 2 stores step 3's batch (sampled ahead): the resumed run restarts from
     checkpoint 1, reuses the stored batch 2 and samples batch 3 again with the same policy."""
