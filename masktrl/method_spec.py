@@ -20,12 +20,16 @@ import hashlib
 import importlib.util
 import inspect
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from masktrl.errors import ConfigError
-from masktrl.methods import BoundMethod, CorrectionParams, Method, get_method, make_correction
+from masktrl.io import memory_error_line
+from masktrl.methods import BoundMethod, CorrectionParams, Method, TokenLosses, get_method, make_correction
 from masktrl.methods.corrections import CustomCorrection, collecting_corrections, install_correction
 from masktrl.methods.registry import check_method, collecting
 
@@ -190,7 +194,49 @@ def load_rule(spec: str) -> tuple[Method, RuleFile]:
     problem = check_method(found[name])
     if problem:
         raise ConfigError(f"method {spec!r}: {problem}")
-    return found[name], RuleFile(where, digest)
+    return _guarded(spec, found[name]), RuleFile(where, digest)
+
+
+@cache  # one per rule and spec, as the file is imported once per content
+def _guarded(spec: str, method: Method) -> Method:
+    """``method`` with its kernel checked at every call: a user's kernel that raises, or returns
+    anything but ``TokenLosses`` whose loss is a float tensor [N] and whose mask a bool tensor
+    [N], is one ConfigError line naming the rule, not a traceback from inside the update.
+    Running out of memory stays what it is (the error boundary names it)."""
+    kernel = method.kernel
+    hint = f"(masktrl check-method {spec} checks its contract)"
+
+    def checked(batch, adv, params, u):
+        try:
+            out = kernel(batch, adv, params, u)
+        except Exception as exc:  # a user's code: whatever it raises is reported in one line
+            if memory_error_line(exc) is not None:
+                raise
+            text = (str(exc).strip().splitlines() or [""])[0]
+            raise ConfigError(
+                f"method {spec!r}: its kernel raised {type(exc).__name__}" + (f": {text}" if text else "") + f" {hint}"
+            ) from exc
+        problem = _losses_problem(out, batch.n)
+        if problem:
+            raise ConfigError(f"method {spec!r}: its kernel returned {problem} {hint}")
+        return out
+
+    return replace(method, kernel=checked)
+
+
+def _losses_problem(out: Any, n: int) -> str | None:
+    """What is wrong with a kernel's output on a batch of ``n`` tokens, in one phrase, or None."""
+    if not isinstance(out, TokenLosses):
+        return f"{type(out).__name__}, not TokenLosses"
+    for name, wanted in (("loss", "a float"), ("mask", "a bool")):
+        value = getattr(out, name)
+        ok = isinstance(value, torch.Tensor) and (
+            value.is_floating_point() if name == "loss" else value.dtype == torch.bool
+        )
+        if not ok or tuple(value.shape) != (n,):
+            what = f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else value
+            return f"a {name} that is {what!s}; it must be {wanted} tensor of shape [N] = [{n}]"
+    return None
 
 
 def load_correction(spec: str) -> tuple[CustomCorrection, RuleFile]:

@@ -1,0 +1,66 @@
+"""Bad input a hostile tester found past the checks in what a user writes rather than types as a
+flag: a rule file's kernel and ``--set`` values. Each is one line (a ``ConfigError``) naming
+what is wrong, never a traceback from inside the update nor a run that silently differs."""
+
+import pytest
+import torch
+
+from masktrl.config import resolve_method_spec
+from masktrl.errors import ConfigError
+from masktrl.methods import TokenBatch
+
+RULE = """from dataclasses import dataclass
+import torch
+from masktrl.methods import MethodParams, TokenLosses, register_method, unit_ratio_log
+
+
+@dataclass(frozen=True)
+class P(MethodParams):
+    scale: float = 1.0
+
+
+@register_method("mine", P)
+def mine(batch, adv, p, u):
+    loss = -adv * unit_ratio_log(batch).exp()
+    return {returns}
+"""
+
+
+def _batch(n: int = 5) -> TokenBatch:
+    return TokenBatch(
+        logp=torch.full((n,), -1.0, dtype=torch.float64).requires_grad_(),
+        behavior_logp=torch.full((n,), -1.2, dtype=torch.float64),
+        sampled_ids=torch.arange(n),
+        topk_ids=torch.zeros(n, 2, dtype=torch.long),
+        topk_behavior_logp=torch.full((n, 2), -2.0, dtype=torch.float64),
+        topk_logp=torch.full((n, 2), -2.0, dtype=torch.float64),
+        seq_ids=torch.zeros(n, dtype=torch.long),
+    )
+
+
+@pytest.mark.parametrize(
+    "returns, says",
+    [
+        # each was a traceback of about 70 lines and exit code 1 from inside the update
+        ('(_ for _ in ()).throw(RuntimeError("boom"))', "its kernel raised RuntimeError: boom"),
+        ("TokenLosses(torch.zeros(3), ~batch.valid, None, None, None, None)", "a loss that is a torch.float32 tensor"),
+        ("None", "its kernel returned NoneType, not TokenLosses"),
+        ("TokenLosses(loss, torch.zeros(batch.n), None, None, None, None)", "a mask that is a torch.float32 tensor"),
+        # an integer loss had no gradient: check-method passed it, train failed in backward
+        ("TokenLosses(loss.long(), ~batch.valid, None, None, None, None)", "a loss that is a torch.int64 tensor"),
+    ],
+)  # fmt: skip
+def test_a_rule_files_kernel_that_breaks_its_contract_is_one_line(tmp_path, returns, says):
+    path = tmp_path / "rules.py"
+    path.write_text(RULE.format(returns=returns))
+    bound = resolve_method_spec(f"{path}:mine")
+    with pytest.raises(ConfigError, match=f"method '{path}:mine': its kernel") as exc:
+        bound.token_losses(_batch(), torch.ones(5, dtype=torch.float64))
+    assert says in str(exc.value) and f"masktrl check-method {path}:mine" in str(exc.value)
+
+
+def test_a_rule_files_kernel_that_keeps_its_contract_is_unchanged(tmp_path):
+    path = tmp_path / "rules.py"
+    path.write_text(RULE.format(returns="TokenLosses(loss, ~batch.valid, None, None, None, None)"))
+    out = resolve_method_spec(f"{path}:mine").token_losses(_batch(), torch.ones(5, dtype=torch.float64))
+    assert out.loss.requires_grad and out.loss.shape == (5,) and out.mask.dtype == torch.bool
