@@ -20,6 +20,7 @@ import hashlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
@@ -169,7 +170,7 @@ def _correction_block(block: Any) -> tuple[Any, RuleFile | None]:
             )
         return block, None
     rule, found = load_correction(kind)
-    install_correction(kind, rule)
+    install_correction(kind, replace(rule, fn=_guarded_correction(kind, rule.fn)))
     rest = {k: v for k, v in block.items() if k != "sha256"}
     return rest, RuleFile(found.path, found.sha256, recorded if isinstance(recorded, str) else None)
 
@@ -212,16 +213,46 @@ def _guarded(spec: str, method: Method) -> Method:
         except Exception as exc:  # a user's code: whatever it raises is reported in one line
             if memory_error_line(exc) is not None:
                 raise
-            text = (str(exc).strip().splitlines() or [""])[0]
-            raise ConfigError(
-                f"method {spec!r}: its kernel raised {type(exc).__name__}" + (f": {text}" if text else "") + f" {hint}"
-            ) from exc
+            raise _raised(f"method {spec!r}: its kernel", exc, hint) from exc
         problem = _losses_problem(out, batch.n)
         if problem:
             raise ConfigError(f"method {spec!r}: its kernel returned {problem} {hint}")
         return out
 
     return replace(method, kernel=checked)
+
+
+def _guarded_correction(spec: str, fn: Callable) -> Callable:
+    """A correction's function from a user's file, checked at every call as ``_guarded`` checks a
+    kernel: it must return ``(f, keep)``, each a tensor [N], ``f`` a float one."""
+    where = f"method.correction.kind {spec!r}: its function {getattr(fn, '__name__', '?')}"
+
+    def checked(log_rho, valid, seq_ids, adv, keys):
+        try:
+            out = fn(log_rho, valid, seq_ids, adv, keys)
+        except Exception as exc:  # a user's code: whatever it raises is reported in one line
+            if memory_error_line(exc) is not None:
+                raise
+            raise _raised(where, exc) from exc
+        n = log_rho.shape[0]
+        shaped = isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
+        if not shaped or any(tuple(t.shape) != (n,) for t in out) or not out[0].is_floating_point():
+            got = [f"{t.dtype} [{', '.join(map(str, t.shape))}]" for t in out] if shaped else type(out).__name__
+            raise ConfigError(
+                f"{where} must return (f, keep), each a tensor of shape [N] = [{n}], f a float one; got {got}"
+            )
+        return out
+
+    return checked
+
+
+def _raised(where: str, exc: Exception, hint: str = "") -> ConfigError:
+    """The one line for an exception a user's code raised (running out of memory aside: the error
+    boundary names that)."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return ConfigError(
+        f"{where} raised {type(exc).__name__}" + (f": {text}" if text else "") + (f" {hint}" if hint else "")
+    )
 
 
 def _losses_problem(out: Any, n: int) -> str | None:

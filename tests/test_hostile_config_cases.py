@@ -64,3 +64,33 @@ def test_a_rule_files_kernel_that_keeps_its_contract_is_unchanged(tmp_path):
     path.write_text(RULE.format(returns="TokenLosses(loss, ~batch.valid, None, None, None, None)"))
     out = resolve_method_spec(f"{path}:mine").token_losses(_batch(), torch.ones(5, dtype=torch.float64))
     assert out.loss.requires_grad and out.loss.shape == (5,) and out.mask.dtype == torch.bool
+
+
+CORRECTION = """from masktrl.methods import register_correction
+
+
+@register_correction("mine", keys={{}})
+def mine(log_rho, valid, seq_ids, adv, keys):
+    return {returns}
+"""
+
+
+@pytest.mark.parametrize(
+    "returns, says",
+    [
+        ('(_ for _ in ()).throw(RuntimeError("boom"))', "its function mine raised RuntimeError: boom"),
+        ("log_rho.exp()[:2], valid[:2]", "got ['torch.float64 [2]', 'torch.bool [2]']"),
+        ("log_rho.exp()", "must return (f, keep), each a tensor of shape [N] = [6]"),
+    ],
+)
+def test_a_correction_files_function_that_breaks_its_contract_is_one_line(tmp_path, returns, says):
+    """As a kernel's: a traceback from inside the update, exit code 1."""
+    from masktrl.methods import correction_weights
+
+    path = tmp_path / "corr.py"
+    path.write_text(CORRECTION.format(returns=returns))
+    correction = resolve_method_spec("grpo", {"kind": f"{path}:mine"}).correction
+    mu = torch.full((6,), -1.0, dtype=torch.float64)
+    with pytest.raises(ConfigError, match=f"method.correction.kind '{path}:mine': its function mine") as exc:
+        correction_weights(correction, mu, mu + 0.1, torch.arange(6) // 3, torch.ones(6, dtype=torch.float64))
+    assert says in str(exc.value)
