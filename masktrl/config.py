@@ -927,6 +927,13 @@ def from_dict(raw: dict) -> Config:
         raise ConfigError(f"seed must be in [0, {MAX_SEED}], got {cfg.seed}")
     for section in (cfg.model, cfg.task, cfg.warmstart, cfg.rollout, cfg.train, cfg.eval):
         section.validate()
+    batch, parts = cfg.rollout.prompts_per_step * cfg.rollout.n, cfg.train.minibatches * cfg.train.grad_accum
+    if parts > batch:  # each minibatch, and each of its micro-batches, needs a sequence at least
+        raise ConfigError(
+            f"train.minibatches={cfg.train.minibatches} x train.grad_accum={cfg.train.grad_accum} needs at least "
+            f"{parts} sequences a step, but a step has rollout.prompts_per_step x rollout.n = {batch}: lower "
+            "train.minibatches or train.grad_accum, or raise rollout.prompts_per_step"
+        )
     sis_k = getattr(cfg.method.params, "k", None) if cfg.method.rule == "sis" else None
     if sis_k is not None and sis_k > cfg.rollout.logprobs_k:
         raise ConfigError(

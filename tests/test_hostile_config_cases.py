@@ -5,7 +5,7 @@ what is wrong, never a traceback from inside the update nor a run that silently 
 import pytest
 import torch
 
-from masktrl.config import resolve_method_spec
+from masktrl.config import load_config, resolve_method_spec
 from masktrl.errors import ConfigError
 from masktrl.methods import TokenBatch
 
@@ -94,3 +94,21 @@ def test_a_correction_files_function_that_breaks_its_contract_is_one_line(tmp_pa
     with pytest.raises(ConfigError, match=f"method.correction.kind '{path}:mine': its function mine") as exc:
         correction_weights(correction, mu, mu + 0.1, torch.arange(6) // 3, torch.ones(6, dtype=torch.float64))
     assert says in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "sets, says",
+    [
+        # was accepted: torch's chunk gave 4 minibatches of one sequence, 4 updates for the 5 asked
+        (["train.minibatches=5"], "train.minibatches=5 x train.grad_accum=1 needs at least 5 sequences a step"),
+        # was accepted: the run folder was made and the run failed at its first update
+        (["train.grad_accum=5"], "train.minibatches=1 x train.grad_accum=5 needs at least 5"),
+        (["train.minibatches=2", "train.grad_accum=3"], "train.minibatches=2 x train.grad_accum=3 needs at least 6"),
+    ],
+)
+def test_more_minibatches_or_micro_batches_than_sequences_are_refused(sets, says):
+    small = ["rollout.prompts_per_step=2", "rollout.n=2"]
+    with pytest.raises(ConfigError, match="but a step has rollout.prompts_per_step x rollout.n = 4") as exc:
+        load_config(None, [*small, *sets])
+    assert says in str(exc.value)
+    load_config(None, [*small, "train.minibatches=2", "train.grad_accum=2"])  # 4 sequences: one a micro-batch
