@@ -735,6 +735,8 @@ class TrainConfig:
         _non_negative("train.eval_every", self.eval_every)
         for bench in self.eval_benchmarks:
             _choice("train.eval_benchmarks", bench, EVAL_BENCHMARKS)
+        if len(set(self.eval_benchmarks)) != len(self.eval_benchmarks):
+            raise ConfigError(f"train.eval_benchmarks lists a benchmark twice: {', '.join(self.eval_benchmarks)}")
 
 
 @dataclass(frozen=True)
@@ -759,7 +761,7 @@ class EvalConfig:
         if self.max_new_tokens is not None:
             _positive("eval.max_new_tokens", self.max_new_tokens)
         for bench, path in self.data.items():
-            _choice("eval.data", bench, EVAL_BENCHMARKS[1:])
+            _choice("eval.data", bench, tuple(b for b in EVAL_BENCHMARKS if b not in OWN_TASK_BENCHMARKS))
             if not isinstance(path, str) or not path:
                 raise ConfigError(f"eval.data.{bench} must be a file path, got {path!r}")
 
@@ -1191,11 +1193,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             return dict(value)
         return _coerce(args[0], value, key)
     if origin is tuple:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        (item_tp, _) = typing.get_args(tp)
+        if isinstance(value, str):  # a,b,c: each item read as --set reads a value (train.keep_steps=50,100)
+            value = [v.strip() if item_tp is str else _parse_scalar(v, key) for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} must be a list, got {value!r}")
-        (item_tp, _) = typing.get_args(tp)
         return tuple(_coerce(item_tp, v, key) for v in value)
     if tp is dict:
         if not isinstance(value, dict):

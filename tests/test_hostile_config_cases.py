@@ -112,3 +112,25 @@ def test_more_minibatches_or_micro_batches_than_sequences_are_refused(sets, says
         load_config(None, [*small, *sets])
     assert says in str(exc.value)
     load_config(None, [*small, "train.minibatches=2", "train.grad_accum=2"])  # 4 sequences: one a micro-batch
+
+
+def test_keep_steps_take_the_comma_form_every_list_key_takes():
+    """``train.keep_steps=50,100`` said "must be an integer, got '50'" (train.report_to=a,b works)."""
+    assert load_config(None, ["train.keep_steps=50,100"]).train.keep_steps == (50, 100)
+    with pytest.raises(ConfigError, match="train.keep_steps must be an integer, got 'x'"):
+        load_config(None, ["train.keep_steps=50,x"])
+
+
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        # accepted, and the file never read: the run's own task is evaluated on its own problems
+        ("eval.data={synthetic: s.jsonl}", "eval.data must be one of aime24, aime25, aime, math500, gsm8k; got 'synth"),
+        # accepted: the benchmark evaluated twice at every evaluation, into the same metrics
+        ("train.eval_benchmarks=synthetic,synthetic", "train.eval_benchmarks lists a benchmark twice"),
+    ],
+)  # fmt: skip
+def test_evaluation_keys_that_would_be_ignored_or_repeated_are_refused(value, says):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [value])
+    assert says in str(exc.value)
