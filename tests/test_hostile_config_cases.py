@@ -134,3 +134,18 @@ def test_evaluation_keys_that_would_be_ignored_or_repeated_are_refused(value, sa
     with pytest.raises(ConfigError) as exc:
         load_config(None, [value])
     assert says in str(exc.value)
+
+
+def test_probabilities_that_overflow_name_the_temperature_too():
+    """``--set rollout.temperature=1e-300`` stopped the run with "its weights have diverged": the
+    weights were fine, logits / T overflowed."""
+    from masktrl.errors import MasktrlError
+    from masktrl.rollout.draw import inverse_cdf
+    from masktrl.rollout.hf import finite_probabilities
+
+    says = "its weights have diverged, or a sampling temperature near 0 made logits / T overflow"
+    with pytest.raises(MasktrlError, match=says):
+        with finite_probabilities():
+            torch.multinomial(torch.tensor([[float("nan"), 1.0]]), 1)
+    with pytest.raises(MasktrlError, match=says):
+        inverse_cdf(torch.tensor([[float("nan"), 0.0]]))
