@@ -1,6 +1,7 @@
 """Bad input a hostile tester found past the checks in what a user writes rather than types as a
-flag: a rule file's kernel and ``--set`` values. Each is one line (a ``ConfigError``) naming
-what is wrong, never a traceback from inside the update nor a run that silently differs."""
+flag: a rule file's kernel, ``--set`` values and what the verl adapter is handed. Each is one
+line (a ``ConfigError``) naming what is wrong, never a traceback from inside the update nor a run
+that silently differs."""
 
 import pytest
 import torch
@@ -149,3 +150,19 @@ def test_probabilities_that_overflow_name_the_temperature_too():
             torch.multinomial(torch.tensor([[float("nan"), 1.0]]), 1)
     with pytest.raises(MasktrlError, match=says):
         inverse_cdf(torch.tensor([[float("nan"), 0.0]]))
+
+
+@pytest.mark.parametrize("info", [{"batch_num_tokens": -6}, {"batch_num_tokens": 0}, {"dp_size": -1}])
+def test_the_verl_loss_refuses_a_global_batch_info_that_is_not_positive(info):
+    """batch_num_tokens -6 (or dp_size -1) flipped the loss's sign, gradient ascent without a word;
+    0 raised ZeroDivisionError."""
+    from masktrl.integrations.verl import policy_loss
+
+    old = torch.full((2, 3), -1.0, dtype=torch.float64)
+    args = (old, (old + 0.1).requires_grad_(), torch.tensor([1.0, 0.5], dtype=torch.float64), torch.ones(2, 3))
+    fn = policy_loss("grpo")
+    fine, _ = fn(*args, "token-mean", {"global_batch_info": {"batch_num_tokens": 6}})
+    assert fine.item() < 0  # -A r averaged over the tokens, A > 0: the sign the update needs
+    key = next(iter(info))
+    with pytest.raises(ConfigError, match=f"config.global_batch_info's {key} must be a number > 0"):
+        fn(*args, "token-mean", {"global_batch_info": {"batch_num_tokens": 6, **info}})
