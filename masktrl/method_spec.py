@@ -297,6 +297,8 @@ def _read(spec: str, key: str) -> tuple[Path, str]:
     """The file a spec names and the sha256 of its content; ConfigError when it cannot be read."""
     where, _ = split_rule_file(spec)
     path = Path(where)
+    if path.is_dir():
+        raise ConfigError(f"{key} {spec!r}: {where} is a folder; give the Python file that registers the rule")
     if not path.is_file():
         raise ConfigError(f"{key} {spec!r}: no such file {where}")
     try:

@@ -166,3 +166,12 @@ def test_the_verl_loss_refuses_a_global_batch_info_that_is_not_positive(info):
     key = next(iter(info))
     with pytest.raises(ConfigError, match=f"config.global_batch_info's {key} must be a number > 0"):
         fn(*args, "token-mean", {"global_batch_info": {"batch_num_tokens": 6, **info}})
+
+
+def test_a_rule_file_that_is_a_folder_is_named_a_folder(tmp_path):
+    """A folder ``rules.py`` was "no such file rules.py", while ``ls`` shows it there."""
+    (tmp_path / "rules.py").mkdir()
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'rules.py'} is a folder; give the Python file"):
+        resolve_method_spec(f"{tmp_path / 'rules.py'}:mine")
+    with pytest.raises(ConfigError, match="rules.py is a folder"):
+        resolve_method_spec("grpo", {"kind": f"{tmp_path / 'rules.py'}:mine"})
