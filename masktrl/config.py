@@ -1322,5 +1322,7 @@ def split_method(spec: str) -> tuple[str, list[str]]:
             or key.strip().endswith(".")
         ):
             raise ConfigError(f"--methods: {spec!r}: parameters go as NAME:KEY=VALUE (e.g. pdm:tail=uniform)")
+        if any(o.startswith(f"method.{key.strip()}=") for o in overrides):
+            raise ConfigError(f"--methods: {spec!r} gives {key.strip()} twice: give each parameter once")
         overrides.append(f"method.{key.strip()}={value.strip()}")
     return name.strip(), overrides

@@ -6,7 +6,7 @@ that silently differs."""
 import pytest
 import torch
 
-from masktrl.config import load_config, resolve_method_spec
+from masktrl.config import load_config, resolve_method_spec, split_method
 from masktrl.errors import ConfigError
 from masktrl.methods import TokenBatch
 
@@ -175,3 +175,11 @@ def test_a_rule_file_that_is_a_folder_is_named_a_folder(tmp_path):
         resolve_method_spec(f"{tmp_path / 'rules.py'}:mine")
     with pytest.raises(ConfigError, match="rules.py is a folder"):
         resolve_method_spec("grpo", {"kind": f"{tmp_path / 'rules.py'}:mine"})
+
+
+def test_a_method_spec_that_gives_a_parameter_twice_is_refused():
+    """``--methods grpo:eps_low=0.1:eps_low=0.2`` trained eps_low 0.2 in a run named
+    grpo-eps_low-0.1-eps_low-0.2-seed0."""
+    with pytest.raises(ConfigError, match="'grpo:eps_low=0.1:eps_low=0.2' gives eps_low twice"):
+        split_method("grpo:eps_low=0.1:eps_low=0.2")
+    assert split_method("grpo:eps_low=0.1:eps_high=0.2")[1] == ["method.eps_low=0.1", "method.eps_high=0.2"]
