@@ -319,6 +319,8 @@ def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method]
         raise ConfigError(f"method {spec!r}: {path} cannot be imported as a Python file")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module  # dataclasses and typing look their module up by name
+    dont_write = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True  # no __pycache__ beside the user's file: nothing is written outside --out
     try:
         with collecting() as found, collecting_corrections() as corrections:
             loader_spec.loader.exec_module(module)
@@ -328,6 +330,8 @@ def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method]
         raise ConfigError(
             f"method {spec!r}: {path} raised {type(exc).__name__} on import" + (f": {text[0]}" if text else "")
         ) from None
+    finally:
+        sys.dont_write_bytecode = dont_write
     _LOADED[key] = (dict(found), dict(corrections))
     return _LOADED[key]
 

@@ -183,3 +183,35 @@ def test_a_method_spec_that_gives_a_parameter_twice_is_refused():
     with pytest.raises(ConfigError, match="'grpo:eps_low=0.1:eps_low=0.2' gives eps_low twice"):
         split_method("grpo:eps_low=0.1:eps_low=0.2")
     assert split_method("grpo:eps_low=0.1:eps_high=0.2")[1] == ["method.eps_low=0.1", "method.eps_high=0.2"]
+
+
+def test_loading_a_rule_file_writes_no_pycache_beside_it(tmp_path, monkeypatch):
+    """Python wrote __pycache__/rules.cpython-*.pyc next to the user's file (outside --out; and
+    check-method "writes nothing") unless PYTHONDONTWRITEBYTECODE was set."""
+    import sys
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    path = tmp_path / "rules.py"
+    path.write_text(RULE.format(returns="TokenLosses(loss, ~batch.valid, None, None, None, None)"))
+    resolve_method_spec(f"{path}:mine")
+    assert [p.name for p in tmp_path.iterdir()] == ["rules.py"] and sys.dont_write_bytecode is False
+
+
+def test_a_reward_or_env_file_writes_no_pycache_beside_it(tmp_path, monkeypatch):
+    """The same for task.reward (loaded in its worker processes) and task.env files."""
+    import sys
+
+    from masktrl.tasks import make_reward
+    from masktrl.tasks.envs import load_env
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)  # the reward workers' own setting
+    (tmp_path / "rw.py").write_text("def score(prompts, completions, answers):\n    return [1.0 for _ in prompts]\n")
+    (tmp_path / "envs.py").write_text("class Echo:\n    def reset(self, example): ...\n    def step(self, call): ...\n")
+    reward = make_reward(f"{tmp_path / 'rw.py'}:score", workers=1)
+    try:
+        assert reward.score(["p"], ["4"], ["4"], [{}]) == [1.0]
+    finally:
+        reward.close()
+    assert load_env(f"{tmp_path / 'envs.py'}:Echo").__name__ == "Echo"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["envs.py", "rw.py"] and sys.dont_write_bytecode is False
