@@ -37,7 +37,7 @@ import yaml
 
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.io import atomic_write_text
-from masktrl.method_spec import MethodSpec, is_rule_file, method_from_block
+from masktrl.method_spec import MethodSpec, method_from_block
 from masktrl.readers import read_json, read_yaml, yaml_value
 
 if typing.TYPE_CHECKING:
@@ -1013,17 +1013,15 @@ def config_keys(method: str | None = None) -> list[KeyDoc]:
     ``method.name`` and the parameters of ``method`` (default: grpo) from the method registry.
 
     The documentation is each field's docstring in this module (or in ``masktrl.methods.params``)."""
-    from masktrl.methods import get_method, method_names
+    from masktrl.methods import method_names
 
     keys = [KeyDoc("seed", "int", Config.seed, field_docs(Config)["seed"])]
     for section in dataclasses.fields(Config):
         cls = typing.get_type_hints(Config)[section.name]
         if dataclasses.is_dataclass(cls) and cls is not MethodSpec:
             keys += _class_keys(cls, section.name)
-    name = method or Config().method_name
-    params_cls = (
-        method_from_block({"name": name}).method.params_cls if is_rule_file(name) else get_method(name).params_cls
-    )
+    name = Config().method_name if method is None else method
+    params_cls = method_from_block({"name": name}).method.params_cls  # an unknown name: one ConfigError line
     keys.append(
         KeyDoc(
             "method.name",

@@ -215,3 +215,11 @@ def test_a_reward_or_env_file_writes_no_pycache_beside_it(tmp_path, monkeypatch)
         reward.close()
     assert load_env(f"{tmp_path / 'envs.py'}:Echo").__name__ == "Echo"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["envs.py", "rw.py"] and sys.dont_write_bytecode is False
+
+
+@pytest.mark.parametrize("method", ["nosuch", ""])
+def test_config_keys_of_an_unknown_method_is_one_line(cli_error, method):
+    """``masktrl config keys --method nosuch`` was a 48-line traceback (ValueError) and exit 1;
+    ``--method ''`` listed grpo's keys as if no method were given."""
+    line = cli_error("config", "keys", "--method", method)
+    assert f"unknown method {method!r}; valid methods: " in line
