@@ -37,7 +37,7 @@ import yaml
 
 from masktrl.errors import ConfigError, MasktrlError
 from masktrl.io import atomic_write_text
-from masktrl.method_spec import MethodSpec, is_rule_file, method_from_block
+from masktrl.method_spec import MethodSpec, method_from_block
 from masktrl.readers import read_json, read_yaml, yaml_value
 
 if typing.TYPE_CHECKING:
@@ -738,6 +738,8 @@ class TrainConfig:
         _non_negative("train.eval_every", self.eval_every)
         for bench in self.eval_benchmarks:
             _choice("train.eval_benchmarks", bench, EVAL_BENCHMARKS)
+        if len(set(self.eval_benchmarks)) != len(self.eval_benchmarks):
+            raise ConfigError(f"train.eval_benchmarks lists a benchmark twice: {', '.join(self.eval_benchmarks)}")
 
 
 @dataclass(frozen=True)
@@ -762,7 +764,7 @@ class EvalConfig:
         if self.max_new_tokens is not None:
             _positive("eval.max_new_tokens", self.max_new_tokens)
         for bench, path in self.data.items():
-            _choice("eval.data", bench, EVAL_BENCHMARKS[1:])
+            _choice("eval.data", bench, tuple(b for b in EVAL_BENCHMARKS if b not in OWN_TASK_BENCHMARKS))
             if not isinstance(path, str) or not path:
                 raise ConfigError(f"eval.data.{bench} must be a file path, got {path!r}")
 
@@ -947,6 +949,13 @@ def from_dict(raw: dict) -> Config:
         raise ConfigError(f"seed must be in [0, {MAX_SEED}], got {cfg.seed}")
     for section in (cfg.model, cfg.task, cfg.warmstart, cfg.rollout, cfg.train, cfg.eval):
         section.validate()
+    batch, parts = cfg.rollout.prompts_per_step * cfg.rollout.n, cfg.train.minibatches * cfg.train.grad_accum
+    if parts > batch:  # each minibatch, and each of its micro-batches, needs a sequence at least
+        raise ConfigError(
+            f"train.minibatches={cfg.train.minibatches} x train.grad_accum={cfg.train.grad_accum} needs at least "
+            f"{parts} sequences a step, but a step has rollout.prompts_per_step x rollout.n = {batch}: lower "
+            "train.minibatches or train.grad_accum, or raise rollout.prompts_per_step"
+        )
     sis_k = getattr(cfg.method.params, "k", None) if cfg.method.rule == "sis" else None
     if sis_k is not None and sis_k > cfg.rollout.logprobs_k:
         raise ConfigError(
@@ -1024,17 +1033,15 @@ def config_keys(method: str | None = None) -> list[KeyDoc]:
     ``method.name`` and the parameters of ``method`` (default: grpo) from the method registry.
 
     The documentation is each field's docstring in this module (or in ``masktrl.methods.params``)."""
-    from masktrl.methods import get_method, method_names
+    from masktrl.methods import method_names
 
     keys = [KeyDoc("seed", "int", Config.seed, field_docs(Config)["seed"])]
     for section in dataclasses.fields(Config):
         cls = typing.get_type_hints(Config)[section.name]
         if dataclasses.is_dataclass(cls) and cls is not MethodSpec:
             keys += _class_keys(cls, section.name)
-    name = method or Config().method_name
-    params_cls = (
-        method_from_block({"name": name}).method.params_cls if is_rule_file(name) else get_method(name).params_cls
-    )
+    name = Config().method_name if method is None else method
+    params_cls = method_from_block({"name": name}).method.params_cls  # an unknown name: one ConfigError line
     keys.append(
         KeyDoc(
             "method.name",
@@ -1206,11 +1213,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             return dict(value)
         return _coerce(args[0], value, key)
     if origin is tuple:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
+        (item_tp, _) = typing.get_args(tp)
+        if isinstance(value, str):  # a,b,c: each item read as --set reads a value (train.keep_steps=50,100)
+            value = [v.strip() if item_tp is str else _parse_scalar(v, key) for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} must be a list, got {value!r}")
-        (item_tp, _) = typing.get_args(tp)
         return tuple(_coerce(item_tp, v, key) for v in value)
     if tp is dict:
         if not isinstance(value, dict):
@@ -1348,5 +1355,7 @@ def split_method(spec: str) -> tuple[str, list[str]]:
             or key.strip().endswith(".")
         ):
             raise ConfigError(f"--methods: {spec!r}: parameters go as NAME:KEY=VALUE (e.g. pdm:tail=uniform)")
+        if any(o.startswith(f"method.{key.strip()}=") for o in overrides):
+            raise ConfigError(f"--methods: {spec!r} gives {key.strip()} twice: give each parameter once")
         overrides.append(f"method.{key.strip()}={value.strip()}")
     return name.strip(), overrides

@@ -20,12 +20,17 @@ import hashlib
 import importlib.util
 import inspect
 import sys
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from masktrl.errors import ConfigError
-from masktrl.methods import BoundMethod, CorrectionParams, Method, get_method, make_correction
+from masktrl.io import memory_error_line
+from masktrl.methods import BoundMethod, CorrectionParams, Method, TokenLosses, get_method, make_correction
 from masktrl.methods.corrections import CustomCorrection, collecting_corrections, install_correction
 from masktrl.methods.registry import check_method, collecting
 
@@ -165,7 +170,7 @@ def _correction_block(block: Any) -> tuple[Any, RuleFile | None]:
             )
         return block, None
     rule, found = load_correction(kind)
-    install_correction(kind, rule)
+    install_correction(kind, replace(rule, fn=_guarded_correction(kind, rule.fn)))
     rest = {k: v for k, v in block.items() if k != "sha256"}
     return rest, RuleFile(found.path, found.sha256, recorded if isinstance(recorded, str) else None)
 
@@ -190,7 +195,79 @@ def load_rule(spec: str) -> tuple[Method, RuleFile]:
     problem = check_method(found[name])
     if problem:
         raise ConfigError(f"method {spec!r}: {problem}")
-    return found[name], RuleFile(where, digest)
+    return _guarded(spec, found[name]), RuleFile(where, digest)
+
+
+@cache  # one per rule and spec, as the file is imported once per content
+def _guarded(spec: str, method: Method) -> Method:
+    """``method`` with its kernel checked at every call: a user's kernel that raises, or returns
+    anything but ``TokenLosses`` whose loss is a float tensor [N] and whose mask a bool tensor
+    [N], is one ConfigError line naming the rule, not a traceback from inside the update.
+    Running out of memory stays what it is (the error boundary names it)."""
+    kernel = method.kernel
+    hint = f"(masktrl check-method {spec} checks its contract)"
+
+    def checked(batch, adv, params, u):
+        try:
+            out = kernel(batch, adv, params, u)
+        except Exception as exc:  # a user's code: whatever it raises is reported in one line
+            if memory_error_line(exc) is not None:
+                raise
+            raise _raised(f"method {spec!r}: its kernel", exc, hint) from exc
+        problem = _losses_problem(out, batch.n)
+        if problem:
+            raise ConfigError(f"method {spec!r}: its kernel returned {problem} {hint}")
+        return out
+
+    return replace(method, kernel=checked)
+
+
+def _guarded_correction(spec: str, fn: Callable) -> Callable:
+    """A correction's function from a user's file, checked at every call as ``_guarded`` checks a
+    kernel: it must return ``(f, keep)``, each a tensor [N], ``f`` a float one."""
+    where = f"method.correction.kind {spec!r}: its function {getattr(fn, '__name__', '?')}"
+
+    def checked(log_rho, valid, seq_ids, adv, keys):
+        try:
+            out = fn(log_rho, valid, seq_ids, adv, keys)
+        except Exception as exc:  # a user's code: whatever it raises is reported in one line
+            if memory_error_line(exc) is not None:
+                raise
+            raise _raised(where, exc) from exc
+        n = log_rho.shape[0]
+        shaped = isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
+        if not shaped or any(tuple(t.shape) != (n,) for t in out) or not out[0].is_floating_point():
+            got = [f"{t.dtype} [{', '.join(map(str, t.shape))}]" for t in out] if shaped else type(out).__name__
+            raise ConfigError(
+                f"{where} must return (f, keep), each a tensor of shape [N] = [{n}], f a float one; got {got}"
+            )
+        return out
+
+    return checked
+
+
+def _raised(where: str, exc: Exception, hint: str = "") -> ConfigError:
+    """The one line for an exception a user's code raised (running out of memory aside: the error
+    boundary names that)."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return ConfigError(
+        f"{where} raised {type(exc).__name__}" + (f": {text}" if text else "") + (f" {hint}" if hint else "")
+    )
+
+
+def _losses_problem(out: Any, n: int) -> str | None:
+    """What is wrong with a kernel's output on a batch of ``n`` tokens, in one phrase, or None."""
+    if not isinstance(out, TokenLosses):
+        return f"{type(out).__name__}, not TokenLosses"
+    for name, wanted in (("loss", "a float"), ("mask", "a bool")):
+        value = getattr(out, name)
+        ok = isinstance(value, torch.Tensor) and (
+            value.is_floating_point() if name == "loss" else value.dtype == torch.bool
+        )
+        if not ok or tuple(value.shape) != (n,):
+            what = f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else value
+            return f"a {name} that is {what!s}; it must be {wanted} tensor of shape [N] = [{n}]"
+    return None
 
 
 def load_correction(spec: str) -> tuple[CustomCorrection, RuleFile]:
@@ -220,6 +297,8 @@ def _read(spec: str, key: str) -> tuple[Path, str]:
     """The file a spec names and the sha256 of its content; ConfigError when it cannot be read."""
     where, _ = split_rule_file(spec)
     path = Path(where)
+    if path.is_dir():
+        raise ConfigError(f"{key} {spec!r}: {where} is a folder; give the Python file that registers the rule")
     if not path.is_file():
         raise ConfigError(f"{key} {spec!r}: no such file {where}")
     try:
@@ -240,6 +319,8 @@ def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method]
         raise ConfigError(f"method {spec!r}: {path} cannot be imported as a Python file")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module  # dataclasses and typing look their module up by name
+    dont_write = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True  # no __pycache__ beside the user's file: nothing is written outside --out
     try:
         with collecting() as found, collecting_corrections() as corrections:
             loader_spec.loader.exec_module(module)
@@ -249,6 +330,8 @@ def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method]
         raise ConfigError(
             f"method {spec!r}: {path} raised {type(exc).__name__} on import" + (f": {text[0]}" if text else "")
         ) from None
+    finally:
+        sys.dont_write_bytecode = dont_write
     _LOADED[key] = (dict(found), dict(corrections))
     return _LOADED[key]
 

@@ -42,6 +42,7 @@ sampled ids (verl's ``responses`` [B, T]) passed to this function as keyword arg
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -140,7 +141,11 @@ def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor:
         )
         loss = out.loss
         dp = info.get("dp_size") or 1
-        global_den = info.get("batch_num_tokens") if loss_agg_mode == "token-mean" else info.get("global_batch_size")
+        den_key = "batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size"
+        global_den = info.get(den_key)
+        _check_positive("dp_size", dp)
+        if global_den is not None:
+            _check_positive(den_key, global_den)
         if global_den is not None or dp > 1:
             local = aggregate_denominator(out.batch, loss_agg_mode)
             if global_den is None:
@@ -156,6 +161,18 @@ def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor:
     masktrl_policy_loss.__doc__ = f"masktrl rule {bound.name!r} (anchor {anchor}) as a verl policy loss."
     masktrl_policy_loss.masktrl_method = bound
     return masktrl_policy_loss
+
+
+def _check_positive(key: str, value: Any) -> None:
+    """ConfigError unless ``global_batch_info[key]`` is a finite number > 0: the loss is divided by
+    the denominators and multiplied by ``dp_size``, so 0 divided by zero, NaN made the loss NaN and
+    a negative one flipped its sign (gradient ascent), each without a word."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not (math.isfinite(number) and number > 0):
+        raise ConfigError(f"config.global_batch_info's {key} must be a number > 0, got {value!r}")
 
 
 class _Aggregated(BoundMethod):

@@ -12,7 +12,10 @@ DRAWS = ("multinomial", "inverse_cdf")
 
 
 def not_finite() -> MasktrlError:
-    return MasktrlError("the policy's next-token probabilities are not finite (NaN or inf): its weights have diverged")
+    return MasktrlError(
+        "the policy's next-token probabilities are not finite (NaN or inf): its weights have diverged, "
+        "or a sampling temperature near 0 made logits / T overflow"
+    )
 
 
 BLOCK = 64  # tokens per block of the inverse-CDF draw

@@ -36,6 +36,7 @@ from masktrl.models.lowprec import LowPrecisionCopy
 from masktrl.models.moe import routing_records
 from masktrl.rollout.base import Generation, SamplingSettings
 from masktrl.rollout.decode import decode_dropping_finished, prefill_cache
+from masktrl.rollout.draw import not_finite
 from masktrl.rollout.fused import decode_fixed_batch
 
 
@@ -110,9 +111,7 @@ def finite_probabilities():
     except RuntimeError as exc:
         if "probability tensor contains" not in str(exc):
             raise
-        raise MasktrlError(
-            "the policy's next-token probabilities are not finite (NaN or inf): its weights have diverged"
-        ) from None
+        raise not_finite() from None
 
 
 def check_context(model, prompts: list[list[int]]) -> None:

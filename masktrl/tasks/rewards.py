@@ -265,7 +265,7 @@ class PooledReward(Reward):
         self.errors, self.last_error = 0, None
         init = {"location": location, "path": [os.path.abspath(p or ".") for p in sys.path]}
         self.pool = WorkerPool(
-            lambda: [sys.executable, "-u", _WORKER_PATH, _json(init)],
+            lambda: [sys.executable, "-u", "-B", _WORKER_PATH, _json(init)],  # -B: no __pycache__ beside the file
             workers,
             name=f"task.reward {spec!r}",
             kind="reward worker",
