@@ -1342,7 +1342,7 @@ def split_method(spec: str) -> tuple[str, list[str]]:
     name, *pairs = segments
     if name.endswith(".py") and pairs:  # path/to/rules.py:name[:KEY=VALUE...]
         name, pairs = f"{name}:{pairs[0]}", pairs[1:]
-    overrides = []
+    overrides: list[str] = []
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if (

@@ -170,7 +170,7 @@ def _correction_block(block: Any) -> tuple[Any, RuleFile | None]:
             )
         return block, None
     rule, found = load_correction(kind)
-    install_correction(kind, replace(rule, fn=_guarded_correction(kind, rule.fn)))
+    install_correction(kind, replace(rule, fn=_guarded_correction(str(kind), rule.fn)))
     rest = {k: v for k, v in block.items() if k != "sha256"}
     return rest, RuleFile(found.path, found.sha256, recorded if isinstance(recorded, str) else None)
 
