@@ -600,7 +600,9 @@ class TrainConfig:
     lr: float = 3e-4
     """AdamW learning rate of the RL updates (after the warm-up; no decay)."""
     minibatches: int = 1
-    """Optimizer updates per rollout batch (the batch is split into this many)."""
+    """Optimizer updates per rollout batch: the batch's sequences, in a random order, cut into parts
+    of ceil(N / minibatches) (torch's chunk), so where minibatches does not divide N there can be
+    fewer updates (30 on 512 sequences: 28 parts of 18 and one of 8, 29 updates)."""
     minibatch_groups: bool | int = False
     """Split the batch into minibatches of whole prompt groups (all of a prompt's samples in one
     minibatch, the groups in a random order each step) instead of single samples in a random

@@ -63,6 +63,18 @@ def test_more_minibatches_than_groups_give_one_update_a_group():
     assert len(parts) == 2 and all(len({_group_of(samples[i]) for i in p.tolist()}) == 1 for p in parts)
 
 
+def test_the_sample_split_cuts_parts_of_ceil_n_over_minibatches_as_its_key_says():
+    """train.minibatches' documentation: parts of ceil(N / minibatches), every sample once, so 30
+    minibatches of 512 sequences are 29 updates (28 of 18 and one of 8)."""
+    from masktrl.rl.update import _minibatches
+
+    samples = [None] * 512  # the split reads only how many there are
+    parts = _minibatches(samples, _settings(30, groups=False), step=1)
+    assert [len(p) for p in parts] == [18] * 28 + [8]
+    assert sorted(i for p in parts for i in p.tolist()) == list(range(512))
+    assert [len(p) for p in _minibatches(samples, _settings(8, groups=False), step=1)] == [64] * 8
+
+
 def test_a_group_index_shared_by_two_prompts_is_two_groups():
     """Samples of two rollout batches can carry the same ``group`` index: the prompt tells them apart."""
     samples = make_samples(50, seed=2, groups=2, per_group=2)
