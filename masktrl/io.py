@@ -73,6 +73,19 @@ def naming(path: Path):
         raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from exc
 
 
+@contextlib.contextmanager
+def no_bytecode():
+    """Import a user's file (a rule, an environment) without writing ``__pycache__`` beside it:
+    nothing is written outside ``--out``."""
+    import sys
+
+    before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = before
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from masktrl.errors import ConfigError
-from masktrl.io import memory_error_line
+from masktrl.io import memory_error_line, no_bytecode
 from masktrl.methods import BoundMethod, CorrectionParams, Method, TokenLosses, get_method, make_correction
 from masktrl.methods.corrections import CustomCorrection, collecting_corrections, install_correction
 from masktrl.methods.registry import check_method, collecting
@@ -208,12 +208,7 @@ def _guarded(spec: str, method: Method) -> Method:
     hint = f"(masktrl check-method {spec} checks its contract)"
 
     def checked(batch, adv, params, u):
-        try:
-            out = kernel(batch, adv, params, u)
-        except Exception as exc:  # a user's code: whatever it raises is reported in one line
-            if memory_error_line(exc) is not None:
-                raise
-            raise _raised(f"method {spec!r}: its kernel", exc, hint) from exc
+        out = _call_user(f"method {spec!r}: its kernel", hint, kernel, batch, adv, params, u)
         problem = _losses_problem(out, batch.n)
         if problem:
             raise ConfigError(f"method {spec!r}: its kernel returned {problem} {hint}")
@@ -228,12 +223,7 @@ def _guarded_correction(spec: str, fn: Callable) -> Callable:
     where = f"method.correction.kind {spec!r}: its function {getattr(fn, '__name__', '?')}"
 
     def checked(log_rho, valid, seq_ids, adv, keys):
-        try:
-            out = fn(log_rho, valid, seq_ids, adv, keys)
-        except Exception as exc:  # a user's code: whatever it raises is reported in one line
-            if memory_error_line(exc) is not None:
-                raise
-            raise _raised(where, exc) from exc
+        out = _call_user(where, "", fn, log_rho, valid, seq_ids, adv, keys)
         n = log_rho.shape[0]
         shaped = isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
         if not shaped or any(tuple(t.shape) != (n,) for t in out) or not out[0].is_floating_point():
@@ -246,13 +236,18 @@ def _guarded_correction(spec: str, fn: Callable) -> Callable:
     return checked
 
 
-def _raised(where: str, exc: Exception, hint: str = "") -> ConfigError:
-    """The one line for an exception a user's code raised (running out of memory aside: the error
-    boundary names that)."""
-    text = (str(exc).strip().splitlines() or [""])[0]
-    return ConfigError(
-        f"{where} raised {type(exc).__name__}" + (f": {text}" if text else "") + (f" {hint}" if hint else "")
-    )
+def _call_user(where: str, hint: str, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)``, a user's code: whatever it raises is one ConfigError line naming ``where``
+    (running out of memory aside: the error boundary names that)."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if memory_error_line(exc) is not None:
+            raise
+        text = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError(
+            f"{where} raised {type(exc).__name__}" + (f": {text}" if text else "") + (f" {hint}" if hint else "")
+        ) from exc
 
 
 def _losses_problem(out: Any, n: int) -> str | None:
@@ -319,10 +314,8 @@ def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method]
         raise ConfigError(f"method {spec!r}: {path} cannot be imported as a Python file")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module  # dataclasses and typing look their module up by name
-    dont_write = sys.dont_write_bytecode
-    sys.dont_write_bytecode = True  # no __pycache__ beside the user's file: nothing is written outside --out
     try:
-        with collecting() as found, collecting_corrections() as corrections:
+        with no_bytecode(), collecting() as found, collecting_corrections() as corrections:
             loader_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # a user's file: whatever it raises is reported in one line
         sys.modules.pop(module_name, None)
@@ -330,8 +323,6 @@ def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method]
         raise ConfigError(
             f"method {spec!r}: {path} raised {type(exc).__name__} on import" + (f": {text[0]}" if text else "")
         ) from None
-    finally:
-        sys.dont_write_bytecode = dont_write
     _LOADED[key] = (dict(found), dict(corrections))
     return _LOADED[key]
 

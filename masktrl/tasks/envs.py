@@ -36,6 +36,7 @@ import threading
 from dataclasses import dataclass
 
 from masktrl.errors import ConfigError
+from masktrl.io import no_bytecode
 
 PROTOCOL = ("reset", "step")
 
@@ -59,12 +60,11 @@ def load_env(spec: str, key: str = "task.env") -> type:
                 raise ConfigError(f"{key} {spec!r}: cannot load {where} as a Python module")
             module = importlib.util.module_from_spec(mspec)
             sys.path.insert(0, os.path.dirname(path))  # the file's own imports of its neighbours
-            dont_write, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__ beside the file
             try:
-                mspec.loader.exec_module(module)
+                with no_bytecode():
+                    mspec.loader.exec_module(module)
             finally:
                 sys.path.remove(os.path.dirname(path))
-                sys.dont_write_bytecode = dont_write
         else:
             module = importlib.import_module(where)
     except ConfigError:
