@@ -19,6 +19,7 @@ import copy
 import hashlib
 import importlib.util
 import inspect
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -31,6 +32,7 @@ import torch
 from masktrl.errors import ConfigError
 from masktrl.io import memory_error_line, no_bytecode
 from masktrl.methods import BoundMethod, CorrectionParams, Method, TokenLosses, get_method, make_correction
+from masktrl.methods.batch import NO_GRADIENT
 from masktrl.methods.corrections import CustomCorrection, collecting_corrections, install_correction
 from masktrl.methods.registry import check_method, collecting
 
@@ -140,6 +142,8 @@ def method_from_block(block: Any) -> MethodSpec:
     corr_block, corr_file = _correction_block(block.get("correction"))
     written = copy.deepcopy(block)
     try:
+        if rule_file is not None:
+            check_kinds(method.params_cls, given)
         params = method.make_params(**given)
         correction = make_correction(corr_block)
         if (
@@ -155,6 +159,27 @@ def method_from_block(block: Any) -> MethodSpec:
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     return MethodSpec(rule, method.name, params, correction, rule_file, corr_file, method, written)
+
+
+def check_kinds(params_cls: type, values: dict) -> None:
+    """ValueError unless each value in ``values`` has the kind of its field's default: a number
+    (not a bool, not NaN) for a float field, an integer for an int field, true/false for a bool
+    field, text for a str field. Fields defaulting to None or another type are left to the params
+    class's own checks. For a rule from a user's file, before its own ``__post_init__``: what its
+    params get without a check of their own (``--set method.scale=abc`` or ``=.nan``). The shipped
+    params check their values themselves, with their own messages."""
+    defaults = {f.name: f.default for f in fields(params_cls)}
+    for key, value in values.items():
+        kind = type(defaults.get(key))
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        wanted = {
+            float: ("a number", number and not (isinstance(value, float) and math.isnan(value))),
+            int: ("an integer", number and isinstance(value, int)),
+            bool: ("true or false", isinstance(value, bool)),
+            str: ("text", isinstance(value, str)),
+        }.get(kind)
+        if wanted is not None and not wanted[1]:
+            raise ValueError(f"method.{key} must be {wanted[0]}, got {value!r}")
 
 
 def _correction_block(block: Any) -> tuple[Any, RuleFile | None]:
@@ -202,7 +227,8 @@ def load_rule(spec: str) -> tuple[Method, RuleFile]:
 def _guarded(spec: str, method: Method) -> Method:
     """``method`` with its kernel checked at every call: a user's kernel that raises, or returns
     anything but ``TokenLosses`` whose loss is a float tensor [N] and whose mask a bool tensor
-    [N], is one ConfigError line naming the rule, not a traceback from inside the update.
+    [N], or a loss without a gradient where log pi has one (a ``.detach()``: backward would
+    fail), is one ConfigError line naming the rule, not a traceback from inside the update.
     Running out of memory stays what it is (the error boundary names it)."""
     kernel = method.kernel
     hint = f"(masktrl check-method {spec} checks its contract)"
@@ -210,6 +236,8 @@ def _guarded(spec: str, method: Method) -> Method:
     def checked(batch, adv, params, u):
         out = _call_user(f"method {spec!r}: its kernel", hint, kernel, batch, adv, params, u)
         problem = _losses_problem(out, batch.n)
+        if problem is None and torch.is_grad_enabled() and batch.logp.requires_grad and not out.loss.requires_grad:
+            problem = NO_GRADIENT
         if problem:
             raise ConfigError(f"method {spec!r}: its kernel returned {problem} {hint}")
         return out

@@ -3,6 +3,8 @@ flag: a rule file's kernel, ``--set`` values and what the verl adapter is handed
 line (a ``ConfigError``) naming what is wrong, never a traceback from inside the update nor a run
 that silently differs."""
 
+import re
+
 import pytest
 import torch
 
@@ -49,6 +51,8 @@ def _batch(n: int = 5) -> TokenBatch:
         ("TokenLosses(loss, torch.zeros(batch.n), None, None, None, None)", "a mask that is a torch.float32 tensor"),
         # an integer loss had no gradient: check-method passed it, train failed in backward
         ("TokenLosses(loss.long(), ~batch.valid, None, None, None, None)", "a loss that is a torch.int64 tensor"),
+        # a detached loss passed check-method (as a zero gradient) and failed in backward, a traceback
+        ("TokenLosses(loss.detach(), ~batch.valid, None, None, None, None)", "a loss with no gradient through log pi"),
     ],
 )  # fmt: skip
 def test_a_rule_files_kernel_that_breaks_its_contract_is_one_line(tmp_path, returns, says):
@@ -223,3 +227,106 @@ def test_config_keys_of_an_unknown_method_is_one_line(cli_error, method):
     ``--method ''`` listed grpo's keys as if no method were given."""
     line = cli_error("config", "keys", "--method", method)
     assert f"unknown method {method!r}; valid methods: " in line
+
+
+def test_check_method_fails_a_rule_whose_loss_has_no_gradient(tmp_path):
+    """A kernel returning ``loss.detach()`` conformed: its gradient counted as zero, and its value
+    (0 for unit_ratio_log) matched; ``train`` then failed in backward with a traceback."""
+    from masktrl.analysis.conformance import check_method, passed
+
+    path = tmp_path / "rules.py"
+    path.write_text(RULE.format(returns="TokenLosses(loss.detach() * 0, ~batch.valid, None, None, None, None)"))
+    bound = resolve_method_spec(f"{path}:mine")
+    rows = check_method(bound.method, bound.params, spec=f"{path}:mine")
+    first = rows[0]
+    assert not passed(rows) and first.name == "gradient = value" and first.ok is False
+    assert "no gradient through log pi" in first.detail
+
+
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        (".nan", "method.scale must be a number, got nan"),
+        ("abc", "method.scale must be a number, got 'abc'"),
+        ("true", "method.scale must be a number, got True"),
+        ("[1]", "method.scale must be a number, got [1]"),
+    ],
+)
+def test_a_rule_files_parameters_have_the_kind_of_their_defaults(tmp_path, value, says):
+    """``--set method.scale=.nan`` (or ``=abc``) on a rule from a file whose params class checks
+    nothing was accepted and trained with NaN (or text) as the parameter."""
+    path = tmp_path / "rules.py"
+    path.write_text(RULE.format(returns="TokenLosses(loss, ~batch.valid, None, None, None, None)"))
+    with pytest.raises(ConfigError, match=f"^{re.escape(says)}$"):
+        load_config(None, [f"method.scale={value}"], method=f"{path}:mine")
+    assert load_config(None, ["method.scale=2"], method=f"{path}:mine").method.params.scale == 2
+
+
+@pytest.mark.parametrize("name", ["", "a:b", "a,b", " a", ".a", "a b"])
+def test_a_rule_or_correction_name_that_cannot_be_written_is_refused(tmp_path, name):
+    """``register_method("a:b", ...)`` was accepted (``rules.py:a:b`` then read ``b`` as a parameter,
+    and rich printed ``:b:`` as an emoji); ``""`` too, a rule no spec can name."""
+    path = tmp_path / "rules.py"
+    path.write_text(RULE.format(returns="None").replace('register_method("mine"', f"register_method({name!r}"))
+    with pytest.raises(ConfigError, match=f"raised ValueError on import: method name {re.escape(repr(name))}: use"):
+        resolve_method_spec(f"{path}:mine")
+    text = f"from masktrl.methods import register_correction\n@register_correction({name!r})\ndef f(*a):\n    pass\n"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"correction name {re.escape(repr(name))}: use"):
+        resolve_method_spec("grpo", {"kind": f"{path}:f"})
+
+
+def _verl_args(b: int = 2, t: int = 3):
+    old = torch.full((b, t), -1.0, dtype=torch.float64)
+    return old, (old + 0.1).requires_grad_(), torch.tensor([1.0, 0.5], dtype=torch.float64)[:b], torch.ones(b, t)
+
+
+@pytest.mark.parametrize(
+    "index, value, says",
+    [
+        (0, torch.full((2, 4), -1.0), "old_log_prob must have response_mask's shape [2, 3], got [2, 4]"),
+        (1, torch.full((3, 3), -1.0), "log_prob must have response_mask's shape [2, 3], got [3, 3]"),
+        (2, torch.ones(3), "advantages must be [2, 3] (per token) or [2] (per sequence), got [3]"),
+        (3, torch.ones(6), "response_mask must be [B, T] (the response tokens), got [6]"),
+        (2, [1.0, 0.5], "advantages must be a torch.Tensor, got list"),
+        (0, torch.full((2, 3), 0.4), "old_log_prob holds 0.4 on a response token: log-probabilities are <= 0"),
+        (1, torch.full((2, 3), 2.5), "log_prob holds 2.5 on a response token"),
+    ],
+)
+def test_the_verl_loss_refuses_tensors_that_do_not_fit(index, value, says):
+    """Mismatched shapes were a raw IndexError or RuntimeError from inside the loss; probabilities
+    (or logits) handed over as log-probabilities trained without a word."""
+    from masktrl.integrations.verl import policy_loss
+
+    args = list(_verl_args())
+    fn = policy_loss("grpo")
+    assert torch.isfinite(fn(*args)[0])
+    args[index] = value
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        fn(*args)
+
+
+def test_the_verl_loss_reads_rounding_above_zero_and_padding_as_given():
+    """A log-prob a hair above 0 (bf16 rounding) on a response token, and anything on padding, is taken."""
+    from masktrl.integrations.verl import LOGP_SLACK, policy_loss
+
+    old, new, adv, mask = _verl_args()
+    mask[1, 2] = 0
+    old = old.clone()
+    old[0, 0], old[1, 2] = LOGP_SLACK / 2, 7.0
+    assert torch.isfinite(policy_loss("grpo")(old, new, adv, mask)[0])
+
+
+def test_the_verl_loss_refuses_topk_lists_of_another_shape():
+    from masktrl.integrations.verl import policy_loss
+
+    old, new, adv, mask = _verl_args()
+    ids = torch.zeros(2, 3, 4, dtype=torch.long)
+    lp = torch.full((2, 3, 4), -2.0, dtype=torch.float64)
+    kw = dict(responses=torch.zeros(2, 3, dtype=torch.long), rollout_topk_ids=ids, rollout_topk_log_probs=lp)
+    fn = policy_loss("pdm")
+    assert torch.isfinite(fn(old, new, adv, mask, **kw, topk_log_prob=lp)[0])
+    with pytest.raises(
+        ConfigError, match=re.escape("topk_log_prob must be [2, 3, K] with rollout_topk_ids' K = 4, got [2, 3, 3]")
+    ):
+        fn(old, new, adv, mask, **kw, topk_log_prob=lp[..., :3])

@@ -37,6 +37,7 @@ import yaml
 
 from masktrl.config import from_dict
 from masktrl.methods import RegularizerParams, TokenBatch, get_method
+from masktrl.methods.batch import NO_GRADIENT
 
 F64 = torch.float64
 SEEDS = (0, 1, 2)
@@ -207,6 +208,8 @@ def check_gradient(rule: Rule, cases: list[Case]) -> Row:
         leaf = sampled_logp(case)
         batch = build(case, logp=leaf)
         out = rule.out(batch, case.adv, case.u)
+        if not out.loss.requires_grad:
+            return Row("gradient = value", False, f"the kernel returned {NO_GRADIENT}")
         g = _grad(out.loss.sum(), leaf).detach()  # [N]
         value = out.loss.detach()
         for t in torch.nonzero(case.valid).flatten().tolist():

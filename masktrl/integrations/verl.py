@@ -117,6 +117,18 @@ def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor:
             raise ConfigError(
                 "anchor=mu: old_log_prob is mu itself; verl's rollout_is_weights apply with anchor=pi_old"
             )
+        _check_tensors(
+            {"old_log_prob": old_log_prob, "log_prob": log_prob, "response_mask": response_mask},
+            advantages,
+            {"rollout_is_weights": rollout_is_weights, "responses": responses},
+            {
+                "rollout_topk_ids": rollout_topk_ids,
+                "rollout_topk_log_probs": rollout_topk_log_probs,
+                "topk_log_prob": topk_log_prob,
+            }
+            if topk
+            else {},
+        )
         mask = response_mask.bool()
         sampled = (
             responses if responses is not None else torch.zeros_like(mask, dtype=torch.long)
@@ -161,6 +173,53 @@ def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor:
     masktrl_policy_loss.__doc__ = f"masktrl rule {bound.name!r} (anchor {anchor}) as a verl policy loss."
     masktrl_policy_loss.masktrl_method = bound
     return masktrl_policy_loss
+
+
+LOGP_SLACK = 0.1
+"""How far above 0 a log-probability may be and still be read as rounding: fp32 log-softmax is
+within ~1e-6 of its value, one computed in bf16 within a few hundredths; probabilities or logits
+handed over as log-probabilities exceed it almost surely."""
+
+
+def _shape(t: Tensor) -> str:
+    return "[" + ", ".join(map(str, t.shape)) + "]"
+
+
+def _check_tensors(logps: dict, advantages: Any, per_token: dict, lists: dict) -> None:
+    """ConfigError (one line) unless the tensors verl hands over fit together: ``old_log_prob``,
+    ``log_prob`` and ``response_mask`` one shape [B, T], ``advantages`` [B, T] or [B], the optional
+    per-token tensors [B, T], the top-K lists [B, T, K] of one K, and no log-probability above
+    ``LOGP_SLACK`` on a response token (or a listed entry). Without it a mismatch was a raw
+    IndexError or RuntimeError from inside the loss, and probabilities passed as log-probs trained."""
+    for name, t in {**logps, "advantages": advantages, **per_token, **lists}.items():
+        if t is not None and not isinstance(t, Tensor):
+            raise ConfigError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    mask = logps["response_mask"]
+    if mask.dim() != 2:
+        raise ConfigError(f"response_mask must be [B, T] (the response tokens), got {_shape(mask)}")
+    b, t = mask.shape
+    for name, x in {**logps, **per_token}.items():
+        if x is not None and tuple(x.shape) != (b, t):
+            raise ConfigError(f"{name} must have response_mask's shape [{b}, {t}], got {_shape(x)}")
+    if tuple(advantages.shape) not in ((b, t), (b,)):
+        raise ConfigError(
+            f"advantages must be [{b}, {t}] (per token) or [{b}] (per sequence), got {_shape(advantages)}"
+        )
+    k = lists["rollout_topk_ids"].shape[-1] if lists else None
+    for name, x in lists.items():
+        if tuple(x.shape) != (b, t, k):
+            raise ConfigError(f"{name} must be [{b}, {t}, K] with rollout_topk_ids' K = {k}, got {_shape(x)}")
+    sel = mask.bool()
+    checks = [(name, logps[name][sel]) for name in ("old_log_prob", "log_prob")]
+    if lists:
+        real = sel.unsqueeze(-1) & (lists["rollout_topk_ids"] >= 0)
+        checks += [(name, lists[name][real]) for name in ("rollout_topk_log_probs", "topk_log_prob")]
+    for name, x in checks:
+        if x.numel() and bool((x.detach() > LOGP_SLACK).any()):
+            raise ConfigError(
+                f"{name} holds {float(x.detach().max()):.4g} on a response token: log-probabilities are <= 0 "
+                "(these look like probabilities or logits)"
+            )
 
 
 def _check_positive(key: str, value: Any) -> None:

@@ -8,8 +8,9 @@ everything computes in the batch's floating dtype.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -21,6 +22,21 @@ def check_choice(field: str, value, choices: tuple[str, ...]) -> None:
     """ValueError naming `field` unless `value` is one of `choices`."""
     if value not in choices:
         raise ValueError(f"{field} must be one of {', '.join(choices)}; got {value!r}")
+
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
+
+
+def check_rule_name(what: str, name: Any) -> None:
+    """ValueError unless ``name`` can be written where a method or correction is named: letters,
+    digits, ``_ . + -``, not starting with a punctuation mark. A ``:`` would split ``rules.py:name:key=value``
+    (and rich reads ``:name:`` as an emoji), a ``,`` a ``--methods`` list, and an empty name could not
+    be written at all."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(
+            f"{what} name {name!r}: use letters, digits and _ . + - (not starting with . + -), "
+            "as names are written in path/to/rules.py:name:key=value and --methods a,b"
+        )
 
 
 @dataclass(frozen=True)
@@ -287,6 +303,13 @@ def truncate_topk(batch: TokenBatch, k: int) -> TokenBatch:
 
 
 # --------------------------------------------------------------------------- live log-ratios
+
+
+NO_GRADIENT = (
+    "a loss with no gradient through log pi (detached, or built from Python numbers): the update could not "
+    "step; a loss of value 0 with a gradient is c * unit_ratio_log(batch)"
+)
+"""What a rule whose loss lost its gradient is told (``check-method`` and a run's guarded kernel)."""
 
 
 def unit_ratio_log(batch: TokenBatch) -> Tensor:

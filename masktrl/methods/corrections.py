@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from masktrl.methods.batch import TokenBatch
+from masktrl.methods.batch import TokenBatch, check_rule_name
 
 CORRECTION_KINDS = ("none", "token-tis", "seq-tis", "token-mis", "seq-mis", "icepop", "rs", "opsm")
 CORRECTION_MODES = ("bypass", "decoupled")
@@ -97,6 +97,7 @@ def register_correction(name: str, keys: dict | None = None) -> Callable:
     """Decorator: ``fn`` is the correction ``kind: name`` (or, in a file loaded with
     ``--set method.correction.kind=path/to/rules.py:name``, that kind); ``keys``: the block keys
     it reads (cap, floor, lo, hi, stat, weight, delta) with their defaults."""
+    check_rule_name("correction", name)
     keys = dict(keys or {})
     unknown = [k for k in keys if k not in _KEY_FIELDS]
     if unknown:

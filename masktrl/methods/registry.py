@@ -30,7 +30,7 @@ from masktrl.methods.aggregation import (
     aggregate_denominator_from_counts,
     check_horizon,
 )
-from masktrl.methods.batch import TokenBatch
+from masktrl.methods.batch import TokenBatch, check_rule_name
 from masktrl.methods.corrections import Correction, CorrectionParams, corrected_token_losses
 from masktrl.methods.regularizers import Regularized, regularize
 
@@ -295,6 +295,7 @@ def register_method(name: str, params_cls: type, help: str = "") -> Callable[[Ke
     """Decorator: register ``kernel`` under ``name`` with its params dataclass.
 
     Inside ``collecting()`` (a user's rule file being loaded) the method goes to that scope only."""
+    check_rule_name("method", name)
 
     def wrap(kernel: Kernel) -> Kernel:
         target = _COLLECTING[-1] if _COLLECTING else _METHODS
