@@ -6,7 +6,8 @@ artifact...) becomes one red line on stderr and exit code 2, and so does an ``OS
 machine raises (permission denied, no space left, read-only file system, a file where a folder
 belongs), named by its file, and running out of memory (``io.memory_error_line``). ``MASKTRL_DEBUG=1`` shows the
 traceback instead. A run stopped by
-Ctrl-C or SIGTERM exits with 128 + the signal number (130, 143).
+Ctrl-C or SIGTERM exits with 128 + the signal number (130, 143); any other command stopped by
+Ctrl-C prints ``interrupted`` and exits 130 (``commands/help_format.py: Group.invoke``).
 """
 
 from __future__ import annotations
@@ -91,9 +92,6 @@ def _main() -> None:
         if line is None:
             raise
         _fail(exc, line)
-    except KeyboardInterrupt as exc:
-        err_console.print("[yellow]interrupted[/]")
-        sys.exit(128 + getattr(exc, "signum", 2))
     close_process_group()
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -330,3 +330,14 @@ def test_the_verl_loss_refuses_topk_lists_of_another_shape():
         ConfigError, match=re.escape("topk_log_prob must be [2, 3, K] with rollout_topk_ids' K = 4, got [2, 3, 3]")
     ):
         fn(old, new, adv, mask, **kw, topk_log_prob=lp[..., :3])
+
+
+def test_a_command_stopped_by_ctrl_c_says_so(tmp_path):
+    """Ctrl-C in any command but train (here a rule file raising KeyboardInterrupt on import, as a
+    Ctrl-C during its import does) exited 130 without a word: typer turned it into a silent exit."""
+    from tests.conftest import masktrl
+
+    (tmp_path / "rules.py").write_text("raise KeyboardInterrupt\n")
+    r = masktrl("check-method", "rules.py:mine", cwd=tmp_path)
+    assert r.returncode == 130 and r.stderr.strip() == "interrupted", (r.returncode, r.stderr)
+    assert r.stdout == "" and "Traceback" not in r.stderr

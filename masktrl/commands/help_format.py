@@ -1,8 +1,12 @@
-"""The command classes whose help shows no value type for flags (``Command``, ``Group``)."""
+"""The command classes (``Command``, ``Group``): help that shows no value type for flags, and a
+command stopped by Ctrl-C that says so."""
 
 from __future__ import annotations
 
+import typer
 from typer.core import TyperArgument, TyperCommand, TyperGroup
+
+from masktrl.commands.ui import err_console
 
 
 def _hide_flag_types(params: list) -> list:
@@ -32,3 +36,13 @@ class Group(TyperGroup):
 
     def get_params(self, ctx):
         return _hide_flag_types(super().get_params(ctx))
+
+    def invoke(self, ctx):
+        """A command stopped by Ctrl-C (a ``KeyboardInterrupt``) prints ``interrupted`` and exits
+        130; typer turned it into exit 130 without a word. ``train`` names its run itself
+        (commands/train.py)."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            err_console.print("[yellow]interrupted[/]")
+            raise typer.Exit(130) from None
