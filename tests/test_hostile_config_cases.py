@@ -11,6 +11,7 @@ import torch
 from masktrl.config import load_config, resolve_method_spec, split_method
 from masktrl.errors import ConfigError
 from masktrl.methods import TokenBatch
+from tests.conftest import cli
 
 RULE = """from dataclasses import dataclass
 import torch
@@ -341,3 +342,35 @@ def test_a_command_stopped_by_ctrl_c_says_so(tmp_path):
     r = masktrl("check-method", "rules.py:mine", cwd=tmp_path)
     assert r.returncode == 130 and r.stderr.strip() == "interrupted", (r.returncode, r.stderr)
     assert r.stdout == "" and "Traceback" not in r.stderr
+
+
+ENV = """class E:
+    stop = {stop}
+
+    def reset(self, example):
+        pass
+
+    def step(self, call):
+        return "ok", False
+"""
+
+
+@pytest.mark.parametrize(
+    "stop, says",
+    [
+        ("5", "the class's stop attribute must be a non-empty string (the text that ends a tool call), got 5"),
+        ('""', "the class's stop attribute must be a non-empty string (the text that ends a tool call), got ''"),
+        ("None", "set task.call_stop (the text that ends a tool call); the class has no stop attribute"),
+    ],
+)
+def test_an_environment_without_a_usable_stop_string_is_refused_before_the_run(tmp_path, cli_error, stop, says):
+    """``--dry-run`` passed an environment whose ``stop`` was 5; the run then made its folder and
+    failed at its first rollout, saying the class had no stop attribute."""
+    (tmp_path / "envs.py").write_text(ENV.format(stop=stop))
+    env, out = f"{tmp_path / 'envs.py'}:E", tmp_path / "out"
+    for dry in (["--dry-run"], []):
+        line = cli_error("train", "--config", "agentic", "--set", f"task.env={env}", "--out", out, *dry)
+        assert line == f"error: task.env {env!r}: {says}" + ("; fix it or set task.call_stop" if stop != "None" else "")
+        assert not out.exists()
+    dry_run = ["train", "--config", "agentic", "--set", f"task.env={env}", "--set", "task.call_stop=</x>"]
+    assert cli(*dry_run, "--out", out, "--dry-run").exit_code == 0

@@ -8,10 +8,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from masktrl.config import TaskConfig
-from masktrl.errors import ConfigError
 from masktrl.rollout.base import Generation, SamplingSettings
 from masktrl.rollout.multiturn import generate_multi_turn
-from masktrl.tasks.envs import EnvStats, Episode, load_env
+from masktrl.tasks.envs import EnvStats, Episode, env_stop, load_env
 
 DEFAULT_MAX_TURNS = 4
 DEFAULT_TIMEOUT_S = 10.0
@@ -21,12 +20,7 @@ def env_settings(task_cfg: TaskConfig) -> tuple[type, str, int, float]:
     """(the environment class, the call's stop string, max_turns, the call timeout) of a
     ``task.env`` config; ConfigError when the class does not load or no stop string is known."""
     env_cls = load_env(task_cfg.env)
-    stop = task_cfg.call_stop or getattr(env_cls, "stop", None)
-    if not isinstance(stop, str) or not stop:
-        raise ConfigError(
-            f"task.env {task_cfg.env!r}: set task.call_stop (the text that ends a tool call); "
-            "the class has no stop attribute"
-        )
+    stop = env_stop(env_cls, task_cfg.call_stop, task_cfg.env)
     return env_cls, stop, task_cfg.max_turns or DEFAULT_MAX_TURNS, task_cfg.env_timeout_s or DEFAULT_TIMEOUT_S
 
 

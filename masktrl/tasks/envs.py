@@ -101,6 +101,24 @@ def load_env(spec: str, key: str = "task.env") -> type:
     return obj
 
 
+def env_stop(env_cls: type, call_stop: str | None, spec: str | None) -> str:
+    """The text that ends a tool call: ``task.call_stop``, else the class's ``stop`` attribute;
+    ConfigError (one line) when neither gives a non-empty string."""
+    if call_stop:
+        return call_stop
+    stop = getattr(env_cls, "stop", None)
+    if stop is None:
+        raise ConfigError(
+            f"task.env {spec!r}: set task.call_stop (the text that ends a tool call); the class has no stop attribute"
+        )
+    if not isinstance(stop, str) or not stop:
+        raise ConfigError(
+            f"task.env {spec!r}: the class's stop attribute must be a non-empty string (the text that ends a tool "
+            f"call), got {stop!r}; fix it or set task.call_stop"
+        )
+    return stop
+
+
 @dataclass
 class EnvStats:
     """Counts over the episodes run since the last ``take``."""

@@ -35,10 +35,10 @@ def make_task(task_cfg: TaskConfig, model_cfg: ModelConfig, tokenizer=None) -> T
     from masktrl.tasks.math_data import BENCHMARKS
 
     t = task_cfg
-    if t.env is not None:  # multi-turn: the environment class loads and has the protocol (tasks/envs.py)
-        from masktrl.tasks.envs import load_env
+    if t.env is not None:  # multi-turn: the class loads, has the protocol and a stop string (tasks/envs.py)
+        from masktrl.tasks.envs import env_stop, load_env
 
-        load_env(t.env)
+        env_stop(load_env(t.env), t.call_stop, t.env)
     if t.options and (t.name in ("arithmetic", "dataset") or t.name in BENCHMARKS):
         raise ConfigError(
             f"task.options: the {t.name} task takes no options there; its keys are task.* (masktrl config keys)"
