@@ -329,7 +329,7 @@ class TaskConfig:
             raise ConfigError(f"task.ops must be a non-empty subset of '+-*', got {self.ops!r}")
         _positive("task.digits", self.digits)
         _positive("task.n_test", self.n_test)
-        _positive("task.reward_timeout_s", self.reward_timeout_s)
+        _timeout("task.reward_timeout_s", self.reward_timeout_s)
         _positive("task.reward_workers", self.reward_workers)
         if not 0.0 < self.max_reward_error_frac <= 1.0:
             raise ConfigError(f"task.max_reward_error_frac must be in (0, 1], got {self.max_reward_error_frac}")
@@ -353,9 +353,11 @@ class TaskConfig:
             raise ConfigError(f"task.env must be path/to/file.py:Class or module:Class, got {self.env!r}")
         if self.call_stop is not None and (not isinstance(self.call_stop, str) or not self.call_stop):
             raise ConfigError(f"task.call_stop must be a non-empty string, got {self.call_stop!r}")
-        for key in ("max_turns", "max_total_tokens", "env_timeout_s"):
+        for key in ("max_turns", "max_total_tokens"):
             if getattr(self, key) is not None:
                 _positive(f"task.{key}", getattr(self, key))
+        if self.env_timeout_s is not None:
+            _timeout("task.env_timeout_s", self.env_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -1312,6 +1314,18 @@ def check_temperature(key: str, value: float, *, greedy: bool = False) -> None:
 def _positive(key: str, value: float) -> None:
     if not value > 0:
         raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+MAX_TIMEOUT_S = 1e6
+"""The longest wait a timeout key takes (about 11.6 days): a pipe's poll counts milliseconds in 32
+bits (2^31 ms, 24.8 days) and a thread's join has its own limit; above them the wait raised
+OverflowError from inside the run."""
+
+
+def _timeout(key: str, value: float) -> None:
+    _positive(key, value)
+    if value > MAX_TIMEOUT_S:
+        raise ConfigError(f"{key} must be at most {MAX_TIMEOUT_S:.0e} s (about 11.6 days), got {value:g}")
 
 
 def _non_negative(key: str, value: float) -> None:

@@ -374,3 +374,14 @@ def test_an_environment_without_a_usable_stop_string_is_refused_before_the_run(t
         assert not out.exists()
     dry_run = ["train", "--config", "agentic", "--set", f"task.env={env}", "--set", "task.call_stop=</x>"]
     assert cli(*dry_run, "--out", out, "--dry-run").exit_code == 0
+
+
+@pytest.mark.parametrize("key", ["task.reward_timeout_s", "task.env_timeout_s"])
+def test_a_timeout_beyond_what_a_wait_can_take_is_refused(key):
+    """``task.env_timeout_s=1e300`` passed the config and the run died at its first tool call
+    with a traceback (OverflowError from the thread's join); a reward's pipe poll overflows past
+    24.8 days."""
+    sets = ["task.env=masktrl.tasks.tools:Calculator"] if key == "task.env_timeout_s" else []
+    with pytest.raises(ConfigError, match=f"^{key} must be at most 1e\\+06 s \\(about 11.6 days\\), got 1e\\+300$"):
+        load_config(None, [*sets, f"{key}=1e300"])
+    assert getattr(load_config(None, [*sets, f"{key}=1e6"]).task, key.split(".")[1]) == 1e6
