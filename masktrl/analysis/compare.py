@@ -60,6 +60,7 @@ P_UNIT = "run (one seed)"
 HELDOUT = "eval/heldout/accuracy"
 MIN_SEEDS = 3
 TESTS = ("welch", "permutation", "paired")
+MAX_BOOT = 1_000_000  # --n-boot: resamples of the bootstrap CI (each keeps its mean: 8 MB at most)
 DECISION_RULE = (
     "paired: a difference is declared when max(paired t p, exact sign-flip p), Holm-adjusted across "
     "the table, "
@@ -324,6 +325,10 @@ def compare(
     ``margin``: the equivalence margin of the TOSTs; ``interaction``: "A-B,C-D" (handles or labels)."""
     if test not in TESTS:
         raise MasktrlError(f"--test must be one of {', '.join(TESTS)}; got {test!r}")
+    if not 1 <= n_boot <= MAX_BOOT:
+        raise MasktrlError(
+            f"--n-boot must be in [1, {MAX_BOOT}], got {n_boot} (the bootstrap keeps one mean per resample)"
+        )
     if margin is not None and not (isinstance(margin, (int, float)) and 0 < margin < float("inf")):
         raise MasktrlError(f"--margin must be a positive number, got {margin!r}")
     if eval_bench is not None and metric != HELDOUT:

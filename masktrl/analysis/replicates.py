@@ -25,6 +25,8 @@ from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.runs.store import RunStore
 
 REPLICATE_UNITS = ("batch", "partition")
+MAX_STEPS = 100_000
+"""The most steps one --steps lists (a range beyond it is a typo, and was expanded in memory)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ def parse_steps(spec: str | None) -> list[int] | None:
         stride = int(m.group(3)) if m.group(3) is not None else 1
         if stride < 1 or b < a:
             raise MasktrlError(f"--steps: range {part!r} must be start:end[:stride] with end >= start and stride >= 1")
+        if len(steps) + (b - a) // stride + 1 > MAX_STEPS:  # counted before a range is expanded
+            raise MasktrlError(f"--steps {str(spec).strip()[:60]}: more than {MAX_STEPS} steps (each one is replayed)")
         steps.update(range(a, b + 1, stride))
     return sorted(steps)
 
