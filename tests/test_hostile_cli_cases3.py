@@ -45,3 +45,69 @@ def test_a_steps_range_too_long_is_refused_before_it_is_expanded(finished, tmp_p
     _, out, root = finished
     line = cli_error("analyze", "estimators", "--run", root, "--steps", "1:99999999999", "--output", tmp_path / "e")
     assert line.endswith("--steps 1:99999999999: more than 100000 steps (each one is replayed)")
+
+
+def _sampling(command, root, tmp_path) -> tuple:
+    """``masktrl eval task`` (into the run) or ``masktrl rollout`` (into tmp_path/b.parquet) of ``root``."""
+    if command == "eval":
+        return ("eval", "task", "--model", root, "--k", 1)
+    return ("rollout", "--model", root, "--data", "synthetic", "--output", tmp_path / "b.parquet")
+
+
+@pytest.mark.parametrize("command", ["eval", "rollout"])
+@pytest.mark.parametrize("seed", ["-1", "4294967296"])
+def test_a_sampling_seed_out_of_range_is_one_line(finished, tmp_path, cli_error, command, seed):
+    """``masktrl eval --seed -1`` was a 56-line traceback from numpy's SeedSequence (exit 1);
+    ``masktrl rollout --seed -1`` wrote a file that records seed -1, where every config seed lies
+    in [0, 2^32-1]."""
+    _, out, root = finished
+    before = snapshot(root)
+    line = cli_error(*_sampling(command, root, tmp_path), "--seed", seed)
+    assert line.endswith(f"--seed must be in [0, 4294967295], got {seed}")
+    assert snapshot(root) == before and not (tmp_path / "b.parquet").exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "rollout"])
+@pytest.mark.parametrize("tokens", ["256", "99999999999"])
+def test_a_response_length_that_fills_the_context_is_refused(finished, tmp_path, cli_error, command, tokens):
+    """``--max-new-tokens`` at or past the tiny model's 256 positions was accepted (responses could
+    run past the positions the model has, and the report recorded the length), and a huge one
+    ran into an out-of-memory error naming training keys; ``masktrl train`` refused the same
+    length of rollout.max_new_tokens."""
+    _, out, root = finished
+    before = snapshot(root)
+    line = cli_error(*_sampling(command, root, tmp_path), "--max-new-tokens", tokens)
+    assert line.endswith(
+        f"--max-new-tokens {tokens} leaves no room for a prompt in the model's context (256 positions)"
+    )
+    assert snapshot(root) == before and not (tmp_path / "b.parquet").exists()
+
+
+def test_rollout_prompts_beyond_the_bound_are_refused_at_once(finished, tmp_path, cli_error):
+    """``masktrl rollout --prompts 99999999999`` drew that many synthetic prompts in memory: the
+    process was killed for memory."""
+    _, out, root = finished
+    line = cli_error(
+        "rollout",
+        "--model",
+        root,
+        "--data",
+        "synthetic",
+        "--prompts",
+        "99999999999",
+        "--output",
+        tmp_path / "b.parquet",
+    )
+    assert line.startswith("error: --prompts 99999999999 is above 65536") and not (tmp_path / "b.parquet").exists()
+
+
+def test_a_slurm_option_with_a_line_break_is_refused(finished, tmp_path, cli_error):
+    """``--slurm $'time=1\\ntouch x'`` wrote ``touch x`` as a line of its own into every sbatch
+    script: a command the job ran (and sbatch ignores the #SBATCH lines after it)."""
+    config, _, _ = finished
+    line = cli_error(
+        "sweep", "--config", config, "--out", tmp_path / "out", "--methods", "grpo", "--seeds", "1",
+        "--launcher", "slurm", "--no-submit", "--slurm", "time=1\ntouch x",
+    )  # fmt: skip
+    assert "the value holds a control character" in line and "#SBATCH" in line
+    assert not (tmp_path / "out").exists()
