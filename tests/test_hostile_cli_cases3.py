@@ -111,3 +111,38 @@ def test_a_slurm_option_with_a_line_break_is_refused(finished, tmp_path, cli_err
     )  # fmt: skip
     assert "the value holds a control character" in line and "#SBATCH" in line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ("--step", "0"),
+            "--step must be >= 1 (rollout step S, sampled by checkpoint S-1), got 0",
+        ),  # "policy step ... -1"
+        (("--top", "-3"), "--top must be >= 0, got -3"),  # listed no token, exit 0
+        (("--k", "3"), "--k goes with --bias (the envelope list sizes of the gradient bias)"),  # ignored, exit 0
+    ],
+)
+def test_analyze_sis_flags_that_cannot_mean_what_they_say(finished, cli_error, args, says):
+    """``analyze sis --step 0`` said "policy step must be >= 0, got -1" (a number the user never
+    gave); ``--top -3`` listed no token and ``--k`` without ``--bias`` was dropped, both exit 0."""
+    _, _, root = finished
+    before = snapshot(root)
+    assert cli_error("analyze", "sis", "--run", root, *args).endswith(says)
+    assert snapshot(root) == before
+
+
+def test_config_keys_with_a_prefix_no_key_has_is_refused(cli_error):
+    """``masktrl config keys trian`` (a typo) printed an empty table and exited 0."""
+    line = cli_error("config", "keys", "trian")
+    assert line.endswith(
+        "no config key starts with 'trian'; the sections: eval, method, model, rollout, seed, task, train, warmstart"
+    )
+
+
+def test_sweep_seeds_count_zero_says_so(tmp_path, cli_error):
+    """``masktrl sweep --seeds 0`` said "--seeds must give distinct non-negative seeds, got '0'":
+    0 is non-negative; the count is what is wrong."""
+    line = cli_error("sweep", "--seeds", "0", "--print-commands", "--out", tmp_path / "out")
+    assert line.endswith("--seeds 0: a count of seeds must be >= 1") and not (tmp_path / "out").exists()
