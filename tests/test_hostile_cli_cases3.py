@@ -146,3 +146,22 @@ def test_sweep_seeds_count_zero_says_so(tmp_path, cli_error):
     0 is non-negative; the count is what is wrong."""
     line = cli_error("sweep", "--seeds", "0", "--print-commands", "--out", tmp_path / "out")
     assert line.endswith("--seeds 0: a count of seeds must be >= 1") and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (("eval", "gsm8k", "--model", "RUN", "--data", ""), "--data"),  # ". is a folder: give a .jsonl ... file"
+        (
+            ("sweep", "--seeds", "1", "--print-commands", "--accelerate-config", ""),
+            "--accelerate-config",
+        ),  # ".: no such file"
+    ],
+)
+def test_an_empty_file_option_is_named_empty(finished, tmp_path, cli_error, args, flag):
+    """An empty ``--data`` or ``--accelerate-config`` (an unset shell variable) was read as the
+    current folder: ". is a folder" / "--accelerate-config .: no such file"."""
+    _, out, root = finished
+    args = [root if a == "RUN" else a for a in args]
+    line = cli_error(*args, "--out", tmp_path / "out")
+    assert f"Invalid value for '{flag}': is empty" in line and not (tmp_path / "out").exists()

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from masktrl.commands.values import file_path
 from masktrl.config import EVAL_BENCHMARKS
 
 BenchArg = Annotated[
@@ -56,6 +57,7 @@ DataOpt = Annotated[
     typer.Option(
         "--data",
         metavar="FILE",
+        parser=file_path("give a .jsonl/.json/.parquet file of problems, or leave --data out"),
         help="Math benchmarks: a local .jsonl/.json/.parquet file of problems (default: the "
         "local datasets cache); dataset: task.source.",
         show_default=False,
