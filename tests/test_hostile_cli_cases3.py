@@ -156,11 +156,14 @@ def test_sweep_seeds_count_zero_says_so(tmp_path, cli_error):
             ("sweep", "--seeds", "1", "--print-commands", "--accelerate-config", ""),
             "--accelerate-config",
         ),  # ".: no such file"
+        (("eval", "task", "--model", "RUN", "--output", ""), "--output' / '-o"),  # "--output . is a folder"
+        (("rollout", "--model", "RUN", "--data", "synthetic", "--output", ""), "--output' / '-o"),
     ],
 )
 def test_an_empty_file_option_is_named_empty(finished, tmp_path, cli_error, args, flag):
-    """An empty ``--data`` or ``--accelerate-config`` (an unset shell variable) was read as the
-    current folder: ". is a folder" / "--accelerate-config .: no such file"."""
+    """An empty ``--data``, ``--accelerate-config`` or eval's / rollout's ``--output`` (an unset
+    shell variable) was read as the current folder: ". is a folder" / "--accelerate-config .: no
+    such file" / "--output . is a folder"."""
     _, out, root = finished
     args = [root if a == "RUN" else a for a in args]
     line = cli_error(*args, "--out", tmp_path / "out")

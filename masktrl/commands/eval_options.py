@@ -112,6 +112,7 @@ OutputOpt = Annotated[
         "--output",
         "-o",
         metavar="FILE",
+        parser=file_path("give the JSON report to write, or leave --output out"),
         show_default=False,
         help="A model that is not a run: the JSON report to write (default: "
         "eval/ next to the model folder, OUT/eval/ for a hub id).",
