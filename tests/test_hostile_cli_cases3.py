@@ -4,7 +4,7 @@ replaced, nothing written outside what was asked."""
 
 import pytest
 
-from tests.conftest import snapshot
+from tests.conftest import copy_run, snapshot
 
 
 @pytest.mark.parametrize("analysis", ["dynamics", "compare"])
@@ -168,3 +168,16 @@ def test_an_empty_file_option_is_named_empty(finished, tmp_path, cli_error, args
     args = [root if a == "RUN" else a for a in args]
     line = cli_error(*args, "--out", tmp_path / "out")
     assert f"Invalid value for '{flag}': is empty" in line and not (tmp_path / "out").exists()
+
+
+def test_compare_refuses_one_seed_counted_twice(finished, tmp_path, cli_error):
+    """A copy of a run folder (or a rerun of its command under another name) compared beside it
+    was a second replicate of the same seed: ``n`` 2 and a narrower interval from no new evidence."""
+    _, _, root = finished
+    _, _, twin = copy_run(finished, tmp_path)
+    line = cli_error("analyze", "compare", root, twin, "--output", tmp_path / "c")
+    assert line.endswith(
+        f"{root} and {twin} are two complete runs of grpo with seed 0 (the same config: a copy or a rerun); "
+        "the run is the unit of the comparison: give one of them"
+    )
+    assert not (tmp_path / "c").exists()

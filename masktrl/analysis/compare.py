@@ -309,6 +309,22 @@ def check_one_task(runs: list[RunInfo]) -> None:
             )
 
 
+def check_one_run_per_seed(groups: list[tuple[str, list[RunInfo]]]) -> None:
+    """``MasktrlError`` naming two complete runs of one config with the same seed (a copied run
+    folder, or a rerun): the run is the comparison's unit, and a seed counted twice narrows
+    every interval with no new evidence."""
+    for label, members in groups:
+        seen: dict[int, RunInfo] = {}
+        for r in members:
+            if r.cfg.seed in seen:
+                raise MasktrlError(
+                    f"{seen[r.cfg.seed].root} and {r.root} are two complete runs of {label} with seed "
+                    f"{r.cfg.seed} (the same config: a copy or a rerun); the run is the unit of the "
+                    "comparison: give one of them"
+                )
+            seen[r.cfg.seed] = r
+
+
 def compare(
     runs: list[RunInfo],
     baseline: str = "grpo",
@@ -341,6 +357,7 @@ def compare(
         raise MasktrlError("no complete run to compare (a run is complete once summary.json is written)")
     check_one_task(complete)
     groups = group_runs(complete)
+    check_one_run_per_seed(groups)
     base_label = find_baseline([(label, m[0].cfg.method_name) for label, m in groups], baseline, [m for _, m in groups])
     if eval_bench is not None:
         per_run, settings = eval_scores(complete, eval_bench)
