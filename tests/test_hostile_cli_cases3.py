@@ -181,3 +181,17 @@ def test_compare_refuses_one_seed_counted_twice(finished, tmp_path, cli_error):
         "the run is the unit of the comparison: give one of them"
     )
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("study", ["estimators", "disagreement"])
+def test_a_replay_study_refuses_one_replicate_pooled_twice(finished, tmp_path, cli_error, study):
+    """``--run out/r --run copy/r`` (a copied run folder) pooled the same batch, replayed from the
+    same checkpoint, as two independent replicates: twice the batches, no new evidence."""
+    _, _, root = finished
+    _, _, twin = copy_run(finished, tmp_path)
+    line = cli_error("analyze", study, "--run", root, "--run", twin, "--output", tmp_path / "s")
+    assert line.endswith(
+        "run r, step 2 is the same replicate as run r, step 2 (its config, rollout batch and checkpoint 1 have the "
+        "same sha256: a copied run folder, or a rerun); give one of them"
+    )
+    assert not (tmp_path / "s").exists()
