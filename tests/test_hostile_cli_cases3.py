@@ -195,3 +195,11 @@ def test_a_replay_study_refuses_one_replicate_pooled_twice(finished, tmp_path, c
         "same sha256: a copied run folder, or a rerun); give one of them"
     )
     assert not (tmp_path / "s").exists()
+
+
+def test_runs_of_a_run_folder_names_its_parent(finished, cli_error):
+    """``masktrl runs --out out/r`` (a run folder, not a folder of runs) said "no runs in out/r"
+    and exited 0, as if the run did not exist."""
+    _, out, root = finished
+    line = cli_error("runs", "--out", root)
+    assert line.endswith(f"{root} is a run folder, not a folder of runs: masktrl runs --out {out} lists it")
