@@ -29,14 +29,8 @@ def sis(
     vs rejected tokens; --bias: the top-K envelope's gradient bias."""
     from masktrl.analysis import sis_report
     from masktrl.analysis.io import load_run
-    from masktrl.errors import MasktrlError
 
-    if step is not None and step < 1:  # it said "policy step must be >= 0, got -1"
-        raise MasktrlError(f"--step must be >= 1 (rollout step S, sampled by checkpoint S-1), got {step}")
-    if top < 0:  # a negative count listed no token, silently
-        raise MasktrlError(f"--top must be >= 0, got {top}")
-    if k is not None and not bias:  # it was ignored
-        raise MasktrlError("--k goes with --bias (the envelope list sizes of the gradient bias)")
+    sis_report.check_flags(step, top, k, bias)
     info = load_run(run, out)
     if bias:
         from masktrl.analysis import sis_bias
