@@ -203,3 +203,12 @@ def test_runs_of_a_run_folder_names_its_parent(finished, cli_error):
     _, out, root = finished
     line = cli_error("runs", "--out", root)
     assert line.endswith(f"{root} is a run folder, not a folder of runs: masktrl runs --out {out} lists it")
+
+
+@pytest.mark.parametrize("flag", ["--eval", "--interaction"])
+def test_compare_empty_eval_or_interaction_is_named_empty(finished, tmp_path, cli_error, flag):
+    """``--eval ''`` said "make them with: masktrl eval  --model ..." (a command that cannot run);
+    ``--interaction ''`` was taken as not given: exit 0 with no interaction test."""
+    _, _, root = finished
+    line = cli_error("analyze", "compare", root, flag, "", "--output", tmp_path / "c")
+    assert f"Invalid value for '{flag}': is empty" in line and not (tmp_path / "c").exists()

@@ -154,10 +154,10 @@ def plan(
                 _stage_digest(store, checkpoint_key(p) if p else WARMSTART_KEY),
             )
             if all(digest) and digest in batches:  # a copied run folder: one replicate pooled twice
-                other, other_step = batches[digest]
+                twin, twin_step = batches[digest]
                 raise MasktrlError(
-                    f"run {store.name}, step {s} is the same replicate as run {other}, step "
-                    f"{other_step} (its config, rollout batch and checkpoint {p} have the same sha256: "
+                    f"run {store.name}, step {s} is the same replicate as run {twin}, step "
+                    f"{twin_step} (its config, rollout batch and checkpoint {p} have the same sha256: "
                     "a copied run folder, or a rerun); give one of them"
                 )
             batches[digest] = (store.name, s)
