@@ -60,6 +60,7 @@ P_UNIT = "run (one seed)"
 HELDOUT = "eval/heldout/accuracy"
 MIN_SEEDS = 3
 TESTS = ("welch", "permutation", "paired")
+MAX_BOOT = 1_000_000  # --n-boot: resamples of the bootstrap CI (each keeps its mean: 8 MB at most)
 DECISION_RULE = (
     "paired: a difference is declared when max(paired t p, exact sign-flip p), Holm-adjusted across "
     "the table, "
@@ -308,6 +309,22 @@ def check_one_task(runs: list[RunInfo]) -> None:
             )
 
 
+def check_one_run_per_seed(groups: list[tuple[str, list[RunInfo]]]) -> None:
+    """``MasktrlError`` naming two complete runs of one config with the same seed (a copied run
+    folder, or a rerun): the run is the comparison's unit, and a seed counted twice narrows
+    every interval with no new evidence."""
+    for label, members in groups:
+        seen: dict[int, RunInfo] = {}
+        for r in members:
+            if r.cfg.seed in seen:
+                raise MasktrlError(
+                    f"{seen[r.cfg.seed].root} and {r.root} are two complete runs of {label} with seed "
+                    f"{r.cfg.seed} (the same config: a copy or a rerun); the run is the unit of the "
+                    "comparison: give one of them"
+                )
+            seen[r.cfg.seed] = r
+
+
 def compare(
     runs: list[RunInfo],
     baseline: str = "grpo",
@@ -324,6 +341,10 @@ def compare(
     ``margin``: the equivalence margin of the TOSTs; ``interaction``: "A-B,C-D" (handles or labels)."""
     if test not in TESTS:
         raise MasktrlError(f"--test must be one of {', '.join(TESTS)}; got {test!r}")
+    if not 1 <= n_boot <= MAX_BOOT:
+        raise MasktrlError(
+            f"--n-boot must be in [1, {MAX_BOOT}], got {n_boot} (the bootstrap keeps one mean per resample)"
+        )
     if margin is not None and not (isinstance(margin, (int, float)) and 0 < margin < float("inf")):
         raise MasktrlError(f"--margin must be a positive number, got {margin!r}")
     if eval_bench is not None and metric != HELDOUT:
@@ -336,6 +357,7 @@ def compare(
         raise MasktrlError("no complete run to compare (a run is complete once summary.json is written)")
     check_one_task(complete)
     groups = group_runs(complete)
+    check_one_run_per_seed(groups)
     base_label = find_baseline([(label, m[0].cfg.method_name) for label, m in groups], baseline, [m for _, m in groups])
     if eval_bench is not None:
         per_run, settings = eval_scores(complete, eval_bench)

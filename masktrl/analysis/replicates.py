@@ -22,9 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from masktrl.errors import ArtifactError, MasktrlError
-from masktrl.runs.store import RunStore
+from masktrl.runs.store import WARMSTART_KEY, RunStore, checkpoint_key, rollout_key
 
 REPLICATE_UNITS = ("batch", "partition")
+MAX_STEPS = 100_000
+"""The most steps one --steps lists (a range beyond it is a typo, and was expanded in memory)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ def parse_steps(spec: str | None) -> list[int] | None:
         stride = int(m.group(3)) if m.group(3) is not None else 1
         if stride < 1 or b < a:
             raise MasktrlError(f"--steps: range {part!r} must be start:end[:stride] with end >= start and stride >= 1")
+        if len(steps) + (b - a) // stride + 1 > MAX_STEPS:  # counted before a range is expanded
+            raise MasktrlError(f"--steps {str(spec).strip()[:60]}: more than {MAX_STEPS} steps (each one is replayed)")
         steps.update(range(a, b + 1, stride))
     return sorted(steps)
 
@@ -95,6 +99,7 @@ def plan(
             f"{stores[other].name} has {task_key(cfgs[other])}"
         )
     refs: list[BatchRef] = []
+    batches: dict[tuple, tuple[str, int]] = {}  # each stored batch's sha256 -> (run, step): pooled once
     for store, cfg in zip(stores, cfgs):
         run_steps = steps if steps is not None else [default_replay_step(store.root)]
         bad = [s for s in run_steps if not 1 <= s <= cfg.train.steps]
@@ -143,8 +148,28 @@ def plan(
                     f"(checkpoints: {_span(policies)}); "
                     f"{hint}{' (or --no-exact)' if no_exact else ''}"
                 )
+            digest = (  # the run's config, the batch and the checkpoint its update starts from
+                _stage_digest(store, "config"),
+                _stage_digest(store, rollout_key(s)),
+                _stage_digest(store, checkpoint_key(p) if p else WARMSTART_KEY),
+            )
+            if all(digest) and digest in batches:  # a copied run folder: one replicate pooled twice
+                twin, twin_step = batches[digest]
+                raise MasktrlError(
+                    f"run {store.name}, step {s} is the same replicate as run {twin}, step "
+                    f"{twin_step} (its config, rollout batch and checkpoint {p} have the same sha256: "
+                    "a copied run folder, or a rerun); give one of them"
+                )
+            batches[digest] = (store.name, s)
             refs.append(BatchRef(store.root, store.name, s, p, b))
     return refs
+
+
+def _stage_digest(store: RunStore, key: str) -> tuple[str, ...]:
+    """The sha256 of a stage's files as its manifest records them (the warm start's: its info's
+    files); empty when it records none."""
+    stage = store.stage(key) or {}
+    return tuple(sorted((stage.get("files") or (stage.get("info") or {}).get("files") or {}).values()))
 
 
 def prepare(

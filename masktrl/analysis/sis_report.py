@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from masktrl.analysis.io import RunInfo, default_replay_step
+from masktrl.errors import MasktrlError
 from masktrl.methods import sis_accept
 from masktrl.methods.batch import log_ratio, outside_list, residual_mass
 from masktrl.methods.diagnostics import log_importance_deviation
@@ -143,6 +144,18 @@ def training_curves(metrics: list[dict]) -> dict:
     else:
         out["log_dev_ratio"] = []
     return out
+
+
+def check_flags(step: int | None, top: int, k: str | None, bias: bool) -> None:
+    """``masktrl analyze sis``'s flags, before the run is read: MasktrlError for a rollout step
+    below 1 (it said "policy step must be >= 0, got -1"), a negative ``--top`` (it listed no
+    token) or ``--k`` without ``--bias`` (it was ignored)."""
+    if step is not None and step < 1:
+        raise MasktrlError(f"--step must be >= 1 (rollout step S, sampled by checkpoint S-1), got {step}")
+    if top < 0:
+        raise MasktrlError(f"--top must be >= 0, got {top}")
+    if k is not None and not bias:
+        raise MasktrlError("--k goes with --bias (the envelope list sizes of the gradient bias)")
 
 
 def sis_report(run: RunInfo, step: int | None = None, top: int = 10) -> dict:

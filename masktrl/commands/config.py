@@ -33,13 +33,18 @@ def keys(
     """Every config key (--set KEY=VALUE, YAML presets): type, default and what it does; method.*
     lists the parameters of --method (default grpo)."""
     from masktrl.config import config_keys
+    from masktrl.errors import ConfigError
 
+    every = config_keys(method)
+    shown = [k for k in every if prefix is None or k.key.startswith(prefix)]
+    if not shown:  # it printed an empty table and exited 0
+        sections = sorted({k.key.split(".", 1)[0] for k in every})
+        raise ConfigError(f"no config key starts with {prefix!r}; the sections: {', '.join(sections)}")
     table = Table(title=f"config keys (method.* of {method or 'grpo'})", show_lines=False)
     for col in ("key", "type", "default", "what it does"):
         table.add_column(col, overflow="fold")
-    for k in config_keys(method):
-        if prefix is None or k.key.startswith(prefix):
-            table.add_row(k.key, k.type, escape(_show(k.default)), escape(k.doc))
+    for k in shown:
+        table.add_row(k.key, k.type, escape(_show(k.default)), escape(k.doc))
     console.print(table)
 
 

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from masktrl.commands.values import file_path
 from masktrl.config import EVAL_BENCHMARKS
 
 BenchArg = Annotated[
@@ -56,7 +57,8 @@ DataOpt = Annotated[
     typer.Option(
         "--data",
         metavar="FILE",
-        help="Math benchmarks: a local .jsonl/.json/.parquet file of problems (default: the "
+        parser=file_path("give a .jsonl/.json/.parquet file of problems, or leave --data out"),
+        help="Math benchmarks: a .jsonl/.json/.parquet file of problems (default: the "
         "local datasets cache); dataset: task.source.",
         show_default=False,
     ),
@@ -110,11 +112,9 @@ OutputOpt = Annotated[
         "--output",
         "-o",
         metavar="FILE",
+        parser=file_path("give the JSON report to write, or leave --output out"),
         show_default=False,
-        help="A model that is not a run: the JSON report to write (default: "
-        "eval/ next to the model folder, OUT/eval/ for a hub id).",
+        help="Not a run: the JSON report to write (default: eval/ beside the model folder, OUT/eval/ for a hub id).",
     ),
 ]
-ForceOpt = Annotated[
-    bool, typer.Option("--force", help="Replace an existing result file for the same benchmark and step.")
-]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing report of this benchmark and step.")]

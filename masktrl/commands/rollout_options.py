@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from masktrl.commands.values import file_path
+
 ModelOpt = Annotated[
     str,
     typer.Option(
@@ -35,6 +37,7 @@ OutputOpt = Annotated[
         "--output",
         "-o",
         metavar="FILE",
+        parser=file_path("give the rollout parquet file to write"),
         help="The rollout parquet file to write (never inside a run folder: a run's batches are its own).",
     ),
 ]

@@ -31,7 +31,14 @@ def runs(
         err_console.print(f"[yellow]deprecated:[/] masktrl runs DIR; use masktrl runs --out {folder}", highlight=False)
         out = folder
     folder = out
+    from masktrl.runs.store import is_run_folder
 
+    if is_run_folder(folder):  # it said "no runs in out/r", exit 0
+        from masktrl.errors import MasktrlError
+
+        raise MasktrlError(
+            f"{folder} is a run folder, not a folder of runs: masktrl runs --out {folder.parent} lists it"
+        )
     rows = list_runs(folder)
     table = Table(title=f"runs in {folder}")
     for col in ("run", "method", "seed", "steps", "last reward", "last eval", "status"):

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from masktrl.commands.values import file_path
+
 MethodsOpt = Annotated[
     str,
     typer.Option(
@@ -57,6 +59,7 @@ AccelerateConfigOpt = Annotated[
     typer.Option(
         "--accelerate-config",
         metavar="FILE",
+        parser=file_path("give accelerate's config file, or leave --accelerate-config out"),
         help="Run each training under accelerate launch --config_file FILE.",
         show_default=False,
     ),

@@ -33,6 +33,23 @@ def config_file(value: str | Path) -> Path:
     return Path(not_empty("give a YAML file or a preset name (lab, tiny, methods/pdm-agg)")(str(value)))
 
 
+def file_path(hint: str):
+    """A parser for an option that names a file: a Path; an empty value is refused with ``hint``
+    (it was read as the current folder: ". is a folder", ". no such file")."""
+    parse = not_empty(hint)
+
+    def to_path(value: str | Path) -> Path:
+        return Path(parse(str(value)))
+
+    return to_path
+
+
+def output_folder(value: str | Path) -> Path:
+    """An analysis's --output as a Path; an empty one (an unset shell variable) is refused, not
+    read as the current folder (the analysis wrote its files there)."""
+    return Path(not_empty("give the folder to write the analysis to, or leave --output out")(str(value)))
+
+
 def outside_runs(value: Path | None) -> Path | None:
     """An analysis's ``--output`` (a typer callback): a folder, never inside a run folder, but its
     analysis/."""

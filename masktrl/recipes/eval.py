@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from masktrl.config import EVAL_BENCHMARKS, OWN_TASK_BENCHMARKS, Config, check_temperature
+from masktrl.config import EVAL_BENCHMARKS, MAX_SEED, OWN_TASK_BENCHMARKS, Config, check_temperature
 from masktrl.errors import ConfigError
-from masktrl.rl.checks import fit_context, model_context
+from masktrl.rl.checks import check_response_room, fit_context, model_context
 from masktrl.rl.evaluation import (
     EvalBatches,
     bench_task_config,
@@ -76,6 +76,8 @@ class EvalOptions:
                 "report"
             )
         check_temperature("--temperature", self.temperature, greedy=True)
+        if not 0 <= self.seed <= MAX_SEED:  # numpy's SeedSequence raised on a negative one: a traceback
+            raise ConfigError(f"--seed must be in [0, {MAX_SEED}], got {self.seed}")
         if self.temperature == 0 and self.k != 1:
             raise ConfigError("--temperature 0 is greedy decoding: all k samples would be identical; use --k 1")
         if not 0 < self.top_p <= 1:
@@ -130,6 +132,8 @@ def run(
     its default place (``output_path``)."""
     ref, path = _target(bench, model, step, opts, out=out, output=output, force=force)
     cfg = _bench_config(bench, ref, opts)
+    if opts.max_new_tokens is not None:  # before the data and the weights are loaded
+        check_response_room(f"--max-new-tokens {opts.max_new_tokens}", opts.max_new_tokens, model_context(ref.weights))
     task = build_task(bench, cfg)
     try:  # the data loaded: now the weights
         engine, tokenizer = load_engine(cfg, ref.weights)

@@ -12,9 +12,10 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from masktrl.config import Config
+from masktrl.config import MAX_SEED, Config
 from masktrl.errors import MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
+from masktrl.rl.checks import check_response_room, model_context
 from masktrl.rl.collect import generate_groups, score_groups, set_advantages
 from masktrl.rl.evaluation import bench_task_config, build_task, eval_chat, load_engine
 from masktrl.rollout.base import SamplingSettings, check_sampling
@@ -23,6 +24,9 @@ from masktrl.runs.resolve import refuse_inside_run, refuse_output_file, resolve_
 from masktrl.seeding import stream_seed
 from masktrl.tasks import make_eval_task
 from masktrl.tasks.math_data import BENCHMARKS
+
+MAX_PROMPTS = 65536
+"""The most prompts one ``masktrl rollout`` samples (``--prompts``)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,13 @@ class RolloutOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise MasktrlError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.prompts is not None and self.prompts > MAX_PROMPTS:  # drawn in memory first: was killed for memory
+            raise MasktrlError(
+                f"--prompts {self.prompts} is above {MAX_PROMPTS}: a rollout file is built in memory, "
+                "every prompt's --n responses, before it is written"
+            )
+        if not 0 <= self.seed <= MAX_SEED:
+            raise MasktrlError(f"--seed must be in [0, {MAX_SEED}], got {self.seed}")
         if self.n < 2:
             raise MasktrlError("--n must be >= 2: group advantages need at least two samples per prompt")
         check_sampling(self.temperature, self.top_p, names=("--temperature", "--top-p"))  # finite, > 0; top-p in (0, 1]
@@ -67,6 +78,8 @@ def run(
     refuse_inside_run(out_file)  # a run's stored batch is recorded with its hash: never replaced from outside
     refuse_output_file(out_file, "parquet file", replace=force)
     ref = resolve_model(model, step, out)
+    if opts.max_new_tokens is not None:  # before the data and the weights are loaded
+        check_response_room(f"--max-new-tokens {opts.max_new_tokens}", opts.max_new_tokens, model_context(ref.weights))
     cfg = ref.cfg or Config()
     cfg = replace(
         cfg,

@@ -83,6 +83,13 @@ def parse_options(pairs: list[str]) -> list[str]:
             raise ConfigError(
                 f"--slurm {key}: set by masktrl (job name masktrl-<run>, log <out>/.sweep/slurm/<run>-<jobid>.log)"
             )
+        if any(
+            ord(c) < 32 or ord(c) == 127 for c in value
+        ):  # a line break ends the #SBATCH line: the rest ran as a command
+            raise ConfigError(
+                f"--slurm {pair!r}: the value holds a control character (a line break would end the "
+                "#SBATCH line and run the rest in the job script)"
+            )
         out.append(f"--{key}={value}" if sep else f"--{key}")
     return out
 

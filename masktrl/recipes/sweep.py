@@ -98,6 +98,8 @@ def parse_seeds(text: str) -> list[int]:
             count = int(text)
             if count > MAX_SWEEP_SEEDS:
                 raise ConfigError(f"--seeds {text.strip()[:40]}: at most {MAX_SWEEP_SEEDS} seeds")
+            if count < 1:  # it said "must give distinct non-negative seeds, got '0'"
+                raise ConfigError(f"--seeds {text.strip()[:40]}: a count of seeds must be >= 1")
             seeds = list(range(count))
     except ValueError:
         raise ConfigError(f"--seeds must be a count (3) or a list (0,4,7), got {text[:60]!r}") from None

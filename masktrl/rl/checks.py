@@ -103,12 +103,7 @@ def _model_checks(cfg: Config, task, tokenizer, vocab_size: int, context: int | 
     if cfg.train.packing:
         check_packing(cfg)
         report.append(("train.packing", "the model's attention can mask packed sequences"))
-    if context is not None and cfg.rollout.max_new_tokens >= context:
-        raise ConfigError(
-            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
-            "model's context "
-            f"({context} positions)"
-        )
+    check_response_room(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}", cfg.rollout.max_new_tokens, context)
     if context is not None:
         check_prompt_lengths(
             task.test_examples(),
@@ -457,6 +452,14 @@ def fit_context(examples: list, tokenizer, chat_template: bool, context: int | N
             f"all {len(examples)} problems have prompts longer than the model's context ({context} positions)"
         )
     return kept, len(examples) - len(kept)
+
+
+def check_response_room(given: str, max_new_tokens: int, context: int | None) -> None:
+    """ConfigError when ``max_new_tokens`` (``given``: the key or flag as the user wrote it) fills
+    the model's ``context``: no prompt fits before such a response, and one that long runs past
+    the positions the model has (nothing stops it there)."""
+    if context is not None and max_new_tokens >= context:
+        raise ConfigError(f"{given} leaves no room for a prompt in the model's context ({context} positions)")
 
 
 def model_context(weights: str) -> int | None:

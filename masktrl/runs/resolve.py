@@ -65,10 +65,11 @@ def resolve_model(model: str, step: int | None, out: Path | None = None) -> Mode
 
 
 def run_containing(path: Path) -> Path | None:
-    """The run folder ``path`` lies in (as written, or once its symbolic links are resolved), else None."""
+    """The run folder ``path`` is or lies in (as written, or once its symbolic links are resolved),
+    else None: an analysis's ``--output`` that names a run folder itself would write into it."""
     path = Path(path)
     for candidate in (Path(os.path.normpath(path)), Path(os.path.abspath(path)), path.resolve()):
-        for parent in candidate.parents:
+        for parent in (candidate, *candidate.parents):
             if is_run_folder(parent):
                 return parent if str(parent) != "." else Path(os.getcwd())
     return None
@@ -97,8 +98,9 @@ def refuse_inside_run(path: Path, flag: str = "--output", *, analysis_ok: bool =
             for root in (Path(os.path.abspath(run)), Path(run).resolve()):
                 if candidate.is_relative_to(root / "analysis"):
                     return
+    where = "is" if Path(os.path.abspath(path)) == Path(os.path.abspath(run)) else "lies inside"
     raise ConfigError(
-        f"{flag} {path} lies inside the run folder {run}; a run's files are written only by its own "
+        f"{flag} {path} {where} the run folder {run}; a run's files are written only by its own "
         "commands "
         f"(nothing was changed): choose a path outside it" + (" (or its analysis/ folder)" if analysis_ok else "")
     )

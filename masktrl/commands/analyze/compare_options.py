@@ -6,6 +6,8 @@ from typing import Annotated
 
 import typer
 
+from masktrl.commands.values import not_empty
+
 BaselineOpt = Annotated[
     str,
     typer.Option(
@@ -24,6 +26,7 @@ EvalBenchOpt = Annotated[
     typer.Option(
         "--eval",
         metavar="BENCH",
+        parser=not_empty("give a benchmark (task, gsm8k, ...), or leave --eval out"),
         show_default=False,
         help="Score each run by the avg@k of its "
         "`masktrl eval BENCH` report on its final checkpoint (e.g. "
@@ -58,6 +61,7 @@ InteractionOpt = Annotated[
     typer.Option(
         "--interaction",
         metavar="A-B,C-D",
+        parser=not_empty("give two effects as A-B,C-D, or leave --interaction out"),
         show_default=False,
         help="Test whether the "
         "effect A-B differs from C-D (group handles or labels; paired "

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from masktrl.commands.values import outside_runs
+from masktrl.commands.values import output_folder, outside_runs
 
 RunArg = Annotated[
     str, typer.Option("--run", metavar="RUN", help="Run folder, or a run name under --out.", show_default=False)
@@ -25,6 +25,7 @@ ResultOpt = Annotated[
         help="Where to write JSON + PNG (default: the first run's parent analysis/; "
         "never inside a run folder but its analysis/).",
         show_default=False,
+        parser=output_folder,
         callback=outside_runs,
     ),
 ]

@@ -30,6 +30,7 @@ def sis(
     from masktrl.analysis import sis_report
     from masktrl.analysis.io import load_run
 
+    sis_report.check_flags(step, top, k, bias)
     info = load_run(run, out)
     if bias:
         from masktrl.analysis import sis_bias

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from masktrl.commands.values import outside_runs
+from masktrl.commands.values import output_folder, outside_runs
 
 StudyRunsOpt = Annotated[
     list[str],
@@ -74,6 +74,7 @@ StudyOutputOpt = Annotated[
         help="Where to write JSON, parquet and PNG (default: <run>/analysis/, "
         "or the first run's parent analysis/ when runs are pooled).",
         show_default=False,
+        parser=output_folder,
         callback=outside_runs,
     ),
 ]
