@@ -302,3 +302,30 @@ def test_a_stored_multi_turn_batch_replays_into_sis_and_pdm(model, tok, tmp_path
         loss = bound.aggregate(losses.loss, out.batch, horizon=20)
         (g,) = torch.autograd.grad(loss, out.batch.logp, retain_graph=True)
         assert float(g[~own].abs().sum()) == 0.0 and float(g[own].abs().sum()) > 0, name
+
+
+class HugeReply(LongReply):
+    def step(self, call):
+        return "7=" * 3_000_000, False  # 6 MB: each episode's reply was tokenised whole, seconds apiece
+
+
+def test_a_reply_of_megabytes_is_cut_before_it_is_tokenised(model, tok):
+    """A tool printing megabytes made every call tokenise all of it before the cut: a 6 MB reply
+    took seconds per episode (an agentic lab step with one such tool did not end in 10 minutes)."""
+    gens, stats = run_env(model, tok, HugeReply, max_tokens=20)
+    replied = [g for g in gens if ENVIRONMENT in g.source]
+    assert replied and stats.truncated == len(replied)
+    for g in replied:
+        n_env = sum(s == ENVIRONMENT for s in g.source)
+        assert len(g.response_ids) == 20 and tok.decode(g.response_ids[-n_env:]) == ("7=" * 20)[:n_env]
+
+
+@pytest.mark.parametrize("reply", ["", "7=", "7=" * 5, "7=" * 64, "7=" * 65, "1" * 70, "7=" * 10_000])
+@pytest.mark.parametrize("left", [0, 1, 3, 20])
+def test_reply_tokens_keeps_the_full_texts_ids(tok, reply, left):
+    """The ids kept and the cut flag equal tokenising the whole reply and cutting it to the budget."""
+    from masktrl.rollout.multiturn import reply_tokens
+
+    whole = tok.encode(reply, add_special_tokens=False) if reply else []
+    ids, cut = reply_tokens(tok, reply, left)
+    assert ids == whole[:left] and cut == (len(whole) > left)

@@ -34,7 +34,7 @@ def config_file(value: str | Path) -> Path:
 
 
 def file_path(hint: str):
-    """A parser for an option that names a file: a Path; an empty value is refused with ``hint``
+    """A parser for an option that names a file or a folder: a Path; an empty value is refused with ``hint``
     (it was read as the current folder: ". is a folder", ". no such file")."""
     parse = not_empty(hint)
 
@@ -44,10 +44,9 @@ def file_path(hint: str):
     return to_path
 
 
-def output_folder(value: str | Path) -> Path:
-    """An analysis's --output as a Path; an empty one (an unset shell variable) is refused, not
-    read as the current folder (the analysis wrote its files there)."""
-    return Path(not_empty("give the folder to write the analysis to, or leave --output out")(str(value)))
+output_folder = file_path("give the folder to write the analysis to, or leave --output out")
+"""An analysis's --output as a Path; an empty one (an unset shell variable) is refused, not read as
+the current folder (the analysis wrote its files there)."""
 
 
 def outside_runs(value: Path | None) -> Path | None:

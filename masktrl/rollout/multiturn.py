@@ -31,6 +31,23 @@ from masktrl.rollout.base import ENVIRONMENT, POLICY, Generation, SamplingSettin
 TURN_SEED_STRIDE = 1_000_003  # turn t of a batch samples with seed + t * stride (distinct, reproducible streams)
 
 
+REPLY_CHARS_PER_TOKEN = 64
+"""A reply longer than this many characters per token of budget left is cut to that length before
+it is tokenised (a tool that prints megabytes made each episode's tokenisation take seconds)."""
+
+
+def reply_tokens(tokenizer, reply: str, left: int) -> tuple[list[int], bool]:
+    """The environment's reply as at most ``left`` token ids, and whether it was cut to fit. The
+    text is first cut to ``REPLY_CHARS_PER_TOKEN * (left + 1)`` characters: the ids kept are the
+    full text's unless the tokenizer joins more than that many characters around the cut into
+    one piece (a single run of about 64 characters per budget token with no break)."""
+    if not reply:
+        return [], False
+    limit = REPLY_CHARS_PER_TOKEN * (left + 1)
+    ids = tokenizer.encode(reply[:limit], add_special_tokens=False)
+    return ids[:left], len(ids) > left or len(reply) > limit
+
+
 def stop_cut(ids: list[int], decode: Callable[[list[int]], str], stop: str) -> int | None:
     """The length of the shortest prefix of ``ids`` whose text contains ``stop``, or None."""
     if not stop or stop not in decode(ids):
@@ -136,10 +153,9 @@ def generate_multi_turn(
                 ep.add(gen, cut, turn)
                 reply, done = ep.env.step(decode(ep.ids[len(ep.ids) - cut :]))
                 left = max_tokens - len(ep.ids)
-                reply_ids = tokenizer.encode(reply, add_special_tokens=False) if reply else []
-                if len(reply_ids) > left and hasattr(ep.env, "cut"):
+                reply_ids, cut_reply = reply_tokens(tokenizer, reply, left)
+                if cut_reply and hasattr(ep.env, "cut"):
                     ep.env.cut()  # counted (env_truncated): the reply is cut to the budget left
-                reply_ids = reply_ids[:left]
                 ep.add_reply(reply_ids, turn)
                 if done:
                     ep.running, ep.finished = False, True
