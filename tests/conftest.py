@@ -14,6 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+# rich fixes a console's width when the console is made, from COLUMNS: whichever test first imports
+# masktrl's consoles (inside cli()'s CliRunner, COLUMNS=200, or outside it, 80) set it for all the
+# later ones, so a test reading a wrapped line passed or failed by the order the files ran in
+os.environ["COLUMNS"] = "200"
+
 from masktrl.config import merge_config
 
 TINY = {  # every end-to-end run of the suite starts from this: a few seconds on a CPU

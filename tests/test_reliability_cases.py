@@ -36,6 +36,10 @@ def _batch_file(root, path, **meta):
         ("temperature", 0.7, "rollout.temperature", "0.7"),
         ("quantization", "fp8", "rollout.quantization", "fp8"),
         ("rollout_dtype", "bfloat16", "rollout.dtype", "bfloat16"),
+        # groups and lists of another size trained while run.yaml described the config's (hostile pass 3)
+        ("n", 8, "rollout.n", "8"),
+        ("logprobs_k", 3, "rollout.logprobs_k", "3"),
+        ("logprobs_k", 999, "rollout.logprobs_k", "17"),  # compared as the lists stored: min(K, vocabulary 17)
     ],
 )
 def test_a_replay_of_a_file_sampled_otherwise_is_refused_naming_both_values(
@@ -43,7 +47,13 @@ def test_a_replay_of_a_file_sampled_otherwise_is_refused_naming_both_values(
 ):
     config, _, root = finished
     path = _batch_file(root, tmp_path / "s.parquet", **{field: value})
-    configured = {"rollout.temperature": "1", "rollout.quantization": "null", "rollout.dtype": "null"}[key]
+    configured = {
+        "rollout.temperature": "1",
+        "rollout.quantization": "null",
+        "rollout.dtype": "null",
+        "rollout.n": "4",
+        "rollout.logprobs_k": "5",
+    }[key]
     want = (
         f"error: --rollouts-from {path} was sampled with {key}={shown}, this config has "
         f"{key}={configured} "
@@ -68,6 +78,16 @@ def test_a_replay_of_a_file_sampled_otherwise_is_refused_naming_both_values(
             == want
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_a_replay_compares_list_sizes_as_stored(finished, tmp_path):
+    """K above the vocabulary stores the whole vocabulary: a file of K = 999 replays under K = 20
+    (both store 17 entries on the tiny vocabulary)."""
+    config, _, root = finished
+    path = _batch_file(root, tmp_path / "s.parquet", logprobs_k=999)
+    sets = ["--set", "train.steps=1", "--set", "rollout.logprobs_k=20", "--dry-run"]
+    r = cli("train", "--config", config, "--out", tmp_path / "out", "--run", "x", "--rollouts-from", path, *sets)
+    assert r.exit_code == 0 and not (tmp_path / "out").exists()
 
 
 def test_a_replay_of_a_run_folder_at_another_temperature_is_refused(finished, tmp_path, cli_error):

@@ -80,6 +80,8 @@ def test_two_methods_replaying_one_file_see_identical_tokens(source_run):
             out_file,
             "--set",
             "train.steps=2",
+            "--set",
+            "rollout.logprobs_k=4",  # the file's lists (a config of K = 5 is refused: run.yaml would misdescribe them)
         )
         assert r.exit_code == 0, r.output
     a, b = base / "out" / "replay-grpo", base / "out" / "replay-dppo"

@@ -10,8 +10,9 @@ advantages are used exactly as stored, so methods trained from the same source s
 data (reward shaping and dynamic sampling belong to the run that produced the rollouts).
 
 The sampling a batch records (its temperature, the engine's ``rollout.dtype`` and
-``rollout.quantization``) must be the config's: π is computed at the temperature μ was sampled
-at, and the run's config describes its data. A difference is refused with one line naming both
+``rollout.quantization``, its group size ``rollout.n`` and list length ``rollout.logprobs_k``)
+must be the config's: π is computed at the temperature μ was sampled at, and the run's config
+describes its data. A difference is refused with one line naming both
 values (``check_sampled_as``), rather than trained on silently or overridden behind the config's
 back.
 """
@@ -33,8 +34,12 @@ SAMPLED_AS = (
     ("rollout_dtype", "rollout.dtype"),
     ("quantization", "rollout.quantization"),
     ("top_k", "rollout.top_k"),
+    ("n", "rollout.n"),
+    ("logprobs_k", "rollout.logprobs_k"),
 )
-"""(the rollout file's metadata field, the config key it must equal): what made mu, and what pi is computed with."""
+"""(the rollout file's metadata field, the config key it must equal): what made mu, what pi is
+computed with, and the shape of the data (the group size, the lists' length K, compared as
+min(K, vocabulary): the lists a model of a smaller vocabulary stores)."""
 
 
 class RolloutSource:
@@ -112,6 +117,8 @@ class RolloutSource:
             if field not in self.meta:
                 continue
             recorded, configured = self.meta[field], _get(cfg, key)
+            if field == "logprobs_k" and self.vocab_size is not None:  # the lists stored: min(K, vocabulary)
+                recorded, configured = _list_size(recorded, self.vocab_size), _list_size(configured, self.vocab_size)
             if _differs(recorded, configured):
                 raise ConfigError(
                     f"--rollouts-from {spec} was sampled with {key}={_show(recorded)}, this config "
@@ -191,6 +198,10 @@ def _run_batches(root: Path, steps: int | None) -> tuple[RunStore, list[Path]]:
 def _get(cfg, key: str):
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name)
+
+
+def _list_size(k, vocab_size: int):
+    return min(k, vocab_size) if isinstance(k, int) and not isinstance(k, bool) else k
 
 
 def _differs(recorded, configured) -> bool:
