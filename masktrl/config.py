@@ -949,8 +949,7 @@ def read_overrides(
 
 def from_dict(raw: dict) -> Config:
     cfg = _section(Config, raw, "")
-    if not 0 <= cfg.seed <= MAX_SEED:
-        raise ConfigError(f"seed must be in [0, {MAX_SEED}], got {cfg.seed}")
+    check_seed("seed", cfg.seed)
     for section in (cfg.model, cfg.task, cfg.warmstart, cfg.rollout, cfg.train, cfg.eval):
         section.validate()
     batch, parts = cfg.rollout.prompts_per_step * cfg.rollout.n, cfg.train.minibatches * cfg.train.grad_accum
@@ -1320,6 +1319,13 @@ MAX_TIMEOUT_S = 1e6
 """The longest wait a timeout key takes (about 11.6 days): a pipe's poll counts milliseconds in 32
 bits (2^31 ms, 24.8 days) and a thread's join has its own limit; above them the wait raised
 OverflowError from inside the run."""
+
+
+def check_seed(key: str, value: int) -> None:
+    """ConfigError unless the seed ``key`` names lies in [0, MAX_SEED] (numpy's seeding refuses a
+    negative one with a traceback)."""
+    if not 0 <= value <= MAX_SEED:
+        raise ConfigError(f"{key} must be in [0, {MAX_SEED}], got {value}")
 
 
 def _timeout(key: str, value: float) -> None:

@@ -22,17 +22,6 @@ def not_empty(hint: str):
     return parse
 
 
-def out_folder(value: str | Path) -> Path:
-    """--out as a Path; an empty one (an unset shell variable: ``--out "$OUT"``) is refused, not
-    read as the current folder."""
-    return Path(not_empty("give the folder that holds runs (default: outputs)")(str(value)))
-
-
-def config_file(value: str | Path) -> Path:
-    """--config as a Path; an empty one is refused, not read as the current folder."""
-    return Path(not_empty("give a YAML file or a preset name (lab, tiny, methods/pdm-agg)")(str(value)))
-
-
 def file_path(hint: str):
     """A parser for an option that names a file or a folder: a Path; an empty value is refused with ``hint``
     (it was read as the current folder: ". is a folder", ". no such file")."""
@@ -43,6 +32,13 @@ def file_path(hint: str):
 
     return to_path
 
+
+out_folder = file_path("give the folder that holds runs (default: outputs)")
+"""--out as a Path; an empty one (an unset shell variable: ``--out "$OUT"``) is refused, not read
+as the current folder."""
+
+config_file = file_path("give a YAML file or a preset name (lab, tiny, methods/pdm-agg)")
+"""--config as a Path; an empty one is refused, not read as the current folder."""
 
 output_folder = file_path("give the folder to write the analysis to, or leave --output out")
 """An analysis's --output as a Path; an empty one (an unset shell variable) is refused, not read as

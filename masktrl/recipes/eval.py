@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from masktrl.config import EVAL_BENCHMARKS, MAX_SEED, OWN_TASK_BENCHMARKS, Config, check_temperature
+from masktrl.config import EVAL_BENCHMARKS, OWN_TASK_BENCHMARKS, Config, check_seed, check_temperature
 from masktrl.errors import ConfigError
 from masktrl.rl.checks import check_response_room, fit_context, model_context
 from masktrl.rl.evaluation import (
@@ -76,8 +76,7 @@ class EvalOptions:
                 "report"
             )
         check_temperature("--temperature", self.temperature, greedy=True)
-        if not 0 <= self.seed <= MAX_SEED:  # numpy's SeedSequence raised on a negative one: a traceback
-            raise ConfigError(f"--seed must be in [0, {MAX_SEED}], got {self.seed}")
+        check_seed("--seed", self.seed)
         if self.temperature == 0 and self.k != 1:
             raise ConfigError("--temperature 0 is greedy decoding: all k samples would be identical; use --k 1")
         if not 0 < self.top_p <= 1:

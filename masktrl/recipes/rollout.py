@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from masktrl.config import MAX_SEED, Config
+from masktrl.config import Config, check_seed
 from masktrl.errors import MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
 from masktrl.rl.checks import check_response_room, model_context
@@ -53,8 +53,7 @@ class RolloutOptions:
                 f"--prompts {self.prompts} is above {MAX_PROMPTS}: a rollout file is built in memory, "
                 "every prompt's --n responses, before it is written"
             )
-        if not 0 <= self.seed <= MAX_SEED:
-            raise MasktrlError(f"--seed must be in [0, {MAX_SEED}], got {self.seed}")
+        check_seed("--seed", self.seed)
         if self.n < 2:
             raise MasktrlError("--n must be >= 2: group advantages need at least two samples per prompt")
         check_sampling(self.temperature, self.top_p, names=("--temperature", "--top-p"))  # finite, > 0; top-p in (0, 1]
