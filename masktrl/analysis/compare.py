@@ -36,8 +36,7 @@ import numpy as np
 
 from masktrl.analysis.collapse import DEFINITION as COLLAPSE_DEFINITION
 from masktrl.analysis.collapse import collapse_rate, run_collapse
-from masktrl.analysis.io import RunInfo, group_runs
-from masktrl.config import flatten
+from masktrl.analysis.io import RunInfo, group_runs, task_difference
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.readers import read_json
 from masktrl.runs.store import eval_key, eval_steps
@@ -296,16 +295,11 @@ def find_baseline(labels: list[tuple[str, str]], baseline: str, members: list[li
 def check_one_task(runs: list[RunInfo]) -> None:
     """``MasktrlError`` naming two runs and the first task key they differ in, when the runs do not
     share one task (their accuracies are not comparable)."""
-    first = flatten(runs[0].cfg.to_dict().get("task", {}))
     for r in runs[1:]:
-        other = flatten(r.cfg.to_dict().get("task", {}))
-        diff = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
-        if diff:
-            k = diff[0]
+        diff = task_difference(runs[0].cfg, r.cfg)
+        if diff is not None:
             raise MasktrlError(
-                f"runs of different tasks cannot be compared: {runs[0].name} has "
-                f"task.{k}={first.get(k)}, "
-                f"{r.name} has task.{k}={other.get(k)}"
+                f"runs of different tasks cannot be compared: {runs[0].name} has {diff[0]}, {r.name} has {diff[1]}"
             )
 
 

@@ -100,6 +100,17 @@ def config_key(cfg: Config) -> str:
     return json.dumps(d, sort_keys=True, default=str)
 
 
+def task_difference(a: Config, b: Config) -> tuple[str, str] | None:
+    """Where two configs' tasks differ: the first ``task.*`` key they do not share, as
+    (``task.k=<a's value>``, ``task.k=<b's value>``); None when they share one task."""
+    first, other = flatten(a.to_dict().get("task", {})), flatten(b.to_dict().get("task", {}))
+    diff = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
+    if not diff:
+        return None
+    k = diff[0]
+    return f"task.{k}={first.get(k)}", f"task.{k}={other.get(k)}"
+
+
 def strip_seed(name: str) -> str:
     return re.sub(r"[-_.]?(seed|s)\d+([-_.]retry\d+)?$", "", name)
 

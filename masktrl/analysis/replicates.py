@@ -14,7 +14,6 @@ behaviour policy that sampled it (S-1-``rollout.staleness``).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +68,6 @@ def run_roots(runs: list[str], out: Path | None) -> list[Path]:
     return expand_runs(runs, out)
 
 
-def task_key(cfg) -> str:
-    return json.dumps(cfg.to_dict().get("task", {}), sort_keys=True, default=str)
-
-
 def plan(
     roots: list[Path],
     steps: list[int] | None,
@@ -83,21 +78,19 @@ def plan(
     """The batches to replay, after checking every artifact they need (``MasktrlError`` otherwise).
     ``no_exact``: whether the command has ``--no-exact`` to suggest (``estimators`` has not)."""
     skip = " (use --no-exact)" if no_exact else ""
-    from masktrl.analysis.io import default_replay_step
+    from masktrl.analysis.io import default_replay_step, task_difference
     from masktrl.analysis.step_replay import behaviour_step
 
     if policy_step is not None and (len(roots) > 1 or (steps is not None and len(steps) != 1)):
         raise MasktrlError("--policy-step needs one run and one step (it is an absolute checkpoint)")
     stores = [RunStore(r) for r in roots]
     cfgs = [s.config() for s in stores]
-    tasks = {task_key(c) for c in cfgs}
-    if len(tasks) > 1:
-        first = task_key(cfgs[0])
-        other = next(i for i, c in enumerate(cfgs) if task_key(c) != first)
-        raise MasktrlError(
-            f"runs of different tasks cannot be pooled: {stores[0].name} has task {first}, "
-            f"{stores[other].name} has {task_key(cfgs[other])}"
-        )
+    for store, cfg in zip(stores[1:], cfgs[1:]):
+        diff = task_difference(cfgs[0], cfg)
+        if diff is not None:
+            raise MasktrlError(
+                f"runs of different tasks cannot be pooled: {stores[0].name} has {diff[0]}, {store.name} has {diff[1]}"
+            )
     refs: list[BatchRef] = []
     batches: dict[tuple, tuple[str, int]] = {}  # each stored batch's sha256 -> (run, step): pooled once
     for store, cfg in zip(stores, cfgs):
