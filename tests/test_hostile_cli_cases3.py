@@ -158,6 +158,7 @@ def test_sweep_seeds_count_zero_says_so(tmp_path, cli_error):
         ),  # ".: no such file"
         (("eval", "task", "--model", "RUN", "--output", ""), "--output' / '-o"),  # "--output . is a folder"
         (("rollout", "--model", "RUN", "--data", "synthetic", "--output", ""), "--output' / '-o"),
+        (("rollout", "--model", "RUN", "--data", "", "--output", "x.parquet"), "--data"),  # "needs task.source"
     ],
 )
 def test_an_empty_file_option_is_named_empty(finished, tmp_path, cli_error, args, flag):

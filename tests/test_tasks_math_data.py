@@ -83,6 +83,9 @@ def test_dapo_schema_parquet(tmp_path):
     [
         (b'{"problem": "a", "answer": "1"}\n{"problem": "b"}\n', "line 2", "missing answer"),
         (b'{"problem": "a", "answer": "1"}\n{"answer": "2"}\n', "line 2", "missing problem"),
+        (b'{"problem": 5, "answer": "1"}\n', "line 1", "field 'problem' is int 5, not text"),
+        (b'{"problem": "  ", "answer": "1"}\n', "line 1", "field 'problem' is blank"),
+        (b'{"prompt": [{"role": "user"}], "answer": "1"}\n', "line 1", "field 'prompt' has no chat message"),
         (b'{"problem": "a", "answer": ""}\n', "line 1", "missing answer"),
         (b'{"problem": "a", "answer": "1"}\n\n{"problem": "b", "answer": "2"\n', "line 3", "invalid JSON"),
         (b'{"problem": "a", "answer": "1"}\n{"problem": "caf\xe9", "answer": "2"}\n', "line 2", "UTF-8"),

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from masktrl.commands.values import file_path
+from masktrl.commands.values import file_path, not_empty
 
 ModelOpt = Annotated[
     str,
@@ -23,6 +23,7 @@ DataOpt = Annotated[
     typer.Option(
         "--data",
         metavar="NAME|FILE",
+        parser=not_empty("give a benchmark name or a data file"),
         help="synthetic | aime24 | aime25 | aime | math500 | gsm8k | dapo-math | a "
         ".jsonl/.json/.parquet "
         "math file | dataset (with --set "

@@ -72,6 +72,19 @@ def _problem_text(value: Any) -> str | None:
     return value.strip() or None
 
 
+def _no_problem(row: dict) -> str:
+    """Why ``row`` has no problem text: no problem field, or the first one given not text."""
+    given = next((f for f in PROBLEM_FIELDS if row.get(f) is not None), None)
+    if given is None:
+        return f"missing problem (expected a non-empty field {'|'.join(PROBLEM_FIELDS)})"
+    value = row[given]
+    if isinstance(value, str):
+        return f"field {given!r} is blank (a problem is non-empty text)"
+    if isinstance(value, list):
+        return f"field {given!r} has no chat message with text content (a problem is text or chat messages)"
+    return f"field {given!r} is {type(value).__name__} {str(value)[:40]}, not text (a problem is text or chat messages)"
+
+
 def _answer_text(name: str, value: Any, where: str) -> str | None:
     if value is None or isinstance(value, bool):
         return None
@@ -101,7 +114,7 @@ def row_to_example(row: Any, where: str, source: str, index: int) -> Example:
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     problem = next((p for f in PROBLEM_FIELDS if (p := _problem_text(row.get(f))) is not None), None)
     if problem is None:
-        raise DataError(f"{where}: missing problem (expected a non-empty field {'|'.join(PROBLEM_FIELDS)})")
+        raise DataError(f"{where}: {_no_problem(row)}")
     candidates = [(f, row.get(f)) for f in ANSWER_FIELDS]
     if isinstance(row.get("reward_model"), dict):
         candidates.append(("reward_model.ground_truth", row["reward_model"].get("ground_truth")))
