@@ -329,3 +329,31 @@ def test_reply_tokens_keeps_the_full_texts_ids(tok, reply, left):
     whole = tok.encode(reply, add_special_tokens=False) if reply else []
     ids, cut = reply_tokens(tok, reply, left)
     assert ids == whole[:left] and cut == (len(whole) > left)
+
+
+class SpecialReply:
+    def reset(self, example):
+        pass
+
+    def step(self, call):
+        return "7</s>8", False  # the char tokenizer's EOS text inside a reply
+
+
+def test_a_replys_special_token_text_is_that_token_and_does_not_end_the_episode(model, tok):
+    """A reply is tokenised as the policy's tokenizer tokenises any text, special-token text
+    included (so an environment can frame its reply in the chat template's markers, as verl's and
+    SkyRL's chat-templated tool messages are): ``</s>`` in a reply is the EOS id, stored as an
+    environment token, never trained; only the policy's own EOS or the environment's ``done`` ends
+    the episode, so the policy goes on after it."""
+    gens, _ = run_env(model, tok, SpecialReply)
+    reply = tok.encode("7</s>8", add_special_tokens=False)
+    assert reply[1] == tok.eos_token_id and len(reply) == 3
+    segments = []  # each reply's environment tokens, in order
+    for g in gens:
+        for i, s in enumerate(g.source):
+            if s == ENVIRONMENT and (i == 0 or g.source[i - 1] != ENVIRONMENT):
+                segments.append(g.response_ids[i : i + 3])
+    assert segments and all(seg == reply[: len(seg)] for seg in segments)  # the last may be cut to the budget
+    assert any(tok.eos_token_id in seg for seg in segments)
+    went_on = [g for g in gens if ENVIRONMENT in g.source and g.source[-1] == POLICY]
+    assert went_on, "some episode should sample again after a reply holding the EOS text"
