@@ -213,3 +213,32 @@ def test_compare_empty_eval_or_interaction_is_named_empty(finished, tmp_path, cl
     _, _, root = finished
     line = cli_error("analyze", "compare", root, flag, "", "--output", tmp_path / "c")
     assert f"Invalid value for '{flag}': is empty" in line and not (tmp_path / "c").exists()
+
+
+def test_a_default_response_length_is_cut_to_the_room_the_model_leaves(finished, tmp_path):
+    """eval's default of 4096 response tokens on a math benchmark, and rollout's 1024 for a model
+    that is not a run, were used as they were on the tiny model's 256 positions (the report
+    recorded 4096; only --max-new-tokens was checked). Now a default is cut to the context less
+    the longest prompt, with a warning line, and the report or file records the length used."""
+    import json
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from tests.conftest import cli
+
+    _, out, root = finished
+    model = tmp_path / "model"  # a model folder, not a run
+    shutil.copytree(root / "checkpoints" / "000002", model)
+    data = tmp_path / "g.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "' + "2+2 " * 20 + '", "answer": "4"}\n')
+    res = cli("eval", "gsm8k", "--model", model, "--data", data, "--k", "1", "--output", tmp_path / "r.json")
+    cut = json.loads((tmp_path / "r.json").read_text())["generation"]["max_new_tokens"]
+    assert 1 <= cut < 256 - 20 and f"the default response length 4096 is cut to {cut} tokens" in res.output
+    res = cli("rollout", "--model", model, "--data", data, "--n", "2", "--output", tmp_path / "b.parquet")
+    meta = json.loads(pq.read_schema(tmp_path / "b.parquet").metadata[b"masktrl"])
+    assert meta["max_new_tokens"] == cut and "the default response length 1024 is cut" in res.output
+    given = cli("eval", "gsm8k", "--model", model, "--data", data, "--k", "1", "--max-new-tokens", "9",
+                "--output", tmp_path / "g.json")  # fmt: skip
+    assert "cut" not in given.output
+    assert json.loads((tmp_path / "g.json").read_text())["generation"]["max_new_tokens"] == 9

@@ -48,7 +48,7 @@ MaxNewTokensOpt = Annotated[
     typer.Option(
         "--max-new-tokens",
         metavar="N",
-        help="Response length (default: the run's rollout.max_new_tokens; 4096 on math for other models).",
+        help="Response length (default: the run's rollout.max_new_tokens, else 4096 on math; cut to fit the context).",
         show_default=False,
     ),
 ]

@@ -60,7 +60,13 @@ StepOpt = Annotated[
 TemperatureOpt = Annotated[float, typer.Option("--temperature", metavar="T", help="Sampling temperature.")]
 TopPOpt = Annotated[float, typer.Option("--top-p", metavar="P", help="Nucleus sampling threshold.")]
 MaxNewTokensOpt = Annotated[
-    int | None, typer.Option("--max-new-tokens", metavar="N", help="Default: the run's, else 1024.", show_default=False)
+    int | None,
+    typer.Option(
+        "--max-new-tokens",
+        metavar="N",
+        help="Default: the run's, else 1024; at most what the model's context leaves after the longest prompt.",
+        show_default=False,
+    ),
 ]
 SeedOpt = Annotated[int, typer.Option("--seed", metavar="N", help="Sampling seed.")]
 EngineOpt = Annotated[

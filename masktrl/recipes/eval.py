@@ -19,7 +19,7 @@ from pathlib import Path
 
 from masktrl.config import EVAL_BENCHMARKS, OWN_TASK_BENCHMARKS, Config, check_seed, check_temperature
 from masktrl.errors import ConfigError
-from masktrl.rl.checks import check_response_room, fit_context, model_context
+from masktrl.rl.checks import check_response_room, fit_context, fit_default_length, model_context
 from masktrl.rl.evaluation import (
     EvalBatches,
     bench_task_config,
@@ -136,17 +136,13 @@ def run(
     task = build_task(bench, cfg)
     try:  # the data loaded: now the weights
         engine, tokenizer = load_engine(cfg, ref.weights)
-        examples = task.test_examples()[: opts.n_problems]
-        settings = SamplingSettings(
-            n=opts.k,
-            max_new_tokens=max_new_tokens(bench, ref, opts),
-            temperature=opts.temperature or 1.0,
-            top_p=opts.top_p,
-            logprobs_k=1,
-            greedy=opts.temperature == 0,
-        )
         chat = cfg.model.chat_template if bench in OWN_TASK_BENCHMARKS else False
-        examples, too_long = fit_context(examples, tokenizer, chat, model_context(ref.weights))  # before any generation
+        context = model_context(ref.weights)
+        examples, too_long = fit_context(task.test_examples()[: opts.n_problems], tokenizer, chat, context)
+        length = max_new_tokens(bench, ref, opts)
+        if opts.max_new_tokens is None:  # a default fits the context, before any generation
+            length = fit_default_length(length, examples, tokenizer, chat, context)
+        settings = _sampling(opts, length)
         t0 = time.time()
         graded = sample_and_grade(
             engine,
@@ -174,6 +170,18 @@ def run(
     )
     save(report, path, ref.store, bench, ref.step)
     return EvalResult(report, path)
+
+
+def _sampling(opts: EvalOptions, max_new_tokens: int) -> SamplingSettings:
+    """An eval's sampling: k samples a problem at ``--temperature`` (0: greedy), ``--top-p``."""
+    return SamplingSettings(
+        n=opts.k,
+        max_new_tokens=max_new_tokens,
+        temperature=opts.temperature or 1.0,
+        top_p=opts.top_p,
+        logprobs_k=1,
+        greedy=opts.temperature == 0,
+    )
 
 
 def _target(

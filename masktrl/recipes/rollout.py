@@ -15,7 +15,7 @@ from pathlib import Path
 from masktrl.config import Config, check_seed
 from masktrl.errors import MasktrlError
 from masktrl.models.loading import tokenizer_fingerprint
-from masktrl.rl.checks import check_response_room, model_context
+from masktrl.rl.checks import check_response_room, fit_default_length, model_context
 from masktrl.rl.collect import generate_groups, score_groups, set_advantages
 from masktrl.rl.evaluation import bench_task_config, build_task, eval_chat, load_engine
 from masktrl.rollout.base import SamplingSettings, check_sampling
@@ -88,9 +88,11 @@ def run(
     task, examples = _examples(data, cfg, opts)
     try:
         engine, tokenizer = load_engine(replace(cfg, model=replace(cfg.model, path=ref.weights)), ref.weights)
-        max_new = opts.max_new_tokens or (cfg.rollout.max_new_tokens if ref.cfg else 1024)
-        settings = SamplingSettings(opts.n, max_new, opts.temperature, opts.top_p, opts.logprobs_k)
         chat = cfg.model.chat_template and data == "synthetic"
+        max_new = opts.max_new_tokens or fit_default_length(
+            cfg.rollout.max_new_tokens if ref.cfg else 1024, examples, tokenizer, chat, model_context(ref.weights)
+        )
+        settings = SamplingSettings(opts.n, max_new, opts.temperature, opts.top_p, opts.logprobs_k)
         groups = generate_groups(engine, tokenizer, examples, settings, stream_seed(opts.seed, "rollout-cmd"), chat)
         score_groups(task, examples, groups)
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -452,6 +453,29 @@ def fit_context(examples: list, tokenizer, chat_template: bool, context: int | N
             f"all {len(examples)} problems have prompts longer than the model's context ({context} positions)"
         )
     return kept, len(examples) - len(kept)
+
+
+def fit_default_length(length: int, examples: list, tokenizer, chat_template: bool, context: int | None) -> int:
+    """A default response length (one the user did not give: eval's 4096 on a math benchmark,
+    rollout's 1024) cut to the room the model's ``context`` leaves after the longest prompt of
+    ``examples``, with a warning line on stderr when it is cut; ``length`` as it is when the context
+    is unknown or no prompt fits (those are refused elsewhere). A length given as a flag is
+    checked instead (``check_response_room``), never cut."""
+    if not context or not examples:
+        return length
+    from masktrl.tasks import encode_prompt
+
+    longest = max(len(encode_prompt(tokenizer, ex.prompt, chat_template)) for ex in examples)
+    room = context - longest
+    if room < 1 or length <= room:
+        return length
+    print(
+        f"warning: the default response length {length} is cut to {room} tokens: the model's context is "
+        f"{context} positions and the longest prompt {longest} tokens (--max-new-tokens sets it)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return room
 
 
 def check_response_room(given: str, max_new_tokens: int, context: int | None) -> None:
