@@ -1,0 +1,111 @@
+"""Hostile pass 4: the library integrations used as docs/ECOSYSTEM.md shows, user plug-ins and data
+files for tasks, and the run store tampered with between commands. Each case is one line (a
+``ConfigError`` or exit code 2) naming what is wrong, or a correct result; never a traceback from
+inside, never NaN silently trained."""
+
+import re
+
+import pytest
+import torch
+
+from masktrl.errors import ConfigError
+
+
+def _verl_args(b: int = 2, t: int = 3):
+    old = torch.full((b, t), -1.0, dtype=torch.float64)
+    return [old, (old + 0.1).requires_grad_(), torch.tensor([1.0, 0.5], dtype=torch.float64)[:b], torch.ones(b, t)]
+
+
+def _nan_at(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().clone()
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+@pytest.mark.parametrize(
+    "index, value, says",
+    [
+        (0, torch.full((2, 3), -1, dtype=torch.long), "old_log_prob must be a floating-point tensor, got torch.int64"),
+        (0, _nan_at(torch.full((2, 3), -1.0)), "old_log_prob holds NaN on a response token"),
+        (1, _nan_at(torch.full((2, 3), -1.0)).requires_grad_(), "log_prob holds NaN on a response token"),
+        (2, torch.tensor([float("nan"), 1.0]), "advantages hold NaN or inf on a response token"),
+        (2, torch.full((2, 3), float("inf")), "advantages hold NaN or inf on a response token"),
+        (3, torch.full((2, 3), 0.5), "response_mask must hold 0 and 1 only"),
+        (3, torch.ones(2, 3, device="meta"), "response_mask is on meta, log_prob on cpu"),
+    ],
+)
+def test_the_verl_loss_refuses_dtypes_nan_and_devices_in_one_line(index, value, says):
+    """Integer log-probs were a raw RuntimeError (`value cannot be converted to type int64_t`), NaN
+    ones and NaN advantages a ValueError naming masktrl's internals (TokenBatch.behavior_logp), a
+    tensor on another device a NotImplementedError or RuntimeError from torch, and a mask of 0.5 or
+    2 trained as 1 where verl weighs the token by it."""
+    from masktrl.integrations.verl import policy_loss
+
+    fn = policy_loss("grpo")
+    args = _verl_args()
+    assert torch.isfinite(fn(*args)[0])
+    args[index] = value
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        fn(*args)
+
+
+def test_the_verl_loss_takes_half_precision_and_non_contiguous_tensors():
+    from masktrl.integrations.verl import policy_loss
+
+    fn = policy_loss("grpo")
+    old, new, adv, mask = _verl_args()
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        lp = new.detach().to(dtype).requires_grad_()
+        loss, _ = fn(old.to(dtype), lp, adv.to(dtype), mask)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    tr = old.t().contiguous().t()  # same values, not contiguous
+    assert not tr.is_contiguous()
+    torch.testing.assert_close(fn(tr, new, adv, mask)[0], fn(old, new, adv, mask)[0])
+    empty = torch.zeros(0, 3, dtype=torch.float64)
+    loss, _ = fn(empty, empty.clone().requires_grad_(), torch.zeros(0, dtype=torch.float64), torch.zeros(0, 3))
+    assert loss.item() == 0.0
+
+
+@pytest.mark.parametrize("weight, shown", [(float("nan"), "nan"), (-1.0, "-1"), (float("inf"), "inf")])
+def test_the_verl_loss_refuses_importance_weights_that_are_not_finite_or_negative(weight, shown):
+    """anchor=pi_old with a NaN rollout_is_weights entry returned a NaN loss, a negative one a loss of
+    the other sign (gradient ascent on that token), both without a word."""
+    from masktrl.integrations.verl import policy_loss
+
+    fn = policy_loss("grpo", anchor="pi_old")
+    args = _verl_args()
+    weights = torch.ones(2, 3, dtype=torch.float64)
+    assert torch.isfinite(fn(*args, rollout_is_weights=weights)[0])
+    weights[0, 1] = weight
+    with pytest.raises(ConfigError, match=f"rollout_is_weights holds {shown} on a response token"):
+        fn(*args, rollout_is_weights=weights)
+    mask = args[3].clone()
+    mask[0, 1] = 0  # padding: not read
+    assert torch.isfinite(fn(*args[:3], mask, rollout_is_weights=weights)[0])
+
+
+@pytest.mark.parametrize(
+    "mode, info, says",
+    [
+        ("token-mean", 5, "config.global_batch_info must be a mapping (dp_size, batch_num_tokens, ...), got int"),
+        ("token-mean", {"dp_size": 2.5, "batch_num_tokens": 6}, "dp_size must be a number > 0, a whole one"),
+        ("token-mean", {"dp_size": "2", "batch_num_tokens": 6}, "dp_size must be a number > 0, a whole one"),
+        ("seq-mean-token-sum-norm", {"loss_scale_factor": 0}, "loss_scale_factor must be a number > 0, got 0"),
+        ("seq-mean-token-sum-norm", {"loss_scale_factor": -1}, "loss_scale_factor must be a number > 0, got -1"),
+        ("seq-mean-token-sum-norm", {"loss_scale_factor": "x"}, "loss_scale_factor must be a number > 0, got 'x'"),
+    ],
+)
+def test_the_verl_loss_refuses_a_global_batch_info_it_cannot_read(mode, info, says):
+    """A global_batch_info that is not a mapping, or a dp_size given as text, raised a TypeError from
+    inside; a dp_size of 2.5 scaled the loss by 2.5; a loss_scale_factor of 0 (verl divides by it)
+    was replaced by the response length without a word, and a negative one was a ValueError naming
+    masktrl's norm_len."""
+    from masktrl.integrations.verl import policy_loss
+
+    fn = policy_loss("grpo")
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        fn(*_verl_args(), mode, {"global_batch_info": info})
+    loss, _ = fn(*_verl_args(), "seq-mean-token-sum-norm", {"global_batch_info": {"loss_scale_factor": 7}})
+    assert torch.isfinite(loss)
+
