@@ -109,3 +109,11 @@ def test_the_verl_loss_refuses_a_global_batch_info_it_cannot_read(mode, info, sa
     loss, _ = fn(*_verl_args(), "seq-mean-token-sum-norm", {"global_batch_info": {"loss_scale_factor": 7}})
     assert torch.isfinite(loss)
 
+
+def test_the_verl_loss_refuses_a_rule_that_draws_uniforms_when_it_is_made():
+    """policy_loss("sis") was made, and every call raised a ValueError from inside
+    (`u is required by method 'sis'`): verl's signature carries no random stream."""
+    from masktrl.integrations.verl import policy_loss
+
+    with pytest.raises(ConfigError, match="method 'sis' draws per-token uniforms"):
+        policy_loss("sis")

@@ -32,7 +32,7 @@ lines 1140-1199): masktrl's ``aggregate`` of the local tokens times (local denom
 denominator) times dp_size. With verl's ``loss_agg_mode`` set to the rule's own aggregation the loss
 is masktrl's.
 
-The top-K rules (pdm, dppo with a top-K divergence, sis, ...): verl's registry passes only the
+The top-K rules (pdm, dppo with a top-K divergence, ...): verl's registry passes only the
 sampled token's log-probs, so a top-K rule called through it is refused (one ``ConfigError``). The
 contract that runs them (docs/ECOSYSTEM.md): vLLM sampling with ``logprobs=K``, the lists stored in
 the DataProto batch as ``rollout_topk_ids`` / ``rollout_topk_log_probs`` [B, T, K], the actor's
@@ -93,6 +93,11 @@ def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor:
         raise ConfigError(
             "the reference KL and the entropy bonus are verl's (actor.use_kl_loss, actor.entropy_coeff); "
             "give the rule kl_coef=0 and entropy_coef=0"
+        )
+    if bound.needs_u:
+        raise ConfigError(
+            f"method {bound.name!r} draws per-token uniforms (a stochastic mask), which verl's policy-loss "
+            "signature does not carry; it runs in masktrl's own training and through MasktrlGRPOTrainer"
         )
     topk = needs_topk(bound)
 
