@@ -117,3 +117,23 @@ def test_the_verl_loss_refuses_a_rule_that_draws_uniforms_when_it_is_made():
 
     with pytest.raises(ConfigError, match="method 'sis' draws per-token uniforms"):
         policy_loss("sis")
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("inf")])
+def test_the_trl_trainer_refuses_a_temperature_it_cannot_divide_by(tmp_path, temperature):
+    """GRPOConfig(temperature=0) made the trainer, and its first step raised transformers' ValueError
+    from the recorder's TemperatureLogitsWarper (the loss divides the logits by it too)."""
+    pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[trl]')")
+    from masktrl.integrations.trl import MasktrlGRPOTrainer
+    from tests.test_integrations_trl import config, dataset, reward, tiny
+
+    model, tok = tiny()
+    with pytest.raises(ConfigError, match="GRPOConfig.temperature must be a finite number > 0"):
+        MasktrlGRPOTrainer(
+            method="grpo",
+            model=model,
+            processing_class=tok,
+            reward_funcs=reward,
+            args=config(tmp_path, temperature=temperature),
+            train_dataset=dataset(4),
+        )
