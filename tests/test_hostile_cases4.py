@@ -137,3 +137,46 @@ def test_the_trl_trainer_refuses_a_temperature_it_cannot_divide_by(tmp_path, tem
             args=config(tmp_path, temperature=temperature),
             train_dataset=dataset(4),
         )
+
+
+class _Surrogate:
+    def reset(self, example):
+        pass
+
+    def step(self, call):
+        return "p1 \ud800 c3", False
+
+
+class _Sub(str):
+    def __len__(self):
+        raise RuntimeError("len boom")
+
+
+class _SubReply(_Surrogate):
+    def step(self, call):
+        return _Sub("p1 c3"), False
+
+
+def test_a_reply_that_is_not_valid_text_ends_its_episode_and_is_counted():
+    """A tool reply holding a lone surrogate passed the (str, bool) check and made the tokenizer raise
+    `TypeError: TextEncodeInput must be Union[...]`: the run stopped with a traceback (exit 1). It is
+    now an environment error like any bad reply; a str subclass is read as the plain text it holds
+    (its len raised inside the tokenizer)."""
+    from masktrl.models.tiny import build_char_tokenizer
+    from masktrl.rollout.multiturn import reply_tokens
+    from masktrl.tasks.envs import EnvStats, Episode
+
+    stats = EnvStats()
+    ep = Episode(_Surrogate, stats)
+    assert ep.reset({"prompt": "q"})
+    assert ep.step("call") == ("", True)
+    assert (stats.errors, stats.calls) == (1, 0) and "not valid text" in stats.last_error
+
+    stats = EnvStats()
+    ep = Episode(_SubReply, stats)
+    assert ep.reset({"prompt": "q"})
+    reply, done = ep.step("call")
+    assert type(reply) is str and reply == "p1 c3" and done is False
+    assert (stats.errors, stats.calls) == (0, 1)
+    ids, cut = reply_tokens(build_char_tokenizer("pc13 "), reply, 10)
+    assert len(ids) == 5 and not cut
