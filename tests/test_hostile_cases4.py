@@ -180,3 +180,36 @@ def test_a_reply_that_is_not_valid_text_ends_its_episode_and_is_counted():
     assert (stats.errors, stats.calls) == (0, 1)
     ids, cut = reply_tokens(build_char_tokenizer("pc13 "), reply, 10)
     assert len(ids) == 5 and not cut
+
+
+@pytest.mark.parametrize(
+    "name, text, says",
+    [
+        ("two.jsonl", '{"problem": "1+1=", "answer": "2", "problem": "9+9="}\n', "two.jsonl, line 1: key 'problem'"),
+        ("two.json", '[{"problem": "1+1=", "answer": "2", "answer": "3"}]', "two.json: key 'answer'"),
+    ],
+)
+def test_a_data_row_giving_a_key_twice_is_one_line(tmp_path, name, text, says):
+    """`eval --data` with a row whose problem (or answer) is given twice evaluated the last one
+    without a word (Python's json keeps it), as YAML files refuse a key given twice."""
+    from masktrl.tasks.math_data import DataError, load_math_file
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path}/{says} is given twice in one object; give each key")):
+        load_math_file(path)
+
+
+def test_a_nan_answer_is_no_answer(tmp_path):
+    """An answer of NaN (JSON's NaN; pandas' missing value in a parquet float column) was graded as
+    the text 'nan'; it is missing: the next answer field is read, or the row is refused."""
+    from masktrl.tasks.math_data import DataError, load_math_file
+
+    path = tmp_path / "nan.jsonl"
+    path.write_text('{"problem": "1+1=", "answer": NaN}\n')
+    with pytest.raises(DataError, match="line 1: missing answer"):
+        load_math_file(path)
+    path.write_text(
+        '{"problem": "1+1=", "answer": Infinity, "solution": "so \\\\boxed{2}"}\n{"problem": "2+2=", "answer": 4}\n'
+    )
+    assert [e.answer for e in load_math_file(path)] == ["2", "4"]
