@@ -3,12 +3,14 @@ files for tasks, and the run store tampered with between commands. Each case is 
 ``ConfigError`` or exit code 2) naming what is wrong, or a correct result; never a traceback from
 inside, never NaN silently trained."""
 
+import os
 import re
 
 import pytest
 import torch
 
 from masktrl.errors import ConfigError
+from tests.conftest import cli, copy_run
 
 
 def _verl_args(b: int = 2, t: int = 3):
@@ -213,3 +215,25 @@ def test_a_nan_answer_is_no_answer(tmp_path):
         '{"problem": "1+1=", "answer": Infinity, "solution": "so \\\\boxed{2}"}\n{"problem": "2+2=", "answer": 4}\n'
     )
     assert [e.answer for e in load_math_file(path)] == ["2", "4"]
+
+
+@pytest.mark.parametrize("damage", ["deleted", "fifo", "/dev/zero", "outside"])
+def test_a_recorded_summary_that_is_gone_or_not_a_file_is_damage(finished, tmp_path, cli_error, damage):
+    """A complete run whose summary.json was deleted (or replaced by a FIFO, or a link to /dev/zero)
+    was listed `complete` by `masktrl runs`, and `analyze compare` said `no complete run to compare`;
+    one linked to a file outside the run was read before it was refused (a link to /etc/passwd:
+    `not valid JSON`). Each is now the run's damage, one line naming summary.json."""
+    _, out, root = copy_run(finished, tmp_path)
+    summary = root / "summary.json"
+    outside = tmp_path / "elsewhere.json"
+    outside.write_bytes(summary.read_bytes())
+    summary.unlink()
+    if damage == "fifo":
+        os.mkfifo(summary)
+    elif damage != "deleted":
+        summary.symlink_to(damage if damage.startswith("/") else outside)
+    says = "summary.json: a symbolic link inside" if damage.startswith(("/", "out")) else "summary.json: missing"
+    listing = cli("runs", "--out", out).output
+    assert "damaged r" in listing and says.replace(" inside", "") in listing
+    line = cli_error("analyze", "compare", root, "--out", out)
+    assert line.startswith("error: ") and says in line

@@ -677,11 +677,14 @@ class RunStore:
     def summary(self) -> dict | None:
         """summary.json, written when the run completed (None before, and while the manifest does
         not record it), checked against the sha256 the manifest records."""
-        path = self.root / "summary.json"
-        if not path.is_file() or not self.is_done("summary"):
+        if not self.is_done("summary"):
             return None
-        summary = read_json(path, error=ArtifactError, finite=False)  # one line for broken or too deep JSON
+        # Recorded: missing, a symbolic link, not a regular file (a device, a FIFO) or changed is one
+        # line, checked before the file is read (a deleted summary read as "not complete yet", one
+        # linked to /dev/zero too, and one linked outside the run was read before it was refused).
         self.verify("summary")
+        path = self.path("summary.json")
+        summary = read_json(path, error=ArtifactError, finite=False)  # one line for broken or too deep JSON
         if not isinstance(summary, dict):
             raise ArtifactError(f"{path}: not a run summary (a JSON {type(summary).__name__}, not an object)")
         return summary
