@@ -237,3 +237,20 @@ def test_a_recorded_summary_that_is_gone_or_not_a_file_is_damage(finished, tmp_p
     assert "damaged r" in listing and says.replace(" inside", "") in listing
     line = cli_error("analyze", "compare", root, "--out", out)
     assert line.startswith("error: ") and says in line
+
+
+def test_a_recorded_rollout_batch_that_is_gone_is_named_not_skipped(finished, tmp_path, cli_error):
+    """A stored batch the manifest records, deleted: the store listed the step as not stored, so an
+    analysis ran on the other steps without a word (or, with none left, said `no step S with both
+    rollouts S and checkpoint S-1`). Reading it now names the file."""
+    from masktrl.errors import ArtifactError
+    from masktrl.runs.store import RunStore
+
+    _, out, root = copy_run(finished, tmp_path)
+    (root / "steps" / "000001" / "rollouts.parquet").unlink()
+    store = RunStore(root, writable=False)
+    assert 1 in store.rollout_steps()
+    with pytest.raises(ArtifactError, match="rollouts.parquet: missing \\(stage step/000001/rollout\\)"):
+        store.read_rollouts(1)
+    line = cli_error("analyze", "sis", "--run", root, "--step", "1", "--out", out)
+    assert line.endswith("steps/000001/rollouts.parquet: missing (stage step/000001/rollout)")
