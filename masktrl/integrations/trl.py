@@ -38,6 +38,7 @@ top-k, top-p, min-p.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any
 
 import torch
@@ -165,6 +166,12 @@ class MasktrlGRPOTrainer(GRPOTrainer):
         self.masktrl_needs_topk = needs_topk(self.masktrl_method)
         self._recorded: dict[str, Tensor] | None = None
         super().__init__(*args, **kwargs)
+        temperature = self.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+            raise ConfigError(
+                f"MasktrlGRPOTrainer: GRPOConfig.temperature must be a finite number > 0 (the policy's log-probs "
+                f"are computed at logits / temperature), got {temperature!r}"
+            )
         if self.use_vllm or getattr(self, "use_transformers_continuous_batching", False):
             raise ConfigError(
                 "MasktrlGRPOTrainer records the behaviour during transformers generate; "

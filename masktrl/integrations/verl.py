@@ -32,7 +32,7 @@ lines 1140-1199): masktrl's ``aggregate`` of the local tokens times (local denom
 denominator) times dp_size. With verl's ``loss_agg_mode`` set to the rule's own aggregation the loss
 is masktrl's.
 
-The top-K rules (pdm, dppo with a top-K divergence, sis, ...): verl's registry passes only the
+The top-K rules (pdm, dppo with a top-K divergence, ...): verl's registry passes only the
 sampled token's log-probs, so a top-K rule called through it is refused (one ``ConfigError``). The
 contract that runs them (docs/ECOSYSTEM.md): vLLM sampling with ``logprobs=K``, the lists stored in
 the DataProto batch as ``rollout_topk_ids`` / ``rollout_topk_log_probs`` [B, T, K], the actor's
@@ -65,7 +65,14 @@ def _info(config: Any) -> dict:
     info = (
         config.get("global_batch_info", None) if hasattr(config, "get") else getattr(config, "global_batch_info", None)
     )
-    return dict(info or {})
+    if info is None:
+        return {}
+    try:
+        return dict(info)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"config.global_batch_info must be a mapping (dp_size, batch_num_tokens, ...), got {type(info).__name__}"
+        ) from None
 
 
 def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor: str = "mu") -> Callable:
@@ -86,6 +93,11 @@ def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor:
         raise ConfigError(
             "the reference KL and the entropy bonus are verl's (actor.use_kl_loss, actor.entropy_coeff); "
             "give the rule kl_coef=0 and entropy_coef=0"
+        )
+    if bound.needs_u:
+        raise ConfigError(
+            f"method {bound.name!r} draws per-token uniforms (a stochastic mask), which verl's policy-loss "
+            "signature does not carry; it runs in masktrl's own training and through MasktrlGRPOTrainer"
         )
     topk = needs_topk(bound)
 
@@ -143,7 +155,11 @@ def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor:
             topk_logp=topk_log_prob,
         )
         info = _info(config)
-        horizon = info.get("loss_scale_factor") or mask.shape[-1]
+        horizon = info.get("loss_scale_factor")
+        if horizon is None:
+            horizon = mask.shape[-1]
+        else:
+            horizon = _check_positive("loss_scale_factor", horizon)
         method = bound if bound.aggregation == loss_agg_mode else _with_aggregation(bound, loss_agg_mode)
         adv = token_advantages(advantages, mask)
         out = (
@@ -152,10 +168,10 @@ def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor:
             else _weighted(method, batch, adv, rollout_is_weights[mask].detach(), horizon)
         )
         loss = out.loss
-        dp = info.get("dp_size") or 1
+        dp = info.get("dp_size")
+        dp = 1 if dp is None else _check_positive("dp_size", dp, integer=True)
         den_key = "batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size"
         global_den = info.get(den_key)
-        _check_positive("dp_size", dp)
         if global_den is not None:
             _check_positive(den_key, global_den)
         if global_den is not None or dp > 1:
@@ -191,12 +207,26 @@ def _check_tensors(logps: dict, advantages: Any, per_token: dict, lists: dict) -
     per-token tensors [B, T], the top-K lists [B, T, K] of one K, and no log-probability above
     ``LOGP_SLACK`` on a response token (or a listed entry). Without it a mismatch was a raw
     IndexError or RuntimeError from inside the loss, and probabilities passed as log-probs trained."""
-    for name, t in {**logps, "advantages": advantages, **per_token, **lists}.items():
+    given = {**logps, "advantages": advantages, **per_token, **lists}
+    for name, t in given.items():
         if t is not None and not isinstance(t, Tensor):
             raise ConfigError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    device = logps["log_prob"].device
+    for name, t in given.items():
+        if t is not None and t.device != device:
+            raise ConfigError(f"{name} is on {t.device}, log_prob on {device}: give every tensor on one device")
+    for name in ("old_log_prob", "log_prob", "rollout_topk_log_probs", "topk_log_prob"):
+        t = given.get(name)
+        if t is not None and not t.is_floating_point():
+            raise ConfigError(f"{name} must be a floating-point tensor, got {t.dtype}")
     mask = logps["response_mask"]
     if mask.dim() != 2:
         raise ConfigError(f"response_mask must be [B, T] (the response tokens), got {_shape(mask)}")
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ConfigError(
+            "response_mask must hold 0 and 1 only (verl weighs a token's loss by its mask value; a masktrl rule "
+            "does not)"
+        )
     b, t = mask.shape
     for name, x in {**logps, **per_token}.items():
         if x is not None and tuple(x.shape) != (b, t):
@@ -215,23 +245,44 @@ def _check_tensors(logps: dict, advantages: Any, per_token: dict, lists: dict) -
         real = sel.unsqueeze(-1) & (lists["rollout_topk_ids"] >= 0)
         checks += [(name, lists[name][real]) for name in ("rollout_topk_log_probs", "topk_log_prob")]
     for name, x in checks:
+        if bool(torch.isnan(x.detach()).any()):
+            raise ConfigError(f"{name} holds NaN on a response token")
         if x.numel() and bool((x.detach() > LOGP_SLACK).any()):
             raise ConfigError(
                 f"{name} holds {float(x.detach().max()):.4g} on a response token: log-probabilities are <= 0 "
                 "(these look like probabilities or logits)"
             )
+    adv = advantages[sel] if advantages.dim() == 2 else advantages[sel.any(-1)]
+    if not bool(torch.isfinite(adv.detach()).all()):
+        raise ConfigError("advantages hold NaN or inf on a response token: the loss would be NaN")
+    weights = per_token.get("rollout_is_weights")
+    if weights is not None:
+        w = weights.detach()[sel]
+        if not bool((torch.isfinite(w) & (w >= 0)).all()):
+            bad = w[~(torch.isfinite(w) & (w >= 0))][0]
+            raise ConfigError(
+                f"rollout_is_weights holds {float(bad):.4g} on a response token: importance weights are finite "
+                "and >= 0 (NaN made the loss NaN, a negative one flipped the token's gradient)"
+            )
 
 
-def _check_positive(key: str, value: Any) -> None:
-    """ConfigError unless ``global_batch_info[key]`` is a finite number > 0: the loss is divided by
-    the denominators and multiplied by ``dp_size``, so 0 divided by zero, NaN made the loss NaN and
-    a negative one flipped its sign (gradient ascent), each without a word."""
+def _check_positive(key: str, value: Any, *, integer: bool = False) -> float:
+    """``global_batch_info[key]`` as a number; ConfigError unless it is a finite number > 0 (an
+    integer with ``integer``): the loss is divided by the denominators and multiplied by
+    ``dp_size``, so 0 divided by zero, NaN made the loss NaN and a negative one flipped its sign
+    (gradient ascent), each without a word; a ``dp_size`` of 2.5 scaled the loss by 2.5 and one of
+    '2' (text) raised a TypeError from inside the loss."""
     try:
-        number = float(value)
-    except (TypeError, ValueError):
+        number = float(value) if not isinstance(value, str) else math.nan
+    except (TypeError, ValueError, RuntimeError):
         number = math.nan
-    if isinstance(value, bool) or not (math.isfinite(number) and number > 0):
-        raise ConfigError(f"config.global_batch_info's {key} must be a number > 0, got {value!r}")
+    ok = not isinstance(value, bool) and math.isfinite(number) and number > 0
+    if ok and integer and number != int(number):
+        ok = False
+    if not ok:
+        whole = ", a whole one (the count of data-parallel ranks)" if integer else ""
+        raise ConfigError(f"config.global_batch_info's {key} must be a number > 0{whole}, got {value!r}")
+    return int(number) if integer else number
 
 
 class _Aggregated(BoundMethod):

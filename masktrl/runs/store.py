@@ -677,11 +677,14 @@ class RunStore:
     def summary(self) -> dict | None:
         """summary.json, written when the run completed (None before, and while the manifest does
         not record it), checked against the sha256 the manifest records."""
-        path = self.root / "summary.json"
-        if not path.is_file() or not self.is_done("summary"):
+        if not self.is_done("summary"):
             return None
-        summary = read_json(path, error=ArtifactError, finite=False)  # one line for broken or too deep JSON
+        # Recorded: missing, a symbolic link, not a regular file (a device, a FIFO) or changed is one
+        # line, checked before the file is read (a deleted summary read as "not complete yet", one
+        # linked to /dev/zero too, and one linked outside the run was read before it was refused).
         self.verify("summary")
+        path = self.path("summary.json")
+        summary = read_json(path, error=ArtifactError, finite=False)  # one line for broken or too deep JSON
         if not isinstance(summary, dict):
             raise ArtifactError(f"{path}: not a run summary (a JSON {type(summary).__name__}, not an object)")
         return summary
@@ -901,15 +904,17 @@ class RunStore:
         return self.step_dir(step) / "rollouts.parquet"
 
     def rollout_steps(self) -> list[int]:
-        """The steps whose rollout batch the manifest records as stored (and whose file is there)."""
-        return [s for s in done_steps(self.manifest["stages"], "rollout") if self.rollout_path(s).is_file()]
+        """The steps whose rollout batch the manifest records as stored. A recorded batch whose file
+        is gone is not left out (an analysis then ran on the other steps without a word): reading it
+        names the file (``read_rollouts``)."""
+        return done_steps(self.manifest["stages"], "rollout")
 
     def read_rollouts(self, step: int, *, verify: bool = True, vocab_size: int | None = None):
         """(samples, metadata) of step ``step``'s rollout batch, checked against the sha256 the
         manifest records (every reader: a batch the manifest does not record is not read) and
         validated row by row (token ids below ``vocab_size`` when it is given)."""
         path = self.rollout_path(step)
-        if not self.is_done(rollout_key(step)) or not path.is_file():
+        if not self.is_done(rollout_key(step)):
             have = self.rollout_steps()
             span = f"{have[0]}..{have[-1]}" if have else "none"
             raise ArtifactError(f"{self.root}: no rollouts recorded for step {step} (stored steps: {span})")

@@ -209,7 +209,23 @@ class Episode:
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], str) and isinstance(out[1], bool)):
             self._fail(f"step returned {type(out).__name__} {str(out)[:80]!r}, expected (reply: str, done: bool)")
             return "", True
+        reply = text_of(out[0])
+        if reply is None:
+            self._fail("step returned a reply that is not valid text (a lone surrogate, or a str subclass that raised)")
+            return "", True
         self.stats.calls += 1
         if out[1]:
             self.over = True
-        return out
+        return reply, out[1]
+
+
+def text_of(value: str) -> str | None:
+    """``value`` as a plain ``str`` that the tokenizer can read (UTF-8 encodable), or None: a reply
+    holding a lone surrogate (``"\\ud800"``) made the tokenizer raise a TypeError that stopped the
+    run, and a ``str`` subclass's own methods ran inside the tokenizer."""
+    try:
+        text = str.__getitem__(value, slice(None))  # a plain str, whatever the subclass overrides
+        text.encode("utf-8")
+    except Exception:
+        return None
+    return text

@@ -25,6 +25,7 @@ Every malformed row raises DataError naming the file and line (or row) number.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -89,7 +90,9 @@ def _answer_text(name: str, value: Any, where: str) -> str | None:
     if value is None or isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
-        return str(value)
+        # NaN (pandas' missing value in a parquet float column, JSON's NaN) or inf is no answer: the
+        # next field is read (it was graded as the text 'nan')
+        return str(value) if math.isfinite(value) else None
     if not isinstance(value, str):
         raise DataError(f"{where}: field {name!r} must be text or a number, got {type(value).__name__}")
     text = value.strip()
@@ -141,6 +144,25 @@ def _finish(examples: list[Example], where: str, source: str) -> list[Example]:
 
 
 # --------------------------------------------------------------------------- file readers
+class _DuplicateKey(Exception):
+    pass
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object as a dict; ``_DuplicateKey`` for a key given twice (``json`` kept the last one:
+    a row with two ``problem`` fields was evaluated on the second without a word)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _twice(where: str, exc: _DuplicateKey) -> DataError:
+    return DataError(f"{where}: key {exc.args[0]!r} is given twice in one object; give each key once")
+
+
 def _iter_jsonl(path: Path, lines: Iterator[bytes]) -> Iterator[tuple[str, Any]]:
     for lineno, raw in enumerate(lines, 1):
         if not raw.strip():
@@ -151,7 +173,9 @@ def _iter_jsonl(path: Path, lines: Iterator[bytes]) -> Iterator[tuple[str, Any]]
         except UnicodeDecodeError as e:
             raise DataError(f"{where}: not valid UTF-8 (byte {e.start + 1} of the line)") from None
         try:
-            row = json.loads(text.lstrip("\ufeff"))
+            row = json.loads(text.lstrip("\ufeff"), object_pairs_hook=_object)
+        except _DuplicateKey as e:
+            raise _twice(where, e) from None
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: invalid JSON ({e.msg}, column {e.colno})") from None
         except RecursionError:
@@ -168,7 +192,9 @@ def _iter_json(path: Path, data: bytes) -> Iterator[tuple[str, Any]]:
     if not text.strip("\ufeff \t\r\n"):
         return  # empty: reported by the caller
     try:
-        rows = json.loads(text.lstrip("\ufeff"))
+        rows = json.loads(text.lstrip("\ufeff"), object_pairs_hook=_object)
+    except _DuplicateKey as e:
+        raise _twice(str(path), e) from None
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # JSON lines in a .json file
             yield from _iter_jsonl(path, iter(data.split(b"\n")))
