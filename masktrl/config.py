@@ -1210,7 +1210,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             if isinstance(value, bool) or (isinstance(value, int) and 1 <= value <= MAX_INT):
                 return value
             raise ConfigError(f"{key} must be true, false or a positive integer, got {value!r}")
-        if value is None:
+        if value is None and type(None) in typing.get_args(tp):
             return None
         if isinstance(value, dict) and dict in args:  # e.g. rollout.staleness: an integer or a mapping
             return dict(value)

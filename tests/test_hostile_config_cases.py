@@ -385,3 +385,21 @@ def test_a_timeout_beyond_what_a_wait_can_take_is_refused(key):
     with pytest.raises(ConfigError, match=f"^{key} must be at most 1e\\+06 s \\(about 11.6 days\\), got 1e\\+300$"):
         load_config(None, [*sets, f"{key}=1e300"])
     assert getattr(load_config(None, [*sets, f"{key}=1e6"]).task, key.split(".")[1]) == 1e6
+
+
+@pytest.mark.parametrize(
+    "assignment, says",
+    [
+        # the union int | dict let None through: check_staleness compared None >= 0 (a TypeError)
+        ("rollout.staleness=null", "rollout.staleness must be an integer, got None"),
+        # apply_chat_template raised transformers' ValueError from the prompt-length check
+        ("model.chat_template=true", "model.chat_template is true, but this tokenizer has no chat template"),
+    ],
+)
+def test_a_config_value_that_raised_inside_the_dry_run_is_one_line(tmp_path, cli_error, assignment, says):
+    """Found by trying 13 odd values (-1, 0, 1e300, NaN, -inf, text, '', 1.5, true, [], {}, null,
+    1e14) on every key of five shipped configs with ``train --dry-run``: these two were tracebacks."""
+    line = cli_error(
+        "train", "--config", "configs/tiny.yaml", "--dry-run", "--out", tmp_path / "out", "--set", assignment
+    )
+    assert says in line and not (tmp_path / "out").exists()

@@ -93,6 +93,11 @@ def encode_prompt(tokenizer, prompt: str, chat_template: bool) -> list[int]:
     A prompt the task already rendered with this tokenizer's chat template (MathTask with
     template ``chat``) is tokenized as it is, never wrapped twice.
     """
+    if chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            "model.chat_template is true, but this tokenizer has no chat template (a base model?); "
+            "set model.chat_template=false"
+        )
     if chat_template and not is_chat_rendered(tokenizer, prompt):
         # rendered as text, then tokenized like any prompt: apply_chat_template(tokenize=True)
         # returns a BatchEncoding, not ids, in transformers 5
