@@ -262,7 +262,10 @@ def _files(*folders):
             ["disagreement", "--run", "{runs}/grpo-seed0", "--run", "{tmp}/other-task"],
             "runs of different tasks cannot be pooled: grpo-seed0 has task.digits=1, other-task has task.digits=2",
         ),
-        (["disagreement", "--run", "{tmp}/no-rollout", "--steps", "2"], "no stored rollouts for step 2"),
+        (
+            ["disagreement", "--run", "{tmp}/no-rollout", "--steps", "2"],
+            "rollouts.parquet: missing (stage step/000002/rollout)",
+        ),
         (
             ["disagreement", "--run", "{tmp}/no-checkpoint", "--steps", "2"],
             "starts from checkpoint 1, which is not stored",
