@@ -112,13 +112,17 @@ def test_the_verl_loss_refuses_a_global_batch_info_it_cannot_read(mode, info, sa
     assert torch.isfinite(loss)
 
 
-def test_the_verl_loss_refuses_a_rule_that_draws_uniforms_when_it_is_made():
+def test_the_verl_loss_runs_a_rule_that_draws_uniforms_and_checks_its_seed():
     """policy_loss("sis") was made, and every call raised a ValueError from inside
-    (`u is required by method 'sis'`): verl's signature carries no random stream."""
+    (`u is required by method 'sis'`): verl's signature carries no random stream. The adapter now
+    draws them (``Uniforms``; equality with masktrl's loss: tests/test_integrations_verl.py), and a
+    seed no generator takes is one line."""
     from masktrl.integrations.verl import policy_loss
 
-    with pytest.raises(ConfigError, match="method 'sis' draws per-token uniforms"):
-        policy_loss("sis")
+    assert policy_loss("sis").masktrl_method.needs_u
+    for seed in (-1, 2**32):
+        with pytest.raises(ConfigError, match="seed must be in"):
+            policy_loss("sis", seed=seed)
 
 
 @pytest.mark.parametrize("temperature", [0.0, -1.0, float("inf")])

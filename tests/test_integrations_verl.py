@@ -124,8 +124,9 @@ def with_grad(d):
     return {**d, "log_prob": lp}
 
 
-def own(method, d, lp, topk=False):
-    """masktrl's own loss, token by token: its methods on a TokenBatch built here."""
+def own(method, d, lp, topk=False, u=None):
+    """masktrl's own loss, token by token: its methods on a TokenBatch built here (``u``: sis's
+    uniforms, one per response token in row order)."""
     rows = [
         (i, j)
         for i in range(d["responses"].shape[0])
@@ -153,7 +154,7 @@ def own(method, d, lp, topk=False):
         seq_ids=torch.tensor([i for i, _ in rows]),
     )
     adv = torch.stack([d["adv_seq"][i] for i, _ in rows])
-    return method.aggregate(method.token_losses(batch, adv).loss, batch, horizon=d["responses"].shape[1])
+    return method.aggregate(method.token_losses(batch, adv, u=u).loss, batch, horizon=d["responses"].shape[1])
 
 
 SAMPLED_RULES = ["grpo", "dapo", "dppo:divergence=binary-tv", "cispo", "gspo", "sapo", "prime-dppo"]
@@ -264,6 +265,42 @@ def test_topk_rules_with_the_contract_kwargs_equal_masktrl(spec):
     (gw,) = torch.autograd.grad(want, lp)
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(g, gw, rtol=1e-12, atol=1e-14)
+
+
+def test_sis_draws_its_uniforms_per_call_and_equals_masktrl_with_them():
+    """verl's signature carries no random stream: the adapter draws sis's uniforms itself
+    (``Uniforms``: call c of a process, seeded by sha256(seed, rank, c)). With the same draws the
+    loss and its gradient are masktrl's own; a second call draws new ones; a new loss of the same
+    seed repeats the first call's."""
+    from masktrl.integrations.verl import Uniforms
+
+    method = resolve_method_spec("sis")
+    d = with_grad(padded(seed=7))
+    kw = {
+        "responses": d["responses"],
+        "rollout_topk_ids": d["topk_ids"],
+        "rollout_topk_log_probs": d["topk_mu"],
+        "topk_log_prob": d["pi"].gather(-1, d["topk_ids"]),
+    }
+    n = int(d["response_mask"].sum())
+    draws = Uniforms(3)
+    u1, u2 = draws(n), draws(n)
+    assert not torch.equal(u1, u2) and torch.equal(Uniforms(3)(n), u1) and not torch.equal(Uniforms(4)(n), u1)
+    fn = policy_loss("sis", seed=3)
+    args = (d["old_log_probs"], d["log_prob"], d["advantages"], d["response_mask"], method.aggregation, None, None)
+    for u in (u1, u2):  # the loss's first and second calls
+        loss, _ = fn(*args, **kw)
+        (g,) = torch.autograd.grad(loss, d["log_prob"])
+        lp = d["log_prob"].detach().clone().requires_grad_(True)
+        want = own(method, d, lp, topk=True, u=u)
+        (gw,) = torch.autograd.grad(want, lp)
+        torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(g, gw, rtol=1e-12, atol=1e-14)
+    lp = d["log_prob"].detach()
+    assert not torch.equal(own(method, d, lp, topk=True, u=u1), own(method, d, lp, topk=True, u=u2))  # u matters
+    first, _ = policy_loss("sis", seed=3)(*args, **kw)
+    again, _ = policy_loss("sis", seed=3)(*args, **kw)
+    assert torch.equal(first, again)
 
 
 def test_bad_input_is_one_config_error():

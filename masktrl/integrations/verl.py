@@ -32,16 +32,18 @@ lines 1140-1199): masktrl's ``aggregate`` of the local tokens times (local denom
 denominator) times dp_size. With verl's ``loss_agg_mode`` set to the rule's own aggregation the loss
 is masktrl's.
 
-The top-K rules (pdm, dppo with a top-K divergence, ...): verl's registry passes only the
+The top-K rules (pdm, sis, dppo with a top-K divergence, ...): verl's registry passes only the
 sampled token's log-probs, so a top-K rule called through it is refused (one ``ConfigError``). The
 contract that runs them (docs/ECOSYSTEM.md): vLLM sampling with ``logprobs=K``, the lists stored in
 the DataProto batch as ``rollout_topk_ids`` / ``rollout_topk_log_probs`` [B, T, K], the actor's
 forward gathering log pi at those ids as ``topk_log_prob`` [B, T, K], and these three and the
 sampled ids (verl's ``responses`` [B, T]) passed to this function as keyword arguments of the same names.
+sis's per-token uniforms, for which the signature has no stream, are drawn here (``Uniforms``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -49,11 +51,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from masktrl.config import check_seed
 from masktrl.errors import ConfigError
 from masktrl.integrations.tokens import bind, needs_topk, padded_token_batch, rule_loss, token_advantages
 from masktrl.methods import AGG_MODES, BoundMethod, aggregate, aggregate_denominator
 
-__all__ = ["ANCHORS", "policy_loss", "register"]
+__all__ = ["ANCHORS", "Uniforms", "policy_loss", "register"]
 
 ANCHORS = ("mu", "pi_old")
 
@@ -75,9 +78,11 @@ def _info(config: Any) -> dict:
         ) from None
 
 
-def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor: str = "mu") -> Callable:
-    """A verl policy-loss function running masktrl rule ``method`` (module docstring)."""
+def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor: str = "mu", seed: int = 0) -> Callable:
+    """A verl policy-loss function running masktrl rule ``method`` (module docstring); ``seed``: the
+    stream of a rule's per-token uniforms (sis; ``Uniforms``)."""
     bound = bind(method, correction)
+    check_seed("seed", seed)
     if anchor not in ANCHORS:
         raise ConfigError(f"anchor must be one of {', '.join(ANCHORS)}, got {anchor!r}")
     if anchor == "pi_old" and bound.correction.active:
@@ -94,11 +99,7 @@ def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor:
             "the reference KL and the entropy bonus are verl's (actor.use_kl_loss, actor.entropy_coeff); "
             "give the rule kl_coef=0 and entropy_coef=0"
         )
-    if bound.needs_u:
-        raise ConfigError(
-            f"method {bound.name!r} draws per-token uniforms (a stochastic mask), which verl's policy-loss "
-            "signature does not carry; it runs in masktrl's own training and through MasktrlGRPOTrainer"
-        )
+    draws = Uniforms(seed) if bound.needs_u else None
     topk = needs_topk(bound)
 
     def masktrl_policy_loss(
@@ -162,10 +163,11 @@ def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor:
             horizon = _check_positive("loss_scale_factor", horizon)
         method = bound if bound.aggregation == loss_agg_mode else _with_aggregation(bound, loss_agg_mode)
         adv = token_advantages(advantages, mask)
+        u = draws(batch.n) if draws is not None else None
         out = (
-            rule_loss(method, batch, adv, horizon=horizon)
+            rule_loss(method, batch, adv, horizon=horizon, u=u)
             if rollout_is_weights is None
-            else _weighted(method, batch, adv, rollout_is_weights[mask].detach(), horizon)
+            else _weighted(method, batch, adv, rollout_is_weights[mask].detach(), horizon, u)
         )
         loss = out.loss
         dp = info.get("dp_size")
@@ -304,16 +306,38 @@ def _with_aggregation(bound: BoundMethod, mode: str) -> BoundMethod:
     return out
 
 
-def _weighted(method, batch, adv, weights: Tensor, horizon):
+def _weighted(method, batch, adv, weights: Tensor, horizon, u: Tensor | None = None):
     """``rule_loss`` with verl's rollout_is_weights multiplying the token losses (vanilla, line 1364)."""
     from masktrl.integrations.tokens import RuleLoss
 
-    losses = method.token_losses(batch, adv)
+    losses = method.token_losses(batch, adv, u=u)
     token_loss = losses.loss * weights.to(losses.loss.dtype)
     return RuleLoss(method.aggregate(token_loss, batch, horizon=horizon), token_loss, losses, batch)
 
 
-def register(name: str, method: Any = "grpo", correction: dict | None = None, *, anchor: str = "mu") -> Callable:
+class Uniforms:
+    """A rule's per-token uniforms (sis's accept/reject test) inside verl, whose policy-loss signature
+    carries no random stream: call c of a process draws ``n`` float64 uniforms from a generator
+    seeded with sha256(seed, data-parallel rank, c), so every micro-batch of every rank gets draws
+    of its own, the same ones when a run is repeated with the same seed and order of calls. The
+    count starts at 0 in each process: a resumed verl run draws other uniforms than the run it
+    continues (masktrl's own training keys them by step and minibatch instead)."""
+
+    def __init__(self, seed: int):
+        self.seed, self.calls = seed, 0
+
+    def __call__(self, n: int) -> Tensor:
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        key = f"{self.seed}:{rank}:{self.calls}".encode()
+        self.calls += 1
+        gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & (2**63 - 1))
+        return torch.rand(n, generator=gen, dtype=torch.float64)
+
+
+def register(
+    name: str, method: Any = "grpo", correction: dict | None = None, *, anchor: str = "mu", seed: int = 0
+) -> Callable:
     """``policy_loss(...)`` registered in verl's policy-loss registry under ``name`` (needs verl)."""
     try:
         from verl.trainer.ppo.core_algos import register_policy_loss
@@ -321,4 +345,4 @@ def register(name: str, method: Any = "grpo", correction: dict | None = None, *,
         raise ConfigError(
             f"masktrl.integrations.verl.register needs verl ({exc}); policy_loss() works without it"
         ) from None
-    return register_policy_loss(name)(policy_loss(method, correction, anchor=anchor))
+    return register_policy_loss(name)(policy_loss(method, correction, anchor=anchor, seed=seed))
