@@ -130,19 +130,10 @@ def test_the_trl_trainer_refuses_a_temperature_it_cannot_divide_by(tmp_path, tem
     """GRPOConfig(temperature=0) made the trainer, and its first step raised transformers' ValueError
     from the recorder's TemperatureLogitsWarper (the loss divides the logits by it too)."""
     pytest.importorskip("trl", reason="trl is not installed (pip install -e '.[trl]')")
-    from masktrl.integrations.trl import MasktrlGRPOTrainer
-    from tests.test_integrations_trl import config, dataset, reward, tiny
+    from tests.test_integrations_trl import trainer
 
-    model, tok = tiny()
     with pytest.raises(ConfigError, match="GRPOConfig.temperature must be a finite number > 0"):
-        MasktrlGRPOTrainer(
-            method="grpo",
-            model=model,
-            processing_class=tok,
-            reward_funcs=reward,
-            args=config(tmp_path, temperature=temperature),
-            train_dataset=dataset(4),
-        )
+        trainer(tmp_path, n=4, temperature=temperature)
 
 
 class _Surrogate:

@@ -67,6 +67,21 @@ def config(tmp_path, **over):
     return GRPOConfig(**base)
 
 
+def trainer(tmp_path, method="grpo", n=8, logprobs_k=None, **over):
+    """A MasktrlGRPOTrainer of ``method`` on the tiny model, ``n`` prompts, ``config(**over)``."""
+    model, tok = tiny()
+    k = {} if logprobs_k is None else {"logprobs_k": logprobs_k}
+    return MasktrlGRPOTrainer(
+        method=method,
+        model=model,
+        processing_class=tok,
+        reward_funcs=reward,
+        args=config(tmp_path, **over),
+        train_dataset=dataset(n),
+        **k,
+    )
+
+
 def test_recorded_lists_are_the_sampling_distribution():
     """TopKRecorder's lists equal the top-K of log_softmax(output_scores) (the processed scores transformers
     samples from) and its sampled log-probs the entry of the sampled token, with temperature and top-p on."""
@@ -233,26 +248,10 @@ def test_correction_and_file_rule(tmp_path):
 
 
 def test_bad_input_is_one_config_error(tmp_path):
-    model, tok = tiny()
     with pytest.raises(ConfigError, match="no such file"):
-        MasktrlGRPOTrainer(
-            method="nope.py:x",
-            model=model,
-            processing_class=tok,
-            reward_funcs=reward,
-            args=config(tmp_path),
-            train_dataset=dataset(),
-        )
+        trainer(tmp_path, method="nope.py:x")
     with pytest.raises(ConfigError, match="logprobs_k"):
-        MasktrlGRPOTrainer(
-            method="pdm",
-            logprobs_k=0,
-            model=model,
-            processing_class=tok,
-            reward_funcs=reward,
-            args=config(tmp_path),
-            train_dataset=dataset(),
-        )
+        trainer(tmp_path, method="pdm", logprobs_k=0)
 
 
 def test_the_five_lines_in_the_docs_run_as_written(tmp_path, monkeypatch):

@@ -124,6 +124,16 @@ def with_grad(d):
     return {**d, "log_prob": lp}
 
 
+def contract_lists(d):
+    """The verl contract's keyword arguments of a top-K rule (docs/ECOSYSTEM.md)."""
+    return {
+        "responses": d["responses"],
+        "rollout_topk_ids": d["topk_ids"],
+        "rollout_topk_log_probs": d["topk_mu"],
+        "topk_log_prob": d["pi"].gather(-1, d["topk_ids"]),
+    }
+
+
 def own(method, d, lp, topk=False, u=None):
     """masktrl's own loss, token by token: its methods on a TokenBatch built here (``u``: sis's
     uniforms, one per response token in row order)."""
@@ -248,12 +258,7 @@ def test_topk_rules_with_the_contract_kwargs_equal_masktrl(spec):
     method = resolve_method_spec(spec)
     fn = policy_loss(spec)
     d = with_grad(padded(seed=5))
-    kw = {
-        "responses": d["responses"],
-        "rollout_topk_ids": d["topk_ids"],
-        "rollout_topk_log_probs": d["topk_mu"],
-        "topk_log_prob": d["pi"].gather(-1, d["topk_ids"]),
-    }
+    kw = contract_lists(d)
     with pytest.raises(ConfigError, match="top-K lists"):
         actor_call(fn, d, method.aggregation, {"global_batch_info": {}})
     loss, _ = fn(
@@ -276,12 +281,7 @@ def test_sis_draws_its_uniforms_per_call_and_equals_masktrl_with_them():
 
     method = resolve_method_spec("sis")
     d = with_grad(padded(seed=7))
-    kw = {
-        "responses": d["responses"],
-        "rollout_topk_ids": d["topk_ids"],
-        "rollout_topk_log_probs": d["topk_mu"],
-        "topk_log_prob": d["pi"].gather(-1, d["topk_ids"]),
-    }
+    kw = contract_lists(d)
     n = int(d["response_mask"].sum())
     draws = Uniforms(3)
     u1, u2 = draws(n), draws(n)
