@@ -247,3 +247,17 @@ def test_benchmark_named_tasks_split_heldout(tmp_path):
         assert len(task.train_examples(20, random.Random(0))) == 20
     with pytest.raises(ConfigError, match="n_test"):
         get_task("gsm8k", data_file=data, n_test=0)
+
+
+def test_repeated_problems_are_kept_and_named_in_one_warning(tmp_path, capsys):
+    """A file holding a problem twice was evaluated and counted twice without a word (hostile pass 4):
+    each copy is still a problem of its own, and one warning line says how many repeat."""
+    rows = ['{"problem": "1+1", "answer": "2"}', '{"problem": "2+2", "answer": "4"}'] * 2
+    path = tmp_path / "twice.jsonl"
+    path.write_text("\n".join(rows + ['{"problem": "3+3", "answer": "6"}']) + "\n")
+    assert len(load_benchmark("gsm8k", path)) == 5
+    err = capsys.readouterr().err
+    says = "2 of 5 problems repeat an earlier one (the same text and answer); each copy is a problem of its own"
+    assert err == f"warning: {path}: {says}\n"
+    path.write_text("\n".join(rows[:2]) + "\n")
+    assert len(load_benchmark("gsm8k", path)) == 2 and capsys.readouterr().err == ""

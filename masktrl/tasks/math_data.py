@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -340,7 +341,24 @@ def load_benchmark(name: str, data_file: str | os.PathLike | None = None) -> lis
         examples = [e for part in COMPOSITES[name] for e in load_benchmark(part)]
     else:
         examples = _load_hub(name, HUB_SOURCES[name])
-    return _dedupe(examples) if name in TRAIN_SETS else examples
+    if name in TRAIN_SETS:
+        return _dedupe(examples)
+    _warn_repeats(examples, str(data_file) if data_file is not None else name)
+    return examples
+
+
+def _warn_repeats(examples: list[Example], where: str) -> None:
+    """One warning line when problems repeat (the same text and answer): each copy is evaluated
+    and counted as a problem of its own, so a file that holds a benchmark twice narrows every
+    interval with no new evidence."""
+    repeats = len(examples) - len({(e.prompt, e.answer) for e in examples})
+    if repeats:
+        print(
+            f"warning: {where}: {repeats} of {len(examples)} problems repeat an earlier one (the same text and "
+            "answer); each copy is a problem of its own",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # --------------------------------------------------------------------------- the task
