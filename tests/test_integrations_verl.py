@@ -303,6 +303,21 @@ def test_sis_draws_its_uniforms_per_call_and_equals_masktrl_with_them():
     assert torch.equal(first, again)
 
 
+def test_ppo_kl_is_verls_clamped_metric():
+    """actor/ppo_kl means what verl's vanilla loss logs: masked_mean(-negative_approx_kl) with
+    negative_approx_kl = clamp(log_prob - old_log_prob, -20, 20) (core_algos.py, transcribed); an
+    unclamped mean was inf where a token's old log-prob was -inf."""
+    d = with_grad(padded(seed=2))
+    old = d["old_log_probs"].clone()
+    old[0, 0] = float("-inf")  # a token mu gave no mass
+    old[0, 1] = old[0, 1] - 30.0
+    _, metrics = policy_loss("grpo")(old, d["log_prob"], d["advantages"], d["response_mask"], "token-mean", None)
+    mask = d["response_mask"].float()
+    negative_approx_kl = torch.clamp(d["log_prob"].detach() - old, min=-20.0, max=20.0)
+    want = (-negative_approx_kl * mask).sum() / (mask.sum() + 1e-8)  # verl_F.masked_mean
+    assert metrics["actor/ppo_kl"] == pytest.approx(float(want), rel=1e-6)
+
+
 def test_bad_input_is_one_config_error():
     with pytest.raises(ConfigError, match="anchor"):
         policy_loss("grpo", anchor="nope")

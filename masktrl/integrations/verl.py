@@ -185,7 +185,9 @@ def policy_loss(method: Any = "grpo", correction: dict | None = None, *, anchor:
             loss = loss * (local / float(global_den)) * dp
         valid = batch.valid
         masked = (out.losses.mask & valid).float().sum() / valid.float().sum().clamp_min(1)
-        kl = (old_log_prob - log_prob.detach())[mask].mean() if mask.any() else torch.zeros(())
+        # verl's ppo_kl: the mean of -(log pi - log old) clamped to [-20, 20], as compute_policy_loss_vanilla
+        # logs it (core_algos.py lines 1286-1377: negative_approx_kl clamped before the ratio and the metric)
+        kl = (old_log_prob - log_prob.detach()).clamp(-20.0, 20.0)[mask].mean() if mask.any() else torch.zeros(())
         return loss, {"actor/masktrl_masked_frac": masked.item(), "actor/ppo_kl": kl.item()}
 
     masktrl_policy_loss.__doc__ = f"masktrl rule {bound.name!r} (anchor {anchor}) as a verl policy loss."
