@@ -1,0 +1,43 @@
+"""Hostile pass 5: a sweep's grid and its folders between invocations, ``--set`` on ``eval`` and
+``rollout``, run folders with odd names. Each case is one line and exit code 2 naming what is
+wrong, or a correct result; never a run in the wrong folder, never one folder for two configs."""
+
+from pathlib import Path
+
+from tests.conftest import cli, write_tiny_config
+
+RULE = Path(__file__).resolve().parents[1] / "examples" / "tanh_clip.py"
+CORRECTION = """import torch
+from masktrl.methods import register_correction
+
+
+@register_correction("clamp", keys={"cap": 2.0})
+def clamp(log_rho, valid, seq_ids, adv, keys):
+    return log_rho.exp().clamp(max=keys["cap"]), torch.ones_like(valid)
+"""
+
+
+def test_a_sweep_of_a_correction_file_in_a_folder_names_its_runs_one_folder_under_out(tmp_path):
+    """The value's path went into the run name: the run was trained in out/grpo-correction-kind-c/
+    corr.py:clamp-seed0 (a folder of runs of its own, with a .cache), and --print-commands printed
+    --run corr.py:clamp-seed0, a command for another folder."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "corr.py").write_text(CORRECTION)
+    config, out = write_tiny_config(tmp_path / "t.yaml"), tmp_path / "out"
+    spec = f"grpo:correction.kind={tmp_path / 'c' / 'corr.py'}:clamp"
+    result = cli("sweep", "--methods", spec, "--seeds", "1", "--config", config, "--out", out, "--print-commands")
+    assert "--run grpo-correction-kind-corr.py:clamp-seed0" in result.output, result.output
+    assert not out.exists()
+
+
+def test_a_sweep_refuses_a_run_name_train_would_refuse(tmp_path, cli_error):
+    """A rule of 195 characters made a 201-byte run name that the sweep trained (train --run
+    refuses names over 200 bytes, so the printed commands and --resume NAME failed)."""
+    name = "x" * 195
+    rules = tmp_path / "long.py"
+    rules.write_text(RULE.read_text().replace('"tanh_clip", TanhClipParams', f'"{name}", TanhClipParams'))
+    config, out = write_tiny_config(tmp_path / "t.yaml"), tmp_path / "out"
+    line = cli_error("sweep", "--methods", f"{rules}:{name}", "--seeds", "1", "--config", config, "--out", out)
+    assert "makes an invalid run name" in line and "longer than 200 bytes" in line, line
+    assert not out.exists()
+
