@@ -41,3 +41,19 @@ def test_a_sweep_refuses_a_run_name_train_would_refuse(tmp_path, cli_error):
     assert "makes an invalid run name" in line and "longer than 200 bytes" in line, line
     assert not out.exists()
 
+
+def test_a_sweep_refuses_two_method_specs_that_make_one_run_name(tmp_path, cli_error):
+    """Two files' rules of one name (a/r.py:tanh_clip, b/r.py:tanh_clip) both made tanh_clip-seed0:
+    --print-commands printed the second one's command twice, and the sweep trained the first and
+    then stopped at the second, finding its folder holding a complete run."""
+    for folder, eps in (("a", "0.28"), ("b", "0.3")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "r.py").write_text(
+            RULE.read_text().replace("eps_high: float = 0.28", f"eps_high: float = {eps}")
+        )
+    config, out = write_tiny_config(tmp_path / "t.yaml"), tmp_path / "out"
+    methods = f"{tmp_path / 'a' / 'r.py'}:tanh_clip,{tmp_path / 'b' / 'r.py'}:tanh_clip"
+    for extra in (["--print-commands"], []):
+        line = cli_error("sweep", "--methods", methods, "--seeds", "1", "--config", config, "--out", out, *extra)
+        assert "both make the run name 'tanh_clip-seed0'" in line, line
+    assert not out.exists()

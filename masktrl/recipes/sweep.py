@@ -179,11 +179,19 @@ def plan(
 
 
 def _check_name(method: str, name: str, named: dict[str, str]) -> str:
-    """``name``, the run name spec ``method`` makes, if ``masktrl train --run`` takes it."""
+    """``name``, the run name spec ``method`` makes, if ``masktrl train --run`` takes it and no
+    other spec of the grid makes it too (two rule files' rules of one name: the second run found
+    the first one's folder mid-sweep, and ``--print-commands`` printed one command twice)."""
     try:
         check_run_name(name)
     except ConfigError as exc:
         raise ConfigError(f"--methods: {method!r} makes an {exc}; rename the rule or its file") from None
+    if name in named:
+        raise ConfigError(
+            f"--methods: {named[name]!r} and {method!r} both make the run name {name!r} (one folder for two "
+            "configs): sweep them into two --out folders, or give one rule another name"
+        )
+    named[name] = method
     return name
 
 
