@@ -2,7 +2,11 @@
 ``rollout``, run folders with odd names. Each case is one line and exit code 2 naming what is
 wrong, or a correct result; never a run in the wrong folder, never one folder for two configs."""
 
+import os
+import shutil
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import cli, write_tiny_config
 
@@ -57,3 +61,35 @@ def test_a_sweep_refuses_two_method_specs_that_make_one_run_name(tmp_path, cli_e
         line = cli_error("sweep", "--methods", methods, "--seeds", "1", "--config", config, "--out", out, *extra)
         assert "both make the run name 'tanh_clip-seed0'" in line, line
     assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """A finished sweep of grpo and dppo, one seed: ``(config, out)`` (copy it before changing it)."""
+    base = tmp_path_factory.mktemp("swept")
+    config = write_tiny_config(base / "t.yaml")
+    cli("sweep", "--methods", "grpo,dppo", "--seeds", "1", "--config", config, "--out", base / "out")
+    return config, base / "out"
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (lambda out: (out / "grpo-seed0" / "summary.json").unlink(), "grpo-seed0/summary.json: missing"),
+        (lambda out: os.truncate(out / "grpo-seed0" / "summary.json", 10), "summary.json: content hash mismatch"),
+        (lambda out: os.truncate(out / "dppo-seed0" / "metrics.jsonl", 50), "metrics.jsonl: the rows up to summary"),
+    ],
+)
+def test_a_sweep_over_a_damaged_complete_run_stops_before_anything_runs(swept, tmp_path, cli_error, damage, says):
+    """A deleted summary.json made the complete run an interrupted one to resume (`train grpo-seed0
+    (resuming an interrupted run)`), which train refused as `holds a complete run: --resume it`; an
+    edited summary or metrics file was skipped as complete, every other run trained, and the sweep
+    stopped at its compare table."""
+    config, out = swept
+    shutil.copytree(out, tmp_path / "out")
+    out = tmp_path / "out"
+    damage(out)
+    (out / "analysis" / "compare.json").unlink()
+    line = cli_error("sweep", "--methods", "grpo,dppo,sis", "--seeds", "1", "--config", config, "--out", out)
+    assert says in line and "a damaged run: the sweep changed nothing" in line, line
+    assert not (out / "sis-seed0").exists() and not (out / "analysis" / "compare.json").exists()
