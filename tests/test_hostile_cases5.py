@@ -93,3 +93,32 @@ def test_a_sweep_over_a_damaged_complete_run_stops_before_anything_runs(swept, t
     line = cli_error("sweep", "--methods", "grpo,dppo,sis", "--seeds", "1", "--config", config, "--out", out)
     assert says in line and "a damaged run: the sweep changed nothing" in line, line
     assert not (out / "sis-seed0").exists() and not (out / "analysis" / "compare.json").exists()
+
+
+def test_a_slurm_script_keeps_an_out_folder_with_a_space_or_percent_in_one_log_path(tmp_path):
+    """`#SBATCH --output=/x/o u t%j/...` was written unquoted: sbatch splits an #SBATCH line at
+    whitespace (the log went to /x/o) and expands %j in the path (a folder that does not exist)."""
+    import shlex
+
+    config, out = write_tiny_config(tmp_path / "t.yaml"), tmp_path / "o u t%j"
+    cli(
+        "sweep",
+        "--methods",
+        "grpo",
+        "--seeds",
+        "1",
+        "--config",
+        config,
+        "--out",
+        out,
+        "--launcher",
+        "slurm",
+        "--no-submit",
+    )
+    lines = (out / ".sweep" / "slurm" / "grpo-seed0.sbatch").read_text().splitlines()
+    output = next(line for line in lines if line.startswith("#SBATCH --output="))
+    # sbatch reads an #SBATCH line's words as a POSIX shell does (quotes, backslashes), then %% as %
+    assert shlex.split(output.removeprefix("#SBATCH ")) == [
+        f"--output={str(out.resolve()).replace('%', '%%')}/.sweep/slurm/grpo-seed0-%j.log"
+    ]
+    assert "#SBATCH --job-name=masktrl-grpo-seed0" in lines
