@@ -122,3 +122,28 @@ def test_a_slurm_script_keeps_an_out_folder_with_a_space_or_percent_in_one_log_p
         f"--output={str(out.resolve()).replace('%', '%%')}/.sweep/slurm/grpo-seed0-%j.log"
     ]
     assert "#SBATCH --job-name=masktrl-grpo-seed0" in lines
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A complete 2-step tiny run ``out/r0`` and a 3-problem data file: ``(out, data)``."""
+    base = tmp_path_factory.mktemp("finished5")
+    config = write_tiny_config(base / "t.yaml")
+    cli("train", "--config", config, "--out", base / "out", "--run", "r0")
+    data = base / "d.jsonl"
+    data.write_text("".join(f'{{"problem": "{a}+1=", "answer": "{a + 1}"}}\n' for a in range(3)))
+    return base / "out", data
+
+
+@pytest.mark.parametrize("command", ["eval", "rollout"])
+@pytest.mark.parametrize("given", ["task=5", "model=5", "seed=3"])
+def test_eval_and_rollout_refuse_a_set_that_is_not_a_section_of_keys(finished_run, tmp_path, cli_error, command, given):
+    """`--set task=5` was a TypeError traceback (exit 1), `--set model=5` an AttributeError one, and
+    `--set seed=3` said `not seed.None`."""
+    out, data = finished_run
+    args = ["--model", "r0", "--out", out, "--set", f"task.source={data}", "--set", given]
+    if command == "eval":
+        line = cli_error("eval", "dataset", "--k", "1", *args)
+    else:
+        line = cli_error("rollout", "--data", "dataset", "--output", tmp_path / "x.parquet", *args)
+    assert line.endswith(f"take task.* keys and model.chat_template, not {given}"), line
