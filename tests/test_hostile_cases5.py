@@ -147,3 +147,17 @@ def test_eval_and_rollout_refuse_a_set_that_is_not_a_section_of_keys(finished_ru
     else:
         line = cli_error("rollout", "--data", "dataset", "--output", tmp_path / "x.parquet", *args)
     assert line.endswith(f"take task.* keys and model.chat_template, not {given}"), line
+
+
+@pytest.mark.parametrize("bench, data", [("dataset", None), ("gsm8k", "data")])
+def test_eval_refuses_a_task_name_other_than_its_benchmark(finished_run, cli_error, bench, data):
+    """`masktrl eval dataset --set task.name=gsm8k` evaluated the dataset: the key was replaced by the
+    benchmark without a word (rollout alike)."""
+    out, file = finished_run
+    given = ["--set", f"task.source={file}"] if data is None else ["--data", file]
+    other = "gsm8k" if bench == "dataset" else "math500"
+    line = cli_error("eval", bench, "--model", "r0", "--out", out, "--k", "1", *given, "--set", f"task.name={other}")
+    assert (
+        line
+        == f"error: task.name={other} conflicts with the benchmark {bench} (the command's first argument names the task): drop one"
+    ), line

@@ -69,7 +69,13 @@ def bench_task_config(
     if data is not None:
         raw["source" if bench == "dataset" else "data"] = data
     given = eval_overrides(config, overrides)
-    raw.update(given.get("task") or {})
+    task_given = given.get("task") or {}
+    if "name" in task_given and task_given["name"] != bench:  # it was replaced by the benchmark without a word
+        raise ConfigError(
+            f"task.name={task_given['name']} conflicts with the benchmark {bench} (the command's first "
+            "argument names the task): drop one"
+        )
+    raw.update(task_given)
     raw["name"] = bench
     chat = given.get("model", {}).get("chat_template", cfg.model.chat_template)
     return from_dict({"task": raw, "model": {"chat_template": chat}}).task
