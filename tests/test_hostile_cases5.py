@@ -158,6 +158,20 @@ def test_eval_refuses_a_task_name_other_than_its_benchmark(finished_run, cli_err
     other = "gsm8k" if bench == "dataset" else "math500"
     line = cli_error("eval", bench, "--model", "r0", "--out", out, "--k", "1", *given, "--set", f"task.name={other}")
     assert (
-        line
-        == f"error: task.name={other} conflicts with the benchmark {bench} (the command's first argument names the task): drop one"
+        line == f"error: task.name={other} conflicts with the benchmark {bench} (the command's first argument "
+        "names the task): drop one"
     ), line
+
+
+@pytest.mark.parametrize("name", ["[bold]q", ":smile:"])
+def test_a_run_name_that_looks_like_markup_is_printed_as_it_is_named(tmp_path, name):
+    """rich read the run's name as markup: `masktrl train --run '[bold]q'` printed `artifacts: out/q`
+    (`:smile:` an emoji, `[i]` nothing), and eval `results: out/q/eval/...`: paths of no run."""
+    config, out = write_tiny_config(tmp_path / "t.yaml"), tmp_path / "out"
+    trained = cli("train", "--config", config, "--out", out, "--run", name)
+    assert f"masktrl train run {name} method grpo" in trained.output
+    assert f"artifacts: {out / name}" in trained.output, trained.output
+    evaluated = cli("eval", "task", "--model", name, "--out", out, "--k", "1")
+    assert f"results: {out / name / 'eval' / 'task-step2.json'}" in evaluated.output, evaluated.output
+    analysed = cli("analyze", "dynamics", name, "--out", out)
+    assert f"{out / 'analysis' / 'dynamics.json'}" in analysed.output
