@@ -175,3 +175,16 @@ def test_a_run_name_that_looks_like_markup_is_printed_as_it_is_named(tmp_path, n
     assert f"results: {out / name / 'eval' / 'task-step2.json'}" in evaluated.output, evaluated.output
     analysed = cli("analyze", "dynamics", name, "--out", out)
     assert f"{out / 'analysis' / 'dynamics.json'}" in analysed.output
+
+
+@pytest.mark.parametrize("study", ["estimators", "disagreement"])
+def test_a_replay_study_refuses_more_minibatches_than_sequences(swept, cli_error, study):
+    """`--minibatches 99999999999` on a batch of 24 sequences replayed 24 updates of one sequence
+    and recorded `minibatches: 99999999999` in the study's JSON (train refuses such a split)."""
+    _, out = swept
+    line = cli_error("analyze", study, "--run", "grpo-seed0", "--out", out, "--steps", "2", "--minibatches", "25")
+    assert line.endswith(
+        "--minibatches 25: run grpo-seed0, step 2 has 24 sequences, fewer than the minibatches (each needs one); "
+        "give --minibatches 24 or fewer"
+    ), line
+    assert not list((out / "grpo-seed0").glob("analysis/*"))

@@ -259,6 +259,11 @@ def replay_all(
     for bi, ref in enumerate(refs):
         replay = load_replay(ref.root, ref.step, ref.policy_step, update, optimizer)
         m = study_minibatches(replay.cfg.train.minibatches, minibatches, ref.policy_step - ref.behaviour_step)
+        if m > len(replay.samples):  # parts of ceil(N / M) = 1 sequence: N updates, recorded as M
+            raise MasktrlError(
+                f"--minibatches {m}: run {ref.run}, step {ref.step} has {len(replay.samples)} sequences, fewer "
+                f"than the minibatches (each needs one); give --minibatches {len(replay.samples)} or fewer"
+            )
         behaviour = load_behaviour(replay, ref.behaviour_step) if exact else None
         row = {
             "batch": bi,
