@@ -188,3 +188,11 @@ def test_a_replay_study_refuses_more_minibatches_than_sequences(swept, cli_error
         "give --minibatches 24 or fewer"
     ), line
     assert not list((out / "grpo-seed0").glob("analysis/*"))
+
+
+def test_a_replay_study_refuses_a_partition_count_no_study_can_run(swept, cli_error):
+    """`--partitions 1000000000` started replaying each batch a billion times (killed after minutes,
+    no word), as `--steps 1:99999999999` did before it was bounded."""
+    _, out = swept
+    line = cli_error("analyze", "estimators", "--run", "grpo-seed0", "--out", out, "--partitions", "1000000000")
+    assert line.endswith("--partitions 1000000000: more than 100000 replays of each batch"), line

@@ -25,7 +25,8 @@ from masktrl.runs.store import WARMSTART_KEY, RunStore, checkpoint_key, rollout_
 
 REPLICATE_UNITS = ("batch", "partition")
 MAX_STEPS = 100_000
-"""The most steps one --steps lists (a range beyond it is a typo, and was expanded in memory)."""
+"""The most steps one --steps lists (a range beyond it is a typo, and was expanded in memory), and
+the most --partitions (replays of each batch)."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,8 @@ def prepare(
         raise MasktrlError(f"--own-tokens must be >= 0, got {own_tokens}")
     if partitions < 1:
         raise MasktrlError(f"--partitions must be >= 1, got {partitions}")
+    if partitions > MAX_STEPS:  # a typo: it replayed each batch for hours before a word
+        raise MasktrlError(f"--partitions {partitions}: more than {MAX_STEPS} replays of each batch")
     if not delta >= 0:
         raise MasktrlError(f"--delta must be >= 0, got {delta}")
     if minibatches is not None and minibatches < 1:
