@@ -196,3 +196,21 @@ def test_a_replay_study_refuses_a_partition_count_no_study_can_run(swept, cli_er
     _, out = swept
     line = cli_error("analyze", "estimators", "--run", "grpo-seed0", "--out", out, "--partitions", "1000000000")
     assert line.endswith("--partitions 1000000000: more than 100000 replays of each batch"), line
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [("a: [\n", "cannot parse"), ("- a\n", "not an accelerate config (a YAML list"), ("", "(an empty file")],
+)
+def test_a_slurm_sweep_refuses_an_accelerate_config_no_launch_can_read(tmp_path, cli_error, text, says):
+    """Only the file's existence was checked: the sweep wrote (and submitted) a job per run, each
+    to fail at `accelerate launch` on the cluster."""
+    bad = tmp_path / "acc.yaml"
+    bad.write_text(text)
+    config, out = write_tiny_config(tmp_path / "t.yaml"), tmp_path / "out"
+    line = cli_error(
+        "sweep", "--methods", "grpo", "--seeds", "1", "--config", config, "--out", out,
+        "--accelerate-config", bad, "--launcher", "slurm", "--no-submit",
+    )  # fmt: skip
+    assert says in line and "acc.yaml" in line, line
+    assert not out.exists()

@@ -215,6 +215,15 @@ def check_launcher(launcher: str, accelerate_config: Path | None, print_commands
         raise ConfigError(f"--launcher must be local or slurm, got {launcher!r}")
     if accelerate_config is not None and not accelerate_config.is_file():
         raise ConfigError(f"--accelerate-config {accelerate_config}: no such file")
+    if accelerate_config is not None:  # every job would fail at its launch, on the cluster, hours later
+        from masktrl.readers import read_yaml
+
+        settings = read_yaml(accelerate_config)  # one line for broken YAML, naming the line
+        if not isinstance(settings, dict):
+            what = "an empty file" if settings is None else f"a YAML {type(settings).__name__}"
+            raise ConfigError(
+                f"--accelerate-config {accelerate_config}: not an accelerate config ({what}, not a mapping of settings)"
+            )
     if accelerate_config is not None and launcher == "local" and not print_commands:
         raise ConfigError(
             "--accelerate-config goes with --launcher slurm or --print-commands (the local launcher "
