@@ -25,7 +25,8 @@ from masktrl.runs.store import WARMSTART_KEY, RunStore, checkpoint_key, rollout_
 
 REPLICATE_UNITS = ("batch", "partition")
 MAX_STEPS = 100_000
-"""The most steps one --steps lists (a range beyond it is a typo, and was expanded in memory)."""
+"""The most steps one --steps lists (a range beyond it is a typo, and was expanded in memory), and
+the most --partitions (replays of each batch)."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,8 @@ def prepare(
         raise MasktrlError(f"--own-tokens must be >= 0, got {own_tokens}")
     if partitions < 1:
         raise MasktrlError(f"--partitions must be >= 1, got {partitions}")
+    if partitions > MAX_STEPS:  # a typo: it replayed each batch for hours before a word
+        raise MasktrlError(f"--partitions {partitions}: more than {MAX_STEPS} replays of each batch")
     if not delta >= 0:
         raise MasktrlError(f"--delta must be >= 0, got {delta}")
     if minibatches is not None and minibatches < 1:
@@ -259,6 +262,11 @@ def replay_all(
     for bi, ref in enumerate(refs):
         replay = load_replay(ref.root, ref.step, ref.policy_step, update, optimizer)
         m = study_minibatches(replay.cfg.train.minibatches, minibatches, ref.policy_step - ref.behaviour_step)
+        if m > len(replay.samples):  # parts of ceil(N / M) = 1 sequence: N updates, recorded as M
+            raise MasktrlError(
+                f"--minibatches {m}: run {ref.run}, step {ref.step} has {len(replay.samples)} sequences, fewer "
+                f"than the minibatches (each needs one); give --minibatches {len(replay.samples)} or fewer"
+            )
         behaviour = load_behaviour(replay, ref.behaviour_step) if exact else None
         row = {
             "batch": bi,

@@ -7,7 +7,7 @@ from pathlib import Path
 from masktrl.commands import eval_options
 from masktrl.commands.eval_table import tool_rows
 from masktrl.commands.options import DEFAULT_OUT, OutOpt, TaskConfigOpt, TaskSetOpt
-from masktrl.commands.ui import console, kv_table, progress_bar
+from masktrl.commands.ui import console, kv_table, plain, progress_bar
 
 
 def eval_command(
@@ -61,9 +61,8 @@ def eval_command(
         overrides=tuple(set_ or ()),
     )
     opts.validate(bench)  # before any model is loaded
-    console.print(
-        f"[bold]masktrl eval[/] [cyan]{bench}[/] model [cyan]{model}[/]" + (f" step {step}" if step is not None else "")
-    )
+    step_text = f" step {step}" if step is not None else ""
+    console.print(f"[bold]masktrl eval[/] [cyan]{plain(bench)}[/] model [cyan]{plain(model)}[/]{step_text}")
     runs = recipe.folder_runs(model)
     if runs is not None:  # a folder of runs
         with progress_bar() as progress:
@@ -81,11 +80,11 @@ def print_line(root: Path, result) -> None:
     r = None if isinstance(result, str) else result.report
     se = f" ± {r['avg_at_k_se']:.4f} (se)" if r and r.get("avg_at_k_se") is not None else ""
     console.print(
-        f"{root.name}: "
+        f"{plain(root.name)}: "
         + (
-            f"[yellow]{result}[/]"
+            f"[yellow]{plain(result)}[/]"
             if r is None
-            else f"avg@{r['k']} {r['avg_at_k']:.4f}{se}, pass@{r['k']} {r['pass_at_k']:.4f} -> {result.path}"
+            else f"avg@{r['k']} {r['avg_at_k']:.4f}{se}, pass@{r['k']} {r['pass_at_k']:.4f} -> {plain(result.path)}"
         ),
         highlight=False,
     )
@@ -117,4 +116,4 @@ def print_report(r: dict, path: Path) -> None:
         ("wall time", f"{r['time_s']:.0f} s"),
     ]
     console.print(kv_table(f"eval {r['benchmark']}", rows))
-    console.print(f"results: {path}")
+    console.print(f"results: {plain(path)}", highlight=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from masktrl.commands import rollout_options
 from masktrl.commands.options import DEFAULT_OUT, OutOpt, TaskConfigOpt, TaskSetOpt
-from masktrl.commands.ui import console, err_console, kv_table
+from masktrl.commands.ui import console, err_console, kv_table, plain
 
 
 def rollout(
@@ -57,5 +57,5 @@ def rollout(
     )
     info = recipe.run(model, data, output, opts, step=step, force=force, out=out)
     console.print(
-        kv_table("masktrl rollout", [(k, f"{v:.3f}" if isinstance(v, float) else str(v)) for k, v in info.items()])
+        kv_table("masktrl rollout", [(k, f"{v:.3f}" if isinstance(v, float) else plain(v)) for k, v in info.items()])
     )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from masktrl.commands import sweep_options
 from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, OutOpt, SetOpt
-from masktrl.commands.ui import console, progress_bar
+from masktrl.commands.ui import console, plain, progress_bar
 
 
 def sweep(
@@ -63,7 +63,7 @@ def sweep(
     todo = sum(i.state != "complete" for i in items)
     console.print(
         f"[bold]masktrl sweep[/] {len(method_list)} methods x {len(seed_list)} seeds: "
-        f"{len(items) - todo} complete, {todo} to run, under {out}"
+        f"{len(items) - todo} complete, {todo} to run, under {plain(out)}"
     )
     stage.run(items, progress_bar, lambda event, item: print_event(event, item, items))
     roots = [i.root for i in items]
@@ -74,21 +74,21 @@ def sweep(
     table = cmp.compare([load_run(r) for r in roots], base)
     paths = cmp.save(table, multi_run_dir(roots, None))
     print_compare(table)
-    console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
+    console.print("wrote " + ", ".join(plain(p) for p in paths), highlight=False)
 
 
 def print_event(event: str, item, items) -> None:
     n = items.index(item) + 1
     for root in item.incomplete:
         if not (item.state == "resume" and root == item.root):
-            console.print(f"[yellow]incomplete run[/] {root} (cannot resume; left as it is)", highlight=False)
+            console.print(f"[yellow]incomplete run[/] {plain(root)} (cannot resume; left as it is)", highlight=False)
     if event == "skip":
-        console.print(f"[{n}/{len(items)}] skip [cyan]{item.root.name}[/] (complete)", highlight=False)
+        console.print(f"[{n}/{len(items)}] skip [cyan]{plain(item.root.name)}[/] (complete)", highlight=False)
         return
     note = {"resume": " (resuming an interrupted run)", "retry": " (fresh restart of an incomplete run)"}.get(
         item.state, ""
     )
-    console.print(f"[{n}/{len(items)}] train [cyan]{item.root.name}[/]{note}", highlight=False)
+    console.print(f"[{n}/{len(items)}] train [cyan]{plain(item.root.name)}[/]{note}", highlight=False)
 
 
 def launch_runs(

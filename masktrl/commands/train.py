@@ -9,7 +9,7 @@ import typer
 
 from masktrl.commands import train_options
 from masktrl.commands.options import DEFAULT_OUT, ConfigOpt, MethodOpt, OutOpt, RunOpt, SeedOpt, SetOpt
-from masktrl.commands.ui import console, err_console, kv_table, progress_bar
+from masktrl.commands.ui import console, err_console, kv_table, plain, progress_bar
 
 
 def train(
@@ -68,11 +68,11 @@ def train(
 def print_start(plan) -> None:
     verb = {"resume": "resuming", "restart": "restarting"}.get(plan.start.mode, "run")
     console.print(
-        f"[bold]masktrl train[/] {verb} [cyan]{plan.root.name}[/] method "
-        f"[cyan]{plan.cfg.method_name}[/] seed {plan.cfg.seed}"
+        f"[bold]masktrl train[/] {verb} [cyan]{plain(plan.root.name)}[/] method "
+        f"[cyan]{plain(plan.cfg.method_name)}[/] seed {plan.cfg.seed}"
     )
     if plan.start.note and not plan.explicit_resume:
-        console.print(plan.start.note, highlight=False)
+        console.print(plain(plan.start.note), highlight=False)
 
 
 def print_dry_run(dry) -> None:
@@ -98,5 +98,5 @@ def print_summary(summary: dict, root: Path) -> None:
         ),
         ("wall time", f"{summary['wall_time_s']:.0f} s"),
     ]
-    console.print(kv_table(f"run {summary['run']}", rows))
-    console.print(f"artifacts: {root}")
+    console.print(kv_table(f"run {plain(summary['run'])}", rows))
+    console.print(f"artifacts: {plain(root)}", highlight=False)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-console = Console()
-err_console = Console(stderr=True)
+# no emoji codes: a run named :smile: (or a path holding one) is printed as it is named
+console = Console(emoji=False)
+err_console = Console(stderr=True, emoji=False)
 
 
 def progress_bar() -> Progress:
@@ -31,3 +33,9 @@ def kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
     for key, value in rows:
         table.add_row(key, value)
     return table
+
+
+def plain(value) -> str:
+    """``value`` as text for a console line with markup: a run named ``[bold]q`` (or a path holding
+    ``[i]``) printed as ``q`` (or not at all), so the path shown was not the run's."""
+    return escape(str(value))

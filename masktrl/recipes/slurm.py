@@ -102,8 +102,9 @@ def write_script(item, argv: list[str], out: Path, options: list[str], *, workdi
     name = item.root.name
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name=masktrl-{name}",
-        f"#SBATCH --output={(folder / name).resolve()}-%j.log",
+        f"#SBATCH --job-name={_sbatch_word(f'masktrl-{name}')}",
+        # sbatch expands %j, %x ... in the log's path: a % of the folder or run name is %%
+        f"#SBATCH --output={_sbatch_word(str((folder / name).resolve()).replace('%', '%%') + '-%j.log')}",
         *(f"#SBATCH {opt}" for opt in options),
         "# written by masktrl sweep --launcher slurm; run it again with: sbatch "
         + shlex.quote(str(folder / f"{name}.sbatch")),
@@ -116,6 +117,15 @@ def write_script(item, argv: list[str], out: Path, options: list[str], *, workdi
     atomic_write_text(path, "\n".join(lines))
     path.chmod(0o755)
     return path
+
+
+def _sbatch_word(text: str) -> str:
+    """``text`` as one argument of an ``#SBATCH`` line: sbatch splits the line at whitespace and
+    reads quotes and backslashes, so a value with them is double-quoted, its ``"`` and ``\\``
+    escaped (a space in --out or a run name cut the log's path at the space)."""
+    if re.fullmatch(r"[\w@%+=:,./-]+", text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def check_sbatch() -> str:

@@ -26,12 +26,13 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from masktrl.config import MAX_SEED, Config, diff_configs, load_config, split_method
 from masktrl.errors import ConfigError
 from masktrl.method_spec import is_rule_file
 from masktrl.runs.plan import plan_config, sweep_fate
+from masktrl.runs.store import check_run_name
 
 
 @dataclass
@@ -78,10 +79,18 @@ def run_stem(spec: str) -> str:
     if is_rule_file(name):  # examples/soft_clip.py:soft_clip -> soft_clip
         name = name.rpartition(":")[2]
     keys = [
-        f"{key.removeprefix('method.').replace('.', '-')}-{value}"
+        f"{key.removeprefix('method.').replace('.', '-')}-{_stem_value(value)}"
         for key, _, value in (o.partition("=") for o in overrides)
     ]
     return "-".join([name, *keys])
+
+
+def _stem_value(value: str) -> str:
+    """A parameter's value in a run name; a file's rule (``correction.kind=path/to/corr.py:clamp``)
+    by its file's name and rule (``corr.py:clamp``): a run name is one folder, with no path separator."""
+    if is_rule_file(value):
+        return PurePosixPath(value.replace("\\", "/")).name
+    return value
 
 
 MAX_SWEEP_SEEDS = 1000
@@ -155,16 +164,35 @@ def plan(
     slurm launcher: its job may be that process), is planned as a resume with ``writer`` set."""
     runs = []
     first: dict[str, Config] = {}  # method spec -> its config for the first seed
+    named: dict[str, str] = {}  # run name -> the method spec that makes it
     for method in methods:
         for seed in seeds:
             name_, params = split_method(method)
             cfg = load_config(config, [*overrides, *params], method=name_, seed=seed)
             if seed == seeds[0]:
                 _check_distinct(method, cfg, first)
-            name = f"{run_stem(method)}-seed{seed}"
+            name = _check_name(method, f"{run_stem(method)}-seed{seed}", named)
             fate = sweep_fate(Path(out), name, cfg, busy_ok=busy_ok)
+            _check_name(method, fate.root.name, {})  # a retry folder's name too
             runs.append(SweepRun(method, seed, name, cfg, fate.root, fate.state, fate.incomplete, fate.writer))
     return runs
+
+
+def _check_name(method: str, name: str, named: dict[str, str]) -> str:
+    """``name``, the run name spec ``method`` makes, if ``masktrl train --run`` takes it and no
+    other spec of the grid makes it too (two rule files' rules of one name: the second run found
+    the first one's folder mid-sweep, and ``--print-commands`` printed one command twice)."""
+    try:
+        check_run_name(name)
+    except ConfigError as exc:
+        raise ConfigError(f"--methods: {method!r} makes an {exc}; rename the rule or its file") from None
+    if name in named:
+        raise ConfigError(
+            f"--methods: {named[name]!r} and {method!r} both make the run name {name!r} (one folder for two "
+            "configs): sweep them into two --out folders, or give one rule another name"
+        )
+    named[name] = method
+    return name
 
 
 def _check_distinct(method: str, cfg: Config, seen: dict[str, Config]) -> None:
@@ -187,6 +215,15 @@ def check_launcher(launcher: str, accelerate_config: Path | None, print_commands
         raise ConfigError(f"--launcher must be local or slurm, got {launcher!r}")
     if accelerate_config is not None and not accelerate_config.is_file():
         raise ConfigError(f"--accelerate-config {accelerate_config}: no such file")
+    if accelerate_config is not None:  # every job would fail at its launch, on the cluster, hours later
+        from masktrl.readers import read_yaml
+
+        settings = read_yaml(accelerate_config)  # one line for broken YAML, naming the line
+        if not isinstance(settings, dict):
+            what = "an empty file" if settings is None else f"a YAML {type(settings).__name__}"
+            raise ConfigError(
+                f"--accelerate-config {accelerate_config}: not an accelerate config ({what}, not a mapping of settings)"
+            )
     if accelerate_config is not None and launcher == "local" and not print_commands:
         raise ConfigError(
             "--accelerate-config goes with --launcher slurm or --print-commands (the local launcher "

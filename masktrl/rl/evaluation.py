@@ -68,17 +68,32 @@ def bench_task_config(
         raw["template"] = template
     if data is not None:
         raw["source" if bench == "dataset" else "data"] = data
-    given = read_overrides(config, list(overrides))
-    for section, value in given.items():
-        keys = list(value) if isinstance(value, dict) else [None]
-        if section != "task" and (section, keys) != ("model", ["chat_template"]):
-            raise ConfigError(
-                f"--config/--set of eval and rollout take task.* keys and model.chat_template, not {section}.{keys[0]}"
-            )
-    raw.update(given.get("task") or {})
+    given = eval_overrides(config, overrides)
+    task_given = given.get("task") or {}
+    if "name" in task_given and task_given["name"] != bench:  # it was replaced by the benchmark without a word
+        raise ConfigError(
+            f"task.name={task_given['name']} conflicts with the benchmark {bench} (the command's first "
+            "argument names the task): drop one"
+        )
+    raw.update(task_given)
     raw["name"] = bench
     chat = given.get("model", {}).get("chat_template", cfg.model.chat_template)
     return from_dict({"task": raw, "model": {"chat_template": chat}}).task
+
+
+def eval_overrides(config: str | None, overrides) -> dict:
+    """The sections ``--config`` / ``--set`` of eval and rollout give: task.* keys and
+    model.chat_template, each section a mapping (``--set task=5`` raised TypeError, ``--set
+    model=5`` AttributeError, ``--set seed=3`` said "not seed.None"); ConfigError otherwise."""
+    given = read_overrides(config, list(overrides))
+    for section, value in given.items():
+        keys = list(value) if isinstance(value, dict) else []
+        if (section, keys) != ("model", ["chat_template"]) and (section != "task" or not isinstance(value, dict)):
+            what = f"{section}.{keys[0]}" if keys else f"{section}={value!r}"
+            raise ConfigError(
+                f"--config/--set of eval and rollout take task.* keys and model.chat_template, not {what}"
+            )
+    return given
 
 
 def eval_chat(cfg: Config, opts) -> bool:
@@ -88,7 +103,7 @@ def eval_chat(cfg: Config, opts) -> bool:
         return False
     if opts.template == "chat":
         return True
-    given = read_overrides(opts.config, list(opts.overrides)).get("model", {})
+    given = eval_overrides(opts.config, opts.overrides).get("model", {})
     return bool(given.get("chat_template", cfg.model.chat_template))
 
 

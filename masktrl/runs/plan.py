@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from masktrl.config import Config, diff_configs, load_config
-from masktrl.errors import MasktrlError
+from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.io import disk_problem
 from masktrl.runs import locks
 from masktrl.runs.store import RunStore, check_run_name, is_fresh_folder, is_path_like, is_run_folder, resolve_run
@@ -259,6 +259,8 @@ def sweep_fate(out: Path, name: str, cfg: Config, *, busy_ok: bool = False) -> F
     a run that a process is training right now (it holds the run's lock), unless ``busy_ok``
     (the slurm launcher: its job may be that process): then it is a resume with ``writer`` set."""
     attempts = [Path(out) / name] + sorted(Path(out).glob(f"{name}-retry*"), key=_retry_index)
+    for root in attempts:
+        _check_recorded_whole(root)
     states = {root: folder_state(root) for root in attempts}
     complete = [r for r in attempts if states[r] == "complete"]
     incomplete = [r for r in attempts if states[r] == "incomplete"]
@@ -271,6 +273,25 @@ def sweep_fate(out: Path, name: str, cfg: Config, *, busy_ok: bool = False) -> F
     if incomplete:
         return Fate(Path(out) / f"{name}-retry{_next_retry(attempts)}", "retry", incomplete)
     return Fate(Path(out) / name, "new")
+
+
+def _check_recorded_whole(root: Path) -> None:
+    """A run its manifest records complete reads back whole (its summary and metrics, which the
+    sweep's compare reads), or one line before anything runs: with its summary deleted it was
+    planned as an interrupted run to resume, which train then refused as complete; with its
+    summary or metrics edited the sweep trained every other run and stopped at the compare."""
+    if is_fresh_folder(root):
+        return
+    store = RunStore(root, writable=False)
+    if not store.exists() or store.manifest.get("status") != "complete":
+        return
+    try:
+        store.summary()
+        store.read_metrics()
+    except ArtifactError as exc:
+        raise MasktrlError(
+            f"{exc} (a damaged run: the sweep changed nothing; restore the file, or use another --out)"
+        ) from None
 
 
 def folder_state(root: Path) -> str:

@@ -14,7 +14,7 @@ import typer
 
 from masktrl.commands.help_format import Command, Group  # noqa: F401  (Command: for the analyses)
 from masktrl.commands.options import DEFAULT_OUT, OutOpt  # noqa: F401  (for the analyses)
-from masktrl.commands.ui import console
+from masktrl.commands.ui import console, plain
 
 app = typer.Typer(
     cls=Group,
@@ -35,7 +35,7 @@ def pm(mean, se, digits: int = 3) -> str:
 
 
 def written(paths: list[Path]) -> None:
-    console.print("wrote " + ", ".join(str(p) for p in paths), highlight=False)
+    console.print("wrote " + ", ".join(plain(p) for p in paths), highlight=False)
 
 
 def replay_optimizer(name: str, lr: float | None, reset: bool):
