@@ -8,6 +8,7 @@ method's aggregation (``BoundMethod.aggregate``).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, NamedTuple
 
 import torch
@@ -108,6 +109,15 @@ def rule_loss(
     reg = method.regularize(losses.loss, batch, ref_logp=ref_logp, entropy=entropy)
     agg_batch = kept_batch(batch, corr) if method.correction.drops_rejected else batch
     return RuleLoss(method.aggregate(reg.loss, agg_batch, horizon=horizon), reg.loss, losses, agg_batch)
+
+
+def keyed_uniforms(key: str, n: int) -> Tensor:
+    """[n] float64 uniforms from a generator seeded with the first 8 bytes of sha256(``key``): the
+    random stream of a rule's per-token draws (sis) inside a trainer that carries none (TRL: one
+    key per seed, optimizer step and micro-batch; verl: per seed, rank and call)."""
+    digest = hashlib.sha256(key.encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.rand(n, generator=gen, dtype=torch.float64)
 
 
 def needs_topk(method: BoundMethod) -> bool:

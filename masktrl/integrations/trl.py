@@ -37,7 +37,6 @@ top-k, top-p, min-p.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Any
 
@@ -53,7 +52,14 @@ from transformers.generation.logits_process import (
 from trl import GRPOTrainer
 
 from masktrl.errors import ConfigError
-from masktrl.integrations.tokens import bind, needs_topk, padded_token_batch, rule_loss, token_advantages
+from masktrl.integrations.tokens import (
+    bind,
+    keyed_uniforms,
+    needs_topk,
+    padded_token_batch,
+    rule_loss,
+    token_advantages,
+)
 
 __all__ = ["MasktrlGRPOTrainer", "TopKRecorder", "sampling_warpers"]
 
@@ -278,9 +284,7 @@ class MasktrlGRPOTrainer(GRPOTrainer):
 
     def _uniforms(self, n: int) -> Tensor:
         """SIS's uniforms: one stream per (seed, optimizer step, micro-batch)."""
-        key = f"{self.args.seed}:{self.state.global_step}:{getattr(self, '_step', 0)}".encode()
-        gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & (2**63 - 1))
-        return torch.rand(n, generator=gen, dtype=torch.float64)
+        return keyed_uniforms(f"{self.args.seed}:{self.state.global_step}:{getattr(self, '_step', 0)}", n)
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"

@@ -43,7 +43,6 @@ sis's per-token uniforms, for which the signature has no stream, are drawn here 
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -53,7 +52,14 @@ from torch import Tensor
 
 from masktrl.config import check_seed
 from masktrl.errors import ConfigError
-from masktrl.integrations.tokens import bind, needs_topk, padded_token_batch, rule_loss, token_advantages
+from masktrl.integrations.tokens import (
+    bind,
+    keyed_uniforms,
+    needs_topk,
+    padded_token_batch,
+    rule_loss,
+    token_advantages,
+)
 from masktrl.methods import AGG_MODES, BoundMethod, aggregate, aggregate_denominator
 
 __all__ = ["ANCHORS", "Uniforms", "policy_loss", "register"]
@@ -331,10 +337,8 @@ class Uniforms:
     def __call__(self, n: int) -> Tensor:
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        key = f"{self.seed}:{rank}:{self.calls}".encode()
         self.calls += 1
-        gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & (2**63 - 1))
-        return torch.rand(n, generator=gen, dtype=torch.float64)
+        return keyed_uniforms(f"{self.seed}:{rank}:{self.calls - 1}", n)
 
 
 def register(
