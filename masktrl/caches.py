@@ -13,14 +13,17 @@ folder is used instead: matplotlib never falls back to a temporary folder with a
 ``<out>/.cache`` with ``--out``) that is deleted once its rows are read (``tasks/dataset.py``);
 a dataset named by its hub id is read from the hub's own cache, where it lives (masktrl never
 downloads). torch's inductor folder (made when a model generates) goes to
-``<out>/.cache/torchinductor``. So a read-only home changes nothing. A command that fails, is
+``<out>/.cache/torchinductor``, or without ``--out`` to a temporary folder removed when the process
+exits. So a read-only home changes nothing. A command that fails, is
 refused or is a ``--dry-run`` removes again the empty folders the imports made there (``tidy``),
 so it leaves no ``--out``.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,6 +55,7 @@ def contain(argv: list[str]) -> Path | None:
     out = out_from_argv(argv)
     if out is None:
         _mode, _scratch_root = "figure", None
+        _inductor_in_temporary_folder()
         return None
     _mode = "out"
     root = Path(os.path.abspath(out)) / ".cache"
@@ -60,6 +64,20 @@ def contain(argv: list[str]) -> Path | None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "torchinductor")  # torch makes it when it generates (else /tmp)
     _scratch_root = root
     return root
+
+
+def _inductor_in_temporary_folder() -> None:
+    """Without ``--out``: torch's inductor folder, which importing torch's dynamo makes (transformers'
+    ``generate`` does), in a temporary folder of its own that is removed when the process exits, so
+    the command leaves no ``torchinductor_<user>`` in the system's temporary folder. masktrl
+    compiles nothing, so the folder holds no cache worth keeping. When no temporary folder can be
+    made (a read-only ``TMPDIR``), torch is left to its own choice."""
+    try:
+        folder = tempfile.mkdtemp(prefix="masktrl-inductor-")
+    except OSError:
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
 
 
 @contextmanager

@@ -4,6 +4,7 @@ folders are removed, a file is never, and an --out that existed before is left a
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,7 @@ def test_an_out_that_existed_is_left_as_it_was(tmp_path, monkeypatch):
 
 def test_without_out_nothing_is_tidied(tmp_path, monkeypatch):
     monkeypatch.setattr(caches, "_made", [])
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # contain() sets it; restored after
     caches.contain(["analyze", "compare", str(tmp_path)])
     (tmp_path / "x").mkdir()
     caches.tidy()
@@ -70,3 +72,22 @@ def test_a_dry_run_of_the_lab_leaves_no_out(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "nothing was written" in done.stdout
     assert not out.exists()
+
+
+def test_without_out_torchs_inductor_folder_is_removed_at_exit(tmp_path):
+    """Importing torch's dynamo (transformers' generate does) made ``torchinductor_<user>`` in the
+    system's temporary folder, where a command without --out (``masktrl eval`` of a run given by
+    path) left it; it now lives in a temporary folder of its own, removed when the process exits."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    code = (
+        "import os; from masktrl import caches; caches.contain(['eval', 'gsm8k']); import torch._dynamo; "
+        "print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env={**env, "TMPDIR": str(tmp)}
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Path(done.stdout.strip()).parent == tmp  # it was there while the process ran
+    assert list(tmp.iterdir()) == []
