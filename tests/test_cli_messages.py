@@ -78,3 +78,13 @@ def test_a_vanishing_rollout_temperature_is_refused(tmp_path, cli_error, value):
     assert line.startswith("error: rollout.temperature must be a finite number >= 1e-05 (below it sampling is greedy")
     assert line.endswith(f"got {float(value)}") or line.endswith(f"got {value}")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_compare_empty_metric(tmp_path, cli_error, value):
+    """``analyze compare --metric ''`` said "metric  was never logged" of the first run."""
+    line = cli_error("analyze", "compare", tmp_path, "--metric", value)
+    assert line == (
+        "error: Invalid value for '--metric': is empty; give a logged metric (eval/heldout/accuracy, "
+        "eval/<bench>/avg_at_k), or leave --metric out (see `masktrl analyze compare --help`)"
+    )

@@ -19,7 +19,13 @@ BaselineOpt = Annotated[
     ),
 ]
 MetricOpt = Annotated[
-    str, typer.Option("--metric", metavar="KEY", help="Metric: eval/heldout/accuracy or eval/<bench>/avg_at_k.")
+    str,
+    typer.Option(
+        "--metric",
+        metavar="KEY",
+        parser=not_empty("give a logged metric (eval/heldout/accuracy, eval/<bench>/avg_at_k), or leave --metric out"),
+        help="Metric: eval/heldout/accuracy or eval/<bench>/avg_at_k.",
+    ),
 ]
 EvalBenchOpt = Annotated[
     str | None,
