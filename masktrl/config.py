@@ -604,7 +604,8 @@ class TrainConfig:
     minibatches: int = 1
     """Optimizer updates per rollout batch: the batch's sequences, in a random order, cut into parts
     of ceil(N / minibatches) (torch's chunk), so where minibatches does not divide N there can be
-    fewer updates (30 on 512 sequences: 28 parts of 18 and one of 8, 29 updates)."""
+    fewer updates (30 on 512 sequences: 28 parts of 18 and one of 8, 29 updates; ``--dry-run``
+    reports it and the run warns)."""
     minibatch_groups: bool | int = False
     """Split the batch into minibatches of whole prompt groups (all of a prompt's samples in one
     minibatch, the groups in a random order each step) instead of single samples in a random

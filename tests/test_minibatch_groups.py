@@ -75,6 +75,30 @@ def test_the_sample_split_cuts_parts_of_ceil_n_over_minibatches_as_its_key_says(
     assert [len(p) for p in _minibatches(samples, _settings(8, groups=False), step=1)] == [64] * 8
 
 
+@pytest.mark.parametrize("n", [4, 14, 24, 100, 512])
+def test_the_split_note_names_the_updates_the_sample_split_makes(n):
+    """Where the sample split makes fewer updates than train.minibatches names, the dry run reports
+    it and the run warns (``checks.minibatch_split_note``): the count it names is the split's own,
+    for every number of minibatches up to the step's sequences, and it is silent where they agree."""
+    from masktrl.config import from_dict
+    from masktrl.rl.checks import minibatch_split_note
+    from masktrl.rl.update import _minibatches
+
+    for m in range(1, n + 1):
+        cfg = from_dict({"rollout": {"prompts_per_step": n // 2, "n": 2}, "train": {"minibatches": m}})
+        made = len(_minibatches([None] * n, _settings(m, groups=False), step=1))
+        note = minibatch_split_note(cfg)
+        assert (note is None) == (made == m)
+        if note is not None:
+            assert f"{made} updates a step, not {m} (train.minibatches={made} makes the same split)" in note
+            again = len(_minibatches([None] * n, _settings(made, groups=False), step=1))
+            assert again == made
+    grouped = from_dict(
+        {"rollout": {"prompts_per_step": 64, "n": 8}, "train": {"minibatches": 30, "minibatch_groups": True}}
+    )
+    assert minibatch_split_note(grouped) is None  # the group split cuts into as many parts as named
+
+
 def test_a_group_index_shared_by_two_prompts_is_two_groups():
     """Samples of two rollout batches can carry the same ``group`` index: the prompt tells them apart."""
     samples = make_samples(50, seed=2, groups=2, per_group=2)

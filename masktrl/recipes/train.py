@@ -188,6 +188,8 @@ def build_parts(
     model, tokenizer, ws_info = load_policy(
         cfg, store, checked.task, progress, dist, say=lambda text: _note(progress, dist, text)
     )
+    if split := checks.minibatch_split_note(cfg):
+        _note(progress, dist, f"warning: {split}")
     method = cfg.method.bind()
     reference = None  # the starting policy, frozen before a resumed run loads its checkpoint (LoRA: adapters off)
     if method.needs_reference:

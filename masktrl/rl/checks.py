@@ -68,9 +68,30 @@ def check(cfg: Config, *, rollouts_from: str | None = None, out: Path | None = N
     except BaseException:
         task.close()
         raise
+    if split := minibatch_split_note(cfg):
+        report.append(("train.minibatches", split))
     if out is not None:
         report.append(("free disk under --out", _free(out)))
     return Checked(task, tokenizer, vocab_size, context, source, report)
+
+
+def minibatch_split_note(cfg: Config) -> str | None:
+    """Where ``train.minibatches`` does not divide a full step's sequences into that many parts:
+    the sample split cuts N sequences into parts of ceil(N / minibatches) (torch's chunk, kept so
+    that existing runs continue as they began), which can make fewer updates than named (30 on
+    512: 29). The line the dry run reports and a run warns with; None where the split makes the
+    named number (always with ``train.minibatch_groups``, which cuts into exactly that many)."""
+    if cfg.train.minibatch_groups is not False:
+        return None
+    n, m = cfg.rollout.prompts_per_step * cfg.rollout.n, cfg.train.minibatches
+    size = -(-n // m)
+    made = -(-n // size)
+    if made == m:
+        return None
+    return (
+        f"train.minibatches={m} cuts a step's {n} sequences into parts of {size} (ceil({n} / {m})): "
+        f"{made} updates a step, not {m} (train.minibatches={made} makes the same split)"
+    )
 
 
 def _model_checks(cfg: Config, task, tokenizer, vocab_size: int, context: int | None) -> list[tuple[str, str]]:
