@@ -198,6 +198,25 @@ def test_a_replay_study_refuses_a_partition_count_no_study_can_run(swept, cli_er
     assert line.endswith("--partitions 1000000000: more than 100000 replays of each batch"), line
 
 
+def test_a_replay_study_refuses_partitions_that_are_copies_of_one_update(swept, cli_error):
+    """With one minibatch a partition is only the order of the batch's sequences, and grpo draws no
+    random numbers (nor does the study's default update, unmasked): `--partitions 3 --minibatches 1` replayed the same update three times, which
+    `--replicate partition` counted as three replicates. sis draws its uniforms from the partition's
+    seed, so its partitions differ and stay allowed."""
+    _, out = swept
+    args = ("--out", out, "--steps", "2", "--minibatches", "1", "--partitions", "3", "--no-exact")
+    line = cli_error("analyze", "disagreement", "--run", "grpo-seed0", *args, "--replicate", "partition")
+    assert line.endswith(
+        "--partitions 3: run grpo-seed0, step 2 is replayed as one minibatch and the update (unmasked) draws no "
+        "random numbers, so every partition is the same update (copies, not replicates); give --partitions 1, or "
+        "--minibatches 2 or more"
+    ), line
+    assert not list((out / "grpo-seed0").glob("analysis/*"))
+    study = out.parent / "sis-partitions"
+    cli("analyze", "disagreement", "--run", "grpo-seed0", *args, "--update-method", "sis", "--output", study)
+    assert any(f.suffix == ".json" for f in study.iterdir())
+
+
 @pytest.mark.parametrize(
     "text, says",
     [("a: [\n", "cannot parse"), ("- a\n", "not an accelerate config (a YAML list"), ("", "(an empty file")],

@@ -267,6 +267,12 @@ def replay_all(
                 f"--minibatches {m}: run {ref.run}, step {ref.step} has {len(replay.samples)} sequences, fewer "
                 f"than the minibatches (each needs one); give --minibatches {len(replay.samples)} or fewer"
             )
+        if m == 1 and partitions > 1 and not replay.method.needs_u:
+            raise MasktrlError(
+                f"--partitions {partitions}: run {ref.run}, step {ref.step} is replayed as one minibatch and "
+                f"the update ({update}) draws no random numbers, so every partition is the same update "
+                "(copies, not replicates); give --partitions 1, or --minibatches 2 or more"
+            )
         behaviour = load_behaviour(replay, ref.behaviour_step) if exact else None
         row = {
             "batch": bi,
