@@ -242,3 +242,32 @@ def test_a_default_response_length_is_cut_to_the_room_the_model_leaves(finished,
                 "--output", tmp_path / "g.json")  # fmt: skip
     assert "cut" not in given.output
     assert json.loads((tmp_path / "g.json").read_text())["generation"]["max_new_tokens"] == 9
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        ("comment=a b", "has a blank outside quotes"),
+        ('comment="a b', "leaves a quote open"),
+        ("comment=run#3", "has a # outside quotes"),
+    ],
+)
+def test_a_slurm_value_sbatch_would_cut_is_refused(finished, tmp_path, cli_error, value, why):
+    """Values were written into the #SBATCH line as given, where sbatch ends an argument at a blank
+    outside quotes, reads an unquoted # as the start of a comment and stops at an open quote: the
+    job ran with `--comment=a` (and a stray `b`), or sbatch refused every script at submission."""
+    config, _, _ = finished
+    line = cli_error(
+        "sweep", "--config", config, "--out", tmp_path / "out", "--methods", "grpo", "--seeds", "1",
+        "--launcher", "slurm", "--no-submit", "--slurm", value,
+    )  # fmt: skip
+    assert line.startswith(f"error: --slurm {value!r}: this value {why}"), line
+    assert line.endswith("so it would not reach --comment as written in the job's #SBATCH line")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_quoted_or_escaped_slurm_value_is_written_as_given():
+    from masktrl.recipes.slurm import parse_options
+
+    given = ['comment="a b"', "comment='run #3'", "comment=a\\ b", "constraint=a|b", "x=", "exclusive"]
+    assert parse_options(given) == [f"--{v}" for v in given]

@@ -90,8 +90,34 @@ def parse_options(pairs: list[str]) -> list[str]:
                 f"--slurm {pair!r}: the value holds a control character (a line break would end the "
                 "#SBATCH line and run the rest in the job script)"
             )
+        if sep and (why := _not_one_word(value)):  # sbatch splits an #SBATCH line into arguments
+            raise ConfigError(
+                f"--slurm {pair!r}: this value {why}, so it would not reach --{key} as written in the job's "
+                "#SBATCH line"
+            )
         out.append(f"--{key}={value}" if sep else f"--{key}")
     return out
+
+
+def _not_one_word(value: str) -> str | None:
+    """Why ``value`` would not reach its option whole as sbatch reads an ``#SBATCH`` line (a blank
+    outside quotes ends an argument, an unescaped ``#`` outside quotes starts a comment, a quote
+    left open stops sbatch; a backslash escapes the next character), else None."""
+    quote, escaped = None, False
+    for c in value:
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif quote:
+            quote = None if c == quote else quote
+        elif c in "\"'":
+            quote = c
+        elif c == "#":
+            return "has a # outside quotes (sbatch reads the rest of the line as a comment)"
+        elif c.isspace():
+            return "has a blank outside quotes (quote it for sbatch: --slurm 'comment=\"a b\"')"
+    return "leaves a quote open" if quote else None
 
 
 def write_script(item, argv: list[str], out: Path, options: list[str], *, workdir: Path | None = None) -> Path:
