@@ -13,6 +13,7 @@ Ctrl-C prints ``interrupted`` and exits 130 (``commands/help_format.py: Group.in
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import typer
@@ -119,6 +120,9 @@ def _memory_options(argv: list[str]) -> str | None:
     return None
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # every control character but the tab
+
+
 def _fail(exc: BaseException, line: str) -> None:
     if os.environ.get("MASKTRL_DEBUG"):
         raise exc
@@ -127,6 +131,9 @@ def _fail(exc: BaseException, line: str) -> None:
     line = line.encode("utf-8", "backslashreplace").decode(
         "utf-8"
     )  # a name with bytes that are not UTF-8 prints as \udcff
+    line = _CONTROL.sub(
+        lambda m: repr(m.group())[1:-1], line
+    )  # a value given with a line break stays on one line: a\nb
     err_console.print(
         f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True
     )  # the line is text: "dppo[x]" stays

@@ -88,3 +88,10 @@ def test_compare_empty_metric(tmp_path, cli_error, value):
         "error: Invalid value for '--metric': is empty; give a logged metric (eval/heldout/accuracy, "
         "eval/<bench>/avg_at_k), or leave --metric out (see `"
     )
+
+
+def test_a_value_with_a_line_break_stays_on_the_error_line(tmp_path, cli_error):
+    """``runs --out $'a\\nb'`` (and ``--config``, ``--baseline``, ``--accelerate-config`` alike)
+    printed the value's line break: an error of two lines. Control characters are now shown escaped."""
+    line = cli_error("runs", "--out", tmp_path / "a\nb\x1b[31m")
+    assert line == f"error: no such folder: {tmp_path}/a\\nb\\x1b[31m"
