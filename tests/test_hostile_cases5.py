@@ -199,10 +199,10 @@ def test_a_replay_study_refuses_a_partition_count_no_study_can_run(swept, cli_er
 
 
 def test_a_replay_study_refuses_partitions_that_are_copies_of_one_update(swept, cli_error):
-    """With one minibatch a partition is only the order of the batch's sequences, and grpo draws no
-    random numbers (nor does the study's default update, unmasked): `--partitions 3 --minibatches 1` replayed the same update three times, which
-    `--replicate partition` counted as three replicates. sis draws its uniforms from the partition's
-    seed, so its partitions differ and stay allowed."""
+    """With one minibatch a partition is only the order of the batch's sequences, and the study's
+    default update (unmasked) draws no random numbers: `--partitions 3 --minibatches 1` replayed
+    the same update three times, which `--replicate partition` counted as three replicates. sis
+    draws its uniforms from the partition's seed, so its partitions differ and stay allowed."""
     _, out = swept
     args = ("--out", out, "--steps", "2", "--minibatches", "1", "--partitions", "3", "--no-exact")
     line = cli_error("analyze", "disagreement", "--run", "grpo-seed0", *args, "--replicate", "partition")
