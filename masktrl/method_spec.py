@@ -279,17 +279,24 @@ def _call_user(where: str, hint: str, fn: Callable, *args: Any) -> Any:
 
 
 def _losses_problem(out: Any, n: int) -> str | None:
-    """What is wrong with a kernel's output on a batch of ``n`` tokens, in one phrase, or None."""
+    """What is wrong with a kernel's output on a batch of ``n`` tokens, in one phrase, or None:
+    loss a float tensor [N], mask a bool one; each optional field None or a tensor [N] (accepted
+    bool, the others float), as the update and its diagnostics read them."""
     if not isinstance(out, TokenLosses):
         return f"{type(out).__name__}, not TokenLosses"
-    for name, wanted in (("loss", "a float"), ("mask", "a bool")):
-        value = getattr(out, name)
-        ok = isinstance(value, torch.Tensor) and (
-            value.is_floating_point() if name == "loss" else value.dtype == torch.bool
-        )
+    for name in out._fields:
+        value, required, boolean = getattr(out, name), name in ("loss", "mask"), name in ("mask", "accepted")
+        if value is None and not required:
+            continue
+        ok = isinstance(value, torch.Tensor) and (value.dtype == torch.bool if boolean else value.is_floating_point())
         if not ok or tuple(value.shape) != (n,):
-            what = f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else value
-            return f"a {name} that is {what!s}; it must be {wanted} tensor of shape [N] = [{n}]"
+            if isinstance(value, torch.Tensor):
+                what = f"a {value.dtype} tensor of shape {list(value.shape)}"
+            else:
+                what = "None" if value is None else f"a {type(value).__name__}"
+            field_, wanted = (f"a {name}", "") if required else (f"TokenLosses.{name}", "None or ")
+            wanted += f"a {'bool' if boolean else 'float'} tensor of shape [N] = [{n}]"
+            return f"{field_} that is {what}; it must be {wanted}"
     return None
 
 

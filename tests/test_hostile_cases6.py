@@ -1,0 +1,70 @@
+"""Hostile pass 6: what a user's rule file hands back, the analyses, the run store and the
+rollout files between commands. Each case is one line and exit code 2 (or a ``ConfigError``)
+naming what is wrong, never a traceback from inside, never a result that silently differs."""
+
+import pytest
+import torch
+
+from masktrl.config import resolve_method_spec
+from masktrl.errors import ConfigError
+from masktrl.methods import TokenBatch
+
+RULE = """from dataclasses import dataclass
+import torch
+from masktrl.methods import MethodParams, TokenLosses, register_method, unit_ratio_log
+
+
+@dataclass(frozen=True)
+class P(MethodParams):
+    scale: float = 1.0
+
+
+@register_method("mine", P)
+def mine(batch, adv, p, u):
+    loss = -adv * unit_ratio_log(batch)
+    n = batch.n
+    return TokenLosses(loss, ~batch.valid, {extra})
+"""
+
+
+def _batch(n: int = 5) -> TokenBatch:
+    return TokenBatch(
+        logp=torch.full((n,), -1.0, dtype=torch.float64).requires_grad_(),
+        behavior_logp=torch.full((n,), -1.2, dtype=torch.float64),
+        sampled_ids=torch.arange(n),
+        topk_ids=torch.zeros(n, 2, dtype=torch.long),
+        topk_behavior_logp=torch.full((n, 2), -2.0, dtype=torch.float64),
+        topk_logp=torch.full((n, 2), -2.0, dtype=torch.float64),
+        seq_ids=torch.zeros(n, dtype=torch.long),
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        # each was a traceback from finalize (torch.where / bitwise_and) or from the diagnostics, exit code 1
+        ("None, None, None, torch.zeros(n + 1)", "TokenLosses.log_w that is a torch.float32 tensor of shape [6]"),
+        ("None, None, None, torch.zeros(n, dtype=torch.long)", "TokenLosses.log_w that is a torch.int64 tensor"),
+        ("None, None, None, [0.0] * n", "TokenLosses.log_w that is a list; it must be None or a float tensor"),
+        ("None, None, torch.ones(n), None", "TokenLosses.accepted that is a torch.float32 tensor of shape [5]; it must be None or a bool"),
+        ("torch.zeros(3), None, None, None", "TokenLosses.divergence that is a torch.float32 tensor of shape [3]"),
+        ("None, None, None, None, torch.zeros(2), torch.zeros(2)", "TokenLosses.ddot_lo that is"),
+    ],
+)  # fmt: skip
+def test_a_rule_files_kernel_with_a_bad_optional_field_is_one_line(tmp_path, extra, says):
+    """A kernel's loss and mask were checked, its optional fields (divergence, ddot, accepted,
+    log_w, the bracket) not: a log_w of another shape, an integer or a list, a float ``accepted``
+    or a divergence of 3 entries was a traceback from ``finalize`` or the step's diagnostics."""
+    path = tmp_path / "rules.py"
+    path.write_text(RULE.format(extra=extra))
+    bound = resolve_method_spec(f"{path}:mine")
+    with pytest.raises(ConfigError, match=f"method '{path}:mine': its kernel returned") as exc:
+        bound.token_losses(_batch(), torch.ones(5, dtype=torch.float64))
+    assert says in str(exc.value), str(exc.value)
+
+
+def test_a_rule_files_kernel_with_good_optional_fields_is_unchanged(tmp_path):
+    path = tmp_path / "rules.py"
+    path.write_text(RULE.format(extra="loss.detach(), None, (loss > 0), torch.zeros(n)"))
+    out = resolve_method_spec(f"{path}:mine").token_losses(_batch(), torch.ones(5, dtype=torch.float64))
+    assert out.accepted.dtype == torch.bool and out.log_w.shape == (5,)
