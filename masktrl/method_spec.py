@@ -158,6 +158,10 @@ def method_from_block(block: Any) -> MethodSpec:
             written["correction"]["ref"] = correction.ref
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    except (Exception, SystemExit) as exc:  # a user's params class (its __post_init__): anything it raises
+        if rule_file is None and corr_file is None:
+            raise
+        raise ConfigError(f"method {rule!r}: its params {_raised(exc)}") from None
     return MethodSpec(rule, method.name, params, correction, rule_file, corr_file, method, written)
 
 
@@ -269,13 +273,16 @@ def _call_user(where: str, hint: str, fn: Callable, *args: Any) -> Any:
     (running out of memory aside: the error boundary names that)."""
     try:
         return fn(*args)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() in a kernel ended the run with its code and no word
         if memory_error_line(exc) is not None:
             raise
-        text = (str(exc).strip().splitlines() or [""])[0]
-        raise ConfigError(
-            f"{where} raised {type(exc).__name__}" + (f": {text}" if text else "") + (f" {hint}" if hint else "")
-        ) from exc
+        raise ConfigError(f"{where} {_raised(exc)}" + (f" {hint}" if hint else "")) from exc
+
+
+def _raised(exc: BaseException) -> str:
+    """``raised TypeName: its first line`` for an exception from a user's code."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"raised {type(exc).__name__}" + (f": {text}" if text else "")
 
 
 def _losses_problem(out: Any, n: int) -> str | None:

@@ -8,6 +8,7 @@ import torch
 from masktrl.config import resolve_method_spec
 from masktrl.errors import ConfigError
 from masktrl.methods import TokenBatch
+from tests.conftest import cli
 
 RULE = """from dataclasses import dataclass
 import torch
@@ -60,6 +61,8 @@ def test_a_rule_files_kernel_with_a_bad_optional_field_is_one_line(tmp_path, ext
     bound = resolve_method_spec(f"{path}:mine")
     with pytest.raises(ConfigError, match=f"method '{path}:mine': its kernel returned") as exc:
         bound.token_losses(_batch(), torch.ones(5, dtype=torch.float64))
+    checked = cli("check-method", f"{path}:mine", "--set", "method.scale=0.5", ok=False)
+    assert checked.exit_code == 1 and "raised ConfigError" in checked.output and "mine fails" in checked.output
     assert says in str(exc.value), str(exc.value)
 
 
@@ -68,3 +71,54 @@ def test_a_rule_files_kernel_with_good_optional_fields_is_unchanged(tmp_path):
     path.write_text(RULE.format(extra="loss.detach(), None, (loss > 0), torch.zeros(n)"))
     out = resolve_method_spec(f"{path}:mine").token_losses(_batch(), torch.ones(5, dtype=torch.float64))
     assert out.accepted.dtype == torch.bool and out.log_w.shape == (5,)
+
+
+POST_INIT = """from dataclasses import dataclass
+import sys
+import torch
+from masktrl.methods import MethodParams, TokenLosses, register_method, unit_ratio_log
+
+
+@dataclass(frozen=True)
+class P(MethodParams):
+    scale: float = 1.0
+
+    def __post_init__(self):
+        if self.scale > 1:
+            raise RuntimeError("too big")
+        if self.scale < 0:
+            sys.exit(3)
+        super().__post_init__()
+
+
+@register_method("mine", P)
+def mine(batch, adv, p, u):
+    if p.scale == 0.5:
+        sys.exit(0)
+    return TokenLosses(-adv * unit_ratio_log(batch), ~batch.valid, None, None, None, None)
+"""
+
+
+@pytest.mark.parametrize("scale, says", [("2", "RuntimeError: too big"), ("-1", "SystemExit: 3")])
+def test_a_rule_files_params_class_that_raises_is_one_line(tmp_path, scale, says):
+    """Only ValueError and TypeError from a params class were one line: a RuntimeError (or an
+    assert) in its ``__post_init__`` was a traceback, and ``sys.exit(3)`` there ended ``train``
+    and ``check-method`` with exit code 3 and no word."""
+    from masktrl.config import load_config
+
+    path = tmp_path / "rules.py"
+    path.write_text(POST_INIT)
+    with pytest.raises(ConfigError, match=f"^method '{path}:mine': its params raised {says}$"):
+        load_config(None, [f"method.scale={scale}"], method=f"{path}:mine")
+
+
+def test_a_rule_files_kernel_that_calls_sys_exit_is_one_line(tmp_path):
+    """``sys.exit(0)`` in a kernel ended ``train`` with exit code 0 (status failed, reason
+    ``SystemExit: 0``, nothing said), and ``check-method`` with exit code 0 and no table."""
+    path = tmp_path / "rules.py"
+    path.write_text(POST_INIT)
+    bound = resolve_method_spec(f"{path}:mine:scale=0.5")
+    with pytest.raises(ConfigError, match=f"^method '{path}:mine': its kernel raised SystemExit: 0 "):
+        bound.token_losses(_batch(), torch.ones(5, dtype=torch.float64))
+    checked = cli("check-method", f"{path}:mine", "--set", "method.scale=0.5", ok=False)
+    assert checked.exit_code == 1 and "raised ConfigError" in checked.output and "mine fails" in checked.output

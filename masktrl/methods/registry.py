@@ -328,7 +328,7 @@ def check_method(method: Method) -> str | None:
         return f"its params class {getattr(cls, '__name__', cls)!r} is not a dataclass"
     try:
         params = cls()
-    except Exception as exc:  # a user's class: any error is the answer
+    except (Exception, SystemExit) as exc:  # a user's class: any error is the answer (sys.exit too)
         return f"its params class {cls.__name__} cannot be built with its defaults ({type(exc).__name__}: {exc})"
     missing = [
         a
