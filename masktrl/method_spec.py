@@ -34,10 +34,9 @@ from masktrl.io import memory_error_line, no_bytecode
 from masktrl.methods import BoundMethod, CorrectionParams, Method, TokenLosses, get_method, make_correction
 from masktrl.methods.batch import NO_GRADIENT
 from masktrl.methods.corrections import CustomCorrection, collecting_corrections, install_correction
-from masktrl.methods.registry import check_method, collecting
+from masktrl.methods.registry import RESERVED_KEYS, check_method, collecting
 
 RULE_SUFFIX = ".py:"
-FILE_KEYS = ("sha256",)  # keys of the method block that describe the file, not the rule's params
 
 
 def is_rule_file(name: Any) -> bool:
@@ -138,7 +137,7 @@ def method_from_block(block: Any) -> MethodSpec:
             method = get_method(rule)
         except ValueError as exc:
             raise ConfigError(f"{exc}, or path/to/rules.py:name") from None
-    given = {k: v for k, v in block.items() if k not in ("name", "correction", *FILE_KEYS)}
+    given = {k: v for k, v in block.items() if k not in RESERVED_KEYS}
     corr_block, corr_file = _correction_block(block.get("correction"))
     written = copy.deepcopy(block)
     try:

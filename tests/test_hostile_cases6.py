@@ -122,3 +122,17 @@ def test_a_rule_files_kernel_that_calls_sys_exit_is_one_line(tmp_path):
         bound.token_losses(_batch(), torch.ones(5, dtype=torch.float64))
     checked = cli("check-method", f"{path}:mine", "--set", "method.scale=0.5", ok=False)
     assert checked.exit_code == 1 and "raised ConfigError" in checked.output and "mine fails" in checked.output
+
+
+@pytest.mark.parametrize("key", ["name", "sha256", "correction"])
+def test_a_rule_files_params_field_named_as_a_key_of_the_method_block_is_refused(tmp_path, key):
+    """A params field ``name`` (or ``sha256``, ``correction``) could never be set: ``--set
+    method.name=`` names the rule, ``method.sha256`` was read as the file's recorded hash. The
+    run trained its default, and the resolved method a sweep and the analyses compare said
+    ``name: x`` (the field's default) in place of the rule."""
+    from masktrl.config import load_config
+
+    path = tmp_path / "rules.py"
+    path.write_text(POST_INIT.replace("    scale: float = 1.0\n", f"    scale: float = 1.0\n    {key}: str = 'x'\n"))
+    with pytest.raises(ConfigError, match=f"its params class P has a field '{key}', a key the method block keeps"):
+        load_config(None, [], method=f"{path}:mine")
