@@ -136,3 +136,54 @@ def test_a_rule_files_params_field_named_as_a_key_of_the_method_block_is_refused
     path.write_text(POST_INIT.replace("    scale: float = 1.0\n", f"    scale: float = 1.0\n    {key}: str = 'x'\n"))
     with pytest.raises(ConfigError, match=f"its params class P has a field '{key}', a key the method block keeps"):
         load_config(None, [], method=f"{path}:mine")
+
+
+def test_a_resume_on_a_rollout_file_changed_since_the_start_is_refused(tmp_path):
+    """The run recorded only the path of its ``--rollouts-from`` file: a file regenerated in its
+    place (``masktrl rollout --force``, another seed) between the start and ``--resume`` gave
+    the remaining steps other rollouts than the run started on, without a word. Its sha256 is
+    now recorded and checked; ``--force`` trains on the file as it is (and records it)."""
+    from types import SimpleNamespace
+
+    from masktrl.errors import MasktrlError
+    from masktrl.runs.plan import _resume_rollouts_from, source_digest
+
+    source = tmp_path / "b.parquet"
+    source.write_bytes(b"first")
+    store = SimpleNamespace(
+        root=tmp_path / "r", manifest={"rollouts_from": str(source), "rollouts_from_sha256": source_digest(str(source))}
+    )
+    assert _resume_rollouts_from(store, None) == str(source)
+    source.write_bytes(b"second")
+    for given in (None, str(source)):
+        with pytest.raises(MasktrlError, match=f"--rollouts-from {source} changed since this run started on it"):
+            _resume_rollouts_from(store, given)
+    assert _resume_rollouts_from(store, None, force=True) == str(source)
+    del store.manifest["rollouts_from_sha256"]  # a run recorded before the hash was: as before
+    assert _resume_rollouts_from(store, None) == str(source)
+
+
+@pytest.mark.slow
+def test_a_resumed_replay_refuses_its_file_regenerated_in_place(tmp_path):
+    """End to end: a replay killed before its second batch, the file regenerated in its place."""
+    from tests.conftest import masktrl, snapshot, write_tiny_config
+
+    config, out = write_tiny_config(tmp_path / "t.yaml"), tmp_path / "out"
+    cli("train", "--config", config, "--out", out, "--run", "r")
+    made = [
+        cli("rollout", "--model", "r", "--out", out, "--data", "synthetic", "--output", tmp_path / name,
+            "--n", 4, "--logprobs-k", 5, "--prompts", 12, "--seed", seed)
+        for name, seed in (("b.parquet", 0), ("b2.parquet", 5))
+    ]  # fmt: skip
+    assert all(m.exit_code == 0 for m in made)
+    source = tmp_path / "src.parquet"
+    source.write_bytes((tmp_path / "b.parquet").read_bytes())
+    args = ("train", "--config", config, "--out", out, "--run", "rx", "--rollouts-from", source)
+    assert masktrl(*args, env={"MASKTRL_CRASH_AT": "rollout-write:2"}).returncode != 0
+    source.write_bytes((tmp_path / "b2.parquet").read_bytes())
+    before = snapshot(out / "rx")
+    r = masktrl("train", "--resume", "rx", "--out", out)
+    assert r.returncode == 2 and "changed since this run started on it" in r.stderr, r.stderr
+    assert snapshot(out / "rx") == before
+    source.write_bytes((tmp_path / "b.parquet").read_bytes())
+    assert masktrl("train", "--resume", "rx", "--out", out).returncode == 0

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from masktrl.config import Config, diff_configs, load_config
 from masktrl.errors import ArtifactError, MasktrlError
-from masktrl.io import disk_problem
+from masktrl.io import disk_problem, sha256_file
 from masktrl.runs import locks
 from masktrl.runs.store import RunStore, check_run_name, is_fresh_folder, is_path_like, is_run_folder, resolve_run
 
@@ -106,6 +106,17 @@ def plan_run(request: RunRequest, *, main: bool = True) -> Plan:
     return Plan(start, cfg, rollouts_from, changed, explicit_resume=bool(r.resume))
 
 
+def source_digest(source: str | None) -> str | None:
+    """The sha256 of a ``--rollouts-from`` file (None for a run folder, whose batches its own
+    manifest hashes, or a path that is no file)."""
+    if not source or not os.path.isfile(source):
+        return None
+    try:
+        return sha256_file(Path(source))
+    except OSError:  # unreadable: reading it as the source says so in its own line
+        return None
+
+
 def _resume_rollouts_from(store: RunStore, given: str | None, *, force: bool = False) -> str | None:
     """The rollout source a resumed run trains on: the one it recorded when it started (as
     ``--resume`` takes the run's config), ``given`` for a run that recorded none (written before
@@ -117,7 +128,16 @@ def _resume_rollouts_from(store: RunStore, given: str | None, *, force: bool = F
         return given
     recorded = manifest["rollouts_from"]
     if given is None or (recorded is not None and os.path.abspath(given) == recorded):
-        return recorded
+        digest = manifest.get("rollouts_from_sha256")
+        now = None if force or not isinstance(digest, str) else source_digest(recorded)
+        if now in (digest, None):
+            return recorded
+        raise MasktrlError(
+            f"{store.root}: --rollouts-from {recorded} changed since this run started on it (sha256 "
+            f"{digest[:12]}, now {now[:12]}); its remaining steps would train on "
+            "other rollouts: restore the file, add --force to train them on it as it is now, or start "
+            "another --run (nothing was changed)"
+        )
     if force:
         return given
     was = f"--rollouts-from {recorded}" if recorded else "its own rollouts (no --rollouts-from)"
