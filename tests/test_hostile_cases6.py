@@ -187,3 +187,40 @@ def test_a_resumed_replay_refuses_its_file_regenerated_in_place(tmp_path):
     assert snapshot(out / "rx") == before
     source.write_bytes((tmp_path / "b.parquet").read_bytes())
     assert masktrl("train", "--resume", "rx", "--out", out).returncode == 0
+
+
+def _with_meta(source, dest, **changes):
+    """A copy of the rollout file ``source`` whose ``masktrl`` metadata has ``changes``."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(source)
+    kv = table.schema.metadata
+    meta = {**json.loads(kv[b"masktrl"]), **changes}
+    pq.write_table(table.replace_schema_metadata({**kv, b"masktrl": json.dumps(meta).encode()}), dest)
+    return dest
+
+
+@pytest.mark.parametrize(
+    "changes, says",
+    [
+        # a ValueError / TypeError traceback from int() in the replay check, exit code 1
+        ({"top_k": "abc"}, "its metadata records top_k='abc', not an integer >= 0 or null"),
+        ({"top_k": [1]}, "its metadata records top_k=[1], not an integer >= 0 or null"),
+        # "was sampled with rollout.n=4, this config has rollout.n=4; add --set rollout.n=4"
+        ({"n": "4"}, "its metadata records n='4', not an integer >= 1"),
+        ({"logprobs_k": True}, "its metadata records logprobs_k=True, not an integer >= 1"),
+        # "add --set rollout.top_k=-3", a value the config refuses
+        ({"top_k": -3}, "its metadata records top_k=-3, not an integer >= 0 or null"),
+        ({"quantization": 5}, "its metadata records quantization=5, not text or null"),
+    ],
+)  # fmt: skip
+def test_a_rollout_file_recording_a_setting_of_another_kind_is_one_line(finished, tmp_path, cli_error, changes, says):
+    """A rollout file written by another tool (docs/ROLLOUTS.md gives its schema) whose metadata
+    records a sampling setting as text, a list or a negative number was compared as it was: a
+    traceback, or a refusal asking for the value the config already has."""
+    config, _, root = finished
+    bad = _with_meta(root / "steps" / "000001" / "rollouts.parquet", tmp_path / "bad.parquet", **changes)
+    line = cli_error("train", "--config", config, "--out", tmp_path / "out", "--rollouts-from", bad, "--dry-run")
+    assert line == f"error: {bad}: {says} (docs/ROLLOUTS.md)"
