@@ -224,3 +224,21 @@ def test_a_rollout_file_recording_a_setting_of_another_kind_is_one_line(finished
     bad = _with_meta(root / "steps" / "000001" / "rollouts.parquet", tmp_path / "bad.parquet", **changes)
     line = cli_error("train", "--config", config, "--out", tmp_path / "out", "--rollouts-from", bad, "--dry-run")
     assert line == f"error: {bad}: {says} (docs/ROLLOUTS.md)"
+
+
+def test_a_rollout_file_of_no_rows_or_whose_metadata_is_no_object_is_named_so(finished, tmp_path, cli_error):
+    """A file of 0 rows said "0 batches of 6 prompts, fewer than train.steps=2; add --set
+    train.steps=0" (a value train refuses); metadata that is a JSON list said "unknown rollout
+    file format 2 (this masktrl reads [1, 2])"."""
+    import pyarrow.parquet as pq
+
+    config, _, root = finished
+    batch = root / "steps" / "000001" / "rollouts.parquet"
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pq.read_table(batch).slice(0, 0), empty)
+    listed = tmp_path / "listed.parquet"
+    table = pq.read_table(batch)
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, b"masktrl": b"[1, 2]"}), listed)
+    args = ("train", "--config", config, "--out", tmp_path / "out", "--dry-run", "--rollouts-from")
+    assert cli_error(*args, empty) == f"error: --rollouts-from {empty}: it holds no rollouts (0 rows)"
+    assert cli_error(*args, listed) == f"error: {listed}: its metadata (key masktrl) is a list, not a JSON object"

@@ -122,6 +122,8 @@ class RolloutSource:
                     f"divisor of {groups}, e.g. --set "
                     f"rollout.prompts_per_step={_divisor(groups, prompts_per_step)}"
                 )
+        if self.num_steps == 0:  # was "add --set train.steps=0", a value train refuses
+            raise ConfigError(f"--rollouts-from {spec}: it holds no rollouts (0 rows)")
         if steps is not None and self.num_steps < steps:
             raise ConfigError(
                 f"--rollouts-from {spec}: {self.num_steps} batch{'es' * (self.num_steps != 1)} of "
