@@ -242,3 +242,19 @@ def test_a_rollout_file_of_no_rows_or_whose_metadata_is_no_object_is_named_so(fi
     args = ("train", "--config", config, "--out", tmp_path / "out", "--dry-run", "--rollouts-from")
     assert cli_error(*args, empty) == f"error: --rollouts-from {empty}: it holds no rollouts (0 rows)"
     assert cli_error(*args, listed) == f"error: {listed}: its metadata (key masktrl) is a list, not a JSON object"
+
+
+def test_dynamics_refuses_one_seed_counted_twice(finished, tmp_path, cli_error):
+    """``analyze dynamics out/r copy/r`` (a copy, or a rerun of the same config and seed, as a
+    folder of runs holds after a rerun under another --run) averaged the two as two seeds:
+    ``seeds 0,0`` and a 95% band drawn from one run's evidence (compare refused the same pair)."""
+    from tests.conftest import copy_run
+
+    _, _, root = finished
+    _, _, twin = copy_run(finished, tmp_path)
+    line = cli_error("analyze", "dynamics", root, twin, "--output", tmp_path / "d")
+    assert line == (
+        f"error: {root} and {twin} are two runs of grpo with seed 0 (the same config: a copy or a rerun); "
+        "the run is the unit of the comparison: give one of them"
+    )
+    assert not (tmp_path / "d").exists()

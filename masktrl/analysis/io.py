@@ -146,6 +146,22 @@ def group_runs(runs: list[RunInfo]) -> list[tuple[str, list[RunInfo]]]:
     return [(labels[k], sorted(m, key=lambda r: r.cfg.seed)) for k, m in groups.items()]
 
 
+def check_one_run_per_seed(groups: list[tuple[str, list[RunInfo]]], *, runs: str = "complete runs") -> None:
+    """``MasktrlError`` naming two ``runs`` of one config with the same seed (a copied run folder,
+    or a rerun): the run is the unit of a comparison and of a band over seeds, and a seed counted
+    twice narrows every interval with no new evidence."""
+    for label, members in groups:
+        seen: dict[int, RunInfo] = {}
+        for r in members:
+            if r.cfg.seed in seen:
+                raise MasktrlError(
+                    f"{seen[r.cfg.seed].root} and {r.root} are two {runs} of {label} with seed "
+                    f"{r.cfg.seed} (the same config: a copy or a rerun); the run is the unit of the "
+                    "comparison: give one of them"
+                )
+            seen[r.cfg.seed] = r
+
+
 def distinguishing_keys(configs: list[dict]) -> list[str]:
     """The fewest keys (greedy) whose values tell the flat ``configs`` apart: at each round the
     differing key that separates the most groups, method parameters before other keys, then the
