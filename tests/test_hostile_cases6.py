@@ -258,3 +258,42 @@ def test_dynamics_refuses_one_seed_counted_twice(finished, tmp_path, cli_error):
         "the run is the unit of the comparison: give one of them"
     )
     assert not (tmp_path / "d").exists()
+
+
+class _Unprintable:
+    def __str__(self):
+        raise RuntimeError("no str")
+
+    __repr__ = __str__
+
+
+class _UnprintableError(Exception):
+    def __str__(self):
+        raise RuntimeError("no str")
+
+
+class _ReturnsUnprintable:
+    def reset(self, example):
+        pass
+
+    def step(self, call):
+        return _Unprintable()
+
+
+class _RaisesUnprintable(_ReturnsUnprintable):
+    def step(self, call):
+        raise _UnprintableError()
+
+
+@pytest.mark.parametrize("env", [_ReturnsUnprintable, _RaisesUnprintable])
+def test_an_environment_failure_that_cannot_be_printed_is_counted(env):
+    """A ``step`` returning an object whose ``str()`` raises stopped the run with that traceback
+    (exit code 1: the reply's check printed it); one raising an exception whose ``str()`` raises
+    ended the episode uncounted (``env_errors`` 0 while every call failed)."""
+    from masktrl.tasks.envs import Episode, EnvStats
+
+    stats = EnvStats()
+    episode = Episode(env, stats, timeout_s=5.0)
+    assert episode.reset({"prompt": "1+1=", "answer": "2"})
+    assert episode.step("<calc>1</calc>") == ("", True)
+    assert stats.errors == 1 and stats.calls == 0 and "whose str() raised" in stats.last_error

@@ -165,7 +165,7 @@ class Episode:
             try:
                 box[0] = fn(*args)
             except BaseException as exc:
-                err[0] = f"{type(exc).__name__}: {exc}"[:300]
+                err[0] = f"{type(exc).__name__}: {shown(exc)}"[:300]
 
         thread = threading.Thread(target=run, daemon=True, name="masktrl-env")
         thread.start()
@@ -207,7 +207,7 @@ class Episode:
         if out is _FAILED:
             return "", True
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], str) and isinstance(out[1], bool)):
-            self._fail(f"step returned {type(out).__name__} {str(out)[:80]!r}, expected (reply: str, done: bool)")
+            self._fail(f"step returned {type(out).__name__} {shown(out)[:80]!r}, expected (reply: str, done: bool)")
             return "", True
         reply = text_of(out[0])
         if reply is None:
@@ -217,6 +217,16 @@ class Episode:
         if out[1]:
             self.over = True
         return reply, out[1]
+
+
+def shown(value) -> str:
+    """``str(value)`` for a failure's message, or a note when the object's own ``__str__`` raises:
+    an exception or a reply that could not be printed stopped the run with a traceback (a reply)
+    or was not counted at all (an exception: the failure went unrecorded)."""
+    try:
+        return str(value)
+    except Exception:
+        return f"<a {type(value).__name__} whose str() raised>"
 
 
 def text_of(value: str) -> str | None:
