@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from masktrl.errors import ConfigError
+from masktrl.errors import ConfigError, shown
 from masktrl.io import memory_error_line, no_bytecode
 from masktrl.methods import BoundMethod, CorrectionParams, Method, TokenLosses, get_method, make_correction
 from masktrl.methods.batch import NO_GRADIENT
@@ -280,7 +280,7 @@ def _call_user(where: str, hint: str, fn: Callable, *args: Any) -> Any:
 
 def _raised(exc: BaseException) -> str:
     """``raised TypeName: its first line`` for an exception from a user's code."""
-    text = (str(exc).strip().splitlines() or [""])[0]
+    text = (shown(exc).strip().splitlines() or [""])[0]
     return f"raised {type(exc).__name__}" + (f": {text}" if text else "")
 
 
@@ -360,7 +360,7 @@ def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method]
             loader_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # a user's file: whatever it raises is reported in one line
         sys.modules.pop(module_name, None)
-        text = str(exc).strip().splitlines()
+        text = shown(exc).strip().splitlines()
         raise ConfigError(
             f"method {spec!r}: {path} raised {type(exc).__name__} on import" + (f": {text[0]}" if text else "")
         ) from None

@@ -297,3 +297,35 @@ def test_an_environment_failure_that_cannot_be_printed_is_counted(env):
     assert episode.reset({"prompt": "1+1=", "answer": "2"})
     assert episode.step("<calc>1</calc>") == ("", True)
     assert stats.errors == 1 and stats.calls == 0 and "whose str() raised" in stats.last_error
+
+
+UNPRINTABLE = """class U(Exception):
+    def __str__(self):
+        raise RuntimeError("no str")
+
+
+"""
+
+
+def test_a_rule_files_exception_that_cannot_be_printed_is_one_line(tmp_path):
+    """A kernel raising an exception whose ``str()`` raises stopped ``train`` with a traceback from
+    the error handler itself (``memory_error_line`` printed it), exit code 1."""
+    path = tmp_path / "rules.py"
+    path.write_text(UNPRINTABLE + RULE.format(extra="None, None, None, None").replace("    loss = ", "    raise U()\n    loss = "))
+    bound = resolve_method_spec(f"{path}:mine")
+    with pytest.raises(ConfigError, match=f"^method '{path}:mine': its kernel raised U: <a U whose str\\(\\) raised> "):
+        bound.token_losses(_batch(), torch.ones(5, dtype=torch.float64))
+
+
+def test_a_reward_files_exception_that_cannot_be_printed_is_named(tmp_path):
+    """The reward worker died formatting it: the failure read "timed out after 5s or crashed"."""
+    from masktrl.tasks.rewards import make_reward
+
+    path = tmp_path / "rw.py"
+    path.write_text(UNPRINTABLE + "def score(prompts, completions, answers, **fields):\n    raise U()\n")
+    reward = make_reward(f"{path}:score", timeout_s=30.0, workers=1)
+    try:
+        assert reward.score(["p"], ["4"], ["4"], [{}]) == [0.0]
+        assert reward.errors == 1 and reward.last_error.endswith("U: <a U whose str() raised>"), reward.last_error
+    finally:
+        reward.close()

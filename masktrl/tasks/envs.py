@@ -35,7 +35,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from masktrl.errors import ConfigError
+from masktrl.errors import ConfigError, shown
 from masktrl.io import no_bytecode
 
 PROTOCOL = ("reset", "step")
@@ -73,7 +73,7 @@ def load_env(spec: str, key: str = "task.env") -> type:
         if isinstance(exc, KeyboardInterrupt):
             raise
         raise ConfigError(
-            f"{key} {spec!r}: cannot import {where} ({type(exc).__name__}: {exc})".replace("\n", " ")
+            f"{key} {spec!r}: cannot import {where} ({type(exc).__name__}: {shown(exc)})".replace("\n", " ")
         ) from None
     obj = module
     for part in attr.split("."):
@@ -217,16 +217,6 @@ class Episode:
         if out[1]:
             self.over = True
         return reply, out[1]
-
-
-def shown(value) -> str:
-    """``str(value)`` for a failure's message, or a note when the object's own ``__str__`` raises:
-    an exception or a reply that could not be printed stopped the run with a traceback (a reply)
-    or was not counted at all (an exception: the failure went unrecorded)."""
-    try:
-        return str(value)
-    except Exception:
-        return f"<a {type(value).__name__} whose str() raised>"
 
 
 def text_of(value: str) -> str | None:
