@@ -329,3 +329,25 @@ def test_a_reward_files_exception_that_cannot_be_printed_is_named(tmp_path):
         assert reward.errors == 1 and reward.last_error.endswith("U: <a U whose str() raised>"), reward.last_error
     finally:
         reward.close()
+
+
+@pytest.mark.parametrize("key", ["train.lr", "warmstart.lr"])
+def test_a_learning_rate_past_floats_range_is_refused(tmp_path, cli_error, key):
+    """``--set train.lr=1e300`` (or 1e38) passed ``--dry-run``; the run made its folder and stopped
+    at its first update with a traceback from inside Adam (``value cannot be converted to type
+    float without overflow``), exit code 1."""
+    from tests.conftest import write_tiny_config
+
+    config = write_tiny_config(tmp_path / "t.yaml")
+    line = cli_error("train", "--config", config, "--out", tmp_path / "out", "--dry-run", "--set", f"{key}=1e300")
+    assert line == f"error: {key} must be at most 1e+06, got 1e+300"
+
+
+def test_a_replay_learning_rate_past_floats_range_is_refused():
+    """``analyze estimators --replay-lr 1e300``: the same traceback from the replayed update."""
+    from masktrl.analysis.first_order import check_replay_optimizer
+    from masktrl.errors import MasktrlError
+
+    with pytest.raises(MasktrlError, match=r"^--replay-lr must be at most 1e\+06, got 1e\+300$"):
+        check_replay_optimizer("adamw", 1e300)
+    assert check_replay_optimizer("adamw", 1e-3).lr == 1e-3
