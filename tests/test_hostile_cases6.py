@@ -351,3 +351,19 @@ def test_a_replay_learning_rate_past_floats_range_is_refused():
     with pytest.raises(MasktrlError, match=r"^--replay-lr must be at most 1e\+06, got 1e\+300$"):
         check_replay_optimizer("adamw", 1e300)
     assert check_replay_optimizer("adamw", 1e-3).lr == 1e-3
+
+
+def test_a_warm_start_that_diverges_is_named_and_not_cached(tmp_path, cli_error):
+    """``--set warmstart.lr=1e6``: the warm start's weights went NaN, were cached, and the run
+    stopped saying "Qwen3ForCausalLM: its logits are not the linear head of its last hidden state
+    (max difference nan); not supported" (an architecture it supports); every later run of the
+    config read the NaN cache and said the same."""
+    from tests.conftest import write_tiny_config
+
+    config = write_tiny_config(tmp_path / "t.yaml", {"warmstart": {"steps": 10, "lr": 1.0e6}})
+    line = cli_error("train", "--config", config, "--out", tmp_path / "out", "--run", "r")
+    assert line.startswith("error: the warm start diverged: its weights are not finite"), line
+    assert line.endswith("; lower warmstart.lr=1e+06 (nothing was cached)"), line
+    assert not (tmp_path / "out" / ".cache" / "warmstart").exists() or not any(
+        (tmp_path / "out" / ".cache" / "warmstart").iterdir()
+    )
