@@ -64,6 +64,13 @@ class RuleFile:
     def changed(self) -> bool:
         return self.recorded is not None and self.recorded != self.sha256
 
+    def change(self) -> str:
+        """The phrase naming the change, for a file that ``changed``."""
+        return (
+            f"the rule file {self.path} changed since the run recorded it: sha256 {str(self.recorded)[:12]}... "
+            f"now {self.sha256[:12]}..."
+        )
+
 
 @dataclass(frozen=True)
 class MethodSpec:

@@ -367,3 +367,22 @@ def test_a_warm_start_that_diverges_is_named_and_not_cached(tmp_path, cli_error)
     assert not (tmp_path / "out" / ".cache" / "warmstart").exists() or not any(
         (tmp_path / "out" / ".cache" / "warmstart").iterdir()
     )
+
+
+def test_a_replay_of_a_run_whose_rule_file_was_edited_is_refused(tmp_path, cli_error):
+    """``analyze estimators --update-method run`` on a run trained with ``rules.py:mine`` replayed
+    the file as it is now (edited since: twice the loss) and recorded the update as the run's;
+    ``--resume`` refuses the same edit."""
+    from tests.conftest import snapshot, write_tiny_config
+
+    rules = tmp_path / "rules.py"
+    rules.write_text(RULE.format(extra="None, None, None, None"))
+    config, out = write_tiny_config(tmp_path / "t.yaml"), tmp_path / "out"
+    cli("train", "--config", config, "--out", out, "--run", "g", "--method", f"{rules}:mine")
+    rules.write_text(rules.read_text().replace("loss = -adv", "loss = -2 * adv"))
+    before = snapshot(out / "g")
+    line = cli_error("analyze", "estimators", "--run", "g", "--out", out, "--update-method", "run", "--output", tmp_path / "e")
+    assert line.startswith(f"error: {out / 'g'}: the rule file {rules} changed since the run recorded it: sha256 "), line
+    assert line.endswith("...; the replay would not be the run's update: restore it"), line
+    assert snapshot(out / "g") == before and not (tmp_path / "e").exists()
+    cli("analyze", "estimators", "--run", "g", "--out", out, "--output", tmp_path / "u")  # unmasked: not the rule

@@ -160,14 +160,7 @@ def _resume_config(store: RunStore, r: RunRequest) -> tuple[Config, list[str]]:
     cfg = load_config(r.config or [saved_path], list(r.overrides), method=r.method, seed=r.seed)
     changed = diff_configs(saved, cfg)
     if changed and not r.force:
-        keys = ", ".join(
-            f"{k} (the rule file {edited[k].path} changed since the run recorded it: sha256 "
-            f"{edited[k].recorded[:12]}... "
-            f"now {edited[k].sha256[:12]}...)"
-            if k in edited
-            else k
-            for k in changed
-        )
+        keys = ", ".join(f"{k} ({edited[k].change()})" if k in edited else k for k in changed)
         raise MasktrlError(f"config differs from {saved_path} in {keys}; pass --force to resume with it anyway")
     return cfg, changed
 
