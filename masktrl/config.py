@@ -1315,10 +1315,11 @@ def _positive(key: str, value: float) -> None:
         raise ConfigError(f"{key} must be > 0, got {value}")
 
 
-MAX_LR = 1e6
-"""The largest learning rate a key takes (far above any rate that trains): Adam's first step is
-lr / (1 - beta1), which past float32's range (lr 1e300, or 1e38) raised a RuntimeError inside the
-optimizer after the run folder was made."""
+MAX_LR = 1e30
+"""The largest learning rate a key takes (far above any rate that trains: at 1e30 the weights
+diverge and the run says so in one line): Adam's first step is lr / (1 - beta1) = 10 lr, which
+past float32's range (lr 1e300, or 1e38) raised a RuntimeError inside the optimizer after the run
+folder was made."""
 
 
 def check_lr(key: str, value: float) -> None:
