@@ -387,3 +387,29 @@ def test_a_replay_of_a_run_whose_rule_file_was_edited_is_refused(tmp_path, cli_e
     assert snapshot(out / "g") == before and not (tmp_path / "e").exists()
     cli("analyze", "estimators", "--run", "g", "--out", out, "--output", tmp_path / "u")  # unmasked: not the rule
 
+
+def test_a_resume_after_the_reward_or_data_file_changed_is_refused(tmp_path):
+    """A run's reward file (``task.reward=rw.py:score``), environment file and data file were read
+    by path on every start: one edited between a run's start and its ``--resume`` gave the
+    remaining steps another reward (or other prompts) without a word, while an edited rule file
+    was refused. Their sha256 are now recorded as the run starts (``task_files``) and checked."""
+    import json
+
+    from tests.conftest import masktrl, snapshot, write_tiny_config
+
+    data, reward = tmp_path / "sums.jsonl", tmp_path / "rw.py"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a in range(5) for b in range(5)))
+    reward.write_text("def score(prompts, completions, answers, **kw):\n    return [float(c.strip() == a) for c, a in zip(completions, answers)]\n")
+    config, out = write_tiny_config(tmp_path / "t.yaml", {"warmstart": {"steps": 0}}), tmp_path / "out"
+    sets = ["--set", "task.name=dataset", "--set", f"task.source={data}", "--set", f"task.reward={reward}:score", "--set", "task.n_test=5"]
+    killed = masktrl("train", "--config", config, "--out", out, "--run", "x", *sets, env={"MASKTRL_CRASH_AT": "update:2"})
+    assert killed.returncode != 0
+    recorded = json.loads((out / "x" / "manifest.json").read_text())["task_files"]
+    assert set(recorded) == {"task.reward", "task.source"}
+    reward.write_text(reward.read_text().replace("float(", "2 * float("))
+    before = snapshot(out / "x")
+    r = masktrl("train", "--resume", "x", "--out", out)
+    assert r.returncode == 2 and r.stderr.strip().startswith(f"error: {out / 'x'}: task.reward {reward}:score changed since this run started on it"), r.stderr
+    assert "its remaining steps would train on another reward" in r.stderr and snapshot(out / "x") == before
+    assert masktrl("train", "--resume", "x", "--out", out, "--force").returncode == 0  # on purpose: goes on, records it
+    assert json.loads((out / "x" / "manifest.json").read_text())["task_files"]["task.reward"] != recorded["task.reward"]

@@ -103,6 +103,8 @@ def plan_run(request: RunRequest, *, main: bool = True) -> Plan:
         if r.resume:
             cfg, changed = _resume_config(store, r)
         rollouts_from = _resume_rollouts_from(store, rollouts_from, force=r.force)
+        if not r.force:
+            _check_task_files(store, cfg)
     return Plan(start, cfg, rollouts_from, changed, explicit_resume=bool(r.resume))
 
 
@@ -115,6 +117,49 @@ def source_digest(source: str | None) -> str | None:
         return sha256_file(Path(source))
     except OSError:  # unreadable: reading it as the source says so in its own line
         return None
+
+
+TASK_FILES = {"task.data": "prompts", "task.source": "data", "task.reward": "reward", "task.env": "environment"}
+"""The task keys that may name a local file, and what the run's remaining steps would get from
+another content of it."""
+
+
+def task_file_digests(cfg: Config) -> dict[str, str]:
+    """The sha256 of each local file the run's task reads by path (``TASK_FILES``: a data file, a
+    ``path/to/file.py:name`` reward or environment), by key; recorded as the run starts
+    (``task_files`` in its manifest) and checked on ``--resume``. A hub id, a module or a folder
+    of data files is not hashed."""
+    out = {}
+    for key in TASK_FILES:
+        spec = getattr(cfg.task, key.split(".")[1])
+        if isinstance(spec, str):
+            where = spec.strip().rpartition(":")[0] if key in ("task.reward", "task.env") else spec
+            digest = source_digest(where)
+            if digest is not None:
+                out[key] = digest
+    return out
+
+
+def _check_task_files(store: RunStore, cfg: Config) -> None:
+    """MasktrlError when a task file the run recorded holds other content now (a reward edited,
+    a data file replaced): its remaining steps would train on it without a word."""
+    recorded = store.manifest.get("task_files")
+    if not isinstance(recorded, dict):
+        return  # a run recorded before task files were
+    for key, now in task_file_digests(cfg).items():
+        was = recorded.get(key)
+        if isinstance(was, str) and was != now:
+            raise _changed_since(
+                store, f"{key} {getattr(cfg.task, key.split('.')[1])}", was, now, f"another {TASK_FILES[key]}"
+            )
+
+
+def _changed_since(store: RunStore, what: str, was: str, now: str, instead: str) -> MasktrlError:
+    return MasktrlError(
+        f"{store.root}: {what} changed since this run started on it (sha256 {was[:12]}, now {now[:12]}); its "
+        f"remaining steps would train on {instead}: restore the file, add --force to train them on it as it "
+        "is now, or start another --run (nothing was changed)"
+    )
 
 
 def _resume_rollouts_from(store: RunStore, given: str | None, *, force: bool = False) -> str | None:
@@ -132,12 +177,7 @@ def _resume_rollouts_from(store: RunStore, given: str | None, *, force: bool = F
         now = None if force or not isinstance(digest, str) else source_digest(recorded)
         if now in (digest, None):
             return recorded
-        raise MasktrlError(
-            f"{store.root}: --rollouts-from {recorded} changed since this run started on it (sha256 "
-            f"{digest[:12]}, now {now[:12]}); its remaining steps would train on "
-            "other rollouts: restore the file, add --force to train them on it as it is now, or start "
-            "another --run (nothing was changed)"
-        )
+        raise _changed_since(store, f"--rollouts-from {recorded}", digest, now, "other rollouts")
     if force:
         return given
     was = f"--rollouts-from {recorded}" if recorded else "its own rollouts (no --rollouts-from)"
