@@ -413,3 +413,27 @@ def test_a_resume_after_the_reward_or_data_file_changed_is_refused(tmp_path):
     assert "its remaining steps would train on another reward" in r.stderr and snapshot(out / "x") == before
     assert masktrl("train", "--resume", "x", "--out", out, "--force").returncode == 0  # on purpose: goes on, records it
     assert json.loads((out / "x" / "manifest.json").read_text())["task_files"]["task.reward"] != recorded["task.reward"]
+
+
+def test_a_run_file_replaced_by_a_fifo_or_a_device_is_damage_not_a_hang(finished, tmp_path):
+    """manifest.json or metrics.jsonl replaced by a FIFO made ``masktrl runs`` (and every reader of
+    the run) wait forever; one linked to /dev/zero read until memory ran out. Each is now the
+    run's damage in one line (summary.json was already refused so)."""
+    import os
+    import shutil
+
+    from tests.conftest import copy_run, masktrl
+
+    _, out, root = copy_run(finished, tmp_path)
+    for name, make in (("a", "manifest.json"), ("b", "metrics.jsonl"), ("c", "metrics.jsonl")):
+        shutil.copytree(root, out / name)
+        (out / name / make).unlink()
+    os.mkfifo(out / "a" / "manifest.json")
+    os.mkfifo(out / "b" / "metrics.jsonl")
+    (out / "c" / "metrics.jsonl").symlink_to("/dev/zero")
+    listed = masktrl("runs", "--out", out, timeout=120)  # it hung here
+    assert listed.returncode == 0, listed.stderr
+    for name, make in (("a", "manifest.json"), ("b", "metrics.jsonl"), ("c", "metrics.jsonl")):
+        assert f"damaged {name}: {make}: not a regular file (a FIFO, a device or a folder in its place)" in listed.stdout
+    r = masktrl("analyze", "dynamics", "b", "--out", out, "--output", tmp_path / "d", timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {out / 'b' / 'metrics.jsonl'}: not a regular file (a FIFO, a device or a folder in its place)"
