@@ -437,3 +437,18 @@ def test_a_run_file_replaced_by_a_fifo_or_a_device_is_damage_not_a_hang(finished
         assert f"damaged {name}: {make}: not a regular file (a FIFO, a device or a folder in its place)" in listed.stdout
     r = masktrl("analyze", "dynamics", "b", "--out", out, "--output", tmp_path / "d", timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == f"error: {out / 'b' / 'metrics.jsonl'}: not a regular file (a FIFO, a device or a folder in its place)"
+
+
+def test_a_rule_file_under_a_shipped_rules_name_is_labelled_by_its_rule():
+    """Runs of ``fake.py:grpo`` (a file's rule registered as ``grpo``, which a file may do) beside
+    runs of grpo were labelled ``grpo[loss_agg=token-mean]`` and ``grpo[loss_agg=seq-mean-token-mean]``:
+    the table said they differ in a parameter, not in the rule."""
+    from masktrl.analysis.io import distinguishing_keys
+
+    configs = [
+        {"method.name": "grpo", "method.loss_agg": "seq-mean-token-mean", "seed": 0},
+        {"method.name": "/x/fake.py:grpo", "method.loss_agg": "token-mean", "seed": 0},
+    ]
+    assert distinguishing_keys(configs) == ["method.name"]
+    configs[1]["method.name"] = "grpo"  # one rule: the parameter tells them apart, as before
+    assert distinguishing_keys(configs) == ["method.loss_agg"]

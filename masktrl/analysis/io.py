@@ -164,7 +164,8 @@ def check_one_run_per_seed(groups: list[tuple[str, list[RunInfo]]], *, runs: str
 
 def distinguishing_keys(configs: list[dict]) -> list[str]:
     """The fewest keys (greedy) whose values tell the flat ``configs`` apart: at each round the
-    differing key that separates the most groups, method parameters before other keys, then the
+    differing key that separates the most groups, the rule (``method.name``: a rule from a file
+    registered under a shipped rule's name) before method parameters before other keys, then the
     key that fewer configs leave unset (None or "none": a set value tells more, so
     ``correction.mode=decoupled`` is shown rather than ``correction.kind`` None vs none), then by
     name. Keys no two configs differ in are never shown."""
@@ -183,7 +184,13 @@ def distinguishing_keys(configs: list[dict]) -> list[str]:
     while differing and n_distinct(chosen) < len(configs):
         best = max(
             differing,
-            key=lambda f: (n_distinct(chosen + [f]), f.startswith("method."), -n_unset(f), -differing.index(f)),
+            key=lambda f: (
+                n_distinct(chosen + [f]),
+                f == "method.name",  # another rule under a shipped rule's name: the rule, not a parameter it differs in
+                f.startswith("method."),
+                -n_unset(f),
+                -differing.index(f),
+            ),
         )
         if n_distinct(chosen + [best]) == n_distinct(chosen):
             break
