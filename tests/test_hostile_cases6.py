@@ -452,3 +452,18 @@ def test_a_rule_file_under_a_shipped_rules_name_is_labelled_by_its_rule():
     assert distinguishing_keys(configs) == ["method.name"]
     configs[1]["method.name"] = "grpo"  # one rule: the parameter tells them apart, as before
     assert distinguishing_keys(configs) == ["method.loss_agg"]
+
+
+def test_an_output_inside_a_warm_start_cache_entry_is_refused(tmp_path):
+    """``analyze dynamics r --output out/.cache/warmstart/<entry>`` (rollout's and eval's --output
+    alike) wrote there; the next run found a file the entry does not record, built the warm start
+    again and replaced the entry: the analysis's files were deleted without a word."""
+    from masktrl.errors import ConfigError
+    from masktrl.runs.resolve import refuse_inside_run
+
+    entry = tmp_path / "out" / ".cache" / "warmstart" / "v3-abc-seed0"
+    entry.mkdir(parents=True)
+    for path in (entry, entry / "sub", entry / "x.parquet"):
+        with pytest.raises(ConfigError, match=f"lies inside the warm-start cache entry {entry}; its files are masktrl's own"):
+            refuse_inside_run(path, analysis_ok=True)
+    refuse_inside_run(tmp_path / "out" / ".cache" / "elsewhere")  # not an entry
