@@ -47,7 +47,7 @@ def _batch(n: int = 5) -> TokenBatch:
         ("None, None, None, torch.zeros(n + 1)", "TokenLosses.log_w that is a torch.float32 tensor of shape [6]"),
         ("None, None, None, torch.zeros(n, dtype=torch.long)", "TokenLosses.log_w that is a torch.int64 tensor"),
         ("None, None, None, [0.0] * n", "TokenLosses.log_w that is a list; it must be None or a float tensor"),
-        ("None, None, torch.ones(n), None", "TokenLosses.accepted that is a torch.float32 tensor of shape [5]; it must be None or a bool"),
+        ("None, None, torch.ones(n), None", "TokenLosses.accepted that is a torch.float32 tensor of shape [5]"),
         ("torch.zeros(3), None, None, None", "TokenLosses.divergence that is a torch.float32 tensor of shape [3]"),
         ("None, None, None, None, torch.zeros(2), torch.zeros(2)", "TokenLosses.ddot_lo that is"),
     ],
@@ -290,7 +290,7 @@ def test_an_environment_failure_that_cannot_be_printed_is_counted(env):
     """A ``step`` returning an object whose ``str()`` raises stopped the run with that traceback
     (exit code 1: the reply's check printed it); one raising an exception whose ``str()`` raises
     ended the episode uncounted (``env_errors`` 0 while every call failed)."""
-    from masktrl.tasks.envs import Episode, EnvStats
+    from masktrl.tasks.envs import EnvStats, Episode
 
     stats = EnvStats()
     episode = Episode(env, stats, timeout_s=5.0)
@@ -311,7 +311,9 @@ def test_a_rule_files_exception_that_cannot_be_printed_is_one_line(tmp_path):
     """A kernel raising an exception whose ``str()`` raises stopped ``train`` with a traceback from
     the error handler itself (``memory_error_line`` printed it), exit code 1."""
     path = tmp_path / "rules.py"
-    path.write_text(UNPRINTABLE + RULE.format(extra="None, None, None, None").replace("    loss = ", "    raise U()\n    loss = "))
+    path.write_text(
+        UNPRINTABLE + RULE.format(extra="None, None, None, None").replace("    loss = ", "    raise U()\n    loss = ")
+    )
     bound = resolve_method_spec(f"{path}:mine")
     with pytest.raises(ConfigError, match=f"^method '{path}:mine': its kernel raised U: <a U whose str\\(\\) raised> "):
         bound.token_losses(_batch(), torch.ones(5, dtype=torch.float64))
@@ -381,8 +383,12 @@ def test_a_replay_of_a_run_whose_rule_file_was_edited_is_refused(tmp_path, cli_e
     cli("train", "--config", config, "--out", out, "--run", "g", "--method", f"{rules}:mine")
     rules.write_text(rules.read_text().replace("loss = -adv", "loss = -2 * adv"))
     before = snapshot(out / "g")
-    line = cli_error("analyze", "estimators", "--run", "g", "--out", out, "--update-method", "run", "--output", tmp_path / "e")
-    assert line.startswith(f"error: {out / 'g'}: the rule file {rules} changed since the run recorded it: sha256 "), line
+    line = cli_error(
+        "analyze", "estimators", "--run", "g", "--out", out, "--update-method", "run", "--output", tmp_path / "e"
+    )
+    assert line.startswith(f"error: {out / 'g'}: the rule file {rules} changed since the run recorded it: sha256 "), (
+        line
+    )
     assert line.endswith("...; the replay would not be the run's update: restore it"), line
     assert snapshot(out / "g") == before and not (tmp_path / "e").exists()
     cli("analyze", "estimators", "--run", "g", "--out", out, "--output", tmp_path / "u")  # unmasked: not the rule
@@ -398,18 +404,36 @@ def test_a_resume_after_the_reward_or_data_file_changed_is_refused(tmp_path):
     from tests.conftest import masktrl, snapshot, write_tiny_config
 
     data, reward = tmp_path / "sums.jsonl", tmp_path / "rw.py"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a in range(5) for b in range(5)))
-    reward.write_text("def score(prompts, completions, answers, **kw):\n    return [float(c.strip() == a) for c, a in zip(completions, answers)]\n")
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a in range(5) for b in range(5))
+    )
+    reward.write_text(
+        "def score(prompts, completions, answers, **kw):\n"
+        "    return [float(c.strip() == a) for c, a in zip(completions, answers)]\n"
+    )
     config, out = write_tiny_config(tmp_path / "t.yaml", {"warmstart": {"steps": 0}}), tmp_path / "out"
-    sets = ["--set", "task.name=dataset", "--set", f"task.source={data}", "--set", f"task.reward={reward}:score", "--set", "task.n_test=5"]
-    killed = masktrl("train", "--config", config, "--out", out, "--run", "x", *sets, env={"MASKTRL_CRASH_AT": "update:2"})
+    sets = [
+        "--set",
+        "task.name=dataset",
+        "--set",
+        f"task.source={data}",
+        "--set",
+        f"task.reward={reward}:score",
+        "--set",
+        "task.n_test=5",
+    ]
+    killed = masktrl(
+        "train", "--config", config, "--out", out, "--run", "x", *sets, env={"MASKTRL_CRASH_AT": "update:2"}
+    )
     assert killed.returncode != 0
     recorded = json.loads((out / "x" / "manifest.json").read_text())["task_files"]
     assert set(recorded) == {"task.reward", "task.source"}
     reward.write_text(reward.read_text().replace("float(", "2 * float("))
     before = snapshot(out / "x")
     r = masktrl("train", "--resume", "x", "--out", out)
-    assert r.returncode == 2 and r.stderr.strip().startswith(f"error: {out / 'x'}: task.reward {reward}:score changed since this run started on it"), r.stderr
+    assert r.returncode == 2 and r.stderr.strip().startswith(
+        f"error: {out / 'x'}: task.reward {reward}:score changed since this run started on it"
+    ), r.stderr
     assert "its remaining steps would train on another reward" in r.stderr and snapshot(out / "x") == before
     assert masktrl("train", "--resume", "x", "--out", out, "--force").returncode == 0  # on purpose: goes on, records it
     assert json.loads((out / "x" / "manifest.json").read_text())["task_files"]["task.reward"] != recorded["task.reward"]
@@ -434,9 +458,15 @@ def test_a_run_file_replaced_by_a_fifo_or_a_device_is_damage_not_a_hang(finished
     listed = masktrl("runs", "--out", out, timeout=120)  # it hung here
     assert listed.returncode == 0, listed.stderr
     for name, make in (("a", "manifest.json"), ("b", "metrics.jsonl"), ("c", "metrics.jsonl")):
-        assert f"damaged {name}: {make}: not a regular file (a FIFO, a device or a folder in its place)" in listed.stdout
+        assert (
+            f"damaged {name}: {make}: not a regular file (a FIFO, a device or a folder in its place)" in listed.stdout
+        )
     r = masktrl("analyze", "dynamics", "b", "--out", out, "--output", tmp_path / "d", timeout=120)
-    assert r.returncode == 2 and r.stderr.strip() == f"error: {out / 'b' / 'metrics.jsonl'}: not a regular file (a FIFO, a device or a folder in its place)"
+    assert (
+        r.returncode == 2
+        and r.stderr.strip()
+        == f"error: {out / 'b' / 'metrics.jsonl'}: not a regular file (a FIFO, a device or a folder in its place)"
+    )
 
 
 def test_a_rule_file_under_a_shipped_rules_name_is_labelled_by_its_rule():
@@ -464,6 +494,8 @@ def test_an_output_inside_a_warm_start_cache_entry_is_refused(tmp_path):
     entry = tmp_path / "out" / ".cache" / "warmstart" / "v3-abc-seed0"
     entry.mkdir(parents=True)
     for path in (entry, entry / "sub", entry / "x.parquet"):
-        with pytest.raises(ConfigError, match=f"lies inside the warm-start cache entry {entry}; its files are masktrl's own"):
+        with pytest.raises(
+            ConfigError, match=f"lies inside the warm-start cache entry {entry}; its files are masktrl's own"
+        ):
             refuse_inside_run(path, analysis_ok=True)
     refuse_inside_run(tmp_path / "out" / ".cache" / "elsewhere")  # not an entry

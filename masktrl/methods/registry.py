@@ -319,7 +319,8 @@ def collecting() -> Iterator[dict[str, Method]]:
         _COLLECTING.pop()
 
 
-RESERVED_KEYS = ("name", "correction", "sha256")  # the method block's own keys: the rule, its correction, its file's hash
+RESERVED_KEYS = ("name", "correction", "sha256")
+"""The method block's own keys (the rule, its correction, its file's hash): no parameter's name."""
 
 
 def check_method(method: Method) -> str | None:

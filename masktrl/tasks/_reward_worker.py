@@ -78,6 +78,7 @@ def main() -> None:
     init = json.loads(sys.argv[1])
     sys.path[:] = init["path"]
     from masktrl.errors import shown  # the parent's path: its masktrl (an error's str() may raise)
+
     try:
         fn = _load(init["location"])
         params = inspect.signature(fn).parameters
