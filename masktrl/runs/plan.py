@@ -174,8 +174,10 @@ def _resume_rollouts_from(store: RunStore, given: str | None, *, force: bool = F
     recorded = manifest["rollouts_from"]
     if given is None or (recorded is not None and os.path.abspath(given) == recorded):
         digest = manifest.get("rollouts_from_sha256")
-        now = None if force or not isinstance(digest, str) else source_digest(recorded)
-        if now in (digest, None):
+        if force or not isinstance(digest, str):
+            return recorded
+        now = source_digest(recorded)
+        if now is None or now == digest:
             return recorded
         raise _changed_since(store, f"--rollouts-from {recorded}", digest, now, "other rollouts")
     if force:
