@@ -7,47 +7,24 @@ import torch
 
 from masktrl.config import resolve_method_spec
 from masktrl.errors import ConfigError
-from masktrl.methods import TokenBatch
 from tests.conftest import cli
-
-RULE = """from dataclasses import dataclass
-import torch
-from masktrl.methods import MethodParams, TokenLosses, register_method, unit_ratio_log
+from tests.test_hostile_config_cases import RULE as KERNEL_RULE
+from tests.test_hostile_config_cases import _batch
 
 
-@dataclass(frozen=True)
-class P(MethodParams):
-    scale: float = 1.0
-
-
-@register_method("mine", P)
-def mine(batch, adv, p, u):
-    loss = -adv * unit_ratio_log(batch)
-    n = batch.n
-    return TokenLosses(loss, ~batch.valid, {extra})
-"""
-
-
-def _batch(n: int = 5) -> TokenBatch:
-    return TokenBatch(
-        logp=torch.full((n,), -1.0, dtype=torch.float64).requires_grad_(),
-        behavior_logp=torch.full((n,), -1.2, dtype=torch.float64),
-        sampled_ids=torch.arange(n),
-        topk_ids=torch.zeros(n, 2, dtype=torch.long),
-        topk_behavior_logp=torch.full((n, 2), -2.0, dtype=torch.float64),
-        topk_logp=torch.full((n, 2), -2.0, dtype=torch.float64),
-        seq_ids=torch.zeros(n, dtype=torch.long),
-    )
+def rule(extra: str) -> str:
+    """test_hostile_config_cases' rule file, its kernel returning ``TokenLosses(loss, mask, extra)``."""
+    return KERNEL_RULE.format(returns=f"TokenLosses(loss, ~batch.valid, {extra})")
 
 
 @pytest.mark.parametrize(
     "extra, says",
     [
         # each was a traceback from finalize (torch.where / bitwise_and) or from the diagnostics, exit code 1
-        ("None, None, None, torch.zeros(n + 1)", "TokenLosses.log_w that is a torch.float32 tensor of shape [6]"),
-        ("None, None, None, torch.zeros(n, dtype=torch.long)", "TokenLosses.log_w that is a torch.int64 tensor"),
-        ("None, None, None, [0.0] * n", "TokenLosses.log_w that is a list; it must be None or a float tensor"),
-        ("None, None, torch.ones(n), None", "TokenLosses.accepted that is a torch.float32 tensor of shape [5]"),
+        ("None, None, None, torch.zeros(batch.n + 1)", "TokenLosses.log_w that is a torch.float32 tensor of shape [6]"),
+        ("None, None, None, torch.zeros(batch.n, dtype=torch.long)", "TokenLosses.log_w that is a torch.int64 tensor"),
+        ("None, None, None, [0.0] * batch.n", "TokenLosses.log_w that is a list; it must be None or a float tensor"),
+        ("None, None, torch.ones(batch.n), None", "TokenLosses.accepted that is a torch.float32 tensor of shape [5]"),
         ("torch.zeros(3), None, None, None", "TokenLosses.divergence that is a torch.float32 tensor of shape [3]"),
         ("None, None, None, None, torch.zeros(2), torch.zeros(2)", "TokenLosses.ddot_lo that is"),
     ],
@@ -57,7 +34,7 @@ def test_a_rule_files_kernel_with_a_bad_optional_field_is_one_line(tmp_path, ext
     log_w, the bracket) not: a log_w of another shape, an integer or a list, a float ``accepted``
     or a divergence of 3 entries was a traceback from ``finalize`` or the step's diagnostics."""
     path = tmp_path / "rules.py"
-    path.write_text(RULE.format(extra=extra))
+    path.write_text(rule(extra))
     bound = resolve_method_spec(f"{path}:mine")
     with pytest.raises(ConfigError, match=f"method '{path}:mine': its kernel returned") as exc:
         bound.token_losses(_batch(), torch.ones(5, dtype=torch.float64))
@@ -68,7 +45,7 @@ def test_a_rule_files_kernel_with_a_bad_optional_field_is_one_line(tmp_path, ext
 
 def test_a_rule_files_kernel_with_good_optional_fields_is_unchanged(tmp_path):
     path = tmp_path / "rules.py"
-    path.write_text(RULE.format(extra="loss.detach(), None, (loss > 0), torch.zeros(n)"))
+    path.write_text(rule("loss.detach(), None, (loss > 0), torch.zeros(batch.n)"))
     out = resolve_method_spec(f"{path}:mine").token_losses(_batch(), torch.ones(5, dtype=torch.float64))
     assert out.accepted.dtype == torch.bool and out.log_w.shape == (5,)
 
@@ -311,9 +288,7 @@ def test_a_rule_files_exception_that_cannot_be_printed_is_one_line(tmp_path):
     """A kernel raising an exception whose ``str()`` raises stopped ``train`` with a traceback from
     the error handler itself (``memory_error_line`` printed it), exit code 1."""
     path = tmp_path / "rules.py"
-    path.write_text(
-        UNPRINTABLE + RULE.format(extra="None, None, None, None").replace("    loss = ", "    raise U()\n    loss = ")
-    )
+    path.write_text(UNPRINTABLE + rule("None, None, None, None").replace("    loss = ", "    raise U()\n    loss = "))
     bound = resolve_method_spec(f"{path}:mine")
     with pytest.raises(ConfigError, match=f"^method '{path}:mine': its kernel raised U: <a U whose str\\(\\) raised> "):
         bound.token_losses(_batch(), torch.ones(5, dtype=torch.float64))
@@ -378,7 +353,7 @@ def test_a_replay_of_a_run_whose_rule_file_was_edited_is_refused(tmp_path, cli_e
     from tests.conftest import snapshot, write_tiny_config
 
     rules = tmp_path / "rules.py"
-    rules.write_text(RULE.format(extra="None, None, None, None"))
+    rules.write_text(rule("None, None, None, None"))
     config, out = write_tiny_config(tmp_path / "t.yaml"), tmp_path / "out"
     cli("train", "--config", config, "--out", out, "--run", "g", "--method", f"{rules}:mine")
     rules.write_text(rules.read_text().replace("loss = -adv", "loss = -2 * adv"))
@@ -401,30 +376,16 @@ def test_a_resume_after_the_reward_or_data_file_changed_is_refused(tmp_path):
     was refused. Their sha256 are now recorded as the run starts (``task_files``) and checked."""
     import json
 
-    from tests.conftest import masktrl, snapshot, write_tiny_config
+    from tests.conftest import masktrl, snapshot
+    from tests.test_hostile_inputs import reward_run_args
 
-    data, reward = tmp_path / "sums.jsonl", tmp_path / "rw.py"
-    data.write_text(
-        "".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a in range(5) for b in range(5))
+    args = reward_run_args(
+        tmp_path,
+        reward_file="def score(prompts, completions, answers, **kw):\n"
+        "    return [float(c.strip() == a) for c, a in zip(completions, answers)]\n",
     )
-    reward.write_text(
-        "def score(prompts, completions, answers, **kw):\n"
-        "    return [float(c.strip() == a) for c, a in zip(completions, answers)]\n"
-    )
-    config, out = write_tiny_config(tmp_path / "t.yaml", {"warmstart": {"steps": 0}}), tmp_path / "out"
-    sets = [
-        "--set",
-        "task.name=dataset",
-        "--set",
-        f"task.source={data}",
-        "--set",
-        f"task.reward={reward}:score",
-        "--set",
-        "task.n_test=5",
-    ]
-    killed = masktrl(
-        "train", "--config", config, "--out", out, "--run", "x", *sets, env={"MASKTRL_CRASH_AT": "update:2"}
-    )
+    reward, out = tmp_path / "bad_reward.py", tmp_path / "out"
+    killed = masktrl(*args, env={"MASKTRL_CRASH_AT": "update:2"})
     assert killed.returncode != 0
     recorded = json.loads((out / "x" / "manifest.json").read_text())["task_files"]
     assert set(recorded) == {"task.reward", "task.source"}
