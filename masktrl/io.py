@@ -76,14 +76,16 @@ def naming(path: Path):
 
 
 @contextlib.contextmanager
-def no_bytecode():
-    """Import a user's file (a rule, an environment) without writing ``__pycache__`` beside it:
-    nothing is written outside ``--out``."""
+def importing_user_file():
+    """Import a user's file (a rule, an environment) without writing ``__pycache__`` beside it
+    (nothing is written outside ``--out``), what it prints going to stderr: a command's stdout is
+    its output (``masktrl config show``'s YAML began with the file's print)."""
     import sys
 
     before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
-        yield
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
     finally:
         sys.dont_write_bytecode = before
 

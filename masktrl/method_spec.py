@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from masktrl.errors import ConfigError, shown
-from masktrl.io import memory_error_line, no_bytecode
+from masktrl.io import importing_user_file, memory_error_line
 from masktrl.methods import BoundMethod, CorrectionParams, Method, TokenLosses, get_method, make_correction
 from masktrl.methods.batch import NO_GRADIENT
 from masktrl.methods.corrections import CustomCorrection, collecting_corrections, install_correction
@@ -363,7 +363,7 @@ def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method]
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module  # dataclasses and typing look their module up by name
     try:
-        with no_bytecode(), collecting() as found, collecting_corrections() as corrections:
+        with importing_user_file(), collecting() as found, collecting_corrections() as corrections:
             loader_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # a user's file: whatever it raises is reported in one line
         sys.modules.pop(module_name, None)

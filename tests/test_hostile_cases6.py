@@ -460,3 +460,18 @@ def test_an_output_inside_a_warm_start_cache_entry_is_refused(tmp_path):
         ):
             refuse_inside_run(path, analysis_ok=True)
     refuse_inside_run(tmp_path / "out" / ".cache" / "elsewhere")  # not an entry
+
+
+def test_what_a_rule_or_environment_file_prints_on_import_stays_off_stdout(tmp_path):
+    """A rule file that prints on import (a debugging line) put that line at the head of
+    ``masktrl config show``'s YAML (``config show > run.yaml`` then held it); an environment
+    file alike. What a user's file prints on import now goes to stderr."""
+    import yaml
+
+    from tests.conftest import masktrl
+
+    path = tmp_path / "rules.py"
+    path.write_text('print("hello from import")\n' + rule("None, None, None, None"))
+    shown = masktrl("config", "show", "--method", f"{path}:mine")
+    assert shown.returncode == 0 and "hello from import" in shown.stderr, shown.stderr
+    assert yaml.safe_load(shown.stdout)["method"]["name"] == f"{path}:mine"

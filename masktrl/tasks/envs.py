@@ -36,7 +36,7 @@ import threading
 from dataclasses import dataclass
 
 from masktrl.errors import ConfigError, shown
-from masktrl.io import no_bytecode
+from masktrl.io import importing_user_file
 
 PROTOCOL = ("reset", "step")
 
@@ -61,7 +61,7 @@ def load_env(spec: str, key: str = "task.env") -> type:
             module = importlib.util.module_from_spec(mspec)
             sys.path.insert(0, os.path.dirname(path))  # the file's own imports of its neighbours
             try:
-                with no_bytecode():
+                with importing_user_file():
                     mspec.loader.exec_module(module)
             finally:
                 sys.path.remove(os.path.dirname(path))
