@@ -379,7 +379,7 @@ class WarmStartConfig:
     def validate(self) -> None:
         _non_negative("warmstart.steps", self.steps)
         _positive("warmstart.batch_size", self.batch_size)
-        _positive("warmstart.lr", self.lr)
+        check_lr("warmstart.lr", self.lr)
         _non_negative("warmstart.warmup_steps", self.warmup_steps)
         if self.target_accuracy is not None and not 0.0 < self.target_accuracy <= 1.0:
             raise ConfigError(f"warmstart.target_accuracy must be in (0, 1], got {self.target_accuracy}")
@@ -736,7 +736,7 @@ class TrainConfig:
             _choice("train.report_to", tracker, (*TRACKERS, "none"))
         if len(set(self.report_to)) != len(self.report_to):
             raise ConfigError(f"train.report_to lists a tracker twice: {', '.join(self.report_to)}")
-        _positive("train.lr", self.lr)
+        check_lr("train.lr", self.lr)
         _non_negative("train.weight_decay", self.weight_decay)
         _positive("train.grad_clip", self.grad_clip)
         _non_negative("train.warmup_steps", self.warmup_steps)
@@ -1314,6 +1314,20 @@ def check_temperature(key: str, value: float, *, greedy: bool = False) -> None:
 def _positive(key: str, value: float) -> None:
     if not value > 0:
         raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+MAX_LR = 1e30
+"""The largest learning rate a key takes (far above any rate that trains: at 1e30 the weights
+diverge and the run says so in one line): Adam's first step is lr / (1 - beta1) = 10 lr, which
+past float32's range (lr 1e300, or 1e38) raised a RuntimeError inside the optimizer after the run
+folder was made."""
+
+
+def check_lr(key: str, value: float) -> None:
+    """ConfigError unless the learning rate ``key`` names lies in (0, MAX_LR]."""
+    _positive(key, value)
+    if not value <= MAX_LR:
+        raise ConfigError(f"{key} must be at most {MAX_LR:g}, got {value:g}")
 
 
 MAX_TIMEOUT_S = 1e6

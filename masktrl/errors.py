@@ -15,3 +15,12 @@ class DataError(MasktrlError):
 
 class ArtifactError(MasktrlError):
     """A stored artifact is missing, truncated or fails its hash check."""
+
+
+def shown(value) -> str:
+    """``str(value)`` of an object from a user's code (an exception, a reply) for a message, or a
+    note when its own ``__str__`` raises: formatting it must not raise in place of the error."""
+    try:
+        return str(value)
+    except Exception:
+        return f"<a {type(value).__name__} whose str() raised>"

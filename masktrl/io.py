@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from masktrl.errors import shown
+
 
 def file_mode() -> int:
     """The mode ``open(path, "w")`` gives a new file: 0o666 less the process's umask."""
@@ -74,14 +76,16 @@ def naming(path: Path):
 
 
 @contextlib.contextmanager
-def no_bytecode():
-    """Import a user's file (a rule, an environment) without writing ``__pycache__`` beside it:
-    nothing is written outside ``--out``."""
+def importing_user_file():
+    """Import a user's file (a rule, an environment) without writing ``__pycache__`` beside it
+    (nothing is written outside ``--out``), what it prints going to stderr: a command's stdout is
+    its output (``masktrl config show``'s YAML began with the file's print)."""
     import sys
 
     before, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
-        yield
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
     finally:
         sys.dont_write_bytecode = before
 
@@ -229,7 +233,7 @@ def memory_error_line(exc: BaseException, options: str | None = None) -> str | N
     """One line for running out of memory (a ``MemoryError``, torch's ``OutOfMemoryError``, the
     CPU allocator's ``can't allocate memory``), or None for any other exception. ``options``:
     what to lower, in the command's own terms (default: the training keys)."""
-    text = (str(exc).strip().splitlines() or [""])[0]
+    text = (shown(exc).strip().splitlines() or [""])[0]
     hint = (
         "the model or a batch does not fit: use a smaller model, or "
         f"{options or 'lower rollout.batch_size or raise train.grad_accum'}"

@@ -29,15 +29,14 @@ from typing import Any
 
 import torch
 
-from masktrl.errors import ConfigError
-from masktrl.io import memory_error_line, no_bytecode
+from masktrl.errors import ConfigError, shown
+from masktrl.io import importing_user_file, memory_error_line
 from masktrl.methods import BoundMethod, CorrectionParams, Method, TokenLosses, get_method, make_correction
 from masktrl.methods.batch import NO_GRADIENT
 from masktrl.methods.corrections import CustomCorrection, collecting_corrections, install_correction
-from masktrl.methods.registry import check_method, collecting
+from masktrl.methods.registry import RESERVED_KEYS, check_method, collecting
 
 RULE_SUFFIX = ".py:"
-FILE_KEYS = ("sha256",)  # keys of the method block that describe the file, not the rule's params
 
 
 def is_rule_file(name: Any) -> bool:
@@ -64,6 +63,13 @@ class RuleFile:
     @property
     def changed(self) -> bool:
         return self.recorded is not None and self.recorded != self.sha256
+
+    def change(self) -> str:
+        """The phrase naming the change, for a file that ``changed``."""
+        return (
+            f"the rule file {self.path} changed since the run recorded it: sha256 {str(self.recorded)[:12]}... "
+            f"now {self.sha256[:12]}..."
+        )
 
 
 @dataclass(frozen=True)
@@ -138,7 +144,7 @@ def method_from_block(block: Any) -> MethodSpec:
             method = get_method(rule)
         except ValueError as exc:
             raise ConfigError(f"{exc}, or path/to/rules.py:name") from None
-    given = {k: v for k, v in block.items() if k not in ("name", "correction", *FILE_KEYS)}
+    given = {k: v for k, v in block.items() if k not in RESERVED_KEYS}
     corr_block, corr_file = _correction_block(block.get("correction"))
     written = copy.deepcopy(block)
     try:
@@ -158,6 +164,10 @@ def method_from_block(block: Any) -> MethodSpec:
             written["correction"]["ref"] = correction.ref
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    except (Exception, SystemExit) as exc:  # a user's params class (its __post_init__): anything it raises
+        if rule_file is None and corr_file is None:
+            raise
+        raise ConfigError(f"method {rule!r}: its params {_raised(exc)}") from None
     return MethodSpec(rule, method.name, params, correction, rule_file, corr_file, method, written)
 
 
@@ -269,27 +279,37 @@ def _call_user(where: str, hint: str, fn: Callable, *args: Any) -> Any:
     (running out of memory aside: the error boundary names that)."""
     try:
         return fn(*args)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() in a kernel ended the run with its code and no word
         if memory_error_line(exc) is not None:
             raise
-        text = (str(exc).strip().splitlines() or [""])[0]
-        raise ConfigError(
-            f"{where} raised {type(exc).__name__}" + (f": {text}" if text else "") + (f" {hint}" if hint else "")
-        ) from exc
+        raise ConfigError(f"{where} {_raised(exc)}" + (f" {hint}" if hint else "")) from exc
+
+
+def _raised(exc: BaseException) -> str:
+    """``raised TypeName: its first line`` for an exception from a user's code."""
+    text = (shown(exc).strip().splitlines() or [""])[0]
+    return f"raised {type(exc).__name__}" + (f": {text}" if text else "")
 
 
 def _losses_problem(out: Any, n: int) -> str | None:
-    """What is wrong with a kernel's output on a batch of ``n`` tokens, in one phrase, or None."""
+    """What is wrong with a kernel's output on a batch of ``n`` tokens, in one phrase, or None:
+    loss a float tensor [N], mask a bool one; each optional field None or a tensor [N] (accepted
+    bool, the others float), as the update and its diagnostics read them."""
     if not isinstance(out, TokenLosses):
         return f"{type(out).__name__}, not TokenLosses"
-    for name, wanted in (("loss", "a float"), ("mask", "a bool")):
-        value = getattr(out, name)
-        ok = isinstance(value, torch.Tensor) and (
-            value.is_floating_point() if name == "loss" else value.dtype == torch.bool
-        )
+    for name in out._fields:
+        value, required, boolean = getattr(out, name), name in ("loss", "mask"), name in ("mask", "accepted")
+        if value is None and not required:
+            continue
+        ok = isinstance(value, torch.Tensor) and (value.dtype == torch.bool if boolean else value.is_floating_point())
         if not ok or tuple(value.shape) != (n,):
-            what = f"a {value.dtype} tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else value
-            return f"a {name} that is {what!s}; it must be {wanted} tensor of shape [N] = [{n}]"
+            if isinstance(value, torch.Tensor):
+                what = f"a {value.dtype} tensor of shape {list(value.shape)}"
+            else:
+                what = "None" if value is None else f"a {type(value).__name__}"
+            field_, wanted = (f"a {name}", "") if required else (f"TokenLosses.{name}", "None or ")
+            wanted += f"a {'bool' if boolean else 'float'} tensor of shape [N] = [{n}]"
+            return f"{field_} that is {what}; it must be {wanted}"
     return None
 
 
@@ -343,11 +363,11 @@ def _import_rules(path: Path, digest: str, spec: str) -> tuple[dict[str, Method]
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module  # dataclasses and typing look their module up by name
     try:
-        with no_bytecode(), collecting() as found, collecting_corrections() as corrections:
+        with importing_user_file(), collecting() as found, collecting_corrections() as corrections:
             loader_spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # a user's file: whatever it raises is reported in one line
         sys.modules.pop(module_name, None)
-        text = str(exc).strip().splitlines()
+        text = shown(exc).strip().splitlines()
         raise ConfigError(
             f"method {spec!r}: {path} raised {type(exc).__name__} on import" + (f": {text[0]}" if text else "")
         ) from None

@@ -36,7 +36,7 @@ import numpy as np
 
 from masktrl.analysis.collapse import DEFINITION as COLLAPSE_DEFINITION
 from masktrl.analysis.collapse import collapse_rate, run_collapse
-from masktrl.analysis.io import RunInfo, group_runs, task_difference
+from masktrl.analysis.io import RunInfo, check_one_run_per_seed, group_runs, task_difference
 from masktrl.errors import ArtifactError, MasktrlError
 from masktrl.readers import read_json
 from masktrl.runs.store import eval_key, eval_steps
@@ -301,22 +301,6 @@ def check_one_task(runs: list[RunInfo]) -> None:
             raise MasktrlError(
                 f"runs of different tasks cannot be compared: {runs[0].name} has {diff[0]}, {r.name} has {diff[1]}"
             )
-
-
-def check_one_run_per_seed(groups: list[tuple[str, list[RunInfo]]]) -> None:
-    """``MasktrlError`` naming two complete runs of one config with the same seed (a copied run
-    folder, or a rerun): the run is the comparison's unit, and a seed counted twice narrows
-    every interval with no new evidence."""
-    for label, members in groups:
-        seen: dict[int, RunInfo] = {}
-        for r in members:
-            if r.cfg.seed in seen:
-                raise MasktrlError(
-                    f"{seen[r.cfg.seed].root} and {r.root} are two complete runs of {label} with seed "
-                    f"{r.cfg.seed} (the same config: a copy or a rerun); the run is the unit of the "
-                    "comparison: give one of them"
-                )
-            seen[r.cfg.seed] = r
 
 
 def compare(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from masktrl.analysis.io import RunInfo, group_runs
+from masktrl.analysis.io import RunInfo, check_one_run_per_seed, group_runs
 from masktrl.runs.store import EVAL_AFTER_KEY, EVAL_BEFORE_KEY
 from masktrl.stats import t_critical
 
@@ -143,7 +143,9 @@ def dynamics(runs: list[RunInfo], window: int = 1) -> dict:
     """Grouped curves of every metric; JSON-ready (see docs/ANALYSIS.md)."""
     metrics = metric_list(runs)
     groups = []
-    for label, members in group_runs(runs):
+    grouped = group_runs(runs)
+    check_one_run_per_seed(grouped, runs="runs")  # a copy or a rerun averaged in as another seed narrowed the band
+    for label, members in grouped:
         curves = {key: group_curve(members, key, window) for key, _ in metrics}
         groups.append(
             {

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from masktrl.config import check_lr
 from masktrl.errors import MasktrlError
 
 OPTIMIZERS = ("run", "sgd", "adamw")
@@ -66,6 +67,8 @@ def check_replay_optimizer(name: str = "run", lr: float | None = None, reset_mom
         raise MasktrlError(f"--replay-optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
     if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
         raise MasktrlError(f"--replay-lr must be a positive number, got {lr}")
+    if lr is not None:
+        check_lr("--replay-lr", lr)  # 1e300 raised inside the optimizer
     if reset_moments and name == "sgd":
         raise MasktrlError("--reset-moments needs an optimizer with moments (run or adamw); sgd has none")
     return ReplayOptimizer(name, None if lr is None else float(lr), bool(reset_moments))

@@ -146,9 +146,26 @@ def group_runs(runs: list[RunInfo]) -> list[tuple[str, list[RunInfo]]]:
     return [(labels[k], sorted(m, key=lambda r: r.cfg.seed)) for k, m in groups.items()]
 
 
+def check_one_run_per_seed(groups: list[tuple[str, list[RunInfo]]], *, runs: str = "complete runs") -> None:
+    """``MasktrlError`` naming two ``runs`` of one config with the same seed (a copied run folder,
+    or a rerun): the run is the unit of a comparison and of a band over seeds, and a seed counted
+    twice narrows every interval with no new evidence."""
+    for label, members in groups:
+        seen: dict[int, RunInfo] = {}
+        for r in members:
+            if r.cfg.seed in seen:
+                raise MasktrlError(
+                    f"{seen[r.cfg.seed].root} and {r.root} are two {runs} of {label} with seed "
+                    f"{r.cfg.seed} (the same config: a copy or a rerun); the run is the unit of the "
+                    "comparison: give one of them"
+                )
+            seen[r.cfg.seed] = r
+
+
 def distinguishing_keys(configs: list[dict]) -> list[str]:
     """The fewest keys (greedy) whose values tell the flat ``configs`` apart: at each round the
-    differing key that separates the most groups, method parameters before other keys, then the
+    differing key that separates the most groups, the rule (``method.name``: a rule from a file
+    registered under a shipped rule's name) before method parameters before other keys, then the
     key that fewer configs leave unset (None or "none": a set value tells more, so
     ``correction.mode=decoupled`` is shown rather than ``correction.kind`` None vs none), then by
     name. Keys no two configs differ in are never shown."""
@@ -167,7 +184,13 @@ def distinguishing_keys(configs: list[dict]) -> list[str]:
     while differing and n_distinct(chosen) < len(configs):
         best = max(
             differing,
-            key=lambda f: (n_distinct(chosen + [f]), f.startswith("method."), -n_unset(f), -differing.index(f)),
+            key=lambda f: (
+                n_distinct(chosen + [f]),
+                f == "method.name",  # another rule under a shipped rule's name: the rule, not a parameter it differs in
+                f.startswith("method."),
+                -n_unset(f),
+                -differing.index(f),
+            ),
         )
         if n_distinct(chosen + [best]) == n_distinct(chosen):
             break

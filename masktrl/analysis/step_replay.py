@@ -87,6 +87,15 @@ def update_choice(name: str, cfg: Config) -> UpdateChoice:
     return UpdateChoice(name, name, make_params(name))
 
 
+def check_rule_files(root: Path, cfg: Config, choice: UpdateChoice) -> None:
+    """ArtifactError when a rule file the replay runs (the run's own rule, when it replays it; the
+    run's correction from a file, always) is not the content the run recorded: the replay ran the
+    edited file and recorded it as the run's update."""
+    for key, f in cfg.method.files.items():
+        if f.changed and (key != "method.sha256" or choice.method == cfg.method.rule):
+            raise ArtifactError(f"{root}: {f.change()}; the replay would not be the run's update: restore it")
+
+
 def behaviour_step(cfg: Config, step: int) -> int:
     """The checkpoint whose policy sampled step ``step``'s batch: step-1-age (``rollout.staleness``,
     its drawn age when a distribution), 0 (the starting policy) for the first batches."""
@@ -151,6 +160,7 @@ def load_replay(
     store = RunStore(root)
     cfg = store.config()
     choice = update_choice(update_name, cfg)
+    check_rule_files(root, cfg, choice)
     policy_step = step - 1 if policy_step is None else policy_step
     if policy_step < 0:
         raise ArtifactError(f"policy step must be >= 0, got {policy_step}")

@@ -319,6 +319,10 @@ def collecting() -> Iterator[dict[str, Method]]:
         _COLLECTING.pop()
 
 
+RESERVED_KEYS = ("name", "correction", "sha256")
+"""The method block's own keys (the rule, its correction, its file's hash): no parameter's name."""
+
+
 def check_method(method: Method) -> str | None:
     """What is wrong with a method's contract, in one phrase, or None: the params class must be a
     frozen dataclass built with no arguments that answers the registry's questions (a subclass of
@@ -328,7 +332,7 @@ def check_method(method: Method) -> str | None:
         return f"its params class {getattr(cls, '__name__', cls)!r} is not a dataclass"
     try:
         params = cls()
-    except Exception as exc:  # a user's class: any error is the answer
+    except (Exception, SystemExit) as exc:  # a user's class: any error is the answer (sys.exit too)
         return f"its params class {cls.__name__} cannot be built with its defaults ({type(exc).__name__}: {exc})"
     missing = [
         a
@@ -349,6 +353,12 @@ def check_method(method: Method) -> str | None:
     if missing:
         return (
             f"its params class {cls.__name__} lacks {', '.join(missing)} (derive it from masktrl.methods.MethodParams)"
+        )
+    reserved = [f.name for f in fields(cls) if f.name in RESERVED_KEYS]
+    if reserved:
+        return (
+            f"its params class {cls.__name__} has a field {reserved[0]!r}, a key the method block keeps for "
+            f"itself (method.{reserved[0]}); give the parameter another name"
         )
     if not callable(method.kernel):
         return "its kernel is not callable"

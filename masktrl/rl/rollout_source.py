@@ -42,6 +42,27 @@ computed with, and the shape of the data (the group size, the lists' length K, c
 min(K, vocabulary): the lists a model of a smaller vocabulary stores)."""
 
 
+def _count(least: int):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+RECORDED_KINDS = {
+    "temperature": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "top_p": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "n": ("an integer >= 1", _count(1)),
+    "logprobs_k": ("an integer >= 1", _count(1)),
+    "max_new_tokens": ("an integer >= 1", _count(1)),
+    "top_k": ("an integer >= 0 or null", lambda v: v is None or _count(0)(v)),
+    "rollout_dtype": ("text or null", lambda v: v is None or isinstance(v, str)),
+    "quantization": ("text or null", lambda v: v is None or isinstance(v, str)),
+    "engine": ("text or null", lambda v: v is None or isinstance(v, str)),
+}
+"""(what it must be, its check) for each sampling setting a rollout file's metadata records
+(docs/ROLLOUTS.md): a file written by another tool is read only if each is what a config key
+can hold (a text ``"4"`` for ``n`` was "sampled with rollout.n=4, this config has rollout.n=4";
+a text ``top_k`` a ValueError traceback)."""
+
+
 class RolloutSource:
     """The batches of a run folder or of one rollout file, checked against this model's tokenizer.
 
@@ -101,6 +122,8 @@ class RolloutSource:
                     f"divisor of {groups}, e.g. --set "
                     f"rollout.prompts_per_step={_divisor(groups, prompts_per_step)}"
                 )
+        if self.num_steps == 0:  # was "add --set train.steps=0", a value train refuses
+            raise ConfigError(f"--rollouts-from {spec}: it holds no rollouts (0 rows)")
         if steps is not None and self.num_steps < steps:
             raise ConfigError(
                 f"--rollouts-from {spec}: {self.num_steps} batch{'es' * (self.num_steps != 1)} of "
@@ -152,6 +175,9 @@ class RolloutSource:
 
     @staticmethod
     def _check(meta: dict, tokenizer, path: Path) -> None:
+        for key, (kind, ok) in RECORDED_KINDS.items():
+            if key in meta and not ok(meta[key]):
+                raise ArtifactError(f"{path}: its metadata records {key}={meta[key]!r}, not {kind} (docs/ROLLOUTS.md)")
         try:  # a file written before temperatures were checked: T = inf samples uniformly, nothing to train on
             check_sampling(meta.get("temperature", 1.0), meta.get("top_p", 1.0))
         except ConfigError as exc:

@@ -22,6 +22,7 @@ tokenizer and, with ``model.embedding_init: numbers``, structured number-token e
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 import time
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from masktrl.config import Config
-from masktrl.errors import ArtifactError
+from masktrl.errors import ArtifactError, ConfigError
 from masktrl.io import atomic_dir, atomic_write_json, sha256_file
 from masktrl.models.loading import load_model_and_tokenizer, quiet_transformers
 from masktrl.models.numbers import init_number_embeddings
@@ -87,6 +88,7 @@ def _train_entry(cfg: Config, task, cache: Path, progress=None):
     t0 = time.time()
     checks: list[tuple[int, float]] = []
     losses = supervised_warmstart(model, tokenizer, task, cfg, progress, checks)
+    check_diverged(model, losses, cfg)
     info = {
         "source": "tiny",
         "warmstart": cfg.warmstart.__dict__,
@@ -99,6 +101,20 @@ def _train_entry(cfg: Config, task, cache: Path, progress=None):
     # Reload what was stored, so a first run and a cached rerun start from identical objects.
     model, tokenizer = load_model_and_tokenizer(cache, cfg.model.dtype)
     return model, tokenizer, {**info, "files": files, "cached": False, "path": str(cache)}
+
+
+def check_diverged(model, losses: list[float], cfg: Config) -> None:
+    """ConfigError, before the warm start is cached, when its weights are not finite: it was
+    cached, and the run stopped saying "its logits are not the linear head of its last hidden
+    state (max difference nan); not supported", an architecture it does support."""
+    if all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        return
+    step = next((i + 1 for i, v in enumerate(losses) if not math.isfinite(v)), None)
+    at = f" (its loss was not finite from step {step} of {len(losses)})" if step is not None else ""
+    raise ConfigError(
+        f"the warm start diverged: its weights are not finite{at}; lower warmstart.lr={cfg.warmstart.lr:g} "
+        "(nothing was cached)"
+    )
 
 
 def new_tiny_model(cfg: Config, tokenizer):

@@ -489,7 +489,9 @@ def read_rollouts(path: Path, vocab_size: int | None = None) -> tuple[list[Sampl
         raise ArtifactError(
             f"{path}: rollout file metadata is not valid JSON ({str(exc).split(': ', 2)[-1]})"
         ) from None
-    if not isinstance(meta, dict) or not isinstance(codec, dict) or codec.get("format") not in SCHEMAS:
+    if not isinstance(meta, dict):  # was "unknown rollout file format 2 (this masktrl reads [1, 2])"
+        raise ArtifactError(f"{path}: its metadata (key masktrl) is a {type(meta).__name__}, not a JSON object")
+    if not isinstance(codec, dict) or codec.get("format") not in SCHEMAS:
         raise ArtifactError(
             f"{path}: unknown rollout file format "
             f"{codec.get('format') if isinstance(codec, dict) else codec!r} (this masktrl reads "

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from masktrl.config import Config, diff_configs, load_config
 from masktrl.errors import ArtifactError, MasktrlError
-from masktrl.io import disk_problem
+from masktrl.io import disk_problem, sha256_file
 from masktrl.runs import locks
 from masktrl.runs.store import RunStore, check_run_name, is_fresh_folder, is_path_like, is_run_folder, resolve_run
 
@@ -103,7 +103,63 @@ def plan_run(request: RunRequest, *, main: bool = True) -> Plan:
         if r.resume:
             cfg, changed = _resume_config(store, r)
         rollouts_from = _resume_rollouts_from(store, rollouts_from, force=r.force)
+        if not r.force:
+            _check_task_files(store, cfg)
     return Plan(start, cfg, rollouts_from, changed, explicit_resume=bool(r.resume))
+
+
+def source_digest(source: str | None) -> str | None:
+    """The sha256 of a ``--rollouts-from`` file (None for a run folder, whose batches its own
+    manifest hashes, or a path that is no file)."""
+    if not source or not os.path.isfile(source):
+        return None
+    try:
+        return sha256_file(Path(source))
+    except OSError:  # unreadable: reading it as the source says so in its own line
+        return None
+
+
+TASK_FILES = {"task.data": "prompts", "task.source": "data", "task.reward": "reward", "task.env": "environment"}
+"""The task keys that may name a local file, and what the run's remaining steps would get from
+another content of it."""
+
+
+def task_file_digests(cfg: Config) -> dict[str, str]:
+    """The sha256 of each local file the run's task reads by path (``TASK_FILES``: a data file, a
+    ``path/to/file.py:name`` reward or environment), by key; recorded as the run starts
+    (``task_files`` in its manifest) and checked on ``--resume``. A hub id, a module or a folder
+    of data files is not hashed."""
+    out = {}
+    for key in TASK_FILES:
+        spec = getattr(cfg.task, key.split(".")[1])
+        if isinstance(spec, str):
+            where = spec.strip().rpartition(":")[0] if key in ("task.reward", "task.env") else spec
+            digest = source_digest(where)
+            if digest is not None:
+                out[key] = digest
+    return out
+
+
+def _check_task_files(store: RunStore, cfg: Config) -> None:
+    """MasktrlError when a task file the run recorded holds other content now (a reward edited,
+    a data file replaced): its remaining steps would train on it without a word."""
+    recorded = store.manifest.get("task_files")
+    if not isinstance(recorded, dict):
+        return  # a run recorded before task files were
+    for key, now in task_file_digests(cfg).items():
+        was = recorded.get(key)
+        if isinstance(was, str) and was != now:
+            raise _changed_since(
+                store, f"{key} {getattr(cfg.task, key.split('.')[1])}", was, now, f"another {TASK_FILES[key]}"
+            )
+
+
+def _changed_since(store: RunStore, what: str, was: str, now: str, instead: str) -> MasktrlError:
+    return MasktrlError(
+        f"{store.root}: {what} changed since this run started on it (sha256 {was[:12]}, now {now[:12]}); its "
+        f"remaining steps would train on {instead}: restore the file, add --force to train them on it as it "
+        "is now, or start another --run (nothing was changed)"
+    )
 
 
 def _resume_rollouts_from(store: RunStore, given: str | None, *, force: bool = False) -> str | None:
@@ -117,7 +173,13 @@ def _resume_rollouts_from(store: RunStore, given: str | None, *, force: bool = F
         return given
     recorded = manifest["rollouts_from"]
     if given is None or (recorded is not None and os.path.abspath(given) == recorded):
-        return recorded
+        digest = manifest.get("rollouts_from_sha256")
+        if force or not isinstance(digest, str):
+            return recorded
+        now = source_digest(recorded)
+        if now is None or now == digest:
+            return recorded
+        raise _changed_since(store, f"--rollouts-from {recorded}", digest, now, "other rollouts")
     if force:
         return given
     was = f"--rollouts-from {recorded}" if recorded else "its own rollouts (no --rollouts-from)"
@@ -140,14 +202,7 @@ def _resume_config(store: RunStore, r: RunRequest) -> tuple[Config, list[str]]:
     cfg = load_config(r.config or [saved_path], list(r.overrides), method=r.method, seed=r.seed)
     changed = diff_configs(saved, cfg)
     if changed and not r.force:
-        keys = ", ".join(
-            f"{k} (the rule file {edited[k].path} changed since the run recorded it: sha256 "
-            f"{edited[k].recorded[:12]}... "
-            f"now {edited[k].sha256[:12]}...)"
-            if k in edited
-            else k
-            for k in changed
-        )
+        keys = ", ".join(f"{k} ({edited[k].change()})" if k in edited else k for k in changed)
         raise MasktrlError(f"config differs from {saved_path} in {keys}; pass --force to resume with it anyway")
     return cfg, changed
 

@@ -75,6 +75,16 @@ def run_containing(path: Path) -> Path | None:
     return None
 
 
+def cache_containing(path: Path) -> Path | None:
+    """The warm-start cache entry (``<out>/.cache/warmstart/<entry>``) ``path`` is or lies in, else None."""
+    path = Path(path)
+    for candidate in (Path(os.path.abspath(path)), path.resolve()):
+        for parent in (candidate, *candidate.parents):
+            if parent.parent.name == "warmstart" and parent.parent.parent.name == ".cache":
+                return parent
+    return None
+
+
 def refuse_output_file(path: Path, what: str, *, replace: bool) -> None:
     """A file a command is about to write (rollout's parquet, eval's report), checked before any
     generation: refused when it is a folder (``--force`` cannot replace a folder with a file), or
@@ -90,6 +100,12 @@ def refuse_inside_run(path: Path, flag: str = "--output", *, analysis_ok: bool =
     commands only and recorded with their hashes; a file put there by another would replace one
     of them, or be one no stage records. ``analysis_ok``: a run's ``analysis/`` folder, where the
     analyses write by default, is allowed."""
+    entry = cache_containing(path)
+    if entry is not None:
+        raise ConfigError(
+            f"{flag} {path} lies inside the warm-start cache entry {entry}; its files are masktrl's own (a file "
+            "added there makes the next run build the entry again, deleting it): choose a path outside it"
+        )
     run = run_containing(path)
     if run is None:
         return

@@ -33,7 +33,7 @@ from typing import Protocol
 
 from masktrl.errors import MasktrlError
 from masktrl.runs import retention
-from masktrl.runs.plan import Plan, check_steps_cover, plan_start, stale_batch_keys
+from masktrl.runs.plan import Plan, check_steps_cover, plan_start, source_digest, stale_batch_keys, task_file_digests
 from masktrl.runs.store import RunStore, done_steps
 
 
@@ -191,6 +191,8 @@ class Session:
             reason=None,
             # what it trains on, so that --resume NAME continues on the same rollouts
             rollouts_from=os.path.abspath(self.plan.rollouts_from) if self.plan.rollouts_from else None,
+            rollouts_from_sha256=source_digest(self.plan.rollouts_from),  # a file's content, checked on --resume
+            task_files=task_file_digests(cfg),  # the reward, environment and data files' content, alike
         )
         if store.writable and mode != "resume":
             if mode == "restart":

@@ -30,6 +30,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import time
 import unicodedata
 from pathlib import Path, PurePosixPath
@@ -478,7 +479,7 @@ class RunStore:
     def _metrics_lines(self) -> list[bytes]:
         """metrics.jsonl's lines, each with its newline (a torn last line without one)."""
         try:
-            data = self.metrics_path.read_bytes()
+            data = read_regular(self.metrics_path)
         except FileNotFoundError:
             return []
         parts = data.split(b"\n")
@@ -993,11 +994,20 @@ def failure_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def read_regular(path: Path) -> bytes:
+    """The bytes of ``path``, a regular file (or a link to one); ArtifactError for a FIFO, a device
+    or a folder in its place: reading a FIFO hung and a link to /dev/zero filled memory
+    (``masktrl runs``, every reader of the run). FileNotFoundError passes through."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ArtifactError(f"{path}: not a regular file (a FIFO, a device or a folder in its place)")
+    return Path(path).read_bytes()
+
+
 def _read_manifest(path: Path) -> dict:
     """manifest.json, checked for the shape every reader relies on: an object whose ``stages``
     maps names to objects, each with a ``status`` and its ``files`` as path -> sha256."""
     try:
-        manifest = json.loads(path.read_bytes())
+        manifest = json.loads(read_regular(path))
     except (ValueError, RecursionError):
         raise ArtifactError(f"{path}: manifest is unreadable (corrupted)") from None
     except OSError as exc:

@@ -77,6 +77,8 @@ def main() -> None:
     sys.stdout = sys.stderr
     init = json.loads(sys.argv[1])
     sys.path[:] = init["path"]
+    from masktrl.errors import shown  # the parent's path: its masktrl (an error's str() may raise)
+
     try:
         fn = _load(init["location"])
         params = inspect.signature(fn).parameters
@@ -85,7 +87,11 @@ def main() -> None:
         what = loc.get("file") or loc.get("module")
         out.write(
             json.dumps(
-                {"error": f"cannot import {loc['attr']!r} from {what} ({type(e).__name__}: {e})".replace("\n", " ")}
+                {
+                    "error": f"cannot import {loc['attr']!r} from {what} ({type(e).__name__}: {shown(e)})".replace(
+                        "\n", " "
+                    )
+                }
             )
             + "\n"
         )
@@ -113,7 +119,7 @@ def main() -> None:
             except BaseException as e:
                 if isinstance(e, KeyboardInterrupt):
                     raise
-                reply = {"raised": f"{type(e).__name__}: {e}"[:500]}
+                reply = {"raised": f"{type(e).__name__}: {shown(e)}"[:500]}
         out.write(json.dumps(reply) + "\n")
         out.flush()
 

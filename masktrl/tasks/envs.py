@@ -35,8 +35,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from masktrl.errors import ConfigError
-from masktrl.io import no_bytecode
+from masktrl.errors import ConfigError, shown
+from masktrl.io import importing_user_file
 
 PROTOCOL = ("reset", "step")
 
@@ -61,7 +61,7 @@ def load_env(spec: str, key: str = "task.env") -> type:
             module = importlib.util.module_from_spec(mspec)
             sys.path.insert(0, os.path.dirname(path))  # the file's own imports of its neighbours
             try:
-                with no_bytecode():
+                with importing_user_file():
                     mspec.loader.exec_module(module)
             finally:
                 sys.path.remove(os.path.dirname(path))
@@ -73,7 +73,7 @@ def load_env(spec: str, key: str = "task.env") -> type:
         if isinstance(exc, KeyboardInterrupt):
             raise
         raise ConfigError(
-            f"{key} {spec!r}: cannot import {where} ({type(exc).__name__}: {exc})".replace("\n", " ")
+            f"{key} {spec!r}: cannot import {where} ({type(exc).__name__}: {shown(exc)})".replace("\n", " ")
         ) from None
     obj = module
     for part in attr.split("."):
@@ -165,7 +165,7 @@ class Episode:
             try:
                 box[0] = fn(*args)
             except BaseException as exc:
-                err[0] = f"{type(exc).__name__}: {exc}"[:300]
+                err[0] = f"{type(exc).__name__}: {shown(exc)}"[:300]
 
         thread = threading.Thread(target=run, daemon=True, name="masktrl-env")
         thread.start()
@@ -207,7 +207,7 @@ class Episode:
         if out is _FAILED:
             return "", True
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], str) and isinstance(out[1], bool)):
-            self._fail(f"step returned {type(out).__name__} {str(out)[:80]!r}, expected (reply: str, done: bool)")
+            self._fail(f"step returned {type(out).__name__} {shown(out)[:80]!r}, expected (reply: str, done: bool)")
             return "", True
         reply = text_of(out[0])
         if reply is None:
