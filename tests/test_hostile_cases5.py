@@ -233,3 +233,14 @@ def test_a_slurm_sweep_refuses_an_accelerate_config_no_launch_can_read(tmp_path,
     )  # fmt: skip
     assert says in line and "acc.yaml" in line, line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags", [("--print-commands",), ("--launcher", "slurm", "--no-submit"), ()])
+def test_a_sweep_whose_out_is_a_file_is_refused(tmp_path, cli_error, flags):
+    """``sweep --print-commands --out FILE`` printed a train command for every run, each to fail at
+    its start with "not a folder", and exited 0."""
+    out = tmp_path / "f"
+    out.write_text("x")
+    line = cli_error("sweep", "--methods", "grpo", "--seeds", "1", "--out", out, *flags)
+    assert line == f"error: --out {out}: a file, not a folder (the sweep's runs are folders under it)"
+    assert out.read_text() == "x"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from masktrl.config import MAX_SEED, Config, diff_configs, load_config, split_method
-from masktrl.errors import ConfigError
+from masktrl.errors import ConfigError, MasktrlError
 from masktrl.method_spec import is_rule_file
 from masktrl.runs.plan import plan_config, sweep_fate
 from masktrl.runs.store import check_run_name
@@ -162,6 +162,8 @@ def plan(
     ``load_config`` does) and its fate among its folders (``runs/plan.py: sweep_fate``). A run
     that a process is training right now stops the plan with one line, or, with ``busy_ok`` (the
     slurm launcher: its job may be that process), is planned as a resume with ``writer`` set."""
+    if Path(out).exists() and not Path(out).is_dir():  # --print-commands printed commands that would all fail
+        raise MasktrlError(f"--out {out}: a file, not a folder (the sweep's runs are folders under it)")
     runs = []
     first: dict[str, Config] = {}  # method spec -> its config for the first seed
     named: dict[str, str] = {}  # run name -> the method spec that makes it
