@@ -42,13 +42,17 @@ computed with, and the shape of the data (the group size, the lists' length K, c
 min(K, vocabulary): the lists a model of a smaller vocabulary stores)."""
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _count(least: int):
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least
+    return lambda v: _number(v) and isinstance(v, int) and v >= least
 
 
 RECORDED_KINDS = {
-    "temperature": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
-    "top_p": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "temperature": ("a number", _number),
+    "top_p": ("a number", _number),
     "n": ("an integer >= 1", _count(1)),
     "logprobs_k": ("an integer >= 1", _count(1)),
     "max_new_tokens": ("an integer >= 1", _count(1)),
